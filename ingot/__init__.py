@@ -1,0 +1,15 @@
+"""Ingot: a graph compiler and runtime for fast ML inference on CPUs and NVIDIA GPUs."""
+from .dtypes import (DType, bfloat16, bool_, complex64, float16, float32, int4, int8, int32, int64,  # noqa: F401
+                     uint4, uint8)
+from .errors import IngotError  # noqa: F401
+from .graph import Graph, Tensor  # noqa: F401
+from .ir import TensorType  # noqa: F401
+from .runtime import Executable, State  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def load(path, device: str | None = None) -> Executable:
+    """Load a package written by Executable.save."""
+    from .package import load as _load
+    return _load(path, device=device)

@@ -1,0 +1,205 @@
+"""The CPU backend: NumPy (the executable definition of every op) plus numba kernels where NumPy is slow.
+
+The program is lowered once into a flat list of steps (function, input slots, output slot, slots
+to free); `run` walks that list, so a decode step costs one Python call per op and no graph walk.
+Lowerings are a table keyed by op; an op without an entry uses its NumPy reference.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ...errors import IngotError
+from ...ir import GroupOp, Node, Op, Program, TensorType
+from ...ops import REGISTRY
+from ...ops.elementwise import BINARY, UNARY
+from ...ops.shape import slice_update_into
+from ...ops import resolve
+from . import kernels
+
+StepFn = Callable[..., Any]
+LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
+
+
+def lowering(*ops: Op):
+    def deco(fn):
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+    return deco
+
+
+def _reference(node: Node, out: np.ndarray | None) -> StepFn:
+    ref, attrs = REGISTRY[node.op].reference, node.attrs
+    return lambda *xs: ref(xs, attrs)
+
+
+def _is_f32(node: Node) -> bool:
+    return all(isinstance(s.type, TensorType) and s.dtype.name == "float32" for s in node.src) and node.dtype.name == "float32"
+
+
+@lowering(*BINARY)
+def _binary(node: Node, out):
+    fn = BINARY[node.op]
+    if out is not None and _is_f32(node):
+        return lambda a, b: fn(a, b, out=out)
+    return _reference(node, out)
+
+
+@lowering(Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.TANH, Op.SIN, Op.COS)
+def _unary(node: Node, out):
+    fn = UNARY[node.op]
+    if out is not None and _is_f32(node):
+        return lambda a: fn(a, out=out)
+    return _reference(node, out)
+
+
+@lowering(Op.SILU)
+def _silu(node: Node, out):
+    if _is_f32(node):
+        return kernels.silu
+    return _reference(node, out)
+
+
+@lowering(Op.MATMUL)
+def _matmul(node: Node, out):
+    if out is not None and _is_f32(node):
+        return lambda a, b: np.matmul(a, b, out=out)
+    return _reference(node, out)
+
+
+@lowering(Op.SLICE_UPDATE)
+def _slice_update(node: Node, out):
+    if not node.attrs.get("inplace"):
+        return _reference(node, out)
+    start = node.attrs["start"]
+    return lambda *xs: slice_update_into(xs[0], xs[1], resolve(start, xs))
+
+
+@lowering(Op.QUANTIZED_MATMUL)
+def _quantized_matmul(node: Node, out):
+    return kernels.quantized_matmul_step(node, out)
+
+
+@lowering(Op.SDPA)
+def _sdpa(node: Node, out):
+    return kernels.sdpa_step(node)
+
+
+@lowering(Op.RMS_NORM)
+def _rms_norm(node: Node, out):
+    if _is_f32(node) and len(node.src) == 2:
+        eps = np.float32(node.attrs["eps"])
+        return lambda x, w: kernels.rms_norm(x, w, eps)
+    return _reference(node, out)
+
+
+@lowering(Op.ROPE)
+def _rope(node: Node, out):
+    return kernels.rope_step(node)
+
+
+class CpuPlan:
+    """A program lowered to a flat list of steps over value slots."""
+
+    def __init__(self, program: Program, executable):
+        self.program = program
+        nodes = program.nodes()
+        self.slot = {n.id: i for i, n in enumerate(nodes)}
+        self.initial: list[Any] = [None] * len(nodes)
+        self.feed_slots: list[tuple[str, int, TensorType]] = []
+        self.variable_slots: list[tuple[str, int]] = []
+        self.steps: list[tuple[StepFn, tuple[int, ...], int]] = []
+        buffers = [np.empty(n, np.uint8) for n in program.buffer_sizes]
+        last_use: dict[int, int] = {}
+        for i, n in enumerate(nodes):
+            for s in n.src:
+                last_use[self.slot[s.id]] = i
+        keep = {self.slot[n.id] for n in program.roots} | {self.slot[a.src[1].id] for a in program.assigns}
+        for i, node in enumerate(nodes):
+            s = self.slot[node.id]
+            if node.op == Op.CONSTANT:
+                self.initial[s] = program.constants[node.attrs["key"]]
+                keep.add(s)
+                continue
+            if node.op == Op.PLACEHOLDER:
+                self.feed_slots.append((node.name, s, node.type))
+                continue
+            if node.op == Op.VARIABLE:
+                self.variable_slots.append((node.attrs["name"], s))
+                continue
+            if node.op == Op.ASSIGN:
+                continue
+            out = None
+            if node.id in program.memory_plan:
+                t = node.type
+                out = buffers[program.memory_plan[node.id]][: t.nbytes].view(t.dtype.storage).reshape(t.shape)
+            if node.op == Op.CALL:
+                fn = _call_step(node, executable)
+            else:
+                fn = LOWERINGS.get(node.op, _reference)(node, out)
+            self.steps.append((fn, tuple(self.slot[x.id] for x in node.src), s))
+        # free each slot after its last reader, unless the caller or the state needs it
+        frees: dict[int, list[int]] = {}
+        for s, i in last_use.items():
+            if s not in keep:
+                frees.setdefault(i, []).append(s)
+        step_of_node = {}
+        j = 0
+        for i, node in enumerate(nodes):
+            if node.op not in (Op.CONSTANT, Op.PLACEHOLDER, Op.VARIABLE, Op.ASSIGN):
+                step_of_node[i] = j
+                j += 1
+        self.frees: list[tuple[int, ...]] = [() for _ in self.steps]
+        for i, slots in frees.items():
+            if i in step_of_node:
+                self.frees[step_of_node[i]] = tuple(slots)
+        self.output_slots = [self.slot[n.id] for n in program.outputs]
+        self.assign_slots = [(a.src[0].attrs["name"], self.slot[a.src[1].id]) for a in program.assigns]
+
+    def run(self, feeds: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> list[np.ndarray]:
+        vals = list(self.initial)
+        for name, s, _ in self.feed_slots:
+            vals[s] = feeds[name]
+        for name, s in self.variable_slots:
+            vals[s] = state[name]
+        for (fn, ins, out), frees in zip(self.steps, self.frees):
+            vals[out] = fn(*[vals[i] for i in ins])
+            for f in frees:
+                vals[f] = None
+        for name, s in self.assign_slots:
+            value = vals[s]
+            if value is not state[name]:
+                state[name] = np.array(value, copy=True) if not value.flags.owndata or value.base is not None else value
+        return [vals[s] for s in self.output_slots]
+
+
+def _call_step(node: Node, executable) -> StepFn:
+    name = node.attrs["name"]
+
+    def call(*xs):
+        target = executable.callables.get(name)
+        if target is None:
+            raise IngotError(f"call: no executable is bound to {name!r}; pass callables={{{name!r}: exe}} or exe.bind().")
+        return tuple(target.run(list(xs)))
+    return call
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def prepare(self, program: Program, executable) -> CpuPlan:
+        return CpuPlan(program, executable)
+
+    def new_state(self, program: Program) -> dict[str, np.ndarray]:
+        return {k: np.array(v, copy=True) for k, v in program.variables.items()}
+
+    def to_host(self, value) -> np.ndarray:
+        return value
+
+    def from_host(self, value: np.ndarray, t: TensorType) -> np.ndarray:
+        return value
+
+
+__all__ = ["CpuBackend", "CpuPlan", "LOWERINGS", "GroupOp"]

@@ -1,0 +1,242 @@
+"""The IR: the Op enum, TensorType, Node, Program, and the verifier.
+
+A Node is small and immutable: (op, type, src, attrs, name). Passes make new nodes with
+`node.replace(...)`; they never mutate one. A Program is what the compiler works on: the outputs
+it must produce, the ASSIGN nodes it must run, and the constant and variable stores.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from . import dtypes as dt
+from .errors import IngotError
+
+
+class Op(enum.IntEnum):
+    """Every op of the IR. Serialised by name; append only."""
+
+    # sources and state
+    PLACEHOLDER = enum.auto(); CONSTANT = enum.auto(); VARIABLE = enum.auto(); ASSIGN = enum.auto()
+    # elementwise, binary
+    ADD = enum.auto(); SUB = enum.auto(); MUL = enum.auto(); DIV = enum.auto(); POW = enum.auto()
+    MAXIMUM = enum.auto(); MINIMUM = enum.auto()
+    EQUAL = enum.auto(); NOT_EQUAL = enum.auto(); LESS = enum.auto(); LESS_EQUAL = enum.auto()
+    GREATER = enum.auto(); GREATER_EQUAL = enum.auto()
+    LOGICAL_AND = enum.auto(); LOGICAL_OR = enum.auto(); LOGICAL_XOR = enum.auto()
+    # elementwise, unary
+    NEG = enum.auto(); ABS = enum.auto(); EXP = enum.auto(); LOG = enum.auto(); SQRT = enum.auto()
+    RSQRT = enum.auto(); TANH = enum.auto(); SIGMOID = enum.auto(); SILU = enum.auto(); GELU = enum.auto()
+    ERF = enum.auto(); SIN = enum.auto(); COS = enum.auto(); LOGICAL_NOT = enum.auto(); CAST = enum.auto()
+    # elementwise, ternary
+    WHERE = enum.auto()
+    # reductions
+    SUM = enum.auto(); MEAN = enum.auto(); MAX = enum.auto(); MIN = enum.auto(); ARGMAX = enum.auto()
+    SOFTMAX = enum.auto(); LOG_SOFTMAX = enum.auto()
+    # shape
+    RESHAPE = enum.auto(); TRANSPOSE = enum.auto(); BROADCAST_TO = enum.auto(); CONCAT = enum.auto()
+    PAD = enum.auto(); GATHER = enum.auto(); SLICE = enum.auto(); SLICE_UPDATE = enum.auto()
+    ARRAY_VIEW = enum.auto()
+    # linear algebra and nn
+    MATMUL = enum.auto(); RMS_NORM = enum.auto(); LAYER_NORM = enum.auto(); ROPE = enum.auto()
+    SDPA = enum.auto()
+    # quantization
+    QUANTIZE = enum.auto(); DEQUANTIZE = enum.auto(); QUANTIZED_MATMUL = enum.auto()
+    QUANTIZED_GATHER = enum.auto()
+    # fft
+    FFT = enum.auto(); IFFT = enum.auto(); RFFT = enum.auto(); IRFFT = enum.auto()
+    # calls
+    CALL = enum.auto(); GET_ITEM = enum.auto()
+    # later additions go here, at the end
+    ARGMIN = enum.auto(); REAL = enum.auto(); IMAG = enum.auto(); COMPLEX = enum.auto()
+
+
+class GroupOp:
+    """Sets of ops that share a rule."""
+
+    Binary = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAXIMUM, Op.MINIMUM})
+    Compare = frozenset({Op.EQUAL, Op.NOT_EQUAL, Op.LESS, Op.LESS_EQUAL, Op.GREATER, Op.GREATER_EQUAL})
+    Logical = frozenset({Op.LOGICAL_AND, Op.LOGICAL_OR, Op.LOGICAL_XOR})
+    Unary = frozenset({Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.TANH, Op.SIGMOID, Op.SILU,
+                       Op.GELU, Op.ERF, Op.SIN, Op.COS, Op.LOGICAL_NOT, Op.CAST, Op.REAL, Op.IMAG})
+    Elementwise = Binary | Compare | Logical | Unary | {Op.WHERE, Op.COMPLEX}
+    Reduce = frozenset({Op.SUM, Op.MEAN, Op.MAX, Op.MIN, Op.ARGMAX, Op.ARGMIN})
+    Normalize = frozenset({Op.SOFTMAX, Op.LOG_SOFTMAX, Op.RMS_NORM, Op.LAYER_NORM})
+    # ops whose output may share memory with input 0 (no data is moved)
+    View = frozenset({Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_TO, Op.ARRAY_VIEW, Op.SLICE})
+    Source = frozenset({Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE})
+    Fft = frozenset({Op.FFT, Op.IFFT, Op.RFFT, Op.IRFFT})
+
+
+Dim = int | None  # None: dynamic, fixed when the graph is compiled
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Shape and dtype of a tensor. A dimension of None is dynamic."""
+
+    shape: tuple[Dim, ...]
+    dtype: dt.DType = dt.float32
+
+    def __init__(self, shape: Iterable[Dim], dtype: dt.DType = dt.float32):
+        object.__setattr__(self, "shape", tuple(None if d is None else int(d) for d in shape))
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def static(self) -> bool:
+        return all(d is not None for d in self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(dt.storage_shape(self.shape, self.dtype), dtype=np.int64)) * self.dtype.storage.itemsize
+
+    def __repr__(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.dtype.name}[{dims}]"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An attribute value that is read at run time from src[index] (a scalar integer tensor)."""
+
+    index: int
+
+
+_ids = itertools.count()
+
+
+class Node:
+    """One op application. Immutable; compare by identity, CSE by `key()`."""
+
+    __slots__ = ("op", "type", "src", "attrs", "name", "id")
+
+    def __init__(self, op: Op, type: TensorType | tuple[TensorType, ...], src: tuple["Node", ...] = (),
+                 attrs: dict[str, Any] | None = None, name: str | None = None):
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "src", tuple(src))
+        object.__setattr__(self, "attrs", dict(attrs or {}))
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "id", next(_ids))
+
+    def __setattr__(self, *_):
+        raise AttributeError("Node is immutable; use replace()")
+
+    def replace(self, **changes) -> "Node":
+        fields = {"op": self.op, "type": self.type, "src": self.src, "attrs": self.attrs, "name": self.name}
+        fields.update(changes)
+        return Node(**fields)
+
+    def key(self) -> tuple:
+        """Structural identity given the identity of the sources (CSE uses it)."""
+        return (self.op, self.type, tuple(s.id for s in self.src), freeze(self.attrs))
+
+    @property
+    def shape(self) -> tuple[Dim, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> dt.DType:
+        return self.type.dtype
+
+    def __repr__(self) -> str:
+        name = f" {self.name!r}" if self.name else ""
+        return f"<{self.op.name}{name} #{self.id} {self.type}>"
+
+
+def freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    return value
+
+
+@dataclass
+class Program:
+    """What the compiler transforms: outputs to compute, assigns to run, and the stores they use."""
+
+    outputs: list[Node]
+    assigns: list[Node] = field(default_factory=list)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    variables: dict[str, np.ndarray] = field(default_factory=dict)  # initial values
+    # annotations added by late passes, read by backends and the viewer
+    regions: list[tuple[int, ...]] = field(default_factory=list)   # node ids per fused region
+    memory_plan: dict[int, int] = field(default_factory=dict)      # node id -> buffer index
+    buffer_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def roots(self) -> list[Node]:
+        return list(self.outputs) + list(self.assigns)
+
+    def nodes(self) -> list[Node]:
+        return toposort(self.roots)
+
+    def with_roots(self, outputs: list[Node], assigns: list[Node]) -> "Program":
+        return Program(list(outputs), list(assigns), self.constants, self.variables)
+
+
+def toposort(roots: Iterable[Node]) -> list[Node]:
+    """Nodes reachable from roots, every node after its sources (iterative DFS, stable order)."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    for root in roots:
+        if root.id in seen:
+            continue
+        stack: list[tuple[Node, int]] = [(root, 0)]
+        while stack:
+            node, i = stack.pop()
+            if i < len(node.src):
+                stack.append((node, i + 1))
+                child = node.src[i]
+                if child.id not in seen:
+                    stack.append((child, 0))
+            elif node.id not in seen:
+                seen.add(node.id)
+                order.append(node)
+    return order
+
+
+def consumers(nodes: list[Node]) -> dict[int, list[Node]]:
+    users: dict[int, list[Node]] = {n.id: [] for n in nodes}
+    for n in nodes:
+        for s in n.src:
+            users.setdefault(s.id, []).append(n)
+    return users
+
+
+def verify(program: Program) -> None:
+    """Check the invariants every pass must keep: sources defined, types equal to the op's rules."""
+    from .ops import infer_type
+
+    names: dict[str, Node] = {}
+    for node in program.nodes():
+        if node.op == Op.CONSTANT and node.attrs["key"] not in program.constants:
+            raise IngotError(f"verify: constant {node.attrs['key']!r} is used by the graph but absent from the store.")
+        if node.op == Op.VARIABLE:
+            vname = node.attrs["name"]
+            if vname not in program.variables:
+                raise IngotError(f"verify: variable {vname!r} has no initial value.")
+        if node.op == Op.PLACEHOLDER:
+            other = names.setdefault(node.name, node)
+            if other is not node and other.type != node.type:
+                raise IngotError(f"verify: two placeholders named {node.name!r} with different types.")
+        if node.op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE):
+            continue
+        expected = infer_type(node.op, [s.type for s in node.src], node.attrs)
+        if expected != node.type:
+            raise IngotError(f"verify: {node.op.name} #{node.id} has type {node.type} but its rule gives {expected}.")

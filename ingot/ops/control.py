@@ -1,0 +1,47 @@
+"""Sources, state and calls: placeholder, constant, variable, assign, call, get_item."""
+from __future__ import annotations
+
+from ..errors import IngotError
+from ..ir import Op
+from . import fail, register
+
+
+def _source_rule(types, attrs):
+    raise AssertionError("sources carry their own type")
+
+
+def _no_reference(op):
+    def ref(xs, attrs):
+        raise IngotError(f"{op.name.lower()} has no standalone NumPy reference; the runtime executes it.")
+    return ref
+
+
+for _op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE):
+    register(_op, _source_rule, _no_reference(_op))
+
+
+def _assign_rule(types, attrs):
+    var, value = types
+    if var != value:
+        raise fail(Op.ASSIGN, types, f"a value of the variable's type {var}")
+    return var
+
+
+register(Op.ASSIGN, _assign_rule, _no_reference(Op.ASSIGN))
+
+
+def _call_rule(types, attrs):
+    return tuple(attrs["output_types"])
+
+
+register(Op.CALL, _call_rule, _no_reference(Op.CALL))
+
+
+def _get_item_rule(types, attrs):
+    (outs,) = types
+    if not isinstance(outs, tuple) or not 0 <= attrs["index"] < len(outs):
+        raise fail(Op.GET_ITEM, [], f"an index into a call's {len(outs) if isinstance(outs, tuple) else 0} outputs")
+    return outs[attrs["index"]]
+
+
+register(Op.GET_ITEM, _get_item_rule, lambda xs, a: xs[0][a["index"]])

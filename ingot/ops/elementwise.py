@@ -1,0 +1,162 @@
+"""Elementwise ops: NumPy broadcasting, no implicit dtype promotion."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .. import dtypes as dt
+from ..ir import GroupOp, Op, TensorType
+from . import broadcast_shapes, fail, register
+
+
+@numba.vectorize(["float32(float32)", "float64(float64)"], cache=True)
+def erf(x):  # NumPy has no erf; numba's math.erf is the C library's
+    return math.erf(x)
+
+
+def _lowp(fn):
+    """Compute float16/bfloat16 in float32 and round back, as the GPU kernels do."""
+    def wrapped(*xs):
+        x0 = xs[0]
+        if x0.dtype == np.float16 or x0.dtype.name == "bfloat16":
+            out = fn(*(x.astype(np.float32) if x.dtype == x0.dtype else x for x in xs))
+            return np.asarray(out).astype(x0.dtype)
+        return fn(*xs)
+    return wrapped
+
+
+def _gelu(x, approximate):
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))
+    return 0.5 * x * (1.0 + erf(x / np.float32(math.sqrt(2.0))))
+
+
+def _sigmoid(x):
+    # numerically stable for large |x|
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)
+
+
+BINARY = {
+    Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide, Op.POW: np.power,
+    Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
+}
+COMPARE = {
+    Op.EQUAL: np.equal, Op.NOT_EQUAL: np.not_equal, Op.LESS: np.less, Op.LESS_EQUAL: np.less_equal,
+    Op.GREATER: np.greater, Op.GREATER_EQUAL: np.greater_equal,
+}
+LOGICAL = {Op.LOGICAL_AND: np.logical_and, Op.LOGICAL_OR: np.logical_or, Op.LOGICAL_XOR: np.logical_xor}
+UNARY = {
+    Op.NEG: np.negative, Op.ABS: np.abs, Op.EXP: np.exp, Op.LOG: np.log, Op.SQRT: np.sqrt,
+    Op.RSQRT: lambda x: 1 / np.sqrt(x), Op.TANH: np.tanh, Op.SIGMOID: _sigmoid,
+    Op.SILU: lambda x: x * _sigmoid(x), Op.ERF: erf, Op.SIN: np.sin, Op.COS: np.cos,
+}
+FLOAT_ONLY = {Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.TANH, Op.SIGMOID, Op.SILU, Op.GELU, Op.ERF, Op.SIN, Op.COS}
+COMPLEX_OK = {Op.NEG, Op.EXP, Op.ABS, Op.SIN, Op.COS, Op.SQRT, Op.LOG}
+
+
+def _no_packed(op, types):
+    if any(t.dtype.packed for t in types):
+        raise fail(op, types, "unpacked dtypes (dequantize or cast 4-bit tensors first)")
+
+
+def _binary_rule(op):
+    def rule(types, attrs):
+        _no_packed(op, types)
+        if types[0].dtype != types[1].dtype:
+            raise fail(op, types, "two inputs of the same dtype")
+        if types[0].dtype == dt.bool_ and op not in (Op.MAXIMUM, Op.MINIMUM):
+            raise fail(op, types, "numeric inputs")
+        shape = broadcast_shapes(op, types)
+        return TensorType(shape, dt.bool_ if op in GroupOp.Compare or op in GroupOp.Logical else types[0].dtype)
+    return rule
+
+
+def _logical_rule(op):
+    def rule(types, attrs):
+        if any(t.dtype != dt.bool_ for t in types):
+            raise fail(op, types, "bool inputs")
+        return TensorType(broadcast_shapes(op, types), dt.bool_)
+    return rule
+
+
+def _unary_rule(op):
+    def rule(types, attrs):
+        (t,) = types
+        _no_packed(op, types)
+        if op == Op.LOGICAL_NOT:
+            if t.dtype != dt.bool_:
+                raise fail(op, types, "a bool input")
+            return t
+        if op in FLOAT_ONLY and not t.dtype.is_float and not (t.dtype == dt.complex64 and op in COMPLEX_OK):
+            raise fail(op, types, "a floating-point input")
+        if op == Op.ABS and t.dtype == dt.complex64:
+            return TensorType(t.shape, dt.float32)
+        return t
+    return rule
+
+
+for _op, _fn in BINARY.items():
+    register(_op, _binary_rule(_op), lambda xs, a, _fn=_fn: _lowp(_fn)(xs[0], xs[1]))
+for _op, _fn in COMPARE.items():
+    register(_op, _binary_rule(_op), lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))
+for _op, _fn in LOGICAL.items():
+    register(_op, _logical_rule(_op), lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))
+for _op, _fn in UNARY.items():
+    register(_op, _unary_rule(_op), lambda xs, a, _fn=_fn: np.asarray(_lowp(_fn)(xs[0])))
+register(Op.GELU, _unary_rule(Op.GELU), lambda xs, a: _lowp(lambda x: _gelu(x, a.get("approximate", "none")))(xs[0]))
+register(Op.LOGICAL_NOT, _unary_rule(Op.LOGICAL_NOT), lambda xs, a: np.logical_not(xs[0]))
+
+
+def _cast_rule(types, attrs):
+    (t,) = types
+    if t.dtype.packed or attrs["dtype"].packed:
+        raise fail(Op.CAST, types, "no 4-bit types (use quantize and dequantize for those)")
+    return TensorType(t.shape, attrs["dtype"])
+
+
+def _cast(xs, attrs):
+    (x,) = xs
+    target: dt.DType = attrs["dtype"]
+    if target == dt.bool_:
+        return x != 0
+    if x.dtype.kind == "c" and target != dt.complex64:
+        x = x.real
+    return x.astype(target.numpy)
+
+
+register(Op.CAST, _cast_rule, _cast)
+
+
+def _where_rule(types, attrs):
+    c, a, b = types
+    if c.dtype != dt.bool_:
+        raise fail(Op.WHERE, types, "a bool condition")
+    if a.dtype != b.dtype:
+        raise fail(Op.WHERE, types, "two branches of the same dtype")
+    return TensorType(broadcast_shapes(Op.WHERE, types), a.dtype)
+
+
+register(Op.WHERE, _where_rule, lambda xs, a: np.where(xs[0], xs[1], xs[2]))
+
+
+def _complex_part_rule(types, attrs):
+    (t,) = types
+    if t.dtype != dt.complex64:
+        raise fail("real/imag", types, "a complex64 input")
+    return TensorType(t.shape, dt.float32)
+
+
+register(Op.REAL, _complex_part_rule, lambda xs, a: np.ascontiguousarray(xs[0].real))
+register(Op.IMAG, _complex_part_rule, lambda xs, a: np.ascontiguousarray(xs[0].imag))
+
+
+def _complex_rule(types, attrs):
+    if any(t.dtype != dt.float32 for t in types):
+        raise fail(Op.COMPLEX, types, "two float32 inputs (real, imaginary)")
+    return TensorType(broadcast_shapes(Op.COMPLEX, types), dt.complex64)
+
+
+register(Op.COMPLEX, _complex_rule, lambda xs, a: (xs[0] + 1j * xs[1]).astype(np.complex64))

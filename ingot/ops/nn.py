@@ -1,0 +1,181 @@
+"""Linear algebra and the transformer ops: matmul, rms_norm, layer_norm, rope, SDPA."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..ir import Op, TensorType
+from . import broadcast_shapes, compute_dtype, fail, register
+from .reduce import softmax
+
+
+def _matmul_rule(types, attrs):
+    a, b = types
+    if a.dtype != b.dtype or a.dtype.packed or a.dtype == dt.bool_ or a.rank == 0 or b.rank == 0:
+        raise fail(Op.MATMUL, types, "two non-scalar tensors of one numeric dtype")
+    ash = (1,) + a.shape if a.rank == 1 else a.shape
+    bsh = b.shape + (1,) if b.rank == 1 else b.shape
+    k1, k2 = ash[-1], bsh[-2]
+    if k1 is not None and k2 is not None and k1 != k2:
+        raise fail(Op.MATMUL, types, f"inner dimensions that agree ({k1} vs {k2})")
+    batch = broadcast_shapes(Op.MATMUL, [TensorType(ash[:-2]), TensorType(bsh[:-2])])
+    shape = batch + ((ash[-2],) if a.rank > 1 else ()) + ((bsh[-1],) if b.rank > 1 else ())
+    return TensorType(shape, a.dtype)
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    cd = compute_dtype(a)
+    return np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False)).astype(a.dtype, copy=False)
+
+
+register(Op.MATMUL, _matmul_rule, lambda xs, a: matmul(xs[0], xs[1]))
+
+
+def _norm_rule(op):
+    def rule(types, attrs):
+        x = types[0]
+        if not x.dtype.is_float or x.rank == 0:
+            raise fail(op, types, "a floating-point input of rank >= 1")
+        for p in types[1:]:
+            if p.dtype != x.dtype or p.shape != x.shape[-1:]:
+                raise fail(op, types, f"weight and bias of shape ({x.shape[-1]},) and dtype {x.dtype.name}")
+        return x
+    return rule
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(np.float32)
+    y = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(eps))
+    if weight is not None:
+        y = y * weight.astype(np.float32)
+    return y.astype(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps):
+    xf = x.astype(np.float32)
+    mu = xf.mean(axis=-1, keepdims=True)
+    var = ((xf - mu) ** 2).mean(axis=-1, keepdims=True)
+    y = (xf - mu) / np.sqrt(var + np.float32(eps))
+    if weight is not None:
+        y = y * weight.astype(np.float32)
+    if bias is not None:
+        y = y + bias.astype(np.float32)
+    return y.astype(x.dtype)
+
+
+register(Op.RMS_NORM, _norm_rule(Op.RMS_NORM),
+         lambda xs, a: rms_norm(xs[0], xs[1] if len(xs) > 1 else None, a["eps"]))
+register(Op.LAYER_NORM, _norm_rule(Op.LAYER_NORM),
+         lambda xs, a: layer_norm(xs[0], xs[1] if a.get("has_weight") else None,
+                                  xs[-1] if a.get("has_bias") else None, a["eps"]))
+
+
+def _rope_rule(types, attrs):
+    x, pos = types[0], types[1]
+    rd = attrs.get("rotary_dims") or x.shape[-1]
+    if not x.dtype.is_float or x.rank < 2:
+        raise fail(Op.ROPE, types, "a floating-point input of shape [..., T, D]")
+    if x.shape[-1] is not None and (rd % 2 or rd > x.shape[-1]):
+        raise fail(Op.ROPE, types, f"an even number of rotary dims <= {x.shape[-1]}, not {rd}")
+    if not pos.dtype.is_int or pos.rank > 1 or (pos.rank == 1 and None not in (pos.shape[0], x.shape[-2]) and pos.shape[0] != x.shape[-2]):
+        raise fail(Op.ROPE, types, "integer positions: a scalar offset or one position per token")
+    if len(types) > 2 and (types[2].dtype != dt.float32 or types[2].shape not in ((rd // 2,), (None,))):
+        raise fail(Op.ROPE, types, f"inverse frequencies float32[{rd // 2}]")
+    return x
+
+
+def rope_inv_freq(rotary_dims: int, base: float) -> np.ndarray:
+    return (1.0 / (base ** (np.arange(0, rotary_dims, 2, dtype=np.float64) / rotary_dims))).astype(np.float32)
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray):
+    angles = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # [T, rd/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x, pos, inv_freq, base, interleaved, rotary_dims):
+    t, d = x.shape[-2], x.shape[-1]
+    rd = rotary_dims or d
+    positions = pos + np.arange(t) if np.ndim(pos) == 0 else np.asarray(pos)
+    cos, sin = rope_cos_sin(positions, inv_freq if inv_freq is not None else rope_inv_freq(rd, base))
+    xf = x.astype(np.float32)
+    out = xf.copy()
+    if interleaved:
+        x1, x2 = xf[..., 0:rd:2], xf[..., 1:rd:2]
+        out[..., 0:rd:2] = x1 * cos - x2 * sin
+        out[..., 1:rd:2] = x2 * cos + x1 * sin
+    else:
+        h = rd // 2
+        x1, x2 = xf[..., :h], xf[..., h:rd]
+        out[..., :h] = x1 * cos - x2 * sin
+        out[..., h:rd] = x2 * cos + x1 * sin
+    return out.astype(x.dtype)
+
+
+register(Op.ROPE, _rope_rule,
+         lambda xs, a: rope(xs[0], xs[1], xs[2] if len(xs) > 2 else None, a.get("base", 10000.0),
+                            a.get("interleaved", False), a.get("rotary_dims")))
+
+
+def _sdpa_rule(types, attrs):
+    q, k, v = types[:3]
+    expect = "q [..., Hq, Tq, D], k [..., Hkv, Tk, D], v [..., Hkv, Tk, Dv] of one float dtype, Hq a multiple of Hkv"
+    if not (q.dtype.is_float and q.dtype == k.dtype == v.dtype and q.rank == k.rank == v.rank and q.rank >= 3):
+        raise fail(Op.SDPA, types, expect)
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    known = lambda *ds: all(d is not None for d in ds)  # noqa: E731
+    if (known(hk, hv) and hk != hv) or (known(hq, hk) and hq % hk) or (known(q.shape[-1], k.shape[-1]) and q.shape[-1] != k.shape[-1]) \
+            or (known(k.shape[-2], v.shape[-2]) and k.shape[-2] != v.shape[-2]):
+        raise fail(Op.SDPA, types, expect)
+    batch = broadcast_shapes(Op.SDPA, [TensorType(q.shape[:-3]), TensorType(k.shape[:-3]), TensorType(v.shape[:-3])])
+    i = 3
+    if attrs.get("has_mask"):
+        m = types[i]; i += 1
+        if m.dtype not in (dt.bool_, q.dtype):
+            raise fail(Op.SDPA, types, f"a bool or {q.dtype.name} mask")
+        broadcast_shapes(Op.SDPA, [m, TensorType(batch + (hq, q.shape[-2], k.shape[-2]))])
+    if attrs.get("has_length"):
+        length = types[i]
+        if length.rank != 0 or not length.dtype.is_int:
+            raise fail(Op.SDPA, types, "a scalar integer length")
+    return TensorType(batch + (hq, q.shape[-2], v.shape[-1]), q.dtype)
+
+
+def sdpa(q, k, v, mask=None, length=None, scale=None, causal=False):
+    """Reference attention in float32: softmax(q k^T * scale + mask) v, GQA by repeating K/V heads."""
+    tq, d = q.shape[-2], q.shape[-1]
+    if length is not None:
+        length = int(length)
+        k, v = k[..., :length, :], v[..., :length, :]
+        if mask is not None and mask.shape[-1] != 1:
+            mask = mask[..., :length]
+    tk = k.shape[-2]
+    group = q.shape[-3] // k.shape[-3]
+    kf = np.repeat(k.astype(np.float32), group, axis=-3)
+    vf = np.repeat(v.astype(np.float32), group, axis=-3)
+    s = np.matmul(q.astype(np.float32), np.swapaxes(kf, -1, -2)) * np.float32(scale if scale is not None else 1 / math.sqrt(d))
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float32)
+    if causal:
+        allowed = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
+        s = np.where(allowed, s, -np.inf)
+    row_max = np.max(s, axis=-1, keepdims=True)
+    dead = ~np.isfinite(row_max)  # rows that see no key give zeros, not NaN
+    p = softmax(np.where(dead, 0, s), axis=-1)
+    p = np.where(dead, 0, p)
+    return np.matmul(p, vf).astype(q.dtype)
+
+
+def _sdpa(xs, a):
+    i = 3
+    mask = length = None
+    if a.get("has_mask"):
+        mask = xs[i]; i += 1
+    if a.get("has_length"):
+        length = xs[i]
+    return sdpa(xs[0], xs[1], xs[2], mask, length, a.get("scale"), a.get("causal", False))
+
+
+register(Op.SDPA, _sdpa_rule, _sdpa)

@@ -1,0 +1,57 @@
+"""Rewrite passes. Each is a pure function Program -> (Program, changed).
+
+`graph_rewrite` is the one driver for local rules: it walks the graph sources-first, rebuilds a
+node whose sources changed (re-inferring its type, which is how compile specialises dynamic
+shapes), then applies the rules for its op until none fires. A rule returns None when it does not
+apply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..ir import Node, Op, Program, consumers
+from ..ops import infer_type
+
+
+@dataclass
+class Context:
+    program: Program
+    users: dict[int, list[Node]]
+
+
+Rule = Callable[[Node, Context], Node | None]
+
+
+def rebuild(node: Node, src: tuple[Node, ...]) -> Node:
+    if all(a is b for a, b in zip(src, node.src)):
+        return node
+    if node.op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE):
+        return node
+    return node.replace(src=src, type=infer_type(node.op, [s.type for s in src], node.attrs))
+
+
+def graph_rewrite(program: Program, rules: Iterable[tuple[Iterable[Op], Rule]], name: str = "") -> tuple[Program, bool]:
+    table: dict[Op, list[Rule]] = {}
+    for ops, rule in rules:
+        for op in ops:
+            table.setdefault(op, []).append(rule)
+    nodes = program.nodes()
+    ctx = Context(program, consumers(nodes))
+    memo: dict[int, Node] = {}
+    changed = False
+    for node in nodes:
+        new = rebuild(node, tuple(memo[s.id] for s in node.src))
+        for _ in range(64):
+            for rule in table.get(new.op, ()):
+                out = rule(new, ctx)
+                if out is not None:
+                    new = out
+                    break
+            else:
+                break
+        if new is not node:
+            changed = True
+        memo[node.id] = new
+    out = program.with_roots([memo[n.id] for n in program.outputs], [memo[n.id] for n in program.assigns])
+    return out, changed

@@ -1,0 +1,46 @@
+"""sdpa(q, slice(K, end=L), slice(V, end=L)) -> sdpa(q, K, V, length=L).
+
+Attention over the valid part of a cache buffer, with a runtime length instead of a runtime
+shape: every shape stays static (CUDA graphs need that) and the cache is read where it lies.
+"""
+from __future__ import annotations
+
+from ..ir import Node, Op, Program, Ref
+from ..ops import infer_type
+from . import Context, graph_rewrite
+
+
+def _prefix(node: Node):
+    """(buffer, length node) if node is buffer[..., :L, :] with L a runtime scalar, else None."""
+    if node.op != Op.SLICE or node.attrs.get("size"):
+        return None
+    rank = node.type.rank
+    start, end, step = node.attrs["start"], node.attrs["end"], node.attrs["step"]
+    buffer = node.src[0]
+    for axis in range(rank):
+        if step[axis] != 1 or start[axis] != 0:
+            return None
+        if axis == rank - 2:
+            if not isinstance(end[axis], Ref):
+                return None
+        elif end[axis] is not None and end[axis] != buffer.type.shape[axis]:
+            return None
+    return buffer, node.src[end[rank - 2].index]
+
+
+def _rewrite(node: Node, ctx: Context) -> Node | None:
+    if node.attrs.get("has_length") or node.attrs.get("has_mask"):
+        return None
+    k, v = _prefix(node.src[1]), _prefix(node.src[2])
+    if k is None or v is None or k[1] is not v[1]:
+        return None
+    attrs = dict(node.attrs, has_length=True)
+    src = (node.src[0], k[0], v[0], k[1])
+    out = infer_type(Op.SDPA, [s.type for s in src], attrs)
+    if out.shape != tuple(d if d is not None else o for d, o in zip(node.type.shape, out.shape)) or out.dtype != node.dtype:
+        return None
+    return Node(Op.SDPA, out, src, attrs, node.name)
+
+
+def attention_over_buffer(program: Program) -> tuple[Program, bool]:
+    return graph_rewrite(program, [((Op.SDPA,), _rewrite)], "attention_length")

@@ -1,0 +1,40 @@
+"""Fuse dequantize into its consumer so no float copy of a quantized weight ever exists.
+
+    matmul(x, dequantize(q, ...))             -> quantized_matmul(x, q, ..., transpose=False)
+    matmul(x, transpose(dequantize(q, ...)))  -> quantized_matmul(x, q, ..., transpose=True)
+    gather(dequantize(q, ...), idx, axis=0)   -> quantized_gather(q, ..., idx)
+"""
+from __future__ import annotations
+
+from ..ir import Node, Op, Program
+from ..ops import infer_type
+from . import Context, graph_rewrite
+
+
+def _matmul(node: Node, ctx: Context) -> Node | None:
+    x, w = node.src
+    transpose = False
+    if w.op == Op.TRANSPOSE and tuple(w.attrs["perm"]) == (1, 0):
+        w, transpose = w.src[0], True
+    if w.op != Op.DEQUANTIZE or w.type.rank != 2 or x.type.rank < 1 or w.dtype != x.dtype:
+        return None
+    attrs = {k: v for k, v in w.attrs.items()}
+    attrs["transpose"] = transpose
+    src = (x,) + w.src
+    out = infer_type(Op.QUANTIZED_MATMUL, [s.type for s in src], attrs)
+    if out != node.type:
+        return None
+    return Node(Op.QUANTIZED_MATMUL, out, src, attrs, node.name)
+
+
+def _gather(node: Node, ctx: Context) -> Node | None:
+    table, idx = node.src
+    if table.op != Op.DEQUANTIZE or table.type.rank != 2 or node.attrs["axis"] != 0:
+        return None
+    src = table.src + (idx,)
+    return Node(Op.QUANTIZED_GATHER, infer_type(Op.QUANTIZED_GATHER, [s.type for s in src], table.attrs),
+                src, dict(table.attrs), node.name)
+
+
+def fuse_dequantize(program: Program) -> tuple[Program, bool]:
+    return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather)], "fuse_dequantize")

@@ -1,0 +1,2 @@
+"""Quantized weight formats and quantizers."""
+from .formats import QuantizedTensor  # noqa: F401

@@ -1,0 +1,52 @@
+"""QuantizedTensor: a weight kept as integers with block-wise parameters, Ingot's in-memory format.
+
+Layout (DESIGN.md, "Quantized storage"): a logical [rows, cols] matrix of `qdtype` integers;
+4-bit values packed two per byte along cols, low nibble first (storage [rows, cols // 2] uint8);
+parameters per block of `block_size` consecutive columns, as float32 [rows, cols // block_size]:
+
+    w[r, c] = (q[r, c] - zero_point[r, b]) * scale[r, b] + bias[r, b],   b = c // block_size
+
+zero_point and bias are optional. Every GGUF quant type converts into this losslessly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes as dt
+
+
+@dataclass
+class QuantizedTensor:
+    q: np.ndarray                    # storage: uint8 (packed 4-bit), int8 or uint8
+    qdtype: dt.DType                 # int4, uint4, int8 or uint8
+    shape: tuple[int, int]           # logical [rows, cols]
+    block_size: int
+    scale: np.ndarray                # float32 [rows, cols // block_size]
+    bias: np.ndarray | None = None   # float32 [rows, cols // block_size]
+    zero_point: np.ndarray | None = None
+    source: str = ""                 # e.g. "Q4_1" for a GGUF tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
+                   + (0 if self.zero_point is None else self.zero_point.nbytes))
+
+    def values(self) -> np.ndarray:
+        """The unpacked integers [rows, cols] (int8 or uint8)."""
+        if self.qdtype.packed:
+            return dt.unpack_int4(self.q, self.shape[1], signed=self.qdtype.kind == "i")
+        return self.q
+
+    def dequantize_rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """float32 rows [start:stop]; for tests and small slices, never the whole of a big weight."""
+        stop = self.shape[0] if stop is None else stop
+        v = self.values()[start:stop].astype(np.float32)
+        rep = lambda p: np.repeat(p[start:stop], self.block_size, axis=1)  # noqa: E731
+        if self.zero_point is not None:
+            v = v - rep(self.zero_point)
+        v = v * rep(self.scale)
+        if self.bias is not None:
+            v = v + rep(self.bias)
+        return v

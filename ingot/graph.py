@@ -289,6 +289,11 @@ class Graph:
         perm[a], perm[b] = perm[b], perm[a]
         return self.transpose(x, perm)
 
+    def dim(self, x, axis: int) -> Tensor:
+        """The length of one axis as an int32 scalar (known once the graph is compiled)."""
+        x = self._own(x)
+        return self._op(Op.DIM, [x], {"axis": normalize_axis(Op.DIM, axis, x.ndim)})
+
     def broadcast_to(self, x, shape: Sequence[int]):
         return self._op(Op.BROADCAST_TO, [x], {"shape": tuple(int(d) for d in shape)})
 

@@ -53,6 +53,7 @@ class Op(enum.IntEnum):
     CALL = enum.auto(); GET_ITEM = enum.auto()
     # later additions go here, at the end
     ARGMIN = enum.auto(); REAL = enum.auto(); IMAG = enum.auto(); COMPLEX = enum.auto()
+    DIM = enum.auto()
 
 
 class GroupOp:

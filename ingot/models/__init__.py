@@ -1,0 +1,1 @@
+"""Graph builders for model families."""

@@ -1,0 +1,227 @@
+"""Llama-family decoders (Llama 2/3, SmolLM, Mistral, Qwen2) as an Ingot graph.
+
+One graph holds the weights (quantized weights stay quantized: each linear is
+dequantize -> transpose -> matmul, which the compiler fuses into quantized_matmul), the KV cache
+as two variables per layer, and a token placeholder whose length is dynamic. Compiling it for
+T = 1 gives the decode executable (static shapes, the position a runtime scalar); compiling for a
+prompt chunk length gives a prefill executable (cached per length).
+
+    tokens: int32 [T]   pos: int32 []   last: int32 []   ->   logits: float32 [1, vocab]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..errors import IngotError
+from ..graph import Graph, Tensor
+from ..ir import TensorType
+from ..ops.nn import rope_inv_freq
+from ..quant.formats import QuantizedTensor
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
+
+
+@dataclass
+class LlamaConfig:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    head_dim: int = 0
+    rope_base: float = 10000.0
+    rope_dims: int = 0
+    rope_interleaved: bool = True       # GGUF stores Q/K permuted for llama.cpp's interleaved RoPE
+    rope_scale: float = 1.0             # linear position scaling
+    norm_eps: float = 1e-5
+    context_length: int = 2048
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        self.rope_dims = self.rope_dims or self.head_dim
+        if self.n_heads % self.n_kv_heads:
+            raise IngotError(f"llama: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads.")
+
+    @classmethod
+    def from_gguf(cls, model) -> "LlamaConfig":
+        arch = model.architecture
+        if arch not in ARCHITECTURES:
+            raise IngotError(f"{model.path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)}).")
+        get = lambda key, default=None: model.get(f"{arch}.{key}", default)  # noqa: E731
+        required = ["block_count", "embedding_length", "attention.head_count", "feed_forward_length"]
+        missing = [k for k in required if get(k) is None]
+        if missing:
+            raise IngotError(f"{model.path}: metadata lacks {', '.join(arch + '.' + k for k in missing)}.")
+        n_heads = int(get("attention.head_count"))
+        embed = model.tensors.get("token_embd.weight")
+        if embed is None:
+            raise IngotError(f"{model.path}: tensor token_embd.weight is missing.")
+        vocab = embed.shape[0]
+        scaling = get("rope.scaling.type")
+        return cls(
+            n_layers=int(get("block_count")), dim=int(get("embedding_length")), n_heads=n_heads,
+            n_kv_heads=int(get("attention.head_count_kv", n_heads)), ffn_dim=int(get("feed_forward_length")),
+            vocab_size=int(vocab), head_dim=int(get("attention.key_length", 0) or 0),
+            rope_base=float(get("rope.freq_base", 10000.0)), rope_dims=int(get("rope.dimension_count", 0) or 0),
+            rope_interleaved=arch not in ("qwen2",),  # llama.cpp runs qwen2 with NEOX (half-split) RoPE
+            rope_scale=float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            context_length=int(get("context_length", 2048)),
+            tied_embeddings="output.weight" not in model.tensors,
+            qkv_bias="blk.0.attn_q.bias" in model.tensors,
+        )
+
+
+class Weights:
+    """Looks up GGUF-named tensors and turns them into graph constants (quantized ones stay so)."""
+
+    def __init__(self, g: Graph, tensors: dict, path: str = ""):
+        self.g, self.tensors, self.path = g, tensors, path
+
+    def get(self, name: str):
+        if name not in self.tensors:
+            raise IngotError(f"{self.path}: tensor {name} is missing.")
+        return self.tensors[name]
+
+    def vector(self, name: str) -> Tensor:
+        return self.g.constant(np.asarray(self.get(name), np.float32), name=name)
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> Tensor:
+        """The weight as a [out, in] float tensor: a dequantize node when the weight is quantized."""
+        w = self.get(name)
+        if tuple(w.shape) != shape:
+            raise IngotError(f"{self.path}: tensor {name} has shape {tuple(w.shape)}, expected {shape}.")
+        g = self.g
+        if isinstance(w, QuantizedTensor):
+            q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
+            params = {"scale": g.constant(w.scale, name=f"{name}.scale")}
+            if w.zero_point is not None:
+                params["zero_point"] = g.constant(w.zero_point, name=f"{name}.zero_point")
+            if w.bias is not None:
+                params["bias"] = g.constant(w.bias, name=f"{name}.bias")
+            return g.dequantize(q, axis=1, block_size=w.block_size, **params)
+        return g.constant(np.asarray(w, np.float32), name=name)
+
+
+def linear(g: Graph, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ w.T (+ bias); x: [T, in], w: [out, in]."""
+    y = g.matmul(x, g.transpose(w, (1, 0)))
+    return y + bias if bias is not None else y
+
+
+def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq) -> Tensor:
+    """Causal self-attention for one layer, writing this chunk's K/V into the cache variables."""
+    p = f"blk.{layer}."
+    hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    bias = (lambda n: weights.vector(p + n)) if cfg.qkv_bias else (lambda n: None)  # noqa: E731
+    q = linear(g, x, weights.matrix(p + "attn_q.weight", (nh * hd, cfg.dim)), bias("attn_q.bias"))
+    k = linear(g, x, weights.matrix(p + "attn_k.weight", (nkv * hd, cfg.dim)), bias("attn_k.bias"))
+    v = linear(g, x, weights.matrix(p + "attn_v.weight", (nkv * hd, cfg.dim)), bias("attn_v.bias"))
+    heads = lambda t, n: g.reshape(g.transpose(g.reshape(t, (-1, n, hd)), (1, 0, 2)), (1, n, -1, hd))  # noqa: E731
+    q, k, v = heads(q, nh), heads(k, nkv), heads(v, nkv)            # [1, H, T, hd]
+    rope = dict(base=cfg.rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
+    q = g.rope(q, pos, **rope)
+    k = g.rope(k, pos, **rope)
+    k_cache = g.variable(np.zeros((1, nkv, cfg.context_length, hd), np.float32), name=f"{p}k_cache")
+    v_cache = g.variable(np.zeros((1, nkv, cfg.context_length, hd), np.float32), name=f"{p}v_cache")
+    k_all = g.slice_update(k_cache, k, [0, 0, pos, 0])                # written in place by the compiler
+    v_all = g.slice_update(v_cache, v, [0, 0, pos, 0])
+    g.assign(k_cache, k_all)
+    g.assign(v_cache, v_all)
+    end = pos + g.dim(x, 0)
+    k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])  # attention over the valid prefix
+    v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
+    out = g.scaled_dot_product_attention(q, k_seen, v_seen, causal=True)  # [1, nh, T, hd]
+    out = g.reshape(g.transpose(g.reshape(out, (nh, -1, hd)), (1, 0, 2)), (-1, nh * hd))
+    return linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd)))
+
+
+def feed_forward(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tensor) -> Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    p = f"blk.{layer}."
+    gate = linear(g, x, weights.matrix(p + "ffn_gate.weight", (cfg.ffn_dim, cfg.dim)))
+    up = linear(g, x, weights.matrix(p + "ffn_up.weight", (cfg.ffn_dim, cfg.dim)))
+    return linear(g, g.silu(gate) * up, weights.matrix(p + "ffn_down.weight", (cfg.dim, cfg.ffn_dim)))
+
+
+@dataclass
+class LlamaGraph:
+    graph: Graph
+    tokens: Tensor
+    pos: Tensor
+    last: Tensor
+    logits: Tensor
+    config: LlamaConfig
+
+    def compile(self, length: int, device: str = "cpu"):
+        """The executable for `length` tokens per step (1 = decode); cached by the graph."""
+        return self.graph.compile(feeds={self.tokens: TensorType((length,), dt.int32)}, targets=[self.logits], device=device)
+
+
+def build(cfg: LlamaConfig, tensors: dict, path: str = "") -> LlamaGraph:
+    """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors)."""
+    g = Graph()
+    weights = Weights(g, tensors, path)
+    tokens = g.placeholder((None,), dt.int32, name="tokens")   # this step's token ids
+    pos = g.placeholder((), dt.int32, name="pos")              # position of tokens[0]
+    last = g.placeholder((), dt.int32, name="last")            # which row's logits to return
+    inv_freq = rope_inv_freq(cfg.rope_dims, cfg.rope_base)
+    if "rope_freqs.weight" in tensors:                         # Llama 3 frequency scaling
+        inv_freq = inv_freq / np.asarray(tensors["rope_freqs.weight"], np.float32)
+    inv_freq = (inv_freq / np.float32(cfg.rope_scale)).astype(np.float32)
+    embed = weights.matrix("token_embd.weight", (cfg.vocab_size, cfg.dim))
+    x = g.gather(embed, tokens, axis=0)                        # [T, dim]; only these rows are dequantized
+    for layer in range(cfg.n_layers):
+        p = f"blk.{layer}."
+        x = x + attention(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "attn_norm.weight"), cfg.norm_eps), pos, inv_freq)
+        x = x + feed_forward(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "ffn_norm.weight"), cfg.norm_eps))
+    x = g.slice(x, [last, 0], size=[1, None])                  # only the row whose logits we need
+    x = g.rms_norm(x, weights.vector("output_norm.weight"), cfg.norm_eps)
+    head = embed if cfg.tied_embeddings else weights.matrix("output.weight", (cfg.vocab_size, cfg.dim))
+    logits = linear(g, x, head)                                # [1, vocab]
+    return LlamaGraph(g, tokens, pos, last, logits, cfg)
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4) -> dict:
+    """GGUF-named random weights of the config's shapes (quantized matrices), for tests and GPU runs."""
+    rng = np.random.default_rng(seed)
+
+    def quantized(rows, cols):
+        levels = 16 if qdtype.bits == 4 else 256
+        values = rng.integers(0, levels, size=(rows, cols))
+        if qdtype.kind == "i":
+            values = values - levels // 2
+        q = dt.pack_int4(values) if qdtype.packed else values.astype(qdtype.numpy)
+        nb = cols // block_size
+        scale = (rng.random((rows, nb), np.float32) * 0.02 / math.sqrt(cols / 64) + 1e-3).astype(np.float32)
+        bias = (-scale * (levels / 2)) if qdtype.kind == "u" else None
+        return QuantizedTensor(q, qdtype, (rows, cols), block_size, scale, None if bias is None else bias.astype(np.float32))
+
+    hd = cfg.head_dim
+    t = {"token_embd.weight": quantized(cfg.vocab_size, cfg.dim),
+         "output_norm.weight": (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)}
+    if not cfg.tied_embeddings:
+        t["output.weight"] = quantized(cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
+        t[p + "ffn_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
+        t[p + "attn_q.weight"] = quantized(cfg.n_heads * hd, cfg.dim)
+        t[p + "attn_k.weight"] = quantized(cfg.n_kv_heads * hd, cfg.dim)
+        t[p + "attn_v.weight"] = quantized(cfg.n_kv_heads * hd, cfg.dim)
+        t[p + "attn_output.weight"] = quantized(cfg.dim, cfg.n_heads * hd)
+        t[p + "ffn_gate.weight"] = quantized(cfg.ffn_dim, cfg.dim)
+        t[p + "ffn_up.weight"] = quantized(cfg.ffn_dim, cfg.dim)
+        t[p + "ffn_down.weight"] = quantized(cfg.dim, cfg.ffn_dim)
+        if cfg.qkv_bias:
+            for n, rows in (("attn_q.bias", cfg.n_heads * hd), ("attn_k.bias", cfg.n_kv_heads * hd), ("attn_v.bias", cfg.n_kv_heads * hd)):
+                t[p + n] = (0.1 * rng.standard_normal(rows)).astype(np.float32)
+    return t

@@ -43,4 +43,5 @@ def _rewrite(node: Node, ctx: Context) -> Node | None:
 
 
 def attention_over_buffer(program: Program) -> tuple[Program, bool]:
+    """Rewrite attention over a runtime-length prefix of K/V into attention with a length; returns (program, changed)."""
     return graph_rewrite(program, [((Op.SDPA,), _rewrite)], "attention_length")

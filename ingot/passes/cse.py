@@ -11,6 +11,7 @@ SMALL_CONSTANT = 4096  # bytes; bigger constants are compared by key only (hashi
 
 
 def eliminate_common_subexpressions(program: Program) -> tuple[Program, bool]:
+    """Merge structurally equal nodes into one; returns (program, changed)."""
     canonical: dict[tuple, Node] = {}
     memo: dict[int, Node] = {}
     changed = False

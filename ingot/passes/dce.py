@@ -5,6 +5,7 @@ from ..ir import Op, Program
 
 
 def eliminate_dead_code(program: Program) -> tuple[Program, bool]:
+    """Drop constants and variables no output or assign reaches; returns (program, changed)."""
     nodes = program.nodes()
     live_constants = {n.attrs["key"] for n in nodes if n.op == Op.CONSTANT}
     live_variables = {n.attrs["name"] for n in nodes if n.op == Op.VARIABLE}

@@ -2,13 +2,21 @@
 
     matmul(x, dequantize(q, ...))             -> quantized_matmul(x, q, ..., transpose=False)
     matmul(x, transpose(dequantize(q, ...)))  -> quantized_matmul(x, q, ..., transpose=True)
-    gather(dequantize(q, ...), idx, axis=0)   -> quantized_gather(q, ..., idx)
+    gather(dequantize(q, ...), idx, axis=0|1) -> quantized_gather(q, ..., idx, axis=0|1)
 """
 from __future__ import annotations
 
+from ..errors import IngotError
 from ..ir import Node, Op, Program
 from ..ops import infer_type
 from . import Context, graph_rewrite
+
+
+def _typed(op: Op, src: tuple[Node, ...], attrs: dict):
+    try:
+        return infer_type(op, [s.type for s in src], attrs)
+    except IngotError:
+        return None
 
 
 def _matmul(node: Node, ctx: Context) -> Node | None:
@@ -21,7 +29,7 @@ def _matmul(node: Node, ctx: Context) -> Node | None:
     attrs = {k: v for k, v in w.attrs.items()}
     attrs["transpose"] = transpose
     src = (x,) + w.src
-    out = infer_type(Op.QUANTIZED_MATMUL, [s.type for s in src], attrs)
+    out = _typed(Op.QUANTIZED_MATMUL, src, attrs)
     if out != node.type:
         return None
     return Node(Op.QUANTIZED_MATMUL, out, src, attrs, node.name)
@@ -29,12 +37,16 @@ def _matmul(node: Node, ctx: Context) -> Node | None:
 
 def _gather(node: Node, ctx: Context) -> Node | None:
     table, idx = node.src
-    if table.op != Op.DEQUANTIZE or table.type.rank != 2 or node.attrs["axis"] != 0:
+    if table.op != Op.DEQUANTIZE or table.type.rank != 2 or node.attrs["axis"] not in (0, 1):
         return None
     src = table.src + (idx,)
-    return Node(Op.QUANTIZED_GATHER, infer_type(Op.QUANTIZED_GATHER, [s.type for s in src], table.attrs),
-                src, dict(table.attrs), node.name)
+    attrs = dict(table.attrs, axis=node.attrs["axis"])
+    out = _typed(Op.QUANTIZED_GATHER, src, attrs)
+    if out != node.type:
+        return None
+    return Node(Op.QUANTIZED_GATHER, out, src, attrs, node.name)
 
 
 def fuse_dequantize(program: Program) -> tuple[Program, bool]:
+    """Fuse every dequantize into the matmul or gather that reads it; returns (program, changed)."""
     return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather)], "fuse_dequantize")

@@ -3,14 +3,15 @@
     matmul(softmax(matmul(q, swap(k)) [* c | / c] [+ mask | where(mask, ., -inf)], axis=-1), v)
         -> sdpa(q, k, v, mask, scale)
 
-`swap` is a transpose of the last two axes. A missing scale means scale 1.
+`swap` is a transpose of the last two axes, c a constant scalar (either side of the multiply), the
+additive mask either side of the add. A missing scale means scale 1. The fused node must have the
+type the matmul had, or nothing is rewritten.
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
+from ..errors import IngotError
 from ..ir import Node, Op, Program
 from ..ops import infer_type
 from . import Context, graph_rewrite
@@ -20,7 +21,7 @@ def _scalar(node: Node, ctx: Context) -> float | None:
     if node.op != Op.CONSTANT:
         return None
     value = ctx.program.constants[node.attrs["key"]]
-    return float(value.reshape(-1)[0]) if value.size == 1 else None
+    return float(value.reshape(-1)[0]) if value.size == 1 and value.dtype.kind in "fiu" else None
 
 
 def _is_swap(node: Node) -> bool:
@@ -29,48 +30,57 @@ def _is_swap(node: Node) -> bool:
     return node.op == Op.TRANSPOSE and r >= 2 and tuple(perm) == tuple(range(r - 2)) + (r - 1, r - 2)
 
 
+def _scaled_scores(node: Node, ctx: Context) -> tuple[Node, Node, float] | None:
+    """(q, k, scale) if node is matmul(q, swap(k)) [* c | / c], else None."""
+    scale = 1.0
+    if node.op in (Op.MUL, Op.DIV):
+        a, b = node.src
+        c = _scalar(b, ctx)
+        if c is None and node.op == Op.MUL:
+            c, a = _scalar(a, ctx), b
+        if c is None or c == 0 or not math.isfinite(c):
+            return None
+        scale = c if node.op == Op.MUL else 1.0 / c
+        node = a
+    if node.op != Op.MATMUL or not _is_swap(node.src[1]):
+        return None
+    return node.src[0], node.src[1].src[0], scale
+
+
+def _candidates(scores: Node, ctx: Context):
+    """Every (q, k, scale, mask) reading of the softmax input."""
+    found = _scaled_scores(scores, ctx)
+    if found is not None:
+        yield found + (None,)
+    if scores.op == Op.ADD:
+        for s, mask in (scores.src, scores.src[::-1]):
+            found = _scaled_scores(s, ctx)
+            if found is not None:
+                yield found + (mask,)
+    elif scores.op == Op.WHERE and _scalar(scores.src[2], ctx) == -math.inf:
+        found = _scaled_scores(scores.src[1], ctx)
+        if found is not None:
+            yield found + (scores.src[0],)
+
+
 def _fuse(node: Node, ctx: Context) -> Node | None:
     probs, v = node.src
-    if probs.op != Op.SOFTMAX or probs.attrs["axis"] != probs.type.rank - 1 or probs.type.rank < 3:
+    if probs.op != Op.SOFTMAX or probs.type.rank < 3 or probs.attrs["axis"] != probs.type.rank - 1:
         return None
-    scores = probs.src[0]
-    mask = None
-    if scores.op == Op.ADD:
-        a, b = scores.src
-        if a.op in (Op.MATMUL, Op.MUL, Op.DIV):
-            scores, mask = a, b
-        else:
-            scores, mask = b, a
-    elif scores.op == Op.WHERE and _scalar(scores.src[2], ctx) == -math.inf:
-        mask, scores = scores.src[0], scores.src[1]
-    scale = 1.0
-    if scores.op in (Op.MUL, Op.DIV):
-        a, b = scores.src
-        c = _scalar(b, ctx)
-        if c is None and scores.op == Op.MUL:
-            c, b, a = _scalar(a, ctx), a, b
-        if c is None or c == 0:
-            return None
-        scale = c if scores.op == Op.MUL else 1.0 / c
-        scores = a
-    if scores.op != Op.MATMUL or not _is_swap(scores.src[1]):
-        return None
-    q, k = scores.src[0], scores.src[1].src[0]
-    if not (q.type.rank == k.type.rank == v.type.rank == probs.type.rank):
-        return None
-    src = (q, k, v) + ((mask,) if mask is not None else ())
-    attrs = {"scale": scale, "causal": False, "has_mask": mask is not None, "has_length": False}
-    try:
-        out_type = infer_type(Op.SDPA, [s.type for s in src], attrs)
-    except Exception:
-        return None
-    if out_type != node.type:
-        return None
-    return Node(Op.SDPA, out_type, src, attrs, node.name)
+    for q, k, scale, mask in _candidates(probs.src[0], ctx):
+        if not q.type.rank == k.type.rank == v.type.rank == probs.type.rank:
+            continue
+        src = (q, k, v) + ((mask,) if mask is not None else ())
+        attrs = {"scale": scale, "causal": False, "has_mask": mask is not None, "has_length": False}
+        try:
+            out_type = infer_type(Op.SDPA, [s.type for s in src], attrs)
+        except IngotError:
+            continue
+        if out_type == node.type:
+            return Node(Op.SDPA, out_type, src, attrs, node.name)
+    return None
 
 
 def fuse_attention(program: Program) -> tuple[Program, bool]:
+    """Replace each hand-written attention with one SDPA node; returns (program, changed)."""
     return graph_rewrite(program, [((Op.MATMUL,), _fuse)], "fuse_attention")
-
-
-__all__ = ["fuse_attention", "np"]

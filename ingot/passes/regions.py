@@ -11,6 +11,7 @@ FUSIBLE = GroupOp.Elementwise | GroupOp.Normalize | {Op.ROPE}
 
 
 def find_regions(program: Program) -> tuple[Program, bool]:
+    """Record fusion regions (node ids, sources first) in program.regions; returns (program, changed)."""
     nodes = program.nodes()
     users = consumers(nodes)
     roots = {n.id for n in program.roots}
@@ -29,7 +30,7 @@ def find_regions(program: Program) -> tuple[Program, bool]:
             continue
         parent.setdefault(node.id, node.id)
         for s in node.src:
-            if fusible(s) and len(users[s.id]) == 1 and s.id not in roots:
+            if fusible(s) and len({u.id for u in users[s.id]}) == 1 and s.id not in roots:
                 parent[find(s.id)] = find(node.id)
     groups: dict[int, list[int]] = {}
     for node in nodes:

@@ -7,6 +7,7 @@ from . import graph_rewrite
 
 
 def specialize(program: Program, feed_types: dict[str, TensorType]) -> tuple[Program, bool]:
+    """Give each placeholder named in feed_types that type and re-infer every type downstream."""
     def rule(node, ctx):
         want = feed_types.get(node.name)
         if want is None or want == node.type:

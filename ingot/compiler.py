@@ -1,11 +1,20 @@
-"""The compiler: a graph's targets and assigns through the pass pipeline, then lowered to a backend."""
+"""The compiler: a graph's targets and assigns through the pass pipeline, then lowered to a backend.
+
+    >>> import numpy as np, ingot
+    >>> g = ingot.Graph()
+    >>> x = g.placeholder((None, 4), name="x")
+    >>> exe = g.compile(feeds={x: ingot.TensorType((2, 4))}, targets=[g.exp(x) * 2.0])
+    >>> [name for name, _ in exe.history][:3]
+    ['specialize', 'fold', 'dce']
+"""
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable
 
 from .errors import IngotError
-from .ir import Node, Program, TensorType, verify
+from .ir import Node, Op, Program, TensorType, verify
 from .passes.attention_length import attention_over_buffer
 from .passes.cse import eliminate_common_subexpressions
 from .passes.dce import eliminate_dead_code
@@ -30,28 +39,62 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("regions", find_regions),                      # elementwise chains a backend runs as one kernel
     ("memory_plan", plan_memory),                   # buffers reused by liveness
 ]
+PASS_NAMES = ("specialize",) + tuple(name for name, _ in PIPELINE)
 
 
-def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str], None] | None = None) -> tuple[Program, list[tuple[str, bool]]]:
-    """Run every pass in order, verifying after each. debug=True dumps the graph after each pass."""
+def _dump_filter(debug: bool | str) -> Callable[[str], bool]:
+    """debug=True dumps after every pass; a string names the passes to dump ("fold,memory_plan")."""
+    if not debug:
+        return lambda name: False
+    if debug is True:
+        return lambda name: True
+    wanted = {p.strip() for p in str(debug).split(",") if p.strip()}
+    unknown = wanted - set(PASS_NAMES)
+    if unknown:
+        raise IngotError(f"compile: debug names unknown passes {sorted(unknown)} (passes: {', '.join(PASS_NAMES)}).")
+    return lambda name: name in wanted
+
+
+def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str], None] | None = None,
+                 feed_types: dict[str, TensorType] | None = None) -> tuple[Program, list[tuple[str, bool]]]:
+    """Specialise, then run every pass in order, verifying after each; returns (program, [(pass, changed)]).
+
+    debug=True writes the graph after each pass to stderr (or to `log`).
+    """
     log = log or (lambda text: print(text, file=sys.stderr))
+    dump_after = _dump_filter(debug)
     verify(program)
+    steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE
     history = []
-    for name, fn in PIPELINE:
+    for name, fn in steps:
+        start = time.perf_counter()
         program, changed = fn(program)
-        verify(program)
+        elapsed = (time.perf_counter() - start) * 1e3
+        try:
+            verify(program)
+        except IngotError as e:
+            raise IngotError(f"compile: the graph is invalid after pass {name!r}: {e}") from None
         history.append((name, changed))
-        if debug:
-            log(f"--- after {name} (changed={changed}) ---\n{dump(program)}")
+        if dump_after(name):
+            log(f"--- after {name} (changed={changed}, {elapsed:.2f} ms) ---\n{dump(program)}")
     return program, history
 
 
 def dump(program: Program) -> str:
+    """The program as text, one node a line, sources first (what debug=True prints)."""
     lines = []
+    region_of = {i: r for r, ids in enumerate(program.regions) for i in ids}
     for n in program.nodes():
         src = ", ".join(f"%{s.id}" for s in n.src)
         attrs = {k: v for k, v in n.attrs.items() if k not in ("output_types", "input_types")}
-        lines.append(f"%{n.id} = {n.op.name.lower()}({src}) {attrs} : {n.type}" + (f"  # {n.name}" if n.name else ""))
+        notes = []
+        if n.name:
+            notes.append(n.name)
+        if n.id in region_of:
+            notes.append(f"region {region_of[n.id]}")
+        if n.id in program.memory_plan:
+            notes.append(f"buffer {program.memory_plan[n.id]}")
+        lines.append(f"%{n.id} = {n.op.name.lower()}({src}) {attrs} : {n.type}" + (f"  # {', '.join(notes)}" if notes else ""))
     lines.append("outputs: " + ", ".join(f"%{n.id}" for n in program.outputs))
     if program.assigns:
         lines.append("assigns: " + ", ".join(f"%{n.id}" for n in program.assigns))
@@ -60,14 +103,25 @@ def dump(program: Program) -> str:
 
 def compile_graph(graph, targets: list[Node], assigns: list[Node], feed_types: dict[str, TensorType], device: str,
                   callables: dict[str, Any], debug: bool | str = False):
+    """Compile targets and assigns of a Graph into an Executable (Graph.compile is the public entry)."""
     from .runtime import Executable
 
     if not targets and not assigns:
         raise IngotError("compile: no targets and no assigns: nothing to compute.")
-    program = Program(list(targets), list(assigns), dict(graph.constants), dict(graph.variables))
-    unknown = set(feed_types) - {n.name for n in program.nodes() if n.op.name == "PLACEHOLDER"}
+    assigned: dict[str, Node] = {}
+    for a in assigns:
+        name = a.src[0].attrs["name"]
+        if name in assigned and assigned[name] is not a:
+            raise IngotError(f"compile: variable {name!r} is assigned twice in one run; build one value and assign it once.")
+        assigned[name] = a
+    assigns = list(dict.fromkeys(assigns))  # the same assign given twice runs once
+    program = Program(list(targets), assigns, dict(graph.constants), dict(graph.variables))
+    placeholders = {n.name for n in program.nodes() if n.op == Op.PLACEHOLDER}
+    unknown = set(feed_types) - placeholders
     if unknown:
-        raise IngotError(f"compile: feeds {sorted(unknown)} are not placeholders the targets depend on.")
-    program, _ = specialize(program, feed_types)
-    program, history = run_pipeline(program, debug)
-    return Executable(program, device=device, callables=callables, history=history)
+        raise IngotError(f"compile: feeds {sorted(unknown)} are not placeholders the targets depend on "
+                         f"(those are {sorted(placeholders)}).")
+    program, history = run_pipeline(program, debug, feed_types=feed_types)
+    # inputs in the order they were declared, which is the order run() takes a list in
+    declared = [name for name in getattr(graph, "placeholders", {}) if name in placeholders]
+    return Executable(program, device=device, callables=callables, history=history, input_names=declared)

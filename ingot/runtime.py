@@ -11,50 +11,79 @@
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from . import dtypes as dt
 from .backends import get_backend
 from .errors import IngotError
-from .ir import Op, Program, TensorType
+from .ir import Node, Op, Program, TensorType
 
 
 class State:
-    """The variables of one sequence (one KV cache). An executable can serve many states."""
+    """The variables of one sequence (one KV cache). An executable can serve many states.
 
-    def __init__(self, values: dict[str, Any]):
+    Each variable is one array for the life of the state: runs write into it, never replace it, so
+    a reference taken from `state[name]` stays valid and in-place updates never copy the cache.
+    """
+
+    def __init__(self, values: dict[str, Any], initial: Mapping[str, np.ndarray] | None = None, owner=None):
         self.values = values
+        self._initial = initial if initial is not None else {}
+        self._owner = owner
 
     def __getitem__(self, name: str):
+        if name not in self.values:
+            raise IngotError(f"state: no variable named {name!r} (have {sorted(self.values)}).")
         return self.values[name]
 
     def __setitem__(self, name: str, value) -> None:
-        if name not in self.values:
-            raise IngotError(f"state: no variable named {name!r} (have {sorted(self.values)}).")
-        old = self.values[name]
+        """Overwrite a variable's contents (same shape; cast to the variable's dtype)."""
+        old = self[name]
         value = np.asarray(value)
         if value.shape != old.shape:
             raise IngotError(f"state: variable {name!r} has shape {old.shape}, not {value.shape}.")
         old[...] = value
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
     def keys(self):
         return self.values.keys()
+
+    def reset(self) -> None:
+        """Every variable back to its initial value, in place (a new sequence on the same memory)."""
+        for name, initial in self._initial.items():
+            self.values[name][...] = initial
+
+    def __repr__(self) -> str:
+        return f"<State {', '.join(f'{k}:{v.dtype}{list(v.shape)}' for k, v in self.values.items())}>"
 
 
 class Executable:
     """A compiled graph. `run` takes feeds by placeholder name or tensor and returns the targets."""
 
     def __init__(self, program: Program, device: str = "cpu", callables: Mapping[str, "Executable"] | None = None,
-                 history: Sequence[tuple[str, bool]] = ()):
+                 history: Sequence[tuple[str, bool]] = (), input_names: Sequence[str] | None = None):
         self.program = program
         self.device = device
         self.history = list(history)
         self.backend = get_backend(device)
-        self.feed_types: dict[str, TensorType] = {n.name: n.type for n in program.nodes() if n.op == Op.PLACEHOLDER}
-        self.feed_order = list(self.feed_types)
+        nodes = program.nodes()
+        found = {n.name: n.type for n in nodes if n.op == Op.PLACEHOLDER}
+        order = [n for n in (input_names or ()) if n in found]
+        order += [n for n in found if n not in order]  # any the caller did not list, in graph order
+        self.feed_order: list[str] = order
+        self.feed_types: dict[str, TensorType] = {n: found[n] for n in order}
         self.output_types = [n.type for n in program.outputs]
-        self.call_sites = {n.attrs["name"]: n for n in program.nodes() if n.op == Op.CALL}
+        self.call_sites: dict[str, Node] = {n.attrs["name"]: n for n in nodes if n.op == Op.CALL}
         self.callables: dict[str, Executable] = {}
         for name, exe in (callables or {}).items():
             self.bind(name, exe)
@@ -63,33 +92,64 @@ class Executable:
 
     # -- state ----------------------------------------------------------------------------------
     def new_state(self) -> State:
-        """A fresh copy of every variable at its initial value."""
-        return State(self.backend.new_state(self.program))
+        """A fresh copy of every variable at its initial value, independent of every other state."""
+        return State(self.backend.new_state(self.program), self.program.variables, owner=self)
+
+    def _check_state(self, state: State) -> None:
+        if not isinstance(state, State):
+            raise IngotError(f"run: state must be an ingot State (from exe.new_state()), not {type(state).__name__}.")
+        if state._owner is self:
+            return
+        for name, initial in self.program.variables.items():
+            have = state.values.get(name)
+            if have is None or have.shape != initial.shape or have.dtype != initial.dtype:
+                raise IngotError(f"run: the state does not hold variable {name!r} as {initial.dtype}{list(initial.shape)}; "
+                                 "use a state made by this executable's new_state().")
+        state._owner = self
 
     # -- callables ------------------------------------------------------------------------------
     def bind(self, name: str, executable: "Executable") -> None:
-        """Bind (or re-bind) the executable a `call` site runs; the main graph is not recompiled."""
+        """Bind (or re-bind) the executable a `call` site runs; the main graph is not recompiled.
+
+        The executable must take the call's input types (in its input order) and return its
+        output types; the swap costs a dictionary update.
+        """
         site = self.call_sites.get(name)
         if site is None:
             raise IngotError(f"bind: this executable has no call named {name!r} (have {sorted(self.call_sites)}).")
-        want_in = list(site.attrs["input_types"])
+        if not isinstance(executable, Executable):
+            raise IngotError(f"bind: {name!r} needs a compiled ingot Executable, not {type(executable).__name__}.")
+        if executable is self:
+            raise IngotError(f"bind: an executable cannot call itself ({name!r}).")
+        if executable.device != self.device:
+            raise IngotError(f"bind: {name!r} is compiled for {executable.device!r} but this executable runs on {self.device!r}.")
+        want_in = [s.type for s in site.src]
+        want_out = list(site.type)
         have_in = [executable.feed_types[n] for n in executable.feed_order]
-        if want_in != have_in or list(site.attrs["output_types"]) != executable.output_types:
-            raise IngotError(f"bind: {name!r} takes {want_in} and returns {list(site.attrs['output_types'])}, "
-                             f"but the executable takes {have_in} and returns {executable.output_types}.")
+        have_out = executable.output_types
+        if want_in != have_in or len(want_out) != len(have_out) or not all(_fits(h, w) for h, w in zip(have_out, want_out)):
+            raise IngotError(f"bind: {name!r} takes {want_in} and returns {want_out}, "
+                             f"but the executable takes {have_in} and returns {have_out}.")
         self.callables[name] = executable
 
     # -- running --------------------------------------------------------------------------------
-    def run(self, feeds: Mapping[Any, Any] | Sequence[Any] = (), state: State | None = None, **kwargs) -> list[Any]:
-        """Run once. feeds: {name or placeholder tensor: array} or a list in placeholder order."""
-        state = state or self.state
+    def run(self, feeds: Mapping[Any, Any] | Sequence[Any] = (), state: State | None = None, **options) -> list[Any]:
+        """Run once and return the targets (a list, in target order).
+
+        feeds: {name or placeholder tensor: array}, or a list in the order the placeholders were
+        declared. state: the variables to read and update (default: `self.state`).
+        """
+        if state is None:
+            state = self.state
+        else:
+            self._check_state(state)
         values = self._feeds(feeds)
         try:
-            return self.plan.run(values, state.values, **kwargs)
+            return self.plan.run(values, state.values, **options)
         except IngotError:
             raise
-        except (ValueError, IndexError, TypeError) as e:
-            raise IngotError(f"run: {type(e).__name__}: {e}.") from e
+        except (ValueError, IndexError, TypeError, ArithmeticError, AssertionError) as e:
+            raise IngotError(f"run: {type(e).__name__}: {e}") from e
 
     __call__ = run
 
@@ -102,6 +162,8 @@ class Executable:
                     raise IngotError(f"run: {key!r} is not an input of this executable (inputs: {self.feed_order}).")
                 named[name] = value
         else:
+            if isinstance(feeds, np.ndarray):
+                feeds = [feeds]
             feeds = list(feeds)
             if len(feeds) != len(self.feed_order):
                 raise IngotError(f"run: expected {len(self.feed_order)} inputs ({self.feed_order}), got {len(feeds)}.")
@@ -112,12 +174,19 @@ class Executable:
         out = {}
         for name, value in named.items():
             t = self.feed_types[name]
-            out[name] = self.backend.from_host(_check_feed(name, value, t), t)
+            out[name] = self.backend.from_host(check_feed(name, value, t), t)
         return out
+
+    # -- inspection -----------------------------------------------------------------------------
+    @property
+    def regions(self) -> list[list[Node]]:
+        """The fusion regions of the compiled program, each a list of nodes, sources first."""
+        by_id = {n.id: n for n in self.program.nodes()}
+        return [[by_id[i] for i in region if i in by_id] for region in self.program.regions]
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path) -> None:
-        """Write a package directory (see ingot.package)."""
+        """Write a package directory (see ingot.package); atomic: all of it or nothing."""
         from .package import save
         save(self, path)
 
@@ -126,16 +195,35 @@ class Executable:
                 f"outputs={self.output_types} nodes={len(self.program.nodes())}>")
 
 
-def _check_feed(name: str, value, t: TensorType):
+def _fits(have: TensorType, want: TensorType) -> bool:
+    """have is want, a dynamic dimension of want matching any size."""
+    return (have.dtype == want.dtype and have.rank == want.rank
+            and all(w is None or h == w for h, w in zip(have.shape, want.shape)))
+
+
+def check_feed(name: str, value, t: TensorType):
+    """The feed as an array of the placeholder's storage dtype and shape, or IngotError.
+
+    Casts only where no value changes kind: floats to the float dtype (float64 -> float32, as
+    Python floats are), integers that fit to the integer dtype, complex128 to complex64.
+    """
     if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
         return value  # device arrays are checked by their backend
     array = np.asarray(value)
     want = t.dtype.storage
+    shape = dt.storage_shape(t.shape, t.dtype)
     if array.dtype != want:
-        if array.dtype.kind == want.kind or (array.dtype.kind in "iu" and want.kind in "iu"):
-            array = array.astype(want)
-        else:
-            raise IngotError(f"run: feed {name!r} has dtype {array.dtype}, expected {t.dtype.name}.")
-    if array.shape != tuple(t.shape) and not (t.dtype.packed):
-        raise IngotError(f"run: feed {name!r} has shape {array.shape}, expected {tuple(t.shape)}.")
+        have_kind = "f" if array.dtype.name == "bfloat16" else array.dtype.kind
+        if t.dtype.packed or not (have_kind == t.dtype.kind or (have_kind in "iu" and t.dtype.kind in "iu")):
+            raise IngotError(f"run: feed {name!r} has dtype {array.dtype}, expected {t.dtype.name}"
+                             + (" (packed two per byte as uint8)." if t.dtype.packed else "."))
+        if t.dtype.kind in "iu" and array.size:
+            info = np.iinfo(want)
+            lo, hi = array.min(), array.max()
+            if lo < info.min or hi > info.max:
+                raise IngotError(f"run: feed {name!r} holds values {lo}..{hi} that do not fit {t.dtype.name}.")
+        array = array.astype(want)
+    if array.shape != shape:
+        raise IngotError(f"run: feed {name!r} has shape {array.shape}, expected {shape}"
+                         + (f" (the packed storage of {t})." if t.dtype.packed else "."))
     return array

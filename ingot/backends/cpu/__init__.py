@@ -157,6 +157,13 @@ class CpuPlan:
                 self.frees[step_of_node[i]] = tuple(slots)
         self.output_slots = [self.slot[n.id] for n in program.outputs]
         self.assign_slots = [(a.src[0].attrs["name"], self.slot[a.src[1].id]) for a in program.assigns]
+        # an output must not alias memory a later run changes (a variable: copy it) or the
+        # constants every run reads (a read-only view)
+        base: dict[int, Node] = {}
+        for n in nodes:
+            base[n.id] = base[n.src[0].id] if (n.op in GroupOp.View or n.attrs.get("inplace")) and n.src else n
+        self.output_fixups = [(i, base[n.id].op == Op.VARIABLE) for i, n in enumerate(program.outputs)
+                              if base[n.id].op in (Op.VARIABLE, Op.CONSTANT)]
 
     def run(self, feeds: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> list[np.ndarray]:
         vals = list(self.initial)
@@ -168,11 +175,29 @@ class CpuPlan:
             vals[out] = fn(*[vals[i] for i in ins])
             for f in frees:
                 vals[f] = None
-        for name, s in self.assign_slots:
-            value = vals[s]
-            if value is not state[name]:
-                state[name] = np.array(value, copy=True) if not value.flags.owndata or value.base is not None else value
-        return [vals[s] for s in self.output_slots]
+        outputs = [vals[s] for s in self.output_slots]
+        for i, copy in self.output_fixups:
+            outputs[i] = np.array(outputs[i], copy=True) if copy else _read_only(outputs[i])
+        if self.assign_slots:
+            _assign(state, [(name, vals[s]) for name, s in self.assign_slots])
+        return outputs
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _assign(state: dict[str, np.ndarray], updates: list[tuple[str, np.ndarray]]) -> None:
+    """Write each new value into its variable's own array (identity kept; in-place updates are done)."""
+    pending = [(state[name], value) for name, value in updates if value is not state[name]]
+    if len(pending) > 1:  # a value that reads another assigned variable must be taken before that one is written
+        pending = [(target, np.array(value, copy=True) if any(other is not target and np.may_share_memory(value, other)
+                                                              for other, _ in pending) else value)
+                   for target, value in pending]
+    for target, value in pending:
+        target[...] = value
 
 
 def _call_step(node: Node, executable) -> StepFn:
@@ -182,7 +207,9 @@ def _call_step(node: Node, executable) -> StepFn:
         target = executable.callables.get(name)
         if target is None:
             raise IngotError(f"call: no executable is bound to {name!r}; pass callables={{{name!r}: exe}} or exe.bind().")
-        return tuple(target.run(list(xs)))
+        outs = target.run(list(xs))
+        # a result that is a view of an input would alias this plan's buffers: give it its own memory
+        return tuple(np.array(o, copy=True) if any(np.may_share_memory(o, x) for x in xs) else o for o in outs)
     return call
 
 

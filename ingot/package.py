@@ -1,12 +1,28 @@
 """The package format: a directory NAME.ingot/ holding
 
-    manifest.json       {"format": "ingot-package", "version": 1, "device": ..., "callables": [...]}
-    graph.json          the compiled program: nodes (sources first), outputs, assigns, annotations
-    weights.safetensors constants and variable initial values, memory-mapped on load
+    manifest.json          {"format": "ingot-package", "version": 2, "device": ..., "callables": [...]}
+    graph.json             the compiled program: nodes (sources first), outputs, assigns, inputs in
+                           order, fusion regions, memory plan, pass history
+    weights.safetensors    constants and variable initial values ("constant:KEY", "variable:NAME"),
+                           in their own dtypes (BF16, C64 included; 4-bit tensors as their packed
+                           uint8 bytes), memory-mapped on load
     callables/NAME.ingot/  one package per bound callable
 
 Nothing is pickled or evaluated: JSON and raw tensor bytes only. A package is written under a
-temporary name and renamed into place, so a failed save leaves nothing half written.
+temporary name and renamed into place, so a failed save leaves nothing half written. Every way a
+package can be broken raises one IngotError naming the file and what is wrong.
+
+Version history: 1 stored bfloat16 as U16 and complex64 as F32 pairs with a dtype table in
+graph.json; 2 stores them as safetensors BF16 and C64 and records the input order.
+
+    >>> import numpy as np, ingot, tempfile, os
+    >>> g = ingot.Graph()
+    >>> x = g.placeholder((2,), name="x")
+    >>> exe = g.compile(targets=[x * 2.0])
+    >>> path = os.path.join(tempfile.mkdtemp(), "double.ingot")
+    >>> exe.save(path)
+    >>> ingot.load(path).run({"x": np.ones(2, np.float32)})[0].tolist()
+    [2.0, 2.0]
 """
 from __future__ import annotations
 
@@ -18,18 +34,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from . import dtypes as dt
 from .errors import IngotError
-from .ir import Node, Op, Program, Ref, TensorType
+from .ir import Node, Op, Program, Ref, TensorType, verify
 
 FORMAT = "ingot-package"
-VERSION = 1
+VERSION = 2
 
-# safetensors dtype names <-> the NumPy dtype that holds the bytes
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint8, "I32": np.int32,
-              "I64": np.int64, "BOOL": np.bool_, "U16": np.uint16, "F64": np.float64}
+# safetensors dtype names -> the NumPy dtype that holds the bytes
+ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+             "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+             "BOOL": np.bool_, "C64": np.complex64}
 
 
 # -- attribute encoding -------------------------------------------------------------------------
@@ -39,28 +58,27 @@ def _encode(value: Any) -> Any:
     if isinstance(value, Ref):
         return {"ref": value.index}
     if isinstance(value, TensorType):
-        return {"tensor_type": {"shape": list(value.shape), "dtype": value.dtype.name}}
+        return {"tensor_type": _encode_type(value)}
     if isinstance(value, (tuple, list)):
         return [_encode(v) for v in value]
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise IngotError(f"package: cannot store attribute value of type {type(value).__name__}.")
+    raise IngotError(f"package: cannot store an attribute value of type {type(value).__name__} ({value!r}).")
 
 
 def _decode(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_decode(v) for v in value)
     if isinstance(value, dict):
-        if "dtype" in value:
+        if set(value) == {"dtype"}:
             return dt.by_name(value["dtype"])
-        if "ref" in value:
+        if set(value) == {"ref"}:
             return Ref(int(value["ref"]))
-        if "tensor_type" in value:
-            t = value["tensor_type"]
-            return TensorType(t["shape"], dt.by_name(t["dtype"]))
-        raise IngotError(f"package: graph.json has an attribute object with unknown keys {sorted(value)}.")
+        if set(value) == {"tensor_type"}:
+            return _decode_type(value["tensor_type"])
+        raise IngotError(f"graph.json has an attribute object with unknown keys {sorted(value)}")
     return value
 
 
@@ -77,98 +95,126 @@ def _decode_type(v) -> Any:
 
 
 # -- save ---------------------------------------------------------------------------------------
-def _storable(array: np.ndarray) -> tuple[np.ndarray, str]:
-    """The array as bytes safetensors accepts, and the dtype to restore."""
-    a = np.ascontiguousarray(array)
-    if a.dtype.name == "bfloat16":
-        return a.view(np.uint16), "bfloat16"
-    if a.dtype == np.complex64:
-        return a.view(np.float32), "complex64"
-    return a, a.dtype.name
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (ascontiguousarray makes 0-d 1-d)
 
 
-def _write(program: Program, device: str, callables: dict, path: Path) -> None:
+def _write(executable, path: Path) -> None:
     from safetensors.numpy import save_file
 
+    program: Program = executable.program
     nodes = program.nodes()
     graph = {
         "nodes": [{"id": n.id, "op": n.op.name, "type": _encode_type(n.type), "src": [s.id for s in n.src],
                    "attrs": {k: _encode(v) for k, v in n.attrs.items()}, "name": n.name} for n in nodes],
         "outputs": [n.id for n in program.outputs],
         "assigns": [n.id for n in program.assigns],
+        "inputs": list(executable.feed_order),
         "regions": [list(r) for r in program.regions],
         "memory_plan": {str(k): v for k, v in program.memory_plan.items()},
-        "buffer_sizes": program.buffer_sizes,
+        "buffer_sizes": list(program.buffer_sizes),
+        "history": [[name, bool(changed)] for name, changed in executable.history],
     }
-    tensors, dtypes = {}, {}
+    tensors = {}
     for prefix, store in (("constant", program.constants), ("variable", program.variables)):
         for key, value in store.items():
-            name = f"{prefix}:{key}"
-            tensors[name], dtypes[name] = _storable(value)
-    graph["tensor_dtypes"] = dtypes
+            tensors[f"{prefix}:{key}"] = _contiguous(value)
     path.mkdir(parents=True)
     (path / "graph.json").write_text(json.dumps(graph))
     save_file(tensors, str(path / "weights.safetensors"))
-    for name, exe in callables.items():
-        _write(exe.program, exe.device, exe.callables, path / "callables" / f"{name}.ingot")
-    manifest = {"format": FORMAT, "version": VERSION, "device": device, "callables": sorted(callables)}
+    for name, exe in executable.callables.items():
+        _write(exe, path / "callables" / f"{name}.ingot")
+    manifest = {"format": FORMAT, "version": VERSION, "device": executable.device,
+                "callables": sorted(executable.callables)}
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
+def _is_package_or_empty(path: Path) -> bool:
+    if not any(path.iterdir()):
+        return True
+    try:
+        return json.loads((path / "manifest.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def save(executable, path) -> None:
+    """Write `executable` as a package directory at path, replacing a package already there.
+
+    Atomic: the package is built under a temporary name next to path and renamed into place; if
+    anything fails, path is as it was before. A path that is a file, or a directory that is not
+    an Ingot package, is refused rather than replaced.
+    """
     path = Path(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent if path.parent.exists() else None))
+    if path.exists() and not (path.is_dir() and _is_package_or_empty(path)):
+        raise IngotError(f"save: {path} exists and is not an Ingot package; refusing to replace it.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         staged = tmp / path.name
-        _write(executable.program, executable.device, executable.callables, staged)
+        _write(executable, staged)
+        old = tmp / "previous"
         if path.exists():
-            old = tmp / "old"
             os.replace(path, old)
-        os.replace(staged, path)
+        try:
+            os.replace(staged, path)
+        except BaseException:
+            if old.exists():
+                os.replace(old, path)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- load ---------------------------------------------------------------------------------------
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, what: type = dict) -> Any:
     if not path.is_file():
         raise IngotError(f"package: {path} is missing.")
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise IngotError(f"package: {path} is not valid JSON ({e}).") from None
+    if not isinstance(value, what):
+        raise IngotError(f"package: {path} holds a JSON {type(value).__name__}, not an object.")
+    return value
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-map every tensor of a safetensors file (its header is 8 bytes of length, then JSON)."""
+    """Memory-map every tensor of a safetensors file (8 bytes of header length, the JSON header, data)."""
     if not path.is_file():
         raise IngotError(f"package: {path} is missing.")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise IngotError(f"package: {path} is truncated ({size} bytes).")
+            raise IngotError(f"package: {path} is truncated ({size} bytes, shorter than a safetensors header).")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise IngotError(f"package: {path} header claims {n} bytes but the file has {size}.")
+            raise IngotError(f"package: {path} is truncated: its header claims {n} bytes but the file has {size}.")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise IngotError(f"package: {path} has a corrupt header.") from None
+    if not isinstance(header, dict):
+        raise IngotError(f"package: {path} has a corrupt header (not a JSON object).")
+    data_size = size - 8 - n
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+            dtype = np.dtype(ST_DTYPES[info["dtype"]])
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise IngotError(f"package: {path} entry {name!r} is malformed ({info}).") from None
         count = int(np.prod(shape, dtype=np.int64))
-        if end - begin != count * dtype.itemsize or 8 + n + end > size or begin < 0:
-            raise IngotError(f"package: {path} is truncated or corrupt at tensor {name!r} "
-                             f"(bytes {begin}..{end} of {size - 8 - n}).")
+        if begin < 0 or end - begin != count * dtype.itemsize:
+            raise IngotError(f"package: {path} entry {name!r} has {end - begin} bytes for {dtype}{list(shape)}.")
+        if end > data_size:
+            raise IngotError(f"package: {path} is truncated: tensor {name!r} needs bytes {begin}..{end} "
+                             f"but the data section has {data_size}.")
         if count == 0:
             out[name] = np.zeros(shape, dtype)
         else:
@@ -176,64 +222,109 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _restore(array: np.ndarray, dtype_name: str) -> np.ndarray:
-    if dtype_name == "bfloat16":
-        return array.view(dt.bfloat16.storage)
-    if dtype_name == "complex64":
-        return array.view(np.complex64)
-    return array
+def _check_tensor(path: Path, what: str, name: str, array: np.ndarray, t: TensorType) -> None:
+    want = dt.storage_shape(t.shape, t.dtype)
+    if array.dtype != t.dtype.storage or array.shape != want:
+        raise IngotError(f"package: {path}/graph.json declares {what} {name!r} as {t} but weights.safetensors holds "
+                         f"{array.dtype}{list(array.shape)}.")
 
 
-def _read_program(path: Path) -> tuple[Program, dict]:
-    manifest = _read_json(path / "manifest.json")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise IngotError(f"package: {path} is not an Ingot package (manifest format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}).")
-    if manifest.get("version") != VERSION:
-        raise IngotError(f"package: {path} has format version {manifest.get('version')}; this Ingot reads version {VERSION}.")
-    graph = _read_json(path / "graph.json")
-    weights = read_safetensors(path / "weights.safetensors")
-    dtypes = graph.get("tensor_dtypes", {})
+def _build_program(path: Path, graph: dict, weights: dict[str, np.ndarray]) -> tuple[Program, list[str]]:
     constants, variables = {}, {}
     for name, array in weights.items():
         prefix, _, key = name.partition(":")
-        array = _restore(array, dtypes.get(name, ""))
+        if prefix not in ("constant", "variable"):
+            raise IngotError(f"package: {path}/weights.safetensors has tensor {name!r}, neither a constant nor a variable.")
         (constants if prefix == "constant" else variables)[key] = array
     nodes: dict[int, Node] = {}
-    try:
-        for entry in graph["nodes"]:
-            try:
-                op = Op[entry["op"]]
-            except KeyError:
-                raise IngotError(f"package: {path}/graph.json uses unknown op {entry['op']!r}.") from None
-            missing = [s for s in entry["src"] if s not in nodes]
-            if missing:
-                raise IngotError(f"package: {path}/graph.json node {entry['id']} refers to undefined nodes {missing}.")
-            attrs = {k: _decode(v) for k, v in entry["attrs"].items()}
-            if op == Op.CONSTANT and attrs["key"] not in constants:
+    for entry in graph["nodes"]:
+        op_name = entry["op"]
+        if not isinstance(op_name, str) or op_name not in Op.__members__:
+            raise IngotError(f"package: {path}/graph.json uses unknown op {op_name!r}; "
+                             "it was written by a newer Ingot or is corrupt.")
+        op = Op[op_name]
+        missing = [s for s in entry["src"] if s not in nodes]
+        if missing:
+            raise IngotError(f"package: {path}/graph.json node {entry['id']} refers to undefined nodes {missing}.")
+        attrs = {k: _decode(v) for k, v in entry["attrs"].items()}
+        node_type = _decode_type(entry["type"])
+        if op == Op.CONSTANT:
+            if attrs["key"] not in constants:
                 raise IngotError(f"package: {path}/graph.json refers to tensor {attrs['key']!r}, absent from weights.safetensors.")
-            if op == Op.VARIABLE and attrs["name"] not in variables:
+            _check_tensor(path, "constant", attrs["key"], constants[attrs["key"]], node_type)
+        if op == Op.VARIABLE:
+            if attrs["name"] not in variables:
                 raise IngotError(f"package: {path}/graph.json refers to variable {attrs['name']!r}, absent from weights.safetensors.")
-            nodes[entry["id"]] = Node(op, _decode_type(entry["type"]), tuple(nodes[s] for s in entry["src"]), attrs, entry["name"])
-        outputs = [nodes[i] for i in graph["outputs"]]
-        assigns = [nodes[i] for i in graph["assigns"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise IngotError(f"package: {path}/graph.json is malformed ({type(e).__name__}: {e}).") from None
+            _check_tensor(path, "variable", attrs["name"], variables[attrs["name"]], node_type)
+        if entry["id"] in nodes:
+            raise IngotError(f"package: {path}/graph.json defines node {entry['id']} twice.")
+        nodes[entry["id"]] = Node(op, node_type, tuple(nodes[s] for s in entry["src"]), attrs, entry["name"])
+    outputs = [nodes[i] for i in graph["outputs"]]
+    assigns = [nodes[i] for i in graph["assigns"]]
     program = Program(outputs, assigns, constants, variables)
-    new_id = {old: n.id for old, n in nodes.items()}
-    program.regions = [tuple(new_id[i] for i in r) for r in graph.get("regions", [])]
-    program.memory_plan = {new_id[int(k)]: v for k, v in graph.get("memory_plan", {}).items()}
-    program.buffer_sizes = list(graph.get("buffer_sizes", []))
-    from .ir import verify
-    verify(program)
-    return program, manifest
+    live = {n.id for n in program.nodes()}
+    regions = []
+    for region in graph.get("regions", []):
+        ids = tuple(nodes[i].id for i in region)
+        if not set(ids) <= live:
+            raise IngotError(f"package: {path}/graph.json has a fusion region over nodes the program does not use.")
+        regions.append(ids)
+    program.regions = regions
+    inputs = [str(name) for name in graph.get("inputs", [])]
+    return program, inputs
+
+
+def _read_package(path: Path) -> tuple[Program, dict, dict]:
+    manifest = _read_json(path / "manifest.json")
+    if manifest.get("format") != FORMAT:
+        raise IngotError(f"package: {path} is not an Ingot package (manifest.json format is {manifest.get('format')!r}, "
+                         f"expected {FORMAT!r}).")
+    if manifest.get("version") != VERSION:
+        raise IngotError(f"package: {path} has format version {manifest.get('version')!r}; this Ingot reads version {VERSION}.")
+    graph = _read_json(path / "graph.json")
+    weights = read_safetensors(path / "weights.safetensors")
+    try:
+        program, inputs = _build_program(path, graph, weights)
+    except IngotError as e:
+        if str(e).startswith("package:"):
+            raise
+        raise IngotError(f"package: {path}/graph.json is malformed: {e}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise IngotError(f"package: {path}/graph.json is malformed ({type(e).__name__}: {e}).") from None
+    try:
+        verify(program)
+    except IngotError as e:
+        raise IngotError(f"package: {path}/graph.json does not describe a valid program: {e}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise IngotError(f"package: {path}/graph.json does not describe a valid program ({type(e).__name__}: {e}).") from None
+    graph["inputs"] = inputs
+    return program, manifest, graph
+
+
+def _callable_names(path: Path, manifest: dict) -> list[str]:
+    names = manifest.get("callables", [])
+    if not isinstance(names, list):
+        raise IngotError(f"package: {path}/manifest.json has callables {names!r}, not a list of names.")
+    for name in names:
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise IngotError(f"package: {path}/manifest.json names a callable {name!r} that is not a plain name.")
+    return names
 
 
 def load(path, device: str | None = None):
+    """Load a package written by Executable.save; weights stay memory-mapped from the file."""
+    from .passes.memory_plan import plan_memory
     from .runtime import Executable
 
     path = Path(path)
     if not path.is_dir():
         raise IngotError(f"package: {path} does not exist or is not a package directory.")
-    program, manifest = _read_program(path)
-    callables = {name: load(path / "callables" / f"{name}.ingot", device) for name in manifest.get("callables", [])}
-    return Executable(program, device=device or manifest.get("device", "cpu"), callables=callables)
+    program, manifest, graph = _read_package(path)
+    # the memory plan is derived data: rebuild it rather than trust sizes read from a file
+    regions = program.regions
+    program, _ = plan_memory(program)
+    program.regions = regions
+    callables = {name: load(path / "callables" / f"{name}.ingot", device) for name in _callable_names(path, manifest)}
+    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
+    device = device or manifest.get("device", "cpu")
+    return Executable(program, device=device, callables=callables, history=history, input_names=graph["inputs"])

@@ -39,10 +39,21 @@ def _sigmoid(x):
     return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)
 
 
+def divide(a, b):
+    """True division for floats; integers divide rounding toward zero (C, ONNX Div, CUDA), keeping their dtype."""
+    if a.dtype.kind not in "iu":
+        return np.divide(a, b)
+    with np.errstate(divide="ignore"):
+        q = np.floor_divide(a, b)
+        return q + ((np.remainder(a, b) != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
+
+
+# NumPy ufuncs (the CPU backend calls them with out=); the references below differ only for integer DIV
 BINARY = {
     Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide, Op.POW: np.power,
     Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
 }
+BINARY_REFERENCE = {**BINARY, Op.DIV: divide}
 COMPARE = {
     Op.EQUAL: np.equal, Op.NOT_EQUAL: np.not_equal, Op.LESS: np.less, Op.LESS_EQUAL: np.less_equal,
     Op.GREATER: np.greater, Op.GREATER_EQUAL: np.greater_equal,
@@ -54,6 +65,7 @@ UNARY = {
     Op.SILU: lambda x: x * _sigmoid(x), Op.ERF: erf, Op.SIN: np.sin, Op.COS: np.cos,
 }
 FLOAT_ONLY = {Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.TANH, Op.SIGMOID, Op.SILU, Op.GELU, Op.ERF, Op.SIN, Op.COS}
+NUMERIC_ONLY = {Op.NEG, Op.ABS}  # not bool: use logical_not
 COMPLEX_OK = {Op.NEG, Op.EXP, Op.ABS, Op.SIN, Op.COS, Op.SQRT, Op.LOG}
 
 
@@ -67,8 +79,8 @@ def _binary_rule(op):
         _no_packed(op, types)
         if types[0].dtype != types[1].dtype:
             raise fail(op, types, "two inputs of the same dtype")
-        if types[0].dtype == dt.bool_ and op not in (Op.MAXIMUM, Op.MINIMUM):
-            raise fail(op, types, "numeric inputs")
+        if types[0].dtype == dt.bool_ and op not in (Op.MAXIMUM, Op.MINIMUM) and op not in GroupOp.Compare:
+            raise fail(op, types, "numeric inputs (logical ops take bools)")
         shape = broadcast_shapes(op, types)
         return TensorType(shape, dt.bool_ if op in GroupOp.Compare or op in GroupOp.Logical else types[0].dtype)
     return rule
@@ -90,6 +102,8 @@ def _unary_rule(op):
             if t.dtype != dt.bool_:
                 raise fail(op, types, "a bool input")
             return t
+        if op in NUMERIC_ONLY and t.dtype == dt.bool_:
+            raise fail(op, types, "a numeric input (logical_not negates bools)")
         if op in FLOAT_ONLY and not t.dtype.is_float and not (t.dtype == dt.complex64 and op in COMPLEX_OK):
             raise fail(op, types, "a floating-point input")
         if op == Op.ABS and t.dtype == dt.complex64:
@@ -98,7 +112,7 @@ def _unary_rule(op):
     return rule
 
 
-for _op, _fn in BINARY.items():
+for _op, _fn in BINARY_REFERENCE.items():
     register(_op, _binary_rule(_op), lambda xs, a, _fn=_fn: _lowp(_fn)(xs[0], xs[1]))
 for _op, _fn in COMPARE.items():
     register(_op, _binary_rule(_op), lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))

@@ -60,7 +60,10 @@ def broadcast_dims(a: Dim, b: Dim) -> Dim:
     return a
 
 
-def broadcast_shapes(op: Op, types: Sequence[TensorType]) -> tuple[Dim, ...]:
+def broadcast_shapes(op: Op, types: Sequence[TensorType], inputs: Sequence[TensorType] | None = None,
+                     what: str = "shapes") -> tuple[Dim, ...]:
+    """NumPy broadcasting of types' shapes. `inputs`: the op's own input types, for the error message
+    when `types` are parts of them (batch dims of a matmul, a mask against the scores)."""
     rank = max(t.rank for t in types)
     out: list[Dim] = [1] * rank
     try:
@@ -68,7 +71,8 @@ def broadcast_shapes(op: Op, types: Sequence[TensorType]) -> tuple[Dim, ...]:
             padded = (1,) * (rank - t.rank) + t.shape
             out = [broadcast_dims(a, b) for a, b in zip(out, padded)]
     except ValueError:
-        raise fail(op, types, "shapes that broadcast together (NumPy rules)") from None
+        shown = "" if inputs is None else f" ({', '.join(str(tuple(t.shape)) for t in types)})"
+        raise fail(op, inputs or types, f"{what} that broadcast together (NumPy rules){shown}") from None
     return tuple(out)
 
 

@@ -20,7 +20,7 @@ def _matmul_rule(types, attrs):
     k1, k2 = ash[-1], bsh[-2]
     if k1 is not None and k2 is not None and k1 != k2:
         raise fail(Op.MATMUL, types, f"inner dimensions that agree ({k1} vs {k2})")
-    batch = broadcast_shapes(Op.MATMUL, [TensorType(ash[:-2]), TensorType(bsh[:-2])])
+    batch = broadcast_shapes(Op.MATMUL, [TensorType(ash[:-2]), TensorType(bsh[:-2])], types, "batch dimensions")
     shape = batch + ((ash[-2],) if a.rank > 1 else ()) + ((bsh[-1],) if b.rank > 1 else ())
     return TensorType(shape, a.dtype)
 
@@ -129,13 +129,17 @@ def _sdpa_rule(types, attrs):
     if (known(hk, hv) and hk != hv) or (known(hq, hk) and hq % hk) or (known(q.shape[-1], k.shape[-1]) and q.shape[-1] != k.shape[-1]) \
             or (known(k.shape[-2], v.shape[-2]) and k.shape[-2] != v.shape[-2]):
         raise fail(Op.SDPA, types, expect)
-    batch = broadcast_shapes(Op.SDPA, [TensorType(q.shape[:-3]), TensorType(k.shape[:-3]), TensorType(v.shape[:-3])])
+    batch = broadcast_shapes(Op.SDPA, [TensorType(q.shape[:-3]), TensorType(k.shape[:-3]), TensorType(v.shape[:-3])], types,
+                             "batch dimensions")
     i = 3
     if attrs.get("has_mask"):
         m = types[i]; i += 1
         if m.dtype not in (dt.bool_, q.dtype):
             raise fail(Op.SDPA, types, f"a bool or {q.dtype.name} mask")
-        broadcast_shapes(Op.SDPA, [m, TensorType(batch + (hq, q.shape[-2], k.shape[-2]))])
+        scores = batch + (hq, q.shape[-2], k.shape[-2])
+        if m.rank > len(scores):
+            raise fail(Op.SDPA, types, f"a mask of rank <= {len(scores)} (it broadcasts to the scores [..., Hq, Tq, Tk])")
+        broadcast_shapes(Op.SDPA, [m, TensorType(scores)], types, "a mask and scores")
     if attrs.get("has_length"):
         length = types[i]
         if length.rank != 0 or not length.dtype.is_int:

@@ -150,6 +150,8 @@ def _slice_rule(types, attrs):
         raise fail(Op.SLICE, types, f"start, end and step for each of {x.rank} axes")
     if any(s == 0 for s in step if not isinstance(s, Ref)):
         raise fail(Op.SLICE, types, "non-zero steps")
+    if any(sz is not None and (sz < 0 or st != 1) for sz, st in zip(size, step)):
+        raise fail(Op.SLICE, types, f"sizes >= 0, and only on axes of step 1, not size {tuple(size)} with step {tuple(step)}")
     for ref in [v for v in (*start, *end) if isinstance(v, Ref)]:
         t = types[ref.index]
         if t.rank != 0 or not t.dtype.is_int:
@@ -186,6 +188,8 @@ def _slice_update_rule(types, attrs):
         if isinstance(s, Ref):
             if types[s.index].rank != 0 or not types[s.index].dtype.is_int:
                 raise fail(Op.SLICE_UPDATE, types, "scalar integer tensors for runtime starts")
+            if d is not None and n is not None and n > d:
+                raise fail(Op.SLICE_UPDATE, types, f"an update that fits: length {n} exceeds {d} at any start")
             continue
         if d is not None and n is not None and not 0 <= s <= d - n:
             raise fail(Op.SLICE_UPDATE, types, f"an update that fits: start {s} + {n} exceeds {d}")

@@ -351,8 +351,6 @@ class Graph:
     def gather(self, x, indices: TensorLike, axis: int = 0):
         x = self._own(x)
         idx = self._lift(indices) if not isinstance(indices, Tensor) else indices
-        if x.node.op == Op.DEQUANTIZE:  # keep quantized tables quantized: dequantize only the rows taken
-            pass
         return self._op(Op.GATHER, [x, idx], {"axis": normalize_axis(Op.GATHER, axis, x.ndim)})
 
     take = gather
@@ -364,7 +362,7 @@ class Graph:
         x = self._own(x)
         rank = x.ndim
         pad = lambda seq, fill: list(seq or []) + [fill] * (rank - len(seq or []))  # noqa: E731
-        start, end, step, size = pad(start, 0), pad(end, None), pad(step, 1), pad(size, None)
+        start, end, step, size = pad(start, None), pad(end, None), pad(step, 1), pad(size, None)
         if max(len(start), len(end), len(step), len(size)) > rank:
             raise IngotError(f"slice: more indices than the {rank} axes of {x.shape}.")
         src: list[Tensor] = [x]
@@ -377,9 +375,10 @@ class Graph:
                 return Ref(len(src) - 1)
             return int(value)
 
-        starts = tuple(entry(s, 0) for s in start)
-        ends = tuple(entry(e, None) for e, st in zip(end, step))
         steps = tuple(int(s) for s in step)
+        # an omitted start is the first element along the step: 0 forwards, the last (-1) backwards
+        starts = tuple(entry(s, 0 if st > 0 else -1) for s, st in zip(start, steps))
+        ends = tuple(entry(e, None) for e in end)
         attrs = {"start": starts, "end": ends, "step": steps}
         if any(s is not None for s in size):
             attrs["size"] = tuple(None if s is None else int(s) for s in size)
@@ -396,7 +395,7 @@ class Graph:
                 start.append(i); end.append(i + 1 if i != -1 else None); step.append(1); drop.append(axis)
             else:
                 raise IngotError(f"tensor indexing takes ints and slices, not {type(item).__name__}.")
-        out = self.slice(x, [0 if s is None else s for s in start], end, step)
+        out = self.slice(x, start, end, step)
         return self.squeeze(out, drop) if drop else out
 
     def slice_update(self, x, update, start: Sequence[Any]):
@@ -476,12 +475,13 @@ class Graph:
         if axis is None or len(core) != 1:
             raise IngotError(f"{what}: a parameter of shape {p.shape} needs axis= (per-axis or per-block) or the rank of the input ({rank}).")
         axis = normalize_axis(what, axis, rank)
-        n = core[0]
-        expect = q.shape[axis] if block_size is None else (q.shape[axis] // block_size if q.shape[axis] else None)
-        if block_size is not None and (block_size <= 0 or q.shape[axis] % block_size):
-            raise IngotError(f"{what}: block_size {block_size} does not divide axis {axis} of length {q.shape[axis]}.")
-        if n != expect and not (block_size is None and q.shape[axis] and q.shape[axis] % n == 0):
-            raise IngotError(f"{what}: a parameter of length {n} does not fit axis {axis} of length {q.shape[axis]} (block size {block_size}).")
+        n, length = core[0], q.shape[axis]
+        if block_size is not None and (block_size <= 0 or (length is not None and length % block_size)):
+            raise IngotError(f"{what}: block_size {block_size} does not divide axis {axis} of the input {q.type} (length {length}).")
+        expect = length if block_size is None or length is None else length // block_size
+        if n != expect and not (block_size is None and length and n and length % n == 0):
+            raise IngotError(f"{what}: a parameter of shape {p.shape} does not fit axis {axis} of the input {q.type} "
+                             f"(block size {block_size}).")
         shape = [1] * rank
         shape[axis] = n
         return self.reshape(p, tuple(shape) + tail)
@@ -503,6 +503,8 @@ class Graph:
         else:
             attrs.update(mode="affine", has_zero_point=zero_point is not None, has_bias=bias is not None)
             params = [self._block_param(p, q, axis, block_size, "dequantize") for p in (scale, zero_point, bias) if p is not None]
+            if zero_point is not None and params[1].dtype.is_int:  # zero points are often stored as integers
+                params[1] = self.cast(params[1], dt.float32)
         return self._op(Op.DEQUANTIZE, [q] + params, attrs)
 
     def quantize(self, x, dtype: dt.DType, scale=None, zero_point=None, axis: int | None = None,

@@ -86,7 +86,7 @@ def pack_int4(values: np.ndarray) -> np.ndarray:
     nib = (v.astype(np.int16) & 0xF).astype(np.uint8)
     if n % 2:
         nib = np.concatenate([nib, np.zeros(nib.shape[:-1] + (1,), np.uint8)], axis=-1)
-    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray((nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8))
 
 
 def unpack_int4(packed: np.ndarray, n: int, signed: bool) -> np.ndarray:

@@ -95,25 +95,27 @@ class Weights:
         return self.g.constant(np.asarray(self.get(name), np.float32), name=name)
 
     def matrix(self, name: str, shape: tuple[int, int]) -> Tensor:
-        """The weight as a [out, in] float tensor: a dequantize node when the weight is quantized."""
+        """The [out, in] weight as an [in, out] float tensor: a dequantize of its k-major form when
+        quantized (the reduction axis first is what the CPU GEMV reads fastest; see QuantizedTensor)."""
         w = self.get(name)
         if tuple(w.shape) != shape:
             raise IngotError(f"{self.path}: tensor {name} has shape {tuple(w.shape)}, expected {shape}.")
         g = self.g
         if isinstance(w, QuantizedTensor):
+            w = w.to_k_major() if w.block_axis == 1 else w
             q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
             params = {"scale": g.constant(w.scale, name=f"{name}.scale")}
             if w.zero_point is not None:
                 params["zero_point"] = g.constant(w.zero_point, name=f"{name}.zero_point")
             if w.bias is not None:
                 params["bias"] = g.constant(w.bias, name=f"{name}.bias")
-            return g.dequantize(q, axis=1, block_size=w.block_size, **params)
-        return g.constant(np.asarray(w, np.float32), name=name)
+            return g.dequantize(q, axis=0, block_size=w.block_size, **params)
+        return g.constant(np.ascontiguousarray(np.asarray(w, np.float32).T), name=name)
 
 
 def linear(g: Graph, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ w.T (+ bias); x: [T, in], w: [out, in]."""
-    y = g.matmul(x, g.transpose(w, (1, 0)))
+    """x @ w (+ bias); x: [T, in], w: [in, out]."""
+    y = g.matmul(x, w)
     return y + bias if bias is not None else y
 
 
@@ -177,8 +179,8 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "") -> LlamaGraph:
     if "rope_freqs.weight" in tensors:                         # Llama 3 frequency scaling
         inv_freq = inv_freq / np.asarray(tensors["rope_freqs.weight"], np.float32)
     inv_freq = (inv_freq / np.float32(cfg.rope_scale)).astype(np.float32)
-    embed = weights.matrix("token_embd.weight", (cfg.vocab_size, cfg.dim))
-    x = g.gather(embed, tokens, axis=0)                        # [T, dim]; only these rows are dequantized
+    embed = weights.matrix("token_embd.weight", (cfg.vocab_size, cfg.dim))   # [dim, vocab]
+    x = g.transpose(g.gather(embed, tokens, axis=1), (1, 0))  # [T, dim]; only these columns are dequantized
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."
         x = x + attention(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "attn_norm.weight"), cfg.norm_eps), pos, inv_freq)

@@ -178,21 +178,38 @@ register(Op.QUANTIZED_MATMUL, _quantized_matmul_rule, quantized_matmul_reference
 def _quantized_gather_rule(types, attrs):
     weight = _dequantize_rule(types[:-1], attrs)
     idx = types[-1]
-    if idx.dtype not in (dt.int32, dt.int64) or weight.rank != 2:
-        raise fail(Op.QUANTIZED_GATHER, types, "a 2-D quantized table and int32/int64 indices")
+    axis = attrs.get("axis", 0)
+    if idx.dtype not in (dt.int32, dt.int64) or weight.rank != 2 or axis not in (0, 1):
+        raise fail(Op.QUANTIZED_GATHER, types, "a 2-D quantized table, int32/int64 indices and axis 0 or 1")
+    if axis == 1:
+        return TensorType(weight.shape[:1] + idx.shape, weight.dtype)
     return TensorType(idx.shape + weight.shape[1:], weight.dtype)
 
 
 def quantized_gather_reference(xs, attrs):
+    """Rows (axis 0) or columns (axis 1) of a quantized table, dequantizing only those taken."""
     q, params, idx = xs[0], xs[1:-1], xs[-1]
-    rows = q.shape[0]
+    qdtype = attrs["qdtype"]
+    axis = attrs.get("axis", 0)
+    n = q.shape[0] if axis == 0 else q.shape[1] * (2 if qdtype.packed else 1)
     flat = idx.reshape(-1).astype(np.intp)
-    if flat.size and (flat.min() < 0 or flat.max() >= rows):
+    if flat.size and (flat.min() < 0 or flat.max() >= n):
         from ..errors import IngotError
-        raise IngotError(f"quantized_gather: indices span {flat.min()}..{flat.max()} but the table has {rows} rows.")
-    sub = [p if p.shape[0] == 1 else p[flat // (rows // p.shape[0])] for p in params]
-    out = dequantize_values(unpack(q[flat], attrs["qdtype"]), sub, attrs)
-    return out.reshape(idx.shape + out.shape[1:])
+        raise IngotError(f"quantized_gather: indices span {flat.min()}..{flat.max()} but axis {axis} of the table has {n} entries.")
+    if axis == 0:
+        sub = [p if p.shape[0] == 1 else p[flat // (n // p.shape[0])] for p in params]
+        out = dequantize_values(unpack(q[flat], qdtype), sub, attrs)
+        return out.reshape(idx.shape + out.shape[1:])
+    values = unpack(q, qdtype)[:, flat] if not qdtype.packed else _unpacked_columns(q, flat, qdtype)
+    sub = [p if p.shape[1] == 1 else p[:, flat // (n // p.shape[1])] for p in params]
+    out = dequantize_values(values, sub, attrs)
+    return out.reshape(out.shape[:1] + idx.shape)
+
+
+def _unpacked_columns(q, cols, qdtype):
+    byte = q[:, cols // 2]
+    nib = np.where(cols % 2 == 0, byte & 0xF, byte >> 4).astype(np.uint8)
+    return ((nib.astype(np.int8) << 4) >> 4).astype(np.int8) if qdtype.kind == "i" else nib
 
 
 register(Op.QUANTIZED_GATHER, _quantized_gather_rule, quantized_gather_reference)

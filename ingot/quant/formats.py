@@ -7,6 +7,11 @@ parameters per block of `block_size` consecutive columns, as float32 [rows, cols
     w[r, c] = (q[r, c] - zero_point[r, b]) * scale[r, b] + bias[r, b],   b = c // block_size
 
 zero_point and bias are optional. Every GGUF quant type converts into this losslessly.
+
+`to_k_major()` gives the transposed form a matmul reads best on the CPU: the logical [cols, rows]
+matrix (reduction axis first), packed along rows, blocks along axis 0, parameters
+[cols // block_size, rows]. A GEMV over it accumulates whole rows of outputs at once (vectorised
+across outputs, no per-block horizontal sums). `block_axis` says which form a tensor is in.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class QuantizedTensor:
     bias: np.ndarray | None = None   # float32 [rows, cols // block_size]
     zero_point: np.ndarray | None = None
     source: str = ""                 # e.g. "Q4_1" for a GGUF tensor
+    block_axis: int = 1              # 1: blocks run along cols (GGUF's form); 0: along rows (k-major)
 
     @property
     def nbytes(self) -> int:
@@ -43,10 +49,28 @@ class QuantizedTensor:
         """float32 rows [start:stop]; for tests and small slices, never the whole of a big weight."""
         stop = self.shape[0] if stop is None else stop
         v = self.values()[start:stop].astype(np.float32)
-        rep = lambda p: np.repeat(p[start:stop], self.block_size, axis=1)  # noqa: E731
+        if self.block_axis == 0:
+            rep = lambda p: np.repeat(p, self.block_size, axis=0)[start:stop]  # noqa: E731
+        else:
+            rep = lambda p: np.repeat(p[start:stop], self.block_size, axis=1)  # noqa: E731
         if self.zero_point is not None:
             v = v - rep(self.zero_point)
         v = v * rep(self.scale)
         if self.bias is not None:
             v = v + rep(self.bias)
         return v
+
+    def to_k_major(self) -> "QuantizedTensor":
+        """The same weight transposed: logical [cols, rows], packed along rows, blocks along axis 0."""
+        if self.block_axis != 1:
+            raise ValueError("already k-major")
+        values = self.values().T                                  # [cols, rows]
+        if self.qdtype.packed:
+            if self.shape[0] % 2:
+                raise ValueError(f"k-major 4-bit needs an even number of rows, not {self.shape[0]}")
+            q = dt.pack_int4(values)
+        else:
+            q = np.ascontiguousarray(values)
+        t = lambda p: None if p is None else np.ascontiguousarray(p.T)  # noqa: E731
+        return QuantizedTensor(q, self.qdtype, (self.shape[1], self.shape[0]), self.block_size, t(self.scale),
+                               t(self.bias), t(self.zero_point), self.source, block_axis=0)

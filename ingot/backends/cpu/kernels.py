@@ -17,92 +17,142 @@ from ...ops import quant as quant_ops
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _gemv_packed4(x_even, x_odd, x_block_sum, q, scale, offset, flip, out):
-    """out[m, n] = sum_b scale[n,b] * sum_j q[n,b,j] x[m,b,j] + offset[n,b] * sum_j x[m,b,j].
-
-    q: [N, K/2] bytes, low nibble = even k. x_even/x_odd: [M, K/2] (x deinterleaved).
-    flip = 8 makes nibbles signed (int4), 0 leaves them unsigned (uint4).
-    """
-    m_rows, half = x_even.shape
-    n_rows = q.shape[0]
-    nb = scale.shape[1]
-    bh = half // nb
-    for n in prange(n_rows):
-        for m in range(m_rows):
-            acc = 0.0
-            for b in range(nb):
-                s = np.float32(0.0)
-                base = b * bh
-                for j in range(base, base + bh):
-                    byte = q[n, j]
-                    lo = np.float32(((byte & 15) ^ flip) - flip)
-                    hi = np.float32(((byte >> 4) ^ flip) - flip)
-                    s += lo * x_even[m, j] + hi * x_odd[m, j]
-                acc += scale[n, b] * s + offset[n, b] * x_block_sum[m, b]
-            out[m, n] = acc
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _gemv_int8(x, x_block_sum, q, scale, offset, out):
+def _kmajor_packed4(x, xsum, q, scale_even, scale_odd, offset_even, offset_odd, flip, chunks, out):
+    """out[m, :] = x[m] @ W for a k-major 4-bit W: q [K, N/2] (low nibble = even column),
+    parameters [K / block, N/2] split by column parity. Vectorised across output columns."""
     m_rows, k = x.shape
-    n_rows = q.shape[0]
-    nb = scale.shape[1]
+    half = q.shape[1]
+    nb = scale_even.shape[0]
     bs = k // nb
-    for n in prange(n_rows):
+    fflip = np.float32(flip)
+    step = (half + chunks - 1) // chunks
+    for c in prange(chunks):
+        lo = c * step
+        hi = min(half, lo + step)
+        w = hi - lo
+        acc_e = np.empty(w, np.float32)
+        acc_o = np.empty(w, np.float32)
+        res_e = np.empty(w, np.float32)
+        res_o = np.empty(w, np.float32)
         for m in range(m_rows):
-            acc = 0.0
+            res_e[:] = 0
+            res_o[:] = 0
             for b in range(nb):
-                s = np.float32(0.0)
-                for j in range(b * bs, (b + 1) * bs):
-                    s += np.float32(q[n, j]) * x[m, j]
-                acc += scale[n, b] * s + offset[n, b] * x_block_sum[m, b]
-            out[m, n] = acc
+                acc_e[:] = 0
+                acc_o[:] = 0
+                for kk in range(b * bs, b * bs + bs):
+                    xv = x[m, kk]
+                    row = q[kk, lo:hi]
+                    for i in range(w):
+                        byte = row[i]  # (nibble ^ 8) - 8 sign-extends an int4; flip = 0 for uint4
+                        acc_e[i] += (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * xv
+                        acc_o[i] += (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * xv
+                xs = xsum[m, b]
+                for i in range(w):
+                    res_e[i] += acc_e[i] * scale_even[b, lo + i] + offset_even[b, lo + i] * xs
+                    res_o[i] += acc_o[i] * scale_odd[b, lo + i] + offset_odd[b, lo + i] * xs
+            for i in range(w):
+                out[m, 2 * (lo + i)] = res_e[i]
+                out[m, 2 * (lo + i) + 1] = res_o[i]
 
 
-def _canonical_params(params, attrs, n_rows: int, n_blocks_max: int):
-    """scale and offset as [N, nb] (views where possible): w = q * scale + offset per block."""
-    scale = params[0]
+def _kmajor_int8(x, xsum, q, scale, offset, chunks, out):
+    """out[m, :] = x[m] @ W for a k-major 8-bit W: q [K, N], parameters [K / block, N]."""
+    m_rows, k = x.shape
+    n = q.shape[1]
+    nb = scale.shape[0]
+    bs = k // nb
+    step = (n + chunks - 1) // chunks
+    for c in prange(chunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        w = hi - lo
+        acc = np.empty(w, np.float32)
+        res = np.empty(w, np.float32)
+        for m in range(m_rows):
+            res[:] = 0
+            for b in range(nb):
+                acc[:] = 0
+                for kk in range(b * bs, b * bs + bs):
+                    xv = x[m, kk]
+                    row = q[kk, lo:hi]
+                    for i in range(w):
+                        acc[i] += np.float32(row[i]) * xv
+                xs = xsum[m, b]
+                for i in range(w):
+                    res[i] += acc[i] * scale[b, lo + i] + offset[b, lo + i] * xs
+            for i in range(w):
+                out[m, lo + i] = res[i]
+
+
+_serial = dict(fastmath=True, cache=True, nogil=True)
+kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
+kmajor_int8 = njit(**_serial)(_kmajor_int8)
+kmajor_packed4_parallel = njit(parallel=True, **_serial)(_kmajor_packed4)
+kmajor_int8_parallel = njit(parallel=True, **_serial)(_kmajor_int8)
+THREADS = int(__import__("os").environ.get("INGOT_CPU_THREADS", "1"))  # >1: split columns over numba threads
+
+
+def _kmajor_params(params, attrs, k: int, n: int):
+    """scale and offset [nb, N] float32 (w = q * scale + offset per block), from block-broadcast params."""
+    scale = params[0].astype(np.float32, copy=False)
     i = 1
     zero_point = params[i] if attrs.get("has_zero_point") else None
     i += zero_point is not None
     bias = params[i] if attrs.get("has_bias") else None
-    nb = max(p.shape[1] for p in params)
-    shape = (n_rows, nb)
-    scale_f = np.broadcast_to(scale.astype(np.float32, copy=False), shape)
-    offset = np.zeros(shape, np.float32) if bias is None else np.broadcast_to(bias.astype(np.float32, copy=False), shape)
+    nb = max(p.shape[0] for p in params)
+    shape = (nb, n)
+    scale_full = np.ascontiguousarray(np.broadcast_to(scale, shape))
+    offset = np.zeros(shape, np.float32) if bias is None else np.ascontiguousarray(np.broadcast_to(bias.astype(np.float32), shape))
     if zero_point is not None:
-        offset = offset - np.broadcast_to(zero_point.astype(np.float32), shape) * scale_f
-    return scale_f, offset, nb
+        offset = offset - np.broadcast_to(zero_point.astype(np.float32), shape) * scale_full
+    return scale_full, np.ascontiguousarray(offset, np.float32), nb
 
 
 def quantized_matmul_step(node: Node, out):
+    """quantized_matmul on the CPU: the packed GEMV kernels for up to GEMV_MAX_ROWS rows of a k-major
+    (transpose=False) affine weight; otherwise the tiled reference (dequantize a tile, BLAS matmul)."""
     attrs = node.attrs
     qdtype = attrs["qdtype"]
-    fast = attrs["mode"] == "affine" and attrs.get("transpose") and node.dtype.name == "float32"
+    fast = attrs["mode"] == "affine" and not attrs.get("transpose") and node.dtype.name == "float32"
     reference = quant_ops.quantized_matmul_reference
+    prepared: dict = {}
+
+    def prepare(q, params, k):
+        key = tuple(id(p) for p in params)
+        hit = prepared.get(key)
+        if hit is None:
+            n = q.shape[1] * (2 if qdtype.packed else 1)
+            scale, offset, nb = _kmajor_params(params, attrs, k, n)
+            if qdtype.packed:
+                parts = (np.ascontiguousarray(scale[:, 0::2]), np.ascontiguousarray(scale[:, 1::2]),
+                         np.ascontiguousarray(offset[:, 0::2]), np.ascontiguousarray(offset[:, 1::2]))
+            else:
+                parts = (scale, offset)
+            hit = prepared[key] = (parts, nb, n, params)  # params kept alive so ids stay valid
+        return hit
 
     def step(x, q, *params):
+        k = x.shape[-1]
         rows = int(np.prod(x.shape[:-1]))
         if not fast or rows > GEMV_MAX_ROWS:
             return reference((x, q) + params, attrs)
-        n_rows, k = q.shape[0], x.shape[-1]
-        scale, offset, nb = _canonical_params(params, attrs, n_rows, k)
-        if k % nb or (qdtype.packed and (k // nb) % 2):
+        parts, nb, n, _ = prepare(q, params, k)
+        if k % nb:
             return reference((x, q) + params, attrs)
         x2 = np.ascontiguousarray(x.reshape(rows, k), dtype=np.float32)
         xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
-        result = np.empty((rows, n_rows), np.float32)
+        result = np.empty((rows, n), np.float32)
         if qdtype.packed:
-            _gemv_packed4(np.ascontiguousarray(x2[:, 0::2]), np.ascontiguousarray(x2[:, 1::2]), xsum, q,
-                          scale, offset, 8 if qdtype.kind == "i" else 0, result)
+            kernel = kmajor_packed4_parallel if THREADS > 1 else kmajor_packed4
+            kernel(x2, xsum, q, *parts, np.uint8(8 if qdtype.kind == "i" else 0), THREADS, result)
         else:
-            _gemv_int8(x2, xsum, q, scale, offset, result)
-        return result.reshape(x.shape[:-1] + (n_rows,))
+            kernel = kmajor_int8_parallel if THREADS > 1 else kmajor_int8
+            kernel(x2, xsum, q, *parts, THREADS, result)
+        return result.reshape(x.shape[:-1] + (n,))
     return step
 
 
-@njit(parallel=True, fastmath=True, cache=True)
 def _attention(q, k, v, length, scale, causal, out):
     """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D]; keys >= length ignored; causal aligned to length."""
     nbatch, hq, tq, d = q.shape
@@ -144,6 +194,10 @@ def _attention(q, k, v, length, scale, causal, out):
                     out[b, h, t, e] += p * v[b, kh, j, e]
 
 
+attention = njit(**_serial)(_attention)
+attention_parallel = njit(parallel=True, **_serial)(_attention)
+
+
 def sdpa_step(node: Node):
     attrs = node.attrs
     scale_attr = attrs.get("scale")
@@ -155,7 +209,7 @@ def sdpa_step(node: Node):
         length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
         scale = np.float32(scale_attr if scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
         out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
-        _attention(q, k, v, length, scale, attrs.get("causal", False), out)
+        (attention_parallel if THREADS > 1 else attention)(q, k, v, length, scale, attrs.get("causal", False), out)
         return out
     return step
 

@@ -313,6 +313,28 @@ def test_truncated_files(tmp_path):
             assert "blk.0.attn_q.weight" in msg and f"only {cut} bytes" in msg, msg
 
 
+def test_truncated_last_string_without_tensors(tmp_path):
+    """The reference reader would silently return a shortened string here."""
+    p = write_gguf(tmp_path / "z.gguf", kv={"general.name": ("hello world", V.STRING)})
+    assert read_gguf(p).get("general.name") == "hello world"
+    cut = tmp_path / "z_cut.gguf"
+    data = open(p, "rb").read()
+    cut.write_bytes(data[:data.index(b"hello world") + 5])
+    with pytest.raises(IngotError, match="truncated or corrupt.*after key 'general.architecture'") as e:
+        read_gguf(cut)
+    one_sentence(str(e.value), str(cut))
+
+
+def test_unsupported_version(tmp_path):
+    p = small_file(tmp_path)
+    data = bytearray(open(p, "rb").read())
+    data[4:8] = (99).to_bytes(4, "little")
+    open(p, "wb").write(bytes(data))
+    with pytest.raises(IngotError, match="version 99") as e:
+        read_gguf(p)
+    one_sentence(str(e.value), p)
+
+
 def test_corrupt_tensor_type_id(tmp_path):
     p = small_file(tmp_path)
     r = gguf.GGUFReader(p)

@@ -80,10 +80,19 @@ def _reader_class():
         _stage: str = "fixed header"
         _tensor_infos: tuple[int, list] | None = None
 
+        def _get(self, offset, dtype, count=1, *args, **kwargs):
+            # The reference slices the memmap: at the end of a cut-off file it fails obscurely or
+            # returns fewer values.
+            n, item = int(count), np.dtype(dtype)
+            if int(offset) + n * item.itemsize > self.data.shape[0]:
+                raise ValueError(f"{n} x {item.name} at byte {int(offset)} run past the end of the file")
+            return super()._get(offset, dtype, count, *args, **kwargs)
+
         def _push_field(self, fld, skip_sum=False):
             out = super()._push_field(fld, skip_sum)
             self._last_key = fld.name
-            self._stage = "metadata"
+            if fld.name == "GGUF.kv_count" or not fld.name.startswith("GGUF."):
+                self._stage = "metadata"
             return out
 
         def _build_tensor_info(self, offs, count):
@@ -246,8 +255,7 @@ def _rep16(half: int) -> np.uint64:
 
 _LOW4, _ONE = _rep(0x0F), _rep(0x01)
 _EVEN_LO, _EVEN_HI = _rep16(0x000F), _rep16(0x00F0)      # the low byte of each 16-bit lane
-_SH = {k: np.uint64(k) for k in (2, 4, 8, 16, 32)}
-_PAIRS1, _PAIRS2 = np.uint64(0x0000FFFF0000FFFF), np.uint64(0x00000000FFFFFFFF)
+_SH = {k: np.uint64(k) for k in (4, 8)}
 
 
 def _words(field: np.ndarray, words_per_row: int) -> np.ndarray:
@@ -258,13 +266,7 @@ def _words(field: np.ndarray, words_per_row: int) -> np.ndarray:
 
 def _even_bytes(x: np.ndarray) -> np.ndarray:
     """u64 [..., 2] whose values sit in the even bytes -> u64 [...] of those 8 bytes in order."""
-    x |= x >> _SH[8]
-    x &= _PAIRS1
-    x |= x >> _SH[16]
-    x &= _PAIRS2
-    out = x[..., 1] << _SH[32]
-    out |= x[..., 0]
-    return out
+    return x.view("<u2").astype(np.uint8).view(_U64).reshape(x.shape[:-1])
 
 
 def _repack_nibbles(field: np.ndarray, q: np.ndarray, group: int) -> None:

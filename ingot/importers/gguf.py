@@ -26,12 +26,17 @@ Block layouts (per GGUF block; d, m, dmin are little-endian f16):
     Q4_K  d, dmin, scales[12] (8 six-bit scales and mins), qs[128]: each 32-byte chunk c holds
           sub-block 2c in its low nibbles and 2c+1 in its high nibbles
     Q5_K  d, dmin, scales[12], qh[32] (bit s of byte j = 5th bit of element j of sub-block s), qs[128]
-    Q6_K  ql[128], qh[64], scales[16] int8, d
-GGUF's nibble order is re-packed into Ingot's (two per byte, low nibble = even column).
+    Q6_K  ql[128] (each 64-byte half h: low nibbles = elements 128h..128h+63, high nibbles the next
+          64), qh[64] (each 32-byte half h: bits 2s..2s+1 of byte j = top bits of element
+          128h + 32s + j), scales[16] int8, d
+GGUF's nibble order is re-packed into Ingot's (two per byte, low nibble = even column). A 1-D
+quantized tensor becomes [1, cols]; quantized tensors of more dimensions are refused.
 
-gguf.GGUFReader parses every element of a metadata array as separate memmap views, which takes
-~11 s for a 49k-token vocabulary; `_Reader` below overrides only that step with a vectorised one
-that yields the same ReaderField parts.
+gguf.GGUFReader builds separate memmap views for every element of a metadata array, which takes
+~11 s for a 49k-token vocabulary. `_Reader` overrides that step with a bulk one (same ReaderField
+data indices; string arrays keep only the string bytes as parts), bounds-checks every read (the
+reference returns short strings from a cut-off file) and records how far parsing got, so that a
+failure can be explained in one sentence.
 """
 from __future__ import annotations
 

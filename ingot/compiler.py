@@ -121,7 +121,10 @@ def compile_graph(graph, targets: list[Node], assigns: list[Node], feed_types: d
     if unknown:
         raise IngotError(f"compile: feeds {sorted(unknown)} are not placeholders the targets depend on "
                          f"(those are {sorted(placeholders)}).")
+    declared_types = {n.name: n.type for n in program.nodes() if n.op == Op.PLACEHOLDER}
     program, history = run_pipeline(program, debug, feed_types=feed_types)
     # inputs in the order they were declared, which is the order run() takes a list in
-    declared = [name for name in getattr(graph, "placeholders", {}) if name in placeholders]
-    return Executable(program, device=device, callables=callables, history=history, input_names=declared)
+    order = [name for name in getattr(graph, "placeholders", {}) if name in placeholders]
+    order += sorted(placeholders - set(order))
+    inputs = [(name, feed_types.get(name, declared_types[name])) for name in order]
+    return Executable(program, device=device, callables=callables, history=history, inputs=inputs)

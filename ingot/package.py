@@ -110,7 +110,7 @@ def _write(executable, path: Path) -> None:
                    "attrs": {k: _encode(v) for k, v in n.attrs.items()}, "name": n.name} for n in nodes],
         "outputs": [n.id for n in program.outputs],
         "assigns": [n.id for n in program.assigns],
-        "inputs": list(executable.feed_order),
+        "inputs": [{"name": name, "type": _encode_type(executable.feed_types[name])} for name in executable.feed_order],
         "regions": [list(r) for r in program.regions],
         "memory_plan": {str(k): v for k, v in program.memory_plan.items()},
         "buffer_sizes": list(program.buffer_sizes),
@@ -229,7 +229,7 @@ def _check_tensor(path: Path, what: str, name: str, array: np.ndarray, t: Tensor
                          f"{array.dtype}{list(array.shape)}.")
 
 
-def _build_program(path: Path, graph: dict, weights: dict[str, np.ndarray]) -> tuple[Program, list[str]]:
+def _build_program(path: Path, graph: dict, weights: dict[str, np.ndarray]) -> tuple[Program, list[tuple[str, TensorType]]]:
     constants, variables = {}, {}
     for name, array in weights.items():
         prefix, _, key = name.partition(":")
@@ -270,7 +270,7 @@ def _build_program(path: Path, graph: dict, weights: dict[str, np.ndarray]) -> t
             raise IngotError(f"package: {path}/graph.json has a fusion region over nodes the program does not use.")
         regions.append(ids)
     program.regions = regions
-    inputs = [str(name) for name in graph.get("inputs", [])]
+    inputs = [(str(entry["name"]), _decode_type(entry["type"])) for entry in graph.get("inputs", [])]
     return program, inputs
 
 
@@ -327,4 +327,7 @@ def load(path, device: str | None = None):
     callables = {name: load(path / "callables" / f"{name}.ingot", device) for name in _callable_names(path, manifest)}
     history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
     device = device or manifest.get("device", "cpu")
-    return Executable(program, device=device, callables=callables, history=history, input_names=graph["inputs"])
+    try:
+        return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"])
+    except IngotError as e:
+        raise IngotError(f"package: {path} cannot be loaded: {e}") from None

@@ -71,17 +71,22 @@ class Executable:
     """A compiled graph. `run` takes feeds by placeholder name or tensor and returns the targets."""
 
     def __init__(self, program: Program, device: str = "cpu", callables: Mapping[str, "Executable"] | None = None,
-                 history: Sequence[tuple[str, bool]] = (), input_names: Sequence[str] | None = None):
+                 history: Sequence[tuple[str, bool]] = (), inputs: Sequence[tuple[str, TensorType]] = ()):
+        """inputs: every (name, type) the caller declared, in order; compile may have made some of
+        them unnecessary (a folded dim()), they are still accepted and checked, then not used."""
         self.program = program
         self.device = device
         self.history = list(history)
         self.backend = get_backend(device)
         nodes = program.nodes()
         found = {n.name: n.type for n in nodes if n.op == Op.PLACEHOLDER}
-        order = [n for n in (input_names or ()) if n in found]
-        order += [n for n in found if n not in order]  # any the caller did not list, in graph order
-        self.feed_order: list[str] = order
-        self.feed_types: dict[str, TensorType] = {n: found[n] for n in order}
+        declared = dict(inputs)
+        for name, t in found.items():
+            if declared.setdefault(name, t) != t:
+                raise IngotError(f"executable: input {name!r} is declared as {declared[name]} but the program reads {t}.")
+        self.feed_order: list[str] = list(declared)
+        self.feed_types: dict[str, TensorType] = declared
+        self._used_inputs = frozenset(found)
         self.output_types = [n.type for n in program.outputs]
         self.call_sites: dict[str, Node] = {n.attrs["name"]: n for n in nodes if n.op == Op.CALL}
         self.callables: dict[str, Executable] = {}
@@ -174,7 +179,9 @@ class Executable:
         out = {}
         for name, value in named.items():
             t = self.feed_types[name]
-            out[name] = self.backend.from_host(check_feed(name, value, t), t)
+            value = check_feed(name, value, t)
+            if name in self._used_inputs:
+                out[name] = self.backend.from_host(value, t)
         return out
 
     # -- inspection -----------------------------------------------------------------------------

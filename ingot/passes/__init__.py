@@ -8,7 +8,9 @@ apply.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
+
+import numpy as np
 
 from ..ir import Node, Op, Program, consumers
 from ..ops import infer_type
@@ -55,3 +57,33 @@ def graph_rewrite(program: Program, rules: Iterable[tuple[Iterable[Op], Rule]], 
         memo[node.id] = new
     out = program.with_roots([memo[n.id] for n in program.outputs], [memo[n.id] for n in program.assigns])
     return out, changed
+
+
+def evaluate(program: Program, feeds: dict[str, Any], variables: dict[str, Any] | None = None) -> list[Any]:
+    """Run a program node by node with the NumPy references: the oracle passes are tested against.
+
+    No lowering, no memory plan, no in-place writes (an in-place slice_update is computed as a copy).
+    Variables default to their initial values; calls are not supported.
+
+        >>> import numpy as np, ingot
+        >>> g = ingot.Graph()
+        >>> x = g.placeholder((2,), name="x")
+        >>> evaluate(Program([(x * 3.0).node], [], dict(g.constants)), {"x": np.ones(2, np.float32)})[0].tolist()
+        [3.0, 3.0]
+    """
+    from ..ops import reference
+
+    variables = program.variables if variables is None else variables
+    values: dict[int, Any] = {}
+    for node in program.nodes():
+        if node.op == Op.PLACEHOLDER:
+            values[node.id] = np.asarray(feeds[node.name])
+        elif node.op == Op.CONSTANT:
+            values[node.id] = program.constants[node.attrs["key"]]
+        elif node.op == Op.VARIABLE:
+            values[node.id] = variables[node.attrs["name"]]
+        elif node.op == Op.ASSIGN:
+            values[node.id] = values[node.src[1].id]
+        else:
+            values[node.id] = reference(node.op, [values[s.id] for s in node.src], node.attrs)
+    return [values[n.id] for n in program.outputs]

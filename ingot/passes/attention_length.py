@@ -5,7 +5,9 @@ shape: every shape stays static (CUDA graphs need that) and the cache is read wh
 """
 from __future__ import annotations
 
-from ..ir import Node, Op, Program, Ref
+import numpy as np
+
+from ..ir import Node, Op, Program, Ref, freeze
 from ..ops import infer_type
 from . import Context, graph_rewrite
 
@@ -28,11 +30,25 @@ def _prefix(node: Node):
     return buffer, node.src[end[rank - 2].index]
 
 
+def _same_value(a: Node, b: Node, constants: dict, depth: int = 4) -> bool:
+    """a and b compute the same scalar (the same node, or the same op over the same sources: pos + 1 twice)."""
+    if a is b:
+        return True
+    if depth == 0 or a.op != b.op or a.type != b.type or len(a.src) != len(b.src) or a.op == Op.CALL:
+        return False
+    if a.op in (Op.PLACEHOLDER, Op.VARIABLE):
+        return a.name == b.name
+    if a.op == Op.CONSTANT:
+        x, y = constants[a.attrs["key"]], constants[b.attrs["key"]]
+        return x.size <= 16 and x.dtype == y.dtype and np.array_equal(x, y)
+    return freeze(a.attrs) == freeze(b.attrs) and all(_same_value(x, y, constants, depth - 1) for x, y in zip(a.src, b.src))
+
+
 def _rewrite(node: Node, ctx: Context) -> Node | None:
     if node.attrs.get("has_length") or node.attrs.get("has_mask"):
         return None
     k, v = _prefix(node.src[1]), _prefix(node.src[2])
-    if k is None or v is None or k[1] is not v[1]:
+    if k is None or v is None or not _same_value(k[1], v[1], ctx.program.constants):
         return None
     attrs = dict(node.attrs, has_length=True)
     src = (node.src[0], k[0], v[0], k[1])

@@ -1,0 +1,87 @@
+"""fold_constants: constant subgraphs are computed at compile time, never a dequantize."""
+import numpy as np
+
+import ingot
+from ingot.ir import Op, Program
+from ingot.passes import evaluate
+from ingot.passes.fold import MAX_ELEMENTS, fold_constants
+from ingot.runtime import Executable
+
+
+def program_of(g, *outs) -> Program:
+    return Program([o.node for o in outs], [], dict(g.constants), dict(g.variables))
+
+
+def test_computes_a_constant_subgraph():
+    g = ingot.Graph()
+    x = g.placeholder((3,), name="x")
+    a = g.constant(np.array([1, 2, 3], np.float32))
+    b = g.constant(np.array([4, 5, 6], np.float32))
+    y = x + g.exp(a * b - 30.0)
+    before = program_of(g, y)
+    after, changed = fold_constants(before)
+    assert changed
+    out = after.outputs[0]
+    assert out.op == Op.ADD and out.src[1].op == Op.CONSTANT
+    folded = after.constants[out.src[1].attrs["key"]]
+    np.testing.assert_allclose(folded, np.exp(np.array([4, 10, 18], np.float32) - 30), rtol=1e-6)
+    assert [n.op for n in after.nodes()].count(Op.CONSTANT) == 1
+    assert len(before.constants) == 3  # the input program's store is untouched
+    feeds = {"x": np.ones(3, np.float32)}
+    np.testing.assert_allclose(Executable(after).run(feeds)[0], evaluate(before, feeds)[0], rtol=1e-6)
+
+
+def test_scalar_stays_scalar():
+    g = ingot.Graph()
+    x = g.placeholder((), name="x")
+    y = x * (g.constant(2.0) * g.constant(3.0))
+    after, changed = fold_constants(program_of(g, y))
+    assert changed
+    scale = after.outputs[0].src[1]
+    assert after.constants[scale.attrs["key"]].shape == () and scale.type.shape == ()
+    assert g.compile(targets=[y]).run({"x": np.float32(1.5)})[0].shape == ()
+
+
+def test_folded_dtype_is_the_node_dtype():
+    g = ingot.Graph()
+    y = g.cast(g.constant(np.array([1.7, -2.2], np.float32)), ingot.int32) + g.constant(np.int32(1))
+    after, _ = fold_constants(program_of(g, y))
+    value = after.constants[after.outputs[0].attrs["key"]]
+    assert value.dtype == np.int32 and value.tolist() == [2, -1]
+
+
+def test_never_folds_a_dequantize():
+    g = ingot.Graph()
+    x = g.placeholder((2, 4), name="x")
+    w = g.dequantize(g.constant(np.ones((4, 3), np.int8)), scale=g.constant(np.float32(0.5)) * 2.0)
+    y = g.matmul(x, w)
+    after, changed = fold_constants(program_of(g, y))
+    assert changed  # the scale product is folded ...
+    ops = [n.op for n in after.nodes()]
+    assert Op.DEQUANTIZE in ops and Op.MUL not in ops  # ... the dequantize is not
+    assert not [v for v in after.constants.values() if v.dtype.kind == "f" and v.shape == (4, 3)]
+
+
+def test_skips_broadcasts_and_big_results():
+    g = ingot.Graph()
+    b = g.broadcast_to(g.constant(np.float32(1)), (8, 8))
+    big = g.constant(np.ones(MAX_ELEMENTS + 1, np.float32)) * 2.0
+    after, changed = fold_constants(program_of(g, b, big))
+    assert not changed
+    assert [n.op for n in after.outputs] == [Op.BROADCAST_TO, Op.MUL]
+
+
+def test_static_dim_becomes_a_constant():
+    g = ingot.Graph()
+    x = g.placeholder((None, 4), name="x")
+    n = g.dim(x, 0)
+    exe = g.compile(feeds={x: ingot.TensorType((5, 4))}, targets=[n + 1])
+    assert exe.program.outputs[0].op == Op.CONSTANT
+    assert int(exe.run({"x": np.zeros((5, 4), np.float32)})[0]) == 6
+
+
+def test_nothing_constant_nothing_changed():
+    g = ingot.Graph()
+    x = g.placeholder((2,), name="x")
+    after, changed = fold_constants(program_of(g, g.exp(x) * 2.0))
+    assert not changed

@@ -391,7 +391,9 @@ class Graph:
             if isinstance(item, slice):
                 start.append(item.start); end.append(item.stop); step.append(item.step or 1)
             elif isinstance(item, (int, np.integer)):
-                i = int(item)
+                i, n = int(item), x.shape[axis] if axis < x.ndim else None
+                if n is not None and not -n <= i < n:
+                    raise IngotError(f"indexing: index {i} is out of range for axis {axis} of {x.type}.")
                 start.append(i); end.append(i + 1 if i != -1 else None); step.append(1); drop.append(axis)
             else:
                 raise IngotError(f"tensor indexing takes ints and slices, not {type(item).__name__}.")

@@ -85,15 +85,36 @@ def clashing_shapes(draw):
 
 
 @RULES
-@given(pair=clashing_shapes(), op=st.sampled_from(["add", "sub", "mul", "maximum", "less", "equal"]))
+@given(pair=clashing_shapes(), op=st.sampled_from(["add", "sub", "mul", "maximum", "less", "equal", "broadcast_to"]))
 def test_shapes_that_do_not_broadcast_raise_naming_op_and_shapes(pair, op):
     with pytest.raises(ValueError):
         np.broadcast_shapes(*pair)  # the strategy is right: NumPy refuses them too
     g = ingot.Graph()
-    a, b = g.placeholder(pair[0], name="a"), g.placeholder(pair[1], name="b")
+    a = g.placeholder(pair[0], name="a")
     with pytest.raises(IngotError) as error:
-        getattr(g, op)(a, b)
-    assert_names(error, op, *pair)
+        if op == "broadcast_to":
+            g.broadcast_to(a, pair[1])
+        else:
+            getattr(g, op)(a, g.placeholder(pair[1], name="b"))
+    if op == "broadcast_to":  # one input; the target shape is an attribute
+        assert_names(error, op, pair[0])
+        assert str(pair[1]) in str(error.value)
+    else:
+        assert_names(error, op, *pair)
+
+
+@RULES
+@given(shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=6), data=st.data())
+def test_an_integer_index_out_of_range_raises_naming_the_shape(shape, data):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    index = data.draw(st.sampled_from([shape[axis], shape[axis] + 3, -shape[axis] - 1]))
+    with pytest.raises(IndexError):
+        np.zeros(shape)[(slice(None),) * axis + (index,)]
+    g = ingot.Graph()
+    x = g.placeholder(shape, name="x")
+    with pytest.raises(IngotError) as error:
+        x[(slice(None),) * axis + (index,)]
+    assert_names(error, "indexing", shape)
 
 
 # -- reshape --------------------------------------------------------------------------------------

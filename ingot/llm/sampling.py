@@ -1,0 +1,231 @@
+"""Choosing the next token from logits, and stopping on stop strings.
+
+    sampler = Sampler(temperature=0.7, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=0)
+    next_id = sampler(logits, previous_ids)          # logits: float32 [vocab]
+
+The steps run in transformers' order: repetition penalty, temperature, top-k, top-p, then a draw from
+the remaining distribution with a NumPy Generator (deterministic for a given seed). Temperature 0 is
+greedy: the arg-max after the repetition penalty, ties going to the lowest id.
+
+    stop = StopChecker(["\\nUser:", "###"])
+    for piece in pieces:                             # text pieces as they stream out of the decoder
+        print(stop.feed(piece), end="")              # text safe to show; a stop string split across
+        if stop.stopped:                             # pieces is held back until it is decided
+            break
+    else:
+        print(stop.flush(), end="")
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import IngotError
+
+# top-p: the nucleus is first looked for among this many most likely tokens (a partial sort), and
+# the whole vocabulary is sorted only when they do not reach p
+_NUCLEUS_CANDIDATES = (256, 4096)
+# draws over long vectors find the block first, then the token inside it
+_BLOCK = 1024
+
+
+class Sampler:
+    """Picks one token id from a vector of logits.
+
+    temperature: 0 is greedy; otherwise logits are divided by it before the softmax.
+    top_k: keep the k most likely tokens (0 keeps all; ties at the k-th logit are kept too).
+    top_p: keep the smallest set of most likely tokens whose probabilities sum to at least p (at least one).
+    repetition_penalty: for every id in previous_ids, a positive logit is divided by it and a negative one
+        multiplied (llama.cpp's and transformers' rule); 1.0 is off.
+    seed: seed of the NumPy Generator used for the draws; None draws from fresh entropy.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, seed: int | None = None):
+        def number(name, value):
+            try:
+                f = float(value)
+            except (TypeError, ValueError):
+                raise IngotError(f"Sampler {name} must be a number, not {value!r}.") from None
+            if not np.isfinite(f):
+                raise IngotError(f"Sampler {name} must be finite, not {value!r}.")
+            return f
+
+        temperature = number("temperature", temperature)
+        top_p = number("top_p", top_p)
+        repetition_penalty = number("repetition_penalty", repetition_penalty)
+        if temperature < 0:
+            raise IngotError(f"Sampler temperature must be >= 0, not {temperature!r}.")
+        if not 0.0 < top_p <= 1.0:
+            raise IngotError(f"Sampler top_p must be in (0, 1], not {top_p!r}.")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise IngotError(f"Sampler top_k must be an integer >= 0, not {top_k!r}.")
+        if repetition_penalty <= 0:
+            raise IngotError(f"Sampler repetition_penalty must be > 0, not {repetition_penalty!r}.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise IngotError(f"Sampler seed must be a non-negative integer or None, not {seed!r}.")
+        self.temperature = temperature
+        self.top_k = int(top_k)
+        self.top_p = top_p
+        self.repetition_penalty = repetition_penalty
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def reset(self, seed: int | None = None) -> None:
+        """Restart the random stream (from `seed`, or from the seed given at construction)."""
+        self.rng = np.random.default_rng(self.seed if seed is None else seed)
+
+    def __call__(self, logits: np.ndarray, previous_ids: Iterable[int] | None = None) -> int:
+        logits = np.asarray(logits)
+        if logits.ndim != 1 or logits.size == 0:
+            raise IngotError(f"Sampler takes logits of shape [vocab], not {tuple(logits.shape)}.")
+        logits = self.apply_penalty(logits, previous_ids)
+        if np.isnan(logits).any():
+            raise IngotError(f"Sampler got NaN logits (at ids {np.flatnonzero(np.isnan(logits))[:5].tolist()}).")
+        if self.greedy:
+            return int(np.argmax(logits))  # the first maximum: ties go to the lowest id
+        ids, probs = self._distribution(logits)
+        if probs.size == 1:
+            return int(ids[0])
+        i = self._draw(probs)
+        return i if ids is None else int(ids[i])
+
+    def _draw(self, probs: np.ndarray) -> int:
+        """An index drawn with the given (non-negative) weights: one uniform number, inverse CDF."""
+        u = self.rng.random()
+        n = probs.size
+        if n <= 2 * _BLOCK:
+            cdf = np.cumsum(probs, dtype=np.float64)
+            i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+            return min(i, int(np.flatnonzero(probs)[-1]))
+        # a long vector: the block holding the draw from block sums, then the place within that block
+        starts = np.arange(0, n, _BLOCK)
+        block_cdf = np.cumsum(np.add.reduceat(probs, starts), dtype=np.float64)
+        target = u * block_cdf[-1]
+        b = min(int(np.searchsorted(block_cdf, target, side="right")), starts.size - 1)
+        block = probs[starts[b]:starts[b] + _BLOCK]
+        cdf = np.cumsum(block, dtype=np.float64)
+        i = int(np.searchsorted(cdf, target - (block_cdf[b - 1] if b else 0.0), side="right"))
+        return int(starts[b]) + min(i, int(np.flatnonzero(block)[-1]))
+
+    def apply_penalty(self, logits: np.ndarray, previous_ids: Iterable[int] | None) -> np.ndarray:
+        """logits with the repetition penalty applied over previous_ids (a new float32 array when it applies)."""
+        if self.repetition_penalty == 1.0 or previous_ids is None:
+            return logits
+        prev = np.unique(np.asarray(list(previous_ids) if not isinstance(previous_ids, np.ndarray) else previous_ids,
+                                    dtype=np.int64).ravel())
+        if prev.size == 0:
+            return logits
+        if prev[0] < 0 or prev[-1] >= logits.size:
+            bad = prev[0] if prev[0] < 0 else prev[-1]
+            raise IngotError(f"Sampler previous_ids holds id {int(bad)}, outside the {logits.size} logits.")
+        out = np.array(logits, dtype=np.float32, copy=True)
+        sel = out[prev]
+        out[prev] = np.where(sel > 0, sel / self.repetition_penalty, sel * self.repetition_penalty)
+        return out
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, probabilities) the draw chooses from after temperature, top-k and top-p (no penalty).
+
+        With top-p the ids come most likely first (ties: lowest id first); otherwise in id order.
+        """
+        ids, probs = self._distribution(np.asarray(logits))
+        return (np.arange(probs.size) if ids is None else ids), probs
+
+    def _distribution(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        x = np.asarray(logits, dtype=np.float32)
+        n = x.size
+        m = np.max(x)
+        if not np.isfinite(m):
+            raise IngotError(f"Sampler got logits whose maximum is {float(m)}, so no token can be drawn.")
+        with np.errstate(over="ignore"):
+            # shifted so the best token is at 0; a tiny temperature sends the others to -inf, never to NaN
+            scaled = (x - m) * np.float32(min(1.0 / self.temperature, 1e38))
+        if 0 < self.top_k < n:
+            kth = np.partition(scaled, n - self.top_k)[n - self.top_k]
+            ids = np.flatnonzero(scaled >= kth)  # ties at the k-th value stay, as in transformers
+            probs = np.exp(scaled[ids])
+            probs /= probs.sum(dtype=np.float64)
+            if self.top_p >= 1.0:
+                return ids, probs
+        else:
+            p_all = np.exp(scaled)
+            p_all /= p_all.sum(dtype=np.float64)
+            if self.top_p >= 1.0:
+                return None, p_all  # None: every id, in order
+            ids = None
+            # the nucleus is usually small: look for it among the most likely tokens before sorting them all
+            for c in _NUCLEUS_CANDIDATES:
+                if c >= n:
+                    break
+                threshold = -np.partition(-scaled, c)[c]
+                cand = np.flatnonzero(scaled > threshold)
+                if p_all[cand].sum(dtype=np.float64) >= self.top_p:
+                    ids = cand
+                    break
+            if ids is None:
+                ids = np.arange(n)
+            probs = p_all[ids]
+        # ids ascend here, so a stable sort puts ties lowest id first
+        order = np.argsort(-scaled[ids], kind="stable")
+        ids, probs = ids[order], probs[order]
+        keep = int(np.searchsorted(np.cumsum(probs, dtype=np.float64), self.top_p, side="left")) + 1
+        ids, probs = ids[:keep], probs[:keep]
+        return ids, probs / probs.sum(dtype=np.float64)
+
+
+class StopChecker:
+    """Finds stop strings in streamed text, even when one is split across pieces.
+
+    feed(piece) returns the text that may be shown now. Text that could be the start of a stop string
+    is held back until the next pieces decide it. When a stop string completes, `stopped` becomes True,
+    `matched` names it, and feed returns only the text before it. flush() returns the held-back text once
+    the stream ends without a stop.
+    """
+
+    def __init__(self, stop_strings: Sequence[str] | str | None):
+        if stop_strings is None:
+            stop_strings = []
+        elif isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        stops = []
+        for s in stop_strings:
+            if not isinstance(s, str) or not s:
+                raise IngotError(f"stop strings must be non-empty str, not {s!r}.")
+            stops.append(s)
+        self.stop_strings = tuple(stops)
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + piece
+        best = None
+        for s in self.stop_strings:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+                best = (i, s)
+        if best is not None:
+            self.stopped, self.matched, self._held = True, best[1], ""
+            return text[:best[0]]
+        # hold back the longest tail of text that is a proper prefix of some stop string
+        hold = 0
+        for s in self.stop_strings:
+            for n in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:n]):
+                    hold = n
+                    break
+        self._held = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a stream that did not stop."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out

@@ -1,0 +1,224 @@
+"""Sampler and StopChecker."""
+import numpy as np
+import pytest
+
+from ingot import IngotError
+from ingot.llm.sampling import Sampler, StopChecker
+
+
+def _logits(n=50, seed=0):
+    return np.random.default_rng(seed).normal(size=n).astype(np.float32) * 2
+
+
+def _draws(sampler, logits, n=2000, previous=None):
+    return np.array([sampler(logits, previous) for _ in range(n)])
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id():
+    s = Sampler()
+    x = _logits()
+    assert s(x, []) == int(np.argmax(x))
+    tie = np.zeros(10, np.float32)
+    tie[[3, 7]] = 5.0
+    assert s(tie, []) == 3
+    # greedy ignores top-k/top-p and the seed
+    assert Sampler(top_k=3, top_p=0.5, seed=1)(x, []) == int(np.argmax(x))
+
+
+def test_seeded_sampling_is_deterministic():
+    x = _logits(1000)
+    a = _draws(Sampler(temperature=0.9, top_p=0.95, seed=1234), x, 200)
+    b = _draws(Sampler(temperature=0.9, top_p=0.95, seed=1234), x, 200)
+    c = _draws(Sampler(temperature=0.9, top_p=0.95, seed=4321), x, 200)
+    assert (a == b).all()
+    assert (a != c).any()
+    s = Sampler(temperature=0.9, seed=7)
+    first = _draws(s, x, 50)
+    s.reset()
+    assert (first == _draws(s, x, 50)).all()
+
+
+def test_temperature_matches_softmax():
+    x = _logits(8, seed=3)
+    for t in (0.5, 1.0, 2.0):
+        ids, probs = Sampler(temperature=t).distribution(x)
+        assert ids.tolist() == list(range(8))
+        np.testing.assert_allclose(probs, _softmax(x.astype(np.float64) / t), rtol=1e-5)
+    d = _draws(Sampler(temperature=2.0, seed=0), x, 5000)  # the draws follow it
+    assert np.abs(np.bincount(d, minlength=x.size) / d.size - _softmax(x / 2.0)).max() < 0.03
+    # a very small temperature is greedy in effect
+    assert set(_draws(Sampler(temperature=1e-30, seed=0), x, 20).tolist()) == {int(np.argmax(x))}
+
+
+def test_long_vector_draws_follow_the_distribution():
+    x = np.full(5000, -np.inf, np.float32)  # long enough for the blocked draw
+    x[[10, 1500, 1501, 4999]] = np.log([0.1, 0.2, 0.3, 0.4])
+    d = _draws(Sampler(temperature=1.0, seed=0), x, 2000)
+    assert set(d.tolist()) == {10, 1500, 1501, 4999}
+    np.testing.assert_allclose(np.bincount(d, minlength=5000)[[10, 1500, 1501, 4999]] / d.size,
+                               [0.1, 0.2, 0.3, 0.4], atol=0.03)
+
+
+def test_top_k_restricts_support():
+    x = _logits(100, seed=5)
+    top5 = np.sort(np.argsort(-x)[:5])
+    ids, probs = Sampler(temperature=1.5, top_k=5).distribution(x)
+    assert ids.tolist() == top5.tolist()
+    np.testing.assert_allclose(probs, _softmax(x[top5].astype(np.float64) / 1.5), rtol=1e-5)
+    d = _draws(Sampler(temperature=1.5, top_k=5, seed=0), x, 1000)
+    assert set(d.tolist()) == set(top5.tolist())  # all of them drawn, nothing else
+    assert set(_draws(Sampler(temperature=1.0, top_k=1, seed=0), x, 50).tolist()) == {int(np.argmax(x))}
+    tie = np.array([1.0, 3.0, 2.0, 2.0, 0.0], np.float32)  # ties at the k-th logit are kept
+    assert Sampler(temperature=1.0, top_k=2).distribution(tie)[0].tolist() == [1, 2, 3]
+
+
+def test_top_p_keeps_smallest_nucleus():
+    x = np.log(np.array([0.5, 0.05, 0.25, 0.15, 0.05], np.float32))
+    # cumulative in order 0, 2, 3, 1, 4: 0.5, 0.75, 0.9, 0.95, 1.0
+    for p, support in ((0.4, [0]), (0.5, [0]), (0.7, [0, 2]), (0.75, [0, 2]), (0.85, [0, 2, 3]),
+                       (0.99, [0, 2, 3, 1, 4]), (1.0, [0, 1, 2, 3, 4])):
+        ids, probs = Sampler(temperature=1.0, top_p=p).distribution(x)
+        assert ids.tolist() == support, p
+        assert abs(probs.sum() - 1) < 1e-6
+    d = _draws(Sampler(temperature=1.0, top_p=0.7, seed=1), x, 4000)
+    assert set(d.tolist()) == {0, 2}
+    assert abs(np.mean(d == 0) - 2 / 3) < 0.03  # renormalised inside the nucleus: 0.5 / 0.75
+
+
+def test_top_p_large_vocabulary_matches_full_sort():
+    x = _logits(50000, seed=9) * 3  # peaked: the nucleus is found among the first candidates
+    s = Sampler(temperature=0.8, top_p=0.9, seed=0)
+    ids, probs = s.distribution(x)
+    order = np.argsort(-x.astype(np.float64) / 0.8, kind="stable")
+    p = _softmax(x.astype(np.float64) / 0.8)[order]
+    keep = int(np.searchsorted(np.cumsum(p), 0.9)) + 1
+    assert ids.tolist() == order[:keep].tolist()
+    np.testing.assert_allclose(probs, p[:keep] / p[:keep].sum(), rtol=1e-6)
+    flat = np.zeros(50000, np.float32)  # flat: the nucleus needs the whole sort
+    ids, _ = Sampler(temperature=1.0, top_p=0.5, seed=0).distribution(flat)
+    assert ids.tolist() == list(range(ids.size))  # ties: lowest ids first
+    assert abs(ids.size - 25000) <= 1  # 0.5 in float32 steps of 1/50000
+
+
+def test_top_k_then_top_p():
+    x = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+    # top-k 3 leaves 0.4/0.9, 0.3/0.9, 0.2/0.9; top-p 0.7 then needs the first two (0.44, 0.78)
+    ids, probs = Sampler(temperature=1.0, top_k=3, top_p=0.7).distribution(x)
+    assert ids.tolist() == [0, 1]
+    np.testing.assert_allclose(probs, [4 / 7, 3 / 7], rtol=1e-6)
+
+
+def test_repetition_penalty():
+    x = np.array([2.0, 1.9, -1.0, -1.1, 0.0], np.float32)
+    s = Sampler(repetition_penalty=2.0)
+    out = s.apply_penalty(x, [0, 0, 2])
+    np.testing.assert_allclose(out, [1.0, 1.9, -2.0, -1.1, 0.0])  # divide positive, multiply negative
+    assert x[0] == 2.0  # the caller's logits are left alone
+    assert s(x, []) == 0 and s(x, [0]) == 1  # greedy moves off the repeated token
+    assert s(x, np.array([0, 1])) == 0  # 1.0 > 0.95
+    assert Sampler(repetition_penalty=0.5)(x, [1]) == 1  # a penalty below 1 favours repeats
+    assert Sampler(repetition_penalty=1.0).apply_penalty(x, [0]) is x
+    # sampled: the repeated token's share falls
+    free = _draws(Sampler(temperature=1.0, seed=0), x, 1500)
+    penalised = _draws(Sampler(temperature=1.0, repetition_penalty=1.5, seed=0), x, 1500, previous=[0])
+    assert np.mean(penalised == 0) < np.mean(free == 0) - 0.1
+    with pytest.raises(IngotError, match="previous_ids holds id 5"):
+        s(x, [5])
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"temperature": -0.1}, "temperature must be >= 0, not -0.1"),
+    ({"temperature": float("nan")}, "temperature must be finite"),
+    ({"top_p": 0.0}, "top_p must be in \\(0, 1\\], not 0.0"),
+    ({"top_p": 1.5}, "top_p must be in \\(0, 1\\], not 1.5"),
+    ({"top_k": -1}, "top_k must be an integer >= 0, not -1"),
+    ({"top_k": 2.5}, "top_k must be an integer >= 0, not 2.5"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, not 0.0"),
+    ({"repetition_penalty": -1}, "repetition_penalty must be > 0, not -1.0"),
+    ({"seed": -3}, "seed must be a non-negative integer or None, not -3"),
+    ({"temperature": "hot"}, "temperature must be a number, not 'hot'"),
+])
+def test_invalid_parameters(kwargs, pattern):
+    with pytest.raises(IngotError, match=pattern):
+        Sampler(**kwargs)
+
+
+def test_bad_logits():
+    s = Sampler(temperature=1.0, seed=0)
+    with pytest.raises(IngotError, match="shape"):
+        s(np.zeros((2, 3), np.float32), [])
+    with pytest.raises(IngotError, match="NaN"):
+        s(np.array([0.0, np.nan], np.float32), [])
+    with pytest.raises(IngotError, match="maximum is -inf"):
+        s(np.full(4, -np.inf, np.float32), [])
+    masked = np.array([-np.inf, 0.0, -np.inf, 1.0], np.float32)  # -inf masks tokens out
+    assert set(_draws(s, masked, 300).tolist()) == {1, 3}
+
+
+# ------------------------------------------------------------------------------------------------ stop strings
+
+
+def _run(stops, pieces):
+    c = StopChecker(stops)
+    out = []
+    for p in pieces:
+        out.append(c.feed(p))
+        if c.stopped:
+            break
+    else:
+        out.append(c.flush())
+    return "".join(out), c
+
+
+def test_stop_string_within_one_piece():
+    text, c = _run(["###"], ["Hello ", "world ### more", "never"])
+    assert text == "Hello world " and c.stopped and c.matched == "###"
+
+
+def test_stop_string_split_across_pieces():
+    c = StopChecker(["\nUser:"])
+    assert c.feed("Sure.") == "Sure."
+    assert c.feed("\n") == ""        # could be the start of the stop string: held back
+    assert c.feed("Us") == ""
+    assert c.feed("er") == ""
+    assert c.feed(": hi") == "" and c.stopped and c.matched == "\nUser:"
+    assert c.feed("more") == "" and c.flush() == ""
+
+
+def test_held_text_released_when_the_stop_does_not_complete():
+    c = StopChecker(["\nUser:"])
+    assert c.feed("a\nUs") == "a"
+    assert c.feed("ually") == "\nUsually"
+    assert not c.stopped
+    assert c.feed("\nU") == ""
+    assert c.flush() == "\nU"  # the stream ended: show what was held
+
+
+def test_stop_strings_one_character_per_piece():
+    text = "The answer is 42.<|end|>ignored"
+    for stops, expected in ((["<|end|>"], "The answer is 42."), (["42", "<|end|>"], "The answer is "),
+                            (["answer is 43"], text), (["s 4", "is"], "The answer "),
+                            (["The"], "")):
+        out, c = _run(stops, list(text))
+        assert out == expected, stops
+        assert c.stopped == (expected != text)
+
+
+def test_stop_earliest_match_wins():
+    out, c = _run(["world", "lo w"], ["Hello world"])
+    assert out == "Hel" and c.matched == "lo w"
+    out, c = _run(["ab", "abc"], ["xabc"])
+    assert out == "x" and c.matched == "abc"  # same start: the longer one
+
+
+def test_no_stop_strings_and_bad_ones():
+    out, c = _run(None, ["a", "b"])
+    assert out == "ab" and not c.stopped
+    assert StopChecker("x").stop_strings == ("x",)
+    with pytest.raises(IngotError, match="non-empty"):
+        StopChecker(["ok", ""])

@@ -101,6 +101,16 @@ def test_metadata_reader_agrees_with_gguf():
     assert _read_metadata(path) == expected
 
 
+def test_built_from_the_project_gguf_reader(smol):
+    from ingot.importers.gguf import read_gguf
+
+    path = _smollm2_path()
+    tok = Tokenizer(read_gguf(path, lazy=True).metadata)  # values as the importer gives them (ndarrays, lists)
+    assert tok.vocab_size == smol.vocab_size and tok.eos_ids == smol.eos_ids
+    for case in _CASES[:10]:
+        assert tok.encode(case["text"]) == case["ids"]
+
+
 def _stream(tok, ids, skip_special=False):
     dec = tok.stream_decoder(skip_special=skip_special)
     pieces = [dec.push(i) for i in ids]

@@ -44,6 +44,7 @@ import functools
 import os
 import struct
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -462,8 +463,37 @@ def _convert_plain(t) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def read_gguf(path, *, architectures: tuple[str, ...] | None = None) -> GGUFModel:
+class LazyTensors(Mapping):
+    """Tensors converted when looked up, never cached: a model builder that turns each weight into
+    its own layout holds one converted copy at a time, not the whole file twice."""
+
+    def __init__(self, path: str, reader):
+        self.path, self.reader = path, reader
+        self.by_name = {t.name: t for t in reader.tensors}
+
+    def __getitem__(self, name: str):
+        t = self.by_name[name]
+        spec = _QUANT.get(t.tensor_type)
+        return _convert_plain(t) if spec is None else _convert_quant(self.path, t, spec)
+
+    def __iter__(self):
+        return iter(self.by_name)
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.by_name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.by_name[name].shape))
+
+
+def read_gguf(path, *, architectures: tuple[str, ...] | None = None, lazy: bool = False) -> GGUFModel:
     """Read a GGUF file: metadata as Python values, tensors converted losslessly and kept quantized.
+
+    lazy=True converts each tensor when it is looked up (and again at each lookup); the file stays
+    memory-mapped while the model object lives.
 
     Raises IngotError for a missing file, a file that is not GGUF, a truncated or corrupt file, a
     tensor type Ingot cannot import, or (when `architectures` is given) another architecture.
@@ -501,10 +531,11 @@ def read_gguf(path, *, architectures: tuple[str, ...] | None = None) -> GGUFMode
             raise IngotError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which Ingot cannot import "
                              f"(supported: {', '.join(SUPPORTED_TYPES)}).")
 
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    if lazy:
+        return GGUFModel(path=path, architecture=arch, metadata=metadata, tensors=LazyTensors(path, reader), tensor_types=types)
     tensors: dict[str, np.ndarray | QuantizedTensor] = {}
-    types: dict[str, str] = {}
     for t in reader.tensors:
         spec = _QUANT.get(t.tensor_type)
         tensors[t.name] = _convert_plain(t) if spec is None else _convert_quant(path, t, spec)
-        types[t.name] = t.tensor_type.name
     return GGUFModel(path=path, architecture=arch, metadata=metadata, tensors=tensors, tensor_types=types)

@@ -69,12 +69,11 @@ class LLM:
 
         self.path = path
         self.device = device
-        model = read_gguf(path)
+        model = read_gguf(path, lazy=True)  # each weight converted once, straight into the graph
         self.metadata = model.metadata
         self.config = llama.LlamaConfig.from_gguf(model)
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
         self.tokenizer = Tokenizer(model.metadata)
-        self.chat_template = model.metadata.get("tokenizer.chat_template")
         self.model = llama.build(self.config, model.tensors, path)
         self.decoder = self.model.compile(1, device)
         self.state = self.decoder.new_state()
@@ -83,11 +82,7 @@ class LLM:
 
     # -- prompts ----------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict]) -> str:
-        from .chat import render_chat
-        tok = self.tokenizer
-        return render_chat(self.chat_template, list(messages), add_generation_prompt=True,
-                           bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
-                           eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else "")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
 
     def encode_prompt(self, prompt: str | Sequence[dict], chat: bool = True) -> list[int]:
         if not isinstance(prompt, str):
@@ -171,10 +166,10 @@ class LLM:
             if token in eos:
                 stats.stop_reason = "eos"
                 break
-            text, stopped = stopper.feed(stream.feed(token))
+            text = stopper.feed(stream.push(token))
             if text:
                 yield Token(token, text)
-            if stopped:
+            if stopper.stopped:
                 stats.stop_reason = "stop"
                 break
             if i + 1 >= max_tokens:
@@ -183,7 +178,7 @@ class LLM:
                 stats.stop_reason = "context"
                 break
             logits = self.step(token)
-        rest = stopper.flush(stream.flush()) if stats.stop_reason != "stop" else ""
+        rest = "" if stopper.stopped else stopper.feed(stream.flush()) + stopper.flush()
         if rest:
             yield Token(-1, rest)
         stats.decode_seconds = time.perf_counter() - t1

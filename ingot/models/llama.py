@@ -61,10 +61,10 @@ class LlamaConfig:
         if missing:
             raise IngotError(f"{model.path}: metadata lacks {', '.join(arch + '.' + k for k in missing)}.")
         n_heads = int(get("attention.head_count"))
-        embed = model.tensors.get("token_embd.weight")
-        if embed is None:
+        if "token_embd.weight" not in model.tensors:
             raise IngotError(f"{model.path}: tensor token_embd.weight is missing.")
-        vocab = embed.shape[0]
+        tensors = model.tensors
+        vocab = tensors.shape("token_embd.weight")[0] if hasattr(tensors, "shape") else tensors["token_embd.weight"].shape[0]
         scaling = get("rope.scaling.type")
         return cls(
             n_layers=int(get("block_count")), dim=int(get("embedding_length")), n_heads=n_heads,

@@ -17,12 +17,12 @@ from ...ops import quant as quant_ops
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
 
-def _kmajor_packed4(x, xsum, q, scale_even, scale_odd, offset_even, offset_odd, flip, chunks, out):
-    """out[m, :] = x[m] @ W for a k-major 4-bit W: q [K, N/2] (low nibble = even column),
-    parameters [K / block, N/2] split by column parity. Vectorised across output columns."""
+def _kmajor_packed4(x, xsum, q, scale, offset, has_offset, flip, chunks, out):
+    """out[m, :] = x[m] @ W for a k-major 4-bit W: q [K, N/2] (low nibble = even column), scale and
+    offset [K / block, N] (w = q * scale + offset). Vectorised across output columns."""
     m_rows, k = x.shape
     half = q.shape[1]
-    nb = scale_even.shape[0]
+    nb = scale.shape[0]
     bs = k // nb
     fflip = np.float32(flip)
     step = (half + chunks - 1) // chunks
@@ -47,17 +47,23 @@ def _kmajor_packed4(x, xsum, q, scale_even, scale_odd, offset_even, offset_odd, 
                         byte = row[i]  # (nibble ^ 8) - 8 sign-extends an int4; flip = 0 for uint4
                         acc_e[i] += (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * xv
                         acc_o[i] += (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * xv
-                xs = xsum[m, b]
+                srow = scale[b, 2 * lo:2 * hi]
                 for i in range(w):
-                    res_e[i] += acc_e[i] * scale_even[b, lo + i] + offset_even[b, lo + i] * xs
-                    res_o[i] += acc_o[i] * scale_odd[b, lo + i] + offset_odd[b, lo + i] * xs
+                    res_e[i] += acc_e[i] * srow[2 * i]
+                    res_o[i] += acc_o[i] * srow[2 * i + 1]
+                if has_offset:
+                    xs = xsum[m, b]
+                    orow = offset[b, 2 * lo:2 * hi]
+                    for i in range(w):
+                        res_e[i] += orow[2 * i] * xs
+                        res_o[i] += orow[2 * i + 1] * xs
             for i in range(w):
                 out[m, 2 * (lo + i)] = res_e[i]
                 out[m, 2 * (lo + i) + 1] = res_o[i]
 
 
-def _kmajor_int8(x, xsum, q, scale, offset, chunks, out):
-    """out[m, :] = x[m] @ W for a k-major 8-bit W: q [K, N], parameters [K / block, N]."""
+def _kmajor_int8(x, xsum, q, scale, offset, has_offset, chunks, out):
+    """out[m, :] = x[m] @ W for a k-major 8-bit W: q [K, N], scale and offset [K / block, N]."""
     m_rows, k = x.shape
     n = q.shape[1]
     nb = scale.shape[0]
@@ -78,14 +84,44 @@ def _kmajor_int8(x, xsum, q, scale, offset, chunks, out):
                     row = q[kk, lo:hi]
                     for i in range(w):
                         acc[i] += np.float32(row[i]) * xv
-                xs = xsum[m, b]
+                srow = scale[b, lo:hi]
                 for i in range(w):
-                    res[i] += acc[i] * scale[b, lo + i] + offset[b, lo + i] * xs
+                    res[i] += acc[i] * srow[i]
+                if has_offset:
+                    xs = xsum[m, b]
+                    orow = offset[b, lo:hi]
+                    for i in range(w):
+                        res[i] += orow[i] * xs
             for i in range(w):
                 out[m, lo + i] = res[i]
 
 
+def _scaled_tile_packed4(q, scale, k0, k1, block, flip, out):
+    """out[k - k0, :] = q[k, :] * scale[k // block, :] for a k-major 4-bit weight (no offset)."""
+    half = q.shape[1]
+    fflip = np.float32(flip)
+    for k in range(k0, k1):
+        b = k // block
+        row = q[k]
+        srow = scale[b]
+        for i in range(half):
+            byte = row[i]
+            out[k - k0, 2 * i] = (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * srow[2 * i]
+            out[k - k0, 2 * i + 1] = (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * srow[2 * i + 1]
+
+
+def _scaled_tile_int8(q, scale, k0, k1, block, out):
+    n = q.shape[1]
+    for k in range(k0, k1):
+        b = k // block
+        for i in range(n):
+            out[k - k0, i] = np.float32(q[k, i]) * scale[b, i]
+
+
 _serial = dict(fastmath=True, cache=True, nogil=True)
+scaled_tile_packed4 = njit(**_serial)(_scaled_tile_packed4)
+scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
+GEMM_TILE_K = 256
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
 kmajor_packed4_parallel = njit(parallel=True, **_serial)(_kmajor_packed4)
@@ -93,63 +129,88 @@ kmajor_int8_parallel = njit(parallel=True, **_serial)(_kmajor_int8)
 THREADS = int(__import__("os").environ.get("INGOT_CPU_THREADS", "1"))  # >1: split columns over numba threads
 
 
-def _kmajor_params(params, attrs, k: int, n: int):
-    """scale and offset [nb, N] float32 (w = q * scale + offset per block), from block-broadcast params."""
-    scale = params[0].astype(np.float32, copy=False)
+def _kmajor_params(params, attrs, n: int):
+    """(scale, offset) as [nb, N] float32 with w = q * scale + offset per block: the constants
+    themselves when they already have that form (no copy), offset None when there is none."""
+    def full(p):
+        p = p.astype(np.float32, copy=False)
+        if p.shape[1] != n:
+            p = np.broadcast_to(p, (p.shape[0], n))
+        return np.ascontiguousarray(p)
+    scale = full(params[0])
     i = 1
     zero_point = params[i] if attrs.get("has_zero_point") else None
     i += zero_point is not None
     bias = params[i] if attrs.get("has_bias") else None
     nb = max(p.shape[0] for p in params)
-    shape = (nb, n)
-    scale_full = np.ascontiguousarray(np.broadcast_to(scale, shape))
-    offset = np.zeros(shape, np.float32) if bias is None else np.ascontiguousarray(np.broadcast_to(bias.astype(np.float32), shape))
+    if scale.shape[0] != nb:
+        scale = np.ascontiguousarray(np.broadcast_to(scale, (nb, n)))
+    offset = None if bias is None else np.ascontiguousarray(np.broadcast_to(full(bias), (nb, n)))
     if zero_point is not None:
-        offset = offset - np.broadcast_to(zero_point.astype(np.float32), shape) * scale_full
-    return scale_full, np.ascontiguousarray(offset, np.float32), nb
+        shift = -np.broadcast_to(full(zero_point), (nb, n)) * scale
+        offset = shift if offset is None else offset + shift
+    return scale, offset, nb
 
 
 def quantized_matmul_step(node: Node, out):
     """quantized_matmul on the CPU: the packed GEMV kernels for up to GEMV_MAX_ROWS rows of a k-major
-    (transpose=False) affine weight; otherwise the tiled reference (dequantize a tile, BLAS matmul)."""
+    (transpose=False) affine weight, a tiled dequantize + BLAS GEMM above that; the reference otherwise."""
     attrs = node.attrs
     qdtype = attrs["qdtype"]
     fast = attrs["mode"] == "affine" and not attrs.get("transpose") and node.dtype.name == "float32"
     reference = quant_ops.quantized_matmul_reference
     prepared: dict = {}
+    no_offset = np.zeros((1, 1), np.float32)
 
-    def prepare(q, params, k):
+    def prepare(q, params):
         key = tuple(id(p) for p in params)
         hit = prepared.get(key)
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
-            scale, offset, nb = _kmajor_params(params, attrs, k, n)
-            if qdtype.packed:
-                parts = (np.ascontiguousarray(scale[:, 0::2]), np.ascontiguousarray(scale[:, 1::2]),
-                         np.ascontiguousarray(offset[:, 0::2]), np.ascontiguousarray(offset[:, 1::2]))
-            else:
-                parts = (scale, offset)
-            hit = prepared[key] = (parts, nb, n, params)  # params kept alive so ids stay valid
+            scale, offset, nb = _kmajor_params(params, attrs, n)
+            hit = prepared[key] = (scale, offset, nb, n, params)  # params kept alive so ids stay valid
         return hit
 
     def step(x, q, *params):
         k = x.shape[-1]
         rows = int(np.prod(x.shape[:-1]))
-        if not fast or rows > GEMV_MAX_ROWS:
+        if not fast:
             return reference((x, q) + params, attrs)
-        parts, nb, n, _ = prepare(q, params, k)
+        scale, offset, nb, n, _ = prepare(q, params)
         if k % nb:
             return reference((x, q) + params, attrs)
         x2 = np.ascontiguousarray(x.reshape(rows, k), dtype=np.float32)
-        xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
+        has_offset = offset is not None
+        xsum = x2.reshape(rows, nb, k // nb).sum(axis=2) if has_offset else x2[:, :1]
+        if rows > GEMV_MAX_ROWS:
+            return gemm(x2, xsum, q, scale, offset, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
+        off = offset if has_offset else no_offset
         if qdtype.packed:
             kernel = kmajor_packed4_parallel if THREADS > 1 else kmajor_packed4
-            kernel(x2, xsum, q, *parts, np.uint8(8 if qdtype.kind == "i" else 0), THREADS, result)
+            kernel(x2, xsum, q, scale, off, has_offset, np.uint8(8 if qdtype.kind == "i" else 0), THREADS, result)
         else:
             kernel = kmajor_int8_parallel if THREADS > 1 else kmajor_int8
-            kernel(x2, xsum, q, *parts, THREADS, result)
+            kernel(x2, xsum, q, scale, off, has_offset, THREADS, result)
         return result.reshape(x.shape[:-1] + (n,))
+
+    def gemm(x2, xsum, q, scale, offset, block, n):
+        """Many rows: dequantize K-tiles of q * scale into one reused float buffer, multiply with BLAS;
+        the offsets add xsum @ offset, one more small matmul. No float copy of the whole weight."""
+        k = x2.shape[1]
+        tile_k = max(block, GEMM_TILE_K // block * block)
+        tile = np.empty((min(tile_k, k), n), np.float32)
+        result = xsum @ offset if offset is not None else np.zeros((x2.shape[0], n), np.float32)
+        flip = np.uint8(8 if qdtype.kind == "i" else 0)
+        for k0 in range(0, k, tile_k):
+            k1 = min(k, k0 + tile_k)
+            t = tile[: k1 - k0]
+            if qdtype.packed:
+                scaled_tile_packed4(q, scale, k0, k1, block, flip, t)
+            else:
+                scaled_tile_int8(q, scale, k0, k1, block, t)
+            result += x2[:, k0:k1] @ t
+        return result
     return step
 
 

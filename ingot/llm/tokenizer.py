@@ -164,6 +164,12 @@ class Tokenizer:
     Build it with `Tokenizer.from_gguf_metadata(metadata)` (or `Tokenizer(metadata)`); `metadata` maps
     GGUF keys (`tokenizer.ggml.model`, `tokenizer.ggml.tokens`, ...) to values (str, int, bool, lists or
     NumPy arrays).
+
+    Attributes: `bos_id`, `eos_id`, `unk_id`, `pad_id` (None when the file names none); `eos_ids`, the
+    ids that end generation (eos, eot/eom when named, and the end-of-turn tokens such as <|im_end|> or
+    <|eot_id|> that the chat template writes, plus <|endoftext|>); `special_ids` (control tokens);
+    `add_bos`, `add_eos`; `chat_template` (None when the file has none); `model` and `pre` as the file
+    names them.
     """
 
     def __init__(self, metadata: Mapping):

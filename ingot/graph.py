@@ -386,18 +386,19 @@ class Graph:
 
     def _getitem(self, x, index):
         index = index if isinstance(index, tuple) else (index,)
-        start, end, step, drop = [], [], [], []
+        start, end, step, size, drop = [], [], [], [], []
         for axis, item in enumerate(index):
             if isinstance(item, slice):
-                start.append(item.start); end.append(item.stop); step.append(item.step or 1)
+                start.append(item.start); end.append(item.stop); step.append(item.step or 1); size.append(None)
             elif isinstance(item, (int, np.integer)):
                 i, n = int(item), x.shape[axis] if axis < x.ndim else None
                 if n is not None and not -n <= i < n:
                     raise IngotError(f"indexing: index {i} is out of range for axis {axis} of {x.type}.")
-                start.append(i); end.append(i + 1 if i != -1 else None); step.append(1); drop.append(axis)
+                # size 1, so the axis is known to be 1 (and can be dropped) even where its length is dynamic
+                start.append(i); end.append(None); step.append(1); size.append(1); drop.append(axis)
             else:
                 raise IngotError(f"tensor indexing takes ints and slices, not {type(item).__name__}.")
-        out = self.slice(x, start, end, step)
+        out = self.slice(x, start, end, step, size)
         return self.squeeze(out, drop) if drop else out
 
     def slice_update(self, x, update, start: Sequence[Any]):
@@ -470,10 +471,11 @@ class Graph:
         rank = q.ndim
         core = p.shape[:len(p.shape) - extra] if extra else p.shape
         tail = p.shape[len(p.shape) - extra:] if extra else ()
+        as_target = lambda shape: tuple(-1 if d is None else d for d in shape)  # noqa: E731  (reshape's dynamic dim)
         if len(core) == rank:
             return p
-        if len(core) == 0 or (axis is None and int(np.prod(core)) == 1):
-            return self.reshape(p, (1,) * rank + tail)
+        if len(core) == 0 or (axis is None and all(d == 1 for d in core)):
+            return self.reshape(p, (1,) * rank + as_target(tail))
         if axis is None or len(core) != 1:
             raise IngotError(f"{what}: a parameter of shape {p.shape} needs axis= (per-axis or per-block) or the rank of the input ({rank}).")
         axis = normalize_axis(what, axis, rank)
@@ -481,12 +483,12 @@ class Graph:
         if block_size is not None and (block_size <= 0 or (length is not None and length % block_size)):
             raise IngotError(f"{what}: block_size {block_size} does not divide axis {axis} of the input {q.type} (length {length}).")
         expect = length if block_size is None or length is None else length // block_size
-        if n != expect and not (block_size is None and length and n and length % n == 0):
+        if None not in (n, expect) and n != expect and not (block_size is None and length and n and length % n == 0):
             raise IngotError(f"{what}: a parameter of shape {p.shape} does not fit axis {axis} of the input {q.type} "
                              f"(block size {block_size}).")
         shape = [1] * rank
         shape[axis] = n
-        return self.reshape(p, tuple(shape) + tail)
+        return self.reshape(p, as_target(tuple(shape) + tail))
 
     def dequantize(self, q, scale=None, zero_point=None, bias=None, axis: int | None = None,
                    block_size: int | None = None, lut=None, dtype: dt.DType = dt.float32):

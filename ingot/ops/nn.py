@@ -81,7 +81,8 @@ def _rope_rule(types, attrs):
         raise fail(Op.ROPE, types, f"an even number of rotary dims <= {x.shape[-1]}, not {rd}")
     if not pos.dtype.is_int or pos.rank > 1 or (pos.rank == 1 and None not in (pos.shape[0], x.shape[-2]) and pos.shape[0] != x.shape[-2]):
         raise fail(Op.ROPE, types, "integer positions: a scalar offset or one position per token")
-    if len(types) > 2 and (types[2].dtype != dt.float32 or types[2].shape not in ((rd // 2,), (None,))):
+    if len(types) > 2 and (types[2].dtype != dt.float32 or types[2].rank != 1 or None not in (rd, types[2].shape[0])
+                           and types[2].shape[0] != rd // 2):
         raise fail(Op.ROPE, types, f"inverse frequencies float32[{rd // 2}]")
     return x
 

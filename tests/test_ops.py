@@ -931,6 +931,12 @@ def test_call_runs_the_bound_executable_and_rebinds_without_recompiling(dtype):
     check(out, r(r(xs * -3.0) + 0.5) - xs, dtype, tol, "call after bind")
 
 
+def _adapter_single(dtype):
+    a = ingot.Graph()
+    x = a.placeholder((7, 13), dtype, name="x")
+    return a.compile(targets=[x + 1], device="cpu")
+
+
 def test_call_bind_rejects_an_executable_of_other_types():
     g = ingot.Graph()
     x = g.placeholder((7, 13), F32, name="x")
@@ -938,12 +944,6 @@ def test_call_bind_rejects_an_executable_of_other_types():
     exe = g.compile(targets=[y], device="cpu", callables={"adapter": _adapter_single(F32)})
     with pytest.raises(IngotError, match="adapter"):
         exe.bind("adapter", _adapter_single(F16))
-
-
-def _adapter_single(dtype):
-    a = ingot.Graph()
-    x = a.placeholder((7, 13), dtype, name="x")
-    return a.compile(targets=[x + 1], device="cpu")
 
 
 # == dtype rules: bad inputs raise IngotError naming the op ========================================

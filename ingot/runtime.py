@@ -93,9 +93,21 @@ class Executable:
         for name, exe in (callables or {}).items():
             self.bind(name, exe)
         self.plan = self.backend.prepare(program, self)
-        self.state = self.new_state()
+        self._state: State | None = None
 
     # -- state ----------------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        """The default state, made on first use (an executable run only with explicit states never
+        allocates one: prefill executables share the decoder's KV cache)."""
+        if self._state is None:
+            self._state = self.new_state()
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._state = value
+
     def new_state(self) -> State:
         """A fresh copy of every variable at its initial value, independent of every other state."""
         return State(self.backend.new_state(self.program), self.program.variables, owner=self)
@@ -179,7 +191,8 @@ class Executable:
         out = {}
         for name, value in named.items():
             t = self.feed_types[name]
-            value = check_feed(name, value, t)
+            if self.device == "cpu" or not hasattr(value, "__dlpack__") or isinstance(value, np.ndarray):
+                value = check_feed(name, value, t)  # device arrays are checked by their backend
             if name in self._used_inputs:
                 out[name] = self.backend.from_host(value, t)
         return out
@@ -214,8 +227,6 @@ def check_feed(name: str, value, t: TensorType):
     Casts only where no value changes kind: floats to the float dtype (float64 -> float32, as
     Python floats are), integers that fit to the integer dtype, complex128 to complex64.
     """
-    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
-        return value  # device arrays are checked by their backend
     array = np.asarray(value)
     want = t.dtype.storage
     shape = dt.storage_shape(t.shape, t.dtype)

@@ -41,6 +41,7 @@ failure can be explained in one sentence.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import struct
 import sys
@@ -474,7 +475,23 @@ class LazyTensors(Mapping):
     def __getitem__(self, name: str):
         t = self.by_name[name]
         spec = _QUANT.get(t.tensor_type)
-        return _convert_plain(t) if spec is None else _convert_quant(self.path, t, spec)
+        out = _convert_plain(t) if spec is None else _convert_quant(self.path, t, spec)
+        self._release(t)
+        return out
+
+    def _release(self, t) -> None:
+        """Drop the file pages just read from this process's resident set (they stay in the page
+        cache): converting the model then costs its converted size, not that plus the file."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = int(t.data_offset) // page * page
+        end = int(t.data_offset) + int(t.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
     def __iter__(self):
         return iter(self.by_name)

@@ -69,12 +69,15 @@ class LLM:
 
         self.path = path
         self.device = device
+        _allocate_big_arrays_with_mmap()
         model = read_gguf(path, lazy=True)  # each weight converted once, straight into the graph
         self.metadata = model.metadata
         self.config = llama.LlamaConfig.from_gguf(model)
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
         self.tokenizer = Tokenizer(model.metadata)
         self.model = llama.build(self.config, model.tensors, path)
+        del model
+        _return_freed_memory()
         self.decoder = self.model.compile(1, device)
         self.state = self.decoder.new_state()
         self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
@@ -182,6 +185,26 @@ class LLM:
         if rest:
             yield Token(-1, rest)
         stats.decode_seconds = time.perf_counter() - t1
+
+
+def _allocate_big_arrays_with_mmap() -> None:
+    """Ask glibc to serve allocations over 64 KiB with mmap, so the converted weights' temporaries go
+    back to the OS when freed instead of fragmenting the heap (about 90 MB of resident memory for the
+    default model)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's freed pages back to the OS (glibc keeps conversion temporaries otherwise)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load(path: str | None = None, device: str = "cpu", context: int | None = None) -> LLM:

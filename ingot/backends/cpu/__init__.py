@@ -220,7 +220,10 @@ class CpuBackend:
         return CpuPlan(program, executable)
 
     def new_state(self, program: Program) -> dict[str, np.ndarray]:
-        return {k: np.array(v, copy=True) for k, v in program.variables.items()}
+        # all-zero initial values (KV caches) start as fresh zero pages: memory becomes resident
+        # only as positions are written
+        return {k: np.zeros(v.shape, v.dtype) if not v.any() else np.array(v, copy=True)
+                for k, v in program.variables.items()}
 
     def to_host(self, value) -> np.ndarray:
         return value

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ... import dtypes as dt
 from ...errors import IngotError
 from ...ir import GroupOp, Node, Op, Program, TensorType
 from ...ops import REGISTRY
@@ -134,7 +135,8 @@ class CpuPlan:
             out = None
             if node.id in program.memory_plan:
                 t = node.type
-                out = buffers[program.memory_plan[node.id]][: t.nbytes].view(t.dtype.storage).reshape(t.shape)
+                out = buffers[program.memory_plan[node.id]][: t.nbytes].view(t.dtype.storage).reshape(
+                    dt.storage_shape(t.shape, t.dtype))
             if node.op == Op.CALL:
                 fn = _call_step(node, executable)
             else:

@@ -17,7 +17,7 @@ from ...ops import quant as quant_ops
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
 
-def _kmajor_packed4(x, xsum, q, scale, offset, has_offset, flip, chunks, out):
+def _kmajor_packed4(x, q, scale, offset, has_offset, flip, chunks, out):
     """out[m, :] = x[m] @ W for a k-major 4-bit W: q [K, N/2] (low nibble = even column), scale and
     offset [K / block, N] (w = q * scale + offset). Vectorised across output columns."""
     m_rows, k = x.shape
@@ -52,7 +52,9 @@ def _kmajor_packed4(x, xsum, q, scale, offset, has_offset, flip, chunks, out):
                     res_e[i] += acc_e[i] * srow[2 * i]
                     res_o[i] += acc_o[i] * srow[2 * i + 1]
                 if has_offset:
-                    xs = xsum[m, b]
+                    xs = np.float32(0.0)
+                    for kk in range(b * bs, b * bs + bs):
+                        xs += x[m, kk]
                     orow = offset[b, 2 * lo:2 * hi]
                     for i in range(w):
                         res_e[i] += orow[2 * i] * xs
@@ -62,7 +64,7 @@ def _kmajor_packed4(x, xsum, q, scale, offset, has_offset, flip, chunks, out):
                 out[m, 2 * (lo + i) + 1] = res_o[i]
 
 
-def _kmajor_int8(x, xsum, q, scale, offset, has_offset, chunks, out):
+def _kmajor_int8(x, q, scale, offset, has_offset, chunks, out):
     """out[m, :] = x[m] @ W for a k-major 8-bit W: q [K, N], scale and offset [K / block, N]."""
     m_rows, k = x.shape
     n = q.shape[1]
@@ -88,7 +90,9 @@ def _kmajor_int8(x, xsum, q, scale, offset, has_offset, chunks, out):
                 for i in range(w):
                     res[i] += acc[i] * srow[i]
                 if has_offset:
-                    xs = xsum[m, b]
+                    xs = np.float32(0.0)
+                    for kk in range(b * bs, b * bs + bs):
+                        xs += x[m, kk]
                     orow = offset[b, lo:hi]
                     for i in range(w):
                         res[i] += orow[i] * xs
@@ -134,8 +138,10 @@ def _kmajor_params(params, attrs, n: int):
     themselves when they already have that form (no copy), offset None when there is none."""
     def full(p):
         p = p.astype(np.float32, copy=False)
-        if p.shape[1] != n:
+        if p.shape[1] == 1:
             p = np.broadcast_to(p, (p.shape[0], n))
+        elif p.shape[1] != n:  # blocked along the output axis too
+            p = np.repeat(p, n // p.shape[1], axis=1)
         return np.ascontiguousarray(p)
     scale = full(params[0])
     i = 1
@@ -168,31 +174,33 @@ def quantized_matmul_step(node: Node, out):
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
             scale, offset, nb = _kmajor_params(params, attrs, n)
-            hit = prepared[key] = (scale, offset, nb, n, params)  # params kept alive so ids stay valid
+            if qdtype.packed:
+                kernel = kmajor_packed4_parallel if THREADS > 1 else kmajor_packed4
+                flip = np.uint8(8 if qdtype.kind == "i" else 0)
+                args = (scale, no_offset if offset is None else offset, offset is not None, flip, THREADS)
+            else:
+                kernel = kmajor_int8_parallel if THREADS > 1 else kmajor_int8
+                args = (scale, no_offset if offset is None else offset, offset is not None, THREADS)
+            hit = prepared[key] = (kernel, args, scale, offset, nb, n, params)  # params kept: ids stay valid
         return hit
 
     def step(x, q, *params):
-        k = x.shape[-1]
-        rows = int(np.prod(x.shape[:-1]))
         if not fast:
             return reference((x, q) + params, attrs)
-        scale, offset, nb, n, _ = prepare(q, params)
+        kernel, args, scale, offset, nb, n, _ = prepare(q, params)
+        k = x.shape[-1]
         if k % nb:
             return reference((x, q) + params, attrs)
-        x2 = np.ascontiguousarray(x.reshape(rows, k), dtype=np.float32)
-        has_offset = offset is not None
-        xsum = x2.reshape(rows, nb, k // nb).sum(axis=2) if has_offset else x2[:, :1]
+        x2 = x.reshape(-1, k)
+        rows = x2.shape[0]
+        if not x2.flags.c_contiguous or x2.dtype != np.float32:
+            x2 = np.ascontiguousarray(x2, dtype=np.float32)
         if rows > GEMV_MAX_ROWS:
+            xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        off = offset if has_offset else no_offset
-        if qdtype.packed:
-            kernel = kmajor_packed4_parallel if THREADS > 1 else kmajor_packed4
-            kernel(x2, xsum, q, scale, off, has_offset, np.uint8(8 if qdtype.kind == "i" else 0), THREADS, result)
-        else:
-            kernel = kmajor_int8_parallel if THREADS > 1 else kmajor_int8
-            kernel(x2, xsum, q, scale, off, has_offset, THREADS, result)
-        return result.reshape(x.shape[:-1] + (n,))
+        kernel(x2, q, *args, result)
+        return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, block, n):
         """Many rows: dequantize K-tiles of q * scale into one reused float buffer, multiply with BLAS;
@@ -298,33 +306,50 @@ def silu(x):
     return x / (np.float32(1.0) + math.exp(-x))
 
 
+def _rope_rows(x, positions, inv_freq, interleaved, rd, out):
+    """x, out: [R, T, D] float32; rotate the first rd dims of each row by position * inv_freq."""
+    rows, t, d = x.shape
+    half = rd // 2
+    for r in range(rows):
+        for i in range(t):
+            p = positions[i]
+            for j in range(half):
+                angle = np.float64(p) * np.float64(inv_freq[j])
+                c = np.float32(math.cos(angle))
+                s = np.float32(math.sin(angle))
+                if interleaved:
+                    a, b = x[r, i, 2 * j], x[r, i, 2 * j + 1]
+                    out[r, i, 2 * j] = a * c - b * s
+                    out[r, i, 2 * j + 1] = b * c + a * s
+                else:
+                    a, b = x[r, i, j], x[r, i, j + half]
+                    out[r, i, j] = a * c - b * s
+                    out[r, i, j + half] = b * c + a * s
+            for j in range(rd, d):
+                out[r, i, j] = x[r, i, j]
+
+
+rope_rows = njit(**_serial)(_rope_rows)
+
+
 def rope_step(node: Node):
     attrs = node.attrs
-    base, interleaved = attrs.get("base", 10000.0), attrs.get("interleaved", False)
+    base, interleaved = attrs.get("base", 10000.0), bool(attrs.get("interleaved", False))
     rotary_dims = attrs.get("rotary_dims")
     cache: dict = {}
 
     def step(x, pos, inv_freq=None):
-        d = x.shape[-1]
+        d, t = x.shape[-1], x.shape[-2]
         rd = rotary_dims or d
         if inv_freq is None:
             inv_freq = cache.get(rd)
             if inv_freq is None:
                 inv_freq = cache[rd] = nn_ops.rope_inv_freq(rd, base)
-        t = x.shape[-2]
-        positions = int(pos) + np.arange(t) if np.ndim(pos) == 0 else np.asarray(pos)
-        cos, sin = nn_ops.rope_cos_sin(positions, inv_freq)
         if x.dtype != np.float32:
             return nn_ops.rope(x, pos, inv_freq, base, interleaved, rotary_dims)
-        out = np.array(x, dtype=np.float32, copy=True)
-        if interleaved:
-            x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
-            out[..., 0:rd:2] = x1 * cos - x2 * sin
-            out[..., 1:rd:2] = x2 * cos + x1 * sin
-        else:
-            h = rd // 2
-            x1, x2 = x[..., :h], x[..., h:rd]
-            out[..., :h] = x1 * cos - x2 * sin
-            out[..., h:rd] = x2 * cos + x1 * sin
-        return out
+        positions = np.arange(int(pos), int(pos) + t, dtype=np.int64) if np.ndim(pos) == 0 else np.asarray(pos, np.int64)
+        x3 = np.ascontiguousarray(x).reshape(-1, t, d)
+        out = np.empty_like(x3)
+        rope_rows(x3, positions, inv_freq, interleaved, rd, out)
+        return out.reshape(x.shape)
     return step

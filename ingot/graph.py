@@ -568,7 +568,8 @@ class Graph:
         assign_nodes = self.assigns if assigns is None else [self._own(a).node for a in assigns]
         cache_key = (tuple(sorted(feed_types.items(), key=lambda kv: kv[0])), tuple(t.node.id for t in targets),
                      tuple(a.id for a in assign_nodes), device, debug)
-        if cache_key in self._compiled and not callables:
+        cache_key += (tuple(sorted((k, id(v)) for k, v in (callables or {}).items())),)
+        if cache_key in self._compiled:
             return self._compiled[cache_key]
         exe = compile_graph(self, [t.node for t in targets], assign_nodes, feed_types, device, callables or {}, debug)
         self._compiled[cache_key] = exe

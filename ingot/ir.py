@@ -228,6 +228,12 @@ def verify(program: Program) -> None:
     for node in program.nodes():
         if node.op == Op.CONSTANT and node.attrs["key"] not in program.constants:
             raise IngotError(f"verify: constant {node.attrs['key']!r} is used by the graph but absent from the store.")
+        if node.op == Op.CONSTANT:
+            value = program.constants[node.attrs["key"]]
+            want = dt.storage_shape(node.type.shape, node.dtype) if node.type.shape else ()
+            if tuple(value.shape) != tuple(want) or value.dtype != node.dtype.storage:
+                raise IngotError(f"verify: constant {node.attrs['key']!r} holds {value.dtype}{list(value.shape)} "
+                                 f"but its node says {node.type}.")
         if node.op == Op.VARIABLE:
             vname = node.attrs["name"]
             if vname not in program.variables:

@@ -140,6 +140,10 @@ def quantized_matmul_reference(xs, attrs, rows_per_tile: int = 1024):
     x, q, params = xs[0], xs[1], xs[2:]
     qdtype = attrs["qdtype"]
     transpose = attrs.get("transpose", False)
+    row_blocks = [q.shape[0] // p.shape[0] for p in params if p.shape[0] not in (1, q.shape[0])]
+    if row_blocks:  # tiles must hold whole parameter blocks
+        block = int(np.lcm.reduce(row_blocks))
+        rows_per_tile = max(block, rows_per_tile // block * block)
     n = q.shape[0] if transpose else (q.shape[1] * (2 if qdtype.packed else 1))
     xf = x.astype(np.float32)
     out = np.empty(x.shape[:-1] + (n,), np.float32)

@@ -12,8 +12,9 @@ from ..ir import Op, TensorType
 from . import fail, register
 
 NORMS = ("none", "size", "unitary")
-_FORWARD = {"none": "backward", "size": "forward", "unitary": "ortho"}
-_INVERSE = {"none": "forward", "size": "backward", "unitary": "ortho"}
+# MPSGraph scaling -> the `norm` of numpy.fft / scipy.fft, for the forward and the inverse transforms
+FORWARD_NORM = {"none": "backward", "size": "forward", "unitary": "ortho"}
+INVERSE_NORM = {"none": "forward", "size": "backward", "unitary": "ortho"}
 
 
 def _check(op, types, attrs, want):
@@ -51,18 +52,18 @@ def _irfft_rule(types, attrs):
 
 
 register(Op.FFT, _fft_rule(Op.FFT),
-         lambda xs, a: np.fft.fftn(xs[0], axes=a["axes"], norm=_FORWARD[a["norm"]]).astype(np.complex64))
+         lambda xs, a: np.fft.fftn(xs[0], axes=a["axes"], norm=FORWARD_NORM[a["norm"]]).astype(np.complex64))
 register(Op.IFFT, _fft_rule(Op.IFFT),
-         lambda xs, a: np.fft.ifftn(xs[0], axes=a["axes"], norm=_INVERSE[a["norm"]]).astype(np.complex64))
+         lambda xs, a: np.fft.ifftn(xs[0], axes=a["axes"], norm=INVERSE_NORM[a["norm"]]).astype(np.complex64))
 register(Op.RFFT, _rfft_rule,
-         lambda xs, a: np.fft.rfftn(xs[0], axes=a["axes"], norm=_FORWARD[a["norm"]]).astype(np.complex64))
+         lambda xs, a: np.fft.rfftn(xs[0], axes=a["axes"], norm=FORWARD_NORM[a["norm"]]).astype(np.complex64))
 
 
 def _irfft(xs, a):
     x = xs[0]
     axes = a["axes"]
     s = [x.shape[ax] for ax in axes[:-1]] + [a["n"] if a.get("n") is not None else 2 * (x.shape[axes[-1]] - 1)]
-    return np.fft.irfftn(x, s=s, axes=axes, norm=_INVERSE[a["norm"]]).astype(np.float32)
+    return np.fft.irfftn(x, s=s, axes=axes, norm=INVERSE_NORM[a["norm"]]).astype(np.float32)
 
 
 register(Op.IRFFT, _irfft_rule, _irfft)

@@ -3,6 +3,7 @@
     ingot generate [PROMPT] [--model PATH] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
                    [--seed S] [--device cpu|cuda] [--no-chat] [--json]
     ingot chat [--model PATH] ...
+    ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
 """
@@ -91,6 +92,45 @@ def _chat(args) -> int:
     return 0
 
 
+def _spectrogram(args) -> int:
+    from contextlib import ExitStack
+    from pathlib import Path
+
+    from . import audio_io
+    from .models import audio
+
+    outputs = [p for p in (args.output, args.npy) if p is not None]
+    if not outputs:
+        raise IngotError("spectrogram: give -o OUT.png, --npy OUT.npy, or both.")
+    for out in outputs:
+        if not Path(out).resolve().parent.is_dir():
+            raise IngotError(f"{out}: the folder {Path(out).resolve().parent} does not exist.")
+    if args.whisper and args.mels not in (80, 128):
+        raise IngotError(f"--whisper takes --mels 80 or 128 (the published models), not {args.mels}.")
+    if args.mels <= 0 or args.n_fft <= 0 or (args.hop_length is not None and args.hop_length <= 0):
+        raise IngotError(f"--mels, --n-fft and --hop-length must be positive, not {args.mels}, {args.n_fft}, {args.hop_length}.")
+    signal, rate = audio_io.read_audio(args.input, audio.WHISPER_SAMPLE_RATE if args.whisper else args.sample_rate)
+    if args.whisper:
+        hop = audio.WHISPER_HOP_LENGTH
+        spectrogram = audio.evaluate(audio.whisper_log_mel_spectrogram, signal, device=args.device, n_mels=args.mels)
+        label = "log10 mel energy, Whisper-scaled ((x + 4) / 4)"
+    else:
+        hop = args.hop_length or args.n_fft // 4
+        spectrogram = audio.evaluate(audio.log_mel_spectrogram, signal, device=args.device, sample_rate=rate,
+                                     n_fft=args.n_fft, hop_length=hop, n_mels=args.mels)
+        label = "power (dB)"
+    centres = audio.mel_frequencies(args.mels + 2, 0.0, rate / 2.0)[1:-1]
+    with ExitStack() as stack:  # both files or neither
+        if args.output is not None:
+            audio_io.save_image(stack.enter_context(audio_io.atomic_output(args.output)), spectrogram, rate, hop, centres,
+                                f"{Path(args.input).name}: {args.mels} mel bands", label)
+        if args.npy is not None:
+            audio_io.save_array(stack.enter_context(audio_io.atomic_output(args.npy)), spectrogram)
+    print(f"[{len(signal) / rate:.2f} s at {rate} Hz -> {spectrogram.shape[0]} mels x {spectrogram.shape[1]} frames: "
+          f"{', '.join(outputs)}]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ingot", description="Ingot: a graph compiler and runtime for fast ML inference.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -105,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
     chat.set_defaults(func=_chat)
+    spec = sub.add_parser("spectrogram", help="log-mel spectrogram of an audio file as a PNG and/or a .npy array")
+    spec.add_argument("input", help="a WAV, FLAC or OGG file (mixed to mono)")
+    spec.add_argument("-o", "--output", help="the PNG to write (time and frequency axes, colour bar)")
+    spec.add_argument("--npy", help="the array [mels, frames] to write with numpy.save")
+    spec.add_argument("--mels", type=int, default=80, help="mel bands (default 80; Whisper: 80 or 128)")
+    spec.add_argument("--whisper", action="store_true", help="Whisper's front end: 16 kHz, n_fft 400, hop 160, log10 scaled")
+    spec.add_argument("--sample-rate", type=int, default=None, help="resample to this rate first (default: the file's)")
+    spec.add_argument("--n-fft", type=int, default=2048, help="FFT size without --whisper (default 2048)")
+    spec.add_argument("--hop-length", type=int, default=None, help="hop without --whisper (default n_fft / 4)")
+    spec.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    spec.set_defaults(func=_spectrogram)
     return parser
 
 

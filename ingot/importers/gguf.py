@@ -550,6 +550,7 @@ def read_gguf(path, *, architectures: tuple[str, ...] | None = None, lazy: bool 
 
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     if lazy:
+        reader.fields.clear()  # converted into `metadata` above; the raw parts need not stay alive
         return GGUFModel(path=path, architecture=arch, metadata=metadata, tensors=LazyTensors(path, reader), tensor_types=types)
     tensors: dict[str, np.ndarray | QuantizedTensor] = {}
     for t in reader.tensors:

@@ -71,10 +71,13 @@ class LLM:
         self.device = device
         _allocate_big_arrays_with_mmap()
         model = read_gguf(path, lazy=True)  # each weight converted once, straight into the graph
-        self.metadata = model.metadata
         self.config = llama.LlamaConfig.from_gguf(model)
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
         self.tokenizer = Tokenizer(model.metadata)
+        # the vocabulary now lives in the tokenizer; keep the small metadata only
+        model.metadata = {k: v for k, v in model.metadata.items()
+                          if k == "tokenizer.chat_template" or not k.startswith("tokenizer.ggml.")}
+        self.metadata = model.metadata
         self.model = llama.build(self.config, model.tensors, path)
         del model
         _return_freed_memory()

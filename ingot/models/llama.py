@@ -20,7 +20,7 @@ from ..errors import IngotError
 from ..graph import Graph, Tensor
 from ..ir import TensorType
 from ..ops.nn import rope_inv_freq
-from ..quant.formats import QuantizedTensor
+from ..quant.formats import QuantizedTensor, concat_columns
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
 
@@ -94,15 +94,17 @@ class Weights:
     def vector(self, name: str) -> Tensor:
         return self.g.constant(np.asarray(self.get(name), np.float32), name=name)
 
-    def matrix(self, name: str, shape: tuple[int, int]) -> Tensor:
-        """The [out, in] weight as an [in, out] float tensor: a dequantize of its k-major form when
-        quantized (the reduction axis first is what the CPU GEMV reads fastest; see QuantizedTensor)."""
+    def _checked(self, name: str, shape: tuple[int, int]):
         w = self.get(name)
         if tuple(w.shape) != shape:
             raise IngotError(f"{self.path}: tensor {name} has shape {tuple(w.shape)}, expected {shape}.")
+        if isinstance(w, QuantizedTensor) and w.block_axis == 1:
+            w = w.to_k_major()
+        return w
+
+    def _constant(self, w, name: str) -> Tensor:
         g = self.g
         if isinstance(w, QuantizedTensor):
-            w = w.to_k_major() if w.block_axis == 1 else w
             q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
             params = {"scale": g.constant(w.scale, name=f"{name}.scale")}
             if w.zero_point is not None:
@@ -111,6 +113,35 @@ class Weights:
                 params["bias"] = g.constant(w.bias, name=f"{name}.bias")
             return g.dequantize(q, axis=0, block_size=w.block_size, **params)
         return g.constant(np.ascontiguousarray(np.asarray(w, np.float32).T), name=name)
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> Tensor:
+        """The [out, in] weight as an [in, out] float tensor: a dequantize of its k-major form when
+        quantized (the reduction axis first is what the CPU GEMV reads fastest; see QuantizedTensor)."""
+        return self._constant(self._checked(name, shape), name)
+
+    def matrices(self, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor] | Tensor:
+        """Weights that multiply the same input, side by side as one [in, sum(out)] tensor when they
+        share a quantized format (one matmul instead of several); else a list, one per weight."""
+        ws = [self._checked(n, s) for n, s in zip(names, shapes)]
+        if all(isinstance(w, QuantizedTensor) for w in ws):
+            try:
+                return self._constant(concat_columns(ws), "+".join(names))
+            except ValueError:
+                pass
+        return [self._constant(w, n) for w, n in zip(ws, names)]
+
+
+def linear_split(g: Graph, x: Tensor, weights: Weights, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor]:
+    """[x @ w.T for each weight], computed as one matmul over the weights side by side when possible."""
+    fused = weights.matrices(names, shapes)
+    if isinstance(fused, list):
+        return [linear(g, x, w) for w in fused]
+    y = linear(g, x, fused)
+    outs, at = [], 0
+    for rows, _ in shapes:
+        outs.append(g.slice(y, [0, at], [None, at + rows]))
+        at += rows
+    return outs
 
 
 def linear(g: Graph, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -124,9 +155,10 @@ def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tenso
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     bias = (lambda n: weights.vector(p + n)) if cfg.qkv_bias else (lambda n: None)  # noqa: E731
-    q = linear(g, x, weights.matrix(p + "attn_q.weight", (nh * hd, cfg.dim)), bias("attn_q.bias"))
-    k = linear(g, x, weights.matrix(p + "attn_k.weight", (nkv * hd, cfg.dim)), bias("attn_k.bias"))
-    v = linear(g, x, weights.matrix(p + "attn_v.weight", (nkv * hd, cfg.dim)), bias("attn_v.bias"))
+    q, k, v = linear_split(g, x, weights, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+                           [(nh * hd, cfg.dim), (nkv * hd, cfg.dim), (nkv * hd, cfg.dim)])
+    if cfg.qkv_bias:
+        q, k, v = q + bias("attn_q.bias"), k + bias("attn_k.bias"), v + bias("attn_v.bias")
     heads = lambda t, n: g.reshape(g.transpose(g.reshape(t, (-1, n, hd)), (1, 0, 2)), (1, n, -1, hd))  # noqa: E731
     q, k, v = heads(q, nh), heads(k, nkv), heads(v, nkv)            # [1, H, T, hd]
     rope = dict(base=cfg.rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
@@ -149,8 +181,8 @@ def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tenso
 def feed_forward(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tensor) -> Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
     p = f"blk.{layer}."
-    gate = linear(g, x, weights.matrix(p + "ffn_gate.weight", (cfg.ffn_dim, cfg.dim)))
-    up = linear(g, x, weights.matrix(p + "ffn_up.weight", (cfg.ffn_dim, cfg.dim)))
+    gate, up = linear_split(g, x, weights, [p + "ffn_gate.weight", p + "ffn_up.weight"],
+                            [(cfg.ffn_dim, cfg.dim), (cfg.ffn_dim, cfg.dim)])
     return linear(g, g.silu(gate) * up, weights.matrix(p + "ffn_down.weight", (cfg.dim, cfg.ffn_dim)))
 
 

@@ -74,3 +74,18 @@ class QuantizedTensor:
         t = lambda p: None if p is None else np.ascontiguousarray(p.T)  # noqa: E731
         return QuantizedTensor(q, self.qdtype, (self.shape[1], self.shape[0]), self.block_size, t(self.scale),
                                t(self.bias), t(self.zero_point), self.source, block_axis=0)
+
+
+def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
+    """k-major tensors of one format side by side: [K, N1] + [K, N2] + ... -> [K, N1 + N2 + ...]."""
+    first = parts[0]
+    same = all(p.block_axis == 0 and p.qdtype == first.qdtype and p.block_size == first.block_size
+               and p.shape[0] == first.shape[0] and (p.bias is None) == (first.bias is None)
+               and (p.zero_point is None) == (first.zero_point is None)
+               and (not p.qdtype.packed or p.shape[1] % 2 == 0) for p in parts)
+    if not same:
+        raise ValueError("only k-major tensors of one format and K concatenate")
+    cat = lambda arrays: None if arrays[0] is None else np.ascontiguousarray(np.concatenate(arrays, axis=1))  # noqa: E731
+    return QuantizedTensor(cat([p.q for p in parts]), first.qdtype, (first.shape[0], sum(p.shape[1] for p in parts)),
+                           first.block_size, cat([p.scale for p in parts]), cat([p.bias for p in parts]),
+                           cat([p.zero_point for p in parts]), first.source, block_axis=0)

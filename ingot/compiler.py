@@ -24,6 +24,7 @@ from .passes.fuse_sdpa import fuse_attention
 from .passes.inplace import update_variables_in_place
 from .passes.memory_plan import plan_memory
 from .passes.regions import find_regions
+from .passes.simplify_views import simplify_views
 from .passes.specialize import specialize
 
 Pass = Callable[[Program], tuple[Program, bool]]
@@ -34,6 +35,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("cse", eliminate_common_subexpressions),       # one node per distinct computation
     ("fuse_attention", fuse_attention),             # hand-written attention -> one SDPA
     ("fuse_dequantize", fuse_dequantize),           # dequantize -> matmul/gather: no float weights
+    ("simplify_views", simplify_views),             # chains of reshapes/transposes -> one view (after the
+                                                    # fusions, whose patterns name transposes)
     ("inplace", update_variables_in_place),         # assign(v, slice_update(v, ...)) writes the slice only
     ("attention_length", attention_over_buffer),    # attention over a cache prefix keeps shapes static
     ("regions", find_regions),                      # elementwise chains a backend runs as one kernel

@@ -38,6 +38,33 @@ def default_gguf_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
 
 
+def runnable_others() -> int:
+    """Processes ready to run right now besides the caller (from /proc/loadavg; Linux)."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0]) - 1
+
+
+def wait_for_quiet(max_wait_s: float = 600.0, max_others: int = 0, quiet_s: float = 3.0,
+                   poll_s: float = 0.25) -> bool:
+    """Wait until at most `max_others` other processes are runnable for `quiet_s` seconds.
+
+    On the 2-core project machine a 2-thread timing is only meaningful when nothing else
+    runs (see docs/benchmark-setup.md). Returns False if `max_wait_s` passed first.
+    """
+    start = time.monotonic()
+    quiet_since = None
+    while time.monotonic() - start < max_wait_s:
+        now = time.monotonic()
+        if runnable_others() <= max_others:
+            quiet_since = quiet_since or now
+            if now - quiet_since >= quiet_s:
+                return True
+        else:
+            quiet_since = None
+        time.sleep(poll_s)
+    return False
+
+
 def _token_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     import numpy as np
     rng = np.random.default_rng(seed)
@@ -172,12 +199,16 @@ def main() -> None:
     ap.add_argument("--only", choices=["llamacpp", "transformers"], default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="first wait up to SECONDS for no other runnable process")
     args = ap.parse_args()
     path = args.gguf or default_gguf_path()
     fns = {"llamacpp": llamacpp_speed, "transformers": transformers_speed}
     for key, fn in fns.items():
         if args.only and key != args.only:
             continue
+        if args.wait_quiet and not wait_for_quiet(args.wait_quiet):
+            print(f"# machine not quiet within {args.wait_quiet:g}s; timing anyway", flush=True)
         try:
             res = fn(path, threads=args.threads, repeats=args.repeats)
         except RuntimeError as e:

@@ -119,7 +119,8 @@ class Executable:
             return
         for name, initial in self.program.variables.items():
             have = state.values.get(name)
-            if have is None or have.shape != initial.shape or have.dtype != initial.dtype:
+            # a device state holds torch tensors: compare dtypes by name (torch.float32 ~ float32)
+            if have is None or tuple(have.shape) != initial.shape or str(have.dtype).removeprefix("torch.") != initial.dtype.name:
                 raise IngotError(f"run: the state does not hold variable {name!r} as {initial.dtype}{list(initial.shape)}; "
                                  "use a state made by this executable's new_state().")
         state._owner = self

@@ -102,7 +102,8 @@ class LLM:
 
     # -- the model ----------------------------------------------------------------------------------
     def _run(self, exe, tokens: np.ndarray, pos: int, last: int) -> np.ndarray:
-        return exe.run({"tokens": tokens, "pos": np.int32(pos), "last": np.int32(last)}, state=self.state)[0]
+        logits = exe.run({"tokens": tokens, "pos": np.int32(pos), "last": np.int32(last)}, state=self.state)[0]
+        return exe.backend.to_host(logits)  # a device tensor on cuda: the sampler works on the host
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Compute K/V for ids not already cached; return the logits after the last one."""

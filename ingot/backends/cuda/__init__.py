@@ -1,0 +1,910 @@
+"""The CUDA backend: torch tensors for device memory, our Triton kernels where fusion or quantization
+matters (attention, quantized matmul/gather, norms, RoPE, KV writes, generated elementwise
+regions), torch ops for the rest, and the whole run captured as one CUDA graph once it repeats.
+
+The program is lowered once into a flat list of steps over value slots, like the CPU backend.
+Lowerings are a table keyed by op. Plan-level fusions (all checked against the NumPy reference):
+  - sibling quantized matmuls reading one x (q/k/v, gate/up) run as one GEMV over a weight
+    concatenated at load;
+  - a residual add followed by rms_norm is one kernel writing both;
+  - a fusion region of float elementwise ops is one generated kernel.
+An op with no device lowering runs its NumPy reference on host copies, with a warning: such a
+plan is not captured as a graph.
+
+    >>> exe = g.compile(feeds=..., targets=[y], device="cuda")       # doctest: +SKIP
+    >>> exe.run({"x": np.ones(4, np.float32)})[0]                    # a torch tensor on the GPU  # doctest: +SKIP
+
+Environment: INGOT_CUDA_GRAPHS=0 turns graph capture off; INGOT_CUDA_DEVICE=cpu runs the same
+code on the CPU under TRITON_INTERPRET=1 (kernel tests without a GPU).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import weakref
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+import triton  # noqa: F401  (an ImportError here tells get_backend that the extra is missing)
+
+from ... import dtypes as dt
+from ...errors import IngotError
+from ...ir import GroupOp, Node, Op, Program, Ref, TensorType
+from ...ops import REGISTRY
+from ...ops.nn import rope_inv_freq
+from . import attention as attention_kernels
+from . import fused
+from . import quantized_matmul as qmm
+
+TORCH_DTYPE = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+    "uint8": torch.uint8, "int4": torch.uint8, "uint4": torch.uint8, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool, "complex64": torch.complex64,
+}
+
+
+def torch_dtype(d: dt.DType) -> torch.dtype:
+    return TORCH_DTYPE[d.name]
+
+
+def device_name() -> str:
+    return os.environ.get("INGOT_CUDA_DEVICE", "cuda")
+
+
+# -- host <-> device ----------------------------------------------------------------------------------
+
+def to_device(array, device) -> torch.Tensor:
+    """A numpy array (bfloat16 from ml_dtypes included) as a device tensor."""
+    a = np.asarray(array)
+    if a.dtype == ml_dtypes.bfloat16:
+        return to_device(a.view(np.int16), device).view(torch.bfloat16)
+    a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only arrays (memory-mapped weights) are only read
+        t = torch.from_numpy(a)
+    return t.to(device)
+
+
+def to_host(value) -> np.ndarray:
+    """A device tensor as a numpy array (bfloat16 via ml_dtypes); other values pass through."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(v) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype == torch.bfloat16:
+        return value.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return value.detach().cpu().numpy()
+
+
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _cached(array: np.ndarray, key: tuple, make: Callable[[], Any]):
+    """One device copy per host constant (prefill and decode executables share their weights)."""
+    full = (id(array),) + key
+    hit = _DEVICE_CONSTANTS.get(full)
+    if hit is None:
+        hit = _DEVICE_CONSTANTS[full] = make()
+        weakref.finalize(array, _DEVICE_CONSTANTS.pop, full, None)
+    return hit
+
+
+def constant_tensor(array: np.ndarray, device) -> torch.Tensor:
+    return _cached(array, ("tensor", str(device)), lambda: to_device(array, device))
+
+
+def prepared_weight(arrays: list[np.ndarray], attrs: dict, device) -> qmm.QuantizedWeight:
+    key = ("qweight", str(device), attrs["mode"], attrs["qdtype"].name, bool(attrs.get("transpose")),
+           bool(attrs.get("has_zero_point")), bool(attrs.get("has_bias"))) + tuple(id(a) for a in arrays[1:])
+    return _cached(arrays[0], key, lambda: qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device))
+
+
+def concatenated_weight(members: list[tuple[list[np.ndarray], dict]], device) -> qmm.QuantizedWeight | None:
+    """The weights of sibling matmuls stacked along N (one GEMV for q/k/v), or None if they differ in kind."""
+    key = ("qconcat", str(device)) + tuple((id(a), attrs["qdtype"].name, bool(attrs.get("transpose")))
+                                           for arrays, attrs in members for a in arrays)
+    first = members[0][0][0]
+    hit = _DEVICE_CONSTANTS.get((id(first),) + key)
+    if hit is not None:
+        return hit
+    parts = [qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device) for arrays, attrs in members]
+    w0 = parts[0]
+    if any(p.lut is not None or p.bits != w0.bits or p.group != w0.group or p.k != w0.k
+           or p.scale.dtype != w0.scale.dtype for p in parts):
+        return None
+    biases = [p.bias if p.bias is not None else torch.zeros_like(p.scale) for p in parts]
+    has_bias = any(p.bias is not None for p in parts)
+    bias_dtype = torch.float32 if any(b.dtype == torch.float32 for b in biases) else biases[0].dtype
+    joined = qmm.QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                                 torch.cat([b.to(bias_dtype) for b in biases]) if has_bias else None,
+                                 None, 1, 1, w0.bits, w0.group, sum(p.n for p in parts), w0.k)
+    return _cached(first, key, lambda: joined)
+
+
+# -- lowerings ----------------------------------------------------------------------------------------
+
+StepFn = Callable[..., Any]
+
+
+class Lowering:
+    """What a lowering sees: the node, the device, the program's constants, and a way to say that
+    the step syncs with the host (such a plan is not captured as a CUDA graph)."""
+
+    def __init__(self, plan: "CudaPlan", node: Node):
+        self.plan, self.node, self.device = plan, node, plan.device
+
+    def constant(self, src_index: int) -> np.ndarray | None:
+        s = self.node.src[src_index]
+        return self.plan.program.constants[s.attrs["key"]] if s.op == Op.CONSTANT else None
+
+    def syncs(self, why: str) -> None:
+        self.plan.host_syncs.append(f"{self.node.op.name.lower()}: {why}")
+
+
+LOWERINGS: dict[Op, Callable[[Lowering], StepFn]] = {}
+
+
+def lowering(*ops: Op):
+    def deco(fn):
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+    return deco
+
+
+_WARNED: set[str] = set()
+
+
+def host_reference(ctx: Lowering) -> StepFn:
+    """The op's NumPy reference on host copies: correct, slow, and a host sync (warned once per op)."""
+    node = ctx.node
+    name = node.op.name.lower()
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"ingot cuda: op {name} has no device lowering for {node.type}; it runs on the host "
+                      "(slow, and the plan is not captured as a CUDA graph).", RuntimeWarning, stacklevel=2)
+    ctx.syncs("runs on the host")
+    ref, attrs, device = REGISTRY[node.op].reference, node.attrs, ctx.device
+
+    def step(*xs):
+        out = ref([to_host(x) for x in xs], attrs)
+        if isinstance(out, tuple):
+            return tuple(to_device(o, device) for o in out)
+        return to_device(out, device)
+    return step
+
+
+_BINARY = {Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.POW: torch.pow,
+           Op.MAXIMUM: torch.maximum, Op.MINIMUM: torch.minimum,
+           Op.EQUAL: torch.eq, Op.NOT_EQUAL: torch.ne, Op.LESS: torch.lt, Op.LESS_EQUAL: torch.le,
+           Op.GREATER: torch.gt, Op.GREATER_EQUAL: torch.ge, Op.LOGICAL_AND: torch.logical_and,
+           Op.LOGICAL_OR: torch.logical_or, Op.LOGICAL_XOR: torch.logical_xor}
+_UNARY = {Op.NEG: torch.neg, Op.ABS: torch.abs, Op.EXP: torch.exp, Op.LOG: torch.log, Op.SQRT: torch.sqrt,
+          Op.RSQRT: torch.rsqrt, Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid, Op.SILU: torch.nn.functional.silu,
+          Op.ERF: torch.erf, Op.SIN: torch.sin, Op.COS: torch.cos, Op.LOGICAL_NOT: torch.logical_not}
+
+
+@lowering(*_BINARY)
+def _binary(ctx: Lowering) -> StepFn:
+    op = ctx.node.op
+    fn = _BINARY[op]
+    if ctx.node.src[0].dtype == dt.bool_ and op in (Op.MAXIMUM, Op.MINIMUM):
+        fn = torch.logical_or if op == Op.MAXIMUM else torch.logical_and
+    if op == Op.POW and ctx.node.dtype.is_int:
+        return host_reference(ctx)  # integer powers: NumPy's overflow and negative-exponent rules
+    return fn
+
+
+@lowering(Op.DIV)
+def _div(ctx: Lowering) -> StepFn:
+    if ctx.node.dtype.is_int:
+        return lambda a, b: torch.div(a, b, rounding_mode="trunc")
+    return torch.div
+
+
+@lowering(*_UNARY)
+def _unary(ctx: Lowering) -> StepFn:
+    return _UNARY[ctx.node.op]
+
+
+@lowering(Op.GELU)
+def _gelu(ctx: Lowering) -> StepFn:
+    approximate = ctx.node.attrs.get("approximate", "none")
+    return lambda x: torch.nn.functional.gelu(x, approximate="tanh" if approximate == "tanh" else "none")
+
+
+@lowering(Op.CAST)
+def _cast(ctx: Lowering) -> StepFn:
+    target = ctx.node.attrs["dtype"]
+    td = torch_dtype(target)
+
+    def cast(x):
+        if target == dt.bool_:
+            return x != 0
+        if x.is_complex() and target != dt.complex64:
+            x = x.real
+        return x.to(td)
+    return cast
+
+
+@lowering(Op.WHERE)
+def _where(ctx: Lowering) -> StepFn:
+    return torch.where
+
+
+@lowering(Op.REAL, Op.IMAG)
+def _complex_part(ctx: Lowering) -> StepFn:
+    part = torch.real if ctx.node.op == Op.REAL else torch.imag
+    return lambda x: part(x).contiguous()
+
+
+@lowering(Op.COMPLEX)
+def _complex(ctx: Lowering) -> StepFn:
+    return lambda a, b: torch.complex(*torch.broadcast_tensors(a, b))
+
+
+# reductions
+
+@lowering(Op.SUM, Op.MEAN, Op.MAX, Op.MIN)
+def _reduce(ctx: Lowering) -> StepFn:
+    node = ctx.node
+    axes, keep = tuple(node.attrs["axes"]), bool(node.attrs.get("keepdims", False))
+    out_dtype = torch_dtype(node.dtype)
+    fn = {Op.SUM: torch.sum, Op.MEAN: torch.mean, Op.MAX: torch.amax, Op.MIN: torch.amin}[node.op]
+
+    def reduce(x):
+        if not axes:  # NumPy reduces over no axis: the input itself
+            return x.to(out_dtype).clone()
+        if node.op == Op.SUM and x.dtype == torch.bool:
+            x = x.to(torch.int32)
+        return fn(x, dim=axes, keepdim=keep).to(out_dtype)
+    return reduce
+
+
+@lowering(Op.ARGMAX, Op.ARGMIN)
+def _arg(ctx: Lowering) -> StepFn:
+    (axis,) = ctx.node.attrs["axes"]
+    keep = bool(ctx.node.attrs.get("keepdims", False))
+    fn = torch.argmax if ctx.node.op == Op.ARGMAX else torch.argmin
+    return lambda x: fn(x, dim=axis, keepdim=keep).to(torch.int32)
+
+
+@lowering(Op.SOFTMAX, Op.LOG_SOFTMAX)
+def _softmax(ctx: Lowering) -> StepFn:
+    axis = ctx.node.attrs["axis"]
+    fn = torch.softmax if ctx.node.op == Op.SOFTMAX else torch.log_softmax
+    return lambda x: fn(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=axis).to(x.dtype)
+
+
+# shapes
+
+@lowering(Op.RESHAPE)
+def _reshape(ctx: Lowering) -> StepFn:
+    shape = tuple(ctx.node.type.shape)
+    return lambda x: x.reshape(shape)
+
+
+@lowering(Op.TRANSPOSE)
+def _transpose(ctx: Lowering) -> StepFn:
+    perm = tuple(ctx.node.attrs["perm"])
+    return lambda x: x.permute(perm)
+
+
+@lowering(Op.BROADCAST_TO)
+def _broadcast(ctx: Lowering) -> StepFn:
+    shape = tuple(ctx.node.attrs["shape"])
+    return lambda x: x.expand(shape)
+
+
+@lowering(Op.CONCAT)
+def _concat(ctx: Lowering) -> StepFn:
+    axis = ctx.node.attrs["axis"]
+    return lambda *xs: torch.cat(xs, dim=axis)
+
+
+def _pad_index(d: int, lo: int, hi: int, mode: str) -> np.ndarray:
+    i = np.arange(-lo, d + hi)
+    if mode == "edge":
+        return np.clip(i, 0, d - 1)
+    if mode == "reflect":
+        period = 2 * (d - 1) if d > 1 else 1
+        i = np.abs(i) % period
+        return np.where(i >= d, period - i, i)
+    period = 2 * d  # symmetric
+    i = np.where(i < 0, -i - 1, i) % period
+    return np.where(i >= d, period - 1 - i, i)
+
+
+@lowering(Op.PAD)
+def _pad(ctx: Lowering) -> StepFn:
+    node = ctx.node
+    pads, mode = node.attrs["pads"], node.attrs.get("mode", "constant")
+    if mode == "constant":
+        flat = [p for lo_hi in reversed(pads) for p in lo_hi]
+        value = node.attrs.get("value", 0)
+        return lambda x: torch.nn.functional.pad(x, flat, mode="constant", value=value)
+    shape = node.src[0].type.shape
+    index = [(axis, torch.as_tensor(_pad_index(shape[axis], lo, hi, mode), device=ctx.device))
+             for axis, (lo, hi) in enumerate(pads) if lo or hi]
+
+    def pad(x):
+        for axis, idx in index:
+            x = torch.index_select(x, axis, idx)
+        return x
+    return pad
+
+
+@lowering(Op.GATHER)
+def _gather(ctx: Lowering) -> StepFn:
+    axis = ctx.node.attrs["axis"]
+    n = ctx.node.src[0].type.shape[axis]
+
+    def gather(x, idx):  # indices wrap like NumPy's take; out-of-range ones are clamped (no host check)
+        flat = idx.reshape(-1).long()
+        flat = torch.where(flat < 0, flat + n, flat).clamp(0, max(n - 1, 0))
+        out = torch.index_select(x, axis, flat)
+        return out.reshape(x.shape[:axis] + idx.shape + x.shape[axis + 1:])
+    return gather
+
+
+def _runtime(value, xs):
+    return xs[value.index] if isinstance(value, Ref) else value
+
+
+@lowering(Op.SLICE)
+def _slice(ctx: Lowering) -> StepFn:
+    node = ctx.node
+    start, end, step = node.attrs["start"], node.attrs["end"], node.attrs["step"]
+    size = node.attrs.get("size") or (None,) * len(start)
+    shape = node.src[0].type.shape
+    dynamic = [a for a in range(len(start)) if isinstance(start[a], Ref) or isinstance(end[a], Ref)]
+    needs_host = [a for a in dynamic if size[a] is None]
+    if needs_host:
+        ctx.syncs("a runtime slice bound without a size")
+    arange = {a: torch.arange(size[a], device=ctx.device) for a in dynamic if size[a] is not None}
+
+    def static_index(a, s, e, st, sz):
+        if sz is not None:
+            s = s + shape[a] if s < 0 else s
+            if not 0 <= s <= shape[a] - sz:
+                raise IngotError(f"slice: start {s} with size {sz} does not fit axis {a} of length {shape[a]}.")
+            return slice(s, s + sz, 1)
+        return slice(s, e, st)
+
+    def run(*xs):
+        x = xs[0]
+        out = x
+        for a in range(len(start)):
+            s, e, st, sz = start[a], end[a], step[a], size[a]
+            if a in arange:  # device start, static size: gather the rows, no sync
+                first = xs[s.index].reshape(()).long()
+                first = torch.where(first < 0, first + shape[a], first).clamp(0, shape[a] - sz)
+                out = torch.index_select(out, a, first + arange[a])
+                continue
+            if isinstance(s, Ref) or isinstance(e, Ref):
+                s = int(xs[s.index]) if isinstance(s, Ref) else s
+                e = int(xs[e.index]) if isinstance(e, Ref) else e
+            sl = static_index(a, s, e, st, sz)
+            if sl.step is not None and sl.step < 0:
+                idx = torch.arange(*sl.indices(shape[a]), device=x.device)
+                out = torch.index_select(out, a, idx)
+            elif sl != slice(None, None, 1) and sl != slice(0, None, 1):
+                out = out[(slice(None),) * a + (sl,)]
+        return out
+    return run
+
+
+@lowering(Op.SLICE_UPDATE)
+def _slice_update(ctx: Lowering) -> StepFn:
+    node = ctx.node
+    start = node.attrs["start"]
+    inplace = bool(node.attrs.get("inplace"))
+    shape = node.type.shape
+    runtime = any(isinstance(s, Ref) for s in start)
+
+    def update(*xs):
+        x, u = xs[0], xs[1]
+        target = x if inplace else x.clone()
+        if runtime:
+            return fused.slice_write(target, u, [_runtime(s, xs) for s in start])
+        for a, (s, n) in enumerate(zip(start, u.shape)):
+            if not 0 <= s <= shape[a] - n:
+                raise IngotError(f"slice_update: start {s} + update length {n} does not fit axis {a} of length {shape[a]}.")
+        target[tuple(slice(s, s + n) for s, n in zip(start, u.shape))] = u
+        return target
+    return update
+
+
+@lowering(Op.ARRAY_VIEW)
+def _array_view(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    shape, strides, offset = tuple(a["shape"]), tuple(a["strides"]), a.get("offset", 0)
+    if any(s < 0 for s in strides):  # torch views cannot run backwards: gather the elements (a copy)
+        index = np.full(shape, offset, np.int64)
+        for axis, (n, st) in enumerate(zip(shape, strides)):
+            index += (np.arange(n) * st).reshape((-1,) + (1,) * (len(shape) - axis - 1))
+        flat_index = torch.as_tensor(index, device=ctx.device)
+        return lambda x: x.contiguous().reshape(-1)[flat_index]
+    return lambda x: torch.as_strided(x.contiguous().reshape(-1), shape, strides, offset)
+
+
+@lowering(Op.DIM)
+def _dim(ctx: Lowering) -> StepFn:
+    value = torch.tensor(ctx.node.src[0].type.shape[ctx.node.attrs["axis"]], dtype=torch.int32, device=ctx.device)
+    return lambda x: value
+
+
+# linear algebra and the transformer ops
+
+@lowering(Op.MATMUL)
+def _matmul(ctx: Lowering) -> StepFn:
+    if not ctx.node.dtype.is_float:
+        return host_reference(ctx)  # cuBLAS has no integer GEMM through torch
+    return torch.matmul
+
+
+@lowering(Op.RMS_NORM)
+def _rms_norm(ctx: Lowering) -> StepFn:
+    eps = ctx.node.attrs["eps"]
+    return lambda x, w=None: fused.rms_norm(x, w, eps)
+
+
+@lowering(Op.LAYER_NORM)
+def _layer_norm(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    eps, has_w, has_b = a["eps"], a.get("has_weight"), a.get("has_bias")
+
+    def norm(x, *params):
+        w = params[0].float() if has_w else None
+        b = params[-1].float() if has_b else None
+        return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+    return norm
+
+
+@lowering(Op.ROPE)
+def _rope(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    d = ctx.node.type.shape[-1]
+    rd = a.get("rotary_dims") or d
+    interleaved = bool(a.get("interleaved", False))
+    table = torch.as_tensor(rope_inv_freq(rd, a.get("base", 10000.0)), device=ctx.device)
+
+    def rope(x, pos, inv_freq=None):
+        return fused.rope(x, pos, table if inv_freq is None else inv_freq, interleaved)
+    return rope
+
+
+@lowering(Op.SDPA)
+def _sdpa(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    scale, causal, has_mask, has_length = a.get("scale"), bool(a.get("causal")), a.get("has_mask"), a.get("has_length")
+
+    def sdpa(q, k, v, *rest):
+        mask = rest[0] if has_mask else None
+        length = rest[-1] if has_length else None
+        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask)
+    return sdpa
+
+
+# quantization
+
+def _weight_arrays(ctx: Lowering, first: int, count: int) -> list[np.ndarray] | None:
+    arrays = [ctx.constant(i) for i in range(first, first + count)]
+    return None if any(a is None for a in arrays) else arrays
+
+
+@lowering(Op.QUANTIZED_MATMUL)
+def _quantized_matmul(ctx: Lowering) -> StepFn:
+    node = ctx.node
+    arrays = _weight_arrays(ctx, 1, len(node.src) - 1)
+    if arrays is None:  # a weight computed at run time: re-pack it on the device every run
+        attrs = node.attrs
+        return lambda x, q, *params: qmm.quantized_matmul(
+            x, qmm.prepare_weight(to_host(q), [to_host(p) for p in params], attrs, x.device))
+    weight = prepared_weight(arrays, node.attrs, ctx.device)
+    return lambda x, *_: qmm.quantized_matmul(x, weight)
+
+
+@lowering(Op.QUANTIZED_GATHER)
+def _quantized_gather(ctx: Lowering) -> StepFn:
+    node = ctx.node
+    arrays = _weight_arrays(ctx, 0, len(node.src) - 1)
+    if arrays is None:
+        return host_reference(ctx)
+    # the table as a k-major [K, N] weight: a quantized_matmul's layout (transpose=False)
+    weight = prepared_weight(arrays, dict(node.attrs, transpose=False), ctx.device)
+    axis, out_dtype = node.attrs.get("axis", 0), torch_dtype(node.dtype)
+    return lambda *xs: fused.quantized_gather(weight, xs[-1], axis, out_dtype)
+
+
+def _unpack(q: torch.Tensor, qdtype: dt.DType) -> torch.Tensor:
+    if not qdtype.packed:
+        return q
+    v = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+    if qdtype.kind == "i":
+        v = (v.to(torch.int8) << 4) >> 4
+    return v
+
+
+def _expand(p: torch.Tensor, shape) -> torch.Tensor:
+    for axis, (pd, d) in enumerate(zip(p.shape, shape)):
+        if pd != d and pd != 1:
+            p = p.repeat_interleave(d // pd, dim=axis)
+    return p
+
+
+@lowering(Op.DEQUANTIZE)
+def _dequantize(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    qdtype, out_dtype = a["qdtype"], torch_dtype(a["dtype"])
+
+    def dequantize(q, *params):
+        v = _unpack(q, qdtype)
+        if a["mode"] == "lut":
+            lut = params[0].float()
+            table = _expand(lut, tuple(v.shape) + (lut.shape[-1],)).expand(*v.shape, lut.shape[-1])
+            idx = (v.long() % lut.shape[-1]).unsqueeze(-1)  # NumPy's negative indices wrap
+            return torch.gather(table, -1, idx).squeeze(-1).to(out_dtype)
+        it = iter(params)
+        w = v.float()
+        scale = next(it).float()
+        if a.get("has_zero_point"):
+            w = w - _expand(next(it).float(), v.shape)
+        w = w * _expand(scale, v.shape)
+        if a.get("has_bias"):
+            w = w + _expand(next(it).float(), v.shape)
+        return w.to(out_dtype)
+    return dequantize
+
+
+@lowering(Op.QUANTIZE)
+def _quantize(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    if a["mode"] == "lut":
+        return host_reference(ctx)
+    from ...ops.quant import RANGES
+    target = a["dtype"]
+    lo, hi = RANGES[target.name]
+
+    def quantize(x, scale, *zp):
+        q = torch.round(x.float() / _expand(scale.float(), x.shape))
+        if zp:
+            q = q + _expand(zp[0].float(), x.shape)
+        q = q.clamp(lo, hi).to(torch.int16)
+        if target.packed:
+            nib = (q & 0xF).to(torch.uint8)
+            return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
+        return q.to(torch_dtype(target))
+    return quantize
+
+
+# fft
+
+_FORWARD = {"none": "backward", "size": "forward", "unitary": "ortho"}
+_INVERSE = {"none": "forward", "size": "backward", "unitary": "ortho"}
+
+
+@lowering(Op.FFT, Op.IFFT, Op.RFFT, Op.IRFFT)
+def _fft(ctx: Lowering) -> StepFn:
+    a = ctx.node.attrs
+    axes, norm, op = tuple(a["axes"]), a["norm"], ctx.node.op
+    if op == Op.FFT:
+        return lambda x: torch.fft.fftn(x, dim=axes, norm=_FORWARD[norm]).to(torch.complex64)
+    if op == Op.IFFT:
+        return lambda x: torch.fft.ifftn(x, dim=axes, norm=_INVERSE[norm]).to(torch.complex64)
+    if op == Op.RFFT:
+        return lambda x: torch.fft.rfftn(x, dim=axes, norm=_FORWARD[norm])
+    out_shape = ctx.node.type.shape
+    s = [out_shape[ax] for ax in axes]
+    return lambda x: torch.fft.irfftn(x, s=s, dim=axes, norm=_INVERSE[norm]).to(torch.float32)
+
+
+@lowering(Op.GET_ITEM)
+def _get_item(ctx: Lowering) -> StepFn:
+    index = ctx.node.attrs["index"]
+    return lambda outs: outs[index]
+
+
+def _call(ctx: Lowering, executable) -> StepFn:
+    name = ctx.node.attrs["name"]
+    ctx.syncs("a call (its executable can be re-bound)")
+
+    def call(*xs):
+        target = executable.callables.get(name)
+        if target is None:
+            raise IngotError(f"call: no executable is bound to {name!r}; pass callables={{{name!r}: exe}} or exe.bind().")
+        outs = target.run(list(xs))
+        return tuple(o.clone() if any(_shares(o, x) for x in xs) else o for o in outs)
+    return call
+
+
+def _shares(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# -- the plan -----------------------------------------------------------------------------------------
+
+class CudaPlan:
+    """A program lowered to a flat list of device steps; captured as a CUDA graph once it repeats."""
+
+    def __init__(self, program: Program, executable, device: torch.device):
+        self.program = program
+        self.device = device
+        self.host_syncs: list[str] = []
+        nodes = program.nodes()
+        self.nodes = nodes
+        self.slot = {n.id: i for i, n in enumerate(nodes)}
+        by_id = {n.id: n for n in nodes}
+        users: dict[int, list[Node]] = {n.id: [] for n in nodes}
+        for n in nodes:
+            for s in n.src:
+                users[s.id].append(n)
+        roots = {n.id for n in program.roots}
+        self.initial: list[Any] = [None] * len(nodes)
+        self.feed_slots: list[tuple[str, int, TensorType]] = []
+        self.variable_slots: list[tuple[str, int]] = []
+        steps: list[tuple[StepFn, tuple[int, ...], tuple[int, ...], str]] = []
+        done: set[int] = set()          # nodes whose value another (fused) step produces
+        self.fusions: list[str] = []
+
+        # fused elementwise regions: the root's step computes the region from its external inputs
+        region_root: dict[int, fused.RegionKernel] = {}
+        if os.environ.get("INGOT_CUDA_REGIONS", "1") == "1":
+            for region in program.regions:
+                members = [by_id[i] for i in region if i in by_id]
+                if len(members) < 2 or not fused.region_supported(members):
+                    continue
+                if any(m.id in roots for m in members[:-1]):
+                    continue
+                kernel = fused.RegionKernel(members, torch_dtype)
+                region_root[members[-1].id] = kernel
+                done.update(m.id for m in members[:-1])
+                self.fusions.append("region " + "+".join(m.op.name.lower() for m in members))
+
+        # sibling quantized matmuls over one x, with constant weights of one kind
+        sibling_groups: dict[int, list[Node]] = {}
+        for n in nodes:
+            if n.op == Op.QUANTIZED_MATMUL and n.attrs["mode"] == "affine" and all(s.op == Op.CONSTANT for s in n.src[1:]):
+                sibling_groups.setdefault(n.src[0].id, []).append(n)
+        group_of: dict[int, list[Node]] = {}
+        if os.environ.get("INGOT_CUDA_CONCAT", "1") == "1":
+            for members in sibling_groups.values():
+                if len(members) > 1 and len({m.dtype for m in members}) == 1:
+                    for m in members:
+                        group_of[m.id] = members
+
+        for node in nodes:
+            s = self.slot[node.id]
+            if node.op == Op.CONSTANT:
+                self.initial[s] = program.constants[node.attrs["key"]]  # uploaded below if a step reads it
+                continue
+            if node.op == Op.PLACEHOLDER:
+                self.feed_slots.append((node.name, s, node.type))
+                continue
+            if node.op == Op.VARIABLE:
+                self.variable_slots.append((node.attrs["name"], s))
+                continue
+            if node.op == Op.ASSIGN or node.id in done:
+                continue
+            if node.id in region_root:
+                kernel = region_root[node.id]
+                steps.append((kernel, tuple(self.slot[x.id] for x in kernel.inputs), (s,), "region"))
+                continue
+            if node.id in group_of:
+                fn, outs = self._sibling_step(group_of[node.id])
+                if fn is not None:
+                    steps.append((fn, (self.slot[node.src[0].id],), tuple(self.slot[m.id] for m in outs), "qkv"))
+                    done.update(m.id for m in outs)
+                    continue
+            if node.op == Op.ADD and node.id not in roots:
+                norm = next((u for u in users[node.id] if u.op == Op.RMS_NORM and u.src[0] is node), None)
+                if norm is not None and node.dtype.name in ("float32", "float16", "bfloat16") and \
+                        node.src[0].type.shape == node.src[1].type.shape == node.type.shape and node.type.rank >= 1:
+                    eps = norm.attrs["eps"]
+                    weight_slot = (self.slot[norm.src[1].id],) if len(norm.src) > 1 else ()
+                    step = (lambda a, b, w=None, eps=eps: fused.add_rms_norm(a, b, w, eps))
+                    steps.append((step, (self.slot[node.src[0].id], self.slot[node.src[1].id]) + weight_slot,
+                                  (s, self.slot[norm.id]), "add_rms_norm"))
+                    done.add(norm.id)
+                    self.fusions.append("add+rms_norm")
+                    continue
+            ctx = Lowering(self, node)
+            if node.op == Op.CALL:
+                fn = _call(ctx, executable)
+            else:
+                fn = LOWERINGS.get(node.op, host_reference)(ctx)
+            steps.append((fn, tuple(self.slot[x.id] for x in node.src), (s,), node.op.name.lower()))
+
+        # upload only the constants a step reads (packed weights live re-packed in the kernels' cache)
+        read = {i for _, ins, _, _ in steps for i in ins}
+        read |= {self.slot[n.id] for n in program.outputs} | {self.slot[a.src[1].id] for a in program.assigns}
+        for n in nodes:
+            if n.op == Op.CONSTANT:
+                s = self.slot[n.id]
+                self.initial[s] = constant_tensor(self.initial[s], device) if s in read else None
+
+        # free each slot after its last reader, unless an output or an assign needs it
+        keep = {self.slot[n.id] for n in program.roots} | {self.slot[a.src[1].id] for a in program.assigns}
+        keep |= {self.slot[n.id] for n in nodes if n.op in GroupOp.Source}
+        last: dict[int, int] = {}
+        for i, (_, ins, _, _) in enumerate(steps):
+            for x in ins:
+                last[x] = i
+        frees: list[list[int]] = [[] for _ in steps]
+        for x, i in last.items():
+            if x not in keep:
+                frees[i].append(x)
+        self.steps = [(fn, ins, outs, tuple(fr)) for (fn, ins, outs, _), fr in zip(steps, frees)]
+        self.step_names = [name for *_, name in steps]
+        self.output_slots = [self.slot[n.id] for n in program.outputs]
+        self.assign_slots = [(a.src[0].attrs["name"], self.slot[a.src[1].id]) for a in program.assigns]
+        base: dict[int, Node] = {}
+        for n in nodes:
+            base[n.id] = base[n.src[0].id] if (n.op in GroupOp.View or n.attrs.get("inplace")) and n.src else n
+        # an output must not be memory a later run changes (a variable, a staged feed) or a constant
+        self.output_copies = [i for i, n in enumerate(program.outputs)
+                              if base[n.id].op in (Op.VARIABLE, Op.CONSTANT, Op.PLACEHOLDER)]
+        self.capturable = device.type == "cuda" and not self.host_syncs and \
+            os.environ.get("INGOT_CUDA_GRAPHS", "1") == "1" and all(isinstance(n.type, TensorType) and n.type.static
+                                                                for n in nodes if n.op != Op.CALL)
+        self._graphs: dict[int, dict] = {}
+        self._runs: dict[int, int] = {}
+        self._stage = None
+
+    def _sibling_step(self, members: list[Node]):
+        arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]
+        weight = concatenated_weight(list(zip(arrays, [m.attrs for m in members])), self.device)
+        if weight is None:
+            return None, members
+        widths = [m.type.shape[-1] for m in members]
+        offsets = np.cumsum([0] + widths)
+
+        def step(x):
+            y = qmm.quantized_matmul(x, weight)
+            return tuple(y[..., int(offsets[i]):int(offsets[i + 1])] for i in range(len(members)))
+        self.fusions.append(f"{len(members)} sibling quantized matmuls")
+        return step, members
+
+    # -- running --------------------------------------------------------------------------------
+    def _execute(self, feeds: dict[str, torch.Tensor], state: dict[str, torch.Tensor], copy_outputs: bool = True):
+        vals = list(self.initial)
+        for name, s, _ in self.feed_slots:
+            vals[s] = feeds[name]
+        for name, s in self.variable_slots:
+            vals[s] = state[name]
+        for fn, ins, outs, frees in self.steps:
+            result = fn(*[vals[i] for i in ins])
+            if len(outs) == 1:
+                vals[outs[0]] = result
+            else:
+                for o, r in zip(outs, result):
+                    vals[o] = r
+            for f in frees:
+                vals[f] = None
+        outputs = [vals[s] for s in self.output_slots]
+        if copy_outputs:
+            for i in self.output_copies:
+                outputs[i] = outputs[i].clone()
+        if self.assign_slots:
+            _assign(state, [(name, vals[s]) for name, s in self.assign_slots])
+        return outputs
+
+    def _device_feeds(self, feeds: dict[str, Any]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, value in feeds.items():
+            out[name] = value.to(self.device) if isinstance(value, torch.Tensor) else to_device(value, self.device)
+        return out
+
+    def _staging(self):
+        """Static device buffers for the feeds (a captured graph reads them) and a pinned host mirror."""
+        if self._stage is None:
+            layout, total = {}, 0
+            for name, _, t in self.feed_slots:
+                nbytes = max(t.nbytes, 1)
+                layout[name] = (total, nbytes, t)
+                total += -(-nbytes // 64) * 64
+            device_buf = torch.empty(max(total, 64), dtype=torch.uint8, device=self.device)
+            host_buf = torch.empty(max(total, 64), dtype=torch.uint8, pin_memory=True)
+            views, host_views = {}, {}
+            for name, (off, nbytes, t) in layout.items():
+                shape = dt.storage_shape(t.shape, t.dtype) if t.shape else ()
+                views[name] = device_buf[off:off + t.nbytes].view(torch_dtype(t.dtype)).view(shape)
+                host_views[name] = host_buf[off:off + t.nbytes].numpy()
+            self._stage = dict(device=device_buf, host=host_buf, views=views, host_views=host_views,
+                               event=torch.cuda.Event(), copied=False)
+        return self._stage
+
+    def _stage_feeds(self, feeds: dict[str, Any]) -> dict[str, torch.Tensor]:
+        stage = self._staging()
+        if stage["copied"]:
+            stage["event"].synchronize()  # the last copy out of the pinned buffer has finished
+        host_feeds = False
+        for name, value in feeds.items():
+            if isinstance(value, torch.Tensor):
+                stage["views"][name].copy_(value, non_blocking=True)
+            else:
+                a = np.ascontiguousarray(value)
+                stage["host_views"][name][...] = a.reshape(-1).view(np.uint8) if a.size else 0
+                host_feeds = True
+        if host_feeds:
+            stage["device"].copy_(stage["host"], non_blocking=True)
+            stage["event"].record()
+            stage["copied"] = True
+        return stage["views"]
+
+    def run(self, feeds: dict[str, Any], state: dict[str, torch.Tensor], stream=None, **options) -> list[torch.Tensor]:
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                return self.run(feeds, state, **options)
+        if not self.capturable:
+            return self._execute(self._device_feeds(feeds), state)
+        key = id(state)
+        entry = self._graphs.get(key)
+        if entry is not None and entry["state"] is state:
+            self._stage_feeds(feeds)
+            entry["graph"].replay()
+            return [o.clone() for o in entry["outputs"]]
+        runs = self._runs[key] = self._runs.get(key, 0) + 1
+        static = self._stage_feeds(feeds)
+        if runs < 2:  # the first run is eager: it compiles every kernel
+            return self._execute(dict(static), state)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            outputs = self._execute(dict(static), state, copy_outputs=False)
+        graph.replay()
+        if len(self._graphs) >= 4:
+            self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = dict(graph=graph, outputs=outputs, state=state)
+        return [o.clone() for o in outputs]
+
+
+def _assign(state: dict[str, torch.Tensor], updates: list[tuple[str, torch.Tensor]]) -> None:
+    pending = [(state[name], value) for name, value in updates if value is not state[name]]
+    if len(pending) > 1:  # a value reading another assigned variable is taken before that one is written
+        pending = [(target, value.clone() if any(other is not target and _shares(value, other) for other, _ in pending)
+                    else value) for target, value in pending]
+    for target, value in pending:
+        target.copy_(value)
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self):
+        self.device = torch.device(device_name())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise IngotError("device 'cuda': torch sees no CUDA GPU on this machine.")
+
+    def prepare(self, program: Program, executable) -> CudaPlan:
+        return CudaPlan(program, executable, self.device)
+
+    def new_state(self, program: Program) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in program.variables.items():
+            if not v.any():  # KV caches: zeros made on the device, nothing copied
+                out[k] = torch.zeros(v.shape, dtype=torch_dtype(dt.from_numpy(v.dtype)), device=self.device)
+            else:
+                out[k] = to_device(v, self.device)
+        return out
+
+    def to_host(self, value) -> np.ndarray:
+        return to_host(value)
+
+    def from_host(self, value, t: TensorType):
+        """Numpy feeds pass through (the plan stages them); device arrays of any DLPack library are
+        taken zero-copy, as torch tensors."""
+        if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
+            return value
+        tensor = value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
+        want = tuple(dt.storage_shape(t.shape, t.dtype)) if t.shape else ()
+        if tensor.dtype != torch_dtype(t.dtype) or tuple(tensor.shape) != want:
+            raise IngotError(f"run: a device feed has {tensor.dtype}{list(tensor.shape)}, expected {t}.")
+        return tensor
+
+
+__all__ = ["CudaBackend", "CudaPlan", "LOWERINGS", "to_host", "to_device", "torch_dtype", "math"]

@@ -1,0 +1,255 @@
+"""Fused scaled-dot-product attention on the GPU (Triton): decode and prefill, reading the KV cache in place.
+
+Semantics are those of the SDPA op's NumPy reference (ingot/ops/nn.py): q [B, Hq, Tq, D],
+k [B, Hk, Tk, D], v [B, Hk, Tk, Dv], Hq a multiple of Hk (GQA); keys at or past `length` are
+ignored; `causal` lets query t see key j when j <= t + length - Tq; a row that sees no key is zeros.
+The length may be a device scalar, read by the kernels, so a captured CUDA graph serves every
+position.
+
+- `_decode_kernel` + `_combine_kernel`: few query rows over a long cache. One program per
+  (batch, KV head, split of the keys): the Hq/Hk query heads of a group share every K/V load; the
+  keys are split over programs (split-KV, the chunk sized from the runtime length) and a second
+  kernel merges the partial softmaxes.
+- `_flash_kernel`: many query rows (prefill): FlashAttention-2 tiles, causal tiles skipped, an
+  optional additive mask read through broadcast strides.
+
+    >>> out = attention(q, k_cache, v_cache, length=pos_plus_one, causal=True)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr,
+                   length_const, HK, G, TQ, TBUF, D, DV, qk_scale,
+                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                   LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // HK
+    hk = pid_bh % HK
+    if LEN_FROM_PTR:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
+    else:
+        length = length_const  # clamped by the wrapper
+    chunk = ((length + SPLIT - 1) // SPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N   # keys per split, from the runtime length
+    start = pid_s * chunk
+    stop = tl.minimum(start + chunk, length)
+
+    rows = tl.arange(0, BLOCK_R)
+    g = rows // TQ
+    t = rows % TQ
+    row_ok = rows < G * TQ
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sq_b + (hk * G + g)[:, None] * sq_h + t[:, None] * sq_t + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    limit = t + length - TQ                      # causal: the last key each row may see
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale       # [R, N], log2 units
+        ok = n_ok[None, :]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= limit[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        m_i = m_new
+    part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
+    tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
+    tl.store(ml_part_ptr + part * 2, m_i)
+    tl.store(ml_part_ptr + part * 2 + 1, l_i)
+
+
+@triton.jit
+def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, TQ, DV,
+                    so_b, so_h, so_t,
+                    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    r = tl.program_id(1)
+    b = pid_bh // HK
+    hk = pid_bh % HK
+    g = r // TQ
+    t = r % TQ
+    splits = tl.arange(0, SPLIT_P2)
+    s_ok = splits < SPLIT
+    part = (pid_bh * SPLIT + splits) * BLOCK_R + r
+    m = tl.load(ml_part_ptr + part * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(ml_part_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)
+    w = tl.where(s_ok, w, 0.0)
+    total = tl.sum(l * w, axis=0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = tl.load(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], axis=0)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + b * so_b + (hk * G + g) * so_h + t * so_t + offs_dv, o.to(out_ptr.dtype.element_ty),
+             mask=offs_dv < DV)
+
+
+@triton.jit
+def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
+                  length_const, HQ, G, TQ, TBUF, D, DV, qk_scale,
+                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+                  sm_b, sm_h, sm_t, sm_n,
+                  LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // G
+    if LEN_FROM_PTR:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
+    else:
+        length = length_const  # clamped by the wrapper
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < TQ
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
+                mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    hi = length
+    limit = offs_m + length - TQ
+    if CAUSAL:
+        hi = tl.minimum(length, tl.maximum((pid_m + 1) * BLOCK_M + length - TQ, 0))
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale
+        ok = n_ok[None, :]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= limit[:, None])
+        if HAS_MASK:
+            bias = tl.load(mask_ptr + b * sm_b + h * sm_h + offs_m[:, None] * sm_t + offs_n[None, :] * sm_n,
+                           mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            s = s + bias * 1.4426950408889634
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        m_i = m_new
+    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dv < DV)[None, :])
+
+
+# -- the wrapper ----------------------------------------------------------------------------------
+
+DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash tiles
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | torch.Tensor | None = None,
+              scale: float | None = None, causal: bool = False, mask: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, split: int | None = None, precision: str | None = None,
+              block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
+
+    q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
+    device tensor (read by the kernel: no host sync); mask bool or additive, broadcast to the scores.
+    """
+    batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    hq, tq, d = q.shape[-3:]
+    hk, tbuf, _ = k.shape[-3:]
+    dv = v.shape[-1]
+    assert hq % hk == 0 and k.shape[-1] == d and v.shape[-2] == tbuf, "attention: q/k/v shapes do not fit"
+    group = hq // hk
+    nb = math.prod(batch)
+
+    def four(x):
+        x = x.expand(*batch, *x.shape[-3:]).reshape(nb, *x.shape[-3:])
+        return _last_contiguous(x)
+
+    q4, k4, v4 = four(q), four(k), four(v)
+    result = out if out is not None else torch.empty((*batch, hq, tq, dv), dtype=q.dtype, device=q.device)
+    o4 = result.view(nb, hq, tq, dv)
+    qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
+    if isinstance(length, torch.Tensor):
+        len_ptr, len_const, from_ptr = length, 0, True
+    else:
+        len_ptr, len_const, from_ptr = q4, min(max(int(tbuf if length is None else length), 0), tbuf), False
+    block_d = max(16, triton.next_power_of_2(d))
+    block_dv = max(16, triton.next_power_of_2(dv))
+    f32 = q.dtype == torch.float32
+    if nb == 0 or tq == 0:
+        return result
+    if mask is None and group * tq <= DECODE_MAX_ROWS:
+        block_r = max(16, triton.next_power_of_2(group * tq))
+        bn = block_n or (64 if block_d <= 128 else 32)
+        if split is None:
+            split = max(1, min(triton.cdiv(tbuf, bn), (4 * _sm_count(q.device)) // max(nb * hk, 1), 256))
+        o_part = torch.empty((nb * hk * split * block_r, block_dv), dtype=torch.float32, device=q.device)
+        ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
+        _decode_kernel[(nb * hk, split)](
+            q4, k4, v4, len_ptr, o_part, ml_part, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
+            q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
+            BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("ieee" if f32 else "tf32"),
+            num_warps=num_warps or 4)
+        _combine_kernel[(nb * hk, group * tq)](
+            o_part, ml_part, o4, hk, group, tq, dv, o4.stride(0), o4.stride(1), o4.stride(2),
+            SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
+        return result
+    mask4 = q4  # unused pointer
+    strides = (0, 0, 0, 0)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+        mask = mask.to(torch.float32)
+        while mask.dim() < len(batch) + 3:
+            mask = mask.unsqueeze(0)
+        mask4 = mask.expand(*batch, hq, tq, mask.shape[-1]).reshape(nb, hq, tq, mask.shape[-1])
+        strides = (mask4.stride(0), mask4.stride(1), mask4.stride(2), mask4.stride(3) if mask.shape[-1] != 1 else 0)
+    block_m = 64 if block_d <= 128 else 32
+    bn = block_n or (64 if (f32 or block_d > 128) else 128)
+    _flash_kernel[(triton.cdiv(tq, block_m), nb * hq)](
+        q4, k4, v4, len_ptr, mask4, o4, len_const, hq, group, tq, tbuf, d, dv, qk_scale,
+        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+        v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2), *strides,
+        LEN_FROM_PTR=from_ptr, CAUSAL=causal, HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=bn,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("tf32x3" if f32 else "tf32"),
+        num_warps=num_warps or (4 if block_d <= 64 else 8), num_stages=2 if f32 else 3)
+    return result

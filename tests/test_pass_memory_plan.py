@@ -106,3 +106,21 @@ def test_plan_is_consistent_by_liveness():
         assert not (n.id in plan and (n.op in GroupOp.View or n.op in GroupOp.Source))
     after, changed = plan_memory(program)
     assert changed and after.memory_plan == plan  # deterministic
+
+
+def test_a_small_long_lived_value_does_not_pin_a_big_free_buffer():
+    # chunks: a big temporary, then a small result that lives until the concat (an STFT -> mel chunk)
+    g = ingot.Graph()
+    x = g.placeholder((8, 256, 1024), name="x")
+    small = []
+    for i in range(8):
+        big = g.softmax(g.exp(x[i]), axis=-1)                     # 1 MiB temporaries; the first is free
+        small.append(g.sum(big, axis=1, keepdims=True))           # by the sum: 1 KiB, lives until the concat
+    y = g.concat(small, axis=1)
+    exe = g.compile(targets=[y])
+    sizes = exe.program.buffer_sizes
+    assert sum(sizes) < 3 * 256 * 1024 * 4, sizes  # the big buffers are reused chunk after chunk
+    xv = np.random.default_rng(0).standard_normal((8, 256, 1024)).astype(np.float32) * 0.1
+    e = np.exp(xv)
+    expected = (e / e.sum(axis=-1, keepdims=True)).sum(axis=2).T[None].reshape(256, 8)
+    np.testing.assert_allclose(exe.run({"x": xv})[0], expected, rtol=1e-5)

@@ -19,13 +19,20 @@ def _planned(node: Node, keep: set[int]) -> bool:
             and not node.attrs.get("inplace") and node.id not in keep and isinstance(node.type, TensorType) and node.type.static)
 
 
+OVERSIZE = 4  # a value never takes a free buffer more than this many times its size
+
+
 def _take(free: list[int], sizes: list[int], nbytes: int) -> int:
-    """The free buffer that fits best (the smallest big enough, else the biggest, grown), or a new one."""
-    if not free:
+    """The free buffer that fits best (the smallest big enough, else the biggest smaller one, grown),
+    or a new one. A buffer over OVERSIZE times too big is left free: a small value that lives long
+    (one chunk's result of many, waiting for a concat) would pin it, and the next big temporary
+    would need a new one."""
+    candidates = [b for b in free if sizes[b] <= OVERSIZE * nbytes]
+    if not candidates:
         sizes.append(nbytes)
         return len(sizes) - 1
-    big_enough = [b for b in free if sizes[b] >= nbytes]
-    buf = min(big_enough, key=lambda b: sizes[b]) if big_enough else max(free, key=lambda b: sizes[b])
+    big_enough = [b for b in candidates if sizes[b] >= nbytes]
+    buf = min(big_enough, key=lambda b: sizes[b]) if big_enough else max(candidates, key=lambda b: sizes[b])
     free.remove(buf)
     sizes[buf] = max(sizes[buf], nbytes)
     return buf

@@ -154,6 +154,34 @@ def test_stft_peak_memory_stays_under_three_times_signal_plus_output():
     assert peak < 3 * (x.nbytes + out.nbytes), (peak, x.nbytes, out.nbytes)
 
 
+def test_log_mel_peak_memory_stays_under_three_times_signal_plus_output():
+    x = signal(16000 * 600)  # 10 minutes at 16 kHz (one chunk's temporaries, ~50 MB, are a fixed cost)
+    tracemalloc.start()
+    try:
+        out = audio.evaluate(audio.whisper_log_mel_spectrogram, x)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # windowed frames (2.5x the signal) and their spectrum (2.5x) exist one chunk at a time, and the
+    # signal is never padded whole: the signal itself counts here too
+    assert x.nbytes + peak < 3 * (x.nbytes + out.nbytes), (peak, x.nbytes, out.nbytes)
+
+
+@pytest.mark.parametrize("pad_mode", ["constant", "reflect"])
+@pytest.mark.parametrize("frames_per_chunk", [1, 7, None])
+def test_chunked_mel_equals_the_reference(pad_mode, frames_per_chunk):
+    # chunks of 1 and 7 frames put every chunk boundary, and the padded head and tail pieces, to work
+    x = signal(2999, lead=(2,))
+    for n_fft, hop in [(255, 64), (256, 100)]:
+        ours = audio.evaluate(audio.mel_spectrogram, x, sample_rate=16000, n_fft=n_fft, hop_length=hop, n_mels=24,
+                              pad_mode=pad_mode, frames_per_chunk=frames_per_chunk)
+        expected = audio.mel_filterbank(16000, n_fft, 24).astype(np.float64) @ (
+            np.abs(stft_reference(x, n_fft, hop, pad_mode=pad_mode)) ** 2)
+        assert_close(ours, expected)
+    whisper = audio.evaluate(audio.whisper_log_mel_spectrogram, x, frames_per_chunk=frames_per_chunk)
+    np.testing.assert_allclose(whisper, audio.evaluate(audio.whisper_log_mel_spectrogram, x), rtol=0, atol=1e-5)
+
+
 # -- inverse ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_fft,hop,win_length,window,length", [

@@ -192,16 +192,19 @@ def frame(g: Graph, signal: Tensor, frame_length: int, hop_length: int) -> Tenso
     return g.array_view(signal, (*lead, n_frames, frame_length), (*lead_strides, hop_length, 1))
 
 
+def _centre_check(length: int, half: int, pad_mode: str, what: str) -> None:
+    if pad_mode not in ("constant", "reflect"):
+        raise IngotError(f"{what}: pad_mode must be 'constant' or 'reflect', not {pad_mode!r}.")
+    if pad_mode == "reflect" and length <= half:
+        raise IngotError(f"{what}: reflect padding by {half} needs more than {half} samples, the signal has {length}.")
+
+
 def _centre(g: Graph, signal: Tensor, n_fft: int, center: bool, pad_mode: str, what: str) -> Tensor:
     length = _static_length(signal, what)
     if not center:
         return signal
-    if pad_mode not in ("constant", "reflect"):
-        raise IngotError(f"{what}: pad_mode must be 'constant' or 'reflect', not {pad_mode!r}.")
-    half = n_fft // 2
-    if pad_mode == "reflect" and length <= half:
-        raise IngotError(f"{what}: reflect padding by {half} needs more than {half} samples, the signal has {length}.")
-    return g.pad(signal, _last_pad(signal, half, half), mode=pad_mode)
+    _centre_check(length, n_fft // 2, pad_mode, what)
+    return g.pad(signal, _last_pad(signal, n_fft // 2, n_fft // 2), mode=pad_mode)
 
 
 def _stft_frames_major(g: Graph, signal: Tensor, n_fft: int, hop_length: int | None, win_length: int | None,
@@ -214,6 +217,59 @@ def _stft_frames_major(g: Graph, signal: Tensor, n_fft: int, hop_length: int | N
     frames = frame(g, padded, n_fft, hop_length)                                     # [..., F, n_fft], a view
     taper = g.constant(_padded_window(window, win_length or n_fft, n_fft).astype(np.float32), name="window")
     return g.rfft(frames * taper, axes=-1)                                           # [..., F, n_fft // 2 + 1]
+
+
+def _map_frames(g: Graph, signal: Tensor, n_fft: int, hop_length: int, center: bool, pad_mode: str,
+                per_chunk: Callable[[Tensor], Tensor], n_frames: int | None = None, frames_per_chunk: int | None = None,
+                what: str = "stft", axis: int = -1) -> Tensor:
+    """per_chunk(frames [..., count, n_fft]) -> [..., k, count] over the frames of the (centred)
+    signal, chunk by chunk, concatenated along the last axis. Each chunk's temporaries (windowed
+    frames, spectrum, power) die before the next chunk starts, so a long signal needs memory for one
+    chunk plus the result. Frames inside the signal are views of it; the few frames that reach into
+    the centre padding come from two small padded pieces of its ends (as librosa >= 0.10 does), so
+    the signal is never copied whole. n_frames: keep only the first n frames (Whisper drops the last)."""
+    length = _static_length(signal, what)
+    if n_fft <= 0 or hop_length <= 0:
+        raise IngotError(f"{what}: n_fft and hop_length must be positive, not {n_fft}, {hop_length}.")
+    half = n_fft // 2 if center else 0
+    if center:
+        _centre_check(length, half, pad_mode, what)
+    total = 1 + (length + 2 * half - n_fft) // hop_length if length + 2 * half >= n_fft else 0
+    n_frames = total if n_frames is None else min(n_frames, total)
+    if n_frames <= 0:
+        raise IngotError(f"{what}: the signal has {length} samples, fewer than one frame of {n_fft}.")
+    chunk = frames_per_chunk or max(1, (1 << 22) // n_fft)  # about 16 MB of windowed float32 frames
+    lead = signal.shape[:-1]
+    rank = signal.ndim
+
+    def frames_of(x: Tensor, offset: int, count: int) -> Tensor:  # count frames of x from sample offset on
+        lead_strides = [int(np.prod(x.shape[i + 1:])) for i in range(len(lead))]
+        return g.array_view(x, (*lead, count, n_fft), (*lead_strides, hop_length, 1), offset=offset)
+
+    def piece(begin: int, end: int, before: int, after: int) -> Tensor:  # signal[begin:end], padded as the whole is
+        cut = g.slice(signal, [0] * (rank - 1) + [begin], [None] * (rank - 1) + [end])
+        return g.pad(cut, _last_pad(cut, before, after), mode=pad_mode)
+
+    first_inside = -(-half // hop_length)                        # frame i starts at sample i * hop - half
+    first_past_end = (length + half - n_fft) // hop_length + 1   # frames from here on reach past the end
+    head_end = (first_inside - 1) * hop_length + n_fft - half
+    tail_begin = first_past_end * hop_length - half
+    pieces_fit = (center and first_inside < first_past_end and head_end <= length
+                  and (pad_mode != "reflect" or (head_end > half and length - tail_begin > half)))
+    parts: list[tuple[Tensor, int, int]] = []                     # (source, sample offset in it, frames)
+    if not pieces_fit:  # no centring, or a signal so short that the padding reaches most frames
+        padded = _centre(g, signal, n_fft, center, pad_mode, what)
+        parts = [(padded, start * hop_length, min(chunk, n_frames - start)) for start in range(0, n_frames, chunk)]
+    else:
+        if first_inside:
+            parts.append((piece(0, head_end, half, 0), 0, min(first_inside, n_frames)))
+        middle_end = min(first_past_end, n_frames)
+        for start in range(first_inside, middle_end, chunk):
+            parts.append((signal, start * hop_length - half, min(chunk, middle_end - start)))
+        if n_frames > first_past_end:
+            parts.append((piece(tail_begin, length, 0, half), 0, n_frames - first_past_end))
+    outputs = [per_chunk(frames_of(x, offset, count)) for x, offset, count in parts]
+    return outputs[0] if len(outputs) == 1 else g.concat(outputs, axis=axis)
 
 
 def stft(g: Graph, signal: Tensor, n_fft: int = 2048, hop_length: int | None = None, win_length: int | None = None,
@@ -316,18 +372,28 @@ def mel_spectrogram(g: Graph, signal: Tensor, sample_rate: float = 22050, n_fft:
                     hop_length: int | None = None, win_length: int | None = None, window: Window = "hann",
                     center: bool = True, pad_mode: str = "constant", power: float = 2.0, n_mels: int = 128,
                     fmin: float = 0.0, fmax: float | None = None, htk: bool = False,
-                    norm: str | float | None = "slaney") -> Tensor:
+                    norm: str | float | None = "slaney", frames_per_chunk: int | None = None) -> Tensor:
     """Mel spectrogram float32 [..., n_mels, frames] with librosa.feature.melspectrogram's defaults.
+
+    The frames go through window, rfft, power and the mel projection in chunks of frames_per_chunk
+    (default: about 16 MB of windowed frames), so memory stays near the signal plus the result.
 
         >>> import numpy as np, ingot
         >>> g = ingot.Graph(); x = g.placeholder((22050,), name="x")
         >>> mel_spectrogram(g, x).type
         float32[128, 44]
     """
-    spectrum = _stft_frames_major(g, signal, n_fft, hop_length, win_length, window, center, pad_mode, "mel_spectrogram")
-    energy = power_spectrum(g, spectrum, power)                                       # [..., F, bins]
+    if n_fft <= 0:
+        raise IngotError(f"mel_spectrogram: n_fft must be positive, not {n_fft}.")
+    hop_length = hop_length or (win_length or n_fft) // 4
+    taper = g.constant(_padded_window(window, win_length or n_fft, n_fft).astype(np.float32), name="window")
     filters = g.constant(mel_filterbank(sample_rate, n_fft, n_mels, fmin, fmax, htk, norm), name="mel_filters")
-    return g.matmul(filters, _swap_last(g, energy))                                  # [n_mels, bins] @ [..., bins, F]
+
+    def mel_of(frames: Tensor) -> Tensor:                                           # [..., c, n_fft], a view
+        energy = power_spectrum(g, g.rfft(frames * taper, axes=-1), power)           # [..., c, bins]
+        return g.matmul(filters, _swap_last(g, energy))                              # [n_mels, bins] @ [..., bins, c]
+    return _map_frames(g, signal, n_fft, hop_length, center, pad_mode, mel_of, frames_per_chunk=frames_per_chunk,
+                       what="mel_spectrogram")
 
 
 def power_to_db(g: Graph, spectrum: Tensor, ref: float | str = 1.0, amin: float = 1e-10, top_db: float | None = 80.0) -> Tensor:
@@ -367,7 +433,8 @@ def log_mel_spectrogram(g: Graph, signal: Tensor, sample_rate: float = 22050, n_
     return power_to_db(g, mel, ref, amin, top_db)
 
 
-def whisper_log_mel_spectrogram(g: Graph, audio: Tensor, n_mels: int = 80, padding: int = 0) -> Tensor:
+def whisper_log_mel_spectrogram(g: Graph, audio: Tensor, n_mels: int = 80, padding: int = 0,
+                                frames_per_chunk: int | None = None) -> Tensor:
     """Whisper's front end (whisper.audio.log_mel_spectrogram) for 16 kHz float32 audio [..., T].
 
     n_fft 400 with a periodic Hann window, hop 160, reflect centre padding, the last frame dropped,
@@ -387,13 +454,15 @@ def whisper_log_mel_spectrogram(g: Graph, audio: Tensor, n_mels: int = 80, paddi
         raise IngotError(f"whisper: padding must be non-negative, not {padding}.")
     if padding:
         audio = g.pad(audio, _last_pad(audio, 0, padding))
-    spectrum = _stft_frames_major(g, audio, WHISPER_N_FFT, WHISPER_HOP_LENGTH, None, "hann", True, "reflect", "whisper")
-    n_frames = spectrum.shape[-2] - 1                                                # the last frame is dropped
-    start, end = [0] * spectrum.ndim, [None] * spectrum.ndim
-    end[-2] = n_frames
-    energy = power_spectrum(g, g.slice(spectrum, start, end))                        # [..., F, 201]
+    length = _static_length(audio, "whisper")
+    taper = g.constant(get_window("hann", WHISPER_N_FFT).astype(np.float32), name="window")
     filters = g.constant(mel_filterbank(WHISPER_SAMPLE_RATE, WHISPER_N_FFT, n_mels), name="mel_filters")
-    mel = g.matmul(filters, _swap_last(g, energy))                                  # [..., n_mels, F]
+
+    def mel_of(frames: Tensor) -> Tensor:                                           # [..., c, 400], a view
+        energy = power_spectrum(g, g.rfft(frames * taper, axes=-1))                  # [..., c, 201]
+        return g.matmul(filters, _swap_last(g, energy))                              # [..., n_mels, c]
+    mel = _map_frames(g, audio, WHISPER_N_FFT, WHISPER_HOP_LENGTH, True, "reflect", mel_of,
+                      n_frames=length // WHISPER_HOP_LENGTH, frames_per_chunk=frames_per_chunk, what="whisper")  # the last frame dropped
     log_spec = g.log(g.maximum(mel, 1e-10)) * (1.0 / math.log(10.0))
     log_spec = g.maximum(log_spec, g.max(log_spec) - 8.0)
     return (log_spec + 4.0) * 0.25

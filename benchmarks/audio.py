@@ -1,0 +1,166 @@
+"""Audio front ends on the CPU: Ingot vs librosa vs torch.stft (+ a torchaudio-style mel), in one run.
+
+For 1 minute and 1 hour of 16 kHz audio (seeded tones + noise, float32), the median wall time of
+each engine over --repeats runs after one warm-up:
+
+  stft      complex STFT, n_fft 400, hop 160, Hann, centred (reflect)
+  log-mel   |STFT|^2 -> 80 Slaney mels -> power_to_db (top_db 80): librosa.feature.melspectrogram +
+            librosa.power_to_db; torch.stft + abs^2 + matmul with the same filters + 10 log10 as
+            torchaudio's MelSpectrogram + AmplitudeToDB compute it
+  whisper   Whisper's log-mel (80 mels): Ingot's front end vs whisper.audio's formula in torch
+
+Ingot's time is `exe.run` of an executable compiled once for the signal length (compile time is
+printed apart). Ratios are anchor time / Ingot time: above 1 means Ingot is faster.
+
+    python benchmarks/audio.py [--repeats 5] [--threads 2] [--durations 60,3600] [--skip librosa,torch]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+SAMPLE_RATE, N_FFT, HOP, N_MELS = 16000, 400, 160, 80
+
+
+def make_signal(seconds: float) -> np.ndarray:
+    n = int(seconds * SAMPLE_RATE)
+    t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
+    rng = np.random.default_rng(0)
+    x = 0.3 * np.sin(2 * np.pi * (220 + 20 * np.sin(0.5 * t)) * t) + 0.05 * rng.standard_normal(n)
+    return x.astype(np.float32)
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each fn. The engines take turns within each repeat, so a machine shared
+    with other work loads them alike."""
+    for fn in fns.values():
+        fn()  # warm-up: plans, caches, numba
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            result = fn()
+            times[name].append(time.perf_counter() - start)
+            del result
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ingot_runners(x: np.ndarray, only: str | None = None) -> dict[str, tuple[Callable[[], object], float]]:
+    import ingot
+    from ingot.models import audio
+
+    builders = {
+        "stft": lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"),
+        "log-mel": lambda g, s: audio.log_mel_spectrogram(g, s, sample_rate=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP,
+                                                          n_mels=N_MELS, pad_mode="reflect"),
+        "whisper": lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS),
+    }
+    runners = {}
+    for name, build in builders.items():
+        if only is not None and name != only:
+            continue
+        start = time.perf_counter()
+        g = ingot.Graph()
+        signal = g.placeholder(x.shape, ingot.float32, name="signal")
+        exe = g.compile(targets=[build(g, signal)])
+        runners[name] = ((lambda exe=exe: exe.run({"signal": x})), time.perf_counter() - start)
+    return runners
+
+
+def librosa_runners(x: np.ndarray) -> dict[str, Callable[[], object]]:
+    import librosa
+
+    return {
+        "stft": lambda: librosa.stft(x, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"),
+        "log-mel": lambda: librosa.power_to_db(librosa.feature.melspectrogram(
+            y=x, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS, pad_mode="reflect")),
+    }
+
+
+def torch_runners(x: np.ndarray) -> dict[str, Callable[[], object]]:
+    import torch
+    from ingot.models.audio import mel_filterbank
+
+    signal = torch.from_numpy(x)
+    window = torch.hann_window(N_FFT)
+    filters = torch.from_numpy(mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS))
+
+    def stft():
+        return torch.stft(signal, N_FFT, HOP, window=window, center=True, pad_mode="reflect", return_complex=True)
+
+    def log_mel():  # torchaudio MelSpectrogram(power=2) + AmplitudeToDB("power", top_db=80)
+        power = stft().abs().pow(2.0)
+        mel = torch.matmul(power.transpose(-1, -2), filters.T).transpose(-1, -2)
+        db = 10.0 * torch.log10(torch.clamp(mel, min=1e-10))
+        return torch.maximum(db, db.amax() - 80.0)
+
+    def whisper():  # whisper.audio.log_mel_spectrogram
+        magnitudes = stft()[..., :-1].abs() ** 2
+        log_spec = torch.clamp(filters @ magnitudes, min=1e-10).log10()
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        return (log_spec + 4.0) / 4.0
+
+    return {"stft": stft, "log-mel": log_mel, "whisper": whisper}
+
+
+def peak_memory_mb(fn: Callable[[], object]) -> float:
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / 1e6
+    finally:
+        tracemalloc.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (BLAS and FFT use their defaults)")
+    ap.add_argument("--durations", default="60,3600", help="signal lengths in seconds, comma-separated")
+    ap.add_argument("--skip", default="", help="anchors to leave out: librosa,torch")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"numpy {np.__version__}", end="")
+    if "torch" not in skip:
+        import torch
+        torch.set_num_threads(args.threads)
+        print(f", torch {torch.__version__} ({args.threads} threads)", end="")
+    if "librosa" not in skip:
+        import librosa
+        print(f", librosa {librosa.__version__}", end="")
+    print()
+    print(f"{'signal':>8} {'workload':>8} {'ingot ms':>9} {'librosa ms':>11} {'torch ms':>9} {'librosa/ingot':>14} "
+          f"{'torch/ingot':>12} {'compile s':>10}")
+    for seconds in (float(s) for s in args.durations.split(",")):
+        x = make_signal(seconds)
+        repeats = args.repeats if seconds <= 600 else max(1, min(args.repeats, 3))
+        ingot = ingot_runners(x)
+        anchors = {"librosa": {} if "librosa" in skip else librosa_runners(x),
+                   "torch": {} if "torch" in skip else torch_runners(x)}
+        for workload, (run, compile_s) in ingot.items():
+            medians = median_times({"ingot": run, **{name: r[workload] for name, r in anchors.items() if workload in r}},
+                                   repeats)
+            ours = medians["ingot"]
+            theirs = {name: medians.get(name) for name in anchors}
+            cell = lambda t: f"{t * 1e3:.1f}" if t is not None else "-"  # noqa: E731
+            ratio = lambda t: f"{t / ours:.2f}" if t is not None else "-"  # noqa: E731
+            label = f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} min" if seconds < 3600 else f"{seconds / 3600:g} h"
+            print(f"{label:>8} {workload:>8} {cell(ours):>9} {cell(theirs['librosa']):>11} {cell(theirs['torch']):>9} "
+                  f"{ratio(theirs['librosa']):>14} {ratio(theirs['torch']):>12} {compile_s:>10.2f}", flush=True)
+        del ingot, anchors
+        peak = peak_memory_mb(lambda: ingot_runners(x, "log-mel")["log-mel"][0]())  # compile (planned buffers) and run
+        print(f"{'':>8} ingot log-mel peak traced memory {peak:.0f} MB, compile and run (signal {x.nbytes / 1e6:.0f} MB, "
+              f"output {N_MELS * (1 + len(x) // HOP) * 4 / 1e6:.0f} MB)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

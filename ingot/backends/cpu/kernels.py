@@ -125,7 +125,7 @@ def _scaled_tile_int8(q, scale, k0, k1, block, out):
 _serial = dict(fastmath=True, cache=True, nogil=True)
 scaled_tile_packed4 = njit(**_serial)(_scaled_tile_packed4)
 scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
-GEMM_TILE_K = 256
+GEMM_TILE_ELEMENTS = 1 << 21  # 8 MB of float32 per dequantized tile
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
 kmajor_packed4_parallel = njit(parallel=True, **_serial)(_kmajor_packed4)
@@ -203,12 +203,13 @@ def quantized_matmul_step(node: Node, out):
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, block, n):
-        """Many rows: dequantize K-tiles of q * scale into one reused float buffer, multiply with BLAS;
-        the offsets add xsum @ offset, one more small matmul. No float copy of the whole weight."""
+        """Many rows: dequantize K-tiles of q * scale into one float buffer, multiply with BLAS; the
+        offsets add xsum @ offset, one more small matmul. Tiles hold at most GEMM_TILE_ELEMENTS
+        weights, so there is never a float copy of a big weight."""
         k = x2.shape[1]
-        tile_k = max(block, GEMM_TILE_K // block * block)
+        tile_k = max(block, min(k, GEMM_TILE_ELEMENTS // n) // block * block)
         tile = np.empty((min(tile_k, k), n), np.float32)
-        result = xsum @ offset if offset is not None else np.zeros((x2.shape[0], n), np.float32)
+        result = np.empty((x2.shape[0], n), np.float32)
         flip = np.uint8(8 if qdtype.kind == "i" else 0)
         for k0 in range(0, k, tile_k):
             k1 = min(k, k0 + tile_k)
@@ -217,7 +218,12 @@ def quantized_matmul_step(node: Node, out):
                 scaled_tile_packed4(q, scale, k0, k1, block, flip, t)
             else:
                 scaled_tile_int8(q, scale, k0, k1, block, t)
-            result += x2[:, k0:k1] @ t
+            if k0 == 0:
+                np.matmul(x2[:, k0:k1], t, out=result)
+            else:
+                result += x2[:, k0:k1] @ t
+        if offset is not None:
+            result += xsum @ offset
         return result
     return step
 
@@ -267,6 +273,24 @@ attention = njit(**_serial)(_attention)
 attention_parallel = njit(parallel=True, **_serial)(_attention)
 
 
+def attention_blas(q, k, v, length, scale, causal):
+    """Attention for many queries (prefill) with BLAS: each K/V head multiplies its whole group of
+    query heads at once (no repeated K/V), causal mask aligned to `length`, softmax in place."""
+    nbatch, hq, tq, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    k, v = k[:, :, :length], v[:, :, :length]
+    s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
+    s *= scale
+    if causal:
+        blocked = np.arange(length)[None, :] > np.arange(tq)[:, None] + (length - tq)  # [Tq, L]
+        s.reshape(nbatch, hk, group, tq, length)[..., blocked] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, v).reshape(nbatch, hq, tq, v.shape[3])
+
+
 def sdpa_step(node: Node):
     attrs = node.attrs
     scale_attr = attrs.get("scale")
@@ -277,6 +301,8 @@ def sdpa_step(node: Node):
             return nn_ops._sdpa((q, k, v) + rest, attrs)
         length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
         scale = np.float32(scale_attr if scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
+        if q.shape[2] > 16 and length >= q.shape[2]:  # prefill: BLAS
+            return attention_blas(q, k, v, length, scale, attrs.get("causal", False))
         out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
         (attention_parallel if THREADS > 1 else attention)(q, k, v, length, scale, attrs.get("causal", False), out)
         return out
@@ -301,22 +327,30 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-@numba.vectorize(["float32(float32)"], cache=True, fastmath=True)
-def silu(x):
-    return x / (np.float32(1.0) + math.exp(-x))
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) with NumPy's vectorised exp (numba's scalar exp is slower here)."""
+    out = np.negative(x)
+    np.exp(out, out=out)
+    out += 1
+    np.divide(x, out, out=out)
+    return out
 
 
 def _rope_rows(x, positions, inv_freq, interleaved, rd, out):
     """x, out: [R, T, D] float32; rotate the first rd dims of each row by position * inv_freq."""
     rows, t, d = x.shape
     half = rd // 2
+    cos = np.empty((t, half), np.float32)
+    sin = np.empty((t, half), np.float32)
+    for i in range(t):
+        for j in range(half):
+            angle = np.float64(positions[i]) * np.float64(inv_freq[j])
+            cos[i, j] = math.cos(angle)
+            sin[i, j] = math.sin(angle)
     for r in range(rows):
         for i in range(t):
-            p = positions[i]
             for j in range(half):
-                angle = np.float64(p) * np.float64(inv_freq[j])
-                c = np.float32(math.cos(angle))
-                s = np.float32(math.sin(angle))
+                c, s = cos[i, j], sin[i, j]
                 if interleaved:
                     a, b = x[r, i, 2 * j], x[r, i, 2 * j + 1]
                     out[r, i, 2 * j] = a * c - b * s

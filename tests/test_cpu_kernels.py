@@ -1,0 +1,84 @@
+"""The CPU backend's compiled kernels against the NumPy references of their ops, on awkward shapes."""
+import math
+
+import numpy as np
+import pytest
+
+import ingot
+from ingot import dtypes as dt
+from ingot.backends.cpu import kernels
+from ingot.ops import nn as nn_ops
+from ingot.ops.quant import quantized_matmul_reference
+
+RNG = np.random.default_rng(1234)
+
+
+def kmajor_weight(k, n, qdtype, block):
+    levels = 16 if qdtype.bits == 4 else 256
+    values = RNG.integers(0, levels, (k, n)) - (levels // 2 if qdtype.kind == "i" else 0)
+    q = dt.pack_int4(values) if qdtype.packed else values.astype(qdtype.numpy)
+    scale = RNG.random((k // block, n), np.float32) + 0.1
+    bias = RNG.standard_normal((k // block, n)).astype(np.float32)
+    return q, scale, bias
+
+
+@pytest.mark.parametrize("qdtype", [dt.uint4, dt.int4, dt.int8, dt.uint8], ids=lambda d: d.name)
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])          # 17 and 40 take the tiled GEMM path
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias):
+    k, n, block = 96, 46, 32
+    q, scale, bias = kmajor_weight(k, n, qdtype, block)
+    g = ingot.Graph()
+    x = g.placeholder((rows, k), name="x")
+    params = dict(scale=g.constant(scale), bias=g.constant(bias) if has_bias else None)
+    w = g.dequantize(g.constant(q, dtype=qdtype if qdtype.packed else None), axis=0, block_size=block, **params)
+    exe = g.compile(targets=[x @ w])
+    node = next(n for n in exe.program.nodes() if n.op.name == "QUANTIZED_MATMUL")
+    a = RNG.standard_normal((rows, k)).astype(np.float32)
+    got = exe.run({"x": a})[0]
+    consts = [exe.program.constants[s.attrs["key"]] for s in node.src[1:]]
+    want = quantized_matmul_reference([a] + consts, node.attrs)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)  # float sums in another order
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_packed_kernel_column_chunks(chunks):
+    k, n, block = 64, 30, 16
+    q, scale, bias = kmajor_weight(k, n, dt.uint4, block)
+    x = RNG.standard_normal((2, k)).astype(np.float32)
+    out = np.empty((2, n), np.float32)
+    kernels.kmajor_packed4(x, q, scale, bias, True, np.uint8(0), chunks, out)
+    w = dt.unpack_int4(q, n, signed=False).astype(np.float32) * np.repeat(scale, block, 0) + np.repeat(bias, block, 0)
+    np.testing.assert_allclose(out, x @ w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tq,length,causal", [(1, 1, True), (1, 37, True), (5, 29, True), (3, 11, False), (33, 33, True), (40, 57, True)])
+def test_attention_kernels_match_reference(tq, length, causal):
+    q = RNG.standard_normal((1, 6, tq, 24)).astype(np.float32)
+    k = RNG.standard_normal((1, 2, 64, 24)).astype(np.float32)
+    v = RNG.standard_normal((1, 2, 64, 20)).astype(np.float32)
+    scale = np.float32(1 / math.sqrt(24))
+    want = nn_ops.sdpa(q, k, v, None, length, float(scale), causal)
+    out = np.empty((1, 6, tq, 20), np.float32)
+    kernels.attention(q, k, v, length, scale, causal, out)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    if length >= tq:
+        np.testing.assert_allclose(kernels.attention_blas(q, k, v, length, scale, causal), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rd", [None, 10])
+def test_rope_kernel(interleaved, rd):
+    from ingot.ir import Node, Op, TensorType
+    x = RNG.standard_normal((2, 3, 7, 14)).astype(np.float32)
+    node = Node(Op.ROPE, TensorType(x.shape), (), {"base": 500.0, "interleaved": interleaved, "rotary_dims": rd})
+    got = kernels.rope_step(node)(x, np.int32(5))
+    np.testing.assert_allclose(got, nn_ops.rope(x, 5, None, 500.0, interleaved, rd), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_and_silu():
+    x = RNG.standard_normal((5, 33)).astype(np.float32) * 3
+    w = RNG.standard_normal(33).astype(np.float32)
+    np.testing.assert_allclose(kernels.rms_norm(x, w, np.float32(1e-5)), nn_ops.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kernels.silu(x), x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)

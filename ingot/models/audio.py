@@ -46,7 +46,7 @@ def get_window(window: Window, length: int) -> np.ndarray:
     window: "hann", "hamming", "boxcar" (also "rectangular", "ones"), ("gaussian", std), or the
     samples themselves (a custom window, `length` long).
 
-        >>> get_window("hann", 4).tolist()
+        >>> get_window("hann", 4).round(6).tolist()
         [0.0, 0.5, 1.0, 0.5]
     """
     if length <= 0:

@@ -27,15 +27,6 @@ if _HAVE:
 if not _HAVE:
     pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
 
-if _INTERPRET:  # Triton's interpreter gives program ids the shape (1,); numpy 2 refuses int() of those in range()
-    from triton.runtime import interpreter as _interpreter
-    _patch = _interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-    _interpreter._patch_lang_tensor = _patch_lang_tensor
-
 import ingot  # noqa: E402
 from ingot import dtypes as dt  # noqa: E402
 from ingot.backends import cuda as cuda_backend  # noqa: E402

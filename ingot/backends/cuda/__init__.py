@@ -39,6 +39,16 @@ from . import attention as attention_kernels
 from . import fused
 from . import quantized_matmul as qmm
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # development without a GPU (see the module docstring)
+    from triton.runtime import interpreter as _interpreter
+    _patch_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        """Program ids have the shape (1,) in the interpreter; numpy 2 refuses int() of those in range()."""
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    _interpreter._patch_lang_tensor = _patch_lang_tensor
+
 TORCH_DTYPE = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
     "uint8": torch.uint8, "int4": torch.uint8, "uint4": torch.uint8, "int32": torch.int32, "int64": torch.int64,

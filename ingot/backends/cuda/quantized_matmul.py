@@ -329,7 +329,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     if m == 0:
         return y.reshape(*lead, w.n)
     if m <= GEMV_MAX_ROWS:
-        cfg = dict(config or gemv_config(m, w))
+        cfg = {**gemv_config(m, w), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         magic = cfg.pop("MAGIC", MAGIC_CONVERT)
         split = cfg.pop("SPLIT", None)

@@ -1,0 +1,237 @@
+"""CUDA kernels: Ingot's Triton kernels vs torch anchors of the same shapes, in one run.
+
+Anchors measured here, in the same process: device-to-device copy bandwidth (bytes read + written),
+a bf16 cuBLAS matmul/GEMV of the same shape, torch.nn.functional.scaled_dot_product_attention.
+Every Ingot figure is printed as a ratio to its anchor. Times are medians of
+triton.testing.do_bench (which flushes L2 between runs, so weights come from HBM).
+
+    python benchmarks/cuda_kernels.py [--quick] [--json out.json] [--only gemv,gemm,decode,prefill]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ingot import dtypes as dt  # noqa: E402
+from ingot.backends.cuda import attention as attn  # noqa: E402
+from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+
+DEVICE = torch.device("cuda")
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    """Median milliseconds."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device=DEVICE).uniform_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def random_weight(k: int, n: int, block: int = 32, qdtype=dt.uint4, f16_params: bool = True, seed: int = 0):
+    """A k-major quantized weight (Ingot's layout) with GGUF-like f16-exact scale and bias."""
+    rng = np.random.default_rng(seed)
+    if qdtype.packed:
+        q = rng.integers(0, 256, size=(k, n // 2), dtype=np.uint8)
+    else:
+        q = rng.integers(0, 256, size=(k, n), dtype=np.uint8).view(qdtype.storage)
+    scale = (rng.random((k // block, n), dtype=np.float32) * 0.02 + 1e-3)
+    bias = -scale * 8
+    if f16_params:
+        scale, bias = (p.astype(np.float16).astype(np.float32) for p in (scale, bias))
+    attrs = dict(qdtype=qdtype, dtype=dt.float32, mode="affine", has_zero_point=False, has_bias=True, transpose=False)
+    return qmm.prepare_weight(q, [scale, bias], attrs, DEVICE)
+
+
+def gemv_rows(results, bw, quick, rows_list=(1,)):
+    shapes = [  # (name, K, N)
+        ("smollm qkv", 576, 960), ("smollm gate+up", 576, 3072), ("smollm down", 1536, 576),
+        ("smollm lm_head", 576, 49152), ("llama8b qkv", 4096, 6144), ("llama8b o", 4096, 4096),
+        ("llama8b gate+up", 4096, 28672), ("llama8b down", 14336, 4096), ("llama8b lm_head", 4096, 128256),
+    ]
+    if quick:
+        shapes = [s for s in shapes if s[0] in ("smollm qkv", "llama8b gate+up", "llama8b down")]
+    variants = {
+        "default": None,
+        "no-magic": dict(MAGIC=False),
+        "bn8-k512": dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, num_warps=4),
+        "bn16-k256": dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=4),
+        "bn16-k512-w8": dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, num_warps=8),
+        "bn32-k256-w8": dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=8),
+        "bn64-k128": dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4),
+        "bn16-k256-nosplit": dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, SPLIT=1),
+        "bn8-k256-nosplit": dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, SPLIT=1),
+    }
+    for name, k, n in shapes:
+        w = random_weight(k, n)
+        nbytes = w.nbytes
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=DEVICE)
+            ref = x @ qmm.dequantize(w).t()
+            wb = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
+            xb = x.to(torch.bfloat16)
+            t_cublas = bench(lambda: xb @ wb)
+            row = dict(kernel="qgemv", shape=name, K=k, N=n, rows=rows, weight_bytes=nbytes,
+                       cublas_bf16_us=round(t_cublas * 1e3, 2))
+            for vname, cfg in variants.items():
+                if cfg is not None and rows != 1 and "BLOCK_M" in cfg:
+                    cfg = dict(cfg, BLOCK_M=triton.next_power_of_2(rows))
+                try:
+                    y = qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None)
+                    err = float((y - ref).norm() / ref.norm())
+                    t = bench(lambda: qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None))
+                except Exception as e:  # a variant that does not compile is reported, not fatal
+                    row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
+                    continue
+                row[vname] = dict(us=round(t * 1e3, 2), tb_s=round(nbytes / (t * 1e-3) / 1e12, 3),
+                                  of_copy=round(nbytes / (t * 1e-3) / bw, 3), rel_err=err)
+            best = min((v for v in row.values() if isinstance(v, dict)), key=lambda v: v["us"])
+            row["best"] = best
+            row["vs_cublas_bf16"] = round(t_cublas / best["us"] * 1e3, 2)
+            results.append(row)
+            print(f"qgemv {name:18s} rows={rows:2d} {nbytes / 1e6:8.2f} MB  default {row['default']['us'] if isinstance(row['default'], dict) else row['default']} us  "
+                  f"best {best['us']} us = {best['of_copy']:.2f} of copy bw; cuBLAS bf16 {row['cublas_bf16_us']} us", flush=True)
+        del w
+
+
+def gemm_rows(results, quick):
+    shapes = [("llama8b qkv", 4096, 6144), ("llama8b gate+up", 4096, 28672), ("llama8b down", 14336, 4096)]
+    if quick:
+        shapes = shapes[:1]
+    for name, k, n in shapes:
+        w = random_weight(k, n)
+        for m in (512, 2048):
+            for xdtype in (torch.float16, torch.float32):
+                x = torch.randn(m, k, device=DEVICE).to(xdtype)
+                wb = torch.randn(n, k, device=DEVICE, dtype=torch.float16)
+                t_cublas = bench(lambda: x.to(torch.float16) @ wb.t() if xdtype != torch.float16 else x @ wb.t())
+                flops = 2 * m * n * k
+                row = dict(kernel="qgemm", shape=name, M=m, K=k, N=n, x=str(xdtype).replace("torch.", ""),
+                           cublas_f16_tflops=round(flops / (t_cublas * 1e-3) / 1e12, 1))
+                for cname, cfg in {"default": None, "128x128x64-w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+                                   "128x256x64-w8": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+                                   "64x128x64-w4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)}.items():
+                    try:
+                        t = bench(lambda: qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None), rep=50)
+                        y = qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None).float()
+                        ref = x.float() @ qmm.dequantize(w).t()
+                        err = float((y - ref).norm() / ref.norm())
+                        row[cname] = dict(ms=round(t, 3), tflops=round(flops / (t * 1e-3) / 1e12, 1), rel_err=err)
+                    except Exception as e:
+                        row[cname] = f"error: {type(e).__name__}: {str(e)[:120]}"
+                best = max((v for v in row.values() if isinstance(v, dict)), key=lambda v: v["tflops"], default=None)
+                row["best"] = best
+                if best:
+                    row["vs_cublas_f16"] = round(best["tflops"] / row["cublas_f16_tflops"], 2)
+                results.append(row)
+                print(f"qgemm {name:16s} M={m:5d} x={row['x']:8s} best {best and best['tflops']} TFLOP/s vs cuBLAS f16 "
+                      f"{row['cublas_f16_tflops']} ({row.get('vs_cublas_f16')})", flush=True)
+
+
+def decode_attention_rows(results, bw, quick):
+    hq, hk, d = 32, 8, 128
+    lengths = (4096, 32768, 131072) if not quick else (32768,)
+    for length in lengths:
+        q = torch.randn(1, hq, 1, d, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(1, hk, length, d, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(1, hk, length, d, device=DEVICE, dtype=torch.bfloat16)
+        ln = torch.tensor(length, dtype=torch.int32, device=DEVICE)
+        nbytes = 2 * k.numel() * k.element_size()
+        t_torch = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+        row = dict(kernel="decode_attention", kv_len=length, heads=f"{hq}/{hk}", d=d, dtype="bfloat16", kv_bytes=nbytes,
+                   torch_sdpa_us=round(t_torch * 1e3, 1), torch_tb_s=round(nbytes / (t_torch * 1e-3) / 1e12, 3))
+        for vname, kw in {"default": {}, "split64": dict(split=64), "split128": dict(split=128), "split256": dict(split=256),
+                          "bn128": dict(block_n=128), "bn32": dict(block_n=32), "w8": dict(num_warps=8),
+                          "split256-bn128-w8": dict(split=256, block_n=128, num_warps=8)}.items():
+            try:
+                out = attn.attention(q, k, v, length=ln, **kw)
+                err = float((out.float() - ref).norm() / ref.norm())
+                t = bench(lambda: attn.attention(q, k, v, length=ln, **kw))
+                row[vname] = dict(us=round(t * 1e3, 1), tb_s=round(nbytes / (t * 1e-3) / 1e12, 3),
+                                  of_copy=round(nbytes / (t * 1e-3) / bw, 3), rel_err=err)
+            except Exception as e:
+                row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        best = min((v for v in row.values() if isinstance(v, dict)), key=lambda v: v["us"])
+        row["best"] = best
+        row["vs_torch"] = round(t_torch * 1e3 / best["us"], 2)
+        results.append(row)
+        print(f"decode attention kv={length:6d}: best {best['us']} us = {best['tb_s']} TB/s = {best['of_copy']:.2f} of copy; "
+              f"torch SDPA {row['torch_sdpa_us']} us ({row['torch_tb_s']} TB/s)", flush=True)
+        del k, v
+
+
+def prefill_attention_rows(results, quick):
+    h, d = 32, 128
+    for t in ((4096,) if quick else (1024, 4096)):
+        q, k, v = (torch.randn(1, h, t, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * t * t * d * h / 2  # causal
+        t_torch = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float()
+        row = dict(kernel="prefill_attention", T=t, heads=h, d=d, dtype="bfloat16",
+                   torch_sdpa_tflops=round(flops / (t_torch * 1e-3) / 1e12, 1))
+        for vname, kw in {"default": {}, "bn64-w4": dict(block_n=64, num_warps=4), "bn64-w8": dict(block_n=64, num_warps=8),
+                          "bn128-w8": dict(block_n=128, num_warps=8)}.items():
+            try:
+                out = attn.attention(q, k, v, causal=True, **kw)
+                err = float((out.float() - ref).norm() / ref.norm())
+                ms = bench(lambda: attn.attention(q, k, v, causal=True, **kw))
+                row[vname] = dict(ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 1), rel_err=err)
+            except Exception as e:
+                row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        best = max((v for v in row.values() if isinstance(v, dict)), key=lambda v: v["tflops"])
+        row["best"] = best
+        row["vs_torch"] = round(best["tflops"] / row["torch_sdpa_tflops"], 2)
+        results.append(row)
+        print(f"prefill attention T={t}: best {best['tflops']} TFLOP/s vs torch SDPA {row['torch_sdpa_tflops']} "
+              f"({row['vs_torch']})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="gemv,gemm,decode,prefill")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    t0 = time.time()
+    bw = copy_bandwidth()
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    mm = 2 * 8192 ** 3 / (bench(lambda: a @ a, rep=50) * 1e-3) / 1e12
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; bf16 cuBLAS 8192^3 {mm:.0f} TFLOP/s", flush=True)
+    del a
+    results = [dict(kernel="anchors", copy_tb_s=round(bw / 1e12, 3), cublas_bf16_tflops=round(mm, 1),
+                    device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
+    sections = [("gemv", lambda: gemv_rows(results, bw, args.quick, (1,) if args.quick else (1, 4, 16))),
+                ("decode", lambda: decode_attention_rows(results, bw, args.quick)),
+                ("prefill", lambda: prefill_attention_rows(results, args.quick)),
+                ("gemm", lambda: gemm_rows(results, args.quick))]
+    for name, fn in sections:
+        if name in only:
+            try:
+                fn()
+            except Exception as e:  # keep the other sections' numbers
+                print(f"section {name} failed: {type(e).__name__}: {e}", flush=True)
+                results.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

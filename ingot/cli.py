@@ -54,6 +54,7 @@ def _generate(args) -> int:
                           "stop_reason": s.stop_reason}))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
         print(f"[{len(s.prompt_tokens)} prompt tokens: {s.prefill_tok_s:.1f} tok/s prefill; {len(s.tokens)} generated: "
               f"{s.decode_tok_s:.1f} tok/s decode; stop: {s.stop_reason}]", file=sys.stderr)
     return 0

@@ -82,6 +82,9 @@ class LLM:
         del model
         _return_freed_memory()
         self.decoder = self.model.compile(1, device)
+        if device == "cpu":
+            from ..backends.cpu.kernels import warm_up
+            warm_up()
         self.state = self.decoder.new_state()
         self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
         self.stats = GenerationStats()
@@ -115,8 +118,7 @@ class LLM:
         logits = None
         while todo:
             chunk, todo = todo[:PREFILL_BUCKETS[-1]], todo[PREFILL_BUCKETS[-1]:]
-            size = next(b for b in PREFILL_BUCKETS if b >= len(chunk))
-            size = min(size, self.config.context_length - pos)
+            size = self._bucket(len(chunk), pos)
             padded = np.zeros(size, np.int32)
             padded[:len(chunk)] = chunk
             exe = self.decoder if size == 1 else self.model.compile(size, self.device)
@@ -124,6 +126,18 @@ class LLM:
             pos += len(chunk)
         self.cached = list(ids)
         return logits[0]
+
+    def _bucket(self, n: int, pos: int) -> int:
+        """The executable length a chunk of n new tokens at pos runs with (padded, within the cache)."""
+        return min(next(b for b in PREFILL_BUCKETS if b >= n), self.config.context_length - pos)
+
+    def _chunk_sizes(self, n: int) -> set[int]:
+        sizes, pos, largest = set(), 0, PREFILL_BUCKETS[-1]
+        while n > 0:
+            sizes.add(self._bucket(min(n, largest), pos))
+            pos += min(n, largest)
+            n -= largest
+        return {s for s in sizes if s > 1}
 
     def step(self, token: int) -> np.ndarray:
         logits = self._run(self.decoder, np.array([token], np.int32), len(self.cached), 0)
@@ -155,6 +169,8 @@ class LLM:
         if not keep_cache:
             self.reset()
         stats = self.stats = GenerationStats(prompt_tokens=list(ids))
+        for size in self._chunk_sizes(len(ids)):  # compile before timing
+            self.model.compile(size, self.device)
         t0 = time.perf_counter()
         cached_before = len(self.cached)
         logits = self.prefill(ids)

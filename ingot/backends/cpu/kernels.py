@@ -209,7 +209,7 @@ def quantized_matmul_step(node: Node, out):
         k = x2.shape[1]
         tile_k = max(block, min(k, GEMM_TILE_ELEMENTS // n) // block * block)
         tile = np.empty((min(tile_k, k), n), np.float32)
-        result = np.empty((x2.shape[0], n), np.float32)
+        result = None
         flip = np.uint8(8 if qdtype.kind == "i" else 0)
         for k0 in range(0, k, tile_k):
             k1 = min(k, k0 + tile_k)
@@ -218,10 +218,11 @@ def quantized_matmul_step(node: Node, out):
                 scaled_tile_packed4(q, scale, k0, k1, block, flip, t)
             else:
                 scaled_tile_int8(q, scale, k0, k1, block, t)
-            if k0 == 0:
-                np.matmul(x2[:, k0:k1], t, out=result)
+            part = x2[:, k0:k1] @ t  # (matmul with out= is slower in NumPy for these shapes)
+            if result is None:
+                result = part
             else:
-                result += x2[:, k0:k1] @ t
+                result += part
         if offset is not None:
             result += xsum @ offset
         return result
@@ -387,3 +388,22 @@ def rope_step(node: Node):
         rope_rows(x3, positions, inv_freq, interleaved, rd, out)
         return out.reshape(x.shape)
     return step
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel for the types the LLM path uses, so the
+    first real call is not the one that pays for it."""
+    f32 = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
+    x, out = f32(1, 32), f32(1, 4)
+    for kernel in (kmajor_packed4, kmajor_packed4_parallel) if THREADS > 1 else (kmajor_packed4,):
+        kernel(x, np.zeros((32, 2), np.uint8), f32(1, 4), f32(1, 4), True, np.uint8(0), THREADS, out)
+    for kernel in (kmajor_int8, kmajor_int8_parallel) if THREADS > 1 else (kmajor_int8,):
+        kernel(x, np.zeros((32, 4), np.int8), f32(1, 4), f32(1, 4), True, THREADS, out)
+        kernel(x, np.zeros((32, 4), np.uint8), f32(1, 4), f32(1, 4), True, THREADS, out)
+    scaled_tile_packed4(np.zeros((32, 2), np.uint8), f32(1, 4), 0, 32, 32, np.uint8(0), f32(32, 4))
+    scaled_tile_int8(np.zeros((32, 4), np.int8), f32(1, 4), 0, 32, 32, f32(32, 4))
+    q = f32(1, 2, 1, 8)
+    (attention_parallel if THREADS > 1 else attention)(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, f32(1, 2, 1, 8))
+    rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))
+    rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
+    rms_norm(f32(1, 8), f32(8), np.float32(1e-5))

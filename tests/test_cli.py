@@ -82,3 +82,12 @@ def test_generate_streams_and_reports_speed_on_stderr(capsys):
 def test_console_script():
     r = subprocess.run(["ingot", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "generate" in r.stdout
+
+
+def test_chat_keeps_the_cache_between_turns():
+    model_path()
+    r = run_cli("chat", "--max-tokens", "12", stdin="What is the capital of France?\nAnd of Italy?\n\n")
+    assert r.returncode == 0, r.stderr
+    news = [int(line.split()[0][1:]) for line in r.stderr.splitlines() if "new prompt tokens" in line]
+    assert len(news) == 2 and news[1] < news[0]  # the second turn computes only its own tokens
+    assert "Paris" in r.stdout

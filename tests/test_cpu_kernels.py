@@ -43,12 +43,18 @@ def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias):
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
-def test_packed_kernel_column_chunks(chunks):
+def test_packed_kernel_block_ranges(chunks):
     k, n, block = 64, 30, 16
     q, scale, bias = kmajor_weight(k, n, dt.uint4, block)
     x = RNG.standard_normal((2, k)).astype(np.float32)
     out = np.empty((2, n), np.float32)
-    kernels.kmajor_packed4(x, q, scale, bias, True, np.uint8(0), chunks, out)
+    nb = k // block
+    bounds = [nb * i // chunks for i in range(chunks + 1)]
+    out[...] = 0
+    for b0, b1 in zip(bounds, bounds[1:]):
+        part = np.empty_like(out)
+        kernels.kmajor_packed4(x, q, scale, bias, True, np.uint8(0), b0, b1, part)
+        out += part
     w = dt.unpack_int4(q, n, signed=False).astype(np.float32) * np.repeat(scale, block, 0) + np.repeat(bias, block, 0)
     np.testing.assert_allclose(out, x @ w, rtol=1e-4, atol=1e-4)
 
@@ -82,3 +88,14 @@ def test_rms_norm_and_silu():
     w = RNG.standard_normal(33).astype(np.float32)
     np.testing.assert_allclose(kernels.rms_norm(x, w, np.float32(1e-5)), nn_ops.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kernels.silu(x), x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
+
+
+def test_threads_split_the_reduction_axis(monkeypatch):
+    k, n, block = 256, 64, 32
+    q, scale, bias = kmajor_weight(k, n, dt.int4, block)
+    x = RNG.standard_normal((2, k)).astype(np.float32)
+    serial, threaded = np.empty((2, n), np.float32), np.empty((2, n), np.float32)
+    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint8(8)), k // block, serial, 0)
+    monkeypatch.setattr(kernels, "THREADS", 3)
+    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint8(8)), k // block, threaded, 10**9)
+    np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,9 @@ NumPy reference of its op (tests/test_cpu_kernels.py).
 from __future__ import annotations
 
 import math
+import os
+import queue
+import threading
 
 import numba
 import numpy as np
@@ -17,87 +20,80 @@ from ...ops import quant as quant_ops
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
 
-def _kmajor_packed4(x, q, scale, offset, has_offset, flip, chunks, out):
-    """out[m, :] = x[m] @ W for a k-major 4-bit W: q [K, N/2] (low nibble = even column), scale and
-    offset [K / block, N] (w = q * scale + offset). Vectorised across output columns."""
+def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
+    """out[m, :] = x[m, rows of blocks b0..b1) @ W[those rows] for a k-major 4-bit W: q [K, N/2]
+    (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset).
+    Vectorised across output columns; a block range lets threads split the reduction axis, each
+    streaming one contiguous part of the weight."""
     m_rows, k = x.shape
     half = q.shape[1]
     nb = scale.shape[0]
     bs = k // nb
     fflip = np.float32(flip)
-    step = (half + chunks - 1) // chunks
-    for c in prange(chunks):
-        lo = c * step
-        hi = min(half, lo + step)
-        w = hi - lo
-        acc_e = np.empty(w, np.float32)
-        acc_o = np.empty(w, np.float32)
-        res_e = np.empty(w, np.float32)
-        res_o = np.empty(w, np.float32)
-        for m in range(m_rows):
-            res_e[:] = 0
-            res_o[:] = 0
-            for b in range(nb):
-                acc_e[:] = 0
-                acc_o[:] = 0
+    acc_e = np.empty(half, np.float32)
+    acc_o = np.empty(half, np.float32)
+    res_e = np.empty(half, np.float32)
+    res_o = np.empty(half, np.float32)
+    for m in range(m_rows):
+        res_e[:] = 0
+        res_o[:] = 0
+        for b in range(b0, b1):
+            acc_e[:] = 0
+            acc_o[:] = 0
+            for kk in range(b * bs, b * bs + bs):
+                xv = x[m, kk]
+                row = q[kk]
+                for i in range(half):
+                    byte = row[i]  # (nibble ^ 8) - 8 sign-extends an int4; flip = 0 for uint4
+                    acc_e[i] += (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * xv
+                    acc_o[i] += (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * xv
+            srow = scale[b]
+            for i in range(half):
+                res_e[i] += acc_e[i] * srow[2 * i]
+                res_o[i] += acc_o[i] * srow[2 * i + 1]
+            if has_offset:
+                xs = np.float32(0.0)
                 for kk in range(b * bs, b * bs + bs):
-                    xv = x[m, kk]
-                    row = q[kk, lo:hi]
-                    for i in range(w):
-                        byte = row[i]  # (nibble ^ 8) - 8 sign-extends an int4; flip = 0 for uint4
-                        acc_e[i] += (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * xv
-                        acc_o[i] += (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * xv
-                srow = scale[b, 2 * lo:2 * hi]
-                for i in range(w):
-                    res_e[i] += acc_e[i] * srow[2 * i]
-                    res_o[i] += acc_o[i] * srow[2 * i + 1]
-                if has_offset:
-                    xs = np.float32(0.0)
-                    for kk in range(b * bs, b * bs + bs):
-                        xs += x[m, kk]
-                    orow = offset[b, 2 * lo:2 * hi]
-                    for i in range(w):
-                        res_e[i] += orow[2 * i] * xs
-                        res_o[i] += orow[2 * i + 1] * xs
-            for i in range(w):
-                out[m, 2 * (lo + i)] = res_e[i]
-                out[m, 2 * (lo + i) + 1] = res_o[i]
+                    xs += x[m, kk]
+                orow = offset[b]
+                for i in range(half):
+                    res_e[i] += orow[2 * i] * xs
+                    res_o[i] += orow[2 * i + 1] * xs
+        for i in range(half):
+            out[m, 2 * i] = res_e[i]
+            out[m, 2 * i + 1] = res_o[i]
 
 
-def _kmajor_int8(x, q, scale, offset, has_offset, chunks, out):
-    """out[m, :] = x[m] @ W for a k-major 8-bit W: q [K, N], scale and offset [K / block, N]."""
+def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
+    """out[m, :] = x[m, blocks b0..b1) @ W[those rows] for a k-major 8-bit W: q [K, N], scale and
+    offset [K / block, N]."""
     m_rows, k = x.shape
     n = q.shape[1]
     nb = scale.shape[0]
     bs = k // nb
-    step = (n + chunks - 1) // chunks
-    for c in prange(chunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        w = hi - lo
-        acc = np.empty(w, np.float32)
-        res = np.empty(w, np.float32)
-        for m in range(m_rows):
-            res[:] = 0
-            for b in range(nb):
-                acc[:] = 0
+    acc = np.empty(n, np.float32)
+    res = np.empty(n, np.float32)
+    for m in range(m_rows):
+        res[:] = 0
+        for b in range(b0, b1):
+            acc[:] = 0
+            for kk in range(b * bs, b * bs + bs):
+                xv = x[m, kk]
+                row = q[kk]
+                for i in range(n):
+                    acc[i] += np.float32(row[i]) * xv
+            srow = scale[b]
+            for i in range(n):
+                res[i] += acc[i] * srow[i]
+            if has_offset:
+                xs = np.float32(0.0)
                 for kk in range(b * bs, b * bs + bs):
-                    xv = x[m, kk]
-                    row = q[kk, lo:hi]
-                    for i in range(w):
-                        acc[i] += np.float32(row[i]) * xv
-                srow = scale[b, lo:hi]
-                for i in range(w):
-                    res[i] += acc[i] * srow[i]
-                if has_offset:
-                    xs = np.float32(0.0)
-                    for kk in range(b * bs, b * bs + bs):
-                        xs += x[m, kk]
-                    orow = offset[b, lo:hi]
-                    for i in range(w):
-                        res[i] += orow[i] * xs
-            for i in range(w):
-                out[m, lo + i] = res[i]
+                    xs += x[m, kk]
+                orow = offset[b]
+                for i in range(n):
+                    res[i] += orow[i] * xs
+        for i in range(n):
+            out[m, i] = res[i]
 
 
 def _scaled_tile_packed4(q, scale, k0, k1, block, flip, out):
@@ -128,9 +124,58 @@ scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
 GEMM_TILE_ELEMENTS = 1 << 21  # 8 MB of float32 per dequantized tile
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
-kmajor_packed4_parallel = njit(parallel=True, **_serial)(_kmajor_packed4)
-kmajor_int8_parallel = njit(parallel=True, **_serial)(_kmajor_int8)
-THREADS = int(__import__("os").environ.get("INGOT_CPU_THREADS", "1"))  # >1: split columns over numba threads
+THREADS = max(1, int(os.environ.get("INGOT_CPU_THREADS", "1")))  # >1 splits big GEMVs over threads: slower on the 2-core VMs measured (memory-bound), see BENCHMARKS.md
+PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller matmuls are not worth waking another thread (~50 us in a VM)
+
+
+class _Workers:
+    """Threads that run nogil kernels on column chunks beside the calling thread. A hand-off costs
+    a queue put and get (microseconds); numba's own prange scheduling cost more than it saved here."""
+
+    def __init__(self, n: int):
+        self.inbox = [queue.SimpleQueue() for _ in range(n)]
+        self.outbox = [queue.SimpleQueue() for _ in range(n)]
+        for i in range(n):
+            threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"ingot-cpu-{i}").start()
+
+    def _loop(self, i: int) -> None:
+        while True:
+            fn, args = self.inbox[i].get()
+            try:
+                fn(*args)
+                self.outbox[i].put(None)
+            except BaseException as e:  # handed back to the caller
+                self.outbox[i].put(e)
+
+    def run(self, fn, argsets) -> None:
+        """fn(*argsets[0]) here, fn(*argsets[i]) on worker i-1; returns when all are done."""
+        for i, args in enumerate(argsets[1:]):
+            self.inbox[i].put((fn, args))
+        fn(*argsets[0])
+        errors = [self.outbox[i].get() for i in range(len(argsets) - 1)]
+        for e in errors:
+            if e is not None:
+                raise e
+
+
+_workers: _Workers | None = None
+
+
+def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int) -> None:
+    """kernel(*head, b0, b1, out) over the reduction axis: THREADS contiguous ranges of blocks in
+    parallel, each thread streaming its own part of the weight; partial results added at the end."""
+    global _workers
+    parts = min(THREADS, n_blocks)
+    if parts == 1 or work < PARALLEL_MIN_WEIGHTS:
+        kernel(*head, 0, n_blocks, out)
+        return
+    if _workers is None:
+        _workers = _Workers(THREADS - 1)
+    bounds = [n_blocks * i // parts for i in range(parts + 1)]
+    outs = [out] + [np.empty_like(out) for _ in range(parts - 1)]
+    _workers.run(kernel, [head + (bounds[i], bounds[i + 1], outs[i]) for i in range(parts)])
+    for partial in outs[1:]:
+        out += partial
 
 
 def _kmajor_params(params, attrs, n: int):
@@ -175,12 +220,11 @@ def quantized_matmul_step(node: Node, out):
             n = q.shape[1] * (2 if qdtype.packed else 1)
             scale, offset, nb = _kmajor_params(params, attrs, n)
             if qdtype.packed:
-                kernel = kmajor_packed4_parallel if THREADS > 1 else kmajor_packed4
-                flip = np.uint8(8 if qdtype.kind == "i" else 0)
-                args = (scale, no_offset if offset is None else offset, offset is not None, flip, THREADS)
+                kernel = kmajor_packed4
+                args = (scale, no_offset if offset is None else offset, offset is not None, np.uint8(8 if qdtype.kind == "i" else 0))
             else:
-                kernel = kmajor_int8_parallel if THREADS > 1 else kmajor_int8
-                args = (scale, no_offset if offset is None else offset, offset is not None, THREADS)
+                kernel = kmajor_int8
+                args = (scale, no_offset if offset is None else offset, offset is not None)
             hit = prepared[key] = (kernel, args, scale, offset, nb, n, params)  # params kept: ids stay valid
         return hit
 
@@ -199,7 +243,7 @@ def quantized_matmul_step(node: Node, out):
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        kernel(x2, q, *args, result)
+        split_blocks(kernel, (x2, q) + args, nb, result, k * n)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, block, n):
@@ -271,7 +315,6 @@ def _attention(q, k, v, length, scale, causal, out):
 
 
 attention = njit(**_serial)(_attention)
-attention_parallel = njit(parallel=True, **_serial)(_attention)
 
 
 def attention_blas(q, k, v, length, scale, causal):
@@ -305,7 +348,7 @@ def sdpa_step(node: Node):
         if q.shape[2] > 16 and length >= q.shape[2]:  # prefill: BLAS
             return attention_blas(q, k, v, length, scale, attrs.get("causal", False))
         out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
-        (attention_parallel if THREADS > 1 else attention)(q, k, v, length, scale, attrs.get("causal", False), out)
+        attention(q, k, v, length, scale, attrs.get("causal", False), out)
         return out
     return step
 
@@ -395,15 +438,13 @@ def warm_up() -> None:
     first real call is not the one that pays for it."""
     f32 = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
     x, out = f32(1, 32), f32(1, 4)
-    for kernel in (kmajor_packed4, kmajor_packed4_parallel) if THREADS > 1 else (kmajor_packed4,):
-        kernel(x, np.zeros((32, 2), np.uint8), f32(1, 4), f32(1, 4), True, np.uint8(0), THREADS, out)
-    for kernel in (kmajor_int8, kmajor_int8_parallel) if THREADS > 1 else (kmajor_int8,):
-        kernel(x, np.zeros((32, 4), np.int8), f32(1, 4), f32(1, 4), True, THREADS, out)
-        kernel(x, np.zeros((32, 4), np.uint8), f32(1, 4), f32(1, 4), True, THREADS, out)
+    kmajor_packed4(x, np.zeros((32, 2), np.uint8), f32(1, 4), f32(1, 4), True, np.uint8(0), 0, 1, out)
+    kmajor_int8(x, np.zeros((32, 4), np.int8), f32(1, 4), f32(1, 4), True, 0, 1, out)
+    kmajor_int8(x, np.zeros((32, 4), np.uint8), f32(1, 4), f32(1, 4), True, 0, 1, out)
     scaled_tile_packed4(np.zeros((32, 2), np.uint8), f32(1, 4), 0, 32, 32, np.uint8(0), f32(32, 4))
     scaled_tile_int8(np.zeros((32, 4), np.int8), f32(1, 4), 0, 32, 32, f32(32, 4))
     q = f32(1, 2, 1, 8)
-    (attention_parallel if THREADS > 1 else attention)(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, f32(1, 2, 1, 8))
+    attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
     rms_norm(f32(1, 8), f32(8), np.float32(1e-5))

@@ -68,28 +68,25 @@ def gemv_rows(results, bw, quick, rows_list=(1,)):
     variants = {
         "default": None,
         "no-magic": dict(MAGIC=False),
-        "bn8-k512": dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, num_warps=4),
-        "bn16-k256": dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=4),
-        "bn16-k512-w8": dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, num_warps=8),
-        "bn32-k256-w8": dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=8),
-        "bn64-k128": dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4),
-        "bn16-k256-nosplit": dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, SPLIT=1),
-        "bn8-k256-nosplit": dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, SPLIT=1),
+        "bn64": dict(BLOCK_N=64), "bn128": dict(BLOCK_N=128), "bn512": dict(BLOCK_N=512),
+        "bk16": dict(BLOCK_K=16), "w8": dict(num_warps=8), "w2": dict(num_warps=2),
+        "nosplit": dict(SPLIT=1), "split4": dict(SPLIT=4), "split16": dict(SPLIT=16),
+        "bn128-split8-w8": dict(BLOCK_N=128, SPLIT=8, num_warps=8),
     }
     for name, k, n in shapes:
         w = random_weight(k, n)
         nbytes = w.nbytes
         for rows in rows_list:
             x = torch.randn(rows, k, device=DEVICE)
-            ref = x @ qmm.dequantize(w).t()
+            ref = x @ qmm.dequantize(w)
             wb = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
             xb = x.to(torch.bfloat16)
             t_cublas = bench(lambda: xb @ wb)
             row = dict(kernel="qgemv", shape=name, K=k, N=n, rows=rows, weight_bytes=nbytes,
                        cublas_bf16_us=round(t_cublas * 1e3, 2))
             for vname, cfg in variants.items():
-                if cfg is not None and rows != 1 and "BLOCK_M" in cfg:
-                    cfg = dict(cfg, BLOCK_M=triton.next_power_of_2(rows))
+                if rows != 1 and cfg is not None:
+                    continue  # more rows run the tensor-core kernel: its default only
                 try:
                     y = qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None)
                     err = float((y - ref).norm() / ref.norm())
@@ -122,13 +119,14 @@ def gemm_rows(results, quick):
                 flops = 2 * m * n * k
                 row = dict(kernel="qgemm", shape=name, M=m, K=k, N=n, x=str(xdtype).replace("torch.", ""),
                            cublas_f16_tflops=round(flops / (t_cublas * 1e-3) / 1e12, 1))
-                for cname, cfg in {"default": None, "128x128x64-w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-                                   "128x256x64-w8": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-                                   "64x128x64-w4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)}.items():
+                for cname, cfg in {"default": None, "128x128x32-w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+                                   "128x256x32-w8": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, num_warps=8, num_stages=3),
+                                   "64x128x32-w4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
+                                   "128x128x32-w8-s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=4)}.items():
                     try:
                         t = bench(lambda: qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None), rep=50)
                         y = qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None).float()
-                        ref = x.float() @ qmm.dequantize(w).t()
+                        ref = x.float() @ qmm.dequantize(w)
                         err = float((y - ref).norm() / ref.norm())
                         row[cname] = dict(ms=round(t, 3), tflops=round(flops / (t * 1e-3) / 1e12, 1), rel_err=err)
                     except Exception as e:
@@ -155,9 +153,10 @@ def decode_attention_rows(results, bw, quick):
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         row = dict(kernel="decode_attention", kv_len=length, heads=f"{hq}/{hk}", d=d, dtype="bfloat16", kv_bytes=nbytes,
                    torch_sdpa_us=round(t_torch * 1e3, 1), torch_tb_s=round(nbytes / (t_torch * 1e-3) / 1e12, 3))
-        for vname, kw in {"default": {}, "split64": dict(split=64), "split128": dict(split=128), "split256": dict(split=256),
-                          "bn128": dict(block_n=128), "bn32": dict(block_n=32), "w8": dict(num_warps=8),
-                          "split256-bn128-w8": dict(split=256, block_n=128, num_warps=8)}.items():
+        for vname, kw in {"default": {}, "split32": dict(split=32), "split64": dict(split=64), "split128": dict(split=128),
+                          "split256": dict(split=256), "bn128": dict(block_n=128), "bn32": dict(block_n=32),
+                          "w8": dict(num_warps=8), "stages2": dict(num_stages=2), "stages4": dict(num_stages=4),
+                          "split128-bn128-w8": dict(split=128, block_n=128, num_warps=8)}.items():
             try:
                 out = attn.attention(q, k, v, length=ln, **kw)
                 err = float((out.float() - ref).norm() / ref.norm())
@@ -175,6 +174,36 @@ def decode_attention_rows(results, bw, quick):
         del k, v
 
 
+def small_decode_attention_rows(results):
+    """SmolLM2's decode attention: 9/3 heads, d 64, float32 cache of 2048 rows, short and long prefixes."""
+    hq, hk, d, buf = 9, 3, 64, 2048
+    q = torch.randn(1, hq, 1, d, device=DEVICE)
+    k = torch.randn(1, hk, buf, d, device=DEVICE)
+    v = torch.randn(1, hk, buf, d, device=DEVICE)
+    for length in (100, 1000):
+        ln = torch.tensor(length, dtype=torch.int32, device=DEVICE)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+        t_torch = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length],
+                                                                                enable_gqa=True))
+        row = dict(kernel="decode_attention_small", kv_len=length, buffer=buf, heads=f"{hq}/{hk}", d=d, dtype="float32",
+                   torch_sdpa_us=round(t_torch * 1e3, 2))
+        for vname, kw in {"default": {}, "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
+                          "split16": dict(split=16), "split8-bn32": dict(split=8, block_n=32),
+                          "split8-tf32": dict(split=8, precision="tf32"), "split8-stages1": dict(split=8, num_stages=1),
+                          "split8-w2": dict(split=8, num_warps=2)}.items():
+            try:
+                out = attn.attention(q, k, v, length=ln, **kw)
+                err = float((out - ref).norm() / ref.norm())
+                row[vname] = dict(us=round(bench(lambda: attn.attention(q, k, v, length=ln, **kw)) * 1e3, 2), rel_err=err)
+            except Exception as e:
+                row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        best = min((v for v in row.values() if isinstance(v, dict)), key=lambda v: v["us"])
+        row["best"] = best
+        results.append(row)
+        print(f"small decode attention L={length}: default {row['default']} best {best} torch {row['torch_sdpa_us']} us",
+              flush=True)
+
+
 def prefill_attention_rows(results, quick):
     h, d = 32, 128
     for t in ((4096,) if quick else (1024, 4096)):
@@ -184,8 +213,10 @@ def prefill_attention_rows(results, quick):
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float()
         row = dict(kernel="prefill_attention", T=t, heads=h, d=d, dtype="bfloat16",
                    torch_sdpa_tflops=round(flops / (t_torch * 1e-3) / 1e12, 1))
-        for vname, kw in {"default": {}, "bn64-w4": dict(block_n=64, num_warps=4), "bn64-w8": dict(block_n=64, num_warps=8),
-                          "bn128-w8": dict(block_n=128, num_warps=8)}.items():
+        for vname, kw in {"default": {}, "m128-n64-w8": dict(block_m=128, block_n=64, num_warps=8),
+                          "m128-n128-w8": dict(block_m=128, block_n=128, num_warps=8),
+                          "m64-n64-w4-s4": dict(block_m=64, block_n=64, num_warps=4, num_stages=4),
+                          "m128-n64-w8-s2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2)}.items():
             try:
                 out = attn.attention(q, k, v, causal=True, **kw)
                 err = float((out.float() - ref).norm() / ref.norm())
@@ -218,6 +249,7 @@ def main() -> None:
                     device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
     sections = [("gemv", lambda: gemv_rows(results, bw, args.quick, (1,) if args.quick else (1, 4, 16))),
                 ("decode", lambda: decode_attention_rows(results, bw, args.quick)),
+                ("decode", lambda: small_decode_attention_rows(results)),
                 ("prefill", lambda: prefill_attention_rows(results, args.quick)),
                 ("gemm", lambda: gemm_rows(results, args.quick))]
     for name, fn in sections:

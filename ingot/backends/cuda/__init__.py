@@ -113,24 +113,16 @@ def prepared_weight(arrays: list[np.ndarray], attrs: dict, device) -> qmm.Quanti
 
 
 def concatenated_weight(members: list[tuple[list[np.ndarray], dict]], device) -> qmm.QuantizedWeight | None:
-    """The weights of sibling matmuls stacked along N (one GEMV for q/k/v), or None if they differ in kind."""
+    """The weights of sibling matmuls side by side along N (one GEMV for q/k/v), or None if they differ in kind."""
     key = ("qconcat", str(device)) + tuple((id(a), attrs["qdtype"].name, bool(attrs.get("transpose")))
                                            for arrays, attrs in members for a in arrays)
     first = members[0][0][0]
     hit = _DEVICE_CONSTANTS.get((id(first),) + key)
     if hit is not None:
         return hit
-    parts = [qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device) for arrays, attrs in members]
-    w0 = parts[0]
-    if any(p.lut is not None or p.bits != w0.bits or p.group != w0.group or p.k != w0.k
-           or p.scale.dtype != w0.scale.dtype for p in parts):
+    joined = qmm.concatenate([qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device) for arrays, attrs in members])
+    if joined is None:
         return None
-    biases = [p.bias if p.bias is not None else torch.zeros_like(p.scale) for p in parts]
-    has_bias = any(p.bias is not None for p in parts)
-    bias_dtype = torch.float32 if any(b.dtype == torch.float32 for b in biases) else biases[0].dtype
-    joined = qmm.QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                                 torch.cat([b.to(bias_dtype) for b in biases]) if has_bias else None,
-                                 None, 1, 1, w0.bits, w0.group, sum(p.n for p in parts), w0.k)
     return _cached(first, key, lambda: joined)
 
 
@@ -145,6 +137,7 @@ class Lowering:
 
     def __init__(self, plan: "CudaPlan", node: Node):
         self.plan, self.node, self.device = plan, node, plan.device
+        self.reads: tuple[int, ...] | None = None   # which sources the step takes (default: all)
 
     def constant(self, src_index: int) -> np.ndarray | None:
         s = self.node.src[src_index]
@@ -515,7 +508,8 @@ def _quantized_matmul(ctx: Lowering) -> StepFn:
         return lambda x, q, *params: qmm.quantized_matmul(
             x, qmm.prepare_weight(to_host(q), [to_host(p) for p in params], attrs, x.device))
     weight = prepared_weight(arrays, node.attrs, ctx.device)
-    return lambda x, *_: qmm.quantized_matmul(x, weight)
+    ctx.reads = (0,)  # the step takes x only: the weight lives re-packed on the device
+    return lambda x: qmm.quantized_matmul(x, weight)
 
 
 @lowering(Op.QUANTIZED_GATHER)
@@ -527,7 +521,8 @@ def _quantized_gather(ctx: Lowering) -> StepFn:
     # the table as a k-major [K, N] weight: a quantized_matmul's layout (transpose=False)
     weight = prepared_weight(arrays, dict(node.attrs, transpose=False), ctx.device)
     axis, out_dtype = node.attrs.get("axis", 0), torch_dtype(node.dtype)
-    return lambda *xs: fused.quantized_gather(weight, xs[-1], axis, out_dtype)
+    ctx.reads = (len(node.src) - 1,)
+    return lambda idx: fused.quantized_gather(weight, idx, axis, out_dtype)
 
 
 def _unpack(q: torch.Tensor, qdtype: dt.DType) -> torch.Tensor:
@@ -710,6 +705,8 @@ class CudaPlan:
                     steps.append((fn, (self.slot[node.src[0].id],), tuple(self.slot[m.id] for m in outs), "qkv"))
                     done.update(m.id for m in outs)
                     continue
+            if node.op == Op.ROPE and self._rope_into_cache(node, users, roots, steps, done):
+                continue
             if node.op == Op.ADD and node.id not in roots:
                 norm = next((u for u in users[node.id] if u.op == Op.RMS_NORM and u.src[0] is node), None)
                 if norm is not None and node.dtype.name in ("float32", "float16", "bfloat16") and \
@@ -727,7 +724,8 @@ class CudaPlan:
                 fn = _call(ctx, executable)
             else:
                 fn = LOWERINGS.get(node.op, host_reference)(ctx)
-            steps.append((fn, tuple(self.slot[x.id] for x in node.src), (s,), node.op.name.lower()))
+            reads = node.src if ctx.reads is None else [node.src[i] for i in ctx.reads]
+            steps.append((fn, tuple(self.slot[x.id] for x in reads), (s,), node.op.name.lower()))
 
         # upload only the constants a step reads (packed weights live re-packed in the kernels' cache)
         read = {i for _, ins, _, _ in steps for i in ins}
@@ -764,6 +762,40 @@ class CudaPlan:
         self._graphs: dict[int, dict] = {}
         self._runs: dict[int, int] = {}
         self._stage = None
+
+    def _rope_into_cache(self, node: Node, users, roots, steps, done) -> bool:
+        """rope(k) whose only reader writes it into a cache at the same runtime position: one kernel
+        rotates and writes in place (the KV-cache update of a decoder layer)."""
+        if os.environ.get("INGOT_CUDA_ROPE_CACHE", "1") != "1" or node.id in roots or len(users[node.id]) != 1:
+            return False
+        update = users[node.id][0]
+        pos = node.src[1]
+        if update.op != Op.SLICE_UPDATE or not update.attrs.get("inplace") or update.src[1] is not node:
+            return False
+        start, rank = update.attrs["start"], node.type.rank
+        cache = update.src[0]
+        if pos.type.rank != 0 or rank < 2 or cache.dtype != node.dtype or cache.type.shape[:-2] != node.type.shape[:-2] \
+                or cache.type.shape[-1] != node.type.shape[-1]:
+            return False
+        for axis, st in enumerate(start):
+            if axis == rank - 2:
+                if not (isinstance(st, Ref) and update.src[st.index] is pos):
+                    return False
+            elif st != 0:
+                return False
+        a = node.attrs
+        rd = a.get("rotary_dims") or node.type.shape[-1]
+        interleaved = bool(a.get("interleaved", False))
+        table = torch.as_tensor(rope_inv_freq(rd, a.get("base", 10000.0)), device=self.device)
+        has_inv = len(node.src) > 2
+
+        def step(x, position, *rest):
+            return fused.rope_into(rest[-1], x, position, rest[0] if has_inv else table, interleaved)
+        ins = tuple(self.slot[x.id] for x in node.src) + (self.slot[cache.id],)
+        steps.append((step, ins, (self.slot[update.id],), "rope_into_cache"))
+        done.add(update.id)
+        self.fusions.append("rope+kv write")
+        return True
 
     def _sibling_step(self, members: list[Node]):
         arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]

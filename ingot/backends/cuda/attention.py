@@ -85,7 +85,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr,
 @triton.jit
 def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, TQ, DV,
                     so_b, so_h, so_t,
-                    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+                    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """Merge the splits' partial softmaxes of one query row: weights exp2(m_s - max), CHUNK splits at a time."""
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)
     b = pid_bh // HK
@@ -99,13 +101,18 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, TQ, DV,
     l = tl.load(ml_part_ptr + part * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)
-    w = tl.where(s_ok, w, 0.0)
-    total = tl.sum(l * w, axis=0)
+    total = tl.sum(tl.where(s_ok, l * tl.exp2(m - m_safe), 0.0), axis=0)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o = tl.load(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], axis=0)
-    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for c0 in tl.static_range(0, SPLIT, CHUNK):
+        cs = c0 + tl.arange(0, CHUNK)
+        c_ok = cs < SPLIT
+        pc = (pid_bh * SPLIT + cs) * BLOCK_R + r
+        mc = tl.load(ml_part_ptr + pc * 2, mask=c_ok, other=float("-inf"))
+        wc = tl.where(c_ok, tl.exp2(mc - m_safe), 0.0)
+        o = tl.load(o_part_ptr + pc[:, None] * BLOCK_DV + offs_dv[None, :], mask=c_ok[:, None], other=0.0)
+        acc += tl.sum(o * wc[:, None], axis=0)
+    o = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + b * so_b + (hk * G + g) * so_h + t * so_t + offs_dv, o.to(out_ptr.dtype.element_ty),
              mask=offs_dv < DV)
 
@@ -184,7 +191,8 @@ def _sm_count(device) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | torch.Tensor | None = None,
               scale: float | None = None, causal: bool = False, mask: torch.Tensor | None = None,
               out: torch.Tensor | None = None, split: int | None = None, precision: str | None = None,
-              block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+              block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
+              num_stages: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -219,7 +227,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         block_r = max(16, triton.next_power_of_2(group * tq))
         bn = block_n or (64 if block_d <= 128 else 32)
         if split is None:
-            split = max(1, min(triton.cdiv(tbuf, bn), (4 * _sm_count(q.device)) // max(nb * hk, 1), 256))
+            split = max(1, min(triton.cdiv(tbuf, bn), (4 * _sm_count(q.device)) // max(nb * hk, 1), 128))
         o_part = torch.empty((nb * hk * split * block_r, block_dv), dtype=torch.float32, device=q.device)
         ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
         _decode_kernel[(nb * hk, split)](
@@ -228,10 +236,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             v4.stride(0), v4.stride(1), v4.stride(2),
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("ieee" if f32 else "tf32"),
-            num_warps=num_warps or 4)
+            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}))
         _combine_kernel[(nb * hk, group * tq)](
             o_part, ml_part, o4, hk, group, tq, dv, o4.stride(0), o4.stride(1), o4.stride(2),
-            SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
+            SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),
+            BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
         return result
     mask4 = q4  # unused pointer
     strides = (0, 0, 0, 0)
@@ -243,13 +252,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             mask = mask.unsqueeze(0)
         mask4 = mask.expand(*batch, hq, tq, mask.shape[-1]).reshape(nb, hq, tq, mask.shape[-1])
         strides = (mask4.stride(0), mask4.stride(1), mask4.stride(2), mask4.stride(3) if mask.shape[-1] != 1 else 0)
-    block_m = 64 if block_d <= 128 else 32
-    bn = block_n or (64 if (f32 or block_d > 128) else 128)
+    block_m = block_m or (64 if block_d <= 128 else 32)
+    bn = block_n or 64
     _flash_kernel[(triton.cdiv(tq, block_m), nb * hq)](
         q4, k4, v4, len_ptr, mask4, o4, len_const, hq, group, tq, tbuf, d, dv, qk_scale,
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2), *strides,
         LEN_FROM_PTR=from_ptr, CAUSAL=causal, HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=bn,
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("tf32x3" if f32 else "tf32"),
-        num_warps=num_warps or (4 if block_d <= 64 else 8), num_stages=2 if f32 else 3)
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages or (2 if f32 else 3))
     return result

@@ -82,8 +82,11 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None, 
 # -- RoPE -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, inv_ptr, out_ptr, T, D, HALF, sx_r, sx_t,
-                 POS_VECTOR: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_kernel(x_ptr, pos_ptr, inv_ptr, out_ptr, T, D, HALF, sx_r, sx_t, so_r, so_t, OUT_ROWS,
+                 POS_VECTOR: tl.constexpr, INTERLEAVED: tl.constexpr, AT_POSITION: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row (r, t) of x rotated by its position; written to out row t, or with AT_POSITION to out row
+    `position` (RoPE and the KV-cache write in one pass; positions past the cache are dropped)."""
     row = tl.program_id(0)
     r = row // T
     t = row % T
@@ -98,7 +101,12 @@ def _rope_kernel(x_ptr, pos_ptr, inv_ptr, out_ptr, T, D, HALF, sx_r, sx_t,
     c = tl.cos(angle).to(tl.float32)
     s = tl.sin(angle).to(tl.float32)
     base = x_ptr + r * sx_r + t * sx_t
-    out = out_ptr + row * D
+    if AT_POSITION:
+        out = out_ptr + r * so_r + p * so_t
+        inside = (p >= 0) & (p < OUT_ROWS)
+    else:
+        out = out_ptr + r * so_r + t * so_t
+        inside = p == p
     if INTERLEAVED:
         i1 = 2 * j
         i2 = 2 * j + 1
@@ -107,11 +115,27 @@ def _rope_kernel(x_ptr, pos_ptr, inv_ptr, out_ptr, T, D, HALF, sx_r, sx_t,
         i2 = j + HALF
     a = tl.load(base + i1, mask=jm, other=0.0).to(tl.float32)
     b = tl.load(base + i2, mask=jm, other=0.0).to(tl.float32)
-    tl.store(out + i1, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=jm)
-    tl.store(out + i2, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=jm)
+    tl.store(out + i1, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=jm & inside)
+    tl.store(out + i2, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=jm & inside)
     d = tl.arange(0, BLOCK_D)
     rest = (d >= 2 * HALF) & (d < D)
-    tl.store(out + d, tl.load(base + d, mask=rest, other=0.0), mask=rest)
+    tl.store(out + d, tl.load(base + d, mask=rest, other=0.0).to(out_ptr.dtype.element_ty), mask=rest & inside)
+
+
+def _launch_rope(x3, pos, inv_freq, out3, interleaved, at_position):
+    t, d = x3.shape[1], x3.shape[2]
+    half = inv_freq.shape[0]
+    rows = x3.shape[0] * t
+    if rows:
+        _rope_kernel[(rows,)](x3, pos, inv_freq, out3, t, d, half, x3.stride(0), x3.stride(1), out3.stride(0),
+                              out3.stride(1), out3.shape[1], POS_VECTOR=pos.dim() == 1, INTERLEAVED=interleaved,
+                              AT_POSITION=at_position, BLOCK_H=triton.next_power_of_2(max(half, 1)),
+                              BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+
+
+def _rows3(x: torch.Tensor) -> torch.Tensor:
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -119,19 +143,19 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, interleaved
 
     pos: a 0-d integer tensor (the position of token 0) or one position per token [T].
     """
-    t, d = x.shape[-2], x.shape[-1]
-    x3 = x.reshape(-1, t, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    out = torch.empty((x3.shape[0], t, d), dtype=x.dtype, device=x.device)
-    half = inv_freq.shape[0]
-    rows = x3.shape[0] * t
-    if rows:
-        _rope_kernel[(rows,)](x3, pos, inv_freq, out, t, d, half, x3.stride(0), x3.stride(1),
-                              POS_VECTOR=pos.dim() == 1, INTERLEAVED=interleaved,
-                              BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(d),
-                              num_warps=1 if d <= 256 else 4)
+    x3 = _rows3(x)
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    _launch_rope(x3, pos, inv_freq, out, interleaved, False)
     return out.view(x.shape)
+
+
+def rope_into(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+              interleaved: bool) -> torch.Tensor:
+    """cache[..., pos + t, :] = rope(x)[..., t, :] in place (x [..., T, D], cache [..., C, D], pos 0-d)."""
+    assert cache.shape[:-2] == x.shape[:-2] and cache.shape[-1] == x.shape[-1] and pos.dim() == 0
+    c3 = cache.view(-1, cache.shape[-2], cache.shape[-1])
+    _launch_rope(_rows3(x), pos, inv_freq, c3, interleaved, True)
+    return cache
 
 
 # -- slice write at runtime starts ----------------------------------------------------------------
@@ -201,7 +225,7 @@ def slice_write(dst: torch.Tensor, src: torch.Tensor, starts) -> torch.Tensor:
 
 @triton.jit
 def _qgather_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMIT,
-                    stride_qn, stride_sn, lut_block_n, lut_block_k, stride_ln, stride_lk, so_j, so_t,
+                    stride_qk, stride_sk, lut_block_k, lut_block_n, stride_lk, stride_ln, so_j, so_t,
                     BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                     AXIS: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
@@ -209,25 +233,25 @@ def _qgather_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMI
     i = tl.load(idx_ptr + t).to(tl.int64)
     ok = (j < EXTENT) & (i >= 0) & (i < LIMIT)
     zero = tl.zeros([BLOCK], tl.int64)
-    if AXIS == 1:          # logical W [K, N]: column i of W = row i of the n-major store
-        n = zero + i
+    if AXIS == 1:          # column i of the logical [K, N] weight
         k = j.to(tl.int64)
-    else:                  # row i of W
-        n = j.to(tl.int64)
+        n = zero + i
+    else:                  # row i
         k = zero + i
+        n = j.to(tl.int64)
     if BITS == 4:
-        byte = tl.load(q_ptr + n * stride_qn + k // 2, mask=ok, other=0)
-        v = (byte >> ((k % 2) * 4).to(tl.uint8)) & 0xF
+        byte = tl.load(q_ptr + k * stride_qk + n // 2, mask=ok, other=0)
+        v = (byte >> ((n % 2) * 4).to(tl.uint8)) & 0xF
     else:
-        v = tl.load(q_ptr + n * stride_qn + k, mask=ok, other=0)
+        v = tl.load(q_ptr + k * stride_qk + n, mask=ok, other=0)
     if LUT:
-        w = tl.load(lut_ptr + (n // lut_block_n) * stride_ln + (k // lut_block_k) * stride_lk + v.to(tl.int64),
+        w = tl.load(lut_ptr + (k // lut_block_k) * stride_lk + (n // lut_block_n) * stride_ln + v.to(tl.int64),
                     mask=ok, other=0.0)
     else:
         g = k // GROUP
-        w = v.to(tl.float32) * tl.load(s_ptr + n * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+        w = v.to(tl.float32) * tl.load(s_ptr + g * stride_sk + n, mask=ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            w += tl.load(b_ptr + n * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+            w += tl.load(b_ptr + g * stride_sk + n, mask=ok, other=0.0).to(tl.float32)
     w = tl.where(ok, w, 0.0)
     tl.store(out_ptr + j * so_j + t * so_t, w.to(out_ptr.dtype.element_ty), mask=j < EXTENT)
 
@@ -251,7 +275,7 @@ def quantized_gather(weight, idx: torch.Tensor, axis: int, dtype: torch.dtype) -
         block = min(1024, triton.next_power_of_2(extent))
         _qgather_kernel[(t, triton.cdiv(extent, block))](
             weight.q, scale, bias, lut, flat, out, extent, limit, weight.q.stride(0),
-            weight.scale.stride(0) if weight.scale is not None else 0, weight.lut_block_n, weight.lut_block_k, *sl,
+            weight.scale.stride(0) if weight.scale is not None else 0, weight.lut_block_k, weight.lut_block_n, *sl,
             so_j, so_t, BITS=weight.bits, LUT=weight.lut is not None, GROUP=weight.group,
             HAS_BIAS=weight.bias is not None, AXIS=axis, BLOCK=block, num_warps=4)
     if axis == 1:

@@ -1,30 +1,30 @@
 """Quantized matmul on the GPU: y = x @ W with W kept as packed 4-bit or 8-bit integers.
 
-Layout on the device (re-packed once at load from Ingot's k-major form, see `prepare_weight`):
-W is stored *n-major*, one row per output column, packed along the reduction axis K:
+Layout on the device: Ingot's k-major form (logical W [K, N], 4-bit packed along N, low nibble =
+even column), made *unsigned* once at load (see `prepare_weight`):
 
-    q:     uint8 [N, Kp / 2] (4-bit, low nibble = even k) or uint8 [N, Kp] (8-bit)
-    scale: [N, Kp / GROUP]  float32 (float16 when that is lossless, as for GGUF's f16 scales)
-    bias:  [N, Kp / GROUP]  w = v * scale + bias, v the *unsigned* stored integer
+    q:     uint8 [Kp, Np / 2] (4-bit) or uint8 [Kp, Np] (8-bit)
+    scale: [Kp / GROUP, Np]  float32 (float16 where that is exact, as GGUF's f16 scales are)
+    bias:  [Kp / GROUP, Np]  w = v * scale + bias, v the unsigned stored integer
 
-Signed integers and zero points are folded into the bias at load (int4: v_u = v_s + 8, so
-bias' = bias - (zero_point + 8) * scale), so one kernel serves int4/uint4/int8/uint8 affine.
-Lookup tables (LUT-4, LUT-8) index the raw unsigned bits, as the NumPy reference does.
+Signed integers and zero points fold into the bias (int4: v_u = v_s + 8, so bias' = bias -
+(zero_point + 8) * scale): one kernel serves int4/uint4/int8/uint8 affine. Lookup tables (LUT-4,
+LUT-8) index the raw unsigned bits, as the NumPy reference does. GROUP is a power of two dividing
+the parameter block, so a tile of at most GROUP rows of K shares one row of parameters.
 
-Why n-major: a program reads 16 contiguous bytes = 32 nibbles = one whole block of K per thread,
-so the block sum is formed in registers and the scale is applied once per block, not per weight.
+Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
+- `_qgemv_kernel` (one row of x): [BLOCK_K, BLOCK_N] tiles along the contiguous N axis, the
+  nibbles split in registers, w = v * s + b applied per element, products accumulated in a 2-D
+  register tile and summed over K once at the end; split-K with atomics when N alone does not
+  fill the chip.
+- `_qgemm_kernel` (2 rows and more): the same dequantized tile fed to tl.dot (tensor cores; tf32x3
+  for float32 inputs, float32-level accuracy).
 
-Two kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
-- `_qgemv_kernel`: 1-16 rows of x, streams the weights once (split-K with atomics when N is small);
-- `_qgemm_kernel`: more rows (prefill): dequantizes a [BLOCK_N, BLOCK_K] tile in registers and
-  multiplies on the tensor cores (tf32x3 for float32 inputs: float32-level accuracy).
-
-    >>> w = prepare_weight(q, [scale, bias], attrs)          # doctest: +SKIP
-    >>> y = quantized_matmul(x, w)                            # doctest: +SKIP
+    >>> w = prepare_weight(q, [scale, bias], attrs, "cuda")     # doctest: +SKIP
+    >>> y = quantized_matmul(x, w)                                # doctest: +SKIP
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -33,15 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_ROWS = 16
-MAGIC_CONVERT = os.environ.get("INGOT_CUDA_MAGIC", "1") == "1"   # int -> float by exponent bits, off the slow I2F unit
-PARAMS_F16 = os.environ.get("INGOT_CUDA_F16_PARAMS", "1") == "1"  # store scale/bias as f16 where that is exact
+GEMV_MAX_ROWS = 1                                                 # more rows: the tensor-core kernel
+MAGIC_CONVERT = os.environ.get("INGOT_CUDA_MAGIC", "1") == "1"   # int -> float through exponent bits
+PARAMS_F16 = os.environ.get("INGOT_CUDA_F16_PARAMS", "1") == "1"  # scale/bias as f16 where that is exact
 
 
 @triton.jit
 def _to_float(v, MAGIC: tl.constexpr):
     """Unsigned integers < 2**23 to float32 exactly. MAGIC: OR the value into the mantissa of 2**23 and
-    subtract 2**23 (one logic op and one add) instead of the int-to-float unit, which runs at 1/4 rate."""
+    subtract 2**23 (a logic op and an add) instead of the int-to-float unit, which runs at 1/4 rate."""
     if MAGIC:
         return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     else:
@@ -49,79 +49,81 @@ def _to_float(v, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _load_values(q_ptr, offs_n, n_mask, k0, stride_qn, KPB, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """The unsigned integers of W[offs_n, k0:k0+BLOCK_K] as a [BLOCK_N, BLOCK_K] tensor (0 past the end)."""
+def _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The unsigned integers of W[offs_k, n0:n0+BLOCK_N] as [BLOCK_K, BLOCK_N] (0 past the ends)."""
+    k_ok = (offs_k < K)[:, None]
     if BITS == 4:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :],
-                         mask=n_mask[:, None] & (offs_b < KPB)[None, :], other=0)
-        return tl.join(packed & 0xF, packed >> 4).reshape([BLOCK_N, BLOCK_K])
+        offs_b = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        packed = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_b[None, :], mask=k_ok & (offs_b < NQ)[None, :], other=0)
+        return tl.join(packed & 0xF, packed >> 4).reshape([BLOCK_K, BLOCK_N])
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :],
-                       mask=n_mask[:, None] & (offs_k < KPB)[None, :], other=0)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        return tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_n[None, :], mask=k_ok & (offs_n < NQ)[None, :], other=0)
+
+
+@triton.jit
+def _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                     stride_lk, stride_ln, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, MAGIC: tl.constexpr):
+    """float32 weights of a [BLOCK_K, BLOCK_N] tile of unsigned integers."""
+    if LUT:
+        off = (offs_k // lut_block_k)[:, None] * stride_lk + (offs_n // lut_block_n)[None, :] * stride_ln
+        return tl.load(lut_ptr + off + v.to(tl.int32), mask=(offs_k < K)[:, None] & n_mask[None, :], other=0.0)
+    else:
+        vf = _to_float(v, MAGIC)
+        if BLOCK_K <= GROUP:        # one parameter row for the whole tile
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            w = vf * s[None, :]
+            if HAS_BIAS:
+                w += tl.load(b_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            g = (offs_k // GROUP)[:, None]
+            ok = (offs_k < K)[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + g * stride_sk + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+            w = vf * s
+            if HAS_BIAS:
+                w += tl.load(b_ptr + g * stride_sk + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        return w
 
 
 @triton.jit
 def _qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
-                  M, N, K, KPB, KB, k_per_split,
-                  stride_xm, stride_qn, stride_sn, stride_ym,
-                  lut_block_n, lut_block_k, stride_ln, stride_lk,
+                  N, K, NQ, k_per_split, stride_qk, stride_sk,
+                  lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-                  MAGIC: tl.constexpr):
-    """y[m, n] (+)= sum_k x[m, k] * W[n, k] for BLOCK_M rows, BLOCK_N columns, one split of K."""
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
+    """y[n] (+)= sum_k x[k] * W[k, n] over BLOCK_N columns and one split of K."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    NG: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros([BLOCK_M, BLOCK_N, NG], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < k_stop)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        v = _load_values(q_ptr, offs_n, n_mask, k0, stride_qn, KPB, BITS, BLOCK_N, BLOCK_K)   # [BN, BK]
-        if LUT:
-            lut_off = (offs_n // lut_block_n)[:, None] * stride_ln + (offs_k // lut_block_k)[None, :] * stride_lk
-            w = tl.load(lut_ptr + lut_off + v.to(tl.int32), mask=n_mask[:, None], other=0.0)
-            prod = w[None, :, :] * x[:, None, :]
-            acc += tl.reshape(prod, [BLOCK_M, BLOCK_N, NG, GROUP]).sum(axis=3)
-        else:
-            vf = _to_float(v, MAGIC)
-            prod = vf[None, :, :] * x[:, None, :]                                        # [BM, BN, BK]
-            part = tl.reshape(prod, [BLOCK_M, BLOCK_N, NG, GROUP]).sum(axis=3)           # block sums
-            offs_g = k0 // GROUP + tl.arange(0, NG)
-            g_mask = n_mask[:, None] & (offs_g < KB)[None, :]
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
-            acc += part * s[None, :, :]
-            if HAS_BIAS:
-                b = tl.load(b_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
-                xs = tl.reshape(x, [BLOCK_M, NG, GROUP]).sum(axis=2)                    # [BM, NG]
-                acc += b[None, :, :] * xs[:, None, :]
-    y = tl.sum(acc, axis=2)
-    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
+        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                             stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K, MAGIC)
+        acc += w * x[:, None]
+    y = tl.sum(acc, axis=0)
     if ATOMIC:
-        tl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
+        tl.atomic_add(y_ptr + offs_n, y, mask=n_mask, sem="relaxed")
     else:
-        tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
-                  M, N, K, KPB, KB,
-                  stride_xm, stride_qn, stride_sn, stride_ym,
-                  lut_block_n, lut_block_k, stride_ln, stride_lk,
+                  M, N, K, NQ, stride_xm, stride_qk, stride_sk, stride_ym,
+                  lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """y = x @ W.T over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot."""
+                  PRECISION: tl.constexpr, MAGIC: tl.constexpr):
+    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -132,7 +134,8 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -140,21 +143,13 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        v = _load_values(q_ptr, offs_n, n_mask, k0, stride_qn, KPB, BITS, BLOCK_N, BLOCK_K)
-        if LUT:
-            lut_off = (offs_n // lut_block_n)[:, None] * stride_ln + (offs_k // lut_block_k)[None, :] * stride_lk
-            w = tl.load(lut_ptr + lut_off + v.to(tl.int32), mask=n_mask[:, None], other=0.0)
-        else:
-            g = (offs_k // GROUP)[None, :]
-            g_mask = n_mask[:, None] & (g < KB)
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g, mask=g_mask, other=0.0).to(tl.float32)
-            w = v.to(tl.float32) * s
-            if HAS_BIAS:
-                w += tl.load(b_ptr + offs_n[:, None] * stride_sn + g, mask=g_mask, other=0.0).to(tl.float32)
+        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                             stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K, MAGIC)
         if x.dtype == tl.float32:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            acc = tl.dot(x, w.to(x.dtype), acc)
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -163,28 +158,33 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
 
 @dataclass
 class QuantizedWeight:
-    """A quantized [K, N] weight re-packed n-major for the kernels (see the module docstring)."""
+    """A quantized logical [K, N] weight in the kernels' k-major unsigned form (module docstring)."""
 
-    q: torch.Tensor                 # uint8 [N, Kp/2] or [N, Kp]
-    scale: torch.Tensor | None      # [N, KB] (affine)
-    bias: torch.Tensor | None       # [N, KB] (affine, None when zero)
-    lut: torch.Tensor | None        # float32 [pN, pK, 2**bits] (lookup table)
-    lut_block_n: int
+    q: torch.Tensor                 # uint8 [Kp, Np/2] or [Kp, Np]
+    scale: torch.Tensor | None      # [Kp/GROUP, Np] (affine)
+    bias: torch.Tensor | None       # [Kp/GROUP, Np] (affine; None when zero)
+    lut: torch.Tensor | None        # float32 [pK, pN, 2**bits] (lookup table)
     lut_block_k: int
+    lut_block_n: int
     bits: int
-    group: int                      # K elements per parameter row (a power of two)
-    n: int
+    group: int                      # K rows per parameter row (a power of two)
     k: int
+    n: int
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.bias, self.lut) if t is not None)
 
+    @property
+    def nq(self) -> int:
+        """Columns of q (bytes per row)."""
+        return self.q.shape[1]
+
     def values(self) -> torch.Tensor:
-        """The unsigned stored integers [N, K] (tests, gather)."""
+        """The unsigned stored integers [K, N] (tests, dequantize)."""
         if self.bits == 4:
-            return torch.stack([self.q & 0xF, self.q >> 4], dim=-1).reshape(self.n, -1)[:, : self.k]
-        return self.q[:, : self.k]
+            return torch.stack([self.q & 0xF, self.q >> 4], dim=-1).reshape(self.q.shape[0], -1)[: self.k, : self.n]
+        return self.q[: self.k, : self.n]
 
 
 def _pow2_factor(n: int, cap: int) -> int:
@@ -210,53 +210,59 @@ def _maybe_f16(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return values.contiguous()
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
 def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> QuantizedWeight:
     """Re-pack a quantized_matmul/quantized_gather weight (Ingot's layout, numpy) for the kernels.
 
-    transpose=False: q is the logical [K, N] weight (4-bit packed along N); transpose=True: q is [N, K]
-    (4-bit packed along K). Parameters are block-broadcast with q's rank; a LUT has an extra last axis.
+    transpose=False: q is the logical [K, N] weight (4-bit packed along N); transpose=True: q is
+    [N, K] (4-bit packed along K). Parameters are block-broadcast with q's rank; a LUT has an extra
+    last axis of 2**bits entries.
     """
     qdtype = attrs["qdtype"]
     bits = 4 if qdtype.packed else 8
     signed = qdtype.kind == "i"
-    lut_mode = attrs["mode"] == "lut"
     transpose = bool(attrs.get("transpose"))
     qt = torch.from_numpy(np.ascontiguousarray(q)).to(device)
     if bits == 4:
         values = torch.stack([qt & 0xF, qt >> 4], dim=-1).reshape(qt.shape[0], -1)  # raw nibbles
     else:
         values = qt.view(torch.uint8)
-    if not transpose:
-        values = values.t()                                   # -> [N, K]
-    n, k = values.shape
-    # parameters in n-major orientation: [pN, pK] (+ table axis)
     tparams = [torch.from_numpy(np.ascontiguousarray(p)).to(device=device, dtype=torch.float32) for p in params]
-    if not transpose:
+    if transpose:                                              # -> k-major [K, N]
+        values = values.t()
         tparams = [p.transpose(0, 1) for p in tparams]
-    if lut_mode:
-        lut = tparams[0].contiguous()                          # [pN, pK, 2**bits]
-        group = _pow2_factor(k // lut.shape[1], 64) if lut.shape[1] > 1 else _pow2_factor(k, 64)
-        kp = -(-k // (2 * group)) * (2 * group)
-        qn = torch.zeros((n, kp), dtype=torch.uint8, device=device)
-        qn[:, :k] = values
-        qn = _pack(qn, bits)
-        return QuantizedWeight(qn, None, None, lut, n // lut.shape[0], k // lut.shape[1], bits, group, n, k)
-    pk = max(p.shape[1] for p in tparams)
+    k, n = values.shape
+    np_ = n + (n % 2 if bits == 4 else 0)
+    if attrs["mode"] == "lut":
+        lut = tparams[0].contiguous()                          # [pK, pN, 2**bits]
+        block_k = k // lut.shape[0]
+        group = _pow2_factor(block_k, 64)
+        kp = -(-k // group) * group
+        qk = torch.zeros((kp, np_), dtype=torch.uint8, device=device)
+        qk[:k, :n] = values
+        return QuantizedWeight(_pack(qk, bits), None, None, lut, block_k, n // lut.shape[1], bits, group, k, n)
+    pk = max(p.shape[0] for p in tparams)
     block_k = k // pk
     group = _pow2_factor(block_k, 128)
-    kp = -(-k // (2 * group)) * (2 * group)
+    kp = -(-k // group) * group
     kb = kp // group
     it = iter(tparams)
     scale = next(it)
     zero_point = next(it) if attrs.get("has_zero_point") else None
     bias = next(it) if attrs.get("has_bias") else None
-    # per-group parameters [N, KB]: group g covers k in [g*group, (g+1)*group), inside one parameter block
+    # parameters per group of `group` rows: group g covers k in [g*group, (g+1)*group), inside one block
     block_of_group = torch.clamp(torch.arange(kb, device=device) * group // block_k, max=pk - 1)
-    valid = (torch.arange(kb, device=device) * group < k)[None, :]
+    valid = (torch.arange(kb, device=device) * group < k)[:, None]
 
     def per_group(p):
-        p = _expand(p, (n, pk))
-        return torch.where(valid, p[:, block_of_group], torch.zeros((), device=device))
+        p = _expand(p, (pk, n))[block_of_group]
+        p = torch.where(valid, p, torch.zeros((), device=device))
+        return torch.nn.functional.pad(p, (0, np_ - n))
 
     s = per_group(scale)
     b = per_group(bias) if bias is not None else torch.zeros_like(s)
@@ -267,26 +273,28 @@ def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device)
     has_bias = bias is not None or zero_point is not None or shift != 0.0
     if signed:
         values = values ^ (0x8 if bits == 4 else 0x80)          # two's complement -> offset binary
-    qn = torch.zeros((n, kp), dtype=torch.uint8, device=device)
-    qn[:, :k] = values
-    qn = _pack(qn, bits)
-    return QuantizedWeight(qn, _maybe_f16(s.contiguous()), _maybe_f16(b.contiguous()) if has_bias else None,
-                           None, 1, 1, bits, group, n, k)
+    qk = torch.zeros((kp, np_), dtype=torch.uint8, device=device)
+    qk[:k, :n] = values
+    return QuantizedWeight(_pack(qk, bits), _maybe_f16(s.contiguous()), _maybe_f16(b.contiguous()) if has_bias else None,
+                           None, 1, 1, bits, group, k, n)
 
 
-def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return values.contiguous()
-    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Weights of one kind side by side along N (one GEMV for sibling matmuls), or None."""
+    w0 = parts[0]
+    if any(p.lut is not None or p.bits != w0.bits or p.group != w0.group or p.k != w0.k or p.q.shape[0] != w0.q.shape[0]
+           or p.scale.dtype != w0.scale.dtype or (p.bits == 4 and p.n % 2) for p in parts):
+        return None
+    has_bias = any(p.bias is not None for p in parts)
+    biases = [p.bias if p.bias is not None else torch.zeros_like(p.scale) for p in parts]
+    if has_bias and len({b.dtype for b in biases}) > 1:
+        biases = [b.float() for b in biases]
+    return QuantizedWeight(torch.cat([p.q for p in parts], dim=1), torch.cat([p.scale for p in parts], dim=1),
+                           torch.cat(biases, dim=1) if has_bias else None, None, 1, 1, w0.bits, w0.group, w0.k,
+                           sum(p.n for p in parts))
 
 
 # -- the wrapper ----------------------------------------------------------------------------------
-
-def _split_k(programs_n: int, k: int, block_k: int, sms: int) -> int:
-    """How many K splits fill the chip (about 4 programs per multiprocessor)."""
-    want = max(1, (4 * sms) // max(programs_n, 1))
-    return int(max(1, min(want, triton.cdiv(k, block_k), 32)))
-
 
 _SMS: dict = {}
 
@@ -297,19 +305,34 @@ def _sm_count(device) -> int:
     return _SMS[device]
 
 
-def gemv_config(m: int, w: QuantizedWeight) -> dict:
-    block_m = max(1, triton.next_power_of_2(m))
-    block_k = 256 if block_m <= 2 else (128 if block_m <= 8 else 64)
-    block_k = max(block_k, w.group)
-    block_n = 32 if block_m == 1 else 16
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+def gemv_config(w: QuantizedWeight, sms: int) -> dict:
+    """Tiles and K splits for one row: at most GROUP rows of K per tile (one parameter row), enough
+    programs for about four per multiprocessor."""
+    block_k = min(w.group, 32) if w.lut is None else min(w.group, 32)
+    block_n = 256 if w.bits == 4 else 128
+    while block_n > 32 and triton.cdiv(w.n, block_n) < sms:
+        block_n //= 2
+    programs_n = triton.cdiv(w.n, block_n)
+    split = max(1, min((4 * sms) // programs_n, triton.cdiv(w.k, block_k), 32))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=4)
+
+
+def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype) -> dict:
+    block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
+    block_k = 32 if dtype == torch.float32 else 64
+    if w.lut is None and w.group >= 16:
+        block_k = min(block_k, w.group)
+    block_n = 64 if m <= 16 else 128
+    stages = 2 if dtype == torch.float32 else 3
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m * block_n <= 64 * 128 else 8,
+                num_stages=stages)
 
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None,
                      config: dict | None = None, precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
 
-    Up to GEMV_MAX_ROWS rows: the streaming GEMV kernel; more: the tensor-core GEMM kernel.
+    One row: the streaming GEMV kernel; more: the tensor-core kernel.
     """
     assert x.shape[-1] == w.k, f"quantized_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
     lead = x.shape[:-1]
@@ -318,74 +341,59 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = out if out is not None else torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-    lut = w.lut if w.lut is not None else x2            # unused pointer when not LUT
-    s = w.scale if w.scale is not None else x2
+    lut = w.lut if w.lut is not None else w.q
+    s = w.scale if w.scale is not None else w.q
     b = w.bias if w.bias is not None else s
-    stride_ln, stride_lk = (w.lut.stride(0), w.lut.stride(1)) if w.lut is not None else (0, 0)
-    kpb = w.q.shape[1]
-    kb = w.scale.shape[1] if w.scale is not None else 0
-    stride_sn = w.scale.stride(0) if w.scale is not None else 0
+    stride_lk, stride_ln = (w.lut.stride(0), w.lut.stride(1)) if w.lut is not None else (0, 0)
+    stride_sk = w.scale.stride(0) if w.scale is not None else 0
     common = dict(BITS=w.bits, LUT=w.lut is not None, GROUP=w.group, HAS_BIAS=w.bias is not None)
     if m == 0:
         return y.reshape(*lead, w.n)
-    if m <= GEMV_MAX_ROWS:
-        cfg = {**gemv_config(m, w), **(config or {})}
-        block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    if m <= GEMV_MAX_ROWS and (config is None or "BLOCK_M" not in config):
+        cfg = {**gemv_config(w, _sm_count(x.device)), **(config or {})}
+        block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
         magic = cfg.pop("MAGIC", MAGIC_CONVERT)
-        split = cfg.pop("SPLIT", None)
-        programs_n = triton.cdiv(w.n, block_n)
-        if split is None:
-            split = _split_k(programs_n, w.k, block_k, _sm_count(x.device))
+        assert block_k <= w.group or w.lut is not None or block_k % w.group == 0
         k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
         split = triton.cdiv(w.k, k_per_split)
         atomic = split > 1
         target = y
-        if atomic and y.dtype != torch.float32:
-            target = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
-        elif atomic:
-            y.zero_()
-        for m0 in range(0, m, block_m):
-            rows = min(block_m, m - m0)
-            _qgemv_kernel[(programs_n, split)](
-                x2[m0:], w.q, s, b, lut, target[m0:], rows, w.n, w.k, kpb, kb, k_per_split,
-                x2.stride(0), w.q.stride(0), stride_sn, target.stride(0),
-                w.lut_block_n, w.lut_block_k, stride_ln, stride_lk,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, MAGIC=magic, **common, **cfg)
+        if atomic:
+            target = y if y.dtype == torch.float32 and y.is_contiguous() else torch.empty((m, w.n), dtype=torch.float32,
+                                                                                          device=x.device)
+            target.zero_()
+        for row in range(m):
+            _qgemv_kernel[(triton.cdiv(w.n, block_n), split)](
+                x2[row], w.q, s, b, lut, target[row], w.n, w.k, w.nq, k_per_split, w.q.stride(0), stride_sk,
+                w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
+                BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, MAGIC=magic, **common, **cfg)
         if target is not y:
             y.copy_(target)
     else:
-        cfg = dict(config or {})
-        block_m = cfg.pop("BLOCK_M", 64 if m <= 64 else 128)
-        block_n = cfg.pop("BLOCK_N", 128)
-        block_k = cfg.pop("BLOCK_K", 64 if x.dtype == torch.float32 else 64)
-        block_k = max(block_k, 16)
-        cfg.setdefault("num_warps", 8 if block_m * block_n >= 128 * 128 else 4)
-        cfg.setdefault("num_stages", 3)
+        cfg = {**gemm_config(m, w, x.dtype), **(config or {})}
+        block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+        magic = cfg.pop("MAGIC", MAGIC_CONVERT)
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
         _qgemm_kernel[grid](
-            x2, w.q, s, b, lut, y, m, w.n, w.k, kpb, kb,
-            x2.stride(0), w.q.stride(0), stride_sn, y.stride(0),
-            w.lut_block_n, w.lut_block_k, stride_ln, stride_lk,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision, **common, **cfg)
+            x2, w.q, s, b, lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, y.stride(0),
+            w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision, MAGIC=magic,
+            **common, **cfg)
     return y.reshape(*lead, w.n)
 
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
-    """The float32 [N, K] weight (tests only: the kernels never build it)."""
+    """The float32 [K, N] weight (tests and benchmarks only: the kernels never build it)."""
     v = w.values().to(torch.float32)
     if w.lut is not None:
-        rows = torch.arange(w.n, device=v.device) // w.lut_block_n
-        cols = torch.arange(w.k, device=v.device) // w.lut_block_k
+        rows = torch.arange(w.k, device=v.device) // w.lut_block_k
+        cols = torch.arange(w.n, device=v.device) // w.lut_block_n
         return w.lut[rows[:, None], cols[None, :], v.long()]
     g = torch.arange(w.k, device=v.device) // w.group
-    out = v * w.scale.float()[:, g]
+    out = v * w.scale.float()[g, : w.n]
     if w.bias is not None:
-        out = out + w.bias.float()[:, g]
+        out = out + w.bias.float()[g, : w.n]
     return out
 
 
-def bytes_read(w: QuantizedWeight) -> int:
-    return w.nbytes
-
-
-__all__ = ["QuantizedWeight", "prepare_weight", "quantized_matmul", "dequantize", "GEMV_MAX_ROWS", "math"]
+__all__ = ["QuantizedWeight", "prepare_weight", "quantized_matmul", "dequantize", "concatenate", "GEMV_MAX_ROWS"]

@@ -92,8 +92,14 @@ def _qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                   N, K, NQ, k_per_split, stride_qk, stride_sk,
                   lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
-    """y[n] (+)= sum_k x[k] * W[k, n] over BLOCK_N columns and one split of K."""
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    """y[n] (+)= sum_k x[k] * W[k, n] over BLOCK_N columns and one split of K.
+
+    BLOCK_N is sized so a warp's threads lie along N (16 bytes each): the BLOCK_K rows of a tile sit in
+    each thread's registers, many 16-byte loads in flight per thread, and the sum over K is formed
+    in-thread: block sums sum_k v*x, then one multiply by the row's scale (and bias * sum_k x).
+    PREFETCH issues the next tile's loads before this tile's arithmetic."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -101,19 +107,34 @@ def _qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        v_next = _load_tile(q_ptr, k_start + rows, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = k0 + rows
+        if PREFETCH:
+            v = v_next
+            v_next = _load_tile(q_ptr, offs_k + BLOCK_K, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        else:
+            v = _load_tile(q_ptr, offs_k, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
         x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
-        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
-        w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
-                             stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K, MAGIC)
-        acc += w * x[:, None]
-    y = tl.sum(acc, axis=0)
+        if LUT:
+            off = (offs_k // lut_block_k)[:, None] * stride_lk + (offs_n // lut_block_n)[None, :] * stride_ln
+            w = tl.load(lut_ptr + off + v.to(tl.int32), mask=(offs_k < k_stop)[:, None] & n_mask[None, :], other=0.0)
+            acc += tl.sum(w * x[:, None], axis=0)
+        else:
+            part = tl.sum(_to_float(v, MAGIC) * x[:, None], axis=0)         # [BLOCK_N] block sums
+            g = k0 // GROUP                                                    # BLOCK_K <= GROUP: one row
+            s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += part * s
+            if HAS_BIAS:
+                b = tl.load(b_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                acc += b * tl.sum(x, axis=0)
     if ATOMIC:
-        tl.atomic_add(y_ptr + offs_n, y, mask=n_mask, sem="relaxed")
+        tl.atomic_add(y_ptr + offs_n, acc, mask=n_mask, sem="relaxed")
     else:
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -305,16 +326,19 @@ def _sm_count(device) -> int:
     return _SMS[device]
 
 
-def gemv_config(w: QuantizedWeight, sms: int) -> dict:
-    """Tiles and K splits for one row: at most GROUP rows of K per tile (one parameter row), enough
-    programs for about four per multiprocessor."""
-    block_k = min(w.group, 32) if w.lut is None else min(w.group, 32)
-    block_n = 256 if w.bits == 4 else 128
-    while block_n > 32 and triton.cdiv(w.n, block_n) < sms:
+def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, waves: int = 8) -> dict:
+    """Tiles and K splits for one row: a warp's 32 threads side by side along N, 16 bytes each (so a
+    tile's rows stay in registers), at most GROUP rows per tile (one parameter row), and enough
+    programs for about `waves` warps per multiprocessor."""
+    block_k = min(w.group, 16)
+    per_warp = 32 * (32 if w.bits == 4 else 16)            # columns a warp covers with 16-byte loads
+    warps = num_warps or (4 if w.n >= 8 * per_warp else 1)
+    block_n = per_warp * warps
+    while block_n > 64 and block_n // 2 >= w.n:            # small N: narrower tiles, threads share rows
         block_n //= 2
     programs_n = triton.cdiv(w.n, block_n)
-    split = max(1, min((4 * sms) // programs_n, triton.cdiv(w.k, block_k), 32))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=4)
+    split = max(1, min((waves * sms) // (programs_n * warps), triton.cdiv(w.k, block_k * 2)))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, PREFETCH=True)
 
 
 def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype) -> dict:
@@ -350,10 +374,12 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     if m == 0:
         return y.reshape(*lead, w.n)
     if m <= GEMV_MAX_ROWS and (config is None or "BLOCK_M" not in config):
-        cfg = {**gemv_config(w, _sm_count(x.device)), **(config or {})}
+        config = dict(config or {})
+        waves = config.pop("WAVES", 8)
+        cfg = {**gemv_config(w, _sm_count(x.device), config.get("num_warps"), waves), **config}
         block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
         magic = cfg.pop("MAGIC", MAGIC_CONVERT)
-        assert block_k <= w.group or w.lut is not None or block_k % w.group == 0
+        assert block_k <= w.group or w.lut is not None
         k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
         split = triton.cdiv(w.k, k_per_split)
         atomic = split > 1

@@ -23,7 +23,7 @@ Outputs (see docs/benchmark-setup.md):
 
 Install the tools into a scratch/system environment, never into Ingot's deps:
     pip install torch==2.13.0        # CPU wheel
-    pip install transformers
+    pip install transformers accelerate   # accelerate: needed to load a GGUF
     python scripts/make_llm_fixture.py
 """
 from __future__ import annotations

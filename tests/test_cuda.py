@@ -146,6 +146,24 @@ def test_quantized_matmul_matches_the_cpu_backend(fmt, shape, rows):
             f"transpose={transpose}: relative error {rel_err(got, want)}"
 
 
+@pytest.mark.parametrize("kernel", ["small", "stream"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=[str(i) for i in range(len(FORMATS))])
+@pytest.mark.parametrize("shape", [(96, 50, 32), (1000, 66, 40), (130, 34, 10), (512, 2100, 128)])
+def test_both_gemv_kernels(kernel, fmt, shape):
+    """Each GEMV kernel on every format, whatever size would pick it in the wrapper."""
+    qdtype, zero_point, bias, lut = fmt
+    k, n, block = shape
+    rng = rng_for(f"gemv{kernel}{fmt}{shape}")
+    q, params, _ = make_weight(rng, qdtype, k, n, None if lut and k % block else block, zero_point, bias, lut, False)
+    plist = [params["lut"]] if lut else [params[name] for name in ("scale", "zero_point", "bias") if name in params]
+    attrs = dict(qdtype=qdtype, mode="lut" if lut else "affine", has_zero_point=zero_point, has_bias=bias)
+    w = qmm.prepare_weight(q, plist, attrs, DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    want = quant_ops.quantized_matmul_reference([cuda_backend.to_host(x), q] + plist, dict(attrs, dtype=dt.float32))
+    got = cuda_backend.to_host(qmm.quantized_matmul(x, w, config=dict(KERNEL=kernel)))
+    assert rel_err(got, want) < 2e-6, rel_err(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_quantized_gemm_half_inputs(dtype):
     skip_bf16_in_interpreter(dtype)

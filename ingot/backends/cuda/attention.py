@@ -227,7 +227,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         block_r = max(16, triton.next_power_of_2(group * tq))
         bn = block_n or (64 if block_d <= 128 else 32)
         if split is None:
-            split = max(1, min(triton.cdiv(tbuf, bn), (4 * _sm_count(q.device)) // max(nb * hk, 1), 128))
+            split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
         o_part = torch.empty((nb * hk * split * block_r, block_dv), dtype=torch.float32, device=q.device)
         ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
         _decode_kernel[(nb * hk, split)](

@@ -61,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight if weight is not None else x2, out, out, x2.shape[1],
                                          x2.stride(0), 0, out.stride(0), 0, float(eps), HAS_WEIGHT=weight is not None,
                                          ADD=False, BLOCK_D=triton.next_power_of_2(x2.shape[1]),
-                                         num_warps=4 if x2.shape[1] <= 4096 else 8)
+                                         num_warps=4 if x2.shape[1] <= 2048 else 8)
     return out.view(x.shape)
 
 
@@ -75,7 +75,7 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None, 
                                          a2.stride(0), b2.stride(0), out.stride(0), total.stride(0), float(eps),
                                          HAS_WEIGHT=weight is not None, ADD=True,
                                          BLOCK_D=triton.next_power_of_2(a2.shape[1]),
-                                         num_warps=4 if a2.shape[1] <= 4096 else 8)
+                                         num_warps=4 if a2.shape[1] <= 2048 else 8)
     return total.view(a.shape), out.view(a.shape)
 
 

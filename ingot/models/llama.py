@@ -96,7 +96,7 @@ class Weights:
 
     def _checked(self, name: str, shape: tuple[int, int]):
         w = self.get(name)
-        if tuple(w.shape) != shape:
+        if tuple(w.shape) != (shape if not isinstance(w, QuantizedTensor) or w.block_axis == 1 else shape[::-1]):
             raise IngotError(f"{self.path}: tensor {name} has shape {tuple(w.shape)}, expected {shape}.")
         if isinstance(w, QuantizedTensor) and w.block_axis == 1:
             w = w.to_k_major()
@@ -224,20 +224,32 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "") -> LlamaGraph:
     return LlamaGraph(g, tokens, pos, last, logits, cfg)
 
 
-def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4) -> dict:
-    """GGUF-named random weights of the config's shapes (quantized matrices), for tests and GPU runs."""
-    rng = np.random.default_rng(seed)
+def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4,
+                   k_major: bool = False, f16_params: bool = False) -> dict:
+    """GGUF-named random weights of the config's shapes (quantized matrices), for tests and GPU runs.
 
-    def quantized(rows, cols):
-        levels = 16 if qdtype.bits == 4 else 256
-        values = rng.integers(0, levels, size=(rows, cols))
-        if qdtype.kind == "i":
-            values = values - levels // 2
-        q = dt.pack_int4(values) if qdtype.packed else values.astype(qdtype.numpy)
+    k_major=True makes the quantized matrices straight in the builder's k-major form (random bytes,
+    no repacking: Llama-3-8B shapes in seconds); f16_params rounds scales as a Q4_1 file stores them.
+    """
+    rng = np.random.default_rng(seed)
+    levels = 16 if qdtype.bits == 4 else 256
+
+    def quantized(rows, cols):  # the [rows = out, cols = in] weight
         nb = cols // block_size
-        scale = (rng.random((rows, nb), np.float32) * 0.02 / math.sqrt(cols / 64) + 1e-3).astype(np.float32)
-        bias = (-scale * (levels / 2)) if qdtype.kind == "u" else None
-        return QuantizedTensor(q, qdtype, (rows, cols), block_size, scale, None if bias is None else bias.astype(np.float32))
+        if k_major:
+            width = rows // 2 if qdtype.packed else rows
+            q = rng.integers(0, 256, size=(cols, width), dtype=np.uint8).view(qdtype.storage)
+            scale = rng.random((nb, rows), np.float32)
+        else:
+            values = rng.integers(0, levels, size=(rows, cols)) - (levels // 2 if qdtype.kind == "i" else 0)
+            q = dt.pack_int4(values) if qdtype.packed else values.astype(qdtype.numpy)
+            scale = rng.random((rows, nb), np.float32)
+        scale = (scale * 0.02 / math.sqrt(cols / 64) + 1e-3).astype(np.float32)
+        if f16_params:
+            scale = scale.astype(np.float16).astype(np.float32)
+        bias = (-scale * (levels / 2)).astype(np.float32) if qdtype.kind == "u" else None
+        shape = (cols, rows) if k_major else (rows, cols)
+        return QuantizedTensor(q, qdtype, shape, block_size, scale, bias, block_axis=0 if k_major else 1)
 
     hd = cfg.head_dim
     t = {"token_embd.weight": quantized(cfg.vocab_size, cfg.dim),

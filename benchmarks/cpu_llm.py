@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 

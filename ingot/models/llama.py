@@ -106,6 +106,8 @@ class Weights:
         g = self.g
         if isinstance(w, QuantizedTensor):
             q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
+            if w.lut is not None:
+                return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"))
             params = {"scale": g.constant(w.scale, name=f"{name}.scale")}
             if w.zero_point is not None:
                 params["zero_point"] = g.constant(w.zero_point, name=f"{name}.zero_point")

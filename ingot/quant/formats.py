@@ -8,6 +8,11 @@ parameters per block of `block_size` consecutive columns, as float32 [rows, cols
 
 zero_point and bias are optional. Every GGUF quant type converts into this losslessly.
 
+A lookup-table tensor (`lut` set, `scale` None) maps each integer through a table instead:
+w[r, c] = lut[r // (rows // lut.shape[0]), c // (cols // lut.shape[1]), q[r, c]], the table
+block-broadcast over the logical matrix (one per tensor: [1, 1, 2**bits]; one per group of output
+rows: [rows // g, 1, 2**bits]), the form `Graph.dequantize(q, lut=)` takes.
+
 `to_k_major()` gives the transposed form a matmul reads best on the CPU: the logical [cols, rows]
 matrix (reduction axis first), packed along rows, blocks along axis 0, parameters
 [cols // block_size, rows]. A GEMV over it accumulates whole rows of outputs at once (vectorised
@@ -28,16 +33,16 @@ class QuantizedTensor:
     qdtype: dt.DType                 # int4, uint4, int8 or uint8
     shape: tuple[int, int]           # logical [rows, cols]
     block_size: int
-    scale: np.ndarray                # float32 [rows, cols // block_size]
+    scale: np.ndarray | None         # float32 [rows, cols // block_size]; None for a lookup table
     bias: np.ndarray | None = None   # float32 [rows, cols // block_size]
     zero_point: np.ndarray | None = None
     source: str = ""                 # e.g. "Q4_1" for a GGUF tensor
     block_axis: int = 1              # 1: blocks run along cols (GGUF's form); 0: along rows (k-major)
+    lut: np.ndarray | None = None    # float32 [pR, pC, 2**bits] block-broadcast table (LUT formats)
 
     @property
     def nbytes(self) -> int:
-        return int(self.q.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
-                   + (0 if self.zero_point is None else self.zero_point.nbytes))
+        return int(self.q.nbytes + sum(p.nbytes for p in (self.scale, self.bias, self.zero_point, self.lut) if p is not None))
 
     def values(self) -> np.ndarray:
         """The unpacked integers [rows, cols] (int8 or uint8)."""
@@ -49,6 +54,12 @@ class QuantizedTensor:
         """float32 rows [start:stop]; for tests and small slices, never the whole of a big weight."""
         stop = self.shape[0] if stop is None else stop
         v = self.values()[start:stop].astype(np.float32)
+        if self.lut is not None:
+            lut = self.lut
+            rows_per, cols_per = self.shape[0] // lut.shape[0], self.shape[1] // lut.shape[1]
+            r = (np.arange(start, stop) // rows_per)[:, None]
+            c = (np.arange(self.shape[1]) // cols_per)[None, :]
+            return lut[r, c, v.astype(np.intp)].astype(np.float32)
         if self.block_axis == 0:
             rep = lambda p: np.repeat(p, self.block_size, axis=0)[start:stop]  # noqa: E731
         else:
@@ -72,8 +83,9 @@ class QuantizedTensor:
         else:
             q = np.ascontiguousarray(values)
         t = lambda p: None if p is None else np.ascontiguousarray(p.T)  # noqa: E731
+        lut = None if self.lut is None else np.ascontiguousarray(self.lut.transpose(1, 0, 2))
         return QuantizedTensor(q, self.qdtype, (self.shape[1], self.shape[0]), self.block_size, t(self.scale),
-                               t(self.bias), t(self.zero_point), self.source, block_axis=0)
+                               t(self.bias), t(self.zero_point), self.source, block_axis=0, lut=lut)
 
 
 def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
@@ -82,10 +94,16 @@ def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
     same = all(p.block_axis == 0 and p.qdtype == first.qdtype and p.block_size == first.block_size
                and p.shape[0] == first.shape[0] and (p.bias is None) == (first.bias is None)
                and (p.zero_point is None) == (first.zero_point is None)
-               and (not p.qdtype.packed or p.shape[1] % 2 == 0) for p in parts)
+               and (not p.qdtype.packed or p.shape[1] % 2 == 0) and (p.lut is None) == (first.lut is None)
+               and (p.lut is None or p.lut.shape[0] == 1) for p in parts)
     if not same:
         raise ValueError("only k-major tensors of one format and K concatenate")
+    lut = None
+    if first.lut is not None:  # tables per group of columns: repeat each up to the common group size
+        widths = [p.shape[1] // p.lut.shape[1] for p in parts]
+        group = int(np.gcd.reduce(widths))
+        lut = np.ascontiguousarray(np.concatenate([np.repeat(p.lut, w // group, axis=1) for p, w in zip(parts, widths)], axis=1))
     cat = lambda arrays: None if arrays[0] is None else np.ascontiguousarray(np.concatenate(arrays, axis=1))  # noqa: E731
     return QuantizedTensor(cat([p.q for p in parts]), first.qdtype, (first.shape[0], sum(p.shape[1] for p in parts)),
                            first.block_size, cat([p.scale for p in parts]), cat([p.bias for p in parts]),
-                           cat([p.zero_point for p in parts]), first.source, block_axis=0)
+                           cat([p.zero_point for p in parts]), first.source, block_axis=0, lut=lut)

@@ -1,0 +1,321 @@
+"""Quantizers: float weights [rows = out, cols = in] to QuantizedTensors of every Ingot format.
+
+    >>> import numpy as np
+    >>> from ingot.quant import parse_format, quantize
+    >>> w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
+    >>> t = quantize(w, "int4:32")
+    >>> t.qdtype.name, t.block_size, bool(np.all(np.abs(w - t.dequantize_rows()) <= t.scale.repeat(32, 1) / 2 + 1e-6))
+    ('int4', 32, True)
+    >>> str(parse_format("lut4:g128"))
+    'lut4:g128'
+
+Formats (FMT strings, `parse_format`):
+
+    int8 | uint8 | int4 | uint4 [:BLOCK] [:sym | :asym]
+        affine, w = q * scale (+ bias). BLOCK: 16, 32, 64, 128, 256 (parameters per block of
+        columns), `channel` (one per row, the default) or `tensor` (one for the whole matrix).
+        Signed types default to symmetric (scale = max|w| / qmax), unsigned ones to asymmetric
+        (scale = (max - min) / (2**bits - 1), bias = min). |w - w_hat| <= scale / 2 everywhere.
+    lut4 | lut8 [:gROWS] [:uniform]
+        a lookup table of 2**bits floats, one per tensor or per group of ROWS output rows, fitted by
+        1-D k-means (weighted by importance when given) or spaced uniformly over [min, max]; each
+        weight becomes the index of its nearest table entry.
+
+A BLOCK (or ROWS) that does not divide a tensor's columns (rows) becomes the largest divisor of
+them that is not above it (SmolLM2's 576 columns take int4:128 as blocks of 96); the tensor
+records the block actually used.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..errors import IngotError
+from .formats import QuantizedTensor
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+AFFINE_TYPES = {"int8": dt.int8, "uint8": dt.uint8, "int4": dt.int4, "uint4": dt.uint4}
+FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor) and :sym/:asym, "
+               "or lut4/lut8 with an optional :gROWS and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut8)")
+
+
+@dataclass(frozen=True)
+class Format:
+    kind: str                       # "affine" or "lut"
+    qdtype: dt.DType
+    block_size: int | None = None   # affine: columns per parameter; None per channel, 0 per tensor
+    symmetric: bool = True          # affine
+    group_rows: int | None = None   # lut: rows per table; None: one table for the tensor
+    uniform: bool = False           # lut: uniform table instead of k-means
+
+    @property
+    def bits(self) -> int:
+        return self.qdtype.bits
+
+    def __str__(self) -> str:
+        if self.kind == "lut":
+            return f"lut{self.bits}" + (f":g{self.group_rows}" if self.group_rows else "") + (":uniform" if self.uniform else "")
+        block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
+        default_sym = self.qdtype.kind == "i"
+        return self.qdtype.name + block + ("" if self.symmetric == default_sym else (":sym" if self.symmetric else ":asym"))
+
+
+def parse_format(fmt: str | Format) -> Format:
+    """A FMT string (see the module docstring) as a Format; IngotError naming the string otherwise."""
+    if isinstance(fmt, Format):
+        return fmt
+    bad = lambda why: IngotError(f"format {fmt!r} is not valid: {why} (formats: {FORMAT_HELP}).")  # noqa: E731
+    if not isinstance(fmt, str) or not fmt.strip():
+        raise bad("it is empty")
+    head, *options = fmt.strip().lower().split(":")
+    if head in AFFINE_TYPES:
+        qdtype = AFFINE_TYPES[head]
+        block, symmetric = None, qdtype.kind == "i"
+        for opt in options:
+            if opt in ("sym", "asym"):
+                symmetric = opt == "sym"
+            elif opt == "channel":
+                block = None
+            elif opt == "tensor":
+                block = 0
+            elif opt.isdigit():
+                if int(opt) not in BLOCK_SIZES:
+                    raise bad(f"block size {opt} is not one of {', '.join(map(str, BLOCK_SIZES))}")
+                block = int(opt)
+            else:
+                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym or asym")
+        return Format("affine", qdtype, block, symmetric)
+    m = re.fullmatch(r"lut([48])", head)
+    if m:
+        group, uniform = None, False
+        for opt in options:
+            if opt == "uniform":
+                uniform = True
+            elif opt == "kmeans":
+                uniform = False
+            elif re.fullmatch(r"g[1-9][0-9]*", opt):
+                group = int(opt[1:])
+            else:
+                raise bad(f"option {opt!r} is not gROWS, uniform or kmeans")
+        return Format("lut", dt.uint4 if m.group(1) == "4" else dt.uint8, group_rows=group, uniform=uniform)
+    raise bad(f"{head!r} is not a type")
+
+
+def fitting_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of n that is <= at_most (n itself when at_most >= n)."""
+    if at_most >= n:
+        return n
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
+def _pack(values: np.ndarray, qdtype: dt.DType) -> np.ndarray:
+    return dt.pack_int4(values) if qdtype.packed else values.astype(qdtype.numpy)
+
+
+def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | None = None) -> QuantizedTensor:
+    """A float matrix [rows, cols] (rows = outputs, cols = the reduction axis) in format fmt.
+
+    importance: optional non-negative weights per column (e.g. the mean square of the calibration
+    activations that multiply each column); affine blocks then search a clipping range that lowers
+    the importance-weighted error, and LUT tables are fitted by importance-weighted k-means.
+    """
+    fmt = parse_format(fmt)
+    w = np.asarray(weight, np.float32)
+    if w.ndim != 2 or 0 in w.shape:
+        raise IngotError(f"quantize: a non-empty 2-D weight is needed, not shape {w.shape}.")
+    if not np.all(np.isfinite(w)):
+        raise IngotError("quantize: the weight holds NaN or infinite values.")
+    if fmt.qdtype.packed and w.shape[1] % 2:
+        raise IngotError(f"quantize: {fmt} packs two values per byte along columns; {w.shape[1]} columns is odd.")
+    if importance is not None:
+        importance = np.asarray(importance, np.float32)
+        if importance.shape != (w.shape[1],):
+            raise IngotError(f"quantize: importance has shape {importance.shape}, expected ({w.shape[1]},).")
+    if fmt.kind == "lut":
+        return _quantize_lut(w, fmt, importance)
+    return _quantize_affine(w, fmt, importance)
+
+
+# -- affine -----------------------------------------------------------------------------------
+def _affine_params(lo: np.ndarray, hi: np.ndarray, fmt: Format):
+    """(scale, bias or None, offset of q) so that q = round((w - bias) / scale) + offset."""
+    levels = 2 ** fmt.bits
+    signed = fmt.qdtype.kind == "i"
+    if fmt.symmetric:
+        qmax = levels // 2 - 1
+        scale = np.maximum(np.abs(lo), np.abs(hi)) / qmax
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        if signed:
+            return scale, None, 0
+        return scale, (-(levels // 2) * scale).astype(np.float32), 0
+    scale = (hi - lo) / (levels - 1)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    bias = lo.astype(np.float32)
+    if signed:  # q = -2**(b-1) stands for lo
+        bias = (lo + (levels // 2) * scale).astype(np.float32)
+    return scale, bias, 0
+
+
+def _round_affine(blocks: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, fmt: Format) -> np.ndarray:
+    lo, hi = {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15)}[fmt.qdtype.name]
+    shifted = blocks if bias is None else blocks - bias[..., None]
+    return np.clip(np.rint(shifted / scale[..., None]), lo, hi)
+
+
+def _quantize_affine(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
+    rows, cols = w.shape
+    if fmt.block_size in (None, 0):
+        block = cols
+    else:
+        block = fitting_divisor(cols, fmt.block_size)
+    blocks = w.reshape(rows, cols // block, block)
+    if fmt.block_size == 0:
+        lo = np.full((rows, 1), w.min(), np.float32)
+        hi = np.full((rows, 1), w.max(), np.float32)
+    else:
+        lo, hi = blocks.min(axis=2), blocks.max(axis=2)
+    scale, bias, _ = _affine_params(lo, hi, fmt)
+    if importance is not None and fmt.block_size != 0:
+        scale, bias = _search_clip(blocks, lo, hi, fmt, importance.reshape(cols // block, block), scale, bias)
+    q = _round_affine(blocks, scale, bias, fmt).reshape(rows, cols)
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, scale,
+                           bias, source=str(fmt))
+
+
+def _search_clip(blocks, lo, hi, fmt, importance, scale, bias, ratios=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)):
+    """Per block, the range shrink (of [lo, hi] toward its centre, or of max|w| when symmetric) with the
+    least importance-weighted squared error; the plain range first, so ties keep it."""
+    best_err = None
+    best_scale, best_bias = scale, bias
+    for r in ratios:
+        if fmt.symmetric:
+            s, b, _ = _affine_params(lo * r, hi * r, fmt)
+        else:
+            mid = (lo + hi) / 2
+            s, b, _ = _affine_params(mid + (lo - mid) * r, mid + (hi - mid) * r, fmt)
+        q = _round_affine(blocks, s, b, fmt)
+        approx = q * s[..., None] + (0 if b is None else b[..., None])
+        err = np.einsum("rbk,bk->rb", (blocks - approx) ** 2, importance)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, s, best_scale).astype(np.float32)
+        if b is not None:
+            best_bias = np.where(better, b, best_bias).astype(np.float32)
+    return best_scale, best_bias
+
+
+# -- lookup tables ------------------------------------------------------------------------------
+HISTOGRAM_BINS = 8192      # groups of more values than this are fitted on a weighted histogram
+CHUNK_ELEMENTS = 1 << 22   # bounds the [groups, points, entries] temporaries
+
+
+def _row_keys(values: np.ndarray, lo: np.ndarray, span: np.ndarray) -> np.ndarray:
+    """Values [G, n] mapped into disjoint ranges per row (row r -> [3r, 3r + 1]), float64: one
+    sorted-order search then serves every row at once."""
+    return ((values - lo[:, None]) / span[:, None] + 3.0 * np.arange(values.shape[0])[:, None]).astype(np.float64)
+
+
+def _nearest_entry(values: np.ndarray, tables: np.ndarray) -> np.ndarray:
+    """Index of the nearest entry of each group's sorted table: values [G, n], tables [G, K] -> [G, n]."""
+    g, k = tables.shape
+    lo = np.minimum(values.min(axis=1), tables[:, 0]).astype(np.float64)
+    span = np.maximum(np.maximum(values.max(axis=1), tables[:, -1]) - lo, 1e-30)
+    mids = (tables[:, 1:].astype(np.float64) + tables[:, :-1]) / 2           # [G, K - 1]
+    keys = _row_keys(mids, lo, span).ravel()
+    out = np.empty(values.shape, np.int16)
+    step = max(1, CHUNK_ELEMENTS // max(values.shape[1], 1))
+    for g0 in range(0, g, step):
+        g1 = min(g, g0 + step)
+        v = _row_keys(values[g0:g1], lo[g0:g1], span[g0:g1]) + 3.0 * g0
+        out[g0:g1] = np.searchsorted(keys, v, side="left") - (k - 1) * np.arange(g0, g1)[:, None]  # mids below v
+    return out
+
+
+def _initial_tables(points: np.ndarray, weights: np.ndarray, k: int, bins: int = 256) -> np.ndarray:
+    """Starting tables [G, k]: quantiles of the cube root of each group's weighted density (the
+    high-resolution optimum of a scalar quantizer), from a coarse histogram."""
+    g = points.shape[0]
+    lo, hi = points.min(axis=1), points.max(axis=1)
+    span = np.where(hi > lo, hi - lo, 1.0)
+    b = np.minimum(((points - lo[:, None]) / span[:, None] * bins).astype(np.intp), bins - 1)
+    mass = np.bincount((np.arange(g)[:, None] * bins + b).ravel(), np.broadcast_to(weights, points.shape).ravel(),
+                       g * bins).reshape(g, bins)
+    density = np.cbrt(mass)
+    cdf = np.cumsum(density, axis=1)
+    cdf /= np.maximum(cdf[:, -1:], 1e-30)
+    targets = (np.arange(k) + 0.5) / k
+    at = (cdf[:, :, None] < targets[None, None, :]).sum(axis=1)          # [G, k] bin of each quantile
+    before = np.take_along_axis(np.concatenate([np.zeros((g, 1)), cdf], axis=1), at, axis=1)
+    inside = np.take_along_axis(np.concatenate([cdf, np.ones((g, 1))], axis=1), at, axis=1) - before
+    frac = np.clip((targets[None, :] - before) / np.maximum(inside, 1e-30), 0, 1)
+    return lo[:, None] + (at + frac) / bins * span[:, None]
+
+
+def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int = 100) -> np.ndarray:
+    """Weighted 1-D k-means (Lloyd) for G independent groups: points, weights [G, n] -> sorted tables [G, k].
+    Points are sorted once; each step finds the cells' boundaries by one search and their mass and
+    centroid by prefix sums, O(G k log n) per step."""
+    g, n = points.shape
+    weights = np.broadcast_to(np.asarray(weights, np.float64), points.shape) + 1e-12
+    tables = _initial_tables(points, weights, k).astype(np.float64)
+    order = np.argsort(points, axis=1)
+    sp = np.take_along_axis(points, order, axis=1).astype(np.float64)
+    sw = np.take_along_axis(weights, order, axis=1)
+    lo, span = sp[:, 0], np.maximum(sp[:, -1] - sp[:, 0], 1e-30)
+    keys = _row_keys(sp, lo, span).ravel()
+    cw = np.concatenate([[0.0], np.cumsum(sw.ravel())])
+    cwp = np.concatenate([[0.0], np.cumsum((sw * sp).ravel())])
+    starts = (np.arange(g) * n)[:, None]
+    for _ in range(iterations):
+        tables.sort(axis=1)
+        mids = _row_keys((tables[:, 1:] + tables[:, :-1]) / 2, lo, span)
+        cuts = np.searchsorted(keys, mids.ravel(), side="right").reshape(g, k - 1)
+        bounds = np.concatenate([starts, np.clip(cuts, starts, starts + n), starts + n], axis=1)  # [G, k + 1]
+        mass = cw[bounds[:, 1:]] - cw[bounds[:, :-1]]
+        total = cwp[bounds[:, 1:]] - cwp[bounds[:, :-1]]
+        new = np.where(mass > 1e-9, total / np.maximum(mass, 1e-30), tables)
+        done = np.allclose(new, tables, rtol=0, atol=1e-7 * (np.abs(tables).max() + 1e-30))
+        tables = new
+        if done:
+            break
+    tables.sort(axis=1)
+    return tables.astype(np.float32)
+
+
+def _fit_tables(groups: np.ndarray, weights: np.ndarray, k: int, uniform: bool) -> np.ndarray:
+    """Tables [G, k] for value groups [G, n] with weights [G, n] (broadcastable)."""
+    lo, hi = groups.min(axis=1), groups.max(axis=1)
+    if uniform:
+        return np.linspace(lo, hi, k, axis=1).astype(np.float32)
+    g, n = groups.shape
+    weights = np.broadcast_to(weights, groups.shape)
+    if n > HISTOGRAM_BINS:  # compress each group to a fine weighted histogram: mass and centre of each bin
+        span = np.where(hi > lo, hi - lo, 1.0)
+        bins = np.minimum(((groups - lo[:, None]) / span[:, None] * HISTOGRAM_BINS).astype(np.intp), HISTOGRAM_BINS - 1)
+        flat = (np.arange(g)[:, None] * HISTOGRAM_BINS + bins).ravel()
+        w = np.asarray(weights, np.float64).ravel()
+        mass = np.bincount(flat, w, g * HISTOGRAM_BINS).reshape(g, HISTOGRAM_BINS)
+        centre = np.bincount(flat, w * groups.ravel(), g * HISTOGRAM_BINS).reshape(g, HISTOGRAM_BINS)
+        edges = lo[:, None] + (np.arange(HISTOGRAM_BINS) + 0.5) / HISTOGRAM_BINS * span[:, None]
+        points = np.where(mass > 0, centre / np.maximum(mass, 1e-30), edges)
+        return _kmeans_1d(points.astype(np.float32), mass, k)
+    return _kmeans_1d(groups, np.asarray(weights, np.float64), k)
+
+
+def _quantize_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
+    rows, cols = w.shape
+    k = 2 ** fmt.bits
+    group = rows if fmt.group_rows is None else fitting_divisor(rows, fmt.group_rows)
+    n_groups = rows // group
+    groups = w.reshape(n_groups, group * cols)
+    weights = np.ones((1, 1)) if importance is None else np.tile(np.maximum(importance, 0) + 1e-8, group)[None, :]
+    tables = _fit_tables(groups, weights, k, fmt.uniform)
+    q = _nearest_entry(groups, tables).reshape(rows, cols)
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), cols, None,
+                           source=str(fmt), lut=tables.reshape(n_groups, 1, k))

@@ -1,0 +1,1180 @@
+"""One converter per ONNX op: (Context, OnnxNode) -> the node's outputs as Ingot tensors.
+
+A converter builds plain Ingot ops with the builder API. Operands that ONNX passes as tensors but
+that Ingot needs as attributes (shapes, axes, slice bounds, pads) are read with `ctx.constant`,
+which works because every input shape is fixed at import and shape arithmetic is computed as the
+graph is built. What a converter cannot express raises `ctx.fail(node, why)` (UnsupportedOnnx).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..errors import IngotError
+from ..graph import Tensor
+from ..ir import Op
+from ..ops import normalize_axis
+from .onnx import ONNX_DTYPES, ONNX_TYPE_NAMES, Context, Converter, OnnxNode, as_ingot_array
+
+CONVERTERS: dict[tuple[str, str], Converter] = {}
+
+
+def converter(*op_types: str, domain: str = ""):
+    def deco(fn: Converter) -> Converter:
+        for op in op_types:
+            CONVERTERS[(domain, op)] = fn
+        return fn
+    return deco
+
+
+def _scalar(ctx: Context, value, like: Tensor) -> Tensor:
+    return ctx.g.constant(np.asarray(value, like.dtype.numpy))
+
+
+def _float(ctx: Context, node: OnnxNode, x: Tensor) -> None:
+    if not x.dtype.is_float:
+        raise ctx.fail(node, f"input of type {x.dtype.name} (Ingot computes this op on floats)")
+
+
+def _attr_or_input(ctx: Context, node: OnnxNode, name: str, index: int, default=None):
+    """An operand that older opsets give as an attribute and newer ones as an (optional) input."""
+    if name in node.attrs:
+        return node.attrs[name]
+    if node.input(index) is not None:
+        return ctx.constant(node, index, name).tolist()
+    return default
+
+
+# -- elementwise ----------------------------------------------------------------------------------
+
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Equal": "equal", "Less": "less",
+           "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal",
+           "And": "logical_and", "Or": "logical_or", "Xor": "logical_xor"}
+
+
+@converter(*_BINARY)
+def _binary(ctx: Context, node: OnnxNode):
+    a, b = node.inputs[:2]
+    return [getattr(ctx.g, _BINARY[node.op_type])(a, b)]
+
+
+@converter("Pow")
+def _pow(ctx: Context, node: OnnxNode):
+    x, y = node.inputs
+    if y.dtype != x.dtype:
+        y = ctx.g.cast(y, x.dtype)
+    if not x.dtype.is_float:
+        raise ctx.fail(node, f"base of type {x.dtype.name} (Ingot raises floats to powers)")
+    v = ctx.value(y)
+    if v is not None and v.size == 1 and float(v.reshape(-1)[0]) == 2.0 and v.ndim <= x.ndim:
+        return [x * x]  # the common square, exact and cheaper than pow
+    return [ctx.g.pow(x, y)]
+
+
+_UNARY = {"Abs": "abs", "Neg": "neg", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Tanh": "tanh", "Sigmoid": "sigmoid",
+          "Erf": "erf", "Sin": "sin", "Cos": "cos", "Not": "logical_not"}
+
+
+@converter(*_UNARY)
+def _unary(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    if node.op_type in ("Abs", "Neg") and x.dtype == dt.bool_:
+        raise ctx.fail(node, "a bool input")
+    return [getattr(ctx.g, _UNARY[node.op_type])(x)]
+
+
+@converter("Identity")
+def _identity(ctx: Context, node: OnnxNode):
+    return [node.inputs[0]]
+
+
+@converter("Reciprocal")
+def _reciprocal(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    _float(ctx, node, x)
+    return [ctx.g.div(_scalar(ctx, 1, x), x)]
+
+
+@converter("Relu")
+def _relu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [ctx.g.maximum(x, _scalar(ctx, 0, x))]
+
+
+@converter("LeakyRelu")
+def _leaky_relu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g, alpha = ctx.g, node.attr("alpha", 0.01)
+    return [g.where(x < _scalar(ctx, 0, x), x * _scalar(ctx, alpha, x), x)]
+
+
+@converter("PRelu")
+def _prelu(ctx: Context, node: OnnxNode):
+    x, slope = node.inputs
+    g = ctx.g
+    return [g.where(x < _scalar(ctx, 0, x), x * slope, x)]
+
+
+@converter("Elu")
+def _elu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g, alpha = ctx.g, node.attr("alpha", 1.0)
+    return [g.where(x < _scalar(ctx, 0, x), (g.exp(x) - _scalar(ctx, 1, x)) * _scalar(ctx, alpha, x), x)]
+
+
+@converter("Selu")
+def _selu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    alpha, gamma = node.attr("alpha", 1.67326319217681884765625), node.attr("gamma", 1.05070102214813232421875)
+    neg = g.exp(x) * _scalar(ctx, alpha, x) - _scalar(ctx, alpha, x)
+    return [g.where(x <= _scalar(ctx, 0, x), neg, x) * _scalar(ctx, gamma, x)]
+
+
+@converter("Celu")
+def _celu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g, alpha = ctx.g, node.attr("alpha", 1.0)
+    neg = (g.exp(x / _scalar(ctx, alpha, x)) - _scalar(ctx, 1, x)) * _scalar(ctx, alpha, x)
+    return [g.maximum(x, _scalar(ctx, 0, x)) + g.minimum(neg, _scalar(ctx, 0, x))]
+
+
+@converter("HardSigmoid")
+def _hard_sigmoid(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [_hard_sigmoid_of(ctx, x, node.attr("alpha", 0.2), node.attr("beta", 0.5))]
+
+
+def _hard_sigmoid_of(ctx: Context, x: Tensor, alpha: float, beta: float) -> Tensor:
+    g = ctx.g
+    y = x * _scalar(ctx, alpha, x) + _scalar(ctx, beta, x)
+    return g.maximum(g.minimum(y, _scalar(ctx, 1, x)), _scalar(ctx, 0, x))
+
+
+@converter("HardSwish")
+def _hard_swish(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [x * _hard_sigmoid_of(ctx, x, 1.0 / 6.0, 0.5)]
+
+
+def _softplus_of(ctx: Context, x: Tensor) -> Tensor:
+    g = ctx.g  # max(x, 0) + log(1 + exp(-|x|)): no overflow for large |x|
+    return g.maximum(x, _scalar(ctx, 0, x)) + g.log(g.exp(g.neg(g.abs(x))) + _scalar(ctx, 1, x))
+
+
+@converter("Softplus")
+def _softplus(ctx: Context, node: OnnxNode):
+    return [_softplus_of(ctx, node.inputs[0])]
+
+
+@converter("Softsign")
+def _softsign(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [x / (ctx.g.abs(x) + _scalar(ctx, 1, x))]
+
+
+@converter("Mish")
+def _mish(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [x * ctx.g.tanh(_softplus_of(ctx, x))]
+
+
+@converter("ThresholdedRelu")
+def _thresholded_relu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [ctx.g.where(x > _scalar(ctx, node.attr("alpha", 1.0), x), x, _scalar(ctx, 0, x))]
+
+
+@converter("Gelu")
+def _gelu(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    _float(ctx, node, x)
+    return [ctx.g.gelu(x, approximate=node.attr("approximate", "none"))]
+
+
+@converter("Sign")
+def _sign(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    zero, one = _scalar(ctx, 0, x), _scalar(ctx, 1, x)
+    if x.dtype.kind == "u":
+        return [g.where(x > zero, one, zero)]
+    return [g.where(x > zero, one, g.where(x < zero, _scalar(ctx, -1, x), zero))]
+
+
+@converter("IsNaN")
+def _isnan(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    return [ctx.g.not_equal(x, x)]
+
+
+@converter("IsInf")
+def _isinf(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    pos, neg = g.equal(x, _scalar(ctx, np.inf, x)), g.equal(x, _scalar(ctx, -np.inf, x))
+    want_pos, want_neg = node.attr("detect_positive", 1), node.attr("detect_negative", 1)
+    if want_pos and want_neg:
+        return [g.logical_or(pos, neg)]
+    if want_pos:
+        return [pos]
+    if want_neg:
+        return [neg]
+    return [g.logical_and(pos, neg)]
+
+
+@converter("Clip")
+def _clip(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    if node.opset < 11:
+        lo, hi = node.attr("min"), node.attr("max")
+        lo = None if lo is None else _scalar(ctx, lo, x)
+        hi = None if hi is None else _scalar(ctx, hi, x)
+    else:
+        lo, hi = node.input(1), node.input(2)
+    if lo is not None:
+        x = g.maximum(x, lo)
+    if hi is not None:
+        x = g.minimum(x, hi)
+    return [x]
+
+
+def _variadic(fn):
+    def convert(ctx: Context, node: OnnxNode):
+        out = node.inputs[0]
+        for other in node.inputs[1:]:
+            out = fn(ctx.g, out, other)
+        if len(node.inputs) == 1:
+            out = fn(ctx.g, out, None) if fn is _mean_step else out
+        return [out]
+    return convert
+
+
+def _mean_step(g, a, b):
+    return a if b is None else a + b
+
+
+CONVERTERS[("", "Max")] = _variadic(lambda g, a, b: g.maximum(a, b))
+CONVERTERS[("", "Min")] = _variadic(lambda g, a, b: g.minimum(a, b))
+CONVERTERS[("", "Sum")] = _variadic(lambda g, a, b: g.add(a, b))
+
+
+@converter("Mean")
+def _mean(ctx: Context, node: OnnxNode):
+    out = node.inputs[0]
+    for other in node.inputs[1:]:
+        out = out + other
+    return [out / _scalar(ctx, len(node.inputs), out)]
+
+
+@converter("Where")
+def _where(ctx: Context, node: OnnxNode):
+    c, a, b = node.inputs
+    return [ctx.g.where(c, a, b)]
+
+
+def onnx_to_ingot_dtype(ctx: Context, node: OnnxNode, elem_type: int) -> dt.DType:
+    if elem_type not in ONNX_DTYPES:
+        raise ctx.fail(node, f"type {ONNX_TYPE_NAMES.get(elem_type, elem_type)} is not one Ingot computes")
+    return ONNX_DTYPES[elem_type][0]
+
+
+@converter("Cast")
+def _cast(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    target = onnx_to_ingot_dtype(ctx, node, node.attr("to"))
+    if x.dtype == target:
+        return [x]
+    if x.dtype == dt.complex64:
+        raise ctx.fail(node, "a complex input")
+    if node.attr("saturate", 1) == 0:
+        raise ctx.fail(node, "saturate=0")
+    return [ctx.g.cast(x, target)]
+
+
+@converter("CastLike")
+def _cast_like(ctx: Context, node: OnnxNode):
+    x, like = node.inputs
+    return [x if x.dtype == like.dtype else ctx.g.cast(x, like.dtype)]
+
+
+# -- matmul and friends ---------------------------------------------------------------------------
+
+def _split_swap(g, b: Tensor) -> Tensor:
+    """A transpose feeding a matmul's right side that also swaps the last two axes, written as a
+    transpose then that swap, so the attention pattern (matmul(q, swap(k))) sees its swap."""
+    node = b.node
+    if node.op != Op.TRANSPOSE or b.ndim < 3:
+        return b
+    perm = tuple(node.attrs["perm"])
+    r = len(perm)
+    swap = tuple(range(r - 2)) + (r - 1, r - 2)
+    if perm == swap or perm[-1] > perm[-2]:
+        return b
+    inner = perm[:-2] + (perm[-1], perm[-2])
+    src = Tensor(g, node.src[0])
+    return g.transpose(g.transpose(src, inner), swap)
+
+
+@converter("MatMul")
+def _matmul(ctx: Context, node: OnnxNode):
+    a, b = node.inputs
+    if a.dtype == dt.bool_:
+        raise ctx.fail(node, "bool inputs")
+    return [ctx.g.matmul(a, _split_swap(ctx.g, b))]
+
+
+@converter("Gemm")
+def _gemm(ctx: Context, node: OnnxNode):
+    a, b, c = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    if node.attr("transA", 0):
+        a = g.transpose(a)
+    if node.attr("transB", 0):
+        b = g.transpose(b)
+    y = g.matmul(a, b)
+    alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)
+    if alpha != 1.0:
+        y = y * _scalar(ctx, alpha, y)
+    if c is not None and beta != 0.0:
+        y = y + (c if beta == 1.0 else c * _scalar(ctx, beta, c))
+    return [y]
+
+
+# -- normalisation --------------------------------------------------------------------------------
+
+@converter("Softmax", "LogSoftmax")
+def _softmax(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    _float(ctx, node, x)
+    fn = g.softmax if node.op_type == "Softmax" else g.log_softmax
+    if node.opset >= 13:
+        return [fn(x, axis=node.attr("axis", -1))]
+    axis = normalize_axis("softmax", node.attr("axis", 1), x.ndim)  # older opsets: over the flattened tail
+    if axis == x.ndim - 1:
+        return [fn(x, axis=-1)]
+    shape = x.shape
+    flat = g.reshape(x, (int(np.prod(shape[:axis], dtype=np.int64)), int(np.prod(shape[axis:], dtype=np.int64))))
+    return [g.reshape(fn(flat, axis=-1), shape)]
+
+
+@converter("LayerNormalization")
+def _layer_norm(ctx: Context, node: OnnxNode):
+    x, scale, bias = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    _float(ctx, node, x)
+    axis = normalize_axis("LayerNormalization", node.attr("axis", -1), x.ndim)
+    eps = node.attr("epsilon", 1e-5)
+    wants = [bool(o) for o in node.outputs]
+    last = x.shape[-1:]
+    if axis == x.ndim - 1 and not any(wants[1:]) and scale.shape == last and (bias is None or bias.shape == last):
+        return [g.layer_norm(x, scale, bias, eps=eps)]
+    axes = tuple(range(axis, x.ndim))
+    stash = onnx_to_ingot_dtype(ctx, node, node.attr("stash_type", 1))
+    xs = x if x.dtype == stash else g.cast(x, stash)
+    mean = g.mean(xs, axes, keepdims=True)
+    d = xs - mean
+    inv = g.rsqrt(g.mean(d * d, axes, keepdims=True) + _scalar(ctx, eps, xs))
+    y = d * inv
+    if y.dtype != x.dtype:
+        y = g.cast(y, x.dtype)
+    y = y * scale
+    if bias is not None:
+        y = y + bias
+    return [y, mean, inv]
+
+
+@converter("RMSNormalization")
+def _rms_norm(ctx: Context, node: OnnxNode):
+    x, scale = node.inputs[:2]
+    g = ctx.g
+    _float(ctx, node, x)
+    axis = normalize_axis("RMSNormalization", node.attr("axis", -1), x.ndim)
+    eps = node.attr("epsilon", 1e-5)
+    if axis == x.ndim - 1 and scale.shape == x.shape[-1:]:
+        return [g.rms_norm(x, scale, eps=eps)]
+    axes = tuple(range(axis, x.ndim))
+    xs = x if x.dtype == dt.float32 else g.cast(x, dt.float32)
+    y = xs * g.rsqrt(g.mean(xs * xs, axes, keepdims=True) + _scalar(ctx, eps, xs))
+    if y.dtype != x.dtype:
+        y = g.cast(y, x.dtype)
+    return [y * scale]
+
+
+def _per_channel(g, p: Tensor, rank: int) -> Tensor:
+    """A [C] parameter shaped to broadcast over [N, C, ...]."""
+    return g.reshape(p, (p.shape[0],) + (1,) * (rank - 2))
+
+
+@converter("BatchNormalization")
+def _batch_norm(ctx: Context, node: OnnxNode):
+    x, scale, bias, mean, var = node.inputs[:5]
+    g = ctx.g
+    if node.attr("training_mode", 0) or sum(1 for o in node.outputs if o) > 1:
+        raise ctx.fail(node, "training mode (Ingot imports models for inference)")
+    eps = node.attr("epsilon", 1e-5)
+    values = [ctx.value(t) for t in (scale, bias, mean, var)]
+    if all(v is not None for v in values):  # fold into one multiply-add per channel
+        s, b, m, v = (a.astype(np.float64) for a in values)
+        a = s / np.sqrt(v + eps)
+        shift = b - m * a
+        mul = g.constant(a.astype(x.dtype.numpy))
+        add = g.constant(shift.astype(x.dtype.numpy))
+        return [x * _per_channel(g, mul, x.ndim) + _per_channel(g, add, x.ndim)]
+    inv = g.rsqrt(var + _scalar(ctx, eps, var)) * scale
+    return [(x - _per_channel(g, mean, x.ndim)) * _per_channel(g, inv, x.ndim) + _per_channel(g, bias, x.ndim)]
+
+
+@converter("InstanceNormalization")
+def _instance_norm(ctx: Context, node: OnnxNode):
+    x, scale, bias = node.inputs
+    g = ctx.g
+    _float(ctx, node, x)
+    axes = tuple(range(2, x.ndim))
+    mean = g.mean(x, axes, keepdims=True)
+    d = x - mean
+    y = d * g.rsqrt(g.mean(d * d, axes, keepdims=True) + _scalar(ctx, node.attr("epsilon", 1e-5), x))
+    return [y * _per_channel(g, scale, x.ndim) + _per_channel(g, bias, x.ndim)]
+
+
+@converter("GroupNormalization")
+def _group_norm(ctx: Context, node: OnnxNode):
+    x, scale, bias = node.inputs
+    g = ctx.g
+    _float(ctx, node, x)
+    groups = node.attr("num_groups")
+    n, c = x.shape[:2]
+    if node.opset < 21:
+        raise ctx.fail(node, "opset 18 GroupNormalization (per-group scale), deprecated by ONNX")
+    grouped = g.reshape(x, (n, groups, -1))
+    mean = g.mean(grouped, (2,), keepdims=True)
+    d = grouped - mean
+    y = g.reshape(d * g.rsqrt(g.mean(d * d, (2,), keepdims=True) + _scalar(ctx, node.attr("epsilon", 1e-5), x)), x.shape)
+    return [y * _per_channel(g, scale, x.ndim) + _per_channel(g, bias, x.ndim)]
+
+
+# -- shape ops ------------------------------------------------------------------------------------
+
+def _ints(value) -> list[int]:
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+@converter("Shape")
+def _shape(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    shape = list(x.shape)
+    r = len(shape)
+    start, end = node.attr("start", 0), node.attr("end", r)
+    start = min(max(start + r if start < 0 else start, 0), r)
+    end = min(max(end + r if end < 0 else end, 0), r)
+    return [ctx.g.constant(np.array(shape[start:end], np.int64))]
+
+
+@converter("Size")
+def _size(ctx: Context, node: OnnxNode):
+    return [ctx.g.constant(np.array(node.inputs[0].type.size, np.int64))]
+
+
+@converter("Reshape")
+def _reshape(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    target = _ints(ctx.constant(node, 1, "shape"))
+    if not node.attr("allowzero", 0):
+        target = [x.shape[i] if d == 0 else d for i, d in enumerate(target)]
+    if -1 in target:
+        known = int(np.prod([d for d in target if d != -1], dtype=np.int64))
+        target = [x.type.size // known if d == -1 and known else d for d in target]
+    if int(np.prod(target, dtype=np.int64)) != x.type.size:
+        raise IngotError(f"shape {target} does not hold the {x.type.size} elements of {x.type}")
+    return [ctx.g.reshape(x, target)]
+
+
+@converter("Flatten")
+def _flatten(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    axis = node.attr("axis", 1)
+    axis = axis + x.ndim if axis < 0 else axis
+    lead = int(np.prod(x.shape[:axis], dtype=np.int64))
+    return [ctx.g.reshape(x, (lead, int(np.prod(x.shape[axis:], dtype=np.int64))))]
+
+
+@converter("Transpose")
+def _transpose(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    perm = node.attr("perm")
+    return [ctx.g.transpose(x, None if perm is None else tuple(perm))]
+
+
+@converter("Squeeze")
+def _squeeze(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    axes = _attr_or_input(ctx, node, "axes", 1)
+    axes = [i for i, d in enumerate(x.shape) if d == 1] if axes is None else [normalize_axis("Squeeze", a, x.ndim) for a in axes]
+    if any(x.shape[a] != 1 for a in axes):
+        raise IngotError(f"axes {axes} of shape {list(x.shape)} are not all of size 1")
+    return [ctx.g.reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))]
+
+
+@converter("Unsqueeze")
+def _unsqueeze(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    axes = _attr_or_input(ctx, node, "axes", 1)
+    rank = x.ndim + len(axes)
+    axes = sorted(normalize_axis("Unsqueeze", a, rank) for a in axes)
+    shape, it = [], iter(x.shape)
+    for i in range(rank):
+        shape.append(1 if i in axes else next(it))
+    return [ctx.g.reshape(x, shape)]
+
+
+@converter("Concat")
+def _concat(ctx: Context, node: OnnxNode):
+    parts = [t for t in node.inputs if t is not None]
+    if len(parts) == 1:
+        return parts
+    return [ctx.g.concat(parts, axis=node.attr("axis"))]
+
+
+@converter("Split")
+def _split(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    axis = normalize_axis("Split", node.attr("axis", 0), x.ndim)
+    n = x.shape[axis]
+    count = len(node.outputs)
+    sizes = node.attr("split") if node.opset < 13 else (_ints(ctx.constant(node, 1, "split")) if node.input(1) is not None else None)
+    if sizes is None:
+        parts = node.attr("num_outputs", count)
+        chunk = -(-n // parts)
+        sizes = [min(chunk, n - i * chunk) for i in range(parts)]
+    return ctx.g.split(x, [int(s) for s in sizes], axis=axis)
+
+
+def _onnx_slice(dim: int, start: int, end: int, step: int) -> tuple[int, int | None, int]:
+    """ONNX Slice's clamping rules for one axis, as a Python slice."""
+    if step == 0:
+        raise IngotError("a step of 0")
+    start = start + dim if start < 0 else start
+    end = end + dim if end < 0 else end
+    if step > 0:
+        return min(max(start, 0), dim), min(max(end, 0), dim), step
+    start = min(max(start, 0), dim - 1)
+    end = min(max(end, -1), dim - 1)
+    if start < 0:  # an empty axis
+        return 0, 0, 1
+    return start, (None if end < 0 else end), step
+
+
+@converter("Slice")
+def _slice(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    if node.opset < 10:
+        starts, ends = node.attr("starts"), node.attr("ends")
+        axes, steps = node.attr("axes"), None
+    else:
+        starts = _ints(ctx.constant(node, 1, "starts"))
+        ends = _ints(ctx.constant(node, 2, "ends"))
+        axes = _ints(ctx.constant(node, 3, "axes")) if node.input(3) is not None else None
+        steps = _ints(ctx.constant(node, 4, "steps")) if node.input(4) is not None else None
+    axes = list(range(len(starts))) if axes is None else [normalize_axis("Slice", a, x.ndim) for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    start, end, step = [0] * x.ndim, [None] * x.ndim, [1] * x.ndim
+    for a, s, e, st in zip(axes, starts, ends, steps):
+        start[a], end[a], step[a] = _onnx_slice(x.shape[a], s, e, st)
+    return [ctx.g.slice(x, start, end, step)]
+
+
+@converter("Gather")
+def _gather(ctx: Context, node: OnnxNode):
+    x, idx = node.inputs
+    axis = normalize_axis("Gather", node.attr("axis", 0), x.ndim)
+    v = ctx.value(idx)
+    if v is not None and v.size and (v.min() < -x.shape[axis] or v.max() >= x.shape[axis]):
+        raise IngotError(f"indices {v.min()}..{v.max()} are out of range for axis {axis} of {x.type}")
+    if v is not None and v.size and v.min() < 0:
+        idx = ctx.g.constant(np.where(v < 0, v + x.shape[axis], v).astype(v.dtype))
+    if idx.dtype not in (dt.int32, dt.int64):
+        idx = ctx.g.cast(idx, dt.int64)
+    return [ctx.g.gather(x, idx, axis=axis)]
+
+
+@converter("Expand")
+def _expand(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    shape = _ints(ctx.constant(node, 1, "shape"))
+    try:
+        out = np.broadcast_shapes(tuple(x.shape), tuple(shape))
+    except ValueError:
+        raise IngotError(f"shape {shape} does not broadcast with {list(x.shape)}") from None
+    if tuple(out) == tuple(x.shape):
+        return [x]
+    return [ctx.g.broadcast_to(x, out)]
+
+
+@converter("Tile")
+def _tile(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    reps = _ints(ctx.constant(node, 1, "repeats"))
+    if all(r == 1 for r in reps):
+        return [x]
+    interleaved = tuple(v for d in x.shape for v in (1, d))
+    spread = tuple(v for r, d in zip(reps, x.shape) for v in (r, d))
+    y = g.broadcast_to(g.reshape(x, interleaved), spread)
+    return [g.reshape(y, tuple(r * d for r, d in zip(reps, x.shape)))]
+
+
+@converter("Range")
+def _range(ctx: Context, node: OnnxNode):
+    start, limit, delta = (ctx.constant(node, i, w) for i, w in enumerate(("start", "limit", "delta")))
+    dtype = node.inputs[0].dtype.storage
+    count = max(int(math.ceil((float(limit) - float(start)) / float(delta))), 0)
+    return [ctx.g.constant((start + np.arange(count) * delta).astype(dtype))]
+
+
+@converter("ConstantOfShape")
+def _constant_of_shape(ctx: Context, node: OnnxNode):
+    shape = _ints(ctx.constant(node, 0, "shape"))
+    value = node.attr("value")
+    fill = np.zeros(1, np.float32) if value is None else as_ingot_array(value)
+    return [ctx.g.constant(np.full(shape, fill.reshape(-1)[0], fill.dtype))]
+
+
+@converter("Constant")
+def _constant(ctx: Context, node: OnnxNode):
+    a = node.attrs
+    if "value" in a:
+        value = a["value"]
+    elif "value_float" in a:
+        value = np.array(a["value_float"], np.float32)
+    elif "value_floats" in a:
+        value = np.array(a["value_floats"], np.float32)
+    elif "value_int" in a:
+        value = np.array(a["value_int"], np.int64)
+    elif "value_ints" in a:
+        value = np.array(a["value_ints"], np.int64)
+    else:
+        raise ctx.fail(node, f"a constant given as {sorted(a)} (strings and sparse tensors are not supported)")
+    return [ctx.g.constant(as_ingot_array(value))]
+
+
+@converter("EyeLike")
+def _eye_like(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    dtype = x.dtype if node.attr("dtype") is None else onnx_to_ingot_dtype(ctx, node, node.attr("dtype"))
+    return [ctx.g.constant(np.eye(x.shape[0], x.shape[1], k=node.attr("k", 0), dtype=dtype.numpy))]
+
+
+@converter("Trilu")
+def _trilu(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    k = int(ctx.constant(node, 1, "k")) if node.input(1) is not None else 0
+    rows, cols = x.shape[-2:]
+    ones = np.ones((rows, cols), bool)
+    mask = np.triu(ones, k) if node.attr("upper", 1) else np.tril(ones, k)
+    return [ctx.g.where(ctx.g.constant(mask), x, _scalar(ctx, 0, x))]
+
+
+@converter("Pad")
+def _pad(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    mode = node.attr("mode", "constant")
+    if node.opset < 11:
+        pads, value, axes = node.attr("pads"), node.attr("value", 0.0), None
+    else:
+        pads = _ints(ctx.constant(node, 1, "pads"))
+        value = ctx.constant(node, 2, "constant_value").reshape(-1)[0] if node.input(2) is not None else 0
+        axes = _ints(ctx.constant(node, 3, "axes")) if node.input(3) is not None else None
+    axes = list(range(x.ndim)) if axes is None else [normalize_axis("Pad", a, x.ndim) for a in axes]
+    n = len(axes)
+    before, after = [0] * x.ndim, [0] * x.ndim
+    for i, a in enumerate(axes):
+        before[a], after[a] = pads[i], pads[i + n]
+    if mode not in ("constant", "reflect", "edge"):
+        raise ctx.fail(node, f"mode {mode!r}")
+    if any(p < 0 for p in before + after):  # negative pads crop
+        x = g.slice(x, [-p if p < 0 else 0 for p in before], [d + p if p < 0 else None for d, p in zip(x.shape, after)])
+        before, after = [max(p, 0) for p in before], [max(p, 0) for p in after]
+    if not any(before + after):
+        return [x]
+    if x.dtype == dt.bool_ or not (x.dtype.is_float or x.dtype.is_int):
+        raise ctx.fail(node, f"input of type {x.dtype.name}")
+    return [g.pad(x, list(zip(before, after)), mode=mode, value=float(value))]
+
+
+# -- reductions -----------------------------------------------------------------------------------
+
+def _reduce_axes(ctx: Context, node: OnnxNode, x: Tensor, input_since: int) -> tuple[int, ...] | None:
+    """The axes to reduce, or None for 'no reduction' (noop_with_empty_axes)."""
+    if node.opset >= input_since:
+        axes = _ints(ctx.constant(node, 1, "axes")) if node.input(1) is not None else []
+    else:
+        axes = list(node.attr("axes", []) or [])
+    if not axes:
+        return None if node.attr("noop_with_empty_axes", 0) else tuple(range(x.ndim))
+    return tuple(sorted({normalize_axis(node.op_type, a, x.ndim) for a in axes}))
+
+
+_EMPTY_REDUCTION = {"ReduceMax": -np.inf, "ReduceMin": np.inf, "ReduceSum": 0, "ReduceMean": np.nan, "ReduceProd": 1,
+                    "ReduceL1": 0, "ReduceL2": 0, "ReduceSumSquare": 0, "ReduceLogSum": -np.inf,
+                    "ReduceLogSumExp": -np.inf}
+
+
+@converter(*_EMPTY_REDUCTION)
+def _reduce(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    axes = _reduce_axes(ctx, node, x, 13 if node.op_type == "ReduceSum" else 18)
+    keep = bool(node.attr("keepdims", 1))
+    op = node.op_type
+    if axes is None:
+        if op in ("ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"):
+            return [{"ReduceL1": g.abs, "ReduceL2": g.abs, "ReduceSumSquare": lambda t: t * t, "ReduceLogSum": g.log,
+                     "ReduceLogSumExp": lambda t: t}[op](x)]
+        return [x]
+    if any(x.shape[a] == 0 for a in axes):
+        shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape) if keep or i not in axes)
+        fill = _EMPTY_REDUCTION[op]
+        if x.dtype.is_int and not np.isfinite(fill):
+            info = np.iinfo(x.dtype.numpy)
+            fill = info.min if fill < 0 else info.max
+        return [g.constant(np.full(shape, fill, x.dtype.numpy))]
+    if op == "ReduceProd":
+        raise ctx.fail(node, "products (Ingot has no product reduction)")
+    if x.dtype == dt.bool_:
+        raise ctx.fail(node, "a bool input")
+    if op == "ReduceMean" and not x.dtype.is_float:
+        raise ctx.fail(node, f"input of type {x.dtype.name}")
+    if op == "ReduceSum":
+        return [g.sum(x, axes, keep)]
+    if op == "ReduceMean":
+        return [g.mean(x, axes, keep)]
+    if op == "ReduceMax":
+        return [g.max(x, axes, keep)]
+    if op == "ReduceMin":
+        return [g.min(x, axes, keep)]
+    if op == "ReduceL1":
+        return [g.sum(g.abs(x), axes, keep)]
+    if op == "ReduceSumSquare":
+        return [g.sum(x * x, axes, keep)]
+    if op == "ReduceL2":
+        _float(ctx, node, x)
+        return [g.sqrt(g.sum(x * x, axes, keep))]
+    _float(ctx, node, x)
+    if op == "ReduceLogSum":
+        return [g.log(g.sum(x, axes, keep))]
+    top = g.max(x, axes, keepdims=True)  # ReduceLogSumExp, shifted by the max so exp cannot overflow
+    out = g.log(g.sum(g.exp(x - top), axes, keepdims=True)) + top
+    return [out if keep else g.reshape(out, tuple(d for i, d in enumerate(x.shape) if i not in axes))]
+
+
+@converter("ArgMax", "ArgMin")
+def _arg(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    axis = normalize_axis(node.op_type, node.attr("axis", 0), x.ndim)
+    keep = bool(node.attr("keepdims", 1))
+    fn = g.argmax if node.op_type == "ArgMax" else g.argmin
+    if x.dtype == dt.bool_:
+        raise ctx.fail(node, "a bool input")
+    if node.attr("select_last_index", 0):
+        n = x.shape[axis]
+        step = [1] * x.ndim
+        step[axis] = -1
+        flipped = g.slice(x, [None] * x.ndim, [None] * x.ndim, step)
+        idx = _scalar(ctx, n - 1, fn(flipped, axis, keep)) - fn(flipped, axis, keep)
+    else:
+        idx = fn(x, axis, keep)
+    return [g.cast(idx, dt.int64)]
+
+
+# -- convolution and pooling ------------------------------------------------------------------------
+
+def _window_pads(node: OnnxNode, spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+                 dilations: Sequence[int]) -> tuple[list[int], list[int]]:
+    k = len(spatial)
+    auto = node.attr("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        before, after = [], []
+        for d, kk, s, dil in zip(spatial, kernel, strides, dilations):
+            total = max(0, (-(-d // s) - 1) * s + (kk - 1) * dil + 1 - d)
+            small = total // 2
+            before.append(small if auto == "SAME_UPPER" else total - small)
+            after.append(total - before[-1])
+        return before, after
+    if auto == "VALID":
+        return [0] * k, [0] * k
+    pads = list(node.attr("pads", [0] * 2 * k))
+    return pads[:k], pads[k:]
+
+
+def _windows(g, x: Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int], out: Sequence[int],
+             lead: Sequence[int]) -> Tensor:
+    """A strided view [*lead, *kernel, *out] of a contiguous [*lead, *spatial] tensor (no copy)."""
+    spatial = x.shape[len(lead):]
+    k = len(spatial)
+    inner = [int(np.prod(spatial[i + 1:], dtype=np.int64)) for i in range(k)]
+    lead_strides = [int(np.prod(x.shape[i + 1:], dtype=np.int64)) for i in range(len(lead))]
+    shape = tuple(lead) + tuple(kernel) + tuple(out)
+    strides_ = tuple(lead_strides) + tuple(d * s for d, s in zip(dilations, inner)) + tuple(st * s for st, s in zip(strides, inner))
+    return g.array_view(x, shape, strides_)
+
+
+def _out_size(padded: int, kernel: int, stride: int, dilation: int, ceil: bool = False) -> int:
+    span = padded - dilation * (kernel - 1) - 1
+    return (-(-span // stride) if ceil else span // stride) + 1
+
+
+@converter("Conv")
+def _conv(ctx: Context, node: OnnxNode):
+    x, w, b = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    _float(ctx, node, x)
+    n, c = x.shape[:2]
+    spatial = x.shape[2:]
+    k = len(spatial)
+    m = w.shape[0]
+    kernel = list(node.attr("kernel_shape", w.shape[2:]))
+    strides = list(node.attr("strides", [1] * k))
+    dilations = list(node.attr("dilations", [1] * k))
+    groups = node.attr("group", 1)
+    before, after = _window_pads(node, spatial, kernel, strides, dilations)
+    if any(before + after):
+        x = g.pad(x, [(0, 0), (0, 0)] + list(zip(before, after)))
+    padded = x.shape[2:]
+    out = [_out_size(p, kk, s, d) for p, kk, s, d in zip(padded, kernel, strides, dilations)]
+    # columns [N, G, C/G, *kernel, *out] -> [N, G, C/G * K, L]; weights [G, M/G, C/G * K]
+    grouped = g.reshape(x, (n, groups, c // groups) + tuple(padded))
+    cols = _windows(g, grouped, kernel, strides, dilations, out, (n, groups, c // groups))
+    kk = int(np.prod(kernel, dtype=np.int64))
+    length = int(np.prod(out, dtype=np.int64))
+    cols = g.reshape(cols, (n, groups, (c // groups) * kk, length))
+    wg = g.reshape(w, (groups, m // groups, (c // groups) * kk))
+    y = g.reshape(g.matmul(wg, cols), (n, m) + tuple(out))
+    if b is not None:
+        y = y + _per_channel(g, b, y.ndim)
+    return [y]
+
+
+def _pool_counts(spatial, before, after, kernel, strides, dilations, out, include_pad: bool) -> np.ndarray:
+    """How many elements each average-pool window counts (the divisor), computed in NumPy."""
+    mask = np.ones(spatial, np.float32)
+    explicit = np.pad(mask, list(zip(before, after)), constant_values=1.0 if include_pad else 0.0)
+    need = [(o - 1) * s + d * (kk - 1) + 1 for o, s, d, kk in zip(out, strides, dilations, kernel)]
+    extra = [max(0, nd - p) for nd, p in zip(need, explicit.shape)]
+    full = np.pad(explicit, [(0, e) for e in extra], constant_values=0.0)
+    counts = np.zeros(out, np.float64)
+    for offset in np.ndindex(*kernel):
+        index = tuple(slice(o * d, o * d + (n - 1) * s + 1, s) for o, d, n, s in zip(offset, dilations, out, strides))
+        counts += full[index]
+    return counts
+
+
+@converter("MaxPool", "AveragePool")
+def _pool(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    _float(ctx, node, x)
+    if len([o for o in node.outputs if o]) > 1:
+        raise ctx.fail(node, "the Indices output")
+    n, c = x.shape[:2]
+    spatial = x.shape[2:]
+    k = len(spatial)
+    kernel = list(node.attr("kernel_shape"))
+    strides = list(node.attr("strides", [1] * k))
+    dilations = list(node.attr("dilations", [1] * k))
+    before, after = _window_pads(node, spatial, kernel, strides, dilations)
+    ceil = bool(node.attr("ceil_mode", 0))
+    padded = [d + b + a for d, b, a in zip(spatial, before, after)]
+    out = [_out_size(p, kk, s, d, ceil) for p, kk, s, d in zip(padded, kernel, strides, dilations)]
+    if ceil:  # a last window must start inside the input or its left padding
+        out = [o - 1 if (o - 1) * s >= d + b else o for o, s, d, b in zip(out, strides, spatial, before)]
+    need = [(o - 1) * s + d * (kk - 1) + 1 for o, s, d, kk in zip(out, strides, dilations, kernel)]
+    after = [a + max(0, nd - p) for a, nd, p in zip(after, need, padded)]
+    is_max = node.op_type == "MaxPool"
+    if any(before + after):
+        fill = -np.inf if is_max else 0.0
+        x = g.pad(x, [(0, 0), (0, 0)] + list(zip(before, after)), value=fill)
+    view = _windows(g, x, kernel, strides, dilations, out, (n, c))
+    axes = tuple(range(2, 2 + k))
+    if is_max:
+        return [g.max(view, axes)]
+    explicit_after = [a - max(0, nd - p) for a, nd, p in zip(after, need, padded)]
+    counts = _pool_counts(spatial, before, explicit_after, kernel, strides, dilations, out,
+                          bool(node.attr("count_include_pad", 0)))
+    total = g.sum(view, axes)
+    if np.all(counts == counts.reshape(-1)[0]):
+        return [total / _scalar(ctx, counts.reshape(-1)[0], total)]
+    return [total / g.constant(counts.astype(x.dtype.numpy))]
+
+
+@converter("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    _float(ctx, node, x)
+    axes = tuple(range(2, x.ndim))
+    fn = ctx.g.mean if node.op_type == "GlobalAveragePool" else ctx.g.max
+    return [fn(x, axes, keepdims=True)]
+
+
+# -- dropout and friends ----------------------------------------------------------------------------
+
+@converter("Dropout")
+def _dropout(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    training = ctx.value(node.input(2)) if node.input(2) is not None else None
+    if node.input(2) is not None and (training is None or bool(training)):
+        raise ctx.fail(node, "training mode")
+    outs = [x]
+    if len(node.outputs) > 1 and node.outputs[1]:
+        outs.append(ctx.g.constant(np.ones(x.shape, bool)))
+    return outs
+
+
+# -- signal processing ------------------------------------------------------------------------------
+
+def _window_values(node: OnnxNode, size: int) -> np.ndarray:
+    periodic = node.attr("periodic", 1)
+    n = size if periodic else size - 1
+    i = np.arange(size, dtype=np.float64)
+    if node.op_type == "HannWindow":
+        w = np.sin(np.pi * i / n) ** 2
+    elif node.op_type == "HammingWindow":
+        a0 = 25.0 / 46.0
+        w = a0 - (1 - a0) * np.cos(2 * np.pi * i / n)
+    else:  # Blackman
+        w = 0.42 - 0.5 * np.cos(2 * np.pi * i / n) + 0.08 * np.cos(4 * np.pi * i / n)
+    return w
+
+
+@converter("HannWindow", "HammingWindow", "BlackmanWindow")
+def _window(ctx: Context, node: OnnxNode):
+    size = int(ctx.constant(node, 0, "size"))
+    dtype = onnx_to_ingot_dtype(ctx, node, node.attr("output_datatype", 1))
+    return [ctx.g.constant(_window_values(node, size).astype(dtype.numpy))]
+
+
+def _complex_out(g, y: Tensor) -> Tensor:
+    """complex64 [...] -> float32 [..., 2] (real, imaginary), ONNX's layout."""
+    shape = tuple(y.shape) + (1,)
+    return g.concat([g.reshape(g.real(y), shape), g.reshape(g.imag(y), shape)], axis=-1)
+
+
+def _complex_in(g, x: Tensor) -> Tensor:
+    """ONNX [..., 1] (real) or [..., 2] (real, imaginary) -> float32 [...] or complex64 [...]."""
+    shape = tuple(x.shape[:-1])
+    if x.shape[-1] == 1:
+        return g.reshape(x, shape)
+    re, im = g.split(x, 2, axis=-1)
+    return g.complex(g.reshape(re, shape), g.reshape(im, shape))
+
+
+@converter("DFT")
+def _dft(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    if x.dtype != dt.float32:
+        raise ctx.fail(node, f"input of type {x.dtype.name}")
+    if node.opset >= 20:
+        axis = int(ctx.constant(node, 2, "axis")) if node.input(2) is not None else -2
+    else:
+        axis = node.attr("axis", 1)
+    axis = normalize_axis("DFT", axis, x.ndim)
+    if axis == x.ndim - 1:
+        raise IngotError("the last axis holds (real, imaginary) and cannot be transformed")
+    inverse, onesided = bool(node.attr("inverse", 0)), bool(node.attr("onesided", 0))
+    signal = _complex_in(g, x)
+    n = x.shape[axis]
+    if node.input(1) is not None:
+        length = int(ctx.constant(node, 1, "dft_length"))
+        if length < n:
+            signal = g.slice(signal, [0] * signal.ndim, [None if i != axis else length for i in range(signal.ndim)])
+        elif length > n:
+            pads = [(0, 0)] * signal.ndim
+            pads[axis] = (0, length - n)
+            signal = g.pad(signal, pads) if signal.dtype == dt.float32 else g.complex(
+                g.pad(g.real(signal), pads), g.pad(g.imag(signal), pads))
+    if inverse and onesided:
+        raise ctx.fail(node, "a one-sided inverse")
+    if inverse:
+        y = g.ifft(signal, axes=(axis,), norm="size")
+    elif onesided and signal.dtype == dt.float32:
+        y = g.rfft(signal, axes=(axis,))
+    else:
+        y = g.fft(signal, axes=(axis,))
+        if onesided:
+            half = signal.shape[axis] // 2 + 1
+            y = g.slice(y, [0] * y.ndim, [None if i != axis else half for i in range(y.ndim)])
+    return [_complex_out(g, y)]
+
+
+@converter("STFT")
+def _stft(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    if x.dtype != dt.float32:
+        raise ctx.fail(node, f"input of type {x.dtype.name}")
+    step = int(ctx.constant(node, 1, "frame_step"))
+    window = node.input(2)
+    if node.input(3) is not None:
+        frame = int(ctx.constant(node, 3, "frame_length"))
+    elif window is not None:
+        frame = window.shape[0]
+    else:
+        raise IngotError("neither a window nor a frame_length")
+    onesided = bool(node.attr("onesided", 1))
+    batch, length = x.shape[:2]
+    frames = 1 + (length - frame) // step
+    signal = _complex_in(g, x)  # [B, L] real or complex
+    if signal.dtype == dt.complex64:
+        re = g.array_view(g.real(signal), (batch, frames, frame), (length, step, 1))
+        im = g.array_view(g.imag(signal), (batch, frames, frame), (length, step, 1))
+        if window is not None:
+            re, im = re * window, im * window
+        y = g.fft(g.complex(re, im), axes=(2,))
+        if onesided:
+            y = g.slice(y, [0, 0, 0], [None, None, frame // 2 + 1])
+        return [_complex_out(g, y)]
+    framed = g.array_view(signal, (batch, frames, frame), (length, step, 1))
+    if window is not None:
+        framed = framed * window
+    y = g.rfft(framed, axes=(2,)) if onesided else g.fft(framed, axes=(2,))
+    return [_complex_out(g, y)]
+
+
+# -- quantization -----------------------------------------------------------------------------------
+
+def _quant_params(ctx: Context, node: OnnxNode, x: Tensor, scale: Tensor):
+    axis = node.attr("axis", 1)
+    block = node.attr("block_size", 0)
+    if scale.ndim == 0 or scale.type.size == 1 and scale.ndim <= 1:
+        return None, None
+    axis = normalize_axis(node.op_type, axis, x.ndim)
+    if block:
+        if scale.ndim != x.ndim:
+            raise IngotError(f"a blocked scale of rank {scale.ndim} for an input of rank {x.ndim}")
+        return None, None  # block-broadcast form already: Ingot takes parameters of the input's rank
+    return axis, None
+
+
+@converter("DequantizeLinear")
+def _dequantize_linear(ctx: Context, node: OnnxNode):
+    q, scale, zero = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    if q.dtype not in (dt.int8, dt.uint8, dt.int4, dt.uint4):
+        if q.dtype == dt.int32 and zero is None:  # int32 (bias) tensors: plain scale
+            return [g.cast(q, scale.dtype) * (scale if scale.ndim == 0 else _axis_param(g, scale, node, q))]
+        raise ctx.fail(node, f"input of type {q.dtype.name}")
+    if node.attr("output_dtype", 0):
+        raise ctx.fail(node, "output_dtype")
+    axis, block = _quant_params(ctx, node, q, scale)
+    if zero is not None and zero.dtype.packed:
+        zv = ctx.value(zero)
+        zero = None if zv is None else zero
+        if zero is None:
+            raise ctx.fail(node, "a 4-bit zero point computed at run time")
+    if zero is not None and zero.dtype.packed:
+        zero = g.constant(dt.unpack_int4(ctx.g.constants[zero.node.attrs["key"]], zero.shape[-1],
+                                         signed=zero.dtype.kind == "i").astype(np.float32))
+    if zero is not None and ctx.value(zero) is not None and not np.any(ctx.value(zero)):
+        zero = None
+    if zero is not None and zero.dtype != scale.dtype:
+        zero = g.cast(zero, scale.dtype)
+    if scale.ndim == 1 and scale.shape[0] == 1 and q.ndim != 1:
+        scale = g.reshape(scale, ())
+        zero = None if zero is None else g.reshape(zero, ())
+    return [g.dequantize(q, scale=scale, zero_point=zero, axis=axis, dtype=scale.dtype)]
+
+
+def _axis_param(g, p: Tensor, node: OnnxNode, x: Tensor) -> Tensor:
+    axis = normalize_axis(node.op_type, node.attr("axis", 1), x.ndim)
+    shape = [1] * x.ndim
+    shape[axis] = p.shape[0]
+    return g.reshape(p, shape)
+
+
+@converter("QuantizeLinear")
+def _quantize_linear(ctx: Context, node: OnnxNode):
+    x, scale, zero = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    _float(ctx, node, x)
+    target = zero.dtype if zero is not None else dt.uint8
+    if node.attr("output_dtype", 0):
+        target = onnx_to_ingot_dtype(ctx, node, node.attr("output_dtype"))
+    if target not in (dt.int8, dt.uint8):
+        raise ctx.fail(node, f"output type {target.name}")
+    if node.attr("saturate", 1) == 0 or node.attr("precision", 0):
+        raise ctx.fail(node, "saturate=0 or precision")
+    axis, _ = _quant_params(ctx, node, x, scale)
+    if scale.dtype != x.dtype:
+        scale = g.cast(scale, x.dtype)
+    if scale.ndim == 1 and scale.shape[0] == 1 and x.ndim != 1:
+        scale = g.reshape(scale, ())
+        zero = None if zero is None else g.reshape(zero, ())
+    return [g.quantize(x, target, scale=scale, zero_point=zero, axis=axis)]
+
+
+@converter("MatMulNBits", domain="com.microsoft")
+def _matmul_nbits(ctx: Context, node: OnnxNode):
+    """com.microsoft MatMulNBits: y = x @ W^T with W [N, K] quantized in blocks along K."""
+    a, b, scales = node.input(0), node.input(1), node.input(2)
+    zero, g_idx, bias = node.input(3), node.input(4), node.input(5)
+    g = ctx.g
+    bits, block = node.attr("bits", 4), node.attr("block_size")
+    k, n = node.attr("K"), node.attr("N")
+    if bits not in (4, 8) or g_idx is not None or k % block:
+        raise ctx.fail(node, f"bits={bits}, g_idx or K={k} not a multiple of block_size={block} (Ingot takes 4 or 8 bits, "
+                             "no g_idx, whole blocks)")
+    packed = ctx.value(b)
+    scale = ctx.value(scales)
+    if packed is None or scale is None:
+        raise ctx.fail(node, "weights computed at run time")
+    blocks = k // block
+    scale = g.constant(scale.reshape(n, blocks))
+    if bits == 4:
+        qdtype = dt.uint4
+        weight = g.constant(np.ascontiguousarray(packed.reshape(n, k // 2)), dtype=dt.uint4)
+    else:
+        qdtype = dt.uint8
+        weight = g.constant(np.ascontiguousarray(packed.reshape(n, k)))
+    if zero is None:
+        zp = g.constant(np.full((n, 1), 2 ** (bits - 1), np.float32).astype(scale.dtype.numpy))
+    else:
+        z = ctx.value(zero)
+        if z is None:
+            raise ctx.fail(node, "zero points computed at run time")
+        if z.dtype == np.uint8:
+            values = dt.unpack_int4(z.reshape(n, -1), 2 * z.size // n, signed=False)[:, :blocks] if bits == 4 else z.reshape(n, blocks)
+            zp = g.constant(values.astype(scale.dtype.numpy))
+        else:
+            zp = g.constant(z.reshape(n, blocks).astype(scale.dtype.numpy))
+    del qdtype
+    w = g.dequantize(weight, scale=scale, zero_point=zp, axis=1, block_size=block, dtype=scale.dtype)
+    y = g.matmul(a, g.transpose(w))
+    if bias is not None:
+        y = y + bias
+    return [y]
+
+
+# -- attention --------------------------------------------------------------------------------------
+
+@converter("Attention")
+def _attention(ctx: Context, node: OnnxNode):
+    """ONNX Attention (opset 23): 4-D [B, H, T, D] inputs straight to Ingot's SDPA."""
+    q, k, v, mask = node.input(0), node.input(1), node.input(2), node.input(3)
+    g = ctx.g
+    if len(node.inputs) > 4 and any(t is not None for t in node.inputs[4:]) or any(node.outputs[1:]):
+        raise ctx.fail(node, "a KV cache (past/present) input or output")
+    if q.ndim != 4 or node.attr("softcap", 0.0) or node.attr("qk_matmul_output_mode", 0):
+        raise ctx.fail(node, "3-D inputs, softcap or qk_matmul_output_mode")
+    causal = bool(node.attr("is_causal", 0))
+    if causal and q.shape[2] != k.shape[2]:
+        raise ctx.fail(node, "is_causal with different query and key lengths")
+    if mask is not None and mask.dtype != dt.bool_ and mask.dtype != q.dtype:
+        mask = g.cast(mask, q.dtype)
+    return [g.scaled_dot_product_attention(q, k, v, mask=mask, scale=node.attr("scale"), causal=causal)]

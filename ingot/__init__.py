@@ -13,3 +13,9 @@ def load(path, device: str | None = None) -> Executable:
     """Load a package written by Executable.save."""
     from .package import load as _load
     return _load(path, device=device)
+
+
+def from_onnx(model_or_path, device: str = "cpu", input_shapes=None):
+    """Import an ONNX model (a path or an onnx.ModelProto) and compile it; see ingot.importers.onnx."""
+    from .importers.onnx import from_onnx as _from_onnx
+    return _from_onnx(model_or_path, device=device, input_shapes=input_shapes)

@@ -4,6 +4,7 @@
                    [--seed S] [--device cpu|cuda] [--no-chat] [--json]
     ingot chat [--model PATH] ...
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
+    ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
 """
@@ -132,6 +133,22 @@ def _spectrogram(args) -> int:
     return 0
 
 
+def _view(args) -> int:
+    from .viewer import open_model
+    from .viewer.server import serve, write_html
+
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise IngotError(f"--port must be 0..65535, not {args.port}.")
+    model = open_model(args.path, device=args.device)
+    if args.html:
+        write_html(model, args.html, device=args.device, profile=args.profile, reference=args.reference)
+        print(f"[{args.html}: one self-contained page]", file=sys.stderr)
+        return 0
+    serve(model, port=args.port or 0, open_browser=not args.no_browser, device=args.device, profile=args.profile,
+          reference=args.reference, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ingot", description="Ingot: a graph compiler and runtime for fast ML inference.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -157,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--hop-length", type=int, default=None, help="hop without --whisper (default n_fft / 4)")
     spec.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     spec.set_defaults(func=_spectrogram)
+    view = sub.add_parser("view", help="show a model's compiled graph in the browser (served on 127.0.0.1)")
+    view.add_argument("path", help="an Ingot package (NAME.ingot), a GGUF file or an ONNX file")
+    view.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
+    view.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
+    view.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML file instead of serving")
+    view.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device for --profile (default cpu)")
+    view.add_argument("--profile", action="store_true", help="time every node over a few runs (overlay: time per node)")
+    view.add_argument("--reference", metavar="REF", help="a GGUF file or package with the float weights (overlay: quantization error)")
+    view.set_defaults(func=_view)
     return parser
 
 

@@ -6,6 +6,7 @@ Lowerings are a table keyed by op; an op without an entry uses its NumPy referen
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -105,22 +106,37 @@ def _rope(node: Node, out):
 @lowering(*GroupOp.Fft)
 def _fft(node: Node, out):
     """The reference's transform through scipy.fft where it is installed: both are pocketfft, but
-    scipy's vectorises across a batch of transforms (STFT frames), ~3x numpy.fft on [frames, n_fft]."""
+    scipy's vectorises across a batch of transforms (STFT frames), ~3x numpy.fft on [frames, n_fft],
+    and splits a batch over the cores this process may use (workers)."""
     try:
         import scipy.fft as fftlib
+        options = {"workers": _fft_workers(node)}
     except ImportError:
-        fftlib = np.fft
+        fftlib, options = np.fft, {}
     op, axes, norm = node.op, node.attrs["axes"], node.attrs["norm"]
     if op == Op.IRFFT:
         n = node.attrs.get("n")
 
         def inverse_real(x):
             s = [x.shape[a] for a in axes[:-1]] + [n if n is not None else 2 * (x.shape[axes[-1]] - 1)]
-            return fftlib.irfftn(x, s=s, axes=axes, norm=INVERSE_NORM[norm]).astype(np.float32, copy=False)
+            return fftlib.irfftn(x, s=s, axes=axes, norm=INVERSE_NORM[norm], **options).astype(np.float32, copy=False)
         return inverse_real
     transform = {Op.FFT: fftlib.fftn, Op.IFFT: fftlib.ifftn, Op.RFFT: fftlib.rfftn}[op]
     scaling = (INVERSE_NORM if op == Op.IFFT else FORWARD_NORM)[norm]
-    return lambda x: transform(x, axes=axes, norm=scaling).astype(np.complex64, copy=False)
+    return lambda x: transform(x, axes=axes, norm=scaling, **options).astype(np.complex64, copy=False)
+
+
+def _fft_workers(node: Node) -> int:
+    """Threads for one FFT step: the usable cores for a batch of at least 64 transforms (STFT frames),
+    one otherwise (a thread costs more than a small transform)."""
+    shape, axes = node.src[0].type.shape, node.attrs["axes"]
+    batch = int(np.prod([d or 1 for a, d in enumerate(shape) if a not in axes], dtype=np.int64))
+    if batch < 64:
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
 
 
 class CpuPlan:

@@ -949,4 +949,6 @@ class CudaBackend:
         return tensor
 
 
+from . import fft  # noqa: E402  (registers the FFT lowerings and the fused STFT power -> mel chain)
+
 __all__ = ["CudaBackend", "CudaPlan", "LOWERINGS", "to_host", "to_device", "torch_dtype", "math"]

@@ -1,0 +1,301 @@
+"""CUDA lowerings of the FFT ops, and the audio front end (STFT power -> mel) fused into two kernels.
+
+The FFT ops run on cuFFT through torch. A strided input (STFT frames taken by `array_view` with the
+hop as the frame stride) goes to cuFFT as it is: cuFFT reads frame f at sample f * hop of the
+signal, so the framing stays a view on the device too (torch copies only an input whose start is
+not 8-byte aligned).
+
+The mel spectrogram that `ingot.models.audio` builds, per chunk of frames,
+
+    mel = matmul(filters, transpose(abs(rfft(frames * window)) ** 2))      # [n_mels, frames]
+
+would be five device passes over the frames and their spectra. When the window is a cosine sum
+(w[n] = a0 - a1 cos(2 pi n / n_fft): Hann, Hamming, boxcar) it is applied after the transform, as a
+three-tap filter across bins (X_w[k] = a0 X[k] - a1/2 (X[k-1] + X[k+1]), the spectrum of a real
+signal continued by X[-k] = conj X[k]), so the chain becomes
+
+    spectrum = rfft(frames)                    # cuFFT over the strided view of the signal
+    mel = power_mel(spectrum)                  # one Triton kernel: window, |.|^2, mel projection
+
+and the kernel visits, for each tile of mel bands, only the FFT bins where that tile's filters are
+non-zero. Other windows are multiplied in first (torch) and the kernel does |.|^2 and the mel
+projection. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
+pass a deferred value along and the matmul step computes the result, so nothing in between is
+written to device memory. Any other use of these ops lowers as before.
+
+    >>> exe = g.compile(targets=[audio.log_mel_spectrogram(g, x)], device="cuda")   # doctest: +SKIP
+    >>> exe.plan.fusions                                       # doctest: +SKIP
+    ['stft power+mel (hann, 400-point)', ...]
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ...ir import Node, Op, Program
+from . import LOWERINGS, Lowering, StepFn, constant_tensor
+
+_FORWARD = {"none": "backward", "size": "forward", "unitary": "ortho"}
+_INVERSE = {"none": "forward", "size": "backward", "unitary": "ortho"}
+
+
+# -- the FFT ops ----------------------------------------------------------------------------------
+
+def fft_lowering(ctx: Lowering) -> StepFn:
+    """FFT, IFFT, RFFT, IRFFT through torch.fft (cuFFT); MPSGraph's scaling names mapped to torch's."""
+    a = ctx.node.attrs
+    axes, norm, op = tuple(a["axes"]), a["norm"], ctx.node.op
+    if op == Op.FFT:
+        return lambda x: torch.fft.fftn(x, dim=axes, norm=_FORWARD[norm]).to(torch.complex64)
+    if op == Op.IFFT:
+        return lambda x: torch.fft.ifftn(x, dim=axes, norm=_INVERSE[norm]).to(torch.complex64)
+    if op == Op.RFFT:
+        if len(axes) == 1:  # the STFT's case: one transform per frame, frames possibly a strided view
+            axis = axes[0]
+            return lambda x: torch.fft.rfft(x, dim=axis, norm=_FORWARD[norm])
+        return lambda x: torch.fft.rfftn(x, dim=axes, norm=_FORWARD[norm])
+    s = [ctx.node.type.shape[ax] for ax in axes]
+    return lambda x: torch.fft.irfftn(x, s=s, dim=axes, norm=_INVERSE[norm]).to(torch.float32)
+
+
+# -- the fused kernel -----------------------------------------------------------------------------
+
+@triton.jit
+def _power_mel_kernel(spec_ptr, filt_ptr, band_ptr, out_ptr, F, B, M, REFLECT, stride_sf, stride_om, a0, a1_half,
+                      WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out[m, f] = sum_k filt[m, k] |X_w[f, k]|^2 for one tile of mel bands x frames; X is complex64
+    [F, B] read as interleaved float32, X_w its windowed form (WINDOWED) or X itself."""
+    pid_m = tl.program_id(0)  # mel tiles vary fastest: the tiles of one block of frames share its rows in L2
+    pid_f = tl.program_id(1)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.load(band_ptr + 2 * pid_m)
+    hi = tl.load(band_ptr + 2 * pid_m + 1)
+    rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
+    f_mask = offs_f[:, None] < F
+    m_mask = offs_m[None, :] < M
+    acc = tl.zeros((BLOCK_F, BLOCK_M), dtype=tl.float32)
+    for b0 in range(lo, hi, BLOCK_B):
+        k = b0 + tl.arange(0, BLOCK_B)
+        k_mask = k < hi
+        mask = f_mask & k_mask[None, :]
+        re = tl.load(rows + 2 * k[None, :], mask=mask, other=0.0)
+        im = tl.load(rows + 2 * k[None, :] + 1, mask=mask, other=0.0)
+        if WINDOWED:
+            below = tl.where(k == 0, 1, k - 1)               # X[-1] = conj X[1]
+            above = tl.where(k == B - 1, REFLECT, k + 1)     # X[B] = conj X[n_fft - B]
+            re_below = tl.load(rows + 2 * below[None, :], mask=mask, other=0.0)
+            im_below = tl.load(rows + 2 * below[None, :] + 1, mask=mask, other=0.0)
+            re_above = tl.load(rows + 2 * above[None, :], mask=mask, other=0.0)
+            im_above = tl.load(rows + 2 * above[None, :] + 1, mask=mask, other=0.0)
+            im_below = tl.where(k[None, :] == 0, -im_below, im_below)
+            im_above = tl.where(k[None, :] == B - 1, -im_above, im_above)
+            re = a0 * re - a1_half * (re_below + re_above)
+            im = a0 * im - a1_half * (im_below + im_above)
+        power = re * re + im * im                                                   # [BLOCK_F, BLOCK_B]
+        w = tl.load(filt_ptr + offs_m[None, :] * B + k[:, None], mask=m_mask & k_mask[:, None], other=0.0)
+        acc += tl.dot(power, w, input_precision=PRECISION)                          # [BLOCK_F, BLOCK_M]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_f[:, None], acc, mask=f_mask & m_mask)
+
+
+@dataclass(frozen=True)
+class MelProjection:
+    """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, each
+    mel tile's non-zero bin range, the window as cosine-sum coefficients (None: already applied)."""
+    filters: torch.Tensor
+    bands: torch.Tensor
+    n_fft: int
+    cosine: tuple[float, float] | None
+    block_m: int = 16
+
+
+def mel_bands(filters: np.ndarray, block_m: int) -> np.ndarray:
+    """[tiles, 2] int32: for each tile of block_m mel rows, the bins [lo, hi) holding its non-zeros."""
+    bands = []
+    for m0 in range(0, filters.shape[0], block_m):
+        cols = np.nonzero(np.any(filters[m0:m0 + block_m] != 0, axis=0))[0]
+        bands.append((int(cols[0]), int(cols[-1]) + 1) if cols.size else (0, 0))
+    return np.asarray(bands, np.int32).reshape(-1, 2)
+
+
+def cosine_window(window: np.ndarray) -> tuple[float, float] | None:
+    """(a0, a1) when window[n] == a0 - a1 cos(2 pi n / N) for its length N >= 3 (a periodic Hann,
+    Hamming or boxcar), to float32 precision; None otherwise."""
+    w = np.asarray(window, np.float64)
+    n = w.shape[-1]
+    if w.ndim != 1 or n < 3:
+        return None
+    cos = np.cos(2 * np.pi * np.arange(n) / n)
+    a0, a1 = float(w.mean()), float(-2.0 * (w * cos).mean())
+    if np.abs(w - (a0 - a1 * cos)).max() > 1e-6 * max(np.abs(w).max(), 1e-30):
+        return None
+    return a0, a1
+
+
+def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str = "ieee",
+              block_f: int = 64, block_b: int = 32) -> torch.Tensor:
+    """filters @ |window(spectrum)|^2.T: complex64 [frames, bins] -> float32 [n_mels, frames]."""
+    filters = projection.filters
+    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
+    frames, bins = spectrum.shape
+    n_mels = filters.shape[0]
+    assert filters.shape == (n_mels, bins) and filters.is_contiguous(), (filters.shape, bins)
+    assert bins == projection.n_fft // 2 + 1
+    if spectrum.stride() != (bins, 1):
+        spectrum = spectrum.contiguous()
+    interleaved = torch.view_as_real(spectrum)                                   # [frames, bins, 2] float32
+    out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
+    if frames == 0:
+        return out
+    a0, a1 = projection.cosine if projection.cosine is not None else (1.0, 0.0)
+    grid = (triton.cdiv(n_mels, projection.block_m), triton.cdiv(frames, block_f))
+    _power_mel_kernel[grid](interleaved, filters, projection.bands, out, frames, bins, n_mels,
+                            projection.n_fft - bins, 2 * bins, out.stride(0), a0, a1 / 2,
+                            WINDOWED=projection.cosine is not None and a1 != 0.0, PRECISION=precision,
+                            BLOCK_F=block_f, BLOCK_B=block_b, BLOCK_M=projection.block_m)
+    return out
+
+
+def mel_of_frames(frames: torch.Tensor, projection: MelProjection, **options) -> torch.Tensor:
+    """[frames, n_fft] (a strided view of the signal, windowed already unless projection.cosine)
+    -> mel [n_mels, frames]: cuFFT, then the fused kernel."""
+    return power_mel(torch.fft.rfft(frames, dim=-1), projection, **options)
+
+
+# -- recognising the mel chain in a lowered program -----------------------------------------------
+
+@dataclass(frozen=True)
+class Role:
+    """A node's part in a mel chain: 'window', 'rfft', 'abs', 'square', 'transpose' pass a deferred
+    value on; 'mel' (the matmul) computes. `reads` are the source indices the step takes."""
+    part: str
+    reads: tuple[int, ...]
+    projection: MelProjection | None = None
+
+
+@dataclass
+class Deferred:
+    """Frames whose window, transform and power a later mel step computes."""
+    frames: torch.Tensor
+
+
+_CHAINS: "weakref.WeakKeyDictionary[object, dict[int, Role]]" = weakref.WeakKeyDictionary()
+
+
+def _constant(program: Program, node: Node) -> np.ndarray | None:
+    return program.constants[node.attrs["key"]] if node.op == Op.CONSTANT else None
+
+
+def mel_chains(program: Program, device) -> dict[int, Role]:
+    """node id -> Role for every matmul(filters, transpose(|rfft(frames [* window])|^2)) in the program
+    whose inner nodes have no other reader. The program as `ingot.models.audio` leaves it after the
+    passes (CSE has made the two abs one node)."""
+    nodes = program.nodes()
+    users: dict[int, set[int]] = {}
+    for n in nodes:
+        for s in n.src:
+            users.setdefault(s.id, set()).add(n.id)
+    roots = {n.id for n in program.roots}
+
+    def only_for(inner: Node, user: Node) -> bool:
+        return inner.id not in roots and users.get(inner.id) == {user.id}
+
+    roles: dict[int, Role] = {}
+    for mm in nodes:
+        if mm.op != Op.MATMUL or len(mm.src) != 2 or mm.type.rank != 2 or mm.dtype.name != "float32":
+            continue
+        filters_node, transpose = mm.src
+        filters = _constant(program, filters_node)
+        if filters is None or filters.ndim != 2 or filters.dtype != np.float32:
+            continue
+        if transpose.op != Op.TRANSPOSE or tuple(transpose.attrs["perm"]) != (1, 0) or not only_for(transpose, mm):
+            continue
+        square = transpose.src[0]
+        if square.op != Op.MUL or square.src[0] is not square.src[1] or not only_for(square, transpose):
+            continue
+        magnitude = square.src[0]
+        if magnitude.op != Op.ABS or not only_for(magnitude, square):
+            continue
+        spectrum = magnitude.src[0]
+        if spectrum.op != Op.RFFT or spectrum.type.rank != 2 or tuple(spectrum.attrs["axes"]) != (1,) \
+                or spectrum.attrs["norm"] != "none" or not only_for(spectrum, magnitude):
+            continue
+        frames = spectrum.src[0]
+        n_fft = frames.type.shape[1]
+        if filters.shape[1] != n_fft // 2 + 1:
+            continue
+        cosine = None
+        if frames.op == Op.MUL and only_for(frames, spectrum):
+            which = [i for i in (0, 1) if (w := _constant(program, frames.src[i])) is not None and w.shape == (n_fft,)]
+            view_index = 1 - which[0] if which else None
+            if which and frames.src[view_index].type.shape == frames.type.shape:
+                cosine = cosine_window(_constant(program, frames.src[which[0]]))
+                if cosine is not None:
+                    roles[frames.id] = Role("window", (view_index,))
+        bands = mel_bands(filters, 16)
+        projection = MelProjection(constant_tensor(filters, device), torch.as_tensor(bands, device=device),
+                                   n_fft, cosine)
+        roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
+                      square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
+                      mm.id: Role("mel", (1,), projection)})
+    return roles
+
+
+def _roles(ctx: Lowering) -> dict[int, Role]:
+    roles = _CHAINS.get(ctx.plan)
+    if roles is None:
+        roles = _CHAINS[ctx.plan] = mel_chains(ctx.plan.program, ctx.device)
+    return roles
+
+
+def _window_name(cosine: tuple[float, float] | None) -> str:
+    if cosine is None:
+        return "window applied first"
+    a0, a1 = cosine
+    names = {(0.5, 0.5): "hann", (0.54, 0.46): "hamming", (1.0, 0.0): "boxcar"}
+    return next((name for (b0, b1), name in names.items() if math.isclose(a0, b0, abs_tol=1e-6)
+                 and math.isclose(a1, b1, abs_tol=1e-6)), f"cosine {a0:.3g}, {a1:.3g}")
+
+
+def _chain_step(role: Role, ctx: Lowering) -> StepFn:
+    ctx.reads = role.reads
+    if role.part == "window":
+        return lambda frames: Deferred(frames)
+    if role.part == "rfft":
+        return lambda frames: frames if isinstance(frames, Deferred) else Deferred(frames)
+    if role.part in ("abs", "square", "transpose"):
+        return lambda deferred: deferred
+    projection = role.projection
+    plan = ctx.plan
+    if hasattr(plan, "fusions"):
+        plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point)")
+    return lambda deferred: mel_of_frames(deferred.frames, projection)
+
+
+def _with_chains(previous: Callable[[Lowering], StepFn]) -> Callable[[Lowering], StepFn]:
+    """A lowering that takes the mel chain's nodes and leaves every other node to `previous`."""
+    def lower(ctx: Lowering) -> StepFn:
+        role = _roles(ctx).get(ctx.node.id)
+        return previous(ctx) if role is None else _chain_step(role, ctx)
+    lower.__doc__ = f"The fused audio chain's part, else {getattr(previous, '__name__', previous)}."
+    return lower
+
+
+def register(table: dict) -> None:
+    """Put the FFT lowerings and the mel-chain parts into a backend's lowering table."""
+    for op in (Op.FFT, Op.IFFT, Op.IRFFT):
+        table[op] = fft_lowering
+    table[Op.RFFT] = _with_chains(fft_lowering)
+    for op in (Op.MUL, Op.ABS, Op.TRANSPOSE, Op.MATMUL):
+        table[op] = _with_chains(table[op])
+
+
+register(LOWERINGS)

@@ -1,0 +1,193 @@
+"""Audio front ends on the CUDA backend against the CPU backend (marker `cuda`).
+
+STFT, mel, log-mel and Whisper graphs from ingot.models.audio compiled for device="cuda" and for the
+CPU, on awkward lengths (odd signal and FFT sizes, chunks that end mid-signal), every window type
+and centre mode. The mel chain runs fused on the device (cuFFT over the strided frames, then one
+Triton kernel: window in frequency, |.|^2, mel projection); the tests check that the fusion was
+taken where expected and that the framing stays a view of the signal.
+
+Runs where torch sees a GPU; skipped cleanly elsewhere. `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1`
+runs the same kernels under Triton's interpreter (slow; small signals only).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
+if _HAVE:
+    import torch
+    _INTERPRET = os.environ.get("INGOT_CUDA_DEVICE") == "cpu"
+    _HAVE = _INTERPRET or torch.cuda.is_available()
+if not _HAVE:
+    pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
+
+import ingot  # noqa: E402
+from ingot.backends.cuda import fft as cuda_fft  # noqa: E402
+from ingot.backends.cuda import to_host  # noqa: E402
+from ingot.models import audio  # noqa: E402
+
+WINDOWS = ["hann", "hamming", ("gaussian", 9.5), "boxcar", "custom"]
+CENTRES = [(True, "constant"), (True, "reflect"), (False, "constant")]
+F32 = 1e-5     # float32, relative to the largest magnitude of the result
+LOG_MEL = 1e-4  # dB and Whisper's log10 scale: the issue's tolerance for log-mel
+
+
+def signal(n: int, seed: int = 0, lead=()) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / 16000
+    tone = 0.5 * np.sin(2 * np.pi * 440 * t) + 0.25 * np.sin(2 * np.pi * 3111 * t)
+    return (tone + 0.1 * rng.standard_normal(lead + (n,))).astype(np.float32)
+
+
+def window_of(name, n_fft: int):
+    if name == "custom":
+        return np.random.default_rng(1).random(n_fft) + 0.5
+    return name
+
+
+def run_both(build, x: np.ndarray):
+    """(cuda result as numpy, cpu result, the cuda executable)."""
+    g = ingot.Graph()
+    s = g.placeholder(x.shape, ingot.float32, name="signal")
+    y = build(g, s)
+    expected = g.compile(targets=[y]).run({"signal": x})[0]
+    exe = g.compile(targets=[y], device="cuda")
+    actual = to_host(exe.run({"signal": x})[0])
+    again = to_host(exe.run({"signal": x})[0])    # the second run replays a captured CUDA graph
+    np.testing.assert_array_equal(actual, again)
+    return actual, expected, exe
+
+
+def assert_close(actual, expected, tol):
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    err = float(np.abs(actual.astype(np.complex128) - expected).max()) / scale
+    assert err <= tol, f"max error {err:.3g} of the largest magnitude > {tol}"
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("center,pad_mode", CENTRES)
+@pytest.mark.parametrize("length,n_fft,hop", [(2999, 256, 64), (1823, 401, 100)])
+def test_stft_equals_cpu(window, center, pad_mode, length, n_fft, hop):
+    x = signal(length)
+    actual, expected, _ = run_both(lambda g, s: audio.stft(g, s, n_fft=n_fft, hop_length=hop,
+                                                          window=window_of(window, n_fft), center=center,
+                                                          pad_mode=pad_mode), x)
+    assert_close(actual, expected, F32)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("center,pad_mode", CENTRES)
+def test_mel_equals_cpu_and_is_fused(window, center, pad_mode):
+    n_fft, hop = 401, 97
+    x = signal(4001, seed=2)
+    build = lambda g, s: audio.mel_spectrogram(g, s, sample_rate=16000, n_fft=n_fft, hop_length=hop,  # noqa: E731
+                                               window=window_of(window, n_fft), center=center, pad_mode=pad_mode,
+                                               n_mels=40, frames_per_chunk=13)
+    actual, expected, exe = run_both(build, x)
+    assert_close(actual, expected, F32)
+    fused = [f for f in exe.plan.fusions if f.startswith("stft power+mel")]
+    assert fused, exe.plan.fusions
+    in_frequency = window in ("hann", "hamming", "boxcar")
+    assert all(("window applied first" in f) != in_frequency for f in fused), fused
+
+
+@pytest.mark.parametrize("length", [16000, 16001, 4321])
+@pytest.mark.parametrize("n_fft,n_mels,htk", [(400, 80, False), (512, 64, True), (1023, 40, False)])
+def test_log_mel_equals_cpu(length, n_fft, n_mels, htk):
+    x = signal(length, seed=3)
+    actual, expected, _ = run_both(lambda g, s: audio.log_mel_spectrogram(
+        g, s, sample_rate=16000, n_fft=n_fft, hop_length=160, n_mels=n_mels, htk=htk, pad_mode="reflect"), x)
+    assert_close(actual, expected, LOG_MEL)
+
+
+def test_batched_and_win_length_mel_fall_back_and_equal_cpu():
+    x = signal(3001, seed=4, lead=(2,))
+    actual, expected, _ = run_both(lambda g, s: audio.mel_spectrogram(g, s, sample_rate=8000, n_fft=256, hop_length=80,
+                                                                     n_mels=24), x)
+    assert_close(actual, expected, F32)
+    x = signal(3001, seed=5)
+    actual, expected, exe = run_both(lambda g, s: audio.mel_spectrogram(g, s, sample_rate=8000, n_fft=256, hop_length=80,
+                                                                       win_length=200, n_mels=24), x)
+    assert_close(actual, expected, F32)
+    assert any("window applied first" in f for f in exe.plan.fusions), exe.plan.fusions  # a padded window is no cosine sum
+
+
+@pytest.mark.parametrize("n_mels", [80, 128])
+@pytest.mark.parametrize("length,padding", [(16000 * 3 + 7, 0), (12345, 16000)])
+def test_whisper_front_end_equals_cpu(n_mels, length, padding):
+    x = signal(length, seed=6)
+    actual, expected, exe = run_both(lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=n_mels, padding=padding), x)
+    assert_close(actual, expected, LOG_MEL)
+    assert any(f.startswith("stft power+mel (hann, 400-point)") for f in exe.plan.fusions), exe.plan.fusions
+
+
+@pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="30 s of audio is slow in the interpreter")
+def test_whisper_thirty_seconds_equals_cpu():
+    x = audio.pad_or_trim(signal(16000 * 21, seed=7))
+    actual, expected, _ = run_both(lambda g, s: audio.whisper_log_mel_spectrogram(g, s), x)
+    assert actual.shape == (80, 3000)
+    assert_close(actual, expected, LOG_MEL)
+
+
+def test_cosine_window_recognition():
+    assert cuda_fft.cosine_window(audio.get_window("hann", 400)) == pytest.approx((0.5, 0.5))
+    assert cuda_fft.cosine_window(audio.get_window("hamming", 401)) == pytest.approx((0.54, 0.46))
+    assert cuda_fft.cosine_window(np.ones(7)) == pytest.approx((1.0, 0.0))
+    assert cuda_fft.cosine_window(audio.get_window(("gaussian", 9.5), 64)) is None
+    assert cuda_fft.cosine_window(audio._padded_window("hann", 200, 256)) is None
+    assert cuda_fft.cosine_window(np.ones(2)) is None
+
+
+def test_mel_bands_cover_every_non_zero():
+    filters = audio.mel_filterbank(16000, 400, 80)
+    bands = cuda_fft.mel_bands(filters, 16)
+    assert bands.shape == (5, 2)
+    for tile, (lo, hi) in enumerate(bands):
+        rows = filters[tile * 16:(tile + 1) * 16]
+        assert not rows[:, :lo].any() and not rows[:, hi:].any()
+    assert (bands[:, 1] - bands[:, 0]).sum() < 201 * 5 // 2    # the band skips most of the zeros
+
+
+@pytest.mark.parametrize("frames,bins_n_fft,n_mels,cosine", [(1, 400, 80, (0.5, 0.5)), (333, 401, 40, (0.54, 0.46)),
+                                                              (70, 256, 24, None), (129, 1023, 128, (0.5, 0.5))])
+def test_power_mel_kernel_equals_numpy(frames, bins_n_fft, n_mels, cosine):
+    n_fft = bins_n_fft
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((frames, n_fft)).astype(np.float32)
+    filters = audio.mel_filterbank(16000, n_fft, n_mels)
+    window = np.ones(n_fft) if cosine is None else cosine[0] - cosine[1] * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
+    expected = (filters.astype(np.float64) @ (np.abs(np.fft.rfft(x * window, axis=-1)) ** 2).T).astype(np.float32)
+    device = torch.device(os.environ.get("INGOT_CUDA_DEVICE", "cuda"))
+    projection = cuda_fft.MelProjection(torch.as_tensor(filters, device=device),
+                                        torch.as_tensor(cuda_fft.mel_bands(filters, 16), device=device), n_fft, cosine)
+    actual = to_host(cuda_fft.mel_of_frames(torch.as_tensor(x, device=device), projection))
+    assert_close(actual, expected, F32)
+
+
+@pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs device memory")
+def test_one_hour_log_mel_peak_device_memory_under_three_times_signal_plus_output():
+    n = 16000 * 3600
+    g = ingot.Graph()
+    s = g.placeholder((n,), ingot.float32, name="signal")
+    exe = g.compile(targets=[audio.log_mel_spectrogram(g, s, sample_rate=16000, n_fft=400, hop_length=160, n_mels=80,
+                                                       pad_mode="reflect")], device="cuda")
+    x = torch.as_tensor(signal(n), device="cuda")
+    exe.run({"signal": x})                                 # kernels compiled, plans made
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = exe.run({"signal": x})[0]
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    signal_bytes, output_bytes = x.numel() * 4, out.numel() * 4
+    assert out.shape == (80, n // 160 + 1)
+    # windowed frames alone would be 2.5x the signal: the chain never writes them
+    assert peak < 3 * (signal_bytes + output_bytes), (peak / 1e6, signal_bytes / 1e6, output_bytes / 1e6)

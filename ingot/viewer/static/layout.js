@@ -12,7 +12,7 @@
 // 5. x: each node pulled toward the mean of its neighbours, then spaced, alternately down and up
 "use strict";
 
-const LONG = 24, FANOUT = 10, GAP_X = 24, GAP_Y = 36, DUMMY_W = 8, SWEEPS = 6, PASSES = 6;
+const LONG = 24, FANOUT = 10, GAP_X = 24, GAP_Y = 36, DUMMY_W = 8, SWEEPS = 4, PASSES = 4;
 
 function layout(msg) {
   const n = msg.nodes.length;

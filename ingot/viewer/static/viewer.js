@@ -3,7 +3,8 @@
 "use strict";
 
 const V = window.ingotViewer = {};
-window.__ingot = {firstPaint: null, layouts: 0};
+window.__ingot = {firstPaint: null, layouts: 0, marks: {}};
+const mark = name => { if (!(name in window.__ingot.marks)) window.__ingot.marks[name] = Math.round(performance.now()); };
 const $ = id => document.getElementById(id);
 const esc = s => String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 const fmtBytes = b => b >= 1 << 20 ? (b / (1 << 20)).toFixed(2) + " MiB" : b >= 1024 ? (b / 1024).toFixed(1) + " KiB" : b + " B";
@@ -118,12 +119,15 @@ async function relayout(keepView) {
   const vis = visibleGraph();
   status(`laying out ${vis.items.length} items…`);
   const t0 = performance.now();
+  mark("visible");
   const lay = await runLayout(vis);
+  mark("laid out");
   S.vis = vis; S.layout = lay;
   window.__ingot.layouts++;
   window.__ingot.layoutMs = performance.now() - t0;
+  if (!keepView) fit();      // before the new content is in the page: reading its size is then cheap
   render();
-  if (!keepView) fit();
+  mark("rendered");
   status(`${D.drawn.length} ops and values (${Object.keys(D.constants).length} constants not drawn), ` +
          `${vis.items.length} shown · layout ${Math.round(window.__ingot.layoutMs)} ms`);
 }
@@ -229,11 +233,16 @@ function render() {
   });
   parts.push("</g></g>");
   const svg = $("graph");
+  mark("svg text");
   svg.innerHTML = parts.join("");
+  mark("svg dom");
   applyView();
+  mark("view");
   legend(shown, hidden);
+  mark("legend");
   if (window.__ingot.firstPaint === null) {
-    requestAnimationFrame(() => requestAnimationFrame(() => { window.__ingot.firstPaint = performance.now(); }));
+    // a task queued from a frame callback runs once that frame is painted
+    requestAnimationFrame(() => { mark("frame"); setTimeout(() => { window.__ingot.firstPaint = performance.now(); }, 0); });
   }
 }
 
@@ -269,10 +278,11 @@ function status(text) { $("status").textContent = text; }
 function applyView() {
   const g = document.getElementById("viewport");
   if (g) g.setAttribute("transform", `translate(${S.view.x},${S.view.y}) scale(${S.view.k})`);
+  $("graph").classList.toggle("far", S.view.k < 0.3);   // text too small to read: not laid out at all
 }
 function fit() {
   if (!S.layout) return;
-  const r = $("graph").getBoundingClientRect();
+  const r = $("canvas").getBoundingClientRect();
   const k = Math.min(1.5, Math.max(0.02, Math.min((r.width - 40) / (S.layout.width || 1), (r.height - 40) / (S.layout.height || 1))));
   S.view = {k, x: (r.width - S.layout.width * k) / 2, y: 20};
   applyView();
@@ -590,7 +600,9 @@ async function main() {
     document.body.innerHTML = `<p style="padding:20px">The model's data could not be loaded: ${esc(e.message || e)}</p>`;
     return;
   }
+  mark("data");
   prepare();
+  mark("prepared");
   if (D.profile) { D.profile.maxNode = Math.max(0, ...Object.values(D.profile.nodes)); }
   if (D.qerror) D.qerror.max = Math.max(1e-12, ...Object.values(D.qerror.constants).map(e => e.relative));
   $("title").textContent = "ingot view · " + (D.model.path.split(/[\\/]/).pop() || D.model.path);
@@ -598,6 +610,9 @@ async function main() {
   document.title = $("title").textContent;
   wire();
   await relayout(false);
-  setTimeout(() => { renderOps(); renderConstants(); renderVariables(); window.__ingot.ready = true; }, 0);
+  mark("graph drawn");
+  requestAnimationFrame(() => setTimeout(() => {   // the lists after the graph is on screen
+    mark("lists"); renderOps(); renderConstants(); renderVariables(); mark("lists done"); window.__ingot.ready = true;
+  }, 0));
 }
 main();

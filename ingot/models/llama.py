@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -83,8 +84,10 @@ class LlamaConfig:
 class Weights:
     """Looks up GGUF-named tensors and turns them into graph constants (quantized ones stay so)."""
 
-    def __init__(self, g: Graph, tensors: dict, path: str = ""):
+    def __init__(self, g: Graph, tensors: dict, path: str = "", adapter_sites=()):
         self.g, self.tensors, self.path = g, tensors, path
+        self.adapter_sites = frozenset(adapter_sites)  # weight names whose output gets a called adapter
+        self.inputs: dict[str, Tensor] = {}            # "+".join(weight names) -> the tensor they multiply
 
     def get(self, name: str):
         if name not in self.tensors:
@@ -123,7 +126,11 @@ class Weights:
 
     def matrices(self, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor] | Tensor:
         """Weights that multiply the same input, side by side as one [in, sum(out)] tensor when they
-        share a quantized format (one matmul instead of several); else a list, one per weight."""
+        share a quantized format (one matmul instead of several); else a list, one per weight.
+        A tensor stored under "+".join(names) (an Ingot LLM package) is that side-by-side weight."""
+        fused = "+".join(names)
+        if len(names) > 1 and fused in self.tensors:
+            return self._constant(self.tensors[fused], fused)
         ws = [self._checked(n, s) for n, s in zip(names, shapes)]
         if all(isinstance(w, QuantizedTensor) for w in ws):
             try:
@@ -133,12 +140,22 @@ class Weights:
         return [self._constant(w, n) for w, n in zip(ws, names)]
 
 
+def adapted(g: Graph, weights: Weights, names: list[str], x: Tensor, y: Tensor) -> Tensor:
+    """y plus a separately compiled adapter's delta(x) when one of these weights has an adapter site:
+    a `call` named "+".join(names), bound (and re-bound) to an executable, e.g. LoRA x @ A.T @ B.T."""
+    weights.inputs["+".join(names)] = x  # calibration reads these (activation statistics per weight)
+    if not weights.adapter_sites.intersection(names):
+        return y
+    (delta,) = g.call("+".join(names), [x], [TensorType(y.shape, y.dtype)])
+    return y + delta
+
+
 def linear_split(g: Graph, x: Tensor, weights: Weights, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor]:
     """[x @ w.T for each weight], computed as one matmul over the weights side by side when possible."""
     fused = weights.matrices(names, shapes)
     if isinstance(fused, list):
-        return [linear(g, x, w) for w in fused]
-    y = linear(g, x, fused)
+        return [adapted(g, weights, [n], x, linear(g, x, w)) for n, w in zip(names, fused)]
+    y = adapted(g, weights, names, x, linear(g, x, fused))
     outs, at = [], 0
     for rows, _ in shapes:
         outs.append(g.slice(y, [0, at], [None, at + rows]))
@@ -177,7 +194,7 @@ def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tenso
     v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
     out = g.scaled_dot_product_attention(q, k_seen, v_seen, causal=True)  # [1, nh, T, hd]
     out = g.reshape(g.transpose(g.reshape(out, (nh, -1, hd)), (1, 0, 2)), (-1, nh * hd))
-    return linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd)))
+    return adapted(g, weights, [p + "attn_output.weight"], out, linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
 
 
 def feed_forward(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tensor) -> Tensor:
@@ -185,7 +202,8 @@ def feed_forward(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Te
     p = f"blk.{layer}."
     gate, up = linear_split(g, x, weights, [p + "ffn_gate.weight", p + "ffn_up.weight"],
                             [(cfg.ffn_dim, cfg.dim), (cfg.ffn_dim, cfg.dim)])
-    return linear(g, g.silu(gate) * up, weights.matrix(p + "ffn_down.weight", (cfg.dim, cfg.ffn_dim)))
+    h = g.silu(gate) * up
+    return adapted(g, weights, [p + "ffn_down.weight"], h, linear(g, h, weights.matrix(p + "ffn_down.weight", (cfg.dim, cfg.ffn_dim))))
 
 
 @dataclass
@@ -196,16 +214,28 @@ class LlamaGraph:
     last: Tensor
     logits: Tensor
     config: LlamaConfig
+    callables_for: Callable[[list[str], int, str], dict] | None = None  # call names, length, device -> {name: executable}
+    inputs: dict[str, Tensor] = field(default_factory=dict)             # what each (fused) weight multiplies
 
     def compile(self, length: int, device: str = "cpu"):
-        """The executable for `length` tokens per step (1 = decode); cached by the graph."""
-        return self.graph.compile(feeds={self.tokens: TensorType((length,), dt.int32)}, targets=[self.logits], device=device)
+        """The executable for `length` tokens per step (1 = decode); cached by the graph. Adapter
+        call sites are (re)bound to `callables_for(length, device)`, which costs no recompile."""
+        exe = self.graph.compile(feeds={self.tokens: TensorType((length,), dt.int32)}, targets=[self.logits], device=device)
+        if self.callables_for is not None:
+            for name, callee in self.callables_for(sorted(exe.call_sites), length, device).items():
+                if exe.callables.get(name) is not callee:
+                    exe.bind(name, callee)
+        return exe
 
 
-def build(cfg: LlamaConfig, tensors: dict, path: str = "") -> LlamaGraph:
-    """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors)."""
+def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False) -> LlamaGraph:
+    """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors).
+
+    adapter_sites: weight names (e.g. "blk.0.attn_q.weight") whose outputs add a called adapter
+    (see `adapted`); all_logits: logits for every position [T, vocab] instead of row `last`.
+    """
     g = Graph()
-    weights = Weights(g, tensors, path)
+    weights = Weights(g, tensors, path, adapter_sites)
     tokens = g.placeholder((None,), dt.int32, name="tokens")   # this step's token ids
     pos = g.placeholder((), dt.int32, name="pos")              # position of tokens[0]
     last = g.placeholder((), dt.int32, name="last")            # which row's logits to return
@@ -219,11 +249,12 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "") -> LlamaGraph:
         p = f"blk.{layer}."
         x = x + attention(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "attn_norm.weight"), cfg.norm_eps), pos, inv_freq)
         x = x + feed_forward(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "ffn_norm.weight"), cfg.norm_eps))
-    x = g.slice(x, [last, 0], size=[1, None])                  # only the row whose logits we need
+    if not all_logits:
+        x = g.slice(x, [last, 0], size=[1, None])              # only the row whose logits we need
     x = g.rms_norm(x, weights.vector("output_norm.weight"), cfg.norm_eps)
     head = embed if cfg.tied_embeddings else weights.matrix("output.weight", (cfg.vocab_size, cfg.dim))
     logits = linear(g, x, head)                                # [1, vocab]
-    return LlamaGraph(g, tokens, pos, last, logits, cfg)
+    return LlamaGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs)
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4,

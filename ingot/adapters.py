@@ -1,0 +1,246 @@
+"""Low-rank adapters called from a Llama-family graph: LoRA (PEFT files) and error compensation.
+
+An adapter adds delta(x) = x @ A.T @ (scale * B).T to the output of a weight W [out, in]
+(A: [rank, in], B: [out, rank]), i.e. the layer computes x @ (W + scale * B @ A).T. The main
+graph holds a `call` per adapted weight (or per group of weights multiplied side by side, e.g.
+q/k/v); each call is bound to a small executable compiled separately, so adapters are attached,
+swapped or removed with `Executable.bind`, never by recompiling the model.
+
+    >>> import numpy as np
+    >>> a, b = np.ones((2, 8), np.float32), np.ones((4, 2), np.float32)
+    >>> adapters = AdapterSet({"blk.0.attn_q.weight": [(a, 0.5 * b)]})
+    >>> exe = adapters.executable(["blk.0.attn_q.weight"], [4], length=1)
+    >>> exe.run([np.ones((1, 8), np.float32)])[0].tolist()
+    [[8.0, 8.0, 8.0, 8.0]]
+
+PEFT format (Hugging Face): a folder with adapter_config.json (r, lora_alpha, target_modules,
+optionally rank_pattern/alpha_pattern, use_rslora) and adapter_model.safetensors holding
+`base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight` and
+`...mlp.{gate,up,down}_proj.lora_{A,B}.weight`; scale = lora_alpha / r (/ sqrt(r) with rsLoRA).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import dtypes as dt
+from .errors import IngotError
+
+# PEFT module name -> the GGUF tensor it adapts (per layer)
+PEFT_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+_PEFT_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+@dataclass
+class AdapterSet:
+    """Low-rank factors per weight name: {"blk.3.attn_q.weight": [(A [r, in], B_scaled [out, r]), ...]}.
+    Several pairs on one weight add up (two LoRAs, or a LoRA over an error compensation)."""
+    factors: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    int8: bool = False   # store the factors as int8 with a scale per rank / output column (error compensation)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.factors)
+
+    def __bool__(self) -> bool:
+        return bool(self.factors)
+
+    def merged(self, other: "AdapterSet") -> "AdapterSet":
+        out = {k: list(v) for k, v in self.factors.items()}
+        for k, v in other.factors.items():
+            out.setdefault(k, []).extend(v)
+        int8 = (self.int8 or not self) and (other.int8 or not other)
+        return AdapterSet(out, int8=int8)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of the factors as stored: float32, or int8 plus a float32 scale per row of A and of B."""
+        if not self.int8:
+            return sum(a.nbytes + b.nbytes for pairs in self.factors.values() for a, b in pairs)
+        return sum(a.size + b.size + 4 * (a.shape[0] + b.shape[0]) for pairs in self.factors.values() for a, b in pairs)
+
+    def delta(self, name: str) -> np.ndarray:
+        """scale * B @ A summed over the pairs of one weight, [out, in] (for tests and small weights)."""
+        return sum(b.astype(np.float64) @ a.astype(np.float64) for a, b in self.factors[name]).astype(np.float32)
+
+    def site_factors(self, names: list[str], outs: list[int], in_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(A [R, in], B [sum(outs), R]) for weights multiplied side by side: each weight's pairs
+        stacked along the rank, B zero where a weight has no adapter."""
+        pairs = [(i, a, b) for i, n in enumerate(names) for a, b in self.factors.get(n, [])]
+        if not pairs:  # a site built for an adapter this set lacks: a zero delta keeps the graph's shape
+            return np.zeros((1, in_width or 1), np.float32), np.zeros((int(sum(outs)), 1), np.float32)
+        ins = {a.shape[1] for _, a, _ in pairs}
+        if len(ins) != 1:
+            raise IngotError(f"adapters: the factors of {names} take inputs of different widths {sorted(ins)}.")
+        starts = np.concatenate([[0], np.cumsum(outs)])
+        a_all = np.concatenate([a for _, a, _ in pairs], axis=0).astype(np.float32)
+        b_all = np.zeros((int(starts[-1]), a_all.shape[0]), np.float32)
+        r0 = 0
+        for i, a, b in pairs:
+            if b.shape[0] != outs[i]:
+                raise IngotError(f"adapters: {names[i]} has {outs[i]} outputs but its adapter's B has {b.shape[0]} rows.")
+            b_all[starts[i]:starts[i + 1], r0:r0 + a.shape[0]] = b
+            r0 += a.shape[0]
+        return a_all, b_all
+
+    def executable(self, names: list[str], outs: list[int], length: int, device: str = "cpu", in_width: int | None = None):
+        """The executable of one call site for `length` rows of input: x [length, in] -> delta
+        [length, sum(outs)]; cached per (site, length, device)."""
+        key = (tuple(names), tuple(outs), length, device)
+        exe = self._cache.get(key)
+        if exe is None:
+            exe = self._cache[key] = low_rank_executable(*self.site_factors(names, outs, in_width), length, device, self.int8)
+        return exe
+
+
+def _int8_columns(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one scale per column: (q [K, N] int8, scale [1, N] float32)."""
+    scale = np.abs(m).max(axis=0, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return np.clip(np.rint(m / scale), -127, 127).astype(np.int8), scale
+
+
+def low_rank_executable(a: np.ndarray, b: np.ndarray, length: int, device: str = "cpu", int8: bool = False):
+    """x [length, in] -> (x @ a.T) @ b.T as a compiled executable (rank-R bottleneck, two matmuls);
+    int8: the factors stored as int8 with a scale per column (quantized matmuls)."""
+    from .graph import Graph
+    from .ir import TensorType
+
+    g = Graph()
+    x = g.placeholder((length, a.shape[1]), dt.float32, name="x")
+
+    def weight(m: np.ndarray, name: str):
+        m = np.ascontiguousarray(m, np.float32)
+        if not int8:
+            return g.constant(m, name=name)
+        q, scale = _int8_columns(m)
+        return g.dequantize(g.constant(q, name=name), scale=g.constant(scale, name=f"{name}.scale"))
+    down = g.matmul(x, weight(a.T, "A_t"))        # [length, R]
+    up = g.matmul(down, weight(b.T, "B_t"))       # [length, out]
+    return g.compile(feeds={x: TensorType((length, a.shape[1]), dt.float32)}, targets=[up], device=device)
+
+
+def factors_of(exe) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(A, B, int8) back from an executable made by low_rank_executable (e.g. loaded from a package)."""
+    consts = exe.program.constants
+    if "A_t" not in consts or "B_t" not in consts:
+        raise IngotError("adapters: this callable is not a low-rank adapter (no A_t and B_t constants).")
+    int8 = "A_t.scale" in consts
+    value = lambda k: (np.asarray(consts[k], np.float32) * consts[f"{k}.scale"]) if int8 else np.asarray(consts[k])  # noqa: E731
+    return value("A_t").T, value("B_t").T, int8
+
+
+# -- sites in a Llama graph -----------------------------------------------------------------------
+def site_layout(cfg, names: list[str]) -> list[int]:
+    """The output widths of the weights of one call site."""
+    hd = cfg.head_dim
+    width = {"attn_q": cfg.n_heads * hd, "attn_k": cfg.n_kv_heads * hd, "attn_v": cfg.n_kv_heads * hd,
+             "attn_output": cfg.dim, "ffn_gate": cfg.ffn_dim, "ffn_up": cfg.ffn_dim, "ffn_down": cfg.dim}
+    return [width[n.split(".")[2]] for n in names]
+
+
+def site_input(cfg, name: str) -> int:
+    """The input width of a layer weight."""
+    kind = name.split(".")[2]
+    return cfg.n_heads * cfg.head_dim if kind == "attn_output" else cfg.ffn_dim if kind == "ffn_down" else cfg.dim
+
+
+def binder(cfg, adapters: AdapterSet):
+    """callables_for(sites, length, device) for LlamaGraph: every call site bound to its executable."""
+    def callables_for(sites: list[str], length: int, device: str) -> dict:
+        out = {}
+        for site in sites:
+            weights = site.split("+")
+            out[site] = adapters.executable(weights, site_layout(cfg, weights), length, device, site_input(cfg, weights[0]))
+        return out
+    return callables_for
+
+
+# -- PEFT ---------------------------------------------------------------------------------------
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """"PATH[:SCALE]" -> (path, scale multiplier)."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path and not Path(text).exists():
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def load_peft(path, cfg, multiplier: float = 1.0) -> AdapterSet:
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) as an AdapterSet for a
+    Llama-family config; IngotError if a file is missing or a factor does not fit the model.
+
+    HF checkpoints hold q/k projections in the Hugging Face head order; GGUF files permute their
+    rows for interleaved RoPE, so B's rows are permuted the same way for q and k.
+    """
+    from .package import read_safetensors
+
+    path = Path(path)
+    config_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise IngotError(f"LoRA {path}: a PEFT adapter folder needs adapter_config.json and adapter_model.safetensors.")
+    try:
+        config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IngotError(f"LoRA {config_path} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict) or "r" not in config:
+        raise IngotError(f"LoRA {config_path} has no rank r.")
+    tensors = {k: np.asarray(v, np.float32) for k, v in read_safetensors(weights_path).items()}
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        m = _PEFT_KEY.match(key)
+        if not m:
+            raise IngotError(f"LoRA {weights_path}: tensor {key!r} is not a LoRA factor of q/k/v/o/gate/up/down_proj.")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in PEFT_MODULES:
+            raise IngotError(f"LoRA {weights_path}: module {module!r} is not one of {', '.join(PEFT_MODULES)}.")
+        pairs.setdefault((layer, module), {})[which] = value
+    if not pairs:
+        raise IngotError(f"LoRA {weights_path} holds no LoRA factors.")
+    hd = cfg.head_dim
+    shapes = {"q_proj": (cfg.n_heads * hd, cfg.dim), "k_proj": (cfg.n_kv_heads * hd, cfg.dim),
+              "v_proj": (cfg.n_kv_heads * hd, cfg.dim), "o_proj": (cfg.dim, cfg.n_heads * hd),
+              "gate_proj": (cfg.ffn_dim, cfg.dim), "up_proj": (cfg.ffn_dim, cfg.dim), "down_proj": (cfg.dim, cfg.ffn_dim)}
+    factors: dict[str, list] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        name = f"blk.{layer}.{PEFT_MODULES[module]}.weight"
+        if set(ab) != {"A", "B"}:
+            raise IngotError(f"LoRA {weights_path}: layer {layer} {module} lacks lora_{'B' if 'A' in ab else 'A'}.")
+        a, b = ab["A"], ab["B"]
+        out, inp = shapes[module]
+        if layer >= cfg.n_layers:
+            raise IngotError(f"LoRA {path}: layer {layer} {module} but the model has {cfg.n_layers} layers.")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != inp or b.shape[0] != out or a.shape[0] != b.shape[1]:
+            raise IngotError(f"LoRA {path}: layer {layer} {module} has A {list(a.shape)} and B {list(b.shape)}, "
+                             f"which do not fit the model's weight [{out}, {inp}] (A must be [r, {inp}], B [{out}, r]).")
+        rank = a.shape[0]
+        r_cfg = _pattern(config.get("rank_pattern"), module, layer, config["r"])
+        alpha = _pattern(config.get("alpha_pattern"), module, layer, config.get("lora_alpha", r_cfg))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        if cfg.rope_interleaved and module in ("q_proj", "k_proj"):
+            b = _to_interleaved_rows(b, cfg.n_heads if module == "q_proj" else cfg.n_kv_heads, hd)
+        factors.setdefault(name, []).append((a.astype(np.float32), (b * (scale * multiplier)).astype(np.float32)))
+    return AdapterSet(factors)
+
+
+def _pattern(patterns, module: str, layer: int, default):
+    for key, value in (patterns or {}).items():
+        if re.search(rf"(^|\.){re.escape(str(key))}$", f"layers.{layer}.{module}") or key == module:
+            return value
+    return default
+
+
+def _to_interleaved_rows(b: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Rows of a q/k projection from HF order (each head's first half, then second half) to the GGUF
+    order llama.cpp writes for interleaved RoPE (pairs (i, i + head_dim / 2) side by side)."""
+    r = b.reshape(heads, 2, head_dim // 2, -1).swapaxes(1, 2)
+    return np.ascontiguousarray(r.reshape(b.shape))

@@ -1,0 +1,237 @@
+"""An LLM as an Ingot package: the decoder compiled for one token (what `ingot.load` and `ingot
+view` open), its weights, and llm.json (config, tokenizer and chat template metadata, and which
+constants are which weight) so `ingot generate --model X.ingot` rebuilds the graph at any length.
+
+    X.ingot/
+      manifest.json, graph.json, weights.safetensors   the decode executable (ingot.package), KV cache
+                                                        of STORED_CONTEXT positions
+      callables/SITE.ingot/                             adapters bound to it (LoRA, error compensation)
+      llm.json                                          {"format": "ingot-llm", "version": 1, ...}
+
+Weights are stored the way the builder multiplies them (k-major, q/k/v and gate/up side by side
+under "a+b+c" names), memory-mapped on load, and never converted again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..errors import IngotError
+from ..quant.formats import QuantizedTensor, concat_columns
+
+LLM_FORMAT = "ingot-llm"
+LLM_VERSION = 1
+LLM_FILE = "llm.json"
+_PARAMS = ("scale", "bias", "zero_point", "lut")
+STORED_CONTEXT = 256
+
+
+def is_llm_package(path) -> bool:
+    return Path(path).is_dir() and (Path(path) / LLM_FILE).is_file()
+
+
+def fused_groups(cfg) -> list[list[str]]:
+    """The weights the builder multiplies side by side (per layer: q/k/v, gate/up)."""
+    return [[f"blk.{i}.{k}.weight" for k in kinds] for i in range(cfg.n_layers)
+            for kinds in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))]
+
+
+def storage_form(cfg, tensors: Mapping) -> dict:
+    """Tensors as the package stores them: quantized ones k-major, fusable groups side by side."""
+    out: dict = {}
+    grouped = set()
+    for names in fused_groups(cfg):
+        parts = [tensors.get(n) for n in names]
+        if all(isinstance(p, QuantizedTensor) for p in parts):
+            try:
+                out["+".join(names)] = concat_columns([p if p.block_axis == 0 else p.to_k_major() for p in parts])
+                grouped.update(names)
+            except ValueError:
+                pass
+    for name in tensors:
+        if name in grouped or name in out:
+            continue
+        t = tensors[name]
+        out[name] = (t if t.block_axis == 0 else t.to_k_major()) if isinstance(t, QuantizedTensor) else np.asarray(t)
+    return out
+
+
+def _json_value(v):
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, (np.integer, np.floating, np.bool_)):
+        return v.item()
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    raise TypeError(f"not JSON: {type(v).__name__}")
+
+
+def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, architecture: str = "llama",
+             extra: Mapping | None = None) -> None:
+    """Write an LLM package at path (atomic: all of it or nothing; an existing package is replaced).
+
+    tensors: GGUF-named float arrays or QuantizedTensors; metadata: the GGUF metadata (tokenizer
+    and chat template included); adapters: an AdapterSet compiled in as callables; extra: more
+    JSON for llm.json (e.g. how the weights were quantized).
+    """
+    from .. import package
+    from ..adapters import binder
+    from ..models import llama
+
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / "manifest.json").is_file())):
+        raise IngotError(f"save: {path} exists and is not an Ingot package; refusing to replace it.")
+    stored = storage_form(cfg, tensors)
+    # the stored decode executable's KV cache is short (its zeros are stored too); generate rebuilds
+    # the graph from llm.json with the model's own context length
+    model = llama.build(replace(cfg, context_length=min(cfg.context_length, STORED_CONTEXT)), stored, str(path),
+                        adapter_sites=adapters.names if adapters else ())
+    if adapters:
+        model.callables_for = binder(cfg, adapters)
+    decoder = model.compile(1, "cpu")
+    layout = {}
+    for name, t in stored.items():
+        if isinstance(t, QuantizedTensor):
+            layout[name] = {"kind": "quantized", "qdtype": t.qdtype.name, "shape": list(t.shape), "block_size": t.block_size,
+                            "params": [p for p in _PARAMS if getattr(t, p) is not None], "source": t.source}
+        elif np.ndim(t) == 2:
+            layout[name] = {"kind": "matrix"}   # stored transposed ([in, out]) by the builder
+        else:
+            layout[name] = {"kind": "array"}
+    constants = decoder.program.constants
+    missing = [n for n in layout if n not in constants and not n.startswith("rope_freqs")]
+    for name in missing:  # not read by the decode graph (e.g. an unused tensor): keep it out of the package
+        layout.pop(name)
+    info = {"format": LLM_FORMAT, "version": LLM_VERSION, "architecture": architecture,
+            "config": asdict(cfg), "metadata": dict(metadata), "tensors": layout,
+            "adapter_sites": sorted(decoder.call_sites), "extra": dict(extra or {})}
+    if "rope_freqs.weight" in tensors:
+        info["rope_freqs"] = np.asarray(tensors["rope_freqs.weight"], np.float32).tolist()
+        layout.pop("rope_freqs.weight", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        staged = tmp / path.name
+        package.save(decoder, staged)
+        (staged / LLM_FILE).write_text(json.dumps(info, default=_json_value))
+        old = tmp / "previous"
+        if path.exists():
+            os.replace(path, old)
+        try:
+            os.replace(staged, path)
+        except BaseException:
+            if old.exists():
+                os.replace(old, path)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class StoredModel:
+    """What LLM needs from a model file: path, architecture, metadata, tensors (GGUF names, or
+    "a+b" for side-by-side weights), the config, and the adapters it was saved with."""
+
+    def __init__(self, path, architecture, metadata, tensors, config, adapters):
+        self.path, self.architecture, self.metadata, self.tensors = path, architecture, metadata, tensors
+        self.config, self.adapters = config, adapters
+
+    def get(self, key, default=None):
+        return self.metadata.get(key, default)
+
+
+def read_llm(path) -> StoredModel:
+    """Open an LLM package: weights memory-mapped, adapters read back from its callables."""
+    from ..adapters import AdapterSet, factors_of, site_layout
+    from ..models.llama import LlamaConfig
+    from ..package import read_safetensors
+
+    path = Path(path)
+    if not is_llm_package(path):
+        raise IngotError(f"{path} is not an Ingot LLM package (no {LLM_FILE}).")
+    try:
+        info = json.loads((path / LLM_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IngotError(f"{path / LLM_FILE} is not valid JSON ({e}).") from None
+    if not isinstance(info, dict) or info.get("format") != LLM_FORMAT:
+        raise IngotError(f"{path / LLM_FILE} is not an {LLM_FORMAT} description.")
+    if info.get("version") != LLM_VERSION:
+        raise IngotError(f"{path / LLM_FILE} has version {info.get('version')!r}; this Ingot reads version {LLM_VERSION}.")
+    try:
+        known = {f.name for f in fields(LlamaConfig)}
+        config = LlamaConfig(**{k: v for k, v in info["config"].items() if k in known})
+        weights = {k.partition(":")[2]: v for k, v in read_safetensors(path / "weights.safetensors").items()
+                   if k.startswith("constant:")}
+        tensors: dict = {}
+        for name, spec in info["tensors"].items():
+            if spec["kind"] == "quantized":
+                qdtype = dt.by_name(spec["qdtype"])
+                params = {p: np.asarray(weights[f"{name}.{p}"]) for p in spec["params"]}
+                tensors[name] = QuantizedTensor(weights[name], qdtype, tuple(spec["shape"]), int(spec["block_size"]),
+                                                params.get("scale"), params.get("bias"), params.get("zero_point"),
+                                                spec.get("source", ""), block_axis=0, lut=params.get("lut"))
+            elif spec["kind"] == "matrix":
+                tensors[name] = weights[name].T
+            else:
+                tensors[name] = weights[name]
+        if "rope_freqs" in info:
+            tensors["rope_freqs.weight"] = np.asarray(info["rope_freqs"], np.float32)
+    except (KeyError, TypeError, ValueError) as e:
+        raise IngotError(f"{path}: {LLM_FILE} does not match weights.safetensors ({type(e).__name__}: {e}).") from None
+    factors: dict = {}
+    int8 = False
+    for site in info.get("adapter_sites", []):
+        from ..package import load
+        a, b, int8 = factors_of(load(path / "callables" / f"{site}.ingot"))
+        names = site.split("+")
+        starts = np.concatenate([[0], np.cumsum(site_layout(config, names))])
+        for i, n in enumerate(names):
+            part = b[starts[i]:starts[i + 1]]
+            if np.any(part):
+                factors.setdefault(n, []).append((np.ascontiguousarray(a), np.ascontiguousarray(part)))
+    return StoredModel(str(path), info.get("architecture", "llama"), info.get("metadata", {}), tensors, config,
+                       AdapterSet(factors, int8=int8))
+
+
+def open_model(path):
+    """A GGUF file (lazily converted) or an Ingot LLM package, as a StoredModel."""
+    from ..adapters import AdapterSet
+    from ..importers.gguf import read_gguf
+    from ..models.llama import LlamaConfig
+
+    if Path(path).is_dir():
+        return read_llm(path)
+    model = read_gguf(path, lazy=True)
+    return StoredModel(model.path, model.architecture, model.metadata, model.tensors, LlamaConfig.from_gguf(model),
+                       AdapterSet())
+
+
+def float_weights(model: StoredModel):
+    """(name, float32 array) for every tensor, matrices as [out, in]; side-by-side groups split."""
+    from ..adapters import site_layout
+
+    for name in list(model.tensors):
+        t = model.tensors[name]
+        names = name.split("+")
+        if isinstance(t, QuantizedTensor):
+            w = t.dequantize_rows()
+            w = w.T if t.block_axis == 0 else w
+        else:
+            w = np.asarray(t, np.float32)
+        if len(names) == 1:
+            yield name, w
+            continue
+        starts = np.concatenate([[0], np.cumsum(site_layout(model.config, names))])
+        for i, n in enumerate(names):
+            yield n, np.ascontiguousarray(w[starts[i]:starts[i + 1]])
+
+
+def tensor_nbytes(t) -> int:
+    return t.nbytes if isinstance(t, QuantizedTensor) else int(np.asarray(t).nbytes)

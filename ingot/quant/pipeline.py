@@ -1,0 +1,170 @@
+"""Quantizing a whole LLM: float weights (dequantized from the input file) to one format, with
+optional calibration (activation statistics from a text), AWQ-style scaling, excluded tensors and
+error-compensation adapters. `ingot quantize` is a thin shell around `quantize_model`.
+
+    model = open_model("in.gguf")
+    stats = activation_stats(model, text)                       # optional
+    result = quantize_model(model, "int4:128", stats=stats, compensate=16)
+    save_llm("out.ingot", model.config, result.tensors, model.metadata, result.adapters)
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import IngotError
+from .formats import QuantizedTensor
+from .quantize import Format, parse_format, quantize
+
+LAYER_WEIGHT = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75)
+
+
+@dataclass
+class QuantizeResult:
+    tensors: dict                       # GGUF names -> QuantizedTensor or float arrays
+    adapters: object                    # ingot.adapters.AdapterSet (compensation), possibly empty
+    bytes_before: int
+    bytes_after: int                    # tensors + adapters
+    adapter_bytes: int
+    errors: dict = field(default_factory=dict)   # name -> relative RMS error ||W - W_hat|| / ||W||
+    notes: list = field(default_factory=list)
+
+    @property
+    def mean_relative_error(self) -> float:
+        return float(np.mean(list(self.errors.values()))) if self.errors else 0.0
+
+
+def activation_stats(model, text: str, context: int = 256, max_tokens: int = 1024, device: str = "cpu") -> dict[str, np.ndarray]:
+    """Mean square of the activations each layer weight multiplies, per input column, over the
+    calibration text run through `model` (a StoredModel): {weight name: float32 [in]}."""
+    from .. import dtypes as dt
+    from ..eval import tokenize
+    from ..ir import TensorType
+    from ..models import llama
+
+    ids = tokenize(model, text)[:max_tokens]
+    if len(ids) < 2:
+        raise IngotError(f"calibration: the text has {len(ids)} tokens; give a longer text.")
+    graph = llama.build(model.config, model.tensors, model.path)
+    sites = sorted(graph.inputs)
+    sums = {s: 0.0 for s in sites}
+    count = 0
+    for start in range(0, len(ids), context):
+        chunk = ids[start:start + context]
+        exe = graph.graph.compile(feeds={graph.tokens: TensorType((len(chunk),), dt.int32)},
+                                  targets=[graph.inputs[s] for s in sites], device=device)
+        outs = exe.run({"tokens": np.asarray(chunk, np.int32), "pos": np.int32(0), "last": np.int32(len(chunk) - 1)}, state=exe.new_state())
+        for s, x in zip(sites, outs):
+            x = np.asarray(exe.backend.to_host(x), np.float64)
+            sums[s] = sums[s] + (x * x).sum(axis=0)
+        count += len(chunk)
+    stats = {}
+    for s in sites:
+        for name in s.split("+"):
+            stats[name] = (sums[s] / count).astype(np.float32)
+    return stats
+
+
+def excluded(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or p == name for p in patterns)
+
+
+def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> dict:
+    """Activation-aware scaling (AWQ): per group of weights that read one input, scale input column j
+    by s_j = rms_j ** alpha (alpha searched to minimise the activation-weighted quantization error)
+    and fold 1 / s_j into what produces that input (the RMSNorm weight; for ffn_down, ffn_up's rows).
+    Returns the statistics of the rescaled inputs."""
+    stats = dict(stats)
+    chosen = []
+    for i in range(layers):
+        p = f"blk.{i}."
+        groups = [([p + "ffn_down.weight"], p + "ffn_up.weight", "rows"),
+                  ([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], p + "attn_norm.weight", "vector"),
+                  ([p + "ffn_gate.weight", p + "ffn_up.weight"], p + "ffn_norm.weight", "vector")]
+        for names, producer, how in groups:
+            if not all(n in floats and n in stats for n in names) or producer not in floats:
+                continue
+            m = stats[names[0]].astype(np.float64)
+            rms = np.sqrt(np.maximum(m, 1e-12))
+            best, best_err, best_s = None, None, None
+            for alpha in AWQ_ALPHAS:
+                s = rms ** alpha
+                s = s / np.exp(np.log(s).mean())        # geometric mean 1 keeps magnitudes in range
+                err = 0.0
+                for n in names:
+                    w = floats[n].astype(np.float64)
+                    approx = quantize((w * s).astype(np.float32), fmt).dequantize_rows() / s
+                    err += float((((w - approx) ** 2) * m).sum())
+                if best_err is None or err < best_err:
+                    best, best_err, best_s = alpha, err, s
+            chosen.append(best)
+            if best == 0.0:
+                continue
+            for n in names:
+                floats[n] = (floats[n] * best_s).astype(np.float32)
+                stats[n] = (m / best_s ** 2).astype(np.float32)
+            if how == "vector":
+                floats[producer] = (floats[producer] / best_s).astype(np.float32)
+            else:
+                floats[producer] = (floats[producer] / best_s[:, None]).astype(np.float32)
+    if chosen:
+        notes.append(f"AWQ: alpha per group {dict(zip(*np.unique(chosen, return_counts=True)))}")
+    return stats
+
+
+def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats: dict | None = None,
+                   compensate: int = 0, awq: bool = False,
+                   progress: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Quantize every 2-D weight of a StoredModel to fmt (tensors matching an exclude glob stay as
+    they are in the input). stats (from activation_stats) weight the quantizers and the
+    compensation; awq applies activation-aware scaling first (needs stats, affine formats);
+    compensate=RANK adds low-rank factors of each layer weight's error as adapters."""
+    from ..adapters import AdapterSet
+    from ..llm.package import float_weights, tensor_nbytes
+    from .compensate import low_rank
+
+    fmt = parse_format(fmt)
+    if awq and stats is None:
+        raise IngotError("quantize: AWQ scaling needs a calibration text.")
+    if awq and fmt.kind != "affine":
+        raise IngotError(f"quantize: AWQ scaling applies to affine formats, not {fmt}.")
+    if compensate < 0:
+        raise IngotError(f"quantize: the compensation rank must be positive, not {compensate}.")
+    bytes_before = sum(tensor_nbytes(model.tensors[n]) for n in model.tensors)
+    floats, originals = {}, {}
+    for name, w in float_weights(model):
+        if excluded(name, exclude):  # kept as the input stores it (a weight split out of a group: as floats)
+            originals[name] = model.tensors[name] if name in model.tensors else w
+        else:
+            floats[name] = w
+    notes = []
+    if awq:
+        stats = _awq(floats, stats, fmt, model.config.n_layers, notes)
+    tensors = dict(originals)
+    errors, factors = {}, {}
+    for name, w in floats.items():
+        if progress:
+            progress(name)
+        if w.ndim != 2:
+            tensors[name] = w
+            continue
+        importance = None if stats is None else stats.get(name)
+        t = quantize(w, fmt, importance=importance)
+        if (fmt.kind == "affine" and fmt.block_size and t.block_size != fmt.block_size
+                and f"{t.block_size}/{w.shape[1]}" not in " ".join(notes)):
+            notes.append(f"blocks of {t.block_size} for {w.shape[1]} columns (not divisible by {fmt.block_size}): {t.block_size}/{w.shape[1]}")
+        tensors[name] = t
+        approx = t.dequantize_rows()
+        errors[name] = float(np.linalg.norm(w - approx) / max(np.linalg.norm(w), 1e-30))
+        if compensate and LAYER_WEIGHT.match(name):
+            a, b = low_rank(w - approx, compensate, importance)
+            factors[name] = [(a, b)]
+    adapters = AdapterSet(factors, int8=True)
+    adapter_bytes = adapters.stored_nbytes
+    bytes_after = sum(tensor_nbytes(t) for t in tensors.values()) + adapter_bytes
+    return QuantizeResult(tensors, adapters, bytes_before, bytes_after, adapter_bytes, errors, notes)

@@ -25,9 +25,15 @@ def kmajor_weight(k, n, qdtype, block):
 @pytest.mark.parametrize("qdtype", [dt.uint4, dt.int4, dt.int8, dt.uint8], ids=lambda d: d.name)
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])          # 17 and 40 take the tiled GEMM path
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias):
+@pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
+def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias, params):
     k, n, block = 96, 46, 32
     q, scale, bias = kmajor_weight(k, n, qdtype, block)
+    if params == np.float16:  # GGUF's own parameters; zeros and subnormals included
+        scale, bias = scale.astype(np.float16), bias.astype(np.float16)
+        scale[0, :3] = [0, 3e-6, -2e-7]
+        bias[-1, -3:] = [0, -5e-6, 6e-8]
+        assert np.all(np.abs(scale[0, 1:3].astype(np.float32)) < np.finfo(np.float16).tiny)
     g = ingot.Graph()
     x = g.placeholder((rows, k), name="x")
     params = dict(scale=g.constant(scale), bias=g.constant(bias) if has_bias else None)
@@ -99,3 +105,20 @@ def test_threads_split_the_reduction_axis(monkeypatch):
     monkeypatch.setattr(kernels, "THREADS", 3)
     kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint8(8)), k // block, threaded, 10**9)
     np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-5)
+
+
+def test_half_parameters_convert_exactly():
+    """Every finite float16 (zeros and subnormals included) as the kernels read it equals numpy's."""
+    import numba
+
+    @numba.njit
+    def convert(bits, out):
+        buf = np.empty(bits.shape[1], np.float32)
+        for b in range(bits.shape[0]):
+            out[b] = kernels.params_row(bits, b, buf)
+
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)].reshape(-1, 62)  # 63488 finite values: 1024 rows of 62
+    got = np.empty(halves.shape, np.float32)
+    convert(halves.view(np.uint16), got)
+    np.testing.assert_array_equal(got.view(np.uint32), halves.astype(np.float32).view(np.uint32))

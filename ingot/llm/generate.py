@@ -72,6 +72,10 @@ class LLM:
         self.path = path
         self.device = device
         _allocate_big_arrays_with_mmap()
+        if device == "cpu":  # compile (or load) the kernels first: LLVM's working memory is freed
+            from ..backends.cpu.kernels import warm_up  # before the weights arrive, not on top of them
+            warm_up()
+            _return_freed_memory()
         model = open_model(path)  # a GGUF's weights are converted once each, straight into the graph
         self.config = model.config
         self.adapters = model.adapters
@@ -89,9 +93,6 @@ class LLM:
         del model
         _return_freed_memory()
         self.decoder = self.model.compile(1, device)
-        if device == "cpu":
-            from ..backends.cpu.kernels import warm_up
-            warm_up()
         self.state = self.decoder.new_state()
         self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
         self.stats = GenerationStats()

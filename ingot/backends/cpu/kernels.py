@@ -20,11 +20,36 @@ from ...ops import quant as quant_ops
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
 
+def params_row(p, b, buf):
+    """Row b of a [nb, N] parameter array as float32: the row itself, or for float16 parameters
+    (held as their uint16 bits; numba has no float16) the row converted into buf."""
+    return p[b]
+
+
+@numba.extending.overload(params_row, jit_options=dict(fastmath=True, nogil=True))
+def _params_row(p, b, buf):
+    if p.dtype != numba.types.uint16:
+        return lambda p, b, buf: p[b]
+
+    def half_to_float(p, b, buf):
+        # exact for normals, zeros and subnormals: the f16 exponent and mantissa shifted into an f32,
+        # then scaled by 2**112 (the difference of the two exponent biases)
+        row = p[b]
+        bits = buf.view(np.uint32)
+        for i in range(row.shape[0]):
+            h = np.uint32(row[i])
+            bits[i] = ((h & np.uint32(0x7FFF)) << np.uint32(13)) | ((h & np.uint32(0x8000)) << np.uint32(16))
+        for i in range(row.shape[0]):
+            buf[i] *= np.float32(5.192296858534828e33)
+        return buf
+    return half_to_float
+
+
 def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
     """out[m, :] = x[m, rows of blocks b0..b1) @ W[those rows] for a k-major 4-bit W: q [K, N/2]
-    (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset).
-    Vectorised across output columns; a block range lets threads split the reduction axis, each
-    streaming one contiguous part of the weight."""
+    (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset), float32
+    or float16 bits (see params_row). Vectorised across output columns; a block range lets threads
+    split the reduction axis, each streaming one contiguous part of the weight."""
     m_rows, k = x.shape
     half = q.shape[1]
     nb = scale.shape[0]
@@ -34,6 +59,8 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
     acc_o = np.empty(half, np.float32)
     res_e = np.empty(half, np.float32)
     res_o = np.empty(half, np.float32)
+    sbuf = np.empty(2 * half, np.float32)
+    obuf = np.empty(2 * half, np.float32)
     for m in range(m_rows):
         res_e[:] = 0
         res_o[:] = 0
@@ -47,7 +74,7 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
                     byte = row[i]  # (nibble ^ 8) - 8 sign-extends an int4; flip = 0 for uint4
                     acc_e[i] += (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * xv
                     acc_o[i] += (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * xv
-            srow = scale[b]
+            srow = params_row(scale, b, sbuf)
             for i in range(half):
                 res_e[i] += acc_e[i] * srow[2 * i]
                 res_o[i] += acc_o[i] * srow[2 * i + 1]
@@ -55,7 +82,7 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
                 xs = np.float32(0.0)
                 for kk in range(b * bs, b * bs + bs):
                     xs += x[m, kk]
-                orow = offset[b]
+                orow = params_row(offset, b, obuf)
                 for i in range(half):
                     res_e[i] += orow[2 * i] * xs
                     res_o[i] += orow[2 * i + 1] * xs
@@ -73,6 +100,8 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
     bs = k // nb
     acc = np.empty(n, np.float32)
     res = np.empty(n, np.float32)
+    sbuf = np.empty(n, np.float32)
+    obuf = np.empty(n, np.float32)
     for m in range(m_rows):
         res[:] = 0
         for b in range(b0, b1):
@@ -82,14 +111,14 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
                 row = q[kk]
                 for i in range(n):
                     acc[i] += np.float32(row[i]) * xv
-            srow = scale[b]
+            srow = params_row(scale, b, sbuf)
             for i in range(n):
                 res[i] += acc[i] * srow[i]
             if has_offset:
                 xs = np.float32(0.0)
                 for kk in range(b * bs, b * bs + bs):
                     xs += x[m, kk]
-                orow = offset[b]
+                orow = params_row(offset, b, obuf)
                 for i in range(n):
                     res[i] += orow[i] * xs
         for i in range(n):
@@ -100,22 +129,25 @@ def _scaled_tile_packed4(q, scale, k0, k1, block, flip, out):
     """out[k - k0, :] = q[k, :] * scale[k // block, :] for a k-major 4-bit weight (no offset)."""
     half = q.shape[1]
     fflip = np.float32(flip)
-    for k in range(k0, k1):
-        b = k // block
-        row = q[k]
-        srow = scale[b]
-        for i in range(half):
-            byte = row[i]
-            out[k - k0, 2 * i] = (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * srow[2 * i]
-            out[k - k0, 2 * i + 1] = (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * srow[2 * i + 1]
+    sbuf = np.empty(2 * half, np.float32)
+    for b in range(k0 // block, (k1 + block - 1) // block):
+        srow = params_row(scale, b, sbuf)
+        for k in range(max(k0, b * block), min(k1, b * block + block)):
+            row = q[k]
+            for i in range(half):
+                byte = row[i]
+                out[k - k0, 2 * i] = (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * srow[2 * i]
+                out[k - k0, 2 * i + 1] = (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * srow[2 * i + 1]
 
 
 def _scaled_tile_int8(q, scale, k0, k1, block, out):
     n = q.shape[1]
-    for k in range(k0, k1):
-        b = k // block
-        for i in range(n):
-            out[k - k0, i] = np.float32(q[k, i]) * scale[b, i]
+    sbuf = np.empty(n, np.float32)
+    for b in range(k0 // block, (k1 + block - 1) // block):
+        srow = params_row(scale, b, sbuf)
+        for k in range(max(k0, b * block), min(k1, b * block + block)):
+            for i in range(n):
+                out[k - k0, i] = np.float32(q[k, i]) * srow[i]
 
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
@@ -179,10 +211,12 @@ def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int)
 
 
 def _kmajor_params(params, attrs, n: int):
-    """(scale, offset) as [nb, N] float32 with w = q * scale + offset per block: the constants
-    themselves when they already have that form (no copy), offset None when there is none."""
+    """(scale, offset) as [nb, N] with w = q * scale + offset per block: the constants themselves
+    when they already have that form (no copy; float16 ones stay float16), offset None when there is
+    none."""
     def full(p):
-        p = p.astype(np.float32, copy=False)
+        if p.dtype != np.float16 or p.shape[1] != n:
+            p = p.astype(np.float32, copy=False)
         if p.shape[1] == 1:
             p = np.broadcast_to(p, (p.shape[0], n))
         elif p.shape[1] != n:  # blocked along the output axis too
@@ -198,9 +232,14 @@ def _kmajor_params(params, attrs, n: int):
         scale = np.ascontiguousarray(np.broadcast_to(scale, (nb, n)))
     offset = None if bias is None else np.ascontiguousarray(np.broadcast_to(full(bias), (nb, n)))
     if zero_point is not None:
-        shift = -np.broadcast_to(full(zero_point), (nb, n)) * scale
+        shift = -np.broadcast_to(full(zero_point), (nb, n)).astype(np.float32) * scale
         offset = shift if offset is None else offset + shift
     return scale, offset, nb
+
+
+def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
+    """What the kernels take: float32, or float16 as its uint16 bits (see params_row)."""
+    return p.view(np.uint16) if p is not None and p.dtype == np.float16 else p
 
 
 def quantized_matmul_step(node: Node, out):
@@ -212,6 +251,7 @@ def quantized_matmul_step(node: Node, out):
     reference = quant_ops.quantized_matmul_reference
     prepared: dict = {}
     no_offset = np.zeros((1, 1), np.float32)
+    no_offset_bits = np.zeros((1, 1), np.uint16)
 
     def prepare(q, params):
         key = tuple(id(p) for p in params)
@@ -219,12 +259,14 @@ def quantized_matmul_step(node: Node, out):
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
             scale, offset, nb = _kmajor_params(params, attrs, n)
+            ks = _kernel_form(scale)
+            ko = _kernel_form(offset) if offset is not None else (no_offset if ks.dtype == np.float32 else no_offset_bits)
             if qdtype.packed:
                 kernel = kmajor_packed4
-                args = (scale, no_offset if offset is None else offset, offset is not None, np.uint8(8 if qdtype.kind == "i" else 0))
+                args = (ks, ko, offset is not None, np.uint8(8 if qdtype.kind == "i" else 0))
             else:
                 kernel = kmajor_int8
-                args = (scale, no_offset if offset is None else offset, offset is not None)
+                args = (ks, ko, offset is not None)
             hit = prepared[key] = (kernel, args, scale, offset, nb, n, params)  # params kept: ids stay valid
         return hit
 
@@ -259,9 +301,9 @@ def quantized_matmul_step(node: Node, out):
             k1 = min(k, k0 + tile_k)
             t = tile[: k1 - k0]
             if qdtype.packed:
-                scaled_tile_packed4(q, scale, k0, k1, block, flip, t)
+                scaled_tile_packed4(q, _kernel_form(scale), k0, k1, block, flip, t)
             else:
-                scaled_tile_int8(q, scale, k0, k1, block, t)
+                scaled_tile_int8(q, _kernel_form(scale), k0, k1, block, t)
             part = x2[:, k0:k1] @ t  # (matmul with out= is slower in NumPy for these shapes)
             if result is None:
                 result = part
@@ -435,7 +477,32 @@ def rope_step(node: Node):
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel for the types the LLM path uses, so the
-    first real call is not the one that pays for it."""
+    first real call is not the one that pays for it.
+
+    When numba's cache is empty (the first run after an install or an edit), the compiling happens
+    in a child process that fills the cache: LLVM keeps tens of MB of its working memory in the
+    process that compiles, which would otherwise stay resident beside the model for good."""
+    if _cache_is_cold():
+        import subprocess
+        import sys
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, "-c", "from ingot.backends.cpu.kernels import _warm_up; _warm_up()"],
+                       env=env, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _warm_up()
+
+
+def _cache_is_cold() -> bool:
+    """True when some kernel has no usable entry in numba's on-disk cache (numba internals: any
+    surprise counts as warm, and the kernels compile here as before)."""
+    try:
+        return any(not d._cache._cache_file._load_index() for d in
+                   (kmajor_packed4, kmajor_int8, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows, rms_norm))
+    except Exception:
+        return False
+
+
+def _warm_up() -> None:
     f32 = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
     x, out = f32(1, 32), f32(1, 4)
     kmajor_packed4(x, np.zeros((32, 2), np.uint8), f32(1, 4), f32(1, 4), True, np.uint8(0), 0, 1, out)
@@ -443,6 +510,13 @@ def warm_up() -> None:
     kmajor_int8(x, np.zeros((32, 4), np.uint8), f32(1, 4), f32(1, 4), True, 0, 1, out)
     scaled_tile_packed4(np.zeros((32, 2), np.uint8), f32(1, 4), 0, 32, 32, np.uint8(0), f32(32, 4))
     scaled_tile_int8(np.zeros((32, 4), np.int8), f32(1, 4), 0, 32, 32, f32(32, 4))
+    h16 = lambda *shape: np.full(shape, 0x3C00, np.uint16)  # noqa: E731  (float16 parameters: 1.0)
+    kmajor_packed4(x, np.zeros((32, 2), np.uint8), h16(1, 4), h16(1, 4), True, np.uint8(0), 0, 1, out)
+    kmajor_packed4(x, np.zeros((32, 2), np.uint8), h16(1, 4), h16(1, 1), False, np.uint8(8), 0, 1, out)
+    kmajor_int8(x, np.zeros((32, 4), np.int8), h16(1, 4), h16(1, 1), False, 0, 1, out)
+    kmajor_int8(x, np.zeros((32, 4), np.uint8), h16(1, 4), h16(1, 4), True, 0, 1, out)
+    scaled_tile_packed4(np.zeros((32, 2), np.uint8), h16(1, 4), 0, 32, 32, np.uint8(0), f32(32, 4))
+    scaled_tile_int8(np.zeros((32, 4), np.int8), h16(1, 4), 0, 32, 32, f32(32, 4))
     q = f32(1, 2, 1, 8)
     attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))

@@ -45,6 +45,17 @@ class UnsupportedOnnx(IngotError):
     """The model uses ops (or attributes of an op) the importer does not convert."""
 
 
+class NeedsConstant(UnsupportedOnnx):
+    """An operand Ingot needs at import (a shape, axes, bounds) is computed at run time.
+
+    `input_names` are the graph inputs it is computed from: fixing their values with
+    `constant_inputs=` makes the model importable (ONNX's node tests pass shapes as inputs)."""
+
+    def __init__(self, message: str, input_names: list[str] | None = None):
+        super().__init__(message)
+        self.input_names = list(input_names or [])
+
+
 # ONNX TensorProto element types -> (the Ingot dtype that computes them, the NumPy dtype ONNX declares)
 ONNX_DTYPES: dict[int, tuple[dt.DType, np.dtype]] = {
     1: (dt.float32, np.dtype(np.float32)), 2: (dt.uint8, np.dtype(np.uint8)), 3: (dt.int8, np.dtype(np.int8)),
@@ -212,12 +223,20 @@ class Context:
         t = node.input(i)
         v = self.value(t)
         if v is None:
-            raise UnsupportedOnnx(f"{self.what}: {node.label} needs its {what} (input {i}) known at import, but it is computed "
-                                  "at run time.")
+            sources = _placeholders_of(t)
+            hint = f" from graph inputs {sources} (fix them with constant_inputs=)" if sources else ""
+            raise NeedsConstant(f"{self.what}: {node.label} needs its {what} (input {i}) known at import, but it is computed "
+                                f"at run time{hint}.", sources)
         return v
 
     def fail(self, node: OnnxNode, message: str) -> UnsupportedOnnx:
         return UnsupportedOnnx(f"{self.what}: {node.label}: {message}.")
+
+
+def _placeholders_of(t: Tensor) -> list[str]:
+    """The graph inputs a tensor is computed from (placeholder names, in graph order)."""
+    from ..ir import toposort
+    return [n.name for n in toposort([t.node]) if n.op == Op.PLACEHOLDER]
 
 
 Converter = Callable[[Context, OnnxNode], Sequence[Tensor | None]]
@@ -240,6 +259,7 @@ class OnnxImport:
     outputs: dict[str, Tensor]                     # by ONNX output name (model order)
     output_dtypes: dict[str, np.dtype]             # the dtypes ONNX declares for the outputs
     input_dtypes: dict[str, np.dtype]
+    constant_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # inputs fixed at import
 
 
 def _attribute_value(attr) -> Any:
@@ -360,8 +380,14 @@ def _topological(graph, known: set[str], what: str) -> list:
     return [graph.node[i] for i in order]
 
 
-def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None = None, what: str | None = None) -> OnnxImport:
-    """Build an Ingot graph from an ONNX model (a path or an onnx.ModelProto)."""
+def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None = None, what: str | None = None,
+                constant_inputs: Mapping[str, np.ndarray] | None = None) -> OnnxImport:
+    """Build an Ingot graph from an ONNX model (a path or an onnx.ModelProto).
+
+    input_shapes: shapes for inputs with symbolic dimensions. constant_inputs: inputs whose values
+    are fixed (a model that computes a Reshape's shape from an input can only be imported so);
+    the executable still takes them, and checks that they hold those values.
+    """
     from .onnx_ops import CONVERTERS
 
     if what is None:
@@ -383,16 +409,24 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
         raise UnsupportedOnnx(f"{what}: sparse initializer {init.values.name!r} is not supported.")
     inputs: dict[str, Tensor] = {}
     input_dtypes: dict[str, np.dtype] = {}
+    constant_inputs = dict(constant_inputs or {})
     for vi in graph.input:
         if vi.name in values:  # an initializer listed as an input (IR < 4): a constant with a default
             continue
-        t, declared = _value_type(vi, what, input_shapes)
+        t, declared = _value_type(vi, what, input_shapes if vi.name not in constant_inputs else
+                                  {**input_shapes, vi.name: np.shape(constant_inputs[vi.name])})
+        if vi.name in constant_inputs:
+            array = np.asarray(constant_inputs[vi.name])
+            values[vi.name] = g.constant(as_ingot_array(array).astype(t.dtype.storage), name=vi.name)
+            inputs[vi.name] = values[vi.name]
+            input_dtypes[vi.name] = declared
+            continue
         placeholder = g.placeholder(t.shape, t.dtype, name=vi.name)
         inputs[vi.name] = values[vi.name] = placeholder
         input_dtypes[vi.name] = declared
-    unknown = set(input_shapes) - set(inputs)
+    unknown = (set(input_shapes) | set(constant_inputs)) - set(inputs)
     if unknown:
-        raise IngotError(f"{what}: input_shapes names {sorted(unknown)}, which are not inputs of the model "
+        raise IngotError(f"{what}: input_shapes or constant_inputs name {sorted(unknown)}, which are not inputs of the model "
                          f"(inputs: {list(inputs)}).")
     for node in _topological(graph, set(values), what):
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
@@ -419,7 +453,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
             raise IngotError(f"{what}: output {vi.name!r} is produced by no node.")
         outputs[vi.name] = values[vi.name]
         output_dtypes[vi.name] = _output_dtype(vi) or values[vi.name].dtype.storage
-    return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes)
+    return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes, constant_inputs)
 
 
 def _constant(g: _ImportGraph, array: np.ndarray, elem_type: int, name: str) -> Tensor:
@@ -447,11 +481,12 @@ class OnnxExecutable(Executable):
     outputs by ONNX output name, in the dtypes the model declares."""
 
     def __init__(self, program: Program, device: str, history, inputs, output_names: list[str],
-                 output_dtypes: list[np.dtype], onnx_inputs: list[str]):
+                 output_dtypes: list[np.dtype], onnx_inputs: list[str], constant_inputs: Mapping[str, np.ndarray] | None = None):
         super().__init__(program, device=device, history=history, inputs=inputs)
         self.output_names = list(output_names)
         self.output_dtypes = list(output_dtypes)
         self.onnx_inputs = list(onnx_inputs)
+        self.constant_inputs = dict(constant_inputs or {})
 
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> dict[str, np.ndarray]:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns {output name: array}."""
@@ -466,6 +501,10 @@ class OnnxExecutable(Executable):
         missing = [k for k in self.onnx_inputs if k not in feeds]
         if missing:
             raise IngotError(f"run: missing feeds {missing}.")
+        for name, fixed in self.constant_inputs.items():
+            if not np.array_equal(np.asarray(feeds[name]), fixed):
+                raise IngotError(f"run: input {name!r} was fixed to {np.asarray(fixed).tolist()} at import; "
+                                 f"it cannot take other values ({np.asarray(feeds[name]).tolist()}).")
         outs = super().run({k: v for k, v in feeds.items() if k in self.feed_types}, state, **options)
         result = {}
         for name, dtype, value in zip(self.output_names, self.output_dtypes, outs):
@@ -486,17 +525,18 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
     program, history = run_pipeline(program, debug)
     inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
     return OnnxExecutable(program, device, history, inputs, list(imported.outputs),
-                          list(imported.output_dtypes.values()), list(imported.inputs))
+                          list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs)
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Sequence[int]] | None = None,
-              debug: bool | str = False) -> OnnxExecutable:
+              constant_inputs: Mapping[str, np.ndarray] | None = None, debug: bool | str = False) -> OnnxExecutable:
     """Import an ONNX model (path or onnx.ModelProto) and compile it for `device`.
 
-    input_shapes fixes the symbolic dimensions of inputs: {"input_ids": (1, 128)}. The result's
-    `run` takes {ONNX input name: array} and returns {ONNX output name: array}.
+    input_shapes fixes the symbolic dimensions of inputs: {"input_ids": (1, 128)}; constant_inputs
+    fixes the values of inputs that must be known at import (shapes, axes). The result's `run`
+    takes {ONNX input name: array} and returns {ONNX output name: array}.
     """
-    return compile_import(import_onnx(model_or_path, input_shapes), device, debug)
+    return compile_import(import_onnx(model_or_path, input_shapes, constant_inputs=constant_inputs), device, debug)
 
 
 def op_counts(exe: Executable) -> Counter:

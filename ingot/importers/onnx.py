@@ -214,6 +214,7 @@ class Context:
     g: _ImportGraph
     what: str
     opsets: dict[str, int] = field(default_factory=dict)
+    quantize: Any = None  # an ingot.quant Format: store matmul weights in it
 
     def value(self, t: Tensor | None) -> np.ndarray | None:
         return None if t is None else self.g.value(t)
@@ -381,12 +382,13 @@ def _topological(graph, known: set[str], what: str) -> list:
 
 
 def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None = None, what: str | None = None,
-                constant_inputs: Mapping[str, np.ndarray] | None = None) -> OnnxImport:
+                constant_inputs: Mapping[str, np.ndarray] | None = None, quantize=None) -> OnnxImport:
     """Build an Ingot graph from an ONNX model (a path or an onnx.ModelProto).
 
     input_shapes: shapes for inputs with symbolic dimensions. constant_inputs: inputs whose values
     are fixed (a model that computes a Reshape's shape from an input can only be imported so);
-    the executable still takes them, and checks that they hold those values.
+    the executable still takes them, and checks that they hold those values. quantize: an
+    ingot.quant format ("int8", "int4:32", ...) for the 2-D constant weights of MatMul and Gemm.
     """
     from .onnx_ops import CONVERTERS
 
@@ -400,7 +402,10 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     input_shapes = dict(input_shapes or {})
     graph = model.graph
     g = _ImportGraph()
-    ctx = Context(g, what, opsets)
+    if quantize is not None:
+        from ..quant import parse_format
+        quantize = parse_format(quantize)
+    ctx = Context(g, what, opsets, quantize)
     values: dict[str, Tensor] = {}
     for init in graph.initializer:
         array = _tensor_array(init)
@@ -529,14 +534,17 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Sequence[int]] | None = None,
-              constant_inputs: Mapping[str, np.ndarray] | None = None, debug: bool | str = False) -> OnnxExecutable:
+              constant_inputs: Mapping[str, np.ndarray] | None = None, quantize=None,
+              debug: bool | str = False) -> OnnxExecutable:
     """Import an ONNX model (path or onnx.ModelProto) and compile it for `device`.
 
     input_shapes fixes the symbolic dimensions of inputs: {"input_ids": (1, 128)}; constant_inputs
     fixes the values of inputs that must be known at import (shapes, axes). The result's `run`
-    takes {ONNX input name: array} and returns {ONNX output name: array}.
+    takes {ONNX input name: array} and returns {ONNX output name: array}. quantize: an ingot.quant
+    format for the matmul weights ("int8", "int4:32", "lut4"), multiplied as quantized_matmul.
     """
-    return compile_import(import_onnx(model_or_path, input_shapes, constant_inputs=constant_inputs), device, debug)
+    return compile_import(import_onnx(model_or_path, input_shapes, constant_inputs=constant_inputs, quantize=quantize),
+                          device, debug)
 
 
 def op_counts(exe: Executable) -> Counter:

@@ -340,12 +340,35 @@ def _split_swap(g, b: Tensor) -> Tensor:
     return g.transpose(g.transpose(src, inner), swap)
 
 
+def _quantized_weight(ctx: Context, b: Tensor, transposed: bool) -> Tensor | None:
+    """With --quantize: a constant 2-D float weight as dequantize(quantized) (transposed back), which
+    the compiler fuses with its matmul; None where the weight is not one to quantize."""
+    fmt = ctx.quantize
+    w = ctx.value(b) if fmt is not None and b.ndim == 2 and b.dtype == dt.float32 else None
+    if w is None or min(w.shape) < 16:
+        return None
+    from ..quant import quantize
+    rows_out = w if transposed else w.T                       # [outputs, reduction]
+    if fmt.qdtype.packed and rows_out.shape[1] % 2:
+        return None
+    t = quantize(rows_out, fmt)
+    g = ctx.g
+    q = g.constant(t.q, dtype=t.qdtype) if t.qdtype.packed else g.constant(t.q)
+    if t.lut is not None:
+        deq = g.dequantize(q, lut=g.constant(t.lut))
+    else:
+        param = lambda p: None if p is None else g.constant(p.astype(np.float32))  # noqa: E731
+        deq = g.dequantize(q, scale=param(t.scale), zero_point=param(t.zero_point), bias=param(t.bias))
+    return g.transpose(deq)
+
+
 @converter("MatMul")
 def _matmul(ctx: Context, node: OnnxNode):
     a, b = node.inputs
     if a.dtype == dt.bool_:
         raise ctx.fail(node, "bool inputs")
-    return [ctx.g.matmul(a, _split_swap(ctx.g, b))]
+    weight = _quantized_weight(ctx, b, transposed=False) if a.dtype == dt.float32 else None
+    return [ctx.g.matmul(a, weight if weight is not None else _split_swap(ctx.g, b))]
 
 
 @converter("Gemm")
@@ -354,7 +377,10 @@ def _gemm(ctx: Context, node: OnnxNode):
     g = ctx.g
     if node.attr("transA", 0):
         a = g.transpose(a)
-    if node.attr("transB", 0):
+    weight = _quantized_weight(ctx, b, transposed=bool(node.attr("transB", 0))) if a.dtype == dt.float32 else None
+    if weight is not None:
+        b = weight
+    elif node.attr("transB", 0):
         b = g.transpose(b)
     y = g.matmul(a, b)
     alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)

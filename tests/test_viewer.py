@@ -272,3 +272,19 @@ def test_package_opens_with_its_regions(tmp_path):
     assert data["regions"]["cuda"]["pass_regions"] == len(exe.program.regions)
     assert data["model"]["history"][0][0] == "specialize"
     assert os.path.basename(data["model"]["path"]) == "m.ingot"
+
+
+def test_onnx_file_opens(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    weight = numpy_helper.from_array(np.random.default_rng(0).random((8, 4), np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Relu", ["y"], ["z"]),
+             helper.make_node("Softmax", ["z"], ["out"], axis=-1)]
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4])], [weight])
+    path = tmp_path / "tiny.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    model = open_model(path)
+    data = export(model)
+    assert model.kind == "onnx" and data["counts"]["matmul"] == 1 and data["counts"]["softmax"] == 1
+    assert [c["format"] for c in data["constants"].values() if c["elements"] == 32] == ["f32"]

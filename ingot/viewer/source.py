@@ -92,32 +92,13 @@ def _open_gguf(path: str) -> Model:
 def _open_onnx(path: str) -> Model:
     if importlib.util.find_spec("ingot.importers.onnx") is None:
         raise IngotError(f"view: {path} is an ONNX file, and this Ingot has no ONNX importer yet.")
-    from ..compiler import run_pipeline
-    from ..importers import onnx as onnx_importer
+    if importlib.util.find_spec("onnx") is None:
+        raise IngotError(f"view: {path} is an ONNX file; reading it needs the onnx package (pip install 'ingot[onnx]').")
+    from ..importers.onnx import from_onnx
 
-    imported = onnx_importer.from_onnx(path)
-    graph, targets = _graph_and_targets(imported)
-    program = Program([t.node for t in targets], list(graph.assigns), dict(graph.constants), dict(graph.variables))
-    program, history = run_pipeline(program)
-    inputs = [(name, node.type) for name, node in graph.placeholders.items()]
-    return Model(path, "onnx", program, inputs, history, ["ONNX model after the compile pipeline"])
-
-
-def _graph_and_targets(imported):
-    """The importer's result as (Graph, [output tensors]), whatever shape it comes in."""
-    from ..graph import Graph, Tensor
-
-    if isinstance(imported, tuple) and len(imported) == 2 and isinstance(imported[0], Graph):
-        graph, outs = imported
-    else:
-        graph = getattr(imported, "graph", None)
-        outs = getattr(imported, "outputs", None)
-    if not isinstance(graph, Graph) or outs is None:
-        raise IngotError(f"view: the ONNX importer returned {type(imported).__name__}, which the viewer cannot read.")
-    outs = list(outs.values()) if isinstance(outs, dict) else list(outs)
-    if not all(isinstance(t, Tensor) for t in outs):
-        raise IngotError("view: the ONNX importer's outputs are not ingot Tensors.")
-    return graph, outs
+    exe = from_onnx(path)  # imported and compiled for the CPU: the program `ingot convert` would package
+    inputs = [(name, exe.feed_types[name]) for name in exe.feed_order]
+    return Model(path, "onnx", exe.program, inputs, list(exe.history), ["ONNX model after the compile pipeline"])
 
 
 def from_graph(graph, targets, feeds: dict | None = None, name: str = "graph") -> Model:

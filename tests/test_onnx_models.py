@@ -1,0 +1,157 @@
+"""Whole models through the ONNX importer, against onnxruntime: a BERT-like encoder (one SDPA per
+layer after compile), a CNN classifier, an STFT front end (fixtures exported from PyTorch by
+scripts/make_onnx_fixtures.py), quantized matmuls (DequantizeLinear -> MatMul, MatMulNBits), and
+the encoder re-exported from PyTorch when torch is installed."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+import ingot  # noqa: E402
+from ingot.importers.onnx import from_onnx, op_counts  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "onnx"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def onnxruntime_outputs(model, feeds, optimize=True):
+    data = model if isinstance(model, (str, Path)) else model.SerializeToString()
+    options = ort.SessionOptions()
+    if not optimize:  # onnxruntime's optimiser would quantize the activations of a DequantizeLinear -> MatMul
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(data) if isinstance(data, Path) else data, options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds)))
+
+
+def encoder_feeds(batch=1, length=16, seed=0):
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, length), np.int64)
+    mask[:, length - 3:] = 0
+    return {"input_ids": rng.integers(0, 512, (batch, length)).astype(np.int64), "attention_mask": mask}
+
+
+def assert_matches(exe, model, feeds, atol=1e-4, optimize=True):
+    ours = exe.run(feeds)
+    theirs = onnxruntime_outputs(model, feeds, optimize)
+    assert list(ours) == list(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape and ours[name].dtype == theirs[name].dtype, name
+        np.testing.assert_allclose(ours[name], theirs[name], atol=atol, rtol=0, err_msg=name)
+
+
+def test_encoder_one_sdpa_per_layer_and_matches_onnxruntime():
+    path = FIXTURES / "encoder.onnx"
+    exe = from_onnx(path)
+    counts = op_counts(exe)
+    assert counts["sdpa"] == 2 and counts["softmax"] == 0  # two layers, attention fused by the compiler's pass
+    assert counts["matmul"] == 13                          # q, k, v, out, up, down per layer + the pooler
+    assert_matches(exe, path, encoder_feeds())
+    assert_matches(exe, path, encoder_feeds(seed=1))
+
+
+def test_cnn_matches_onnxruntime():
+    path = FIXTURES / "cnn.onnx"
+    exe = from_onnx(path)
+    assert {"conv", "maxpool"}.isdisjoint(op_counts(exe))
+    image = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    assert_matches(exe, path, {"image": image})
+
+
+def test_stft_matches_onnxruntime():
+    path = FIXTURES / "stft.onnx"
+    exe = from_onnx(path)
+    assert op_counts(exe)["rfft"] == 1 and op_counts(exe)["array_view"] == 1  # frames are a strided view
+    audio = np.random.default_rng(0).standard_normal((1, 4000)).astype(np.float32)
+    assert_matches(exe, path, {"audio": audio})
+
+
+def test_symbolic_dimensions_need_input_shapes():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ingot.IngotError, match="symbolic dimension 'batch'.*input_shapes"):
+        from_onnx(model)
+    exe = from_onnx(model, input_shapes={"x": (3, 4)})
+    assert exe.run({"x": -np.ones((3, 4), np.float32)})["y"].tolist() == [[0.0] * 4] * 3
+
+
+def test_unsupported_ops_are_listed_in_one_error():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Foo", ["a"], ["b"], name="foo1"),
+             helper.make_node("Foo", ["b"], ["c"], name="foo2"), helper.make_node("Bar", ["c"], ["y"], name="bar1")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])]))
+    with pytest.raises(ingot.IngotError) as e:
+        from_onnx(model)
+    message = str(e.value)
+    assert "2 op types are not supported: Foo (2 nodes, e.g. 'foo1'), Bar (1 node, e.g. 'bar1')" in message
+    assert "Relu" not in message and "\n" not in message
+
+
+def test_dequantize_linear_matmul_becomes_quantized_matmul():
+    rng = np.random.default_rng(0)
+    k, n = 64, 32
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = (rng.random(n) * 0.01 + 0.001).astype(np.float32)
+    inits = [numpy_helper.from_array(q, "w_q"), numpy_helper.from_array(scale, "w_scale"),
+             numpy_helper.from_array(np.zeros(n, np.int8), "w_zero")]
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=1),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "dq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    exe = from_onnx(model)
+    assert op_counts(exe)["quantized_matmul"] == 1 and op_counts(exe)["dequantize"] == 0
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    assert_matches(exe, model, {"x": x}, optimize=False)
+    np.testing.assert_allclose(exe.run({"x": x})["y"], x @ (q.astype(np.float32) * scale), atol=1e-5)
+
+
+def test_matmul_nbits_becomes_quantized_matmul():
+    rng = np.random.default_rng(0)
+    k, n, block = 64, 48, 32
+    values = rng.integers(0, 16, (n, k)).astype(np.uint8)              # W^T [N, K], 4-bit
+    packed = (values[:, 0::2] | (values[:, 1::2] << 4)).reshape(n, k // block, block // 2)
+    scales = (rng.random(n * k // block) * 0.1 + 0.01).astype(np.float32)
+    zeros = rng.integers(0, 16, (n, k // block)).astype(np.uint8)
+    zeros_packed = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).reshape(-1)
+    inits = [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "scales"),
+             numpy_helper.from_array(zeros_packed, "zeros")]
+    node = helper.make_node("MatMulNBits", ["x", "b", "scales", "zeros"], ["y"], domain="com.microsoft",
+                            K=k, N=n, bits=4, block_size=block)
+    graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    exe = from_onnx(model)
+    assert op_counts(exe)["quantized_matmul"] == 1
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    assert_matches(exe, model, {"x": x}, atol=1e-4)
+
+
+def test_quantize_option_stores_matmul_weights_quantized():
+    path = FIXTURES / "encoder.onnx"
+    exe = from_onnx(path, quantize="int8")
+    counts = op_counts(exe)
+    assert counts["quantized_matmul"] == 13 and counts["matmul"] == 0 and counts["sdpa"] == 2
+    feeds = encoder_feeds()
+    ours, theirs = exe.run(feeds), onnxruntime_outputs(path, feeds)
+    np.testing.assert_allclose(ours["last_hidden_state"], theirs["last_hidden_state"], atol=0.05)
+
+
+@pytest.mark.slow
+def test_encoder_exported_from_pytorch(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    spec = importlib.util.spec_from_file_location("make_onnx_fixtures", ROOT / "scripts" / "make_onnx_fixtures.py")
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    path = fixtures.export_encoder(tmp_path / "bert.onnx", batch=2, length=24, hidden=96, heads=4, ffn=192, layers=3)
+    exe = from_onnx(path)
+    assert op_counts(exe)["sdpa"] == 3 and op_counts(exe)["softmax"] == 0
+    assert_matches(exe, path, encoder_feeds(batch=2, length=24))

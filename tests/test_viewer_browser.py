@@ -221,6 +221,36 @@ def test_screenshot_is_not_blank(smol, tmp_path):
     assert page.errors == []
 
 
+def test_overlays_time_and_quantization_error(browser):
+    from ingot.ops.quant import unpack
+    from ingot.viewer.server import model_server
+    from test_viewer import small_model
+    model, _ = small_model()
+    c = model.program.constants
+    exact = unpack(c["layer.1.w"], ingot.uint4).astype(np.float32) * np.repeat(c["layer.1.w.scale"], 32, axis=0) \
+        + np.repeat(c["layer.1.w.bias"], 32, axis=0)
+    server = model_server(model, profile=True, reference={"layer.1.w": exact * 1.05})
+    server.start()
+    try:
+        page = open_page(browser, server.url)
+        page.click("#expand-all")
+        page.wait_for_function("window.__ingot.layouts >= 2")
+        filled = "document.querySelectorAll('#graph .node rect[style*=fill]').length"
+        assert page.evaluate(filled) == 0
+        page.select_option("#overlay", "profile")
+        page.wait_for_function("window.__ingot.layouts >= 3")
+        assert page.evaluate(filled) > 5 and "µs" in page.locator("#graph").text_content()
+        assert "time per node" in page.locator("#legend").inner_text()
+        page.select_option("#overlay", "qerror")
+        page.wait_for_function("window.__ingot.layouts >= 4")
+        assert page.evaluate(filled) == 1          # the one quantized_matmul whose weight has a reference
+        assert "err 4.76%" in page.locator("#graph").text_content()   # |w - 1.05 w| / |1.05 w|
+        assert page.errors == []
+        page.context.close()
+    finally:
+        server.close()
+
+
 def random_graph(n: int = 3000, seed: int = 0):
     """A graph of about n elementwise ops with no repeated structure (nothing folds)."""
     g = ingot.Graph()

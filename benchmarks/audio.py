@@ -197,19 +197,21 @@ def cuda_main(args) -> None:
                 g, s, sample_rate=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS, pad_mode="reflect",
                 frames_per_chunk=len(host)),
             "ingot log-mel, unfused": None,  # the same graph with INGOT_CUDA_AUDIO_FUSION=0
+            "ingot log-mel, fused kernel": None,  # the same graph with INGOT_CUDA_AUDIO_MEL=fused
             "ingot whisper": lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS),
             "ingot stft": lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"),
         }
         times, results = {}, {}
         for name, build in builders.items():
-            fused = build is not None
             build = build or builders["ingot log-mel"]
             start = time.perf_counter()
             g = ingot.Graph()
             signal = g.placeholder(host.shape, ingot.float32, name="signal")
-            os.environ["INGOT_CUDA_AUDIO_FUSION"] = "1" if fused else "0"
+            os.environ["INGOT_CUDA_AUDIO_FUSION"] = "0" if name.endswith("unfused") else "1"
+            os.environ["INGOT_CUDA_AUDIO_MEL"] = "fused" if name.endswith("fused kernel") else "gemm"
             exe = g.compile(targets=[build(g, signal)], device="cuda")
-            os.environ["INGOT_CUDA_AUDIO_FUSION"] = "1"
+            os.environ.pop("INGOT_CUDA_AUDIO_FUSION")
+            os.environ.pop("INGOT_CUDA_AUDIO_MEL")
             compile_s = time.perf_counter() - start
             run = (lambda exe=exe: exe.run({"signal": x})[0])
             results[name] = run()
@@ -229,7 +231,8 @@ def cuda_main(args) -> None:
                 print(f"{label:>8} {ours} vs {theirs}: max |difference| / max |{theirs}| = {err:.2e}")
         for ours, theirs in (("ingot log-mel", "torch.stft"), ("ingot log-mel", "torch log-mel"),
                              ("ingot log-mel", "torchaudio log-mel"), ("ingot log-mel, one chunk", "torch.stft"),
-                             ("ingot log-mel, unfused", "torch.stft"), ("ingot whisper", "torch.stft"),
+                             ("ingot log-mel, unfused", "torch.stft"), ("ingot log-mel, fused kernel", "torch.stft"),
+                             ("ingot whisper", "torch.stft"),
                              ("ingot whisper", "torch whisper"), ("ingot stft", "torch.stft")):
             if theirs in times:
                 print(f"{label:>8} ratio {theirs} / {ours} = {times[theirs] / times[ours]:.2f}")
@@ -240,22 +243,32 @@ def cuda_main(args) -> None:
         print(f"{label:>8} part: cuFFT rfft of the strided frames      {bench(lambda: torch.fft.rfft(frames)):8.3f} ms")
         window = torch.hann_window(N_FFT, device=device)
         print(f"{label:>8} part: window multiply (frames * w)          {bench(lambda: frames * window):8.3f} ms")
-        for block_m in (16, 32):
-            projection = cuda_fft.MelProjection(torch.from_numpy(filters).to(device),
-                                                torch.from_numpy(cuda_fft.mel_bands(filters, block_m)).to(device),
-                                                N_FFT, (0.5, 0.5), block_m)
-            reference = cuda_fft.power_mel(spectrum, projection)
-            for precision in ("ieee", "tf32x3"):
-                for block_f, block_b in ((64, 32), (128, 32), (64, 64), (128, 16)):
-                    try:
-                        out = cuda_fft.power_mel(spectrum, projection, precision, block_f, block_b)
-                        err = float((out - reference).abs().max() / reference.abs().max())
-                        ms = bench(lambda: cuda_fft.power_mel(spectrum, projection, precision, block_f, block_b))
-                        print(f"{label:>8} part: power_mel {precision:>6} F{block_f} B{block_b} M{block_m}  {ms:8.3f} ms  "
-                              f"(vs ieee F64 B32: {err:.1e})", flush=True)
-                    except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
-                        print(f"{label:>8} part: power_mel {precision} F{block_f} B{block_b} M{block_m} failed: "
-                              f"{type(e).__name__}: {str(e)[:120]}")
+        power = cuda_fft.windowed_power(spectrum, N_FFT, (0.5, 0.5))
+        for block_f, num_warps in ((16, 4), (8, 4), (32, 8)):
+            ms = bench(lambda: cuda_fft.windowed_power(spectrum, N_FFT, (0.5, 0.5), block_f, None, num_warps))
+            print(f"{label:>8} part: windowed_power F{block_f} warps {num_warps}        {ms:8.3f} ms", flush=True)
+        filters_d = torch.from_numpy(filters).to(device)
+        print(f"{label:>8} part: cuBLAS filters @ power.T             {bench(lambda: filters_d @ power.T):8.3f} ms")
+        bands = cuda_fft.mel_bands(filters, 16)
+
+        def banded():
+            return torch.cat([filters_d[m:m + 16, lo:hi] @ power[:, lo:hi].T for m, (lo, hi) in zip(range(0, N_MELS, 16), bands)])
+        print(f"{label:>8} part: banded cuBLAS (5 tiles of 16 mels)   {bench(banded):8.3f} ms", flush=True)
+        projection = cuda_fft.MelProjection(filters_d, torch.from_numpy(bands).to(device), N_FFT, (0.5, 0.5))
+        reference = filters_d @ power.T
+        for precision, block_f, block_b, num_warps, num_stages in (
+                ("ieee", 128, 16, 4, 2), ("ieee", 128, 16, 8, 2), ("ieee", 128, 16, 4, 1), ("ieee", 64, 16, 4, 1),
+                ("ieee", 256, 16, 8, 1), ("tf32x3", 128, 16, 8, 1), ("tf32x3", 64, 16, 4, 1)):
+            config = f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}"
+            try:
+                out = cuda_fft.power_mel(spectrum, projection, precision, block_f, block_b, num_warps, num_stages)
+                err = float((out - reference).abs().max() / reference.abs().max())
+                ms = bench(lambda: cuda_fft.power_mel(spectrum, projection, precision, block_f, block_b, num_warps,
+                                                      num_stages))
+                print(f"{label:>8} part: fused power_mel {config}  {ms:8.3f} ms  (vs power + cuBLAS: {err:.1e})",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
+                print(f"{label:>8} part: fused power_mel {config} failed: {type(e).__name__}: {str(e)[:100]}")
         copy = torch.empty_like(x)
         ms = bench(lambda: copy.copy_(x))
         print(f"{label:>8} device copy of the signal: {ms:.3f} ms = {2 * x.numel() * 4 / ms / 1e9:.2f} TB/s")

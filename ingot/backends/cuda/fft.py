@@ -15,11 +15,13 @@ three-tap filter across bins (X_w[k] = a0 X[k] - a1/2 (X[k-1] + X[k+1]), the spe
 signal continued by X[-k] = conj X[k]), so the chain becomes
 
     spectrum = rfft(frames)                    # cuFFT over the strided view of the signal
-    mel = power_mel(spectrum)                  # one Triton kernel: window, |.|^2, mel projection
+    power = windowed_power(spectrum)           # one Triton pass: window in frequency, |.|^2
+    mel = filters @ power.T                    # cuBLAS, float32
 
-and the kernel visits, for each tile of mel bands, only the FFT bins where that tile's filters are
-non-zero. Other windows are multiplied in first (torch) and the kernel does |.|^2 and the mel
-projection. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
+Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. A second method
+(INGOT_CUDA_AUDIO_MEL=fused) does power and projection in one kernel, each tile of mel bands over
+only the FFT bins where its filters are non-zero; on the H200 it measured slower than the power
+pass + cuBLAS (BENCHMARKS.md), so "gemm" is the default. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
 pass a deferred value along and the matmul step computes the result, so nothing in between is
 written to device memory. Any other use of these ops lowers as before. INGOT_CUDA_AUDIO_FUSION=0 turns
 the fusion off (each node lowered alone: for measuring what it saves).
@@ -108,6 +110,30 @@ def _power_mel_kernel(spec_ptr, filt_ptr, band_ptr, out_ptr, F, B, M, REFLECT, s
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_f[:, None], acc, mask=f_mask & m_mask)
 
 
+@triton.jit
+def _windowed_power_kernel(spec_ptr, out_ptr, F, B, REFLECT, stride_sf, stride_of, a0, a1_half,
+                           WINDOWED: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr):
+    """out[f, k] = |X_w[f, k]|^2 (float32 [F, B]) from complex64 X [F, B] read as interleaved float32."""
+    offs_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    k = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
+    mask = (offs_f[:, None] < F) & (k[None, :] < B)
+    re = tl.load(rows + 2 * k[None, :], mask=mask, other=0.0)
+    im = tl.load(rows + 2 * k[None, :] + 1, mask=mask, other=0.0)
+    if WINDOWED:
+        below = tl.where(k == 0, 1, k - 1)               # X[-1] = conj X[1]
+        above = tl.where(k == B - 1, REFLECT, k + 1)     # X[B] = conj X[n_fft - B]
+        re_below = tl.load(rows + 2 * below[None, :], mask=mask, other=0.0)
+        im_below = tl.load(rows + 2 * below[None, :] + 1, mask=mask, other=0.0)
+        re_above = tl.load(rows + 2 * above[None, :], mask=mask, other=0.0)
+        im_above = tl.load(rows + 2 * above[None, :] + 1, mask=mask, other=0.0)
+        im_below = tl.where(k[None, :] == 0, -im_below, im_below)
+        im_above = tl.where(k[None, :] == B - 1, -im_above, im_above)
+        re = a0 * re - a1_half * (re_below + re_above)
+        im = a0 * im - a1_half * (im_below + im_above)
+    tl.store(out_ptr + offs_f[:, None].to(tl.int64) * stride_of + k[None, :], re * re + im * im, mask=mask)
+
+
 @dataclass(frozen=True)
 class MelProjection:
     """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, each
@@ -117,6 +143,7 @@ class MelProjection:
     n_fft: int
     cosine: tuple[float, float] | None
     block_m: int = 16
+    method: str = "gemm"   # "gemm": power kernel + cuBLAS; "fused": one kernel (tl.dot per mel tile)
 
 
 def mel_bands(filters: np.ndarray, block_m: int) -> np.ndarray:
@@ -143,7 +170,7 @@ def cosine_window(window: np.ndarray) -> tuple[float, float] | None:
 
 
 def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str = "ieee",
-              block_f: int = 64, block_b: int = 32) -> torch.Tensor:
+              block_f: int = 128, block_b: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """filters @ |window(spectrum)|^2.T: complex64 [frames, bins] -> float32 [n_mels, frames]."""
     filters = projection.filters
     assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
@@ -162,14 +189,44 @@ def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str 
     _power_mel_kernel[grid](interleaved, filters, projection.bands, out, frames, bins, n_mels,
                             projection.n_fft - bins, 2 * bins, out.stride(0), a0, a1 / 2,
                             WINDOWED=projection.cosine is not None and a1 != 0.0, PRECISION=precision,
-                            BLOCK_F=block_f, BLOCK_B=block_b, BLOCK_M=projection.block_m)
+                            BLOCK_F=block_f, BLOCK_B=block_b, BLOCK_M=projection.block_m,
+                            num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def mel_of_frames(frames: torch.Tensor, projection: MelProjection, **options) -> torch.Tensor:
+def windowed_power(spectrum: torch.Tensor, n_fft: int, cosine: tuple[float, float] | None,
+                   block_f: int = 16, block_b: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """|window(spectrum)|^2: complex64 [frames, bins] -> float32 [frames, bins] in one pass."""
+    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
+    frames, bins = spectrum.shape
+    assert bins == n_fft // 2 + 1
+    if spectrum.stride() != (bins, 1):
+        spectrum = spectrum.contiguous()
+    out = torch.empty((frames, bins), dtype=torch.float32, device=spectrum.device)
+    if frames == 0:
+        return out
+    block_b = block_b or min(256, triton.next_power_of_2(bins))
+    a0, a1 = cosine if cosine is not None else (1.0, 0.0)
+    grid = (triton.cdiv(frames, block_f), triton.cdiv(bins, block_b))
+    _windowed_power_kernel[grid](torch.view_as_real(spectrum), out, frames, bins, n_fft - bins, 2 * bins, bins,
+                                 a0, a1 / 2, WINDOWED=cosine is not None and a1 != 0.0,
+                                 BLOCK_F=block_f, BLOCK_B=block_b, num_warps=num_warps)
+    return out
+
+
+def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection) -> torch.Tensor:
+    """filters @ |window(spectrum)|^2.T by the projection's method: complex64 [frames, bins] ->
+    float32 [n_mels, frames]. "gemm" is float32 cuBLAS (TF32 only if the caller allowed it globally
+    through torch.backends.cuda.matmul.allow_tf32)."""
+    if projection.method == "fused":
+        return power_mel(spectrum, projection)
+    return torch.matmul(projection.filters, windowed_power(spectrum, projection.n_fft, projection.cosine).T)
+
+
+def mel_of_frames(frames: torch.Tensor, projection: MelProjection) -> torch.Tensor:
     """[frames, n_fft] (a strided view of the signal, windowed already unless projection.cosine)
-    -> mel [n_mels, frames]: cuFFT, then the fused kernel."""
-    return power_mel(torch.fft.rfft(frames, dim=-1), projection, **options)
+    -> mel [n_mels, frames]: cuFFT, then the window in frequency, power and the mel projection."""
+    return mel_of_spectrum(torch.fft.rfft(frames, dim=-1), projection)
 
 
 # -- recognising the mel chain in a lowered program -----------------------------------------------
@@ -244,7 +301,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
                     roles[frames.id] = Role("window", (view_index,))
         bands = mel_bands(filters, 16)
         projection = MelProjection(constant_tensor(filters, device), torch.as_tensor(bands, device=device),
-                                   n_fft, cosine)
+                                   n_fft, cosine, method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"))
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
                       mm.id: Role("mel", (1,), projection)})
@@ -278,7 +335,8 @@ def _chain_step(role: Role, ctx: Lowering) -> StepFn:
     projection = role.projection
     plan = ctx.plan
     if hasattr(plan, "fusions"):
-        plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point)")
+        plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point, "
+                            f"{projection.method})")
     return lambda deferred: mel_of_frames(deferred.frames, projection)
 
 

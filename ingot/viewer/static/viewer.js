@@ -2,7 +2,7 @@
 // the layout runs in a Web Worker (layout.js); the graph is SVG inside one transformed <g>.
 "use strict";
 
-const V = window.ingotViewer = {};
+const V = window.ingotViewer = {};   // a handle for tests and the console
 window.__ingot = {firstPaint: null, layouts: 0, marks: {}};
 const mark = name => { if (!(name in window.__ingot.marks)) window.__ingot.marks[name] = Math.round(performance.now()); };
 const $ = id => document.getElementById(id);
@@ -11,7 +11,7 @@ const fmtBytes = b => b >= 1 << 20 ? (b / (1 << 20)).toFixed(2) + " MiB" : b >= 
 const fmtNum = x => typeof x !== "number" ? String(x) : Math.abs(x) >= 1e4 || (x !== 0 && Math.abs(x) < 1e-3) ? x.toExponential(3) : +x.toFixed(5) + "";
 
 let D = null;                       // the model's data
-const S = {collapsed: new Set(), selected: null, device: "", overlay: "", view: {x: 0, y: 0, k: 1},
+const S = V.state = {collapsed: new Set(), selected: null, device: "", overlay: "", view: {x: 0, y: 0, k: 1},
            layout: null, vis: null, filterOp: null, matches: []};
 const CAT = {quantized_matmul: "matmul", matmul: "matmul", quantized_gather: "matmul", gather: "matmul", sdpa: "attention",
              softmax: "attention", rms_norm: "norm", layer_norm: "norm", variable: "state", assign: "state",
@@ -355,10 +355,19 @@ async function toggleGroup(id) {
     S.collapsed.delete(id);
   } else S.collapsed.add(id);
   await relayout(true);
-  const first = (groupInfo(id).members[0]);
-  const target = S.vis.at.has("g" + id) ? "g" + id : first !== undefined ? visibleOf(first) : null;
-  if (target && S.vis.at.has(target)) select(target, true);
+  if (S.vis.at.has("g" + id)) return select("g" + id, true);
+  // unfolded: show the whole group
+  const ks = [...new Set(groupInfo(id).members.map(visibleOf))].map(v => S.vis.at.get(v)).filter(k => k !== undefined);
+  if (ks.length) fitBox(bounds(ks.map(k => [S.layout.x[k] - S.vis.sizes[k].w / 2, S.layout.y[k] - S.vis.sizes[k].h / 2,
+                                              S.vis.sizes[k].w, S.vis.sizes[k].h]), 20));
 }
+function fitBox([x0, y0, x1, y1]) {
+  const r = $("canvas").getBoundingClientRect();
+  const k = Math.min(1, Math.max(0.02, Math.min(r.width / (x1 - x0), r.height / (y1 - y0))));
+  S.view = {k, x: (r.width - (x1 - x0) * k) / 2 - x0 * k, y: Math.max(0, (r.height - (y1 - y0) * k) / 2) - y0 * k};
+  applyView();
+}
+V.fitBox = fitBox;
 V.toggleGroup = toggleGroup;
 
 // ---- inspector -------------------------------------------------------------------------------------

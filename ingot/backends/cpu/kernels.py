@@ -238,8 +238,14 @@ def _kmajor_params(params, attrs, n: int):
 
 
 def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
-    """What the kernels take: float32, or float16 as its uint16 bits (see params_row)."""
-    return p.view(np.uint16) if p is not None and p.dtype == np.float16 else p
+    """What the kernels take: float32, or float16 as its uint16 bits (see params_row); always as a
+    read-only view, so that constants from a package's memory map (read-only) and built ones share
+    one compiled specialisation, the one warm_up compiles."""
+    if p is None:
+        return None
+    p = p.view(np.uint16) if p.dtype == np.float16 else p.view()
+    p.flags.writeable = False
+    return p
 
 
 def quantized_matmul_step(node: Node, out):
@@ -254,26 +260,26 @@ def quantized_matmul_step(node: Node, out):
     no_offset_bits = np.zeros((1, 1), np.uint16)
 
     def prepare(q, params):
-        key = tuple(id(p) for p in params)
+        key = (id(q),) + tuple(id(p) for p in params)
         hit = prepared.get(key)
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
             scale, offset, nb = _kmajor_params(params, attrs, n)
             ks = _kernel_form(scale)
-            ko = _kernel_form(offset) if offset is not None else (no_offset if ks.dtype == np.float32 else no_offset_bits)
+            ko = _kernel_form(offset if offset is not None else no_offset if ks.dtype == np.float32 else no_offset_bits)
             if qdtype.packed:
                 kernel = kmajor_packed4
                 args = (ks, ko, offset is not None, np.uint8(8 if qdtype.kind == "i" else 0))
             else:
                 kernel = kmajor_int8
                 args = (ks, ko, offset is not None)
-            hit = prepared[key] = (kernel, args, scale, offset, nb, n, params)  # params kept: ids stay valid
+            hit = prepared[key] = (kernel, args, scale, offset, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
         return hit
 
     def step(x, q, *params):
         if not fast:
             return reference((x, q) + params, attrs)
-        kernel, args, scale, offset, nb, n, _ = prepare(q, params)
+        kernel, args, scale, offset, nb, n, q, _ = prepare(q, params)
         k = x.shape[-1]
         if k % nb:
             return reference((x, q) + params, attrs)
@@ -505,18 +511,15 @@ def _cache_is_cold() -> bool:
 def _warm_up() -> None:
     f32 = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
     x, out = f32(1, 32), f32(1, 4)
-    kmajor_packed4(x, np.zeros((32, 2), np.uint8), f32(1, 4), f32(1, 4), True, np.uint8(0), 0, 1, out)
-    kmajor_int8(x, np.zeros((32, 4), np.int8), f32(1, 4), f32(1, 4), True, 0, 1, out)
-    kmajor_int8(x, np.zeros((32, 4), np.uint8), f32(1, 4), f32(1, 4), True, 0, 1, out)
-    scaled_tile_packed4(np.zeros((32, 2), np.uint8), f32(1, 4), 0, 32, 32, np.uint8(0), f32(32, 4))
-    scaled_tile_int8(np.zeros((32, 4), np.int8), f32(1, 4), 0, 32, 32, f32(32, 4))
-    h16 = lambda *shape: np.full(shape, 0x3C00, np.uint16)  # noqa: E731  (float16 parameters: 1.0)
-    kmajor_packed4(x, np.zeros((32, 2), np.uint8), h16(1, 4), h16(1, 4), True, np.uint8(0), 0, 1, out)
-    kmajor_packed4(x, np.zeros((32, 2), np.uint8), h16(1, 4), h16(1, 1), False, np.uint8(8), 0, 1, out)
-    kmajor_int8(x, np.zeros((32, 4), np.int8), h16(1, 4), h16(1, 1), False, 0, 1, out)
-    kmajor_int8(x, np.zeros((32, 4), np.uint8), h16(1, 4), h16(1, 4), True, 0, 1, out)
-    scaled_tile_packed4(np.zeros((32, 2), np.uint8), h16(1, 4), 0, 32, 32, np.uint8(0), f32(32, 4))
-    scaled_tile_int8(np.zeros((32, 4), np.int8), h16(1, 4), 0, 32, 32, f32(32, 4))
+    weights = [_kernel_form(np.zeros((32, n), t)) for n, t in ((2, np.uint8), (4, np.int8), (4, np.uint8))]
+    for params in (f32(1, 4), np.ones((1, 4), np.float16)):   # the weight, scale and offset as prepared
+        s, o = _kernel_form(params), _kernel_form(params)
+        kmajor_packed4(x, weights[0], s, o, True, np.uint8(0), 0, 1, out)
+        kmajor_int8(x, weights[1], s, o, True, 0, 1, out)
+        kmajor_int8(x, weights[2], s, o, True, 0, 1, out)
+        scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint8(0), f32(32, 4))
+        scaled_tile_int8(weights[1], s, 0, 32, 32, f32(32, 4))
+        scaled_tile_int8(weights[2], s, 0, 32, 32, f32(32, 4))
     q = f32(1, 2, 1, 8)
     attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))

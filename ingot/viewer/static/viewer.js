@@ -167,8 +167,27 @@ function qerrorOf(i) {
   return own ? own.relative : worst;
 }
 
+const FAR = 0.3;   // below this zoom, labels are too small to read: they are left out of the page
+
 function render() {
-  const {items, edges} = S.vis, lay = S.layout;
+  S.far = S.view.k < FAR;
+  const svg = $("graph");
+  mark("svg text");
+  const {markup, shown, hidden} = graphMarkup(!S.far);
+  svg.innerHTML = markup;
+  mark("svg dom");
+  applyView();
+  mark("view");
+  legend(shown, hidden);
+  mark("legend");
+  if (window.__ingot.firstPaint === null) {
+    // a task queued from a frame callback runs once that frame is painted
+    requestAnimationFrame(() => { mark("frame"); setTimeout(() => { window.__ingot.firstPaint = performance.now(); }, 0); });
+  }
+}
+
+function graphMarkup(withText) {
+  const {items} = S.vis, lay = S.layout;
   const parts = ['<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" orient="auto">' +
                  '<path d="M0,0L8,4L0,8z" fill="#8a94a8"/></marker></defs>', '<g id="viewport">'];
   const box = k => { const s = S.vis.sizes[k]; return [lay.x[k] - s.w / 2, lay.y[k] - s.h / 2, s.w, s.h]; };
@@ -202,8 +221,8 @@ function render() {
     if (e.stub) {
       const [tx, ty] = p[p.length - 1];
       const from = items[e.s];
-      parts.push(`<path class="edge stub" d="M${tx},${ty - 16}L${tx},${ty}" marker-end="url(#arrow)"/>` +
-                 `<text class="stub-label" x="${tx}" y="${ty - 19}">${esc(itemName(from))}</text>`);
+      parts.push(`<path class="edge stub" d="M${tx},${ty - 16}L${tx},${ty}"${withText ? ' marker-end="url(#arrow)"' : ""}/>` +
+                 (withText ? `<text class="stub-label" x="${tx}" y="${ty - 19}">${esc(itemName(from))}</text>` : ""));
       continue;
     }
     let d = `M${p[0][0]},${p[0][1]}`;
@@ -211,7 +230,7 @@ function render() {
       const [x0, y0] = p[k - 1], [x1, y1] = p[k], my = (y0 + y1) / 2;
       d += `C${x0},${my} ${x1},${my} ${x1},${y1}`;
     }
-    parts.push(`<path class="edge" d="${d}" marker-end="url(#arrow)"/>`);
+    parts.push(`<path class="edge" d="${d}"${withText ? ' marker-end="url(#arrow)"' : ""}/>`);
   }
   parts.push("</g>", '<g class="nodes">');
   items.forEach((id, k) => {
@@ -229,21 +248,11 @@ function render() {
     }
     const cls = itemClass(id) + (S.selected === id ? " selected" : "") + (S.matchSet && S.matchSet.has(id) ? " match" : "");
     parts.push(`<g class="${cls}" data-item="${id}" transform="translate(${x},${y})"><rect width="${w}" height="${h}"${style}/>` +
-               `<text x="${w / 2}" y="14">${esc(title)}</text><text class="sub" x="${w / 2}" y="${h - 7}">${esc(sub)}</text></g>`);
+               (withText ? `<text x="${w / 2}" y="14">${esc(title)}</text><text class="sub" x="${w / 2}" y="${h - 7}">${esc(sub)}</text>` : "") +
+               "</g>");
   });
   parts.push("</g></g>");
-  const svg = $("graph");
-  mark("svg text");
-  svg.innerHTML = parts.join("");
-  mark("svg dom");
-  applyView();
-  mark("view");
-  legend(shown, hidden);
-  mark("legend");
-  if (window.__ingot.firstPaint === null) {
-    // a task queued from a frame callback runs once that frame is painted
-    requestAnimationFrame(() => { mark("frame"); setTimeout(() => { window.__ingot.firstPaint = performance.now(); }, 0); });
-  }
+  return {markup: parts.join(""), shown, hidden};
 }
 
 function itemName(id) {
@@ -277,8 +286,8 @@ function status(text) { $("status").textContent = text; }
 // ---- pan and zoom ------------------------------------------------------------------------------------
 function applyView() {
   const g = document.getElementById("viewport");
+  if (S.layout && S.far !== undefined && S.far !== S.view.k < FAR) { render(); markSelected(); return; }
   if (g) g.setAttribute("transform", `translate(${S.view.x},${S.view.y}) scale(${S.view.k})`);
-  $("graph").classList.toggle("far", S.view.k < 0.3);   // text too small to read: not laid out at all
 }
 function fit() {
   if (!S.layout) return;
@@ -533,7 +542,8 @@ function search(focus) {
 
 // ---- export ----------------------------------------------------------------------------------------
 function svgText() {
-  const svg = $("graph").cloneNode(true);
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.innerHTML = graphMarkup(true).markup;    // labels always, whatever the zoom
   const lay = S.layout, pad = 20;
   svg.setAttribute("xmlns", "http://www.w3.org/2000/svg");
   svg.setAttribute("viewBox", `${-pad} ${-pad} ${lay.width + 2 * pad} ${lay.height + 2 * pad}`);

@@ -194,8 +194,9 @@ def read_llm(path) -> StoredModel:
         starts = np.concatenate([[0], np.cumsum(site_layout(config, names))])
         for i, n in enumerate(names):
             part = b[starts[i]:starts[i + 1]]
-            if np.any(part):
-                factors.setdefault(n, []).append((np.ascontiguousarray(a), np.ascontiguousarray(part)))
+            ranks = np.any(part != 0, axis=0)  # this weight's own rank columns of the stacked factors
+            if np.any(ranks):
+                factors.setdefault(n, []).append((np.ascontiguousarray(a[ranks]), np.ascontiguousarray(part[:, ranks])))
     return StoredModel(str(path), info.get("architecture", "llama"), info.get("metadata", {}), tensors, config,
                        AdapterSet(factors, int8=int8))
 

@@ -147,7 +147,9 @@ def adapted(g: Graph, weights: Weights, names: list[str], x: Tensor, y: Tensor) 
     if not weights.adapter_sites.intersection(names):
         return y
     (delta,) = g.call("+".join(names), [x], [TensorType(y.shape, y.dtype)])
-    return y + delta
+    # y + delta, typed as y: a call's declared output keeps the build-time dynamic length, and
+    # [1, n] + [?, n] would leave every later shape (and the next call's input) dynamic at decode
+    return g.slice_update(y, y + delta, [0, 0])
 
 
 def linear_split(g: Graph, x: Tensor, weights: Weights, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor]:

@@ -58,7 +58,7 @@ def activation_stats(model, text: str, context: int = 256, max_tokens: int = 102
         chunk = ids[start:start + context]
         exe = graph.graph.compile(feeds={graph.tokens: TensorType((len(chunk),), dt.int32)},
                                   targets=[graph.inputs[s] for s in sites], device=device)
-        outs = exe.run({"tokens": np.asarray(chunk, np.int32), "pos": np.int32(0), "last": np.int32(len(chunk) - 1)}, state=exe.new_state())
+        outs = exe.run({"tokens": np.asarray(chunk, np.int32), "pos": np.int32(0)}, state=exe.new_state())
         for s, x in zip(sites, outs):
             x = np.asarray(exe.backend.to_host(x), np.float64)
             sums[s] = sums[s] + (x * x).sum(axis=0)

@@ -1,0 +1,68 @@
+"""A tiny Llama-family model (float weights, the synthetic SmolLM-style tokenizer) for the
+quantization, adapter and package tests."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ingot.models.llama import LlamaConfig
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    cfg = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=296, context_length=64,
+               tied_embeddings=True)
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+def tiny_tensors(cfg: LlamaConfig, seed: int = 0) -> dict:
+    """GGUF-named float weights [out, in] with a realistic spread (a few large columns)."""
+    rng = np.random.default_rng(seed)
+    hd = cfg.head_dim
+
+    def matrix(rows, cols):
+        w = rng.standard_normal((rows, cols)) / np.sqrt(cols)
+        w[:, rng.integers(0, cols, 2)] *= 4
+        return w.astype(np.float32)
+
+    t = {"token_embd.weight": matrix(cfg.vocab_size, cfg.dim),
+         "output_norm.weight": (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)}
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
+        t[p + "ffn_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
+        t[p + "attn_q.weight"] = matrix(cfg.n_heads * hd, cfg.dim)
+        t[p + "attn_k.weight"] = matrix(cfg.n_kv_heads * hd, cfg.dim)
+        t[p + "attn_v.weight"] = matrix(cfg.n_kv_heads * hd, cfg.dim)
+        t[p + "attn_output.weight"] = matrix(cfg.dim, cfg.n_heads * hd)
+        t[p + "ffn_gate.weight"] = matrix(cfg.ffn_dim, cfg.dim)
+        t[p + "ffn_up.weight"] = matrix(cfg.ffn_dim, cfg.dim)
+        t[p + "ffn_down.weight"] = matrix(cfg.dim, cfg.ffn_dim)
+    return t
+
+
+def tokenizer_metadata() -> dict:
+    vocabularies = json.loads((FIXTURES / "tokenizer_synthetic.json").read_text())["vocabularies"]
+    meta = next(v["metadata"] for v in vocabularies if v["name"] == "bpe-smollm")
+    return dict(meta, **{"general.architecture": "llama"})
+
+
+def save_tiny(path, seed: int = 0) -> None:
+    from ingot.llm.package import save_llm
+
+    cfg = tiny_config()
+    save_llm(path, cfg, tiny_tensors(cfg, seed), tokenizer_metadata())
+
+
+def logits(cfg, tensors, tokens, adapters=None, all_logits=True):
+    """All-position logits of the model over tokens (one prefill from an empty cache)."""
+    from ingot.adapters import binder
+    from ingot.models import llama
+
+    graph = llama.build(cfg, tensors, adapter_sites=adapters.names if adapters else (), all_logits=all_logits)
+    if adapters:
+        graph.callables_for = binder(cfg, adapters)
+    exe = graph.compile(len(tokens))
+    return exe.run({"tokens": np.asarray(tokens, np.int32), "pos": np.int32(0)}, state=exe.new_state())[0]

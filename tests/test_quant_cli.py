@@ -1,0 +1,136 @@
+"""ingot quantize / ingot eval kld / LLM packages on a tiny model: round trips, compensation and
+calibration do what they claim, and bad input is one sentence, exit 2, nothing left behind."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from quant_helpers import FIXTURES, logits, save_tiny, tiny_config, tiny_tensors  # noqa: E402
+
+from ingot.cli import main  # noqa: E402
+from ingot.errors import IngotError  # noqa: E402
+from ingot.llm.package import open_model, read_llm, save_llm  # noqa: E402
+from ingot.quant.pipeline import activation_stats, quantize_model  # noqa: E402
+
+TOKENS = [1, 40, 41, 60, 61, 80, 81, 100]
+CALIBRATION = FIXTURES / "calibration_text.txt"
+SHORT = CALIBRATION.read_text()[:600]   # the tiny synthetic vocabulary spends many tokens per word
+
+
+@pytest.fixture(scope="module")
+def short_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("texts") / "short.txt"
+    path.write_text(SHORT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_package(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny.ingot"
+    save_tiny(path)
+    return path
+
+
+def _logits(model):
+    return logits(model.config, model.tensors, TOKENS, model.adapters)
+
+
+def test_package_round_trip_is_exact(tiny_package):
+    import ingot
+
+    cfg = tiny_config()
+    model = read_llm(tiny_package)
+    np.testing.assert_array_equal(_logits(model), logits(cfg, tiny_tensors(cfg), TOKENS))
+    exe = ingot.load(tiny_package)                         # the stored decode executable opens on its own
+    assert exe.output_types[0].shape == (1, cfg.vocab_size)
+
+
+def test_quantize_cli_writes_a_package_generate_runs(tiny_package, tmp_path, capsys, short_text):
+    out = tmp_path / "q.ingot"
+    assert main(["quantize", str(tiny_package), "-o", str(out), "--format", "lut4:g16", "--compensate", "4",
+                 "--calibration", str(short_text), "--context", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "MB" in text and "mean KLD" in text and "top-1" in text
+    info = json.loads((out / "llm.json").read_text())
+    assert info["extra"]["quantized"]["format"] == "lut4:g16"
+    model = read_llm(out)
+    assert model.adapters and all(len(v) == 1 and v[0][0].shape[0] == 4 for v in model.adapters.factors.values())
+    assert main(["generate", "--model", str(out), "--no-chat", "--max-tokens", "4", "--json", "hello world"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) >= 1
+    assert main(["eval", "kld", "--reference", str(tiny_package), "--model", str(out), "--text", str(short_text),
+                 "--context", "64", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert 0 < r["mean_kld"] < 1 and 0 <= r["top1"] <= 1 and r["tokens"] > 20
+
+
+def test_compensation_closes_the_gap_with_rank(tiny_package):
+    model = open_model(tiny_package)
+    reference = _logits(model)
+    stats = activation_stats(model, SHORT, context=64)
+    err = {}
+    for rank in (0, 8, 32):
+        r = quantize_model(model, "int4:tensor", stats=stats, compensate=rank, exclude=["token_embd.weight"])
+        quantized = logits(model.config, r.tensors, TOKENS, r.adapters if rank else None)
+        err[rank] = float(np.abs(quantized - reference).mean())
+    # per-tensor int4 error of random weights is nearly full-rank noise: each rank takes its share
+    assert err[32] < 0.5 * err[0] and err[8] < 0.9 * err[0], err
+
+
+def test_awq_and_calibrated_lut_are_not_worse(tiny_package):
+    model = open_model(tiny_package)
+    reference = _logits(model)
+    stats = activation_stats(model, SHORT, context=64)
+    gap = lambda r: float(np.abs(logits(model.config, r.tensors, TOKENS) - reference).mean())  # noqa: E731
+    plain = gap(quantize_model(model, "int4:32"))
+    aware = gap(quantize_model(model, "int4:32", stats=stats, awq=True))
+    assert aware < 1.2 * plain                                # AWQ keeps alpha = 0 where scaling does not help
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "int4:33"], "format 'int4:33' is not valid"),
+    (["--format", "fp4"], "is not a type"),
+    (["--format", "int4:32", "--calibration", "EMPTY"], "is empty"),
+    (["--format", "int4:32", "--compensate", "-1"], "rank"),
+    (["--format", "int4:32", "--awq"], "--calibration"),
+])
+def test_quantize_bad_input_is_one_sentence_and_writes_nothing(tiny_package, tmp_path, capsys, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    out = tmp_path / "never.ingot"
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    assert main(["quantize", str(tiny_package), "-o", str(out)] + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_lora_that_does_not_fit_exits_2(tiny_package, tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "lora"
+    folder.mkdir()
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 65), np.float32),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((64, 4), np.float32)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 4}))
+    assert main(["generate", "--model", str(tiny_package), "--lora", f"{folder}:0.5", "--no-chat", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit" in err and err.count("\n") == 1
+
+
+def test_eval_kld_of_a_model_against_itself_is_zero(tiny_package, capsys, short_text):
+    assert main(["eval", "kld", "--reference", str(tiny_package), "--model", str(tiny_package), "--text", str(short_text),
+                 "--context", "64", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert abs(r["mean_kld"]) < 1e-6 and r["top1"] == 1.0 and r["ppl_reference"] == pytest.approx(r["ppl_model"])
+
+
+def test_save_refuses_to_replace_a_folder_that_is_not_a_package(tmp_path):
+    (tmp_path / "x.ingot").mkdir()
+    (tmp_path / "x.ingot" / "notes.txt").write_text("mine")
+    cfg = tiny_config()
+    with pytest.raises(IngotError, match="refusing"):
+        save_llm(tmp_path / "x.ingot", cfg, tiny_tensors(cfg), {})

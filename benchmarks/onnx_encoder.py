@@ -1,0 +1,107 @@
+"""A BERT-like encoder exported from PyTorch to ONNX, run by Ingot (ingot.from_onnx, CPU) and by
+onnxruntime (CPUExecutionProvider, all graph optimisations) in one process, same inputs.
+
+    python benchmarks/onnx_encoder.py                        # hidden 128, 4 heads, 2 layers, 128 tokens
+    python benchmarks/onnx_encoder.py --length 32 --threads 1
+    python benchmarks/onnx_encoder.py --model tests/fixtures/onnx/encoder.onnx --length 16
+
+Prints the median time per forward pass of each (over --repeats runs, the two interleaved after a
+warm-up), the ratio onnxruntime / Ingot (> 1: Ingot is faster), and the largest difference between
+their outputs. onnxruntime runs with --threads intra-op threads (default 2, this machine's cores);
+Ingot's matmuls run in NumPy's BLAS with its own thread pool (reported). Needs torch and onnxscript
+to export the model unless --model names an .onnx file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export(args, folder: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_onnx_fixtures", ROOT / "scripts" / "make_onnx_fixtures.py")
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    import torch
+    torch.manual_seed(0)
+    return fixtures.export_encoder(folder / "encoder.onnx", batch=args.batch, length=args.length, hidden=args.hidden,
+                                   heads=args.heads, ffn=4 * args.hidden, layers=args.layers, max_len=max(128, args.length))
+
+
+def blas_threads() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+        return ", ".join(f"{i['internal_api']} {i['num_threads']}" for i in threadpool_info() if i["user_api"] == "blas")
+    except ImportError:
+        return os.environ.get("OPENBLAS_NUM_THREADS", "NumPy's default")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="an encoder .onnx with inputs input_ids, attention_mask (default: export one)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
+    args = p.parse_args()
+
+    import onnxruntime as ort
+
+    import ingot
+    from ingot.importers.onnx import op_counts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else export(args, Path(tmp))
+        rng = np.random.default_rng(0)
+        mask = np.ones((args.batch, args.length), np.int64)
+        mask[:, args.length - args.length // 8:] = 0
+        feeds = {"input_ids": rng.integers(0, 512, (args.batch, args.length)).astype(np.int64), "attention_mask": mask}
+        start = time.perf_counter()
+        exe = ingot.from_onnx(path, input_shapes={k: v.shape for k, v in feeds.items()})
+        compile_s = time.perf_counter() - start
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+        ours = exe.run(feeds)
+        theirs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        diff = max(float(np.max(np.abs(ours[k] - theirs[k]))) for k in theirs)
+        for _ in range(10):
+            exe.run(feeds)
+            session.run(None, feeds)
+        t_ingot, t_ort = [], []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            exe.run(feeds)
+            t_ingot.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            session.run(None, feeds)
+            t_ort.append(time.perf_counter() - t)
+        counts = op_counts(exe)
+        ms_ingot, ms_ort = statistics.median(t_ingot) * 1e3, statistics.median(t_ort) * 1e3
+        print(f"model: {path.name if args.model else f'BERT-like, hidden {args.hidden}, {args.heads} heads, {args.layers} layers'}, "
+              f"batch {args.batch} x {args.length} tokens; Ingot compiled {len(exe.program.nodes())} ops "
+              f"({counts['sdpa']} sdpa, {counts['matmul']} matmul) in {compile_s:.2f} s")
+        print(f"ingot        {ms_ingot:8.3f} ms  (CPU, BLAS threads: {blas_threads()})")
+        print(f"onnxruntime  {ms_ort:8.3f} ms  ({ort.__version__}, {args.threads} intra-op threads)")
+        print(f"ratio onnxruntime/ingot: {ms_ort / ms_ingot:.2f}x  (medians of {args.repeats}; max |diff| {diff:.2e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""numba kernels for quantized_matmul with lookup-table (LUT) weights on the CPU.
+
+The weight is k-major (transpose=False): q [K, N] indices (4-bit packed two per byte along N, or
+8-bit), one table per group of output columns: lut [1, G, 2**bits] (G divides N; one table per
+tensor is G = 1). A GEMV turns, for every k, the tables into the 2**bits products x[k] * table
+(G * 2**bits multiplies) and then adds one product per weight: a table lookup and an add, no
+per-weight multiply. Many rows (prefill) dequantize K-tiles through the tables and use BLAS.
+Tested against the NumPy reference of quantized_matmul (tests/test_quant_lut_kernels.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ...ir import Node
+from ...ops import quant as quant_ops
+
+GEMV_MAX_ROWS = 16
+TILE_ELEMENTS = 1 << 21
+_opts = dict(fastmath=True, cache=True, nogil=True)
+
+
+@njit(**_opts)
+def lut_gemv_packed4(x, q, tables, out):
+    """out[m, n] = sum_k x[m, k] * tables[n // (N / G), q[k, n]]; q [K, N/2] packed, tables [G, 16]."""
+    m_rows, k = x.shape
+    half = q.shape[1]
+    groups = tables.shape[0]
+    width = 2 * half // groups                       # output columns per table
+    prod = np.empty((groups, 16), np.float32)
+    acc_e = np.empty(half, np.float32)
+    acc_o = np.empty(half, np.float32)
+    for m in range(m_rows):
+        acc_e[:] = 0
+        acc_o[:] = 0
+        for kk in range(k):
+            xv = x[m, kk]
+            for g in range(groups):
+                for v in range(16):
+                    prod[g, v] = tables[g, v] * xv
+            row = q[kk]
+            if groups == 1:
+                p = prod[0]
+                for i in range(half):
+                    byte = row[i]
+                    acc_e[i] += p[byte & np.uint8(15)]
+                    acc_o[i] += p[byte >> np.uint8(4)]
+            else:
+                for i in range(half):
+                    byte = row[i]
+                    acc_e[i] += prod[(2 * i) // width, byte & np.uint8(15)]
+                    acc_o[i] += prod[(2 * i + 1) // width, byte >> np.uint8(4)]
+        for i in range(half):
+            out[m, 2 * i] = acc_e[i]
+            out[m, 2 * i + 1] = acc_o[i]
+
+
+@njit(**_opts)
+def lut_gemv_int8(x, q, tables, out):
+    """out[m, n] = sum_k x[m, k] * tables[n // (N / G), q[k, n]]; q [K, N] uint8, tables [G, 256]."""
+    m_rows, k = x.shape
+    n = q.shape[1]
+    groups, entries = tables.shape
+    width = n // groups
+    prod = np.empty((groups, entries), np.float32)
+    acc = np.empty(n, np.float32)
+    for m in range(m_rows):
+        acc[:] = 0
+        for kk in range(k):
+            xv = x[m, kk]
+            for g in range(groups):
+                for v in range(entries):
+                    prod[g, v] = tables[g, v] * xv
+            row = q[kk]
+            for i in range(n):
+                acc[i] += prod[i // width, row[i]]
+        for i in range(n):
+            out[m, i] = acc[i]
+
+
+@njit(**_opts)
+def lut_tile(q, tables, packed, k0, k1, out):
+    """out[k - k0, n] = tables[n // width, q[k, n]] for k in k0..k1."""
+    groups = tables.shape[0]
+    n = out.shape[1]
+    width = n // groups
+    for kk in range(k0, k1):
+        row = q[kk]
+        for i in range(n):
+            if packed:
+                byte = row[i // 2]
+                v = (byte >> np.uint8(4)) if i % 2 else (byte & np.uint8(15))
+            else:
+                v = row[i]
+            out[kk - k0, i] = tables[i // width, v]
+
+
+def lut_matmul_step(node: Node, out):
+    """A step for a k-major LUT quantized_matmul with one table per column group, or None (the
+    caller then uses the reference)."""
+    attrs = node.attrs
+    if attrs.get("mode") != "lut" or attrs.get("transpose") or node.dtype.name != "float32":
+        return None
+    if attrs["qdtype"].name not in ("uint4", "uint8"):
+        return None
+    packed = attrs["qdtype"].packed
+    reference = quant_ops.quantized_matmul_reference
+    prepared: dict = {}
+
+    def step(x, q, lut):
+        if lut.ndim != 3 or lut.shape[0] != 1:
+            return reference((x, q, lut), attrs)
+        tables = prepared.get(id(lut))
+        if tables is None:
+            tables = prepared[id(lut)] = (np.ascontiguousarray(lut[0], dtype=np.float32), lut)
+        tables = tables[0]
+        k = x.shape[-1]
+        n = q.shape[1] * (2 if packed else 1)
+        x2 = x.reshape(-1, k)
+        if not x2.flags.c_contiguous or x2.dtype != np.float32:
+            x2 = np.ascontiguousarray(x2, dtype=np.float32)
+        rows = x2.shape[0]
+        if rows <= GEMV_MAX_ROWS:
+            result = np.empty((rows, n), np.float32)
+            (lut_gemv_packed4 if packed else lut_gemv_int8)(x2, q, tables, result)
+        else:
+            tile_k = max(1, min(k, TILE_ELEMENTS // n))
+            tile = np.empty((tile_k, n), np.float32)
+            result = None
+            for k0 in range(0, k, tile_k):
+                k1 = min(k, k0 + tile_k)
+                t = tile[: k1 - k0]
+                lut_tile(q, tables, packed, k0, k1, t)
+                part = x2[:, k0:k1] @ t
+                result = part if result is None else result + part
+        return result.reshape(x.shape[:-1] + (n,))
+    return step

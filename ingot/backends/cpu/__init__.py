@@ -92,7 +92,43 @@ def _quantized_matmul(node: Node, out):
 
 @lowering(Op.SDPA)
 def _sdpa(node: Node, out):
+    if node.attrs.get("has_mask") and not node.attrs.get("has_length"):
+        return _masked_attention_step(node)
     return kernels.sdpa_step(node)
+
+
+def _masked_attention_step(node: Node) -> StepFn:
+    """Attention with a mask (an encoder's padding mask, imported models) through BLAS: scores for a
+    K/V head's whole group of query heads at once, the mask added (or applied, if bool) in place."""
+    attrs = node.attrs
+    reference = REGISTRY[Op.SDPA].reference
+
+    def step(q, k, v, mask):
+        if q.dtype != np.float32 or q.ndim != 4 or q.shape[0] != k.shape[0] or mask.dtype not in (np.float32, np.bool_):
+            return reference((q, k, v, mask), attrs)
+        b, hq, tq, d = q.shape
+        hk, tk = k.shape[1], k.shape[2]
+        group = hq // hk
+        scale = np.float32(attrs["scale"] if attrs.get("scale") is not None else 1.0 / np.sqrt(d))
+        s = np.matmul(q.reshape(b, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, Tk]
+        s *= scale
+        s5 = s.reshape(b, hk, group, tq, tk)
+        m = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (b, hq, tq, tk)).reshape(b, hk, group, tq, tk)
+        if mask.dtype == np.bool_:
+            s5[~m] = -np.inf
+        else:
+            s5 += m
+        if attrs.get("causal"):
+            s5[..., np.arange(tk)[None, :] > np.arange(tq)[:, None] + (tk - tq)] = -np.inf
+        top = s.max(axis=-1, keepdims=True)
+        top[~np.isfinite(top)] = 0  # rows that see no key give zeros, as the reference does
+        s -= top
+        np.exp(s, out=s)
+        total = s.sum(axis=-1, keepdims=True)
+        total[total == 0] = 1
+        s /= total
+        return np.matmul(s, v).reshape(b, hq, tq, v.shape[3])
+    return step
 
 
 @lowering(Op.RMS_NORM)

@@ -116,6 +116,25 @@ def test_constant_preview(toy):
     np.testing.assert_allclose(corner, want, rtol=1e-6)
 
 
+def test_lookup_table_weights():
+    g = ingot.Graph()
+    x = g.placeholder((2, 64), name="x")
+    rng = np.random.default_rng(1)
+    q = g.constant(rng.integers(0, 256, size=(64, 16), dtype=np.uint8), dtype=dt.uint4, name="lut.w")
+    table = np.linspace(-1, 1, 16, dtype=np.float32)
+    w = g.dequantize(q, lut=g.constant(table, name="lut.w.table"))
+    model = from_graph(g, [g.matmul(x, w)], name="lut")
+    data = export(model)
+    (info,) = [c for c in data["constants"].values() if c["role"] == "quantized weight"]
+    assert info["format"] == "LUT-16 (uint4)"
+    from ingot.viewer import stats
+    nodes = model.program.nodes()
+    node = next(n for n in nodes if n.op.name == "CONSTANT" and n.attrs["key"] == "lut.w")
+    p = stats.preview(model.program, node, nodes)
+    assert p["params"]["lut"]["values"] == pytest.approx(table.tolist())
+    assert p["values"]["min"] >= -1 and p["values"]["max"] <= 1
+
+
 def test_quantization_error_against_a_reference(toy):
     model, _ = toy
     from ingot.viewer.qerror import quantization_error

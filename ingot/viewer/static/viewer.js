@@ -492,7 +492,7 @@ function drawPreview(el, p, c) {
 }
 
 // ---- navigators ------------------------------------------------------------------------------------
-const LIST_LIMIT = 400;
+const LIST_LIMIT = 20000;   // rows in a navigator list; past that, a search narrows it
 function renderOps() {
   const counts = D.counts;
   $("op-counts").innerHTML = `<table>` + Object.entries(counts).map(([op, c]) =>
@@ -613,6 +613,7 @@ function wire() {
 }
 
 async function main() {
+  worker = makeWorker();   // started now: its script loads while the data does
   try {
     D = await loadData();
   } catch (e) {
@@ -621,6 +622,7 @@ async function main() {
   }
   mark("data");
   prepare();
+  if (D.model.device && D.regions[D.model.device]) { S.device = D.model.device; $("device").value = S.device; }
   mark("prepared");
   if (D.profile) { D.profile.maxNode = Math.max(0, ...Object.values(D.profile.nodes)); }
   if (D.qerror) D.qerror.max = Math.max(1e-12, ...Object.values(D.qerror.constants).map(e => e.relative));

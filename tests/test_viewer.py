@@ -69,6 +69,7 @@ def test_variable_sites(toy):
     assert nodes[site["node"]]["op"] == "variable"
     assert [nodes[i]["op"] for i in site["assigned"]] == ["assign"]
     assert [nodes[i]["op"] for i in site["written"]] == ["slice_update"]
+    assert site["initial"] == "zeros"
     assert site["read"] and all(nodes[i]["op"] not in ("assign", "variable") for i in site["read"])
 
 
@@ -211,6 +212,16 @@ def test_server_refuses_paths_outside_the_model(server, path):
     status, body = get(server, path)
     assert status == 404, (path, status)
     assert b"root:" not in body and b"import" not in body
+
+
+def test_port_in_use_is_one_sentence(toy, capsys, tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ingot.IngotError, match=f"cannot listen on 127.0.0.1:{port}"):
+            ViewerServer({}, lambda i: None, port=port)
 
 
 def test_server_refuses_non_constants_and_other_hosts_and_methods(server, toy):

@@ -161,8 +161,9 @@ def export(model: Model, profile: dict | None = None, qerror: dict | None = None
         "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
         "constants": constants,
         "quantized": {"tensors": len(quantized), "formats": dict(by_format), "gguf": dict(gguf_parts),
+                      "held": sum(len(c.get("parts", [c["key"]])) for c in quantized),
                       "bytes": sum(c.get("bytes_with_params", c["bytes"]) for c in quantized)},
-        "variables": variable_sites(nodes, index),
+        "variables": variable_sites(nodes, index, program.variables),
         "regions": {},
         "profile": profile,
         "qerror": qerror,
@@ -176,7 +177,7 @@ def export(model: Model, profile: dict | None = None, qerror: dict | None = None
     return data
 
 
-def variable_sites(nodes: list[Node], index: dict[int, int]) -> dict[str, Any]:
+def variable_sites(nodes: list[Node], index: dict[int, int], initial: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """For each variable: the node that creates it, the assigns that set it, the ops that write it in
     place, and the ops that read it (directly or through a view or in-place write of it)."""
     base: dict[int, Node] = {}
@@ -187,6 +188,11 @@ def variable_sites(nodes: list[Node], index: dict[int, int]) -> dict[str, Any]:
     for n in nodes:
         if n.op == Op.VARIABLE:
             out[n.attrs["name"]] = {"node": index[n.id], "type": repr(n.type), "assigned": [], "written": [], "read": []}
+            value = (initial or {}).get(n.attrs["name"])
+            if value is not None:
+                v = np.asarray(value)
+                out[n.attrs["name"]]["initial"] = "zeros" if not v.any() else \
+                    f"values {float(v.min()):.4g} .. {float(v.max()):.4g}" if v.dtype.kind in "fiub" else "values"
     for n in nodes:
         for pos, s in enumerate(n.src):
             root = base[s.id]

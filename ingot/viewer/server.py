@@ -185,9 +185,14 @@ def write_html(model, out: str, device: str = "cpu", profile: bool = False, refe
     if not os.path.isdir(folder):
         raise IngotError(f"view: the folder {folder} does not exist.")
     tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, out)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise IngotError(f"view: cannot write {out} ({e.strerror or e}).") from None
     return out
 
 

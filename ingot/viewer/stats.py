@@ -93,9 +93,12 @@ def constant_table(program: Program, nodes: list[Node], tensor_types: dict[str, 
             else:
                 info["role"] = quant_params(op)[role][0] if role < len(quant_params(op)) else "parameter"
                 info["weight"] = q.id
-        parts = [part for part in key.split("+") if part in tensor_types]
-        if parts:
-            info["gguf"] = [{"name": part, "type": tensor_types[part]} for part in parts]
+        parts = key.split("+")
+        if len(parts) > 1:   # weights stored side by side (q/k/v, gate/up): the tensors it holds
+            info["parts"] = parts
+        known = [part for part in parts if part in tensor_types]
+        if known:
+            info["gguf"] = [{"name": part, "type": tensor_types[part]} for part in known]
         table[n.id] = info
     return table
 

@@ -413,8 +413,8 @@ function variableSection(name) {
   const v = D.variables[name];
   if (!v) return "";
   const list = (title, ids, cls) => `<h3>${title} (${ids.length})</h3><ul class="${cls}">` + ids.map(i => `<li>${nodeLink(i)}</li>`).join("") + "</ul>";
-  return `<div class="variable-sites"><h3>variable ${esc(name)}</h3><div class="note">created by ${nodeLink(v.node)}, ${esc(v.type)}; ` +
-    `initial value in the package's weights</div>` + list("assigned at", v.assigned, "assigned") +
+  return `<div class="variable-sites"><h3>variable ${esc(name)}</h3><div class="note">created by ${nodeLink(v.node)}, ${esc(v.type)}` +
+    (v.initial ? `, initial value: ${esc(v.initial)}` : "") + ` (one copy per state: each sequence has its own)</div>` + list("assigned at", v.assigned, "assigned") +
     list("written in place by", v.written, "written") + list("read by", v.read, "read") + "</div>";
 }
 function inspectGroup(id) {
@@ -438,7 +438,8 @@ async function inspectConstant(i) {
   const n = D.nodes[i], c = D.constants[i];
   const box = document.createElement("div");
   box.className = "constant";
-  const gguf = c.gguf ? `<tr><td>GGUF tensors</td><td>${c.gguf.map(p => esc(p.name) + " (" + esc(p.type) + ")").join("<br>")}</td></tr>` : "";
+  const gguf = c.gguf ? `<tr><td>GGUF tensors</td><td>${c.gguf.map(p => esc(p.name) + " (" + esc(p.type) + ")").join("<br>")}</td></tr>`
+    : c.parts ? `<tr><td>holds</td><td>${c.parts.map(esc).join("<br>")}</td></tr>` : "";
   box.innerHTML = `<h2>constant</h2><div><b>${esc(c.key)}</b></div><table>` +
     `<tr><td>type</td><td>${esc(n.type)}</td></tr><tr><td>format</td><td>${esc(c.format)}</td></tr>` +
     `<tr><td>role</td><td>${esc(c.role)}${c.weight !== undefined ? " of " + nodeLink(c.weight) : ""}</td></tr>` +
@@ -512,8 +513,9 @@ function renderConstants() {
   parts.push(`<div><b>${total}</b> constants, <b>${q.tensors}</b> quantized weights (${fmtBytes(q.bytes)} with parameters)</div>`);
   for (const [f, c] of Object.entries(q.formats)) parts.push(`<div class="note format-count" data-format="${esc(f)}">${c} × ${esc(f)}</div>`);
   const gg = Object.entries(q.gguf || {});
-  if (gg.length) parts.push(`<div class="note gguf-count">from GGUF tensors: ${gg.map(([t, c]) => `${c} ${esc(t)}`).join(", ")}` +
-    ` — weights that multiply the same input (q/k/v, gate/up) are stored side by side as one constant, so one constant can hold several GGUF tensors</div>`);
+  const why = " — weights that multiply the same input (q/k/v, gate/up) are stored side by side as one constant";
+  if (gg.length) parts.push(`<div class="note gguf-count">from GGUF tensors: ${gg.map(([t, c]) => `${c} ${esc(t)}`).join(", ")}${why}</div>`);
+  else if (q.held > q.tensors) parts.push(`<div class="note gguf-count">holding ${q.held} original weight tensors${why}</div>`);
   $("const-summary").innerHTML = parts.join("");
   const key = $("const-sort").value;
   const rows = Object.entries(D.constants).map(([i, c]) => [+i, c]);

@@ -8,7 +8,7 @@ onnxruntime (CPUExecutionProvider, all graph optimisations) in one process, same
 Prints the median time per forward pass of each (over --repeats runs, the two interleaved after a
 warm-up), the ratio onnxruntime / Ingot (> 1: Ingot is faster), and the largest difference between
 their outputs. onnxruntime runs with --threads intra-op threads (default 2, this machine's cores);
-Ingot's matmuls run in NumPy's BLAS with its own thread pool (reported). Needs torch and onnxscript
+Ingot's matmuls run in NumPy's BLAS with --blas-threads threads (default the same). Needs torch and onnxscript
 to export the model unless --model names an .onnx file.
 """
 from __future__ import annotations
@@ -21,8 +21,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +53,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="threads of NumPy's BLAS, which runs Ingot's matmuls (default: --threads)")
     args = p.parse_args()
+    blas = str(args.blas_threads or args.threads)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when NumPy loads its BLAS
+        os.environ[var] = blas
+    global np
+    import numpy as np
 
     import onnxruntime as ort
 

@@ -136,6 +136,23 @@ def test_lookup_table_weights():
     assert p["values"]["min"] >= -1 and p["values"]["max"] <= 1
 
 
+def test_grouped_lookup_tables_match_the_reference():
+    from ingot.ops import reference
+    from ingot.viewer import stats
+    g = ingot.Graph()
+    x = g.placeholder((2, 64), name="x")
+    rng = np.random.default_rng(2)
+    q = g.constant(rng.integers(0, 256, size=(64, 16), dtype=np.uint8), dtype=dt.uint4, name="w")
+    tables = np.sort(rng.standard_normal((2, 16)).astype(np.float32), axis=1)   # one table per 16 columns
+    model = from_graph(g, [g.matmul(x, g.dequantize(q, lut=tables, axis=1, block_size=16))], name="lut2")
+    nodes = model.program.nodes()
+    op = next(n for n in nodes if n.op.name == "QUANTIZED_MATMUL")
+    assert export(model)["constants"][nodes.index(op.src[1])]["format"] == "LUT-16 (uint4), 2 tables"
+    want = reference(stats.Op.DEQUANTIZE, [model.program.constants[s.attrs["key"]] for s in op.src[1:]],
+                     {k: v for k, v in op.attrs.items() if k != "transpose"})
+    np.testing.assert_array_equal(stats.dequantized_corner(model.program, op.src[1], op, 64, 32), want)
+
+
 def test_quantization_error_against_a_reference(toy):
     model, _ = toy
     from ingot.viewer.qerror import quantization_error

@@ -160,10 +160,12 @@ def dequantized_corner(program: Program, q: Node, op: Node, rows: int, cols: int
     byte_cols = (cols + 1) // 2 if qdtype.packed else cols
     codes = unpack(np.ascontiguousarray(stored[:rows, :byte_cols]), qdtype)[:, :cols].astype(np.float32)
     params = dict(quant_params(op))
-    if op.attrs["mode"] == "lut":
+    if op.attrs["mode"] == "lut":   # one table per group: groups are block-broadcast like affine parameters
         lut = program.constants[params["lut"].attrs["key"]]
-        table = lut.reshape(-1, lut.shape[-1])[0]  # the first group's table
-        return table[codes.astype(np.int64)]
+        tables = lut.reshape(-1, *lut.shape[-3:])[0] if lut.ndim >= 3 else lut.reshape(1, 1, lut.shape[-1])
+        r = np.arange(rows)[:, None] * tables.shape[0] // q_rows
+        c = np.arange(cols)[None, :] * tables.shape[1] // shape[-1]
+        return tables[r, c, codes.astype(np.int64)]
     value = lambda name: program.constants[params[name].attrs["key"]]  # noqa: E731
     w = codes
     if "zero_point" in params:

@@ -6,9 +6,11 @@ on the program. What a backend makes of them differs:
   cpu   runs every node as its own step (NumPy, numba kernels); the compiler's fusions are single
         ops already (quantized_matmul = dequantize + matmul, sdpa), and regions are not fused.
   cuda  generates one Triton kernel per supported region, and its plan fuses a residual add with the
-        rms_norm that reads it, and a rope whose only reader writes it into a KV cache. Those two
-        rules are restated here (torch-free, like CudaPlan in ingot/backends/cuda); region support
-        comes from the backend itself when it can be imported, else every pass region is shown.
+        rms_norm that reads it, a rope whose only reader writes it into a KV cache, and quantized
+        matmuls that read the same input (one GEMV over their weights side by side). Those rules are
+        restated here (torch-free, like CudaPlan in ingot/backends/cuda; benchmarks/viewer_cuda_groups.py
+        checks them against a real plan); region support comes from the backend itself when it can
+        be imported, else every pass region is shown.
 """
 from __future__ import annotations
 
@@ -64,11 +66,21 @@ def kernel_groups(program: Program, device: str) -> dict[str, Any]:
             if update.op == Op.SLICE_UPDATE and update.attrs.get("inplace") and update.src[1] is n and \
                     len(start) >= 2 and isinstance(start[-2], Ref) and update.src[start[-2].index] is n.src[1]:
                 groups.append({"nodes": [n.id, update.id], "kind": "rope_cache", "label": "rope written into the cache"})
+    siblings: dict[int, list[Node]] = {}
+    for n in nodes:
+        if n.op == Op.QUANTIZED_MATMUL and n.attrs["mode"] == "affine" and all(s.op == Op.CONSTANT for s in n.src[1:]):
+            siblings.setdefault(n.src[0].id, []).append(n)
+    for members in siblings.values():
+        if len(members) > 1 and len({m.dtype for m in members}) == 1:
+            groups.append({"nodes": [m.id for m in members], "kind": "siblings",
+                           "label": f"{len(members)} sibling quantized matmuls, one GEMV (when their formats concatenate)"})
     how = "the CUDA backend's region rule" if supported is not None else \
         "the regions pass alone (the CUDA backend needs torch and triton, not importable here)"
     note = (f"{sum(g['kind'] == 'region' for g in groups)} generated region kernel(s) chosen by {how}; "
             f"{sum(g['kind'] == 'add_rms_norm' for g in groups)} add+rms_norm and "
-            f"{sum(g['kind'] == 'rope_cache' for g in groups)} rope-into-cache plan fusions.")
+            f"{sum(g['kind'] == 'rope_cache' for g in groups)} rope-into-cache plan fusions"
+            + (f"; {sum(g['kind'] == 'siblings' for g in groups)} sibling quantized-matmul group(s)." if siblings and
+               any(g["kind"] == "siblings" for g in groups) else "."))
     return {"groups": groups, "note": note, "pass_regions": len(regions)}
 
 

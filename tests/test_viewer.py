@@ -335,3 +335,17 @@ def test_onnx_file_opens(tmp_path):
     data = export(model)
     assert model.kind == "onnx" and data["counts"]["matmul"] == 1 and data["counts"]["softmax"] == 1
     assert [c["format"] for c in data["constants"].values() if c["elements"] == 32] == ["f32"]
+
+
+def test_sibling_quantized_matmuls_are_one_cuda_group():
+    g = ingot.Graph()
+    x = g.placeholder((1, 64), name="x")
+    rng = np.random.default_rng(3)
+    outs = []
+    for name in ("q", "k"):
+        q = g.constant(rng.integers(0, 256, size=(64, 32), dtype=np.uint8), dtype=dt.uint4, name=name)
+        outs.append(g.matmul(x, g.dequantize(q, scale=rng.random((2, 64), np.float32), axis=0, block_size=32)))
+    data = export(from_graph(g, [outs[0] + outs[1]], name="siblings"))
+    (group,) = [gr for gr in data["regions"]["cuda"]["groups"] if gr["kind"] == "siblings"]
+    assert sorted(data["nodes"][i]["op"] for i in group["nodes"]) == ["quantized_matmul", "quantized_matmul"]
+    assert data["regions"]["cpu"]["groups"] == []

@@ -954,8 +954,7 @@ def _pool(ctx: Context, node: OnnxNode):
     g = ctx.g
     if node.op_type != "MaxPool" or x.dtype == dt.bool_:
         _float(ctx, node, x)
-    if len([o for o in node.outputs if o]) > 1:
-        raise ctx.fail(node, "the Indices output")
+    wants_indices = len(node.outputs) > 1 and bool(node.outputs[1])
     n, c = x.shape[:2]
     spatial = x.shape[2:]
     k = len(spatial)
@@ -976,6 +975,8 @@ def _pool(ctx: Context, node: OnnxNode):
         x = g.pad(x, [(0, 0), (0, 0)] + list(zip(before, after)), value=fill)
     view = _windows(g, x, kernel, strides, dilations, out, (n, c))
     axes = tuple(range(2, 2 + k))
+    if is_max and wants_indices:
+        return [g.max(view, axes), _pool_indices(ctx, node, view, spatial, before, kernel, strides, dilations, out)]
     if is_max:
         return [g.max(view, axes)]
     explicit_after = [a - max(0, nd - p) for a, nd, p in zip(after, need, padded)]
@@ -985,6 +986,29 @@ def _pool(ctx: Context, node: OnnxNode):
     if np.all(counts == counts.reshape(-1)[0]):
         return [total / _scalar(ctx, counts.reshape(-1)[0], total)]
     return [total / g.constant(counts.astype(x.dtype.numpy))]
+
+
+def _pool_indices(ctx: Context, node: OnnxNode, view: Tensor, spatial, before, kernel, strides, dilations, out) -> Tensor:
+    """MaxPool's Indices: the flat index in the input (row- or column-major, storage_order) of each
+    window's first maximum: argmax over the window, then a NumPy table from window slot to index."""
+    g = ctx.g
+    n, c = view.shape[:2]
+    k = len(spatial)
+    kk = int(np.prod(kernel, dtype=np.int64))
+    windows = g.reshape(g.transpose(view, (0, 1) + tuple(range(2 + k, 2 + 2 * k)) + tuple(range(2, 2 + k))),
+                        (n, c) + tuple(out) + (kk,))
+    slot = g.argmax(windows, -1, keepdims=True)                     # [N, C, *out, 1]
+    column_major = bool(node.attr("storage_order", 0))
+    table = np.zeros(tuple(out) + (kk,), np.int64)
+    for o in np.ndindex(*out):
+        for j, offset in enumerate(np.ndindex(*kernel)):
+            pos = [oi * s - b + ki * d for oi, s, b, ki, d in zip(o, strides, before, offset, dilations)]
+            if all(0 <= p < dim for p, dim in zip(pos, spatial)):
+                table[o + (j,)] = (np.ravel_multi_index(pos, spatial, order="F" if column_major else "C"))
+    hot = g.equal(slot, g.constant(np.arange(kk, dtype=np.int32)))
+    index = g.sum(g.where(hot, g.constant(table), g.constant(np.zeros((), np.int64))), (2 + k,))
+    base = (np.arange(n * c, dtype=np.int64) * int(np.prod(spatial, dtype=np.int64))).reshape((n, c) + (1,) * k)
+    return index + g.constant(base)
 
 
 @converter("GlobalAveragePool", "GlobalMaxPool")
@@ -1262,3 +1286,143 @@ def _attention(ctx: Context, node: OnnxNode):
     if mask is not None and mask.dtype != dt.bool_ and mask.dtype != q.dtype:
         mask = g.cast(mask, q.dtype)
     return [g.scaled_dot_product_attention(q, k, v, mask=mask, scale=node.attr("scale"), causal=causal)]
+
+
+# -- more elementwise and index ops ---------------------------------------------------------------
+
+@converter("Mod")
+def _mod(ctx: Context, node: OnnxNode):
+    a, b = node.inputs
+    g = ctx.g
+    fmod = node.attr("fmod", 0)
+    if a.dtype.is_float:
+        if not fmod:
+            raise IngotError("fmod=0 on floats (ONNX requires fmod=1)")
+        quotient = g.cast(g.cast(a / b, dt.int64), a.dtype)  # truncated toward zero
+        return [a - quotient * b]
+    if not a.dtype.is_int:
+        raise ctx.fail(node, f"input of type {a.dtype.name}")
+    r = a - g.div(a, b) * b  # Ingot's integer division truncates: r takes the dividend's sign (C's %)
+    if fmod:
+        return [r]
+    zero = _scalar(ctx, 0, r)
+    wrong_sign = g.logical_and(g.not_equal(r, zero), g.logical_xor(r < zero, b < _scalar(ctx, 0, b)))
+    return [g.where(wrong_sign, r + b, r)]
+
+
+@converter("Swish")
+def _swish(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    _float(ctx, node, x)
+    alpha = node.attr("alpha", 1.0)
+    return [x * ctx.g.sigmoid(x if alpha == 1.0 else x * _scalar(ctx, alpha, x))]
+
+
+@converter("LpNormalization")
+def _lp_normalization(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    _float(ctx, node, x)
+    axis, p = node.attr("axis", -1), node.attr("p", 2)
+    if p not in (1, 2):
+        raise ctx.fail(node, f"p={p}")
+    norm = g.sum(g.abs(x), axis, keepdims=True) if p == 1 else g.sqrt(g.sum(x * x, axis, keepdims=True))
+    zero = _scalar(ctx, 0, x)
+    return [g.where(g.equal(norm, zero), zero, x / norm)]
+
+
+def _positions(ctx: Context, n: int, rank: int, axis: int, dtype: dt.DType) -> Tensor:
+    """arange(n) shaped to lie along `axis` of a rank-`rank` tensor."""
+    shape = [1] * rank
+    shape[axis] = n
+    return ctx.g.constant(np.arange(n, dtype=dtype.numpy).reshape(shape))
+
+
+@converter("Hardmax")
+def _hardmax(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    _float(ctx, node, x)
+    if node.opset < 13:
+        raise ctx.fail(node, "opset < 13 (over the flattened tail)")
+    axis = normalize_axis("Hardmax", node.attr("axis", -1), x.ndim)
+    first = g.argmax(x, axis, keepdims=True)
+    return [g.cast(g.equal(first, _positions(ctx, x.shape[axis], x.ndim, axis, dt.int32)), x.dtype)]
+
+
+@converter("OneHot")
+def _one_hot(ctx: Context, node: OnnxNode):
+    indices, values = node.inputs[0], node.inputs[2]
+    g = ctx.g
+    depth = int(np.asarray(ctx.constant(node, 1, "depth")).reshape(-1)[0])
+    idx = indices if indices.dtype == dt.int64 else g.cast(indices, dt.int64)
+    idx = g.where(idx < _scalar(ctx, 0, idx), idx + _scalar(ctx, depth, idx), idx)
+    rank = idx.ndim + 1
+    axis = normalize_axis("OneHot", node.attr("axis", -1), rank)
+    shape = list(idx.shape)
+    shape.insert(axis, 1)
+    hot = g.equal(g.reshape(idx, shape), _positions(ctx, depth, rank, axis, dt.int64))
+    off, on = g.split(values, 2, axis=0)
+    return [g.where(hot, g.reshape(on, ()), g.reshape(off, ()))]
+
+
+@converter("CumSum")
+def _cumsum(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    if x.dtype == dt.bool_:
+        raise ctx.fail(node, "a bool input")
+    axis = normalize_axis("CumSum", int(np.asarray(ctx.constant(node, 1, "axis")).reshape(-1)[0]), x.ndim)
+    n = x.shape[axis]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    exclusive, reverse = node.attr("exclusive", 0), node.attr("reverse", 0)
+    take = (i > j if exclusive else i >= j) if reverse else (i < j if exclusive else i <= j)  # y_j = sum_i x_i take[i, j]
+    perm = [a for a in range(x.ndim) if a != axis] + [axis]
+    moved = x if axis == x.ndim - 1 else g.transpose(x, perm)
+    y = g.matmul(moved, g.constant(take.astype(x.dtype.numpy)))
+    return [y if axis == x.ndim - 1 else g.transpose(y, [perm.index(a) for a in range(x.ndim)])]
+
+
+@converter("SpaceToDepth")
+def _space_to_depth(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    b = node.attr("blocksize")
+    n, c, h, w = x.shape
+    perm = (0, 3, 5, 1, 2, 4) if node.attr("mode", "DCR") == "DCR" else (0, 1, 3, 5, 2, 4)
+    y = g.transpose(g.reshape(x, (n, c, h // b, b, w // b, b)), perm)
+    return [g.reshape(y, (n, c * b * b, h // b, w // b))]
+
+
+@converter("DepthToSpace")
+def _depth_to_space(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    g = ctx.g
+    b = node.attr("blocksize")
+    n, c, h, w = x.shape
+    if node.attr("mode", "DCR") == "DCR":
+        y = g.transpose(g.reshape(x, (n, b, b, c // (b * b), h, w)), (0, 3, 4, 1, 5, 2))
+    else:
+        y = g.transpose(g.reshape(x, (n, c // (b * b), b, b, h, w)), (0, 1, 4, 2, 5, 3))
+    return [g.reshape(y, (n, c // (b * b), h * b, w * b))]
+
+
+@converter("GatherElements")
+def _gather_elements(ctx: Context, node: OnnxNode):
+    """out[..., i, ...] = data[..., idx[..., i, ...], ...] along axis, as a one-hot select and a sum
+    (memory grows with len(axis) times the output: fine for the small gathers models do with it)."""
+    data, idx = node.inputs
+    g = ctx.g
+    axis = normalize_axis("GatherElements", node.attr("axis", 0), data.ndim)
+    n = data.shape[axis]
+    if data.dtype == dt.bool_ or idx.ndim != data.ndim:
+        raise ctx.fail(node, "bool data or indices of another rank")
+    d = g.slice(data, [0] * data.ndim, [None if a == axis else idx.shape[a] for a in range(data.ndim)])
+    perm = [a for a in range(data.ndim) if a != axis] + [axis]
+    back = [perm.index(a) for a in range(data.ndim)]
+    idx = idx if idx.dtype == dt.int64 else g.cast(idx, dt.int64)
+    idx = g.where(idx < _scalar(ctx, 0, idx), idx + _scalar(ctx, n, idx), idx)
+    d_t, i_t = g.transpose(d, perm), g.transpose(idx, perm)          # [*other, n], [*other, m]
+    hot = g.equal(g.reshape(i_t, tuple(i_t.shape) + (1,)), g.constant(np.arange(n, dtype=np.int64)))  # [*other, m, n]
+    picked = g.where(hot, g.reshape(d_t, tuple(d_t.shape[:-1]) + (1, n)), _scalar(ctx, 0, d_t))
+    return [g.transpose(g.sum(picked, (picked.ndim - 1,)), back)]

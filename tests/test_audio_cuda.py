@@ -156,7 +156,7 @@ def test_mel_bands_cover_every_non_zero():
     assert (bands[:, 1] - bands[:, 0]).sum() < 201 * 5 // 2    # the band skips most of the zeros
 
 
-@pytest.mark.parametrize("method", ["gemm", "fused"])
+@pytest.mark.parametrize("method", ["gemm", "banded gemm", "fused"])
 @pytest.mark.parametrize("frames,bins_n_fft,n_mels,cosine", [(1, 400, 80, (0.5, 0.5)), (333, 401, 40, (0.54, 0.46)),
                                                               (70, 256, 24, None), (129, 1023, 128, (0.5, 0.5))])
 def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
@@ -167,9 +167,10 @@ def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
     window = np.ones(n_fft) if cosine is None else cosine[0] - cosine[1] * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
     expected = (filters.astype(np.float64) @ (np.abs(np.fft.rfft(x * window, axis=-1)) ** 2).T).astype(np.float32)
     device = torch.device(os.environ.get("INGOT_CUDA_DEVICE", "cuda"))
-    projection = cuda_fft.MelProjection(torch.as_tensor(filters, device=device),
-                                        torch.as_tensor(cuda_fft.mel_bands(filters, 16), device=device), n_fft, cosine,
-                                        method=method)
+    bands = cuda_fft.mel_bands(filters, 16)
+    projection = cuda_fft.MelProjection(torch.as_tensor(filters, device=device), torch.as_tensor(bands, device=device),
+                                        n_fft, cosine, method=method.split()[-1],
+                                        host_bands=tuple(map(tuple, bands.tolist())) if method == "banded gemm" else ())
     actual = to_host(cuda_fft.mel_of_frames(torch.as_tensor(x, device=device), projection))
     assert_close(actual, expected, F32)
 

@@ -16,12 +16,13 @@ signal continued by X[-k] = conj X[k]), so the chain becomes
 
     spectrum = rfft(frames)                    # cuFFT over the strided view of the signal
     power = windowed_power(spectrum)           # one Triton pass: window in frequency, |.|^2
-    mel = filters @ power.T                    # cuBLAS, float32
+    mel = filters @ power.T                    # cuBLAS, float32, each tile of 16 mel rows over the
+                                               # bins where its filters are non-zero (~1/5 of dense)
 
 Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. A second method
-(INGOT_CUDA_AUDIO_MEL=fused) does power and projection in one kernel, each tile of mel bands over
-only the FFT bins where its filters are non-zero; on the H200 it measured slower than the power
-pass + cuBLAS (BENCHMARKS.md), so "gemm" is the default. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
+(INGOT_CUDA_AUDIO_MEL=fused) does power and projection in one kernel (tl.dot in tf32x3, each tile of
+mel bands over its non-zero bins); on the H200 it measured no faster than the power pass + cuBLAS
+(BENCHMARKS.md), so "gemm" is the default. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
 pass a deferred value along and the matmul step computes the result, so nothing in between is
 written to device memory. Any other use of these ops lowers as before. INGOT_CUDA_AUDIO_FUSION=0 turns
 the fusion off (each node lowered alone: for measuring what it saves).
@@ -144,6 +145,7 @@ class MelProjection:
     cosine: tuple[float, float] | None
     block_m: int = 16
     method: str = "gemm"   # "gemm": power kernel + cuBLAS; "fused": one kernel (tl.dot per mel tile)
+    host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
 
 
 def mel_bands(filters: np.ndarray, block_m: int) -> np.ndarray:
@@ -169,8 +171,8 @@ def cosine_window(window: np.ndarray) -> tuple[float, float] | None:
     return a0, a1
 
 
-def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str = "ieee",
-              block_f: int = 128, block_b: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str = "tf32x3",
+              block_f: int = 128, block_b: int = 16, num_warps: int = 8, num_stages: int = 1) -> torch.Tensor:
     """filters @ |window(spectrum)|^2.T: complex64 [frames, bins] -> float32 [n_mels, frames]."""
     filters = projection.filters
     assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
@@ -195,7 +197,7 @@ def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str 
 
 
 def windowed_power(spectrum: torch.Tensor, n_fft: int, cosine: tuple[float, float] | None,
-                   block_f: int = 16, block_b: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                   block_f: int = 8, block_b: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """|window(spectrum)|^2: complex64 [frames, bins] -> float32 [frames, bins] in one pass."""
     assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
     frames, bins = spectrum.shape
@@ -220,7 +222,18 @@ def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection) -> torch.
     through torch.backends.cuda.matmul.allow_tf32)."""
     if projection.method == "fused":
         return power_mel(spectrum, projection)
-    return torch.matmul(projection.filters, windowed_power(spectrum, projection.n_fft, projection.cosine).T)
+    power = windowed_power(spectrum, projection.n_fft, projection.cosine)        # [frames, bins]
+    filters = projection.filters
+    if not projection.host_bands:
+        return torch.matmul(filters, power.T)
+    out = torch.empty((filters.shape[0], power.shape[0]), dtype=torch.float32, device=power.device)
+    for tile, (lo, hi) in enumerate(projection.host_bands):  # each tile of mel rows over its non-zero bins only
+        rows = slice(tile * projection.block_m, (tile + 1) * projection.block_m)
+        if hi > lo:
+            torch.mm(filters[rows, lo:hi], power[:, lo:hi].T, out=out[rows])
+        else:
+            out[rows].zero_()
+    return out
 
 
 def mel_of_frames(frames: torch.Tensor, projection: MelProjection) -> torch.Tensor:
@@ -301,7 +314,8 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
                     roles[frames.id] = Role("window", (view_index,))
         bands = mel_bands(filters, 16)
         projection = MelProjection(constant_tensor(filters, device), torch.as_tensor(bands, device=device),
-                                   n_fft, cosine, method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"))
+                                   n_fft, cosine, method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"),
+                                   host_bands=tuple((int(lo), int(hi)) for lo, hi in bands))
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
                       mm.id: Role("mel", (1,), projection)})

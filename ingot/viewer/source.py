@@ -63,7 +63,26 @@ def _open_package(p: Path) -> Model:
     program, manifest, graph = _read_package(p)
     history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
     notes = [f"Ingot package, format version {manifest.get('version')}, compiled for {manifest.get('device', 'cpu')}"]
+    notes += _llm_notes(p)
     return Model(str(p), "package", program, list(graph["inputs"]), history, notes)
+
+
+def _llm_notes(p: Path) -> list[str]:
+    """A line about an LLM package's llm.json (architecture, layers, how it was quantized), if it has one."""
+    import json
+
+    try:
+        info = json.loads((p / "llm.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(info, dict):
+        return []
+    config = info.get("config") if isinstance(info.get("config"), dict) else {}
+    quantized = (info.get("extra") or {}).get("quantized") if isinstance(info.get("extra"), dict) else None
+    line = f"LLM package: {info.get('architecture', '?')}, {config.get('n_layers', '?')} layers, dim {config.get('dim', '?')}"
+    if isinstance(quantized, dict):
+        line += f"; quantized {quantized.get('format')} from {quantized.get('source')}"
+    return [line]
 
 
 def _open_gguf(path: str) -> Model:

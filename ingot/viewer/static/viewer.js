@@ -492,6 +492,20 @@ function drawPreview(el, p, c) {
   }
 }
 
+function inspectModel() {   // what the inspector shows before anything is selected
+  const m = D.model, q = D.quantized;
+  const changed = m.history.filter(([, c]) => c).map(([p]) => p), same = m.history.filter(([, c]) => !c).map(([p]) => p);
+  $("inspector").innerHTML = `<h2>model</h2><div class="model-path"><b>${esc(m.path.split(/[\\/]/).pop())}</b> <span class="note">(${esc(m.kind)})</span></div>` +
+    m.notes.map(t => `<div class="note">${esc(t)}</div>`).join("") +
+    `<h3>inputs</h3><ul>${m.inputs.map(([n, t]) => `<li>${esc(n)} <span class="note">${esc(t)}</span></li>`).join("")}</ul>` +
+    `<table><tr><td>ops and values</td><td>${D.drawn.length}</td></tr><tr><td>outputs, assigns</td><td>${D.outputs.length}, ${D.assigns.length}</td></tr>` +
+    `<tr><td>constants</td><td>${Object.keys(D.constants).length} (${q.tensors} quantized weights, ${fmtBytes(q.bytes)})</td></tr>` +
+    `<tr><td>variables</td><td>${Object.keys(D.variables).length}</td></tr></table>` +
+    (m.history.length ? `<h3>compile passes</h3><div class="note">changed the graph: ${esc(changed.join(", ") || "none")}</div>` +
+      `<div class="note">no change: ${esc(same.join(", ") || "none")}</div>` : "") +
+    `<p class="hint">Click a node, a constant or a variable; double-click a folded block to unfold it.</p>`;
+}
+
 // ---- navigators ------------------------------------------------------------------------------------
 const LIST_LIMIT = 20000;   // rows in a navigator list; past that, a search narrows it
 function renderOps() {
@@ -502,8 +516,9 @@ function renderOps() {
   const q = $("search").value.trim().toLowerCase();
   const hits = D.drawn.filter(i => (!S.filterOp || D.nodes[i].op === S.filterOp) && (!q || D.text[i].includes(q)));
   S.matches = hits;
-  $("op-list").innerHTML = hits.slice(0, LIST_LIMIT).map(i => { const n = D.nodes[i];
-    return `<div class="row" data-node="${i}">${esc(n.name || n.op)} <span class="meta">${esc(n.op)} ${esc(n.type)}</span></div>`; }).join("") +
+  $("op-list").innerHTML = hits.slice(0, LIST_LIMIT).map(i => { const n = D.nodes[i], b = D.blockOf[i];
+    const meta = (n.name ? n.op + " " : "") + (b >= 0 ? D.groups[b].label + " " : "") + n.type;
+    return `<div class="row" data-node="${i}">${esc(n.name || n.op)} <span class="meta">${esc(meta)}</span></div>`; }).join("") +
     (hits.length > LIST_LIMIT ? `<div class="more">${hits.length - LIST_LIMIT} more: refine the search</div>` : "") +
     `<div class="more" id="op-total">${hits.length} op(s)</div>`;
 }
@@ -632,6 +647,7 @@ async function main() {
   $("title").title = [D.model.path, ...D.model.notes].join("\n");
   document.title = $("title").textContent;
   wire();
+  inspectModel();
   await relayout(false);
   mark("graph drawn");
   requestAnimationFrame(() => setTimeout(() => {   // the lists after the graph is on screen

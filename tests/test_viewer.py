@@ -306,6 +306,16 @@ def test_other_inputs_are_refused(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "onnx" in err.lower()
 
 
+def test_corrupt_package_is_one_sentence(tmp_path, capsys):
+    g = ingot.Graph()
+    x = g.placeholder((4,), name="x")
+    path = tmp_path / "m.ingot"
+    g.compile(targets=[x * 2.0]).save(path)
+    (path / "graph.json").write_text('{"nodes": [{"id": 1, "op": "NOPE"}]')
+    code, err = run_cli(capsys, str(path), "--no-browser")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "graph.json" in err
+
+
 def test_package_opens_with_its_regions(tmp_path):
     g = ingot.Graph()
     x = g.placeholder((4, 8), name="x")

@@ -410,7 +410,9 @@ def power_to_db(g: Graph, spectrum: Tensor, ref: float | str = 1.0, amin: float 
     if ref == "max":
         db = db - g.log(g.maximum(g.max(spectrum), float(amin))) * to_db
     elif isinstance(ref, (int, float)) and ref > 0:
-        db = db - float(10.0 * math.log10(max(float(ref), amin)))
+        offset = float(10.0 * math.log10(max(float(ref), amin)))
+        if offset:  # ref=1.0 (the default) subtracts nothing: no pass over the spectrum for it
+            db = db - offset
     else:
         raise IngotError(f"power_to_db: ref must be a positive number or 'max', not {ref!r}.")
     if top_db is not None:

@@ -56,11 +56,14 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy, bytes read + written per second."""
     a = torch.empty(nbytes // 4, dtype=torch.float32, device=DEVICE).uniform_()
     b = torch.empty_like(a)
+    for _ in range(300):  # clocks up first: a cold copy reads 2.77 TB/s
+        b.copy_(a)
     ms = bench(lambda: b.copy_(a))
     return 2 * nbytes / (ms * 1e-3)
 
 
-def random_weight(k: int, n: int, block: int = 32, qdtype=dt.uint4, f16_params: bool = True, seed: int = 0):
+def random_weight(k: int, n: int, block: int = 32, qdtype=dt.uint4, f16_params: bool = True, seed: int = 0,
+                  words: bool = True):
     """A k-major quantized weight (Ingot's layout) with GGUF-like f16-exact scale and bias."""
     rng = np.random.default_rng(seed)
     if qdtype.packed:
@@ -72,10 +75,10 @@ def random_weight(k: int, n: int, block: int = 32, qdtype=dt.uint4, f16_params: 
     if f16_params:
         scale, bias = (p.astype(np.float16).astype(np.float32) for p in (scale, bias))
     attrs = dict(qdtype=qdtype, dtype=dt.float32, mode="affine", has_zero_point=False, has_bias=True, transpose=False)
-    return qmm.prepare_weight(q, [scale, bias], attrs, DEVICE)
+    return qmm.prepare_weight(q, [scale, bias], attrs, DEVICE, words=words)
 
 
-def gemv_rows(results, bw, quick, rows_list=(1,)):
+def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=None, json_path=None):
     shapes = [  # (name, K, N)
         ("smollm qkv", 576, 960), ("smollm gate+up", 576, 3072), ("smollm down", 1536, 576),
         ("smollm lm_head", 576, 49152), ("llama8b qkv", 4096, 6144), ("llama8b o", 4096, 4096),
@@ -83,18 +86,30 @@ def gemv_rows(results, bw, quick, rows_list=(1,)):
     ]
     if quick:
         shapes = [s for s in shapes if s[0] in ("smollm qkv", "llama8b gate+up", "llama8b down")]
-    variants = {
+    if only_shapes:
+        shapes = [s for s in shapes if s[0].replace(" ", "_") in only_shapes]
+    variants = {  # word-layout dp4a kernel (the default), then the k-major kernels it replaced
         "default": None,
-        "no-magic": dict(MAGIC=False), "no-prefetch": dict(PREFETCH=False),
-        "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4),
-        "waves4": dict(WAVES=4), "waves16": dict(WAVES=16), "waves32": dict(WAVES=32),
-        "bk8": dict(BLOCK_K=8), "bk32": dict(BLOCK_K=32), "nosplit": dict(SPLIT=1),
+        "waves8": dict(WAVES=8), "waves16": dict(WAVES=16), "waves64": dict(WAVES=64),
+        "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8),
+        "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "tb4": dict(TB=4), "stages1": dict(num_stages=1),
+        "tb4-waves8": dict(TB=4, WAVES=8), "tb4-waves16": dict(TB=4, WAVES=16), "tb4-w2": dict(TB=4, num_warps=2),
+        "tb4-w8-waves16": dict(TB=4, num_warps=8, WAVES=16),
+        "nloop": dict(NLOOP=True), "nloop-waves32": dict(NLOOP=True, WAVES=32), "nloop-waves8": dict(NLOOP=True, WAVES=8),
+        "nloop-tb2": dict(NLOOP=True, TB=2), "nloop-tb8": dict(NLOOP=True, TB=8), "nloop-w2": dict(NLOOP=True, num_warps=2),
+        "nloop-w8": dict(NLOOP=True, num_warps=8),
+        "kmajor-stream": dict(KMAJOR=True), "kmajor-small": dict(KMAJOR=True, KERNEL="small"),
     }
+    row_variants = {"default": None, "nloop": dict(NLOOP=True), "nloop-rows1": dict(NLOOP=True, ROWS=1), "rows1": dict(ROWS=1), "rows2": dict(ROWS=2), "rows8": dict(ROWS=8),
+                    "rows16": dict(ROWS=16), "waves64": dict(WAVES=64), "tensor-core": dict(BLOCK_M=16)}
     for name, k, n in shapes:
         w = random_weight(k, n)
         nbytes = w.nbytes
         ws = [w] + [random_weight(k, n, seed=i + 1) for i in range(copies_for(nbytes) - 1)]
+        wk = [random_weight(k, n, seed=i + 1, words=False) for i in range(len(ws))]
         for rows in rows_list:
+            if rows > 1 and row_shapes and name.replace(" ", "_") not in row_shapes:
+                continue
             x = torch.randn(rows, k, device=DEVICE)
             ref = x @ qmm.dequantize(w)
             wbs = [torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(copies_for(k * n * 2))]
@@ -103,14 +118,13 @@ def gemv_rows(results, bw, quick, rows_list=(1,)):
             del wbs
             row = dict(kernel="qgemv", shape=name, K=k, N=n, rows=rows, weight_bytes=nbytes,
                        cublas_bf16_us=round(t_cublas * 1e3, 2))
-            for vname, cfg in variants.items():
-                if rows != 1 and cfg is not None:
-                    continue  # more rows run the tensor-core kernel: its default only
+            for vname, cfg in (variants if rows == 1 else row_variants).items():
+                cfg = dict(cfg or {})
+                pool = wk if cfg.pop("KMAJOR", False) else ws
                 try:
-                    y = qmm.quantized_matmul(x, w, config=dict(cfg) if cfg else None)
-                    err = float((y - ref).norm() / ref.norm())
-                    t = bench(rotating([lambda wi=wi: qmm.quantized_matmul(x, wi, config=dict(cfg) if cfg else None)
-                                        for wi in ws]))
+                    y = qmm.quantized_matmul(x, pool[0], config=dict(cfg))
+                    err = float((y - x @ qmm.dequantize(pool[0])).norm() / ref.norm())
+                    t = bench(rotating([lambda wi=wi: qmm.quantized_matmul(x, wi, config=dict(cfg)) for wi in pool]))
                 except Exception as e:  # a variant that does not compile is reported, not fatal
                     row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
                     continue
@@ -120,9 +134,14 @@ def gemv_rows(results, bw, quick, rows_list=(1,)):
             row["best"] = best
             row["vs_cublas_bf16"] = round(t_cublas / best["us"] * 1e3, 2)
             results.append(row)
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump(results, f, indent=1)
+            print("   " + "  ".join(f"{v}={r['us'] if isinstance(r, dict) else 'ERR'}" for v, r in row.items()
+                                    if v != "best" and (isinstance(r, dict) or str(r).startswith("error"))), flush=True)
             print(f"qgemv {name:18s} rows={rows:2d} {nbytes / 1e6:8.2f} MB  default {row['default']['us'] if isinstance(row['default'], dict) else row['default']} us  "
                   f"best {best['us']} us = {best['of_copy']:.2f} of copy bw; cuBLAS bf16 {row['cublas_bf16_us']} us", flush=True)
-        del w, ws
+        del w, ws, wk
 
 
 def gemm_rows(results, quick):
@@ -259,6 +278,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default="gemv,gemm,decode,prefill")
+    ap.add_argument("--shapes", default=None, help="GEMV shapes, comma-separated, spaces as _ (llama8b_gate+up)")
+    ap.add_argument("--row-shapes", default=None, help="GEMV shapes that also run 4 and 16 rows")
+    ap.add_argument("--rows", default=None, help="GEMV rows, comma-separated (default 1 with --quick, else 1,4,16)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     t0 = time.time()
@@ -269,7 +291,9 @@ def main() -> None:
     del a
     results = [dict(kernel="anchors", copy_tb_s=round(bw / 1e12, 3), cublas_bf16_tflops=round(mm, 1),
                     device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
-    sections = [("gemv", lambda: gemv_rows(results, bw, args.quick, (1,) if args.quick else (1, 4, 16))),
+    rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else ((1,) if args.quick else (1, 4, 16))
+    split = lambda v: set(v.split(",")) if v else None  # noqa: E731
+    sections = [("gemv", lambda: gemv_rows(results, bw, args.quick, rows, split(args.shapes), split(args.row_shapes), args.json)),
                 ("decode", lambda: decode_attention_rows(results, bw, args.quick)),
                 ("decode", lambda: small_decode_attention_rows(results)),
                 ("prefill", lambda: prefill_attention_rows(results, args.quick)),

@@ -41,14 +41,9 @@ def fast_random_weights(cfg: llama.LlamaConfig, seed: int = 0, block: int = 32) 
 
 
 def gguf_like_random_weights(cfg: llama.LlamaConfig) -> dict:
-    """ingot.models.llama.random_weights (GGUF's row-major form, converted by the builder as a GGUF
-    file is) with scale and bias rounded to f16, as a Q4_1 file stores them."""
-    weights = llama.random_weights(cfg)
-    for w in weights.values():
-        if isinstance(w, QuantizedTensor):
-            w.scale = w.scale.astype(np.float16).astype(np.float32)
-            w.bias = -8 * w.scale
-    return weights
+    """Random weights in GGUF's row-major form (converted by the builder as a GGUF file is), scale
+    rounded to f16 as a Q4_1 file stores it."""
+    return llama.random_weights(cfg, f16_params=True)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -106,21 +106,25 @@ def constant_tensor(array: np.ndarray, device) -> torch.Tensor:
     return _cached(array, ("tensor", str(device)), lambda: to_device(array, device))
 
 
-def prepared_weight(arrays: list[np.ndarray], attrs: dict, device) -> qmm.QuantizedWeight:
+WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights in the dp4a GEMV's word layout
+
+
+def prepared_weight(arrays: list[np.ndarray], attrs: dict, device, words: bool = False) -> qmm.QuantizedWeight:
     key = ("qweight", str(device), attrs["mode"], attrs["qdtype"].name, bool(attrs.get("transpose")),
-           bool(attrs.get("has_zero_point")), bool(attrs.get("has_bias"))) + tuple(id(a) for a in arrays[1:])
-    return _cached(arrays[0], key, lambda: qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device))
+           bool(attrs.get("has_zero_point")), bool(attrs.get("has_bias")), words) + tuple(id(a) for a in arrays[1:])
+    return _cached(arrays[0], key, lambda: qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device, words))
 
 
 def concatenated_weight(members: list[tuple[list[np.ndarray], dict]], device) -> qmm.QuantizedWeight | None:
     """The weights of sibling matmuls side by side along N (one GEMV for q/k/v), or None if they differ in kind."""
-    key = ("qconcat", str(device)) + tuple((id(a), attrs["qdtype"].name, bool(attrs.get("transpose")))
+    key = ("qconcat", str(device), WORDS_LAYOUT) + tuple((id(a), attrs["qdtype"].name, bool(attrs.get("transpose")))
                                            for arrays, attrs in members for a in arrays)
     first = members[0][0][0]
     hit = _DEVICE_CONSTANTS.get((id(first),) + key)
     if hit is not None:
         return hit
-    joined = qmm.concatenate([qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device) for arrays, attrs in members])
+    joined = qmm.concatenate([qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device, WORDS_LAYOUT)
+                              for arrays, attrs in members])
     if joined is None:
         return None
     return _cached(first, key, lambda: joined)
@@ -506,8 +510,8 @@ def _quantized_matmul(ctx: Lowering) -> StepFn:
     if arrays is None:  # a weight computed at run time: re-pack it on the device every run
         attrs = node.attrs
         return lambda x, q, *params: qmm.quantized_matmul(
-            x, qmm.prepare_weight(to_host(q), [to_host(p) for p in params], attrs, x.device))
-    weight = prepared_weight(arrays, node.attrs, ctx.device)
+            x, qmm.prepare_weight(to_host(q), [to_host(p) for p in params], attrs, x.device, WORDS_LAYOUT))
+    weight = prepared_weight(arrays, node.attrs, ctx.device, WORDS_LAYOUT)
     ctx.reads = (0,)  # the step takes x only: the weight lives re-packed on the device
     return lambda x: qmm.quantized_matmul(x, weight)
 
@@ -861,6 +865,7 @@ class CudaPlan:
         return self._stage
 
     def _stage_feeds(self, feeds: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The staging buffer's views, the given feeds copied in (host arrays through the pinned mirror)."""
         stage = self._staging()
         if stage["copied"]:
             stage["event"].synchronize()  # the last copy out of the pinned buffer has finished
@@ -878,31 +883,83 @@ class CudaPlan:
             stage["copied"] = True
         return stage["views"]
 
-    def run(self, feeds: dict[str, Any], state: dict[str, torch.Tensor], stream=None, **options) -> list[torch.Tensor]:
+    def _in_place(self, value) -> bool:
+        """A feed the steps read where it lies: contiguous device memory of the plan's device."""
+        return isinstance(value, torch.Tensor) and value.device.type == self.device.type and value.is_contiguous() and \
+            (self.device.index is None or value.device.index == self.device.index)
+
+    def run(self, feeds: dict[str, Any], state: dict[str, torch.Tensor], stream=None, outputs=None,
+            **options) -> list[torch.Tensor]:
+        """stream: the caller's CUDA stream (torch, or any object with a `ptr`/`cuda_stream`, or a raw
+        handle): every copy, kernel and graph replay of this run is queued on it, after the caller's
+        work. outputs: device arrays (any DLPack producer) that receive the targets, so the run
+        allocates nothing on the device; they are returned (as torch views of the same memory).
+
+        Device feeds are read in place, never copied: the CUDA graph of a state is captured over the
+        feeds' addresses, so a caller that refills the same buffers replays it with no copy; new
+        addresses run eagerly once, then get a graph of their own (four kept)."""
         if stream is not None:
-            with torch.cuda.stream(stream):
-                return self.run(feeds, state, **options)
+            with torch.cuda.stream(_torch_stream(stream, self.device)):
+                return self.run(feeds, state, outputs=outputs, **options)
+        direct = {name: v for name, v in feeds.items() if self._in_place(v)}
+        staged = {name: v for name, v in feeds.items() if name not in direct}
+        self.last_feed_pointers = {name: v.data_ptr() for name, v in direct.items()}
         if not self.capturable:
-            return self._execute(self._device_feeds(feeds), state)
-        key = id(state)
+            values = self._device_feeds(staged)
+            values.update(direct)
+            return _deliver(self._execute(values, state), outputs, fresh=True)
+        key = (id(state),) + tuple(sorted((name, v.data_ptr()) for name, v in direct.items()))
         entry = self._graphs.get(key)
         if entry is not None and entry["state"] is state:
-            self._stage_feeds(feeds)
+            self._stage_feeds(staged)
             entry["graph"].replay()
-            return [o.clone() for o in entry["outputs"]]
+            return _deliver(entry["outputs"], outputs, fresh=False)
+        if len(self._runs) > 64:
+            self._runs.clear()
         runs = self._runs[key] = self._runs.get(key, 0) + 1
-        static = self._stage_feeds(feeds)
+        values = dict(self._stage_feeds(staged))
+        values.update(direct)
         if runs < 2:  # the first run is eager: it compiles every kernel
-            return self._execute(dict(static), state)
+            return _deliver(self._execute(values, state), outputs, fresh=True)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            outputs = self._execute(dict(static), state, copy_outputs=False)
+            captured = self._execute(values, state, copy_outputs=False)
         graph.replay()
         if len(self._graphs) >= 4:
             self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[key] = dict(graph=graph, outputs=outputs, state=state)
-        return [o.clone() for o in outputs]
+        self._graphs[key] = dict(graph=graph, outputs=captured, state=state)
+        return _deliver(captured, outputs, fresh=False)
+
+
+def _torch_stream(stream, device) -> torch.cuda.Stream:
+    """A torch stream for the caller's stream object (torch, CuPy, Numba, or a raw cudaStream_t)."""
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    handle = stream if isinstance(stream, int) else getattr(stream, "ptr", None) or getattr(stream, "cuda_stream", None) \
+        or getattr(stream, "handle", None)
+    if not isinstance(handle, int):
+        raise IngotError(f"run: stream= takes a torch.cuda.Stream, an object with a .ptr or .cuda_stream, or a "
+                         f"cudaStream_t as an int; got {type(stream).__name__}.")
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
+def _deliver(results: list[torch.Tensor], outputs, fresh: bool) -> list[torch.Tensor]:
+    """The run's results: copied into the caller's arrays when given, else fresh tensors (a captured
+    graph's own output buffers are never handed out: the next replay overwrites them)."""
+    if outputs is None:
+        return results if fresh else [o.clone() for o in results]
+    if len(outputs) != len(results):
+        raise IngotError(f"run: outputs= has {len(outputs)} arrays for {len(results)} targets.")
+    delivered = []
+    for i, (dst, src) in enumerate(zip(outputs, results)):
+        t = dst if isinstance(dst, torch.Tensor) else torch.from_dlpack(dst)
+        if tuple(t.shape) != tuple(src.shape) or t.dtype != src.dtype or t.device != src.device:
+            raise IngotError(f"run: outputs[{i}] is {t.dtype}{list(t.shape)} on {t.device}; the target is "
+                             f"{src.dtype}{list(src.shape)} on {src.device}.")
+        t.copy_(src)
+        delivered.append(t)
+    return delivered
 
 
 def _assign(state: dict[str, torch.Tensor], updates: list[tuple[str, torch.Tensor]]) -> None:

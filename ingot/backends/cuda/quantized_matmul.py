@@ -49,10 +49,17 @@ def _to_float(v, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               WORDS: tl.constexpr = False):
     """The unsigned integers of W[offs_k, n0:n0+BLOCK_N] as [BLOCK_K, BLOCK_N] (0 past the ends)."""
     k_ok = (offs_k < K)[:, None]
-    if BITS == 4:
+    if WORDS:  # word row k // 8; nibble k % 4 of the low (k % 8 < 4) or high half of each byte
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        words = tl.load(q_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :], mask=k_ok & (offs_n < NQ)[None, :],
+                        other=0)
+        shift = ((offs_k % 4) * 8 + ((offs_k // 4) % 2) * 4)[:, None]
+        return (words >> shift) & 0xF
+    elif BITS == 4:
         offs_b = n0 // 2 + tl.arange(0, BLOCK_N // 2)
         packed = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_b[None, :], mask=k_ok & (offs_b < NQ)[None, :], other=0)
         return tl.join(packed & 0xF, packed >> 4).reshape([BLOCK_K, BLOCK_N])
@@ -138,11 +145,199 @@ def _qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """c + the dot product of the four bytes of a (unsigned) with those of b (signed if SIGNED), per element."""
+    if ASM:
+        if SIGNED:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    else:  # Triton's interpreter runs no PTX: byte by byte
+        total = c
+        for i in tl.static_range(4):
+            if SIGNED:
+                bb = (b << (24 - 8 * i)) >> 24
+            else:
+                bb = (b >> (8 * i)) & 0xFF
+            total += ((a >> (8 * i)) & 0xFF) * bb
+        return total
+
+
+@triton.jit
+def _limb_words(X, shifts, LIMB: tl.constexpr):
+    """Byte LIMB of each integer of X [R, TB, 4, 4], four along the last axis packed into one word."""
+    return tl.reduce(((X >> (8 * LIMB)) & 0xFF) << shifts, 3, _or)
+
+
+@triton.jit
+def _qgemv_words_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, kw_per_split,
+                        stride_xm, stride_qw, stride_sk, stride_ym,
+                        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        TB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+    """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
+    the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
+
+    A tile is TB blocks of 32 k: [TB, 4, BLOCK_N] words, each thread 16 bytes (4 columns) of a row.
+    x is turned into 22-bit integers with one power-of-two scale per row and tile (the rounding is
+    below float32's on the tile's largest element), split into three bytes; `dp4a` multiplies four
+    nibbles by four bytes and adds, so 8 weights cost 6 integer dot products instead of 8 conversions
+    and 8 multiply-adds. Per block of 32 the three byte sums combine exactly in int32, then one
+    float multiply by the block's scale (and bias * sum x)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = pid_m * ROWS + tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    KWT: tl.constexpr = 4 * TB
+    kw_start = pid_k * kw_per_split
+    kw_stop = tl.minimum(kw_start + kw_per_split, KW)
+    blocks = tl.arange(0, TB)
+    tile_rows = blocks[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]                # [TB, 4, 1]
+    nn = offs_n[None, None, :]
+    x_rel = (tl.arange(0, TB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
+             + tl.arange(0, 4)[None, None, None, :])                                         # [1, TB, 4, 4]
+    shifts = tl.arange(0, 4)[None, None, None, :] * 8
+    x_rows = x_ptr + offs_m[:, None, None, None] * stride_xm
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
+                         mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
+    for kw0 in range(kw_start, kw_stop, KWT):
+        rows = kw0 + tile_rows
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(qw_ptr + (rows + KWT) * stride_qw + nn, mask=((rows + KWT) < kw_stop) & n_mask[None, None, :],
+                             other=0)
+        else:
+            w = tl.load(qw_ptr + rows * stride_qw + nn, mask=(rows < kw_stop) & n_mask[None, None, :], other=0)
+        blk = kw0 // 4 + blocks                                                               # blocks of 32 k
+        b_ok = (blk * 4 < kw_stop)[:, None] & n_mask[None, :]
+        prow = (blk * 32 // GROUP)[:, None] * stride_sk + offs_n[None, :]
+        s = tl.load(s_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)                      # [TB, BLOCK_N]
+        # x as integers: the low (k % 8 < 4) and high halves of each word's 8 k
+        kl = kw0 * 8 + x_rel
+        xm = m_mask[:, None, None, None]
+        x_lo = tl.load(x_rows + kl, mask=xm & (kl < K), other=0.0).to(tl.float32)           # [ROWS, TB, 4, 4]
+        x_hi = tl.load(x_rows + kl + 4, mask=xm & (kl + 4 < K), other=0.0).to(tl.float32)
+        top = tl.max(tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2), axis=1)   # [ROWS]
+        e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF                                   # |x| < 2**(e - 126)
+        e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)                                    # 2**(148 - e): |x * scale| < 2**22
+        scale = (e_scale << 23).to(tl.float32, bitcast=True)
+        inv = (tl.maximum(254 - e_scale, 0) << 23).to(tl.float32, bitcast=True)
+        sc = scale[:, None, None, None]
+        X_lo = (x_lo * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000              # round to nearest
+        X_hi = (x_hi * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        shape: tl.constexpr = [ROWS, TB, 4, BLOCK_N]
+        lo = tl.broadcast_to((w & 0x0F0F0F0F)[None, :, :, :], shape)
+        hi = tl.broadcast_to(((w >> 4) & 0x0F0F0F0F)[None, :, :, :], shape)
+        zero = tl.zeros(shape, dtype=tl.int32)
+        p0 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 0)[:, :, :, None], shape), zero, False, ASM)
+        p0 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 0)[:, :, :, None], shape), p0, False, ASM)
+        p1 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 1)[:, :, :, None], shape), zero, False, ASM)
+        p1 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 1)[:, :, :, None], shape), p1, False, ASM)
+        p2 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 2)[:, :, :, None], shape), zero, True, ASM)
+        p2 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 2)[:, :, :, None], shape), p2, True, ASM)
+        block_sum = tl.sum(p0 + (p1 << 8) + (p2 << 16), axis=2)                              # [ROWS, TB, BLOCK_N] exact
+        acc += tl.sum(block_sum.to(tl.float32) * s[None, :, :], axis=1) * inv[:, None]
+        if HAS_BIAS:
+            b = tl.load(b_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)
+            x_sum = tl.sum(tl.sum(x_lo + x_hi, axis=3), axis=2)                              # [ROWS, TB]
+            acc += tl.sum(b[None, :, :] * x_sum[:, :, None], axis=1)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qgemv_words_nloop_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, n_per_program,
+                              stride_xm, stride_qw, stride_sk, stride_ym,
+                              GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                              TB: tl.constexpr, ASM: tl.constexpr):
+    """`_qgemv_words_kernel` turned around: a program owns one tile of K (TB blocks of 32) and walks
+    along N, so x is turned into integers once and stays in registers; each [TB, 4, BLOCK_N] weight
+    tile is prefetched one step ahead, and its partial sums go to y by atomic adds."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * ROWS + tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    KWT: tl.constexpr = 4 * TB
+    kw0 = pid_k * KWT
+    blocks = tl.arange(0, TB)
+    rows = kw0 + blocks[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]                # [TB, 4, 1]
+    r_ok = rows < KW
+    blk = kw0 // 4 + blocks
+    b_ok = (blk * 4 < KW)[:, None]
+    prow = (blk * 32 // GROUP)[:, None] * stride_sk
+    x_rel = (tl.arange(0, TB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
+             + tl.arange(0, 4)[None, None, None, :])
+    shifts = tl.arange(0, 4)[None, None, None, :] * 8
+    x_rows = x_ptr + offs_m[:, None, None, None] * stride_xm
+    kl = kw0 * 8 + x_rel
+    xm = m_mask[:, None, None, None]
+    x_lo = tl.load(x_rows + kl, mask=xm & (kl < K), other=0.0).to(tl.float32)
+    x_hi = tl.load(x_rows + kl + 4, mask=xm & (kl + 4 < K), other=0.0).to(tl.float32)
+    top = tl.max(tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2), axis=1)
+    e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)
+    scale = (e_scale << 23).to(tl.float32, bitcast=True)
+    inv = (tl.maximum(254 - e_scale, 0) << 23).to(tl.float32, bitcast=True)
+    sc = scale[:, None, None, None]
+    X_lo = (x_lo * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    X_hi = (x_hi * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    shape: tl.constexpr = [ROWS, TB, 4, BLOCK_N]
+    l0 = tl.broadcast_to(_limb_words(X_lo, shifts, 0)[:, :, :, None], shape)
+    h0 = tl.broadcast_to(_limb_words(X_hi, shifts, 0)[:, :, :, None], shape)
+    l1 = tl.broadcast_to(_limb_words(X_lo, shifts, 1)[:, :, :, None], shape)
+    h1 = tl.broadcast_to(_limb_words(X_hi, shifts, 1)[:, :, :, None], shape)
+    l2 = tl.broadcast_to(_limb_words(X_lo, shifts, 2)[:, :, :, None], shape)
+    h2 = tl.broadcast_to(_limb_words(X_hi, shifts, 2)[:, :, :, None], shape)
+    x_sum = tl.sum(tl.sum(x_lo + x_hi, axis=3), axis=2)                                       # [ROWS, TB]
+    zero = tl.zeros(shape, dtype=tl.int32)
+    n_start = pid_n * n_per_program
+    n_stop = tl.minimum(n_start + n_per_program, N)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    w_next = tl.load(qw_ptr + rows * stride_qw + offs_n[None, None, :], mask=r_ok & (offs_n < n_stop)[None, None, :], other=0)
+    for n0 in range(n_start, n_stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_stop
+        w = w_next
+        nxt = offs_n + BLOCK_N
+        w_next = tl.load(qw_ptr + rows * stride_qw + nxt[None, None, :], mask=r_ok & (nxt < n_stop)[None, None, :], other=0)
+        s = tl.load(s_ptr + prow + offs_n[None, :], mask=b_ok & n_mask[None, :], other=0.0).to(tl.float32)
+        lo = tl.broadcast_to((w & 0x0F0F0F0F)[None, :, :, :], shape)
+        hi = tl.broadcast_to(((w >> 4) & 0x0F0F0F0F)[None, :, :, :], shape)
+        p0 = _dp4a(hi, h0, _dp4a(lo, l0, zero, False, ASM), False, ASM)
+        p1 = _dp4a(hi, h1, _dp4a(lo, l1, zero, False, ASM), False, ASM)
+        p2 = _dp4a(hi, h2, _dp4a(lo, l2, zero, True, ASM), True, ASM)
+        block_sum = tl.sum(p0 + (p1 << 8) + (p2 << 16), axis=2)
+        part = tl.sum(block_sum.to(tl.float32) * s[None, :, :], axis=1) * inv[:, None]
+        if HAS_BIAS:
+            b = tl.load(b_ptr + prow + offs_n[None, :], mask=b_ok & n_mask[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(b[None, :, :] * x_sum[:, :, None], axis=1)
+        tl.atomic_add(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], part, mask=m_mask[:, None] & n_mask[None, :],
+                      sem="relaxed")
+
+
+@triton.jit
 def _qgemv_small_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                         N, K, NQ, k_per_split, stride_qk, stride_sk,
                         lut_block_k, lut_block_n, stride_lk, stride_ln,
                         BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr,
+                        WORDS: tl.constexpr = False):
     """The GEMV for small weights (a few MB, latency-bound): [BLOCK_K, BLOCK_N] tiles spread over the
     threads, w = v * s + b per element into a 2-D accumulator, one sum over K at the end. Measured
     faster than `_qgemv_kernel` below about 8 MB (SmolLM2's layers), slower above."""
@@ -157,7 +352,7 @@ def _qgemv_small_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
     for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
-        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
         w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
                              stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K, MAGIC)
         acc += w * x[:, None]
@@ -174,7 +369,7 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                   lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  PRECISION: tl.constexpr, MAGIC: tl.constexpr):
+                  PRECISION: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr = False):
     """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -195,7 +390,7 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
         w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
                              stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K, MAGIC)
         if x.dtype == tl.float32:
@@ -222,6 +417,7 @@ class QuantizedWeight:
     group: int                      # K rows per parameter row (a power of two)
     k: int
     n: int
+    words: bool = False             # 4-bit affine in the word layout: q int32 [Kp/8, Np] (prepare_weight)
 
     @property
     def nbytes(self) -> int:
@@ -234,6 +430,10 @@ class QuantizedWeight:
 
     def values(self) -> torch.Tensor:
         """The unsigned stored integers [K, N] (tests, dequantize)."""
+        if self.words:
+            shifts = torch.tensor([0, 8, 16, 24, 4, 12, 20, 28], dtype=torch.int32, device=self.q.device)
+            v = (self.q[:, None, :] >> shifts[None, :, None]) & 0xF            # [Kp/8, 8, Np]
+            return v.reshape(-1, self.q.shape[1]).to(torch.uint8)[: self.k, : self.n]
         if self.bits == 4:
             return torch.stack([self.q & 0xF, self.q >> 4], dim=-1).reshape(self.q.shape[0], -1)[: self.k, : self.n]
         return self.q[: self.k, : self.n]
@@ -268,12 +468,17 @@ def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
 
 
-def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> QuantizedWeight:
+def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device, words: bool = False) -> QuantizedWeight:
     """Re-pack a quantized_matmul/quantized_gather weight (Ingot's layout, numpy) for the kernels.
 
     transpose=False: q is the logical [K, N] weight (4-bit packed along N); transpose=True: q is
     [N, K] (4-bit packed along K). Parameters are block-broadcast with q's rank; a LUT has an extra
     last axis of 2**bits entries.
+
+    words: 4-bit affine weights whose parameter groups span 32 k or more are stored in the word
+    layout that `_qgemv_words_kernel` streams: int32 [Kp/8, Np], the word of (r, n) holding
+    W[8r + b, n] in the low nibble of byte b and W[8r + 4 + b, n] in its high nibble (b = 0..3), so
+    one 16-byte load is 8 k by 4 columns and the nibbles of a byte half line up with 4 consecutive k.
     """
     qdtype = attrs["qdtype"]
     bits = 4 if qdtype.packed else 8
@@ -327,14 +532,25 @@ def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device)
         values = values ^ (0x8 if bits == 4 else 0x80)          # two's complement -> offset binary
     qk = torch.zeros((kp, np_), dtype=torch.uint8, device=device)
     qk[:k, :n] = values
-    return QuantizedWeight(_pack(qk, bits), _maybe_f16(s.contiguous()), _maybe_f16(b.contiguous()) if has_bias else None,
-                           None, 1, 1, bits, group, k, n)
+    words = words and bits == 4 and group % 32 == 0
+    packed = _words(qk) if words else _pack(qk, bits)
+    return QuantizedWeight(packed, _maybe_f16(s.contiguous()), _maybe_f16(b.contiguous()) if has_bias else None,
+                           None, 1, 1, bits, group, k, n, words)
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles [Kp, Np] (Kp a multiple of 8) in the word layout (prepare_weight) as int32 [Kp/8, Np]."""
+    kp, np_ = values.shape
+    v = values.reshape(kp // 8, 2, 4, np_)
+    packed = (v[:, 0] | (v[:, 1] << 4)).permute(0, 2, 1).contiguous()     # [Kp/8, Np, 4] bytes
+    return packed.view(torch.int32).reshape(kp // 8, np_)
 
 
 def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     """Weights of one kind side by side along N (one GEMV for sibling matmuls), or None."""
     w0 = parts[0]
     if any(p.lut is not None or p.bits != w0.bits or p.group != w0.group or p.k != w0.k or p.q.shape[0] != w0.q.shape[0]
+           or p.words != w0.words
            or p.scale.dtype != w0.scale.dtype or (p.bits == 4 and p.n % 2) for p in parts):
         return None
     has_bias = any(p.bias is not None for p in parts)
@@ -343,7 +559,7 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         biases = [b.float() for b in biases]
     return QuantizedWeight(torch.cat([p.q for p in parts], dim=1), torch.cat([p.scale for p in parts], dim=1),
                            torch.cat(biases, dim=1) if has_bias else None, None, 1, 1, w0.bits, w0.group, w0.k,
-                           sum(p.n for p in parts))
+                           sum(p.n for p in parts), w0.words)
 
 
 # -- the wrapper ----------------------------------------------------------------------------------
@@ -384,6 +600,70 @@ def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, wave
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, PREFETCH=True)
 
 
+WORDS_MAX_ROWS = int(os.environ.get("INGOT_CUDA_WORDS_ROWS", "16"))   # more rows: the tensor-core kernel
+DP4A = os.environ.get("TRITON_INTERPRET") != "1"                          # the interpreter runs no inline PTX
+
+
+def words_gemv_config(w: QuantizedWeight, m: int, sms: int, waves: int = 32, num_warps: int | None = None,
+                      rows: int | None = None) -> dict:
+    """The word-layout GEMV: a warp's threads side by side along N (4 columns each, one 16-byte load
+    per row of a tile), up to 4 rows of x per program (the weight tile read once for them), and
+    split-K until about `waves` warps per multiprocessor are resident."""
+    rows = rows or min(triton.next_power_of_2(m), 4)
+    warps = num_warps or (4 if w.n >= 4 * 128 * 16 else (2 if w.n >= 2 * 128 * 8 else 1))
+    block_n = 128 * warps
+    programs = triton.cdiv(w.n, block_n) * triton.cdiv(m, rows)
+    tb = 2
+    tiles = triton.cdiv(w.q.shape[0], 4 * tb)
+    split = max(1, min((waves * sms) // (programs * warps), tiles))
+    return dict(BLOCK_N=block_n, TB=tb, ROWS=rows, SPLIT=split, num_warps=warps, PREFETCH=True)
+
+
+def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict) -> None:
+    m = x2.shape[0]
+    rows, tb = config.pop("ROWS", min(triton.next_power_of_2(m), 4)), config.pop("TB", 4)
+    warps = config.pop("num_warps", 4 if w.n >= 4 * 128 * 16 else 1)
+    block_n = config.pop("BLOCK_N", 128 * warps)
+    k_programs = triton.cdiv(w.q.shape[0], 4 * tb)
+    waves = config.pop("WAVES", 16)
+    chunks = max(1, min(triton.cdiv(w.n, block_n), (waves * _sm_count(x2.device)) // (k_programs * warps * triton.cdiv(m, rows))))
+    n_per = triton.cdiv(triton.cdiv(w.n, chunks), block_n) * block_n
+    target = y if y.dtype == torch.float32 and y.stride(1) == 1 else torch.empty((m, w.n), dtype=torch.float32, device=x2.device)
+    target.zero_()
+    b = w.bias if w.bias is not None else w.scale
+    _qgemv_words_nloop_kernel[(k_programs, triton.cdiv(w.n, n_per), triton.cdiv(m, rows))](
+        x2, w.q, w.scale, b, target, m, w.n, w.k, w.q.shape[0], n_per, x2.stride(0), w.q.stride(0), w.scale.stride(0),
+        target.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None, ROWS=rows, BLOCK_N=block_n, TB=tb,
+        ASM=config.pop("ASM", DP4A), num_warps=warps, **config)
+    if target is not y:
+        y.copy_(target)
+
+
+def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict) -> None:
+    m = x2.shape[0]
+    if config.pop("NLOOP", False):
+        return _words_nloop_gemv(x2, w, y, config)
+    cfg = {**words_gemv_config(w, m, _sm_count(x2.device), config.pop("WAVES", 32), config.get("num_warps"),
+                               config.get("ROWS")), **config}
+    block_n, tb, rows, split = cfg.pop("BLOCK_N"), cfg.pop("TB"), cfg.pop("ROWS"), cfg.pop("SPLIT")
+    kw = w.q.shape[0]
+    kw_per_split = triton.cdiv(triton.cdiv(kw, split), 4 * tb) * 4 * tb
+    split = triton.cdiv(kw, kw_per_split)
+    atomic = split > 1
+    target = y
+    if atomic:
+        target = y if y.dtype == torch.float32 and y.stride(1) == 1 else torch.empty((m, w.n), dtype=torch.float32,
+                                                                                      device=x2.device)
+        target.zero_()
+    b = w.bias if w.bias is not None else w.scale
+    _qgemv_words_kernel[(triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))](
+        x2, w.q, w.scale, b, target, m, w.n, w.k, kw, kw_per_split, x2.stride(0), w.q.stride(0), w.scale.stride(0),
+        target.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None, ROWS=rows, BLOCK_N=block_n, TB=tb,
+        ATOMIC=atomic, ASM=cfg.pop("ASM", DP4A), **cfg)
+    if target is not y:
+        y.copy_(target)
+
+
 def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype) -> dict:
     block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
     block_k = 32 if dtype == torch.float32 else 64
@@ -399,7 +679,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
                      config: dict | None = None, precision: str = "tf32x3") -> torch.Tensor:
     """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
 
-    One row: the streaming GEMV kernel; more: the tensor-core kernel.
+    Word-layout weights: the dp4a GEMV up to WORDS_MAX_ROWS rows; else one row: the k-major GEMV
+    kernels; more: the tensor-core kernel (config={"BLOCK_M": ...} forces it).
     """
     assert x.shape[-1] == w.k, f"quantized_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
     lead = x.shape[:-1]
@@ -416,7 +697,13 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     common = dict(BITS=w.bits, LUT=w.lut is not None, GROUP=w.group, HAS_BIAS=w.bias is not None)
     if m == 0:
         return y.reshape(*lead, w.n)
-    if m <= GEMV_MAX_ROWS and (config is None or "BLOCK_M" not in config):
+    config = dict(config or {})
+    if w.words and m <= WORDS_MAX_ROWS and config.get("KERNEL", "words") == "words" and "BLOCK_M" not in config:
+        config.pop("KERNEL", None)
+        _words_gemv(x2, w, y, config)
+        return y.reshape(*lead, w.n)
+    assert config.get("KERNEL") != "words", "the words kernel needs a weight prepared with words=True"
+    if m <= GEMV_MAX_ROWS and "BLOCK_M" not in config:
         config = dict(config or {})
         waves = config.pop("WAVES", 8)
         small = config.get("KERNEL", "small" if w.nbytes < SMALL_GEMV_BYTES else "stream") == "small"
@@ -426,6 +713,9 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         kernel = _qgemv_small_kernel if cfg.pop("KERNEL", "stream") == "small" else _qgemv_kernel
         if kernel is _qgemv_small_kernel:
             cfg.pop("PREFETCH", None)
+            cfg["WORDS"] = w.words
+        else:
+            assert not w.words, "the streaming k-major kernel reads no word layout"
         block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
         magic = cfg.pop("MAGIC", MAGIC_CONVERT)
         assert block_k <= w.group or w.lut is not None
@@ -453,7 +743,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             x2, w.q, s, b, lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, y.stride(0),
             w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision, MAGIC=magic,
-            **common, **cfg)
+            WORDS=w.words, **common, **cfg)
     return y.reshape(*lead, w.n)
 
 
@@ -471,4 +761,5 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["QuantizedWeight", "prepare_weight", "quantized_matmul", "dequantize", "concatenate", "GEMV_MAX_ROWS"]
+__all__ = ["QuantizedWeight", "prepare_weight", "quantized_matmul", "dequantize", "concatenate", "GEMV_MAX_ROWS",
+           "WORDS_MAX_ROWS"]

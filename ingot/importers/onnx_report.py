@@ -49,8 +49,18 @@ class CaseResult:
 
 
 def node_modules() -> list[str]:
+    """The modules of onnx.backend.test.case.node, subpackages (ai_onnx_ml) included, as collect_testcases walks them."""
+    import onnx
     import onnx.backend.test.case.node as node_pkg
-    return [name for _, name, _ in pkgutil.iter_modules(node_pkg.__path__)]
+    prefix = node_pkg.__name__ + "."
+    names = []
+    for _, name, is_pkg in pkgutil.walk_packages(node_pkg.__path__, prefix=prefix):
+        name = name[len(prefix):]
+        if name.startswith("ai_onnx_ml") and not onnx.ONNX_ML:
+            continue
+        if not is_pkg:
+            names.append(name)
+    return names
 
 
 def collect(modules: list[str] | None = None) -> list[tuple[str, object]]:

@@ -254,6 +254,21 @@ def test_overlays_time_and_quantization_error(browser):
         server.close()
 
 
+def test_self_contained_html_file(browser, tmp_path):
+    from ingot.viewer.server import write_html
+    from test_viewer import small_model
+    model, _ = small_model()
+    out = tmp_path / "toy.html"
+    write_html(model, str(out))
+    page = open_page(browser, out.as_uri())      # file://: no server, the layout worker from inline text
+    assert page.locator("#graph .node.group").count() == 1
+    page.click('.tabs button[data-tab="constants"]')
+    page.locator('#const-list .row[title="layer.0.w"]').click()
+    page.wait_for_selector("#inspector canvas.heatmap")   # the preview was embedded, not fetched
+    assert page.errors == []
+    page.context.close()
+
+
 def random_graph(n: int = 3000, seed: int = 0):
     """A graph of about n elementwise ops with no repeated structure (nothing folds)."""
     g = ingot.Graph()

@@ -146,10 +146,31 @@ function layout(msg) {
   for (let l = 0; l < depth; l++) top[l + 1] = top[l] + rowH[l] + GAP_Y;
   const y = new Float64Array(total);
   for (let v = 0; v < total; v++) y[v] = top[L[v]] + rowH[L[v]] / 2;
+  // ports: the edges into (out of) a node spread over its top (bottom) edge, ordered by where they come from (go)
+  const near = (e, end) => {     // x of the point next to this end of the edge
+    const c = e.chain || [];
+    return end === "a" ? (c.length ? x[c[0]] : x[e.b]) : (c.length ? x[c[c.length - 1]] : x[e.a]);
+  };
+  const portX = new Map();
+  const spread = (list, v, end) => {
+    list.sort((p, q) => near(p, end) - near(q, end));
+    const span = Math.min(W[v] * 0.6, 14 * (list.length - 1));
+    list.forEach((e, k) => portX.set(e, [end, x[v] + (list.length > 1 ? -span / 2 + span * k / (list.length - 1) : 0)]));
+  };
+  const ins = new Map(), outs = new Map();
+  for (const e of edges) {
+    if (e.stub) continue;
+    if (!ins.has(e.b)) ins.set(e.b, []);
+    if (!outs.has(e.a)) outs.set(e.a, []);
+    ins.get(e.b).push(e); outs.get(e.a).push(e);
+  }
+  const start = new Map(), end = new Map();
+  for (const [v, list] of outs) { spread(list, v, "a"); for (const e of list) start.set(e, portX.get(e)[1]); }
+  for (const [v, list] of ins) { spread(list, v, "b"); for (const e of list) end.set(e, portX.get(e)[1]); }
   const routed = edges.map(e => {
-    const pts = [[x[e.a], y[e.a] + H[e.a] / 2]];
+    const pts = [[e.stub ? x[e.a] : start.get(e), y[e.a] + H[e.a] / 2]];
     for (const d of e.chain || []) pts.push([x[d], y[d]]);
-    pts.push([x[e.b], y[e.b] - H[e.b] / 2]);
+    pts.push([e.stub ? x[e.b] : end.get(e), y[e.b] - H[e.b] / 2]);
     if (e.rev) pts.reverse();
     return {s: e.s, t: e.t, points: pts, stub: e.stub};
   });

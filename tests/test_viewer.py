@@ -137,6 +137,7 @@ def test_lookup_table_weights():
 
 
 def test_grouped_lookup_tables_match_the_reference():
+    from ingot.ir import Op
     from ingot.ops import reference
     from ingot.viewer import stats
     g = ingot.Graph()
@@ -148,7 +149,7 @@ def test_grouped_lookup_tables_match_the_reference():
     nodes = model.program.nodes()
     op = next(n for n in nodes if n.op.name == "QUANTIZED_MATMUL")
     assert export(model)["constants"][nodes.index(op.src[1])]["format"] == "LUT-16 (uint4), 2 tables"
-    want = reference(stats.Op.DEQUANTIZE, [model.program.constants[s.attrs["key"]] for s in op.src[1:]],
+    want = reference(Op.DEQUANTIZE, [model.program.constants[s.attrs["key"]] for s in op.src[1:]],
                      {k: v for k, v in op.attrs.items() if k != "transpose"})
     np.testing.assert_array_equal(stats.dequantized_corner(model.program, op.src[1], op, 64, 32), want)
 

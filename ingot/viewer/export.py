@@ -215,4 +215,4 @@ def variable_sites(nodes: list[Node], index: dict[int, int], initial: dict[str, 
     return out
 
 
-__all__ = ["export", "find_blocks", "variable_sites", "stats"]
+__all__ = ["export", "find_blocks", "variable_sites"]

@@ -88,4 +88,4 @@ def region_of(groups: list[dict[str, Any]]) -> dict[int, int]:
     return {i: k for k, g in enumerate(groups) for i in g["nodes"]}
 
 
-__all__ = ["kernel_groups", "region_of", "Node"]
+__all__ = ["kernel_groups", "region_of"]

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes as dt
 from ..ir import Node, Op, Program
 from ..ops.quant import param_count, unpack
 
@@ -237,4 +236,4 @@ def preview(program: Program, node: Node, nodes: list[Node]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["constant_table", "preview", "quant_uses", "quant_params", "describe_format", "dequantized_corner", "dt"]
+__all__ = ["constant_table", "preview", "quant_uses", "quant_params", "describe_format", "dequantized_corner"]

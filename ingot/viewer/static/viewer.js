@@ -104,6 +104,7 @@ function makeWorker() {
   const url = inline ? URL.createObjectURL(new Blob([inline.textContent], {type: "text/javascript"})) : "static/layout.js";
   const w = new Worker(url);
   w.onmessage = ev => { const done = pending.get(ev.data.id); pending.delete(ev.data.id); if (done) done(ev.data); };
+  w.onerror = ev => { status("the layout failed: " + (ev.message || "an error in the worker")); window.__ingot.error = ev.message; };
   return w;
 }
 function runLayout(vis) {

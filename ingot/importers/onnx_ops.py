@@ -1273,19 +1273,95 @@ def _matmul_nbits(ctx: Context, node: OnnxNode):
 
 @converter("Attention")
 def _attention(ctx: Context, node: OnnxNode):
-    """ONNX Attention (opset 23): 4-D [B, H, T, D] inputs straight to Ingot's SDPA."""
-    q, k, v, mask = node.input(0), node.input(1), node.input(2), node.input(3)
+    """ONNX Attention (opset 23+) as Ingot's SDPA where it can be (no softcap, no QK output), else
+    written out (matmul, softcap, bias, softmax, matmul). Causal, sliding-window and padding masks
+    are constants built here; a KV cache (past -> present) is a concat."""
+    q, k, v = node.inputs[:3]
+    mask, past_k, past_v = node.input(3), node.input(4), node.input(5)
+    nonpad = node.input(6)
     g = ctx.g
-    if len(node.inputs) > 4 and any(t is not None for t in node.inputs[4:]) or any(node.outputs[1:]):
-        raise ctx.fail(node, "a KV cache (past/present) input or output")
-    if q.ndim != 4 or node.attr("softcap", 0.0) or node.attr("qk_matmul_output_mode", 0):
-        raise ctx.fail(node, "3-D inputs, softcap or qk_matmul_output_mode")
-    causal = bool(node.attr("is_causal", 0))
-    if causal and q.shape[2] != k.shape[2]:
-        raise ctx.fail(node, "is_causal with different query and key lengths")
-    if mask is not None and mask.dtype != dt.bool_ and mask.dtype != q.dtype:
-        mask = g.cast(mask, q.dtype)
-    return [g.scaled_dot_product_attention(q, k, v, mask=mask, scale=node.attr("scale"), causal=causal)]
+    _float(ctx, node, q)
+    three_d = q.ndim == 3
+    if three_d:  # [B, T, H*D] -> [B, H, T, D]
+        hq, hk = node.attr("q_num_heads"), node.attr("kv_num_heads")
+        if not hq or not hk:
+            raise IngotError("3-D inputs without q_num_heads and kv_num_heads")
+        split = lambda t, h: g.transpose(g.reshape(t, (t.shape[0], t.shape[1], h, t.shape[2] // h)), (0, 2, 1, 3))  # noqa: E731
+        q, k, v = split(q, hq), split(k, hk), split(v, hk)
+    if past_k is not None:
+        k, v = g.concat([past_k, k], axis=2), g.concat([past_v, v], axis=2)
+    tq, tk = q.shape[2], k.shape[2]
+    # the constant part of the bias: causal and sliding-window frontiers, padded keys
+    allowed = np.ones((1, 1, tq, tk), bool)
+    if nonpad is not None and past_k is None:
+        lengths = np.asarray(ctx.constant(node, 6, "nonpad_kv_seqlen")).reshape(-1).astype(np.int64)
+        offset = (lengths - tq).reshape(-1, 1, 1, 1)
+        allowed = allowed & (np.arange(tk).reshape(1, 1, 1, tk) < lengths.reshape(-1, 1, 1, 1))
+    else:
+        offset = np.array(past_k.shape[2] if past_k is not None else 0).reshape(1, 1, 1, 1)
+    diff = np.arange(tq).reshape(1, 1, tq, 1) + offset - np.arange(tk).reshape(1, 1, 1, tk)  # query position - key
+    if node.attr("is_causal", 0):
+        allowed = allowed & (diff >= 0)
+    left, right = node.attr("left_window_size", -1), node.attr("right_window_size", -1)
+    if left is not None and left >= 0:
+        allowed = allowed & (diff <= left)
+    if right is not None and right >= 0:
+        allowed = allowed & (-diff <= right)
+    bias = None
+    if mask is not None:
+        if mask.shape[-1] < tk:  # a mask shorter than the keys: the rest is masked
+            pads = [(0, 0)] * (mask.ndim - 1) + [(0, tk - mask.shape[-1])]
+            mask = g.pad(g.cast(mask, dt.int32), pads) if mask.dtype == dt.bool_ else g.pad(mask, pads, value=-np.inf)
+            mask = g.cast(mask, dt.bool_) if mask.dtype == dt.int32 else mask
+        if mask.dtype == dt.bool_:
+            mask = g.where(mask, _scalar(ctx, 0, q), _scalar(ctx, -np.inf, q))
+        elif mask.dtype != q.dtype:
+            mask = g.cast(mask, q.dtype)
+        bias = mask
+    if not allowed.all():
+        constant = g.constant(np.where(allowed, 0, -np.inf).astype(q.dtype.numpy))
+        bias = constant if bias is None else bias + constant
+    scale = node.attr("scale")
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    softcap = node.attr("softcap", 0.0) or 0.0
+    mode = node.attr("qk_matmul_output_mode", 0)
+    wants_qk = len(node.outputs) > 3 and bool(node.outputs[3])
+    if softcap <= 0 and not wants_qk:
+        y = g.scaled_dot_product_attention(q, k, v, mask=bias, scale=scale)
+        qk = None
+    else:
+        y, qk = _attention_written_out(ctx, q, k, v, bias, scale, softcap, mode)
+    if three_d:
+        y = g.reshape(g.transpose(y, (0, 2, 1, 3)), (y.shape[0], y.shape[2], y.shape[1] * y.shape[3]))
+    return [y, k, v] + ([qk] if wants_qk else [])
+
+
+def _attention_written_out(ctx: Context, q, k, v, bias, scale, softcap, mode):
+    g = ctx.g
+    b, hq, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    if hq != hk:  # each K/V head serves a group of query heads
+        grow = lambda t: g.reshape(g.broadcast_to(g.reshape(t, (b, hk, 1) + tuple(t.shape[2:])),  # noqa: E731
+                                                  (b, hk, hq // hk) + tuple(t.shape[2:])), (b, hq) + tuple(t.shape[2:]))
+        k, v = grow(k), grow(v)
+    root = _scalar(ctx, math.sqrt(scale), q)
+    scores = g.matmul(q * root, g.swapaxes(k, -1, -2) * root)
+    if softcap > 0:
+        c = _scalar(ctx, softcap, scores)
+        scores = g.tanh(scores / c) * c
+    with_bias = scores if bias is None else scores + bias
+    qk = with_bias if mode == 2 else scores
+    dead = None
+    if bias is not None:  # rows whose bias masks every key give zeros, not NaN
+        dead = g.equal(g.max(g.broadcast_to(bias, tuple(with_bias.shape)) if bias.ndim < 4 or bias.shape != with_bias.shape
+                             else bias, (3,), keepdims=True), _scalar(ctx, -np.inf, q))
+        with_bias = g.where(dead, _scalar(ctx, 0, q), with_bias)
+    probs = g.softmax(with_bias, axis=-1)
+    if dead is not None:
+        probs = g.where(dead, _scalar(ctx, 0, q), probs)
+    if mode == 3:
+        qk = probs
+    return g.matmul(probs, v), qk
 
 
 # -- more elementwise and index ops ---------------------------------------------------------------

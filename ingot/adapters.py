@@ -142,23 +142,24 @@ def site_layout(cfg, names: list[str]) -> list[int]:
     """The output widths of the weights of one call site."""
     hd = cfg.head_dim
     width = {"attn_q": cfg.n_heads * hd, "attn_k": cfg.n_kv_heads * hd, "attn_v": cfg.n_kv_heads * hd,
-             "attn_output": cfg.dim, "ffn_gate": cfg.ffn_dim, "ffn_up": cfg.ffn_dim, "ffn_down": cfg.dim}
-    return [width[n.split(".")[2]] for n in names]
+             "attn_output": cfg.dim, "ffn_gate": cfg.ffn_dim, "ffn_up": cfg.ffn_dim, "ffn_down": cfg.dim,
+             "token_embd": cfg.vocab_size, "output": cfg.vocab_size}   # the output head (tied or not)
+    return [width[n.split(".")[-2]] for n in names]
 
 
 def site_input(cfg, name: str) -> int:
     """The input width of a layer weight."""
-    kind = name.split(".")[2]
+    kind = name.split(".")[-2]
     return cfg.n_heads * cfg.head_dim if kind == "attn_output" else cfg.ffn_dim if kind == "ffn_down" else cfg.dim
 
 
 def binder(cfg, adapters: AdapterSet):
-    """callables_for(sites, length, device) for LlamaGraph: every call site bound to its executable."""
-    def callables_for(sites: list[str], length: int, device: str) -> dict:
+    """callables_for({site: input rows}, device) for LlamaGraph: each call site bound to its executable."""
+    def callables_for(sites: dict[str, int], device: str) -> dict:
         out = {}
-        for site in sites:
+        for site, rows in sites.items():
             weights = site.split("+")
-            out[site] = adapters.executable(weights, site_layout(cfg, weights), length, device, site_input(cfg, weights[0]))
+            out[site] = adapters.executable(weights, site_layout(cfg, weights), rows, device, site_input(cfg, weights[0]))
         return out
     return callables_for
 

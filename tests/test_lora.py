@@ -89,8 +89,8 @@ def test_two_adapters_swap_on_one_compiled_executable(tiny, tmp_path):
     feeds = {"tokens": np.asarray(TOKENS, np.int32), "pos": np.int32(0)}
     sites = sorted(exe.call_sites)
     assert set(sites) == set(a1.names)  # float weights are multiplied one by one: one call site each
-    ones = binder(cfg, a1)(sites, len(TOKENS), "cpu")
-    twos = binder(cfg, a2)(sites, len(TOKENS), "cpu")
+    ones = binder(cfg, a1)({s: len(TOKENS) for s in sites}, "cpu")
+    twos = binder(cfg, a2)({s: len(TOKENS) for s in sites}, "cpu")
     for name, callee in ones.items():
         exe.bind(name, callee)
     out1 = exe.run(feeds, state=exe.new_state())[0]

@@ -76,7 +76,7 @@ def test_compensation_closes_the_gap_with_rank(tiny_package):
         quantized = logits(model.config, r.tensors, TOKENS, r.adapters if rank else None)
         err[rank] = float(np.abs(quantized - reference).mean())
     # per-tensor int4 error of random weights is nearly full-rank noise: each rank takes its share
-    assert err[32] < 0.5 * err[0] and err[8] < 0.9 * err[0], err
+    assert err[32] < 0.5 * err[0] and err[32] < err[8] < err[0], err
 
 
 def test_awq_and_calibrated_lut_are_not_worse(tiny_package):

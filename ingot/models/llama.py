@@ -216,15 +216,16 @@ class LlamaGraph:
     last: Tensor
     logits: Tensor
     config: LlamaConfig
-    callables_for: Callable[[list[str], int, str], dict] | None = None  # call names, length, device -> {name: executable}
+    callables_for: Callable[[dict[str, int], str], dict] | None = None  # {call name: input rows}, device -> {name: executable}
     inputs: dict[str, Tensor] = field(default_factory=dict)             # what each (fused) weight multiplies
 
     def compile(self, length: int, device: str = "cpu"):
         """The executable for `length` tokens per step (1 = decode); cached by the graph. Adapter
-        call sites are (re)bound to `callables_for(length, device)`, which costs no recompile."""
+        call sites are (re)bound to `callables_for({site: rows}, device)`, which costs no recompile."""
         exe = self.graph.compile(feeds={self.tokens: TensorType((length,), dt.int32)}, targets=[self.logits], device=device)
         if self.callables_for is not None:
-            for name, callee in self.callables_for(sorted(exe.call_sites), length, device).items():
+            rows = {name: site.src[0].type.shape[0] for name, site in exe.call_sites.items()}
+            for name, callee in self.callables_for(rows, device).items():
                 if exe.callables.get(name) is not callee:
                     exe.bind(name, callee)
         return exe
@@ -255,7 +256,8 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
         x = g.slice(x, [last, 0], size=[1, None])              # only the row whose logits we need
     x = g.rms_norm(x, weights.vector("output_norm.weight"), cfg.norm_eps)
     head = embed if cfg.tied_embeddings else weights.matrix("output.weight", (cfg.vocab_size, cfg.dim))
-    logits = linear(g, x, head)                                # [1, vocab]
+    head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    logits = adapted(g, weights, [head_name], x, linear(g, x, head))   # [1, vocab]
     return LlamaGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs)
 
 

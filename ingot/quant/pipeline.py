@@ -50,7 +50,7 @@ def activation_stats(model, text: str, context: int = 256, max_tokens: int = 102
     ids = tokenize(model, text)[:max_tokens]
     if len(ids) < 2:
         raise IngotError(f"calibration: the text has {len(ids)} tokens; give a longer text.")
-    graph = llama.build(model.config, model.tensors, model.path)
+    graph = llama.build(model.config, model.tensors, model.path, all_logits=True)  # the head sees every row
     sites = sorted(graph.inputs)
     sums = {s: 0.0 for s in sites}
     count = 0
@@ -147,6 +147,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         stats = _awq(floats, stats, fmt, model.config.n_layers, notes)
     tensors = dict(originals)
     errors, factors = {}, {}
+    head = "token_embd.weight" if model.config.tied_embeddings else "output.weight"  # the output head's adapter site
     for name, w in floats.items():
         if progress:
             progress(name)
@@ -161,7 +162,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         tensors[name] = t
         approx = t.dequantize_rows()
         errors[name] = float(np.linalg.norm(w - approx) / max(np.linalg.norm(w), 1e-30))
-        if compensate and LAYER_WEIGHT.match(name):
+        if compensate and (LAYER_WEIGHT.match(name) or name == head):
             a, b = low_rank(w - approx, compensate, importance)
             factors[name] = [(a, b)]
     adapters = AdapterSet(factors, int8=True)

@@ -14,10 +14,10 @@ Formats (FMT strings, `parse_format`):
     int8 | uint8 | int4 | uint4 [:BLOCK] [:sym | :asym]
         affine, w = q * scale (+ bias). BLOCK: 16, 32, 64, 128, 256 (parameters per block of
         columns), `channel` (one per row, the default) or `tensor` (one for the whole matrix).
-        Signed types default to symmetric (scale = max|w| / qmax), unsigned ones to asymmetric
+        Signed types default to symmetric (scale = max|w| / (qmax + 1/2)), unsigned ones to asymmetric
         (scale = (max - min) / (2**bits - 1), bias = min). |w - w_hat| <= scale / 2 everywhere.
     lut4 | lut8 [:gROWS] [:uniform]
-        a lookup table of 2**bits floats, one per tensor or per group of ROWS output rows, fitted by
+        a lookup table of 2**bits float16 values, one per tensor or per group of ROWS output rows, fitted by
         1-D k-means (weighted by importance when given) or spaced uniformly over [min, max]; each
         weight becomes the index of its nearest table entry.
 
@@ -145,8 +145,10 @@ def _affine_params(lo: np.ndarray, hi: np.ndarray, fmt: Format):
     levels = 2 ** fmt.bits
     signed = fmt.qdtype.kind == "i"
     if fmt.symmetric:
+        # max|w| at qmax + 1/2 steps: the extreme rounds to qmax or, on the negative side, to
+        # -qmax - 1, both within half a step; finer steps than max|w| / qmax for the same bound
         qmax = levels // 2 - 1
-        scale = np.maximum(np.abs(lo), np.abs(hi)) / qmax
+        scale = np.maximum(np.abs(lo), np.abs(hi)) / (qmax + 0.5)
         scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
         if signed:
             return scale, None, 0
@@ -315,7 +317,7 @@ def _quantize_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> 
     n_groups = rows // group
     groups = w.reshape(n_groups, group * cols)
     weights = np.ones((1, 1)) if importance is None else np.tile(np.maximum(importance, 0) + 1e-8, group)[None, :]
-    tables = _fit_tables(groups, weights, k, fmt.uniform)
-    q = _nearest_entry(groups, tables).reshape(rows, cols)
+    tables = np.sort(_fit_tables(groups, weights, k, fmt.uniform).astype(np.float16), axis=1)  # stored as float16
+    q = _nearest_entry(groups, tables.astype(np.float32)).reshape(rows, cols)
     return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), cols, None,
                            source=str(fmt), lut=tables.reshape(n_groups, 1, k))

@@ -22,11 +22,14 @@ _opts = dict(fastmath=True, cache=True, nogil=True)
 
 @njit(**_opts)
 def lut_gemv_packed4(x, q, tables, out):
-    """out[m, n] = sum_k x[m, k] * tables[n // (N / G), q[k, n]]; q [K, N/2] packed, tables [G, 16]."""
+    """out[m, n] = sum_k x[m, k] * tables[n // (N / G), q[k, n]]; q [K, N/2] packed, tables [G, 16].
+    Groups of >= 16 columns: per k, the G x 16 products x[k] * table, then one lookup and add per
+    weight; narrower groups (one table per column or two): a lookup and a multiply-add per weight."""
     m_rows, k = x.shape
     half = q.shape[1]
     groups = tables.shape[0]
     width = 2 * half // groups                       # output columns per table
+    pairs = max(width // 2, 1)                       # bytes per table when width is even
     prod = np.empty((groups, 16), np.float32)
     acc_e = np.empty(half, np.float32)
     acc_o = np.empty(half, np.float32)
@@ -35,21 +38,22 @@ def lut_gemv_packed4(x, q, tables, out):
         acc_o[:] = 0
         for kk in range(k):
             xv = x[m, kk]
-            for g in range(groups):
-                for v in range(16):
-                    prod[g, v] = tables[g, v] * xv
             row = q[kk]
-            if groups == 1:
-                p = prod[0]
-                for i in range(half):
-                    byte = row[i]
-                    acc_e[i] += p[byte & np.uint8(15)]
-                    acc_o[i] += p[byte >> np.uint8(4)]
+            if width >= 16 and width % 2 == 0:
+                for g in range(groups):
+                    for v in range(16):
+                        prod[g, v] = tables[g, v] * xv
+                for g in range(groups):
+                    p = prod[g]
+                    for i in range(g * pairs, (g + 1) * pairs):
+                        byte = row[i]
+                        acc_e[i] += p[byte & np.uint8(15)]
+                        acc_o[i] += p[byte >> np.uint8(4)]
             else:
                 for i in range(half):
                     byte = row[i]
-                    acc_e[i] += prod[(2 * i) // width, byte & np.uint8(15)]
-                    acc_o[i] += prod[(2 * i + 1) // width, byte >> np.uint8(4)]
+                    acc_e[i] += tables[(2 * i) // width, byte & np.uint8(15)] * xv
+                    acc_o[i] += tables[(2 * i + 1) // width, byte >> np.uint8(4)] * xv
         for i in range(half):
             out[m, 2 * i] = acc_e[i]
             out[m, 2 * i + 1] = acc_o[i]
@@ -62,18 +66,16 @@ def lut_gemv_int8(x, q, tables, out):
     n = q.shape[1]
     groups, entries = tables.shape
     width = n // groups
-    prod = np.empty((groups, entries), np.float32)
     acc = np.empty(n, np.float32)
     for m in range(m_rows):
         acc[:] = 0
         for kk in range(k):
             xv = x[m, kk]
-            for g in range(groups):
-                for v in range(entries):
-                    prod[g, v] = tables[g, v] * xv
             row = q[kk]
-            for i in range(n):
-                acc[i] += prod[i // width, row[i]]
+            for g in range(groups):
+                t = tables[g]
+                for i in range(g * width, (g + 1) * width):
+                    acc[i] += t[row[i]] * xv
         for i in range(n):
             out[m, i] = acc[i]
 

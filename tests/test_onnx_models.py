@@ -184,3 +184,28 @@ def test_masked_sdpa_cpu_lowering_matches_reference(mask_kind, heads, causal):
     (expected,) = evaluate(Program([y.node], [], dict(g.constants)), feeds)
     (out,) = g.compile(targets=[y]).run(feeds)
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["raw", "lengths", "none"])
+@pytest.mark.parametrize("unidirectional", [0, 1])
+def test_microsoft_attention_matches_onnxruntime(mask, unidirectional):
+    rng = np.random.default_rng(0)
+    b, s, hidden, heads = 2, 6, 32, 4
+    inits = [numpy_helper.from_array((rng.standard_normal((hidden, 3 * hidden)) * 0.2).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal(3 * hidden) * 0.1).astype(np.float32), "bias")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, hidden])]
+    feeds = {"x": rng.standard_normal((b, s, hidden)).astype(np.float32)}
+    names = ["x", "w", "bias"]
+    if mask == "raw":
+        inputs.append(helper.make_tensor_value_info("mask", TensorProto.INT32, [b, s]))
+        feeds["mask"] = np.array([[1] * s, [1] * (s - 2) + [0] * 2], np.int32)
+        names.append("mask")
+    elif mask == "lengths":
+        inits.append(numpy_helper.from_array(np.array([s, s - 3], np.int32), "mask"))
+        names.append("mask")
+    node = helper.make_node("Attention", names, ["y"], domain="com.microsoft", num_heads=heads, unidirectional=unidirectional)
+    graph = helper.make_graph([node], "attn", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, s, hidden])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    exe = from_onnx(model)
+    assert op_counts(exe)["sdpa"] == 1
+    assert_matches(exe, model, feeds, atol=1e-5)

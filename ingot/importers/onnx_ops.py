@@ -1502,3 +1502,46 @@ def _gather_elements(ctx: Context, node: OnnxNode):
     hot = g.equal(g.reshape(i_t, tuple(i_t.shape) + (1,)), g.constant(np.arange(n, dtype=np.int64)))  # [*other, m, n]
     picked = g.where(hot, g.reshape(d_t, tuple(d_t.shape[:-1]) + (1, n)), _scalar(ctx, 0, d_t))
     return [g.transpose(g.sum(picked, (picked.ndim - 1,)), back)]
+
+
+@converter("Attention", domain="com.microsoft")
+def _ms_attention(ctx: Context, node: OnnxNode):
+    """com.microsoft Attention (onnxruntime's fused BERT attention): the QKV projection, then SDPA
+    with the padding mask (raw [B, T] / [B, S, T] or lengths [B]) as mask_filter_value where masked."""
+    x, weights, bias, mask_index = node.input(0), node.input(1), node.input(2), node.input(3)
+    g = ctx.g
+    if node.input(4) is not None or (len(node.outputs) > 1 and node.outputs[1]) or node.input(6) is not None:
+        raise ctx.fail(node, "a KV cache (past/present)")
+    if node.attr("do_rotary", 0):
+        raise ctx.fail(node, "do_rotary")
+    _float(ctx, node, x)
+    heads = node.attr("num_heads")
+    sizes = list(node.attr("qkv_hidden_sizes", []) or [weights.shape[1] // 3] * 3)
+    b, s, _ = x.shape
+    qkv = g.matmul(x, weights)
+    if bias is not None:
+        qkv = qkv + bias
+    q, k, v = g.split(qkv, sizes, axis=2)
+    heads_of = lambda t: g.transpose(g.reshape(t, (b, s, heads, t.shape[2] // heads)), (0, 2, 1, 3))  # noqa: E731
+    q, k, v = heads_of(q), heads_of(k), heads_of(v)
+    filter_value = node.attr("mask_filter_value", -10000.0)
+    masked, keep = _scalar(ctx, filter_value, q), _scalar(ctx, 0, q)
+    mask = None
+    if mask_index is not None:
+        if mask_index.ndim == 2 and mask_index.shape == (b, s):       # raw: 1 attend, 0 masked
+            mask = g.reshape(g.where(g.equal(mask_index, _scalar(ctx, 0, mask_index)), masked, keep), (b, 1, 1, s))
+        elif mask_index.ndim == 3:                                      # [B, S, T]
+            mask = g.reshape(g.where(g.equal(mask_index, _scalar(ctx, 0, mask_index)), masked, keep), (b, 1, s, s))
+        elif mask_index.ndim == 1 and mask_index.shape[0] == b:         # right padding: valid lengths
+            lengths = g.reshape(mask_index, (b, 1))
+            inside = g.less(g.constant(np.arange(s, dtype=mask_index.dtype.numpy)), lengths)
+            mask = g.reshape(g.where(inside, keep, masked), (b, 1, 1, s))
+        else:
+            raise ctx.fail(node, f"a mask_index of shape {list(mask_index.shape)}")
+    if node.attr("unidirectional", 0):
+        causal = g.constant(np.where(np.tril(np.ones((s, s), bool)), 0.0, filter_value).astype(q.dtype.numpy))
+        mask = causal if mask is None else mask + causal
+    if node.input(5) is not None:
+        mask = node.input(5) if mask is None else mask + node.input(5)
+    y = g.scaled_dot_product_attention(q, k, v, mask=mask, scale=node.attr("scale"))
+    return [g.reshape(g.transpose(y, (0, 2, 1, 3)), (b, s, y.shape[1] * y.shape[3]))]

@@ -1545,3 +1545,104 @@ def _ms_attention(ctx: Context, node: OnnxNode):
         mask = node.input(5) if mask is None else mask + node.input(5)
     y = g.scaled_dot_product_attention(q, k, v, mask=mask, scale=node.attr("scale"))
     return [g.reshape(g.transpose(y, (0, 2, 1, 3)), (b, s, y.shape[1] * y.shape[3]))]
+
+
+# -- resize ---------------------------------------------------------------------------------------
+
+def _resize_matrix(n_in: int, n_out: int, scale: float, roi, fct, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """The interpolation along one axis as a matrix [n_out, n_in] (and which outputs are extrapolated),
+    from ONNX's own reference: resizing the identity gives the weights, resizing zeros the outside."""
+    from onnx.reference.ops.op_resize import _interpolate_1d_along_axis
+
+    weights = _interpolate_1d_along_axis(np.eye(n_in), 0, scale, n_out, fct, roi=roi, extrapolation_value=0.0, **kwargs)
+    outside = _interpolate_1d_along_axis(np.zeros((n_in, 1)), 0, scale, n_out, fct, roi=roi, extrapolation_value=1.0, **kwargs)
+    return np.asarray(weights, np.float64), np.asarray(outside, np.float64).reshape(-1)
+
+
+def _resize_coefficients(node: OnnxNode):
+    """ONNX's reference coefficient function for the node's mode (nearest, linear, cubic; antialias)."""
+    try:
+        from onnx.reference.ops import op_resize as ref
+    except ImportError:  # pragma: no cover
+        raise IngotError("Resize needs onnx's reference implementation (onnx >= 1.13)") from None
+    mode, antialias = node.attr("mode", "nearest"), node.attr("antialias", 0)
+    if mode == "nearest":
+        nearest = node.attr("nearest_mode", "round_prefer_floor")
+        return lambda x, scale: ref._nearest_coeffs(x, mode=nearest)
+    if mode == "linear":
+        return ref._linear_coeffs_antialias if antialias else ref._linear_coeffs
+    if mode == "cubic":
+        a = node.attr("cubic_coeff_a", -0.75)
+        fn = ref._cubic_coeffs_antialias if antialias else ref._cubic_coeffs
+        return lambda x, scale: fn(x, scale, A=a)
+    raise IngotError(f"mode {mode!r}")
+
+
+@converter("Resize")
+def _resize(ctx: Context, node: OnnxNode):
+    """Resize as one small matmul per resized axis with weights from ONNX's reference (exact
+    gathers for nearest on integers), so every mode, coordinate transform and antialias is ONNX's."""
+    x = node.inputs[0]
+    g = ctx.g
+    r = x.ndim
+    if node.opset < 11:
+        roi, scales, sizes = None, ctx.constant(node, 1, "scales").astype(np.float64), None
+    else:
+        roi = ctx.constant(node, 1, "roi").astype(np.float64) if node.input(1) is not None else None
+        scales = ctx.constant(node, 2, "scales").astype(np.float64) if node.input(2) is not None else None
+        sizes = ctx.constant(node, 3, "sizes").astype(np.int64) if node.input(3) is not None else None
+    if scales is not None and scales.size == 0:
+        scales = None
+    if roi is not None and roi.size == 0:
+        roi = None
+    axes = node.attr("axes")
+    axes = list(range(r)) if axes is None else [normalize_axis("Resize", a, r) for a in axes]
+    full_scales, full_sizes, full_roi = [1.0] * r, list(x.shape), ([0.0] * r) + ([1.0] * r)
+    for i, a in enumerate(axes):
+        if scales is not None:
+            full_scales[a] = float(scales[i])
+        if sizes is not None:
+            full_sizes[a] = int(sizes[i])
+        if roi is not None:
+            full_roi[a], full_roi[r + a] = float(roi[i]), float(roi[len(axes) + i])
+    policy = node.attr("keep_aspect_ratio_policy", "stretch")
+    if sizes is not None:
+        full_scales = [full_sizes[i] / x.shape[i] for i in range(r)]
+        if policy != "stretch":
+            scale = min(full_scales[a] for a in axes) if policy == "not_larger" else max(full_scales[a] for a in axes)
+            full_scales = [scale if i in axes else 1.0 for i in range(r)]
+            full_sizes = [int(scale * x.shape[i] + 0.5) if i in axes else x.shape[i] for i in range(r)]
+    elif scales is not None:
+        full_sizes = [int(s * d) for s, d in zip(full_scales, x.shape)]
+    else:
+        raise IngotError("neither scales nor sizes")
+    fct = _resize_coefficients(node)
+    transform = node.attr("coordinate_transformation_mode", "half_pixel" if node.opset >= 11 else "asymmetric")
+    kwargs = dict(coordinate_transformation_mode=transform, exclude_outside=bool(node.attr("exclude_outside", 0)))
+    extrapolation = node.attr("extrapolation_value", 0.0)
+    nearest = node.attr("mode", "nearest") == "nearest"
+    if not (x.dtype.is_float or (nearest and x.dtype.is_int)):
+        raise ctx.fail(node, f"mode {node.attr('mode', 'nearest')!r} on {x.dtype.name}")
+    y = x
+    for a in range(r):
+        axis_roi = [full_roi[a], full_roi[a + r]]
+        identity = (math.isclose(full_scales[a], 1.0) and full_sizes[a] == x.shape[a]
+                    and math.isclose(axis_roi[0], 0.0) and math.isclose(axis_roi[1], 1.0))
+        if identity:
+            continue
+        weights, outside = _resize_matrix(x.shape[a], full_sizes[a], full_scales[a], axis_roi if transform == "tf_crop_and_resize" else None,
+                                          fct, **kwargs)
+        if nearest and np.all((weights == 0) | (weights == 1)) and np.all(weights.sum(axis=1)[outside == 0] == 1):
+            index = np.argmax(weights, axis=1).astype(np.int64)
+            y = g.gather(y, g.constant(index), axis=a)
+        else:
+            perm = [i for i in range(r) if i != a] + [a]
+            moved = y if a == r - 1 else g.transpose(y, perm)
+            moved = g.matmul(moved, g.constant(weights.T.astype(y.dtype.numpy)))
+            y = moved if a == r - 1 else g.transpose(moved, [perm.index(i) for i in range(r)])
+        if outside.any():
+            shape = [1] * r
+            shape[a] = full_sizes[a]
+            inside = g.constant((outside == 0).reshape(shape))
+            y = g.where(inside, y, _scalar(ctx, extrapolation, y))
+    return [y]

@@ -32,7 +32,7 @@ Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual GroupNormalizat
 HardSigmoid HardSwish Hardmax InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual
 Log LogSoftmax LpNormalization MatMul Max MaxPool Mean Min Mish Mul Neg Not OneHot Or PRelu Pad Pow
 RMSNormalization Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean
-ReduceMin ReduceSum ReduceSumSquare Relu Reshape STFT Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus
+ReduceMin ReduceSum ReduceSumSquare Relu Reshape Resize STFT Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus
 Softsign SpaceToDepth Split Sqrt Squeeze Sub Sum Swish Tanh ThresholdedRelu Tile Transpose Trilu Unsqueeze
 Where Xor
 """.split())

@@ -482,7 +482,8 @@ def pad_or_trim(audio: np.ndarray, length: int = WHISPER_N_SAMPLES) -> np.ndarra
 
 def evaluate(builder: Callable[..., Tensor], signal: np.ndarray, device: str = "cpu", **options: Any) -> np.ndarray:
     """Build `builder(g, signal_placeholder, **options)` for this signal's shape, compile it for
-    `device` and run it once: the one-call way to use the builders above on an array.
+    `device` and run it once: the one-call way to use the builders above on an array. The result is
+    a NumPy array on every device.
 
         >>> import numpy as np
         >>> evaluate(stft, np.zeros(4096, np.float32), n_fft=1024).shape
@@ -491,5 +492,6 @@ def evaluate(builder: Callable[..., Tensor], signal: np.ndarray, device: str = "
     signal = np.ascontiguousarray(signal, dtype=np.float32)
     g = Graph()
     x = g.placeholder(signal.shape, dt.float32, name="signal")
-    (out,) = g.compile(targets=[builder(g, x, **options)], device=device).run({"signal": signal})
-    return out
+    exe = g.compile(targets=[builder(g, x, **options)], device=device)
+    (out,) = exe.run({"signal": signal})
+    return np.asarray(exe.backend.to_host(out))  # a device result comes back as a NumPy array

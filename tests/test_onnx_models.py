@@ -209,3 +209,21 @@ def test_microsoft_attention_matches_onnxruntime(mask, unidirectional):
     exe = from_onnx(model)
     assert op_counts(exe)["sdpa"] == 1
     assert_matches(exe, model, feeds, atol=1e-5)
+
+
+@pytest.mark.parametrize("attrs", [dict(strides=[2, 2], output_padding=[1, 0], group=2),
+                                   dict(strides=[3, 1], pads=[1, 0, 2, 1], dilations=[2, 1]),
+                                   dict(strides=[2, 2], auto_pad="SAME_UPPER")])
+def test_conv_transpose_with_constant_weights_matches_onnxruntime(attrs):
+    """The importer flips constant kernels in NumPy (node tests feed weights as inputs: the graph path)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3, 3, 2)).astype(np.float32)   # [C, M/G, kh, kw]
+    b = rng.standard_normal(3 * attrs.get("group", 1)).astype(np.float32)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    graph = helper.make_graph([node], "ct", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 5, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    exe = from_onnx(model)
+    x = rng.standard_normal((1, 4, 5, 6)).astype(np.float32)
+    assert_matches(exe, model, {"x": x}, atol=1e-4)

@@ -906,17 +906,19 @@ def _out_size(padded: int, kernel: int, stride: int, dilation: int, ceil: bool =
 @converter("Conv")
 def _conv(ctx: Context, node: OnnxNode):
     x, w, b = node.input(0), node.input(1), node.input(2)
-    g = ctx.g
     _float(ctx, node, x)
-    n, c = x.shape[:2]
-    spatial = x.shape[2:]
-    k = len(spatial)
-    m = w.shape[0]
+    k = x.ndim - 2
     kernel = list(node.attr("kernel_shape", w.shape[2:]))
     strides = list(node.attr("strides", [1] * k))
     dilations = list(node.attr("dilations", [1] * k))
-    groups = node.attr("group", 1)
-    before, after = _window_pads(node, spatial, kernel, strides, dilations)
+    before, after = _window_pads(node, x.shape[2:], kernel, strides, dilations)
+    return [_convolve(ctx.g, x, w, b, kernel, strides, dilations, node.attr("group", 1), before, after)]
+
+
+def _convolve(g, x: Tensor, w: Tensor, b: Tensor | None, kernel, strides, dilations, groups: int, before, after) -> Tensor:
+    """N-d convolution as columns (a strided view of the padded input) times the weights, per group."""
+    n, c = x.shape[:2]
+    m = w.shape[0]
     if any(before + after):
         x = g.pad(x, [(0, 0), (0, 0)] + list(zip(before, after)))
     padded = x.shape[2:]
@@ -931,7 +933,62 @@ def _conv(ctx: Context, node: OnnxNode):
     y = g.reshape(g.matmul(wg, cols), (n, m) + tuple(out))
     if b is not None:
         y = y + _per_channel(g, b, y.ndim)
-    return [y]
+    return y
+
+
+@converter("ConvTranspose")
+def _conv_transpose(ctx: Context, node: OnnxNode):
+    """The gradient of a convolution: zeros between the input's elements (stride), then a stride-1
+    convolution with the flipped kernel, input and output channels swapped per group."""
+    x, w, b = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    _float(ctx, node, x)
+    n, c = x.shape[:2]
+    spatial = list(x.shape[2:])
+    k = len(spatial)
+    groups = node.attr("group", 1)
+    kernel = list(node.attr("kernel_shape", w.shape[2:]))
+    strides = list(node.attr("strides", [1] * k))
+    dilations = list(node.attr("dilations", [1] * k))
+    extra = list(node.attr("output_padding", [0] * k))
+    span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
+    full = [(d - 1) * s + sp + e for d, s, sp, e in zip(spatial, strides, span, extra)]  # before any padding is cut
+    auto = node.attr("auto_pad", "NOTSET")
+    shape_attr = node.attr("output_shape")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):  # padding split to give output_shape (default: input * stride)
+        target = list(shape_attr)[-k:] if shape_attr is not None else [d * s for d, s in zip(spatial, strides)]
+        total = [f - t for f, t in zip(full, target)]
+        pads_begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        pads_end = [t - pb for t, pb in zip(total, pads_begin)]
+    else:  # explicit pads (none for VALID); an output_shape then only sets where the output ends
+        pads = [0] * 2 * k if auto == "VALID" else list(node.attr("pads", [0] * 2 * k))
+        pads_begin, pads_end = pads[:k], pads[k:]
+        if shape_attr is not None:
+            pads_end = [f - pb - t for f, pb, t in zip(full, pads_begin, list(shape_attr)[-k:])]
+    # zeros between elements: [.., d] -> [.., d, s] (pad) -> [.., d * s] -> keep (d - 1) * s + 1
+    y = x
+    if any(s > 1 for s in strides):
+        inter = (n, c) + tuple(v for d in spatial for v in (d, 1))
+        y = g.reshape(y, inter)
+        y = g.pad(y, [(0, 0), (0, 0)] + [p for s in strides for p in ((0, 0), (0, s - 1))])
+        y = g.reshape(y, (n, c) + tuple(d * s for d, s in zip(spatial, strides)))
+        y = g.slice(y, [0] * (k + 2), [None, None] + [(d - 1) * s + 1 for d, s in zip(spatial, strides)])
+    # the stride-1 convolution's own padding: the kernel's span less the cut, plus output_padding
+    before = [sp - 1 - pb for sp, pb in zip(span, pads_begin)]
+    after = [sp - 1 - pe + e for sp, pe, e in zip(span, pads_end, extra)]
+    if any(v < 0 for v in before + after):  # padding larger than the span crops the result
+        y = g.slice(y, [0, 0] + [max(0, -v) for v in before], [None, None] + [d + min(0, v) for d, v in zip(y.shape[2:], after)])
+        before, after = [max(0, v) for v in before], [max(0, v) for v in after]
+    m = w.shape[1] * groups
+    wv = ctx.value(w)
+    if wv is not None:  # [C, M/G, *k] -> [M, C/G, *k], flipped
+        wg = wv.reshape((groups, c // groups, m // groups) + tuple(kernel)).swapaxes(1, 2).reshape((m, c // groups) + tuple(kernel))
+        flipped = g.constant(np.ascontiguousarray(wg[(slice(None), slice(None)) + (slice(None, None, -1),) * k]))
+    else:
+        wg = g.reshape(g.transpose(g.reshape(w, (groups, c // groups, m // groups) + tuple(kernel)),
+                                   (0, 2, 1) + tuple(range(3, 3 + k))), (m, c // groups) + tuple(kernel))
+        flipped = g.slice(wg, [None] * (k + 2), [None] * (k + 2), [1, 1] + [-1] * k)
+    return [_convolve(g, y, flipped, b, kernel, [1] * k, dilations, groups, before, after)]
 
 
 def _pool_counts(spatial, before, after, kernel, strides, dilations, out, include_pad: bool) -> np.ndarray:

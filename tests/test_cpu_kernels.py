@@ -26,8 +26,9 @@ def kmajor_weight(k, n, qdtype, block):
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])          # 17 and 40 take the tiled GEMM path
 @pytest.mark.parametrize("has_bias", [True, False])
 @pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
-def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias, params):
-    k, n, block = 96, 46, 32
+@pytest.mark.parametrize("block", [32, 6])                     # 6: rows left over after the 4-row passes
+def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias, params, block):
+    k, n = 96, 46
     q, scale, bias = kmajor_weight(k, n, qdtype, block)
     if params == np.float16:  # GGUF's own parameters; zeros and subnormals included
         scale, bias = scale.astype(np.float16), bias.astype(np.float16)
@@ -59,7 +60,7 @@ def test_packed_kernel_block_ranges(chunks):
     out[...] = 0
     for b0, b1 in zip(bounds, bounds[1:]):
         part = np.empty_like(out)
-        kernels.kmajor_packed4(x, q, scale, bias, True, np.uint8(0), b0, b1, part)
+        kernels.kmajor_packed4(x, q, scale, bias, True, np.uint32(0), b0, b1, part)
         out += part
     w = dt.unpack_int4(q, n, signed=False).astype(np.float32) * np.repeat(scale, block, 0) + np.repeat(bias, block, 0)
     np.testing.assert_allclose(out, x @ w, rtol=1e-4, atol=1e-4)
@@ -101,9 +102,9 @@ def test_threads_split_the_reduction_axis(monkeypatch):
     q, scale, bias = kmajor_weight(k, n, dt.int4, block)
     x = RNG.standard_normal((2, k)).astype(np.float32)
     serial, threaded = np.empty((2, n), np.float32), np.empty((2, n), np.float32)
-    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint8(8)), k // block, serial, 0)
+    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, serial, 0)
     monkeypatch.setattr(kernels, "THREADS", 3)
-    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint8(8)), k // block, threaded, 10**9)
+    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, threaded, 10**9)
     np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-5)
 
 

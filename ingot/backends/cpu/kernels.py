@@ -48,13 +48,16 @@ def _params_row(p, b, buf):
 def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
     """out[m, :] = x[m, rows of blocks b0..b1) @ W[those rows] for a k-major 4-bit W: q [K, N/2]
     (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset), float32
-    or float16 bits (see params_row). Vectorised across output columns; a block range lets threads
-    split the reduction axis, each streaming one contiguous part of the weight."""
+    or float16 bits (see params_row). int4 weights are read as uint4 (flip = 0x88 turns each
+    two's-complement nibble n into n + 8) with -8 * scale folded into the offset by the caller.
+    Vectorised across output columns (8 bytes -> 8 int32 lanes -> float); a block range lets threads
+    split the reduction axis, each streaming one contiguous part of the weight. (Four rows per pass
+    over the accumulators ran 2x faster from cache but 1.6x slower streaming from memory.)"""
     m_rows, k = x.shape
     half = q.shape[1]
     nb = scale.shape[0]
     bs = k // nb
-    fflip = np.float32(flip)
+    low, shift = np.uint32(15), np.uint32(4)
     acc_e = np.empty(half, np.float32)
     acc_o = np.empty(half, np.float32)
     res_e = np.empty(half, np.float32)
@@ -67,20 +70,21 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
         for b in range(b0, b1):
             acc_e[:] = 0
             acc_o[:] = 0
-            for kk in range(b * bs, b * bs + bs):
+            k0 = b * bs
+            for kk in range(k0, k0 + bs):  # one row of W at a time: streams best from memory
                 xv = x[m, kk]
                 row = q[kk]
-                for i in range(half):
-                    byte = row[i]  # (nibble ^ 8) - 8 sign-extends an int4; flip = 0 for uint4
-                    acc_e[i] += (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * xv
-                    acc_o[i] += (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * xv
+                for i in range(half):  # int32 lanes: numba would widen uint8 arithmetic to int64
+                    v = np.uint32(row[i]) ^ flip
+                    acc_e[i] += np.float32(np.int32(v & low)) * xv
+                    acc_o[i] += np.float32(np.int32(v >> shift)) * xv
             srow = params_row(scale, b, sbuf)
             for i in range(half):
                 res_e[i] += acc_e[i] * srow[2 * i]
                 res_o[i] += acc_o[i] * srow[2 * i + 1]
             if has_offset:
                 xs = np.float32(0.0)
-                for kk in range(b * bs, b * bs + bs):
+                for kk in range(k0, k0 + bs):
                     xs += x[m, kk]
                 orow = params_row(offset, b, obuf)
                 for i in range(half):
@@ -93,7 +97,8 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
 
 def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
     """out[m, :] = x[m, blocks b0..b1) @ W[those rows] for a k-major 8-bit W: q [K, N], scale and
-    offset [K / block, N]."""
+    offset [K / block, N]; int32 lanes, four rows of W per pass over the accumulators (which are
+    large here: a vocabulary-wide head's do not fit in L1; 1.4x faster than one row at a time)."""
     m_rows, k = x.shape
     n = q.shape[1]
     nb = scale.shape[0]
@@ -106,17 +111,25 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
         res[:] = 0
         for b in range(b0, b1):
             acc[:] = 0
-            for kk in range(b * bs, b * bs + bs):
+            k0 = b * bs
+            k4 = k0 + bs // 4 * 4
+            for kk in range(k0, k4, 4):
+                x0, x1, x2, x3 = x[m, kk], x[m, kk + 1], x[m, kk + 2], x[m, kk + 3]
+                r0, r1, r2, r3 = q[kk], q[kk + 1], q[kk + 2], q[kk + 3]
+                for i in range(n):
+                    acc[i] += (np.float32(np.int32(r0[i])) * x0 + np.float32(np.int32(r1[i])) * x1
+                               + np.float32(np.int32(r2[i])) * x2 + np.float32(np.int32(r3[i])) * x3)
+            for kk in range(k4, k0 + bs):
                 xv = x[m, kk]
                 row = q[kk]
                 for i in range(n):
-                    acc[i] += np.float32(row[i]) * xv
+                    acc[i] += np.float32(np.int32(row[i])) * xv
             srow = params_row(scale, b, sbuf)
             for i in range(n):
                 res[i] += acc[i] * srow[i]
             if has_offset:
                 xs = np.float32(0.0)
-                for kk in range(b * bs, b * bs + bs):
+                for kk in range(k0, k0 + bs):
                     xs += x[m, kk]
                 orow = params_row(offset, b, obuf)
                 for i in range(n):
@@ -126,18 +139,19 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
 
 
 def _scaled_tile_packed4(q, scale, k0, k1, block, flip, out):
-    """out[k - k0, :] = q[k, :] * scale[k // block, :] for a k-major 4-bit weight (no offset)."""
+    """out[k - k0, :] = (q[k, :] ^ flip) * scale[k // block, :] for a k-major 4-bit weight, read as
+    _kmajor_packed4 reads it (the offset is added by the caller)."""
     half = q.shape[1]
-    fflip = np.float32(flip)
+    low, shift = np.uint32(15), np.uint32(4)
     sbuf = np.empty(2 * half, np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
         srow = params_row(scale, b, sbuf)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             row = q[k]
             for i in range(half):
-                byte = row[i]
-                out[k - k0, 2 * i] = (np.float32((byte & np.uint8(15)) ^ flip) - fflip) * srow[2 * i]
-                out[k - k0, 2 * i + 1] = (np.float32((byte >> np.uint8(4)) ^ flip) - fflip) * srow[2 * i + 1]
+                v = np.uint32(row[i]) ^ flip
+                out[k - k0, 2 * i] = np.float32(np.int32(v & low)) * srow[2 * i]
+                out[k - k0, 2 * i + 1] = np.float32(np.int32(v >> shift)) * srow[2 * i + 1]
 
 
 def _scaled_tile_int8(q, scale, k0, k1, block, out):
@@ -147,7 +161,7 @@ def _scaled_tile_int8(q, scale, k0, k1, block, out):
         srow = params_row(scale, b, sbuf)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             for i in range(n):
-                out[k - k0, i] = np.float32(q[k, i]) * srow[i]
+                out[k - k0, i] = np.float32(np.int32(q[k, i])) * srow[i]
 
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
@@ -265,21 +279,26 @@ def quantized_matmul_step(node: Node, out):
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
             scale, offset, nb = _kmajor_params(params, attrs, n)
+            signed4 = qdtype.packed and qdtype.kind == "i"
+            if signed4:  # read as uint4 n ^ 8 = value + 8: the -8 goes into the offset
+                shift = np.float32(-8) * scale.astype(np.float32)
+                offset = shift if offset is None else offset.astype(np.float32) + shift
+            flip = np.uint32(0x88 if signed4 else 0)
             ks = _kernel_form(scale)
             ko = _kernel_form(offset if offset is not None else no_offset if ks.dtype == np.float32 else no_offset_bits)
             if qdtype.packed:
                 kernel = kmajor_packed4
-                args = (ks, ko, offset is not None, np.uint8(8 if qdtype.kind == "i" else 0))
+                args = (ks, ko, offset is not None, flip)
             else:
                 kernel = kmajor_int8
                 args = (ks, ko, offset is not None)
-            hit = prepared[key] = (kernel, args, scale, offset, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
+            hit = prepared[key] = (kernel, args, scale, offset, flip, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
         return hit
 
     def step(x, q, *params):
         if not fast:
             return reference((x, q) + params, attrs)
-        kernel, args, scale, offset, nb, n, q, _ = prepare(q, params)
+        kernel, args, scale, offset, flip, nb, n, q, _ = prepare(q, params)
         k = x.shape[-1]
         if k % nb:
             return reference((x, q) + params, attrs)
@@ -289,12 +308,12 @@ def quantized_matmul_step(node: Node, out):
             x2 = np.ascontiguousarray(x2, dtype=np.float32)
         if rows > GEMV_MAX_ROWS:
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
-            return gemm(x2, xsum, q, scale, offset, k // nb, n).reshape(x.shape[:-1] + (n,))
+            return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
         split_blocks(kernel, (x2, q) + args, nb, result, k * n)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
-    def gemm(x2, xsum, q, scale, offset, block, n):
+    def gemm(x2, xsum, q, scale, offset, flip, block, n):
         """Many rows: dequantize K-tiles of q * scale into one float buffer, multiply with BLAS; the
         offsets add xsum @ offset, one more small matmul. Tiles hold at most GEMM_TILE_ELEMENTS
         weights, so there is never a float copy of a big weight."""
@@ -302,7 +321,6 @@ def quantized_matmul_step(node: Node, out):
         tile_k = max(block, min(k, GEMM_TILE_ELEMENTS // n) // block * block)
         tile = np.empty((min(tile_k, k), n), np.float32)
         result = None
-        flip = np.uint8(8 if qdtype.kind == "i" else 0)
         for k0 in range(0, k, tile_k):
             k1 = min(k, k0 + tile_k)
             t = tile[: k1 - k0]
@@ -514,10 +532,10 @@ def _warm_up() -> None:
     weights = [_kernel_form(np.zeros((32, n), t)) for n, t in ((2, np.uint8), (4, np.int8), (4, np.uint8))]
     for params in (f32(1, 4), np.ones((1, 4), np.float16)):   # the weight, scale and offset as prepared
         s, o = _kernel_form(params), _kernel_form(params)
-        kmajor_packed4(x, weights[0], s, o, True, np.uint8(0), 0, 1, out)
+        kmajor_packed4(x, weights[0], s, o, True, np.uint32(0), 0, 1, out)
         kmajor_int8(x, weights[1], s, o, True, 0, 1, out)
         kmajor_int8(x, weights[2], s, o, True, 0, 1, out)
-        scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint8(0), f32(32, 4))
+        scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, f32(32, 4))
     q = f32(1, 2, 1, 8)

@@ -77,6 +77,7 @@ function layout(msg) {
     link(prev, e.b);
   }
   const total = W.length;
+  const big = total > 6000;   // thousands of boxes are seen zoomed out: fewer refinement rounds
   let depth = 0;
   for (let v = 0; v < total; v++) depth = Math.max(depth, L[v] + 1);
   const rows = Array.from({length: depth}, () => []);
@@ -87,7 +88,7 @@ function layout(msg) {
   rows.forEach(renumber);
   // 4. barycentre sweeps
   const bary = new Float64Array(total);
-  for (let s = 0; s < SWEEPS; s++) {
+  for (let s = 0; s < (big ? 2 : SWEEPS); s++) {
     const downward = s % 2 === 0;
     for (let li = downward ? 1 : depth - 2; downward ? li < depth : li >= 0; li += downward ? 1 : -1) {
       const row = rows[li];
@@ -123,7 +124,7 @@ function layout(msg) {
       x[v] = i ? Math.max(m, x[row[i - 1]] + (W[row[i - 1]] + W[v]) / 2 + GAP_X) : m;
     }
   };
-  for (let p = 0; p < PASSES; p++) {
+  for (let p = 0; p < (big ? 2 : PASSES); p++) {
     const downward = p % 2 === 0;
     for (let li = downward ? 0 : depth - 1; downward ? li < depth : li >= 0; li += downward ? 1 : -1) {
       const row = rows[li];

@@ -216,14 +216,16 @@ function graphMarkup(withText) {
     }
   }
   parts.push("</g>");
+  // edges: one path each with arrowheads when near; zoomed far out, all of them one path (a smaller page)
   parts.push('<g class="edges">');
+  const far = [], farStubs = [];
   for (const e of lay.edges) {
     const p = e.points;
     if (e.stub) {
       const [tx, ty] = p[p.length - 1];
-      const from = items[e.s];
-      parts.push(`<path class="edge stub" d="M${tx},${ty - 16}L${tx},${ty}"${withText ? ' marker-end="url(#arrow)"' : ""}/>` +
-                 (withText ? `<text class="stub-label" x="${tx}" y="${ty - 19}">${esc(itemName(from))}</text>` : ""));
+      if (!withText) { farStubs.push(`M${tx},${ty - 16}L${tx},${ty}`); continue; }
+      parts.push(`<path class="edge stub" d="M${tx},${ty - 16}L${tx},${ty}" marker-end="url(#arrow)"/>` +
+                 `<text class="stub-label" x="${tx}" y="${ty - 19}">${esc(itemName(items[e.s]))}</text>`);
       continue;
     }
     let d = `M${p[0][0]},${p[0][1]}`;
@@ -231,8 +233,11 @@ function graphMarkup(withText) {
       const [x0, y0] = p[k - 1], [x1, y1] = p[k], my = (y0 + y1) / 2;
       d += `C${x0},${my} ${x1},${my} ${x1},${y1}`;
     }
-    parts.push(`<path class="edge" d="${d}"${withText ? ' marker-end="url(#arrow)"' : ""}/>`);
+    if (withText) parts.push(`<path class="edge" d="${d}" marker-end="url(#arrow)"/>`);
+    else far.push(d);
   }
+  if (far.length) parts.push(`<path class="edge" d="${far.join("")}"/>`);
+  if (farStubs.length) parts.push(`<path class="edge stub" d="${farStubs.join("")}"/>`);
   parts.push("</g>", '<g class="nodes">');
   items.forEach((id, k) => {
     const [x, y, w, h] = box(k);
@@ -248,9 +253,12 @@ function graphMarkup(withText) {
       title = label(n); sub = subtitle(n);
     }
     const cls = itemClass(id) + (S.selected === id ? " selected" : "") + (S.matchSet && S.matchSet.has(id) ? " match" : "");
+    if (!withText) {   // far out: the box alone, one element
+      parts.push(`<rect class="${cls}" data-item="${id}" x="${x}" y="${y}" width="${w}" height="${h}"${style}/>`);
+      return;
+    }
     parts.push(`<g class="${cls}" data-item="${id}" transform="translate(${x},${y})"><rect width="${w}" height="${h}"${style}/>` +
-               (withText ? `<text x="${w / 2}" y="14">${esc(title)}</text><text class="sub" x="${w / 2}" y="${h - 7}">${esc(sub)}</text>` : "") +
-               "</g>");
+               `<text x="${w / 2}" y="14">${esc(title)}</text><text class="sub" x="${w / 2}" y="${h - 7}">${esc(sub)}</text></g>`);
   });
   parts.push("</g></g>");
   return {markup: parts.join(""), shown, hidden};

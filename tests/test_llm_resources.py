@@ -26,10 +26,10 @@ def run_python(code: str) -> dict:
 
 
 def test_peak_memory_generating_256_tokens():
-    """Peak resident memory of a process that loads the model and generates 256 tokens, less the
-    same process's resident memory after importing Ingot and loading its kernels (the Python,
-    NumPy and LLVM runtime: about 200 MB, half of it numba's LLVM library). What remains is the
-    model's own memory, which must fit in the GGUF file's size + 250 MB: no float weights."""
+    """Peak resident memory of a whole process that loads the model and generates 256 tokens must
+    fit in the GGUF file's size + 250 MB: the Python, NumPy and numba/LLVM runtime (about 170 MB)
+    included, so there is room for no float weights. Also reported: the model's own share (peak
+    less the process after importing Ingot and loading its kernels)."""
     path = model_path()
     out = run_python(f"""
         import json
@@ -39,7 +39,7 @@ def test_peak_memory_generating_256_tokens():
             for line in open("/proc/self/status"):
                 if line.startswith("VmHWM"):
                     return int(line.split()[1]) / 1024
-        kernels.warm_up()
+        kernels.warm_up()  # what load() does first
         runtime_mb = peak_mb()
         llm = ingot.llm.load({path!r})
         n = sum(1 for _ in llm.generate("Tell me a long story about a dragon.", max_tokens=256))
@@ -48,8 +48,8 @@ def test_peak_memory_generating_256_tokens():
     """)
     budget = os.path.getsize(path) / 2**20 + 250
     assert out["tokens"] == 256 or out["tokens"] > 0
-    assert out["peak_mb"] - out["runtime_mb"] <= budget, out
-    assert out["peak_mb"] <= budget + 250, out  # and the whole process stays well bounded
+    assert out["peak_mb"] <= budget, out
+    assert out["peak_mb"] - out["runtime_mb"] <= budget - 150, out  # the model itself: ~160 MB of 344
 
 
 @pytest.mark.slow

@@ -113,30 +113,37 @@ def eval_mode(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def export(model: nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str]) -> Path:
+def export(model: nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
+           dynamic_shapes=None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.onnx.export(model, args, str(path), input_names=input_names, output_names=output_names,
-                      opset_version=18, dynamo=True, external_data=False, optimize=True)
+                      opset_version=18, dynamo=True, external_data=False, optimize=True, dynamic_shapes=dynamic_shapes)
     return path
 
 
 def encoder_inputs(batch: int = 1, length: int = 16):
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 512, (batch, length), generator=gen)
+    ids = torch.randint(0, 64, (batch, length), generator=gen)
     mask = torch.ones(batch, length, dtype=torch.int64)
     mask[:, length - 3:] = 0
     return ids, mask
 
 
-def export_encoder(path: Path, batch: int = 1, length: int = 16, **config) -> Path:
+def export_encoder(path: Path, batch: int = 1, length: int = 16, dynamic: bool = False, **config) -> Path:
+    """dynamic: batch and sequence length symbolic (the graph then computes shapes: Shape, Range, Expand)."""
     torch.manual_seed(0)
+    dims = None
+    if dynamic:
+        batch_dim, seq_dim = torch.export.Dim("batch"), torch.export.Dim("seq", max=config.get("max_len", 128))
+        dims = {"input_ids": {0: batch_dim, 1: seq_dim}, "attention_mask": {0: batch_dim, 1: seq_dim}}
     return export(Encoder(**config).eval(), encoder_inputs(batch, length), path,
-                  ["input_ids", "attention_mask"], ["last_hidden_state", "pooled"])
+                  ["input_ids", "attention_mask"], ["last_hidden_state", "pooled"], dims)
 
 
 def main() -> int:
     torch.manual_seed(0)
     export_encoder(OUT / "encoder.onnx")
+    export_encoder(OUT / "encoder_dynamic.onnx", batch=2, dynamic=True, vocab=64, hidden=32, heads=2, ffn=64, layers=1)
     torch.manual_seed(0)
     export(eval_mode(Cnn()), (torch.randn(1, 3, 32, 32),), OUT / "cnn.onnx", ["image"], ["logits"])
     export(Spectrogram().eval(), (torch.randn(1, 4000),), OUT / "stft.onnx", ["audio"], ["log_power"])

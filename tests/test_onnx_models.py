@@ -227,3 +227,20 @@ def test_conv_transpose_with_constant_weights_matches_onnxruntime(attrs):
     exe = from_onnx(model)
     x = rng.standard_normal((1, 4, 5, 6)).astype(np.float32)
     assert_matches(exe, model, {"x": x}, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 24)])
+def test_dynamic_encoder_shape_arithmetic_folds_at_import(shape):
+    """An encoder exported with symbolic batch and length computes its shapes (Shape, Range, Expand,
+    Concat): with input_shapes given, all of that is constant at import and only the model's math is left."""
+    path = FIXTURES / "encoder_dynamic.onnx"
+    model = onnx.load(path)
+    assert {"Shape", "Range", "Expand"} <= {n.op_type for n in model.graph.node}
+    exe = from_onnx(path, input_shapes={"input_ids": shape, "attention_mask": shape})
+    counts = op_counts(exe)
+    assert counts["sdpa"] == 1 and set(counts) <= {"placeholder", "constant", "gather", "add", "layer_norm", "matmul", "reshape",
+                                                   "transpose", "cast", "sub", "mul", "sdpa", "div", "erf", "tanh"}, counts
+    rng = np.random.default_rng(0)
+    mask = np.ones(shape, np.int64)
+    mask[0, -2:] = 0
+    assert_matches(exe, path, {"input_ids": rng.integers(0, 64, shape).astype(np.int64), "attention_mask": mask})

@@ -210,6 +210,9 @@ def test_pan_and_zoom(smol):
 
 def test_svg_export_is_valid_svg(smol):
     page, _ = smol
+    before = layouts(page)
+    page.click("#expand-all")
+    wait_layout(page, before)
     page.select_option("#device", "cuda")
     with page.expect_download() as info:
         page.click("#export-svg")
@@ -228,14 +231,17 @@ def test_svg_export_is_valid_svg(smol):
 def test_png_export(smol):
     from PIL import Image
     page, _ = smol
+    before = layouts(page)
+    page.click("#collapse-all")          # the folded graph: a small canvas to encode
+    wait_layout(page, before)
     with page.expect_download() as info:
         page.click("#export-png")
     data = open(info.value.path(), "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     image = Image.open(io.BytesIO(data))
-    assert image.width > 200 and image.height > 1000      # the unfolded decoder: a tall column
-    pixels = np.asarray(image.convert("RGB"))[::4, ::4].reshape(-1, 3)
-    assert len(np.unique(pixels, axis=0)) > 10
+    assert image.width > 300 and image.height > 800       # at twice the layout's size
+    pixels = np.asarray(image.convert("RGB"))[::4, ::4].reshape(-1, 3).astype(np.uint32)
+    assert len(np.unique(pixels @ np.array([1 << 16, 1 << 8, 1], np.uint32))) > 10
 
 
 def test_screenshot_is_not_blank(smol, tmp_path):
@@ -243,9 +249,9 @@ def test_screenshot_is_not_blank(smol, tmp_path):
     page, _ = smol
     page.click("#collapse-all")
     page.click("#fit")
-    shot = page.locator("#canvas").screenshot(path=str(tmp_path / "graph.png"))
+    shot = page.screenshot(path=str(tmp_path / "graph.png"), clip=page.locator("#canvas").bounding_box())
     pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("RGB")).reshape(-1, 3)
-    colours = np.unique(pixels, axis=0)
+    colours = np.unique(pixels.astype(np.uint32) @ np.array([1 << 16, 1 << 8, 1], np.uint32))
     assert len(colours) > 20 and pixels.std() > 5
     background = np.all(pixels == pixels[0], axis=1).mean()
     assert background < 0.97                      # something is drawn over the background

@@ -332,6 +332,17 @@ def test_package_opens_with_its_regions(tmp_path):
     assert os.path.basename(data["model"]["path"]) == "m.ingot"
 
 
+def test_command_writes_html_for_a_package(tmp_path, capsys):
+    g = ingot.Graph()
+    x = g.placeholder((4, 8), name="x")
+    g.compile(targets=[g.softmax(g.exp(x) * 2.0, axis=-1)]).save(tmp_path / "m.ingot")
+    out = tmp_path / "m.html"
+    code, err = run_cli(capsys, str(tmp_path / "m.ingot"), "--html", str(out), "--profile")
+    assert code == 0 and out.is_file() and "m.html" in err
+    data = json.loads(out.read_text().split('id="ingot-data">')[1].split("</script>")[0].replace("<\\/", "</"))
+    assert data["counts"]["softmax"] == 1 and data["profile"]["runs"] > 0
+
+
 def test_onnx_file_opens(tmp_path):
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper

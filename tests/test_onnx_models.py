@@ -244,3 +244,25 @@ def test_dynamic_encoder_shape_arithmetic_folds_at_import(shape):
     mask = np.ones(shape, np.int64)
     mask[0, -2:] = 0
     assert_matches(exe, path, {"input_ids": rng.integers(0, 64, shape).astype(np.int64), "attention_mask": mask})
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+    ("ij,jk,kl->il", [(3, 4), (4, 5), (5, 2)]),
+    ("...ij,...jk", [(2, 1, 3, 4), (5, 4, 6)]),
+    ("bii->bi", [(2, 4, 4)]),
+    ("ijk->kj", [(2, 3, 4)]),
+    ("i,j->ij", [(3,), (4,)]),
+])
+def test_einsum_matches_numpy(equation, shapes):
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    names = [f"x{i}" for i in range(len(shapes))]
+    expected = np.einsum(equation, *arrays)
+    node = helper.make_node("Einsum", names, ["y"], equation=equation)
+    graph = helper.make_graph([node], "e", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, expected.shape)])
+    exe = from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    out = exe.run(dict(zip(names, arrays)))["y"]
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)

@@ -1703,3 +1703,92 @@ def _resize(ctx: Context, node: OnnxNode):
             inside = g.constant((outside == 0).reshape(shape))
             y = g.where(inside, y, _scalar(ctx, extrapolation, y))
     return [y]
+
+
+# -- einsum ---------------------------------------------------------------------------------------
+
+def _einsum_terms(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """The operand and output letters with '...' spelled out as fresh letters (right-aligned)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise IngotError(f"equation {equation!r} names {len(terms)} operands, not {len(ranks)}")
+    spare = [chr(c) for c in range(ord("A"), ord("Z") + 1) if chr(c) not in eq]
+    width = max((r - len(t.replace("...", "")) for t, r in zip(terms, ranks) if "..." in t), default=0)
+    ellipsis = "".join(spare[:width])
+    expanded = []
+    for t, r in zip(terms, ranks):
+        if "..." in t:
+            n = r - len(t.replace("...", ""))
+            t = t.replace("...", ellipsis[width - n:])
+        if len(t) != r:
+            raise IngotError(f"term {t!r} of {equation!r} does not fit an operand of rank {r}")
+        expanded.append(t)
+    if arrow:
+        out = rhs.replace("...", ellipsis)
+    else:
+        counts = {c: sum(t.count(c) for t in expanded) for c in "".join(expanded)}
+        out = ellipsis + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ellipsis))
+    return expanded, out
+
+
+def _einsum_diagonal(g, x: Tensor, letters: str) -> tuple[Tensor, str]:
+    """A letter repeated in one operand takes the diagonal (times an identity mask, summed)."""
+    while len(set(letters)) < len(letters):
+        c = next(c for c in letters if letters.count(c) > 1)
+        p = letters.index(c)
+        q = letters.index(c, p + 1)
+        n = x.shape[p]
+        shape = [1] * x.ndim
+        shape[p], shape[q] = n, n
+        eye = g.constant(np.eye(n, dtype=x.dtype.numpy).reshape(shape))
+        x = g.sum(x * eye, (q,))
+        letters = letters[:q] + letters[q + 1:]
+    return x, letters
+
+
+@converter("Einsum")
+def _einsum(ctx: Context, node: OnnxNode):
+    """Einsum as diagonals, sums, and one batched matmul per pair of operands."""
+    g = ctx.g
+    operands = list(node.inputs)
+    if any(t.dtype == dt.bool_ for t in operands):
+        raise ctx.fail(node, "bool operands")
+    terms, out = _einsum_terms(node.attr("equation"), [t.ndim for t in operands])
+    items = [_einsum_diagonal(g, t, s) for t, s in zip(operands, terms)]
+
+    def needed(skip: set[int]) -> set[str]:
+        return set(out).union(*(set(items[i][1]) for i in range(len(items)) if i not in skip))
+
+    # letters only one operand has and the result does not keep are summed away first
+    for i, (t, s) in enumerate(items):
+        gone = [a for a, c in enumerate(s) if c not in needed({i})]
+        if gone:
+            items[i] = (g.sum(t, tuple(gone)), "".join(c for c in s if c not in set(s[a] for a in gone)))
+    a, sa = items[0]
+    for index in range(1, len(items)):
+        b, sb = items[index]
+        later = set(out).union(*(set(s) for _, s in items[index + 1:]))
+        batch = [c for c in sa if c in sb and c in later]
+        contract = [c for c in sa if c in sb and c not in later]
+        left = [c for c in sa if c not in sb]
+        right = [c for c in sb if c not in sa]
+        size = {c: max(d for d in (a.shape[sa.index(c)] if c in sa else 1, b.shape[sb.index(c)] if c in sb else 1))
+                for c in set(sa) | set(sb)}
+        at = g.transpose(a, [sa.index(c) for c in batch + left + contract])
+        bt = g.transpose(b, [sb.index(c) for c in batch + contract + right])
+        want_a = tuple(size[c] if c in batch else d for c, d in zip(batch + left + contract, at.shape))
+        want_b = tuple(size[c] if c in batch else d for c, d in zip(batch + contract + right, bt.shape))
+        at = at if tuple(at.shape) == want_a else g.broadcast_to(at, want_a)
+        bt = bt if tuple(bt.shape) == want_b else g.broadcast_to(bt, want_b)
+        prod = lambda cs: int(np.prod([size[c] for c in cs], dtype=np.int64))  # noqa: E731
+        y = g.matmul(g.reshape(at, (prod(batch), prod(left), prod(contract))),
+                     g.reshape(bt, (prod(batch), prod(contract), prod(right))))
+        a, sa = g.reshape(y, tuple(size[c] for c in batch + left + right)), "".join(batch + left + right)
+    gone = tuple(i for i, c in enumerate(sa) if c not in out)
+    if gone:
+        a, sa = g.sum(a, gone), "".join(c for c in sa if c in out)
+    if sa != out:
+        a = g.transpose(a, [sa.index(c) for c in out])
+    return [a]

@@ -26,7 +26,7 @@ import numpy as np
 
 # ops whose every node test case passes (including those of other ops' cases that use only these)
 CLAIMED = frozenset("""
-Abs Add And ArgMax ArgMin AveragePool BatchNormalization BlackmanWindow Celu Clip Concat Constant
+Abs Add And ArgMax ArgMin AveragePool BatchNormalization BlackmanWindow Celu Clip Concat Constant Einsum
 ConstantOfShape Conv ConvTranspose Cos CumSum DFT DepthToSpace Div Elu Erf Exp Expand EyeLike Flatten Gather GatherElements
 Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual GroupNormalization HammingWindow HannWindow
 HardSigmoid HardSwish Hardmax InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual

@@ -163,19 +163,23 @@ def _slice_rule(types, attrs):
     return TensorType(shape, x.dtype)
 
 
-def _slice(xs, attrs):
-    x = xs[0]
-    start, end, step = resolve(attrs["start"], xs), resolve(attrs["end"], xs), attrs["step"]
-    size = attrs.get("size") or (None,) * x.ndim
+def slice_index(shape, start, end, step, size) -> tuple[slice, ...]:
+    """The NumPy index of a slice with resolved starts and ends, on an input of `shape`."""
+    size = size or (None,) * len(shape)
     index = []
-    for axis, (d, s, e, st, sz) in enumerate(zip(x.shape, start, end, step, size)):
+    for axis, (d, s, e, st, sz) in enumerate(zip(shape, start, end, step, size)):
         if sz is not None:
             s = s + d if s < 0 else s
             if not 0 <= s <= d - sz:
                 raise IngotError(f"slice: start {s} with size {sz} does not fit axis {axis} of length {d}.")
             e = s + sz
         index.append(slice(s, e, st))
-    return x[tuple(index)]
+    return tuple(index)
+
+
+def _slice(xs, attrs):
+    x = xs[0]
+    return x[slice_index(x.shape, resolve(attrs["start"], xs), resolve(attrs["end"], xs), attrs["step"], attrs.get("size"))]
 
 
 register(Op.SLICE, _slice_rule, _slice)

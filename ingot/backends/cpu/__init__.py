@@ -16,7 +16,7 @@ from ...errors import IngotError
 from ...ir import GroupOp, Node, Op, Program, TensorType
 from ...ops import REGISTRY
 from ...ops.elementwise import BINARY, UNARY
-from ...ops.shape import slice_update_into
+from ...ops.shape import slice_index, slice_update_into
 from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from . import kernels
@@ -69,6 +69,28 @@ def _silu(node: Node, out):
 def _matmul(node: Node, out):
     if out is not None and _is_f32(node):
         return lambda a, b: np.matmul(a, b, out=out)
+    return _reference(node, out)
+
+
+def _static(shape) -> bool:
+    return all(isinstance(d, int) for d in shape)
+
+
+@lowering(Op.RESHAPE)
+def _reshape(node: Node, out):
+    shape = node.type.shape
+    if _static(shape) and not node.dtype.packed:  # (the reference resolves -1 and checks on every call)
+        return lambda x: x.reshape(shape)
+    return _reference(node, out)
+
+
+@lowering(Op.SLICE)
+def _slice(node: Node, out):
+    """A slice whose starts and ends are constants is one precomputed NumPy index (a view)."""
+    a, shape = node.attrs, node.src[0].type.shape
+    if _static(shape) and not node.dtype.packed and all(isinstance(v, int) for v in (*a["start"], *a["end"]) if v is not None):
+        index = slice_index(shape, a["start"], a["end"], a["step"], a.get("size"))
+        return lambda x, *_: x[index]
     return _reference(node, out)
 
 

@@ -175,6 +175,19 @@ def dequantized_corner(program: Program, q: Node, op: Node, rows: int, cols: int
     return w
 
 
+def _code_counts(raw: np.ndarray, packed: bool, chunk: int = 1 << 22) -> np.ndarray:
+    """How often each integer code occurs, counted a chunk at a time (bincount widens to int64)."""
+    flat = raw.reshape(-1).view(np.uint8)
+    counts = np.zeros(16 if packed else 256, np.int64)
+    for at in range(0, flat.size, chunk):
+        b = flat[at: at + chunk]
+        if packed:
+            counts += np.bincount(b & 0xF, minlength=16) + np.bincount(b >> 4, minlength=16)
+        else:
+            counts += np.bincount(b, minlength=256)
+    return counts
+
+
 def preview(program: Program, node: Node, nodes: list[Node]) -> dict[str, Any]:
     """Histogram, heatmap and parameter statistics of one constant (the Constants navigator's detail)."""
     raw = program.constants[node.attrs["key"]]
@@ -192,18 +205,11 @@ def preview(program: Program, node: Node, nodes: list[Node]) -> dict[str, Any]:
         out["values"] = _summary(sample)
         out["heatmap"] = _heatmap(sample[:HEATMAP, :HEATMAP])
         qdtype = op.attrs["qdtype"]
-        if qdtype.packed:
-            b = raw.reshape(-1)
-            codes = np.bincount(b & 0xF, minlength=16) + np.bincount(b >> 4, minlength=16)
-            labels = list(range(-8, 8)) if qdtype.kind == "i" else list(range(16))
-            if qdtype.kind == "i":
-                codes = np.concatenate([codes[8:], codes[:8]])
-        else:
-            width = 256
-            codes = np.bincount(raw.reshape(-1).view(np.uint8), minlength=width)
-            labels = list(range(-128, 128)) if qdtype.kind == "i" else list(range(256))
-            if qdtype.kind == "i":
-                codes = np.concatenate([codes[128:], codes[:128]])
+        codes = _code_counts(raw, qdtype.packed)
+        half = 8 if qdtype.packed else 128
+        labels = list(range(-half, half)) if qdtype.kind == "i" else list(range(2 * half))
+        if qdtype.kind == "i":   # two's complement: the negative codes are the upper half
+            codes = np.concatenate([codes[half:], codes[:half]])
         out["codes"] = {"labels": labels, "counts": [int(c) for c in codes]}
         params = {}
         for name, p in quant_params(op):

@@ -87,6 +87,17 @@ def test_repeated_blocks_are_found(toy):
     assert all(final["i"] not in g["nodes"] for g in blocks)   # reads an un-numbered weight: outside the blocks
 
 
+def test_serial_numbers_are_not_blocks():
+    g = ingot.Graph()
+    x = g.placeholder((1, 8), name="x")
+    rng = np.random.default_rng(4)
+    for k in (1234, 1240, 1301):   # one tensor per number, far apart: names, not layers
+        x = g.tanh(g.matmul(x, g.constant(rng.random((8, 8), np.float32), name=f"onnx::MatMul_{k}")))
+    model = from_graph(g, [x], name="serial")
+    assert find_blocks(model.program.nodes()) == ("", {})
+    assert export(model)["groups"] == []
+
+
 def test_kernel_groups_differ_by_device(toy):
     _, data = toy
     assert data["regions"]["cpu"]["groups"] == []

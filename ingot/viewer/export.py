@@ -56,7 +56,7 @@ def _label_name(n: Node) -> str | None:
 
 def find_blocks(nodes: list[Node]) -> tuple[str, dict[int, int]]:
     """(family prefix, node id -> block number) for the repeated blocks of a program ('' if none)."""
-    families: dict[str, set[int]] = {}
+    families: dict[str, Counter] = {}
     numbered: dict[int, tuple[str, int]] = {}
     for n in nodes:
         name = _label_name(n)
@@ -65,13 +65,20 @@ def find_blocks(nodes: list[Node]) -> tuple[str, dict[int, int]]:
         m = NUMBERED.search(name.split("+")[0])
         if m:
             prefix = name[: m.start(1)]
-            families.setdefault(prefix, set()).add(int(m.group(1)))
+            families.setdefault(prefix, Counter())[int(m.group(1))] += 1
             numbered[n.id] = (prefix, int(m.group(1)))
+
+    def is_blocks(counts: Counter) -> bool:
+        """Layers: several numbers, each naming several tensors, numbered nearly one after another
+        (not a serial number per tensor, like ONNX's onnx::MatMul_1234)."""
+        numbers = sorted(counts)
+        return len(numbers) >= 2 and sorted(counts.values())[len(numbers) // 2] >= 2 \
+            and numbers[-1] - numbers[0] + 1 <= 2 * len(numbers)
+
+    families = {p: c for p, c in families.items() if is_blocks(c)}
     if not families:
         return "", {}
     prefix = max(families, key=lambda p: (len(families[p]), -len(p)))
-    if len(families[prefix]) < 2:
-        return "", {}
     block: dict[int, int] = {i: k for i, (p, k) in numbered.items() if p == prefix}
     outside: set[int] = {n.id for n in nodes if n.op in (Op.CONSTANT, Op.VARIABLE) and n.id not in block
                          and _label_name(n) and not _label_name(n).startswith(("folded_", "const_"))}

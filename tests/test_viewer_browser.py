@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import time
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -38,15 +39,26 @@ def serve(model):
     return server
 
 
-def open_page(browser, url: str):
-    # bypass_csp: Playwright polls wait_for_function predicates through eval, which the page's CSP forbids
-    context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True, bypass_csp=True)
+def open_page(browser, url: str, bypass_csp: bool = True):
+    """A page at url, ready. bypass_csp: Playwright's wait_for_function polls through eval, which the
+    served page's Content-Security-Policy forbids; with bypass_csp=False, wait with wait_until()."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True, bypass_csp=bypass_csp)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
     page.goto(url)
-    page.wait_for_function("window.__ingot && window.__ingot.ready === true", timeout=60_000)
+    wait_until(page, "window.__ingot && window.__ingot.ready === true")
     return page
+
+
+def wait_until(page, expression: str, timeout: float = 60.0) -> None:
+    """Poll a JavaScript expression from Python (page.evaluate is not subject to the page's CSP)."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{expression} still false after {timeout} s")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -269,20 +281,26 @@ def test_overlays_time_and_quantization_error(browser):
     server = model_server(model, profile=True, reference={"layer.1.w": exact * 1.05})
     server.start()
     try:
-        page = open_page(browser, server.url)
+        page = open_page(browser, server.url, bypass_csp=False)   # the page as served, under its CSP
         page.click("#expand-all")
-        page.wait_for_function("window.__ingot.layouts >= 2")
+        wait_until(page, "window.__ingot.layouts >= 2")
         filled = "document.querySelectorAll('#graph .node rect[style*=fill]').length"
         assert page.evaluate(filled) == 0
         page.select_option("#overlay", "profile")
-        page.wait_for_function("window.__ingot.layouts >= 3")
+        wait_until(page, "window.__ingot.layouts >= 3")
         assert page.evaluate(filled) > 5 and "µs" in page.locator("#graph").text_content()
         assert "time per node" in page.locator("#legend").inner_text()
         page.select_option("#overlay", "qerror")
-        page.wait_for_function("window.__ingot.layouts >= 4")
+        wait_until(page, "window.__ingot.layouts >= 4")
         assert page.evaluate(filled) == 1          # the one quantized_matmul whose weight has a reference
         assert "err 4.76%" in page.locator("#graph").text_content()   # |w - 1.05 w| / |1.05 w|
-        assert page.errors == []
+        page.click('.tabs button[data-tab="constants"]')
+        page.locator('#const-list .row[title="layer.1.w"]').click()
+        wait_until(page, "!!document.querySelector('#inspector canvas.heatmap')")  # fetched from /api/constant
+        with page.expect_download() as info:
+            page.click("#export-png")                     # an <img> from a blob: URL, allowed by the CSP
+        assert open(info.value.path(), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        assert page.errors == []                           # no CSP violation, no failed request
         page.context.close()
     finally:
         server.close()

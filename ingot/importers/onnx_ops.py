@@ -1792,3 +1792,152 @@ def _einsum(ctx: Context, node: OnnxNode):
     if sa != out:
         a = g.transpose(a, [sa.index(c) for c in out])
     return [a]
+
+
+# -- rotary embeddings, gathers, integer matmuls ------------------------------------------------------
+
+@converter("RotaryEmbedding")
+def _rotary_embedding(ctx: Context, node: OnnxNode):
+    """ONNX RotaryEmbedding (opset 23) with its cos/sin caches: the rotation written out (the caches
+    are the model's own, so Ingot's rope op, which makes its own, is not used)."""
+    x, cos, sin, positions = node.input(0), node.input(1), node.input(2), node.input(3)
+    g = ctx.g
+    _float(ctx, node, x)
+    four_d = x.ndim == 4
+    if four_d:  # [B, H, S, D] -> [B, S, H, D]
+        y = g.transpose(x, (0, 2, 1, 3))
+    else:
+        heads = node.attr("num_heads", 0)
+        if not heads:
+            raise IngotError("3-D input without num_heads")
+        y = g.reshape(x, (x.shape[0], x.shape[1], heads, x.shape[2] // heads))
+    head = y.shape[3]
+    rd = node.attr("rotary_embedding_dim", 0) or head
+    if positions is not None:
+        cos, sin = g.gather(cos, positions, axis=0), g.gather(sin, positions, axis=0)   # [B, S, rd/2]
+    shape = tuple(cos.shape[:-1]) + (1, rd // 2)
+    cos, sin = g.reshape(cos, shape), g.reshape(sin, shape)
+    rotate = y if rd == head else g.slice(y, [0, 0, 0, 0], [None, None, None, rd])
+    if node.attr("interleaved", 0):
+        x1 = g.slice(rotate, [0, 0, 0, 0], [None] * 4, [1, 1, 1, 2])
+        x2 = g.slice(rotate, [0, 0, 0, 1], [None] * 4, [1, 1, 1, 2])
+    else:
+        x1, x2 = g.split(rotate, 2, axis=3)
+    real, imag = cos * x1 - sin * x2, sin * x1 + cos * x2
+    if node.attr("interleaved", 0):
+        pair = tuple(real.shape) + (1,)
+        rotated = g.reshape(g.concat([g.reshape(real, pair), g.reshape(imag, pair)], axis=4), tuple(rotate.shape))
+    else:
+        rotated = g.concat([real, imag], axis=3)
+    if rd != head:
+        rotated = g.concat([rotated, g.slice(y, [0, 0, 0, rd], [None] * 4)], axis=3)
+    return [g.transpose(rotated, (0, 2, 1, 3)) if four_d else g.reshape(rotated, tuple(x.shape))]
+
+
+@converter("GatherND")
+def _gather_nd(ctx: Context, node: OnnxNode):
+    """GatherND as one gather from the flattened leading axes (flat index = index . strides)."""
+    data, idx = node.inputs
+    g = ctx.g
+    batch = node.attr("batch_dims", 0)
+    depth = idx.shape[-1]
+    lead = data.shape[batch:batch + depth]
+    rest = tuple(data.shape[batch + depth:])
+    strides = np.array([int(np.prod(lead[i + 1:], dtype=np.int64)) for i in range(depth)], np.int64)
+    idx = idx if idx.dtype == dt.int64 else g.cast(idx, dt.int64)
+    idx = g.where(idx < _scalar(ctx, 0, idx), idx + g.constant(np.array(lead, np.int64)), idx)
+    flat_index = g.sum(idx * g.constant(strides), (idx.ndim - 1,))                   # [*batch, *rows]
+    nb = int(np.prod(data.shape[:batch], dtype=np.int64))
+    flat = g.reshape(data, (nb * int(np.prod(lead, dtype=np.int64)),) + rest)
+    if batch:  # each batch element reads its own block of rows
+        offsets = (np.arange(nb, dtype=np.int64) * int(np.prod(lead, dtype=np.int64))).reshape(
+            tuple(data.shape[:batch]) + (1,) * (flat_index.ndim - batch))
+        flat_index = flat_index + g.constant(offsets)
+    return [g.gather(flat, flat_index, axis=0)]
+
+
+@converter("LpPool")
+def _lp_pool(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    g = ctx.g
+    _float(ctx, node, x)
+    n, c = x.shape[:2]
+    spatial = x.shape[2:]
+    k = len(spatial)
+    kernel = list(node.attr("kernel_shape"))
+    strides = list(node.attr("strides", [1] * k))
+    dilations = list(node.attr("dilations", [1] * k))
+    p = float(node.attr("p", 2))
+    before, after = _window_pads(node, spatial, kernel, strides, dilations)
+    ceil = bool(node.attr("ceil_mode", 0))
+    padded = [d + b + a for d, b, a in zip(spatial, before, after)]
+    out = [_out_size(q, kk, s, d, ceil) for q, kk, s, d in zip(padded, kernel, strides, dilations)]
+    need = [(o - 1) * s + d * (kk - 1) + 1 for o, s, d, kk in zip(out, strides, dilations, kernel)]
+    after = [a + max(0, nd - q) for a, nd, q in zip(after, need, padded)]
+    powered = g.pow(g.abs(x), _scalar(ctx, p, x)) if p != 2 else x * x
+    if any(before + after):
+        powered = g.pad(powered, [(0, 0), (0, 0)] + list(zip(before, after)))
+    total = g.sum(_windows(g, powered, kernel, strides, dilations, out, (n, c)), tuple(range(2, 2 + k)))
+    return [g.sqrt(total) if p == 2 else g.pow(total, _scalar(ctx, 1.0 / p, total))]
+
+
+@converter("DynamicQuantizeLinear")
+def _dynamic_quantize_linear(ctx: Context, node: OnnxNode):
+    """uint8 quantization with the scale and zero point of x's own range (which includes 0)."""
+    (x,) = node.inputs
+    g = ctx.g
+    _float(ctx, node, x)
+    zero = _scalar(ctx, 0, x)
+    lo = g.minimum(g.min(x, tuple(range(x.ndim))), zero)
+    hi = g.maximum(g.max(x, tuple(range(x.ndim))), zero)
+    scale = (hi - lo) / _scalar(ctx, 255, x)
+    zero_point = g.quantize(g.neg(lo) / scale, dt.uint8, scale=_scalar(ctx, 1, x))   # saturate(round(-lo / scale))
+    y = g.quantize(x, dt.uint8, scale=scale, zero_point=zero_point)
+    return [y, scale, zero_point]
+
+
+def _integer_operand(g, t: Tensor, zero: Tensor | None, axis: int | None) -> Tensor:
+    """An 8-bit matmul operand as int32 with its zero point taken away (per tensor or per axis)."""
+    wide = g.cast(t, dt.int32)
+    if zero is None:
+        return wide
+    z = g.cast(zero, dt.int32)
+    if z.ndim == 1 and z.shape[0] != 1 and axis is not None:
+        shape = [1] * t.ndim
+        shape[axis] = z.shape[0]
+        z = g.reshape(z, shape)
+    elif z.ndim == 1:
+        z = g.reshape(z, ())
+    return wide - z
+
+
+@converter("MatMulInteger")
+def _matmul_integer(ctx: Context, node: OnnxNode):
+    a, b = node.input(0), node.input(1)
+    g = ctx.g
+    ai = _integer_operand(g, a, node.input(2), a.ndim - 2 if a.ndim >= 2 else None)
+    bi = _integer_operand(g, b, node.input(3), b.ndim - 1)
+    return [g.matmul(ai, bi)]
+
+
+@converter("QLinearMatMul")
+def _qlinear_matmul(ctx: Context, node: OnnxNode):
+    """Dequantize both sides, multiply in float, quantize the result (a DequantizeLinear -> MatMul
+    pattern the compiler fuses where the weight side is constant)."""
+    a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero = node.inputs
+    g = ctx.g
+    if a.dtype not in (dt.int8, dt.uint8) or b.dtype not in (dt.int8, dt.uint8):
+        raise ctx.fail(node, f"inputs of type {a.dtype.name} and {b.dtype.name}")
+
+    def dequantized(q, scale, zero, axis):
+        scale = scale if scale.dtype == dt.float32 else g.cast(scale, dt.float32)
+        per_axis = scale.ndim == 1 and scale.shape[0] != 1
+        scale = scale if per_axis else g.reshape(scale, ())
+        zero = None if zero is None else (zero if per_axis else g.reshape(zero, ()))
+        return g.dequantize(q, scale=scale, zero_point=zero, axis=axis if per_axis else None)
+
+    af = dequantized(a, a_scale, a_zero, a.ndim - 2)
+    bf = dequantized(b, b_scale, b_zero, b.ndim - 1)
+    y = g.matmul(af, bf)
+    ys = g.reshape(y_scale if y_scale.dtype == dt.float32 else g.cast(y_scale, dt.float32), ())
+    return [g.quantize(y, y_zero.dtype, scale=ys, zero_point=g.reshape(y_zero, ()))]

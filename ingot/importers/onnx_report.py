@@ -26,15 +26,16 @@ import numpy as np
 
 # ops whose every node test case passes (including those of other ops' cases that use only these)
 CLAIMED = frozenset("""
-Abs Add And ArgMax ArgMin AveragePool BatchNormalization BlackmanWindow Celu Clip Concat Constant Einsum
-ConstantOfShape Conv ConvTranspose Cos CumSum DFT DepthToSpace Div Elu Erf Exp Expand EyeLike Flatten Gather GatherElements
-Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual GroupNormalization HammingWindow HannWindow
-HardSigmoid HardSwish Hardmax InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual
-Log LogSoftmax LpNormalization MatMul Max MaxPool Mean Min Mish Mul Neg Not OneHot Or PRelu Pad Pow
-RMSNormalization Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean
-ReduceMin ReduceSum ReduceSumSquare Relu Reshape Resize STFT Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus
-Softsign SpaceToDepth Split Sqrt Squeeze Sub Sum Swish Tanh ThresholdedRelu Tile Transpose Trilu Unsqueeze
-Where Xor
+Abs Add And ArgMax ArgMin AveragePool BatchNormalization BlackmanWindow Celu Clip Concat Constant
+ConstantOfShape Conv ConvTranspose Cos CumSum DepthToSpace DFT Div DynamicQuantizeLinear Einsum Elu Erf Exp
+Expand EyeLike Flatten Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater
+GreaterOrEqual GroupNormalization HammingWindow HannWindow Hardmax HardSigmoid HardSwish InstanceNormalization
+IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax LpNormalization LpPool MatMul
+MatMulInteger Max MaxPool Mean Min Mish Mul Neg Not OneHot Or Pad Pow PRelu QLinearMatMul Range Reciprocal
+ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu
+Reshape Resize RMSNormalization RotaryEmbedding Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus
+Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tanh ThresholdedRelu Tile Transpose Trilu
+Unsqueeze Where Xor
 """.split())
 
 

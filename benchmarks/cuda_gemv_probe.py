@@ -31,8 +31,9 @@ def launch(x, w, y, config):
     split = triton.cdiv(kw, per)
     y.zero_()
     return qmm._qgemv_words_kernel[(triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))](
-        x, w.q, w.scale, w.bias, y, m, w.n, w.k, kw, per, x.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
-        GROUP=w.group, HAS_BIAS=True, ROWS=rows, BLOCK_N=block_n, TB=tb, ATOMIC=split > 1, ASM=True, **cfg), split
+        x, x, w.q, w.scale, w.bias, y, y, y, y, m, w.n, w.k, kw, per, x.stride(0), w.q.stride(0), w.scale.stride(0),
+        y.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=True, ROWS=rows, BLOCK_N=block_n, TB=tb,
+        REDUCE=1 if split > 1 else 0, ASM=True, **cfg), split
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def random_weight(k: int, n: int, block: int = 32, qdtype=dt.uint4, f16_params: 
     return qmm.prepare_weight(q, [scale, bias], attrs, DEVICE, words=words)
 
 
-def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=None, json_path=None):
+def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=None, json_path=None, only_variants=None):
     shapes = [  # (name, K, N)
         ("smollm qkv", 576, 960), ("smollm gate+up", 576, 3072), ("smollm down", 1536, 576),
         ("smollm lm_head", 576, 49152), ("llama8b qkv", 4096, 6144), ("llama8b o", 4096, 4096),
@@ -90,7 +90,7 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         shapes = [s for s in shapes if s[0].replace(" ", "_") in only_shapes]
     variants = {  # word-layout dp4a kernel (the default), then the k-major kernels it replaced
         "default": None,
-        "waves8": dict(WAVES=8), "waves16": dict(WAVES=16), "waves64": dict(WAVES=64),
+        "atomic": dict(REDUCE=1), "waves8": dict(WAVES=8), "waves16": dict(WAVES=16), "waves64": dict(WAVES=64),
         "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8),
         "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "tb4": dict(TB=4), "stages1": dict(num_stages=1),
         "tb4-waves8": dict(TB=4, WAVES=8), "tb4-waves16": dict(TB=4, WAVES=16), "tb4-w2": dict(TB=4, num_warps=2),
@@ -119,6 +119,8 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
             row = dict(kernel="qgemv", shape=name, K=k, N=n, rows=rows, weight_bytes=nbytes,
                        cublas_bf16_us=round(t_cublas * 1e3, 2))
             for vname, cfg in (variants if rows == 1 else row_variants).items():
+                if only_variants and vname not in only_variants:
+                    continue
                 cfg = dict(cfg or {})
                 pool = wk if cfg.pop("KMAJOR", False) else ws
                 try:
@@ -194,7 +196,7 @@ def decode_attention_rows(results, bw, quick):
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         row = dict(kernel="decode_attention", kv_len=length, heads=f"{hq}/{hk}", d=d, dtype="bfloat16", kv_bytes=nbytes,
                    torch_sdpa_us=round(t_torch * 1e3, 1), torch_tb_s=round(nbytes / (t_torch * 1e-3) / 1e12, 3))
-        for vname, kw in {"default": {}, "split32": dict(split=32), "split64": dict(split=64), "split128": dict(split=128),
+        for vname, kw in {"default": {}, "combine-kernel": dict(merge=False), "split32": dict(split=32), "split64": dict(split=64), "split128": dict(split=128),
                           "split256": dict(split=256), "bn128": dict(block_n=128), "bn32": dict(block_n=32),
                           "w8": dict(num_warps=8), "stages2": dict(num_stages=2), "stages4": dict(num_stages=4),
                           "split128-bn128-w8": dict(split=128, block_n=128, num_warps=8)}.items():
@@ -228,7 +230,7 @@ def small_decode_attention_rows(results):
                                                                                 enable_gqa=True))
         row = dict(kernel="decode_attention_small", kv_len=length, buffer=buf, heads=f"{hq}/{hk}", d=d, dtype="float32",
                    torch_sdpa_us=round(t_torch * 1e3, 2))
-        for vname, kw in {"default": {}, "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
+        for vname, kw in {"default": {}, "combine-kernel": dict(merge=False), "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
                           "split16": dict(split=16), "split8-bn32": dict(split=8, block_n=32),
                           "split8-tf32": dict(split=8, precision="tf32"), "split8-stages1": dict(split=8, num_stages=1),
                           "split8-w2": dict(split=8, num_warps=2)}.items():
@@ -280,6 +282,7 @@ def main() -> None:
     ap.add_argument("--only", default="gemv,gemm,decode,prefill")
     ap.add_argument("--shapes", default=None, help="GEMV shapes, comma-separated, spaces as _ (llama8b_gate+up)")
     ap.add_argument("--row-shapes", default=None, help="GEMV shapes that also run 4 and 16 rows")
+    ap.add_argument("--variants", default=None, help="GEMV variants to time, comma-separated (default: all)")
     ap.add_argument("--rows", default=None, help="GEMV rows, comma-separated (default 1 with --quick, else 1,4,16)")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -293,7 +296,8 @@ def main() -> None:
                     device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
     rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else ((1,) if args.quick else (1, 4, 16))
     split = lambda v: set(v.split(",")) if v else None  # noqa: E731
-    sections = [("gemv", lambda: gemv_rows(results, bw, args.quick, rows, split(args.shapes), split(args.row_shapes), args.json)),
+    sections = [("gemv", lambda: gemv_rows(results, bw, args.quick, rows, split(args.shapes), split(args.row_shapes), args.json,
+                                         split(args.variants))),
                 ("decode", lambda: decode_attention_rows(results, bw, args.quick)),
                 ("decode", lambda: small_decode_attention_rows(results)),
                 ("prefill", lambda: prefill_attention_rows(results, args.quick)),

@@ -181,7 +181,8 @@ def test_words_gemv(rows, fmt, shape):
     assert torch.equal(w.values(), qmm.prepare_weight(q, plist, attrs, DEVICE).values())
     x = torch.randn(rows, k, device=DEVICE)
     want = (x.double() @ qmm.dequantize(w).double())
-    configs = [None, dict(SPLIT=1), dict(ROWS=1), dict(PREFETCH=False, SPLIT=3), dict(num_warps=1, WAVES=4)]
+    configs = [None, dict(SPLIT=1), dict(ROWS=1), dict(PREFETCH=False, SPLIT=3), dict(num_warps=1, WAVES=4),
+               dict(REDUCE=1), dict(NLOOP=True), dict(NLOOP=True, TB=2)]
     for config in configs:
         got = qmm.quantized_matmul(x, w, config=config)
         # x is rounded to 22-bit integers per tile: a few float32 roundings of the tile's largest element
@@ -190,6 +191,13 @@ def test_words_gemv(rows, fmt, shape):
     assert rel_err(got.cpu(), want[:1].cpu()) < 2e-6
     got = qmm.quantized_matmul(x, w, config=dict(BLOCK_M=16))
     assert rel_err(got.cpu(), want.cpu()) < 1e-5
+    # the gated unit in the prologue and the residual in the epilogue (split-K tickets and one split)
+    gate, residual = torch.randn(rows, k, device=DEVICE), torch.randn(rows, n, device=DEVICE)
+    want = ((gate * torch.sigmoid(gate)) * x).double() @ qmm.dequantize(w).double() + residual.double()
+    for config in ({}, dict(SPLIT=1), dict(SPLIT=5)):
+        got = torch.empty(rows, n, device=DEVICE)
+        qmm._words_gemv(x, w, got, dict(config), x_gate=gate, residual=residual)
+        assert rel_err(got.cpu(), want.cpu()) < 2e-6, (config, rel_err(got.cpu(), want.cpu()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -245,6 +253,20 @@ def test_attention_matches_the_reference(case, dtype, length_on_device):
     assert rel_err(got, want) < tol, rel_err(got, want)
 
 
+@pytest.mark.parametrize("case", ATTENTION[:3], ids=["0", "1", "2"])
+def test_decode_attention_with_the_combine_kernel(case):
+    """The two-launch decode path (partials, then a combine kernel) that the in-kernel merge replaced."""
+    b, hq, hk, tq, tk, d, length, causal = case
+    rng = rng_for(f"combine{case}")
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, d)))
+    want = nn_ops.sdpa(q, k, v, length=length, causal=causal)
+    dev = [cuda_backend.to_device(a, DEVICE) for a in (q, k, v)]
+    for merge in (False, True):
+        got = cuda_backend.to_host(attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=causal,
+                                                  merge=merge, split=7))
+        assert rel_err(got, want) < 1e-5, (merge, rel_err(got, want))
+
+
 def test_attention_with_mask_and_scale():
     rng = rng_for("mask")
     q = rng.standard_normal((2, 4, 19, 40)).astype(np.float32)
@@ -287,6 +309,26 @@ def test_rope(interleaved, shape, rotary, positions):
     got = fused.rope(cuda_backend.to_device(x, DEVICE), cuda_backend.to_device(pos, DEVICE),
                      cuda_backend.to_device(inv, DEVICE), interleaved)
     np.testing.assert_allclose(cuda_backend.to_host(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_qkv_into_the_caches(interleaved):
+    rng = rng_for(f"ropeqkv{interleaved}")
+    q = rng.standard_normal((1, 9, 1, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 3, 1, 64)).astype(np.float32) for _ in range(2))
+    caches = [rng.standard_normal((1, 3, 50, 64)).astype(np.float32) for _ in range(2)]
+    inv = nn_ops.rope_inv_freq(64, 10000.0)
+    pos = 37
+    tk, tv = (cuda_backend.to_device(c, DEVICE) for c in caches)
+    got_q = fused.rope_qkv_into(*(cuda_backend.to_device(a, DEVICE) for a in (q, k, v)),
+                                torch.tensor(pos, dtype=torch.int32, device=DEVICE), cuda_backend.to_device(inv, DEVICE),
+                                tk, tv, interleaved)
+    p = np.int32(pos)
+    np.testing.assert_allclose(cuda_backend.to_host(got_q), nn_ops.rope(q, p, inv, 10000.0, interleaved, None), rtol=1e-5, atol=1e-5)
+    caches[0][:, :, pos:pos + 1] = nn_ops.rope(k, p, inv, 10000.0, interleaved, None)
+    caches[1][:, :, pos:pos + 1] = v
+    np.testing.assert_allclose(cuda_backend.to_host(tk), caches[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cuda_backend.to_host(tv), caches[1])
 
 
 def test_slice_write_at_device_starts():

@@ -674,6 +674,24 @@ class CudaPlan:
                 done.update(m.id for m in members[:-1])
                 self.fusions.append("region " + "+".join(m.op.name.lower() for m in members))
 
+        # silu(a) * b feeding only a quantized GEMV: computed in the GEMV's prologue (no region kernel)
+        glu: dict[int, tuple[Node, Node, fused.RegionKernel]] = {}
+        if os.environ.get("INGOT_CUDA_GLU", "1") == "1":
+            for n in nodes:
+                kernel = region_root.get(n.src[0].id) if n.op == Op.QUANTIZED_MATMUL and n.src else None
+                if kernel is None or len(users[n.src[0].id]) != 1 or n.src[0].id in roots:
+                    continue
+                ops = [m.op for m in kernel.nodes]
+                if ops != [Op.SILU, Op.MUL] or n.src[0].dtype != dt.float32 or n.attrs["mode"] != "affine":
+                    continue
+                silu, mul = kernel.nodes
+                if len(users[silu.id]) != 1 or silu not in mul.src:
+                    continue
+                up = mul.src[1] if mul.src[0] is silu else mul.src[0]
+                if up.type.shape != silu.src[0].type.shape or any(x.op != Op.CONSTANT for x in n.src[1:]):
+                    continue
+                glu[n.id] = (silu.src[0], up, kernel)
+
         # sibling quantized matmuls over one x, with constant weights of one kind
         sibling_groups: dict[int, list[Node]] = {}
         for n in nodes:
@@ -686,8 +704,13 @@ class CudaPlan:
                     for m in members:
                         group_of[m.id] = members
 
+        qkv_last = self._qkv_groups(nodes, users, roots, done) if os.environ.get("INGOT_CUDA_QKV", "1") == "1" else {}
+
         for node in nodes:
             s = self.slot[node.id]
+            if node.id in qkv_last:
+                steps.append(qkv_last[node.id])
+                continue
             if node.op == Op.CONSTANT:
                 self.initial[s] = program.constants[node.attrs["key"]]  # uploaded below if a step reads it
                 continue
@@ -699,7 +722,14 @@ class CudaPlan:
                 continue
             if node.op == Op.ASSIGN or node.id in done:
                 continue
+            if node.id in glu:
+                gate, up, kernel = glu[node.id]
+                fn = self._glu_step(node, kernel)
+                steps.append((fn, (self.slot[gate.id], self.slot[up.id]), (s,), "glu_quantized_matmul"))
+                continue
             if node.id in region_root:
+                if any(u.id in glu for u in users[node.id]):
+                    continue  # computed inside the GEMV that reads it
                 kernel = region_root[node.id]
                 steps.append((kernel, tuple(self.slot[x.id] for x in kernel.inputs), (s,), "region"))
                 continue
@@ -767,6 +797,65 @@ class CudaPlan:
         self._runs: dict[int, int] = {}
         self._stage = None
 
+    def _cache_write_at(self, update: Node, pos: Node, like: Node) -> bool:
+        """update writes `like`-shaped rows in place into a cache at [0.., pos, 0]."""
+        if update.op != Op.SLICE_UPDATE or not update.attrs.get("inplace"):
+            return False
+        rank, cache = like.type.rank, update.src[0]
+        if cache.dtype != like.dtype or cache.type.shape[:-2] != like.type.shape[:-2] or \
+                cache.type.shape[-1] != like.type.shape[-1] or update.src[1].type.shape != like.type.shape:
+            return False
+        for axis, st in enumerate(update.attrs["start"]):
+            if axis == rank - 2:
+                if not (isinstance(st, Ref) and update.src[st.index] is pos):
+                    return False
+            elif st != 0:
+                return False
+        return True
+
+    def _qkv_groups(self, nodes, users, roots, done) -> dict[int, tuple]:
+        """rope(q), rope(k) written into the k cache, and v written into the v cache, at one runtime
+        position: one kernel (fused.rope_qkv_into), run where the last of the three stood."""
+        order = {n.id: i for i, n in enumerate(nodes)}
+        ropes = [n for n in nodes if n.op == Op.ROPE and n.src[1].type.rank == 0 and n.id not in roots and n.type.rank >= 2]
+        updates = [n for n in nodes if n.op == Op.SLICE_UPDATE and n.attrs.get("inplace")]
+        groups, used = {}, set()
+        attrs_of = lambda n: (n.attrs.get("base", 10000.0), bool(n.attrs.get("interleaved", False)),  # noqa: E731
+                              n.attrs.get("rotary_dims") or n.type.shape[-1], len(n.src) > 2 and n.src[2].id)
+        for kr in ropes:
+            if len(users[kr.id]) != 1 or kr.id in used or not self._cache_write_at(users[kr.id][0], kr.src[1], kr):
+                continue
+            ku, pos = users[kr.id][0], kr.src[1]
+            qr = next((n for n in ropes if n is not kr and n.id not in used and n.src[1] is pos and attrs_of(n) == attrs_of(kr)
+                       and n.type.rank == kr.type.rank and n.type.shape[-2:] == kr.type.shape[-2:] and n.dtype == kr.dtype
+                       and not (len(users[n.id]) == 1 and users[n.id][0].op == Op.SLICE_UPDATE)), None)
+            vu = next((u for u in updates if u is not ku and u.id not in used and u.src[0] is not ku.src[0]
+                       and u.src[1].op != Op.ROPE and self._cache_write_at(u, pos, kr)), None)
+            if qr is None or vu is None:
+                continue
+            last = max((qr, ku, vu), key=lambda n: order[n.id])
+            members = {qr.id, kr.id, ku.id, vu.id}
+            if any(order[u.id] < order[last.id] for m in (qr, ku, vu) for u in users[m.id] if u.id not in members):
+                continue
+            if any(order[x.id] > order[last.id] for m in (qr, kr, vu) for x in m.src):
+                continue
+            a = kr.attrs
+            rd = a.get("rotary_dims") or kr.type.shape[-1]
+            interleaved = bool(a.get("interleaved", False))
+            table = torch.as_tensor(rope_inv_freq(rd, a.get("base", 10000.0)), device=self.device)
+            has_inv = len(kr.src) > 2
+
+            def step(q, position, k, k_cache, v, v_cache, *inv, table=table, interleaved=interleaved):
+                q_out = fused.rope_qkv_into(q, k, v, position, inv[0] if inv else table, k_cache, v_cache, interleaved)
+                return q_out, k_cache, v_cache
+            ins = (self.slot[qr.src[0].id], self.slot[pos.id], self.slot[kr.src[0].id], self.slot[ku.src[0].id],
+                   self.slot[vu.src[1].id], self.slot[vu.src[0].id]) + ((self.slot[kr.src[2].id],) if has_inv else ())
+            groups[last.id] = (step, ins, (self.slot[qr.id], self.slot[ku.id], self.slot[vu.id]), "rope_qkv_into_cache")
+            used |= members
+            done |= members - {last.id}
+            self.fusions.append("rope q + rope k + v write into the caches")
+        return groups
+
     def _rope_into_cache(self, node: Node, users, roots, steps, done) -> bool:
         """rope(k) whose only reader writes it into a cache at the same runtime position: one kernel
         rotates and writes in place (the KV-cache update of a decoder layer)."""
@@ -800,6 +889,28 @@ class CudaPlan:
         done.add(update.id)
         self.fusions.append("rope+kv write")
         return True
+
+    def _glu_step(self, node: Node, region: fused.RegionKernel):
+        """y = (silu(a) * b) @ W: the word-layout GEMV computes silu(a) * b as it loads x; other sizes
+        run the region kernel, then the matmul."""
+        arrays = [self.program.constants[x.attrs["key"]] for x in node.src[1:]]
+        weight = prepared_weight(arrays, node.attrs, self.device, WORDS_LAYOUT)
+        rows = math.prod(node.src[0].type.shape[:-1])
+        self.fusions.append("silu*mul into the GEMV")
+        if weight.words and rows <= qmm.WORDS_MAX_ROWS:
+            n_out = node.type.shape[-1]
+
+            def step(a, b):
+                a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+                if a2.stride() != b2.stride() or a2.stride(-1) != 1:
+                    a2, b2 = a2.contiguous(), b2.contiguous()
+                y = torch.empty((a2.shape[0], n_out), dtype=a.dtype, device=a.device)
+                qmm._words_gemv(b2, weight, y, {}, x_gate=a2)
+                return y.reshape(*a.shape[:-1], n_out)
+            return step
+        def fallback(a, b):  # region.inputs is [a, b] (silu's input first), or [a] for silu(a) * a
+            return qmm.quantized_matmul(region(a, b) if len(region.inputs) == 2 else region(a), weight)
+        return fallback
 
     def _sibling_step(self, members: list[Node]):
         arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]

@@ -18,6 +18,7 @@ position.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -27,12 +28,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_ptr, ticket_ptr,
                    length_const, HK, G, TQ, TBUF, D, DV, qk_scale,
-                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                    LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, MERGE: tl.constexpr = False):
+    """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
+    ticket per head, reset behind it) merges every split's partial softmax and writes the output, so
+    no combine launch follows."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // HK
@@ -80,6 +84,29 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr,
     tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
     tl.store(ml_part_ptr + part * 2, m_i)
     tl.store(ml_part_ptr + part * 2 + 1, l_i)
+    if MERGE:
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l_all = tl.zeros([BLOCK_R], tl.float32)
+            o_all = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+            for sp in range(0, SPLIT):
+                ps = (pid_bh * SPLIT + sp) * BLOCK_R + rows
+                m_s = tl.load(ml_part_ptr + ps * 2, cache_modifier=".cg")
+                l_s = tl.load(ml_part_ptr + ps * 2 + 1, cache_modifier=".cg")
+                o_s = tl.load(o_part_ptr + ps[:, None] * BLOCK_DV + offs_dv[None, :], cache_modifier=".cg")
+                m_new = tl.maximum(m_all, m_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                a_old = tl.exp2(m_all - m_safe)
+                a_s = tl.exp2(m_s - m_safe)
+                l_all = l_all * a_old + l_s * a_s
+                o_all = o_all * a_old[:, None] + o_s * a_s[:, None]
+                m_all = m_new
+            o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
+            tl.store(out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+            tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
 
 
 @triton.jit
@@ -178,6 +205,12 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
 # -- the wrapper ----------------------------------------------------------------------------------
 
 DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash tiles
+MERGE_IN_KERNEL = os.environ.get("INGOT_CUDA_DECODE_MERGE", "1") == "1"   # the last split merges: no combine launch
+
+
+def _qmm_workspace(device, floats, tickets):
+    from .quantized_matmul import _workspace
+    return _workspace(device, floats, tickets)
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +225,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               scale: float | None = None, causal: bool = False, mask: torch.Tensor | None = None,
               out: torch.Tensor | None = None, split: int | None = None, precision: str | None = None,
               block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
-              num_stages: int | None = None) -> torch.Tensor:
+              num_stages: int | None = None, merge: bool | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -230,13 +263,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
         o_part = torch.empty((nb * hk * split * block_r, block_dv), dtype=torch.float32, device=q.device)
         ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
+        merge = MERGE_IN_KERNEL if merge is None else merge
+        tickets = _qmm_workspace(q.device, 0, nb * hk)[1] if merge else ml_part
         _decode_kernel[(nb * hk, split)](
-            q4, k4, v4, len_ptr, o_part, ml_part, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
+            q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
-            v4.stride(0), v4.stride(1), v4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
-            BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("ieee" if f32 else "tf32"),
+            BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("ieee" if f32 else "tf32"), MERGE=merge,
             num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}))
+        if merge:
+            return result
         _combine_kernel[(nb * hk, group * tq)](
             o_part, ml_part, o4, hk, group, tq, dv, o4.stride(0), o4.stride(1), o4.stride(2),
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),

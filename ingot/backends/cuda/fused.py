@@ -158,6 +158,81 @@ def rope_into(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, inv_freq:
     return cache
 
 
+@triton.jit
+def _rope_qkv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_ptr, Q_ROWS, KV_ROWS, T, D, HALF,
+                     sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, sqo_r, sqo_t, skc_r, skc_t, svc_r, svc_t, C,
+                     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A decoder layer's q/k/v glue in one launch: programs [0, Q_ROWS) rotate q into qo; the next
+    KV_ROWS rotate k into the k cache at row pos + t; the last KV_ROWS copy v into the v cache there
+    (rows past the cache are dropped, as slice_write drops them)."""
+    row = tl.program_id(0)
+    if row < Q_ROWS:
+        r = row // T
+        t = row % T
+        p = tl.load(pos_ptr).to(tl.int64) + t
+        _rope_row(q_ptr + r * sq_r + t * sq_t, qo_ptr + r * sqo_r + t * sqo_t, p == p, p, inv_ptr, D, HALF,
+                  INTERLEAVED, BLOCK_H, BLOCK_D)
+    elif row < Q_ROWS + KV_ROWS:
+        r = (row - Q_ROWS) // T
+        t = (row - Q_ROWS) % T
+        p = tl.load(pos_ptr).to(tl.int64) + t
+        _rope_row(k_ptr + r * sk_r + t * sk_t, kc_ptr + r * skc_r + p * skc_t, (p >= 0) & (p < C), p, inv_ptr, D, HALF,
+                  INTERLEAVED, BLOCK_H, BLOCK_D)
+    else:
+        r = (row - Q_ROWS - KV_ROWS) // T
+        t = (row - Q_ROWS - KV_ROWS) % T
+        p = tl.load(pos_ptr).to(tl.int64) + t
+        d = tl.arange(0, BLOCK_D)
+        ok = (d < D) & (p >= 0) & (p < C)
+        tl.store(vc_ptr + r * svc_r + p * svc_t + d, tl.load(v_ptr + r * sv_r + t * sv_t + d, mask=d < D, other=0.0)
+                 .to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_row(base, out, inside, p, inv_ptr, D, HALF, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """One row rotated by position p (angles in float64, as `_rope_kernel` computes them)."""
+    j = tl.arange(0, BLOCK_H)
+    jm = j < HALF
+    f = tl.load(inv_ptr + j, mask=jm, other=0.0)
+    angle = p.to(tl.float64) * f.to(tl.float64)
+    c = tl.cos(angle).to(tl.float32)
+    s = tl.sin(angle).to(tl.float32)
+    if INTERLEAVED:
+        i1 = 2 * j
+        i2 = 2 * j + 1
+    else:
+        i1 = j
+        i2 = j + HALF
+    a = tl.load(base + i1, mask=jm, other=0.0).to(tl.float32)
+    b = tl.load(base + i2, mask=jm, other=0.0).to(tl.float32)
+    tl.store(out + i1, (a * c - b * s).to(out.dtype.element_ty), mask=jm & inside)
+    tl.store(out + i2, (b * c + a * s).to(out.dtype.element_ty), mask=jm & inside)
+    d = tl.arange(0, BLOCK_D)
+    rest = (d >= 2 * HALF) & (d < D)
+    tl.store(out + d, tl.load(base + d, mask=rest, other=0.0).to(out.dtype.element_ty), mask=rest & inside)
+
+
+def rope_qkv_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """rope(q), and k_cache[..., pos + t, :] = rope(k), v_cache[..., pos + t, :] = v, in one launch.
+    q [..., T, D], k and v [..., T, D] with the caches' leading shape; returns rope(q)."""
+    assert k.shape == v.shape and k_cache.shape == v_cache.shape and pos.dim() == 0
+    q3, k3, v3 = _rows3(q), _rows3(k), _rows3(v)
+    kc3 = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    vc3 = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    t, d = q3.shape[1], q3.shape[2]
+    half = inv_freq.shape[0]
+    q_rows, kv_rows = q3.shape[0] * t, k3.shape[0] * t
+    _rope_qkv_kernel[(q_rows + 2 * kv_rows,)](
+        q3, k3, v3, pos, inv_freq, out, kc3, vc3, q_rows, kv_rows, t, d, half, q3.stride(0), q3.stride(1),
+        k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), out.stride(0), out.stride(1), kc3.stride(0),
+        kc3.stride(1), vc3.stride(0), vc3.stride(1), kc3.shape[1], INTERLEAVED=interleaved,
+        BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+    return out.view(q.shape)
+
+
 # -- slice write at runtime starts ----------------------------------------------------------------
 
 MAX_RANK = 6

@@ -177,10 +177,20 @@ def _limb_words(X, shifts, LIMB: tl.constexpr):
 
 
 @triton.jit
-def _qgemv_words_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, kw_per_split,
-                        stride_xm, stride_qw, stride_sk, stride_ym,
+def _load_x(x_ptr, x2_ptr, offs, mask, GLU: tl.constexpr):
+    """x, or silu(x) * x2 (the gated unit of an MLP, computed as the region kernel computes it)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GLU:
+        x = (x * tl.sigmoid(x)) * tl.load(x2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
+                        stride_xm, stride_qw, stride_sk, stride_ym, stride_rm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        TB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+                        TB: tl.constexpr, REDUCE: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                        GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -189,7 +199,11 @@ def _qgemv_words_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, kw_per_
     below float32's on the tile's largest element), split into three bytes; `dp4a` multiplies four
     nibbles by four bytes and adds, so 8 weights cost 6 integer dot products instead of 8 conversions
     and 8 multiply-adds. Per block of 32 the three byte sums combine exactly in int32, then one
-    float multiply by the block's scale (and bias * sum x)."""
+    float multiply by the block's scale (and bias * sum x).
+
+    REDUCE: 0 one split, stored; 1 splits added atomically into a zeroed y; 2 each split stores its
+    partial sums and the last program of a column (a ticket per column, reset behind it) adds them in
+    order (no memset launch, deterministic). GLU: x = silu(x) * x2. RESIDUAL: y = res + x @ W."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -226,8 +240,9 @@ def _qgemv_words_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, kw_per_
         # x as integers: the low (k % 8 < 4) and high halves of each word's 8 k
         kl = kw0 * 8 + x_rel
         xm = m_mask[:, None, None, None]
-        x_lo = tl.load(x_rows + kl, mask=xm & (kl < K), other=0.0).to(tl.float32)           # [ROWS, TB, 4, 4]
-        x_hi = tl.load(x_rows + kl + 4, mask=xm & (kl + 4 < K), other=0.0).to(tl.float32)
+        x_off = offs_m[:, None, None, None] * stride_xm + kl
+        x_lo = _load_x(x_ptr, x2_ptr, x_off, xm & (kl < K), GLU)                             # [ROWS, TB, 4, 4]
+        x_hi = _load_x(x_ptr, x2_ptr, x_off + 4, xm & (kl + 4 < K), GLU)
         top = tl.max(tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2), axis=1)   # [ROWS]
         e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF                                   # |x| < 2**(e - 126)
         e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)                                    # 2**(148 - e): |x * scale| < 2**22
@@ -254,9 +269,25 @@ def _qgemv_words_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, kw_per_
             acc += tl.sum(b[None, :, :] * x_sum[:, :, None], axis=1)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
+    if REDUCE == 1:
         tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
+    elif REDUCE == 2:
+        splits = tl.num_programs(1)
+        column = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + column, acc, mask=mask)
+        tl.debug_barrier()                                        # every thread's partial is written
+        ticket = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        if ticket == splits - 1:                                  # the last split of this column: sum in order
+            total = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for sk in range(0, splits):
+                total += tl.load(part_ptr + sk * M * N + column, mask=mask, other=0.0, cache_modifier=".cg")
+            if RESIDUAL:
+                total += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")   # ready for the next launch
     else:
+        if RESIDUAL:
+            acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -639,9 +670,30 @@ def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, con
         y.copy_(target)
 
 
-def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict) -> None:
+SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "2"))   # 2: tickets, no memset; 1: atomics
+_WORKSPACE: dict = {}
+
+
+def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums and per-column tickets of the split-K GEMV, one pair per device and stream (kernels
+    of one stream run in order; every launch leaves the tickets at zero). Sized generously at first
+    use, which is an eager run, so a CUDA-graph capture never allocates."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    have = _WORKSPACE.get(key)
+    if have is None or have[0].numel() < floats or have[1].numel() < tickets:
+        floats = max(floats, 1 << 22, have[0].numel() if have else 0)
+        tickets = max(tickets, 1 << 16, have[1].numel() if have else 0)
+        have = _WORKSPACE[key] = (torch.empty(floats, dtype=torch.float32, device=device),
+                                  torch.zeros(tickets, dtype=torch.int32, device=device))
+    return have
+
+
+def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, x_gate: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> None:
+    """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; + residual when given)."""
     m = x2.shape[0]
     if config.pop("NLOOP", False):
+        assert x_gate is None and residual is None
         return _words_nloop_gemv(x2, w, y, config)
     cfg = {**words_gemv_config(w, m, _sm_count(x2.device), config.pop("WAVES", 32), config.get("num_warps"),
                                config.get("ROWS")), **config}
@@ -649,17 +701,30 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     kw = w.q.shape[0]
     kw_per_split = triton.cdiv(triton.cdiv(kw, split), 4 * tb) * 4 * tb
     split = triton.cdiv(kw, kw_per_split)
-    atomic = split > 1
+    reduce = cfg.pop("REDUCE", SPLIT_REDUCE)
+    reduce = (reduce or SPLIT_REDUCE) if split > 1 else 0
+    if residual is not None and reduce == 1:
+        reduce = 2
+    grid = (triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))
     target = y
-    if atomic:
+    part, tickets = y, y
+    if reduce == 1:
         target = y if y.dtype == torch.float32 and y.stride(1) == 1 else torch.empty((m, w.n), dtype=torch.float32,
                                                                                       device=x2.device)
         target.zero_()
+    elif reduce == 2:
+        part, tickets = _workspace(x2.device, split * m * w.n, grid[0] * grid[2])
     b = w.bias if w.bias is not None else w.scale
-    _qgemv_words_kernel[(triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))](
-        x2, w.q, w.scale, b, target, m, w.n, w.k, kw, kw_per_split, x2.stride(0), w.q.stride(0), w.scale.stride(0),
-        target.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None, ROWS=rows, BLOCK_N=block_n, TB=tb,
-        ATOMIC=atomic, ASM=cfg.pop("ASM", DP4A), **cfg)
+    gate = x_gate if x_gate is not None else x2
+    if x_gate is not None:
+        assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape
+        x2, gate = gate, x2       # the kernel reads silu(x_ptr) * x2_ptr
+    res = residual if residual is not None else y
+    _qgemv_words_kernel[grid](
+        x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
+        w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
+        ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
+        RESIDUAL=residual is not None, **cfg)
     if target is not y:
         y.copy_(target)
 

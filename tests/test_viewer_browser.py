@@ -238,6 +238,18 @@ def test_svg_export_is_valid_svg(smol):
     assert root.findall(".//s:style", ns) and len(regions) == page.locator("#graph rect.region").count() > 0
     assert len(root.findall(".//s:text", ns)) > 2 * len(nodes)      # labels, whatever the zoom on screen
     assert info.value.suggested_filename.endswith(".svg")
+    # the visible area only: the window's size at the current zoom
+    page.evaluate("ingotViewer.fitBox([0, 0, 800, 600])")
+    page.select_option("#export-area", "view")
+    with page.expect_download() as info:
+        page.click("#export-svg")
+    view = ET.parse(info.value.path()).getroot()
+    width, height = float(view.get("width")), float(view.get("height"))
+    k = page.evaluate("ingotViewer.state.view.k")
+    box = page.locator("#canvas").bounding_box()
+    assert width == pytest.approx(box["width"] / k, abs=1) and height == pytest.approx(box["height"] / k, abs=1)
+    assert height < float(root.get("height"))
+    page.select_option("#export-area", "all")
 
 
 def test_png_export(smol):

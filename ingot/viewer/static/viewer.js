@@ -567,15 +567,21 @@ function search(focus) {
 }
 
 // ---- export ----------------------------------------------------------------------------------------
+// the area to export, in layout coordinates: the whole graph, or what the window shows now
+function exportArea() {
+  const pad = 20, lay = S.layout;
+  if ($("export-area").value !== "view") return [-pad, -pad, lay.width + 2 * pad, lay.height + 2 * pad];
+  const r = $("canvas").getBoundingClientRect(), k = S.view.k;
+  return [-S.view.x / k, -S.view.y / k, r.width / k, r.height / k];
+}
 function svgText() {
   const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
   svg.innerHTML = graphMarkup(true).markup;    // labels always, whatever the zoom
-  const lay = S.layout, pad = 20;
+  const [x, y, w, h] = exportArea();
   svg.setAttribute("xmlns", "http://www.w3.org/2000/svg");
-  svg.setAttribute("viewBox", `${-pad} ${-pad} ${lay.width + 2 * pad} ${lay.height + 2 * pad}`);
-  svg.setAttribute("width", Math.ceil(lay.width + 2 * pad)); svg.setAttribute("height", Math.ceil(lay.height + 2 * pad));
-  svg.removeAttribute("id");
-  svg.querySelector("#viewport").removeAttribute("transform");
+  svg.setAttribute("viewBox", `${x} ${y} ${w} ${h}`);
+  svg.setAttribute("width", Math.ceil(w)); svg.setAttribute("height", Math.ceil(h));
+  svg.querySelector("#viewport").removeAttribute("id");
   const css = [];
   for (const sheet of document.styleSheets) {
     try { for (const rule of sheet.cssRules) if (/\.(node|edge|stub|region|block)/.test(rule.selectorText || "")) css.push(rule.cssText); } catch (e) { /* other origin */ }
@@ -584,7 +590,7 @@ function svgText() {
   style.textContent = css.join("\n");
   svg.insertBefore(style, svg.firstChild);
   const bg = document.createElementNS("http://www.w3.org/2000/svg", "rect");
-  for (const [k, v] of [["x", -pad], ["y", -pad], ["width", "100%"], ["height", "100%"], ["fill", "#ffffff"]]) bg.setAttribute(k, v);
+  for (const [k, v] of [["x", x], ["y", y], ["width", w], ["height", h], ["fill", "#ffffff"]]) bg.setAttribute(k, v);
   svg.insertBefore(bg, style.nextSibling);
   return '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(svg);
 }
@@ -598,15 +604,15 @@ function download(blob, name) {
 function baseName() { return (D.model.path.split(/[\\/]/).pop() || "graph").replace(/\.[^.]*$/, "") || "graph"; }
 function exportSvg() { download(new Blob([svgText()], {type: "image/svg+xml"}), baseName() + ".svg"); }
 async function exportPng() {
-  const text = svgText(), lay = S.layout;
-  const scale = Math.min(2, 16000 / Math.max(lay.width + 40, lay.height + 40));
+  const text = svgText(), [, , w, h] = exportArea();
+  const scale = Math.min(2, 16000 / Math.max(w, h));
   const img = new Image();
   const url = URL.createObjectURL(new Blob([text], {type: "image/svg+xml"}));
   await new Promise((ok, fail) => { img.onload = ok; img.onerror = () => fail(new Error("the SVG did not load as an image")); img.src = url; });
   const canvas = document.createElement("canvas");
-  canvas.width = Math.ceil((lay.width + 40) * scale); canvas.height = Math.ceil((lay.height + 40) * scale);
+  canvas.width = Math.ceil(w * scale); canvas.height = Math.ceil(h * scale);
   const ctx = canvas.getContext("2d");
-  ctx.scale(scale, scale); ctx.drawImage(img, 0, 0);
+  ctx.scale(scale, scale); ctx.drawImage(img, 0, 0, w, h);
   URL.revokeObjectURL(url);
   const blob = await new Promise(ok => canvas.toBlob(ok, "image/png"));
   download(blob, baseName() + ".png");

@@ -93,6 +93,7 @@ def op_under_test(case, module_ops: dict[str, str], module: str) -> str:
 
 def _input_value(value):
     from onnx import TensorProto
+
     from .onnx import _tensor_array
     if isinstance(value, TensorProto):
         return _tensor_array(value)

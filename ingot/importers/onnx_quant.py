@@ -1,0 +1,192 @@
+"""ONNX converters for quantization: Quantize/DequantizeLinear (DequantizeLinear -> MatMul becomes
+quantized_matmul in the compiler), com.microsoft MatMulNBits, DynamicQuantizeLinear, integer matmuls."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..errors import IngotError
+from ..graph import Tensor
+from ..ops import normalize_axis
+from .onnx import Context, OnnxNode
+from .onnx_ops import converter, need_float, onnx_to_ingot_dtype, scalar
+
+
+def _quant_params(ctx: Context, node: OnnxNode, x: Tensor, scale: Tensor):
+    axis = node.attr("axis", 1)
+    block = node.attr("block_size", 0)
+    if scale.ndim == 0 or scale.type.size == 1 and scale.ndim <= 1:
+        return None, None
+    axis = normalize_axis(node.op_type, axis, x.ndim)
+    if block:
+        if scale.ndim != x.ndim:
+            raise IngotError(f"a blocked scale of rank {scale.ndim} for an input of rank {x.ndim}")
+        return None, None  # block-broadcast form already: Ingot takes parameters of the input's rank
+    return axis, None
+
+
+@converter("DequantizeLinear")
+def _dequantize_linear(ctx: Context, node: OnnxNode):
+    q, scale, zero = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    if q.dtype not in (dt.int8, dt.uint8, dt.int4, dt.uint4):
+        if q.dtype in (dt.int32, dt.int64) and scale.ndim <= 1:  # int16/uint16/int32 tensors: in floats
+            p = scale if scale.ndim == 0 or scale.type.size == 1 else _axis_param(g, scale, node, q)
+            y = g.cast(q, dt.float32)
+            if zero is not None:
+                zp = zero if zero.ndim == 0 or zero.type.size == 1 else _axis_param(g, zero, node, q)
+                y = y - g.cast(zp, dt.float32)
+            y = y * (p if p.dtype == dt.float32 else g.cast(p, dt.float32))
+            return [y if scale.dtype == dt.float32 else g.cast(y, scale.dtype)]
+        raise ctx.fail(node, f"input of type {q.dtype.name}")
+    if node.attr("output_dtype", 0):
+        raise ctx.fail(node, "output_dtype")
+    axis, block = _quant_params(ctx, node, q, scale)
+    if zero is not None and zero.dtype.packed:
+        zv = ctx.value(zero)
+        zero = None if zv is None else zero
+        if zero is None:
+            raise ctx.fail(node, "a 4-bit zero point computed at run time")
+    if zero is not None and zero.dtype.packed:
+        zero = g.constant(dt.unpack_int4(ctx.g.constants[zero.node.attrs["key"]], zero.shape[-1],
+                                         signed=zero.dtype.kind == "i").astype(np.float32))
+    if zero is not None and ctx.value(zero) is not None and not np.any(ctx.value(zero)):
+        zero = None
+    if zero is not None and zero.dtype != scale.dtype:
+        zero = g.cast(zero, scale.dtype)
+    if scale.ndim == 1 and scale.shape[0] == 1 and q.ndim != 1:
+        scale = g.reshape(scale, ())
+        zero = None if zero is None else g.reshape(zero, ())
+    return [g.dequantize(q, scale=scale, zero_point=zero, axis=axis, dtype=scale.dtype)]
+
+
+def _axis_param(g, p: Tensor, node: OnnxNode, x: Tensor) -> Tensor:
+    axis = normalize_axis(node.op_type, node.attr("axis", 1), x.ndim)
+    shape = [1] * x.ndim
+    shape[axis] = p.shape[0]
+    return g.reshape(p, shape)
+
+
+@converter("QuantizeLinear")
+def _quantize_linear(ctx: Context, node: OnnxNode):
+    x, scale, zero = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    need_float(ctx, node, x)
+    target = zero.dtype if zero is not None else dt.uint8
+    if node.attr("output_dtype", 0):
+        target = onnx_to_ingot_dtype(ctx, node, node.attr("output_dtype"))
+    if target not in (dt.int8, dt.uint8):
+        raise ctx.fail(node, f"output type {target.name}")
+    if node.attr("saturate", 1) == 0 or node.attr("precision", 0):
+        raise ctx.fail(node, "saturate=0 or precision")
+    axis, _ = _quant_params(ctx, node, x, scale)
+    if scale.dtype != x.dtype:
+        scale = g.cast(scale, x.dtype)
+    if scale.ndim == 1 and scale.shape[0] == 1 and x.ndim != 1:
+        scale = g.reshape(scale, ())
+        zero = None if zero is None else g.reshape(zero, ())
+    return [g.quantize(x, target, scale=scale, zero_point=zero, axis=axis)]
+
+
+@converter("MatMulNBits", domain="com.microsoft")
+def _matmul_nbits(ctx: Context, node: OnnxNode):
+    """com.microsoft MatMulNBits: y = x @ W^T with W [N, K] quantized in blocks along K."""
+    a, b, scales = node.input(0), node.input(1), node.input(2)
+    zero, g_idx, bias = node.input(3), node.input(4), node.input(5)
+    g = ctx.g
+    bits, block = node.attr("bits", 4), node.attr("block_size")
+    k, n = node.attr("K"), node.attr("N")
+    if bits not in (4, 8) or g_idx is not None or k % block:
+        raise ctx.fail(node, f"bits={bits}, g_idx or K={k} not a multiple of block_size={block} (Ingot takes 4 or 8 bits, "
+                             "no g_idx, whole blocks)")
+    packed = ctx.value(b)
+    scale = ctx.value(scales)
+    if packed is None or scale is None:
+        raise ctx.fail(node, "weights computed at run time")
+    blocks = k // block
+    scale = g.constant(scale.reshape(n, blocks))
+    if bits == 4:
+        qdtype = dt.uint4
+        weight = g.constant(np.ascontiguousarray(packed.reshape(n, k // 2)), dtype=dt.uint4)
+    else:
+        qdtype = dt.uint8
+        weight = g.constant(np.ascontiguousarray(packed.reshape(n, k)))
+    if zero is None:
+        zp = g.constant(np.full((n, 1), 2 ** (bits - 1), np.float32).astype(scale.dtype.numpy))
+    else:
+        z = ctx.value(zero)
+        if z is None:
+            raise ctx.fail(node, "zero points computed at run time")
+        if z.dtype == np.uint8:
+            values = dt.unpack_int4(z.reshape(n, -1), 2 * z.size // n, signed=False)[:, :blocks] if bits == 4 else z.reshape(n, blocks)
+            zp = g.constant(values.astype(scale.dtype.numpy))
+        else:
+            zp = g.constant(z.reshape(n, blocks).astype(scale.dtype.numpy))
+    del qdtype
+    w = g.dequantize(weight, scale=scale, zero_point=zp, axis=1, block_size=block, dtype=scale.dtype)
+    y = g.matmul(a, g.transpose(w))
+    if bias is not None:
+        y = y + bias
+    return [y]
+
+
+@converter("DynamicQuantizeLinear")
+def _dynamic_quantize_linear(ctx: Context, node: OnnxNode):
+    """uint8 quantization with the scale and zero point of x's own range (which includes 0)."""
+    (x,) = node.inputs
+    g = ctx.g
+    need_float(ctx, node, x)
+    zero = scalar(ctx, 0, x)
+    lo = g.minimum(g.min(x, tuple(range(x.ndim))), zero)
+    hi = g.maximum(g.max(x, tuple(range(x.ndim))), zero)
+    scale = (hi - lo) / scalar(ctx, 255, x)
+    zero_point = g.quantize(g.neg(lo) / scale, dt.uint8, scale=scalar(ctx, 1, x))   # saturate(round(-lo / scale))
+    y = g.quantize(x, dt.uint8, scale=scale, zero_point=zero_point)
+    return [y, scale, zero_point]
+
+
+def _integer_operand(g, t: Tensor, zero: Tensor | None, axis: int | None) -> Tensor:
+    """An 8-bit matmul operand as int32 with its zero point taken away (per tensor or per axis)."""
+    wide = g.cast(t, dt.int32)
+    if zero is None:
+        return wide
+    z = g.cast(zero, dt.int32)
+    if z.ndim == 1 and z.shape[0] != 1 and axis is not None:
+        shape = [1] * t.ndim
+        shape[axis] = z.shape[0]
+        z = g.reshape(z, shape)
+    elif z.ndim == 1:
+        z = g.reshape(z, ())
+    return wide - z
+
+
+@converter("MatMulInteger")
+def _matmul_integer(ctx: Context, node: OnnxNode):
+    a, b = node.input(0), node.input(1)
+    g = ctx.g
+    ai = _integer_operand(g, a, node.input(2), a.ndim - 2 if a.ndim >= 2 else None)
+    bi = _integer_operand(g, b, node.input(3), b.ndim - 1)
+    return [g.matmul(ai, bi)]
+
+
+@converter("QLinearMatMul")
+def _qlinear_matmul(ctx: Context, node: OnnxNode):
+    """Dequantize both sides, multiply in float, quantize the result (a DequantizeLinear -> MatMul
+    pattern the compiler fuses where the weight side is constant)."""
+    a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero = node.inputs
+    g = ctx.g
+    if a.dtype not in (dt.int8, dt.uint8) or b.dtype not in (dt.int8, dt.uint8):
+        raise ctx.fail(node, f"inputs of type {a.dtype.name} and {b.dtype.name}")
+
+    def dequantized(q, scale, zero, axis):
+        scale = scale if scale.dtype == dt.float32 else g.cast(scale, dt.float32)
+        per_axis = scale.ndim == 1 and scale.shape[0] != 1
+        scale = scale if per_axis else g.reshape(scale, ())
+        zero = None if zero is None else (zero if per_axis else g.reshape(zero, ()))
+        return g.dequantize(q, scale=scale, zero_point=zero, axis=axis if per_axis else None)
+
+    af = dequantized(a, a_scale, a_zero, a.ndim - 2)
+    bf = dequantized(b, b_scale, b_zero, b.ndim - 1)
+    y = g.matmul(af, bf)
+    ys = g.reshape(y_scale if y_scale.dtype == dt.float32 else g.cast(y_scale, dt.float32), ())
+    return [g.quantize(y, y_zero.dtype, scale=ys, zero_point=g.reshape(y_zero, ()))]

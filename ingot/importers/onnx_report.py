@@ -33,9 +33,9 @@ GreaterOrEqual GroupNormalization HammingWindow HannWindow Hardmax HardSigmoid H
 IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax LpNormalization LpPool MatMul
 MatMulInteger Max MaxPool Mean Min Mish Mul Neg Not OneHot Or Pad Pow PRelu QLinearMatMul Range Reciprocal
 ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu
-Reshape Resize RMSNormalization RotaryEmbedding Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus
-Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tanh ThresholdedRelu Tile Transpose Trilu
-Unsqueeze Where Xor
+Reshape Resize RMSNormalization RotaryEmbedding Scatter ScatterElements ScatterND Selu Shape Sigmoid Sign Sin
+Size Slice Softmax Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tanh ThresholdedRelu
+Tile Transpose Trilu Unsqueeze Where Xor
 """.split())
 
 

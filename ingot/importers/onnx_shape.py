@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
+from ..graph import Tensor
 from ..ops import normalize_axis
 from .onnx import Context, OnnxNode, as_ingot_array
 from .onnx_ops import attr_or_input, converter, ints, onnx_to_ingot_dtype, scalar
@@ -346,3 +347,73 @@ def _gather_nd(ctx: Context, node: OnnxNode):
             tuple(data.shape[:batch]) + (1,) * (flat_index.ndim - batch))
         flat_index = flat_index + g.constant(offsets)
     return [g.gather(flat, flat_index, axis=0)]
+
+
+def _scatter_rows(ctx: Context, node: OnnxNode, data: Tensor, hot: Tensor, updates: Tensor) -> Tensor:
+    """data [..., R, C] with rows replaced (or combined, by `reduction`) where hot [..., M, R] says
+    which of the updates [..., M, C] go: a one-hot product, for the small scatters models make."""
+    g = ctx.g
+    reduction = node.attr("reduction", "none")
+    m_axis = hot.ndim - 2
+    hit = g.cast(g.max(g.cast(hot, dt.int32), (m_axis,)), dt.bool_)                # [..., R]
+    hit = g.reshape(hit, tuple(hit.shape) + (1,))
+    if reduction in ("none", "add"):
+        wide = data.dtype if data.dtype.is_float else dt.float32 if data.dtype != dt.int64 else dt.int64
+        placed = g.matmul(g.swapaxes(g.cast(hot, wide), -1, -2), updates if updates.dtype == wide else g.cast(updates, wide))
+        placed = placed if placed.dtype == data.dtype else g.cast(placed, data.dtype)
+        return g.where(hit, placed, data) if reduction == "none" else data + placed
+    if reduction in ("max", "min"):
+        fill = scalar(ctx, -np.inf if reduction == "max" else np.inf, updates) if updates.dtype.is_float else \
+            scalar(ctx, np.iinfo(updates.dtype.numpy).min if reduction == "max" else np.iinfo(updates.dtype.numpy).max, updates)
+        spread = g.where(g.reshape(hot, tuple(hot.shape) + (1,)), g.reshape(updates, tuple(updates.shape[:-1]) + (1, updates.shape[-1])), fill)
+        best = (g.max if reduction == "max" else g.min)(spread, (m_axis,))          # [..., R, C]
+        combined = (g.maximum if reduction == "max" else g.minimum)(data, best)
+        return g.where(hit, combined, data)
+    if reduction == "mul" and hot.shape[m_axis] <= 64:  # a product over the (few) updates, one at a time
+        out = data
+        count = hot.shape[m_axis]
+        for j in range(count):
+            one_hot = g.slice(hot, [0] * m_axis + [j, 0], [None] * m_axis + [j + 1, None])              # [..., 1, R]
+            one = g.slice(updates, [0] * m_axis + [j, 0], [None] * m_axis + [j + 1, None])              # [..., 1, C]
+            out = out * g.where(g.swapaxes(one_hot, -1, -2), one, scalar(ctx, 1, updates))
+        return out
+    raise ctx.fail(node, f"reduction {reduction!r}")
+
+
+@converter("ScatterND")
+def _scatter_nd(ctx: Context, node: OnnxNode):
+    data, idx, updates = node.inputs
+    g = ctx.g
+    if data.dtype == dt.bool_:
+        raise ctx.fail(node, "bool data")
+    depth = idx.shape[-1]
+    lead = data.shape[:depth]
+    rows = int(np.prod(lead, dtype=np.int64))
+    rest = int(np.prod(data.shape[depth:], dtype=np.int64))
+    count = int(np.prod(idx.shape[:-1], dtype=np.int64))
+    strides = np.array([int(np.prod(lead[i + 1:], dtype=np.int64)) for i in range(depth)], np.int64)
+    idx = idx if idx.dtype == dt.int64 else g.cast(idx, dt.int64)
+    idx = g.where(idx < scalar(ctx, 0, idx), idx + g.constant(np.array(lead, np.int64)), idx)
+    flat = g.reshape(g.sum(idx * g.constant(strides), (idx.ndim - 1,)), (count, 1))
+    hot = g.equal(flat, g.constant(np.arange(rows, dtype=np.int64)))                       # [M, R]
+    out = _scatter_rows(ctx, node, g.reshape(data, (rows, rest)), hot, g.reshape(updates, (count, rest)))
+    return [g.reshape(out, tuple(data.shape))]
+
+
+@converter("ScatterElements", "Scatter")
+def _scatter_elements(ctx: Context, node: OnnxNode):
+    data, idx, updates = node.inputs
+    g = ctx.g
+    axis = normalize_axis("ScatterElements", node.attr("axis", 0), data.ndim)
+    if data.dtype == dt.bool_ or idx.shape != updates.shape or any(
+            i != d for a, (i, d) in enumerate(zip(idx.shape, data.shape)) if a != axis):
+        raise ctx.fail(node, "bool data, or indices that cover only part of the other axes")
+    n = data.shape[axis]
+    perm = [a for a in range(data.ndim) if a != axis] + [axis]
+    back = [perm.index(a) for a in range(data.ndim)]
+    idx = idx if idx.dtype == dt.int64 else g.cast(idx, dt.int64)
+    idx = g.where(idx < scalar(ctx, 0, idx), idx + scalar(ctx, n, idx), idx)
+    d_t, i_t, u_t = (g.transpose(t, perm) for t in (data, idx, updates))                    # [*other, n|m]
+    hot = g.equal(g.reshape(i_t, tuple(i_t.shape) + (1,)), g.constant(np.arange(n, dtype=np.int64)))  # [*other, m, n]
+    out = _scatter_rows(ctx, node, g.reshape(d_t, tuple(d_t.shape) + (1,)), hot, g.reshape(u_t, tuple(u_t.shape) + (1,)))
+    return [g.transpose(g.reshape(out, tuple(d_t.shape)), back)]

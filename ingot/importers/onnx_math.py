@@ -551,3 +551,31 @@ def _einsum(ctx: Context, node: OnnxNode):
     if sa != out:
         a = g.transpose(a, [sa.index(c) for c in out])
     return [a]
+
+
+@converter("TopK")
+def _top_k(ctx: Context, node: OnnxNode):
+    """TopK for small k as k rounds of arg-max (or min): take the best, mask it out, repeat. Ties
+    go to the lower index, as ONNX asks; the result is sorted."""
+    x = node.inputs[0]
+    g = ctx.g
+    k = int(np.asarray(ctx.constant(node, 1, "K")).reshape(-1)[0]) if node.opset >= 10 else node.attr("k")
+    axis = normalize_axis("TopK", node.attr("axis", -1), x.ndim)
+    largest = bool(node.attr("largest", 1))
+    if k > 64 or not (x.dtype.is_float or x.dtype.is_int) or not node.attr("sorted", 1):
+        raise ctx.fail(node, f"k={k} > 64, a {x.dtype.name} input or sorted=0")
+    n = x.shape[axis]
+    positions = _positions(ctx, n, x.ndim, axis, dt.int32)
+    spent = scalar(ctx, (-np.inf if largest else np.inf) if x.dtype.is_float else
+                   (np.iinfo(x.dtype.numpy).min if largest else np.iinfo(x.dtype.numpy).max), x)
+    values, indices, rest = [], [], x
+    for _ in range(k):
+        best = (g.argmax if largest else g.argmin)(rest, axis, keepdims=True)         # int32 [.., 1, ..]
+        hot = g.equal(best, positions)
+        values.append(g.sum(g.where(hot, x, scalar(ctx, 0, x)), (axis,), keepdims=True))
+        indices.append(g.cast(best, dt.int64))
+        rest = g.where(hot, spent, rest)
+    if k == 0:
+        shape = tuple(0 if a == axis else d for a, d in enumerate(x.shape))
+        return [g.constant(np.zeros(shape, x.dtype.numpy)), g.constant(np.zeros(shape, np.int64))]
+    return [g.concat(values, axis) if k > 1 else values[0], g.concat(indices, axis) if k > 1 else indices[0]]

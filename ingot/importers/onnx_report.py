@@ -35,7 +35,7 @@ MatMulInteger Max MaxPool Mean Min Mish Mul Neg Not OneHot Or Pad Pow PRelu QLin
 ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu
 Reshape Resize RMSNormalization RotaryEmbedding Scatter ScatterElements ScatterND Selu Shape Sigmoid Sign Sin
 Size Slice Softmax Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tanh ThresholdedRelu
-Tile Transpose Trilu Unsqueeze Where Xor
+Tile TopK Transpose Trilu Unsqueeze Where Xor
 """.split())
 
 

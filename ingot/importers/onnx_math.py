@@ -579,3 +579,52 @@ def _top_k(ctx: Context, node: OnnxNode):
         shape = tuple(0 if a == axis else d for a, d in enumerate(x.shape))
         return [g.constant(np.zeros(shape, x.dtype.numpy)), g.constant(np.zeros(shape, np.int64))]
     return [g.concat(values, axis) if k > 1 else values[0], g.concat(indices, axis) if k > 1 else indices[0]]
+
+
+# -- losses ---------------------------------------------------------------------------------------
+
+def _nll(ctx: Context, node: OnnxNode, x: Tensor, target: Tensor, weight: Tensor | None) -> Tensor:
+    """ONNX's negative log-likelihood over [N, C, d...] (the class picked by a one-hot, not a gather)."""
+    g = ctx.g
+    c = x.shape[1]
+    ignore = node.attr("ignore_index")
+    reduction = node.attr("reduction", "mean")
+    target = target if target.dtype == dt.int64 else g.cast(target, dt.int64)
+    hot = g.equal(g.reshape(target, (target.shape[0], 1) + tuple(target.shape[1:])), _positions(ctx, c, x.ndim, 1, dt.int64))
+    zero = scalar(ctx, 0, x)
+    loss = g.neg(g.sum(g.where(hot, x, zero), (1,)))                                     # [N, d...]
+    valid = None if ignore is None else g.not_equal(target, scalar(ctx, ignore, target))
+    if weight is not None:
+        per_class = g.reshape(weight, (1, c) + (1,) * (x.ndim - 2))
+        taken = g.sum(g.where(hot, g.broadcast_to(per_class, tuple(x.shape)), zero), (1,))
+        taken = taken if valid is None else g.where(valid, taken, zero)
+        loss = loss * taken
+    else:
+        taken = g.cast(valid, x.dtype) if valid is not None else None
+        if valid is not None:
+            loss = g.where(valid, loss, zero)
+    axes = tuple(range(loss.ndim))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return g.sum(loss, axes)
+    if taken is None or (weight is None and ignore == -1):  # ONNX's reference averages over every element then
+        return g.mean(loss, axes)
+    return g.sum(loss, axes) / g.sum(taken, axes)
+
+
+@converter("NegativeLogLikelihoodLoss")
+def _nll_loss(ctx: Context, node: OnnxNode):
+    x, target, weight = node.input(0), node.input(1), node.input(2)
+    need_float(ctx, node, x)
+    if x.ndim < 2:
+        raise IngotError(f"an input of rank {x.ndim} (need [N, C, ...])")
+    return [_nll(ctx, node, x, target, weight)]
+
+
+@converter("SoftmaxCrossEntropyLoss")
+def _softmax_cross_entropy(ctx: Context, node: OnnxNode):
+    scores, labels, weight = node.input(0), node.input(1), node.input(2)
+    need_float(ctx, node, scores)
+    log_prob = ctx.g.log_softmax(scores, axis=1)
+    return [_nll(ctx, node, log_prob, labels, weight), log_prob]

@@ -31,11 +31,12 @@ ConstantOfShape Conv ConvTranspose Cos CumSum DepthToSpace DFT Div DynamicQuanti
 Expand EyeLike Flatten Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater
 GreaterOrEqual GroupNormalization HammingWindow HannWindow Hardmax HardSigmoid HardSwish InstanceNormalization
 IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax LpNormalization LpPool MatMul
-MatMulInteger Max MaxPool Mean Min Mish Mul Neg Not OneHot Or Pad Pow PRelu QLinearMatMul Range Reciprocal
-ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceSum ReduceSumSquare Relu
-Reshape Resize RMSNormalization RotaryEmbedding Scatter ScatterElements ScatterND Selu Shape Sigmoid Sign Sin
-Size Slice Softmax Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tanh ThresholdedRelu
-Tile TopK Transpose Trilu Unsqueeze Where Xor
+MatMulInteger Max MaxPool Mean Min Mish Mul Neg NegativeLogLikelihoodLoss Not OneHot Or Pad Pow PRelu
+QLinearMatMul Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin
+ReduceSum ReduceSumSquare Relu Reshape Resize RMSNormalization RotaryEmbedding Scatter ScatterElements
+ScatterND Selu Shape Sigmoid Sign Sin Size Slice Softmax SoftmaxCrossEntropyLoss Softplus Softsign
+SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tanh ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze
+Where Xor
 """.split())
 
 

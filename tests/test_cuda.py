@@ -181,10 +181,10 @@ def test_words_gemv(rows, fmt, shape):
     assert torch.equal(w.values(), qmm.prepare_weight(q, plist, attrs, DEVICE).values())
     x = torch.randn(rows, k, device=DEVICE)
     want = (x.double() @ qmm.dequantize(w).double())
-    configs = [None, dict(SPLIT=1), dict(ROWS=1), dict(PREFETCH=False, SPLIT=3), dict(num_warps=1, WAVES=4),
-               dict(REDUCE=1), dict(NLOOP=True), dict(NLOOP=True, TB=2)]
+    configs = [{}, dict(SPLIT=1), dict(ROWS=4), dict(PREFETCH=False, SPLIT=3), dict(num_warps=1, WAVES=4),
+               dict(REDUCE=2), dict(NLOOP=True), dict(NLOOP=True, TB=2)]
     for config in configs:
-        got = qmm.quantized_matmul(x, w, config=config)
+        got = qmm.quantized_matmul(x, w, config=dict(config, KERNEL="words"))
         # x is rounded to 22-bit integers per tile: a few float32 roundings of the tile's largest element
         assert rel_err(got.cpu(), want.cpu()) < 2e-6, (config, rel_err(got.cpu(), want.cpu()))
     got = qmm.quantized_matmul(x[:1], w, config=dict(KERNEL="small"))

@@ -205,7 +205,9 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
 # -- the wrapper ----------------------------------------------------------------------------------
 
 DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash tiles
-MERGE_IN_KERNEL = os.environ.get("INGOT_CUDA_DECODE_MERGE", "1") == "1"   # the last split merges: no combine launch
+# the last split merges (no combine launch): its serial walk over 30-90 splits made decode attention
+# 2-3x slower on the H200 (2026-12-02), so the combine kernel stays the default
+MERGE_IN_KERNEL = os.environ.get("INGOT_CUDA_DECODE_MERGE", "0") == "1"
 
 
 def _qmm_workspace(device, floats, tickets):

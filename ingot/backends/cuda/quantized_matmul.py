@@ -631,16 +631,17 @@ def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, wave
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, PREFETCH=True)
 
 
-WORDS_MAX_ROWS = int(os.environ.get("INGOT_CUDA_WORDS_ROWS", "16"))   # more rows: the tensor-core kernel
+# more rows: the tensor-core kernel (H200, Llama-3-8B gate+up at 4 rows: words 155 us, tensor cores 233 us)
+WORDS_MAX_ROWS = int(os.environ.get("INGOT_CUDA_WORDS_ROWS", "4"))
 DP4A = os.environ.get("TRITON_INTERPRET") != "1"                          # the interpreter runs no inline PTX
 
 
 def words_gemv_config(w: QuantizedWeight, m: int, sms: int, waves: int = 32, num_warps: int | None = None,
                       rows: int | None = None) -> dict:
     """The word-layout GEMV: a warp's threads side by side along N (4 columns each, one 16-byte load
-    per row of a tile), up to 4 rows of x per program (the weight tile read once for them), and
+    per row of a tile), ROWS rows of x per program (default 1: more spilled registers), and
     split-K until about `waves` warps per multiprocessor are resident."""
-    rows = rows or min(triton.next_power_of_2(m), 4)
+    rows = rows or 1   # one row per program (the weight read once per row): 4 rows in registers spilled (406 us vs 155)
     warps = num_warps or (4 if w.n >= 4 * 128 * 16 else (2 if w.n >= 2 * 128 * 8 else 1))
     block_n = 128 * warps
     programs = triton.cdiv(w.n, block_n) * triton.cdiv(m, rows)
@@ -670,7 +671,9 @@ def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, con
         y.copy_(target)
 
 
-SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "2"))   # 2: tickets, no memset; 1: atomics
+# 1: atomics into a zeroed y (a memset launch); 2: tickets, no memset, but the last split's serial sum
+# made every shape slower on the H200 (2026-12-02: Llama-3-8B gate+up 48.0 vs 43.4 us, qkv 17.2 vs 12.2)
+SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "1"))
 _WORKSPACE: dict = {}
 
 
@@ -763,7 +766,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     if m == 0:
         return y.reshape(*lead, w.n)
     config = dict(config or {})
-    if w.words and m <= WORDS_MAX_ROWS and config.get("KERNEL", "words") == "words" and "BLOCK_M" not in config:
+    if w.words and (m <= WORDS_MAX_ROWS or config.get("KERNEL") == "words") and config.get("KERNEL", "words") == "words" \
+            and "BLOCK_M" not in config:
         config.pop("KERNEL", None)
         _words_gemv(x2, w, y, config)
         return y.reshape(*lead, w.n)

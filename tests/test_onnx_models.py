@@ -266,3 +266,40 @@ def test_einsum_matches_numpy(equation, shapes):
     out = exe.run(dict(zip(names, arrays)))["y"]
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("past", [0, 3])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_group_query_attention_matches_onnxruntime(past, rotary):
+    """com.microsoft GroupQueryAttention: a prompt (no past) and a step after a dense past, with and without rotary."""
+    rng = np.random.default_rng(0)
+    b, s, hq, hk, d = 2, 4 if past == 0 else 1, 4, 2, 16  # onnxruntime rotates heads of 16k only
+    total = past + s
+    f = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("q", f, [b, s, hq * d]), helper.make_tensor_value_info("k", f, [b, s, hk * d]),
+              helper.make_tensor_value_info("v", f, [b, s, hk * d])]
+    feeds = {"q": rng.standard_normal((b, s, hq * d)).astype(np.float32), "k": rng.standard_normal((b, s, hk * d)).astype(np.float32),
+             "v": rng.standard_normal((b, s, hk * d)).astype(np.float32)}
+    names = ["q", "k", "v", "", ""]
+    if past:
+        inputs += [helper.make_tensor_value_info(n, f, [b, hk, past, d]) for n in ("past_k", "past_v")]
+        feeds.update(past_k=rng.standard_normal((b, hk, past, d)).astype(np.float32),
+                     past_v=rng.standard_normal((b, hk, past, d)).astype(np.float32))
+        names[3:5] = ["past_k", "past_v"]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]), helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    feeds.update(seqlens_k=np.full(b, total - 1, np.int32), total=np.array(total, np.int32))
+    names += ["seqlens_k", "total"]
+    inits, attrs = [], {}
+    if rotary:
+        angles = np.arange(16)[:, None] / (10000 ** (np.arange(0, d, 2) / d))[None, :]
+        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        names += ["cos", "sin"]
+        attrs = {"do_rotary": 1}
+    node = helper.make_node("GroupQueryAttention", names, ["y", "present_k", "present_v"], domain="com.microsoft",
+                            num_heads=hq, kv_num_heads=hk, **attrs)
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("y", "present_k", "present_v")]
+    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    exe = from_onnx(model)
+    assert op_counts(exe)["sdpa"] == 1
+    assert_matches(exe, model, feeds, atol=1e-5)

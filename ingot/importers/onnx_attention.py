@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
+from ..graph import Tensor
 from .onnx import Context, OnnxNode
 from .onnx_ops import converter, need_float, scalar
 
@@ -184,3 +185,63 @@ def _rotary_embedding(ctx: Context, node: OnnxNode):
     if rd != head:
         rotated = g.concat([rotated, g.slice(y, [0, 0, 0, rd], [None] * 4)], axis=3)
     return [g.transpose(rotated, (0, 2, 1, 3)) if four_d else g.reshape(rotated, tuple(x.shape))]
+
+
+def _rotate(ctx: Context, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """x [B, H, S, D] rotated by cos/sin [S, rd/2] (the first rd dims; the rest pass through)."""
+    g = ctx.g
+    b, h, s, d = x.shape
+    rd = cos.shape[-1] * 2
+    cos, sin = g.reshape(cos, (1, 1, s, rd // 2)), g.reshape(sin, (1, 1, s, rd // 2))
+    part = x if rd == d else g.slice(x, [0, 0, 0, 0], [None, None, None, rd])
+    if interleaved:
+        x1 = g.slice(part, [0, 0, 0, 0], [None] * 4, [1, 1, 1, 2])
+        x2 = g.slice(part, [0, 0, 0, 1], [None] * 4, [1, 1, 1, 2])
+    else:
+        x1, x2 = g.split(part, 2, axis=3)
+    real, imag = cos * x1 - sin * x2, sin * x1 + cos * x2
+    if interleaved:
+        pair = tuple(real.shape) + (1,)
+        out = g.reshape(g.concat([g.reshape(real, pair), g.reshape(imag, pair)], axis=4), tuple(part.shape))
+    else:
+        out = g.concat([real, imag], axis=3)
+    return out if rd == d else g.concat([out, g.slice(x, [0, 0, 0, rd], [None] * 4)], axis=3)
+
+
+@converter("GroupQueryAttention", domain="com.microsoft")
+def _group_query_attention(ctx: Context, node: OnnxNode):
+    """com.microsoft GroupQueryAttention: SDPA with fewer K/V heads, causal, keys past seqlens_k
+    masked; a past K/V is taken as dense (the new tokens follow all of its positions) and
+    present = concat(past, new). Rotary (do_rotary) with the model's cos/sin caches."""
+    q, k, v, past_k, past_v, seqlens = (node.input(i) for i in range(6))
+    g = ctx.g
+    need_float(ctx, node, q)
+    if any(node.input(i) is not None for i in (9, 10, 11)) or node.attr("smooth_softmax", 0) or node.attr("softcap", 0.0):
+        raise ctx.fail(node, "position_ids, attention_bias, head_sink, smooth_softmax or softcap")
+    hq, hk = node.attr("num_heads"), node.attr("kv_num_heads")
+    b, s = q.shape[:2]
+    if k is None:  # packed QKV
+        d = q.shape[2] // (hq + 2 * hk)
+        q, k, v = g.split(q, [hq * d, hk * d, hk * d], axis=2)
+    heads = lambda t, h: g.transpose(g.reshape(t, (b, s, h, t.shape[2] // h)), (0, 2, 1, 3))  # noqa: E731
+    q, k, v = heads(q, hq), heads(k, hk), heads(v, hk)
+    past = 0 if past_k is None else past_k.shape[2]
+    if node.attr("do_rotary", 0):
+        cos, sin = node.input(7), node.input(8)
+        positions = g.constant(np.arange(past, past + s, dtype=np.int64))
+        cos, sin = g.gather(cos, positions, axis=0), g.gather(sin, positions, axis=0)
+        interleaved = bool(node.attr("rotary_interleaved", 0))
+        q, k = _rotate(ctx, q, cos, sin, interleaved), _rotate(ctx, k, cos, sin, interleaved)
+    if past_k is not None:
+        k, v = g.concat([past_k, k], axis=2), g.concat([past_v, v], axis=2)
+    total = past + s
+    allowed = np.arange(total)[None, :] <= past + np.arange(s)[:, None]              # causal, [S, T]
+    window = node.attr("local_window_size", -1)
+    if window is not None and window > 0:
+        allowed &= np.arange(total)[None, :] > past + np.arange(s)[:, None] - window
+    mask = g.constant(allowed.reshape(1, 1, s, total))
+    if seqlens is not None:  # keys after the last valid one (seqlens_k[b]) of each sequence do not count
+        last = g.reshape(seqlens if seqlens.dtype == dt.int64 else g.cast(seqlens, dt.int64), (b, 1, 1, 1))
+        mask = g.logical_and(mask, g.less_equal(g.constant(np.arange(total, dtype=np.int64).reshape(1, 1, 1, total)), last))
+    y = g.scaled_dot_product_attention(q, k, v, mask=mask, scale=node.attr("scale") or None)
+    return [g.reshape(g.transpose(y, (0, 2, 1, 3)), (b, s, hq * y.shape[3])), k, v]

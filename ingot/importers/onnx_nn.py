@@ -12,7 +12,7 @@ from ..errors import IngotError
 from ..graph import Tensor
 from ..ir import Op
 from ..ops import normalize_axis
-from .onnx import Context, OnnxNode
+from .onnx import Context, OnnxNode, UnsupportedOnnx
 from .onnx_ops import converter, need_float, onnx_to_ingot_dtype, scalar
 
 
@@ -416,7 +416,11 @@ def _global_pool(ctx: Context, node: OnnxNode):
 def _resize_matrix(n_in: int, n_out: int, scale: float, roi, fct, **kwargs) -> tuple[np.ndarray, np.ndarray]:
     """The interpolation along one axis as a matrix [n_out, n_in] (and which outputs are extrapolated),
     from ONNX's own reference: resizing the identity gives the weights, resizing zeros the outside."""
-    from onnx.reference.ops.op_resize import _interpolate_1d_along_axis
+    try:
+        from onnx.reference.ops.op_resize import _interpolate_1d_along_axis
+    except ImportError:  # older onnx: its reference resized element by element
+        import onnx
+        raise UnsupportedOnnx(f"Resize needs the separable reference of a newer onnx (onnx {onnx.__version__} lacks it)") from None
 
     weights = _interpolate_1d_along_axis(np.eye(n_in), 0, scale, n_out, fct, roi=roi, extrapolation_value=0.0, **kwargs)
     outside = _interpolate_1d_along_axis(np.zeros((n_in, 1)), 0, scale, n_out, fct, roi=roi, extrapolation_value=1.0, **kwargs)

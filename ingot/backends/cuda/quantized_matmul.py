@@ -19,6 +19,9 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   fill the chip.
 - `_qgemm_kernel` (2 rows and more): the same dequantized tile fed to tl.dot (tensor cores; tf32x3
   for float32 inputs, float32-level accuracy).
+- `_qgemv_words_kernel` (1-4 rows, 4-bit affine weights re-packed with `words=True`, the default
+  for matmul weights): int32 words of 8 consecutive k per column, x rounded per tile to 22-bit
+  integers, `dp4a` dot products; optional SiLU(gate)*x prologue and residual epilogue.
 
     >>> w = prepare_weight(q, [scale, bias], attrs, "cuda")     # doctest: +SKIP
     >>> y = quantized_matmul(x, w)                                # doctest: +SKIP

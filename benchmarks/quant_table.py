@@ -59,7 +59,9 @@ def main() -> int:
     from ingot.quant.pipeline import activation_stats, quantize_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(ROWS), help="FMT or FMT+cRANK (compensation) or FMT+awq, comma-separated")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help="FMT[+cRANK][+awq][+cal][+x], comma-separated: compensation rank, AWQ scaling, calibration-weighted "
+                             "quantizer, token_embd kept (Q8_0)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--json", help="also write the results as JSON here")
@@ -87,12 +89,14 @@ def main() -> int:
     print(f"| format | bytes (MB) | vs Q4_1 tensors | adapters (MB) | mean KLD | top-1 | PPL | decode tok/s |", flush=True)
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for row in args.rows.split(","):
-        fmt, _, option = row.partition("+")
-        rank = int(option[1:]) if option.startswith("c") else 0
-        awq = option == "awq"
+        fmt, *options = row.split("+")
+        rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
+        awq = "awq" in options
+        exclude = ["token_embd.weight"] if "x" in options else []   # x: the embedding stays as the GGUF has it (Q8_0)
         t = time.perf_counter()
         with threadpool_limits(1):  # many small SVDs and k-means: BLAS threads only contend on 2 cores
-            result = quantize_model(source, fmt, stats=stats if (rank or awq) else None, compensate=rank, awq=awq)
+            result = quantize_model(source, fmt, stats=stats if (rank or awq or "cal" in options) else None, compensate=rank, awq=awq,
+                                    exclude=exclude)
         quant_s = time.perf_counter() - t
         model = StoredModel(path, source.architecture, source.metadata, result.tensors, source.config, result.adapters)
         r = compare(scored_ref, score(model, token_chunks))

@@ -134,3 +134,38 @@ def test_save_refuses_to_replace_a_folder_that_is_not_a_package(tmp_path):
     cfg = tiny_config()
     with pytest.raises(IngotError, match="refusing"):
         save_llm(tmp_path / "x.ingot", cfg, tiny_tensors(cfg), {})
+
+
+def test_generate_with_lora_and_swap(tiny_package, tmp_path, capsys):
+    import ingot.llm
+    from test_lora import write_peft
+
+    cfg = tiny_config()
+    write_peft(tmp_path / "a", cfg, ["q_proj", "v_proj", "down_proj"], rank=4, alpha=64, seed=1)
+    write_peft(tmp_path / "b", cfg, ["q_proj", "v_proj", "down_proj"], rank=2, alpha=64, seed=2)
+    runs = {}
+    for name, extra in (("base", []), ("a", ["--lora", f"{tmp_path / 'a'}:1.0"])):
+        assert main(["generate", "--model", str(tiny_package), "--no-chat", "--max-tokens", "6", "--json", "hello"] + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["tokens"]
+    assert runs["a"] != runs["base"]
+    # swap adapter b in on the loaded model: the same decode executable, the logits of a fresh load with b
+    llm = ingot.llm.load(str(tiny_package), lora=[str(tmp_path / "a")])
+    decoder = llm.decoder
+    from ingot.adapters import load_peft
+    llm.set_adapters(load_peft(tmp_path / "b", cfg))
+    assert llm.decoder is decoder
+    fresh = ingot.llm.load(str(tiny_package), lora=[str(tmp_path / "b")])
+    ids = [1, 40, 41, 60]
+    np.testing.assert_allclose(llm.prefill(ids), fresh.prefill(ids), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(llm.step(7), fresh.step(7), rtol=1e-5, atol=1e-5)
+
+
+def test_convert_keeps_or_quantizes_the_weights(tiny_package, tmp_path):
+    from ingot.llm.package import convert
+
+    convert(tiny_package, tmp_path / "same.ingot")
+    np.testing.assert_array_equal(_logits(read_llm(tmp_path / "same.ingot")), _logits(read_llm(tiny_package)))
+    convert(tiny_package, tmp_path / "int8.ingot", "int8")
+    model = read_llm(tmp_path / "int8.ingot")
+    assert {t.qdtype.name for t in model.tensors.values() if hasattr(t, "qdtype")} == {"int8"}
+    np.testing.assert_allclose(_logits(model), _logits(read_llm(tiny_package)), atol=0.05)

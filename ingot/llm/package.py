@@ -236,3 +236,18 @@ def float_weights(model: StoredModel):
 
 def tensor_nbytes(t) -> int:
     return t.nbytes if isinstance(t, QuantizedTensor) else int(np.asarray(t).nbytes)
+
+
+def convert(source, out, fmt=None, exclude=(), compensate: int = 0) -> None:
+    """A GGUF file (or an LLM package) to an LLM package at out, its weights as they are or
+    quantized to fmt (see ingot.quant.parse_format): what `ingot convert IN.gguf -o OUT.ingot
+    [--quantize FMT]` does."""
+    model = open_model(source)
+    if fmt is None:
+        tensors, adapters = {n: model.tensors[n] for n in model.tensors}, model.adapters
+    else:
+        from ..quant.pipeline import quantize_model
+        result = quantize_model(model, fmt, exclude=exclude, compensate=compensate)
+        tensors, adapters = result.tensors, result.adapters
+    save_llm(out, model.config, tensors, model.metadata, adapters if adapters else None,
+             architecture="llama" if is_llm_package(source) else model.architecture)

@@ -42,6 +42,9 @@ def quantize_command(args) -> int:
         raise IngotError("quantize: the output would replace the input; choose another path.")
     model = open_model(args.input)
     err = sys.stderr
+    if fmt.kind == "lut" and calibration is None:
+        print("note: LUT tables fitted without --calibration ignore which columns meet large activations; on "
+              "SmolLM2 that costs far more than it saves (BENCHMARKS.md, Quantization).", file=err)
     stats = None
     if calibration is not None:
         print(f"calibrating on {args.calibration} ...", file=err)

@@ -259,13 +259,15 @@ def _initial_tables(points: np.ndarray, weights: np.ndarray, k: int, bins: int =
     return lo[:, None] + (at + frac) / bins * span[:, None]
 
 
-def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int = 100) -> np.ndarray:
+def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int = 100, pin_zero: bool = False) -> np.ndarray:
     """Weighted 1-D k-means (Lloyd) for G independent groups: points, weights [G, n] -> sorted tables [G, k].
     Points are sorted once; each step finds the cells' boundaries by one search and their mass and
     centroid by prefix sums, O(G k log n) per step."""
     g, n = points.shape
     weights = np.broadcast_to(np.asarray(weights, np.float64), points.shape) + 1e-12
     tables = _initial_tables(points, weights, k).astype(np.float64)
+    if pin_zero:
+        tables[np.arange(g), np.abs(tables).argmin(axis=1)] = 0.0
     order = np.argsort(points, axis=1)
     sp = np.take_along_axis(points, order, axis=1).astype(np.float64)
     sw = np.take_along_axis(weights, order, axis=1)
@@ -282,6 +284,8 @@ def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int 
         mass = cw[bounds[:, 1:]] - cw[bounds[:, :-1]]
         total = cwp[bounds[:, 1:]] - cwp[bounds[:, :-1]]
         new = np.where(mass > 1e-9, total / np.maximum(mass, 1e-30), tables)
+        if pin_zero:  # the entry nearest zero is zero
+            new[np.arange(g), np.abs(new).argmin(axis=1)] = 0.0
         done = np.allclose(new, tables, rtol=0, atol=1e-7 * (np.abs(tables).max() + 1e-30))
         tables = new
         if done:

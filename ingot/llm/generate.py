@@ -73,8 +73,9 @@ class LLM:
         self.device = device
         _allocate_big_arrays_with_mmap()
         if device == "cpu":  # compile (or load) the kernels first: LLVM's working memory is freed
-            from ..backends.cpu.kernels import warm_up  # before the weights arrive, not on top of them
+            from ..backends.cpu.kernels import release_compiler_pages, warm_up  # before the weights arrive
             warm_up()
+            release_compiler_pages()
             _return_freed_memory()
         model = open_model(path)  # a GGUF's weights are converted once each, straight into the graph
         self.config = model.config

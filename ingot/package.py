@@ -31,6 +31,7 @@ import os
 import shutil
 import struct
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -149,11 +150,19 @@ def save(executable, path) -> None:
     path = Path(path)
     if path.exists() and not (path.is_dir() and _is_package_or_empty(path)):
         raise IngotError(f"save: {path} exists and is not an Ingot package; refusing to replace it.")
+    with atomic_directory(path) as staged:
+        _write(executable, staged)
+
+
+@contextmanager
+def atomic_directory(path: Path):
+    """Yield a path (not yet created) to build a directory at; when the block ends without an
+    error it replaces `path` by rename, and on any error `path` is left as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         staged = tmp / path.name
-        _write(executable, staged)
+        yield staged
         old = tmp / "previous"
         if path.exists():
             os.replace(path, old)

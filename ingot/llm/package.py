@@ -14,12 +14,9 @@ under "a+b+c" names), memory-mapped on load, and never converted again.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
@@ -116,23 +113,9 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     if "rope_freqs.weight" in tensors:
         info["rope_freqs"] = np.asarray(tensors["rope_freqs.weight"], np.float32).tolist()
         layout.pop("rope_freqs.weight", None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        staged = tmp / path.name
+    with package.atomic_directory(path) as staged:
         package.save(decoder, staged)
         (staged / LLM_FILE).write_text(json.dumps(info, default=_json_value))
-        old = tmp / "previous"
-        if path.exists():
-            os.replace(path, old)
-        try:
-            os.replace(staged, path)
-        except BaseException:
-            if old.exists():
-                os.replace(old, path)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class StoredModel:

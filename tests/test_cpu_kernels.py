@@ -123,3 +123,13 @@ def test_half_parameters_convert_exactly():
     got = np.empty(halves.shape, np.float32)
     convert(halves.view(np.uint16), got)
     np.testing.assert_array_equal(got.view(np.uint32), halves.astype(np.float32).view(np.uint32))
+
+
+def test_erf_kernel():
+    """The CPU backend's float32 erf (a rational approximation) against float64 erf."""
+    x = np.concatenate([RNG.standard_normal(5000) * 3, np.linspace(-8, 8, 4001), [0.0, -0.0, 1e-30, -1e-12]]).astype(np.float32)
+    want = np.array([math.erf(v) for v in x.astype(np.float64)])
+    got = kernels.erf(x.reshape(-1, 1))
+    assert got.shape == (x.size, 1) and got.dtype == np.float32
+    np.testing.assert_allclose(got[:, 0], want, rtol=1e-6, atol=5e-7)
+    assert np.isnan(kernels.erf(np.float32([np.nan])))[0]

@@ -65,6 +65,19 @@ def _silu(node: Node, out):
     return _reference(node, out)
 
 
+@lowering(Op.ERF)
+def _erf(node: Node, out):
+    return kernels.erf if _is_f32(node) else _reference(node, out)
+
+
+@lowering(Op.GELU)
+def _gelu(node: Node, out):
+    if _is_f32(node) and node.attrs.get("approximate", "none") == "none":
+        scale = np.float32(1 / np.sqrt(2.0))
+        return lambda x: 0.5 * x * (1.0 + kernels.erf(x * scale))
+    return _reference(node, out)
+
+
 @lowering(Op.MATMUL)
 def _matmul(node: Node, out):
     if out is not None and _is_f32(node):

@@ -446,6 +446,37 @@ def silu(x: np.ndarray) -> np.ndarray:
     return out
 
 
+# erf(x) ~ x P(x^2) / Q(x^2) on x clamped to [-4, 4] (erf(4) = 1 - 1.5e-8): the rational
+# approximation Eigen uses for float32; max error 4.5e-7 against float64 erf (tests/test_cpu_kernels.py).
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+
+
+def _erf_rows(x, out):
+    p0, p1, p2, p3, p4, p5, p6 = [np.float32(c) for c in _ERF_P]
+    q0, q1, q2, q3, q4 = [np.float32(c) for c in _ERF_Q]
+    for i in range(x.shape[0]):
+        v = x[i]
+        v = min(max(v, np.float32(-4.0)), np.float32(4.0)) if v == v else v  # NaN stays NaN
+        v2 = v * v
+        p = ((((((p0 * v2 + p1) * v2 + p2) * v2 + p3) * v2 + p4) * v2 + p5) * v2 + p6) * v
+        q = (((q0 * v2 + q1) * v2 + q2) * v2 + q3) * v2 + q4
+        out[i] = p / q
+
+
+erf_rows = njit(cache=True, nogil=True)(_erf_rows)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf of a float32 array, vectorised (numba's math.erf is a C library call per element)."""
+    x = np.asarray(x, dtype=np.float32, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+    out = np.empty(x.shape, np.float32)
+    erf_rows(x.reshape(-1), out.reshape(-1))
+    return out
+
+
 def _rope_rows(x, positions, inv_freq, interleaved, rd, out):
     """x, out: [R, T, D] float32; rotate the first rd dims of each row by position * inv_freq."""
     rows, t, d = x.shape
@@ -561,3 +592,4 @@ def _warm_up() -> None:
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
     rms_norm(f32(1, 8), f32(8), np.float32(1e-5))
+    erf_rows(f32(4), f32(4))

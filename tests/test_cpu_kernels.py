@@ -133,3 +133,12 @@ def test_erf_kernel():
     assert got.shape == (x.size, 1) and got.dtype == np.float32
     np.testing.assert_allclose(got[:, 0], want, rtol=1e-6, atol=5e-7)
     assert np.isnan(kernels.erf(np.float32([np.nan])))[0]
+
+
+@pytest.mark.parametrize("has_w,has_b", [(True, True), (True, False), (False, True), (False, False)])
+def test_layer_norm_kernel(has_w, has_b):
+    x = (RNG.standard_normal((3, 5, 37)) * 4 + 2).astype(np.float32)
+    w = RNG.standard_normal(37).astype(np.float32) if has_w else None
+    b = RNG.standard_normal(37).astype(np.float32) if has_b else None
+    got = kernels.layer_norm(x, w, b, np.float32(1e-5))
+    np.testing.assert_allclose(got, nn_ops.layer_norm(x, w, b, 1e-5), rtol=1e-5, atol=2e-5)

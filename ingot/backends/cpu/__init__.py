@@ -174,6 +174,14 @@ def _rms_norm(node: Node, out):
     return _reference(node, out)
 
 
+@lowering(Op.LAYER_NORM)
+def _layer_norm(node: Node, out):
+    if not (_is_f32(node) and node.type.rank >= 1):
+        return _reference(node, out)
+    eps, has_w, has_b = np.float32(node.attrs["eps"]), node.attrs.get("has_weight"), node.attrs.get("has_bias")
+    return lambda x, *p: kernels.layer_norm(x, p[0] if has_w else None, p[-1] if has_b else None, eps)
+
+
 @lowering(Op.ROPE)
 def _rope(node: Node, out):
     return kernels.rope_step(node)

@@ -437,6 +437,37 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+@njit(fastmath=True, cache=True)
+def _layer_norm_rows(x, w, b, has_w, has_b, eps, out):
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        mean = np.float32(0.0)
+        for i in range(n):
+            mean += x[r, i]
+        mean /= n
+        var = np.float32(0.0)
+        for i in range(n):
+            d = x[r, i] - mean
+            var += d * d
+        inv = np.float32(1.0) / np.sqrt(var / n + eps)
+        for i in range(n):
+            y = (x[r, i] - mean) * inv
+            if has_w:
+                y *= w[i]
+            if has_b:
+                y += b[i]
+            out[r, i] = y
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: np.float32) -> np.ndarray:
+    """LayerNorm over the last axis of a float32 array (two passes per row: mean, then variance)."""
+    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    none = np.zeros(1, np.float32)
+    _layer_norm_rows(x2, none if w is None else w, none if b is None else b, w is not None, b is not None, eps, out)
+    return out.reshape(x.shape)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x) with NumPy's vectorised exp (numba's scalar exp is slower here)."""
     out = np.negative(x, out=np.empty(np.shape(x), np.float32))  # an array even for 0-d x
@@ -593,3 +624,4 @@ def _warm_up() -> None:
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
     rms_norm(f32(1, 8), f32(8), np.float32(1e-5))
     erf_rows(f32(4), f32(4))
+    layer_norm(f32(1, 8), f32(8), f32(8), np.float32(1e-5))

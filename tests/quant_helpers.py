@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ingot.models.llama import LlamaConfig
+from ingot.models.llama import LlamaConfig, random_weights
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -19,28 +19,11 @@ def tiny_config(**overrides) -> LlamaConfig:
 
 def tiny_tensors(cfg: LlamaConfig, seed: int = 0) -> dict:
     """GGUF-named float weights [out, in] with a realistic spread (a few large columns)."""
-    rng = np.random.default_rng(seed)
-    hd = cfg.head_dim
-
-    def matrix(rows, cols):
+    def matrix(rng, rows, cols):
         w = rng.standard_normal((rows, cols)) / np.sqrt(cols)
         w[:, rng.integers(0, cols, 2)] *= 4
         return w.astype(np.float32)
-
-    t = {"token_embd.weight": matrix(cfg.vocab_size, cfg.dim),
-         "output_norm.weight": (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)}
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        t[p + "attn_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
-        t[p + "ffn_norm.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
-        t[p + "attn_q.weight"] = matrix(cfg.n_heads * hd, cfg.dim)
-        t[p + "attn_k.weight"] = matrix(cfg.n_kv_heads * hd, cfg.dim)
-        t[p + "attn_v.weight"] = matrix(cfg.n_kv_heads * hd, cfg.dim)
-        t[p + "attn_output.weight"] = matrix(cfg.dim, cfg.n_heads * hd)
-        t[p + "ffn_gate.weight"] = matrix(cfg.ffn_dim, cfg.dim)
-        t[p + "ffn_up.weight"] = matrix(cfg.ffn_dim, cfg.dim)
-        t[p + "ffn_down.weight"] = matrix(cfg.dim, cfg.ffn_dim)
-    return t
+    return random_weights(cfg, seed, matrix=matrix)
 
 
 def tokenizer_metadata() -> dict:

@@ -262,11 +262,12 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4,
-                   k_major: bool = False, f16_params: bool = False) -> dict:
+                   k_major: bool = False, f16_params: bool = False, matrix=None) -> dict:
     """GGUF-named random weights of the config's shapes (quantized matrices), for tests and GPU runs.
 
     k_major=True makes the quantized matrices straight in the builder's k-major form (random bytes,
     no repacking: Llama-3-8B shapes in seconds); f16_params rounds scales as a Q4_1 file stores them.
+    matrix(rng, rows, cols), when given, makes each [out, in] matrix instead (float weights, say).
     """
     rng = np.random.default_rng(seed)
     levels = 16 if qdtype.bits == 4 else 256
@@ -288,6 +289,8 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype
         shape = (cols, rows) if k_major else (rows, cols)
         return QuantizedTensor(q, qdtype, shape, block_size, scale, bias, block_axis=0 if k_major else 1)
 
+    if matrix is not None:
+        quantized = lambda rows, cols: matrix(rng, rows, cols)  # noqa: E731
     hd = cfg.head_dim
     t = {"token_embd.weight": quantized(cfg.vocab_size, cfg.dim),
          "output_norm.weight": (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)}

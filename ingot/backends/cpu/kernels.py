@@ -490,7 +490,7 @@ def _erf_rows(x, out):
     q0, q1, q2, q3, q4 = [np.float32(c) for c in _ERF_Q]
     for i in range(x.shape[0]):
         v = x[i]
-        v = min(max(v, np.float32(-4.0)), np.float32(4.0)) if v == v else v  # NaN stays NaN
+        v = v if np.isnan(v) else min(max(v, np.float32(-4.0)), np.float32(4.0))  # NaN stays NaN
         v2 = v * v
         p = ((((((p0 * v2 + p1) * v2 + p2) * v2 + p3) * v2 + p4) * v2 + p5) * v2 + p6) * v
         q = (((q0 * v2 + q1) * v2 + q2) * v2 + q3) * v2 + q4
@@ -601,7 +601,8 @@ def _cache_is_cold() -> bool:
     surprise counts as warm, and the kernels compile here as before)."""
     try:
         return any(not d._cache._cache_file._load_index() for d in
-                   (kmajor_packed4, kmajor_int8, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows, rms_norm))
+                   (kmajor_packed4, kmajor_int8, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows,
+                    _rms_norm_rows, _layer_norm_rows, erf_rows))
     except Exception:
         return False
 

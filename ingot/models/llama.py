@@ -171,8 +171,11 @@ def linear(g: Graph, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor
     return y + bias if bias is not None else y
 
 
-def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq) -> Tensor:
-    """Causal self-attention for one layer, writing this chunk's K/V into the cache variables."""
+def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq,
+              batch: int = 1) -> Tensor:
+    """Causal self-attention for one layer, writing this chunk's K/V into the cache variables.
+
+    x: [B*T, dim], B sequences of T tokens (sequence-major), all at position `pos`."""
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     bias = (lambda n: weights.vector(p + n)) if cfg.qkv_bias else (lambda n: None)  # noqa: E731
@@ -180,22 +183,28 @@ def attention(g: Graph, cfg: LlamaConfig, weights: Weights, layer: int, x: Tenso
                            [(nh * hd, cfg.dim), (nkv * hd, cfg.dim), (nkv * hd, cfg.dim)])
     if cfg.qkv_bias:
         q, k, v = q + bias("attn_q.bias"), k + bias("attn_k.bias"), v + bias("attn_v.bias")
-    heads = lambda t, n: g.reshape(g.transpose(g.reshape(t, (-1, n, hd)), (1, 0, 2)), (1, n, -1, hd))  # noqa: E731
-    q, k, v = heads(q, nh), heads(k, nkv), heads(v, nkv)            # [1, H, T, hd]
+    if batch == 1:
+        heads = lambda t, n: g.reshape(g.transpose(g.reshape(t, (-1, n, hd)), (1, 0, 2)), (1, n, -1, hd))  # noqa: E731
+    else:
+        heads = lambda t, n: g.transpose(g.reshape(t, (batch, -1, n, hd)), (0, 2, 1, 3))  # noqa: E731
+    q, k, v = heads(q, nh), heads(k, nkv), heads(v, nkv)            # [B, H, T, hd]
     rope = dict(base=cfg.rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
     q = g.rope(q, pos, **rope)
     k = g.rope(k, pos, **rope)
-    k_cache = g.variable(np.zeros((1, nkv, cfg.context_length, hd), np.float32), name=f"{p}k_cache")
-    v_cache = g.variable(np.zeros((1, nkv, cfg.context_length, hd), np.float32), name=f"{p}v_cache")
+    k_cache = g.variable(np.zeros((batch, nkv, cfg.context_length, hd), np.float32), name=f"{p}k_cache")
+    v_cache = g.variable(np.zeros((batch, nkv, cfg.context_length, hd), np.float32), name=f"{p}v_cache")
     k_all = g.slice_update(k_cache, k, [0, 0, pos, 0])                # written in place by the compiler
     v_all = g.slice_update(v_cache, v, [0, 0, pos, 0])
     g.assign(k_cache, k_all)
     g.assign(v_cache, v_all)
-    end = pos + g.dim(x, 0)
+    end = pos + (g.dim(x, 0) if batch == 1 else g.dim(q, 2))         # T tokens per sequence
     k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])  # attention over the valid prefix
     v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
-    out = g.scaled_dot_product_attention(q, k_seen, v_seen, causal=True)  # [1, nh, T, hd]
-    out = g.reshape(g.transpose(g.reshape(out, (nh, -1, hd)), (1, 0, 2)), (-1, nh * hd))
+    out = g.scaled_dot_product_attention(q, k_seen, v_seen, causal=True)  # [B, nh, T, hd]
+    if batch == 1:
+        out = g.reshape(g.transpose(g.reshape(out, (nh, -1, hd)), (1, 0, 2)), (-1, nh * hd))
+    else:
+        out = g.reshape(g.transpose(out, (0, 2, 1, 3)), (-1, nh * hd))   # [B*T, nh*hd]
     return adapted(g, weights, [p + "attn_output.weight"], out, linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
 
 
@@ -218,11 +227,14 @@ class LlamaGraph:
     config: LlamaConfig
     callables_for: Callable[[dict[str, int], str], dict] | None = None  # {call name: input rows}, device -> {name: executable}
     inputs: dict[str, Tensor] = field(default_factory=dict)             # what each (fused) weight multiplies
+    batch: int = 1                                                      # sequences decoded in lockstep
 
     def compile(self, length: int, device: str = "cpu"):
-        """The executable for `length` tokens per step (1 = decode); cached by the graph. Adapter
-        call sites are (re)bound to `callables_for({site: rows}, device)`, which costs no recompile."""
-        exe = self.graph.compile(feeds={self.tokens: TensorType((length,), dt.int32)}, targets=[self.logits], device=device)
+        """The executable for `length` tokens per step and sequence (1 = decode); cached by the graph.
+        Its tokens feed is [batch * length] (sequence-major). Adapter call sites are (re)bound to
+        `callables_for({site: rows}, device)`, which costs no recompile."""
+        exe = self.graph.compile(feeds={self.tokens: TensorType((self.batch * length,), dt.int32)}, targets=[self.logits],
+                                 device=device)
         if self.callables_for is not None:
             rows = {name: site.src[0].type.shape[0] for name, site in exe.call_sites.items()}
             for name, callee in self.callables_for(rows, device).items():
@@ -231,12 +243,21 @@ class LlamaGraph:
         return exe
 
 
-def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False) -> LlamaGraph:
+def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False,
+          batch: int = 1) -> LlamaGraph:
     """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors).
 
     adapter_sites: weight names (e.g. "blk.0.attn_q.weight") whose outputs add a called adapter
     (see `adapted`); all_logits: logits for every position [T, vocab] instead of row `last`.
+    batch: B sequences decoded in lockstep (one shared position): tokens [B*T] sequence-major, KV
+    caches [B, nkv, ctx, hd], logits [B, vocab] (row `last` of each sequence) or [B*T, vocab].
+
+        >>> m = build(cfg, random_weights(cfg), batch=4)                     # doctest: +SKIP
+        >>> m.compile(1).run({"tokens": ids4, "pos": np.int32(p), "last": np.int32(0)})  # doctest: +SKIP
     """
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise IngotError(f"llama.build: batch must be a whole number of sequences >= 1, got {batch!r}.")
+    batch = int(batch)
     g = Graph()
     weights = Weights(g, tensors, path, adapter_sites)
     tokens = g.placeholder((None,), dt.int32, name="tokens")   # this step's token ids
@@ -250,15 +271,18 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
     x = g.transpose(g.gather(embed, tokens, axis=1), (1, 0))  # [T, dim]; only these columns are dequantized
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."
-        x = x + attention(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "attn_norm.weight"), cfg.norm_eps), pos, inv_freq)
+        x = x + attention(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "attn_norm.weight"), cfg.norm_eps), pos, inv_freq,
+                          batch)
         x = x + feed_forward(g, cfg, weights, layer, g.rms_norm(x, weights.vector(p + "ffn_norm.weight"), cfg.norm_eps))
-    if not all_logits:
+    if not all_logits and batch == 1:
         x = g.slice(x, [last, 0], size=[1, None])              # only the row whose logits we need
+    elif not all_logits:                                       # row `last` of each sequence: [B, dim]
+        x = g.reshape(g.slice(g.reshape(x, (batch, -1, cfg.dim)), [0, last, 0], size=[None, 1, None]), (batch, cfg.dim))
     x = g.rms_norm(x, weights.vector("output_norm.weight"), cfg.norm_eps)
     head = embed if cfg.tied_embeddings else weights.matrix("output.weight", (cfg.vocab_size, cfg.dim))
     head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    logits = adapted(g, weights, [head_name], x, linear(g, x, head))   # [1, vocab]
-    return LlamaGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs)
+    logits = adapted(g, weights, [head_name], x, linear(g, x, head))   # [B, vocab]
+    return LlamaGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs, batch=batch)
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4,

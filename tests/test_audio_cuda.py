@@ -156,7 +156,7 @@ def test_mel_bands_cover_every_non_zero():
     assert (bands[:, 1] - bands[:, 0]).sum() < 201 * 5 // 2    # the band skips most of the zeros
 
 
-@pytest.mark.parametrize("method", ["gemm", "banded gemm", "fused"])
+@pytest.mark.parametrize("method", ["stream", "gemm", "banded gemm", "fused"])
 @pytest.mark.parametrize("frames,bins_n_fft,n_mels,cosine", [(1, 400, 80, (0.5, 0.5)), (333, 401, 40, (0.54, 0.46)),
                                                               (70, 256, 24, None), (129, 1023, 128, (0.5, 0.5))])
 def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
@@ -178,6 +178,30 @@ def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
     finally:
         cuda_fft.BANDED_MIN_FRAMES = minimum
     assert_close(actual, expected, F32)
+
+
+def test_adjacent_chunk_views_merge_into_one():
+    device = torch.device(os.environ.get("INGOT_CUDA_DEVICE", "cuda"))
+    x = torch.arange(1000, dtype=torch.float32, device=device)
+    a = x.as_strided((3, 40), (16, 1), 5)
+    b = x.as_strided((4, 40), (16, 1), 5 + 3 * 16)        # starts where a's frames leave off
+    c = x.as_strided((2, 40), (16, 1), 5 + 7 * 16 + 1)    # one sample late: a separate view
+    d = torch.zeros((2, 40), device=device)                # another storage
+    merged = cuda_fft.merged_views([a, b, c, d])
+    assert [v.shape[0] for v in merged] == [7, 2, 2]
+    assert merged[0].data_ptr() == a.data_ptr() and torch.equal(merged[0], torch.cat([a, b]))
+
+
+@pytest.mark.parametrize("pass_frames", [5, 1 << 17])
+def test_chunked_log_mel_merges_chunks_and_equals_cpu(pass_frames, monkeypatch):
+    monkeypatch.setattr(cuda_fft, "PASS_FRAMES", pass_frames)
+    x = signal(16000 + 333, seed=4)
+    build = lambda g, s: audio.log_mel_spectrogram(g, s, sample_rate=16000, n_fft=400, hop_length=160,  # noqa: E731
+                                                   n_mels=80, pad_mode="reflect", frames_per_chunk=11)
+    actual, expected, exe = run_both(build, x)
+    assert_close(actual, expected, LOG_MEL)
+    concat = [n for n in exe.plan.program.nodes() if n.op.name == "CONCAT"]
+    assert concat and cuda_fft.mel_chains(exe.plan.program, exe.plan.device)[concat[0].id].part == "concat"
 
 
 @pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs device memory")

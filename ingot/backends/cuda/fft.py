@@ -135,6 +135,55 @@ def _windowed_power_kernel(spec_ptr, out_ptr, F, B, REFLECT, stride_sf, stride_o
     tl.store(out_ptr + offs_f[:, None].to(tl.int64) * stride_of + k[None, :], re * re + im * im, mask=mask)
 
 
+@triton.jit
+def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om, a0, a1_half,
+                         WINDOWED: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, M: tl.constexpr,
+                         BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, B_PAD: tl.constexpr):
+    """out[m, f] = sum_k filt_t[k, m] |X_w[f, k]|^2 for BLOCK_F frames, every bin and every mel band:
+    the spectrum rows are read once, as contiguous interleaved (re, im) pairs, in BLOCK_B-bin chunks.
+
+    X_w, the spectrum of the windowed frame, is a0 X[k] - a1/2 (X[k-1] + X[k+1]); its neighbours are
+    the same rows read one pair earlier and later (L1 hits), with the ends continued as the spectrum
+    of a real signal is: X[-1] = conj X[1], X[B] = conj X[B-2] (even n_fft) or conj X[B-1] (odd).
+    filt_t is the filter bank transposed and zero-padded to [B_PAD, BLOCK_M]."""
+    offs_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_mask = offs_f[:, None] < F
+    rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
+    pair = tl.arange(0, 2 * BLOCK_B)                                                  # interleaved re, im
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_F, BLOCK_M), dtype=tl.float32)
+    for b0 in tl.static_range(0, B_PAD, BLOCK_B):
+        at = 2 * b0 + pair
+        mask = f_mask & (at < 2 * B)[None, :]
+        x = tl.reshape(tl.load(rows + at[None, :], mask=mask, other=0.0), (BLOCK_F, BLOCK_B, 2))
+        re, im = tl.split(x)                                                          # [BLOCK_F, BLOCK_B]
+        if WINDOWED:
+            k = b0 + tl.arange(0, BLOCK_B)[None, :]
+            below_ok = f_mask & ((at >= 2) & (at < 2 * B + 2))[None, :]
+            above_ok = f_mask & (at + 2 < 2 * B)[None, :]
+            xb = tl.reshape(tl.load(rows + at[None, :] - 2, mask=below_ok, other=0.0), (BLOCK_F, BLOCK_B, 2))
+            xa = tl.reshape(tl.load(rows + at[None, :] + 2, mask=above_ok, other=0.0), (BLOCK_F, BLOCK_B, 2))
+            re_b, im_b = tl.split(xb)
+            re_a, im_a = tl.split(xa)
+            first = k == 0                                      # X[-1] = conj X[1], X[1] is "above" here
+            re_b = tl.where(first, re_a, re_b)
+            im_b = tl.where(first, -im_a, im_b)
+            last = k == B - 1                                   # X[B] = conj X[n_fft - B]
+            if EVEN:
+                re_a = tl.where(last, re_b, re_a)
+                im_a = tl.where(last, -im_b, im_a)
+            else:
+                re_a = tl.where(last, re, re_a)
+                im_a = tl.where(last, -im, im_a)
+            re, im = a0 * re - a1_half * (re_b + re_a), a0 * im - a1_half * (im_b + im_a)
+        power = re * re + im * im                                                     # [BLOCK_F, BLOCK_B]
+        k_rows = b0 + tl.arange(0, BLOCK_B)
+        w = tl.load(filt_ptr + k_rows[:, None] * BLOCK_M + offs_m[None, :])          # zero-padded: no mask
+        acc += tl.dot(power, w, input_precision=PRECISION)
+    out = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_f[:, None]
+    tl.store(out, acc, mask=f_mask & (offs_m[None, :] < M))
+
+
 @dataclass(frozen=True)
 class MelProjection:
     """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, each
@@ -144,8 +193,60 @@ class MelProjection:
     n_fft: int
     cosine: tuple[float, float] | None
     block_m: int = 16
-    method: str = "gemm"   # "gemm": power kernel + cuBLAS; "fused": one kernel (tl.dot per mel tile)
+    method: str = "stream"  # "stream": one kernel per block of frames (every bin, every band); "gemm": power
+                            # kernel + cuBLAS; "fused": one kernel per mel tile and block of frames
     host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
+    filters_t: torch.Tensor | None = None          # [bins padded, mels padded] for "stream" (transposed_filters)
+
+
+def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch.Tensor:
+    """The [n_mels, bins] bank as the "stream" kernel reads it: [bins rounded up to 128, n_mels rounded
+    up to a power of two >= 16], zeros outside."""
+    f = torch.as_tensor(np.asarray(filters.cpu() if isinstance(filters, torch.Tensor) else filters, np.float32))
+    n_mels, bins = f.shape
+    out = torch.zeros((triton.cdiv(bins, 128) * 128, max(16, triton.next_power_of_2(n_mels))), dtype=torch.float32)
+    out[:bins, :n_mels] = f.T
+    return out.to(device if device is not None else (filters.device if isinstance(filters, torch.Tensor) else "cpu"))
+
+
+# "stream" tiles, measured on the H200 for the hour of 16 kHz audio (benchmarks/audio.py)
+STREAM_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_F", "64")), block_b=int(os.environ.get("INGOT_CUDA_MEL_B", "32")),
+                     num_warps=int(os.environ.get("INGOT_CUDA_MEL_WARPS", "4")), num_stages=1,
+                     precision=os.environ.get("INGOT_CUDA_MEL_PRECISION", "tf32x3"))
+
+
+def spectrum_mel(spectrum: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None,
+                 precision: str | None = None, block_f: int | None = None, block_b: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """filters @ |window(spectrum)|^2.T in one pass over the spectrum: complex64 [frames, bins] ->
+    float32 [n_mels, frames], written into `out` (any [n_mels, frames] view with unit frame stride)
+    when given. precision "tf32x3" (default) keeps float32 accuracy on the tensor cores."""
+    cfg = STREAM_CONFIG
+    precision, block_f, block_b = precision or cfg["precision"], block_f or cfg["block_f"], block_b or cfg["block_b"]
+    num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
+    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
+    frames, bins = spectrum.shape
+    n_mels = projection.filters.shape[0]
+    assert bins == projection.n_fft // 2 + 1
+    filters_t = projection.filters_t
+    if filters_t is None:
+        filters_t = transposed_filters(projection.filters)
+    b_pad = triton.cdiv(bins, block_b) * block_b
+    assert filters_t.shape[0] >= b_pad and filters_t.shape[1] >= n_mels, (filters_t.shape, b_pad, n_mels)
+    if spectrum.stride() != (bins, 1):
+        spectrum = spectrum.contiguous()
+    if out is None:
+        out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
+    assert out.shape == (n_mels, frames) and (frames <= 1 or out.stride(1) == 1), (out.shape, out.stride())
+    if frames == 0:
+        return out
+    a0, a1 = projection.cosine if projection.cosine is not None else (1.0, 0.0)
+    _spectrum_mel_kernel[(triton.cdiv(frames, block_f),)](
+        torch.view_as_real(spectrum), filters_t, out, frames, bins, 2 * bins, out.stride(0), a0, a1 / 2,
+        WINDOWED=projection.cosine is not None and a1 != 0.0, EVEN=projection.n_fft % 2 == 0, PRECISION=precision,
+        M=n_mels, BLOCK_F=block_f, BLOCK_B=block_b, BLOCK_M=filters_t.shape[1], B_PAD=b_pad,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 def mel_bands(filters: np.ndarray, block_m: int) -> np.ndarray:
@@ -222,10 +323,15 @@ def windowed_power(spectrum: torch.Tensor, n_fft: int, cosine: tuple[float, floa
 BANDED_MIN_FRAMES = 100_000
 
 
-def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection) -> torch.Tensor:
+def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None) -> torch.Tensor:
     """filters @ |window(spectrum)|^2.T by the projection's method: complex64 [frames, bins] ->
-    float32 [n_mels, frames]. "gemm" is float32 cuBLAS (TF32 only if the caller allowed it globally
-    through torch.backends.cuda.matmul.allow_tf32)."""
+    float32 [n_mels, frames] (into `out` when given). "gemm" is float32 cuBLAS (TF32 only if the
+    caller allowed it globally through torch.backends.cuda.matmul.allow_tf32)."""
+    if projection.method == "stream":
+        return spectrum_mel(spectrum, projection, out)
+    if out is not None:
+        out.copy_(mel_of_spectrum(spectrum, projection))
+        return out
     if projection.method == "fused":
         return power_mel(spectrum, projection)
     power = windowed_power(spectrum, projection.n_fft, projection.cosine)        # [frames, bins]
@@ -242,10 +348,47 @@ def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection) -> torch.
     return out
 
 
-def mel_of_frames(frames: torch.Tensor, projection: MelProjection) -> torch.Tensor:
+def mel_of_frames(frames: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None) -> torch.Tensor:
     """[frames, n_fft] (a strided view of the signal, windowed already unless projection.cosine)
     -> mel [n_mels, frames]: cuFFT, then the window in frequency, power and the mel projection."""
-    return mel_of_spectrum(torch.fft.rfft(frames, dim=-1), projection)
+    return mel_of_spectrum(torch.fft.rfft(frames, dim=-1), projection, out)
+
+
+# Frames per cuFFT batch and kernel launch once chunks are merged: the complex spectrum of this many
+# 400-point frames is 211 MB, so the hour of 16 kHz audio takes three passes (benchmarks/audio.py)
+PASS_FRAMES = int(os.environ.get("INGOT_CUDA_MEL_PASS_FRAMES", str(1 << 17)))
+
+
+def merged_views(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive [count, n_fft] frame views of one signal joined into one view when each starts
+    where the previous one's frames leave off (same storage, same strides): the chunks a graph was
+    built with (for the CPU's memory) become one cuFFT batch and one kernel launch on the device."""
+    merged: list[torch.Tensor] = []
+    for v in views:
+        if merged:
+            a = merged[-1]
+            if (a.dim() == 2 and v.dim() == 2 and a.stride() == v.stride() and a.shape[1] == v.shape[1]
+                    and a.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                    and v.storage_offset() == a.storage_offset() + a.shape[0] * a.stride(0)):
+                merged[-1] = a.as_strided((a.shape[0] + v.shape[0], a.shape[1]), a.stride(), a.storage_offset())
+                continue
+        merged.append(v)
+    return merged
+
+
+def concatenated_mel(deferred: "list[Deferred]", projection: MelProjection) -> torch.Tensor:
+    """The concatenation of the chains' mels [n_mels, sum of frames], each run of adjacent chunks
+    computed as one and written straight into its columns (no per-chunk result, no concatenation)."""
+    views = merged_views([d.frames for d in deferred])
+    total = sum(v.shape[0] for v in views)
+    out = torch.empty((projection.filters.shape[0], total), dtype=torch.float32, device=views[0].device)
+    col, step = 0, max(1, PASS_FRAMES)
+    for v in views:
+        for start in range(0, v.shape[0], step):  # bounded temporaries: the spectrum of `step` frames at most
+            piece = v[start:start + step]
+            mel_of_frames(piece, projection, out[:, col:col + piece.shape[0]])
+            col += piece.shape[0]
+    return out
 
 
 # -- recognising the mel chain in a lowered program -----------------------------------------------
@@ -257,6 +400,7 @@ class Role:
     part: str
     reads: tuple[int, ...]
     projection: MelProjection | None = None
+    deferred: bool = False   # 'mel': leave the result to the CONCAT that takes every chunk ('concat')
 
 
 @dataclass
@@ -287,6 +431,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         return inner.id not in roots and users.get(inner.id) == {user.id}
 
     roles: dict[int, Role] = {}
+    projections: dict[tuple, MelProjection] = {}   # one per filter bank, window and n_fft
     for mm in nodes:
         if mm.op != Op.MATMUL or len(mm.src) != 2 or mm.type.rank != 2 or mm.dtype.name != "float32":
             continue
@@ -318,13 +463,27 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
                 cosine = cosine_window(_constant(program, frames.src[which[0]]))
                 if cosine is not None:
                     roles[frames.id] = Role("window", (view_index,))
-        bands = mel_bands(filters, 16)
-        projection = MelProjection(constant_tensor(filters, device), torch.as_tensor(bands, device=device),
-                                   n_fft, cosine, method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"),
-                                   host_bands=tuple((int(lo), int(hi)) for lo, hi in bands))
+        key = (filters_node.id, n_fft, cosine)
+        projection = projections.get(key)
+        if projection is None:
+            bands = mel_bands(filters, 16)
+            projection = projections[key] = MelProjection(
+                constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine,
+                method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "stream"),
+                host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device))
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
                       mm.id: Role("mel", (1,), projection)})
+    for cat in nodes:  # the chunks of one signal, concatenated along frames: computed together by the concat
+        if cat.op != Op.CONCAT or cat.type.rank != 2 or cat.attrs["axis"] not in (1, -1):
+            continue
+        parts = [roles.get(s.id) for s in cat.src]
+        if not all(r is not None and r.part == "mel" and only_for(s, cat) for r, s in zip(parts, cat.src)) \
+                or len({id(r.projection) for r in parts}) != 1:
+            continue
+        for s, r in zip(cat.src, parts):
+            roles[s.id] = Role("mel", r.reads, r.projection, deferred=True)
+        roles[cat.id] = Role("concat", tuple(range(len(cat.src))), parts[0].projection)
     return roles
 
 
@@ -353,10 +512,14 @@ def _chain_step(role: Role, ctx: Lowering) -> StepFn:
     if role.part in ("abs", "square", "transpose"):
         return lambda deferred: deferred
     projection = role.projection
+    if role.part == "concat":
+        return lambda *deferred: concatenated_mel(list(deferred), projection)
     plan = ctx.plan
     if hasattr(plan, "fusions"):
         plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point, "
                             f"{projection.method})")
+    if role.deferred:
+        return lambda deferred: deferred
     return lambda deferred: mel_of_frames(deferred.frames, projection)
 
 
@@ -376,7 +539,7 @@ def register(table: dict) -> None:
     for op in (Op.FFT, Op.IFFT, Op.IRFFT):
         table[op] = fft_lowering
     table[Op.RFFT] = _with_chains(fft_lowering)
-    for op in (Op.MUL, Op.ABS, Op.TRANSPOSE, Op.MATMUL):
+    for op in (Op.MUL, Op.ABS, Op.TRANSPOSE, Op.MATMUL, Op.CONCAT):
         table[op] = _with_chains(table[op])
 
 

@@ -3,7 +3,8 @@
 `read_gguf(path)` returns a `GGUFModel`: the metadata as Python values and every tensor converted
 losslessly, block by block, straight from the reader's memory map:
 
-    F32, F16, BF16        float32 ndarray (numpy shape order: rows = ne[1], cols = ne[0])
+    F32, F16, BF16        float32 ndarray (numpy shape order: rows = ne[1], cols = ne[0]); BF16 as
+                          an ml_dtypes.bfloat16 ndarray with read_gguf(..., bfloat16=True)
     I8, I16, I32, I64     int8 / int32 / int32 / int64 ndarray
     Q8_0                  QuantizedTensor int8,  block 32, scale = d
     Q4_0                  QuantizedTensor int4,  block 32, scale = d             (q - 8)
@@ -449,9 +450,11 @@ def _convert_quant(path: str, t, spec: _QSpec) -> QuantizedTensor:
                            scale=scale, bias=bias, source=t.tensor_type.name)
 
 
-def _convert_plain(t) -> np.ndarray:
+def _convert_plain(t, bfloat16: bool = False) -> np.ndarray:
     data = np.asarray(t.data)
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    if t.tensor_type == _T.BF16 and bfloat16:  # the bits as they are (a copy: the file's pages are released)
+        return np.array(data.view("<u2").reshape(shape), copy=True).view(dt.bfloat16.storage)
     if t.tensor_type == _T.BF16:
         out = np.empty(shape, np.float32)
         bits = out.view(np.uint32)
@@ -468,14 +471,14 @@ class LazyTensors(Mapping):
     """Tensors converted when looked up, never cached: a model builder that turns each weight into
     its own layout holds one converted copy at a time, not the whole file twice."""
 
-    def __init__(self, path: str, reader):
-        self.path, self.reader = path, reader
+    def __init__(self, path: str, reader, bfloat16: bool = False):
+        self.path, self.reader, self.bfloat16 = path, reader, bfloat16
         self.by_name = {t.name: t for t in reader.tensors}
 
     def __getitem__(self, name: str):
         t = self.by_name[name]
         spec = _QUANT.get(t.tensor_type)
-        out = _convert_plain(t) if spec is None else _convert_quant(self.path, t, spec)
+        out = _convert_plain(t, self.bfloat16) if spec is None else _convert_quant(self.path, t, spec)
         self._release(t)
         return out
 
@@ -506,11 +509,14 @@ class LazyTensors(Mapping):
         return tuple(int(d) for d in reversed(self.by_name[name].shape))
 
 
-def read_gguf(path, *, architectures: tuple[str, ...] | None = None, lazy: bool = False) -> GGUFModel:
+def read_gguf(path, *, architectures: tuple[str, ...] | None = None, lazy: bool = False,
+              bfloat16: bool = False) -> GGUFModel:
     """Read a GGUF file: metadata as Python values, tensors converted losslessly and kept quantized.
 
     lazy=True converts each tensor when it is looked up (and again at each lookup); the file stays
-    memory-mapped while the model object lives.
+    memory-mapped while the model object lives. bfloat16=True keeps BF16 tensors bfloat16
+    (ml_dtypes arrays; llama.build then multiplies them without a float32 copy on CUDA) instead of
+    widening them to float32.
 
     Raises IngotError for a missing file, a file that is not GGUF, a truncated or corrupt file, a
     tensor type Ingot cannot import, or (when `architectures` is given) another architecture.
@@ -551,9 +557,9 @@ def read_gguf(path, *, architectures: tuple[str, ...] | None = None, lazy: bool 
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     if lazy:
         reader.fields.clear()  # converted into `metadata` above; the raw parts need not stay alive
-        return GGUFModel(path=path, architecture=arch, metadata=metadata, tensors=LazyTensors(path, reader), tensor_types=types)
+        return GGUFModel(path=path, architecture=arch, metadata=metadata, tensors=LazyTensors(path, reader, bfloat16), tensor_types=types)
     tensors: dict[str, np.ndarray | QuantizedTensor] = {}
     for t in reader.tensors:
         spec = _QUANT.get(t.tensor_type)
-        tensors[t.name] = _convert_plain(t) if spec is None else _convert_quant(path, t, spec)
+        tensors[t.name] = _convert_plain(t, bfloat16) if spec is None else _convert_quant(path, t, spec)
     return GGUFModel(path=path, architecture=arch, metadata=metadata, tensors=tensors, tensor_types=types)

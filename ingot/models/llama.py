@@ -81,6 +81,10 @@ class LlamaConfig:
         )
 
 
+def _is_bfloat16(w) -> bool:
+    return isinstance(w, np.ndarray) and w.dtype == dt.bfloat16.storage
+
+
 class Weights:
     """Looks up GGUF-named tensors and turns them into graph constants (quantized ones stay so)."""
 
@@ -117,16 +121,19 @@ class Weights:
             if w.bias is not None:
                 params["bias"] = g.constant(w.bias, name=f"{name}.bias")
             return g.dequantize(q, axis=0, block_size=w.block_size, **params)
+        if _is_bfloat16(w):  # stays bf16 [in, out]; consumers see float32 (backends multiply the bf16 directly)
+            return g.cast(g.constant(np.ascontiguousarray(np.asarray(w).T), name=name), dt.float32)
         return g.constant(np.ascontiguousarray(np.asarray(w, np.float32).T), name=name)
 
     def matrix(self, name: str, shape: tuple[int, int]) -> Tensor:
         """The [out, in] weight as an [in, out] float tensor: a dequantize of its k-major form when
-        quantized (the reduction axis first is what the CPU GEMV reads fastest; see QuantizedTensor)."""
+        quantized (the reduction axis first is what the CPU GEMV reads fastest; see QuantizedTensor),
+        cast(bf16 constant, float32) when bfloat16 (a GGUF BF16 tensor, or random_weights(dense_dtype=))."""
         return self._constant(self._checked(name, shape), name)
 
     def matrices(self, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor] | Tensor:
         """Weights that multiply the same input, side by side as one [in, sum(out)] tensor when they
-        share a quantized format (one matmul instead of several); else a list, one per weight.
+        share a quantized format or are all bfloat16 (one matmul instead of several); else a list, one per weight.
         A tensor stored under "+".join(names) (an Ingot LLM package) is that side-by-side weight."""
         fused = "+".join(names)
         if len(names) > 1 and fused in self.tensors:
@@ -137,6 +144,8 @@ class Weights:
                 return self._constant(concat_columns(ws), "+".join(names))
             except ValueError:
                 pass
+        if len(ws) > 1 and all(_is_bfloat16(w) for w in ws):  # [out, in] rows stacked: [in, sum(out)] after the transpose
+            return self._constant(np.concatenate([np.asarray(w) for w in ws], axis=0), "+".join(names))
         return [self._constant(w, n) for w, n in zip(ws, names)]
 
 
@@ -286,13 +295,26 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, block_size: int = 32, qdtype: dt.DType = dt.uint4,
-                   k_major: bool = False, f16_params: bool = False, matrix=None) -> dict:
+                   k_major: bool = False, f16_params: bool = False, matrix=None, dense_dtype: str | None = None) -> dict:
     """GGUF-named random weights of the config's shapes (quantized matrices), for tests and GPU runs.
 
     k_major=True makes the quantized matrices straight in the builder's k-major form (random bytes,
     no repacking: Llama-3-8B shapes in seconds); f16_params rounds scales as a Q4_1 file stores them.
     matrix(rng, rows, cols), when given, makes each [out, in] matrix instead (float weights, say).
+    dense_dtype="float32" or "bfloat16" makes unquantized [out, in] matrices of that dtype, normal
+    with standard deviation 1/sqrt(in) (the same draws for both, rounded; norm vectors stay float32):
+
+        >>> t = random_weights(LlamaConfig(1, 64, 4, 2, 128, 100), dense_dtype="bfloat16")
+        >>> t["blk.0.attn_q.weight"].dtype.name, t["blk.0.attn_norm.weight"].dtype.name
+        ('bfloat16', 'float32')
     """
+    if dense_dtype is not None:
+        if matrix is not None:
+            raise IngotError("random_weights: give matrix= or dense_dtype=, not both.")
+        if dense_dtype not in ("float32", "bfloat16"):
+            raise IngotError(f"random_weights: dense_dtype must be 'float32' or 'bfloat16', not {dense_dtype!r}.")
+        storage = dt.float32.numpy if dense_dtype == "float32" else dt.bfloat16.storage
+        matrix = lambda rng, rows, cols: (rng.standard_normal((rows, cols)) / math.sqrt(cols)).astype(storage)  # noqa: E731
     rng = np.random.default_rng(seed)
     levels = 16 if qdtype.bits == 4 else 256
 

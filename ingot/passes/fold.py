@@ -1,7 +1,9 @@
 """Constant folding: an op whose inputs are all constants becomes a constant.
 
 Skipped where folding would lose what the compiler is for: dequantize (that would be the float copy
-of a quantized weight), broadcasts (bigger, not faster), and results over a size limit.
+of a quantized weight), a cast that widens a 16-bit float constant (the float32 copy of a bf16/f16
+weight: backends multiply the narrow weight directly), broadcasts (bigger, not faster), and results
+over a size limit.
 """
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ NO_FOLD = frozenset({Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op
 MAX_ELEMENTS = 1 << 20
 
 
+def widens_weight(node: Node) -> bool:
+    """cast(c, float32) of a bfloat16/float16 constant: a narrow weight that stays narrow in memory."""
+    return node.op == Op.CAST and node.src[0].op == Op.CONSTANT and node.dtype == dt.float32 and \
+        node.src[0].dtype in (dt.bfloat16, dt.float16) and node.type.rank >= 2
+
+
 def _static_dim(node: Node, ctx: Context) -> Node | None:
     """dim(x, axis) of an axis compile has fixed is that number."""
     d = node.src[0].type.shape[node.attrs["axis"]]
@@ -30,7 +38,7 @@ def _static_dim(node: Node, ctx: Context) -> Node | None:
 def _fold(node: Node, ctx: Context) -> Node | None:
     if node.op == Op.DIM:
         return _static_dim(node, ctx)
-    if node.op in NO_FOLD or not node.src or any(s.op != Op.CONSTANT for s in node.src):
+    if node.op in NO_FOLD or not node.src or any(s.op != Op.CONSTANT for s in node.src) or widens_weight(node):
         return None
     if not isinstance(node.type, TensorType) or not node.type.static or node.type.size > MAX_ELEMENTS:
         return None

@@ -3,6 +3,11 @@
     matmul(x, dequantize(q, ...))             -> quantized_matmul(x, q, ..., transpose=False)
     matmul(x, transpose(dequantize(q, ...)))  -> quantized_matmul(x, q, ..., transpose=True)
     gather(dequantize(q, ...), idx, axis=0|1) -> quantized_gather(q, ..., idx, axis=0|1)
+    gather(cast(w16, float32), idx)           -> cast(gather(w16, idx), float32)
+
+A bf16/f16 weight's widening cast (kept by fold) is left to the matmul that reads it: backends
+multiply the narrow weight directly (CUDA) or widen it once at load (CPU). A gather of it takes
+the rows it needs first, so the cast is of those rows only.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from ..errors import IngotError
 from ..ir import Node, Op, Program
 from ..ops import infer_type
 from . import Context, graph_rewrite
+from .fold import widens_weight
 
 
 def _typed(op: Op, src: tuple[Node, ...], attrs: dict):
@@ -47,6 +53,22 @@ def _gather(node: Node, ctx: Context) -> Node | None:
     return Node(Op.QUANTIZED_GATHER, out, src, attrs, node.name)
 
 
+def _gather_then_cast(node: Node, ctx: Context) -> Node | None:
+    table, idx = node.src
+    if not widens_weight(table):
+        return None
+    narrow = table.src[0]
+    rows = _typed(Op.GATHER, (narrow, idx), node.attrs)
+    if rows is None:
+        return None
+    gathered = Node(Op.GATHER, rows, (narrow, idx), dict(node.attrs), node.name)
+    out = _typed(Op.CAST, (gathered,), table.attrs)
+    if out != node.type:
+        return None
+    return Node(Op.CAST, out, (gathered,), dict(table.attrs), node.name)
+
+
 def fuse_dequantize(program: Program) -> tuple[Program, bool]:
     """Fuse every dequantize into the matmul or gather that reads it; returns (program, changed)."""
-    return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather)], "fuse_dequantize")
+    return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather), ((Op.GATHER,), _gather_then_cast)],
+                         "fuse_dequantize")

@@ -7,6 +7,7 @@ Lowerings are a table keyed by op; an op without an entry uses its NumPy referen
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -19,6 +20,7 @@ from ...ops.elementwise import BINARY, UNARY
 from ...ops.shape import slice_index, slice_update_into
 from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
+from ...passes.fold import widens_weight
 from . import kernels
 
 StepFn = Callable[..., Any]
@@ -255,6 +257,10 @@ class CpuPlan:
                 continue
             if node.op == Op.ASSIGN:
                 continue
+            if widens_weight(node):  # a bf16/f16 weight widened once, at load, and shared by every plan
+                self.initial[s] = _widened(program.constants[node.src[0].attrs["key"]])
+                keep.add(s)
+                continue
             out = None
             if node.id in program.memory_plan:
                 t = node.type
@@ -274,7 +280,7 @@ class CpuPlan:
         step_of_node = {}
         j = 0
         for i, node in enumerate(nodes):
-            if node.op not in (Op.CONSTANT, Op.PLACEHOLDER, Op.VARIABLE, Op.ASSIGN):
+            if node.op not in (Op.CONSTANT, Op.PLACEHOLDER, Op.VARIABLE, Op.ASSIGN) and not widens_weight(node):
                 step_of_node[i] = j
                 j += 1
         self.frees: list[tuple[int, ...]] = [() for _ in self.steps]
@@ -307,6 +313,19 @@ class CpuPlan:
         if self.assign_slots:
             _assign(state, [(name, vals[s]) for name, s in self.assign_slots])
         return outputs
+
+
+_WIDENED: dict[int, np.ndarray] = {}
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+    """The float32 copy of a 16-bit float constant, made once per array (prefill and decode
+    executables share it) and dropped with the array."""
+    hit = _WIDENED.get(id(array))
+    if hit is None:
+        hit = _WIDENED[id(array)] = _read_only(np.asarray(array, np.float32))
+        weakref.finalize(array, _WIDENED.pop, id(array), None)
+    return hit
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -222,3 +222,128 @@ def test_no_stop_strings_and_bad_ones():
     assert StopChecker("x").stop_strings == ("x",)
     with pytest.raises(IngotError, match="non-empty"):
         StopChecker(["ok", ""])
+
+
+# == DeviceSampler on torch tensors (the same choice, made where the logits lie) ========================
+
+def _dense(sampler, x):
+    ids, probs = sampler.distribution(x)
+    out = np.zeros(x.size)
+    out[ids] = probs
+    return out
+
+
+SAMPLING_CASES = [dict(temperature=t, top_k=k, top_p=p) for t in (0.3, 1.0, 1.7) for k in (0, 1, 7, 40, 10**6)
+                  for p in (1.0, 0.95, 0.6, 0.05)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 33, 1823, 50000])
+def test_device_greedy_equals_numpy_with_ties(n):
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    rng = np.random.default_rng(n)
+    for trial in range(20):
+        x = rng.normal(size=n).astype(np.float32) * 3
+        if trial % 2:
+            x = np.round(x)  # many ties: the lowest id wins in both
+        x[rng.integers(n, size=min(n, 3))] = x.max()  # a tie at the maximum
+        assert DeviceSampler()(torch.from_numpy(x)) == Sampler()(x)
+        assert DeviceSampler(top_k=3, top_p=0.5, seed=1)(torch.from_numpy(x)) == Sampler()(x)  # greedy ignores them
+
+
+@pytest.mark.parametrize("case", SAMPLING_CASES, ids=[f"t{c['temperature']}-k{c['top_k']}-p{c['top_p']}" for c in SAMPLING_CASES])
+def test_device_distribution_equals_numpy(case):
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    rng = np.random.default_rng(abs(hash(tuple(case.values()))) % (1 << 31))
+    for n in (5, 131, 4999, 32000):
+        for peaked in (False, True):
+            x = (rng.normal(size=n) * (6 if peaked else 1.5)).astype(np.float32)
+            if n > 100:
+                x[rng.integers(n, size=n // 10)] = -np.inf  # masked tokens
+            want = _dense(Sampler(**case), x)
+            got = DeviceSampler(**case).distribution_tensor(torch.from_numpy(x)).numpy()
+            assert got.dtype == np.float64 and got.shape == (n,)
+            assert np.flatnonzero(got).tolist() == np.flatnonzero(want).tolist()  # the same support set
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_device_distribution_ties_at_the_kth_and_nucleus_edges():
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    tie = np.array([1.0, 3.0, 2.0, 2.0, 0.0], np.float32)  # ties at the k-th logit are kept
+    got = DeviceSampler(temperature=1.0, top_k=2).distribution_tensor(torch.from_numpy(tie)).numpy()
+    assert np.flatnonzero(got).tolist() == [1, 2, 3]
+    x = np.log(np.array([0.5, 0.05, 0.25, 0.15, 0.05], np.float32))
+    for p in (0.4, 0.5, 0.7, 0.75, 0.85, 0.99, 1.0):
+        got = DeviceSampler(temperature=1.0, top_p=p).distribution_tensor(torch.from_numpy(x)).numpy()
+        want = _dense(Sampler(temperature=1.0, top_p=p), x)
+        assert np.flatnonzero(got).tolist() == np.flatnonzero(want).tolist(), p
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    flat = np.zeros(50000, np.float32)  # flat: ties, lowest ids first, in both
+    got = DeviceSampler(temperature=1.0, top_p=0.5).distribution_tensor(torch.from_numpy(flat)).numpy()
+    assert np.flatnonzero(got).tolist() == np.flatnonzero(_dense(Sampler(temperature=1.0, top_p=0.5), flat)).tolist()
+
+
+def test_device_draws_are_seeded_and_follow_the_distribution():
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    x = torch.from_numpy(_logits(1000))
+    draws = lambda s, n=200: np.array([s(x) for _ in range(n)])  # noqa: E731
+    a = draws(DeviceSampler(temperature=0.9, top_p=0.95, seed=1234))
+    b = draws(DeviceSampler(temperature=0.9, top_p=0.95, seed=1234))
+    c = draws(DeviceSampler(temperature=0.9, top_p=0.95, seed=4321))
+    assert (a == b).all() and (a != c).any()
+    s = DeviceSampler(temperature=0.9, seed=7)
+    first = draws(s, 50)
+    s.reset()
+    assert (first == draws(s, 50)).all()
+    small = np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float32))
+    s = DeviceSampler(temperature=1.0, seed=0)
+    d = np.array([s(torch.from_numpy(small)) for _ in range(4000)])
+    np.testing.assert_allclose(np.bincount(d, minlength=4) / d.size, [0.1, 0.2, 0.3, 0.4], atol=0.03)
+    s = DeviceSampler(temperature=1.5, top_k=5, seed=0)  # draws stay inside the support
+    y = _logits(100, seed=5)
+    assert set(s(torch.from_numpy(y)) for _ in range(1000)) == set(np.argsort(-y)[:5].tolist())
+
+
+def test_device_repetition_penalty_equals_numpy():
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    rng = np.random.default_rng(11)
+    for penalty in (0.5, 1.1, 1.3, 2.0, 7.7):
+        x = (rng.normal(size=3001) * 4).astype(np.float32)
+        prev = rng.integers(3001, size=400)  # repeats included
+        want = Sampler(repetition_penalty=penalty).apply_penalty(x, prev)
+        logits = torch.from_numpy(x.copy())
+        got, bad = DeviceSampler(repetition_penalty=penalty).penalize(logits, torch.from_numpy(prev))
+        assert not bool(bad)
+        np.testing.assert_array_equal(got.numpy(), want)  # exact: one IEEE division or multiplication each
+        assert torch.equal(logits, torch.from_numpy(x))  # the caller's logits are left alone
+        for t in (0.0, 1.0):  # the greedy choice and the support move the same way
+            case = dict(temperature=t, top_k=20, repetition_penalty=penalty)
+            if t == 0.0:
+                assert DeviceSampler(**case)(logits, prev.tolist()) == Sampler(**case)(x, prev)
+            else:
+                dense = DeviceSampler(**case).distribution_tensor(got).numpy()
+                np.testing.assert_allclose(dense, _dense(Sampler(**case), want), atol=1e-6)
+
+
+def test_device_sampler_raises_the_numpy_errors():
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    s = DeviceSampler(temperature=1.0, seed=0)
+    with pytest.raises(IngotError, match="shape"):
+        s(torch.zeros((2, 3)))
+    with pytest.raises(IngotError, match="NaN"):
+        s(torch.tensor([0.0, float("nan")]))
+    with pytest.raises(IngotError, match="NaN"):
+        DeviceSampler()(torch.tensor([0.0, float("nan")]))
+    with pytest.raises(IngotError, match="maximum is -inf"):
+        s(torch.full((4,), float("-inf")))
+    with pytest.raises(IngotError, match="previous_ids holds id 5"):
+        DeviceSampler(repetition_penalty=2.0)(torch.zeros(5), torch.tensor([1, 5]))
+    assert DeviceSampler()(torch.full((4,), float("-inf"))) == Sampler()(np.full(4, -np.inf, np.float32)) == 0
+    masked = torch.tensor([float("-inf"), 0.0, float("-inf"), 1.0])
+    assert {s(masked) for _ in range(300)} == {1, 3}
+    assert DeviceSampler()(torch.tensor([0.0, 2.0, 2.0], dtype=torch.bfloat16)) == 1  # half logits: float32 inside

@@ -5,6 +5,10 @@ cache between turns and only new tokens are computed. Prompt chunks are padded u
 bucket lengths so prefill compiles a handful of executables, not one per prompt length; padding
 sits after the real tokens, where causal attention never lets a real token see it, and decode
 overwrites those cache rows before anything reads them.
+
+On a device other than the CPU the logits stay on the device during generate: the next token is
+chosen there (`DeviceSampler`) and one `.item()` per token is the only host sync. `prefill` and
+`step` still return NumPy logits for callers that read them.
 """
 from __future__ import annotations
 
@@ -93,7 +97,28 @@ class LLM:
             self.model.callables_for = binder(self.config, self.adapters)
         del model
         _return_freed_memory()
-        self.decoder = self.model.compile(1, device)
+        self._compile_decoder()
+
+    @classmethod
+    def from_graph(cls, model, tokenizer, device: str = "cpu") -> LLM:
+        """An LLM around an already built decoder graph (`ingot.models.llama.build`) and a tokenizer
+        (anything with encode, decode, stream_decoder, eos_ids): for tests and benchmarks with random
+        weights, no file.
+
+            >>> cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=160, vocab_size=300)
+            >>> llm = LLM.from_graph(llama.build(cfg, llama.random_weights(cfg)), tokenizer)  # doctest: +SKIP
+            >>> [t.id for t in llm.generate([5, 17, 3], max_tokens=4)]                     # doctest: +SKIP
+        """
+        from ..adapters import AdapterSet
+
+        llm = cls.__new__(cls)
+        llm.path, llm.device, llm.config, llm.model = "", device, model.config, model
+        llm.adapters, llm.tokenizer, llm.metadata = AdapterSet(), tokenizer, {}
+        llm._compile_decoder()
+        return llm
+
+    def _compile_decoder(self) -> None:
+        self.decoder = self.model.compile(1, self.device)
         self.state = self.decoder.new_state()
         self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
         self.stats = GenerationStats()
@@ -125,12 +150,18 @@ class LLM:
         self.decoder = self.model.compile(1, self.device)
 
     # -- the model ----------------------------------------------------------------------------------
-    def _run(self, exe, tokens: np.ndarray, pos: int, last: int) -> np.ndarray:
-        logits = exe.run({"tokens": tokens, "pos": np.int32(pos), "last": np.int32(last)}, state=self.state)[0]
-        return exe.backend.to_host(logits)  # a device tensor on cuda: the sampler works on the host
+    def _run(self, exe, tokens: np.ndarray, pos: int, last: int):
+        """The logits where the backend leaves them (a device tensor on cuda, numpy on the CPU)."""
+        return exe.run({"tokens": tokens, "pos": np.int32(pos), "last": np.int32(last)}, state=self.state)[0]
+
+    def _to_host(self, logits) -> np.ndarray:
+        return self.decoder.backend.to_host(logits)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Compute K/V for ids not already cached; return the logits after the last one."""
+        """Compute K/V for ids not already cached; return the logits after the last one (numpy)."""
+        return self._to_host(self._prefill(ids))
+
+    def _prefill(self, ids: Sequence[int]):
         common = 0
         while common < min(len(self.cached), len(ids) - 1) and self.cached[common] == ids[common]:
             common += 1
@@ -161,6 +192,10 @@ class LLM:
         return {s for s in sizes if s > 1}
 
     def step(self, token: int) -> np.ndarray:
+        """Feed one token; return the logits after it (numpy)."""
+        return self._to_host(self._step(token))
+
+    def _step(self, token: int):
         logits = self._run(self.decoder, np.array([token], np.int32), len(self.cached), 0)
         self.cached.append(int(token))
         return logits[0]
@@ -174,9 +209,11 @@ class LLM:
         prompt: a string (rendered through the chat template unless chat=False), a list of chat
         messages, or token ids. Statistics of the run are in `self.stats` afterwards.
         """
-        from .sampling import Sampler, StopChecker
+        from .sampling import DeviceSampler, Sampler, StopChecker
 
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed)
+        on_device = self.device != "cpu"  # logits stay on the device; the sampler runs there too
+        sampler = (DeviceSampler if on_device else Sampler)(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                             repetition_penalty=repetition_penalty, seed=seed)
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (int, np.integer)):
             ids = [int(i) for i in prompt]
         else:
@@ -194,17 +231,17 @@ class LLM:
             self.model.compile(size, self.device)
         t0 = time.perf_counter()
         cached_before = len(self.cached)
-        logits = self.prefill(ids)
+        logits = self._prefill(ids) if on_device else self.prefill(ids)
         stats.prefilled = len(ids) - min(cached_before, len(ids) - 1) if keep_cache else len(ids)
         stats.prefill_seconds = time.perf_counter() - t0
         stream = self.tokenizer.stream_decoder()
         stopper = StopChecker(list(stop))
         eos = self.tokenizer.eos_ids
-        history = list(ids)
+        history = _History(ids, max_tokens, logits if on_device and repetition_penalty != 1.0 else None)
         t1 = time.perf_counter()
         stats.stop_reason = "max_tokens"
         for i in range(max_tokens):
-            token = int(sampler(logits, history))
+            token = int(sampler(logits, history.ids))
             history.append(token)
             stats.tokens.append(token)
             if token in eos:
@@ -221,11 +258,36 @@ class LLM:
             if len(self.cached) + 1 >= limit:
                 stats.stop_reason = "context"
                 break
-            logits = self.step(token)
+            logits = self._step(token) if on_device else self.step(token)
         rest = "" if stopper.stopped else stopper.feed(stream.flush()) + stopper.flush()
         if rest:
             yield Token(-1, rest)
         stats.decode_seconds = time.perf_counter() - t1
+
+
+class _History:
+    """The ids the repetition penalty looks at: a list, or a device buffer when `like` is a device tensor
+    (copied there once; each new id is written by a fill on the device, with no host sync)."""
+
+    def __init__(self, ids: Sequence[int], max_tokens: int, like=None):
+        self.count = len(ids)
+        if like is None:
+            self.buffer, self._list = None, list(ids)
+            return
+        import torch
+        self.buffer = torch.empty(len(ids) + max_tokens, dtype=torch.int64, device=like.device)
+        self.buffer[:len(ids)].copy_(torch.as_tensor(np.asarray(ids, np.int64)))
+
+    @property
+    def ids(self):
+        return self._list if self.buffer is None else self.buffer[:self.count]
+
+    def append(self, token: int) -> None:
+        if self.buffer is None:
+            self._list.append(token)
+        else:
+            self.buffer[self.count] = token
+        self.count += 1
 
 
 def _allocate_big_arrays_with_mmap() -> None:

@@ -14,6 +14,12 @@ greedy: the arg-max after the repetition penalty, ties going to the lowest id.
             break
     else:
         print(stop.flush(), end="")
+
+On a GPU the same choice runs on torch tensors where the logits lie, and only the chosen id comes back:
+
+    sampler = DeviceSampler(temperature=0.7, top_k=40, seed=0)
+    next_id = sampler(logits, history)               # logits: torch [vocab] on the device; history: int64
+                                                     # ids on the device; one .item() is the only sync
 """
 from __future__ import annotations
 
@@ -177,6 +183,154 @@ class Sampler:
         keep = int(np.searchsorted(np.cumsum(probs, dtype=np.float64), self.top_p, side="left")) + 1
         ids, probs = ids[:keep], probs[:keep]
         return ids, probs / probs.sum(dtype=np.float64)
+
+
+class DeviceSampler(Sampler):
+    """Sampler over torch tensors: penalty, temperature, top-k, top-p and the draw all run on the logits'
+    device, and `__call__` makes one `.item()` (the only host sync) to return the id.
+
+    Same steps, order, ties and errors as Sampler (an error found on the device comes back with the id as
+    a negative code, and is then re-raised with Sampler's own message). The draw comes from a
+    torch.Generator on the logits' device, seeded with `seed`, so it is reproducible for a seed but is not
+    the NumPy Sampler's draw.
+
+        >>> import torch                                                     # doctest: +SKIP
+        >>> DeviceSampler()(torch.tensor([0.0, 2.0, 2.0]))                   # doctest: +SKIP
+        1
+    """
+    # negative ids that report an error found on the device
+    _BAD_ID, _NAN, _NO_MAXIMUM = -3, -1, -2
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, seed: int | None = None):
+        super().__init__(temperature, top_k, top_p, repetition_penalty, seed)
+        self._draw_seed = seed
+        self._generator = None
+
+    def reset(self, seed: int | None = None) -> None:
+        super().reset(seed)
+        self._draw_seed = self.seed if seed is None else seed
+        self._generator = None
+
+    def generator(self, device):
+        """The torch.Generator of the draws on `device` (made, from the seed, on first use)."""
+        import torch
+        device = torch.device(device)
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            if self._draw_seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(int(self._draw_seed))
+        return self._generator
+
+    def __call__(self, logits, previous_ids=None) -> int:
+        token = int(self.choose(logits, previous_ids).item())  # the one host sync
+        if token < 0:
+            self._raise_host_error(logits, previous_ids)
+        return token
+
+    def _raise_host_error(self, logits, previous_ids) -> None:
+        """The device flagged an error: let the NumPy Sampler find it again and raise its message."""
+        import torch
+        host = logits.detach().float().cpu().numpy()
+        if isinstance(previous_ids, torch.Tensor):
+            previous_ids = previous_ids.detach().cpu().numpy()
+        Sampler.__call__(Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                 repetition_penalty=self.repetition_penalty, seed=0), host, previous_ids)
+        raise IngotError("DeviceSampler: the device flagged logits the NumPy Sampler accepts.")
+
+    def choose(self, logits, previous_ids=None):
+        """The chosen id as a 0-d int64 tensor on the logits' device (no host sync); a negative value
+        reports an error (a previous id out of range, NaN logits, no finite maximum)."""
+        import torch
+        if not isinstance(logits, torch.Tensor):
+            logits = torch.as_tensor(np.asarray(logits))
+        if logits.ndim != 1 or logits.numel() == 0:
+            raise IngotError(f"Sampler takes logits of shape [vocab], not {tuple(logits.shape)}.")
+        x, bad_ids = self.penalize(logits, previous_ids)
+        nan = torch.isnan(x).any()
+        if self.greedy:
+            token = torch.argmax(x)  # the first maximum: ties go to the lowest id (as np.argmax)
+            no_maximum = None
+        else:
+            probs, no_maximum = self.probabilities(x)
+            token = self._draw_tensor(probs)
+        if no_maximum is not None:
+            token = torch.where(no_maximum, self._NO_MAXIMUM, token)
+        token = torch.where(nan, self._NAN, token)
+        if bad_ids is not None:
+            token = torch.where(bad_ids, self._BAD_ID, token)
+        return token
+
+    def penalize(self, logits, previous_ids):
+        """(float32 logits with the repetition penalty over previous_ids, a 0-d bool tensor saying an id
+        was out of range, or None). The caller's tensor is left alone."""
+        import torch
+        x = logits.float()
+        if self.repetition_penalty == 1.0 or previous_ids is None:
+            return x, None
+        if isinstance(previous_ids, torch.Tensor):
+            prev = previous_ids.reshape(-1).to(device=x.device, dtype=torch.int64)
+        else:
+            prev = np.asarray(list(previous_ids) if not isinstance(previous_ids, np.ndarray) else previous_ids, np.int64)
+            prev = torch.as_tensor(prev.reshape(-1), device=x.device)
+        if prev.numel() == 0:
+            return x, None
+        n = x.numel()
+        bad_ids = ((prev < 0) | (prev >= n)).any()
+        index = prev.clamp(0, n - 1)  # an out-of-range id must not reach gather (a device assert); it is flagged
+        picked = x.gather(0, index)
+        # a tensor divisor: torch divides by a Python scalar as a multiply by its reciprocal on the GPU
+        penalty = torch.full((), self.repetition_penalty, dtype=torch.float32, device=x.device)
+        penalized = torch.where(picked > 0, picked / penalty, picked * penalty)
+        return x.clone().scatter_(0, index, penalized), bad_ids  # repeats write the same value
+
+    def probabilities(self, x):
+        """(float64 probabilities over the whole vocabulary, zero outside what temperature, top-k and
+        top-p keep, and a 0-d bool tensor saying the logits have no finite maximum); Sampler's
+        `_distribution` as dense device vectors, with no data-dependent shape (so no sync)."""
+        import torch
+        n = x.numel()
+        m = x.max()
+        no_maximum = ~torch.isfinite(m)
+        # shifted so the best token is at 0; the float32 factor is the NumPy Sampler's exactly
+        scaled = (x - m) * float(np.float32(min(1.0 / self.temperature, 1e38)))
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        if 0 < self.top_k < n:
+            kth = torch.topk(scaled, self.top_k, sorted=False).values.min()
+            kept = scaled >= kth  # ties at the k-th value stay, as in transformers
+            weights = torch.where(kept, torch.exp(scaled), zero)
+            sort_key = torch.where(kept, scaled, float("-inf"))
+        else:
+            weights = torch.exp(scaled)
+            sort_key = scaled
+        # float32 probabilities rounded from a float64 division, as NumPy's in-place `probs /= sum`
+        probs = (weights.double() / weights.sum(dtype=torch.float64)).float()
+        if self.top_p >= 1.0:
+            return probs.double(), no_maximum
+        _, order = torch.sort(sort_key, descending=True, stable=True)  # ties: lowest id first
+        cdf = torch.cumsum(probs[order].double(), 0)
+        keep = torch.searchsorted(cdf, cdf.new_full((1,), self.top_p), side="left") + 1
+        in_nucleus = torch.arange(n, device=x.device) < keep
+        nucleus = torch.zeros(n, dtype=torch.bool, device=x.device).scatter_(0, order, in_nucleus)
+        kept_probs = torch.where(nucleus, probs.double(), 0.0)
+        return kept_probs / kept_probs.sum(), no_maximum
+
+    def distribution_tensor(self, logits):
+        """Dense float64 probabilities the draw chooses from (after temperature, top-k, top-p; no
+        penalty), on the logits' device; Sampler.distribution's (ids, probs) scattered over the vocabulary."""
+        return self.probabilities(logits.float())[0]
+
+    def _draw_tensor(self, probs):
+        """An id drawn with the given weights: one uniform number from the device's generator, inverse CDF."""
+        import torch
+        u = torch.rand((1,), generator=self.generator(probs.device), device=probs.device, dtype=torch.float64)
+        cdf = torch.cumsum(probs, 0)
+        i = torch.searchsorted(cdf, u * cdf[-1], right=True)[0]
+        ids = torch.arange(probs.numel(), device=probs.device)
+        last_nonzero = torch.where(probs > 0, ids, 0).max()
+        return torch.minimum(i, last_nonzero)
 
 
 class StopChecker:

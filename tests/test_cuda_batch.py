@@ -1,0 +1,99 @@
+"""Batched lockstep decode on the CUDA backend against the CPU backend (marker `cuda`).
+
+B = 1, 4 and 16 sequences through `llama.build(batch=B)`: prefill, then greedy decode steps, with
+float32 weights and with uint4 weights in blocks of 32 (so decode runs the <=4-row word-layout GEMV at
+B <= 4 and the tensor-core kernel at B = 16 and in prefill). Skips cleanly without torch, triton or a
+GPU; `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1` runs it under Triton's interpreter (slow: tiny shapes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
+if _HAVE:
+    import torch
+    _INTERPRET = os.environ.get("INGOT_CUDA_DEVICE") == "cpu"
+    _HAVE = _INTERPRET or torch.cuda.is_available()
+if not _HAVE:
+    pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
+
+from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.models import llama  # noqa: E402
+
+PROMPT, STEPS = 3, 3
+
+
+def _config() -> llama.LlamaConfig:
+    # test_cuda.py's small decoder, one layer: GQA 6/2 heads of 16, FFN and vocab not powers of two
+    return llama.LlamaConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=160, vocab_size=300,
+                             context_length=32, tied_embeddings=True)
+
+
+def _weights(kind: str, cfg: llama.LlamaConfig) -> dict:
+    if kind == "f32":
+        return llama.random_weights(cfg, seed=3, matrix=lambda rng, rows, cols: (
+            rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32))
+    return llama.random_weights(cfg, seed=3)   # uint4, blocks of 32, scale and bias: quantized_matmul
+
+
+def _greedy(model: llama.LlamaGraph, device: str, prompts: np.ndarray, forced: list[np.ndarray] | None):
+    """Logits after prefill and after each decode step; the next tokens are `forced` when given (the
+    CPU's choices, so a near tie cannot make the two runs diverge), else the argmax."""
+    pre, dec = model.compile(PROMPT, device), model.compile(1, device)
+    state = dec.new_state()
+    host = dec.backend.to_host
+    logits = host(pre.run({"tokens": prompts.reshape(-1), "pos": np.int32(0), "last": np.int32(PROMPT - 1)}, state=state)[0])
+    seen, chosen = [logits], []
+    for i in range(STEPS):
+        chosen.append(np.argmax(seen[-1], axis=-1).astype(np.int32))
+        tokens = forced[i] if forced is not None else chosen[-1]
+        seen.append(host(dec.run({"tokens": tokens, "pos": np.int32(PROMPT + i), "last": np.int32(0)}, state=state)[0]))
+    return seen, chosen
+
+
+class _Rows:
+    """Records the row counts the quantized matmul kernels are launched with (eager runs; a replayed
+    CUDA graph calls no Python)."""
+
+    def __init__(self, monkeypatch):
+        self.words, self.tensor_core = set(), set()
+        words, gemm = qmm._words_gemv, qmm._qgemm_kernel
+
+        def counted_words(x2, *args, **kwargs):
+            self.words.add(x2.shape[0])
+            return words(x2, *args, **kwargs)
+
+        class CountedGemm:
+            def __getitem__(_, grid):
+                def launch(x2, *args, **kwargs):
+                    self.tensor_core.add(args[5])   # m: after x2 come q, scale, bias, lut, y
+                    return gemm[grid](x2, *args, **kwargs)
+                return launch
+        monkeypatch.setattr(qmm, "_words_gemv", counted_words)
+        monkeypatch.setattr(qmm, "_qgemm_kernel", CountedGemm())
+
+
+@pytest.mark.parametrize("kind", ["f32", "uint4"])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_batched_greedy_decode_equals_the_cpu_backend(batch, kind, monkeypatch):
+    cfg = _config()
+    model = llama.build(cfg, _weights(kind, cfg), batch=batch)
+    prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, PROMPT)).astype(np.int32)
+    cpu_logits, cpu_tokens = _greedy(model, "cpu", prompts, None)
+    rows = _Rows(monkeypatch)
+    gpu_logits, gpu_tokens = _greedy(model, "cuda", prompts, cpu_tokens)
+    assert "rope q + rope k + v write into the caches" in model.compile(1, "cuda").plan.fusions
+    if kind == "uint4":   # B rows (decode), B * PROMPT (prefill): the word-layout GEMV up to 4, the tensor-core kernel above
+        for m in (batch, batch * PROMPT):
+            assert m in (rows.words if m <= qmm.WORDS_MAX_ROWS else rows.tensor_core), (m, rows.words, rows.tensor_core)
+    assert gpu_logits[0].shape == (batch, cfg.vocab_size)
+    for step, (got, want) in enumerate(zip(gpu_logits, cpu_logits)):
+        # 1e-4, not 1e-5: the GPU sums the K=96/160 reductions in another order (as test_cuda.py's decode test)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
+    assert [t.tolist() for t in gpu_tokens] == [t.tolist() for t in cpu_tokens]

@@ -1,9 +1,9 @@
 """Constant folding: an op whose inputs are all constants becomes a constant.
 
 Skipped where folding would lose what the compiler is for: dequantize (that would be the float copy
-of a quantized weight), a cast that widens a 16-bit float constant (the float32 copy of a bf16/f16
-weight: backends multiply the narrow weight directly), broadcasts (bigger, not faster), and results
-over a size limit.
+of a quantized weight), a bfloat16 weight's cast to float32 (its float32 copy: backends multiply the
+bf16 weight directly; float16 weights still fold, an x rounded to float16 could overflow),
+broadcasts (bigger, not faster), and results over a size limit.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ MAX_ELEMENTS = 1 << 20
 
 
 def widens_weight(node: Node) -> bool:
-    """cast(c, float32) of a bfloat16/float16 constant: a narrow weight that stays narrow in memory."""
+    """cast(c, float32) of a bfloat16 matrix constant: a weight that stays bf16 in memory."""
     return node.op == Op.CAST and node.src[0].op == Op.CONSTANT and node.dtype == dt.float32 and \
-        node.src[0].dtype in (dt.bfloat16, dt.float16) and node.type.rank >= 2
+        node.src[0].dtype == dt.bfloat16 and node.type.rank >= 2
 
 
 def _static_dim(node: Node, ctx: Context) -> Node | None:

@@ -3,9 +3,9 @@
     matmul(x, dequantize(q, ...))             -> quantized_matmul(x, q, ..., transpose=False)
     matmul(x, transpose(dequantize(q, ...)))  -> quantized_matmul(x, q, ..., transpose=True)
     gather(dequantize(q, ...), idx, axis=0|1) -> quantized_gather(q, ..., idx, axis=0|1)
-    gather(cast(w16, float32), idx)           -> cast(gather(w16, idx), float32)
+    gather(cast(w_bf16, float32), idx)        -> cast(gather(w_bf16, idx), float32)
 
-A bf16/f16 weight's widening cast (kept by fold) is left to the matmul that reads it: backends
+A bf16 weight's widening cast (kept by fold) is left to the matmul that reads it: backends
 multiply the narrow weight directly (CUDA) or widen it once at load (CPU). A gather of it takes
 the rows it needs first, so the cast is of those rows only.
 """

@@ -1,7 +1,7 @@
 """Memory plan: one buffer per intermediate, reused once its value (and every view of it) is dead.
 
 Sources, views, in-place updates, call results, outputs, assigned values and the float32 cast of a
-bf16/f16 weight (see fold.widens_weight) get no planned buffer:
+bf16 weight (see fold.widens_weight) get no planned buffer:
 they alias memory the runtime already owns or hand memory to the caller, so an output is never a
 buffer the next run overwrites.
 
@@ -17,7 +17,7 @@ from .fold import widens_weight
 
 
 def _planned(node: Node, keep: set[int]) -> bool:
-    # a bf16/f16 weight's cast to float32 is a load-time value (CPU) or never made (CUDA): no buffer
+    # a bf16 weight's cast to float32 is a load-time value (CPU) or never made (CUDA): no buffer
     return (node.op not in GroupOp.Source and not widens_weight(node) and node.op not in GroupOp.View and node.op not in (Op.CALL, Op.GET_ITEM, Op.ASSIGN)
             and not node.attrs.get("inplace") and node.id not in keep and isinstance(node.type, TensorType) and node.type.static)
 

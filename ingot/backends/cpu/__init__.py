@@ -257,7 +257,7 @@ class CpuPlan:
                 continue
             if node.op == Op.ASSIGN:
                 continue
-            if widens_weight(node):  # a bf16/f16 weight widened once, at load, and shared by every plan
+            if widens_weight(node):  # a bf16 weight widened once, at load, and shared by every plan
                 self.initial[s] = _widened(program.constants[node.src[0].attrs["key"]])
                 keep.add(s)
                 continue
@@ -319,7 +319,7 @@ _WIDENED: dict[int, np.ndarray] = {}
 
 
 def _widened(array: np.ndarray) -> np.ndarray:
-    """The float32 copy of a 16-bit float constant, made once per array (prefill and decode
+    """The float32 copy of a bf16 constant, made once per array (prefill and decode
     executables share it) and dropped with the array."""
     hit = _WIDENED.get(id(array))
     if hit is None:

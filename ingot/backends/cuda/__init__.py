@@ -35,6 +35,7 @@ from ...errors import IngotError
 from ...ir import GroupOp, Node, Op, Program, Ref, TensorType
 from ...ops import REGISTRY
 from ...ops.nn import rope_inv_freq
+from ...passes.fold import widens_weight
 from . import attention as attention_kernels
 from . import fused
 from . import quantized_matmul as qmm
@@ -450,7 +451,54 @@ def _dim(ctx: Lowering) -> StepFn:
 def _matmul(ctx: Lowering) -> StepFn:
     if not ctx.node.dtype.is_float:
         return host_reference(ctx)  # cuBLAS has no integer GEMM through torch
+    if narrow_weight(ctx.node) is not None:
+        return _narrow_weight_matmul(ctx)
     return torch.matmul
+
+
+def narrow_weight(node: Node) -> Node | None:
+    """The bf16 constant W of matmul(x, cast(W, float32)) with a float32 x, else None."""
+    w = node.src[1]
+    if node.op != Op.MATMUL or not widens_weight(w) or w.type.rank != 2 or node.src[0].dtype != dt.float32:
+        return None
+    return w.src[0]
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _mm_out_dtype(device) -> bool:
+    """Whether torch.mm(a16, b16, out_dtype=torch.float32) runs here (CUDA in recent torch; not the CPU)."""
+    key = str(device)
+    if key not in _MM_OUT_DTYPE:
+        try:
+            a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
+            _MM_OUT_DTYPE[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
+def _narrow_weight_matmul(ctx: Lowering) -> StepFn:
+    """y = x @ W for a bf16 weight W [K, N] kept in its own dtype on the device: no float32
+    copy of W is ever made (the cast node feeding it is not lowered; see CudaPlan).
+
+    x is rounded to W's dtype and cuBLAS multiplies in that dtype with float32 accumulation (what a
+    torch.compile bf16 model does). That rounding of x (relative 2^-9 for bf16) is the accuracy cost:
+    expect about 1e-2 relative error in y against a float32 product, not 1e-5. The float32 result
+    comes straight from the GEMM where torch.mm has out_dtype (CUDA), else from a bf16 result
+    widened (one more rounding, same order)."""
+    weight = constant_tensor(ctx.plan.program.constants[narrow_weight(ctx.node).attrs["key"]], ctx.device)
+    ctx.reads = (0,)  # the step takes x only: the weight lives on the device in its own dtype
+    k, n = weight.shape
+    direct = _mm_out_dtype(ctx.device)
+
+    def matmul(x):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).to(weight.dtype)
+        y = torch.mm(x2, weight, out_dtype=torch.float32) if direct else torch.mm(x2, weight).float()
+        return y.reshape(*lead, n)
+    return matmul
 
 
 @lowering(Op.RMS_NORM)
@@ -703,6 +751,13 @@ class CudaPlan:
                 if len(members) > 1 and len({m.dtype for m in members}) == 1:
                     for m in members:
                         group_of[m.id] = members
+
+        # a bf16 weight's cast to float32 that only matmuls read: they multiply the narrow weight
+        for n in nodes:
+            if widens_weight(n) and n.id not in roots and users[n.id] and \
+                    all(u.op == Op.MATMUL and u.src[1] is n and u.src[0] is not n and narrow_weight(u) is not None
+                        for u in users[n.id]):
+                done.add(n.id)
 
         qkv_last = self._qkv_groups(nodes, users, roots, done) if os.environ.get("INGOT_CUDA_QKV", "1") == "1" else {}
 

@@ -25,6 +25,7 @@ untimed warm-up loop (it compiles), then the median of `repeats` timed loops of 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import math
@@ -39,8 +40,8 @@ from torch import nn
 KINDS = ("hf_eager_bf16", "compile_bf16", "compile_int4")
 TINY = dict(n_layers=2, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, tied_embeddings=True,
             rope_base=10000.0)
-GROUP_SIZE = 32          # int4 weights: one scale and zero per 32 inputs
-INNER_K_TILES = 8        # tinygemm's packing (gpt-fast's choice); K must be a multiple of 16 * this
+GROUP_SIZE = 32               # int4 weights: one scale and zero per 32 inputs
+INNER_K_TILES = (8, 4, 2)     # tinygemm's packings, gpt-fast's 8 first; K must be a multiple of 16 * tiles
 
 
 @dataclass
@@ -68,25 +69,31 @@ class Shape:
 # == the gpt-fast-style decoder ========================================================================
 
 class Int4Linear(nn.Module):
-    """y = x @ dequant(w).T with w int4 in groups of GROUP_SIZE along K (tinygemm: w = (q - 8) * scale + zero)."""
+    """y = x @ dequant(w).T with w int4 in groups of GROUP_SIZE along K (tinygemm: w = (q - 8) * scale + zero).
+    A K no packing divides (SmolLM2's 576 takes 4 tiles) is padded to a multiple of 1024, as gpt-fast pads."""
 
     def __init__(self, out_features: int, in_features: int, device: torch.device, generator: torch.Generator):
         super().__init__()
-        assert in_features % (16 * INNER_K_TILES) == 0 and in_features % GROUP_SIZE == 0, in_features
-        self.out_features = out_features
-        q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, device=device, generator=generator)
+        self.out_features, self.in_features = out_features, in_features
+        tiles = next((t for t in INNER_K_TILES if in_features % (16 * t) == 0 and in_features % GROUP_SIZE == 0), None)
+        padded = in_features if tiles else -(-in_features // 1024) * 1024
+        self.padded_features, tiles = padded, tiles or INNER_K_TILES[0]
+        q = torch.randint(0, 16, (out_features, padded), dtype=torch.int32, device=device, generator=generator)
         if device.type == "cuda":
             packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two int4 per byte, [N, K / 2]
-            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, INNER_K_TILES))
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, tiles))
         else:
-            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
-        groups = in_features // GROUP_SIZE
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles))
+        del q
+        groups = padded // GROUP_SIZE
         scales = torch.rand((groups, out_features), device=device, generator=generator) * 0.004 + 0.001
         zeros = (torch.rand((groups, out_features), device=device, generator=generator) - 0.5) * 0.004
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=2).to(torch.bfloat16).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.padded_features != self.in_features:
+            rows = F.pad(rows, (0, self.padded_features - self.in_features))
         if x.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, GROUP_SIZE, self.scales_and_zeros)
         else:
@@ -282,14 +289,24 @@ def anchor_decode(shape: dict, batch: int, kind: str, steps: int, prompt: int, c
     s, dev = Shape.of(shape), torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device cuda: torch sees no GPU")
-    if kind == "hf_eager_bf16":
-        run, build_s = _hf_loop(s, batch, steps, prompt, context, dev)
-    else:
-        run, build_s = _compiled_loop(s, batch, kind, steps, prompt, context, dev, compile)
-    t0 = time.perf_counter()
-    run()  # warm-up: compiles and records the CUDA graphs
-    compile_s = build_s + time.perf_counter() - t0
-    seconds = statistics.median(run() for _ in range(repeats))
+    # each call compiles a new model through the same decode_one code object: start from an empty dynamo
+    # cache, or the recompile limit (8) silently turns later anchors eager
+    torch._dynamo.reset()
+    try:
+        if kind == "hf_eager_bf16":
+            run, build_s = _hf_loop(s, batch, steps, prompt, context, dev)
+        else:
+            run, build_s = _compiled_loop(s, batch, kind, steps, prompt, context, dev, compile)
+        t0 = time.perf_counter()
+        run()  # warm-up: compiles and records the CUDA graphs
+        compile_s = build_s + time.perf_counter() - t0
+        seconds = statistics.median(run() for _ in range(repeats))
+    finally:
+        run = None  # the model, its caches and the CUDA graphs' memory go back before the next anchor
+        gc.collect()
+        torch._dynamo.reset()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return dict(kind=kind, batch=batch, tok_s=batch * steps / seconds, per_seq_tok_s=steps / seconds,
                 ms_per_step=1e3 * seconds / steps, compile_s=compile_s, error=None)
 

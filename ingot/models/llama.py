@@ -7,6 +7,9 @@ T = 1 gives the decode executable (static shapes, the position a runtime scalar)
 prompt chunk length gives a prefill executable (cached per length).
 
     tokens: int32 [T]   pos: int32 []   last: int32 []   ->   logits: float32 [1, vocab]
+
+build(batch=B) decodes B sequences in lockstep (one shared position): tokens [B*T], KV caches
+[B, nkv, ctx, hd], logits [B, vocab].
 """
 from __future__ import annotations
 

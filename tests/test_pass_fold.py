@@ -85,3 +85,23 @@ def test_nothing_constant_nothing_changed():
     x = g.placeholder((2,), name="x")
     after, changed = fold_constants(program_of(g, g.exp(x) * 2.0))
     assert not changed
+
+
+def test_keeps_a_bfloat16_weight_bfloat16():
+    """cast(bf16 matrix, float32) is the float copy the backends avoid: not folded; a float16
+    matrix and a bf16 vector still fold."""
+    rng = np.random.default_rng(0)
+    g = ingot.Graph()
+    x = g.placeholder((2, 6), name="x")
+    w16 = rng.standard_normal((6, 5)).astype(ingot.bfloat16.storage)
+    wide = g.cast(g.constant(w16), ingot.float32)
+    half = g.cast(g.constant(rng.standard_normal((6, 5)).astype(np.float16)), ingot.float32)
+    vector = g.cast(g.constant(rng.standard_normal(5).astype(ingot.bfloat16.storage)), ingot.float32)
+    y = g.matmul(x, wide) + g.matmul(x, half) + vector
+    before = program_of(g, y)
+    after, changed = fold_constants(before)
+    assert changed
+    casts = [n for n in after.nodes() if n.op == Op.CAST]
+    assert len(casts) == 1 and casts[0].src[0].op == Op.CONSTANT and casts[0].src[0].dtype == ingot.bfloat16
+    feeds = {"x": rng.standard_normal((2, 6)).astype(np.float32)}
+    np.testing.assert_allclose(evaluate(after, feeds)[0], evaluate(before, feeds)[0], rtol=1e-6)

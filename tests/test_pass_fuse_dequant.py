@@ -116,3 +116,22 @@ def test_leaves_float_matmul_and_mismatched_dtypes():
     assert not changed and after.outputs[0].op == Op.MATMUL
     after, changed = fuse_dequantize(Program([y16.node], [], dict(g.constants)))
     assert changed and after.outputs[0].op == Op.QUANTIZED_MATMUL
+
+
+def test_gathers_bfloat16_rows_before_the_cast():
+    """gather(cast(W_bf16, float32), idx) -> cast(gather(W_bf16, idx)): only the rows read are widened."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((7, 50)).astype(dt.bfloat16.storage)
+    g = ingot.Graph()
+    idx = g.placeholder((3,), dt.int32, name="idx")
+    y = g.gather(g.cast(g.constant(table), dt.float32), idx, axis=1)
+    before = Program([y.node], [], dict(g.constants))
+    after, changed = fuse_dequantize(before)
+    assert changed
+    out = after.outputs[0]
+    assert out.op == Op.CAST and out.src[0].op == Op.GATHER and out.src[0].src[0].dtype == dt.bfloat16
+    assert out.type == y.node.type
+    feeds = {"idx": np.array([49, 0, 7], np.int32)}
+    np.testing.assert_array_equal(evaluate(after, feeds)[0], evaluate(before, feeds)[0])
+    float_table = Program([g.gather(g.constant(table.astype(np.float32)), idx, axis=1).node], [], dict(g.constants))
+    assert not fuse_dequantize(float_table)[1]  # a float32 table is left alone

@@ -137,3 +137,7 @@ def test_bfloat16_gguf_file(tmp_path):
     want = run_steps(llama.build(file_cfg, widened(tensors)), [7, 8, 9], 2)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+    from ingot.llm.package import open_model
+    lazy = open_model(str(tmp_path / "m.gguf"), bfloat16=True)   # the LLM loader's way in (lazy tensors)
+    assert lazy.tensors["blk.1.ffn_down.weight"].dtype == BF16
+    assert open_model(str(tmp_path / "m.gguf")).tensors["blk.1.ffn_down.weight"].dtype == np.float32

@@ -184,15 +184,18 @@ def read_llm(path) -> StoredModel:
                        AdapterSet(factors, int8=int8))
 
 
-def open_model(path):
-    """A GGUF file (lazily converted) or an Ingot LLM package, as a StoredModel."""
+def open_model(path, bfloat16: bool = False):
+    """A GGUF file (lazily converted) or an Ingot LLM package, as a StoredModel.
+
+    bfloat16=True keeps a GGUF file's BF16 tensors bfloat16 (the CUDA backend multiplies them as they
+    are; the CPU backend widens each once at load) instead of widening them to float32 here."""
     from ..adapters import AdapterSet
     from ..importers.gguf import read_gguf
     from ..models.llama import LlamaConfig
 
     if Path(path).is_dir():
         return read_llm(path)
-    model = read_gguf(path, lazy=True)
+    model = read_gguf(path, lazy=True, bfloat16=bfloat16)
     return StoredModel(model.path, model.architecture, model.metadata, model.tensors, LlamaConfig.from_gguf(model),
                        AdapterSet())
 

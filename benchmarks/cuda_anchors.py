@@ -158,7 +158,7 @@ class Block(nn.Module):
         g = nh // nkv
         q = q.reshape(b, nkv, g * t, hd)
         y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask.repeat(g, 1))
-        y = y.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
+        y = y.reshape(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)  # (SDPA's output may be strided)
         return self.wo(y)
 
     def forward(self, x, freqs, input_pos, mask):

@@ -277,7 +277,8 @@ def anchor_decode(shape: dict, batch: int, kind: str, steps: int, prompt: int, c
     """Greedy decode speed of one anchor on random weights of `shape` (a cuda_llm.SHAPES entry).
 
     Returns dict(kind, batch, tok_s = batch * steps / seconds, per_seq_tok_s, ms_per_step, compile_s (the
-    build and the untimed warm-up loop, which compiles), error=None); errors raise (the caller records them).
+    build and the untimed warm-up loop, which compiles), error=None, notes (what torch.compile skipped or
+    recompiled, else None)); errors raise (the caller records them).
 
         >>> anchor_decode(TINY, 2, "compile_bf16", 8, 4, 32, device="cpu", compile=False)["tok_s"] > 0
         True
@@ -292,6 +293,8 @@ def anchor_decode(shape: dict, batch: int, kind: str, steps: int, prompt: int, c
     # each call compiles a new model through the same decode_one code object: start from an empty dynamo
     # cache, or the recompile limit (8) silently turns later anchors eager
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
     try:
         if kind == "hf_eager_bf16":
             run, build_s = _hf_loop(s, batch, steps, prompt, context, dev)
@@ -301,6 +304,7 @@ def anchor_decode(shape: dict, batch: int, kind: str, steps: int, prompt: int, c
         run()  # warm-up: compiles and records the CUDA graphs
         compile_s = build_s + time.perf_counter() - t0
         seconds = statistics.median(run() for _ in range(repeats))
+        notes = _compile_notes(counters) if kind != "hf_eager_bf16" and compile else None
     finally:
         run = None  # the model, its caches and the CUDA graphs' memory go back before the next anchor
         gc.collect()
@@ -308,7 +312,23 @@ def anchor_decode(shape: dict, batch: int, kind: str, steps: int, prompt: int, c
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return dict(kind=kind, batch=batch, tok_s=batch * steps / seconds, per_seq_tok_s=steps / seconds,
-                ms_per_step=1e3 * seconds / steps, compile_s=compile_s, error=None)
+                ms_per_step=1e3 * seconds / steps, compile_s=compile_s, error=None, notes=notes)
+
+
+def _compile_notes(counters) -> str | None:
+    """What torch.compile did not do as asked (graph breaks, recompiles, CUDA graphs skipped), or None."""
+    found = []
+    for group, key in (("inductor", "cudagraph_skips"), ("stats", "unique_graphs"), ("recompiles", None)):
+        if key is None:
+            total = sum(counters.get(group, {}).values())
+            if total:
+                found.append(f"{group} {total}")
+        elif group == "stats":
+            if counters.get(group, {}).get(key, 1) > 1:
+                found.append(f"{counters[group][key]} graphs (graph breaks or recompiles)")
+        elif counters.get(group, {}).get(key):
+            found.append(f"{key} {counters[group][key]}")
+    return "; ".join(found) or None
 
 
 def main() -> int:
@@ -343,7 +363,8 @@ def main() -> int:
                 results.append(dict(r, model=name))
                 line = f"{name:10} {kind:14} {batch:5d} {r['tok_s']:10.1f} {r['per_seq_tok_s']:9.1f} " \
                        f"{r['ms_per_step']:8.2f} {r['compile_s']:9.1f}"
-                print(line + (f"  error: {r['error']}" if r["error"] else ""), flush=True)
+                print(line + (f"  error: {r['error']}" if r["error"] else "") +
+                      (f"  ({r['notes']})" if r.get("notes") else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -105,7 +105,7 @@ class LLM:
         (anything with encode, decode, stream_decoder, eos_ids): for tests and benchmarks with random
         weights, no file.
 
-            >>> cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=160, vocab_size=300)
+            >>> cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=160, vocab_size=300)  # doctest: +SKIP
             >>> llm = LLM.from_graph(llama.build(cfg, llama.random_weights(cfg)), tokenizer)  # doctest: +SKIP
             >>> [t.id for t in llm.generate([5, 17, 3], max_tokens=4)]                     # doctest: +SKIP
         """

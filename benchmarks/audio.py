@@ -192,31 +192,35 @@ def cuda_main(args) -> None:
         label = f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} min" if seconds < 3600 else f"{seconds / 3600:g} h"
         log_mel = lambda g, s, **o: audio.log_mel_spectrogram(g, s, sample_rate=SAMPLE_RATE, n_fft=N_FFT,  # noqa: E731
                                                              hop_length=HOP, n_mels=N_MELS, pad_mode="reflect", **o)
-        default_pass = cuda_fft.PASS_FRAMES
-        # name: (builder, environment while compiling, cuda_fft.PASS_FRAMES while compiling and capturing)
+        # name: (builder, environment while compiling, cuda_fft module settings while compiling and capturing)
         builders = {
-            "ingot log-mel": (log_mel, {}, default_pass),
-            "ingot log-mel, one chunk": (lambda g, s: log_mel(g, s, frames_per_chunk=len(host)), {}, default_pass),
-            "ingot log-mel, one pass": (log_mel, {}, 1 << 30),
-            "ingot log-mel, pass 2^16": (log_mel, {}, 1 << 16),
-            "ingot log-mel, tf32": (log_mel, {"INGOT_CUDA_MEL_PRECISION": "tf32"}, default_pass),
-            "ingot log-mel, gemm": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, default_pass),
-            "ingot log-mel, unfused": (log_mel, {"INGOT_CUDA_AUDIO_FUSION": "0"}, default_pass),
-            "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, default_pass),
-            "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), {}, default_pass),
+            "ingot log-mel": (log_mel, {}, {}),
+            "ingot log-mel, one chunk": (lambda g, s: log_mel(g, s, frames_per_chunk=len(host)), {}, {}),
+            "ingot log-mel, one pass": (log_mel, {}, {"PASS_FRAMES": 1 << 30}),
+            "ingot log-mel, 2 streams": (log_mel, {}, {"STREAMS": 2}),
+            "ingot log-mel, 2 streams, pass 2^16": (log_mel, {}, {"STREAMS": 2, "PASS_FRAMES": 1 << 16}),
+            "ingot log-mel, stream F16": (log_mel, {}, {"STREAM_CONFIG": {"block_f": 16}}),
+            "ingot log-mel, stream tf32": (log_mel, {}, {"STREAM_CONFIG": {"precision": "tf32"}}),
+            "ingot log-mel, gemm": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, {}),
+            "ingot log-mel, gemm, 2 streams": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, {"STREAMS": 2}),
+            "ingot log-mel, gemm, 3 streams 2^16": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"},
+                                                    {"STREAMS": 3, "PASS_FRAMES": 1 << 16}),
+            "ingot log-mel, unfused": (log_mel, {"INGOT_CUDA_AUDIO_FUSION": "0"}, {}),
+            "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, {}),
+            "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), {}, {}),
         }
         if args.quick:
             builders = {k: v for k, v in builders.items() if k in ("ingot log-mel", "ingot whisper", "ingot stft")}
         times, results = {}, {}
-        for name, (build, env, pass_frames) in builders.items():
+        for name, (build, env, settings) in builders.items():
             start = time.perf_counter()
             g = ingot.Graph()
             signal = g.placeholder(host.shape, ingot.float32, name="signal")
-            saved = {k: os.environ.get(k) for k in env}
+            saved_env = {k: os.environ.get(k) for k in env}
+            saved = {k: getattr(cuda_fft, k) for k in settings}
             os.environ.update(env)
-            precision = cuda_fft.STREAM_CONFIG["precision"]
-            cuda_fft.STREAM_CONFIG["precision"] = env.get("INGOT_CUDA_MEL_PRECISION", precision)
-            cuda_fft.PASS_FRAMES = pass_frames
+            for k, v in settings.items():
+                setattr(cuda_fft, k, {**saved[k], **v} if isinstance(v, dict) else v)
             try:
                 exe = g.compile(targets=[build(g, signal)], device="cuda")
                 compile_s = time.perf_counter() - start
@@ -224,10 +228,10 @@ def cuda_main(args) -> None:
                 results[name] = run()              # kernels compiled; the next runs capture and replay
                 run()
             finally:
-                for k, v in saved.items():
+                for k, v in saved_env.items():
                     os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-                cuda_fft.STREAM_CONFIG["precision"] = precision
-                cuda_fft.PASS_FRAMES = default_pass
+                for k, v in saved.items():
+                    setattr(cuda_fft, k, v)
             times[name] = bench(run)
             print(f"{label:>8} {name:<28} {times[name]:8.3f} ms   compile {compile_s:.2f} s   fusions: "
                   f"{sorted(set(f for f in exe.plan.fusions if f.startswith('stft')))}", flush=True)
@@ -266,9 +270,9 @@ def cuda_main(args) -> None:
         out = torch.empty((N_MELS, spectrum.shape[0]), dtype=torch.float32, device=device)
         spectrum_bytes = spectrum.numel() * 8 + out.numel() * 4
         for precision, block_f, block_b, num_warps, num_stages in (
-                ("tf32x3", 64, 32, 4, 1), ("tf32x3", 32, 32, 4, 1), ("tf32x3", 128, 32, 8, 1), ("tf32x3", 64, 64, 4, 1),
-                ("tf32x3", 64, 32, 8, 1), ("tf32x3", 64, 32, 4, 2), ("tf32x3", 32, 64, 4, 1), ("tf32x3", 128, 16, 4, 1),
-                ("tf32", 64, 32, 4, 1), ("tf32", 128, 32, 8, 1), ("ieee", 64, 32, 4, 1)):
+                ("tf32x3", 32, 32, 4, 1), ("tf32x3", 16, 32, 4, 1), ("tf32x3", 16, 32, 2, 1), ("tf32x3", 32, 32, 2, 1),
+                ("tf32x3", 16, 64, 4, 1), ("tf32x3", 32, 16, 4, 1), ("tf32x3", 16, 16, 1, 1), ("tf32", 16, 32, 4, 1),
+                ("tf32", 32, 32, 4, 1)):
             config = f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}"
             try:
                 run = lambda: cuda_fft.spectrum_mel(spectrum, projection, out, precision, block_f, block_b,  # noqa: E731

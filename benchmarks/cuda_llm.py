@@ -227,6 +227,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="int4", help="comma-separated weight kinds: int4, bf16")
     ap.add_argument("--anchors", action="store_true", help="also time benchmarks/cuda_anchors.py's anchor_decode")
     ap.add_argument("--anchor-kinds", default=",".join(ANCHOR_KINDS))
+    ap.add_argument("--anchor-batches", default=None, help="batch sizes the anchors run at (default: every --batch)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -277,6 +278,8 @@ def main() -> None:
             free_device()
         if anchor_decode is not None:
             for batch in batches:
+                if args.anchor_batches and str(batch) not in args.anchor_batches.split(","):
+                    continue
                 results.extend(run_anchors(anchor_decode, name, shape, batch, args, ingot_runs[batch]))
                 save()
     save()

@@ -81,7 +81,9 @@ class LLM:
             warm_up()
             release_compiler_pages()
             _return_freed_memory()
-        model = open_model(path)  # a GGUF's weights are converted once each, straight into the graph
+        # a GGUF's weights are converted once each, straight into the graph; on a GPU its BF16 tensors
+        # stay bf16 (multiplied as they are), on the CPU they widen to float32 once
+        model = open_model(path, bfloat16=device != "cpu")
         self.config = model.config
         self.adapters = model.adapters
         for lora_path, scale in lora:

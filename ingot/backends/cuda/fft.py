@@ -210,7 +210,7 @@ def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch
 
 
 # "stream" tiles, measured on the H200 for the hour of 16 kHz audio (benchmarks/audio.py)
-STREAM_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_F", "64")), block_b=int(os.environ.get("INGOT_CUDA_MEL_B", "32")),
+STREAM_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_F", "32")), block_b=int(os.environ.get("INGOT_CUDA_MEL_B", "32")),
                      num_warps=int(os.environ.get("INGOT_CUDA_MEL_WARPS", "4")), num_stages=1,
                      precision=os.environ.get("INGOT_CUDA_MEL_PRECISION", "tf32x3"))
 
@@ -359,6 +359,17 @@ def mel_of_frames(frames: torch.Tensor, projection: MelProjection, out: torch.Te
 PASS_FRAMES = int(os.environ.get("INGOT_CUDA_MEL_PASS_FRAMES", str(1 << 17)))
 
 
+STREAMS = int(os.environ.get("INGOT_CUDA_MEL_STREAMS", "1"))   # >= 2: passes spread over that many streams
+_SIDE: dict = {}
+
+
+def _side_streams(device, n: int) -> list:
+    key = (str(device), n)
+    if key not in _SIDE:
+        _SIDE[key] = [torch.cuda.Stream(device) for _ in range(n)]
+    return _SIDE[key]
+
+
 def merged_views(views: list[torch.Tensor]) -> list[torch.Tensor]:
     """Consecutive [count, n_fft] frame views of one signal joined into one view when each starts
     where the previous one's frames leave off (same storage, same strides): the chunks a graph was
@@ -382,12 +393,31 @@ def concatenated_mel(deferred: "list[Deferred]", projection: MelProjection) -> t
     views = merged_views([d.frames for d in deferred])
     total = sum(v.shape[0] for v in views)
     out = torch.empty((projection.filters.shape[0], total), dtype=torch.float32, device=views[0].device)
-    col, step = 0, max(1, PASS_FRAMES)
+    pieces, col, step = [], 0, max(1, PASS_FRAMES)
     for v in views:
         for start in range(0, v.shape[0], step):  # bounded temporaries: the spectrum of `step` frames at most
             piece = v[start:start + step]
-            mel_of_frames(piece, projection, out[:, col:col + piece.shape[0]])
+            pieces.append((piece, out[:, col:col + piece.shape[0]]))
             col += piece.shape[0]
+    if STREAMS < 2 or len(pieces) < 2 or out.device.type != "cuda":
+        for piece, columns in pieces:
+            mel_of_frames(piece, projection, columns)
+        return out
+    # pieces alternate over side streams, so one piece's cuFFT overlaps another's kernels (neither
+    # alone fills the memory system); forked from and joined to the caller's stream (graph capture too)
+    main = torch.cuda.current_stream(out.device)
+    side = _side_streams(out.device, STREAMS)
+    start = torch.cuda.Event()
+    start.record(main)
+    for i, (piece, columns) in enumerate(pieces):
+        s = side[i % len(side)]
+        s.wait_event(start)
+        with torch.cuda.stream(s):
+            mel_of_frames(piece, projection, columns)
+    for s in side:
+        done = torch.cuda.Event()
+        done.record(s)
+        main.wait_event(done)
     return out
 
 

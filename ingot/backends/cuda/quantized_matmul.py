@@ -193,7 +193,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         stride_xm, stride_qw, stride_sk, stride_ym, stride_rm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         TB: tl.constexpr, REDUCE: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                        GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+                        GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False, XFREE: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -241,29 +241,39 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         prow = (blk * 32 // GROUP)[:, None] * stride_sk + offs_n[None, :]
         s = tl.load(s_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)                      # [TB, BLOCK_N]
         # x as integers: the low (k % 8 < 4) and high halves of each word's 8 k
+        # (XFREE, for measuring only: x taken as a constant, no x loads or rounding; wrong results)
         kl = kw0 * 8 + x_rel
         xm = m_mask[:, None, None, None]
         x_off = offs_m[:, None, None, None] * stride_xm + kl
-        x_lo = _load_x(x_ptr, x2_ptr, x_off, xm & (kl < K), GLU)                             # [ROWS, TB, 4, 4]
-        x_hi = _load_x(x_ptr, x2_ptr, x_off + 4, xm & (kl + 4 < K), GLU)
-        top = tl.max(tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2), axis=1)   # [ROWS]
-        e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF                                   # |x| < 2**(e - 126)
-        e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)                                    # 2**(148 - e): |x * scale| < 2**22
-        scale = (e_scale << 23).to(tl.float32, bitcast=True)
-        inv = (tl.maximum(254 - e_scale, 0) << 23).to(tl.float32, bitcast=True)
-        sc = scale[:, None, None, None]
-        X_lo = (x_lo * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000              # round to nearest
-        X_hi = (x_hi * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
         shape: tl.constexpr = [ROWS, TB, 4, BLOCK_N]
         lo = tl.broadcast_to((w & 0x0F0F0F0F)[None, :, :, :], shape)
         hi = tl.broadcast_to(((w >> 4) & 0x0F0F0F0F)[None, :, :, :], shape)
         zero = tl.zeros(shape, dtype=tl.int32)
-        p0 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 0)[:, :, :, None], shape), zero, False, ASM)
-        p0 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 0)[:, :, :, None], shape), p0, False, ASM)
-        p1 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 1)[:, :, :, None], shape), zero, False, ASM)
-        p1 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 1)[:, :, :, None], shape), p1, False, ASM)
-        p2 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 2)[:, :, :, None], shape), zero, True, ASM)
-        p2 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 2)[:, :, :, None], shape), p2, True, ASM)
+        if XFREE:
+            x_lo = tl.full([ROWS, TB, 4, 4], 1.0, tl.float32)
+            x_hi = x_lo
+            inv = tl.full([ROWS], 1.0, tl.float32)
+            one = tl.full(shape, 0x01010101, tl.int32)
+            p0 = _dp4a(hi, one, _dp4a(lo, one, zero, False, ASM), False, ASM)
+            p1 = _dp4a(hi, one + 1, _dp4a(lo, one + 1, zero, False, ASM), False, ASM)
+            p2 = _dp4a(hi, one + 2, _dp4a(lo, one + 2, zero, True, ASM), True, ASM)
+        else:
+            x_lo = _load_x(x_ptr, x2_ptr, x_off, xm & (kl < K), GLU)                         # [ROWS, TB, 4, 4]
+            x_hi = _load_x(x_ptr, x2_ptr, x_off + 4, xm & (kl + 4 < K), GLU)
+            top = tl.max(tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2), axis=1)   # [ROWS]
+            e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF                               # |x| < 2**(e - 126)
+            e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)                                # 2**(148 - e): |x * scale| < 2**22
+            scale = (e_scale << 23).to(tl.float32, bitcast=True)
+            inv = (tl.maximum(254 - e_scale, 0) << 23).to(tl.float32, bitcast=True)
+            sc = scale[:, None, None, None]
+            X_lo = (x_lo * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000          # round to nearest
+            X_hi = (x_hi * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            p0 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 0)[:, :, :, None], shape), zero, False, ASM)
+            p0 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 0)[:, :, :, None], shape), p0, False, ASM)
+            p1 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 1)[:, :, :, None], shape), zero, False, ASM)
+            p1 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 1)[:, :, :, None], shape), p1, False, ASM)
+            p2 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 2)[:, :, :, None], shape), zero, True, ASM)
+            p2 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 2)[:, :, :, None], shape), p2, True, ASM)
         block_sum = tl.sum(p0 + (p1 << 8) + (p2 << 16), axis=2)                              # [ROWS, TB, BLOCK_N] exact
         acc += tl.sum(block_sum.to(tl.float32) * s[None, :, :], axis=1) * inv[:, None]
         if HAS_BIAS:

@@ -116,6 +116,8 @@ def test_no_float32_copy_of_the_weight_in_device_memory():
     k, n = 4096, 8192
     w = np.zeros((k, n), BF16)
     g, y = bf16_matmul_graph((2, k), w)
+    a = torch.ones((2, 64), dtype=torch.bfloat16, device="cuda")
+    a @ a.T                          # cuBLAS's workspace (32 MiB on Hopper, from the caching allocator) first
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -124,7 +126,8 @@ def test_no_float32_copy_of_the_weight_in_device_memory():
         exe.run({"x": np.ones((2, k), np.float32)})
     torch.cuda.synchronize()
     weight_bytes = k * n * 2
-    assert torch.cuda.max_memory_allocated() - base < weight_bytes + (16 << 20)
+    # a float32 copy would add 2 x weight_bytes (128 MiB); allow small buffers and a second workspace
+    assert torch.cuda.max_memory_allocated() - base < weight_bytes + (40 << 20)
     assert_no_float_copy(exe, [(k, n)])
 
 

@@ -22,7 +22,11 @@ signal continued by X[-k] = conj X[k]), so the chain becomes
 Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. A second method
 (INGOT_CUDA_AUDIO_MEL=fused) does power and projection in one kernel (tl.dot in tf32x3, each tile of
 mel bands over its non-zero bins); on the H200 it measured no faster than the power pass + cuBLAS
-(BENCHMARKS.md), so "gemm" is the default. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
+(BENCHMARKS.md), so "gemm" is the default; so did a third, "stream" (one program per 32 frames over
+every bin and band, 0.82 ms for the hour against 0.38 + 0.46 for the two passes). The chunks a graph
+is built in (for the CPU's memory) are merged again at run time when their frames are adjacent views
+of one signal: one cuFFT batch per pass of 2^17 frames, passes alternating over two streams, each
+written into its columns of the concatenation. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
 pass a deferred value along and the matmul step computes the result, so nothing in between is
 written to device memory. Any other use of these ops lowers as before. INGOT_CUDA_AUDIO_FUSION=0 turns
 the fusion off (each node lowered alone: for measuring what it saves).
@@ -193,8 +197,8 @@ class MelProjection:
     n_fft: int
     cosine: tuple[float, float] | None
     block_m: int = 16
-    method: str = "stream"  # "stream": one kernel per block of frames (every bin, every band); "gemm": power
-                            # kernel + cuBLAS; "fused": one kernel per mel tile and block of frames
+    method: str = "gemm"    # "gemm": power kernel + cuBLAS; "stream": one kernel per block of frames (every
+                            # bin, every band, tf32x3); "fused": one kernel per mel tile and block of frames
     host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
     filters_t: torch.Tensor | None = None          # [bins padded, mels padded] for "stream" (transposed_filters)
 
@@ -359,7 +363,8 @@ def mel_of_frames(frames: torch.Tensor, projection: MelProjection, out: torch.Te
 PASS_FRAMES = int(os.environ.get("INGOT_CUDA_MEL_PASS_FRAMES", str(1 << 17)))
 
 
-STREAMS = int(os.environ.get("INGOT_CUDA_MEL_STREAMS", "1"))   # >= 2: passes spread over that many streams
+# >= 2: passes spread over that many streams (H200, the hour: "gemm" 2.04 ms on one stream, 1.95 on two)
+STREAMS = int(os.environ.get("INGOT_CUDA_MEL_STREAMS", "2"))
 _SIDE: dict = {}
 
 
@@ -499,7 +504,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
             bands = mel_bands(filters, 16)
             projection = projections[key] = MelProjection(
                 constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine,
-                method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "stream"),
+                method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"),
                 host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device))
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),

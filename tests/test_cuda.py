@@ -9,7 +9,6 @@ where the kernels sum in another order over long reductions, said at each place)
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
@@ -19,13 +18,11 @@ import pytest
 
 pytestmark = pytest.mark.cuda
 
-_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
-if _HAVE:
-    import torch
-    _INTERPRET = os.environ.get("INGOT_CUDA_DEVICE") == "cpu"
-    _HAVE = _INTERPRET or torch.cuda.is_available()
-if not _HAVE:
-    pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_env import require_cuda  # noqa: E402
+
+_INTERPRET = require_cuda()
+import torch  # noqa: E402
 
 import ingot  # noqa: E402
 from ingot import dtypes as dt  # noqa: E402

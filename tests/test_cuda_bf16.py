@@ -11,21 +11,19 @@ out_dtype. We bound it at 1e-2 relative: the bf16 tolerance of STYLE.md, ~5x the
 """
 from __future__ import annotations
 
-import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.cuda
 
-_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
-if _HAVE:
-    import torch
-    _INTERPRET = os.environ.get("INGOT_CUDA_DEVICE") == "cpu"
-    _HAVE = _INTERPRET or torch.cuda.is_available()
-if not _HAVE:
-    pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_env import require_cuda  # noqa: E402
+
+_INTERPRET = require_cuda()
+import torch  # noqa: E402
 
 import ingot  # noqa: E402
 from ingot import dtypes as dt  # noqa: E402

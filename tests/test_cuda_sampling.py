@@ -5,8 +5,8 @@ on the CPU through Triton's interpreter (slow; the sync-debug check needs a real
 """
 from __future__ import annotations
 
-import importlib.util
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -14,13 +14,11 @@ import pytest
 
 pytestmark = pytest.mark.cuda
 
-_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
-if _HAVE:
-    import torch
-    _INTERPRET = os.environ.get("INGOT_CUDA_DEVICE") == "cpu"
-    _HAVE = _INTERPRET or torch.cuda.is_available()
-if not _HAVE:
-    pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_env import require_cuda  # noqa: E402
+
+_INTERPRET = require_cuda()
+import torch  # noqa: E402
 
 from ingot.backends import cuda as cuda_backend  # noqa: E402
 from ingot.llm.generate import LLM  # noqa: E402

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 INTERPRET = os.environ.get("INGOT_CUDA_DEVICE") == "cpu"
@@ -21,3 +22,20 @@ def require_cuda() -> bool:
         pytest.skip("needs torch, triton and a CUDA GPU (or INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1)",
                     allow_module_level=True)
     return INTERPRET
+
+
+def greedy(model, device, prompt, steps, forced=None):
+    """A Llama graph's greedy decode on `device`: (tokens, logits after the prompt and each step, the
+    decode executable). `forced` feeds those tokens instead (the same inputs on both backends)."""
+    pre, dec = model.compile(len(prompt), device), model.compile(1, device)
+    state = dec.new_state()
+    host = dec.backend.to_host
+    logits = host(pre.run({"tokens": np.array(prompt, np.int32), "pos": np.int32(0), "last": np.int32(len(prompt) - 1)},
+                          state=state)[0])
+    tokens, all_logits = [], [logits]
+    for i in range(steps):
+        tokens.append(int(np.argmax(logits)) if forced is None else forced[i])
+        logits = host(dec.run({"tokens": np.array([tokens[-1]], np.int32), "pos": np.int32(len(prompt) + i),
+                               "last": np.int32(0)}, state=state)[0])
+        all_logits.append(logits)
+    return tokens, all_logits, dec

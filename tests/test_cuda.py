@@ -9,7 +9,6 @@ where the kernels sum in another order over long reductions, said at each place)
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.cuda
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cuda_env import require_cuda  # noqa: E402
+from cuda_env import greedy, require_cuda  # noqa: E402
 
 _INTERPRET = require_cuda()
 import torch  # noqa: E402
@@ -379,27 +378,11 @@ def small_llama(n_layers=2, context=96, seed=0):
     return llama.build(cfg, llama.random_weights(cfg, seed=seed)), cfg
 
 
-def greedy(model, device, prompt, steps):
-    pre = model.compile(len(prompt), device)
-    dec = model.compile(1, device)
-    state = dec.new_state()
-    host = dec.backend.to_host
-    logits = host(pre.run({"tokens": np.array(prompt, np.int32), "pos": np.int32(0), "last": np.int32(len(prompt) - 1)},
-                          state=state)[0])
-    tokens, all_logits = [], [logits]
-    for i in range(steps):
-        tokens.append(int(np.argmax(logits)))
-        logits = host(dec.run({"tokens": np.array([tokens[-1]], np.int32), "pos": np.int32(len(prompt) + i),
-                               "last": np.int32(0)}, state=state)[0])
-        all_logits.append(logits)
-    return tokens, all_logits
-
-
 def test_greedy_decode_equals_the_cpu_backend():
     model, _ = small_llama()
     prompt = [5, 17, 250, 3, 99, 42, 7]
-    cpu_tokens, cpu_logits = greedy(model, "cpu", prompt, 32)
-    gpu_tokens, gpu_logits = greedy(model, "cuda", prompt, 32)
+    cpu_tokens, cpu_logits, _ = greedy(model, "cpu", prompt, 32)
+    gpu_tokens, gpu_logits, _ = greedy(model, "cuda", prompt, 32)
     assert gpu_tokens == cpu_tokens
     for a, b in zip(gpu_logits, cpu_logits):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

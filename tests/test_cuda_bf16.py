@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.cuda
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cuda_env import require_cuda  # noqa: E402
+from cuda_env import greedy, require_cuda  # noqa: E402
 
 _INTERPRET = require_cuda()
 import torch  # noqa: E402
@@ -135,22 +135,6 @@ def tiny_bf16_llama(tied: bool):
     cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=160, vocab_size=300,
                             context_length=64, tied_embeddings=tied)
     return llama.build(cfg, llama.random_weights(cfg, seed=SEED % 1000, dense_dtype="bfloat16")), cfg
-
-
-def greedy(model, device, prompt, steps, forced=None):
-    """Greedy tokens and logits per step; `forced` feeds those tokens instead (same inputs on both backends)."""
-    pre, dec = model.compile(len(prompt), device), model.compile(1, device)
-    state = dec.new_state()
-    host = dec.backend.to_host
-    logits = host(pre.run({"tokens": np.array(prompt, np.int32), "pos": np.int32(0), "last": np.int32(len(prompt) - 1)},
-                          state=state)[0])
-    tokens, all_logits = [], [logits]
-    for i in range(steps):
-        tokens.append(int(np.argmax(logits)) if forced is None else forced[i])
-        logits = host(dec.run({"tokens": np.array([tokens[-1]], np.int32), "pos": np.int32(len(prompt) + i),
-                               "last": np.int32(0)}, state=state)[0])
-        all_logits.append(logits)
-    return tokens, all_logits, dec
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -202,16 +202,11 @@ def cuda_main(args) -> None:
             "ingot log-mel, stream kernel tf32": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "stream"},
                                                   {"STREAM_CONFIG": {"precision": "tf32"}}),
             "ingot log-mel, unfused": (log_mel, {"INGOT_CUDA_AUDIO_FUSION": "0"}, {}),
-            "ingot log-mel, gemm": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, {}),
-            "ingot log-mel, sparse": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "sparse"}, {}),
-            "ingot log-mel, sparse two-pass": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "sparse"}, {"SPARSE_CONFIG": {"phases": 1}}),
-            "ingot log-mel, sparse one stream": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "sparse"}, {"STREAMS": 1}),
             "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, {}),
             "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), {}, {}),
         }
         if args.quick:
-            builders = {k: v for k, v in builders.items() if k in ("ingot log-mel", "ingot whisper", "ingot stft")
-                        or (args.only and args.only in k)}
+            builders = {k: v for k, v in builders.items() if k in ("ingot log-mel", "ingot whisper", "ingot stft")}
         times, results = {}, {}
         for name, (build, env, settings) in builders.items():
             start = time.perf_counter()
@@ -266,8 +261,7 @@ def cuda_main(args) -> None:
         print(f"{label:>8} part: cuBLAS filters @ power.T             {bench(lambda: filters_d @ power.T):8.3f} ms")
         bands = cuda_fft.mel_bands(filters, 16)
         projection = cuda_fft.MelProjection(filters_d, torch.from_numpy(bands).to(device), N_FFT, (0.5, 0.5),
-                                            filters_t=cuda_fft.transposed_filters(filters, device),
-                                            sparse=cuda_fft.sparse_filters(filters, device))
+                                            filters_t=cuda_fft.transposed_filters(filters, device))
         reference = (filters_d.double() @ power.double().T).float()
         out = torch.empty((N_MELS, spectrum.shape[0]), dtype=torch.float32, device=device)
         spectrum_bytes = spectrum.numel() * 8 + out.numel() * 4
@@ -287,19 +281,6 @@ def cuda_main(args) -> None:
                       f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                 print(f"{label:>8} part: stream kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
-        for block_f, block_b, num_warps, phases in ((128, 32, 4, 3), (128, 64, 4, 3), (64, 32, 2, 3), (256, 32, 4, 3),
-                                                    (128, 32, 1, 3), (256, 32, 8, 3), (128, 32, 4, 1), (64, 32, 4, 1)):
-            config = f"F{block_f} B{block_b} warps {num_warps} phases {phases}"
-            try:
-                run = lambda: cuda_fft.sparse_mel(spectrum, projection, out, block_f, block_b, num_warps, phases)  # noqa: E731
-                run()
-                err = float((out - reference).abs().max() / reference.abs().max())
-                rel = float(((out - reference).abs() / reference.abs().clamp_min(1e-30)).max())
-                ms = bench(run)
-                print(f"{label:>8} part: sparse kernel {config:<32} {ms:8.3f} ms  {spectrum_bytes / ms / 1e9:.2f} TB/s  "
-                      f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"{label:>8} part: sparse kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
         del power, spectrum, out, reference
         copy = torch.empty_like(x)
         ms = bench(lambda: copy.copy_(x))
@@ -315,7 +296,6 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="anchors to leave out: librosa,torch")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--quick", action="store_true", help="cuda: only the default log-mel, Whisper and STFT graphs")
-    ap.add_argument("--only", default="", help="cuda --quick: also the log-mel variants whose name holds this")
     args = ap.parse_args()
     if args.device == "cuda":
         return cuda_main(args)

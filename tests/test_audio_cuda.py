@@ -154,7 +154,7 @@ def test_mel_bands_cover_every_non_zero():
     assert (bands[:, 1] - bands[:, 0]).sum() < 201 * 5 // 2    # the band skips most of the zeros
 
 
-@pytest.mark.parametrize("method", ["stream", "gemm", "banded gemm", "fused", "sparse", "two-pass sparse"])
+@pytest.mark.parametrize("method", ["stream", "gemm", "banded gemm", "fused"])
 @pytest.mark.parametrize("frames,bins_n_fft,n_mels,cosine", [(1, 400, 80, (0.5, 0.5)), (333, 401, 40, (0.54, 0.46)),
                                                               (70, 256, 24, None), (129, 1023, 128, (0.5, 0.5))])
 def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
@@ -168,30 +168,14 @@ def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
     bands = cuda_fft.mel_bands(filters, 16)
     projection = cuda_fft.MelProjection(torch.as_tensor(filters, device=device), torch.as_tensor(bands, device=device),
                                         n_fft, cosine, method=method.split()[-1],
-                                        sparse=cuda_fft.sparse_filters(filters, device),
                                         host_bands=tuple(map(tuple, bands.tolist())) if method == "banded gemm" else ())
-    minimum, sparse = cuda_fft.BANDED_MIN_FRAMES, dict(cuda_fft.SPARSE_CONFIG)
+    minimum = cuda_fft.BANDED_MIN_FRAMES
     cuda_fft.BANDED_MIN_FRAMES = 1   # the banded GEMMs on these small inputs too
-    if method == "two-pass sparse":
-        cuda_fft.SPARSE_CONFIG.update(phases=1, block_f=32)
     try:
         actual = to_host(cuda_fft.mel_of_frames(torch.as_tensor(x, device=device), projection))
     finally:
         cuda_fft.BANDED_MIN_FRAMES = minimum
-        cuda_fft.SPARSE_CONFIG.update(sparse)
     assert_close(actual, expected, F32)
-
-
-@pytest.mark.parametrize("n_fft,n_mels,htk", [(400, 80, False), (400, 128, False), (1023, 40, True), (64, 60, False)])
-def test_sparse_filters_hold_every_non_zero(n_fft, n_mels, htk):
-    filters = audio.mel_filterbank(16000, n_fft, n_mels, htk=htk)
-    lo, weights = cuda_fft.sparse_filters(filters)
-    dense = np.zeros_like(filters)
-    for m in range(n_mels):
-        width = min(weights.shape[1], filters.shape[1] - int(lo[m]))
-        dense[m, int(lo[m]):int(lo[m]) + width] = weights[m, :width].numpy()
-    np.testing.assert_array_equal(dense, filters)
-    assert weights.shape[1] & (weights.shape[1] - 1) == 0 and weights.shape[1] < filters.shape[1]
 
 
 def test_adjacent_chunk_views_merge_into_one():

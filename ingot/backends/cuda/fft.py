@@ -188,62 +188,6 @@ def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om
     tl.store(out, acc, mask=f_mask & (offs_m[None, :] < M))
 
 
-@triton.jit
-def _sparse_mel_kernel(spec_ptr, power_ptr, lo_ptr, w_ptr, out_ptr, F, B, M, stride_sf, stride_pk, stride_om, a0, a1_half,
-                       PHASES: tl.constexpr, WINDOWED: tl.constexpr, EVEN: tl.constexpr,
-                       BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr, B_PAD: tl.constexpr, WMAX: tl.constexpr):
-    """The mel projection as the sparse product it is: each band m is non-zero on at most WMAX bins
-    starting at lo[m] (a triangle; every bin lies under two at most), so
-    out[m, f] = sum_j w[m, j] P[lo[m] + j, f] costs ~2 multiply-adds per bin on the CUDA cores, where
-    a dense or tensor-core product costs n_mels (and, in tf32x3, three products).
-
-    PHASES 1: P[k, f] = |X_w[f, k]|^2 from the complex64 spectrum [F, B] (frame-major, as cuFFT writes
-    it) into the bin-major power P (frames contiguous: each band's rows are coalesced loads);
-    2: out from P; 3: both for this program's BLOCK_F frames, P written and read back by the same
-    program (L2 hits) with a barrier between. X_w is the windowed spectrum (see _spectrum_mel_kernel)."""
-    offs_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
-    f_ok = offs_f < F
-    if PHASES & 1:
-        rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
-        pair = tl.arange(0, 2 * BLOCK_B)                                              # interleaved re, im
-        for b0 in tl.static_range(0, B_PAD, BLOCK_B):
-            at = 2 * b0 + pair
-            mask = f_ok[:, None] & (at < 2 * B)[None, :]
-            re, im = tl.split(tl.reshape(tl.load(rows + at[None, :], mask=mask, other=0.0), (BLOCK_F, BLOCK_B, 2)))
-            k = b0 + tl.arange(0, BLOCK_B)[None, :]
-            if WINDOWED:
-                below_ok = f_ok[:, None] & ((at >= 2) & (at < 2 * B + 2))[None, :]
-                above_ok = f_ok[:, None] & (at + 2 < 2 * B)[None, :]
-                re_b, im_b = tl.split(tl.reshape(tl.load(rows + at[None, :] - 2, mask=below_ok, other=0.0),
-                                                 (BLOCK_F, BLOCK_B, 2)))
-                re_a, im_a = tl.split(tl.reshape(tl.load(rows + at[None, :] + 2, mask=above_ok, other=0.0),
-                                                 (BLOCK_F, BLOCK_B, 2)))
-                first = k == 0                                      # X[-1] = conj X[1]
-                re_b = tl.where(first, re_a, re_b)
-                im_b = tl.where(first, -im_a, im_b)
-                last = k == B - 1                                   # X[B] = conj X[n_fft - B]
-                if EVEN:
-                    re_a = tl.where(last, re_b, re_a)
-                    im_a = tl.where(last, -im_b, im_a)
-                else:
-                    re_a = tl.where(last, re, re_a)
-                    im_a = tl.where(last, -im, im_a)
-                re, im = a0 * re - a1_half * (re_b + re_a), a0 * im - a1_half * (im_b + im_a)
-            power = re * re + im * im                                                 # [BLOCK_F, BLOCK_B]
-            tl.store(power_ptr + k.to(tl.int64) * stride_pk + offs_f[:, None], power, mask=f_ok[:, None] & (k < B))
-    if PHASES == 3:
-        tl.debug_barrier()                                  # every thread's rows of P are written
-    if PHASES & 2:
-        j = tl.arange(0, WMAX)
-        for m in range(0, M):
-            lo = tl.load(lo_ptr + m)
-            w = tl.load(w_ptr + m * WMAX + j)                                          # zero past the band
-            band = lo + j
-            tile = tl.load(power_ptr + band[:, None].to(tl.int64) * stride_pk + offs_f[None, :],
-                           mask=(band < B)[:, None] & f_ok[None, :], other=0.0)            # [WMAX, BLOCK_F]
-            tl.store(out_ptr + m * stride_om + offs_f, tl.sum(tile * w[:, None], axis=0), mask=f_ok)
-
-
 @dataclass(frozen=True)
 class MelProjection:
     """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, each
@@ -257,7 +201,6 @@ class MelProjection:
                             # bin, every band, tf32x3); "fused": one kernel per mel tile and block of frames
     host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
     filters_t: torch.Tensor | None = None          # [bins padded, mels padded] for "stream" (transposed_filters)
-    sparse: tuple[torch.Tensor, torch.Tensor] | None = None   # (lo, weights) for "sparse" (sparse_filters)
 
 
 def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch.Tensor:
@@ -268,65 +211,6 @@ def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch
     out = torch.zeros((triton.cdiv(bins, 128) * 128, max(16, triton.next_power_of_2(n_mels))), dtype=torch.float32)
     out[:bins, :n_mels] = f.T
     return out.to(device if device is not None else (filters.device if isinstance(filters, torch.Tensor) else "cpu"))
-
-
-def sparse_filters(filters: np.ndarray | torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [n_mels, bins] bank as the "sparse" kernel reads it: each band's first non-zero bin lo
-    (int32 [n_mels]) and its weights from there, [n_mels, WMAX] float32 zero-padded to a power of two
-    >= the widest band (16 for Whisper's 80 or 128 bands of a 400-point FFT). Zeros inside a band
-    stay (the product is exact either way)."""
-    f = np.asarray(filters.cpu() if isinstance(filters, torch.Tensor) else filters, np.float32)
-    n_mels, bins = f.shape
-    nonzero = f != 0
-    lo = np.where(nonzero.any(axis=1), nonzero.argmax(axis=1), 0)
-    hi = np.where(nonzero.any(axis=1), bins - nonzero[:, ::-1].argmax(axis=1), 0)
-    wmax = max(2, triton.next_power_of_2(int((hi - lo).max()) if n_mels else 1))
-    weights = np.zeros((n_mels, wmax), np.float32)
-    for m in range(n_mels):
-        weights[m, :hi[m] - lo[m]] = f[m, lo[m]:hi[m]]
-    if device is None:
-        device = filters.device if isinstance(filters, torch.Tensor) else "cpu"
-    return torch.as_tensor(lo.astype(np.int32)).to(device), torch.as_tensor(weights).to(device)
-
-
-# "sparse" settings (H200, the hour of 16 kHz audio, benchmarks/audio.py): PHASES 3 is one kernel
-SPARSE_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_SPARSE_F", "128")),
-                     block_b=int(os.environ.get("INGOT_CUDA_SPARSE_B", "32")),
-                     num_warps=int(os.environ.get("INGOT_CUDA_SPARSE_WARPS", "4")),
-                     phases=int(os.environ.get("INGOT_CUDA_SPARSE_PHASES", "3")))
-
-
-def sparse_mel(spectrum: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None,
-               block_f: int | None = None, block_b: int | None = None, num_warps: int | None = None,
-               phases: int | None = None) -> torch.Tensor:
-    """filters @ |window(spectrum)|^2.T with the filters as the sparse bands they are: complex64
-    [frames, bins] -> float32 [n_mels, frames] (into `out`, any view with unit frame stride). The
-    bin-major power goes through a [bins, frames] float32 buffer; phases 3 (default) computes and
-    consumes it in one kernel, else two launches (1 then 2)."""
-    cfg = SPARSE_CONFIG
-    block_f, block_b = block_f or cfg["block_f"], block_b or cfg["block_b"]
-    num_warps, phases = num_warps or cfg["num_warps"], phases or cfg["phases"]
-    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
-    frames, bins = spectrum.shape
-    assert bins == projection.n_fft // 2 + 1
-    lo, weights = projection.sparse if projection.sparse is not None else sparse_filters(projection.filters)
-    n_mels = lo.shape[0]
-    if spectrum.stride() != (bins, 1):
-        spectrum = spectrum.contiguous()
-    if out is None:
-        out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
-    assert out.shape == (n_mels, frames) and (frames <= 1 or out.stride(1) == 1), (out.shape, out.stride())
-    if frames == 0:
-        return out
-    power = torch.empty((bins, frames), dtype=torch.float32, device=spectrum.device)
-    a0, a1 = projection.cosine if projection.cosine is not None else (1.0, 0.0)
-    for phase in ((3,) if phases == 3 else (1, 2)):
-        _sparse_mel_kernel[(triton.cdiv(frames, block_f),)](
-            torch.view_as_real(spectrum), power, lo, weights, out, frames, bins, n_mels, 2 * bins, frames,
-            out.stride(0), a0, a1 / 2, PHASES=phase, WINDOWED=projection.cosine is not None and a1 != 0.0,
-            EVEN=projection.n_fft % 2 == 0, BLOCK_F=block_f, BLOCK_B=block_b,
-            B_PAD=triton.cdiv(bins, block_b) * block_b, WMAX=weights.shape[1], num_warps=num_warps)
-    return out
 
 
 # "stream" tiles, measured on the H200 for the hour of 16 kHz audio (benchmarks/audio.py)
@@ -449,8 +333,6 @@ def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection, out: torc
     caller allowed it globally through torch.backends.cuda.matmul.allow_tf32)."""
     if projection.method == "stream":
         return spectrum_mel(spectrum, projection, out)
-    if projection.method == "sparse":
-        return sparse_mel(spectrum, projection, out)
     if out is not None:
         out.copy_(mel_of_spectrum(spectrum, projection))
         return out
@@ -623,8 +505,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
             projection = projections[key] = MelProjection(
                 constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine,
                 method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"),
-                host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device),
-                sparse=sparse_filters(filters, device))
+                host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device))
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
                       mm.id: Role("mel", (1,), projection)})

@@ -251,16 +251,17 @@ def test_attention_matches_the_reference(case, dtype, length_on_device):
 
 @pytest.mark.parametrize("case", ATTENTION[:3], ids=["0", "1", "2"])
 def test_decode_attention_with_the_combine_kernel(case):
-    """The two-launch decode path (partials, then a combine kernel) that the in-kernel merge replaced."""
+    """Both decode paths: partials then a combine kernel (many splits), and the last split merging
+    the splits that saw keys (the default up to MERGE_MAX_SPLITS)."""
     b, hq, hk, tq, tk, d, length, causal = case
     rng = rng_for(f"combine{case}")
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, d)))
     want = nn_ops.sdpa(q, k, v, length=length, causal=causal)
     dev = [cuda_backend.to_device(a, DEVICE) for a in (q, k, v)]
-    for merge in (False, True):
+    for merge, split in ((False, 7), (True, 7), (True, 40), (True, 1)):   # 40: most splits see no keys
         got = cuda_backend.to_host(attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=causal,
-                                                  merge=merge, split=7))
-        assert rel_err(got, want) < 1e-5, (merge, rel_err(got, want))
+                                                  merge=merge, split=split))
+        assert rel_err(got, want) < 1e-5, (merge, split, rel_err(got, want))
 
 
 def test_attention_with_mask_and_scale():

@@ -35,7 +35,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, MERGE: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
-    ticket per head, reset behind it) merges every split's partial softmax and writes the output, so
+    ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
+    short cache: a few, however many splits were launched for the buffer) and writes the output, so
     no combine launch follows."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -91,7 +92,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_all = tl.zeros([BLOCK_R], tl.float32)
             o_all = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-            for sp in range(0, SPLIT):
+            active = tl.where(chunk > 0, (length + chunk - 1) // tl.maximum(chunk, 1), 0)   # splits that saw keys
+            for sp in range(0, tl.minimum(active, SPLIT)):
                 ps = (pid_bh * SPLIT + sp) * BLOCK_R + rows
                 m_s = tl.load(ml_part_ptr + ps * 2, cache_modifier=".cg")
                 l_s = tl.load(ml_part_ptr + ps * 2 + 1, cache_modifier=".cg")
@@ -205,9 +207,12 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
 # -- the wrapper ----------------------------------------------------------------------------------
 
 DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash tiles
-# the last split merges (no combine launch): its serial walk over 30-90 splits made decode attention
-# 2-3x slower on the H200 (2026-12-02), so the combine kernel stays the default
-MERGE_IN_KERNEL = os.environ.get("INGOT_CUDA_DECODE_MERGE", "0") == "1"
+# the last split merges (no combine launch) when at most this many splits are launched: it walks the
+# splits that saw keys one after another, which made decode attention 2-3x slower on the H200 with
+# 30-90 busy splits (2026-12-02), while a short cache leaves a few busy and saves a launch per layer.
+# INGOT_CUDA_DECODE_MERGE=1 / 0 forces it on / off.
+MERGE_MAX_SPLITS = int(os.environ.get("INGOT_CUDA_DECODE_MERGE_SPLITS", "32"))
+MERGE_IN_KERNEL = {"1": True, "0": False}.get(os.environ.get("INGOT_CUDA_DECODE_MERGE", ""))
 
 
 def _qmm_workspace(device, floats, tickets):
@@ -265,7 +270,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
         o_part = torch.empty((nb * hk * split * block_r, block_dv), dtype=torch.float32, device=q.device)
         ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
-        merge = MERGE_IN_KERNEL if merge is None else merge
+        if merge is None:
+            merge = MERGE_IN_KERNEL if MERGE_IN_KERNEL is not None else split <= MERGE_MAX_SPLITS
         tickets = _qmm_workspace(q.device, 0, nb * hk)[1] if merge else ml_part
         _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,

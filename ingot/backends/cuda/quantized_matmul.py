@@ -20,8 +20,10 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
 - `_qgemm_kernel` (2 rows and more): the same dequantized tile fed to tl.dot (tensor cores; tf32x3
   for float32 inputs, float32-level accuracy).
 - `_qgemv_words_kernel` (1-4 rows, 4-bit affine weights re-packed with `words=True`, the default
-  for matmul weights): int32 words of 8 consecutive k per column, x rounded per tile to 22-bit
-  integers, `dp4a` dot products; optional SiLU(gate)*x prologue and residual epilogue.
+  for matmul weights): int32 words of 8 consecutive k per column, x rounded to integers of LIMBS
+  bytes (default 2: 16 bits with a float scale per block of 32; 3: 22 bits per tile; 1: 8 bits),
+  `dp4a` dot products; optional SiLU(gate)*x prologue and residual epilogue. For big weights x is
+  rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by every program.
 
     >>> w = prepare_weight(q, [scale, bias], attrs, "cuda")     # doctest: +SKIP
     >>> y = quantized_matmul(x, w)                                # doctest: +SKIP
@@ -175,7 +177,7 @@ def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _limb_words(X, shifts, LIMB: tl.constexpr):
-    """Byte LIMB of each integer of X [R, TB, 4, 4], four along the last axis packed into one word."""
+    """Byte LIMB of each integer of X [a, b, c, 4], four along the last axis packed into one word."""
     return tl.reduce(((X >> (8 * LIMB)) & 0xFF) << shifts, 3, _or)
 
 
@@ -189,24 +191,99 @@ def _load_x(x_ptr, x2_ptr, offs, mask, GLU: tl.constexpr):
 
 
 @triton.jit
+def _pow2_scale(top):
+    """(2**(148 - e), its inverse) for |x| <= top < 2**(e - 126): x * scale rounds to |X| < 2**22."""
+    e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)
+    scale = (e_scale << 23).to(tl.float32, bitcast=True)
+    inv = (tl.maximum(254 - e_scale, 0) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _block_scale(top, LIMBS: tl.constexpr):
+    """(d, 1 / d) with d = top / qmax, qmax = 127 (LIMBS 1) or 32767 (LIMBS 2): |round(x / d)| <= qmax, so
+    a block sum of 32 products with 4-bit weights stays below 32767 * 15 * 32 < 2**24 (exact in int32)."""
+    top = tl.maximum(top, 1e-30)                 # an all-zero block: X = 0, not 0 * inf
+    if LIMBS == 1:
+        return top * (1.0 / 127.0), 127.0 / top
+    else:
+        return top * (1.0 / 32767.0), 32767.0 / top
+
+
+@triton.jit
+def _round_to_int(x, scale):
+    """x * scale rounded to the nearest integer (|x * scale| < 2**22) through the exponent bits of 1.5 * 2**23."""
+    return (x * scale + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, stride_xqm, stride_xdm,
+                       LIMBS: tl.constexpr, BLOCKS: tl.constexpr, GLU: tl.constexpr):
+    """x [M, K] -> what `_qgemv_words_kernel` with XQ loads, for BLOCKS blocks of 32 k of one row:
+
+        xq int32 [M, KB, LIMBS, 2, 4]: word (b, l, h, j) = byte l of X[32b + 8j + 4h + i] at bits 8i (i = 0..3),
+                                       h the low (k % 8 < 4) or high half of weight word j of the block
+        xd float32 [M, KB]: the block's scale d, x ~ X * d
+        xs float32 [M, KB]: the block's sum of x (for bias * sum x)
+
+    X = round(x / d): LIMBS 1/2 with d = max|x_block| / qmax (`_block_scale`), LIMBS 3 with a power of
+    two per block (`_pow2_scale`, |X| < 2**22). Lower limbs unsigned, the top one signed. K past the end
+    reads as 0. GLU: x = silu(x) * x2, as `_load_x`. xs sums the rounded x (X * d) for LIMBS 1/2, so the
+    GEMV computes (X * d) @ W, and x itself for LIMBS 3, as the GEMV without XQ does."""
+    pid_b = tl.program_id(0)
+    m = tl.program_id(1)
+    blk = pid_b * BLOCKS + tl.arange(0, BLOCKS)
+    k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8 + tl.arange(0, 2)[None, None, :, None] * 4
+         + tl.arange(0, 4)[None, None, None, :])                                              # [BLOCKS, 4 (j), 2 (h), 4 (i)]
+    x = _load_x(x_ptr, x2_ptr, m * stride_xm + k, k < K, GLU)
+    top = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)                           # [BLOCKS]
+    if LIMBS == 3:
+        scale, d = _pow2_scale(top)
+    else:
+        d, scale = _block_scale(top, LIMBS)
+    X = _round_to_int(x, scale[:, None, None, None])
+    shifts = tl.arange(0, 4)[None, None, None, :] * 8
+    b_ok = blk < KB
+    out = (xq_ptr + m * stride_xqm + blk[:, None, None] * (8 * LIMBS) + tl.arange(0, 4)[None, :, None]
+           + tl.arange(0, 2)[None, None, :] * 4)                                              # [BLOCKS, 4 (j), 2 (h)]
+    for limb in tl.static_range(LIMBS):
+        tl.store(out + limb * 8, _limb_words(X, shifts, limb), mask=b_ok[:, None, None])
+    tl.store(xd_ptr + m * stride_xdm + blk, d, mask=b_ok)
+    if LIMBS == 3:
+        x_sum = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
+    else:   # the sum of the rounded x: y is then exactly (X * d) @ W, whose error follows |W|, not |v * scale|
+        x_sum = tl.sum(tl.sum(tl.sum(X, axis=3), axis=2), axis=1).to(tl.float32) * d
+    tl.store(xs_ptr + m * stride_xdm + blk, x_sum, mask=b_ok)
+
+
+@triton.jit
 def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
                         stride_xm, stride_qw, stride_sk, stride_ym, stride_rm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         TB: tl.constexpr, REDUCE: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                        GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False, XFREE: tl.constexpr = False):
+                        GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False, XFREE: tl.constexpr = False,
+                        xq_ptr=None, xd_ptr=None, xs_ptr=None, KB=0, stride_xqm=0, stride_xdm=0,
+                        LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
     A tile is TB blocks of 32 k: [TB, 4, BLOCK_N] words, each thread 16 bytes (4 columns) of a row.
-    x is turned into 22-bit integers with one power-of-two scale per row and tile (the rounding is
-    below float32's on the tile's largest element), split into three bytes; `dp4a` multiplies four
-    nibbles by four bytes and adds, so 8 weights cost 6 integer dot products instead of 8 conversions
-    and 8 multiply-adds. Per block of 32 the three byte sums combine exactly in int32, then one
-    float multiply by the block's scale (and bias * sum x).
+    x is rounded to integers X and split into LIMBS bytes (lower ones unsigned, the top one signed);
+    `dp4a` multiplies four nibbles by four bytes and adds, so 8 weights cost 2 * LIMBS integer dot
+    products instead of 8 conversions and 8 multiply-adds. Per block of 32 the limb sums combine
+    exactly in int32, then one float multiply by the block's weight scale and x scale (and bias * sum x).
+
+    x scales: LIMBS 3, one power of two per row and tile, |X| < 2**22 (the rounding is below float32's
+    on the tile's largest element), bias * the float sum of x; LIMBS 1/2, d = max|x| / 127 or / 32767
+    per row and block of 32, bias * the sum of X * d, so y = (X * d) @ W up to float32 rounding.
+    XQ: x was quantized once by `_quantize_x_kernel` (limb words xq, scales xd, block sums xs, KB blocks
+    per row): a tile loads 2 * LIMBS words per block and row (the same for every thread), no rounding.
 
     REDUCE: 0 one split, stored; 1 splits added atomically into a zeroed y; 2 each split stores its
     partial sums and the last program of a column (a ticket per column, reset behind it) adds them in
-    order (no memset launch, deterministic). GLU: x = silu(x) * x2. RESIDUAL: y = res + x @ W."""
+    order (no memset launch, deterministic). GLU: x = silu(x) * x2 (with XQ, done by the quantize
+    kernel). RESIDUAL: y = res + x @ W."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -223,7 +300,6 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     x_rel = (tl.arange(0, TB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
              + tl.arange(0, 4)[None, None, None, :])                                         # [1, TB, 4, 4]
     shifts = tl.arange(0, 4)[None, None, None, :] * 8
-    x_rows = x_ptr + offs_m[:, None, None, None] * stride_xm
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
@@ -240,45 +316,64 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         b_ok = (blk * 4 < kw_stop)[:, None] & n_mask[None, :]
         prow = (blk * 32 // GROUP)[:, None] * stride_sk + offs_n[None, :]
         s = tl.load(s_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)                      # [TB, BLOCK_N]
-        # x as integers: the low (k % 8 < 4) and high halves of each word's 8 k
-        # (XFREE, for measuring only: x taken as a constant, no x loads or rounding; wrong results)
-        kl = kw0 * 8 + x_rel
-        xm = m_mask[:, None, None, None]
-        x_off = offs_m[:, None, None, None] * stride_xm + kl
         shape: tl.constexpr = [ROWS, TB, 4, BLOCK_N]
         lo = tl.broadcast_to((w & 0x0F0F0F0F)[None, :, :, :], shape)
         hi = tl.broadcast_to(((w >> 4) & 0x0F0F0F0F)[None, :, :, :], shape)
         zero = tl.zeros(shape, dtype=tl.int32)
-        if XFREE:
+        # x as integers: the low (k % 8 < 4) and high halves of each word's 8 k
+        # (XFREE, for measuring only: x taken as a constant, no x loads or rounding; wrong results)
+        if XQ:
+            x_ok = m_mask[:, None] & (blk < KB)[None, :]                                      # [ROWS, TB]
+            xq_words = (xq_ptr + offs_m[:, None, None] * stride_xqm + blk[None, :, None] * (8 * LIMBS)
+                        + tl.arange(0, 4)[None, None, :])                                     # [ROWS, TB, 4]
+            d = tl.load(xd_ptr + offs_m[:, None] * stride_xdm + blk[None, :], mask=x_ok, other=0.0)
+        elif XFREE:
             x_lo = tl.full([ROWS, TB, 4, 4], 1.0, tl.float32)
             x_hi = x_lo
+            d = tl.full([ROWS, TB], 1.0, tl.float32)
             inv = tl.full([ROWS], 1.0, tl.float32)
-            one = tl.full(shape, 0x01010101, tl.int32)
-            p0 = _dp4a(hi, one, _dp4a(lo, one, zero, False, ASM), False, ASM)
-            p1 = _dp4a(hi, one + 1, _dp4a(lo, one + 1, zero, False, ASM), False, ASM)
-            p2 = _dp4a(hi, one + 2, _dp4a(lo, one + 2, zero, True, ASM), True, ASM)
         else:
+            kl = kw0 * 8 + x_rel
+            xm = m_mask[:, None, None, None]
+            x_off = offs_m[:, None, None, None] * stride_xm + kl
             x_lo = _load_x(x_ptr, x2_ptr, x_off, xm & (kl < K), GLU)                         # [ROWS, TB, 4, 4]
             x_hi = _load_x(x_ptr, x2_ptr, x_off + 4, xm & (kl + 4 < K), GLU)
-            top = tl.max(tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2), axis=1)   # [ROWS]
-            e = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF                               # |x| < 2**(e - 126)
-            e_scale = tl.minimum(tl.maximum(275 - e, 1), 254)                                # 2**(148 - e): |x * scale| < 2**22
-            scale = (e_scale << 23).to(tl.float32, bitcast=True)
-            inv = (tl.maximum(254 - e_scale, 0) << 23).to(tl.float32, bitcast=True)
-            sc = scale[:, None, None, None]
-            X_lo = (x_lo * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000          # round to nearest
-            X_hi = (x_hi * sc + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-            p0 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 0)[:, :, :, None], shape), zero, False, ASM)
-            p0 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 0)[:, :, :, None], shape), p0, False, ASM)
-            p1 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 1)[:, :, :, None], shape), zero, False, ASM)
-            p1 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 1)[:, :, :, None], shape), p1, False, ASM)
-            p2 = _dp4a(lo, tl.broadcast_to(_limb_words(X_lo, shifts, 2)[:, :, :, None], shape), zero, True, ASM)
-            p2 = _dp4a(hi, tl.broadcast_to(_limb_words(X_hi, shifts, 2)[:, :, :, None], shape), p2, True, ASM)
-        block_sum = tl.sum(p0 + (p1 << 8) + (p2 << 16), axis=2)                              # [ROWS, TB, BLOCK_N] exact
-        acc += tl.sum(block_sum.to(tl.float32) * s[None, :, :], axis=1) * inv[:, None]
+            top = tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2)    # [ROWS, TB]
+            if LIMBS == 3:
+                scale, inv = _pow2_scale(tl.max(top, axis=1))                                # per row and tile
+                sc = scale[:, None, None, None]
+            else:
+                d, scale = _block_scale(top, LIMBS)                                          # per row and block
+                sc = scale[:, :, None, None]
+            X_lo = _round_to_int(x_lo, sc)
+            X_hi = _round_to_int(x_hi, sc)
+        limb_sum = zero
+        for limb in tl.static_range(LIMBS):
+            if XQ:
+                x_lo_w = tl.load(xq_words + limb * 8, mask=x_ok[:, :, None], other=0)
+                x_hi_w = tl.load(xq_words + (limb * 8 + 4), mask=x_ok[:, :, None], other=0)
+            elif XFREE:
+                x_lo_w = tl.full([ROWS, TB, 4], 0x01010101 + limb, tl.int32)
+                x_hi_w = x_lo_w
+            else:
+                x_lo_w = _limb_words(X_lo, shifts, limb)
+                x_hi_w = _limb_words(X_hi, shifts, limb)
+            p = _dp4a(lo, tl.broadcast_to(x_lo_w[:, :, :, None], shape), zero, limb == LIMBS - 1, ASM)
+            p = _dp4a(hi, tl.broadcast_to(x_hi_w[:, :, :, None], shape), p, limb == LIMBS - 1, ASM)
+            limb_sum += p << (8 * limb)
+        block_sum = tl.sum(limb_sum, axis=2)                                                  # [ROWS, TB, BLOCK_N] exact
+        if LIMBS == 3 and not XQ:
+            acc += tl.sum(block_sum.to(tl.float32) * s[None, :, :], axis=1) * inv[:, None]
+        else:
+            acc += tl.sum(block_sum.to(tl.float32) * (s[None, :, :] * d[:, :, None]), axis=1)
         if HAS_BIAS:
             b = tl.load(b_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)
-            x_sum = tl.sum(tl.sum(x_lo + x_hi, axis=3), axis=2)                              # [ROWS, TB]
+            if XQ:
+                x_sum = tl.load(xs_ptr + offs_m[:, None] * stride_xdm + blk[None, :], mask=x_ok, other=0.0)
+            elif LIMBS == 3 or XFREE:
+                x_sum = tl.sum(tl.sum(x_lo + x_hi, axis=3), axis=2)                          # [ROWS, TB]
+            else:                                                                             # of X * d, as XQ
+                x_sum = tl.sum(tl.sum(X_lo + X_hi, axis=3), axis=2).to(tl.float32) * d
             acc += tl.sum(b[None, :, :] * x_sum[:, :, None], axis=1)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -690,11 +785,19 @@ SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "1"))
 _WORKSPACE: dict = {}
 
 
+def _stream_key(device) -> tuple:
+    return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial sums and per-column tickets of the split-K GEMV, one pair per device and stream (kernels
     of one stream run in order; every launch leaves the tickets at zero). Sized generously at first
     use, which is an eager run, so a CUDA-graph capture never allocates."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = _stream_key(device)
     have = _WORKSPACE.get(key)
     if have is None or have[0].numel() < floats or have[1].numel() < tickets:
         floats = max(floats, 1 << 22, have[0].numel() if have else 0)
@@ -704,16 +807,68 @@ def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.T
     return have
 
 
+# x quantized once per GEMV (`_quantize_x_kernel`) above this many weight bytes: the extra launch
+# (a few us) only pays where the GEMV's own x work is larger. LIMBS: bytes per rounded x (2 * LIMBS dp4a
+# per weight word): 1 (x to 8 bits per block of 32), 2 (16 bits), 3 (22 bits, float32-level).
+GEMV_LIMBS = int(os.environ.get("INGOT_CUDA_GEMV_LIMBS", "2"))
+XQ_MIN_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_XQ_BYTES", str(16 << 20)))
+XQ_BLOCKS = 4                     # blocks of 32 k per program of `_quantize_x_kernel`
+_XQ_WORKSPACE: dict = {}
+
+
+def _xq_workspace(device, words: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-quantized x of the word GEMV (`_quantize_x_kernel`): limb words (int32) and per-block scale
+    and sum (float32, 2 * blocks), one pair per device and stream (the quantize kernel and the GEMV that
+    reads it run in order on that stream). Allocated at the first call, an eager run, and grown only
+    by eager runs: a CUDA-graph capture reuses the buffers (the captured graph keeps their addresses);
+    a capture that would need more raises instead of allocating."""
+    key = _stream_key(device)
+    have = _XQ_WORKSPACE.get(key)
+    if have is None or have[0].numel() < words or have[1].numel() < 2 * blocks:
+        if _capturing(device):
+            raise RuntimeError("quantized_matmul: the x workspace must be sized by an eager run before graph capture")
+        words = max(words, 1 << 18, have[0].numel() if have else 0)
+        floats = max(2 * blocks, 1 << 16, have[1].numel() if have else 0)
+        have = _XQ_WORKSPACE[key] = (torch.empty(words, dtype=torch.int32, device=device),
+                                     torch.empty(floats, dtype=torch.float32, device=device))
+    return have
+
+
+def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int) -> dict:
+    """x2 (silu(x_gate) * x2 when x_gate is given) [M, K] quantized for the word GEMV's XQ path: the
+    kernel arguments xq_ptr/xd_ptr/xs_ptr (views of the stream's workspace) and their sizes."""
+    m, k = x2.shape
+    kb = triton.cdiv(k, 32)
+    words, floats = _xq_workspace(x2.device, m * kb * 8 * limbs, m * kb)
+    xq = words[: m * kb * 8 * limbs].view(m, kb * 8 * limbs)
+    xd, xs = floats[: m * kb].view(m, kb), floats[m * kb: 2 * m * kb].view(m, kb)
+    first, second = (x_gate, x2) if x_gate is not None else (x2, x2)
+    if x_gate is not None:
+        assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape
+    _quantize_x_kernel[(triton.cdiv(kb, XQ_BLOCKS), m)](
+        first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=XQ_BLOCKS,
+        GLU=x_gate is not None, num_warps=1)
+    return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0))
+
+
 def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, x_gate: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> None:
-    """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; + residual when given)."""
+    """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; + residual when given).
+
+    config keys override `words_gemv_config`'s choice, and LIMBS (1-3, default GEMV_LIMBS) and XQ
+    (x quantized by its own launch first; default: weights of XQ_MIN_BYTES and more)."""
     m = x2.shape[0]
     if config.pop("NLOOP", False):
         assert x_gate is None and residual is None
+        for key in ("LIMBS", "XQ"):   # the N-loop kernel rounds x to 22 bits once per program
+            config.pop(key, None)
         return _words_nloop_gemv(x2, w, y, config)
     cfg = {**words_gemv_config(w, m, _sm_count(x2.device), config.pop("WAVES", 32), config.get("num_warps"),
                                config.get("ROWS")), **config}
     block_n, tb, rows, split = cfg.pop("BLOCK_N"), cfg.pop("TB"), cfg.pop("ROWS"), cfg.pop("SPLIT")
+    limbs = cfg.pop("LIMBS", GEMV_LIMBS)
+    xq = cfg.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not cfg.get("XFREE", False)
+    assert limbs in (1, 2, 3), f"LIMBS={limbs}: x in 1, 2 or 3 bytes"
     kw = w.q.shape[0]
     kw_per_split = triton.cdiv(triton.cdiv(kw, split), 4 * tb) * 4 * tb
     split = triton.cdiv(kw, kw_per_split)
@@ -731,6 +886,9 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     elif reduce == 2:
         part, tickets = _workspace(x2.device, split * m * w.n, grid[0] * grid[2])
     b = w.bias if w.bias is not None else w.scale
+    if xq:
+        cfg.update(_quantize_x(x2, x_gate, limbs))
+        x_gate = None             # applied by the quantize kernel
     gate = x_gate if x_gate is not None else x2
     if x_gate is not None:
         assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape
@@ -740,7 +898,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
         ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
-        RESIDUAL=residual is not None, **cfg)
+        RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, **cfg)
     if target is not y:
         y.copy_(target)
 

@@ -1,0 +1,164 @@
+"""The word-layout dp4a GEMV with x in 1, 2 or 3 bytes (LIMBS) and x pre-quantized by its own launch
+(XQ), against a float64 reference (marker `cuda`).
+
+Runs where torch sees a GPU; CI skips it. `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1` runs it under
+Triton's interpreter (the dp4a then runs byte by byte), so the shapes stay small but awkward: K not a
+multiple of 32, N not a multiple of 128, 1/3/4 rows.
+
+The tolerance is the rounding of x, element by element: y_n - ref_n = sum_k (X_k d - x_k) * w_kn, and
+
+    LIMBS 1, 2:  |X d - x| <= d / 2, d = max|x| over the block of 32 / qmax (127, 32767)
+    LIMBS 3:     |X d - x| <= max|x| of the row * 2**-22 (a power-of-two step below 2**-21 * the tile's max)
+
+so |y_n - ref_n| <= sum_k step_k * (v_kn |s_kn| + |b_kn|) (+ float32 rounding, 2e-6 of the same sum
+over |x|). The relative errors on Gaussian x are then about 5e-3 (LIMBS 1), 2e-5 (LIMBS 2), < 1e-6 (3).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_env import require_cuda  # noqa: E402
+
+_INTERPRET = require_cuda()
+import torch  # noqa: E402
+from test_cuda import DEVICE, FORMATS, make_weight, rel_err, rng_for  # noqa: E402
+
+from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+
+QMAX = {1: 127.0, 2: 32767.0}
+REL = {1: 3e-2, 2: 1e-4, 3: 2e-6}      # about 6x the expected relative error (docstring), a norm-wise sanity check
+CASES = [  # (format, (K, N, block along K or None for per-column), rows)
+    (FORMATS[0], (230, 150, 32), 1), (FORMATS[1], (193, 300, 64), 3), (FORMATS[2], (256, 130, None), 4),
+    (FORMATS[3], (296, 78, 32), 3),
+]
+
+
+def words_weight(rng, fmt, shape) -> qmm.QuantizedWeight:
+    qdtype, zero_point, bias, lut = fmt
+    k, n, block = shape
+    q, params, _ = make_weight(rng, qdtype, k, n, block, zero_point, bias, lut, False)
+    plist = [params[name] for name in ("scale", "zero_point", "bias") if name in params]
+    attrs = dict(qdtype=qdtype, mode="affine", has_zero_point=zero_point, has_bias=bias)
+    w = qmm.prepare_weight(q, plist, attrs, DEVICE, words=True)
+    assert w.words and w.group % 32 == 0
+    return w
+
+
+def rounding_bound(x: torch.Tensor, w: qmm.QuantizedWeight, limbs: int, residual: torch.Tensor | None) -> torch.Tensor:
+    """The largest |y - ref| that rounding x to LIMBS bytes can cause, per output element (module docstring)."""
+    x = x.double().cpu()
+    rows, k = x.shape
+    if limbs == 3:
+        step = x.abs().amax(dim=1, keepdim=True).expand(rows, k) * 2.0 ** -22
+    else:
+        padded = torch.nn.functional.pad(x.abs(), (0, -k % 32)).reshape(rows, -1, 32)
+        step = (padded.amax(dim=2) / (2 * QMAX[limbs])).repeat_interleave(32, dim=1)[:, :k]
+    g = torch.arange(k) // w.group
+    magnitude = w.values().double().cpu() * w.scale.double().cpu()[g, : w.n].abs()      # v |s| + |b|
+    if w.bias is not None:
+        magnitude += w.bias.double().cpu()[g, : w.n].abs()
+    floats = x.abs() @ magnitude + (residual.double().abs().cpu() if residual is not None else 0.0)
+    return step @ magnitude * 1.001 + 2e-6 * floats
+
+
+def check(got, x, w, limbs, residual=None, what=""):
+    want = x.double().cpu() @ qmm.dequantize(w).double().cpu()
+    if residual is not None:
+        want += residual.double().cpu()
+    got = got.double().cpu()
+    assert got.shape == want.shape
+    excess = (got - want).abs() - rounding_bound(x, w, limbs, residual)
+    assert excess.max() <= 0, f"{what}: {int((excess > 0).sum())} elements past the rounding bound, by up to {excess.max()}"
+    assert rel_err(got, want) < REL[limbs], (what, rel_err(got, want))
+
+
+@pytest.mark.parametrize("xq", [False, True], ids=["x-in-gemv", "xq"])
+@pytest.mark.parametrize("limbs", [1, 2, 3])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1][0]}x{c[1][1]}-rows{c[2]}" for c in CASES])
+def test_words_gemv_limbs(case, limbs, xq):
+    """Every LIMBS with x rounded in the GEMV or pre-quantized, one split and several (atomics, tickets),
+    with the SiLU(gate) * x prologue and the residual epilogue."""
+    fmt, shape, rows = case
+    k, n, _ = shape
+    rng = rng_for(f"xq{case}{limbs}{xq}")
+    w = words_weight(rng, fmt, shape)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 3).to(DEVICE)
+    for config in (dict(SPLIT=1), dict(SPLIT=3, REDUCE=1), dict(SPLIT=3, REDUCE=2, ROWS=4)):
+        got = qmm.quantized_matmul(x, w, config=dict(config, KERNEL="words", LIMBS=limbs, XQ=xq))
+        check(got, x, w, limbs, what=str(config))
+    gate = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(DEVICE)
+    residual = torch.from_numpy(rng.standard_normal((rows, n)).astype(np.float32)).to(DEVICE)
+    gated = (gate.double() * torch.sigmoid(gate.double())) * x.double()
+    for config, res in ((dict(SPLIT=1), residual), (dict(SPLIT=3), residual), (dict(SPLIT=2, REDUCE=1), None)):
+        got = torch.empty(rows, n, device=DEVICE)
+        qmm._words_gemv(x, w, got, dict(config, LIMBS=limbs, XQ=xq), x_gate=gate, residual=res)
+        check(got, gated, w, limbs, res, what=f"glu {config} residual={res is not None}")
+
+
+def test_xq_same_as_rounding_in_the_gemv():
+    """LIMBS 1/2 round x per block of 32 the same way in both paths: the same integers, the same y up
+    to float32 summation order."""
+    rng = rng_for("xq-same")
+    w = words_weight(rng, FORMATS[1], (230, 150, 32))
+    x = torch.from_numpy(rng.standard_normal((3, 230)).astype(np.float32)).to(DEVICE)
+    for limbs in (1, 2):
+        a = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=limbs, XQ=False, SPLIT=1))
+        b = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=limbs, XQ=True, SPLIT=1))
+        assert rel_err(a.cpu(), b.cpu()) < 1e-6, (limbs, rel_err(a.cpu(), b.cpu()))
+
+
+@pytest.mark.parametrize("xq", [False, True], ids=["x-in-gemv", "xq"])
+def test_words_gemv_half_inputs(xq):
+    """float16 x and y (bfloat16: the GPU run; Triton's interpreter mishandles it)."""
+    rng = rng_for(f"xq-half{xq}")
+    w = words_weight(rng, FORMATS[0], (193, 300, 64))
+    dtypes = [torch.float16] + ([] if _INTERPRET else [torch.bfloat16])
+    for dtype in dtypes:
+        x = torch.from_numpy(rng.standard_normal((3, 193)).astype(np.float32)).to(DEVICE).to(dtype)
+        got = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=2, XQ=xq))
+        assert got.dtype == dtype
+        want = x.double().cpu() @ qmm.dequantize(w).double().cpu()
+        assert rel_err(got.float().cpu(), want) < (1e-3 if dtype == torch.float16 else 1e-2)   # y stored in x's dtype
+
+
+def test_defaults_from_the_module_constants(monkeypatch):
+    """No LIMBS/XQ in the config: GEMV_LIMBS, and XQ for weights of XQ_MIN_BYTES and more."""
+    rng = rng_for("xq-defaults")
+    w = words_weight(rng, FORMATS[0], (230, 150, 32))
+    x = torch.from_numpy(rng.standard_normal((1, 230)).astype(np.float32)).to(DEVICE)
+    calls = []
+    quantize = qmm._quantize_x
+    monkeypatch.setattr(qmm, "_quantize_x", lambda *a: calls.append(a[2]) or quantize(*a))
+    for limbs in (1, 3):
+        monkeypatch.setattr(qmm, "GEMV_LIMBS", limbs)
+        for min_bytes, want_xq in ((w.nbytes + 1, False), (w.nbytes, True)):
+            monkeypatch.setattr(qmm, "XQ_MIN_BYTES", min_bytes)
+            calls.clear()
+            got = qmm.quantized_matmul(x, w, config=dict(SPLIT=1))
+            want = qmm.quantized_matmul(x, w, config=dict(SPLIT=1, LIMBS=limbs, XQ=want_xq))
+            assert calls == [limbs] * (2 if want_xq else 0)         # the default call, then the explicit one
+            assert torch.equal(got, want)
+
+
+def test_xq_workspace_allocated_once():
+    """The pre-quantized x lives in one workspace per device and stream: a second call (same size or
+    smaller) reuses it, so a CUDA graph captured after an eager run never allocates."""
+    rng = rng_for("xq-workspace")
+    w = words_weight(rng, FORMATS[0], (230, 150, 32))
+    x = torch.from_numpy(rng.standard_normal((4, 230)).astype(np.float32)).to(DEVICE)
+    qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=3, XQ=True, SPLIT=1))
+    key = qmm._stream_key(x.device)
+    words, floats = qmm._XQ_WORKSPACE[key]
+    pointers = (words.data_ptr(), floats.data_ptr())
+    for rows, limbs in ((4, 3), (1, 2), (3, 1)):
+        got = qmm.quantized_matmul(x[:rows], w, config=dict(KERNEL="words", LIMBS=limbs, XQ=True, SPLIT=1))
+        check(got, x[:rows], w, limbs, what=f"rows {rows} limbs {limbs}")
+        words, floats = qmm._XQ_WORKSPACE[key]
+        assert (words.data_ptr(), floats.data_ptr()) == pointers

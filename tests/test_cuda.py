@@ -138,8 +138,11 @@ def test_quantized_matmul_matches_the_cpu_backend(fmt, shape, rows):
         got = cuda_backend.to_host(g.compile(targets=[y], device="cuda").run({"x": x})[0])
         want = g.compile(targets=[y], device="cpu").run({"x": x})[0]
         assert got.shape == want.shape == (rows, n)
-        assert rel_err(got, want) < 2e-6 if rows <= qmm.GEMV_MAX_ROWS else rel_err(got, want) < 1e-5, \
-            f"transpose={transpose}: relative error {rel_err(got, want)}"
+        # the dp4a GEMV (4-bit affine, few rows) rounds x to 16-bit integers per block of 32 by default:
+        # ~2e-5 relative on Gaussian x (LIMBS=3, 22 bits per tile: the float32 tolerances)
+        words = qdtype.bits == 4 and not lut and rows <= qmm.WORDS_MAX_ROWS and qmm.GEMV_LIMBS < 3
+        tol = 1e-4 if words else (2e-6 if rows <= qmm.GEMV_MAX_ROWS else 1e-5)
+        assert rel_err(got, want) < tol, f"transpose={transpose}: relative error {rel_err(got, want)}"
 
 
 @pytest.mark.parametrize("kernel", ["small", "stream"])

@@ -162,3 +162,21 @@ def test_xq_workspace_allocated_once():
         check(got, x[:rows], w, limbs, what=f"rows {rows} limbs {limbs}")
         words, floats = qmm._XQ_WORKSPACE[key]
         assert (words.data_ptr(), floats.data_ptr()) == pointers
+
+
+@pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs CUDA graphs")
+def test_xq_in_a_graph_captured_on_a_fresh_stream():
+    """torch captures on a side stream that has no workspace yet: the capture allocates it (from the
+    graph's pool) and the replays equal the eager result."""
+    rng = rng_for("xq-graph")
+    w = words_weight(rng, FORMATS[0], (296, 130, 32))
+    x = torch.from_numpy(rng.standard_normal((1, 296)).astype(np.float32)).to(DEVICE)
+    config = dict(KERNEL="words", XQ=True)
+    eager = qmm.quantized_matmul(x, w, config=dict(config))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qmm.quantized_matmul(x, w, config=dict(config))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(y, eager, rtol=1e-6, atol=1e-6)   # split-K atomics: any order

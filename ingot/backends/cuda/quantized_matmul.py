@@ -792,10 +792,6 @@ def _stream_key(device) -> tuple:
     return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
 
 
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial sums and per-column tickets of the split-K GEMV, one pair per device and stream (kernels
     of one stream run in order; every launch leaves the tickets at zero). Sized generously at first
@@ -823,13 +819,13 @@ def _xq_workspace(device, words: int, blocks: int) -> tuple[torch.Tensor, torch.
     """The pre-quantized x of the word GEMV (`_quantize_x_kernel`): limb words (int32) and per-block scale
     and sum (float32, 2 * blocks), one pair per device and stream (the quantize kernel and the GEMV that
     reads it run in order on that stream). Allocated at the first call, an eager run, and grown only
-    by eager runs: a CUDA-graph capture reuses the buffers (the captured graph keeps their addresses);
-    a capture that would need more raises instead of allocating."""
+    when too small. A capture on a stream that has none yet (torch captures on a side stream) allocates
+    it from the graph's pool, as `_workspace` does; the minimum size (1 MB of words: 4 rows of K up to
+    80k in three limbs) means it is not grown again for decode shapes, so no buffer a captured kernel
+    reads is dropped."""
     key = _stream_key(device)
     have = _XQ_WORKSPACE.get(key)
     if have is None or have[0].numel() < words or have[1].numel() < 2 * blocks:
-        if _capturing(device):
-            raise RuntimeError("quantized_matmul: the x workspace must be sized by an eager run before graph capture")
         words = max(words, 1 << 18, have[0].numel() if have else 0)
         floats = max(2 * blocks, 1 << 16, have[1].numel() if have else 0)
         have = _XQ_WORKSPACE[key] = (torch.empty(words, dtype=torch.int32, device=device),

@@ -782,9 +782,6 @@ def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, con
 # 1: atomics into a zeroed y (a memset launch); 2: tickets, no memset, but the last split's serial sum
 # made every shape slower on the H200 (2026-12-02: Llama-3-8B gate+up 48.0 vs 43.4 us, qkv 17.2 vs 12.2)
 SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "1"))
-# weights below SMALL_GEMV_BYTES: this mode instead (a small model's step is launch-bound, and the
-# tickets save the memset launch that the atomics need)
-SPLIT_REDUCE_SMALL = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE_SMALL", str(SPLIT_REDUCE)))
 _WORKSPACE: dict = {}
 
 
@@ -871,9 +868,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     kw = w.q.shape[0]
     kw_per_split = triton.cdiv(triton.cdiv(kw, split), 4 * tb) * 4 * tb
     split = triton.cdiv(kw, kw_per_split)
-    default_reduce = SPLIT_REDUCE_SMALL if w.nbytes < SMALL_GEMV_BYTES else SPLIT_REDUCE
-    reduce = cfg.pop("REDUCE", default_reduce)
-    reduce = (reduce or default_reduce) if split > 1 else 0
+    reduce = cfg.pop("REDUCE", SPLIT_REDUCE)
+    reduce = (reduce or SPLIT_REDUCE) if split > 1 else 0
     if residual is not None and reduce == 1:
         reduce = 2
     grid = (triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One lent-GPU call for a session's changes: the cuda tests, the GEMV variants, SmolLM2 end to end
-# under a few settings (env), and Llama-3-8B end to end; compact lines on stdout, JSON under $OUT.
+# by default and with the combine kernel forced back, and Llama-3-8B end to end; compact lines on stdout, JSON under $OUT.
 #   bash benchmarks/cuda_session_run.sh
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
@@ -13,6 +13,5 @@ smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-60}" python3 benchmarks/
   --json "$OUT/smollm_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 smollm default
 smollm merge-off INGOT_CUDA_DECODE_MERGE=0
-smollm tickets INGOT_CUDA_SPLIT_REDUCE_SMALL=2
 timeout "${LLAMA_S:-150}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 --steps 64 \
   --json "$OUT/llama.json" 2>&1 | grep "tok/s"

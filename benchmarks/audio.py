@@ -27,6 +27,7 @@ torch anchors:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -202,11 +203,14 @@ def cuda_main(args) -> None:
             "ingot log-mel, stream kernel tf32": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "stream"},
                                                   {"STREAM_CONFIG": {"precision": "tf32"}}),
             "ingot log-mel, unfused": (log_mel, {"INGOT_CUDA_AUDIO_FUSION": "0"}, {}),
+            "ingot log-mel, unrolled kernel": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "unrolled"}, {}),
+            "ingot log-mel, gemm method": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, {}),
             "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, {}),
             "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), {}, {}),
         }
         if args.quick:
-            builders = {k: v for k, v in builders.items() if k in ("ingot log-mel", "ingot whisper", "ingot stft")}
+            builders = {k: v for k, v in builders.items() if k in ("ingot log-mel", "ingot whisper", "ingot stft",
+                                                                   "ingot log-mel, unrolled kernel", "ingot log-mel, gemm method")}
         times, results = {}, {}
         for name, (build, env, settings) in builders.items():
             start = time.perf_counter()
@@ -265,10 +269,10 @@ def cuda_main(args) -> None:
         reference = (filters_d.double() @ power.double().T).float()
         out = torch.empty((N_MELS, spectrum.shape[0]), dtype=torch.float32, device=device)
         spectrum_bytes = spectrum.numel() * 8 + out.numel() * 4
-        for precision, block_f, block_b, num_warps, num_stages in (
-                ("tf32x3", 32, 32, 4, 1), ("tf32x3", 16, 32, 4, 1), ("tf32x3", 16, 32, 2, 1), ("tf32x3", 32, 32, 2, 1),
-                ("tf32x3", 16, 64, 4, 1), ("tf32x3", 32, 16, 4, 1), ("tf32x3", 16, 16, 1, 1), ("tf32", 16, 32, 4, 1),
-                ("tf32", 32, 32, 4, 1)):
+        stream_configs = (("tf32x3", 32, 32, 4, 1), ("tf32x3", 16, 32, 4, 1), ("tf32x3", 16, 32, 2, 1),
+                          ("tf32x3", 32, 32, 2, 1), ("tf32x3", 16, 64, 4, 1), ("tf32x3", 32, 16, 4, 1),
+                          ("tf32x3", 16, 16, 1, 1), ("tf32", 16, 32, 4, 1), ("tf32", 32, 32, 4, 1))
+        for precision, block_f, block_b, num_warps, num_stages in stream_configs[:1] if args.quick else stream_configs:
             config = f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}"
             try:
                 run = lambda: cuda_fft.spectrum_mel(spectrum, projection, out, precision, block_f, block_b,  # noqa: E731
@@ -281,6 +285,19 @@ def cuda_main(args) -> None:
                       f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                 print(f"{label:>8} part: stream kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
+        projection = dataclasses.replace(projection, unrolled=cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5)))
+        for block_f, num_warps in ((128, 4), (64, 2), (256, 4), (256, 8), (512, 8), (128, 2)):
+            config = f"F{block_f} warps {num_warps}"
+            try:
+                run = lambda: cuda_fft.unrolled_mel(spectrum, projection, out, block_f, num_warps)  # noqa: E731
+                run()
+                err = float((out - reference).abs().max() / reference.abs().max())
+                rel = float(((out - reference).abs() / reference.abs().clamp_min(1e-30)).max())
+                ms = bench(run)
+                print(f"{label:>8} part: unrolled kernel {config:<30} {ms:8.3f} ms  {spectrum_bytes / ms / 1e9:.2f} TB/s  "
+                      f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile is reported, not fatal)
+                print(f"{label:>8} part: unrolled kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
         del power, spectrum, out, reference
         copy = torch.empty_like(x)
         ms = bench(lambda: copy.copy_(x))

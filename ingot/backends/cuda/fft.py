@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -188,6 +188,103 @@ def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om
     tl.store(out, acc, mask=f_mask & (offs_m[None, :] < M))
 
 
+# -- the unrolled kernel: the filter bank compiled into the code -----------------------------------
+
+def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None) -> str:
+    """Source of a Triton kernel for one filter bank, `mel_kernel(spec_ptr, out_ptr, F, stride_om,
+    BLOCK_F)`: out[m, f] = sum_k filters[m, k] |X_w[f, k]|^2.
+
+    Each thread takes a frame and walks its bins once, in order: one 8-byte (re, im) load per bin, the
+    window as three taps over bins already loaded, and each bin's power added into the few bands it
+    feeds (a Slaney or HTK bank: at most two), the weights written in as constants. A band is stored
+    as soon as its last bin is in, so a handful of accumulators are live at any time. No tensor
+    cores, no zero weights, and the power never goes to memory: the spectrum is read once."""
+    filters = np.asarray(filters, np.float32)
+    n_mels, bins = filters.shape
+    assert bins == n_fft // 2 + 1 and bins >= 2, (filters.shape, n_fft)
+    windowed = cosine is not None and cosine[1] != 0.0
+    a0, a1_half = (float(np.float32(cosine[0])), float(np.float32(cosine[1] / 2))) if windowed else (1.0, 0.0)
+    nonzero = filters != 0
+    first = [int(np.argmax(row)) if row.any() else -1 for row in nonzero]
+    last = [bins - 1 - int(np.argmax(row[::-1])) if row.any() else -1 for row in nonzero]
+    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+             "def mel_kernel(spec_ptr, out_ptr, F, stride_om, BLOCK_F: tl.constexpr):",
+             f'    """{n_mels} mel bands of the {n_fft}-point spectrum, '
+             f'{"window a0 %r, a1 %r" % (cosine[0], cosine[1]) if windowed else "no window"}: generated."""',
+             "    f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)",
+             "    ok = f < F",
+             "    pair_ok = ok[:, None]",
+             f"    rows = spec_ptr + f.to(tl.int64)[:, None] * {2 * bins} + tl.arange(0, 2)[None, :]",
+             "    out = out_ptr + f.to(tl.int64)"]
+    for m in range(n_mels):
+        if first[m] < 0:
+            lines.append(f"    tl.store(out + {m} * stride_om, tl.zeros([BLOCK_F], tl.float32), mask=ok)")
+    loaded = set()
+
+    def load(k: int) -> None:
+        if k not in loaded and 0 <= k < bins:
+            loaded.add(k)
+            lines.append(f"    r{k}, i{k} = tl.split(tl.load(rows + {2 * k}, mask=pair_ok, other=0.0))")
+
+    def raw(j: int) -> tuple[str, str]:   # X[j] for j in [-1, bins]: a real signal's spectrum continued
+        if j == -1:
+            return "r1", "(-i1)"
+        if j == bins:
+            return f"r{n_fft - bins}", f"(-i{n_fft - bins})"
+        return f"r{j}", f"i{j}"
+
+    for k in range(bins):
+        load(k)
+        load(k + 1)
+        if windowed:
+            (rb, ib), (ra, ia) = raw(k - 1), raw(k + 1)
+            lines.append(f"    wr = {a0!r} * r{k} - {a1_half!r} * ({rb} + {ra})")
+            lines.append(f"    wi = {a0!r} * i{k} - {a1_half!r} * ({ib} + {ia})")
+            lines.append("    p = wr * wr + wi * wi")
+        else:
+            lines.append(f"    p = r{k} * r{k} + i{k} * i{k}")
+        for m in np.nonzero(nonzero[:, k])[0]:
+            w = float(filters[m, k])
+            lines.append(f"    a{m} = p * {w!r}" if k == first[m] else f"    a{m} += p * {w!r}")
+            if k == last[m]:
+                lines.append(f"    tl.store(out + {m} * stride_om, a{m}, mask=ok)")
+    return "\n".join(lines) + "\n"
+
+
+def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None):
+    """The compiled-in kernel for this bank and window (generated once per process and cached on disk
+    by its source, like the fused regions)."""
+    from .fused import _load_kernel
+    return _load_kernel(unrolled_source(filters, n_fft, cosine), "mel_kernel")
+
+
+# "unrolled" launch: frames per program and warps (H200: benchmarks/audio.py)
+UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "128")),
+                       num_warps=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_WARPS", "4")))
+
+
+def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None = None,
+                 block_f: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """filters @ |window(spectrum)|^2.T through the projection's unrolled kernel: complex64 [frames,
+    bins] -> float32 [n_mels, frames], into `out` (any [n_mels, frames] view with unit frame stride)."""
+    assert projection.unrolled is not None, "unrolled_mel: the projection has no unrolled kernel"
+    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
+    frames, bins = spectrum.shape
+    n_mels = projection.filters.shape[0]
+    assert bins == projection.n_fft // 2 + 1
+    if spectrum.stride() != (bins, 1):
+        spectrum = spectrum.contiguous()
+    if out is None:
+        out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
+    assert out.shape == (n_mels, frames) and (frames <= 1 or out.stride(1) == 1), (out.shape, out.stride())
+    if frames == 0:
+        return out
+    block_f = block_f or UNROLLED_CONFIG["block_f"]
+    projection.unrolled[(triton.cdiv(frames, block_f),)](torch.view_as_real(spectrum), out, frames, out.stride(0),
+                                                         BLOCK_F=block_f, num_warps=num_warps or UNROLLED_CONFIG["num_warps"])
+    return out
+
+
 @dataclass(frozen=True)
 class MelProjection:
     """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, each
@@ -201,6 +298,7 @@ class MelProjection:
                             # bin, every band, tf32x3); "fused": one kernel per mel tile and block of frames
     host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
     filters_t: torch.Tensor | None = None          # [bins padded, mels padded] for "stream" (transposed_filters)
+    unrolled: object = field(default=None, compare=False)   # the "unrolled" method's kernel (unrolled_kernel)
 
 
 def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch.Tensor:
@@ -333,6 +431,8 @@ def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection, out: torc
     caller allowed it globally through torch.backends.cuda.matmul.allow_tf32)."""
     if projection.method == "stream":
         return spectrum_mel(spectrum, projection, out)
+    if projection.method == "unrolled":
+        return unrolled_mel(spectrum, projection, out)
     if out is not None:
         out.copy_(mel_of_spectrum(spectrum, projection))
         return out
@@ -502,10 +602,11 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         projection = projections.get(key)
         if projection is None:
             bands = mel_bands(filters, 16)
+            method = os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm")
             projection = projections[key] = MelProjection(
-                constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine,
-                method=os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm"),
-                host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device))
+                constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine, method=method,
+                host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device),
+                unrolled=unrolled_kernel(filters, n_fft, cosine) if method == "unrolled" else None)
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
                       mm.id: Role("mel", (1,), projection)})

@@ -393,7 +393,7 @@ def _cache_dir() -> str:
         return path
 
 
-_MODULES: dict[str, object] = {}
+_MODULES: dict[tuple[str, str], object] = {}
 
 
 class RegionKernel:
@@ -451,10 +451,12 @@ class RegionKernel:
         return out
 
 
-def _load_kernel(source: str):
+def _load_kernel(source: str, name: str = "region_kernel"):
+    """The jit function `name` of a generated module, written once under the cache directory by the
+    hash of its source (Triton reads a kernel's source from its file) and imported."""
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
-    if key in _MODULES:
-        return _MODULES[key]
+    if (key, name) in _MODULES:
+        return _MODULES[key, name]
     path = os.path.join(_cache_dir(), f"region_{key}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -465,8 +467,8 @@ def _load_kernel(source: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    _MODULES[key] = module.region_kernel
-    return module.region_kernel
+    _MODULES[key, name] = getattr(module, name)
+    return _MODULES[key, name]
 
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "slice_write", "quantized_gather", "RegionKernel", "region_supported",

@@ -147,15 +147,102 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, TQ, DV,
 
 
 @triton.jit
+def _flash_tile(base_ptr, desc, n0, stride_t, stop, WIDTH,
+                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BOUNDED: tl.constexpr, EVEN_W: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Rows n0 .. n0 + BLOCK_N of a [T, WIDTH] K or V slice. BOUNDED: rows at or past `stop` read as
+    zeros (TMA: the descriptor ends at the length, and the caller masks the scores of [stop, length))."""
+    if USE_TMA:
+        tile = desc.load([n0, 0])
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_w = tl.arange(0, BLOCK_W)
+        ptrs = base_ptr + offs_n[:, None] * stride_t + offs_w[None, :]
+        if BOUNDED:
+            ok = (offs_n < stop)[:, None]
+            if not EVEN_W:
+                ok = ok & (offs_w < WIDTH)[None, :]
+            tile = tl.load(ptrs, mask=ok, other=0.0)
+        elif EVEN_W:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_w < WIDTH)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
+                offs_m, m_ok, limit, start, stop, D, DV, sk_t, sv_t, sm_t, sm_n,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SCALE_NONNEG: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax over key tiles start, start + BLOCK_N, .. < stop (log2 units).
+
+    MASKED=False: every row of the block sees every key of every tile (tiles below the causal
+    diagonal, inside the length, no mask): no score masking, no bounds on the key rows, and no
+    guard against an all -inf row (each tile gives every row a finite maximum).
+    MASKED=True: key bounds, the causal limit and the optional additive mask; a row may have seen
+    no key yet, so the maximum is guarded (m_safe)."""
+    for n0 in range(start, stop, BLOCK_N):
+        kt = _flash_tile(k_base, k_desc, n0, sk_t, stop, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+        if MASKED:
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            s = qk * qk_scale
+            if HAS_MASK:
+                bias = tl.load(mask_base + offs_m[:, None] * sm_t + offs_n[None, :] * sm_n,
+                               mask=m_ok[:, None] & (offs_n < stop)[None, :], other=0.0)
+                s = s + bias * 1.4426950408889634
+            ok = (offs_n < stop)[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= limit[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+        else:
+            if SCALE_NONNEG:   # the scaled maximum from the raw one: the scale folds into one FMA below
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+            else:
+                m_new = tl.maximum(m_i, tl.min(qk, axis=1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        vt = _flash_tile(v_base, v_desc, n0, sv_t, stop, DV, BLOCK_N, BLOCK_DV, MASKED, EVEN_D, USE_TMA)
+        acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
                   length_const, HQ, G, TQ, TBUF, D, DV, qk_scale,
                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                   sm_b, sm_h, sm_t, sm_n,
                   LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+                  PRECISION: tl.constexpr, SPLIT_STAGES: tl.constexpr = True, HEAVY_FIRST: tl.constexpr = True,
+                  HEADS_ON_AXIS0: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True):
+    """One BLOCK_M block of query rows of one (batch, query head) against the keys it may see.
+
+    SPLIT_STAGES: the key tiles every row sees run unmasked, then the diagonal / tail tiles masked
+    (a mask keeps all tiles masked). HEAVY_FIRST (causal): the blocks with the most keys start first
+    so the short ones fill the last wave. HEADS_ON_AXIS0: grid (B*Hq, blocks) instead of (blocks, B*Hq).
+    USE_TMA: Q/K/V tiles through on-device tensor descriptors (16-byte aligned rows; the wrapper checks).
+    EVEN_D: D == BLOCK_D and DV == BLOCK_DV (no column masks)."""
+    if HEADS_ON_AXIS0:
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        num_m = tl.num_programs(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        num_m = tl.num_programs(0)
+    if HEAVY_FIRST and CAUSAL:
+        pid_m = num_m - 1 - pid_m
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // G
@@ -163,45 +250,56 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
         length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
     else:
         length = length_const  # clamped by the wrapper
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < TQ
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
-                mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    q_base = q_ptr + b * sq_b + h * sq_h
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[TQ, D], strides=[sq_t, 1], block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(length, 1), D], strides=[sk_t, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(length, 1), DV], strides=[sv_t, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q = q_desc.load([m0, 0])
+    else:
+        k_desc = k_base
+        v_desc = v_base
+        q_ok = m_ok[:, None]
+        if not EVEN_D:
+            q_ok = q_ok & (offs_d < D)[None, :]
+        q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=q_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    hi = length
-    limit = offs_m + length - TQ
+    limit = offs_m + length - TQ                 # causal: the last key each row may see
     if CAUSAL:
-        hi = tl.minimum(length, tl.maximum((pid_m + 1) * BLOCK_M + length - TQ, 0))
-    k_base = k_ptr + b * sk_b + hk * sk_h
-    v_base = v_ptr + b * sv_b + hk * sv_h
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale
-        ok = n_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= limit[:, None])
-        if HAS_MASK:
-            bias = tl.load(mask_ptr + b * sm_b + h * sm_h + offs_m[:, None] * sm_t + offs_n[None, :] * sm_n,
-                           mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-            s = s + bias * 1.4426950408889634
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        m_i = m_new
+        hi = tl.minimum(length, tl.maximum(tl.minimum(m0 + BLOCK_M, TQ) + length - TQ, 0))
+        seen_by_all = tl.minimum(hi, tl.maximum(m0 + 1 + length - TQ, 0))   # keys the block's first row sees
+    else:
+        hi = length
+        seen_by_all = length
+    if SPLIT_STAGES and not HAS_MASK:
+        lo = seen_by_all // BLOCK_N * BLOCK_N
+    else:
+        lo = hi * 0
+    mask_base = mask_ptr + b * sm_b + h * sm_h
+    acc, l_i, m_i = _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
+                                offs_m, m_ok, limit, 0, lo, D, DV, sk_t, sv_t, sm_t, sm_n,
+                                False, CAUSAL, HAS_MASK, SCALE_NONNEG, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D,
+                                USE_TMA, PRECISION)
+    acc, l_i, m_i = _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
+                                offs_m, m_ok, limit, lo, hi, D, DV, sk_t, sv_t, sm_t, sm_n,
+                                True, CAUSAL, HAS_MASK, SCALE_NONNEG, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D,
+                                USE_TMA, PRECISION)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    o_ok = m_ok[:, None]
+    if not EVEN_D:
+        o_ok = o_ok & (offs_dv < DV)[None, :]
     tl.store(out_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (offs_dv < DV)[None, :])
+             mask=o_ok)
 
 
 # -- the wrapper ----------------------------------------------------------------------------------
@@ -232,11 +330,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               scale: float | None = None, causal: bool = False, mask: torch.Tensor | None = None,
               out: torch.Tensor | None = None, split: int | None = None, precision: str | None = None,
               block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
-              num_stages: int | None = None, merge: bool | None = None) -> torch.Tensor:
+              num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
+              heavy_first: bool = True, heads_on_axis0: bool = False, tma: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
     device tensor (read by the kernel: no host sync); mask bool or additive, broadcast to the scores.
+    Prefill variants (the flash kernel): `split_stages` runs the key tiles below the causal diagonal
+    unmasked, `heavy_first` starts the causal query blocks with the most keys first,
+    `heads_on_axis0` puts the heads on grid axis 0, `tma` loads Q/K/V through tensor descriptors
+    (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
     """
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     hq, tq, d = q.shape[-3:]
@@ -297,13 +400,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             mask = mask.unsqueeze(0)
         mask4 = mask.expand(*batch, hq, tq, mask.shape[-1]).reshape(nb, hq, tq, mask.shape[-1])
         strides = (mask4.stride(0), mask4.stride(1), mask4.stride(2), mask4.stride(3) if mask.shape[-1] != 1 else 0)
-    block_m = block_m or (64 if block_d <= 128 else 32)
-    bn = block_n or 64
-    _flash_kernel[(triton.cdiv(tq, block_m), nb * hq)](
+    block_m, bn, warps, stages = _flash_config(f32, max(block_d, block_dv), block_m, block_n, num_warps, num_stages)
+    use_tma = tma and _tma_ok(q4, k4, v4)
+    if use_tma:
+        _ensure_allocator(q.device)
+    num_m = triton.cdiv(tq, block_m)
+    grid = (nb * hq, num_m) if heads_on_axis0 else (num_m, nb * hq)
+    _flash_kernel[grid](
         q4, k4, v4, len_ptr, mask4, o4, len_const, hq, group, tq, tbuf, d, dv, qk_scale,
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2), *strides,
         LEN_FROM_PTR=from_ptr, CAUSAL=causal, HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=bn,
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("tf32x3" if f32 else "tf32"),
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages or (2 if f32 else 3))
+        SPLIT_STAGES=split_stages, HEAVY_FIRST=heavy_first, HEADS_ON_AXIS0=heads_on_axis0, USE_TMA=use_tma,
+        EVEN_D=d == block_d and dv == block_dv, SCALE_NONNEG=qk_scale >= 0,
+        num_warps=warps, num_stages=stages)
     return result
+
+
+def _flash_config(f32: bool, block_d: int, block_m: int | None, block_n: int | None, num_warps: int | None,
+                  num_stages: int | None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the flash kernel; the arguments given win. 16-bit d <= 128
+    (Hopper): two warpgroups of 64 query rows each. f32 (tf32x3: three dots and the split operands
+    in registers) and d > 128: tiles that ptxas (sm_90a) compiles without spills (d 128 f32: 32x16;
+    64x64 spilled ~370 bytes; d 256 f32 16x16 still spills ~100)."""
+    if f32:
+        bm, bn, warps, stages = {64: (64, 32, 4, 2), 128: (32, 16, 4, 2)}.get(max(block_d, 64), (16, 16, 4, 2))
+    elif block_d > 128:
+        bm, bn, warps, stages = 32, 64, 4, 3
+    else:
+        bm, bn, warps, stages = 128, 64, 8, 3
+    block_m = block_m or bm
+    return block_m, block_n or bn, num_warps or (warps if block_m == bm else 4 if block_m <= 64 else 8), num_stages or stages
+
+
+def _tma_ok(*xs: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-bit elements here, and 16-byte aligned bases and row strides."""
+    for x in xs:
+        size = x.element_size()
+        if size != 2 or x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return False
+    return True
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    """On-device tensor descriptors need a scratch allocator; set a torch one unless the caller set one
+    (torch.empty on the current device, so it also serves a CUDA graph capture)."""
+    from triton.runtime import _allocation
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device.type))

@@ -285,9 +285,10 @@ def cuda_main(args) -> None:
                       f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                 print(f"{label:>8} part: stream kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
-        projection = dataclasses.replace(projection, unrolled=cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5)))
-        for block_f, num_warps in ((128, 4), (64, 2), (256, 4), (256, 8), (512, 8), (128, 2)):
-            config = f"F{block_f} warps {num_warps}"
+        for block_f, num_warps, ahead in ((128, 4, 1), (64, 2, 1), (256, 8, 1), (128, 4, 4), (128, 4, 8), (128, 4, 16),
+                                          (64, 2, 8), (64, 2, 16), (128, 4, 32), (256, 8, 8)):
+            config = f"F{block_f} warps {num_warps} ahead {ahead}"
+            projection = dataclasses.replace(projection, unrolled=cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead))
             try:
                 run = lambda: cuda_fft.unrolled_mel(spectrum, projection, out, block_f, num_warps)  # noqa: E731
                 run()

@@ -98,6 +98,8 @@ def inputs(case, dtype: str, seed: int):
 @pytest.mark.parametrize("length_on_device", [False, True], ids=["len-int", "len-tensor"])
 def test_prefill_matches_the_reference(case, dtype, variant, length_on_device):
     skip_bf16_in_interpreter(dtype)
+    if variant == "m128-n128" and dtype == "float32" and case[5] > 64:
+        pytest.skip("f32 128x128 tiles of d > 64 exceed the H200's shared memory (the f32 defaults are smaller)")
     length, causal = case[6], case[7]
     (q, k, v), (tq, tk, tv) = inputs(case, dtype, seed=zlib.crc32(repr((case, dtype)).encode()))
     want = reference(q, k, v, length, causal)

@@ -190,7 +190,7 @@ def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om
 
 # -- the unrolled kernel: the filter bank compiled into the code -----------------------------------
 
-def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None) -> str:
+def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int = 1) -> str:
     """Source of a Triton kernel for one filter bank, `mel_kernel(spec_ptr, out_ptr, F, stride_om,
     BLOCK_F)`: out[m, f] = sum_k filters[m, k] |X_w[f, k]|^2.
 
@@ -198,7 +198,8 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     window as three taps over bins already loaded, and each bin's power added into the few bands it
     feeds (a Slaney or HTK bank: at most two), the weights written in as constants. A band is stored
     as soon as its last bin is in, so a handful of accumulators are live at any time. No tensor
-    cores, no zero weights, and the power never goes to memory: the spectrum is read once."""
+    cores, no zero weights, and the power never goes to memory: the spectrum is read once. Each
+    bin's load is written `lookahead` bins before its use (more loads in flight per thread)."""
     filters = np.asarray(filters, np.float32)
     n_mels, bins = filters.shape
     assert bins == n_fft // 2 + 1 and bins >= 2, (filters.shape, n_fft)
@@ -234,8 +235,8 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
         return f"r{j}", f"i{j}"
 
     for k in range(bins):
-        load(k)
-        load(k + 1)
+        for j in range(k, k + max(1, lookahead) + 1):
+            load(j)
         if windowed:
             (rb, ib), (ra, ia) = raw(k - 1), raw(k + 1)
             lines.append(f"    wr = {a0!r} * r{k} - {a1_half!r} * ({rb} + {ra})")
@@ -251,16 +252,18 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     return "\n".join(lines) + "\n"
 
 
-def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None):
+# "unrolled" kernel: frames per program, warps, bins loaded ahead (H200: benchmarks/audio.py)
+UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "128")),
+                       num_warps=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_WARPS", "4")),
+                       lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "1")))
+
+
+def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int | None = None):
     """The compiled-in kernel for this bank and window (generated once per process and cached on disk
     by its source, like the fused regions)."""
     from .fused import _load_kernel
-    return _load_kernel(unrolled_source(filters, n_fft, cosine), "mel_kernel")
-
-
-# "unrolled" launch: frames per program and warps (H200: benchmarks/audio.py)
-UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "128")),
-                       num_warps=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_WARPS", "4")))
+    ahead = UNROLLED_CONFIG["lookahead"] if lookahead is None else lookahead
+    return _load_kernel(unrolled_source(filters, n_fft, cosine, ahead), "mel_kernel")
 
 
 def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None = None,
@@ -602,7 +605,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         projection = projections.get(key)
         if projection is None:
             bands = mel_bands(filters, 16)
-            method = os.environ.get("INGOT_CUDA_AUDIO_MEL", "gemm")
+            method = os.environ.get("INGOT_CUDA_AUDIO_MEL", "unrolled")
             projection = projections[key] = MelProjection(
                 constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine, method=method,
                 host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device),

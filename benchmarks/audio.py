@@ -203,14 +203,20 @@ def cuda_main(args) -> None:
             "ingot log-mel, stream kernel tf32": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "stream"},
                                                   {"STREAM_CONFIG": {"precision": "tf32"}}),
             "ingot log-mel, unfused": (log_mel, {"INGOT_CUDA_AUDIO_FUSION": "0"}, {}),
-            "ingot log-mel, unrolled kernel": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "unrolled"}, {}),
             "ingot log-mel, gemm method": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, {}),
+            "ingot log-mel, passes of 2^16": (log_mel, {}, {"PASS_FRAMES": 1 << 16}),
+            "ingot log-mel, passes of 2^18": (log_mel, {}, {"PASS_FRAMES": 1 << 18}),
+            "ingot log-mel, 3 streams": (log_mel, {}, {"STREAMS": 3}),
+            "ingot log-mel, ahead 8": (log_mel, {}, {"UNROLLED_CONFIG": {"lookahead": 8}}),
+            "ingot log-mel, ahead 16": (log_mel, {}, {"UNROLLED_CONFIG": {"lookahead": 16}}),
             "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, {}),
             "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), {}, {}),
         }
         if args.quick:
             builders = {k: v for k, v in builders.items() if k in ("ingot log-mel", "ingot whisper", "ingot stft",
-                                                                   "ingot log-mel, unrolled kernel", "ingot log-mel, gemm method")}
+                                                                   "ingot log-mel, gemm method", "ingot log-mel, passes of 2^16",
+                                                                   "ingot log-mel, passes of 2^18", "ingot log-mel, 3 streams",
+                                                                   "ingot log-mel, ahead 8", "ingot log-mel, ahead 16")}
         times, results = {}, {}
         for name, (build, env, settings) in builders.items():
             start = time.perf_counter()

@@ -101,9 +101,26 @@ def test_mel_equals_cpu_and_is_fused(window, center, pad_mode):
 @pytest.mark.parametrize("n_fft,n_mels,htk", [(400, 80, False), (512, 64, True), (1023, 40, False)])
 def test_log_mel_equals_cpu(length, n_fft, n_mels, htk):
     x = signal(length, seed=3)
-    actual, expected, _ = run_both(lambda g, s: audio.log_mel_spectrogram(
+    actual, expected, exe = run_both(lambda g, s: audio.log_mel_spectrogram(
         g, s, sample_rate=16000, n_fft=n_fft, hop_length=160, n_mels=n_mels, htk=htk, pad_mode="reflect"), x)
     assert_close(actual, expected, LOG_MEL)
+    if os.environ.get("INGOT_CUDA_AUDIO_MEL", "unrolled") == "unrolled":   # the dB scale stored by the mel kernel
+        assert any(f.startswith("mel epilogue") and "tl.log(tl.maximum(mel, " in f for f in exe.plan.fusions), exe.plan.fusions
+
+
+def test_mel_read_elsewhere_keeps_its_values_and_no_epilogue():
+    """The mel is an output too: the kernel must store the mel itself, and the dB scale runs after it."""
+    x = signal(5001, seed=5)
+    g = ingot.Graph()
+    s = g.placeholder(x.shape, ingot.float32, name="signal")
+    mel = audio.mel_spectrogram(g, s, sample_rate=16000, n_fft=400, hop_length=160, n_mels=40)
+    db = audio.power_to_db(g, mel)
+    expected = g.compile(targets=[mel, db]).run({"signal": x})
+    exe = g.compile(targets=[mel, db], device="cuda")
+    actual = [to_host(a) for a in exe.run({"signal": x})]
+    assert not any(f.startswith("mel epilogue") for f in exe.plan.fusions), exe.plan.fusions
+    assert_close(actual[0], expected[0], F32)
+    assert_close(actual[1], expected[1], LOG_MEL)
 
 
 def test_batched_and_win_length_mel_fall_back_and_equal_cpu():

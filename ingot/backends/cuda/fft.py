@@ -1,4 +1,4 @@
-"""CUDA lowerings of the FFT ops, and the audio front end (STFT power -> mel) fused into two kernels.
+"""CUDA lowerings of the FFT ops, and the audio front end (STFT power -> mel): cuFFT, then one generated kernel.
 
 The FFT ops run on cuFFT through torch. A strided input (STFT frames taken by `array_view` with the
 hop as the frame stride) goes to cuFFT as it is: cuFFT reads frame f at sample f * hop of the
@@ -15,32 +15,32 @@ three-tap filter across bins (X_w[k] = a0 X[k] - a1/2 (X[k-1] + X[k+1]), the spe
 signal continued by X[-k] = conj X[k]), so the chain becomes
 
     spectrum = rfft(frames)                    # cuFFT over the strided view of the signal
-    power = windowed_power(spectrum)           # one Triton pass: window in frequency, |.|^2
-    mel = filters @ power.T                    # cuBLAS, float32 (for large chunks: each tile of 16
-                                               # mel rows over the bins where its filters are non-zero)
+    mel = unrolled_kernel(spectrum)            # one generated Triton kernel per filter bank: a thread
+                                               # per frame walks its bins once (window, |.|^2) and adds
+                                               # each bin's power into its bands, weights as constants
 
-Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. A second method
-(INGOT_CUDA_AUDIO_MEL=fused) does power and projection in one kernel (tl.dot in tf32x3, each tile of
-mel bands over its non-zero bins); on the H200 it measured no faster than the power pass + cuBLAS
-(BENCHMARKS.md), so "gemm" is the default; so did a third, "stream" (one program per 32 frames over
-every bin and band, 0.82 ms for the hour against 0.38 + 0.46 for the two passes). The chunks a graph
-is built in (for the CPU's memory) are merged again at run time when their frames are adjacent views
-of one signal: one cuFFT batch per pass of 2^17 frames, passes alternating over two streams, each
-written into its columns of the concatenation. The nodes of the chain are recognised in the lowered program (`mel_chains`); their steps
-pass a deferred value along and the matmul step computes the result, so nothing in between is
-written to device memory. Any other use of these ops lowers as before. INGOT_CUDA_AUDIO_FUSION=0 turns
-the fusion off (each node lowered alone: for measuring what it saves).
+Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. The earlier methods
+stay selectable for measuring (INGOT_CUDA_AUDIO_MEL): "gemm" (a windowed-power pass, then a float32
+cuBLAS projection), "fused" and "stream" (power and projection in one kernel on the tensor cores,
+tf32x3); on the H200 the unrolled kernel took 0.39 ms for the hour of 16 kHz audio against 0.38 +
+0.46 for "gemm"'s two passes and 0.82 for "stream" (BENCHMARKS.md). The chunks a graph is built in
+(for the CPU's memory) are merged again at run time when their frames are adjacent views of one
+signal: one cuFFT batch per pass of 2^17 frames, passes alternating over two streams, each written
+into its columns of the concatenation. The nodes of the chain are recognised in the lowered program
+(`mel_chains`); their steps pass a deferred value along and the matmul step computes the result, so
+nothing in between is written to device memory. Any other use of these ops lowers as before.
+INGOT_CUDA_AUDIO_FUSION=0 turns the fusion off (each node lowered alone: for measuring what it saves).
 
     >>> exe = g.compile(targets=[audio.log_mel_spectrogram(g, x)], device="cuda")   # doctest: +SKIP
     >>> exe.plan.fusions                                       # doctest: +SKIP
-    ['stft power+mel (hann, 400-point)', ...]
+    ['stft power+mel (hann, 400-point, unrolled)', ...]
 """
 from __future__ import annotations
 
 import math
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -190,7 +190,8 @@ def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om
 
 # -- the unrolled kernel: the filter bank compiled into the code -----------------------------------
 
-def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int = 1) -> str:
+def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int = 1,
+                    epilogue: str = "@v") -> str:
     """Source of a Triton kernel for one filter bank, `mel_kernel(spec_ptr, out_ptr, F, stride_om,
     BLOCK_F)`: out[m, f] = sum_k filters[m, k] |X_w[f, k]|^2.
 
@@ -199,7 +200,9 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     feeds (a Slaney or HTK bank: at most two), the weights written in as constants. A band is stored
     as soon as its last bin is in, so a handful of accumulators are live at any time. No tensor
     cores, no zero weights, and the power never goes to memory: the spectrum is read once. Each
-    bin's load is written `lookahead` bins before its use (more loads in flight per thread)."""
+    bin's load is written `lookahead` bins before its use (more loads in flight per thread).
+    `epilogue`: an expression of the band's value `@v` stored in its place (the dB scale that follows
+    the mel in a log-mel graph: tl.log(tl.maximum(@v, 1e-10)) * 4.34...)."""
     filters = np.asarray(filters, np.float32)
     n_mels, bins = filters.shape
     assert bins == n_fft // 2 + 1 and bins >= 2, (filters.shape, n_fft)
@@ -219,7 +222,8 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
              "    out = out_ptr + f.to(tl.int64)"]
     for m in range(n_mels):
         if first[m] < 0:
-            lines.append(f"    tl.store(out + {m} * stride_om, tl.zeros([BLOCK_F], tl.float32), mask=ok)")
+            zeros = "tl.zeros([BLOCK_F], tl.float32)"
+            lines.append(f"    tl.store(out + {m} * stride_om, {epilogue.replace('@v', zeros)}, mask=ok)")
     loaded = set()
 
     def load(k: int) -> None:
@@ -248,7 +252,7 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
             w = float(filters[m, k])
             lines.append(f"    a{m} = p * {w!r}" if k == first[m] else f"    a{m} += p * {w!r}")
             if k == last[m]:
-                lines.append(f"    tl.store(out + {m} * stride_om, a{m}, mask=ok)")
+                lines.append(f"    tl.store(out + {m} * stride_om, {epilogue.replace('@v', f'a{m}')}, mask=ok)")
     return "\n".join(lines) + "\n"
 
 
@@ -258,12 +262,13 @@ UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "
                        lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "1")))
 
 
-def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int | None = None):
-    """The compiled-in kernel for this bank and window (generated once per process and cached on disk
-    by its source, like the fused regions)."""
+def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int | None = None,
+                    epilogue: str = "@v"):
+    """The compiled-in kernel for this bank, window and epilogue (generated once per process and cached
+    on disk by its source, like the fused regions)."""
     from .fused import _load_kernel
     ahead = UNROLLED_CONFIG["lookahead"] if lookahead is None else lookahead
-    return _load_kernel(unrolled_source(filters, n_fft, cosine, ahead), "mel_kernel")
+    return _load_kernel(unrolled_source(filters, n_fft, cosine, ahead, epilogue), "mel_kernel")
 
 
 def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None = None,
@@ -297,11 +302,13 @@ class MelProjection:
     n_fft: int
     cosine: tuple[float, float] | None
     block_m: int = 16
-    method: str = "gemm"    # "gemm": power kernel + cuBLAS; "stream": one kernel per block of frames (every
-                            # bin, every band, tf32x3); "fused": one kernel per mel tile and block of frames
+    method: str = "gemm"    # "unrolled" (mel_chains' default): the generated kernel in `unrolled`; "gemm": power
+                            # kernel + cuBLAS; "stream": one kernel per block of frames (every bin, every band,
+                            # tf32x3); "fused": one kernel per mel tile and block of frames
     host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
     filters_t: torch.Tensor | None = None          # [bins padded, mels padded] for "stream" (transposed_filters)
     unrolled: object = field(default=None, compare=False)   # the "unrolled" method's kernel (unrolled_kernel)
+    epilogue: str = "@v"                                    # what `unrolled` stores of each band value @v
 
 
 def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch.Tensor:
@@ -570,6 +577,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
 
     roles: dict[int, Role] = {}
     projections: dict[tuple, MelProjection] = {}   # one per filter bank, window and n_fft
+    hosts: dict[tuple, np.ndarray] = {}
     for mm in nodes:
         if mm.op != Op.MATMUL or len(mm.src) != 2 or mm.type.rank != 2 or mm.dtype.name != "float32":
             continue
@@ -602,6 +610,7 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
                 if cosine is not None:
                     roles[frames.id] = Role("window", (view_index,))
         key = (filters_node.id, n_fft, cosine)
+        hosts[key] = filters
         projection = projections.get(key)
         if projection is None:
             bands = mel_bands(filters, 16)
@@ -623,14 +632,74 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         for s, r in zip(cat.src, parts):
             roles[s.id] = Role("mel", r.reads, r.projection, deferred=True)
         roles[cat.id] = Role("concat", tuple(range(len(cat.src))), parts[0].projection)
+    if os.environ.get("INGOT_CUDA_MEL_EPILOGUE", "1") == "1":
+        by_id = {n.id: n for n in nodes}
+        region_of = {i: set(region) for region in getattr(program, "regions", ()) for i in region}
+        for node_id, role in list(roles.items()):
+            computes = role.part == "concat" or (role.part == "mel" and not role.deferred)
+            if not computes or role.projection.method != "unrolled":
+                continue
+            tail, expr = _epilogue(program, by_id[node_id], by_id, users, roots, region_of)
+            if not tail:
+                continue
+            p = role.projection
+            key = next(k for k, v in projections.items() if v is p)
+            kernel = unrolled_kernel(hosts[key], p.n_fft, p.cosine, epilogue=expr)
+            roles[node_id] = Role(role.part, role.reads, replace(p, unrolled=kernel, epilogue=expr), role.deferred)
+            roles.update({t.id: Role("epilogue", (index,)) for t, index in tail})
+    return roles
+
+
+_EPILOGUE_OPS = (Op.MAXIMUM, Op.MINIMUM, Op.LOG, Op.MUL, Op.ADD, Op.SUB, Op.DIV)
+
+
+def _epilogue(program: Program, start: Node, by_id: dict, users: dict, roots: set,
+              region_of: dict) -> tuple[list[tuple[Node, int]], str]:
+    """The float32 elementwise nodes that follow the mel (`start`), each the only reader of the one
+    before and with a scalar constant as its other operand (log: none), with the index of the value
+    among its sources, and what they compute as an expression of `@v`; whole fusion regions only (a
+    region cut in two would read the dB values as mels)."""
+    from .fused import _FLOAT_EXPR
+    tail, exprs, x, expr = [], [], start, "@v"
+    while x.id not in roots and len(users.get(x.id, ())) == 1:
+        u = by_id[next(iter(users[x.id]))]
+        if u.op not in _EPILOGUE_OPS or u.dtype.name != "float32" or u.type.shape != x.type.shape:
+            break
+        if u.op == Op.LOG:
+            if len(u.src) != 1:
+                break
+            expr = _FLOAT_EXPR[Op.LOG].format(expr)
+        else:
+            if len(u.src) != 2 or u.src[0] is u.src[1]:
+                break
+            other = u.src[1] if u.src[0] is x else u.src[0]
+            c = _constant(program, other)
+            if c is None or c.size != 1:
+                break
+            literal = repr(float(np.float32(c.reshape(()))))
+            expr = _FLOAT_EXPR[u.op].format(*((expr, literal) if u.src[0] is x else (literal, expr)))
+        tail.append((u, 0 if u.src[0] is x else 1))
+        exprs.append(expr)
+        x = u
+    ids = {t.id for t, _ in tail}
+    while tail and not all(region_of.get(t.id, {t.id}) <= ids for t, _ in tail):   # whole regions only
+        ids.discard(tail.pop()[0].id)
+        exprs.pop()
+    return tail, exprs[-1] if exprs else "@v"
+
+
+def plan_roles(plan) -> dict[int, Role]:
+    """mel_chains of a CudaPlan's program, computed once per plan ({} with INGOT_CUDA_AUDIO_FUSION=0)."""
+    if os.environ.get("INGOT_CUDA_AUDIO_FUSION", "1") != "1":
+        return {}
+    roles = _CHAINS.get(plan)
+    if roles is None:
+        roles = _CHAINS[plan] = mel_chains(plan.program, plan.device)
     return roles
 
 
 def _roles(ctx: Lowering) -> dict[int, Role]:
-    roles = _CHAINS.get(ctx.plan)
-    if roles is None:
-        roles = _CHAINS[ctx.plan] = mel_chains(ctx.plan.program, ctx.device)
-    return roles
+    return plan_roles(ctx.plan)
 
 
 def _window_name(cosine: tuple[float, float] | None) -> str:
@@ -648,12 +717,14 @@ def _chain_step(role: Role, ctx: Lowering) -> StepFn:
         return lambda frames: Deferred(frames)
     if role.part == "rfft":
         return lambda frames: frames if isinstance(frames, Deferred) else Deferred(frames)
-    if role.part in ("abs", "square", "transpose"):
+    if role.part in ("abs", "square", "transpose", "epilogue"):
         return lambda deferred: deferred
     projection = role.projection
+    plan = ctx.plan
+    if projection.epilogue != "@v" and hasattr(plan, "fusions"):
+        plan.fusions.append(f"mel epilogue {projection.epilogue.replace('@v', 'mel')}")
     if role.part == "concat":
         return lambda *deferred: concatenated_mel(list(deferred), projection)
-    plan = ctx.plan
     if hasattr(plan, "fusions"):
         plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point, "
                             f"{projection.method})")
@@ -678,7 +749,7 @@ def register(table: dict) -> None:
     for op in (Op.FFT, Op.IFFT, Op.IRFFT):
         table[op] = fft_lowering
     table[Op.RFFT] = _with_chains(fft_lowering)
-    for op in (Op.MUL, Op.ABS, Op.TRANSPOSE, Op.MATMUL, Op.CONCAT):
+    for op in {Op.MUL, Op.ABS, Op.TRANSPOSE, Op.MATMUL, Op.CONCAT, *_EPILOGUE_OPS}:
         table[op] = _with_chains(table[op])
 
 

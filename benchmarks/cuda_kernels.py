@@ -226,33 +226,46 @@ def decode_attention_rows(results, bw, quick):
 
 
 def small_decode_attention_rows(results):
-    """SmolLM2's decode attention: 9/3 heads, d 64, float32 cache of 2048 rows, short and long prefixes."""
-    hq, hk, d, buf = 9, 3, 64, 2048
-    q = torch.randn(1, hq, 1, d, device=DEVICE)
-    k = torch.randn(1, hk, buf, d, device=DEVICE)
-    v = torch.randn(1, hk, buf, d, device=DEVICE)
-    for length in (100, 1000):
-        ln = torch.tensor(length, dtype=torch.int32, device=DEVICE)
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
-        t_torch = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length],
-                                                                                enable_gqa=True))
-        row = dict(kernel="decode_attention_small", kv_len=length, buffer=buf, heads=f"{hq}/{hk}", d=d, dtype="float32",
-                   torch_sdpa_us=round(t_torch * 1e3, 2))
-        for vname, kw in {"default": {}, "combine-kernel": dict(merge=False), "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
-                          "split16": dict(split=16), "split8-bn32": dict(split=8, block_n=32),
-                          "split8-tf32": dict(split=8, precision="tf32"), "split8-stages1": dict(split=8, num_stages=1),
-                          "split8-w2": dict(split=8, num_warps=2)}.items():
-            try:
-                out = attn.attention(q, k, v, length=ln, **kw)
-                err = float((out - ref).norm() / ref.norm())
-                row[vname] = dict(us=round(bench(lambda: attn.attention(q, k, v, length=ln, **kw)) * 1e3, 2), rel_err=err)
-            except Exception as e:
-                row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
-        best = min((v for v in row.values() if isinstance(v, dict)), key=lambda v: v["us"])
-        row["best"] = best
-        results.append(row)
-        print(f"small decode attention L={length}: default {row['default']} best {best} torch {row['torch_sdpa_us']} us",
-              flush=True)
+    """Short-cache decode attention, float32 caches of 2048 rows: SmolLM2 (9/3 heads, d 64) at short and
+    long prefixes, and Llama-3-8B's shape (32/8 heads, d 128) at 64 and 512. Variants: "default" (only
+    the splits that see keys run; one split writes the output itself; at least ~64 KB of K+V per split),
+    "old" (short_path=False: the kernel before that), min_chunk overrides, the V load after the softmax."""
+    variants = {
+        "default": {}, "old": dict(short_path=False), "combine-kernel": dict(merge=False),
+        "min-chunk-0": dict(min_chunk=0), "min-chunk-64": dict(min_chunk=64), "min-chunk-128": dict(min_chunk=128),
+        "min-chunk-256": dict(min_chunk=256), "late-v": dict(early_v=False), "split1": dict(split=1),
+    }   # 9 variants: a compile per shape, a graph-replay timing per length (63 in all): under a minute
+    shapes = [("smollm2", 9, 3, 64, (32, 64, 100, 160, 1000)), ("llama3-8b", 32, 8, 128, (64, 512))]
+    buf = 2048
+    for name, hq, hk, d, lengths in shapes:
+        q = torch.randn(1, hq, 1, d, device=DEVICE)
+        k = torch.randn(1, hk, buf, d, device=DEVICE)
+        v = torch.randn(1, hk, buf, d, device=DEVICE)
+        for length in lengths:
+            ln = torch.tensor(length, dtype=torch.int32, device=DEVICE)
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+            t_torch = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length],
+                                                                                    enable_gqa=True))
+            row = dict(kernel="decode_attention_small", model=name, kv_len=length, buffer=buf, heads=f"{hq}/{hk}", d=d,
+                       dtype="float32", torch_sdpa_us=round(t_torch * 1e3, 2))
+            for vname, kw in variants.items():
+                try:
+                    out = attn.attention(q, k, v, length=ln, **kw)
+                    err = float((out - ref).norm() / ref.norm())
+                    row[vname] = dict(us=round(bench(lambda: attn.attention(q, k, v, length=ln, **kw)) * 1e3, 2), rel_err=err)
+                except Exception as e:
+                    row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            timed = {vn: r for vn, r in row.items() if vn in variants and isinstance(r, dict)}
+            best = min(timed, key=lambda vn: timed[vn]["us"]) if timed else None
+            row["best"] = dict(timed[best], variant=best) if best else None
+            if "default" in timed and "old" in timed:
+                row["old_over_default"] = round(timed["old"]["us"] / timed["default"]["us"], 2)
+            results.append(row)
+            print(f"small decode attention {name} L={length}: default {timed.get('default', {}).get('us')} us, "
+                  f"old {timed.get('old', {}).get('us')} us ({row.get('old_over_default')}x), best {best} "
+                  f"{best and timed[best]['us']} us, torch {row['torch_sdpa_us']} us", flush=True)
+            print("  " + ", ".join(f"{vn} {r['us'] if isinstance(r, dict) else r}" for vn, r in row.items()
+                                   if vn in variants), flush=True)
 
 
 def prefill_attention_rows(results, quick):

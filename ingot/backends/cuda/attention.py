@@ -8,8 +8,9 @@ position.
 
 - `_decode_kernel` + `_combine_kernel`: few query rows over a long cache. One program per
   (batch, KV head, split of the keys): the Hq/Hk query heads of a group share every K/V load; the
-  keys are split over programs (split-KV, the chunk sized from the runtime length) and a second
-  kernel merges the partial softmaxes.
+  keys are split over programs (split-KV, the chunk sized from the runtime length, at least
+  about 64 KB of K+V) and the last split or a second kernel merges the partial softmaxes. Only the
+  splits that see keys run; when one does (a short cache), it writes the output itself.
 - `_flash_kernel`: many query rows (prefill): FlashAttention-2 tiles, causal tiles skipped, an
   optional additive mask read through broadcast strides.
 
@@ -28,16 +29,33 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _decode_chunk(length, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Keys per split from the runtime length: ceil(length / SPLIT), at least MIN_CHUNK (0: none), in
+    whole BLOCK_N tiles; and `active`, the splits that see at least one key (0 when length is 0)."""
+    chunk = tl.maximum((length + SPLIT - 1) // SPLIT, MIN_CHUNK)
+    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    active = tl.where(chunk > 0, (length + chunk - 1) // tl.maximum(chunk, 1), 0)
+    return chunk, tl.minimum(active, SPLIT)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_ptr, ticket_ptr,
                    length_const, HK, G, TQ, TBUF, D, DV, qk_scale,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                    LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   PRECISION: tl.constexpr, MERGE: tl.constexpr = False):
+                   PRECISION: tl.constexpr, MERGE: tl.constexpr = False, SHORT_PATH: tl.constexpr = False,
+                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
-    no combine launch follows."""
+    no combine launch follows.
+
+    SHORT_PATH: only the `active` splits (those that see keys) run, the others return at once; with
+    one active split (or none: length 0) split 0 normalises and writes the output itself, with no
+    partials, ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys
+    per split (a short cache uses one split). EARLY_V: the V tile is loaded with the K tile, before
+    the softmax math. All three off: the kernel as before (every split stores partials)."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // HK
@@ -46,7 +64,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
     else:
         length = length_const  # clamped by the wrapper
-    chunk = ((length + SPLIT - 1) // SPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N   # keys per split, from the runtime length
+    chunk, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
+    if SHORT_PATH:
+        if pid_s >= tl.maximum(active, 1):   # sees no key (split 0 stays to write zeros when length is 0)
+            return
     start = pid_s * chunk
     stop = tl.minimum(start + chunk, length)
 
@@ -68,6 +89,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        if EARLY_V:   # independent of p: both loads in flight together
+            vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale       # [R, N], log2 units
         ok = n_ok[None, :]
         if CAUSAL:
@@ -78,9 +101,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        if not EARLY_V:
+            vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m_i = m_new
+    out_offs = out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :]
+    out_ok = row_ok[:, None] & (offs_dv < DV)[None, :]
+    if SHORT_PATH:
+        if active <= 1:   # the only split: normalise and write, nothing to merge
+            o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+            tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
+            return
     part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
     tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
     tl.store(ml_part_ptr + part * 2, m_i)
@@ -88,12 +119,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     if MERGE:
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
+        if SHORT_PATH:
+            last = ticket == active - 1     # only the active splits take a ticket
+        else:
+            last = ticket == SPLIT - 1
+        if last:
             m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_all = tl.zeros([BLOCK_R], tl.float32)
             o_all = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-            active = tl.where(chunk > 0, (length + chunk - 1) // tl.maximum(chunk, 1), 0)   # splits that saw keys
-            for sp in range(0, tl.minimum(active, SPLIT)):
+            for sp in range(0, active):
                 ps = (pid_bh * SPLIT + sp) * BLOCK_R + rows
                 m_s = tl.load(ml_part_ptr + ps * 2, cache_modifier=".cg")
                 l_s = tl.load(ml_part_ptr + ps * 2 + 1, cache_modifier=".cg")
@@ -106,25 +140,37 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                 o_all = o_all * a_old[:, None] + o_s * a_s[:, None]
                 m_all = m_new
             o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
-            tl.store(out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+            tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
 
 
 @triton.jit
-def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, TQ, DV,
+def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK, G, TQ, TBUF, DV,
                     so_b, so_h, so_t,
                     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
-    """Merge the splits' partial softmaxes of one query row: weights exp2(m_s - max), CHUNK splits at a time."""
+                    BLOCK_DV: tl.constexpr, LEN_FROM_PTR: tl.constexpr = False, BLOCK_N: tl.constexpr = 16,
+                    SHORT_PATH: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0):
+    """Merge the splits' partial softmaxes of one query row: weights exp2(m_s - max), CHUNK splits at a time.
+    SHORT_PATH: only the `active` splits stored partials (recomputed here from the length, as the
+    decode kernel does); with at most one, that split wrote the output and this program returns."""
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)
     b = pid_bh // HK
     hk = pid_bh % HK
     g = r // TQ
     t = r % TQ
+    n_split = SPLIT
+    if SHORT_PATH:
+        if LEN_FROM_PTR:
+            length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
+        else:
+            length = length_const
+        _, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
+        if active <= 1:
+            return
+        n_split = active
     splits = tl.arange(0, SPLIT_P2)
-    s_ok = splits < SPLIT
+    s_ok = splits < n_split
     part = (pid_bh * SPLIT + splits) * BLOCK_R + r
     m = tl.load(ml_part_ptr + part * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(ml_part_ptr + part * 2 + 1, mask=s_ok, other=0.0)
@@ -135,7 +181,7 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, TQ, DV,
     acc = tl.zeros([BLOCK_DV], tl.float32)
     for c0 in tl.static_range(0, SPLIT, CHUNK):
         cs = c0 + tl.arange(0, CHUNK)
-        c_ok = cs < SPLIT
+        c_ok = cs < n_split
         pc = (pid_bh * SPLIT + cs) * BLOCK_R + r
         mc = tl.load(ml_part_ptr + pc * 2, mask=c_ok, other=float("-inf"))
         wc = tl.where(c_ok, tl.exp2(mc - m_safe), 0.0)
@@ -322,6 +368,12 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _decode_min_chunk(d: int, dv: int, element_size: int, kv_bytes: int = 64 << 10) -> int:
+    """Fewest keys per decode split: about `kv_bytes` of K+V per split and KV head (f32 d 128: 64 keys,
+    f32 d 64 or 16-bit d 128: 128), so a short cache is read by one split, which writes the output."""
+    return max(16, kv_bytes // max((d + dv) * element_size, 1))
+
+
 def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -331,7 +383,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               out: torch.Tensor | None = None, split: int | None = None, precision: str | None = None,
               block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
-              heavy_first: bool = True, heads_on_axis0: bool = False, tma: bool = False) -> torch.Tensor:
+              heavy_first: bool = True, heads_on_axis0: bool = False, tma: bool = False,
+              short_path: bool = True, min_chunk: int | None = None, early_v: bool | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -340,6 +393,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     unmasked, `heavy_first` starts the causal query blocks with the most keys first,
     `heads_on_axis0` puts the heads on grid axis 0, `tma` loads Q/K/V through tensor descriptors
     (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
+    Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
+    one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
+    fewest keys per split (None: about 64 KB of K+V, e.g. 64 keys at f32 d 128; 0 or 1: no minimum);
+    `early_v` loads each V tile with its K tile (None: as `short_path`). `short_path=False` with the
+    other two left None is the kernel as it was before these switches.
     """
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     hq, tq, d = q.shape[-3:]
@@ -369,12 +427,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     if mask is None and group * tq <= DECODE_MAX_ROWS:
         block_r = max(16, triton.next_power_of_2(group * tq))
         bn = block_n or (64 if block_d <= 128 else 32)
+        if min_chunk is None:
+            min_chunk = _decode_min_chunk(d, dv, k.element_size()) if short_path else 0
+        merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
         if split is None:
-            split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
+            split = merge_split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
+            if short_path and min_chunk > 1:   # more splits than cdiv(buffer, min_chunk) never see keys
+                split = min(split, triton.cdiv(tbuf, triton.cdiv(min_chunk, bn) * bn))
         o_part = torch.empty((nb * hk * split * block_r, block_dv), dtype=torch.float32, device=q.device)
         ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
         if merge is None:
-            merge = MERGE_IN_KERNEL if MERGE_IN_KERNEL is not None else split <= MERGE_MAX_SPLITS
+            merge = MERGE_IN_KERNEL if MERGE_IN_KERNEL is not None else merge_split <= MERGE_MAX_SPLITS
         tickets = _qmm_workspace(q.device, 0, nb * hk)[1] if merge else ml_part
         _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
@@ -382,13 +445,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("ieee" if f32 else "tf32"), MERGE=merge,
+            SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
             num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}))
         if merge:
             return result
         _combine_kernel[(nb * hk, group * tq)](
-            o_part, ml_part, o4, hk, group, tq, dv, o4.stride(0), o4.stride(1), o4.stride(2),
+            o_part, ml_part, o4, len_ptr, len_const, hk, group, tq, tbuf, dv, o4.stride(0), o4.stride(1), o4.stride(2),
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),
-            BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
+            BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=from_ptr, BLOCK_N=bn, SHORT_PATH=short_path,
+            MIN_CHUNK=max(min_chunk, 0), num_warps=4)
         return result
     mask4 = q4  # unused pointer
     strides = (0, 0, 0, 0)

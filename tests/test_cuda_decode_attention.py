@@ -1,0 +1,216 @@
+"""The decode (split-KV) attention kernel against a float64 NumPy softmax (marker `cuda`).
+
+Short and long caches over buffers of 64, 200 and 2048 rows; the split count forced (1, 4, 33, 40)
+with the in-kernel merge and with the combine kernel; one launch configuration reused for many
+lengths through a device length tensor changed in place (what a CUDA graph replay does), the merge
+tickets back at 0 after every call; GQA 1/3/4, Tq 1 and 3, causal, d 64/128, batch 2, `out=`;
+the `short_path`, `min_chunk` and `early_v` switches. Keys at or past `length` hold NaN, so a load
+that strays past it fails the test.
+
+    INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1 python -m pytest -q tests/test_cuda_decode_attention.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_env import require_cuda  # noqa: E402
+
+_INTERPRET = require_cuda()
+import torch  # noqa: E402
+
+from ingot.backends import cuda as cuda_backend  # noqa: E402
+from ingot.backends.cuda import attention as attn  # noqa: E402
+
+DEVICE = torch.device(cuda_backend.device_name())
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+def skip_bf16_in_interpreter(dtype: str) -> None:
+    if _INTERPRET and dtype == "bfloat16":
+        pytest.skip("Triton's interpreter mishandles bfloat16 (the GPU run checks it)")
+
+
+def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, causal: bool) -> np.ndarray:
+    """float64 softmax(q k^T / sqrt(d)) v over the first `length` keys; query t sees key j when
+    j <= t + length - Tq (causal); a row that sees no key is zeros."""
+    b, hq, tq, d = q.shape
+    group = hq // k.shape[1]
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    out = np.zeros((b, hq, tq, v.shape[-1]))
+    for h in range(hq):
+        keys, values = k64[:, h // group, :length], v64[:, h // group, :length]
+        for t in range(tq):
+            seen = min(length, t + length - tq + 1) if causal else length
+            if seen <= 0:
+                continue
+            s = np.einsum("bd,bnd->bn", q64[:, h, t], keys[:, :seen]) / np.sqrt(d)
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+            out[:, h, t] = np.einsum("bn,bnd->bd", w, values[:, :seen]) / w.sum(axis=1, keepdims=True)
+    return out
+
+
+def inputs(tag: str, b: int, hq: int, hk: int, tq: int, buffer: int, d: int, length: int, dtype: str):
+    """q, k, v on the host (k/v rows at or past `length` NaN) and on the device."""
+    rng = np.random.default_rng(zlib.crc32(tag.encode()))
+    q = rng.standard_normal((b, hq, tq, d)).astype(np.float32)
+    k = rng.standard_normal((b, hk, buffer, d)).astype(np.float32)
+    v = rng.standard_normal((b, hk, buffer, d)).astype(np.float32)
+    k[:, :, length:] = np.nan
+    v[:, :, length:] = np.nan
+    dev = [torch.from_numpy(x).to(DEVICE, TORCH_DTYPES[dtype]) for x in (q, k, v)]
+    host = [x.float().cpu().numpy() for x in dev]   # the values the kernel sees (rounded to dtype)
+    return host, dev
+
+
+def rel_err(got: torch.Tensor, want: np.ndarray) -> float:
+    got64 = got.float().cpu().numpy().astype(np.float64)
+    assert not np.isnan(got64).any(), "NaN in the output: a load strayed past `length`"
+    return float(np.linalg.norm(got64 - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(got: torch.Tensor, want: np.ndarray, dtype: str, what) -> None:
+    assert tuple(got.shape) == want.shape, what
+    assert got.dtype == TORCH_DTYPES[dtype], what
+    if not np.abs(want).any():
+        assert not got.float().abs().any().item(), (what, "rows that see no key must be zeros")
+        return
+    err = rel_err(got, want)
+    assert err < TOLERANCE[dtype], (what, err)
+
+
+def tickets_are_zero(nb_hk: int) -> bool:
+    return not attn._qmm_workspace(DEVICE, 0, nb_hk)[1][:nb_hk].any().item()
+
+
+# == lengths over buffers ==============================================================================
+
+LENGTHS = (0, 1, 5, 63, 64, 65, 127, 128, 129, 300, "full")
+BUFFERS = (64, 200, 2048)
+LENGTH_CASES = sorted({(buffer, buffer if n == "full" else n) for buffer in BUFFERS for n in LENGTHS
+                       if n == "full" or n <= buffer})
+
+
+@pytest.mark.parametrize("buffer,length", LENGTH_CASES, ids=[f"buf{b}-len{n}" for b, n in LENGTH_CASES])
+@pytest.mark.parametrize("length_on_device", [True, False], ids=["dev-len", "int-len"])
+def test_decode_over_lengths_and_buffers(buffer, length, length_on_device):
+    """SmolLM2's shape (9/3 heads, d 64), the default configuration; the wrapper's split count from the buffer."""
+    (q, k, v), dev = inputs(f"len{buffer}-{length}", 1, 9, 3, 1, buffer, 64, length, "float32")
+    ln = torch.tensor(length, dtype=torch.int32, device=DEVICE) if length_on_device else length
+    got = attn.attention(*dev, length=ln, causal=True)
+    check(got, reference(q, k, v, length, True), "float32", (buffer, length))
+
+
+# == forced split counts, merge in the kernel or the combine kernel ===================================
+
+SPLIT_LENGTHS = (0, 1, 63, 65, 129, 300, 2048)
+
+
+@pytest.mark.parametrize("split", [1, 4, 33, 40])
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "combine"])
+@pytest.mark.parametrize("min_chunk", [None, 0], ids=["min-chunk-auto", "min-chunk-0"])
+def test_decode_forced_splits(split, merge, min_chunk):
+    for length in SPLIT_LENGTHS:
+        (q, k, v), dev = inputs(f"split{split}-{length}", 1, 8, 2, 1, 2048, 64, length, "float32")
+        got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, split=split,
+                             merge=merge, min_chunk=min_chunk)
+        check(got, reference(q, k, v, length, True), "float32", (split, merge, min_chunk, length))
+        assert tickets_are_zero(2), "a merge ticket was left non-zero"
+
+
+# == one launch configuration, the length changed in place (a CUDA graph replay) ======================
+
+REPLAY_LENGTHS = (5, 300, 0, 64, 129, 1, 700, 65, 128, 0, 2048, 33)
+
+
+@pytest.mark.parametrize("config", [dict(split=33, merge=True), dict(split=4, merge=True), dict(split=40, merge=False),
+                                    dict(split=33, merge=True, min_chunk=0), dict(), dict(short_path=False)],
+                         ids=["s33-merge", "s4-merge", "s40-combine", "s33-merge-mc0", "default", "old"])
+def test_decode_one_launch_many_lengths(config):
+    """The same tensors, split and configuration every call; only the device length changes, so the
+    launches are those a captured graph replays. Every result is right and the tickets end at 0."""
+    buffer = 2048
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 6, 1, 128)).astype(np.float32)
+    k = rng.standard_normal((1, 2, buffer, 128)).astype(np.float32)
+    v = rng.standard_normal((1, 2, buffer, 128)).astype(np.float32)
+    dq, dk, dv = (torch.from_numpy(x.copy()).to(DEVICE) for x in (q, k, v))   # a copy: the host k/v stay finite
+    ln = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    out = torch.empty((1, 6, 1, 128), device=DEVICE)
+    for length in REPLAY_LENGTHS:
+        ln.fill_(length)
+        dk[:, :, length:] = float("nan")     # what the previous length allowed is now out of bounds
+        dv[:, :, length:] = float("nan")
+        dk[:, :, :length] = torch.from_numpy(k[:, :, :length]).to(DEVICE)
+        dv[:, :, :length] = torch.from_numpy(v[:, :, :length]).to(DEVICE)
+        got = attn.attention(dq, dk, dv, length=ln, causal=True, out=out, **config)
+        assert got is out
+        check(got, reference(q, k, v, length, True), "float32", (config, length))
+        assert tickets_are_zero(2), (config, length)
+
+
+# == shapes and dtypes ==================================================================================
+
+SHAPES = [  # (B, Hq, Hk, Tq, buffer, D, length, causal)
+    (1, 4, 4, 1, 200, 64, 65, True),     # GQA 1
+    (1, 9, 3, 3, 200, 64, 129, True),    # GQA 3, three query rows (a speculative / chunked decode step)
+    (2, 8, 2, 3, 200, 128, 63, True),    # GQA 4, batch 2, d 128
+    (1, 8, 2, 1, 300, 128, 300, False),  # full buffer, not causal
+    (1, 6, 2, 3, 64, 64, 2, True),       # length < Tq: the first row sees no key
+    (2, 4, 1, 1, 200, 128, 0, True),     # length 0: zeros
+]
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=["b{}-h{}/{}-q{}-buf{}-d{}-len{}-{}".format(*c) for c in SHAPES])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("short_path", [True, False], ids=["short", "old"])
+def test_decode_shapes_and_dtypes(case, dtype, short_path):
+    skip_bf16_in_interpreter(dtype)
+    b, hq, hk, tq, buffer, d, length, causal = case
+    (q, k, v), dev = inputs(f"shape{case}{dtype}", b, hq, hk, tq, buffer, d, length, dtype)
+    want = reference(q, k, v, length, causal)
+    for split, merge in ((None, None), (4, True), (33, False)):
+        got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=causal, split=split,
+                             merge=merge, short_path=short_path)
+        check(got, want, dtype, (split, merge))
+
+
+# == the switches ======================================================================================
+
+SWITCHES = {
+    "default": {},
+    "old": dict(short_path=False),
+    "old-early-v": dict(short_path=False, early_v=True),
+    "short-late-v": dict(early_v=False),
+    "min-chunk-0": dict(min_chunk=0),
+    "min-chunk-1": dict(min_chunk=1),
+    "min-chunk-64": dict(min_chunk=64),
+    "min-chunk-200": dict(min_chunk=200),    # not a multiple of the key tile: rounded up
+    "min-chunk-4096": dict(min_chunk=4096),  # past the buffer: one split always
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "combine"])
+def test_decode_switches(name, merge):
+    for length in (0, 5, 64, 129, 500):
+        (q, k, v), dev = inputs(f"switch{length}", 1, 9, 3, 1, 500, 64, length, "float32")
+        got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, split=33, merge=merge,
+                             **SWITCHES[name])
+        check(got, reference(q, k, v, length, True), "float32", (name, merge, length))
+        if merge:
+            assert tickets_are_zero(3), (name, length)
+
+
+def test_decode_min_chunk_is_about_64_kb():
+    assert attn._decode_min_chunk(128, 128, 4) == 64    # f32 d 128
+    assert attn._decode_min_chunk(64, 64, 4) == 128     # f32 d 64
+    assert attn._decode_min_chunk(128, 128, 2) == 128   # bf16 d 128

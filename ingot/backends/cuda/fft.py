@@ -585,7 +585,10 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         filters = _constant(program, filters_node)
         if filters is None or filters.ndim != 2 or filters.dtype != np.float32:
             continue
-        if transpose.op != Op.TRANSPOSE or tuple(transpose.attrs["perm"]) != (1, 0) or not only_for(transpose, mm):
+        swaps = (transpose.op == Op.TRANSPOSE and tuple(transpose.attrs["perm"]) == (1, 0)) or \
+            (transpose.op == Op.RESHAPE and transpose.type.rank == 2 and transpose.src[0].type.rank == 2 and
+             transpose.src[0].type.shape[0] == 1 and tuple(transpose.type.shape) == tuple(transpose.src[0].type.shape)[::-1])
+        if not swaps or not only_for(transpose, mm):   # a transpose, or the reshape that stands for one (one frame)
             continue
         square = transpose.src[0]
         if square.op != Op.MUL or square.src[0] is not square.src[1] or not only_for(square, transpose):
@@ -749,7 +752,7 @@ def register(table: dict) -> None:
     for op in (Op.FFT, Op.IFFT, Op.IRFFT):
         table[op] = fft_lowering
     table[Op.RFFT] = _with_chains(fft_lowering)
-    for op in {Op.MUL, Op.ABS, Op.TRANSPOSE, Op.MATMUL, Op.CONCAT, *_EPILOGUE_OPS}:
+    for op in {Op.MUL, Op.ABS, Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL, Op.CONCAT, *_EPILOGUE_OPS}:
         table[op] = _with_chains(table[op])
 
 

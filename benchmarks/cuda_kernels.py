@@ -271,14 +271,15 @@ def small_decode_attention_rows(results):
 def prefill_attention_rows(results, quick):
     # attention() keyword arguments of the flash kernel; "default" is what Ingot runs
     variants = {
-        "old-m64-n64-w4": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, split_stages=False, heavy_first=False),
-        "default": {},                                          # m128-n64-w8-s3, two stages, heavy blocks first
+        "old-m64-n64-w4": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, split_stages=False, heavy_first=False,
+                               heads_on_axis0=False),
+        "default": {},                                          # m128-n64-w8-s3, two stages, heavy blocks of all heads first
+        "blocks-axis0": dict(heads_on_axis0=False),             # grid (blocks, B*H): the third session's default
         "one-stage": dict(split_stages=False),                  # every key tile masked
-        "light-first": dict(heavy_first=False),                 # causal blocks in launch order
-        "heads-axis0": dict(heads_on_axis0=True),               # grid (B*H, blocks): heavy blocks of all heads first
+        "s4": dict(num_stages=4),
+        "s2": dict(num_stages=2),
         "m128-n128-s2": dict(block_n=128, num_stages=2),
         "tma": dict(tma=True),                                  # Q/K/V through on-device tensor descriptors
-        "tma-m128-n128-s2": dict(tma=True, block_n=128, num_stages=2),
     }
     h, d = 32, 128
     for t in ((4096,) if quick else (1024, 4096)):

@@ -8,11 +8,13 @@ position.
 
 - `_decode_kernel` + `_combine_kernel`: few query rows over a long cache. One program per
   (batch, KV head, split of the keys): the Hq/Hk query heads of a group share every K/V load; the
-  keys are split over programs (split-KV, the chunk sized from the runtime length, at least
-  about 64 KB of K+V) and the last split or a second kernel merges the partial softmaxes. Only the
-  splits that see keys run; when one does (a short cache), it writes the output itself.
-- `_flash_kernel`: many query rows (prefill): FlashAttention-2 tiles, causal tiles skipped, an
-  optional additive mask read through broadcast strides.
+  keys are split over programs (split-KV, the chunk sized from the runtime length, at least ~64 KB
+  of K+V per split), only the splits that see keys run, and the partial softmaxes are merged by the
+  last of them (a ticket) or a second kernel. A short cache has one such split, which writes the
+  output itself.
+- `_flash_kernel`: many query rows (prefill): FlashAttention-2 tiles in two stages (the key tiles
+  every row of the block sees without any masking, then the diagonal and tail tiles masked), the
+  causal blocks with the most keys first, an optional additive mask read through broadcast strides.
 
     >>> out = attention(q, k_cache, v_cache, length=pos_plus_one, causal=True)   # doctest: +SKIP
 """

@@ -352,6 +352,7 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
 
 # -- the wrapper ----------------------------------------------------------------------------------
 
+SHORT_PATH = os.environ.get("INGOT_CUDA_DECODE_SHORT", "1") == "1"
 DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash tiles
 # the last split merges (no combine launch) when at most this many splits are launched: it walks the
 # splits that saw keys one after another, which made decode attention 2-3x slower on the H200 with
@@ -386,7 +387,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
-              short_path: bool = True, min_chunk: int | None = None, early_v: bool | None = None) -> torch.Tensor:
+              short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -399,10 +400,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 64 KB of K+V, e.g. 64 keys at f32 d 128; 0 or 1: no minimum);
-    `early_v` loads each V tile with its K tile (None: as `short_path`). `short_path=False` with the
+    `early_v` loads each V tile with its K tile (None: as `short_path`). short_path None: on unless
+    INGOT_CUDA_DECODE_SHORT=0 (for measuring a whole model without it). `short_path=False` with the
     other two left None is the kernel as it was before these switches.
     """
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    short_path = SHORT_PATH if short_path is None else short_path
     hq, tq, d = q.shape[-3:]
     hk, tbuf, _ = k.shape[-3:]
     dv = v.shape[-1]

@@ -8,7 +8,7 @@ position.
 
 - `_decode_kernel` + `_combine_kernel`: few query rows over a long cache. One program per
   (batch, KV head, split of the keys): the Hq/Hk query heads of a group share every K/V load; the
-  keys are split over programs (split-KV, the chunk sized from the runtime length, at least ~64 KB
+  keys are split over programs (split-KV, the chunk sized from the runtime length, at least ~32 KB
   of K+V per split), only the splits that see keys run, and the partial softmaxes are merged by the
   last of them (a ticket) or a second kernel. A short cache has one such split, which writes the
   output itself.
@@ -371,9 +371,12 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _decode_min_chunk(d: int, dv: int, element_size: int, kv_bytes: int = 64 << 10) -> int:
-    """Fewest keys per decode split: about `kv_bytes` of K+V per split and KV head (f32 d 128: 64 keys,
-    f32 d 64 or 16-bit d 128: 128), so a short cache is read by one split, which writes the output."""
+def _decode_min_chunk(d: int, dv: int, element_size: int, kv_bytes: int = 32 << 10) -> int:
+    """Fewest keys per decode split: about `kv_bytes` of K+V per split and KV head (f32 d 64: 64 keys,
+    16-bit d 128: 64; f32 d 128: 32, one BLOCK_N tile of 64 in practice), so a short cache is read by
+    one split, which writes the output. One program is slow over many keys (H200, SmolLM2's 9/3
+    heads d 64 f32: 64 keys per split 7.3 us at 100 keys and 7.6 at 160, 128 per split 9.3 and 10.7;
+    one split at 64 keys 5.7 us against 7.0 for the old kernel)."""
     return max(16, kv_bytes // max((d + dv) * element_size, 1))
 
 
@@ -399,7 +402,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
-    fewest keys per split (None: about 64 KB of K+V, e.g. 64 keys at f32 d 128; 0 or 1: no minimum);
+    fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
     `early_v` loads each V tile with its K tile (None: as `short_path`). short_path None: on unless
     INGOT_CUDA_DECODE_SHORT=0 (for measuring a whole model without it). `short_path=False` with the
     other two left None is the kernel as it was before these switches.

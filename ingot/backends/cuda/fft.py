@@ -256,10 +256,12 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     return "\n".join(lines) + "\n"
 
 
-# "unrolled" kernel: frames per program, warps, bins loaded ahead (H200: benchmarks/audio.py)
+# "unrolled" kernel: frames per program, warps, bins loaded ahead (H200, the hour's log-mel through the
+# graph: 1.375 ms with loads 16 bins ahead, 1.389 with 8, 1.428 with 1; 128 frames / 4 warps as fast as
+# any other tile measured, 2 frames per thread 40 % slower: benchmarks/audio.py)
 UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "128")),
                        num_warps=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_WARPS", "4")),
-                       lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "1")))
+                       lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "16")))
 
 
 def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int | None = None,

@@ -7,6 +7,8 @@ Lowerings are a table keyed by op. Plan-level fusions (all checked against the N
   - sibling quantized matmuls reading one x (q/k/v, gate/up) run as one GEMV over a weight
     concatenated at load;
   - a residual add followed by rms_norm is one kernel writing both;
+  - rms_norm (with the residual add before it) feeding only word-layout GEMVs of float32 rows (a
+    single one or a sibling group) is the GEMV's prologue: no norm launch (INGOT_CUDA_NORM_GEMV=0: off);
   - a fusion region of float elementwise ops is one generated kernel.
 An op with no device lowering runs its NumPy reference on host copies, with a warning: such a
 plan is not captured as a graph.
@@ -765,6 +767,21 @@ class CudaPlan:
 
         qkv_last = self._qkv_groups(nodes, users, roots, done) if os.environ.get("INGOT_CUDA_QKV", "1") == "1" else {}
 
+        # rms_norm (and the residual add before it) feeding only word-layout GEMVs: the GEMV's prologue
+        norm_gemv: dict[int, tuple] = {}      # the add's or the norm's id -> (add, norm, matmuls, weight)
+        if os.environ.get("INGOT_CUDA_NORM_GEMV", "1") == "1":
+            for n in nodes:
+                found = self._norm_gemv(n, users, roots, done, region_root, group_of) if n.op == Op.RMS_NORM else None
+                if found is None:
+                    continue
+                add, members, weight = found
+                if add is not None and add.id in norm_gemv:
+                    add = None                    # another norm of the same sum took the add
+                norm_gemv[(add or n).id] = (add, n, members, weight)
+                done.update(m.id for m in members)
+                if add is not None:
+                    done.add(n.id)                # the step runs where the add stood
+
         for node in nodes:
             s = self.slot[node.id]
             if node.id in qkv_last:
@@ -780,6 +797,9 @@ class CudaPlan:
                 self.variable_slots.append((node.attrs["name"], s))
                 continue
             if node.op == Op.ASSIGN or node.id in done:
+                continue
+            if node.id in norm_gemv:
+                steps.append(self._norm_gemv_step(*norm_gemv[node.id]))
                 continue
             if node.id in glu:
                 gate, up, kernel = glu[node.id]
@@ -801,7 +821,8 @@ class CudaPlan:
             if node.op == Op.ROPE and self._rope_into_cache(node, users, roots, steps, done):
                 continue
             if node.op == Op.ADD and node.id not in roots:
-                norm = next((u for u in users[node.id] if u.op == Op.RMS_NORM and u.src[0] is node), None)
+                norm = next((u for u in users[node.id] if u.op == Op.RMS_NORM and u.src[0] is node and u.id not in norm_gemv),
+                            None)
                 if norm is not None and node.dtype.name in ("float32", "float16", "bfloat16") and \
                         node.src[0].type.shape == node.src[1].type.shape == node.type.shape and node.type.rank >= 1:
                     eps = norm.attrs["eps"]
@@ -970,6 +991,76 @@ class CudaPlan:
         def fallback(a, b):  # region.inputs is [a, b] (silu's input first), or [a] for silu(a) * a
             return qmm.quantized_matmul(region(a, b) if len(region.inputs) == 2 else region(a), weight)
         return fallback
+
+    def _norm_gemv(self, norm: Node, users, roots, done, region_root, group_of):
+        """(the add before norm or None, the matmuls norm feeds, their word-layout weight) when
+        rms_norm(x [+ y]) * g feeds only quantized matmuls that run as one word-layout GEMV (a single
+        one, or a sibling group concatenated at load) at this row count, in float32; else None."""
+        x = norm.src[0]
+        k = x.type.shape[-1] if x.type.rank >= 1 and x.type.static else None
+        if norm.id in roots or norm.dtype != dt.float32 or x.dtype != dt.float32 or k is None or not users[norm.id]:
+            return None
+        if len(norm.src) > 1 and (norm.src[1].dtype != dt.float32 or tuple(norm.src[1].type.shape) != (k,)):
+            return None
+        if not 1 <= math.prod(x.type.shape[:-1]) <= qmm.WORDS_MAX_ROWS:
+            return None
+        members = users[norm.id]
+        if any(m.op != Op.QUANTIZED_MATMUL or m.src[0] is not norm or any(s is norm for s in m.src[1:]) or
+               any(s.op != Op.CONSTANT for s in m.src[1:]) or m.attrs["mode"] != "affine" or m.dtype != dt.float32
+               for m in members):
+            return None
+        if len({m.id for m in members}) > 1:     # a sibling group, all of it
+            group = group_of.get(members[0].id)
+            if group is None or {m.id for m in group} != {m.id for m in members}:
+                return None
+            members = group
+            arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]
+            weight = concatenated_weight(list(zip(arrays, [m.attrs for m in members])), self.device)
+        else:
+            arrays = [self.program.constants[s.attrs["key"]] for s in members[0].src[1:]]
+            weight = prepared_weight(arrays, members[0].attrs, self.device, WORDS_LAYOUT)
+        if weight is None or not weight.words or weight.k != k:
+            return None
+        add = x if x.op == Op.ADD else None       # the step then runs at the add: g must be there already
+        if add is not None and (add.id in roots or add.id in done or add.id in region_root or add.dtype != dt.float32 or
+                                not add.src[0].type.shape == add.src[1].type.shape == add.type.shape or
+                                any(s.dtype != dt.float32 for s in add.src) or
+                                (len(norm.src) > 1 and norm.src[1].op != Op.CONSTANT)):
+            add = None
+        return add, members, weight
+
+    def _norm_gemv_step(self, add: Node | None, norm: Node, members: list[Node], weight: qmm.QuantizedWeight):
+        """One step for [add ->] rms_norm -> quantized matmul(s): `qmm.rms_norm_matmul` (the norm in the
+        word GEMV's prologue; with the add, its sum stored by the same launch for the residual stream)."""
+        eps = norm.attrs["eps"]
+        has_g = len(norm.src) > 1
+        widths = [m.type.shape[-1] for m in members]
+        offsets = [int(o) for o in np.cumsum([0] + widths)]
+
+        def split(y):
+            if len(members) == 1:
+                return (y,)
+            return tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(members)))
+
+        if add is not None:
+            def step(a, b, g=None):
+                total, y = qmm.rms_norm_matmul(a, weight, g, eps, add=b)
+                return (total,) + split(y)
+            ins = (self.slot[add.src[0].id], self.slot[add.src[1].id])
+            outs = (self.slot[add.id],)
+            self.fusions.append("add+rms_norm into the GEMV")
+        else:
+            def step(x, g=None):
+                out = split(qmm.rms_norm_matmul(x, weight, g, eps))
+                return out[0] if len(out) == 1 else out
+            ins = (self.slot[norm.src[0].id],)
+            outs = ()
+            self.fusions.append("rms_norm into the GEMV")
+        if len(members) > 1:
+            self.fusions.append(f"{len(members)} sibling quantized matmuls")
+        ins += (self.slot[norm.src[1].id],) if has_g else ()
+        outs += tuple(self.slot[m.id] for m in members)
+        return step, ins, outs, "add_rms_norm_gemv" if add is not None else "rms_norm_gemv"
 
     def _sibling_step(self, members: list[Node]):
         arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]

@@ -26,17 +26,9 @@ from cuda_env import require_cuda  # noqa: E402
 _INTERPRET = require_cuda()
 import torch  # noqa: E402
 
-from ingot.backends import cuda as cuda_backend  # noqa: E402
 from ingot.backends.cuda import attention as attn  # noqa: E402
 
-DEVICE = torch.device(cuda_backend.device_name())
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
-
-
-def skip_bf16_in_interpreter(dtype: str) -> None:
-    if _INTERPRET and dtype == "bfloat16":
-        pytest.skip("Triton's interpreter mishandles bfloat16 (the GPU run checks it)")
+from test_cuda_prefill import DEVICE, TOLERANCE, TORCH_DTYPES, skip_bf16_in_interpreter  # noqa: E402
 
 
 def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, causal: bool) -> np.ndarray:

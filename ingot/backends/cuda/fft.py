@@ -273,11 +273,9 @@ def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     return _load_kernel(unrolled_source(filters, n_fft, cosine, ahead, epilogue), "mel_kernel")
 
 
-def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None = None,
-                 block_f: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """filters @ |window(spectrum)|^2.T through the projection's unrolled kernel: complex64 [frames,
-    bins] -> float32 [n_mels, frames], into `out` (any [n_mels, frames] view with unit frame stride)."""
-    assert projection.unrolled is not None, "unrolled_mel: the projection has no unrolled kernel"
+def _spectrum_and_out(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None):
+    """The spectrum as rows of interleaved (re, im) a kernel reads, and the [n_mels, frames] result
+    (`out`, checked: unit frame stride, or a new tensor)."""
     assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
     frames, bins = spectrum.shape
     n_mels = projection.filters.shape[0]
@@ -287,6 +285,16 @@ def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch
     if out is None:
         out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
     assert out.shape == (n_mels, frames) and (frames <= 1 or out.stride(1) == 1), (out.shape, out.stride())
+    return spectrum, out
+
+
+def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None = None,
+                 block_f: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """filters @ |window(spectrum)|^2.T through the projection's unrolled kernel: complex64 [frames,
+    bins] -> float32 [n_mels, frames], into `out` (any [n_mels, frames] view with unit frame stride)."""
+    assert projection.unrolled is not None, "unrolled_mel: the projection has no unrolled kernel"
+    spectrum, out = _spectrum_and_out(spectrum, projection, out)
+    frames = spectrum.shape[0]
     if frames == 0:
         return out
     block_f = block_f or UNROLLED_CONFIG["block_f"]
@@ -338,20 +346,14 @@ def spectrum_mel(spectrum: torch.Tensor, projection: MelProjection, out: torch.T
     cfg = STREAM_CONFIG
     precision, block_f, block_b = precision or cfg["precision"], block_f or cfg["block_f"], block_b or cfg["block_b"]
     num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
-    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
+    spectrum, out = _spectrum_and_out(spectrum, projection, out)
     frames, bins = spectrum.shape
     n_mels = projection.filters.shape[0]
-    assert bins == projection.n_fft // 2 + 1
     filters_t = projection.filters_t
     if filters_t is None:
         filters_t = transposed_filters(projection.filters)
     b_pad = triton.cdiv(bins, block_b) * block_b
     assert filters_t.shape[0] >= b_pad and filters_t.shape[1] >= n_mels, (filters_t.shape, b_pad, n_mels)
-    if spectrum.stride() != (bins, 1):
-        spectrum = spectrum.contiguous()
-    if out is None:
-        out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
-    assert out.shape == (n_mels, frames) and (frames <= 1 or out.stride(1) == 1), (out.shape, out.stride())
     if frames == 0:
         return out
     a0, a1 = projection.cosine if projection.cosine is not None else (1.0, 0.0)

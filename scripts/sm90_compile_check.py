@@ -6,7 +6,7 @@ not fit in shared memory all wait for the lent GPU, where device time is scarce.
 the given pytest selection on the CPU with INGOT_CUDA_DEVICE=cpu and the interpreter OFF, records
 each launch instead of running it (kernel, argument types, constexprs, warps, stages), compiles each
 distinct launch through Triton's NVIDIA backend and ptxas for sm_90a, and prints registers, spills
-and shared memory. The tests' own results are meaningless in this mode (no kernel runs) and are
+and shared memory (more than the 227 KB a block may use counts as a failure: the launch would fail). The tests' own results are meaningless in this mode (no kernel runs) and are
 ignored; the exit status is 1 when a launch does not compile.
 
     python scripts/sm90_compile_check.py tests/test_cuda_norm_gemv.py -k "rows1"
@@ -37,6 +37,7 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
           torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
           torch.bool: "i1", torch.uint32: "u32"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+SMEM_LIMIT = 227 * 1024   # shared memory one block may use on sm_90 (H100/H200)
 
 
 class Launches:
@@ -89,6 +90,9 @@ class Launches:
                                             capture_output=True, text=True).stderr
                 regs = re.search(r"Used (\d+) registers", report)
                 spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", report))
+                if kernel.metadata.shared > SMEM_LIMIT:
+                    raise RuntimeError(f"{kernel.metadata.shared} bytes of shared memory, over the H200's "
+                                       f"{SMEM_LIMIT} per block: the launch would fail")
                 print(f"ok    regs {regs.group(1) if regs else '?':>3}  spill {spills:>5} B  smem {kernel.metadata.shared:>6} B  "
                       f"{label}")
             except Exception as e:  # noqa: BLE001 (every failing launch is reported, then the exit status says so)

@@ -790,6 +790,8 @@ def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, wave
     programs for about `waves` warps per multiprocessor."""
     block_k = min(w.group, 8)
     per_warp = 32 * (32 if w.bits == 4 else 16)            # columns a warp covers with 16-byte loads
+    if w.lut is not None:   # table lookups: 64 values per thread (ptxas, sm_90a: 16-byte tiles of 8 rows spill
+        block_k, per_warp = min(w.group, 4), 512   # 4-16 KB per thread; 512 x 4 spills nothing), not measured yet
     warps = num_warps or (4 if w.n >= 8 * per_warp else 1)
     block_n = per_warp * warps
     while block_n > 64 and block_n // 2 >= w.n:            # small N: narrower tiles, threads share rows

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One lent-GPU call for a session's changes: the cuda tests, the GEMV variants, SmolLM2 end to end by
+# One lent-GPU call for a session's changes: the audio log-mel against torch.stft, the cuda tests, the GEMV
+# variants, SmolLM2 end to end by
 # default, with the norm folded into the GEMVs (INGOT_CUDA_NORM_GEMV=1) and without the decode short
 # path, and Llama-3-8B end to end both ways; compact lines on stdout, JSON under $OUT.
 #   bash benchmarks/cuda_session_run.sh
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
+# issue 5's goal in one run: the hour's log-mel against torch.stft alone
+timeout "${AUDIO_S:-150}" python3 benchmarks/audio.py --device cuda --quick --skip-parts --durations 3600 2>&1 | grep " ms\|ratio torch.stft"
 timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
   tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
   tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py --maxfail=30 -rf 2>&1 | grep -v "^\.*\s*\[\|^$" | tail -15

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One lent-GPU call for a session's changes: the audio log-mel against torch.stft, the cuda tests, the GEMV
-# variants, SmolLM2 end to end by
-# default, with the norm folded into the GEMVs (INGOT_CUDA_NORM_GEMV=1) and without the decode short
-# path, and Llama-3-8B end to end both ways; compact lines on stdout, JSON under $OUT.
+# One lent-GPU call for a session's changes: the audio log-mel against torch.stft, the cuda tests, the
+# GEMV variants, SmolLM2 end to end by default, with the norm folded into the GEMVs
+# (INGOT_CUDA_NORM_GEMV=1) and without the decode short path, and Llama-3-8B end to end both ways;
+# compact lines on stdout, JSON under $OUT.
 #   bash benchmarks/cuda_session_run.sh
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"

@@ -262,7 +262,6 @@ def cuda_main(args) -> None:
         filters = audio.mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS)
         spectrum = torch.fft.rfft(frames)
         print(f"{label:>8} part: cuFFT rfft of the strided frames      {bench(lambda: torch.fft.rfft(frames)):8.3f} ms")
-        window = torch.hann_window(N_FFT, device=device)
         power = cuda_fft.windowed_power(spectrum, N_FFT, (0.5, 0.5))
         print(f"{label:>8} part: windowed_power (gemm method's pass)  "
               f"{bench(lambda: cuda_fft.windowed_power(spectrum, N_FFT, (0.5, 0.5))):8.3f} ms", flush=True)
@@ -277,34 +276,28 @@ def cuda_main(args) -> None:
         stream_configs = (("tf32x3", 32, 32, 4, 1), ("tf32x3", 16, 32, 4, 1), ("tf32x3", 16, 32, 2, 1),
                           ("tf32x3", 32, 32, 2, 1), ("tf32x3", 16, 64, 4, 1), ("tf32x3", 32, 16, 4, 1),
                           ("tf32x3", 16, 16, 1, 1), ("tf32", 16, 32, 4, 1), ("tf32", 32, 32, 4, 1))
-        for precision, block_f, block_b, num_warps, num_stages in stream_configs[:1] if args.quick else stream_configs:
-            config = f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}"
+
+        def part(kernel: str, config: str, run) -> None:
+            """Time one kernel configuration writing `out`, with its error against the float64 reference."""
             try:
-                run = lambda: cuda_fft.spectrum_mel(spectrum, projection, out, precision, block_f, block_b,  # noqa: E731
-                                                    num_warps, num_stages)
                 run()
                 err = float((out - reference).abs().max() / reference.abs().max())
                 rel = float(((out - reference).abs() / reference.abs().clamp_min(1e-30)).max())
                 ms = bench(run)
-                print(f"{label:>8} part: stream kernel {config:<32} {ms:8.3f} ms  {spectrum_bytes / ms / 1e9:.2f} TB/s  "
+                print(f"{label:>8} part: {kernel} {config:<32} {ms:8.3f} ms  {spectrum_bytes / ms / 1e9:.2f} TB/s  "
                       f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
-                print(f"{label:>8} part: stream kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
+                print(f"{label:>8} part: {kernel} {config} failed: {type(e).__name__}: {str(e)[:200]}")
+
+        for precision, block_f, block_b, num_warps, num_stages in stream_configs[:1] if args.quick else stream_configs:
+            part("stream kernel", f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}",
+                 lambda: cuda_fft.spectrum_mel(spectrum, projection, out, precision, block_f, block_b, num_warps, num_stages))
         for block_f, num_warps, ahead in ((128, 4, 1), (64, 2, 1), (256, 8, 1), (128, 4, 4), (128, 4, 8), (128, 4, 16),
                                           (64, 2, 8), (64, 2, 16), (128, 4, 32), (256, 8, 8)):
-            config = f"F{block_f} warps {num_warps} ahead {ahead}"
-            projection = dataclasses.replace(projection, unrolled=cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead))
-            try:
-                run = lambda: cuda_fft.unrolled_mel(spectrum, projection, out, block_f, num_warps)  # noqa: E731
-                run()
-                err = float((out - reference).abs().max() / reference.abs().max())
-                rel = float(((out - reference).abs() / reference.abs().clamp_min(1e-30)).max())
-                ms = bench(run)
-                print(f"{label:>8} part: unrolled kernel {config:<30} {ms:8.3f} ms  {spectrum_bytes / ms / 1e9:.2f} TB/s  "
-                      f"(vs float64: {err:.1e} of max, {rel:.1e} relative)", flush=True)
-            except Exception as e:  # noqa: BLE001 (a config that does not compile is reported, not fatal)
-                print(f"{label:>8} part: unrolled kernel {config} failed: {type(e).__name__}: {str(e)[:200]}")
-        del power, spectrum, out, reference
+            unrolled = dataclasses.replace(projection, unrolled=cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead))
+            part("unrolled kernel", f"F{block_f} warps {num_warps} ahead {ahead}",
+                 lambda: cuda_fft.unrolled_mel(spectrum, unrolled, out, block_f, num_warps))
+        power = spectrum = out = reference = None   # free the device memory before the next length
         copy = torch.empty_like(x)
         ms = bench(lambda: copy.copy_(x))
         print(f"{label:>8} device copy of the signal: {ms:.3f} ms = {2 * x.numel() * 4 / ms / 1e9:.2f} TB/s")

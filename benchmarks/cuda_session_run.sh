@@ -7,7 +7,8 @@
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
 # issue 5's goal in one run: the hour's log-mel against torch.stft alone
-timeout "${AUDIO_S:-150}" python3 benchmarks/audio.py --device cuda --quick --skip-parts --durations 3600 2>&1 | grep " ms\|ratio torch.stft"
+timeout "${AUDIO_S:-200}" python3 benchmarks/audio.py --device cuda --quick --skip-parts --durations 3600 \
+  --also "lanes 16,lanes 8" 2>&1 | grep " ms\|ratio torch.stft"
 timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
   tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
   tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py --maxfail=30 -rf 2>&1 | grep -v "^\.*\s*\[\|^$" | tail -15

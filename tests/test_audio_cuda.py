@@ -108,6 +108,21 @@ def test_log_mel_equals_cpu(length, n_fft, n_mels, htk):
         assert any(f.startswith("mel epilogue") and "tl.log(tl.maximum(mel, " in f for f in exe.plan.fusions), exe.plan.fusions
 
 
+def test_epilogue_with_the_constant_first_keeps_operand_order():
+    """maximum(amin, mel), then a subtraction from a constant and a division: the value's place among
+    each node's sources is kept (c - v is not v - c)."""
+    x = signal(4001, seed=6)
+
+    def build(g, s):
+        mel = audio.mel_spectrogram(g, s, sample_rate=16000, n_fft=400, hop_length=160, n_mels=40)
+        floor = g.constant(np.float32(1e-10))
+        return g.div(g.sub(g.constant(np.float32(3.0)), g.log(g.maximum(floor, mel))), g.constant(np.float32(4.0)))
+    actual, expected, exe = run_both(build, x)
+    assert_close(actual, expected, LOG_MEL)
+    if os.environ.get("INGOT_CUDA_AUDIO_MEL", "unrolled") == "unrolled":
+        assert any(f.startswith("mel epilogue") and "(3.0 - tl.log(" in f for f in exe.plan.fusions), exe.plan.fusions
+
+
 def test_mel_read_elsewhere_keeps_its_values_and_no_epilogue():
     """The mel is an output too: the kernel must store the mel itself, and the dB scale runs after it."""
     x = signal(5001, seed=5)

@@ -190,6 +190,32 @@ def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om
 
 # -- the unrolled kernel: the filter bank compiled into the code -----------------------------------
 
+class _Bank:
+    """What the generated mel kernels need to know of a filter bank: its shape, the window's taps
+    (a0, a1 / 2; none when the window is already applied or a boxcar), and each band's first and last
+    non-zero bin (-1: an empty band)."""
+
+    def __init__(self, filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None):
+        self.filters = np.asarray(filters, np.float32)
+        self.n_mels, self.bins = self.filters.shape
+        assert self.bins == n_fft // 2 + 1 and self.bins >= 2, (self.filters.shape, n_fft)
+        self.windowed = cosine is not None and cosine[1] != 0.0
+        self.a0, self.a1_half = (float(np.float32(cosine[0])), float(np.float32(cosine[1] / 2))) if self.windowed \
+            else (1.0, 0.0)
+        self.nonzero = self.filters != 0
+        self.first = [int(np.argmax(row)) if row.any() else -1 for row in self.nonzero]
+        self.last = [self.bins - 1 - int(np.argmax(row[::-1])) if row.any() else -1 for row in self.nonzero]
+
+    def parts(self) -> tuple:
+        return (self.filters, self.n_mels, self.bins, self.windowed, self.a0, self.a1_half, self.nonzero, self.first,
+                self.last)
+
+    def empty_band_stores(self, epilogue: str) -> list[str]:
+        """Source lines storing the epilogue of 0 for the bands with no non-zero weight."""
+        zeros = epilogue.replace("@v", "tl.zeros([BLOCK_F], tl.float32)")
+        return [f"    tl.store(out + {m} * stride_om, {zeros}, mask=ok)" for m in range(self.n_mels) if self.first[m] < 0]
+
+
 def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int = 1,
                     epilogue: str = "@v") -> str:
     """Source of a Triton kernel for one filter bank, `mel_kernel(spec_ptr, w_ptr, out_ptr, F,
@@ -203,14 +229,8 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     bin's load is written `lookahead` bins before its use (more loads in flight per thread).
     `epilogue`: an expression of the band's value `@v` stored in its place (the dB scale that follows
     the mel in a log-mel graph: tl.log(tl.maximum(@v, 1e-10)) * 4.34...)."""
-    filters = np.asarray(filters, np.float32)
-    n_mels, bins = filters.shape
-    assert bins == n_fft // 2 + 1 and bins >= 2, (filters.shape, n_fft)
-    windowed = cosine is not None and cosine[1] != 0.0
-    a0, a1_half = (float(np.float32(cosine[0])), float(np.float32(cosine[1] / 2))) if windowed else (1.0, 0.0)
-    nonzero = filters != 0
-    first = [int(np.argmax(row)) if row.any() else -1 for row in nonzero]
-    last = [bins - 1 - int(np.argmax(row[::-1])) if row.any() else -1 for row in nonzero]
+    bank = _Bank(filters, n_fft, cosine)
+    filters, n_mels, bins, windowed, a0, a1_half, nonzero, first, last = bank.parts()
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              "def mel_kernel(spec_ptr, w_ptr, out_ptr, F, stride_om, BLOCK_F: tl.constexpr):",
              f'    """{n_mels} mel bands of the {n_fft}-point spectrum, '
@@ -220,10 +240,7 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
              "    pair_ok = ok[:, None]",
              f"    rows = spec_ptr + f.to(tl.int64)[:, None] * {2 * bins} + tl.arange(0, 2)[None, :]",
              "    out = out_ptr + f.to(tl.int64)"]
-    for m in range(n_mels):
-        if first[m] < 0:
-            zeros = "tl.zeros([BLOCK_F], tl.float32)"
-            lines.append(f"    tl.store(out + {m} * stride_om, {epilogue.replace('@v', zeros)}, mask=ok)")
+    lines += bank.empty_band_stores(epilogue)
     loaded = set()
 
     def load(k: int) -> None:
@@ -263,14 +280,9 @@ def lanes_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | 
     fewer cache lines per load instruction), the window's neighbours loaded shifted by one bin, each
     band accumulated as a tile with its weights loaded from w_ptr (the [n_mels, bins] filters) and
     summed across the lanes when its last bin is in."""
-    filters = np.asarray(filters, np.float32)
-    n_mels, bins = filters.shape
-    assert bins == n_fft // 2 + 1 and bins >= 2 and lanes >= 2 and lanes & (lanes - 1) == 0, (filters.shape, n_fft, lanes)
-    windowed = cosine is not None and cosine[1] != 0.0
-    a0, a1_half = (float(np.float32(cosine[0])), float(np.float32(cosine[1] / 2))) if windowed else (1.0, 0.0)
-    nonzero = filters != 0
-    first = [int(np.argmax(row)) if row.any() else -1 for row in nonzero]
-    last = [bins - 1 - int(np.argmax(row[::-1])) if row.any() else -1 for row in nonzero]
+    assert lanes >= 2 and lanes & (lanes - 1) == 0, lanes
+    bank = _Bank(filters, n_fft, cosine)
+    filters, n_mels, bins, windowed, a0, a1_half, nonzero, first, last = bank.parts()
     mirror = n_fft - bins                      # X[bins] = conj X[mirror]
     lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
              "def mel_kernel(spec_ptr, w_ptr, out_ptr, F, stride_om, BLOCK_F: tl.constexpr):",
@@ -282,10 +294,7 @@ def lanes_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | 
              "    row_ok = ok[:, None, None]",
              f"    one = spec_ptr + f.to(tl.int64)[:, None] * {2 * bins} + tl.arange(0, 2)[None, :]",
              "    out = out_ptr + f.to(tl.int64)"]
-    for m in range(n_mels):
-        if first[m] < 0:
-            zeros = "tl.zeros([BLOCK_F], tl.float32)"
-            lines.append(f"    tl.store(out + {m} * stride_om, {epilogue.replace('@v', zeros)}, mask=ok)")
+    lines += bank.empty_band_stores(epilogue)
     if windowed:   # the ends' continuations, one value per frame, broadcast over the lanes
         lines.append("    r_lo, i_lo = tl.split(tl.load(one + 2, mask=ok[:, None], other=0.0))")
         lines.append(f"    r_hi, i_hi = tl.split(tl.load(one + {2 * mirror}, mask=ok[:, None], other=0.0))")

@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so two calls:
-#   bash benchmarks/cuda_session_run.sh audio tests attention     # ~550 s
-#   bash benchmarks/cuda_session_run.sh gemv smollm llama         # ~580 s
+#   bash benchmarks/cuda_session_run.sh audio attention gemv      # ~450 s
+#   bash benchmarks/cuda_session_run.sh tests smollm llama        # ~560 s (the tests alone ~280 s at -n 16)
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run) and the mel kernel's
 # lanes variant; tests: the cuda tests; attention: decode at 32k and short caches, prefill at 4k;
-# gemv: the GEMV variants; smollm / llama: end to end by default, with the norm folded into the GEMVs
-# (INGOT_CUDA_NORM_GEMV=1) and (SmolLM2) without the decode short path. Compact lines on stdout,
+# gemv: the GEMV variants; smollm / llama: end to end by default (and SmolLM2 without the norm folded
+# into the GEMVs, INGOT_CUDA_NORM_GEMV=0). Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
-parts=${*:-audio tests attention gemv smollm llama}
+parts=${*:-audio attention gemv tests smollm llama}
 
 run_audio() {
   timeout "${AUDIO_S:-200}" python3 benchmarks/audio.py --device cuda --quick --skip-parts --durations 3600 \
     --also "lanes 16,lanes 8" 2>&1 | grep " ms\|ratio torch.stft"
 }
 run_tests() {
-  timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
+  timeout "${TESTS_S:-330}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
     tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
     tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
@@ -35,8 +35,8 @@ smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-60}" python3 benchmarks/
   --json "$OUT/smollm_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-150}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
-run_smollm() { smollm default; smollm norm-gemv INGOT_CUDA_NORM_GEMV=1; smollm short-off INGOT_CUDA_DECODE_SHORT=0; }
-run_llama() { llama default; llama norm-gemv INGOT_CUDA_NORM_GEMV=1; }
+run_smollm() { smollm default; smollm norm-gemv-off INGOT_CUDA_NORM_GEMV=0; }
+run_llama() { llama default; }
 
 for part in $parts; do
   echo "== $part"

@@ -8,8 +8,8 @@ Lowerings are a table keyed by op. Plan-level fusions (all checked against the N
     concatenated at load;
   - a residual add followed by rms_norm is one kernel writing both;
   - rms_norm (with the residual add before it) feeding only word-layout GEMVs of float32 rows (a
-    single one or a sibling group) can be the GEMV's prologue, no norm launch (INGOT_CUDA_NORM_GEMV=1:
-    on; off by default until it is measured on a GPU: it compiles for sm_90 and passes the interpreter);
+    single one or a sibling group) is the GEMV's prologue, no norm launch (INGOT_CUDA_NORM_GEMV=0 turns
+    it off; H200: SmolLM2 replay 886 us/step with it, 951 without, 187 kernels instead of 248);
   - a fusion region of float elementwise ops is one generated kernel.
 An op with no device lowering runs its NumPy reference on host copies, with a warning: such a
 plan is not captured as a graph.
@@ -770,7 +770,7 @@ class CudaPlan:
 
         # rms_norm (and the residual add before it) feeding only word-layout GEMVs: the GEMV's prologue
         norm_gemv: dict[int, tuple] = {}      # the add's or the norm's id -> (add, norm, matmuls, weight)
-        if os.environ.get("INGOT_CUDA_NORM_GEMV", "0") == "1":   # off by default: not yet measured on a GPU
+        if os.environ.get("INGOT_CUDA_NORM_GEMV", "1") == "1":
             for n in nodes:
                 found = self._norm_gemv(n, users, roots, done, region_root, group_of) if n.op == Op.RMS_NORM else None
                 if found is None:

@@ -48,7 +48,7 @@ def main() -> None:
             launch(x, w, y, {})
         torch.cuda.synchronize()
         return
-    configs = {"default": {}, "tb4": dict(TB=4), "tb1": dict(TB=1), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
+    configs = {"default": {}, "tb1": dict(TB=1), "w2": dict(num_warps=2), "w8": dict(num_warps=8),
                "no-prefetch": dict(PREFETCH=False), "rows4": dict(ROWS=4)}
     for name, cfg in configs.items():
         xx = torch.randn(4, 4096, device="cuda") if name == "rows4" else x

@@ -92,9 +92,7 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         "default": None,
         "atomic": dict(REDUCE=1), "waves8": dict(WAVES=8), "waves16": dict(WAVES=16), "waves64": dict(WAVES=64),
         "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8),
-        "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "tb4": dict(TB=4), "stages1": dict(num_stages=1),
-        "tb4-waves8": dict(TB=4, WAVES=8), "tb4-waves16": dict(TB=4, WAVES=16), "tb4-w2": dict(TB=4, num_warps=2),
-        "tb4-w8-waves16": dict(TB=4, num_warps=8, WAVES=16),
+        "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "stages1": dict(num_stages=1),
         "nloop": dict(NLOOP=True), "nloop-waves32": dict(NLOOP=True, WAVES=32), "nloop-waves8": dict(NLOOP=True, WAVES=8),
         "nloop-tb2": dict(NLOOP=True, TB=2), "nloop-tb8": dict(NLOOP=True, TB=8), "nloop-w2": dict(NLOOP=True, num_warps=2),
         "nloop-w8": dict(NLOOP=True, num_warps=8),
@@ -102,12 +100,12 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         # x in LIMBS bytes (2 * LIMBS dp4a per weight word), rounded in the GEMV or pre-quantized by its own launch (XQ)
         "limbs1": dict(LIMBS=1, XQ=False), "limbs2": dict(LIMBS=2, XQ=False), "limbs3": dict(LIMBS=3, XQ=False),
         "xq-l1": dict(XQ=True, LIMBS=1), "xq-l2": dict(XQ=True, LIMBS=2), "xq-l3": dict(XQ=True, LIMBS=3),
-        "xq-l2-tb4": dict(XQ=True, LIMBS=2, TB=4),
+        "xq-l2-tb1": dict(XQ=True, LIMBS=2, TB=1), "xq-l1-waves16": dict(XQ=True, LIMBS=1, WAVES=16),
         # bounds, not kernels (wrong results): x costs nothing (what a pre-quantized x could give at most)
-        "xfree": dict(XFREE=True), "xfree-tb4": dict(XFREE=True, TB=4), "xfree-waves64": dict(XFREE=True, WAVES=64),
+        "xfree": dict(XFREE=True), "xfree-waves64": dict(XFREE=True, WAVES=64),
     }
-    row_variants = {"default": None, "nloop": dict(NLOOP=True), "nloop-rows1": dict(NLOOP=True, ROWS=1), "rows1": dict(ROWS=1), "rows2": dict(ROWS=2), "rows8": dict(ROWS=8),
-                    "rows16": dict(ROWS=16), "waves64": dict(WAVES=64), "tensor-core": dict(BLOCK_M=16),
+    row_variants = {"default": None, "nloop": dict(NLOOP=True), "nloop-rows1": dict(NLOOP=True, ROWS=1), "rows1": dict(ROWS=1), "rows2": dict(ROWS=2),
+                    "waves64": dict(WAVES=64), "tensor-core": dict(BLOCK_M=16),
                     # x pre-quantized: no x registers to spill, so 4 rows per program (the weight read once) may pay now
                     "xq-l2": dict(XQ=True, LIMBS=2), "xq-l2-rows4": dict(XQ=True, LIMBS=2, ROWS=4)}
     for name, k, n in shapes:

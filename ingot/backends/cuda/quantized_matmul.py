@@ -25,7 +25,9 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   `dp4a` dot products; optional SiLU(gate)*x prologue, RMSNorm prologue (`rms_norm_matmul`: x =
   rms_norm(x [+ y]) * g, the row's 1 / rms multiplying the sums; x + y stored on the way) and residual
   epilogue. For big weights x is rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by
-  every program (the GLU and norm prologues then run there).
+  every program (the GLU and norm prologues then run there). Each row's x is handled in the weight
+  tile's own register layout (`_row_dot`), so the tile never passes through shared memory
+  (`scripts/sm90_compile_check.py --sass` shows barriers and instructions per loop).
 
     >>> w = prepare_weight(q, [scale, bias], attrs, "cuda")     # doctest: +SKIP
     >>> y = quantized_matmul(x, w)                                # doctest: +SKIP
@@ -304,6 +306,186 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
 
 
 @triton.jit
+def _prmt(a, b, SELECT: tl.constexpr):
+    """The bytes of (b:a) that SELECT's nibbles pick (PTX prmt), one instruction."""
+    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_word(x0, x1, x2, x3, LIMB: tl.constexpr, ASM: tl.constexpr):
+    """Byte LIMB of the integers x0..x3 packed into one word (x0 in the low byte): three byte permutes
+    (ASM), or shifts and masks."""
+    if ASM:
+        pair: tl.constexpr = LIMB | ((4 + LIMB) << 4)
+        return _prmt(_prmt(x0, x1, pair), _prmt(x2, x3, pair), 0x5410)
+    else:
+        return (((x0 >> (8 * LIMB)) & 0xFF) | (((x1 >> (8 * LIMB)) & 0xFF) << 8) | (((x2 >> (8 * LIMB)) & 0xFF) << 16)
+                | (((x3 >> (8 * LIMB)) & 0xFF) << 24))
+
+
+@triton.jit
+def _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, J: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
+           NORM: tl.constexpr, ADD: tl.constexpr, HAS_G: tl.constexpr):
+    """x at k + J (offs + J) as the GEMV multiplies it (`_load_x`, `_load_norm_x`); EVEN_K: no tile
+    reaches past K, so only the row is masked."""
+    offs += J
+    k += J
+    mask = m_ok
+    if not EVEN_K:
+        mask = mask & (k < K)
+    if NORM:
+        return _load_norm_x(x_ptr, x2_ptr, g_ptr, offs, k, mask, ADD, HAS_G)
+    else:
+        return _load_x(x_ptr, x2_ptr, offs, mask, GLU)
+
+
+@triton.jit
+def _limb_dot(lo, hi, x_lo_w, x_hi_w, acc, LIMB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+    """acc + (the dot products of the weight nibbles lo/hi with limb LIMB of x) << 8 * LIMB."""
+    p = _dp4a(lo, x_lo_w, tl.zeros_like(lo), LIMB == LIMBS - 1, ASM)
+    p = _dp4a(hi, x_hi_w, p, LIMB == LIMBS - 1, ASM)
+    return acc + (p << (8 * LIMB))
+
+
+@triton.jit
+def _row_dot(lo, hi, m, m_ok, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, KB, stride_xm,
+             stride_xqm, stride_xdm, TB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
+             GLU: tl.constexpr, XFREE: tl.constexpr, XQ: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+             HAS_G: tl.constexpr, EVEN_K: tl.constexpr):
+    """Row m's sums of one weight tile, per block of 32 k: (sum x * w) / s [TB, BLOCK_N] and sum x [TB]
+    (for bias * sum x; None without HAS_BIAS). lo/hi [TB, 4, BLOCK_N] are the low and high nibbles of
+    TB blocks of 32 k from word row kw0.
+
+    x is handled as [TB, 4, 1] tensors, one word per weight word row, in the weight tile's own layout:
+    every thread holds its row's x words (the same in every thread, loads that hit L1), so the weight
+    tile is used in the registers it was loaded into. Built the other way (x as [ROWS, TB, 4, 4] and the
+    tile broadcast over ROWS), Triton moved each weight tile through shared memory: 36 barriers per
+    tile on sm_90a (ptxas, 2026-12-03)."""
+    word = tl.arange(0, TB)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]           # [TB, 4, 1]
+    limb_sum = tl.zeros_like(lo)
+    if XQ:
+        x_ok = m_ok & (blk < KB)[:, None, None]
+        xq_words = xq_ptr + m * stride_xqm + blk[:, None, None] * (8 * LIMBS) + tl.arange(0, 4)[None, :, None]
+        for limb in tl.static_range(LIMBS):
+            limb_sum = _limb_dot(lo, hi, tl.load(xq_words + limb * 8, mask=x_ok, other=0),
+                                 tl.load(xq_words + (limb * 8 + 4), mask=x_ok, other=0), limb_sum, limb, LIMBS, ASM)
+        d = tl.load(xd_ptr + m * stride_xdm + blk, mask=m_ok & (blk < KB), other=0.0)                   # [TB]
+        if HAS_BIAS:
+            x_sum = tl.load(xs_ptr + m * stride_xdm + blk, mask=m_ok & (blk < KB), other=0.0)
+    elif XFREE:   # for measuring only: x taken as a constant (wrong results)
+        for limb in tl.static_range(LIMBS):
+            w = tl.full([TB, 4, 1], 0x01010101 + limb, tl.int32)
+            limb_sum = _limb_dot(lo, hi, w, w, limb_sum, limb, LIMBS, ASM)
+        d = tl.full([TB], 1.0, tl.float32)
+        x_sum = d
+    else:   # x rounded here: 8 loads of [TB, 4, 1], the k % 8 = j of each word row
+        k = kw0 * 8 + word * 8
+        offs = m * stride_xm + k
+        l0 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 0, EVEN_K, GLU, NORM, ADD, HAS_G)
+        l1 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 1, EVEN_K, GLU, NORM, ADD, HAS_G)
+        l2 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 2, EVEN_K, GLU, NORM, ADD, HAS_G)
+        l3 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 3, EVEN_K, GLU, NORM, ADD, HAS_G)
+        h0 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 4, EVEN_K, GLU, NORM, ADD, HAS_G)
+        h1 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 5, EVEN_K, GLU, NORM, ADD, HAS_G)
+        h2 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 6, EVEN_K, GLU, NORM, ADD, HAS_G)
+        h3 = _row_x(x_ptr, x2_ptr, g_ptr, offs, k, m_ok, K, 7, EVEN_K, GLU, NORM, ADD, HAS_G)
+        top = tl.maximum(tl.maximum(tl.maximum(tl.abs(l0), tl.abs(l1)), tl.maximum(tl.abs(l2), tl.abs(l3))),
+                         tl.maximum(tl.maximum(tl.abs(h0), tl.abs(h1)), tl.maximum(tl.abs(h2), tl.abs(h3))))
+        top = tl.max(top, axis=1)                                                                      # [TB, 1]
+        if LIMBS == 3:   # one power of two per row and tile
+            scale, inv = _pow2_scale(tl.max(top, axis=0))
+            d = tl.full([TB], 1.0, tl.float32) * inv
+            sc = scale
+        else:            # d per row and block
+            d2, sc = _block_scale(top, LIMBS)
+            d = tl.sum(d2, axis=1)
+            sc = sc[:, :, None]
+        L0 = _round_to_int(l0, sc)
+        L1 = _round_to_int(l1, sc)
+        L2 = _round_to_int(l2, sc)
+        L3 = _round_to_int(l3, sc)
+        H0 = _round_to_int(h0, sc)
+        H1 = _round_to_int(h1, sc)
+        H2 = _round_to_int(h2, sc)
+        H3 = _round_to_int(h3, sc)
+        for limb in tl.static_range(LIMBS):
+            limb_sum = _limb_dot(lo, hi, _x_word(L0, L1, L2, L3, limb, ASM), _x_word(H0, H1, H2, H3, limb, ASM),
+                                 limb_sum, limb, LIMBS, ASM)
+        if HAS_BIAS:
+            if LIMBS == 3:
+                x_sum = tl.sum(tl.sum((l0 + l1) + (l2 + l3) + ((h0 + h1) + (h2 + h3)), axis=2), axis=1)
+            else:   # of X * d, as XQ
+                x_sum = tl.sum(tl.sum((L0 + L1) + (L2 + L3) + ((H0 + H1) + (H2 + H3)), axis=2), axis=1).to(tl.float32) * d
+    block_sum = tl.sum(limb_sum, axis=1)                                                     # [TB, BLOCK_N] exact
+    if not HAS_BIAS:
+        x_sum = d
+    return block_sum.to(tl.float32) * d[:, None], x_sum
+
+
+@triton.jit
+def _block_params(s_ptr, b_ptr, blk, kw_stop, offs_n, n_mask, stride_sk, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The scale and bias [BLOCK_N] (float32) of block blk of 32 k (zero past the split's end)."""
+    ok = n_mask & (blk * 4 < kw_stop)
+    row = (blk * 32 // GROUP) * stride_sk + offs_n
+    s = tl.load(s_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    b = s
+    if HAS_BIAS:
+        b = tl.load(b_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    return s, b
+
+
+@triton.jit
+def _scaled(sums, x_sum, s0, b0, s1, b1, TB: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """sum over the tile's blocks of sums * s (+ b * x_sum): one [BLOCK_N] vector per block (s0/b0,
+    s1/b1), in the layout the tile's columns have (loaded as [TB, BLOCK_N], float16 scales took 8
+    columns a thread against the tile's 4, and Triton converted every tile through shared memory)."""
+    t = tl.arange(0, TB)[:, None]
+    out = tl.sum(tl.where(t == 0, sums, 0.0), axis=0) * s0
+    if HAS_BIAS:
+        out += b0 * _pick(x_sum, 0)
+    if TB > 1:
+        out += tl.sum(tl.where(t == 1, sums, 0.0), axis=0) * s1
+        if HAS_BIAS:
+            out += b1 * _pick(x_sum, 1 % TB)
+    return out
+
+
+@triton.jit
+def _pick(v, i: tl.constexpr):
+    """Element i of the small vector v, as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, v.shape[0]) == i, v, 0.0), axis=0)
+
+
+@triton.jit
+def _row_out(acc, m, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE: tl.constexpr,
+             RESIDUAL: tl.constexpr):
+    """Row m's sums [BLOCK_N] of one split: added into y (REDUCE 1), stored as the split's partial
+    (REDUCE 2, summed by `_row_total`), or stored (+ the residual) when there is one split."""
+    mask = n_mask & (m < M)
+    if REDUCE == 1:
+        tl.atomic_add(y_ptr + m * stride_ym + offs_n, acc, mask=mask, sem="relaxed")
+    elif REDUCE == 2:
+        tl.store(part + m * N + offs_n, acc, mask=mask)
+    else:
+        if RESIDUAL:
+            acc += tl.load(res_ptr + m * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_total(m, M, N, offs_n, n_mask, splits, y_ptr, res_ptr, part_ptr, stride_ym, stride_rm, RESIDUAL: tl.constexpr):
+    """Row m of y: the splits' partial sums added in order (+ the residual), by the last split to finish."""
+    mask = n_mask & (m < M)
+    total = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for sk in range(0, splits):
+        total += tl.load(part_ptr + sk * M * N + m * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+    if RESIDUAL:
+        total += tl.load(res_ptr + m * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
                         stride_xm, stride_qw, stride_sk, stride_ym, stride_rm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -312,7 +494,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         xq_ptr=None, xd_ptr=None, xs_ptr=None, KB=0, stride_xqm=0, stride_xdm=0,
                         LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False,
                         g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
-                        HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16):
+                        HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -348,10 +530,12 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     blocks = tl.arange(0, TB)
     tile_rows = blocks[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]                # [TB, 4, 1]
     nn = offs_n[None, None, :]
-    x_rel = (tl.arange(0, TB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
-             + tl.arange(0, 4)[None, None, None, :])                                         # [1, TB, 4, 4]
-    shifts = tl.arange(0, 4)[None, None, None, :] * 8
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    tl.static_assert(ROWS == 1 or ROWS == 2 or ROWS == 4, "the word GEMV takes 1, 2 or 4 rows per program")
+    tl.static_assert(TB == 1 or TB == 2, "the word GEMV's tiles are 1 or 2 blocks of 32 k")
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)   # one accumulator per row: see _row_dot
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
                          mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
@@ -367,96 +551,55 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         else:
             w = tl.load(qw_ptr + rows * stride_qw + nn, mask=(rows < kw_stop) & n_mask[None, None, :], other=0)
         blk = kw0 // 4 + blocks                                                               # blocks of 32 k
-        b_ok = (blk * 4 < kw_stop)[:, None] & n_mask[None, :]
-        prow = (blk * 32 // GROUP)[:, None] * stride_sk + offs_n[None, :]
-        s = tl.load(s_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)                      # [TB, BLOCK_N]
-        shape: tl.constexpr = [ROWS, TB, 4, BLOCK_N]
-        lo = tl.broadcast_to((w & 0x0F0F0F0F)[None, :, :, :], shape)
-        hi = tl.broadcast_to(((w >> 4) & 0x0F0F0F0F)[None, :, :, :], shape)
-        zero = tl.zeros(shape, dtype=tl.int32)
-        # x as integers: the low (k % 8 < 4) and high halves of each word's 8 k
-        # (XFREE, for measuring only: x taken as a constant, no x loads or rounding; wrong results)
-        if XQ:
-            x_ok = m_mask[:, None] & (blk < KB)[None, :]                                      # [ROWS, TB]
-            xq_words = (xq_ptr + offs_m[:, None, None] * stride_xqm + blk[None, :, None] * (8 * LIMBS)
-                        + tl.arange(0, 4)[None, None, :])                                     # [ROWS, TB, 4]
-            d = tl.load(xd_ptr + offs_m[:, None] * stride_xdm + blk[None, :], mask=x_ok, other=0.0)
-        elif XFREE:
-            x_lo = tl.full([ROWS, TB, 4, 4], 1.0, tl.float32)
-            x_hi = x_lo
-            d = tl.full([ROWS, TB], 1.0, tl.float32)
-            inv = tl.full([ROWS], 1.0, tl.float32)
-        else:
-            kl = kw0 * 8 + x_rel
-            xm = m_mask[:, None, None, None]
-            x_off = offs_m[:, None, None, None] * stride_xm + kl
-            if NORM:
-                x_lo = _load_norm_x(x_ptr, x2_ptr, g_ptr, x_off, kl, xm & (kl < K), ADD, HAS_G)   # [ROWS, TB, 4, 4]
-                x_hi = _load_norm_x(x_ptr, x2_ptr, g_ptr, x_off + 4, kl + 4, xm & (kl + 4 < K), ADD, HAS_G)
-            else:
-                x_lo = _load_x(x_ptr, x2_ptr, x_off, xm & (kl < K), GLU)                     # [ROWS, TB, 4, 4]
-                x_hi = _load_x(x_ptr, x2_ptr, x_off + 4, xm & (kl + 4 < K), GLU)
-            top = tl.max(tl.max(tl.maximum(tl.abs(x_lo), tl.abs(x_hi)), axis=3), axis=2)    # [ROWS, TB]
-            if LIMBS == 3:
-                scale, inv = _pow2_scale(tl.max(top, axis=1))                                # per row and tile
-                sc = scale[:, None, None, None]
-            else:
-                d, scale = _block_scale(top, LIMBS)                                          # per row and block
-                sc = scale[:, :, None, None]
-            X_lo = _round_to_int(x_lo, sc)
-            X_hi = _round_to_int(x_hi, sc)
-        limb_sum = zero
-        for limb in tl.static_range(LIMBS):
-            if XQ:
-                x_lo_w = tl.load(xq_words + limb * 8, mask=x_ok[:, :, None], other=0)
-                x_hi_w = tl.load(xq_words + (limb * 8 + 4), mask=x_ok[:, :, None], other=0)
-            elif XFREE:
-                x_lo_w = tl.full([ROWS, TB, 4], 0x01010101 + limb, tl.int32)
-                x_hi_w = x_lo_w
-            else:
-                x_lo_w = _limb_words(X_lo, shifts, limb)
-                x_hi_w = _limb_words(X_hi, shifts, limb)
-            p = _dp4a(lo, tl.broadcast_to(x_lo_w[:, :, :, None], shape), zero, limb == LIMBS - 1, ASM)
-            p = _dp4a(hi, tl.broadcast_to(x_hi_w[:, :, :, None], shape), p, limb == LIMBS - 1, ASM)
-            limb_sum += p << (8 * limb)
-        block_sum = tl.sum(limb_sum, axis=2)                                                  # [ROWS, TB, BLOCK_N] exact
-        if LIMBS == 3 and not XQ:
-            acc += tl.sum(block_sum.to(tl.float32) * s[None, :, :], axis=1) * inv[:, None]
-        else:
-            acc += tl.sum(block_sum.to(tl.float32) * (s[None, :, :] * d[:, :, None]), axis=1)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + prow, mask=b_ok, other=0.0).to(tl.float32)
-            if XQ:
-                x_sum = tl.load(xs_ptr + offs_m[:, None] * stride_xdm + blk[None, :], mask=x_ok, other=0.0)
-            elif LIMBS == 3 or XFREE:
-                x_sum = tl.sum(tl.sum(x_lo + x_hi, axis=3), axis=2)                          # [ROWS, TB]
-            else:                                                                             # of X * d, as XQ
-                x_sum = tl.sum(tl.sum(X_lo + X_hi, axis=3), axis=2).to(tl.float32) * d
-            acc += tl.sum(b[None, :, :] * x_sum[:, :, None], axis=1)
+        lo = w & 0x0F0F0F0F
+        hi = (w >> 4) & 0x0F0F0F0F
+        s0, b0 = _block_params(s_ptr, b_ptr, kw0 // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+        s1, b1 = s0, b0
+        if TB > 1:
+            s1, b1 = _block_params(s_ptr, b_ptr, kw0 // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+        m0 = pid_m * ROWS
+        sums, x_sum = _row_dot(lo, hi, m0, m0 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, KB,
+                               stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM, ADD,
+                               HAS_G, EVEN_K)
+        acc0 += _scaled(sums, x_sum, s0, b0, s1, b1, TB, HAS_BIAS)
+        if ROWS > 1:
+            sums, x_sum = _row_dot(lo, hi, m0 + 1, m0 + 1 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr,
+                                   KB, stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM,
+                                   ADD, HAS_G, EVEN_K)
+            acc1 += _scaled(sums, x_sum, s0, b0, s1, b1, TB, HAS_BIAS)
+        if ROWS > 2:
+            sums, x_sum = _row_dot(lo, hi, m0 + 2, m0 + 2 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr,
+                                   KB, stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM,
+                                   ADD, HAS_G, EVEN_K)
+            acc2 += _scaled(sums, x_sum, s0, b0, s1, b1, TB, HAS_BIAS)
+            sums, x_sum = _row_dot(lo, hi, m0 + 3, m0 + 3 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr,
+                                   KB, stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM,
+                                   ADD, HAS_G, EVEN_K)
+            acc3 += _scaled(sums, x_sum, s0, b0, s1, b1, TB, HAS_BIAS)
     if NORM:
-        acc = acc * r[:, None]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if REDUCE == 1:
-        tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
-    elif REDUCE == 2:
+        acc0 *= _pick(r, 0)
+        acc1 *= _pick(r, 1 % ROWS)
+        acc2 *= _pick(r, 2 % ROWS)
+        acc3 *= _pick(r, 3 % ROWS)
+    # each row's sums written on their own (joined into one [ROWS, BLOCK_N] tensor, Triton moved that
+    # layout conversion into the loop, through shared memory, every tile)
+    m0 = pid_m * ROWS
+    part = part_ptr + pid_k * M * N
+    _row_out(acc0, m0, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
+    if ROWS > 1:
+        _row_out(acc1, m0 + 1, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
+    if ROWS > 2:
+        _row_out(acc2, m0 + 2, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
+        _row_out(acc3, m0 + 3, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
+    if REDUCE == 2:
         splits = tl.num_programs(1)
-        column = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + column, acc, mask=mask)
         tl.debug_barrier()                                        # every thread's partial is written
         ticket = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
         if ticket == splits - 1:                                  # the last split of this column: sum in order
-            total = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            for sk in range(0, splits):
-                total += tl.load(part_ptr + sk * M * N + column, mask=mask, other=0.0, cache_modifier=".cg")
-            if RESIDUAL:
-                total += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            for i in tl.static_range(ROWS):
+                _row_total(m0 + i, M, N, offs_n, n_mask, splits, y_ptr, res_ptr, part_ptr, stride_ym, stride_rm,
+                           RESIDUAL)
             tl.atomic_xchg(count_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")   # ready for the next launch
-    else:
-        if RESIDUAL:
-            acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -869,7 +1012,8 @@ def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.T
 # (a few us) only pays where the GEMV's own x work is larger. LIMBS: bytes per rounded x (2 * LIMBS dp4a
 # per weight word): 1 (x to 8 bits per block of 32), 2 (16 bits), 3 (22 bits, float32-level).
 GEMV_LIMBS = int(os.environ.get("INGOT_CUDA_GEMV_LIMBS", "2"))
-XQ_MIN_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_XQ_BYTES", str(16 << 20)))
+XQ_MIN_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_XQ_BYTES", str(8 << 20)))   # H200, 2026-12-03: Llama-3-8B qkv
+# (15.7 MB) 10.0 us with XQ against 11.2 rounding in the GEMV, o (10.5 MB) 7.9 against 8.7; the step 2469 us against 2587
 XQ_BLOCKS = 4                     # blocks of 32 k per program of `_quantize_x_kernel`
 _XQ_WORKSPACE: dict = {}
 
@@ -996,7 +1140,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
         ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
-        RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, **cfg)
+        RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg)
     if target is not y:
         y.copy_(target)
 

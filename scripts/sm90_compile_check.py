@@ -11,6 +11,11 @@ ignored; the exit status is 1 when a launch does not compile.
 
     python scripts/sm90_compile_check.py tests/test_cuda_norm_gemv.py -k "rows1"
     python scripts/sm90_compile_check.py tests/test_cuda_prefill.py tests/test_audio_cuda.py -x
+    python scripts/sm90_compile_check.py --sass /tmp/sass tests/test_cuda_gemv_xq.py
+
+--sass DIR also disassembles each launch (cuobjdump) into DIR and prints, for each loop (a backward
+branch), its instructions, barriers and shared-memory loads and stores: a layout conversion that
+Triton put inside a loop shows as barriers there (the word GEMV had 36 a tile, 2026-12-03).
 
 Needs torch (the CPU build is enough) and triton; ptxas comes with triton's wheel.
 """
@@ -21,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["INGOT_CUDA_DEVICE"] = "cpu"
@@ -73,10 +79,11 @@ class Launches:
                tuple((k, repr(v)) for k, v in constants.items()), tuple(sorted(hints)), tuple(sorted(options.items())))
         self.seen.setdefault(key, (fn, signature, constants, hints, options))
 
-    def compile_all(self) -> int:
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    def compile_all(self, sass_dir: str | None = None) -> int:
+        tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        ptxas = os.path.join(tools, "ptxas")
         failures = 0
-        for fn, signature, constants, hints, options in self.seen.values():
+        for index, (fn, signature, constants, hints, options) in enumerate(self.seen.values()):
             flags = {k: v for k, v in constants.items() if k.isupper() and v is not None}
             label = f"{fn.fn.__name__} {options} {flags}"
             try:
@@ -88,6 +95,8 @@ class Launches:
                         f.write(kernel.asm["ptx"])
                     report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
                                             capture_output=True, text=True).stderr
+                    sass = (subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", os.path.join(tmp, "k.o")],
+                                           capture_output=True, text=True).stdout if sass_dir else "")
                 regs = re.search(r"Used (\d+) registers", report)
                 spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", report))
                 if kernel.metadata.shared > SMEM_LIMIT:
@@ -95,11 +104,35 @@ class Launches:
                                        f"{SMEM_LIMIT} per block: the launch would fail")
                 print(f"ok    regs {regs.group(1) if regs else '?':>3}  spill {spills:>5} B  smem {kernel.metadata.shared:>6} B  "
                       f"{label}")
+                if sass_dir:
+                    path = os.path.join(sass_dir, f"{index:03d}_{fn.fn.__name__}.sass")
+                    with open(path, "w") as f:
+                        f.write(sass)
+                    for loop in loop_counts(sass):
+                        print(f"      loop: {loop['instructions']} instructions, {loop['BAR']} barriers, "
+                              f"{loop['STS'] + loop['STSM']} shared stores, {loop['LDS'] + loop['LDSM']} shared loads  {path}")
             except Exception as e:  # noqa: BLE001 (every failing launch is reported, then the exit status says so)
                 failures += 1
                 message = str(e).strip().splitlines()
                 print(f"FAIL  {label}\n      {type(e).__name__}: {' | '.join(message[-6:])[:1500]}")
         return failures
+
+
+def loop_counts(sass: str) -> list[Counter]:
+    """Per loop of a SASS listing (the instructions from a backward branch's target to the branch):
+    its opcode counts, with 'instructions' the total."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", ln)]
+    address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    opcode = [re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln) for ln in lines]
+    loops = []
+    for at, ln in zip(address, lines):
+        branch = re.search(r"BRA (0x[0-9a-f]+)", ln)
+        if branch and int(branch.group(1), 16) < at:
+            target = int(branch.group(1), 16)
+            counts = Counter(op.group(1) for a, op in zip(address, opcode) if op and target <= a <= at)
+            counts["instructions"] = sum(counts.values())
+            loops.append(counts)
+    return loops
 
 
 class _Plugin:
@@ -124,10 +157,14 @@ class _Plugin:
 
 
 def main(argv: list[str]) -> int:
+    sass_dir = None
+    if argv[:1] == ["--sass"]:
+        sass_dir, argv = argv[1], argv[2:]
+        os.makedirs(sass_dir, exist_ok=True)
     launches = Launches()
     pytest.main(["-q", "-p", "no:cacheprovider", *argv], plugins=[_Plugin(launches)])
     print(f"\n{len(launches.seen)} distinct launches; compiling for sm_90a", flush=True)
-    failures = launches.compile_all()
+    failures = launches.compile_all(sass_dir)
     print(f"{failures} did not compile" if failures else "every launch compiled")
     return 1 if failures else 0
 

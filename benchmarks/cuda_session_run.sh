@@ -28,7 +28,7 @@ run_attention() {
 run_gemv() {
   timeout "${GEMV_S:-100}" python3 benchmarks/cuda_kernels.py --only gemv --rows 1,4 \
     --shapes "${GEMV_SHAPES:-smollm_qkv,llama8b_qkv,llama8b_o,llama8b_gate+up,llama8b_down,llama8b_lm_head}" --row-shapes llama8b_gate+up \
-    --variants "${GEMV_VARIANTS:-default,limbs3,xq-l1,xq-l2,xfree,waves16,waves64,w8,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
+    --variants "${GEMV_VARIANTS:-default,xq-l1,xfree,waves16,waves20,waves24,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
     | grep "^qgemv\|^   \|copy" | tail -20
 }
 smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-60}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \

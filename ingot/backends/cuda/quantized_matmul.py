@@ -353,9 +353,9 @@ def _row_dot(lo, hi, m, m_ok, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr,
              stride_xqm, stride_xdm, TB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
              GLU: tl.constexpr, XFREE: tl.constexpr, XQ: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
              HAS_G: tl.constexpr, EVEN_K: tl.constexpr):
-    """Row m's sums of one weight tile, per block of 32 k: (sum x * w) / s [TB, BLOCK_N] and sum x [TB]
-    (for bias * sum x; None without HAS_BIAS). lo/hi [TB, 4, BLOCK_N] are the low and high nibbles of
-    TB blocks of 32 k from word row kw0.
+    """Row m's sums of one weight tile, per block of 32 k: sum x * v [TB, BLOCK_N] (v the 4-bit values,
+    w = v * s + b) and sum x [TB] (for b * sum x; without HAS_BIAS a placeholder). lo/hi [TB, 4, BLOCK_N]
+    are the low and high nibbles of TB blocks of 32 k from word row kw0.
 
     x is handled as [TB, 4, 1] tensors, one word per weight word row, in the weight tile's own layout:
     every thread holds its row's x words (the same in every thread, loads that hit L1), so the weight

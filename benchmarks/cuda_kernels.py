@@ -94,6 +94,7 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         "default": None,
         "atomic": dict(REDUCE=1), "waves8": dict(WAVES=8), "waves16": dict(WAVES=16), "waves20": dict(WAVES=20),
         "waves24": dict(WAVES=24), "waves64": dict(WAVES=64),
+        "one-wave": dict(WAVES=0),
         "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8),
         "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "stages1": dict(num_stages=1),
         "nloop": dict(NLOOP=True), "nloop-waves32": dict(NLOOP=True, WAVES=32), "nloop-waves8": dict(NLOOP=True, WAVES=8),

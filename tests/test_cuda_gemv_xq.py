@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -145,6 +146,31 @@ def test_defaults_from_the_module_constants(monkeypatch):
             want = qmm.quantized_matmul(x, w, config=dict(SPLIT=1, LIMBS=limbs, XQ=want_xq))
             assert calls == [limbs] * (2 if want_xq else 0)         # the default call, then the explicit one
             assert torch.equal(got, want)
+
+
+def test_resident_programs_and_the_one_wave_split():
+    """Hopper's register file: 64K a multiprocessor, 256 to a warp; WAVES=0 splits K until the programs
+    fill the multiprocessors once (Llama-3-8B gate+up: 56 column blocks of 4 warps)."""
+    assert qmm.resident_programs(100, 4) == 4          # 104 registers a thread: 3328 a warp, 13312 a program
+    assert qmm.resident_programs(168, 4) == 3
+    assert qmm.resident_programs(255, 4) == 2
+    assert qmm.resident_programs(32, 1) == 32          # the 32-program limit, not registers
+    assert qmm.resident_programs(32, 4) == 16          # the 64-warp limit
+    gate_up = types.SimpleNamespace(n=28672, q=torch.empty(512, 1))
+    assert qmm.words_gemv_config(gate_up, 1, 132, waves=0, regs=100)["SPLIT"] == 4 * 132 // 56
+    assert qmm.words_gemv_config(gate_up, 1, 132, waves=0)["SPLIT"] == qmm.words_gemv_config(gate_up, 1, 132)["SPLIT"]
+
+
+def test_one_wave_split_results():
+    """WAVES=0: the first launch takes the default split and records the kernel's registers (a GPU
+    only), the next ones the one-wave split; both equal the default's result."""
+    rng = rng_for("xq-one-wave")
+    w = words_weight(rng, FORMATS[0], (2048, 300, 32))
+    x = torch.from_numpy(rng.standard_normal((1, 2048)).astype(np.float32)).to(DEVICE)
+    want = qmm.quantized_matmul(x, w, config=dict(LIMBS=2, XQ=False))
+    for _ in range(2):
+        got = qmm.quantized_matmul(x, w, config=dict(LIMBS=2, XQ=False, WAVES=0))
+        assert rel_err(got.cpu(), want.cpu()) < 1e-6
 
 
 def test_xq_workspace_allocated_once():

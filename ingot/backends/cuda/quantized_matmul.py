@@ -949,18 +949,37 @@ WORDS_MAX_ROWS = int(os.environ.get("INGOT_CUDA_WORDS_ROWS", "4"))
 DP4A = os.environ.get("TRITON_INTERPRET") != "1"                          # the interpreter runs no inline PTX
 
 
+def resident_programs(regs: int, warps: int) -> int:
+    """Programs of `warps` warps at `regs` registers a thread that one Hopper multiprocessor holds at
+    once: 64K registers allocated 256 to a warp, at most 64 warps and 32 programs."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(1, min(65536 // (per_warp * warps), 64 // warps, 32))
+
+
+# warps a multiprocessor the word GEMV's split-K aims at; 0: exactly one wave of programs from the
+# kernel's registers (about 16 warps at 100 registers; H200, Llama-3-8B gate+up 23.75 us at 16 against
+# 24.39 at 32, 2026-12-03; the one-wave split is not measured yet)
+WORDS_WAVES = int(os.environ.get("INGOT_CUDA_GEMV_WAVES", "32"))
+_WORDS_REGS: dict = {}   # the word GEMV's registers a thread, per compiled variant (from its first launch)
+
+
 def words_gemv_config(w: QuantizedWeight, m: int, sms: int, waves: int = 32, num_warps: int | None = None,
-                      rows: int | None = None) -> dict:
+                      rows: int | None = None, regs: int | None = None) -> dict:
     """The word-layout GEMV: a warp's threads side by side along N (4 columns each, one 16-byte load
     per row of a tile), ROWS rows of x per program (default 1: more spilled registers), and
-    split-K until about `waves` warps per multiprocessor are resident."""
+    split-K until about `waves` warps per multiprocessor are resident. waves=0: split-K until the
+    programs fill the multiprocessors exactly once at `regs` registers a thread (`resident_programs`;
+    32 warps while regs is not known yet)."""
     rows = rows or 1   # one row per program (the weight read once per row): 4 rows in registers spilled (406 us vs 155)
     warps = num_warps or (4 if w.n >= 4 * 128 * 16 else (2 if w.n >= 2 * 128 * 8 else 1))
     block_n = 128 * warps
     programs = triton.cdiv(w.n, block_n) * triton.cdiv(m, rows)
     tb = 2
     tiles = triton.cdiv(w.q.shape[0], 4 * tb)
-    split = max(1, min((waves * sms) // (programs * warps), tiles))
+    if waves == 0 and regs:
+        split = max(1, min(resident_programs(regs, warps) * sms // programs, tiles))
+    else:
+        split = max(1, min(((waves or 32) * sms) // (programs * warps), tiles))
     return dict(BLOCK_N=block_n, TB=tb, ROWS=rows, SPLIT=split, num_warps=warps, PREFETCH=True)
 
 
@@ -1102,8 +1121,11 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     # with x pre-quantized, all (<= 4) rows in one program read the weight once: H200, Llama-3-8B
     # gate+up at 4 rows 87.0 us vs 105.4 one row per program (2026-12-03); without, 4 rows spill
     rows = config.get("ROWS") or (min(triton.next_power_of_2(m), 4) if xq else None)
-    cfg = {**words_gemv_config(w, m, _sm_count(x2.device), config.pop("WAVES", 32), config.get("num_warps"),
-                               rows), **config}
+    waves = config.pop("WAVES", WORDS_WAVES)
+    variant = (w.n, m, w.group, w.bias is not None, xq, rows, x_gate is not None, norm is not None,
+               residual is not None, tuple(sorted(config.items())))
+    cfg = {**words_gemv_config(w, m, _sm_count(x2.device), waves, config.get("num_warps"), rows,
+                               _WORDS_REGS.get(variant)), **config}
     block_n, tb, rows, split = cfg.pop("BLOCK_N"), cfg.pop("TB"), cfg.pop("ROWS"), cfg.pop("SPLIT")
     limbs = cfg.pop("LIMBS", GEMV_LIMBS)
     assert limbs in (1, 2, 3), f"LIMBS={limbs}: x in 1, 2 or 3 bytes"
@@ -1136,11 +1158,13 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape
         x2, gate = gate, x2       # the kernel reads silu(x_ptr) * x2_ptr
     res = residual if residual is not None else y
-    _qgemv_words_kernel[grid](
+    compiled = _qgemv_words_kernel[grid](
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
         ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
         RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg)
+    if waves == 0 and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
+        _WORDS_REGS[variant] = compiled.n_regs
     if target is not y:
         y.copy_(target)
 

@@ -5,7 +5,8 @@
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run) and the mel kernel's
 # lanes variant; tests: the cuda tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants; smollm / llama: end to end by default (and SmolLM2 without the norm folded
-# into the GEMVs, INGOT_CUDA_NORM_GEMV=0; Llama with the one-wave GEMV split, INGOT_CUDA_GEMV_WAVES=0).
+# into the GEMVs, INGOT_CUDA_NORM_GEMV=0, and with one-block GEMV tiles where latency-bound,
+# INGOT_CUDA_GEMV_TB=auto; Llama with the one-wave GEMV split, INGOT_CUDA_GEMV_WAVES=0).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -29,14 +30,14 @@ run_attention() {
 run_gemv() {
   timeout "${GEMV_S:-100}" python3 benchmarks/cuda_kernels.py --only gemv --rows 1,4 \
     --shapes "${GEMV_SHAPES:-smollm_qkv,llama8b_qkv,llama8b_o,llama8b_gate+up,llama8b_down,llama8b_lm_head}" --row-shapes llama8b_gate+up \
-    --variants "${GEMV_VARIANTS:-default,xq-l1,xfree,waves16,waves20,one-wave,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
+    --variants "${GEMV_VARIANTS:-default,xq-l1,xfree,waves16,waves20,one-wave,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
     | grep "^qgemv\|^   \|copy" | tail -20
 }
 smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-60}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \
   --json "$OUT/smollm_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-150}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
-run_smollm() { smollm default; smollm norm-gemv-off INGOT_CUDA_NORM_GEMV=0; }
+run_smollm() { smollm default; smollm norm-gemv-off INGOT_CUDA_NORM_GEMV=0; smollm tb-auto INGOT_CUDA_GEMV_TB=auto; }
 run_llama() { llama default; llama one-wave INGOT_CUDA_GEMV_WAVES=0; }
 
 for part in $parts; do

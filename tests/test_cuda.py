@@ -181,7 +181,7 @@ def test_words_gemv(rows, fmt, shape):
     x = torch.randn(rows, k, device=DEVICE)
     want = (x.double() @ qmm.dequantize(w).double())
     configs = [{}, dict(SPLIT=1), dict(ROWS=4), dict(PREFETCH=False, SPLIT=3), dict(num_warps=1, WAVES=4),
-               dict(REDUCE=2), dict(NLOOP=True), dict(NLOOP=True, TB=2)]
+               dict(REDUCE=2), dict(NLOOP=True), dict(NLOOP=True, TB=2), dict(TB=1), dict(TB="auto", ROWS=2)]
     # x is rounded to GEMV_LIMBS bytes: 3, 22-bit integers per tile (a few float32 roundings of the tile's
     # largest element; the N-loop kernel always); 2, 16 bits per block of 32 (about 2e-5 on Gaussian x);
     # 1, 8 bits (about 5e-3). tests/test_cuda_gemv_xq.py checks each against its rounding bound.

@@ -159,6 +159,11 @@ def test_resident_programs_and_the_one_wave_split():
     gate_up = types.SimpleNamespace(n=28672, q=torch.empty(512, 1))
     assert qmm.words_gemv_config(gate_up, 1, 132, waves=0, regs=100)["SPLIT"] == 4 * 132 // 56
     assert qmm.words_gemv_config(gate_up, 1, 132, waves=0)["SPLIT"] == qmm.words_gemv_config(gate_up, 1, 132)["SPLIT"]
+    # tb="auto": one block a tile where even a tile per program leaves multiprocessors idle (SmolLM2's qkv)
+    qkv = types.SimpleNamespace(n=960, q=torch.empty(72, 1))
+    assert qmm.words_gemv_config(qkv, 1, 132, tb="auto")["TB"] == 1
+    assert qmm.words_gemv_config(qkv, 1, 132, tb="auto")["SPLIT"] == 18
+    assert qmm.words_gemv_config(gate_up, 1, 132, tb="auto")["TB"] == 2
 
 
 def test_one_wave_split_results():

@@ -960,21 +960,29 @@ def resident_programs(regs: int, warps: int) -> int:
 # kernel's registers (about 16 warps at 100 registers; H200, Llama-3-8B gate+up 23.75 us at 16 against
 # 24.39 at 32, 2026-12-03; the one-wave split is not measured yet)
 WORDS_WAVES = int(os.environ.get("INGOT_CUDA_GEMV_WAVES", "32"))
+# blocks of 32 k per tile: 2 (measured), 1, or "auto" (1 for latency-bound GEMVs; SmolLM2's qkv: 702
+# instructions a program instead of 1439 in ptxas, not timed yet)
+WORDS_TB = os.environ.get("INGOT_CUDA_GEMV_TB", "2")
 _WORDS_REGS: dict = {}   # the word GEMV's registers a thread, per compiled variant (from its first launch)
 
 
 def words_gemv_config(w: QuantizedWeight, m: int, sms: int, waves: int = 32, num_warps: int | None = None,
-                      rows: int | None = None, regs: int | None = None) -> dict:
+                      rows: int | None = None, regs: int | None = None, tb: int | str | None = None) -> dict:
     """The word-layout GEMV: a warp's threads side by side along N (4 columns each, one 16-byte load
     per row of a tile), ROWS rows of x per program (default 1: more spilled registers), and
     split-K until about `waves` warps per multiprocessor are resident. waves=0: split-K until the
     programs fill the multiprocessors exactly once at `regs` registers a thread (`resident_programs`;
-    32 warps while regs is not known yet)."""
+    32 warps while regs is not known yet). tb: blocks of 32 k a tile (1 or 2; default WORDS_TB); "auto":
+    1 where even one tile per program leaves multiprocessors idle (a latency-bound GEMV: each program's
+    serial work, x rounded by every thread, halves)."""
     rows = rows or 1   # one row per program (the weight read once per row): 4 rows in registers spilled (406 us vs 155)
     warps = num_warps or (4 if w.n >= 4 * 128 * 16 else (2 if w.n >= 2 * 128 * 8 else 1))
     block_n = 128 * warps
     programs = triton.cdiv(w.n, block_n) * triton.cdiv(m, rows)
-    tb = 2
+    tb = tb or WORDS_TB
+    if tb == "auto":
+        tb = 1 if ((waves or 32) * sms) // (programs * warps) > triton.cdiv(w.q.shape[0], 8) else 2
+    tb = int(tb)
     tiles = triton.cdiv(w.q.shape[0], 4 * tb)
     if waves == 0 and regs:
         split = max(1, min(resident_programs(regs, warps) * sms // programs, tiles))
@@ -1121,11 +1129,11 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     # with x pre-quantized, all (<= 4) rows in one program read the weight once: H200, Llama-3-8B
     # gate+up at 4 rows 87.0 us vs 105.4 one row per program (2026-12-03); without, 4 rows spill
     rows = config.get("ROWS") or (min(triton.next_power_of_2(m), 4) if xq else None)
-    waves = config.pop("WAVES", WORDS_WAVES)
-    variant = (w.n, m, w.group, w.bias is not None, xq, rows, x_gate is not None, norm is not None,
+    waves, tb = config.pop("WAVES", WORDS_WAVES), config.pop("TB", None)
+    variant = (w.n, m, w.group, w.bias is not None, xq, rows, tb, x_gate is not None, norm is not None,
                residual is not None, tuple(sorted(config.items())))
     cfg = {**words_gemv_config(w, m, _sm_count(x2.device), waves, config.get("num_warps"), rows,
-                               _WORDS_REGS.get(variant)), **config}
+                               _WORDS_REGS.get(variant), tb), **config}
     block_n, tb, rows, split = cfg.pop("BLOCK_N"), cfg.pop("TB"), cfg.pop("ROWS"), cfg.pop("SPLIT")
     limbs = cfg.pop("LIMBS", GEMV_LIMBS)
     assert limbs in (1, 2, 3), f"LIMBS={limbs}: x in 1, 2 or 3 bytes"

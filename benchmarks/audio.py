@@ -207,9 +207,6 @@ def cuda_main(args) -> None:
             "ingot log-mel, passes of 2^16": (log_mel, {}, {"PASS_FRAMES": 1 << 16}),
             "ingot log-mel, passes of 2^18": (log_mel, {}, {"PASS_FRAMES": 1 << 18}),
             "ingot log-mel, 3 streams": (log_mel, {}, {"STREAMS": 3}),
-            "ingot log-mel, lanes 8": (log_mel, {}, {"UNROLLED_CONFIG": {"lanes": 8}}),
-            "ingot log-mel, lanes 16": (log_mel, {}, {"UNROLLED_CONFIG": {"lanes": 16}}),
-            "ingot log-mel, lanes 32": (log_mel, {}, {"UNROLLED_CONFIG": {"lanes": 32}}),
             "ingot log-mel, ahead 1": (log_mel, {}, {"UNROLLED_CONFIG": {"lookahead": 1}}),
             "ingot log-mel, ahead 8": (log_mel, {}, {"UNROLLED_CONFIG": {"lookahead": 8}}),
             "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, {}),
@@ -296,12 +293,10 @@ def cuda_main(args) -> None:
         for precision, block_f, block_b, num_warps, num_stages in stream_configs[:1] if args.quick else stream_configs:
             part("stream kernel", f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}",
                  lambda: cuda_fft.spectrum_mel(spectrum, projection, out, precision, block_f, block_b, num_warps, num_stages))
-        for block_f, num_warps, ahead, lanes in ((128, 4, 1, 1), (128, 4, 16, 1), (64, 2, 16, 1), (128, 4, 32, 1),
-                                                 (32, 4, 0, 8), (32, 4, 0, 16), (64, 4, 0, 16), (16, 2, 0, 16),
-                                                 (32, 4, 0, 32), (64, 8, 0, 32)):
-            kernel = cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead, lanes=lanes)
+        for block_f, num_warps, ahead in ((128, 4, 1), (128, 4, 16), (64, 2, 16), (128, 4, 32)):
+            kernel = cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead)
             unrolled = dataclasses.replace(projection, unrolled=kernel)
-            part("unrolled kernel", f"F{block_f} warps {num_warps} " + (f"lanes {lanes}" if lanes > 1 else f"ahead {ahead}"),
+            part("unrolled kernel", f"F{block_f} warps {num_warps} ahead {ahead}",
                  lambda: cuda_fft.unrolled_mel(spectrum, unrolled, out, block_f, num_warps))
         power = spectrum = out = reference = None   # free the device memory before the next length
         copy = torch.empty_like(x)
@@ -319,7 +314,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--quick", action="store_true", help="cuda: only the default log-mel, Whisper and STFT graphs")
     ap.add_argument("--skip-parts", action="store_true", help="cuda: not the per-kernel timings of the chain's parts")
-    ap.add_argument("--also", default="", help="cuda --quick: log-mel variants to add, e.g. 'lanes 16,gemm method'")
+    ap.add_argument("--also", default="", help="cuda --quick: log-mel variants to add, e.g. 'ahead 8,gemm method'")
     args = ap.parse_args()
     if args.device == "cuda":
         return cuda_main(args)

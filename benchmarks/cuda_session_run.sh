@@ -2,8 +2,7 @@
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so two calls:
 #   bash benchmarks/cuda_session_run.sh audio attention gemv      # ~450 s
 #   bash benchmarks/cuda_session_run.sh tests smollm llama        # ~560 s (the tests alone ~280 s at -n 16)
-# audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run) and the mel kernel's
-# lanes variant; tests: the cuda tests; attention: decode at 32k and short caches, prefill at 4k;
+# audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants; smollm / llama: end to end by default (and SmolLM2 without the norm folded
 # into the GEMVs, INGOT_CUDA_NORM_GEMV=0, and with one-block GEMV tiles where latency-bound,
 # INGOT_CUDA_GEMV_TB=auto; Llama with the one-wave GEMV split, INGOT_CUDA_GEMV_WAVES=0).
@@ -15,7 +14,7 @@ parts=${*:-audio attention gemv tests smollm llama}
 
 run_audio() {
   timeout "${AUDIO_S:-200}" python3 benchmarks/audio.py --device cuda --quick --skip-parts --durations 3600 \
-    --also "lanes 16,lanes 8" 2>&1 | grep " ms\|ratio torch.stft"
+    2>&1 | grep " ms\|ratio torch.stft"
 }
 run_tests() {
   timeout "${TESTS_S:-330}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \

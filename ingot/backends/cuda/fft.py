@@ -273,84 +273,23 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     return "\n".join(lines) + "\n"
 
 
-def lanes_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lanes: int,
-                 epilogue: str = "@v") -> str:
-    """unrolled_source's kernel with the bins of a frame spread over `lanes` threads: the bins go by
-    in groups of `lanes`, each a [BLOCK_F, lanes] tile (a warp load touches 32 / lanes frames, not 32:
-    fewer cache lines per load instruction), the window's neighbours loaded shifted by one bin, each
-    band accumulated as a tile with its weights loaded from w_ptr (the [n_mels, bins] filters) and
-    summed across the lanes when its last bin is in."""
-    assert lanes >= 2 and lanes & (lanes - 1) == 0, lanes
-    bank = _Bank(filters, n_fft, cosine)
-    filters, n_mels, bins, windowed, a0, a1_half, nonzero, first, last = bank.parts()
-    mirror = n_fft - bins                      # X[bins] = conj X[mirror]
-    lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
-             "def mel_kernel(spec_ptr, w_ptr, out_ptr, F, stride_om, BLOCK_F: tl.constexpr):",
-             f'    """{n_mels} mel bands of the {n_fft}-point spectrum, {lanes} lanes per frame: generated."""',
-             "    f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)",
-             "    ok = f < F",
-             f"    t = tl.arange(0, {lanes})",
-             f"    rows = spec_ptr + f.to(tl.int64)[:, None, None] * {2 * bins} + 2 * t[None, :, None] + tl.arange(0, 2)[None, None, :]",
-             "    row_ok = ok[:, None, None]",
-             f"    one = spec_ptr + f.to(tl.int64)[:, None] * {2 * bins} + tl.arange(0, 2)[None, :]",
-             "    out = out_ptr + f.to(tl.int64)"]
-    lines += bank.empty_band_stores(epilogue)
-    if windowed:   # the ends' continuations, one value per frame, broadcast over the lanes
-        lines.append("    r_lo, i_lo = tl.split(tl.load(one + 2, mask=ok[:, None], other=0.0))")
-        lines.append(f"    r_hi, i_hi = tl.split(tl.load(one + {2 * mirror}, mask=ok[:, None], other=0.0))")
-
-    def tile(name: str, k0: int) -> None:   # bins k0 + t (those in [0, bins); zeros elsewhere)
-        cond = "row_ok" if 0 <= k0 and k0 + lanes <= bins else f"row_ok & ((t >= {-k0}) & (t < {bins - k0}))[None, :, None]"
-        lines.append(f"    r{name}, i{name} = tl.split(tl.load(rows + {2 * k0}, mask={cond}, other=0.0))")
-
-    for g, k0 in enumerate(range(0, bins, lanes)):
-        tile("c", k0)
-        if windowed:
-            tile("b", k0 - 1)
-            tile("a", k0 + 1)
-            if k0 == 0:        # X[-1] = conj X[1]
-                lines.append("    rb = tl.where((t == 0)[None, :], r_lo[:, None], rb)")
-                lines.append("    ib = tl.where((t == 0)[None, :], -i_lo[:, None], ib)")
-            if k0 + lanes >= bins:     # X[bins] = conj X[n_fft - bins]
-                lines.append(f"    ra = tl.where((t == {bins - 1 - k0})[None, :], r_hi[:, None], ra)")
-                lines.append(f"    ia = tl.where((t == {bins - 1 - k0})[None, :], -i_hi[:, None], ia)")
-            lines.append(f"    wr = {a0!r} * rc - {a1_half!r} * (rb + ra)")
-            lines.append(f"    wi = {a0!r} * ic - {a1_half!r} * (ib + ia)")
-            lines.append("    p = wr * wr + wi * wi")
-        else:
-            lines.append("    p = rc * rc + ic * ic")
-        for m in np.nonzero(nonzero[:, k0:k0 + lanes].any(axis=1))[0]:
-            mask = "" if k0 + lanes <= bins else f", mask=t < {bins - k0}, other=0.0"
-            lines.append(f"    w = tl.load(w_ptr + {m * bins + k0} + t{mask})")
-            lines.append(f"    a{m} = p * w[None, :]" if k0 <= first[m] else f"    a{m} += p * w[None, :]")
-            if last[m] < k0 + lanes:
-                value = epilogue.replace("@v", f"tl.sum(a{m}, axis=1)")
-                lines.append(f"    tl.store(out + {m} * stride_om, {value}, mask=ok)")
-    return "\n".join(lines) + "\n"
-
-
 # "unrolled" kernel: frames per program, warps, bins loaded ahead (H200, the hour's log-mel through the
 # graph: 1.375 ms with loads 16 bins ahead, 1.389 with 8, 1.428 with 1; 128 frames / 4 warps as fast as
-# any other tile measured, 2 frames per thread 40 % slower: benchmarks/audio.py)
+# any other tile measured, 2 frames per thread 40 % slower; a frame's bins spread over 8 or 16 threads,
+# so that a warp load touches fewer frames' cache lines, 1.725 / 1.792 ms against 1.363, 2026-12-03:
+# benchmarks/audio.py)
 UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "128")),
                        num_warps=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_WARPS", "4")),
-                       lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "16")),
-                       lanes=int(os.environ.get("INGOT_CUDA_MEL_LANES", "1")),   # > 1: lanes_source (not measured yet)
-                       lanes_block_f=int(os.environ.get("INGOT_CUDA_MEL_LANES_F", "32")))
+                       lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "16")))
 
 
 def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int | None = None,
-                    epilogue: str = "@v", lanes: int | None = None):
+                    epilogue: str = "@v"):
     """The compiled-in kernel for this bank, window and epilogue (generated once per process and cached
-    on disk by its source, like the fused regions); lanes > 1: lanes_source's."""
+    on disk by its source, like the fused regions)."""
     from .fused import _load_kernel
     ahead = UNROLLED_CONFIG["lookahead"] if lookahead is None else lookahead
-    lanes = UNROLLED_CONFIG["lanes"] if lanes is None else lanes
-    source = lanes_source(filters, n_fft, cosine, lanes, epilogue) if lanes > 1 else \
-        unrolled_source(filters, n_fft, cosine, ahead, epilogue)
-    kernel = _load_kernel(source, "mel_kernel")
-    kernel.lanes = lanes
-    return kernel
+    return _load_kernel(unrolled_source(filters, n_fft, cosine, ahead, epilogue), "mel_kernel")
 
 
 def _spectrum_and_out(spectrum: torch.Tensor, projection: "MelProjection", out: torch.Tensor | None):
@@ -378,7 +317,7 @@ def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch
     if frames == 0:
         return out
     kernel = projection.unrolled
-    block_f = block_f or UNROLLED_CONFIG["lanes_block_f" if getattr(kernel, "lanes", 1) > 1 else "block_f"]
+    block_f = block_f or UNROLLED_CONFIG["block_f"]
     kernel[(triton.cdiv(frames, block_f),)](torch.view_as_real(spectrum), projection.filters, out, frames, out.stride(0),
                                             BLOCK_F=block_f, num_warps=num_warps or UNROLLED_CONFIG["num_warps"])
     return out

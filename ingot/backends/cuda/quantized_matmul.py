@@ -581,8 +581,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         acc1 *= _pick(r, 1 % ROWS)
         acc2 *= _pick(r, 2 % ROWS)
         acc3 *= _pick(r, 3 % ROWS)
-    # each row's sums written on their own (joined into one [ROWS, BLOCK_N] tensor, Triton moved that
-    # layout conversion into the loop, through shared memory, every tile)
+    # each row's sums written on their own, in the accumulators' layout
     m0 = pid_m * ROWS
     part = part_ptr + pid_k * M * N
     _row_out(acc0, m0, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)

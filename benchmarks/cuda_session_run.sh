@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so two calls:
 #   bash benchmarks/cuda_session_run.sh audio attention gemv      # ~450 s
-#   bash benchmarks/cuda_session_run.sh tests smollm llama        # ~560 s (the tests alone ~280 s at -n 16)
-# audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda tests; attention: decode at 32k and short caches, prefill at 4k;
+#   bash benchmarks/cuda_session_run.sh tests smollm llama        # ~450 s (tests ~280 s at -n 16, each model run < 1 min)
+# audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
+# tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants; smollm / llama: end to end by default (and SmolLM2 without the norm folded
 # into the GEMVs, INGOT_CUDA_NORM_GEMV=0, and with one-block GEMV tiles where latency-bound,
 # INGOT_CUDA_GEMV_TB=auto; Llama with the one-wave GEMV split, INGOT_CUDA_GEMV_WAVES=0).
@@ -32,9 +33,9 @@ run_gemv() {
     --variants "${GEMV_VARIANTS:-default,xq-l1,xfree,waves16,waves20,one-wave,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
     | grep "^qgemv\|^   \|copy" | tail -20
 }
-smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-60}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \
+smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-45}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \
   --json "$OUT/smollm_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
-llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-150}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
+llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-90}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 run_smollm() { smollm default; smollm norm-gemv-off INGOT_CUDA_NORM_GEMV=0; smollm tb-auto INGOT_CUDA_GEMV_TB=auto; }
 run_llama() { llama default; llama one-wave INGOT_CUDA_GEMV_WAVES=0; }

@@ -399,7 +399,7 @@ def _row_dot(lo, hi, m, m_ok, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr,
             sc = scale
         else:            # d per row and block
             d2, sc = _block_scale(top, LIMBS)
-            d = tl.sum(d2, axis=1)
+            d = tl.sum(d2, axis=1)        # [TB, 1] -> [TB] (a sum over one element)
             sc = sc[:, :, None]
         L0 = _round_to_int(l0, sc)
         L1 = _round_to_int(l1, sc)
@@ -532,6 +532,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     nn = offs_n[None, None, :]
     tl.static_assert(ROWS == 1 or ROWS == 2 or ROWS == 4, "the word GEMV takes 1, 2 or 4 rows per program")
     tl.static_assert(TB == 1 or TB == 2, "the word GEMV's tiles are 1 or 2 blocks of 32 k")
+    m0 = pid_m * ROWS                                # this program's first row of x
     acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)   # one accumulator per row: see _row_dot
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -557,7 +558,6 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         s1, b1 = s0, b0
         if TB > 1:
             s1, b1 = _block_params(s_ptr, b_ptr, kw0 // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
-        m0 = pid_m * ROWS
         sums, x_sum = _row_dot(lo, hi, m0, m0 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, KB,
                                stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM, ADD,
                                HAS_G, EVEN_K)
@@ -582,7 +582,6 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         acc2 *= _pick(r, 2 % ROWS)
         acc3 *= _pick(r, 3 % ROWS)
     # each row's sums written on their own, in the accumulators' layout
-    m0 = pid_m * ROWS
     part = part_ptr + pid_k * M * N
     _row_out(acc0, m0, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
     if ROWS > 1:

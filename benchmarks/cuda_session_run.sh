@@ -18,7 +18,7 @@ run_audio() {
     2>&1 | grep " ms\|ratio torch.stft"
 }
 run_tests() {
-  timeout "${TESTS_S:-330}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
+  timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
     tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
     tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
@@ -33,9 +33,9 @@ run_gemv() {
     --variants "${GEMV_VARIANTS:-default,xq-l1,xfree,waves16,waves20,one-wave,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
     | grep "^qgemv\|^   \|copy" | tail -20
 }
-smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-45}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \
+smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-40}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \
   --json "$OUT/smollm_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
-llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-90}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
+llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-80}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 run_smollm() { smollm default; smollm norm-gemv-off INGOT_CUDA_NORM_GEMV=0; smollm tb-auto INGOT_CUDA_GEMV_TB=auto; }
 run_llama() { llama default; llama one-wave INGOT_CUDA_GEMV_WAVES=0; }

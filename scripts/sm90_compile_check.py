@@ -31,6 +31,7 @@ from collections import Counter
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["INGOT_CUDA_DEVICE"] = "cpu"
 os.environ.setdefault("INGOT_CUDA_GRAPHS", "0")
+os.environ.setdefault("INGOT_CUDA_PDL", "force")   # the kernels as the H200 runs them
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -42,7 +43,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
           torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
           torch.bool: "i1", torch.uint32: "u32"}
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
 SMEM_LIMIT = 227 * 1024   # shared memory one block may use on sm_90 (H100/H200)
 
 

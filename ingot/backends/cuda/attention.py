@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
+
 LOG2E = 1.4426950408889634
 
 
@@ -47,7 +49,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, MERGE: tl.constexpr = False, SHORT_PATH: tl.constexpr = False,
-                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False):
+                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -58,6 +60,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     partials, ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys
     per split (a short cache uses one split). EARLY_V: the V tile is loaded with the K tile, before
     the softmax math. All three off: the kernel as before (every split stores partials)."""
+    pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // HK
@@ -151,10 +154,11 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK,
                     so_b, so_h, so_t,
                     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_DV: tl.constexpr, LEN_FROM_PTR: tl.constexpr = False, BLOCK_N: tl.constexpr = 16,
-                    SHORT_PATH: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0):
+                    SHORT_PATH: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Merge the splits' partial softmaxes of one query row: weights exp2(m_s - max), CHUNK splits at a time.
     SHORT_PATH: only the `active` splits stored partials (recomputed here from the length, as the
     decode kernel does); with at most one, that split wrote the output and this program returns."""
+    pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)
     b = pid_bh // HK
@@ -273,7 +277,7 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PRECISION: tl.constexpr, SPLIT_STAGES: tl.constexpr = True, HEAVY_FIRST: tl.constexpr = True,
                   HEADS_ON_AXIS0: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True):
+                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True, PDL: tl.constexpr = False):
     """One BLOCK_M block of query rows of one (batch, query head) against the keys it may see.
 
     SPLIT_STAGES: the key tiles every row sees run unmasked, then the diagonal / tail tiles masked
@@ -281,6 +285,7 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
     so the short ones fill the last wave. HEADS_ON_AXIS0: grid (B*Hq, blocks) instead of (blocks, B*Hq).
     USE_TMA: Q/K/V tiles through on-device tensor descriptors (16-byte aligned rows; the wrapper checks).
     EVEN_D: D == BLOCK_D and DV == BLOCK_DV (no column masks)."""
+    pdl_enter(PDL)
     if HEADS_ON_AXIS0:
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -455,14 +460,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("ieee" if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}))
+            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **pdl_args(q.device))
         if merge:
             return result
         _combine_kernel[(nb * hk, group * tq)](
             o_part, ml_part, o4, len_ptr, len_const, hk, group, tq, tbuf, dv, o4.stride(0), o4.stride(1), o4.stride(2),
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),
             BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=from_ptr, BLOCK_N=bn, SHORT_PATH=short_path,
-            MIN_CHUNK=max(min_chunk, 0), num_warps=4)
+            MIN_CHUNK=max(min_chunk, 0), num_warps=4, **pdl_args(q.device))
         return result
     mask4 = q4  # unused pointer
     strides = (0, 0, 0, 0)
@@ -488,7 +493,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("tf32x3" if f32 else "tf32"),
         SPLIT_STAGES=split_stages, HEAVY_FIRST=heavy_first, HEADS_ON_AXIS0=heads_on_axis0, USE_TMA=use_tma,
         EVEN_D=d == block_d and dv == block_dv, SCALE_NONNEG=qk_scale >= 0,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl_args(q.device))
     return result
 
 

@@ -25,13 +25,15 @@ import triton
 import triton.language as tl
 
 from ...ir import Node, Op
+from .pdl import pdl_args, pdl_enter
 
 
 # -- RMSNorm --------------------------------------------------------------------------------------
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, D, sx, sy, so, ss, eps,
-                     HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -61,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight if weight is not None else x2, out, out, x2.shape[1],
                                          x2.stride(0), 0, out.stride(0), 0, float(eps), HAS_WEIGHT=weight is not None,
                                          ADD=False, BLOCK_D=triton.next_power_of_2(x2.shape[1]),
-                                         num_warps=4 if x2.shape[1] <= 2048 else 8)
+                                         num_warps=4 if x2.shape[1] <= 2048 else 8, **pdl_args(x.device))
     return out.view(x.shape)
 
 
@@ -75,7 +77,7 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None, 
                                          a2.stride(0), b2.stride(0), out.stride(0), total.stride(0), float(eps),
                                          HAS_WEIGHT=weight is not None, ADD=True,
                                          BLOCK_D=triton.next_power_of_2(a2.shape[1]),
-                                         num_warps=4 if a2.shape[1] <= 2048 else 8)
+                                         num_warps=4 if a2.shape[1] <= 2048 else 8, **pdl_args(a.device))
     return total.view(a.shape), out.view(a.shape)
 
 
@@ -84,9 +86,10 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None, 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, inv_ptr, out_ptr, T, D, HALF, sx_r, sx_t, so_r, so_t, OUT_ROWS,
                  POS_VECTOR: tl.constexpr, INTERLEAVED: tl.constexpr, AT_POSITION: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """One row (r, t) of x rotated by its position; written to out row t, or with AT_POSITION to out row
     `position` (RoPE and the KV-cache write in one pass; positions past the cache are dropped)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     r = row // T
     t = row % T
@@ -130,7 +133,8 @@ def _launch_rope(x3, pos, inv_freq, out3, interleaved, at_position):
         _rope_kernel[(rows,)](x3, pos, inv_freq, out3, t, d, half, x3.stride(0), x3.stride(1), out3.stride(0),
                               out3.stride(1), out3.shape[1], POS_VECTOR=pos.dim() == 1, INTERLEAVED=interleaved,
                               AT_POSITION=at_position, BLOCK_H=triton.next_power_of_2(max(half, 1)),
-                              BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+                              BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4,
+                              **pdl_args(x3.device))
 
 
 def _rows3(x: torch.Tensor) -> torch.Tensor:
@@ -161,10 +165,11 @@ def rope_into(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, inv_freq:
 @triton.jit
 def _rope_qkv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_ptr, Q_ROWS, KV_ROWS, T, D, HALF,
                      sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, sqo_r, sqo_t, skc_r, skc_t, svc_r, svc_t, C,
-                     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """A decoder layer's q/k/v glue in one launch: programs [0, Q_ROWS) rotate q into qo; the next
     KV_ROWS rotate k into the k cache at row pos + t; the last KV_ROWS copy v into the v cache there
     (rows past the cache are dropped, as slice_write drops them)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     if row < Q_ROWS:
         r = row // T
@@ -229,7 +234,8 @@ def rope_qkv_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.
         q3, k3, v3, pos, inv_freq, out, kc3, vc3, q_rows, kv_rows, t, d, half, q3.stride(0), q3.stride(1),
         k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), out.stride(0), out.stride(1), kc3.stride(0),
         kc3.stride(1), vc3.stride(0), vc3.stride(1), kc3.shape[1], INTERLEAVED=interleaved,
-        BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+        BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4,
+        **pdl_args(q.device))
     return out.view(q.shape)
 
 
@@ -243,9 +249,10 @@ def _slice_write_kernel(dst_ptr, src_ptr, total,
                         p0, p1, p2, p3, p4, p5, c0, c1, c2, c3, c4, c5,
                         u0, u1, u2, u3, u4, u5, d0, d1, d2, d3, d4, d5, s0, s1, s2, s3, s4, s5,
                         R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
-                        R4: tl.constexpr, R5: tl.constexpr, BLOCK: tl.constexpr):
+                        R4: tl.constexpr, R5: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """dst[start + i] = src[i] over a rank-6 (padded) update; start_a = *p_a if R_a else c_a.
     Elements that would land outside dst are dropped (the host cannot check a device start)."""
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     v = tl.load(src_ptr + offs, mask=ok)
@@ -292,7 +299,7 @@ def slice_write(dst: torch.Tensor, src: torch.Tensor, starts) -> torch.Tensor:
     if total:
         block = 1024
         _slice_write_kernel[(triton.cdiv(total, block),)](dst, src, total, *ptrs, *consts, *u, *d, *s,
-                                                          BLOCK=block, num_warps=4, **flags)
+                                                          BLOCK=block, num_warps=4, **flags, **pdl_args(dst.device))
     return dst
 
 
@@ -302,7 +309,8 @@ def slice_write(dst: torch.Tensor, src: torch.Tensor, starts) -> torch.Tensor:
 def _qgather_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMIT,
                     stride_qk, stride_sk, lut_block_k, lut_block_n, stride_lk, stride_ln, so_j, so_t,
                     BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    AXIS: tl.constexpr, BLOCK: tl.constexpr):
+                    AXIS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     i = tl.load(idx_ptr + t).to(tl.int64)
@@ -352,7 +360,7 @@ def quantized_gather(weight, idx: torch.Tensor, axis: int, dtype: torch.dtype) -
             weight.q, scale, bias, lut, flat, out, extent, limit, weight.q.stride(0),
             weight.scale.stride(0) if weight.scale is not None else 0, weight.lut_block_k, weight.lut_block_n, *sl,
             so_j, so_t, BITS=weight.bits, LUT=weight.lut is not None, GROUP=weight.group,
-            HAS_BIAS=weight.bias is not None, AXIS=axis, BLOCK=block, num_warps=4)
+            HAS_BIAS=weight.bias is not None, AXIS=axis, BLOCK=block, num_warps=4, **pdl_args(out.device))
     if axis == 1:
         return out.view(extent, *idx.shape)
     return out.view(*idx.shape, extent)
@@ -423,8 +431,11 @@ class RegionKernel:
         rank = len(self.shape)
         params = ", ".join(f"in{i}_ptr" for i in range(len(self.inputs)))
         strides = ", ".join(f"st{i}_{a}" for i in range(len(self.inputs)) for a in range(rank))
-        lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
-                 f"def region_kernel(out_ptr, {params}, total, {strides + ', ' if strides else ''}BLOCK: tl.constexpr):",
+        lines = ["import triton", "import triton.language as tl", "", "from ingot.backends.cuda.pdl import pdl_enter", "",
+                 "@triton.jit",
+                 f"def region_kernel(out_ptr, {params}, total, {strides + ', ' if strides else ''}BLOCK: tl.constexpr, "
+                 "PDL: tl.constexpr = False):",
+                 "    pdl_enter(PDL)",
                  "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
                  "    mask = offs < total",
                  "    rem = offs"]
@@ -447,7 +458,7 @@ class RegionKernel:
         if total:
             block = 1024 if total >= 1024 else triton.next_power_of_2(total)
             self.kernel[(triton.cdiv(total, block),)](out, *inputs, total, *strides, BLOCK=block,
-                                                      num_warps=4 if block >= 512 else 1)
+                                                      num_warps=4 if block >= 512 else 1, **pdl_args(out.device))
         return out
 
 

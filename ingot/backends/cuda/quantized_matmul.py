@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
+
 GEMV_MAX_ROWS = 1                                                 # more rows: the tensor-core kernel
 MAGIC_CONVERT = os.environ.get("INGOT_CUDA_MAGIC", "1") == "1"   # int -> float through exponent bits
 PARAMS_F16 = os.environ.get("INGOT_CUDA_F16_PARAMS", "1") == "1"  # scale/bias as f16 where that is exact
@@ -109,13 +111,14 @@ def _qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                   lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     """y[n] (+)= sum_k x[k] * W[k, n] over BLOCK_N columns and one split of K.
 
     BLOCK_N is sized so a warp's threads lie along N (16 bytes each): the BLOCK_K rows of a tile sit in
     each thread's registers, many 16-byte loads in flight per thread, and the sum over K is formed
     in-thread: block sums sum_k v*x, then one multiply by the row's scale (and bias * sum_k x).
     PREFETCH issues the next tile's loads before this tile's arithmetic."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -255,7 +258,7 @@ def _round_to_int(x, scale):
 def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, stride_xqm, stride_xdm,
                        LIMBS: tl.constexpr, BLOCKS: tl.constexpr, GLU: tl.constexpr,
                        g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
-                       HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16):
+                       HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False):
     """x [M, K] -> what `_qgemv_words_kernel` with XQ loads, for BLOCKS blocks of 32 k of one row:
 
         xq int32 [M, KB, LIMBS, 2, 4]: word (b, l, h, j) = byte l of X[32b + 8j + 4h + i] at bits 8i (i = 0..3),
@@ -271,6 +274,7 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
     NORM: x = rms_norm(x [+ x2 with ADD]) * g: (x [+ x2]) * g is rounded, and the row's 1 / rms
     (`_row_rms`, the whole row read by every program) multiplies d and the block sums, so the GEMV
     is unchanged. With ADD the first program of a row stores x + x2 to h_ptr."""
+    pdl_enter(PDL)
     pid_b = tl.program_id(0)
     m = tl.program_id(1)
     blk = pid_b * BLOCKS + tl.arange(0, BLOCKS)
@@ -494,7 +498,8 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         xq_ptr=None, xd_ptr=None, xs_ptr=None, KB=0, stride_xqm=0, stride_xdm=0,
                         LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False,
                         g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
-                        HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False):
+                        HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -517,6 +522,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     rms_norm(x [+ x2 with ADD]) * g; (x [+ x2]) * g is rounded, and the sums are multiplied by the row's
     1 / rms (`_row_rms`: every program reads its rows whole; with ADD, the programs of column block 0
     and split 0 store x + x2 to h_ptr, each row once)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -604,10 +610,11 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
 def _qgemv_words_nloop_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KW, n_per_program,
                               stride_xm, stride_qw, stride_sk, stride_ym,
                               GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                              TB: tl.constexpr, ASM: tl.constexpr):
+                              TB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
     """`_qgemv_words_kernel` turned around: a program owns one tile of K (TB blocks of 32) and walks
     along N, so x is turned into integers once and stays in registers; each [TB, 4, BLOCK_N] weight
     tile is prefetched one step ahead, and its partial sums go to y by atomic adds."""
+    pdl_enter(PDL)
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -677,10 +684,11 @@ def _qgemv_small_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                         lut_block_k, lut_block_n, stride_lk, stride_ln,
                         BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr,
-                        WORDS: tl.constexpr = False):
+                        WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
     """The GEMV for small weights (a few MB, latency-bound): [BLOCK_K, BLOCK_N] tiles spread over the
     threads, w = v * s + b per element into a 2-D accumulator, one sum over K at the end. Measured
     faster than `_qgemv_kernel` below about 8 MB (SmolLM2's layers), slower above."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -709,8 +717,9 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                   lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  PRECISION: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr = False):
+                  PRECISION: tl.constexpr, MAGIC: tl.constexpr, WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
     """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -954,13 +963,15 @@ def resident_programs(regs: int, warps: int) -> int:
     return max(1, min(65536 // (per_warp * warps), 64 // warps, 32))
 
 
-# warps a multiprocessor the word GEMV's split-K aims at; 0: exactly one wave of programs from the
-# kernel's registers (about 16 warps at 100 registers; H200, Llama-3-8B gate+up 23.75 us at 16 against
-# 24.39 at 32, 2026-12-03; the one-wave split is not measured yet)
-WORDS_WAVES = int(os.environ.get("INGOT_CUDA_GEMV_WAVES", "32"))
-# blocks of 32 k per tile: 2 (measured), 1, or "auto" (1 for latency-bound GEMVs; SmolLM2's qkv: 702
-# instructions a program instead of 1439 in ptxas, not timed yet)
-WORDS_TB = os.environ.get("INGOT_CUDA_GEMV_TB", "2")
+# warps a multiprocessor the word GEMV's split-K aims at; 0 (the default): exactly one wave of
+# programs from the kernel's registers (about 16 warps at 100 registers). H200, 2026-12-03: Llama-3-8B
+# gate+up 23.73 us against 24.65 at 32, down 14.53 against 15.24; the whole Llama step 2426 us
+# replayed against 2468.
+WORDS_WAVES = int(os.environ.get("INGOT_CUDA_GEMV_WAVES", "0"))
+# blocks of 32 k per tile: 2, 1, or "auto" (the default: 1 for latency-bound GEMVs, whose programs'
+# serial work on x halves; SmolLM2's qkv 702 instructions a program instead of 1439 in ptxas).
+# H200, 2026-12-03: SmolLM2 step 840 us replayed against 925 with 2 everywhere.
+WORDS_TB = os.environ.get("INGOT_CUDA_GEMV_TB", "auto")
 _WORDS_REGS: dict = {}   # the word GEMV's registers a thread, per compiled variant (from its first launch)
 
 
@@ -1004,7 +1015,7 @@ def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, con
     _qgemv_words_nloop_kernel[(k_programs, triton.cdiv(w.n, n_per), triton.cdiv(m, rows))](
         x2, w.q, w.scale, b, target, m, w.n, w.k, w.q.shape[0], n_per, x2.stride(0), w.q.stride(0), w.scale.stride(0),
         target.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None, ROWS=rows, BLOCK_N=block_n, TB=tb,
-        ASM=config.pop("ASM", DP4A), num_warps=warps, **config)
+        ASM=config.pop("ASM", DP4A), num_warps=warps, **config, **pdl_args(x2.device))
     if target is not y:
         y.copy_(target)
 
@@ -1104,7 +1115,7 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
         second = norm.add if norm.add is not None else x2
     _quantize_x_kernel[(triton.cdiv(kb, XQ_BLOCKS), m)](
         first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=XQ_BLOCKS,
-        GLU=x_gate is not None, num_warps=1 if norm is None else 4, **extra)
+        GLU=x_gate is not None, num_warps=1 if norm is None else 4, **extra, **pdl_args(x2.device))
     return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0))
 
 
@@ -1168,7 +1179,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
         ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
-        RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg)
+        RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg,
+        **pdl_args(x2.device))
     if waves == 0 and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
         _WORDS_REGS[variant] = compiled.n_regs
     if target is not y:
@@ -1269,7 +1281,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             kernel[(triton.cdiv(w.n, block_n), split)](
                 x2[row], w.q, s, b, lut, target[row], w.n, w.k, w.nq, k_per_split, w.q.stride(0), stride_sk,
                 w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
-                BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, MAGIC=magic, **common, **cfg)
+                BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, MAGIC=magic, **common, **cfg,
+                **pdl_args(x.device))
         if target is not y:
             y.copy_(target)
     else:
@@ -1281,7 +1294,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             x2, w.q, s, b, lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, y.stride(0),
             w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision, MAGIC=magic,
-            WORDS=w.words, **common, **cfg)
+            WORDS=w.words, **common, **cfg, **pdl_args(x.device))
     return y.reshape(*lead, w.n)
 
 

@@ -4,9 +4,9 @@
 #   bash benchmarks/cuda_session_run.sh tests smollm llama        # ~450 s (tests ~280 s at -n 16, each model run < 1 min)
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
-# gemv: the GEMV variants; smollm / llama: end to end by default, and without programmatic dependent
-# launch (INGOT_CUDA_PDL=0); SmolLM2 also with the GEMV's former split (INGOT_CUDA_GEMV_TB=2
-# INGOT_CUDA_GEMV_WAVES=32).
+# gemv: the GEMV variants; smollm / llama: end to end by default and in the variants SMOLLM_RUNS /
+# LLAMA_RUNS list (default: SmolLM2 without programmatic dependent launch and with ticketed split
+# sums; Llama without the prefetches issued before PDL's wait).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -37,8 +37,10 @@ smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-40}" python3 benchmarks/
   --json "$OUT/smollm_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-80}" python3 benchmarks/cuda_llm.py --models llama8b --llama-layers 32 \
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
-run_smollm() { smollm default; smollm pdl-off INGOT_CUDA_PDL=0; smollm tb2-waves32 INGOT_CUDA_GEMV_TB=2 INGOT_CUDA_GEMV_WAVES=32; }
-run_llama() { llama default; llama pdl-off INGOT_CUDA_PDL=0; }
+# runs as tag[:VAR=value,VAR=value] (SMOLLM_RUNS / LLAMA_RUNS override the lists)
+runs() { fn=$1; shift; for v in "$@"; do tag=${v%%:*}; envs=""; [ "$tag" != "$v" ] && envs=${v#*:}; $fn "$tag" ${envs//,/ }; done; }
+run_smollm() { runs smollm ${SMOLLM_RUNS:-default pdl-off:INGOT_CUDA_PDL=0 reduce2:INGOT_CUDA_SPLIT_REDUCE=2}; }
+run_llama() { runs llama ${LLAMA_RUNS:-default prefetch-off:INGOT_CUDA_GEMV_PREFETCH_BYTES=0,INGOT_CUDA_DECODE_PREFETCH=0}; }
 
 for part in $parts; do
   echo "== $part"

@@ -178,6 +178,26 @@ def test_one_wave_split_results():
         assert rel_err(got.cpu(), want.cpu()) < 1e-6
 
 
+@pytest.mark.parametrize("zero_in_xq", [True, False], ids=["zeroed-by-xq", "memset"])
+def test_split_output_zeroed_by_the_quantize_launch(monkeypatch, zero_in_xq):
+    """XQ with splits added atomically (REDUCE 1): the quantize launch zeroes y (no memset between it
+    and the GEMV, ZERO_IN_XQ) or a memset does; y's old contents (NaN) never reach the sums, call after
+    call into the same y, and an output that overlaps x is left to the memset."""
+    monkeypatch.setattr(qmm, "ZERO_IN_XQ", zero_in_xq)
+    rng = rng_for("xq-zero")
+    w = words_weight(rng, FORMATS[0], (1000, 300, 32))
+    x = torch.from_numpy(rng.standard_normal((2, 1000)).astype(np.float32)).to(DEVICE)
+    y = torch.full((2, 300), float("nan"), device=DEVICE)
+    for _ in range(2):
+        qmm.quantized_matmul(x, w, out=y, config=dict(KERNEL="words", LIMBS=2, XQ=True, SPLIT=5, REDUCE=1))
+        check(y, x, w, 2, what="y zeroed before the splits add into it")
+        y.fill_(float("nan"))
+    both = torch.zeros(1300, device=DEVICE)
+    assert qmm._overlaps(both[1000:], both[:1000]) is False and qmm._overlaps(both[999:], both[:1000])
+    assert qmm._overlaps(both.view(13, 100)[:, :50], both[60:90])   # a span, first to last element: conservative
+    assert qmm._overlaps(both[5:10], None, both[9:20])
+
+
 def test_xq_workspace_allocated_once():
     """The pre-quantized x lives in one workspace per device and stream: a second call (same size or
     smaller) reuses it, so a CUDA graph captured after an eager run never allocates."""

@@ -48,4 +48,12 @@ def pdl_args(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if capable else {}
 
 
-__all__ = ["pdl_enter", "pdl_args", "ENABLED"]
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines holding `ptrs` (`prefetch.global.L2`: no registers, nothing waits on it);
+    for data no earlier kernel writes, before `pdl_enter`, while the kernel ahead still runs."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+__all__ = ["pdl_enter", "pdl_args", "prefetch_l2", "ENABLED"]

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_enter
+from .pdl import pdl_args, pdl_enter, prefetch_l2
 
 GEMV_MAX_ROWS = 1                                                 # more rows: the tensor-core kernel
 MAGIC_CONVERT = os.environ.get("INGOT_CUDA_MAGIC", "1") == "1"   # int -> float through exponent bits
@@ -258,7 +258,8 @@ def _round_to_int(x, scale):
 def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, stride_xqm, stride_xdm,
                        LIMBS: tl.constexpr, BLOCKS: tl.constexpr, GLU: tl.constexpr,
                        g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
-                       HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False):
+                       HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False,
+                       z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     """x [M, K] -> what `_qgemv_words_kernel` with XQ loads, for BLOCKS blocks of 32 k of one row:
 
         xq int32 [M, KB, LIMBS, 2, 4]: word (b, l, h, j) = byte l of X[32b + 8j + 4h + i] at bits 8i (i = 0..3),
@@ -273,10 +274,20 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
 
     NORM: x = rms_norm(x [+ x2 with ADD]) * g: (x [+ x2]) * g is rounded, and the row's 1 / rms
     (`_row_rms`, the whole row read by every program) multiplies d and the block sums, so the GEMV
-    is unchanged. With ADD the first program of a row stores x + x2 to h_ptr."""
+    is unchanged. With ADD the first program of a row stores x + x2 to h_ptr.
+
+    ZERO: the programs also zero z [Z] (float32, contiguous), the output the GEMV after this kernel
+    adds its splits into atomically: no memset between the two, which would keep the GEMV from
+    starting while this kernel runs (programmatic dependent launch)."""
     pdl_enter(PDL)
     pid_b = tl.program_id(0)
     m = tl.program_id(1)
+    if ZERO:
+        per = tl.cdiv(Z, tl.num_programs(0) * tl.num_programs(1))
+        z_start = (m * tl.num_programs(0) + pid_b) * per
+        for z0 in range(z_start, z_start + per, 1024):
+            offs_z = z0 + tl.arange(0, 1024)
+            tl.store(z_ptr + offs_z, tl.zeros([1024], tl.float32), mask=(offs_z < z_start + per) & (offs_z < Z))
     blk = pid_b * BLOCKS + tl.arange(0, BLOCKS)
     k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8 + tl.arange(0, 2)[None, None, :, None] * 4
          + tl.arange(0, 4)[None, None, None, :])                                              # [BLOCKS, 4 (j), 2 (h), 4 (i)]
@@ -499,7 +510,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False,
                         g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, PF_ROWS: tl.constexpr = 0):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -521,8 +532,10 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     kernel). RESIDUAL: y = res + x @ W. NORM (not with XQ: the quantize kernel does it): x =
     rms_norm(x [+ x2 with ADD]) * g; (x [+ x2]) * g is rounded, and the sums are multiplied by the row's
     1 / rms (`_row_rms`: every program reads its rows whole; with ADD, the programs of column block 0
-    and split 0 store x + x2 to h_ptr, each row once)."""
-    pdl_enter(PDL)
+    and split 0 store x + x2 to h_ptr, each row once).
+
+    PDL: the first weight tile's loads and, with PF_ROWS, L2 prefetches of the next PF_ROWS rows of
+    words are issued before the wait for the kernel ahead (no kernel writes the weights)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -546,6 +559,11 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     if PREFETCH:
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
                          mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
+    if PF_ROWS > 0:   # one prefetch per 128-byte line of the rows after the first tile
+        pf_rows = kw_start + KWT + tl.arange(0, PF_ROWS)[:, None]
+        pf_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 32)[None, :] * 32
+        prefetch_l2(qw_ptr + tl.where((pf_rows < kw_stop) & (pf_cols < N), pf_rows * stride_qw + pf_cols, 0))
+    pdl_enter(PDL)   # from here on x, y and the workspaces, which the kernels ahead write and read
     if NORM:   # after the first weight tile's loads are issued: the row's sum of squares hides their latency
         r = _row_rms(x_ptr, x2_ptr, h_ptr, offs_m, m_mask, stride_xm, K, eps, (pid_n == 0) & (pid_k == 0), ADD, ROWS,
                      NORM_BLOCK)                                                             # [ROWS]
@@ -1020,6 +1038,23 @@ def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, con
         y.copy_(target)
 
 
+# L2 prefetches the word GEMV issues before it waits for the kernel ahead (programmatic dependent
+# launch), in bytes over all its programs: the weights stream while a short kernel (x's quantization,
+# attention) ends. 0: none.
+PREFETCH_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_PREFETCH_BYTES", str(8 << 20)))
+# y zeroed by x's quantize kernel rather than a memset between it and the GEMV
+ZERO_IN_XQ = os.environ.get("INGOT_CUDA_XQ_ZERO", "1") == "1"
+
+
+def _overlaps(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether a's bytes meet any of others' (each spanning its first to its last element)."""
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    lo, hi = span(a)
+    return any(o is not None and o.numel() and span(o)[0] < hi and lo < span(o)[1] for o in others)
+
+
 # 1: atomics into a zeroed y (a memset launch); 2: tickets, no memset, but the last split's serial sum
 # made every shape slower on the H200 (2026-12-02: Llama-3-8B gate+up 48.0 vs 43.4 us, qkv 17.2 vs 12.2)
 SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "1"))
@@ -1097,10 +1132,12 @@ class NormPrologue:
 NORM_BLOCK = 1024        # floats of a row per step of the norm prologue's sum of squares (`_row_rms`)
 
 
-def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm: NormPrologue | None = None) -> dict:
+def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm: NormPrologue | None = None,
+                zero: torch.Tensor | None = None) -> dict:
     """x2 (silu(x_gate) * x2 when x_gate is given; rms_norm(x2 [+ add]) * weight with `norm`) [M, K]
     quantized for the word GEMV's XQ path: the kernel arguments xq_ptr/xd_ptr/xs_ptr (views of the
-    stream's workspace) and their sizes."""
+    stream's workspace) and their sizes. `zero` (float32, contiguous, apart from every input): zeroed
+    by the same launch."""
     m, k = x2.shape
     kb = triton.cdiv(k, 32)
     words, floats = _xq_workspace(x2.device, m * kb * 8 * limbs, m * kb)
@@ -1115,7 +1152,8 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
         second = norm.add if norm.add is not None else x2
     _quantize_x_kernel[(triton.cdiv(kb, XQ_BLOCKS), m)](
         first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=XQ_BLOCKS,
-        GLU=x_gate is not None, num_warps=1 if norm is None else 4, **extra, **pdl_args(x2.device))
+        GLU=x_gate is not None, num_warps=1 if norm is None else 4, **extra, **pdl_args(x2.device),
+        **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}))
     return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0))
 
 
@@ -1154,17 +1192,24 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     if residual is not None and reduce == 1:
         reduce = 2
     grid = (triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))
+    if "PF_ROWS" not in cfg and pdl_args(x2.device):   # rows after the first tile, about PREFETCH_BYTES in all
+        pf = min(PREFETCH_BYTES // (grid[0] * grid[1] * grid[2] * block_n * 4), kw_per_split - 4 * tb, 64)
+        cfg["PF_ROWS"] = 1 << (pf.bit_length() - 1) if pf >= 4 else 0
     target = y
     part, tickets = y, y
+    zero_in_xq = False
     if reduce == 1:
         target = y if y.dtype == torch.float32 and y.stride(1) == 1 else torch.empty((m, w.n), dtype=torch.float32,
                                                                                       device=x2.device)
-        target.zero_()
+        inputs = (x2, x_gate) + ((norm.add, norm.total, norm.weight) if norm is not None else ())
+        zero_in_xq = xq and ZERO_IN_XQ and target.is_contiguous() and not _overlaps(target, *inputs)
+        if not zero_in_xq:
+            target.zero_()
     elif reduce == 2:
         part, tickets = _workspace(x2.device, split * m * w.n, grid[0] * grid[2])
     b = w.bias if w.bias is not None else w.scale
     if xq:
-        cfg.update(_quantize_x(x2, x_gate, limbs, norm))
+        cfg.update(_quantize_x(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None))
         x_gate = norm = None      # applied by the quantize kernel
     gate = x_gate if x_gate is not None else x2
     if norm is not None:

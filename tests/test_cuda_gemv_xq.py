@@ -136,7 +136,7 @@ def test_defaults_from_the_module_constants(monkeypatch):
     x = torch.from_numpy(rng.standard_normal((1, 230)).astype(np.float32)).to(DEVICE)
     calls = []
     quantize = qmm._quantize_x
-    monkeypatch.setattr(qmm, "_quantize_x", lambda *a: calls.append(a[2]) or quantize(*a))
+    monkeypatch.setattr(qmm, "_quantize_x", lambda *a, **kw: calls.append(a[2]) or quantize(*a, **kw))
     for limbs in (1, 3):
         monkeypatch.setattr(qmm, "GEMV_LIMBS", limbs)
         for min_bytes, want_xq in ((w.nbytes + 1, False), (w.nbytes, True)):

@@ -80,7 +80,7 @@ def test_norm_prologue_takes_xq_by_the_module_threshold(monkeypatch):
     a, b = (torch.from_numpy(rng.standard_normal((2, 576)).astype(np.float32)).to(DEVICE) for _ in range(2))
     calls = []
     quantize = qmm._quantize_x
-    monkeypatch.setattr(qmm, "_quantize_x", lambda *args: calls.append(args) or quantize(*args))
+    monkeypatch.setattr(qmm, "_quantize_x", lambda *args, **kw: calls.append(args) or quantize(*args, **kw))
     for min_bytes, want_xq in ((w.nbytes + 1, False), (w.nbytes, True)):
         monkeypatch.setattr(qmm, "XQ_MIN_BYTES", min_bytes)
         calls.clear()

@@ -50,8 +50,9 @@ def pdl_args(device: torch.device) -> dict:
 
 @triton.jit
 def prefetch_l2(ptrs):
-    """Ask L2 for the lines holding `ptrs` (`prefetch.global.L2`: no registers, nothing waits on it);
-    for data no earlier kernel writes, before `pdl_enter`, while the kernel ahead still runs."""
+    """Ask L2 for the lines holding `ptrs` (`prefetch.global.L2`: no registers, nothing waits on it).
+    Safe before `pdl_enter` for any data: the lines land in L2, where the kernel ahead's writes land
+    too, and only loads after the wait read them. A load into registers there is not safe."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 

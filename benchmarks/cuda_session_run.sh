@@ -6,7 +6,7 @@
 # tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants; smollm / llama: end to end by default and in the variants SMOLLM_RUNS /
 # LLAMA_RUNS list (default: SmolLM2 without programmatic dependent launch and with ticketed split
-# sums; Llama without the prefetches issued before PDL's wait).
+# sums; Llama without PDL and with the float32 decode dots on FMA units).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -40,7 +40,7 @@ llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-80}" python3 benchmarks/cu
 # runs as tag[:VAR=value,VAR=value] (SMOLLM_RUNS / LLAMA_RUNS override the lists)
 runs() { fn=$1; shift; for v in "$@"; do tag=${v%%:*}; envs=""; [ "$tag" != "$v" ] && envs=${v#*:}; $fn "$tag" ${envs//,/ }; done; }
 run_smollm() { runs smollm ${SMOLLM_RUNS:-default pdl-off:INGOT_CUDA_PDL=0 reduce2:INGOT_CUDA_SPLIT_REDUCE=2}; }
-run_llama() { runs llama ${LLAMA_RUNS:-default prefetch-off:INGOT_CUDA_GEMV_PREFETCH_BYTES=0,INGOT_CUDA_DECODE_PREFETCH=0}; }
+run_llama() { runs llama ${LLAMA_RUNS:-default pdl-off:INGOT_CUDA_PDL=0 ieee:INGOT_CUDA_DECODE_PRECISION=ieee}; }
 
 for part in $parts; do
   echo "== $part"

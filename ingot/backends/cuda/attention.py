@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_enter, prefetch_l2
+from .pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
 
@@ -43,24 +43,13 @@ def _decode_chunk(length, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK:
 
 
 @triton.jit
-def _prefetch_rows(base, first, ROWS: tl.constexpr, T, WIDTH, stride_t, BLOCK_W: tl.constexpr):
-    """L2 prefetches of rows first .. first + ROWS - 1 (those below T) of a [T, WIDTH] cache, one per 128 bytes."""
-    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth        # elements a 128-byte line
-    LINES: tl.constexpr = BLOCK_W // LINE if BLOCK_W > LINE else 1
-    n = first + tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, LINES)[None, :] * LINE
-    prefetch_l2(base + tl.where((n < T) & (c < WIDTH), n * stride_t + c, 0))
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_ptr, ticket_ptr,
                    length_const, HK, G, TQ, TBUF, D, DV, qk_scale,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                    LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, MERGE: tl.constexpr = False, SHORT_PATH: tl.constexpr = False,
-                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False,
-                   PF_START: tl.constexpr = 0, PF_KEYS: tl.constexpr = 0):
+                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -70,19 +59,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     one active split (or none: length 0) split 0 normalises and writes the output itself, with no
     partials, ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys
     per split (a short cache uses one split). EARLY_V: the V tile is loaded with the K tile, before
-    the softmax math. All three off: the kernel as before (every split stores partials).
-
-    PF_KEYS: before the wait for the kernel ahead (PDL), L2 prefetches of the PF_KEYS keys and values
-    from key pid_s * PF_START, where a short cache's split starts (L2 is where every write lands, so
-    a prefetch cannot see a row before the kernel ahead writes it; the loads come after the wait)."""
+    the softmax math. All three off: the kernel as before (every split stores partials)."""
+    pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // HK
     hk = pid_bh % HK
-    if PF_KEYS > 0:
-        _prefetch_rows(k_ptr + b * sk_b + hk * sk_h, pid_s * PF_START, PF_KEYS, TBUF, D, sk_t, BLOCK_D)
-        _prefetch_rows(v_ptr + b * sv_b + hk * sv_h, pid_s * PF_START, PF_KEYS, TBUF, DV, sv_t, BLOCK_DV)
-    pdl_enter(PDL)
     if LEN_FROM_PTR:
         length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
     else:
@@ -388,9 +370,6 @@ MERGE_IN_KERNEL = {"1": True, "0": False}.get(os.environ.get("INGOT_CUDA_DECODE_
 # 2920 instructions a 64-key tile at d 128 in ptxas against 1556). H200, 2026-12-03, a step replayed:
 # SmolLM2 764 us against 826, Llama-3-8B 2114 against 2271.
 DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3")
-# with PDL, a short cache's first K/V tile prefetched into L2 before the wait; off by default: measured
-# only together with the GEMV's prefetches, which made the Llama-3-8B step slower (2271 us against 2163)
-DECODE_PREFETCH = os.environ.get("INGOT_CUDA_DECODE_PREFETCH", "0") == "1"
 
 
 def _qmm_workspace(device, floats, tickets):
@@ -479,9 +458,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         if merge is None:
             merge = MERGE_IN_KERNEL if MERGE_IN_KERNEL is not None else merge_split <= MERGE_MAX_SPLITS
         tickets = _qmm_workspace(q.device, 0, nb * hk)[1] if merge else ml_part
-        pdl = pdl_args(q.device)
-        if pdl and short_path and min_chunk > 1 and DECODE_PREFETCH:   # a split's first tile, where a short cache's starts
-            pdl.update(PF_START=triton.cdiv(min_chunk, bn) * bn, PF_KEYS=bn)
         _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
@@ -489,7 +465,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **pdl)
+            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **pdl_args(q.device))
         if merge:
             return result
         _combine_kernel[(nb * hk, group * tq)](

@@ -10,6 +10,12 @@ calls `pdl_enter` before it reads or writes global memory, so ordering is as wit
 kernel between two of ours never triggers early, so the stream is ordered there as usual.
 INGOT_CUDA_PDL=0 turns it off.
 
+Nothing is loaded before the wait: the kernel ahead may still be writing it (a weight prepared by the
+launch just before; the GEMV tests caught a first weight tile loaded early). L2 prefetches before the
+wait would be safe, but measured slower on the H200 (2026-12-03, Llama-3-8B step 2271 us with 8 MiB
+of GEMV weights and a short cache's first K/V tile prefetched, 2163 without; the GEMVs' kernel time
+1532 against 1449 us, decode attention's 382 against 329), so there are none.
+
     kernel[grid](..., **pdl_args(x.device))
 """
 from __future__ import annotations
@@ -48,13 +54,4 @@ def pdl_args(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if capable else {}
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines holding `ptrs` (`prefetch.global.L2`: no registers, nothing waits on it).
-    Safe before `pdl_enter` for any data: the lines land in L2, where the kernel ahead's writes land
-    too, and only loads after the wait read them. A load into registers there is not safe."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-__all__ = ["pdl_enter", "pdl_args", "prefetch_l2", "ENABLED"]
+__all__ = ["pdl_enter", "pdl_args", "ENABLED"]

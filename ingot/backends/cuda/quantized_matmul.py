@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_enter, prefetch_l2
+from .pdl import pdl_args, pdl_enter
 
 GEMV_MAX_ROWS = 1                                                 # more rows: the tensor-core kernel
 MAGIC_CONVERT = os.environ.get("INGOT_CUDA_MAGIC", "1") == "1"   # int -> float through exponent bits
@@ -510,7 +510,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False,
                         g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
-                        PDL: tl.constexpr = False, PF_ROWS: tl.constexpr = 0):
+                        PDL: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -532,12 +532,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     kernel). RESIDUAL: y = res + x @ W. NORM (not with XQ: the quantize kernel does it): x =
     rms_norm(x [+ x2 with ADD]) * g; (x [+ x2]) * g is rounded, and the sums are multiplied by the row's
     1 / rms (`_row_rms`: every program reads its rows whole; with ADD, the programs of column block 0
-    and split 0 store x + x2 to h_ptr, each row once).
-
-    PDL with PF_ROWS: L2 prefetches of the program's first PF_ROWS rows of words after its first tile,
-    issued before the wait for the kernel ahead. Only prefetches: a load into registers before the
-    wait could read weights an unfinished kernel is still writing (the launch right after a weight is
-    prepared; the GEMV tests caught it), while a prefetch lands in L2, where every write lands too."""
+    and split 0 store x + x2 to h_ptr, each row once)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -558,11 +553,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if PF_ROWS > 0:   # one prefetch per 128-byte line
-        pf_rows = kw_start + tl.arange(0, PF_ROWS)[:, None]
-        pf_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 32)[None, :] * 32
-        prefetch_l2(qw_ptr + tl.where((pf_rows < kw_stop) & (pf_cols < N), pf_rows * stride_qw + pf_cols, 0))
-    pdl_enter(PDL)   # from here on every load and store: the kernels ahead may write any of it
+    pdl_enter(PDL)   # from here on every load and store: the kernels ahead may write any of it (pdl.py)
     if PREFETCH:
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
                          mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
@@ -1040,11 +1031,6 @@ def _words_nloop_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, con
         y.copy_(target)
 
 
-# L2 prefetches the word GEMV issues before it waits for the kernel ahead (programmatic dependent
-# launch), in bytes over all its programs, so the weights would stream while a short kernel (x's
-# quantization, attention) ends. 0 (the default): none. H200, 2026-12-03, Llama-3-8B step: 2271 us
-# with 8 MiB (and a short cache's first K/V tile prefetched in decode attention), 2163 without.
-PREFETCH_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_PREFETCH_BYTES", "0"))
 # y zeroed by x's quantize kernel rather than a memset between it and the GEMV (H200, 2026-12-03,
 # Llama-3-8B step: 2271 us against 2448 with the memset)
 ZERO_IN_XQ = os.environ.get("INGOT_CUDA_XQ_ZERO", "1") == "1"
@@ -1196,9 +1182,6 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     if residual is not None and reduce == 1:
         reduce = 2
     grid = (triton.cdiv(w.n, block_n), split, triton.cdiv(m, rows))
-    if "PF_ROWS" not in cfg and PREFETCH_BYTES and pdl_args(x2.device):   # about PREFETCH_BYTES in all
-        pf = min(PREFETCH_BYTES // (grid[0] * grid[1] * grid[2] * block_n * 4), kw_per_split, 64)
-        cfg["PF_ROWS"] = 1 << (pf.bit_length() - 1) if pf >= 4 else 0
     target = y
     part, tickets = y, y
     zero_in_xq = False

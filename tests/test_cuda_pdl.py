@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (ingot/backends/cuda/pdl.py): a kernel may be scheduled before the
+kernel ahead of it has finished, so every Triton kernel of the decode path must wait (`pdl_enter`)
+before it loads or stores anything. Read from the kernels' source: runs wherever torch and triton
+import (no GPU needed); CI, without them, skips it."""
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+
+from ingot.backends.cuda import attention, fused, pdl, quantized_matmul  # noqa: E402
+
+MEMORY = re.compile(r"tl\.(load|store|atomic_\w+)\(|_load\w*\(|_row_rms\(|_row_dot\(")
+
+
+def kernels():
+    """The JIT kernels (not helpers: those read tl.program_id) of the modules on the decode path."""
+    for module in (attention, fused, quantized_matmul):
+        for name, fn in vars(module).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction) and "tl.program_id" in inspect.getsource(fn.fn):
+                yield f"{module.__name__.rsplit('.', 1)[-1]}.{name}", fn
+
+
+def body_before_wait(source: str) -> str:
+    """The code of a kernel from the end of its signature (and docstring) to `pdl_enter(PDL)`."""
+    assert source.count("pdl_enter(PDL)") == 1, "one pdl_enter(PDL)"
+    head, _ = source.split("pdl_enter(PDL)")
+    signature_end = re.search(r"\)\s*(->[^:]*)?:\s*\n", head).end()
+    code = head[signature_end:]
+    return re.sub(r'"""(.|\n)*?"""', "", code, count=1)
+
+
+KERNELS = dict(kernels())
+
+
+def test_the_decode_path_kernels_are_found():
+    names = set(KERNELS)
+    assert {"attention._decode_kernel", "quantized_matmul._qgemv_words_kernel", "quantized_matmul._quantize_x_kernel",
+            "fused._rope_qkv_kernel", "fused._rms_norm_kernel"} <= names, names
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_kernel_waits_before_it_touches_memory(name):
+    fn = KERNELS[name]
+    assert "PDL" in fn.arg_names, f"{name} takes no PDL constexpr: pdl_args(device) cannot switch it on"
+    before = body_before_wait(inspect.getsource(fn.fn))
+    assert not MEMORY.search(before), f"{name} touches memory before pdl_enter: {MEMORY.search(before).group(0)}"
+
+
+def test_generated_region_kernels_wait_too():
+    source_line = inspect.getsource(fused.RegionKernel.__init__)
+    assert '"    pdl_enter(PDL)",' in source_line and "PDL: tl.constexpr = False" in source_line
+
+
+def test_pdl_args_only_for_cuda_devices(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(pdl, "FORCED", False)
+    assert pdl.pdl_args(torch.device("cpu")) == {}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.pdl_args(torch.device("cuda", 0)) == {}
+    monkeypatch.setattr(pdl, "FORCED", True)
+    assert pdl.pdl_args(torch.device("cpu")) == {"PDL": True, "launch_pdl": True}

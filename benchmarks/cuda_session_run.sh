@@ -6,7 +6,7 @@
 #   bash benchmarks/cuda_session_run.sh audio                     # 200 s at most
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
-# gemv: the GEMV variants; smollm / llama: end to end by default and in the variants SMOLLM_RUNS /
+# gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama: end to end by default and in the variants SMOLLM_RUNS /
 # LLAMA_RUNS list (default: each without programmatic dependent launch and with the float32 decode
 # dots on FMA units; Llama also with x rounded inside every GEMV, no quantize launches).
 # Compact lines on stdout,
@@ -32,7 +32,7 @@ run_attention() {
 run_gemv() {
   timeout "${GEMV_S:-100}" python3 benchmarks/cuda_kernels.py --only gemv --rows 1,4 \
     --shapes "${GEMV_SHAPES:-smollm_qkv,llama8b_qkv,llama8b_o,llama8b_gate+up,llama8b_down,llama8b_lm_head}" --row-shapes llama8b_gate+up \
-    --variants "${GEMV_VARIANTS:-default,xq-l1,xfree,waves16,waves20,one-wave,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
+    --variants "${GEMV_VARIANTS:-default,limbs2,xq-l1,xfree,waves16,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
     | grep "^qgemv\|^   \|copy" | tail -20
 }
 smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-40}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \

@@ -6,9 +6,10 @@
 #   bash benchmarks/cuda_session_run.sh audio                     # 200 s at most
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
-# gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama: end to end by default and in the variants SMOLLM_RUNS /
-# LLAMA_RUNS list (default: each without programmatic dependent launch and with the float32 decode
-# dots on FMA units; Llama also with x rounded inside every GEMV, no quantize launches).
+# gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama:
+# end to end by default and in the variants SMOLLM_RUNS / LLAMA_RUNS list (default: each without
+# programmatic dependent launch and with the float32 decode dots on FMA units; Llama also with x
+# rounded inside every GEMV, no quantize launches).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1

@@ -5,9 +5,11 @@ finished; it runs `pdl_enter` first, which waits until that kernel has completed
 visible (`griddepcontrol.wait`), then lets the kernel behind it be scheduled in turn
 (`griddepcontrol.launch_dependents`). What is saved is the launch and ramp-up between dependent
 kernels: on the H200 (2026-12-03, `benchmarks/cuda_pdl_probe.py`, 200 dependent kernels replayed in
-a CUDA graph) 1.35 -> 0.91 us a tiny kernel and 2.10 -> 1.68 us one reading 1 MiB. Every Ingot kernel
-calls `pdl_enter` before it reads or writes global memory, so ordering is as without PDL; a torch
-kernel between two of ours never triggers early, so the stream is ordered there as usual.
+a CUDA graph) 1.35 -> 0.91 us a tiny kernel and 2.10 -> 1.68 us one reading 1 MiB. Every kernel of
+the decode path (attention.py, fused.py, quantized_matmul.py and the generated regions; the audio
+kernels of fft.py are launched plainly) calls `pdl_enter` before it reads or writes global memory, so
+ordering is as without PDL (tests/test_cuda_pdl.py checks it from the source); a torch kernel between
+two of ours never triggers early, so the stream is ordered there as usual.
 INGOT_CUDA_PDL=0 turns it off.
 
 Nothing is loaded before the wait: the kernel ahead may still be writing it (a weight prepared by the

@@ -206,3 +206,79 @@ def test_decode_min_chunk_is_about_32_kb():
     assert attn._decode_min_chunk(128, 128, 4) == 32    # f32 d 128 (one 64-key tile in practice)
     assert attn._decode_min_chunk(64, 64, 4) == 64      # f32 d 64
     assert attn._decode_min_chunk(128, 128, 2) == 64    # bf16 d 128
+
+
+# == RoPE + the KV write folded into the decode kernel ================================================
+
+def rotate(x: np.ndarray, p: int, half: int, interleaved: bool) -> np.ndarray:
+    """RoPE of x [..., D] at position p as the kernels compute it: float64 angles, float32 products."""
+    inv = (10000.0 ** (-np.arange(half, dtype=np.float64) * 2 / (2 * half))).astype(np.float32)
+    angle = p * inv.astype(np.float64)
+    c, s = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    i1 = np.arange(half) * 2 if interleaved else np.arange(half)
+    i2 = i1 + 1 if interleaved else i1 + half
+    out = x.astype(np.float32).copy()
+    a, b = x[..., i1].astype(np.float32), x[..., i2].astype(np.float32)
+    out[..., i1], out[..., i2] = a * c - b * s, b * c + a * s
+    return out, inv
+
+
+ROPE_CASES = [  # (B, Hq, Hk, D, HALF, interleaved, buffer, pos, length, split, cache dtype)
+    (1, 9, 3, 64, 32, False, 200, 70, 71, None, "float32"),       # SmolLM2's heads, one split
+    (2, 8, 2, 128, 64, True, 2048, 1000, 1001, 4, "float32"),    # the new key in split 1 of 4 (chunk 512)
+    (1, 4, 1, 64, 16, False, 64, 0, 1, None, "float32"),         # rotary dims 32 of 64, the first token
+    (1, 6, 2, 64, 32, False, 300, 40, 5, 33, "float32"),         # position past the length: split 0 writes it
+    (1, 6, 2, 64, 32, True, 64, 64, 64, None, "float32"),        # position past the buffer: nothing written
+    (1, 8, 2, 128, 64, False, 2048, 2047, 2048, 33, "float32"),  # the last key in the last split, merged
+    (1, 8, 2, 128, 64, False, 700, 300, 301, None, "bfloat16"),  # a bf16 cache: the rotated k rounded to it
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=[f"case{i}" for i in range(len(ROPE_CASES))])
+def test_decode_rotates_q_and_writes_the_new_kv(case):
+    """attention(..., rope=) against NumPy: q rotated, the rotated k and v written into the caches at
+    the position (and nothing else changed), the output over the first `length` keys of the caches
+    as written (the new key among them when position < length)."""
+    b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
+    skip_bf16_in_interpreter(dtype)
+    (q, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
+    rng = np.random.default_rng(pos)
+    q_raw = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+    kn = rng.standard_normal((b, hk, 1, d)).astype(np.float32)
+    vn = rng.standard_normal((b, hk, 1, d)).astype(np.float32)
+    q_rot, inv = rotate(q_raw, pos, half, interleaved)
+    k_want, v_want = k.copy(), v.copy()
+    if pos < buffer:
+        k_want[:, :, pos] = rotate(kn[:, :, 0], pos, half, interleaved)[0]
+        v_want[:, :, pos] = vn[:, :, 0]
+    cast = lambda x: torch.from_numpy(x).to(DEVICE, TORCH_DTYPES[dtype])  # noqa: E731
+    k_want, v_want = (cast(x).float().cpu().numpy() for x in (k_want, v_want))   # rounded to the cache's dtype
+    rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
+                          torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved)
+    got = attn.attention(cast(q_raw), k_dev, v_dev, length=torch.tensor(length, device=DEVICE), causal=True,
+                         split=split, rope=rope)
+    np.testing.assert_allclose(k_dev.float().cpu().numpy(), k_want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(v_dev.float().cpu().numpy(), v_want, rtol=0, atol=0)
+    q_seen = cast(q_rot).float().cpu().numpy()
+    check(got, reference(q_seen, k_want, v_want, min(length, buffer), True), dtype, case)
+
+
+def test_decode_rope_with_two_query_rows_runs_the_rope_launch_first():
+    """Tq 2 is not the fused kernel's case: `fused.rope_qkv_into` rotates and writes, then the attention."""
+    b, hq, hk, d, buffer, pos = 1, 4, 2, 64, 100, 20
+    (_, k, v), (_, k_dev, v_dev) = inputs("rope-tq2", b, hq, hk, 2, buffer, d, pos + 2, "float32")
+    rng = np.random.default_rng(1)
+    q_raw = rng.standard_normal((b, hq, 2, d)).astype(np.float32)
+    kn = rng.standard_normal((b, hk, 2, d)).astype(np.float32)
+    vn = rng.standard_normal((b, hk, 2, d)).astype(np.float32)
+    q_rot = np.stack([rotate(q_raw[:, :, t], pos + t, 32, False)[0] for t in range(2)], axis=2)
+    inv = rotate(q_raw, 0, 32, False)[1]
+    for t in range(2):
+        k[:, :, pos + t] = rotate(kn[:, :, t], pos + t, 32, False)[0]
+        v[:, :, pos + t] = vn[:, :, t]
+    rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
+                          torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), False)
+    got = attn.attention(torch.from_numpy(q_raw).to(DEVICE), k_dev, v_dev, length=torch.tensor(pos + 2, device=DEVICE),
+                         causal=True, rope=rope)
+    np.testing.assert_allclose(k_dev.cpu().numpy()[:, :, :pos + 2], k[:, :, :pos + 2], rtol=1e-6, atol=1e-6)
+    check(got, reference(q_rot, k, v, pos + 2, True), "float32", "tq2")

@@ -926,16 +926,52 @@ class CudaPlan:
             table = torch.as_tensor(rope_inv_freq(rd, a.get("base", 10000.0)), device=self.device)
             has_inv = len(kr.src) > 2
 
+            ins = (self.slot[qr.src[0].id], self.slot[pos.id], self.slot[kr.src[0].id], self.slot[ku.src[0].id],
+                   self.slot[vu.src[1].id], self.slot[vu.src[0].id]) + ((self.slot[kr.src[2].id],) if has_inv else ())
+            att = self._rope_attention(qr, ku, vu, last, members, users, roots, nodes, order)
+            if att is not None:   # the attention reading them rotates q and writes k/v itself (decode)
+                a = att.attrs
+                length_slot = (self.slot[att.src[-1].id],) if a.get("has_length") else ()
+
+                def step(q, position, k, k_cache, v, v_cache, *rest, table=table, interleaved=interleaved,
+                         has_inv=has_inv, has_length=bool(a.get("has_length")), scale=a.get("scale"),
+                         causal=bool(a.get("causal"))):
+                    rope = attention_kernels.RopeWrite(position, rest[0] if has_inv else table, k, v, interleaved)
+                    out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
+                                                      scale=scale, causal=causal, rope=rope)
+                    return out, k_cache, v_cache
+                groups[att.id] = (step, ins + length_slot, (self.slot[att.id], self.slot[ku.id], self.slot[vu.id]),
+                                  "rope_qkv_attention")
+                members.add(att.id)
+                used |= members
+                done |= members - {att.id}
+                self.fusions.append("rope q + rope k + v write into the caches + attention")
+                continue
+
             def step(q, position, k, k_cache, v, v_cache, *inv, table=table, interleaved=interleaved):
                 q_out = fused.rope_qkv_into(q, k, v, position, inv[0] if inv else table, k_cache, v_cache, interleaved)
                 return q_out, k_cache, v_cache
-            ins = (self.slot[qr.src[0].id], self.slot[pos.id], self.slot[kr.src[0].id], self.slot[ku.src[0].id],
-                   self.slot[vu.src[1].id], self.slot[vu.src[0].id]) + ((self.slot[kr.src[2].id],) if has_inv else ())
             groups[last.id] = (step, ins, (self.slot[qr.id], self.slot[ku.id], self.slot[vu.id]), "rope_qkv_into_cache")
             used |= members
             done |= members - {last.id}
             self.fusions.append("rope q + rope k + v write into the caches")
         return groups
+
+    def _rope_attention(self, qr, ku, vu, last, members, users, roots, nodes, order) -> Node | None:
+        """The SDPA node that alone reads rope(q), over the caches ku/vu just written (no mask), when
+        nothing else reads rope(q) or the caches before it: the rope + KV write can run inside it."""
+        if os.environ.get("INGOT_CUDA_ROPE_ATTENTION", "1") != "1" or qr.id in roots or len(users[qr.id]) != 1:
+            return None
+        att = users[qr.id][0]
+        if att.op != Op.SDPA or att.attrs.get("has_mask") or att.src[0] is not qr or att.src[1] is not ku or \
+                att.src[2] is not vu or att.src[1] is att.src[2]:
+            return None
+        if any(order[u.id] < order[att.id] for m in (ku, vu) for u in users[m.id] if u.id not in members and u is not att):
+            return None
+        caches = {ku.src[0].id, vu.src[0].id}
+        if any(order[last.id] < order[n.id] < order[att.id] and any(x.id in caches for x in n.src) for n in nodes):
+            return None
+        return att
 
     def _rope_into_cache(self, node: Node, users, roots, steps, done) -> bool:
         """rope(k) whose only reader writes it into a cache at the same runtime position: one kernel

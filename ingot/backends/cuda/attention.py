@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,7 +50,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, MERGE: tl.constexpr = False, SHORT_PATH: tl.constexpr = False,
-                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False):
+                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False,
+                   pos_ptr=None, inv_ptr=None, kn_ptr=None, vn_ptr=None, HALF=0, skn_b=0, skn_h=0, svn_b=0, svn_h=0,
+                   ROPE: tl.constexpr = False, INTERLEAVED: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -59,7 +62,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     one active split (or none: length 0) split 0 normalises and writes the output itself, with no
     partials, ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys
     per split (a short cache uses one split). EARLY_V: the V tile is loaded with the K tile, before
-    the softmax math. All three off: the kernel as before (every split stores partials)."""
+    the softmax math. All three off: the kernel as before (every split stores partials).
+
+    ROPE (one query row per head, TQ 1): q is rotated here by the position at pos_ptr (`_rotate`), and
+    the new token's k (rotated) and v rows (kn/vn [B, Hk, 1, D]) are written into the caches at that
+    position by the split whose keys hold it (split 0 when none does), before it reads them: the
+    layer's RoPE + KV write launch (`fused.rope_qkv_into`) folded into this one."""
     pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -82,8 +90,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     row_ok = rows < G * TQ
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sq_b + (hk * G + g)[:, None] * sq_h + t[:, None] * sq_t + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    q_rows = q_ptr + b * sq_b + (hk * G + g)[:, None] * sq_h + t[:, None] * sq_t
+    q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if ROPE:
+        pos = tl.load(pos_ptr).to(tl.int32)
+        partner, c, sn = _rotation(pos, inv_ptr, offs_d, HALF, INTERLEAVED)
+        q_pair = tl.load(q_rows + partner[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        q = (q.to(tl.float32) * c[None, :] + q_pair.to(tl.float32) * sn[None, :]).to(q_ptr.dtype.element_ty)
+        writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
+        if pid_s == writer:   # the new token's k and v into the caches, before this split reads them
+            if (pos >= 0) & (pos < TBUF):
+                kn_row = kn_ptr + b * skn_b + hk * skn_h
+                kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+                kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
+                tl.store(k_ptr + b * sk_b + hk * sk_h + pos * sk_t + offs_d,
+                         (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty), mask=offs_d < D)
+                vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0)
+                tl.store(v_ptr + b * sv_b + hk * sv_h + pos * sv_t + offs_dv, vn.to(v_ptr.dtype.element_ty), mask=offs_dv < DV)
+            tl.debug_barrier()   # the CTA's stores are seen by its loads below
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -147,6 +171,27 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
             tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
+
+
+@triton.jit
+def _rotation(p, inv_ptr, offs_d, HALF, INTERLEAVED: tl.constexpr):
+    """RoPE at position p as y[j] = x[j] * c[j] + x[partner[j]] * sn[j] (sn carrying the sign; c 1 and
+    sn 0 past the rotated 2 * HALF dims), angles in float64 as `fused._rope_row` computes them."""
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        idx = offs_d // 2
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        idx = tl.where(offs_d < HALF, offs_d, offs_d - HALF)
+        sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    rot = offs_d < 2 * HALF
+    partner = tl.where(rot, partner, offs_d)
+    f = tl.load(inv_ptr + idx, mask=rot, other=0.0)
+    angle = p.to(tl.float64) * f.to(tl.float64)
+    c = tl.where(rot, tl.cos(angle).to(tl.float32), 1.0)
+    sn = tl.where(rot, tl.sin(angle).to(tl.float32) * sign, 0.0)
+    return partner, c, sn
 
 
 @triton.jit
@@ -370,6 +415,22 @@ MERGE_IN_KERNEL = {"1": True, "0": False}.get(os.environ.get("INGOT_CUDA_DECODE_
 # 2920 instructions a 64-key tile at d 128 in ptxas against 1556). H200, 2026-12-03, a step replayed:
 # SmolLM2 764 us against 826, Llama-3-8B 2114 against 2271.
 DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3")
+# a short cache's split size (`_decode_min_chunk`'s K+V bytes) and the keys per tile (0: 64, 32 past d 128):
+# smaller ones spread a short cache over more programs, each with less to read one after another
+DECODE_CHUNK_KB = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_KB", "32"))
+DECODE_BLOCK_N = int(os.environ.get("INGOT_CUDA_DECODE_BLOCK_N", "0"))
+
+
+@dataclass
+class RopeWrite:
+    """What `attention(..., rope=)` rotates and writes: the 0-d integer position (on the device), RoPE's
+    inverse frequencies [HALF] (float32; rotary dims 2 * HALF <= D), the new token's k and v rows
+    [..., Hk, T, D] (written into the caches at position + t) and the pairing (interleaved or halves)."""
+    pos: torch.Tensor
+    inv_freq: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    interleaved: bool = False
 
 
 def _qmm_workspace(device, floats, tickets):
@@ -400,7 +461,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
-              short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None) -> torch.Tensor:
+              short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
+              rope: RopeWrite | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -416,8 +478,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `early_v` loads each V tile with its K tile (None: as `short_path`). short_path None: on unless
     INGOT_CUDA_DECODE_SHORT=0 (for measuring a whole model without it). `short_path=False` with the
     other two left None is the kernel as it was before these switches.
+
+    `rope`: q is RoPE's input, rotated here, and the new token's k and v (`RopeWrite`) are written into
+    the caches k and v at its position first: in the decode kernel itself when there is one query row
+    (no launch for them), else by `fused.rope_qkv_into` ahead of the attention.
     """
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    if rope is not None and not (mask is None and q.shape[-2] == 1 and q.shape[-3] // k.shape[-3] <= DECODE_MAX_ROWS
+                                 and k.shape[:-3] == v.shape[:-3] == batch and q.shape[-1] == k.shape[-1]):
+        from .fused import rope_qkv_into
+        q = rope_qkv_into(q, rope.k, rope.v, rope.pos, rope.inv_freq, k, v, rope.interleaved)
+        rope = None
     short_path = SHORT_PATH if short_path is None else short_path
     hq, tq, d = q.shape[-3:]
     hk, tbuf, _ = k.shape[-3:]
@@ -445,9 +516,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         return result
     if mask is None and group * tq <= DECODE_MAX_ROWS:
         block_r = max(16, triton.next_power_of_2(group * tq))
-        bn = block_n or (64 if block_d <= 128 else 32)
+        bn = block_n or DECODE_BLOCK_N or (64 if block_d <= 128 else 32)
         if min_chunk is None:
-            min_chunk = _decode_min_chunk(d, dv, k.element_size()) if short_path else 0
+            min_chunk = _decode_min_chunk(d, dv, k.element_size(), DECODE_CHUNK_KB << 10) if short_path else 0
         merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
         if split is None:
             split = merge_split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
@@ -458,6 +529,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         if merge is None:
             merge = MERGE_IN_KERNEL if MERGE_IN_KERNEL is not None else merge_split <= MERGE_MAX_SPLITS
         tickets = _qmm_workspace(q.device, 0, nb * hk)[1] if merge else ml_part
+        extra = {}
+        if rope is not None:
+            kn4, vn4 = four(rope.k), four(rope.v)
+            assert kn4.shape[1:] == (hk, 1, d) and vn4.shape[1:] == (hk, 1, dv), "attention: rope's k/v rows [..., Hk, 1, D]"
+            extra = dict(pos_ptr=rope.pos, inv_ptr=rope.inv_freq, kn_ptr=kn4, vn_ptr=vn4, HALF=rope.inv_freq.shape[0],
+                         skn_b=kn4.stride(0), skn_h=kn4.stride(1), svn_b=vn4.stride(0), svn_h=vn4.stride(1), ROPE=True,
+                         INTERLEAVED=rope.interleaved)
         _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
@@ -465,7 +543,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **pdl_args(q.device))
+            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra, **pdl_args(q.device))
         if merge:
             return result
         _combine_kernel[(nb * hk, group * tq)](

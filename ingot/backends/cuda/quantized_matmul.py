@@ -1075,7 +1075,11 @@ def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.T
 GEMV_LIMBS = int(os.environ.get("INGOT_CUDA_GEMV_LIMBS", "2"))
 XQ_MIN_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_XQ_BYTES", str(8 << 20)))   # H200, 2026-12-03: Llama-3-8B qkv
 # (15.7 MB) 10.0 us with XQ against 11.2 rounding in the GEMV, o (10.5 MB) 7.9 against 8.7; the step 2469 us against 2587
-XQ_BLOCKS = 4                     # blocks of 32 k per program of `_quantize_x_kernel`
+XQ_BLOCKS = int(os.environ.get("INGOT_CUDA_XQ_BLOCKS", "4"))   # blocks of 32 k per program of `_quantize_x_kernel`
+# floats of a row per step of `_quantize_x_kernel`'s sum of squares (its own, as its rows are one each):
+# one step where the row fits, so its loads are in flight together rather than one step after another
+XQ_NORM_BLOCK = int(os.environ.get("INGOT_CUDA_XQ_NORM_BLOCK", "1024"))
+XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "4"))
 _XQ_WORKSPACE: dict = {}
 
 
@@ -1139,10 +1143,11 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
     extra = {}
     if norm is not None:   # the whole row is read for its sum of squares: more threads for it
         extra = norm.kernel_args(x2)
+        extra["NORM_BLOCK"] = min(triton.next_power_of_2(k), XQ_NORM_BLOCK)
         second = norm.add if norm.add is not None else x2
     _quantize_x_kernel[(triton.cdiv(kb, XQ_BLOCKS), m)](
         first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=XQ_BLOCKS,
-        GLU=x_gate is not None, num_warps=1 if norm is None else 4, **extra, **pdl_args(x2.device),
+        GLU=x_gate is not None, num_warps=1 if norm is None else XQ_NORM_WARPS, **extra, **pdl_args(x2.device),
         **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}))
     return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0))
 

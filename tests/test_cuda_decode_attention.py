@@ -235,10 +235,12 @@ ROPE_CASES = [  # (B, Hq, Hk, D, HALF, interleaved, buffer, pos, length, split, 
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[f"case{i}" for i in range(len(ROPE_CASES))])
-def test_decode_rotates_q_and_writes_the_new_kv(case):
+@pytest.mark.parametrize("table", [True, False], ids=["cos-sin-table", "float64-angles"])
+def test_decode_rotates_q_and_writes_the_new_kv(case, table):
     """attention(..., rope=) against NumPy: q rotated, the rotated k and v written into the caches at
     the position (and nothing else changed), the output over the first `length` keys of the caches
-    as written (the new key among them when position < length)."""
+    as written (the new key among them when position < length). The cos/sin table has the buffer's
+    rows (case 4's position is past it: computed in the kernel) or there is none."""
     b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
     skip_bf16_in_interpreter(dtype)
     (q, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
@@ -254,7 +256,8 @@ def test_decode_rotates_q_and_writes_the_new_kv(case):
     cast = lambda x: torch.from_numpy(x).to(DEVICE, TORCH_DTYPES[dtype])  # noqa: E731
     k_want, v_want = (cast(x).float().cpu().numpy() for x in (k_want, v_want))   # rounded to the cache's dtype
     rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
-                          torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved)
+                          torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved,
+                          attn.rope_table(inv, buffer, DEVICE) if table else None)
     got = attn.attention(cast(q_raw), k_dev, v_dev, length=torch.tensor(length, device=DEVICE), causal=True,
                          split=split, rope=rope)
     np.testing.assert_allclose(k_dev.float().cpu().numpy(), k_want, rtol=1e-6, atol=1e-6)

@@ -710,6 +710,7 @@ class CudaPlan:
         steps: list[tuple[StepFn, tuple[int, ...], tuple[int, ...], str]] = []
         done: set[int] = set()          # nodes whose value another (fused) step produces
         self.fusions: list[str] = []
+        self._rope_tables: dict[tuple, tuple] = {}   # RoPE's inverse frequencies and cos/sin table, `_qkv_groups`
 
         # fused elementwise regions: the root's step computes the region from its external inputs
         region_root: dict[int, fused.RegionKernel] = {}
@@ -928,15 +929,27 @@ class CudaPlan:
 
             ins = (self.slot[qr.src[0].id], self.slot[pos.id], self.slot[kr.src[0].id], self.slot[ku.src[0].id],
                    self.slot[vu.src[1].id], self.slot[vu.src[0].id]) + ((self.slot[kr.src[2].id],) if has_inv else ())
-            att = self._rope_attention(qr, ku, vu, last, members, users, roots, nodes, order)
+            # the inverse frequencies, to tabulate cos/sin: a constant (computed at run time: no table, and
+            # float64 angles in the decode kernel made it slower than the RoPE launch, which stays)
+            inv_host = rope_inv_freq(rd, a.get("base", 10000.0))
+            if has_inv:
+                inv_host = self.program.constants[kr.src[2].attrs["key"]] if kr.src[2].op == Op.CONSTANT else None
+                inv_host = None if inv_host is None else np.ascontiguousarray(inv_host).reshape(-1)
+            att = None if inv_host is None else self._rope_attention(qr, ku, vu, last, members, users, roots, nodes, order)
             if att is not None:   # the attention reading them rotates q and writes k/v itself (decode)
                 a = att.attrs
                 length_slot = (self.slot[att.src[-1].id],) if a.get("has_length") else ()
+                rows = ku.src[0].type.shape[-2]
+                key = (inv_host.tobytes(), rows)   # cos/sin of every cache position, one table for all layers
+                if key not in self._rope_tables:
+                    self._rope_tables[key] = (torch.as_tensor(inv_host, device=self.device),
+                                              attention_kernels.rope_table(inv_host, rows, self.device))
+                inv_dev, cos_sin = self._rope_tables[key]
 
-                def step(q, position, k, k_cache, v, v_cache, *rest, table=table, interleaved=interleaved,
-                         has_inv=has_inv, has_length=bool(a.get("has_length")), scale=a.get("scale"),
-                         causal=bool(a.get("causal"))):
-                    rope = attention_kernels.RopeWrite(position, rest[0] if has_inv else table, k, v, interleaved)
+                def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
+                         has_length=bool(a.get("has_length")), scale=a.get("scale"), causal=bool(a.get("causal")),
+                         cos_sin=cos_sin):
+                    rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
                                                       scale=scale, causal=causal, rope=rope)
                     return out, k_cache, v_cache

@@ -1073,12 +1073,15 @@ def _workspace(device, floats: int, tickets: int) -> tuple[torch.Tensor, torch.T
 # (a few us) only pays where the GEMV's own x work is larger. LIMBS: bytes per rounded x (2 * LIMBS dp4a
 # per weight word): 1 (x to 8 bits per block of 32), 2 (16 bits), 3 (22 bits, float32-level).
 GEMV_LIMBS = int(os.environ.get("INGOT_CUDA_GEMV_LIMBS", "2"))
-XQ_MIN_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_XQ_BYTES", str(8 << 20)))   # H200, 2026-12-03: Llama-3-8B qkv
-# (15.7 MB) 10.0 us with XQ against 11.2 rounding in the GEMV, o (10.5 MB) 7.9 against 8.7; the step 2469 us against 2587
+XQ_MIN_BYTES = int(os.environ.get("INGOT_CUDA_GEMV_XQ_BYTES", "0"))   # H200, 2026-12-03: Llama-3-8B qkv
+# (15.7 MB) 10.0 us with XQ against 11.2 rounding in the GEMV, o (10.5 MB) 7.9 against 8.7; the step 2469 us against
+# 2587. With programmatic dependent launch the quantize launch pays even for SmolLM2's small weights (0.3-3.5 MB):
+# a step 740.7 us with XQ for every GEMV against 779.7 with the 8 MiB threshold (eighth session)
 XQ_BLOCKS = int(os.environ.get("INGOT_CUDA_XQ_BLOCKS", "4"))   # blocks of 32 k per program of `_quantize_x_kernel`
 # floats of a row per step of `_quantize_x_kernel`'s sum of squares (its own, as its rows are one each):
 # one step where the row fits, so its loads are in flight together rather than one step after another
-XQ_NORM_BLOCK = int(os.environ.get("INGOT_CUDA_XQ_NORM_BLOCK", "1024"))
+XQ_NORM_BLOCK = int(os.environ.get("INGOT_CUDA_XQ_NORM_BLOCK", "4096"))   # Llama-3-8B: 324 us of these launches
+# a step at 4096 against 348 at 1024 (H200, eighth session)
 XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "4"))
 _XQ_WORKSPACE: dict = {}
 

@@ -86,7 +86,10 @@ def test_batched_greedy_decode_equals_the_cpu_backend(batch, kind, monkeypatch):
     rows = _Rows(monkeypatch)
     gpu_logits, gpu_tokens = _greedy(model, "cuda", prompts, cpu_tokens)
     # decode: the rope and the KV write run inside the decode attention kernel (one query row)
-    assert "rope q + rope k + v write into the caches + attention" in model.compile(1, "cuda").plan.fusions
+    fusions = model.compile(1, "cuda").plan.fusions
+    assert "rope q + rope k + v write into the caches + attention" in fusions
+    # quantized: the attention stores its output rounded for the o projection's GEMV
+    assert ("attention output rounded for the quantized matmul after it" in fusions) == (kind == "uint4"), fusions
     if kind == "uint4":   # B rows (decode), B * PROMPT (prefill): the word-layout GEMV up to 4, the tensor-core kernel above
         for m in (batch, batch * PROMPT):
             assert m in (rows.words if m <= qmm.WORDS_MAX_ROWS else rows.tensor_core), (m, rows.words, rows.tensor_core)

@@ -285,3 +285,66 @@ def test_decode_rope_with_two_query_rows_runs_the_rope_launch_first():
                          causal=True, rope=rope)
     np.testing.assert_allclose(k_dev.cpu().numpy()[:, :, :pos + 2], k[:, :, :pos + 2], rtol=1e-6, atol=1e-6)
     check(got, reference(q_rot, k, v, pos + 2, True), "float32", "tq2")
+
+
+# == the output rounded for the word GEMV after it ====================================================
+
+XQ_CASES = [  # (B, Hq, Hk, D, buffer, length, split, merge, limbs)
+    (1, 8, 2, 128, 300, 70, None, None, 2),     # one split writes the output
+    (2, 9, 3, 64, 2048, 1000, 4, True, 2),      # four splits, the last merges
+    (1, 4, 1, 64, 64, 0, None, None, 1),        # no keys: zeros, x in 8 bits
+    (1, 6, 2, 96, 200, 150, None, None, 2),     # d 96: blocks of 32, BLOCK_DV 128 > d: not the kernel's case
+    (1, 8, 2, 64, 2048, 700, 40, False, 2),     # the combine kernel writes: not the decode kernel's case
+]
+
+
+@pytest.mark.parametrize("case", XQ_CASES, ids=[f"case{i}" for i in range(len(XQ_CASES))])
+@pytest.mark.parametrize("with_rope", [False, True], ids=["", "rope"])
+def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
+    """attention(..., xq=) stores what `_quantize_x` stores for x = the output [B, Hq * D] (limb words
+    equal, scales and sums equal) and zeroes `zero`, where the decode kernel writes the output itself;
+    elsewhere it says it did not (`written` False) and leaves the buffers alone. With RoPE (q rotated,
+    the new k/v written at length - 1: a decoder layer's whole attention) the output is checked against
+    the unfused RoPE launch and attention."""
+    from ingot.backends.cuda import fused
+    from ingot.backends.cuda import quantized_matmul as qmm
+    b, hq, hk, d, buffer, length, split, merge, limbs = case
+    (q, k, v), dev = inputs(f"xq{case}", b, hq, hk, 1, buffer, d, length, "float32")
+    rope = None
+    if with_rope:
+        if length == 0:
+            pytest.skip("no position to write at length 0")
+        for x in dev[1:]:
+            x[:, :, length:] = 0.0    # the unfused path reads the same caches
+        rng = np.random.default_rng(length)
+        kn, vn = (torch.from_numpy(rng.standard_normal((b, hk, 1, d)).astype(np.float32)).to(DEVICE) for _ in range(2))
+        inv = torch.from_numpy(rotate(q, 0, d // 2, False)[1]).to(DEVICE)
+        pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
+        k_ref, v_ref = dev[1].clone(), dev[2].clone()
+        q_rot = fused.rope_qkv_into(dev[0], kn, vn, pos, inv, k_ref, v_ref, False)
+        want_out = attn.attention(q_rot, k_ref, v_ref, length=torch.tensor(length, device=DEVICE), causal=True)
+        rope = attn.RopeWrite(pos, inv, kn, vn, False, attn.rope_table(inv.cpu().numpy(), buffer, DEVICE))
+    kb = hq * d // 32
+    xq = torch.full((b, kb * 8 * limbs), -1, dtype=torch.int32, device=DEVICE)
+    xd, xs = (torch.full((b, kb), float("nan"), device=DEVICE) for _ in range(2))
+    zero = torch.full((1000,), float("nan"), device=DEVICE)
+    target = attn.XQTarget(xq, xd, xs, limbs, zero)
+    out = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, split=split, merge=merge, xq=target,
+                         rope=rope)
+    if rope is None:
+        check(out, reference(q, k, v, length, True), "float32", case)
+    else:
+        err = float((out - want_out).norm() / want_out.norm())
+        assert err < 1e-5, (case, err)
+    if not target.written:
+        assert case[-2] is False or d % 32 or d != triton_next_pow2(d), case
+        assert (xq == -1).all().item() and zero.isnan().all().item()
+        return
+    want = qmm._quantize_x(out.reshape(b, hq * d), None, limbs)
+    assert torch.equal(xq, want["xq_ptr"]), "limb words differ from the quantize kernel's"
+    assert torch.equal(xd, want["xd_ptr"]) and torch.equal(xs, want["xs_ptr"])
+    assert not zero.any().item(), "the GEMV's output was not zeroed"
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -540,10 +540,10 @@ def _sdpa(ctx: Lowering) -> StepFn:
     a = ctx.node.attrs
     scale, causal, has_mask, has_length = a.get("scale"), bool(a.get("causal")), a.get("has_mask"), a.get("has_length")
 
-    def sdpa(q, k, v, *rest):
+    def sdpa(q, k, v, *rest, out=None, xq=None):
         mask = rest[0] if has_mask else None
         length = rest[-1] if has_length else None
-        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask)
+        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out, xq=xq)
     return sdpa
 
 
@@ -784,10 +784,15 @@ class CudaPlan:
                 if add is not None:
                     done.add(n.id)                # the step runs where the add stood
 
+        # a decode attention whose output only a quantized matmul reads (through views): the attention
+        # kernel rounds its output for that GEMV (no quantize launch between them); both run as one step
+        attn_o = self._attention_gemvs(nodes, users, roots, done, group_of) \
+            if os.environ.get("INGOT_CUDA_ATTENTION_XQ", "1") == "1" else {}
+
         for node in nodes:
             s = self.slot[node.id]
             if node.id in qkv_last:
-                steps.append(qkv_last[node.id])
+                steps.append(self._with_gemv(qkv_last[node.id], attn_o.get(node.id)))
                 continue
             if node.op == Op.CONSTANT:
                 self.initial[s] = program.constants[node.attrs["key"]]  # uploaded below if a step reads it
@@ -841,7 +846,8 @@ class CudaPlan:
             else:
                 fn = LOWERINGS.get(node.op, host_reference)(ctx)
             reads = node.src if ctx.reads is None else [node.src[i] for i in ctx.reads]
-            steps.append((fn, tuple(self.slot[x.id] for x in reads), (s,), node.op.name.lower()))
+            steps.append(self._with_gemv((fn, tuple(self.slot[x.id] for x in reads), (s,), node.op.name.lower()),
+                                         attn_o.get(node.id)))
 
         # upload only the constants a step reads (packed weights live re-packed in the kernels' cache)
         read = {i for _, ins, _, _ in steps for i in ins}
@@ -948,10 +954,10 @@ class CudaPlan:
 
                 def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
                          has_length=bool(a.get("has_length")), scale=a.get("scale"), causal=bool(a.get("causal")),
-                         cos_sin=cos_sin):
+                         cos_sin=cos_sin, out=None, xq=None):
                     rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
-                                                      scale=scale, causal=causal, rope=rope)
+                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq)
                     return out, k_cache, v_cache
                 groups[att.id] = (step, ins + length_slot, (self.slot[att.id], self.slot[ku.id], self.slot[vu.id]),
                                   "rope_qkv_attention")
@@ -969,6 +975,64 @@ class CudaPlan:
             done |= members - {last.id}
             self.fusions.append("rope q + rope k + v write into the caches")
         return groups
+
+    def _attention_gemvs(self, nodes, users, roots, done, group_of) -> dict[int, Node]:
+        """{SDPA id: quantized matmul} where the matmul (constant affine weights, alone on its x) reads the
+        attention's output of one query row through reshapes and transposes that keep its memory order
+        (x [B, Hq * Dv] is the output [B, Hq, 1, Dv] as laid out), and nothing else reads it."""
+        found = {}
+        for m in nodes:
+            if m.op != Op.QUANTIZED_MATMUL or m.id in done or m.id in group_of or m.attrs.get("mode") != "affine" or \
+                    any(x.op != Op.CONSTANT for x in m.src[1:]) or m.type.rank != 2:
+                continue
+            chain, x = [], m.src[0]
+            while x.op in (Op.RESHAPE, Op.TRANSPOSE) and len(users[x.id]) == 1 and x.id not in roots:
+                if x.op == Op.TRANSPOSE:   # the axes longer than 1 stay in order
+                    shape = x.src[0].type.shape
+                    kept = [a for a in x.attrs["perm"] if shape[a] != 1]
+                    if kept != sorted(kept):
+                        break
+                chain.append(x)
+                x = x.src[0]
+            else:
+                if x.op == Op.SDPA and len(users[x.id]) == 1 and x.id not in roots and not x.attrs.get("has_mask") and \
+                        x.type.shape[-2] == 1 and x.type.static and m.src[0].type.shape[-1] == x.type.shape[-3] * x.type.shape[-1] \
+                        and m.src[0].type.shape[0] == math.prod(x.type.shape[:-3]):
+                    found[x.id] = m
+                    done.update(n.id for n in chain + [m])
+        return found
+
+    def _with_gemv(self, step: tuple, m: Node | None) -> tuple:
+        """The attention step (fn, ins, outs, name), with `m`: it also computes m = x @ W from the
+        attention's output, which the decode kernel stores rounded for the GEMV (`XQTarget`)."""
+        if m is None:
+            return step
+        fn, ins, outs, name = step
+        arrays = [self.program.constants[x.attrs["key"]] for x in m.src[1:]]
+        weight = prepared_weight(arrays, m.attrs, self.device, WORDS_LAYOUT)
+        rows, k = m.src[0].type.shape
+        y_shape = tuple(m.type.shape)
+        self.fusions.append("attention output rounded for the quantized matmul after it")
+
+        def attention_gemv(*args, fn=fn, weight=weight, rows=rows, k=k, y_shape=y_shape):
+            q = args[0]
+            out = torch.empty((*q.shape[:-1], k // q.shape[-3]), dtype=q.dtype, device=q.device)
+            x2 = out.view(rows, k)
+            holder = {}
+            if not qmm.gemv_takes_xq(rows, weight):
+                holder["res"] = fn(*args, out=out)
+                y = qmm.quantized_matmul(x2, weight)
+            else:
+                def quantize(x2_, x_gate, limbs, norm, zero=None):
+                    buf = qmm.xq_buffers(rows, k, limbs, x2_.device)
+                    target = attention_kernels.XQTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, zero)
+                    holder["res"] = fn(*args, out=out, xq=target)
+                    return buf if target.written else qmm._quantize_x(x2_, None, limbs, None, zero=zero)
+                y = torch.empty((rows, weight.n), dtype=x2.dtype, device=x2.device)
+                qmm._words_gemv(x2, weight, y, {}, quantize=quantize)
+            res = holder["res"]
+            return (*res, y.view(y_shape)) if isinstance(res, tuple) else (res, y.view(y_shape))
+        return attention_gemv, ins, outs + (self.slot[m.id],), name + "+gemv"
 
     def _rope_attention(self, qr, ku, vu, last, members, users, roots, nodes, order) -> Node | None:
         """The SDPA node that alone reads rope(q), over the caches ku/vu just written (no mask), when

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ...ops.nn import rope_cos_sin
 from .pdl import pdl_args, pdl_enter
+from .quantized_matmul import _block_scale, _or, _round_to_int
 
 LOG2E = 1.4426950408889634
 
@@ -55,7 +56,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False,
                    pos_ptr=None, inv_ptr=None, kn_ptr=None, vn_ptr=None, HALF=0, skn_b=0, skn_h=0, svn_b=0, svn_h=0,
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
-                   INTERLEAVED: tl.constexpr = False, TABLE: tl.constexpr = False):
+                   INTERLEAVED: tl.constexpr = False, TABLE: tl.constexpr = False,
+                   xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
+                   z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -71,10 +74,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     from a table with TABLE), and
     the new token's k (rotated) and v rows (kn/vn [B, Hk, 1, D]) are written into the caches at that
     position by the split whose keys hold it (split 0 when none does), before it reads them: the
-    layer's RoPE + KV write launch (`fused.rope_qkv_into`) folded into this one."""
+    layer's RoPE + KV write launch (`fused.rope_qkv_into`) folded into this one.
+
+    XQ_LIMBS (1 or 2; TQ 1, DV a multiple of 32): the program that writes a head's output also stores
+    it rounded for the word GEMV that reads the output as x [B, Hq * DV] (`_store_xq`), so no quantize
+    launch runs between the two; ZERO: split 0 of each head zeroes its share of z [Z] (float32), the
+    output that GEMV's split-K sums are added into."""
     pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
+    if ZERO:
+        if pid_s == 0:
+            per = tl.cdiv(Z, tl.num_programs(0))
+            for z0 in range(pid_bh * per, pid_bh * per + per, 1024):
+                offs_z = z0 + tl.arange(0, 1024)
+                tl.store(z_ptr + offs_z, tl.zeros([1024], tl.float32), mask=(offs_z < pid_bh * per + per) & (offs_z < Z))
     b = pid_bh // HK
     hk = pid_bh % HK
     if LEN_FROM_PTR:
@@ -144,6 +158,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         if active <= 1:   # the only split: normalise and write, nothing to merge
             o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
             tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
+            if XQ_LIMBS > 0:
+                _store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
+                          stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
             return
     part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
     tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
@@ -174,7 +191,32 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                 m_all = m_new
             o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
             tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
+            if XQ_LIMBS > 0:
+                _store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
+                          stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
             tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
+
+
+@triton.jit
+def _store_xq(o, b, head0, row_ok, xq_ptr, xd_ptr, xs_ptr, stride_xqm, stride_xdm, LIMBS: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """o [BLOCK_R, BLOCK_DV] (rows: query heads head0.., one token of batch row b) stored as
+    `_quantize_x_kernel` stores x [B, Hq * DV] for the word GEMV (LIMBS 1 or 2): limb words, block
+    scales d and block sums of the rounded x, each head's DV in blocks of 32."""
+    NB: tl.constexpr = BLOCK_DV // 32
+    x = tl.reshape(o, [BLOCK_R, NB, 4, 2, 4])                        # k = 32 nb + 8 j + 4 h + i
+    top = tl.max(tl.max(tl.max(tl.abs(x), axis=4), axis=3), axis=2)   # [R, NB]
+    d, scale = _block_scale(top, LIMBS)
+    X = _round_to_int(x, scale[:, :, None, None, None])
+    blk = (head0 + tl.arange(0, BLOCK_R))[:, None] * NB + tl.arange(0, NB)[None, :]   # [R, NB]
+    out = (xq_ptr + b * stride_xqm + blk[:, :, None, None] * (8 * LIMBS) + tl.arange(0, 4)[None, None, :, None]
+           + tl.arange(0, 2)[None, None, None, :] * 4)                                 # [R, NB, 4 (j), 2 (h)]
+    shifts = tl.arange(0, 4)[None, None, None, None, :] * 8
+    for limb in tl.static_range(LIMBS):
+        tl.store(out + limb * 8, tl.reduce(((X >> (8 * limb)) & 0xFF) << shifts, 4, _or), mask=row_ok[:, None, None, None])
+    x_sum = tl.sum(tl.sum(tl.sum(X, axis=4), axis=3), axis=2).to(tl.float32) * d
+    tl.store(xd_ptr + b * stride_xdm + blk, d, mask=row_ok[:, None])
+    tl.store(xs_ptr + b * stride_xdm + blk, x_sum, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -458,6 +500,20 @@ class RopeWrite:
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None   # float32 [rows, HALF] each, `rope_table`
 
 
+@dataclass
+class XQTarget:
+    """Where `attention(..., xq=)` stores its output rounded as `quantized_matmul._quantize_x` would for
+    the word GEMV reading it as x [B, Hq * Dv]: limb words xq [B, KB * 8 * limbs] (int32), block scales
+    xd and sums xs [B, KB] (float32), KB = Hq * Dv / 32; `zero`: float32 zeroed by the same launch
+    (the GEMV's split-K output). `written` is set when the kernel did it (else the caller quantizes)."""
+    xq: torch.Tensor
+    xd: torch.Tensor
+    xs: torch.Tensor
+    limbs: int
+    zero: torch.Tensor | None = None
+    written: bool = False
+
+
 def rope_table(inv_freq: np.ndarray, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [rows, HALF] (float32) of positions 0..rows-1, float64 angles as the CPU backend and
     `fused._rope_row` compute them: `RopeWrite.cos_sin`, read by the decode kernel instead of computing them."""
@@ -494,7 +550,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
-              rope: RopeWrite | None = None) -> torch.Tensor:
+              rope: RopeWrite | None = None, xq: XQTarget | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -514,6 +570,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `rope`: q is RoPE's input, rotated here, and the new token's k and v (`RopeWrite`) are written into
     the caches k and v at its position first: in the decode kernel itself when there is one query row
     (no launch for them), else by `fused.rope_qkv_into` ahead of the attention.
+
+    `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
+    decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`
+    says whether it did.
     """
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     if rope is not None and not (mask is None and q.shape[-2] == 1 and q.shape[-3] // k.shape[-3] <= DECODE_MAX_ROWS
@@ -572,6 +632,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
                 cos, sin = rope.cos_sin
                 assert cos.shape == sin.shape and cos.shape[1] == rope.inv_freq.shape[0] and cos.dtype == torch.float32
                 extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0], TABLE=True)
+        # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
+        xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
+        if xq_here:
+            assert xq.xq.shape == (nb, hq * dv // 32 * 8 * xq.limbs) and xq.xd.shape == xq.xs.shape == (nb, hq * dv // 32)
+            extra.update(xq_ptr=xq.xq, xd_ptr=xq.xd, xs_ptr=xq.xs, stride_xqm=xq.xq.stride(0), stride_xdm=xq.xd.stride(0),
+                         XQ_LIMBS=xq.limbs)
+            if xq.zero is not None:
+                assert xq.zero.dtype == torch.float32 and xq.zero.is_contiguous()
+                extra.update(z_ptr=xq.zero, Z=xq.zero.numel(), ZERO=True)
         _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
@@ -580,6 +649,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
             num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra, **pdl_args(q.device))
+        if xq_here:
+            xq.written = True
         if merge:
             return result
         _combine_kernel[(nb * hk, group * tq)](

@@ -1136,10 +1136,8 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
     stream's workspace) and their sizes. `zero` (float32, contiguous, apart from every input): zeroed
     by the same launch."""
     m, k = x2.shape
-    kb = triton.cdiv(k, 32)
-    words, floats = _xq_workspace(x2.device, m * kb * 8 * limbs, m * kb)
-    xq = words[: m * kb * 8 * limbs].view(m, kb * 8 * limbs)
-    xd, xs = floats[: m * kb].view(m, kb), floats[m * kb: 2 * m * kb].view(m, kb)
+    args = xq_buffers(m, k, limbs, x2.device)
+    xq, xd, xs, kb = args["xq_ptr"], args["xd_ptr"], args["xs_ptr"], args["KB"]
     first, second = (x_gate, x2) if x_gate is not None else (x2, x2)
     if x_gate is not None:
         assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape and norm is None
@@ -1152,16 +1150,37 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
         first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=XQ_BLOCKS,
         GLU=x_gate is not None, num_warps=1 if norm is None else XQ_NORM_WARPS, **extra, **pdl_args(x2.device),
         **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}))
+    return args
+
+
+def xq_buffers(m: int, k: int, limbs: int, device) -> dict:
+    """The word GEMV's pre-quantized x [M, K] in the stream's workspace, as its kernel arguments: limb
+    words xq_ptr [M, KB * 8 * limbs], block scales xd_ptr and sums xs_ptr [M, KB] (KB = ceil(K / 32)).
+    `_quantize_x` fills them, or a kernel before the GEMV that stores the same (`attention(..., xq=)`)."""
+    kb = triton.cdiv(k, 32)
+    words, floats = _xq_workspace(device, m * kb * 8 * limbs, m * kb)
+    xq = words[: m * kb * 8 * limbs].view(m, kb * 8 * limbs)
+    xd, xs = floats[: m * kb].view(m, kb), floats[m * kb: 2 * m * kb].view(m, kb)
     return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0))
 
 
+def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None) -> int:
+    """The limbs of x's pre-quantization the word GEMV uses for m rows of w by default (0: none, the
+    GEMV rounds x itself or another kernel runs): what a kernel ahead of it may store (`xq_buffers`)."""
+    config = config or {}
+    if not w.words or m > WORDS_MAX_ROWS or config.get("NLOOP") or config.get("XFREE"):
+        return 0
+    return config.get("LIMBS", GEMV_LIMBS) if config.get("XQ", w.nbytes >= XQ_MIN_BYTES) else 0
+
+
 def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, x_gate: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, norm: NormPrologue | None = None) -> None:
+                residual: torch.Tensor | None = None, norm: NormPrologue | None = None, quantize=None) -> None:
     """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; rms_norm(x2 [+ norm.add]) * norm.weight
     with `norm`; + residual when given).
 
     config keys override `words_gemv_config`'s choice, and LIMBS (1-3, default GEMV_LIMBS) and XQ
-    (x quantized by its own launch first; default: weights of XQ_MIN_BYTES and more)."""
+    (x quantized by its own launch first; default: weights of XQ_MIN_BYTES and more). `quantize` replaces
+    that launch (`_quantize_x`'s signature and result): a kernel computing x that also stores it rounded."""
     m = x2.shape[0]
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
     if config.pop("NLOOP", False):
@@ -1204,7 +1223,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         part, tickets = _workspace(x2.device, split * m * w.n, grid[0] * grid[2])
     b = w.bias if w.bias is not None else w.scale
     if xq:
-        cfg.update(_quantize_x(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None))
+        cfg.update((quantize or _quantize_x)(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None))
         x_gate = norm = None      # applied by the quantize kernel
     gate = x_gate if x_gate is not None else x2
     if norm is not None:

@@ -98,3 +98,21 @@ def test_batched_greedy_decode_equals_the_cpu_backend(batch, kind, monkeypatch):
         # 1e-4, not 1e-5: the GPU sums the K=96/160 reductions in another order (as test_cuda.py's decode test)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
     assert [t.tolist() for t in gpu_tokens] == [t.tolist() for t in cpu_tokens]
+
+
+@pytest.mark.parametrize("limit", [0, 1, None], ids=["off", "below-every-weight", "default"])
+def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, monkeypatch):
+    """The attention + o-projection fusion applies to o weights under ATTENTION_XQ_BYTES (0: never), and
+    the decode step computes the same logits either way."""
+    import ingot.backends.cuda as cuda_backend
+    cfg = _config()
+    model = llama.build(cfg, _weights("uint4", cfg), batch=1)
+    prompts = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
+    want_logits, tokens = _greedy(model, "cpu", prompts, None)
+    if limit is not None:
+        monkeypatch.setattr(cuda_backend, "ATTENTION_XQ_BYTES", limit)
+    fused = "attention output rounded for the quantized matmul after it" in model.compile(1, "cuda").plan.fusions
+    assert fused == (limit is None), (limit, fused)
+    got_logits, _ = _greedy(model, "cuda", prompts, tokens)
+    for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")

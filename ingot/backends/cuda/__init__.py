@@ -111,6 +111,12 @@ def constant_tensor(array: np.ndarray, device) -> torch.Tensor:
 
 
 WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights in the dp4a GEMV's word layout
+# a decode attention rounds its output for the quantized matmul after it (no quantize launch between
+# them) where that matmul's weight is smaller than this; 0: never. H200 (eighth session), steps replayed:
+# SmolLM2's o (0.2 MB) 653 us with it against 679; Llama-3-8B's o (10.5 MB) 2054 with it against 1987:
+# there the 8 programs that write the heads' outputs round 512 values each at the end of the attention,
+# while the quantize launch spreads the work over 32 and overlaps the GEMV's start
+ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 << 20)))
 
 
 def prepared_weight(arrays: list[np.ndarray], attrs: dict, device, words: bool = False) -> qmm.QuantizedWeight:
@@ -786,8 +792,7 @@ class CudaPlan:
 
         # a decode attention whose output only a quantized matmul reads (through views): the attention
         # kernel rounds its output for that GEMV (no quantize launch between them); both run as one step
-        attn_o = self._attention_gemvs(nodes, users, roots, done, group_of) \
-            if os.environ.get("INGOT_CUDA_ATTENTION_XQ", "1") == "1" else {}
+        attn_o = self._attention_gemvs(nodes, users, roots, done, group_of) if ATTENTION_XQ_BYTES > 0 else {}
 
         for node in nodes:
             s = self.slot[node.id]
@@ -976,10 +981,11 @@ class CudaPlan:
             self.fusions.append("rope q + rope k + v write into the caches")
         return groups
 
-    def _attention_gemvs(self, nodes, users, roots, done, group_of) -> dict[int, Node]:
-        """{SDPA id: quantized matmul} where the matmul (constant affine weights, alone on its x) reads the
-        attention's output of one query row through reshapes and transposes that keep its memory order
-        (x [B, Hq * Dv] is the output [B, Hq, 1, Dv] as laid out), and nothing else reads it."""
+    def _attention_gemvs(self, nodes, users, roots, done, group_of) -> dict[int, tuple]:
+        """{SDPA id: (quantized matmul, its prepared weight)} where the matmul (constant affine weights of
+        fewer than ATTENTION_XQ_BYTES, alone on its x) reads the attention's output of one query row
+        through reshapes and transposes that keep its memory order (x [B, Hq * Dv] is the output
+        [B, Hq, 1, Dv] as laid out), and nothing else reads it."""
         found = {}
         for m in nodes:
             if m.op != Op.QUANTIZED_MATMUL or m.id in done or m.id in group_of or m.attrs.get("mode") != "affine" or \
@@ -998,18 +1004,20 @@ class CudaPlan:
                 if x.op == Op.SDPA and len(users[x.id]) == 1 and x.id not in roots and not x.attrs.get("has_mask") and \
                         x.type.shape[-2] == 1 and x.type.static and m.src[0].type.shape[-1] == x.type.shape[-3] * x.type.shape[-1] \
                         and m.src[0].type.shape[0] == math.prod(x.type.shape[:-3]):
-                    found[x.id] = m
-                    done.update(n.id for n in chain + [m])
+                    arrays = [self.program.constants[c.attrs["key"]] for c in m.src[1:]]
+                    weight = prepared_weight(arrays, m.attrs, self.device, WORDS_LAYOUT)
+                    if weight.nbytes < ATTENTION_XQ_BYTES:
+                        found[x.id] = (m, weight)
+                        done.update(n.id for n in chain + [m])
         return found
 
-    def _with_gemv(self, step: tuple, m: Node | None) -> tuple:
-        """The attention step (fn, ins, outs, name), with `m`: it also computes m = x @ W from the
-        attention's output, which the decode kernel stores rounded for the GEMV (`XQTarget`)."""
-        if m is None:
+    def _with_gemv(self, step: tuple, gemv: tuple | None) -> tuple:
+        """The attention step (fn, ins, outs, name), with gemv = (m, weight): it also computes m = x @ W
+        from the attention's output, which the decode kernel stores rounded for the GEMV (`XQTarget`)."""
+        if gemv is None:
             return step
         fn, ins, outs, name = step
-        arrays = [self.program.constants[x.attrs["key"]] for x in m.src[1:]]
-        weight = prepared_weight(arrays, m.attrs, self.device, WORDS_LAYOUT)
+        m, weight = gemv
         rows, k = m.src[0].type.shape
         y_shape = tuple(m.type.shape)
         self.fusions.append("attention output rounded for the quantized matmul after it")

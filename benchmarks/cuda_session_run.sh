@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so (the parts' time
 # limits below add up under that; issue calls back to back, while the machine is still warm):
-#   bash benchmarks/cuda_session_run.sh tests smollm              # 340 + 3 x 40 s at most (tests ~320 s at -n 16)
-#   bash benchmarks/cuda_session_run.sh llama gemv attention      # 4 x 60 + 100 + 150 s at most (a Llama run ~35 s)
-#   bash benchmarks/cuda_session_run.sh audio                     # 200 s at most
+#   bash benchmarks/cuda_session_run.sh tests                     # 480 s at most (on a fresh machine the whole
+#                                                                 # suite ran past 340 s: 89 %, eighth session)
+#   bash benchmarks/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
+#   bash benchmarks/cuda_session_run.sh attention audio           # 150 + 200 s at most
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama:
-# end to end by default and in the variants SMOLLM_RUNS / LLAMA_RUNS list (default: each without
-# programmatic dependent launch and with the float32 decode dots on FMA units; Llama also with x
-# rounded inside every GEMV, no quantize launches).
+# end to end by default and in the variants SMOLLM_RUNS / LLAMA_RUNS list (default: each with RoPE
+# and the KV write as their own launch, and with the attention + o GEMV fusion flipped; Llama also
+# without programmatic dependent launch).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -21,7 +22,7 @@ run_audio() {
     2>&1 | grep " ms\|ratio torch.stft"
 }
 run_tests() {
-  timeout "${TESTS_S:-340}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
+  timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
     tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
     tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py tests/test_cuda_pdl.py --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
@@ -42,8 +43,8 @@ llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-60}" python3 benchmarks/cu
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 # runs as tag[:VAR=value,VAR=value] (SMOLLM_RUNS / LLAMA_RUNS override the lists)
 runs() { fn=$1; shift; for v in "$@"; do tag=${v%%:*}; envs=""; [ "$tag" != "$v" ] && envs=${v#*:}; $fn "$tag" ${envs//,/ }; done; }
-run_smollm() { runs smollm ${SMOLLM_RUNS:-default pdl-off:INGOT_CUDA_PDL=0 ieee:INGOT_CUDA_DECODE_PRECISION=ieee}; }
-run_llama() { runs llama ${LLAMA_RUNS:-default pdl-off:INGOT_CUDA_PDL=0 ieee:INGOT_CUDA_DECODE_PRECISION=ieee no-xq:INGOT_CUDA_GEMV_XQ_BYTES=1000000000000}; }
+run_smollm() { runs smollm ${SMOLLM_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq-off:INGOT_CUDA_ATTENTION_XQ_BYTES=0}; }
+run_llama() { runs llama ${LLAMA_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq:INGOT_CUDA_ATTENTION_XQ_BYTES=1000000000000 pdl-off:INGOT_CUDA_PDL=0}; }
 
 for part in $parts; do
   echo "== $part"

@@ -243,7 +243,7 @@ def test_decode_rotates_q_and_writes_the_new_kv(case, table):
     rows (case 4's position is past it: computed in the kernel) or there is none."""
     b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
     skip_bf16_in_interpreter(dtype)
-    (q, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
+    (_, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
     rng = np.random.default_rng(pos)
     q_raw = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
     kn = rng.standard_normal((b, hk, 1, d)).astype(np.float32)
@@ -253,7 +253,7 @@ def test_decode_rotates_q_and_writes_the_new_kv(case, table):
     if pos < buffer:
         k_want[:, :, pos] = rotate(kn[:, :, 0], pos, half, interleaved)[0]
         v_want[:, :, pos] = vn[:, :, 0]
-    cast = lambda x: torch.from_numpy(x).to(DEVICE, TORCH_DTYPES[dtype])  # noqa: E731
+    cast = lambda x: torch.from_numpy(x).to(DEVICE, TORCH_DTYPES[dtype])
     k_want, v_want = (cast(x).float().cpu().numpy() for x in (k_want, v_want))   # rounded to the cache's dtype
     rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
                           torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved,

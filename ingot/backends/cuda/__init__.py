@@ -948,8 +948,8 @@ class CudaPlan:
                 inv_host = None if inv_host is None else np.ascontiguousarray(inv_host).reshape(-1)
             att = None if inv_host is None else self._rope_attention(qr, ku, vu, last, members, users, roots, nodes, order)
             if att is not None:   # the attention reading them rotates q and writes k/v itself (decode)
-                a = att.attrs
-                length_slot = (self.slot[att.src[-1].id],) if a.get("has_length") else ()
+                sdpa = att.attrs
+                length_slot = (self.slot[att.src[-1].id],) if sdpa.get("has_length") else ()
                 rows = ku.src[0].type.shape[-2]
                 key = (inv_host.tobytes(), rows)   # cos/sin of every cache position, one table for all layers
                 if key not in self._rope_tables:
@@ -957,9 +957,10 @@ class CudaPlan:
                                               attention_kernels.rope_table(inv_host, rows, self.device))
                 inv_dev, cos_sin = self._rope_tables[key]
 
+                has_length, scale, causal = bool(sdpa.get("has_length")), sdpa.get("scale"), bool(sdpa.get("causal"))
+
                 def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
-                         has_length=bool(a.get("has_length")), scale=a.get("scale"), causal=bool(a.get("causal")),
-                         cos_sin=cos_sin, out=None, xq=None):
+                         has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, out=None, xq=None):
                     rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
                                                       scale=scale, causal=causal, rope=rope, out=out, xq=xq)

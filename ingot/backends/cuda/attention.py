@@ -249,7 +249,7 @@ def _rotation(pos, inv_ptr, cos_ptr, sin_ptr, ROWS, offs_d, HALF, INTERLEAVED: t
         c = tl.load(cos_ptr + row * HALF + idx, mask=rot, other=1.0)
         s = tl.load(sin_ptr + row * HALF + idx, mask=rot, other=0.0)
         if (pos < 0) | (pos >= ROWS):   # past the table (rare): one float64 angle at a time, few registers
-            for j in range(0, HALF):
+            for j in range(HALF):
                 angle = pos.to(tl.float64) * tl.load(inv_ptr + j).to(tl.float64)
                 c = tl.where(idx == j, tl.cos(angle).to(tl.float32), c)
                 s = tl.where(idx == j, tl.sin(angle).to(tl.float32), s)
@@ -625,7 +625,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         if rope is not None:
             kn4, vn4 = four(rope.k), four(rope.v)
             assert kn4.shape[1:] == (hk, 1, d) and vn4.shape[1:] == (hk, 1, dv), "attention: rope's k/v rows [..., Hk, 1, D]"
-            extra = dict(pos_ptr=rope.pos, inv_ptr=rope.inv_freq, kn_ptr=kn4, vn_ptr=vn4, HALF=rope.inv_freq.shape[0],
+            extra.update(pos_ptr=rope.pos, inv_ptr=rope.inv_freq, kn_ptr=kn4, vn_ptr=vn4, HALF=rope.inv_freq.shape[0],
                          skn_b=kn4.stride(0), skn_h=kn4.stride(1), svn_b=vn4.stride(0), svn_h=vn4.stride(1), ROPE=True,
                          INTERLEAVED=rope.interleaved)
             if rope.cos_sin is not None:

@@ -235,12 +235,11 @@ ROPE_CASES = [  # (B, Hq, Hk, D, HALF, interleaved, buffer, pos, length, split, 
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[f"case{i}" for i in range(len(ROPE_CASES))])
-@pytest.mark.parametrize("table", [True, False], ids=["cos-sin-table", "float64-angles"])
-def test_decode_rotates_q_and_writes_the_new_kv(case, table):
+def test_decode_rotates_q_and_writes_the_new_kv(case):
     """attention(..., rope=) against NumPy: q rotated, the rotated k and v written into the caches at
     the position (and nothing else changed), the output over the first `length` keys of the caches
     as written (the new key among them when position < length). The cos/sin table has the buffer's
-    rows (case 4's position is past it: computed in the kernel) or there is none."""
+    rows (case 4's position is past it: computed in the kernel)."""
     b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
     skip_bf16_in_interpreter(dtype)
     (_, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
@@ -257,7 +256,7 @@ def test_decode_rotates_q_and_writes_the_new_kv(case, table):
     k_want, v_want = (cast(x).float().cpu().numpy() for x in (k_want, v_want))   # rounded to the cache's dtype
     rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
                           torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved,
-                          attn.rope_table(inv, buffer, DEVICE) if table else None)
+                          attn.rope_table(inv, buffer, DEVICE))
     got = attn.attention(cast(q_raw), k_dev, v_dev, length=torch.tensor(length, device=DEVICE), causal=True,
                          split=split, rope=rope)
     np.testing.assert_allclose(k_dev.float().cpu().numpy(), k_want, rtol=1e-6, atol=1e-6)
@@ -280,7 +279,8 @@ def test_decode_rope_with_two_query_rows_runs_the_rope_launch_first():
         k[:, :, pos + t] = rotate(kn[:, :, t], pos + t, 32, False)[0]
         v[:, :, pos + t] = vn[:, :, t]
     rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
-                          torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), False)
+                          torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), False,
+                          attn.rope_table(inv, buffer, DEVICE))
     got = attn.attention(torch.from_numpy(q_raw).to(DEVICE), k_dev, v_dev, length=torch.tensor(pos + 2, device=DEVICE),
                          causal=True, rope=rope)
     np.testing.assert_allclose(k_dev.cpu().numpy()[:, :, :pos + 2], k[:, :, :pos + 2], rtol=1e-6, atol=1e-6)

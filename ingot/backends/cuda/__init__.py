@@ -935,14 +935,14 @@ class CudaPlan:
             a = kr.attrs
             rd = a.get("rotary_dims") or kr.type.shape[-1]
             interleaved = bool(a.get("interleaved", False))
-            table = torch.as_tensor(rope_inv_freq(rd, a.get("base", 10000.0)), device=self.device)
+            inv_host = rope_inv_freq(rd, a.get("base", 10000.0))
+            table = torch.as_tensor(inv_host, device=self.device)
             has_inv = len(kr.src) > 2
 
             ins = (self.slot[qr.src[0].id], self.slot[pos.id], self.slot[kr.src[0].id], self.slot[ku.src[0].id],
                    self.slot[vu.src[1].id], self.slot[vu.src[0].id]) + ((self.slot[kr.src[2].id],) if has_inv else ())
             # the inverse frequencies, to tabulate cos/sin: a constant (computed at run time: no table, and
             # float64 angles in the decode kernel made it slower than the RoPE launch, which stays)
-            inv_host = rope_inv_freq(rd, a.get("base", 10000.0))
             if has_inv:
                 inv_host = self.program.constants[kr.src[2].attrs["key"]] if kr.src[2].op == Op.CONSTANT else None
                 inv_host = None if inv_host is None else np.ascontiguousarray(inv_host).reshape(-1)

@@ -56,7 +56,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False,
                    pos_ptr=None, inv_ptr=None, kn_ptr=None, vn_ptr=None, HALF=0, skn_b=0, skn_h=0, svn_b=0, svn_h=0,
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
-                   INTERLEAVED: tl.constexpr = False, TABLE: tl.constexpr = False,
+                   INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
@@ -71,7 +71,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     the softmax math. All three off: the kernel as before (every split stores partials).
 
     ROPE (one query row per head, TQ 1): q is rotated here by the position at pos_ptr (`_rotation`, cos/sin
-    from a table with TABLE), and
+    from a table), and
     the new token's k (rotated) and v rows (kn/vn [B, Hk, 1, D]) are written into the caches at that
     position by the split whose keys hold it (split 0 when none does), before it reads them: the
     layer's RoPE + KV write launch (`fused.rope_qkv_into`) folded into this one.
@@ -112,7 +112,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if ROPE:
         pos = tl.load(pos_ptr).to(tl.int32)
-        partner, c, sn = _rotation(pos, inv_ptr, cos_ptr, sin_ptr, TABLE_ROWS, offs_d, HALF, INTERLEAVED, TABLE)
+        partner, c, sn = _rotation(pos, inv_ptr, cos_ptr, sin_ptr, TABLE_ROWS, offs_d, HALF, INTERLEAVED)
         q_pair = tl.load(q_rows + partner[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         q = (q.to(tl.float32) * c[None, :] + q_pair.to(tl.float32) * sn[None, :]).to(q_ptr.dtype.element_ty)
         writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
@@ -220,20 +220,12 @@ def _store_xq(o, b, head0, row_ok, xq_ptr, xd_ptr, xs_ptr, stride_xqm, stride_xd
 
 
 @triton.jit
-def _angles(pos, inv_ptr, idx, rot):
-    """cos and sin of pos * inv_freq[idx] in float64, rounded to float32 (as `fused._rope_row`)."""
-    f = tl.load(inv_ptr + idx, mask=rot, other=0.0)
-    angle = pos.to(tl.float64) * f.to(tl.float64)
-    return tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
-
-
-@triton.jit
-def _rotation(pos, inv_ptr, cos_ptr, sin_ptr, ROWS, offs_d, HALF, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr):
+def _rotation(pos, inv_ptr, cos_ptr, sin_ptr, ROWS, offs_d, HALF, INTERLEAVED: tl.constexpr):
     """RoPE at position pos as y[j] = x[j] * c[j] + x[partner[j]] * sn[j] (sn carrying the sign; c 1 and
-    sn 0 past the rotated 2 * HALF dims). TABLE: cos/sin [ROWS, HALF] read at row pos (float64 angles
-    rounded to float32, computed at build time); a position past the table, or no table, computes
-    them here in float64 (the same values, but the float64 sin/cos made the H200's decode kernel
-    slower than a separate RoPE launch: 13.2 against 6.0 us a Llama-3-8B layer, 2026-12-03)."""
+    sn 0 past the rotated 2 * HALF dims), cos/sin read from the table [ROWS, HALF] (`rope_table`). A
+    position past the table computes them in float64, one angle at a time: the same values, but float64
+    sin/cos over the whole vector made the H200's decode kernel slower than a separate RoPE launch
+    (13.2 against 6.0 us a Llama-3-8B layer) and pushed it to 255 registers with spills (2026-12-03)."""
     if INTERLEAVED:
         partner = offs_d ^ 1
         idx = offs_d // 2
@@ -244,17 +236,14 @@ def _rotation(pos, inv_ptr, cos_ptr, sin_ptr, ROWS, offs_d, HALF, INTERLEAVED: t
         sign = tl.where(offs_d < HALF, -1.0, 1.0)
     rot = offs_d < 2 * HALF
     partner = tl.where(rot, partner, offs_d)
-    if TABLE:
-        row = tl.minimum(tl.maximum(pos, 0), ROWS - 1).to(tl.int64)
-        c = tl.load(cos_ptr + row * HALF + idx, mask=rot, other=1.0)
-        s = tl.load(sin_ptr + row * HALF + idx, mask=rot, other=0.0)
-        if (pos < 0) | (pos >= ROWS):   # past the table (rare): one float64 angle at a time, few registers
-            for j in range(HALF):
-                angle = pos.to(tl.float64) * tl.load(inv_ptr + j).to(tl.float64)
-                c = tl.where(idx == j, tl.cos(angle).to(tl.float32), c)
-                s = tl.where(idx == j, tl.sin(angle).to(tl.float32), s)
-    else:
-        c, s = _angles(pos, inv_ptr, idx, rot)
+    row = tl.minimum(tl.maximum(pos, 0), ROWS - 1).to(tl.int64)
+    c = tl.load(cos_ptr + row * HALF + idx, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + row * HALF + idx, mask=rot, other=0.0)
+    if (pos < 0) | (pos >= ROWS):   # past the table (rare)
+        for j in range(HALF):
+            angle = pos.to(tl.float64) * tl.load(inv_ptr + j).to(tl.float64)
+            c = tl.where(idx == j, tl.cos(angle).to(tl.float32), c)
+            s = tl.where(idx == j, tl.sin(angle).to(tl.float32), s)
     c = tl.where(rot, c, 1.0)
     sn = tl.where(rot, s * sign, 0.0)
     return partner, c, sn
@@ -491,13 +480,14 @@ DECODE_BLOCK_N = int(os.environ.get("INGOT_CUDA_DECODE_BLOCK_N", "0"))
 class RopeWrite:
     """What `attention(..., rope=)` rotates and writes: the 0-d integer position (on the device), RoPE's
     inverse frequencies [HALF] (float32; rotary dims 2 * HALF <= D), the new token's k and v rows
-    [..., Hk, T, D] (written into the caches at position + t) and the pairing (interleaved or halves)."""
+    [..., Hk, T, D] (written into the caches at position + t), the pairing (interleaved or halves) and
+    the cos/sin table of every cache position (`rope_table`, float32 [rows, HALF] each)."""
     pos: torch.Tensor
     inv_freq: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    interleaved: bool = False
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None   # float32 [rows, HALF] each, `rope_table`
+    interleaved: bool
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -628,10 +618,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             extra.update(pos_ptr=rope.pos, inv_ptr=rope.inv_freq, kn_ptr=kn4, vn_ptr=vn4, HALF=rope.inv_freq.shape[0],
                          skn_b=kn4.stride(0), skn_h=kn4.stride(1), svn_b=vn4.stride(0), svn_h=vn4.stride(1), ROPE=True,
                          INTERLEAVED=rope.interleaved)
-            if rope.cos_sin is not None:
-                cos, sin = rope.cos_sin
-                assert cos.shape == sin.shape and cos.shape[1] == rope.inv_freq.shape[0] and cos.dtype == torch.float32
-                extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0], TABLE=True)
+            cos, sin = rope.cos_sin
+            assert cos.shape == sin.shape and cos.shape[1] == rope.inv_freq.shape[0] and cos.dtype == torch.float32
+            extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0])
         # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
         xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
         if xq_here:

@@ -25,6 +25,7 @@ from cuda_env import require_cuda  # noqa: E402
 
 _INTERPRET = require_cuda()
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from ingot.backends.cuda import attention as attn  # noqa: E402
 
@@ -337,14 +338,10 @@ def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
         err = float((out - want_out).norm() / want_out.norm())
         assert err < 1e-5, (case, err)
     if not target.written:
-        assert case[-2] is False or d % 32 or d != triton_next_pow2(d), case
+        assert case[-2] is False or d % 32 or d != triton.next_power_of_2(d), case
         assert (xq == -1).all().item() and zero.isnan().all().item()
         return
     want = qmm._quantize_x(out.reshape(b, hq * d), None, limbs)
     assert torch.equal(xq, want["xq_ptr"]), "limb words differ from the quantize kernel's"
     assert torch.equal(xd, want["xd_ptr"]) and torch.equal(xs, want["xs_ptr"])
     assert not zero.any().item(), "the GEMV's output was not zeroed"
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -116,3 +116,27 @@ def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, monke
     got_logits, _ = _greedy(model, "cuda", prompts, tokens)
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("switch", [True, False], ids=["glu-xq", "glu-xq-off"])
+def test_gate_up_gemv_rounds_for_the_down_gemv(switch, monkeypatch):
+    """An FFN of 256 (a multiple of the GEMV's column blocks): the gate+up GEMV rounds silu(gate) * up
+    for the down GEMV (no GLU quantize launch in the decode step), or with the switch off the quantize
+    launch does; the logits equal the CPU backend's either way."""
+    import ingot.backends.cuda as cuda_backend
+    cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=256, vocab_size=300,
+                            context_length=32, tied_embeddings=True)
+    model = llama.build(cfg, _weights("uint4", cfg), batch=1)
+    prompts = np.random.default_rng(11).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
+    want_logits, tokens = _greedy(model, "cpu", prompts, None)
+    monkeypatch.setattr(cuda_backend, "GLU_XQ", switch)
+    fusions = model.compile(1, "cuda").plan.fusions
+    assert fusions.count("silu*mul rounded for the down GEMV by the gate+up GEMV") == (cfg.n_layers if switch else 0)
+    glu_launches = []
+    quantize = qmm._quantize_x
+    monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k: glu_launches.append(x_gate is not None)
+                        or quantize(x2, x_gate, *a, **k))
+    got_logits, _ = _greedy(model, "cuda", prompts, tokens)
+    assert any(glu_launches) != switch, glu_launches   # the decode steps' GLU quantize launches: none when fused
+    for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")

@@ -90,6 +90,61 @@ def test_norm_prologue_takes_xq_by_the_module_threshold(monkeypatch):
         check(got, normalised(a + b, None), w, qmm.GEMV_LIMBS, what=f"xq={want_xq}")
 
 
+# == the GLU epilogue: the gate+up GEMV rounds silu(gate) * up for the down GEMV ==========================
+
+GLU_CASES = [  # (format, K, half, rows, limbs, config): one split (stores), atomics, several column blocks a program
+    (FORMATS[0], 96, 256, 1, 2, dict(SPLIT=1)),
+    (FORMATS[1], 160, 512, 3, 1, dict(SPLIT=3, REDUCE=1)),
+    (FORMATS[1], 192, 512, 4, 2, dict(SPLIT=2, REDUCE=1, num_warps=4)),   # BLOCK_N 512: four rows of 128 in store_xq
+    (FORMATS[0], 64, 256, 2, 2, dict(SPLIT=1, num_warps=2)),
+]
+
+
+@pytest.mark.parametrize("case", GLU_CASES, ids=[f"k{c[1]}-half{c[2]}-rows{c[3]}-limbs{c[4]}-{i}" for i, c in enumerate(GLU_CASES)])
+def test_gate_up_gemv_rounds_silu_mul_for_the_next_gemv(case):
+    """With `glu_out`, the gate+up GEMV (norm prologue, add) stores exactly what the quantize launch
+    stores for silu(y[:, :half]) * y[:, half:] (limb words, block scales and sums) and zeroes `zero`; y
+    itself is unchanged."""
+    fmt, k, half, rows, limbs, config = case
+    rng = rng_for(f"glu-xq{case}")
+    w = words_weight(rng, fmt, (k, 2 * half, 32))
+    a, b = (torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(DEVICE) for _ in range(2))
+    g = torch.from_numpy((1 + 0.3 * rng.standard_normal(k)).astype(np.float32)).to(DEVICE)
+    buf = qmm.xq_buffers(rows, half, limbs, DEVICE, slot=1)
+    buf["xq_ptr"].fill_(-1)
+    buf["xd_ptr"].fill_(float("nan"))
+    buf["xs_ptr"].fill_(float("nan"))
+    zero = torch.full((1234,), float("nan"), device=DEVICE)
+    target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, half, zero=zero)
+    total, y = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True), glu_out=target)
+    assert target.written
+    total_plain, y_plain = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True))
+    assert torch.equal(total, total_plain) and torch.equal(y, y_plain) or config.get("REDUCE") == 1
+    check(y, normalised(a + b, g), w, qmm.GEMV_LIMBS, what=str(case))
+    want = qmm._quantize_x(y[:, half:], y[:, :half], limbs)
+    assert torch.equal(buf["xq_ptr"], want["xq_ptr"]), "limb words differ from the quantize kernel's"
+    assert torch.equal(buf["xd_ptr"], want["xd_ptr"]) and torch.equal(buf["xs_ptr"], want["xs_ptr"])
+    assert not zero.any().item(), "the next GEMV's output was not zeroed"
+
+
+@pytest.mark.parametrize("why", ["half-off-the-column-blocks", "tickets"])
+def test_gate_up_gemv_declines_the_glu_epilogue(why):
+    """Where the column blocks do not split at half, or the split-K sums go through tickets (REDUCE 2),
+    the GEMV leaves the buffers alone and says so (`written` False): the caller runs the quantize launch."""
+    half, config = (96, dict(SPLIT=1)) if why == "half-off-the-column-blocks" else (256, dict(SPLIT=3, REDUCE=2))
+    rng = rng_for(f"glu-decline{why}")
+    w = words_weight(rng, FORMATS[0], (96, 2 * half, 32))
+    a = torch.from_numpy(rng.standard_normal((1, 96)).astype(np.float32)).to(DEVICE)
+    buf = qmm.xq_buffers(1, half, 2, DEVICE, slot=1)
+    buf["xq_ptr"].fill_(-1)
+    zero = torch.full((100,), float("nan"), device=DEVICE)
+    target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], 2, half, zero=zero)
+    y = qmm.rms_norm_matmul(a, w, None, EPS, config=dict(config, XQ=True), glu_out=target)
+    assert not target.written
+    assert (buf["xq_ptr"] == -1).all().item() and zero.isnan().all().item()
+    check(y, normalised(a, None), w, qmm.GEMV_LIMBS, what=why)
+
+
 # == the plan =========================================================================================
 
 def _decode(monkeypatch, switch: str):

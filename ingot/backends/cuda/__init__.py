@@ -117,6 +117,22 @@ WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights
 # there the 8 programs that write the heads' outputs round 512 values each at the end of the attention,
 # while the quantize launch spreads the work over 32 and overlaps the GEMV's start
 ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 << 20)))
+# the gate+up GEMV rounds silu(gate) * up for the down GEMV in its last programs (no quantize launch between)
+GLU_XQ = os.environ.get("INGOT_CUDA_GLU_XQ", "1") == "1"
+
+
+def _last_axis_slice(node: Node, src: Node) -> tuple[int, int] | None:
+    """(start, stop) when node is src[..., start:stop] (static, step 1, every other axis whole), else None."""
+    if node.op != Op.SLICE or node.src[0] is not src or not src.type.static or node.attrs.get("size"):
+        return None
+    start, end, step = node.attrs["start"], node.attrs["end"], node.attrs["step"]
+    shape = src.type.shape
+    if any(isinstance(v, Ref) for v in (*start, *end)) or any(st != 1 for st in step):
+        return None
+    spans = [range(*slice(a, b).indices(d)) for a, b, d in zip(start, end, shape)]
+    if any(len(r) != d for r, d in zip(spans[:-1], shape[:-1])):
+        return None
+    return spans[-1].start, spans[-1].stop
 
 
 def prepared_weight(arrays: list[np.ndarray], attrs: dict, device, words: bool = False) -> qmm.QuantizedWeight:
@@ -811,7 +827,11 @@ class CudaPlan:
             if node.op == Op.ASSIGN or node.id in done:
                 continue
             if node.id in norm_gemv:
-                steps.append(self._norm_gemv_step(*norm_gemv[node.id]))
+                add, norm, members, weight = norm_gemv[node.id]
+                down = self._glu_after(members, glu, users, roots) if GLU_XQ else None
+                steps.append(self._norm_gemv_step(add, norm, members, weight, down))
+                if down is not None:
+                    done.update(n.id for n in [down[0], *down[2]])
                 continue
             if node.id in glu:
                 gate, up, kernel = glu[node.id]
@@ -1152,13 +1172,49 @@ class CudaPlan:
             add = None
         return add, members, weight
 
-    def _norm_gemv_step(self, add: Node | None, norm: Node, members: list[Node], weight: qmm.QuantizedWeight):
+    def _glu_after(self, members: list[Node], glu: dict, users, roots) -> tuple | None:
+        """(down, its word-layout weight, the slices of a fused gate_up output) when the GEMV's outputs are
+        gate and up of a GLU (members [gate, up], or [gate_up] that only two last-axis halves read) whose
+        down projection runs as a word GEMV (`_glu_step`) and nothing else reads gate or up: the gate+up
+        GEMV can round silu(gate) * up for it (`qmm.GluTarget`)."""
+        if len(members) == 2:
+            pair, slices = members, []
+        elif len(members) == 1 and members[0].type.static and members[0].id not in roots:
+            both = members[0]
+            n = both.type.shape[-1]
+            halves = sorted(users[both.id], key=lambda u: _last_axis_slice(u, both) or (n, n))
+            if len(halves) != 2 or [_last_axis_slice(u, both) for u in halves] != [(0, n // 2), (n // 2, n)] or n % 2:
+                return None
+            pair, slices = halves, halves
+        else:
+            return None
+        gate, up = pair
+        for down_id, (g, u, kernel) in glu.items():
+            if g is not gate or u is not up or gate.id in roots or up.id in roots:
+                continue
+            inside = {m.id for m in kernel.nodes}
+            if any(x.id not in inside for x in users[gate.id] + users[up.id]):
+                return None
+            down = next(n for n in users[kernel.nodes[-1].id] if n.id == down_id)
+            arrays = [self.program.constants[x.attrs["key"]] for x in down.src[1:]]
+            weight = prepared_weight(arrays, down.attrs, self.device, WORDS_LAYOUT)
+            if not weight.words or math.prod(down.src[0].type.shape[:-1]) > qmm.WORDS_MAX_ROWS:
+                return None
+            return down, weight, slices
+        return None
+
+    def _norm_gemv_step(self, add: Node | None, norm: Node, members: list[Node], weight: qmm.QuantizedWeight,
+                        down: tuple | None = None):
         """One step for [add ->] rms_norm -> quantized matmul(s): `qmm.rms_norm_matmul` (the norm in the
-        word GEMV's prologue; with the add, its sum stored by the same launch for the residual stream)."""
+        word GEMV's prologue; with the add, its sum stored by the same launch for the residual stream).
+        down = (the down projection, its weight) (`_glu_after`): the step goes on through silu(gate) * up
+        and that GEMV, the gate+up launch storing silu(gate) * up rounded for it (`_norm_glu_down`)."""
         eps = norm.attrs["eps"]
         has_g = len(norm.src) > 1
         widths = [m.type.shape[-1] for m in members]
         offsets = [int(o) for o in np.cumsum([0] + widths)]
+        if down is not None:
+            return self._norm_glu_down(add, norm, members, weight, down)
 
         def split(y):
             if len(members) == 1:
@@ -1184,6 +1240,55 @@ class CudaPlan:
         ins += (self.slot[norm.src[1].id],) if has_g else ()
         outs += tuple(self.slot[m.id] for m in members)
         return step, ins, outs, "add_rms_norm_gemv" if add is not None else "rms_norm_gemv"
+
+    def _norm_glu_down(self, add: Node | None, norm: Node, members: list[Node], weight: qmm.QuantizedWeight,
+                       down: tuple):
+        """[add ->] rms_norm -> gate+up GEMV -> silu(gate) * up -> down GEMV as one step: the gate+up launch
+        also rounds silu(gate) * up for the down GEMV and zeroes its output (`qmm.GluTarget`), so no
+        quantize launch runs between the two (it does where the gate+up launch could not)."""
+        eps = norm.attrs["eps"]
+        has_g = len(norm.src) > 1
+        half = weight.n // 2
+        d_node, d_weight, _ = down
+        n_out = d_node.type.shape[-1]
+
+        def run(x, b, g):
+            lead = x.shape[:-1]
+            rows = math.prod(lead)
+            y_down = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
+            limbs = qmm.gemv_takes_xq(rows, d_weight)
+            target, buf = None, None
+            if limbs in (1, 2):
+                buf = qmm.xq_buffers(rows, half, limbs, x.device, slot=1)
+                target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, half, zero=y_down)
+            got = qmm.rms_norm_matmul(x, weight, g, eps, add=b, glu_out=target)
+            total, y = got if b is not None else (None, got)
+            y2 = y.reshape(rows, 2 * half)
+
+            def quantize(x2_, x_gate, limbs_, norm_, zero=None):
+                if target is not None and target.written and limbs_ == target.limbs and (zero is None or zero is y_down):
+                    return buf
+                return qmm._quantize_x(x2_, x_gate, limbs_, norm_, zero=zero)
+            qmm._words_gemv(y2[:, half:], d_weight, y_down, {}, x_gate=y2[:, :half], quantize=quantize)
+            return total, y_down.reshape(*lead, n_out)
+
+        if add is not None:
+            def step(a, b, g=None):
+                return run(a, b, g)
+            ins = (self.slot[add.src[0].id], self.slot[add.src[1].id])
+            outs = (self.slot[add.id],)
+            self.fusions.append("add+rms_norm into the GEMV")
+        else:
+            def step(x, g=None):
+                return run(x, None, g)[1]
+            ins = (self.slot[norm.src[0].id],)
+            outs = ()
+            self.fusions.append("rms_norm into the GEMV")
+        if len(members) > 1:
+            self.fusions.append(f"{len(members)} sibling quantized matmuls")
+        self.fusions += ["silu*mul into the GEMV", "silu*mul rounded for the down GEMV by the gate+up GEMV"]
+        ins += (self.slot[norm.src[1].id],) if has_g else ()
+        return step, ins, outs + (self.slot[d_node.id],), ("add_rms_norm_gemv" if add is not None else "rms_norm_gemv") + "+glu_gemv"
 
     def _sibling_step(self, members: list[Node]):
         arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...ops.nn import rope_cos_sin
 from .pdl import pdl_args, pdl_enter
-from .quantized_matmul import _block_scale, _or, _round_to_int
+from .quantized_matmul import store_xq
 
 LOG2E = 1.4426950408889634
 
@@ -77,7 +77,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     layer's RoPE + KV write launch (`fused.rope_qkv_into`) folded into this one.
 
     XQ_LIMBS (1 or 2; TQ 1, DV a multiple of 32): the program that writes a head's output also stores
-    it rounded for the word GEMV that reads the output as x [B, Hq * DV] (`_store_xq`), so no quantize
+    it rounded for the word GEMV that reads the output as x [B, Hq * DV] (`store_xq`), so no quantize
     launch runs between the two; ZERO: split 0 of each head zeroes its share of z [Z] (float32), the
     output that GEMV's split-K sums are added into."""
     pdl_enter(PDL)
@@ -159,7 +159,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
             tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
             if XQ_LIMBS > 0:
-                _store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
+                store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
                           stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
             return
     part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
@@ -192,31 +192,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
             tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
             if XQ_LIMBS > 0:
-                _store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
+                store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
                           stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
             tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
-
-
-@triton.jit
-def _store_xq(o, b, head0, row_ok, xq_ptr, xd_ptr, xs_ptr, stride_xqm, stride_xdm, LIMBS: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """o [BLOCK_R, BLOCK_DV] (rows: query heads head0.., one token of batch row b) stored as
-    `_quantize_x_kernel` stores x [B, Hq * DV] for the word GEMV (LIMBS 1 or 2): limb words, block
-    scales d and block sums of the rounded x, each head's DV in blocks of 32."""
-    NB: tl.constexpr = BLOCK_DV // 32
-    x = tl.reshape(o, [BLOCK_R, NB, 4, 2, 4])                        # k = 32 nb + 8 j + 4 h + i
-    top = tl.max(tl.max(tl.max(tl.abs(x), axis=4), axis=3), axis=2)   # [R, NB]
-    d, scale = _block_scale(top, LIMBS)
-    X = _round_to_int(x, scale[:, :, None, None, None])
-    blk = (head0 + tl.arange(0, BLOCK_R))[:, None] * NB + tl.arange(0, NB)[None, :]   # [R, NB]
-    out = (xq_ptr + b * stride_xqm + blk[:, :, None, None] * (8 * LIMBS) + tl.arange(0, 4)[None, None, :, None]
-           + tl.arange(0, 2)[None, None, None, :] * 4)                                 # [R, NB, 4 (j), 2 (h)]
-    shifts = tl.arange(0, 4)[None, None, None, None, :] * 8
-    for limb in tl.static_range(LIMBS):
-        tl.store(out + limb * 8, tl.reduce(((X >> (8 * limb)) & 0xFF) << shifts, 4, _or), mask=row_ok[:, None, None, None])
-    x_sum = tl.sum(tl.sum(tl.sum(X, axis=4), axis=3), axis=2).to(tl.float32) * d
-    tl.store(xd_ptr + b * stride_xdm + blk, d, mask=row_ok[:, None])
-    tl.store(xs_ptr + b * stride_xdm + blk, x_sum, mask=row_ok[:, None])
 
 
 @triton.jit

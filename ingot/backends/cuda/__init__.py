@@ -828,7 +828,9 @@ class CudaPlan:
                 continue
             if node.id in norm_gemv:
                 add, norm, members, weight = norm_gemv[node.id]
-                down = self._glu_after(members, glu, users, roots) if GLU_XQ else None
+                rows = math.prod(norm.type.shape[:-1])
+                down = self._glu_after(members, glu, users, roots) if GLU_XQ and qmm.glu_epilogue_fits(weight, rows) \
+                    else None
                 steps.append(self._norm_gemv_step(add, norm, members, weight, down))
                 if down is not None:
                     done.update(n.id for n in [down[0], *down[2]])

@@ -1246,6 +1246,14 @@ class GluTarget:
     written: bool = False
 
 
+def glu_epilogue_fits(w: QuantizedWeight, m: int) -> bool:
+    """Whether the word GEMV of m rows of w = [gate | up] splits its column blocks at the middle, so its
+    default configuration can store silu(gate) * up for the next GEMV (`GluTarget`)."""
+    if not w.words or m > WORDS_MAX_ROWS or w.n % 2:
+        return False
+    return (w.n // 2) % words_gemv_config(w, m, 1)["BLOCK_N"] == 0
+
+
 def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None) -> int:
     """The limbs of x's pre-quantization the word GEMV uses for m rows of w by default (0: none, the
     GEMV rounds x itself or another kernel runs): what a kernel ahead of it may store (`xq_buffers`)."""

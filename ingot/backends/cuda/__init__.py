@@ -1209,57 +1209,57 @@ class CudaPlan:
                         down: tuple | None = None):
         """One step for [add ->] rms_norm -> quantized matmul(s): `qmm.rms_norm_matmul` (the norm in the
         word GEMV's prologue; with the add, its sum stored by the same launch for the residual stream).
-        down = (the down projection, its weight) (`_glu_after`): the step goes on through silu(gate) * up
-        and that GEMV, the gate+up launch storing silu(gate) * up rounded for it (`_norm_glu_down`)."""
+        down = (the down projection, its weight, _) (`_glu_after`): the step goes on through silu(gate) *
+        up and the down GEMV, the gate+up launch storing silu(gate) * up rounded for it (`_glu_down`)."""
         eps = norm.attrs["eps"]
         has_g = len(norm.src) > 1
-        widths = [m.type.shape[-1] for m in members]
-        offsets = [int(o) for o in np.cumsum([0] + widths)]
-        if down is not None:
-            return self._norm_glu_down(add, norm, members, weight, down)
+        if down is None:
+            offsets = [int(o) for o in np.cumsum([0] + [m.type.shape[-1] for m in members])]
 
-        def split(y):
-            if len(members) == 1:
-                return (y,)
-            return tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(members)))
-
+            def compute(x, b, g):
+                got = qmm.rms_norm_matmul(x, weight, g, eps, add=b)
+                total, y = got if b is not None else (None, got)
+                return total, tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(members))) \
+                    if len(members) > 1 else (y,)
+            written, suffix = members, ""
+        else:
+            compute = self._glu_down(weight, eps, down[:2])
+            written, suffix = [down[0]], "+glu_gemv"
         if add is not None:
             def step(a, b, g=None):
-                total, y = qmm.rms_norm_matmul(a, weight, g, eps, add=b)
-                return (total,) + split(y)
+                total, ys = compute(a, b, g)
+                return (total, *ys)
             ins = (self.slot[add.src[0].id], self.slot[add.src[1].id])
             outs = (self.slot[add.id],)
             self.fusions.append("add+rms_norm into the GEMV")
         else:
             def step(x, g=None):
-                out = split(qmm.rms_norm_matmul(x, weight, g, eps))
-                return out[0] if len(out) == 1 else out
+                ys = compute(x, None, g)[1]
+                return ys[0] if len(ys) == 1 else ys
             ins = (self.slot[norm.src[0].id],)
             outs = ()
             self.fusions.append("rms_norm into the GEMV")
         if len(members) > 1:
             self.fusions.append(f"{len(members)} sibling quantized matmuls")
         ins += (self.slot[norm.src[1].id],) if has_g else ()
-        outs += tuple(self.slot[m.id] for m in members)
-        return step, ins, outs, "add_rms_norm_gemv" if add is not None else "rms_norm_gemv"
+        outs += tuple(self.slot[m.id] for m in written)
+        return step, ins, outs, ("add_rms_norm_gemv" if add is not None else "rms_norm_gemv") + suffix
 
-    def _norm_glu_down(self, add: Node | None, norm: Node, members: list[Node], weight: qmm.QuantizedWeight,
-                       down: tuple):
-        """[add ->] rms_norm -> gate+up GEMV -> silu(gate) * up -> down GEMV as one step: the gate+up launch
-        also rounds silu(gate) * up for the down GEMV and zeroes its output (`qmm.GluTarget`), so no
-        quantize launch runs between the two (it does where the gate+up launch could not)."""
-        eps = norm.attrs["eps"]
-        has_g = len(norm.src) > 1
-        half = weight.n // 2
-        d_node, d_weight, _ = down
-        n_out = d_node.type.shape[-1]
+    def _glu_down(self, weight: qmm.QuantizedWeight, eps: float, down: tuple):
+        """compute(x, add or None, g) -> (x + add or None, (y,)): rms_norm -> gate+up GEMV -> silu(gate) *
+        up -> down GEMV, the gate+up launch also rounding silu(gate) * up for the down GEMV and zeroing its
+        output (`qmm.GluTarget`), so no quantize launch runs between the two (one does where the gate+up
+        launch could not)."""
+        d_node, d_weight = down
+        half, n_out = weight.n // 2, d_node.type.shape[-1]
+        self.fusions += ["silu*mul into the GEMV", "silu*mul rounded for the down GEMV by the gate+up GEMV"]
 
-        def run(x, b, g):
+        def compute(x, b, g):
             lead = x.shape[:-1]
             rows = math.prod(lead)
             y_down = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
             limbs = qmm.gemv_takes_xq(rows, d_weight)
-            target, buf = None, None
+            target = buf = None
             if limbs in (1, 2):
                 buf = qmm.xq_buffers(rows, half, limbs, x.device, slot=1)
                 target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, half, zero=y_down)
@@ -1267,30 +1267,13 @@ class CudaPlan:
             total, y = got if b is not None else (None, got)
             y2 = y.reshape(rows, 2 * half)
 
-            def quantize(x2_, x_gate, limbs_, norm_, zero=None):
+            def quantize(x2, x_gate, limbs_, norm, zero=None):
                 if target is not None and target.written and limbs_ == target.limbs and (zero is None or zero is y_down):
                     return buf
-                return qmm._quantize_x(x2_, x_gate, limbs_, norm_, zero=zero)
+                return qmm._quantize_x(x2, x_gate, limbs_, norm, zero=zero)
             qmm._words_gemv(y2[:, half:], d_weight, y_down, {}, x_gate=y2[:, :half], quantize=quantize)
-            return total, y_down.reshape(*lead, n_out)
-
-        if add is not None:
-            def step(a, b, g=None):
-                return run(a, b, g)
-            ins = (self.slot[add.src[0].id], self.slot[add.src[1].id])
-            outs = (self.slot[add.id],)
-            self.fusions.append("add+rms_norm into the GEMV")
-        else:
-            def step(x, g=None):
-                return run(x, None, g)[1]
-            ins = (self.slot[norm.src[0].id],)
-            outs = ()
-            self.fusions.append("rms_norm into the GEMV")
-        if len(members) > 1:
-            self.fusions.append(f"{len(members)} sibling quantized matmuls")
-        self.fusions += ["silu*mul into the GEMV", "silu*mul rounded for the down GEMV by the gate+up GEMV"]
-        ins += (self.slot[norm.src[1].id],) if has_g else ()
-        return step, ins, outs + (self.slot[d_node.id],), ("add_rms_norm_gemv" if add is not None else "rms_norm_gemv") + "+glu_gemv"
+            return total, (y_down.reshape(*lead, n_out),)
+        return compute
 
     def _sibling_step(self, members: list[Node]):
         arrays = [[self.program.constants[s.attrs["key"]] for s in m.src[1:]] for m in members]

@@ -117,8 +117,12 @@ WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights
 # there the 8 programs that write the heads' outputs round 512 values each at the end of the attention,
 # while the quantize launch spreads the work over 32 and overlaps the GEMV's start
 ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 << 20)))
-# the gate+up GEMV rounds silu(gate) * up for the down GEMV in its last programs (no quantize launch between)
-GLU_XQ = os.environ.get("INGOT_CUDA_GLU_XQ", "1") == "1"
+# the gate+up GEMV rounds silu(gate) * up for the down GEMV in its last programs (no quantize launch between).
+# Off: H200 (ninth session), steps replayed, SmolLM2 656.9 us with it against 634.4, Llama-3-8B 2006.0 against
+# 1989.2. The GEMVs took 62 / 56 us more (every program's ticket is a release fence after its atomics, and
+# the last pair's rounding is serial work after the GEMV) while the quantize launches it saves took 48 / 58
+# us, overlapped by programmatic dependent launch
+GLU_XQ = os.environ.get("INGOT_CUDA_GLU_XQ", "0") == "1"
 
 
 def _last_axis_slice(node: Node, src: Node) -> tuple[int, int] | None:

@@ -119,7 +119,9 @@ def test_gate_up_gemv_rounds_silu_mul_for_the_next_gemv(case):
     total, y = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True), glu_out=target)
     assert target.written
     total_plain, y_plain = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True))
-    assert torch.equal(total, total_plain) and torch.equal(y, y_plain) or config.get("REDUCE") == 1
+    assert torch.equal(total, total_plain)
+    if config.get("REDUCE") != 1:           # atomics add the splits in no fixed order: y within check()'s bound
+        assert torch.equal(y, y_plain)
     check(y, normalised(a + b, g), w, qmm.GEMV_LIMBS, what=str(case))
     want = qmm._quantize_x(y[:, half:], y[:, :half], limbs)
     assert torch.equal(buf["xq_ptr"], want["xq_ptr"]), "limb words differ from the quantize kernel's"

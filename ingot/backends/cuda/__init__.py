@@ -127,7 +127,8 @@ GLU_XQ = os.environ.get("INGOT_CUDA_GLU_XQ", "0") == "1"
 
 def _last_axis_slice(node: Node, src: Node) -> tuple[int, int] | None:
     """(start, stop) when node is src[..., start:stop] (static, step 1, every other axis whole), else None."""
-    if node.op != Op.SLICE or node.src[0] is not src or not src.type.static or node.attrs.get("size"):
+    if node.op != Op.SLICE or node.src[0] is not src or not src.type.static or \
+            any(sz is not None for sz in node.attrs.get("size") or ()):
         return None
     start, end, step = node.attrs["start"], node.attrs["end"], node.attrs["step"]
     shape = src.type.shape

@@ -80,26 +80,30 @@ def check(got, x, w, limbs, residual=None, what=""):
     assert rel_err(got, want) < REL[limbs], (what, rel_err(got, want))
 
 
-@pytest.mark.parametrize("xq", [False, True], ids=["x-in-gemv", "xq"])
+XQ_MODES = {"x-in-gemv": dict(XQ=False), "xq": dict(XQ=True), "xq-self": dict(XQ=True, XQ_SELF=True)}
+
+
+@pytest.mark.parametrize("xq", list(XQ_MODES))
 @pytest.mark.parametrize("limbs", [1, 2, 3])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[1][0]}x{c[1][1]}-rows{c[2]}" for c in CASES])
 def test_words_gemv_limbs(case, limbs, xq):
-    """Every LIMBS with x rounded in the GEMV or pre-quantized, one split and several (atomics, tickets),
-    with the SiLU(gate) * x prologue and the residual epilogue."""
+    """Every LIMBS with x rounded in the GEMV, pre-quantized by its own launch, or pre-quantized by each
+    program for its split (xq-self); one split and several (atomics, tickets), with the SiLU(gate) * x
+    prologue and the residual epilogue."""
     fmt, shape, rows = case
     k, n, _ = shape
     rng = rng_for(f"xq{case}{limbs}{xq}")
     w = words_weight(rng, fmt, shape)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 3).to(DEVICE)
     for config in (dict(SPLIT=1), dict(SPLIT=3, REDUCE=1), dict(SPLIT=3, REDUCE=2, ROWS=4)):
-        got = qmm.quantized_matmul(x, w, config=dict(config, KERNEL="words", LIMBS=limbs, XQ=xq))
+        got = qmm.quantized_matmul(x, w, config=dict(config, KERNEL="words", LIMBS=limbs, **XQ_MODES[xq]))
         check(got, x, w, limbs, what=str(config))
     gate = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(DEVICE)
     residual = torch.from_numpy(rng.standard_normal((rows, n)).astype(np.float32)).to(DEVICE)
     gated = (gate.double() * torch.sigmoid(gate.double())) * x.double()
     for config, res in ((dict(SPLIT=1), residual), (dict(SPLIT=3), residual), (dict(SPLIT=2, REDUCE=1), None)):
         got = torch.empty(rows, n, device=DEVICE)
-        qmm._words_gemv(x, w, got, dict(config, LIMBS=limbs, XQ=xq), x_gate=gate, residual=res)
+        qmm._words_gemv(x, w, got, dict(config, LIMBS=limbs, **XQ_MODES[xq]), x_gate=gate, residual=res)
         check(got, gated, w, limbs, res, what=f"glu {config} residual={res is not None}")
 
 
@@ -196,6 +200,42 @@ def test_split_output_zeroed_by_the_quantize_launch(monkeypatch, zero_in_xq):
     assert qmm._overlaps(both[1000:], both[:1000]) is False and qmm._overlaps(both[999:], both[:1000])
     assert qmm._overlaps(both.view(13, 100)[:, :50], both[60:90])   # a span, first to last element: conservative
     assert qmm._overlaps(both[5:10], None, both[9:20])
+
+
+def test_self_rounding_equals_the_quantize_launch():
+    """xq-self stores the same words, scales and block sums as the quantize launch (each split's
+    blocks, by every column program of the split), so y is the same up to the order of the sums."""
+    rng = rng_for("xq-self-same")
+    w = words_weight(rng, FORMATS[1], (1000, 300, 32))
+    x = torch.from_numpy(rng.standard_normal((3, 1000)).astype(np.float32)).to(DEVICE)
+    for limbs in (1, 2, 3):
+        want = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=limbs, XQ=True, SPLIT=1))
+        stored = [t.clone() for t in qmm.xq_buffers(3, 1000, limbs, x.device).values() if torch.is_tensor(t)]
+        qmm.xq_buffers(3, 1000, limbs, x.device)["xq_ptr"].fill_(-1)
+        got = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=limbs, XQ=True, XQ_SELF=True, SPLIT=4,
+                                                     REDUCE=1))
+        again = [t for t in qmm.xq_buffers(3, 1000, limbs, x.device).values() if torch.is_tensor(t)]
+        for a, b in zip(stored, again):
+            assert torch.equal(a, b), limbs
+        assert rel_err(got.cpu(), want.cpu()) < 1e-6, (limbs, rel_err(got.cpu(), want.cpu()))
+
+
+def test_gemv_zeroes_the_next_gemvs_output():
+    """`zero=`: a GEMV's programs zero the split-K output of the GEMV after it, which then adds into
+    it without a memset (ZEROED); NaN left in that output never reaches its sums."""
+    rng = rng_for("xq-zero-next")
+    w1 = words_weight(rng, FORMATS[0], (320, 1000, 32))
+    w2 = words_weight(rng, FORMATS[0], (1000, 200, 32))
+    x = torch.from_numpy(rng.standard_normal((2, 320)).astype(np.float32)).to(DEVICE)
+    y1 = torch.empty(2, 1000, device=DEVICE)
+    y2 = torch.full((2, 200), float("nan"), device=DEVICE)
+    for _ in range(2):
+        qmm._words_gemv(x, w1, y1, dict(LIMBS=2, XQ=True, XQ_SELF=True, SPLIT=2, REDUCE=1), zero=y2)
+        assert torch.equal(y2.cpu(), torch.zeros(2, 200))
+        check(y1, x, w1, 2, what="the first GEMV")
+        qmm._words_gemv(y1, w2, y2, dict(LIMBS=2, XQ=True, XQ_SELF=True, SPLIT=3, REDUCE=1, ZEROED=True))
+        check(y2, y1, w2, 2, what="the second GEMV, into the zeroed output")
+        y2.fill_(float("nan"))
 
 
 def test_xq_workspace_allocated_once():

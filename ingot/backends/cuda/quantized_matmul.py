@@ -306,17 +306,33 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
     pid_b = tl.program_id(0)
     m = tl.program_id(1)
     if ZERO:
-        per = tl.cdiv(Z, tl.num_programs(0) * tl.num_programs(1))
-        z_start = (m * tl.num_programs(0) + pid_b) * per
-        for z0 in range(z_start, z_start + per, 1024):
-            offs_z = z0 + tl.arange(0, 1024)
-            tl.store(z_ptr + offs_z, tl.zeros([1024], tl.float32), mask=(offs_z < z_start + per) & (offs_z < Z))
-    blk = pid_b * BLOCKS + tl.arange(0, BLOCKS)
-    k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8 + tl.arange(0, 2)[None, None, :, None] * 4
-         + tl.arange(0, 4)[None, None, None, :])                                              # [BLOCKS, 4 (j), 2 (h), 4 (i)]
+        _zero_share(z_ptr, Z, m * tl.num_programs(0) + pid_b, tl.num_programs(0) * tl.num_programs(1))
+    r = 1.0
     if NORM:
         rows = m + tl.arange(0, 1)
         r = _row_rms(x_ptr, x2_ptr, h_ptr, rows, rows >= 0, stride_xm, K, eps, pid_b == 0, ADD, 1, NORM_BLOCK)  # [1]
+    _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m, pid_b * BLOCKS + tl.arange(0, BLOCKS), KB, K,
+                  stride_xm, stride_xqm, stride_xdm, r, LIMBS, GLU, NORM, ADD, HAS_G)
+
+
+@triton.jit
+def _zero_share(z_ptr, Z, index, count):
+    """Program `index` of `count` zeroes its share of z [Z] (float32, contiguous)."""
+    per = tl.cdiv(Z, count)
+    z_start = index * per
+    for z0 in range(z_start, z_start + per, 1024):
+        offs_z = z0 + tl.arange(0, 1024)
+        tl.store(z_ptr + offs_z, tl.zeros([1024], tl.float32), mask=(offs_z < z_start + per) & (offs_z < Z))
+
+
+@triton.jit
+def _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m, blk, b_stop, K, stride_xm, stride_xqm, stride_xdm, r,
+                  LIMBS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_G: tl.constexpr):
+    """Blocks blk [BLOCKS] (those below b_stop) of 32 k of row m of x rounded and stored as
+    `_quantize_x_kernel` documents, the scales and block sums multiplied by r (the row's 1 / rms, or 1)."""
+    k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8 + tl.arange(0, 2)[None, None, :, None] * 4
+         + tl.arange(0, 4)[None, None, None, :])                                              # [BLOCKS, 4 (j), 2 (h), 4 (i)]
+    if NORM:
         x = _load_norm_x(x_ptr, x2_ptr, g_ptr, m * stride_xm + k, k, k < K, ADD, HAS_G)
     else:
         x = _load_x(x_ptr, x2_ptr, m * stride_xm + k, k < K, GLU)
@@ -327,7 +343,7 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
         d, scale = _block_scale(top, LIMBS)
     X = _round_to_int(x, scale[:, None, None, None])
     shifts = tl.arange(0, 4)[None, None, None, :] * 8
-    b_ok = blk < KB
+    b_ok = blk < b_stop
     out = (xq_ptr + m * stride_xqm + blk[:, None, None] * (8 * LIMBS) + tl.arange(0, 4)[None, :, None]
            + tl.arange(0, 2)[None, None, :] * 4)                                              # [BLOCKS, 4 (j), 2 (h)]
     for limb in tl.static_range(LIMBS):
@@ -336,11 +352,8 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
         x_sum = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
     else:   # the sum of the rounded x: y is then exactly (X * d) @ W, whose error follows |W|, not |v * scale|
         x_sum = tl.sum(tl.sum(tl.sum(X, axis=3), axis=2), axis=1).to(tl.float32) * d
-    if NORM:
-        d = d * r
-        x_sum = x_sum * r
-    tl.store(xd_ptr + m * stride_xdm + blk, d, mask=b_ok)
-    tl.store(xs_ptr + m * stride_xdm + blk, x_sum, mask=b_ok)
+    tl.store(xd_ptr + m * stride_xdm + blk, d * r, mask=b_ok)
+    tl.store(xs_ptr + m * stride_xdm + blk, x_sum * r, mask=b_ok)
 
 
 @triton.jit
@@ -545,11 +558,7 @@ def _glu_epilogue(pid_n, pid_m, m0, M, y_ptr, stride_ym, count_ptr, gq_ptr, gd_p
                 store_xq((g * tl.sigmoid(g)) * u, m0 + i, pair * RB, row_ok, gq_ptr, gd_ptr, gs_ptr, stride_gqm,
                          stride_gdm, LIMBS, RB, 128)
         if ZERO:
-            per = tl.cdiv(GZ, pairs * tl.num_programs(2))
-            z_start = (pid_m * pairs + pair) * per
-            for z0 in range(z_start, z_start + per, 1024):
-                offs_z = z0 + tl.arange(0, 1024)
-                tl.store(gz_ptr + offs_z, tl.zeros([1024], tl.float32), mask=(offs_z < z_start + per) & (offs_z < GZ))
+            _zero_share(gz_ptr, GZ, pid_m * pairs + pair, pairs * tl.num_programs(2))
         tl.atomic_xchg(ticket_at, 0, sem="relaxed")               # ready for the next launch
 
 
@@ -565,7 +574,9 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False,
                         gq_ptr=None, gd_ptr=None, gs_ptr=None, stride_gqm=0, stride_gdm=0, HALF=0,
-                        GLU_LIMBS: tl.constexpr = 0, gz_ptr=None, GZ=0, GLU_ZERO: tl.constexpr = False):
+                        GLU_LIMBS: tl.constexpr = 0, gz_ptr=None, GZ=0, GLU_ZERO: tl.constexpr = False,
+                        XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8, z_ptr=None, Z=0,
+                        ZERO: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -594,7 +605,14 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     word GEMV that reads it next (gq/gd/gs as `_quantize_x_kernel` stores them, `store_xq`): column
     blocks j and j + HALF / BLOCK_N share a ticket, and the last of their programs (every split's sums
     are in y by then) rounds those BLOCK_N outputs, so no quantize launch runs between the two GEMVs.
-    GLU_ZERO: those programs also zero gz [GZ] (float32), the next GEMV's split-K output."""
+    GLU_ZERO: those programs also zero gz [GZ] (float32), the next GEMV's split-K output.
+
+    XQ_SELF (with XQ): no quantize launch ahead; each program first rounds the blocks of its own split
+    of K (its rows, with the GLU or norm prologue, `_round_blocks`) into xq/xd/xs, then reads them as
+    XQ. The column programs of one split store the same bits to the same words; a CTA barrier orders a
+    program's stores before its loads. With NORM the scales are stored without 1 / rms, which
+    multiplies the sums at the end as without XQ. ZERO: the programs zero z [Z] (float32, apart from
+    every operand), the split-K output of the GEMV launched after this one."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -619,9 +637,21 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     if PREFETCH:
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
                          mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
+    if ZERO:
+        _zero_share(z_ptr, Z, (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n,
+                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+    if XQ_SELF:   # this split's blocks of x rounded, for the loop's XQ loads
+        b_stop = tl.minimum(tl.cdiv(kw_stop, 4), KB)
+        for i in tl.static_range(ROWS):
+            if m0 + i < M:
+                for b0 in range(kw_start // 4, b_stop, SELF_BLOCKS):
+                    _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m0 + i, b0 + tl.arange(0, SELF_BLOCKS),
+                                  b_stop, K, stride_xm, stride_xqm, stride_xdm, 1.0, LIMBS, GLU, NORM, ADD, HAS_G)
     if NORM:   # after the first weight tile's loads are issued: the row's sum of squares hides their latency
         r = _row_rms(x_ptr, x2_ptr, h_ptr, offs_m, m_mask, stride_xm, K, eps, (pid_n == 0) & (pid_k == 0), ADD, ROWS,
                      NORM_BLOCK)                                                             # [ROWS]
+    if XQ_SELF:
+        tl.debug_barrier()                                    # every thread's rounded x is stored
     for kw0 in range(kw_start, kw_stop, KWT):
         rows = kw0 + tile_rows
         if PREFETCH:
@@ -1265,15 +1295,19 @@ def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None) -> int
 
 def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, x_gate: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, norm: NormPrologue | None = None, quantize=None,
-                glu_out: GluTarget | None = None) -> None:
+                glu_out: GluTarget | None = None, zero: torch.Tensor | None = None) -> None:
     """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; rms_norm(x2 [+ norm.add]) * norm.weight
     with `norm`; + residual when given).
 
     config keys override `words_gemv_config`'s choice, and LIMBS (1-3, default GEMV_LIMBS) and XQ
     (x quantized by its own launch first; default: weights of XQ_MIN_BYTES and more). `quantize` replaces
     that launch (`_quantize_x`'s signature and result): a kernel computing x that also stores it rounded.
+    XQ_SELF (with XQ, no `quantize`): no quantize launch; every program rounds its own split of x
+    (`_qgemv_words_kernel`). ZEROED: y (float32, contiguous) is zero already, the kernel ahead zeroed it
+    (`zero`), so split-K adds into it without a memset.
     `glu_out`: y is [gate | up]; the launch also stores silu(gate) * up rounded there, where it can
-    (`GluTarget`; `glu_out.written` says whether it did)."""
+    (`GluTarget`; `glu_out.written` says whether it did). `zero` (float32, contiguous, apart from every
+    operand): zeroed by this launch, the output of the GEMV after it (`ZEROED`)."""
     m = x2.shape[0]
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
     if config.pop("NLOOP", False):
@@ -1282,6 +1316,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
             config.pop(key, None)
         return _words_nloop_gemv(x2, w, y, config)
     xq = config.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not config.get("XFREE", False)
+    self_round = config.pop("XQ_SELF", False) and xq and quantize is None
+    zeroed = config.pop("ZEROED", False)
     assert norm is None or not config.get("XFREE", False)
     # with x pre-quantized, all (<= 4) rows in one program read the weight once: H200, Llama-3-8B
     # gate+up at 4 rows 87.0 us vs 105.4 one row per program (2026-12-03); without, 4 rows spill
@@ -1309,13 +1345,19 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         target = y if y.dtype == torch.float32 and y.stride(1) == 1 else torch.empty((m, w.n), dtype=torch.float32,
                                                                                       device=x2.device)
         inputs = (x2, x_gate) + ((norm.add, norm.total, norm.weight) if norm is not None else ())
-        zero_in_xq = xq and ZERO_IN_XQ and target.is_contiguous() and not _overlaps(target, *inputs)
-        if not zero_in_xq:
+        zero_in_xq = xq and not self_round and ZERO_IN_XQ and target.is_contiguous() and not _overlaps(target, *inputs)
+        if not zero_in_xq and not (zeroed and target is y and y.is_contiguous()):
             target.zero_()
     elif reduce == 2:
         part, tickets = _workspace(x2.device, split * m * w.n, grid[0] * grid[2])
     b = w.bias if w.bias is not None else w.scale
-    if xq:
+    if zero is not None:
+        assert zero.dtype == torch.float32 and zero.is_contiguous()
+        assert not _overlaps(zero, x2, x_gate, y, target, *((norm.add, norm.total, norm.weight) if norm else ()))
+        cfg.update(z_ptr=zero, Z=zero.numel(), ZERO=True)
+    if self_round:
+        cfg.update(xq_buffers(m, w.k, limbs, x2.device), XQ_SELF=True, SELF_BLOCKS=2 * cfg.get("num_warps", 4))
+    elif xq:
         cfg.update((quantize or _quantize_x)(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None))
         x_gate = norm = None      # applied by the quantize kernel
     gate = x_gate if x_gate is not None else x2

@@ -105,6 +105,13 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         "limbs1": dict(LIMBS=1, XQ=False), "limbs2": dict(LIMBS=2, XQ=False), "limbs3": dict(LIMBS=3, XQ=False),
         "xq-l1": dict(XQ=True, LIMBS=1), "xq-l2": dict(XQ=True, LIMBS=2), "xq-l3": dict(XQ=True, LIMBS=3),
         "xq-l2-tb1": dict(XQ=True, LIMBS=2, TB=1), "xq-l1-waves16": dict(XQ=True, LIMBS=1, WAVES=16),
+        # x rounded by each program for its split (no quantize launch; y taken as zeroed by the kernel ahead)
+        "self": dict(XQ=True, XQ_SELF=True, ZEROED=True), "self-tb1": dict(XQ=True, XQ_SELF=True, ZEROED=True, TB=1),
+        "self-sb2": dict(XQ=True, XQ_SELF=True, ZEROED=True, SELF_BLOCKS=2),
+        "self-sb8": dict(XQ=True, XQ_SELF=True, ZEROED=True, SELF_BLOCKS=8),
+        "self-sb16": dict(XQ=True, XQ_SELF=True, ZEROED=True, SELF_BLOCKS=16),
+        # x = rms_norm(x + add) * g (`rms_norm_matmul`): its quantize launch, or each program's own rounding
+        "norm": dict(NORM=True), "norm-self": dict(NORM=True, XQ=True, XQ_SELF=True, ZEROED=True),
         # bounds, not kernels (wrong results): x costs nothing (what a pre-quantized x could give at most)
         "xfree": dict(XFREE=True), "xfree-waves64": dict(XFREE=True, WAVES=64),
     }
@@ -121,7 +128,7 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
             if rows > 1 and row_shapes and name.replace(" ", "_") not in row_shapes:
                 continue
             x = torch.randn(rows, k, device=DEVICE)
-            ref = x @ qmm.dequantize(w)
+            g_ones = torch.ones(k, device=DEVICE)
             wbs = [torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(copies_for(k * n * 2))]
             xb = x.to(torch.bfloat16)
             t_cublas = bench(rotating([lambda wb=wb: xb @ wb for wb in wbs]))
@@ -133,10 +140,18 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
                     continue
                 cfg = dict(cfg or {})
                 pool = wk if cfg.pop("KMAJOR", False) else ws
+                if cfg.pop("NORM", False):   # x + x (the add), times ones, over its rms: err against the same
+                    def gemv(wi, cfg=cfg):
+                        return qmm.rms_norm_matmul(x, wi, g_ones, 1e-6, add=x, config=dict(cfg))[1]
+                    want = (2 * x) * torch.rsqrt((2 * x).pow(2).mean(-1, keepdim=True) + 1e-6)
+                else:
+                    def gemv(wi, cfg=cfg):
+                        return qmm.quantized_matmul(x, wi, config=dict(cfg))
+                    want = x
                 try:
-                    y = qmm.quantized_matmul(x, pool[0], config=dict(cfg))
-                    err = float((y - x @ qmm.dequantize(pool[0])).norm() / ref.norm())
-                    t = bench(rotating([lambda wi=wi: qmm.quantized_matmul(x, wi, config=dict(cfg)) for wi in pool]))
+                    y = gemv(pool[0])
+                    err = float((y - want @ qmm.dequantize(pool[0])).norm() / (want @ qmm.dequantize(pool[0])).norm())
+                    t = bench(rotating([lambda wi=wi: gemv(wi) for wi in pool]))
                 except Exception as e:  # a variant that does not compile is reported, not fatal
                     row[vname] = f"error: {type(e).__name__}: {str(e)[:120]}"
                     continue

@@ -100,10 +100,16 @@ def test_batched_greedy_decode_equals_the_cpu_backend(batch, kind, monkeypatch):
     assert [t.tolist() for t in gpu_tokens] == [t.tolist() for t in cpu_tokens]
 
 
+ROUNDED_BY_ATTENTION = "attention output rounded for the quantized matmul after it"
+ZEROED_BY_ATTENTION = "attention zeroes the output of the quantized matmul after it, which rounds its own x"
+
+
+@pytest.mark.parametrize("self_xq", [True, False], ids=["self-xq", "self-xq-off"])
 @pytest.mark.parametrize("limit", [0, 1, None], ids=["off", "below-every-weight", "default"])
-def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, monkeypatch):
-    """The attention + o-projection fusion applies to o weights under ATTENTION_XQ_BYTES (0: never), and
-    the decode step computes the same logits either way."""
+def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, self_xq, monkeypatch):
+    """The attention rounds its output for the o projection's GEMV where the o weight is under
+    ATTENTION_XQ_BYTES (0: never); above it, where the GEMV rounds its own x (weights under
+    qmm.SELF_XQ_BYTES), it zeroes the GEMV's output; the decode step computes the same logits every way."""
     import ingot.backends.cuda as cuda_backend
     cfg = _config()
     model = llama.build(cfg, _weights("uint4", cfg), batch=1)
@@ -111,27 +117,37 @@ def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, monke
     want_logits, tokens = _greedy(model, "cpu", prompts, None)
     if limit is not None:
         monkeypatch.setattr(cuda_backend, "ATTENTION_XQ_BYTES", limit)
-    fused = "attention output rounded for the quantized matmul after it" in model.compile(1, "cuda").plan.fusions
-    assert fused == (limit is None), (limit, fused)
+    monkeypatch.setattr(qmm, "SELF_XQ_BYTES", 4 << 20 if self_xq else 0)
+    fusions = model.compile(1, "cuda").plan.fusions
+    assert (ROUNDED_BY_ATTENTION in fusions) == (limit is None), (limit, fusions)
+    assert (ZEROED_BY_ATTENTION in fusions) == (limit is not None and self_xq), (limit, fusions)
     got_logits, _ = _greedy(model, "cuda", prompts, tokens)
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
 
 
-@pytest.mark.parametrize("switch", [True, False], ids=["glu-xq", "glu-xq-off"])
+@pytest.mark.parametrize("switch", ["glu-xq", "self-xq", "off"])
 def test_gate_up_gemv_rounds_for_the_down_gemv(switch, monkeypatch):
     """An FFN of 256 (a multiple of the GEMV's column blocks): the gate+up GEMV rounds silu(gate) * up
-    for the down GEMV (no GLU quantize launch in the decode step), or with the switch off the quantize
-    launch does; the logits equal the CPU backend's either way."""
+    for the down GEMV (GLU_XQ), or zeroes the down GEMV's output and the down GEMV rounds its own x
+    (qmm.SELF_XQ_BYTES): no GLU quantize launch in the decode step either way; with both off the quantize launch
+    does it. The logits equal the CPU backend's every way."""
     import ingot.backends.cuda as cuda_backend
     cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=256, vocab_size=300,
                             context_length=32, tied_embeddings=True)
     model = llama.build(cfg, _weights("uint4", cfg), batch=1)
     prompts = np.random.default_rng(11).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
     want_logits, tokens = _greedy(model, "cpu", prompts, None)
-    monkeypatch.setattr(cuda_backend, "GLU_XQ", switch)
+    monkeypatch.setattr(cuda_backend, "GLU_XQ", switch == "glu-xq")
+    monkeypatch.setattr(qmm, "SELF_XQ_BYTES", 4 << 20 if switch == "self-xq" else 0)
     fusions = model.compile(1, "cuda").plan.fusions
-    assert fusions.count("silu*mul rounded for the down GEMV by the gate+up GEMV") == (cfg.n_layers if switch else 0)
+    epilogue = fusions.count("silu*mul rounded for the down GEMV by the gate+up GEMV")
+    self_round = fusions.count("the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself")
+    assert (epilogue, self_round) == {"glu-xq": (cfg.n_layers, 0), "self-xq": (0, cfg.n_layers), "off": (0, 0)}[switch]
+    # every norm GEMV but layer 0's qkv (after the embedding) takes its output zeroed by the step before
+    zeroed = fusions.count("the GEMV rounds its own x, its output zeroed by the step before")
+    assert zeroed == (2 * cfg.n_layers if switch == "self-xq" else 0), fusions
+    switch = switch != "off"
     glu_launches = []
     quantize = qmm._quantize_x
     monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k: glu_launches.append(x_gate is not None)

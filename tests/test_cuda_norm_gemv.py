@@ -170,7 +170,9 @@ def test_llama_decode_with_the_norm_in_the_gemv(monkeypatch):
     assert fusions.count("add+rms_norm into the GEMV") == 2 * layers - 1, fusions
     assert fusions.count("rms_norm into the GEMV") == 2, fusions
     assert not {"rms_norm", "add_rms_norm"} & set(names), names
-    assert names.count("add_rms_norm_gemv") == 2 * layers - 1 and names.count("rms_norm_gemv") == 2
+    # the FFN's norm step may run on through the down GEMV ("+glu_gemv": SELF_XQ, GLU_XQ)
+    base = [n.removesuffix("+glu_gemv") for n in names]
+    assert base.count("add_rms_norm_gemv") == 2 * layers - 1 and base.count("rms_norm_gemv") == 2, names
     prefill = model.compile(7, "cuda")           # 7 rows: the tensor-core kernel, the old lowering ...
     assert "add+rms_norm into the GEMV" not in prefill.plan.fusions and "add_rms_norm" in prefill.plan.step_names
     assert prefill.plan.fusions.count("rms_norm into the GEMV") == 1   # ... but the output norm of row `last`

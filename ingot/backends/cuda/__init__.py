@@ -26,6 +26,7 @@ import math
 import os
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import ml_dtypes
@@ -123,6 +124,25 @@ ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 <
 # the last pair's rounding is serial work after the GEMV) while the quantize launches it saves took 48 / 58
 # us, overlapped by programmatic dependent launch
 GLU_XQ = os.environ.get("INGOT_CUDA_GLU_XQ", "0") == "1"
+
+
+@dataclass
+class _ZeroAhead:
+    """The split-K output of a step's first GEMV when that GEMV rounds its own x (`qmm.rounds_own_x`):
+    allocated by the step before it and zeroed by that step's last launch (`zero=`), so neither a
+    quantize launch nor a memset runs between the two GEMVs. The consumer sets `shape` when the plan
+    is built; `tensor` is None where the producer's launch did not zero it (the consumer then falls
+    back to its quantize launch)."""
+    shape: tuple | None = None
+    tensor: torch.Tensor | None = None
+
+    def make(self, device) -> torch.Tensor | None:
+        self.tensor = None if self.shape is None else torch.empty(self.shape, dtype=torch.float32, device=device)
+        return self.tensor
+
+    def take(self) -> torch.Tensor | None:
+        tensor, self.tensor = self.tensor, None
+        return tensor
 
 
 def _last_axis_slice(node: Node, src: Node) -> tuple[int, int] | None:
@@ -567,10 +587,11 @@ def _sdpa(ctx: Lowering) -> StepFn:
     a = ctx.node.attrs
     scale, causal, has_mask, has_length = a.get("scale"), bool(a.get("causal")), a.get("has_mask"), a.get("has_length")
 
-    def sdpa(q, k, v, *rest, out=None, xq=None):
+    def sdpa(q, k, v, *rest, out=None, xq=None, zero=None):
         mask = rest[0] if has_mask else None
         length = rest[-1] if has_length else None
-        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out, xq=xq)
+        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out, xq=xq,
+                                           zero=zero)
     return sdpa
 
 
@@ -737,6 +758,7 @@ class CudaPlan:
         steps: list[tuple[StepFn, tuple[int, ...], tuple[int, ...], str]] = []
         done: set[int] = set()          # nodes whose value another (fused) step produces
         self.fusions: list[str] = []
+        self._zero_ahead: _ZeroAhead | None = None   # the last step that can zero the next GEMV's output
         self._rope_tables: dict[tuple, tuple] = {}   # RoPE's inverse frequencies and cos/sin table, `_qkv_groups`
 
         # fused elementwise regions: the root's step computes the region from its external inputs
@@ -813,7 +835,8 @@ class CudaPlan:
 
         # a decode attention whose output only a quantized matmul reads (through views): the attention
         # kernel rounds its output for that GEMV (no quantize launch between them); both run as one step
-        attn_o = self._attention_gemvs(nodes, users, roots, done, group_of) if ATTENTION_XQ_BYTES > 0 else {}
+        attn_o = self._attention_gemvs(nodes, users, roots, done, group_of) \
+            if ATTENTION_XQ_BYTES > 0 or qmm.SELF_XQ_BYTES > 0 else {}
 
         for node in nodes:
             s = self.slot[node.id]
@@ -834,8 +857,9 @@ class CudaPlan:
             if node.id in norm_gemv:
                 add, norm, members, weight = norm_gemv[node.id]
                 rows = math.prod(norm.type.shape[:-1])
-                down = self._glu_after(members, glu, users, roots) if GLU_XQ and qmm.glu_epilogue_fits(weight, rows) \
-                    else None
+                down = self._glu_after(members, glu, users, roots)
+                if down is not None and not (qmm.rounds_own_x(rows, down[1]) or (GLU_XQ and qmm.glu_epilogue_fits(weight, rows))):
+                    down = None
                 steps.append(self._norm_gemv_step(add, norm, members, weight, down))
                 if down is not None:
                     done.update(n.id for n in [down[0], *down[2]])
@@ -987,10 +1011,11 @@ class CudaPlan:
                 has_length, scale, causal = bool(sdpa.get("has_length")), sdpa.get("scale"), bool(sdpa.get("causal"))
 
                 def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
-                         has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, out=None, xq=None):
+                         has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, out=None, xq=None,
+                         zero=None):
                     rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
-                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq)
+                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero)
                     return out, k_cache, v_cache
                 groups[att.id] = (step, ins + length_slot, (self.slot[att.id], self.slot[ku.id], self.slot[vu.id]),
                                   "rope_qkv_attention")
@@ -1011,7 +1036,7 @@ class CudaPlan:
 
     def _attention_gemvs(self, nodes, users, roots, done, group_of) -> dict[int, tuple]:
         """{SDPA id: (quantized matmul, its prepared weight)} where the matmul (constant affine weights of
-        fewer than ATTENTION_XQ_BYTES, alone on its x) reads the attention's output of one query row
+        fewer than ATTENTION_XQ_BYTES, or that rounds its own x in float32 (`qmm.rounds_own_x`), alone on its x) reads the attention's output of one query row
         through reshapes and transposes that keep its memory order (x [B, Hq * Dv] is the output
         [B, Hq, 1, Dv] as laid out), and nothing else reads it."""
         found = {}
@@ -1034,23 +1059,29 @@ class CudaPlan:
                         and m.src[0].type.shape[0] == math.prod(x.type.shape[:-3]):
                     arrays = [self.program.constants[c.attrs["key"]] for c in m.src[1:]]
                     weight = prepared_weight(arrays, m.attrs, self.device, WORDS_LAYOUT)
-                    if weight.nbytes < ATTENTION_XQ_BYTES:
+                    rows = math.prod(m.src[0].type.shape[:-1])
+                    if weight.nbytes < ATTENTION_XQ_BYTES or (m.dtype == dt.float32 and qmm.rounds_own_x(rows, weight)):
                         found[x.id] = (m, weight)
                         done.update(n.id for n in chain + [m])
         return found
 
     def _with_gemv(self, step: tuple, gemv: tuple | None) -> tuple:
         """The attention step (fn, ins, outs, name), with gemv = (m, weight): it also computes m = x @ W
-        from the attention's output, which the decode kernel stores rounded for the GEMV (`XQTarget`)."""
+        from the attention's output, which the decode kernel stores rounded for the GEMV (`XQTarget`;
+        weights under ATTENTION_XQ_BYTES), or the GEMV rounds its own x, the decode kernel zeroing its
+        output (`qmm.rounds_own_x`). The GEMV zeroes the output of the next step's first GEMV (`_ZeroAhead`)."""
         if gemv is None:
             return step
         fn, ins, outs, name = step
         m, weight = gemv
         rows, k = m.src[0].type.shape
         y_shape = tuple(m.type.shape)
-        self.fusions.append("attention output rounded for the quantized matmul after it")
+        in_attention = weight.nbytes < ATTENTION_XQ_BYTES
+        ahead = self._zero_ahead = _ZeroAhead()
+        self.fusions.append("attention output rounded for the quantized matmul after it" if in_attention else
+                            "attention zeroes the output of the quantized matmul after it, which rounds its own x")
 
-        def attention_gemv(*args, fn=fn, weight=weight, rows=rows, k=k, y_shape=y_shape):
+        def attention_gemv(*args, fn=fn, weight=weight, rows=rows, k=k, y_shape=y_shape, ahead=ahead):
             q = args[0]
             out = torch.empty((*q.shape[:-1], k // q.shape[-3]), dtype=q.dtype, device=q.device)
             x2 = out.view(rows, k)
@@ -1058,6 +1089,10 @@ class CudaPlan:
             if not qmm.gemv_takes_xq(rows, weight):
                 holder["res"] = fn(*args, out=out)
                 y = qmm.quantized_matmul(x2, weight)
+            elif not in_attention:
+                y = torch.empty((rows, weight.n), dtype=torch.float32, device=x2.device)
+                holder["res"] = fn(*args, out=out, zero=y)
+                qmm._words_gemv(x2, weight, y, {"XQ_SELF": True, "ZEROED": True}, zero=ahead.make(x2.device))
             else:
                 def quantize(x2_, x_gate, limbs, norm, zero=None):
                     buf = qmm.xq_buffers(rows, k, limbs, x2_.device)
@@ -1065,7 +1100,7 @@ class CudaPlan:
                     holder["res"] = fn(*args, out=out, xq=target)
                     return buf if target.written else qmm._quantize_x(x2_, None, limbs, None, zero=zero)
                 y = torch.empty((rows, weight.n), dtype=x2.dtype, device=x2.device)
-                qmm._words_gemv(x2, weight, y, {}, quantize=quantize)
+                qmm._words_gemv(x2, weight, y, {}, quantize=quantize, zero=ahead.make(x2.device))
             res = holder["res"]
             return (*res, y.view(y_shape)) if isinstance(res, tuple) else (res, y.view(y_shape))
         return attention_gemv, ins, outs + (self.slot[m.id],), name + "+gemv"
@@ -1218,17 +1253,22 @@ class CudaPlan:
         up and the down GEMV, the gate+up launch storing silu(gate) * up rounded for it (`_glu_down`)."""
         eps = norm.attrs["eps"]
         has_g = len(norm.src) > 1
+        rows = math.prod(norm.type.shape[:-1])
+        behind, self._zero_ahead = self._zero_ahead, None
+        if behind is not None and norm.type.static and qmm.rounds_own_x(rows, weight):
+            behind.shape = (rows, weight.n)
+            self.fusions.append("the GEMV rounds its own x, its output zeroed by the step before")
         if down is None:
             offsets = [int(o) for o in np.cumsum([0] + [m.type.shape[-1] for m in members])]
 
             def compute(x, b, g):
-                got = qmm.rms_norm_matmul(x, weight, g, eps, add=b)
+                got = _rms_norm_matmul(x, weight, g, eps, b, behind)
                 total, y = got if b is not None else (None, got)
                 return total, tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(members))) \
                     if len(members) > 1 else (y,)
             written, suffix = members, ""
         else:
-            compute = self._glu_down(weight, eps, down[:2])
+            compute = self._glu_down(weight, eps, down[:2], behind)
             written, suffix = [down[0]], "+glu_gemv"
         if add is not None:
             def step(a, b, g=None):
@@ -1250,25 +1290,37 @@ class CudaPlan:
         outs += tuple(self.slot[m.id] for m in written)
         return step, ins, outs, ("add_rms_norm_gemv" if add is not None else "rms_norm_gemv") + suffix
 
-    def _glu_down(self, weight: qmm.QuantizedWeight, eps: float, down: tuple):
+    def _glu_down(self, weight: qmm.QuantizedWeight, eps: float, down: tuple, behind: _ZeroAhead | None = None):
         """compute(x, add or None, g) -> (x + add or None, (y,)): rms_norm -> gate+up GEMV -> silu(gate) *
-        up -> down GEMV, the gate+up launch also rounding silu(gate) * up for the down GEMV and zeroing its
-        output (`qmm.GluTarget`), so no quantize launch runs between the two (one does where the gate+up
-        launch could not)."""
+        up -> down GEMV with no quantize launch between the two GEMVs: the gate+up launch zeroes the down
+        GEMV's output and the down GEMV rounds silu(gate) * up itself, each program its split (SELF_XQ);
+        or, with GLU_XQ where its column blocks allow, the gate+up launch also rounds silu(gate) * up for
+        the down GEMV (`qmm.GluTarget`; a quantize launch runs where it could not). `behind`: the gate+up
+        GEMV's output, zeroed by the step before (`_ZeroAhead`); the down GEMV zeroes the next step's."""
         d_node, d_weight = down
         half, n_out = weight.n // 2, d_node.type.shape[-1]
-        self.fusions += ["silu*mul into the GEMV", "silu*mul rounded for the down GEMV by the gate+up GEMV"]
+        epilogue = GLU_XQ and qmm.glu_epilogue_fits(weight, math.prod(d_node.src[0].type.shape[:-1]))
+        ahead = self._zero_ahead = _ZeroAhead()
+        self.fusions += ["silu*mul into the GEMV", "silu*mul rounded for the down GEMV by the gate+up GEMV" if epilogue
+                         else "the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself"]
 
         def compute(x, b, g):
             lead = x.shape[:-1]
             rows = math.prod(lead)
             y_down = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
             limbs = qmm.gemv_takes_xq(rows, d_weight)
+            if not epilogue and limbs:   # the down GEMV rounds its own x (`qmm.rounds_own_x`)
+                got = _rms_norm_matmul(x, weight, g, eps, b, behind, zero=y_down)
+                total, y = got if b is not None else (None, got)
+                y2 = y.reshape(rows, 2 * half)
+                qmm._words_gemv(y2[:, half:], d_weight, y_down, {"XQ_SELF": True, "ZEROED": True}, x_gate=y2[:, :half],
+                                zero=ahead.make(x.device))
+                return total, (y_down.reshape(*lead, n_out),)
             target = buf = None
-            if limbs in (1, 2):
+            if limbs in (1, 2) and epilogue:
                 buf = qmm.xq_buffers(rows, half, limbs, x.device, slot=1)
                 target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, half, zero=y_down)
-            got = qmm.rms_norm_matmul(x, weight, g, eps, add=b, glu_out=target)
+            got = _rms_norm_matmul(x, weight, g, eps, b, behind, glu_out=target)
             total, y = got if b is not None else (None, got)
             y2 = y.reshape(rows, 2 * half)
 
@@ -1276,7 +1328,8 @@ class CudaPlan:
                 if target is not None and target.written and limbs_ == target.limbs and (zero is None or zero is y_down):
                     return buf
                 return qmm._quantize_x(x2, x_gate, limbs_, norm, zero=zero)
-            qmm._words_gemv(y2[:, half:], d_weight, y_down, {}, x_gate=y2[:, :half], quantize=quantize)
+            qmm._words_gemv(y2[:, half:], d_weight, y_down, {}, x_gate=y2[:, :half], quantize=quantize,
+                            zero=ahead.make(x.device))
             return total, (y_down.reshape(*lead, n_out),)
         return compute
 
@@ -1409,6 +1462,15 @@ class CudaPlan:
             self._graphs.pop(next(iter(self._graphs)))
         self._graphs[key] = dict(graph=graph, outputs=captured, state=state)
         return _deliver(captured, outputs, fresh=False)
+
+
+def _rms_norm_matmul(x, weight: qmm.QuantizedWeight, g, eps: float, add, behind: _ZeroAhead | None, **kw):
+    """`qmm.rms_norm_matmul`, into the output the step before zeroed where there is one (`_ZeroAhead`):
+    then the GEMV rounds its own x, with no quantize launch ahead of it."""
+    y = behind.take() if behind is not None else None
+    if y is None:
+        return qmm.rms_norm_matmul(x, weight, g, eps, add=add, **kw)
+    return qmm.rms_norm_matmul(x, weight, g, eps, add=add, out=y, config={"XQ_SELF": True, "ZEROED": True}, **kw)
 
 
 def _torch_stream(stream, device) -> torch.cuda.Stream:

@@ -518,7 +518,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
-              rope: RopeWrite | None = None, xq: XQTarget | None = None) -> torch.Tensor:
+              rope: RopeWrite | None = None, xq: XQTarget | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -541,8 +541,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
 
     `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
     decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`
-    says whether it did.
+    says whether it did. `zero` (float32, contiguous, apart from every operand): zero when this returns,
+    the split-K output of the GEMV after the attention; the decode kernel zeroes it in its own launch
+    (no memset between the two), other paths by a memset.
     """
+    assert zero is None or xq is None, "attention: zero= or xq.zero, not both"
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     if rope is not None and not (mask is None and q.shape[-2] == 1 and q.shape[-3] // k.shape[-3] <= DECODE_MAX_ROWS
                                  and k.shape[:-3] == v.shape[:-3] == batch and q.shape[-1] == k.shape[-1]):
@@ -572,6 +575,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = max(16, triton.next_power_of_2(dv))
     f32 = q.dtype == torch.float32
+    if (nb == 0 or tq == 0 or mask is not None or group * tq > DECODE_MAX_ROWS) and zero is not None:
+        zero.zero_()
+        zero = None
     if nb == 0 or tq == 0:
         return result
     if mask is None and group * tq <= DECODE_MAX_ROWS:
@@ -605,9 +611,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             assert xq.xq.shape == (nb, hq * dv // 32 * 8 * xq.limbs) and xq.xd.shape == xq.xs.shape == (nb, hq * dv // 32)
             extra.update(xq_ptr=xq.xq, xd_ptr=xq.xd, xs_ptr=xq.xs, stride_xqm=xq.xq.stride(0), stride_xdm=xq.xd.stride(0),
                          XQ_LIMBS=xq.limbs)
-            if xq.zero is not None:
-                assert xq.zero.dtype == torch.float32 and xq.zero.is_contiguous()
-                extra.update(z_ptr=xq.zero, Z=xq.zero.numel(), ZERO=True)
+            zero = xq.zero
+        if zero is not None:
+            assert zero.dtype == torch.float32 and zero.is_contiguous()
+            extra.update(z_ptr=zero, Z=zero.numel(), ZERO=True)
         _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),

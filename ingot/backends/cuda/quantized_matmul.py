@@ -575,8 +575,8 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         PDL: tl.constexpr = False,
                         gq_ptr=None, gd_ptr=None, gs_ptr=None, stride_gqm=0, stride_gdm=0, HALF=0,
                         GLU_LIMBS: tl.constexpr = 0, gz_ptr=None, GZ=0, GLU_ZERO: tl.constexpr = False,
-                        XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8, z_ptr=None, Z=0,
-                        ZERO: tl.constexpr = False):
+                        XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8, copy_q=0, copy_d=0, z_ptr=None,
+                        Z=0, ZERO: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -609,8 +609,8 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
 
     XQ_SELF (with XQ): no quantize launch ahead; each program first rounds the blocks of its own split
     of K (its rows, with the GLU or norm prologue, `_round_blocks`) into xq/xd/xs, then reads them as
-    XQ. The column programs of one split store the same bits to the same words; a CTA barrier orders a
-    program's stores before its loads. With NORM the scales are stored without 1 / rms, which
+    XQ. Each column block has its own copy of xq/xd/xs (copy_q words and copy_d floats apart), so no two
+    programs store to the same words; a CTA barrier orders a program's stores before its loads. With NORM the scales are stored without 1 / rms, which
     multiplies the sums at the end as without XQ. ZERO: the programs zero z [Z] (float32, apart from
     every operand), the split-K output of the GEMV launched after this one."""
     pid_n = tl.program_id(0)
@@ -641,6 +641,9 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         _zero_share(z_ptr, Z, (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n,
                     tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
     if XQ_SELF:   # this split's blocks of x rounded, for the loop's XQ loads
+        xq_ptr += pid_n * copy_q
+        xd_ptr += pid_n * copy_d
+        xs_ptr += pid_n * copy_d
         b_stop = tl.minimum(tl.cdiv(kw_stop, 4), KB)
         for i in tl.static_range(ROWS):
             if m0 + i < M:
@@ -1186,15 +1189,15 @@ def _xq_workspace(device, words: int, blocks: int, slot: int = 0) -> tuple[torch
     and sum (float32, 2 * blocks), one pair per device and stream (the quantize kernel and the GEMV that
     reads it run in order on that stream). Allocated at the first call, an eager run, and grown only
     when too small. A capture on a stream that has none yet (torch captures on a side stream) allocates
-    it from the graph's pool, as `_workspace` does; the minimum size (1 MB of words: 4 rows of K up to
-    80k in three limbs) means it is not grown again for decode shapes, so no buffer a captured kernel
-    reads is dropped. Slot 1 is a second pair: what a GEMV stores for the GEMV after it (`GluTarget`)
+    it from the graph's pool, as `_workspace` does; the minimum size (4 MB of words: 4 rows of K up to
+    80k in three limbs, or 16 column blocks' copies of 4 rows of K 16k in two, XQ_SELF) means it is not
+    grown again for decode shapes, so no buffer a captured kernel reads is dropped. Slot 1 is a second pair: what a GEMV stores for the GEMV after it (`GluTarget`)
     while it reads its own x from slot 0."""
     key = (*_stream_key(device), slot)
     have = _XQ_WORKSPACE.get(key)
     if have is None or have[0].numel() < words or have[1].numel() < 2 * blocks:
-        words = max(words, 1 << 18, have[0].numel() if have else 0)
-        floats = max(2 * blocks, 1 << 16, have[1].numel() if have else 0)
+        words = max(words, 1 << 20, have[0].numel() if have else 0)
+        floats = max(2 * blocks, 1 << 17, have[1].numel() if have else 0)
         have = _XQ_WORKSPACE[key] = (torch.empty(words, dtype=torch.int32, device=device),
                                      torch.empty(floats, dtype=torch.float32, device=device))
     return have
@@ -1249,15 +1252,18 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
     return args
 
 
-def xq_buffers(m: int, k: int, limbs: int, device, slot: int = 0) -> dict:
+def xq_buffers(m: int, k: int, limbs: int, device, slot: int = 0, copies: int = 1) -> dict:
     """The word GEMV's pre-quantized x [M, K] in the stream's workspace, as its kernel arguments: limb
     words xq_ptr [M, KB * 8 * limbs], block scales xd_ptr and sums xs_ptr [M, KB] (KB = ceil(K / 32)).
-    `_quantize_x` fills them, or a kernel before the GEMV that stores the same (`attention(..., xq=)`)."""
+    `_quantize_x` fills them, or a kernel before the GEMV that stores the same (`attention(..., xq=)`).
+    copies > 1: that many such sets, copy_q words and copy_d floats apart (XQ_SELF: one per column
+    block), the first one where a single set would be."""
     kb = triton.cdiv(k, 32)
-    words, floats = _xq_workspace(device, m * kb * 8 * limbs, m * kb, slot)
+    words, floats = _xq_workspace(device, copies * m * kb * 8 * limbs, copies * m * kb, slot)
     xq = words[: m * kb * 8 * limbs].view(m, kb * 8 * limbs)
     xd, xs = floats[: m * kb].view(m, kb), floats[m * kb: 2 * m * kb].view(m, kb)
-    return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0))
+    return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0),
+                **(dict(copy_q=m * kb * 8 * limbs, copy_d=2 * m * kb) if copies > 1 else {}))
 
 
 @dataclass
@@ -1282,6 +1288,19 @@ def glu_epilogue_fits(w: QuantizedWeight, m: int) -> bool:
     if not w.words or m > WORDS_MAX_ROWS or w.n % 2:
         return False
     return (w.n // 2) % words_gemv_config(w, m, 1)["BLOCK_N"] == 0
+
+
+# a word GEMV of a weight smaller than this rounds its own x (XQ_SELF) where the kernel ahead can zero its
+# split-K output: no quantize launch. H200 (tenth session), per GEMV with its quantize launch against without:
+# SmolLM2 qkv with its norm 2.12 us against 3.37, gate+up 2.63 / 3.16, down 1.85 / 2.80; Llama-3-8B qkv with
+# its norm 10.31 against 8.50 (every program reads the 4096-float row for its rms), down 12.70 / 12.23
+SELF_XQ_BYTES = int(os.environ.get("INGOT_CUDA_SELF_XQ_BYTES", str(4 << 20)))
+
+
+def rounds_own_x(m: int, w: QuantizedWeight) -> bool:
+    """Whether the word GEMV of m rows of w rounds its own x by default where its output can come zeroed
+    (`_words_gemv`'s XQ_SELF and ZEROED): weights under SELF_XQ_BYTES that take x pre-quantized."""
+    return w.nbytes < SELF_XQ_BYTES and gemv_takes_xq(m, w) > 0
 
 
 def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None) -> int:
@@ -1312,8 +1331,10 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
     if config.pop("NLOOP", False):
         assert x_gate is None and residual is None and norm is None
-        for key in ("LIMBS", "XQ"):   # the N-loop kernel rounds x to 22 bits once per program
+        for key in ("LIMBS", "XQ", "XQ_SELF", "ZEROED"):   # the N-loop kernel rounds x to 22 bits once per program
             config.pop(key, None)
+        if zero is not None:
+            zero.zero_()
         return _words_nloop_gemv(x2, w, y, config)
     xq = config.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not config.get("XFREE", False)
     self_round = config.pop("XQ_SELF", False) and xq and quantize is None
@@ -1356,7 +1377,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         assert not _overlaps(zero, x2, x_gate, y, target, *((norm.add, norm.total, norm.weight) if norm else ()))
         cfg.update(z_ptr=zero, Z=zero.numel(), ZERO=True)
     if self_round:
-        cfg.update(xq_buffers(m, w.k, limbs, x2.device), XQ_SELF=True, SELF_BLOCKS=2 * cfg.get("num_warps", 4))
+        cfg.update(xq_buffers(m, w.k, limbs, x2.device, copies=grid[0]), XQ_SELF=True)
+        cfg.setdefault("SELF_BLOCKS", 2 * cfg.get("num_warps", 4))
     elif xq:
         cfg.update((quantize or _quantize_x)(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None))
         x_gate = norm = None      # applied by the quantize kernel
@@ -1394,11 +1416,12 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
 
 
 def rms_norm_matmul(x: torch.Tensor, w: QuantizedWeight, norm_weight: torch.Tensor | None, eps: float,
-                    add: torch.Tensor | None = None, config: dict | None = None, glu_out: GluTarget | None = None):
+                    add: torch.Tensor | None = None, config: dict | None = None, glu_out: GluTarget | None = None,
+                    zero: torch.Tensor | None = None, out: torch.Tensor | None = None):
     """rms_norm(x [+ add]) * norm_weight @ W in one word-layout GEMV launch (two with XQ), for float32 x
     [..., K] of at most WORDS_MAX_ROWS rows: the norm is the GEMV's prologue. Returns y [..., N], or
     (x + add, y) with `add` (the sum is stored by the same launch, for the residual stream). `glu_out`:
-    see `_words_gemv`.
+    and `zero`: see `_words_gemv`. `out`: y [M, N] (float32, contiguous) to write.
 
         >>> h, y = rms_norm_matmul(x, w, g, 1e-5, add=attn_out)           # doctest: +SKIP
     """
@@ -1414,8 +1437,10 @@ def rms_norm_matmul(x: torch.Tensor, w: QuantizedWeight, norm_weight: torch.Tens
         total = torch.empty_like(x2)
     if norm_weight is not None:
         norm_weight = norm_weight.reshape(-1).to(torch.float32).contiguous()
-    y = torch.empty((m, w.n), dtype=torch.float32, device=x.device)
-    _words_gemv(x2, w, y, dict(config or {}), norm=NormPrologue(norm_weight, eps, add2, total), glu_out=glu_out)
+    y = out if out is not None else torch.empty((m, w.n), dtype=torch.float32, device=x.device)
+    assert y.shape == (m, w.n) and y.dtype == torch.float32 and y.is_contiguous()
+    _words_gemv(x2, w, y, dict(config or {}), norm=NormPrologue(norm_weight, eps, add2, total), glu_out=glu_out,
+                zero=zero)
     y = y.reshape(*lead, w.n)
     return (total.reshape(x.shape), y) if add is not None else y
 

@@ -14,6 +14,10 @@ triton = pytest.importorskip("triton")
 
 from ingot.backends.cuda import attention, fused, pdl, quantized_matmul  # noqa: E402
 
+# what triton.jit returns: a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+JIT_TYPES = (triton.runtime.jit.JITFunction, InterpretedFunction)
 MEMORY = re.compile(r"tl\.(load|store|atomic_\w+)\(|_load\w*\(|_row_rms\(|_row_dot\(")
 
 
@@ -21,7 +25,7 @@ def kernels():
     """The JIT kernels (not helpers: those read tl.program_id) of the modules on the decode path."""
     for module in (attention, fused, quantized_matmul):
         for name, fn in vars(module).items():
-            if isinstance(fn, triton.runtime.jit.JITFunction) and "tl.program_id" in inspect.getsource(fn.fn):
+            if isinstance(fn, JIT_TYPES) and "tl.program_id" in inspect.getsource(fn.fn):
                 yield f"{module.__name__.rsplit('.', 1)[-1]}.{name}", fn
 
 

@@ -24,8 +24,9 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   bytes (default 2: 16 bits with a float scale per block of 32; 3: 22 bits per tile; 1: 8 bits),
   `dp4a` dot products; optional SiLU(gate)*x prologue, RMSNorm prologue (`rms_norm_matmul`: x =
   rms_norm(x [+ y]) * g, the row's 1 / rms multiplying the sums; x + y stored on the way) and residual
-  epilogue. For big weights x is rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by
-  every program (the GLU and norm prologues then run there). Each row's x is handled in the weight
+  epilogue. x is rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by every thread (the
+  GLU and norm prologues then run there); or, for small weights whose output the launch ahead zeroes,
+  by each program for its own split of K into its column block's copy (XQ_SELF: no quantize launch). Each row's x is handled in the weight
   tile's own register layout (`_row_dot`), so the tile never passes through shared memory
   (`scripts/sm90_compile_check.py --sass` shows barriers and instructions per loop).
 

@@ -858,7 +858,8 @@ class CudaPlan:
                 add, norm, members, weight = norm_gemv[node.id]
                 rows = math.prod(norm.type.shape[:-1])
                 down = self._glu_after(members, glu, users, roots)
-                if down is not None and not (qmm.rounds_own_x(rows, down[1]) or (GLU_XQ and qmm.glu_epilogue_fits(weight, rows))):
+                if down is not None and not (qmm.rounds_own_x(rows, down[1]) or
+                                             (GLU_XQ and qmm.glu_epilogue_fits(weight, rows))):
                     down = None
                 steps.append(self._norm_gemv_step(add, norm, members, weight, down))
                 if down is not None:
@@ -1036,9 +1037,9 @@ class CudaPlan:
 
     def _attention_gemvs(self, nodes, users, roots, done, group_of) -> dict[int, tuple]:
         """{SDPA id: (quantized matmul, its prepared weight)} where the matmul (constant affine weights of
-        fewer than ATTENTION_XQ_BYTES, or that rounds its own x in float32 (`qmm.rounds_own_x`), alone on its x) reads the attention's output of one query row
-        through reshapes and transposes that keep its memory order (x [B, Hq * Dv] is the output
-        [B, Hq, 1, Dv] as laid out), and nothing else reads it."""
+        fewer than ATTENTION_XQ_BYTES, or a float32 one that rounds its own x (`qmm.rounds_own_x`), alone
+        on its x) reads the attention's output of one query row through reshapes and transposes that keep
+        its memory order (x [B, Hq * Dv] is the output [B, Hq, 1, Dv] as laid out), and nothing else reads it."""
         found = {}
         for m in nodes:
             if m.op != Op.QUANTIZED_MATMUL or m.id in done or m.id in group_of or m.attrs.get("mode") != "affine" or \

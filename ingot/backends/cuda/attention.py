@@ -518,7 +518,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
-              rope: RopeWrite | None = None, xq: XQTarget | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+              rope: RopeWrite | None = None, xq: XQTarget | None = None,
+              zero: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer

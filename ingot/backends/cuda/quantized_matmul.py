@@ -26,9 +26,10 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   rms_norm(x [+ y]) * g, the row's 1 / rms multiplying the sums; x + y stored on the way) and residual
   epilogue. x is rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by every thread (the
   GLU and norm prologues then run there); or, for small weights whose output the launch ahead zeroes,
-  by each program for its own split of K into its column block's copy (XQ_SELF: no quantize launch). Each row's x is handled in the weight
-  tile's own register layout (`_row_dot`), so the tile never passes through shared memory
-  (`scripts/sm90_compile_check.py --sass` shows barriers and instructions per loop).
+  by each program for its own split of K into its column block's copy (XQ_SELF: no quantize launch).
+  Each row's x is handled in the weight tile's own register layout (`_row_dot`), so the tile never
+  passes through shared memory (`scripts/sm90_compile_check.py --sass` shows barriers and
+  instructions per loop).
 
     >>> w = prepare_weight(q, [scale, bias], attrs, "cuda")     # doctest: +SKIP
     >>> y = quantized_matmul(x, w)                                # doctest: +SKIP
@@ -331,8 +332,8 @@ def _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m, blk, b_stop, 
                   LIMBS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_G: tl.constexpr):
     """Blocks blk [BLOCKS] (those below b_stop) of 32 k of row m of x rounded and stored as
     `_quantize_x_kernel` documents, the scales and block sums multiplied by r (the row's 1 / rms, or 1)."""
-    k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8 + tl.arange(0, 2)[None, None, :, None] * 4
-         + tl.arange(0, 4)[None, None, None, :])                                              # [BLOCKS, 4 (j), 2 (h), 4 (i)]
+    k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8
+         + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])   # [BLOCKS, 4 (j), 2 (h), 4 (i)]
     if NORM:
         x = _load_norm_x(x_ptr, x2_ptr, g_ptr, m * stride_xm + k, k, k < K, ADD, HAS_G)
     else:

@@ -126,33 +126,33 @@ def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, self_
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
 
 
-@pytest.mark.parametrize("switch", ["glu-xq", "self-xq", "off"])
-def test_gate_up_gemv_rounds_for_the_down_gemv(switch, monkeypatch):
-    """An FFN of 256 (a multiple of the GEMV's column blocks): the gate+up GEMV rounds silu(gate) * up
-    for the down GEMV (GLU_XQ), or zeroes the down GEMV's output and the down GEMV rounds its own x
-    (qmm.SELF_XQ_BYTES): no GLU quantize launch in the decode step either way; with both off the quantize launch
-    does it. The logits equal the CPU backend's every way."""
-    import ingot.backends.cuda as cuda_backend
+@pytest.mark.parametrize("self_xq", [True, False], ids=["self-xq", "self-xq-off"])
+def test_decode_gemvs_round_their_own_x(self_xq, monkeypatch):
+    """Weights under qmm.SELF_XQ_BYTES: the gate+up GEMV zeroes the down GEMV's output and the down GEMV
+    rounds silu(gate) * up itself; every norm GEMV but layer 0's qkv (after the embedding lookup) gets
+    its output zeroed by the step before and rounds its own x. A decode step then runs no quantize launch
+    for a GLU, one for layer 0's qkv and one per layer for o (whose x the attention rounds only for head
+    dims that are multiples of 32). Switched off, all of them run. The logits equal the CPU backend's
+    either way."""
     cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=256, vocab_size=300,
                             context_length=32, tied_embeddings=True)
     model = llama.build(cfg, _weights("uint4", cfg), batch=1)
     prompts = np.random.default_rng(11).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
     want_logits, tokens = _greedy(model, "cpu", prompts, None)
-    monkeypatch.setattr(cuda_backend, "GLU_XQ", switch == "glu-xq")
-    monkeypatch.setattr(qmm, "SELF_XQ_BYTES", 4 << 20 if switch == "self-xq" else 0)
+    monkeypatch.setattr(qmm, "SELF_XQ_BYTES", 4 << 20 if self_xq else 0)
     fusions = model.compile(1, "cuda").plan.fusions
-    epilogue = fusions.count("silu*mul rounded for the down GEMV by the gate+up GEMV")
-    self_round = fusions.count("the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself")
-    assert (epilogue, self_round) == {"glu-xq": (cfg.n_layers, 0), "self-xq": (0, cfg.n_layers), "off": (0, 0)}[switch]
-    # every norm GEMV but layer 0's qkv (after the embedding) takes its output zeroed by the step before
+    down = fusions.count("the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself")
     zeroed = fusions.count("the GEMV rounds its own x, its output zeroed by the step before")
-    assert zeroed == (2 * cfg.n_layers if switch == "self-xq" else 0), fusions
-    switch = switch != "off"
-    glu_launches = []
-    quantize = qmm._quantize_x
-    monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k: glu_launches.append(x_gate is not None)
+    assert (down, zeroed) == ((cfg.n_layers, 2 * cfg.n_layers) if self_xq else (0, 0)), fusions
+    launches = []   # per quantize launch: rows, and whether it computes silu(gate) * up (eager runs only:
+    quantize = qmm._quantize_x   # a replayed graph calls no Python)
+    monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k: launches.append((x2.shape[0], x_gate is not None))
                         or quantize(x2, x_gate, *a, **k))
     got_logits, _ = _greedy(model, "cuda", prompts, tokens)
-    assert any(glu_launches) != switch, glu_launches   # the decode steps' GLU quantize launches: none when fused
+    decode = [glu for rows, glu in launches if rows == 1]   # prefill: PROMPT rows
+    if self_xq:   # a decode step: layer 0's qkv, and each layer's o (head dim 16: the attention cannot round it)
+        assert not any(glu for _, glu in launches) and 1 <= len(decode) <= STEPS * (1 + cfg.n_layers), launches
+    else:
+        assert any(glu for _, glu in launches) and len(decode) >= 4 * cfg.n_layers, launches
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")

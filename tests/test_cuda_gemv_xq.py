@@ -248,7 +248,7 @@ def test_xq_workspace_allocated_once():
     w = words_weight(rng, FORMATS[0], (230, 150, 32))
     x = torch.from_numpy(rng.standard_normal((4, 230)).astype(np.float32)).to(DEVICE)
     qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=3, XQ=True, SPLIT=1))
-    key = (*qmm._stream_key(x.device), 0)     # slot 0: a GEMV's own x (slot 1: what a GEMV stores for the next)
+    key = qmm._stream_key(x.device)
     words, floats = qmm._XQ_WORKSPACE[key]
     pointers = (words.data_ptr(), floats.data_ptr())
     for rows, limbs in ((4, 3), (1, 2), (3, 1)):

@@ -51,9 +51,14 @@ def normalised(h: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
     return out * g.double().cpu() if g is not None else out
 
 
-@pytest.mark.parametrize("xq", [False, True], ids=["x-in-gemv", "xq"])
+XQ_MODES = {"x-in-gemv": dict(XQ=False), "xq": dict(XQ=True), "xq-self": dict(XQ=True, XQ_SELF=True)}
+
+
+@pytest.mark.parametrize("xq", list(XQ_MODES))
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[1][0]}x{c[1][1]}-rows{c[2]}-limbs{c[3]}" for c in CASES])
 def test_norm_prologue_matches_numpy(case, xq):
+    """x rounded in the GEMV, by the quantize launch (which runs the norm and the add), or by each
+    program for its split (xq-self: every program reads its rows whole for their rms)."""
     fmt, shape, rows, limbs = case
     k, n, _ = shape
     rng = rng_for(f"norm-gemv{case}{xq}")
@@ -64,7 +69,7 @@ def test_norm_prologue_matches_numpy(case, xq):
     for add, with_g, config in VARIANTS:
         what = f"add={add} g={with_g} {config}"
         got = qmm.rms_norm_matmul(a, w, g if with_g else None, EPS, add=b if add else None,
-                                  config=dict(config, LIMBS=limbs, XQ=xq))
+                                  config=dict(config, LIMBS=limbs, **XQ_MODES[xq]))
         if add:
             total, got = got
             assert total.shape == a.shape and total.dtype == torch.float32
@@ -90,61 +95,18 @@ def test_norm_prologue_takes_xq_by_the_module_threshold(monkeypatch):
         check(got, normalised(a + b, None), w, qmm.GEMV_LIMBS, what=f"xq={want_xq}")
 
 
-# == the GLU epilogue: the gate+up GEMV rounds silu(gate) * up for the down GEMV ==========================
-
-GLU_CASES = [  # (format, K, half, rows, limbs, config): one split (stores), atomics, several column blocks a program
-    (FORMATS[0], 96, 256, 1, 2, dict(SPLIT=1)),
-    (FORMATS[1], 160, 512, 3, 1, dict(SPLIT=3, REDUCE=1)),
-    (FORMATS[1], 192, 512, 4, 2, dict(SPLIT=2, REDUCE=1, num_warps=4)),   # BLOCK_N 512: four rows of 128 in store_xq
-    (FORMATS[0], 64, 256, 2, 2, dict(SPLIT=1, num_warps=2)),
-]
-
-
-@pytest.mark.parametrize("case", GLU_CASES, ids=[f"k{c[1]}-half{c[2]}-rows{c[3]}-limbs{c[4]}-{i}" for i, c in enumerate(GLU_CASES)])
-def test_gate_up_gemv_rounds_silu_mul_for_the_next_gemv(case):
-    """With `glu_out`, the gate+up GEMV (norm prologue, add) stores exactly what the quantize launch
-    stores for silu(y[:, :half]) * y[:, half:] (limb words, block scales and sums) and zeroes `zero`; y
-    itself is unchanged."""
-    fmt, k, half, rows, limbs, config = case
-    rng = rng_for(f"glu-xq{case}")
-    w = words_weight(rng, fmt, (k, 2 * half, 32))
-    a, b = (torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(DEVICE) for _ in range(2))
-    g = torch.from_numpy((1 + 0.3 * rng.standard_normal(k)).astype(np.float32)).to(DEVICE)
-    buf = qmm.xq_buffers(rows, half, limbs, DEVICE, slot=1)
-    buf["xq_ptr"].fill_(-1)
-    buf["xd_ptr"].fill_(float("nan"))
-    buf["xs_ptr"].fill_(float("nan"))
+def test_self_rounding_norm_gemv_zeroes_the_next_output():
+    """`zero=` with the norm and the add in the GEMV that rounds its own x: the next GEMV's output is
+    zeroed by the same launch, and an output handed in zeroed (`out=`, ZEROED) takes the split-K sums."""
+    rng = rng_for("norm-gemv-zero")
+    w = words_weight(rng, FORMATS[1], (960, 200, 64))
+    a, b = (torch.from_numpy(rng.standard_normal((3, 960)).astype(np.float32)).to(DEVICE) for _ in range(2))
     zero = torch.full((1234,), float("nan"), device=DEVICE)
-    target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, half, zero=zero)
-    total, y = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True), glu_out=target)
-    assert target.written
-    total_plain, y_plain = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True))
-    assert torch.equal(total, total_plain)
-    if config.get("REDUCE") != 1:           # atomics add the splits in no fixed order: y within check()'s bound
-        assert torch.equal(y, y_plain)
-    check(y, normalised(a + b, g), w, qmm.GEMV_LIMBS, what=str(case))
-    want = qmm._quantize_x(y[:, half:], y[:, :half], limbs)
-    assert torch.equal(buf["xq_ptr"], want["xq_ptr"]), "limb words differ from the quantize kernel's"
-    assert torch.equal(buf["xd_ptr"], want["xd_ptr"]) and torch.equal(buf["xs_ptr"], want["xs_ptr"])
-    assert not zero.any().item(), "the next GEMV's output was not zeroed"
-
-
-@pytest.mark.parametrize("why", ["half-off-the-column-blocks", "tickets"])
-def test_gate_up_gemv_declines_the_glu_epilogue(why):
-    """Where the column blocks do not split at half, or the split-K sums go through tickets (REDUCE 2),
-    the GEMV leaves the buffers alone and says so (`written` False): the caller runs the quantize launch."""
-    half, config = (96, dict(SPLIT=1)) if why == "half-off-the-column-blocks" else (256, dict(SPLIT=3, REDUCE=2))
-    rng = rng_for(f"glu-decline{why}")
-    w = words_weight(rng, FORMATS[0], (96, 2 * half, 32))
-    a = torch.from_numpy(rng.standard_normal((1, 96)).astype(np.float32)).to(DEVICE)
-    buf = qmm.xq_buffers(1, half, 2, DEVICE, slot=1)
-    buf["xq_ptr"].fill_(-1)
-    zero = torch.full((100,), float("nan"), device=DEVICE)
-    target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], 2, half, zero=zero)
-    y = qmm.rms_norm_matmul(a, w, None, EPS, config=dict(config, XQ=True), glu_out=target)
-    assert not target.written
-    assert (buf["xq_ptr"] == -1).all().item() and zero.isnan().all().item()
-    check(y, normalised(a, None), w, qmm.GEMV_LIMBS, what=why)
+    out = torch.zeros(3, 200, device=DEVICE)
+    total, got = qmm.rms_norm_matmul(a, w, None, EPS, add=b, zero=zero, out=out,
+                                     config=dict(SPLIT=3, REDUCE=1, XQ=True, XQ_SELF=True, ZEROED=True))
+    assert got.data_ptr() == out.data_ptr() and not zero.any().item(), "the next GEMV's output was not zeroed"
+    check(got, normalised(a + b, None), w, qmm.GEMV_LIMBS, what="into the zeroed output")
 
 
 # == the plan =========================================================================================
@@ -170,7 +132,7 @@ def test_llama_decode_with_the_norm_in_the_gemv(monkeypatch):
     assert fusions.count("add+rms_norm into the GEMV") == 2 * layers - 1, fusions
     assert fusions.count("rms_norm into the GEMV") == 2, fusions
     assert not {"rms_norm", "add_rms_norm"} & set(names), names
-    # the FFN's norm step may run on through the down GEMV ("+glu_gemv": SELF_XQ, GLU_XQ)
+    # the FFN's norm step may run on through the down GEMV ("+glu_gemv": weights under qmm.SELF_XQ_BYTES)
     base = [n.removesuffix("+glu_gemv") for n in names]
     assert base.count("add_rms_norm_gemv") == 2 * layers - 1 and base.count("rms_norm_gemv") == 2, names
     prefill = model.compile(7, "cuda")           # 7 rows: the tensor-core kernel, the old lowering ...

@@ -118,12 +118,6 @@ WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights
 # there the 8 programs that write the heads' outputs round 512 values each at the end of the attention,
 # while the quantize launch spreads the work over 32 and overlaps the GEMV's start
 ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 << 20)))
-# the gate+up GEMV rounds silu(gate) * up for the down GEMV in its last programs (no quantize launch between).
-# Off: H200 (ninth session), steps replayed, SmolLM2 656.9 us with it against 634.4, Llama-3-8B 2006.0 against
-# 1989.2. The GEMVs took 62 / 56 us more (every program's ticket is a release fence after its atomics, and
-# the last pair's rounding is serial work after the GEMV) while the quantize launches it saves took 48 / 58
-# us, overlapped by programmatic dependent launch
-GLU_XQ = os.environ.get("INGOT_CUDA_GLU_XQ", "0") == "1"
 
 
 @dataclass
@@ -858,8 +852,7 @@ class CudaPlan:
                 add, norm, members, weight = norm_gemv[node.id]
                 rows = math.prod(norm.type.shape[:-1])
                 down = self._glu_after(members, glu, users, roots)
-                if down is not None and not (qmm.rounds_own_x(rows, down[1]) or
-                                             (GLU_XQ and qmm.glu_epilogue_fits(weight, rows))):
+                if down is not None and not qmm.rounds_own_x(rows, down[1]):
                     down = None
                 steps.append(self._norm_gemv_step(add, norm, members, weight, down))
                 if down is not None:
@@ -1218,8 +1211,8 @@ class CudaPlan:
     def _glu_after(self, members: list[Node], glu: dict, users, roots) -> tuple | None:
         """(down, its word-layout weight, the slices of a fused gate_up output) when the GEMV's outputs are
         gate and up of a GLU (members [gate, up], or [gate_up] that only two last-axis halves read) whose
-        down projection runs as a word GEMV (`_glu_step`) and nothing else reads gate or up: the gate+up
-        GEMV can round silu(gate) * up for it (`qmm.GluTarget`)."""
+        down projection runs as a word GEMV (`_glu_step`) and nothing else reads gate or up: one step can
+        run both GEMVs, the gate+up launch zeroing the down GEMV's output (`_glu_down`)."""
         if len(members) == 2:
             pair, slices = members, []
         elif len(members) == 1 and members[0].type.static and members[0].id not in roots:
@@ -1251,7 +1244,8 @@ class CudaPlan:
         """One step for [add ->] rms_norm -> quantized matmul(s): `qmm.rms_norm_matmul` (the norm in the
         word GEMV's prologue; with the add, its sum stored by the same launch for the residual stream).
         down = (the down projection, its weight, _) (`_glu_after`): the step goes on through silu(gate) *
-        up and the down GEMV, the gate+up launch storing silu(gate) * up rounded for it (`_glu_down`)."""
+        up and the down GEMV, which rounds its own x (`_glu_down`). Where the GEMV rounds its own x
+        (`qmm.rounds_own_x`) and the step before can zero its output, it does (`_ZeroAhead`)."""
         eps = norm.attrs["eps"]
         has_g = len(norm.src) > 1
         rows = math.prod(norm.type.shape[:-1])
@@ -1294,42 +1288,23 @@ class CudaPlan:
     def _glu_down(self, weight: qmm.QuantizedWeight, eps: float, down: tuple, behind: _ZeroAhead | None = None):
         """compute(x, add or None, g) -> (x + add or None, (y,)): rms_norm -> gate+up GEMV -> silu(gate) *
         up -> down GEMV with no quantize launch between the two GEMVs: the gate+up launch zeroes the down
-        GEMV's output and the down GEMV rounds silu(gate) * up itself, each program its split (SELF_XQ);
-        or, with GLU_XQ where its column blocks allow, the gate+up launch also rounds silu(gate) * up for
-        the down GEMV (`qmm.GluTarget`; a quantize launch runs where it could not). `behind`: the gate+up
-        GEMV's output, zeroed by the step before (`_ZeroAhead`); the down GEMV zeroes the next step's."""
+        GEMV's output and the down GEMV rounds silu(gate) * up itself, each program its split
+        (`qmm.rounds_own_x`). `behind`: the gate+up GEMV's output, zeroed by the step before
+        (`_ZeroAhead`); the down GEMV zeroes the next step's."""
         d_node, d_weight = down
         half, n_out = weight.n // 2, d_node.type.shape[-1]
-        epilogue = GLU_XQ and qmm.glu_epilogue_fits(weight, math.prod(d_node.src[0].type.shape[:-1]))
         ahead = self._zero_ahead = _ZeroAhead()
-        self.fusions += ["silu*mul into the GEMV", "silu*mul rounded for the down GEMV by the gate+up GEMV" if epilogue
-                         else "the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself"]
+        self.fusions += ["silu*mul into the GEMV",
+                         "the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself"]
 
         def compute(x, b, g):
             lead = x.shape[:-1]
             rows = math.prod(lead)
             y_down = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
-            limbs = qmm.gemv_takes_xq(rows, d_weight)
-            if not epilogue and limbs:   # the down GEMV rounds its own x (`qmm.rounds_own_x`)
-                got = _rms_norm_matmul(x, weight, g, eps, b, behind, zero=y_down)
-                total, y = got if b is not None else (None, got)
-                y2 = y.reshape(rows, 2 * half)
-                qmm._words_gemv(y2[:, half:], d_weight, y_down, {"XQ_SELF": True, "ZEROED": True}, x_gate=y2[:, :half],
-                                zero=ahead.make(x.device))
-                return total, (y_down.reshape(*lead, n_out),)
-            target = buf = None
-            if limbs in (1, 2) and epilogue:
-                buf = qmm.xq_buffers(rows, half, limbs, x.device, slot=1)
-                target = qmm.GluTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, half, zero=y_down)
-            got = _rms_norm_matmul(x, weight, g, eps, b, behind, glu_out=target)
+            got = _rms_norm_matmul(x, weight, g, eps, b, behind, zero=y_down)
             total, y = got if b is not None else (None, got)
             y2 = y.reshape(rows, 2 * half)
-
-            def quantize(x2, x_gate, limbs_, norm, zero=None):
-                if target is not None and target.written and limbs_ == target.limbs and (zero is None or zero is y_down):
-                    return buf
-                return qmm._quantize_x(x2, x_gate, limbs_, norm, zero=zero)
-            qmm._words_gemv(y2[:, half:], d_weight, y_down, {}, x_gate=y2[:, :half], quantize=quantize,
+            qmm._words_gemv(y2[:, half:], d_weight, y_down, {"XQ_SELF": True, "ZEROED": True}, x_gate=y2[:, :half],
                             zero=ahead.make(x.device))
             return total, (y_down.reshape(*lead, n_out),)
         return compute

@@ -261,8 +261,7 @@ def store_xq(o, b, head0, row_ok, xq_ptr, xd_ptr, xs_ptr, stride_xqm, stride_xdm
               BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
     """o [BLOCK_R, BLOCK_DV] stored as `_quantize_x_kernel` stores row b of x for the word GEMV (LIMBS 1
     or 2): limb words, block scales d and block sums of the rounded x, o's row r holding x[b, (head0 +
-    r) * BLOCK_DV ...] in blocks of 32 (the decode attention: query heads of one token; the GLU
-    epilogue of the gate+up GEMV: BLOCK_DV columns of silu(gate) * up a row)."""
+    r) * BLOCK_DV ...] in blocks of 32 (the decode attention: the query heads of one token)."""
     NB: tl.constexpr = BLOCK_DV // 32
     x = tl.reshape(o, [BLOCK_R, NB, 4, 2, 4])                        # k = 32 nb + 8 j + 4 h + i
     top = tl.max(tl.max(tl.max(tl.abs(x), axis=4), axis=3), axis=2)   # [R, NB]
@@ -539,32 +538,6 @@ def _row_total(m, M, N, offs_n, n_mask, splits, y_ptr, res_ptr, part_ptr, stride
 
 
 @triton.jit
-def _glu_epilogue(pid_n, pid_m, m0, M, y_ptr, stride_ym, count_ptr, gq_ptr, gd_ptr, gs_ptr, stride_gqm, stride_gdm,
-                  HALF, gz_ptr, GZ, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LIMBS: tl.constexpr,
-                  ZERO: tl.constexpr):
-    """The word GEMV's GLU epilogue (see `_qgemv_words_kernel`, GLU_LIMBS): the last program of a gate
-    column block and its up block rounds silu(gate) * up of those columns for the next GEMV."""
-    tl.debug_barrier()                                            # every thread's sums are in y
-    pairs = tl.num_programs(0) // 2
-    pair = pid_n % pairs
-    ticket_at = count_ptr + pid_m * pairs + pair
-    ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
-    if ticket == 2 * tl.num_programs(1) - 1:
-        RB: tl.constexpr = BLOCK_N // 128
-        cols = pair * BLOCK_N + tl.arange(0, RB)[:, None] * 128 + tl.arange(0, 128)[None, :]   # [RB, 128]
-        row_ok = tl.arange(0, RB) < RB
-        for i in tl.static_range(ROWS):
-            if m0 + i < M:
-                g = tl.load(y_ptr + (m0 + i) * stride_ym + cols, cache_modifier=".cg")
-                u = tl.load(y_ptr + (m0 + i) * stride_ym + HALF + cols, cache_modifier=".cg")
-                store_xq((g * tl.sigmoid(g)) * u, m0 + i, pair * RB, row_ok, gq_ptr, gd_ptr, gs_ptr, stride_gqm,
-                         stride_gdm, LIMBS, RB, 128)
-        if ZERO:
-            _zero_share(gz_ptr, GZ, pid_m * pairs + pair, pairs * tl.num_programs(2))
-        tl.atomic_xchg(ticket_at, 0, sem="relaxed")               # ready for the next launch
-
-
-@triton.jit
 def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
                         stride_xm, stride_qw, stride_sk, stride_ym, stride_rm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -574,10 +547,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False,
                         g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
-                        PDL: tl.constexpr = False,
-                        gq_ptr=None, gd_ptr=None, gs_ptr=None, stride_gqm=0, stride_gdm=0, HALF=0,
-                        GLU_LIMBS: tl.constexpr = 0, gz_ptr=None, GZ=0, GLU_ZERO: tl.constexpr = False,
-                        XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8, copy_q=0, copy_d=0, z_ptr=None,
+                        PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8, copy_q=0, copy_d=0, z_ptr=None,
                         Z=0, ZERO: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
@@ -601,13 +571,6 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     rms_norm(x [+ x2 with ADD]) * g; (x [+ x2]) * g is rounded, and the sums are multiplied by the row's
     1 / rms (`_row_rms`: every program reads its rows whole; with ADD, the programs of column block 0
     and split 0 store x + x2 to h_ptr, each row once).
-
-    GLU_LIMBS (1 or 2; REDUCE 0 or 1; y float32 [M, 2 * HALF], HALF a multiple of BLOCK_N): y is the
-    gate and up projections side by side, and silu(y[:, :HALF]) * y[:, HALF:] is stored rounded for the
-    word GEMV that reads it next (gq/gd/gs as `_quantize_x_kernel` stores them, `store_xq`): column
-    blocks j and j + HALF / BLOCK_N share a ticket, and the last of their programs (every split's sums
-    are in y by then) rounds those BLOCK_N outputs, so no quantize launch runs between the two GEMVs.
-    GLU_ZERO: those programs also zero gz [GZ] (float32), the next GEMV's split-K output.
 
     XQ_SELF (with XQ): no quantize launch ahead; each program first rounds the blocks of its own split
     of K (its rows, with the GLU or norm prologue, `_round_blocks`) into xq/xd/xs, then reads them as
@@ -703,9 +666,6 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     if ROWS > 2:
         _row_out(acc2, m0 + 2, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
         _row_out(acc3, m0 + 3, M, N, offs_n, n_mask, y_ptr, res_ptr, part, stride_ym, stride_rm, REDUCE, RESIDUAL)
-    if GLU_LIMBS > 0:
-        _glu_epilogue(pid_n, pid_m, m0, M, y_ptr, stride_ym, count_ptr, gq_ptr, gd_ptr, gs_ptr, stride_gqm, stride_gdm,
-                      HALF, gz_ptr, GZ, ROWS, BLOCK_N, GLU_LIMBS, GLU_ZERO)
     if REDUCE == 2:
         splits = tl.num_programs(1)
         tl.debug_barrier()                                        # every thread's partial is written
@@ -1186,16 +1146,15 @@ XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "4"))
 _XQ_WORKSPACE: dict = {}
 
 
-def _xq_workspace(device, words: int, blocks: int, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _xq_workspace(device, words: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-quantized x of the word GEMV (`_quantize_x_kernel`): limb words (int32) and per-block scale
     and sum (float32, 2 * blocks), one pair per device and stream (the quantize kernel and the GEMV that
     reads it run in order on that stream). Allocated at the first call, an eager run, and grown only
     when too small. A capture on a stream that has none yet (torch captures on a side stream) allocates
     it from the graph's pool, as `_workspace` does; the minimum size (4 MB of words: 4 rows of K up to
     80k in three limbs, or 16 column blocks' copies of 4 rows of K 16k in two, XQ_SELF) means it is not
-    grown again for decode shapes, so no buffer a captured kernel reads is dropped. Slot 1 is a second pair: what a GEMV stores for the GEMV after it (`GluTarget`)
-    while it reads its own x from slot 0."""
-    key = (*_stream_key(device), slot)
+    grown again for decode shapes, so no buffer a captured kernel reads is dropped."""
+    key = _stream_key(device)
     have = _XQ_WORKSPACE.get(key)
     if have is None or have[0].numel() < words or have[1].numel() < 2 * blocks:
         words = max(words, 1 << 20, have[0].numel() if have else 0)
@@ -1254,42 +1213,18 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
     return args
 
 
-def xq_buffers(m: int, k: int, limbs: int, device, slot: int = 0, copies: int = 1) -> dict:
+def xq_buffers(m: int, k: int, limbs: int, device, copies: int = 1) -> dict:
     """The word GEMV's pre-quantized x [M, K] in the stream's workspace, as its kernel arguments: limb
     words xq_ptr [M, KB * 8 * limbs], block scales xd_ptr and sums xs_ptr [M, KB] (KB = ceil(K / 32)).
     `_quantize_x` fills them, or a kernel before the GEMV that stores the same (`attention(..., xq=)`).
     copies > 1: that many such sets, copy_q words and copy_d floats apart (XQ_SELF: one per column
     block), the first one where a single set would be."""
     kb = triton.cdiv(k, 32)
-    words, floats = _xq_workspace(device, copies * m * kb * 8 * limbs, copies * m * kb, slot)
+    words, floats = _xq_workspace(device, copies * m * kb * 8 * limbs, copies * m * kb)
     xq = words[: m * kb * 8 * limbs].view(m, kb * 8 * limbs)
     xd, xs = floats[: m * kb].view(m, kb), floats[m * kb: 2 * m * kb].view(m, kb)
     return dict(xq_ptr=xq, xd_ptr=xd, xs_ptr=xs, KB=kb, stride_xqm=xq.stride(0), stride_xdm=xd.stride(0),
                 **(dict(copy_q=m * kb * 8 * limbs, copy_d=2 * m * kb) if copies > 1 else {}))
-
-
-@dataclass
-class GluTarget:
-    """Where a gate+up word GEMV (y [M, 2 * half] float32) stores silu(y[:, :half]) * y[:, half:] rounded
-    for the word GEMV that reads it next, as `_quantize_x` stores x [M, half] (`xq_buffers(..., slot=1)`
-    gives the buffers): xq limb words, xd block scales, xs block sums, in `limbs` (1 or 2) bytes;
-    `zero` (float32, contiguous, or None): that GEMV's split-K output, zeroed by the same launch.
-    `written` says whether the GEMV did it (its split-K reduction and column blocks allow it)."""
-    xq: torch.Tensor
-    xd: torch.Tensor
-    xs: torch.Tensor
-    limbs: int
-    half: int
-    zero: torch.Tensor | None = None
-    written: bool = False
-
-
-def glu_epilogue_fits(w: QuantizedWeight, m: int) -> bool:
-    """Whether the word GEMV of m rows of w = [gate | up] splits its column blocks at the middle, so its
-    default configuration can store silu(gate) * up for the next GEMV (`GluTarget`)."""
-    if not w.words or m > WORDS_MAX_ROWS or w.n % 2:
-        return False
-    return (w.n // 2) % words_gemv_config(w, m, 1)["BLOCK_N"] == 0
 
 
 # a word GEMV of a weight smaller than this rounds its own x (XQ_SELF) where the kernel ahead can zero its
@@ -1316,7 +1251,7 @@ def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None) -> int
 
 def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, x_gate: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, norm: NormPrologue | None = None, quantize=None,
-                glu_out: GluTarget | None = None, zero: torch.Tensor | None = None) -> None:
+                zero: torch.Tensor | None = None) -> None:
     """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; rms_norm(x2 [+ norm.add]) * norm.weight
     with `norm`; + residual when given).
 
@@ -1325,9 +1260,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     that launch (`_quantize_x`'s signature and result): a kernel computing x that also stores it rounded.
     XQ_SELF (with XQ, no `quantize`): no quantize launch; every program rounds its own split of x
     (`_qgemv_words_kernel`). ZEROED: y (float32, contiguous) is zero already, the kernel ahead zeroed it
-    (`zero`), so split-K adds into it without a memset.
-    `glu_out`: y is [gate | up]; the launch also stores silu(gate) * up rounded there, where it can
-    (`GluTarget`; `glu_out.written` says whether it did). `zero` (float32, contiguous, apart from every
+    (`zero`), so split-K adds into it without a memset. `zero` (float32, contiguous, apart from every
     operand): zeroed by this launch, the output of the GEMV after it (`ZEROED`)."""
     m = x2.shape[0]
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
@@ -1347,7 +1280,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     rows = config.get("ROWS") or (min(triton.next_power_of_2(m), 4) if xq else None)
     waves, tb = config.pop("WAVES", WORDS_WAVES), config.pop("TB", None)
     variant = (w.n, m, w.group, w.bias is not None, xq, rows, tb, x_gate is not None, norm is not None,
-               residual is not None, glu_out is not None, tuple(sorted(config.items())))
+               residual is not None, tuple(sorted(config.items())))
     cfg = {**words_gemv_config(w, m, _sm_count(x2.device), waves, config.get("num_warps"), rows,
                                _WORDS_REGS.get(variant), tb), **config}
     block_n, tb, rows, split = cfg.pop("BLOCK_N"), cfg.pop("TB"), cfg.pop("ROWS"), cfg.pop("SPLIT")
@@ -1392,18 +1325,6 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     if x_gate is not None:
         assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape
         x2, gate = gate, x2       # the kernel reads silu(x_ptr) * x2_ptr
-    if glu_out is not None and reduce in (0, 1) and target is y and y.dtype == torch.float32 and y.stride(1) == 1 \
-            and w.n == 2 * glu_out.half and glu_out.half % block_n == 0 and glu_out.limbs in (1, 2) and not (
-                glu_out.zero is not None and _overlaps(glu_out.zero, y, x2, x_gate)):
-        assert glu_out.xq.shape == (m, glu_out.half // 32 * 8 * glu_out.limbs)
-        assert glu_out.xd.shape == glu_out.xs.shape == (m, glu_out.half // 32)
-        tickets = _workspace(x2.device, 0, grid[0] // 2 * grid[2])[1]
-        cfg.update(gq_ptr=glu_out.xq, gd_ptr=glu_out.xd, gs_ptr=glu_out.xs, stride_gqm=glu_out.xq.stride(0),
-                   stride_gdm=glu_out.xd.stride(0), HALF=glu_out.half, GLU_LIMBS=glu_out.limbs)
-        if glu_out.zero is not None:
-            assert glu_out.zero.dtype == torch.float32 and glu_out.zero.is_contiguous()
-            cfg.update(gz_ptr=glu_out.zero, GZ=glu_out.zero.numel(), GLU_ZERO=True)
-        glu_out.written = True
     res = residual if residual is not None else y
     compiled = _qgemv_words_kernel[grid](
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
@@ -1418,12 +1339,12 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
 
 
 def rms_norm_matmul(x: torch.Tensor, w: QuantizedWeight, norm_weight: torch.Tensor | None, eps: float,
-                    add: torch.Tensor | None = None, config: dict | None = None, glu_out: GluTarget | None = None,
-                    zero: torch.Tensor | None = None, out: torch.Tensor | None = None):
+                    add: torch.Tensor | None = None, config: dict | None = None, zero: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None):
     """rms_norm(x [+ add]) * norm_weight @ W in one word-layout GEMV launch (two with XQ), for float32 x
     [..., K] of at most WORDS_MAX_ROWS rows: the norm is the GEMV's prologue. Returns y [..., N], or
-    (x + add, y) with `add` (the sum is stored by the same launch, for the residual stream). `glu_out`:
-    and `zero`: see `_words_gemv`. `out`: y [M, N] (float32, contiguous) to write.
+    (x + add, y) with `add` (the sum is stored by the same launch, for the residual stream). `zero`:
+    see `_words_gemv`. `out`: y [M, N] (float32, contiguous) to write.
 
         >>> h, y = rms_norm_matmul(x, w, g, 1e-5, add=attn_out)           # doctest: +SKIP
     """
@@ -1441,8 +1362,7 @@ def rms_norm_matmul(x: torch.Tensor, w: QuantizedWeight, norm_weight: torch.Tens
         norm_weight = norm_weight.reshape(-1).to(torch.float32).contiguous()
     y = out if out is not None else torch.empty((m, w.n), dtype=torch.float32, device=x.device)
     assert y.shape == (m, w.n) and y.dtype == torch.float32 and y.is_contiguous()
-    _words_gemv(x2, w, y, dict(config or {}), norm=NormPrologue(norm_weight, eps, add2, total), glu_out=glu_out,
-                zero=zero)
+    _words_gemv(x2, w, y, dict(config or {}), norm=NormPrologue(norm_weight, eps, add2, total), zero=zero)
     y = y.reshape(*lead, w.n)
     return (total.reshape(x.shape), y) if add is not None else y
 

@@ -146,8 +146,8 @@ def test_decode_gemvs_round_their_own_x(self_xq, monkeypatch):
     assert (down, zeroed) == ((cfg.n_layers, 2 * cfg.n_layers) if self_xq else (0, 0)), fusions
     launches = []   # per quantize launch: rows, and whether it computes silu(gate) * up (eager runs only:
     quantize = qmm._quantize_x   # a replayed graph calls no Python)
-    monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k: launches.append((x2.shape[0], x_gate is not None))
-                        or quantize(x2, x_gate, *a, **k))
+    monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k:
+                        launches.append((x2.shape[0], x_gate is not None)) or quantize(x2, x_gate, *a, **k))
     got_logits, _ = _greedy(model, "cuda", prompts, tokens)
     decode = [glu for rows, glu in launches if rows == 1]   # prefill: PROMPT rows
     if self_xq:   # a decode step: layer 0's qkv, and each layer's o (head dim 16: the attention cannot round it)

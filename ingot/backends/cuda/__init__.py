@@ -584,8 +584,8 @@ def _sdpa(ctx: Lowering) -> StepFn:
     def sdpa(q, k, v, *rest, out=None, xq=None, zero=None):
         mask = rest[0] if has_mask else None
         length = rest[-1] if has_length else None
-        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out, xq=xq,
-                                           zero=zero)
+        return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out,
+                                           xq=xq, zero=zero)
     return sdpa
 
 

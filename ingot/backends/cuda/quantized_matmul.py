@@ -332,7 +332,7 @@ def _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m, blk, b_stop, 
     """Blocks blk [BLOCKS] (those below b_stop) of 32 k of row m of x rounded and stored as
     `_quantize_x_kernel` documents, the scales and block sums multiplied by r (the row's 1 / rms, or 1)."""
     k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8
-         + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])   # [BLOCKS, 4 (j), 2 (h), 4 (i)]
+         + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])   # [BLOCKS, 4 j, 2 h, 4 i]
     if NORM:
         x = _load_norm_x(x_ptr, x2_ptr, g_ptr, m * stride_xm + k, k, k < K, ADD, HAS_G)
     else:
@@ -547,8 +547,8 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         LIMBS: tl.constexpr = 3, XQ: tl.constexpr = False,
                         g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
-                        PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8, copy_q=0, copy_d=0, z_ptr=None,
-                        Z=0, ZERO: tl.constexpr = False):
+                        PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
+                        copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -575,9 +575,10 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     XQ_SELF (with XQ): no quantize launch ahead; each program first rounds the blocks of its own split
     of K (its rows, with the GLU or norm prologue, `_round_blocks`) into xq/xd/xs, then reads them as
     XQ. Each column block has its own copy of xq/xd/xs (copy_q words and copy_d floats apart), so no two
-    programs store to the same words; a CTA barrier orders a program's stores before its loads. With NORM the scales are stored without 1 / rms, which
-    multiplies the sums at the end as without XQ. ZERO: the programs zero z [Z] (float32, apart from
-    every operand), the split-K output of the GEMV launched after this one."""
+    programs store to the same words; a CTA barrier orders a program's stores before its loads. With
+    NORM the scales are stored without 1 / rms, which multiplies the sums at the end as without XQ.
+    ZERO: the programs zero z [Z] (float32, apart from every operand), the split-K output of the GEMV
+    launched after this one."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

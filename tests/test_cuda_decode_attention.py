@@ -299,6 +299,30 @@ XQ_CASES = [  # (B, Hq, Hk, D, buffer, length, split, merge, limbs)
 ]
 
 
+@pytest.mark.parametrize("case", [0, 3, 4, "flash"], ids=["rounded", "d96", "combine-kernel", "flash-tiles"])
+def test_attention_zeroes_the_next_gemvs_output(case):
+    """attention(..., zero=) leaves `zero` zeroed whatever `xq` got: the decode kernel zeroes it in
+    its own launch (where it rounds the output, where it cannot: d 96, and ahead of a combine launch),
+    the flash path by a memset (G * Tq past DECODE_MAX_ROWS)."""
+    b, hq, hk, d, buffer, length, split, merge, limbs = XQ_CASES[case] if case != "flash" else \
+        (1, 4, 1, 64, 256, 200, None, None, 2)
+    tq = 1 if case != "flash" else attn.DECODE_MAX_ROWS // 4 + 1
+    (q, k, v), dev = inputs(f"zero{case}", b, hq, hk, tq, buffer, d, length, "float32")
+    for with_xq in (False, True):
+        kb = hq * d // 32
+        target = attn.XQTarget(torch.full((b, kb * 8 * limbs), -1, dtype=torch.int32, device=DEVICE),
+                               *(torch.full((b, kb), float("nan"), device=DEVICE) for _ in range(2)), limbs) \
+            if with_xq else None
+        zero = torch.full((777,), float("nan"), device=DEVICE)
+        out = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=tq == 1, split=split,
+                             merge=merge, xq=target, zero=zero)
+        assert not zero.any().item() and not zero.isnan().any().item(), (case, with_xq)
+        if tq == 1:
+            check(out, reference(q, k, v, length, True), "float32", case)
+        if with_xq:
+            assert target.written == (case == 0), case
+
+
 @pytest.mark.parametrize("case", XQ_CASES, ids=[f"case{i}" for i in range(len(XQ_CASES))])
 @pytest.mark.parametrize("with_rope", [False, True], ids=["", "rope"])
 def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):

@@ -1083,10 +1083,21 @@ class CudaPlan:
             if not qmm.gemv_takes_xq(rows, weight):
                 holder["res"] = fn(*args, out=out)
                 y = qmm.quantized_matmul(x2, weight)
-            elif not in_attention:
+            elif x2.dtype == torch.float32 and qmm.rounds_own_x(rows, weight):
+                # the attention zeroes y and, where its kernel can (in_attention), rounds x for the GEMV;
+                # where it did not, the GEMV rounds its own x: no quantize launch either way
                 y = torch.empty((rows, weight.n), dtype=torch.float32, device=x2.device)
-                holder["res"] = fn(*args, out=out, zero=y)
-                qmm._words_gemv(x2, weight, y, {"XQ_SELF": True, "ZEROED": True}, zero=ahead.make(x2.device))
+                limbs = qmm.gemv_takes_xq(rows, weight)
+                buf = qmm.xq_buffers(rows, k, limbs, x2.device)
+                target = attention_kernels.XQTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs) \
+                    if in_attention else None
+                holder["res"] = fn(*args, out=out, xq=target, zero=y)
+                config = {"ZEROED": True, "LIMBS": limbs}
+                if target is not None and target.written:
+                    quantize = (lambda *_, **__: buf)
+                else:
+                    quantize, config["XQ_SELF"] = None, True
+                qmm._words_gemv(x2, weight, y, config, quantize=quantize, zero=ahead.make(x2.device))
             else:
                 def quantize(x2_, x_gate, limbs, norm, zero=None):
                     buf = qmm.xq_buffers(rows, k, limbs, x2_.device)

@@ -542,11 +542,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
 
     `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
     decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`
-    says whether it did. `zero` (float32, contiguous, apart from every operand): zero when this returns,
-    the split-K output of the GEMV after the attention; the decode kernel zeroes it in its own launch
-    (no memset between the two), other paths by a memset.
+    says whether it did; `xq.zero` is zeroed only where it did. `zero` (float32, contiguous, apart from
+    every operand): zero when this returns, whatever `xq` got, the split-K output of the GEMV after the
+    attention; the decode kernel zeroes it in its own launch (no memset between the two), other paths
+    by a memset.
     """
-    assert zero is None or xq is None, "attention: zero= or xq.zero, not both"
+    assert zero is None or xq is None or xq.zero is None, "attention: zero= or xq.zero, not both"
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     if rope is not None and not (mask is None and q.shape[-2] == 1 and q.shape[-3] // k.shape[-3] <= DECODE_MAX_ROWS
                                  and k.shape[:-3] == v.shape[:-3] == batch and q.shape[-1] == k.shape[-1]):
@@ -612,7 +613,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             assert xq.xq.shape == (nb, hq * dv // 32 * 8 * xq.limbs) and xq.xd.shape == xq.xs.shape == (nb, hq * dv // 32)
             extra.update(xq_ptr=xq.xq, xd_ptr=xq.xd, xs_ptr=xq.xs, stride_xqm=xq.xq.stride(0), stride_xdm=xq.xd.stride(0),
                          XQ_LIMBS=xq.limbs)
-            zero = xq.zero
+            zero = xq.zero if xq.zero is not None else zero
         if zero is not None:
             assert zero.dtype == torch.float32 and zero.is_contiguous()
             extra.update(z_ptr=zero, Z=zero.numel(), ZERO=True)

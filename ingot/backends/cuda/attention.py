@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...ops.nn import rope_cos_sin
 from .pdl import pdl_args, pdl_enter
-from .quantized_matmul import store_xq
+from .quantized_matmul import _zero_share, store_xq
 
 LOG2E = 1.4426950408889634
 
@@ -85,10 +85,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     pid_s = tl.program_id(1)
     if ZERO:
         if pid_s == 0:
-            per = tl.cdiv(Z, tl.num_programs(0))
-            for z0 in range(pid_bh * per, pid_bh * per + per, 1024):
-                offs_z = z0 + tl.arange(0, 1024)
-                tl.store(z_ptr + offs_z, tl.zeros([1024], tl.float32), mask=(offs_z < pid_bh * per + per) & (offs_z < Z))
+            _zero_share(z_ptr, Z, pid_bh, tl.num_programs(0))
     b = pid_bh // HK
     hk = pid_bh % HK
     if LEN_FROM_PTR:

@@ -1,0 +1,107 @@
+"""Where does a short-cache decode attention launch spend its time? SmolLM2's shape (9/3 heads, d 64,
+float32 caches of 2048 rows) as the executor's decode step runs it: RoPE and the new token's K/V
+write inside (`rope=`), the output rounded for the o GEMV (`xq=`) and that GEMV's output zeroed
+(`zero=`); then with each of those parts left out, and with other launch settings. Each figure is the
+median of do_bench_cudagraph (the launch repeated in a CUDA graph, programmatic dependent launch as
+the model runs it); "empty" is a kernel that only waits and exits, the floor of a launch.
+
+    python benchmarks/cuda_decode_probe.py [--lengths 33,100,160] [--json out.json]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ingot.backends.cuda import attention as attn  # noqa: E402
+from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.backends.cuda.pdl import pdl_args, pdl_enter  # noqa: E402
+
+
+@triton.jit
+def _empty(x_ptr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    if tl.program_id(0) == 1 << 30:
+        tl.store(x_ptr, 0.0)
+
+
+def bench(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median")) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="33,100,160")
+    ap.add_argument("--shape", default="9,3,64")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    hq, hk, d = (int(v) for v in a.shape.split(","))
+    buf = 2048
+    x = torch.zeros(1, device=dev)
+    rows = [dict(variant="empty", us=round(bench(lambda: _empty[(hk,)](x, **pdl_args(dev))), 2))]
+    print(f"empty kernel (3 programs): {rows[0]['us']} us", flush=True)
+    inv = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
+    table = attn.rope_table(inv, buf, dev)
+    inv_dev = torch.from_numpy(inv).to(dev)
+    limbs = 2
+    xq = qmm.xq_buffers(1, hq * d, limbs, dev)
+    zero = torch.empty(576, device=dev)
+    variants = {
+        "exec": dict(rope=True, xq=True, zero=True),
+        "plain": dict(),
+        "rope": dict(rope=True),
+        "xq+zero": dict(xq=True, zero=True),
+        "rope+zero": dict(rope=True, zero=True),
+        "exec-ieee": dict(rope=True, xq=True, zero=True, precision="ieee"),
+        "exec-tf32": dict(rope=True, xq=True, zero=True, precision="tf32"),
+        "exec-w1": dict(rope=True, xq=True, zero=True, num_warps=1),
+        "exec-w2": dict(rope=True, xq=True, zero=True, num_warps=2),
+        "exec-w8": dict(rope=True, xq=True, zero=True, num_warps=8),
+        "exec-s1": dict(rope=True, xq=True, zero=True, num_stages=1),
+        "exec-bn32": dict(rope=True, xq=True, zero=True, block_n=32),
+        "exec-bn128": dict(rope=True, xq=True, zero=True, block_n=128),
+        "exec-chunk256": dict(rope=True, xq=True, zero=True, min_chunk=256),
+        "exec-chunk256-bn128": dict(rope=True, xq=True, zero=True, min_chunk=256, block_n=128),
+        "exec-late-v": dict(rope=True, xq=True, zero=True, early_v=False),
+    }
+    for length in (int(v) for v in a.lengths.split(",")):
+        q = torch.randn(1, hq, 1, d, device=dev)
+        k = torch.randn(1, hk, buf, d, device=dev)
+        v = torch.randn(1, hk, buf, d, device=dev)
+        kn, vn = torch.randn(1, hk, 1, d, device=dev), torch.randn(1, hk, 1, d, device=dev)
+        pos = torch.tensor(length - 1, dtype=torch.int32, device=dev)
+        ln = torch.tensor(length, dtype=torch.int32, device=dev)
+        line = []
+        for name, cfg in variants.items():
+            kw = {key: val for key, val in cfg.items() if key not in ("rope", "xq", "zero")}
+            if cfg.get("rope"):
+                kw["rope"] = attn.RopeWrite(pos, inv_dev, kn, vn, False, table)
+            if cfg.get("zero"):
+                kw["zero"] = zero
+
+            def call(kw=kw, cfg=cfg):
+                extra = dict(kw)
+                if cfg.get("xq"):
+                    extra["xq"] = attn.XQTarget(xq["xq_ptr"], xq["xd_ptr"], xq["xs_ptr"], limbs)
+                return attn.attention(q, k, v, length=ln, causal=True, **extra)
+            try:
+                us = round(bench(call), 2)
+            except Exception as e:   # a variant that does not compile is reported, not fatal
+                us = f"error: {type(e).__name__}: {str(e)[:100]}"
+            rows.append(dict(variant=name, length=length, us=us))
+            line.append(f"{name} {us}")
+        print(f"L={length}: " + ", ".join(line), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

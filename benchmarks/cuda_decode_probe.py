@@ -71,16 +71,6 @@ def main():
         "exec-chunk256": dict(rope=True, xq=True, zero=True, min_chunk=256),
         "exec-chunk256-bn128": dict(rope=True, xq=True, zero=True, min_chunk=256, block_n=128),
         "exec-late-v": dict(rope=True, xq=True, zero=True, early_v=False),
-        "plain-fma": dict(fma=True),
-        "exec-fma": dict(rope=True, xq=True, zero=True, fma=True),
-        "exec-fma-bn32": dict(rope=True, xq=True, zero=True, fma=True, block_n=32),
-        "exec-fma-bn16": dict(rope=True, xq=True, zero=True, fma=True, block_n=16),
-        "exec-fma-w2": dict(rope=True, xq=True, zero=True, fma=True, num_warps=2),
-        "exec-fma-w8": dict(rope=True, xq=True, zero=True, fma=True, num_warps=8),
-        "exec-fma-s1": dict(rope=True, xq=True, zero=True, fma=True, num_stages=1),
-        "exec-fma-chunk128": dict(rope=True, xq=True, zero=True, fma=True, min_chunk=128),
-        "exec-fma-chunk256": dict(rope=True, xq=True, zero=True, fma=True, min_chunk=256),
-        "exec-fma-chunk32-bn32": dict(rope=True, xq=True, zero=True, fma=True, min_chunk=32, block_n=32),
     }
     for length in (int(v) for v in a.lengths.split(",")):
         q = torch.randn(1, hq, 1, d, device=dev)

@@ -224,9 +224,7 @@ def decode_attention_rows(results, bw, quick):
         for vname, kw in {"default": {}, "combine-kernel": dict(merge=False), "split32": dict(split=32), "split64": dict(split=64), "split128": dict(split=128),
                           "split256": dict(split=256), "bn128": dict(block_n=128), "bn32": dict(block_n=32),
                           "w8": dict(num_warps=8), "stages2": dict(num_stages=2), "stages4": dict(num_stages=4),
-                          "split128-bn128-w8": dict(split=128, block_n=128, num_warps=8),
-                          "fma": dict(fma=True), "fma-bn32": dict(fma=True, block_n=32),
-                          "fma-w8": dict(fma=True, num_warps=8)}.items():
+                          "split128-bn128-w8": dict(split=128, block_n=128, num_warps=8)}.items():
             try:
                 out = attn.attention(q, k, v, length=ln, **kw)
                 err = float((out.float() - ref).norm() / ref.norm())

@@ -165,15 +165,14 @@ SHAPES = [  # (B, Hq, Hk, Tq, buffer, D, length, causal)
 @pytest.mark.parametrize("case", SHAPES, ids=["b{}-h{}/{}-q{}-buf{}-d{}-len{}-{}".format(*c) for c in SHAPES])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("short_path", [True, False], ids=["short", "old"])
-@pytest.mark.parametrize("fma", [False, True], ids=["mma", "fma"])
-def test_decode_shapes_and_dtypes(case, dtype, short_path, fma):
+def test_decode_shapes_and_dtypes(case, dtype, short_path):
     skip_bf16_in_interpreter(dtype)
     b, hq, hk, tq, buffer, d, length, causal = case
     (q, k, v), dev = inputs(f"shape{case}{dtype}", b, hq, hk, tq, buffer, d, length, dtype)
     want = reference(q, k, v, length, causal)
     for split, merge in ((None, None), (4, True), (33, False)):
         got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=causal, split=split,
-                             merge=merge, short_path=short_path, fma=fma)
+                             merge=merge, short_path=short_path)
         check(got, want, dtype, (split, merge))
 
 
@@ -189,9 +188,6 @@ SWITCHES = {
     "min-chunk-64": dict(min_chunk=64),
     "min-chunk-200": dict(min_chunk=200),    # not a multiple of the key tile: rounded up
     "min-chunk-4096": dict(min_chunk=4096),  # past the buffer: one split always
-    "fma": dict(fma=True),                   # products summed on the FMA units over 4 rows, not dots over 16
-    "fma-min-chunk-0": dict(fma=True, min_chunk=0),
-    "fma-old": dict(fma=True, short_path=False),
 }
 
 
@@ -240,13 +236,11 @@ ROPE_CASES = [  # (B, Hq, Hk, D, HALF, interleaved, buffer, pos, length, split, 
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[f"case{i}" for i in range(len(ROPE_CASES))])
-@pytest.mark.parametrize("fma", [False, True], ids=["mma", "fma"])
-def test_decode_rotates_q_and_writes_the_new_kv(case, fma):
+def test_decode_rotates_q_and_writes_the_new_kv(case):
     """attention(..., rope=) against NumPy: q rotated, the rotated k and v written into the caches at
     the position (and nothing else changed), the output over the first `length` keys of the caches
     as written (the new key among them when position < length). The cos/sin table has the buffer's
-    rows (case 4's position is past it: computed in the kernel). The cache holds another row at the
-    position before the call: the kernel takes the new one from its registers, not from that."""
+    rows (case 4's position is past it: computed in the kernel)."""
     b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
     skip_bf16_in_interpreter(dtype)
     (_, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
@@ -265,7 +259,7 @@ def test_decode_rotates_q_and_writes_the_new_kv(case, fma):
                           torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved,
                           attn.rope_table(inv, buffer, DEVICE))
     got = attn.attention(cast(q_raw), k_dev, v_dev, length=torch.tensor(length, device=DEVICE), causal=True,
-                         split=split, rope=rope, fma=fma)
+                         split=split, rope=rope)
     np.testing.assert_allclose(k_dev.float().cpu().numpy(), k_want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(v_dev.float().cpu().numpy(), v_want, rtol=0, atol=0)
     q_seen = cast(q_rot).float().cpu().numpy()
@@ -331,8 +325,7 @@ def test_attention_zeroes_the_next_gemvs_output(case):
 
 @pytest.mark.parametrize("case", XQ_CASES, ids=[f"case{i}" for i in range(len(XQ_CASES))])
 @pytest.mark.parametrize("with_rope", [False, True], ids=["", "rope"])
-@pytest.mark.parametrize("fma", [False, True], ids=["mma", "fma"])
-def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope, fma):
+def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
     """attention(..., xq=) stores what `_quantize_x` stores for x = the output [B, Hq * D] (limb words
     equal, scales and sums equal) and zeroes `zero`, where the decode kernel writes the output itself;
     elsewhere it says it did not (`written` False) and leaves the buffers alone. With RoPE (q rotated,
@@ -362,7 +355,7 @@ def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope, fma):
     zero = torch.full((1000,), float("nan"), device=DEVICE)
     target = attn.XQTarget(xq, xd, xs, limbs, zero)
     out = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, split=split, merge=merge, xq=target,
-                         rope=rope, fma=fma)
+                         rope=rope)
     if rope is None:
         check(out, reference(q, k, v, length, True), "float32", case)
     else:

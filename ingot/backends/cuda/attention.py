@@ -58,7 +58,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
                    INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
-                   z_ptr=None, Z=0, ZERO: tl.constexpr = False, FMA: tl.constexpr = False):
+                   z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -73,13 +73,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     ROPE (one query row per head, TQ 1): q is rotated here by the position at pos_ptr (`_rotation`, cos/sin
     from a table), and
     the new token's k (rotated) and v rows (kn/vn [B, Hk, 1, D]) are written into the caches at that
-    position by the split whose keys hold it (split 0 when none does): the layer's RoPE + KV write
-    launch (`fused.rope_qkv_into`) folded into this one. That split takes the row from its registers
-    where its tile holds the position (no store, barrier and load back in a row).
-
-    FMA: the scores and the weighted sum of V are products summed on the FMA units over [BLOCK_R,
-    BLOCK_N, D] (float32, whatever the cache's type), BLOCK_R the real rows rounded up to a power of
-    two; otherwise tl.dot with at least 16 rows (tensor cores, tf32x3 for float32).
+    position by the split whose keys hold it (split 0 when none does), before it reads them: the
+    layer's RoPE + KV write launch (`fused.rope_qkv_into`) folded into this one.
 
     XQ_LIMBS (1 or 2; TQ 1, DV a multiple of 32): the program that writes a head's output also stores
     it rounded for the word GEMV that reads the output as x [B, Hq * DV] (`store_xq`), so no quantize
@@ -118,15 +113,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         q_pair = tl.load(q_rows + partner[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         q = (q.to(tl.float32) * c[None, :] + q_pair.to(tl.float32) * sn[None, :]).to(q_ptr.dtype.element_ty)
         writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
-        kn_row = kn_ptr + b * skn_b + hk * skn_h
-        kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
-        kn = (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty)
-        vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0).to(v_ptr.dtype.element_ty)
-        if pid_s == writer:   # the new token's k and v into the caches (this launch reads them from kn/vn)
+        if pid_s == writer:   # the new token's k and v into the caches, before this split reads them
             if (pos >= 0) & (pos < TBUF):
-                tl.store(k_ptr + b * sk_b + hk * sk_h + pos * sk_t + offs_d, kn, mask=offs_d < D)
-                tl.store(v_ptr + b * sv_b + hk * sv_h + pos * sv_t + offs_dv, vn, mask=offs_dv < DV)
+                kn_row = kn_ptr + b * skn_b + hk * skn_h
+                kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+                kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
+                tl.store(k_ptr + b * sk_b + hk * sk_h + pos * sk_t + offs_d,
+                         (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty), mask=offs_d < D)
+                vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0)
+                tl.store(v_ptr + b * sv_b + hk * sv_h + pos * sv_t + offs_dv, vn.to(v_ptr.dtype.element_ty), mask=offs_dv < DV)
+            tl.debug_barrier()   # the CTA's stores are seen by its loads below
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -137,16 +133,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        if ROPE:   # the new token's row from registers (its store above may not be visible yet)
-            kt = tl.where((offs_n == pos)[:, None], kn[None, :], kt)
         if EARLY_V:   # independent of p: both loads in flight together
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-            if ROPE:
-                vt = tl.where((offs_n == pos)[:, None], vn[None, :], vt)
-        if FMA:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], axis=2) * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale       # [R, N], log2 units
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale       # [R, N], log2 units
         ok = n_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= limit[:, None])
@@ -158,12 +147,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not EARLY_V:
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-            if ROPE:
-                vt = tl.where((offs_n == pos)[:, None], vn[None, :], vt)
-        if FMA:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m_i = m_new
     out_offs = out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :]
     out_ok = row_ok[:, None] & (offs_dv < DV)[None, :]
@@ -461,9 +445,6 @@ MERGE_IN_KERNEL = {"1": True, "0": False}.get(os.environ.get("INGOT_CUDA_DECODE_
 # 2920 instructions a 64-key tile at d 128 in ptxas against 1556). H200, 2026-12-03, a step replayed:
 # SmolLM2 764 us against 826, Llama-3-8B 2114 against 2271.
 DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3")
-# decode dots on the FMA units over the real query rows (`_decode_kernel`'s FMA): "f32" for float32
-# caches, "all", or "none" (tensor cores for every dtype)
-DECODE_FMA = os.environ.get("INGOT_CUDA_DECODE_FMA", "none")
 # a short cache's split size (`_decode_min_chunk`'s K+V bytes) and the keys per tile (0: 64, 32 past d 128):
 # smaller ones spread a short cache over more programs, each with less to read one after another
 DECODE_CHUNK_KB = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_KB", "32"))
@@ -535,7 +516,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
-              zero: torch.Tensor | None = None, fma: bool | None = None) -> torch.Tensor:
+              zero: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -548,9 +529,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
-    `early_v` loads each V tile with its K tile (None: as `short_path`); `fma` sums the products on the
-    FMA units over the real query rows instead of tensor-core dots over 16, where G * Tq <= 8 (None:
-    `DECODE_FMA`'s rule). short_path None: on unless
+    `early_v` loads each V tile with its K tile (None: as `short_path`). short_path None: on unless
     INGOT_CUDA_DECODE_SHORT=0 (for measuring a whole model without it). `short_path=False` with the
     other two left None is the kernel as it was before these switches.
 
@@ -601,13 +580,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     if nb == 0 or tq == 0:
         return result
     if mask is None and group * tq <= DECODE_MAX_ROWS:
-        if fma is None:
-            fma = DECODE_FMA == "all" or (DECODE_FMA == "f32" and f32)
-        fma = fma and group * tq <= 8     # more rows: tensor cores (16 rows at d 128 spill on the FMA path)
-        block_r = triton.next_power_of_2(group * tq) if fma else max(16, triton.next_power_of_2(group * tq))
-        # FMA: 16 keys a tile (8 past d 64) keep [R, N, D] in registers (4 rows, d 64, 4 warps: 124 registers;
-        # 32 keys 221, 64 keys spill)
-        bn = block_n or DECODE_BLOCK_N or ((16 if block_d <= 64 else 8) if fma else 64 if block_d <= 128 else 32)
+        block_r = max(16, triton.next_power_of_2(group * tq))
+        bn = block_n or DECODE_BLOCK_N or (64 if block_d <= 128 else 32)
         if min_chunk is None:
             min_chunk = _decode_min_chunk(d, dv, k.element_size(), DECODE_CHUNK_KB << 10) if short_path else 0
         merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
@@ -647,7 +621,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            FMA=fma, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra, **pdl_args(q.device))
+            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra, **pdl_args(q.device))
         if xq_here:
             xq.written = True
         if merge:

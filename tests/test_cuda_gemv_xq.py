@@ -274,3 +274,42 @@ def test_xq_in_a_graph_captured_on_a_fresh_stream():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.allclose(y, eager, rtol=1e-6, atol=1e-6)   # split-K atomics: any order
+
+
+@pytest.mark.parametrize("self_round", [False, True], ids=["xq-launch", "xq-self"])
+def test_early_weight_tile_same_result(self_round):
+    """EARLY_W (the first weight tile loaded before the wait on the kernel ahead) changes when a load
+    is issued, not what is computed: bit-equal to the same launch without it (one split, no atomics)."""
+    rng = rng_for(f"early-w{self_round}")
+    w = words_weight(rng, FORMATS[1], (1000, 390, 32))
+    x = torch.from_numpy(rng.standard_normal((2, 1000)).astype(np.float32)).to(DEVICE)
+    base = dict(KERNEL="words", LIMBS=2, XQ=True, XQ_SELF=self_round, SPLIT=1)
+    want = qmm.quantized_matmul(x, w, config=dict(base, EARLY_W=False))
+    got = qmm.quantized_matmul(x, w, config=dict(base, EARLY_W=True))
+    assert torch.equal(got, want)
+    check(got, x, w, 2, what="early weight tile")
+
+
+@pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs CUDA graphs")
+def test_early_weight_tile_in_a_captured_graph(monkeypatch):
+    """A GEMV captured into a graph loads its first weight tile early by default (EARLY_W); the
+    replays, each after a kernel that rewrites x, equal the eager result of the new x."""
+    rng = rng_for("early-w-graph")
+    w = words_weight(rng, FORMATS[1], (1000, 600, 32))
+    x = torch.from_numpy(rng.standard_normal((1, 1000)).astype(np.float32)).to(DEVICE)
+    source = x.clone()
+    seen = []
+    launch = qmm._qgemv_words_kernel.run
+    monkeypatch.setattr(qmm._qgemv_words_kernel, "run",
+                        lambda *a, **k: (seen.append(k.get("EARLY_W")), launch(*a, **k))[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.copy_(source * 2.0)
+        y = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", XQ=True, XQ_SELF=True))
+    assert True in seen, seen
+    for scale in (3.0, -1.0):
+        source.mul_(scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = qmm.quantized_matmul(source * 2.0, w, config=dict(KERNEL="words", XQ=True, XQ_SELF=True))
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)

@@ -308,12 +308,6 @@ def prefill_attention_rows(results, quick):
         "s2": dict(num_stages=2),
         "m128-n128-s2": dict(block_n=128, num_stages=2),
         "tma": dict(tma=True),                                  # Q/K/V through on-device tensor descriptors
-        "ws": dict(warp_specialize=True),                       # Triton's warp-specialized key loop
-        "tma-ws": dict(tma=True, warp_specialize=True),
-        "tma-ws-n128": dict(tma=True, warp_specialize=True, block_n=128),
-        "tma-ws-s2": dict(tma=True, warp_specialize=True, num_stages=2),
-        "tma-ws-w4": dict(tma=True, warp_specialize=True, num_warps=4),
-        "tma-n128-s2": dict(tma=True, block_n=128, num_stages=2),
     }
     h, d = 32, 128
     for t in ((4096,) if quick else (1024, 4096)):

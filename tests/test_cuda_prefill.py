@@ -47,8 +47,6 @@ VARIANTS = {
     "tma": dict(tma=True),
     "m64-n32-w4": dict(block_m=64, block_n=32, num_warps=4),
     "m128-n128": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    "warp-spec": dict(warp_specialize=True),
-    "tma-warp-spec": dict(tma=True, warp_specialize=True),
 }
 
 

@@ -302,16 +302,15 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
                 offs_m, m_ok, limit, start, stop, D, DV, sk_t, sv_t, sm_t, sm_n,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-                USE_TMA: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr = False):
-    """The online softmax over key tiles start, start + BLOCK_N, .. < stop (log2 units). WARP_SPEC:
-    Triton's warp specialization of the loop (producer warps loading tiles for the consumer warps).
+                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax over key tiles start, start + BLOCK_N, .. < stop (log2 units).
 
     MASKED=False: every row of the block sees every key of every tile (tiles below the causal
     diagonal, inside the length, no mask): no score masking, no bounds on the key rows, and no
     guard against an all -inf row (each tile gives every row a finite maximum).
     MASKED=True: key bounds, the causal limit and the optional additive mask; a row may have seen
     no key yet, so the maximum is guarded (m_safe)."""
-    for n0 in tl.range(start, stop, BLOCK_N, warp_specialize=WARP_SPEC):
+    for n0 in range(start, stop, BLOCK_N):
         kt = _flash_tile(k_base, k_desc, n0, sk_t, stop, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
         if MASKED:
@@ -353,8 +352,7 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PRECISION: tl.constexpr, SPLIT_STAGES: tl.constexpr = True, HEAVY_FIRST: tl.constexpr = True,
                   HEADS_ON_AXIS0: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True, PDL: tl.constexpr = False,
-                  WARP_SPEC: tl.constexpr = False):
+                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True, PDL: tl.constexpr = False):
     """One BLOCK_M block of query rows of one (batch, query head) against the keys it may see.
 
     SPLIT_STAGES: the key tiles every row sees run unmasked, then the diagonal / tail tiles masked
@@ -419,11 +417,11 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
     acc, l_i, m_i = _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
                                 offs_m, m_ok, limit, 0, lo, D, DV, sk_t, sv_t, sm_t, sm_n,
                                 False, CAUSAL, HAS_MASK, SCALE_NONNEG, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D,
-                                USE_TMA, PRECISION, WARP_SPEC)
+                                USE_TMA, PRECISION)
     acc, l_i, m_i = _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
                                 offs_m, m_ok, limit, lo, hi, D, DV, sk_t, sv_t, sm_t, sm_n,
                                 True, CAUSAL, HAS_MASK, SCALE_NONNEG, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D,
-                                USE_TMA, PRECISION, WARP_SPEC)
+                                USE_TMA, PRECISION)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     o_ok = m_ok[:, None]
     if not EVEN_D:
@@ -518,7 +516,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
-              zero: torch.Tensor | None = None, warp_specialize: bool = False) -> torch.Tensor:
+              zero: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -527,8 +525,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     unmasked, `heavy_first` starts the causal query blocks with the most keys first,
     `heads_on_axis0` puts the heads on grid axis 0 (the first wave: the heaviest block of every head;
     H200, causal bf16 T 4096: 421 TFLOP/s against 405 with the blocks on axis 0), `tma` loads Q/K/V
-    through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads),
-    `warp_specialize` runs the key loops warp-specialized (Triton's Hopper pass).
+    through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
@@ -661,7 +658,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         LEN_FROM_PTR=from_ptr, CAUSAL=causal, HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=bn,
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("tf32x3" if f32 else "tf32"),
         SPLIT_STAGES=split_stages, HEAVY_FIRST=heavy_first, HEADS_ON_AXIS0=heads_on_axis0, USE_TMA=use_tma,
-        EVEN_D=d == block_d and dv == block_dv, SCALE_NONNEG=qk_scale >= 0, WARP_SPEC=warp_specialize,
+        EVEN_D=d == block_d and dv == block_dv, SCALE_NONNEG=qk_scale >= 0,
         num_warps=warps, num_stages=stages, **pdl_args(q.device))
     return result
 

@@ -549,7 +549,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
                         copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                        EARLY_W: tl.constexpr = False):
+                        EARLY_W: tl.constexpr = 0):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -579,9 +579,10 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     programs store to the same words; a CTA barrier orders a program's stores before its loads. With
     NORM the scales are stored without 1 / rms, which multiplies the sums at the end as without XQ.
     ZERO: the programs zero z [Z] (float32, apart from every operand), the split-K output of the GEMV
-    launched after this one. EARLY_W (with PREFETCH): the first weight tile is loaded before `pdl_enter`,
-    while the kernel ahead still runs; only for weights no kernel of the stream writes (a replayed
-    graph's constants: `_words_gemv`'s rule)."""
+    launched after this one. EARLY_W (with PREFETCH): 1, the first weight tile is loaded before
+    `pdl_enter`, while the kernel ahead still runs; 2, its block scales (and biases) too, and the loop
+    loads each tile's scales a tile ahead, as the weights. Only for weights no kernel of the stream
+    writes (a replayed graph's constants: `_words_gemv`'s rule)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -602,11 +603,17 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if PREFETCH and EARLY_W:   # constant weights: nothing ahead on the stream writes them
+    if PREFETCH and EARLY_W > 0:   # constant weights: nothing ahead on the stream writes them
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
                          mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
+        if EARLY_W > 1:
+            ps0, pb0 = _block_params(s_ptr, b_ptr, kw_start // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+            ps1, pb1 = ps0, pb0
+            if TB > 1:
+                ps1, pb1 = _block_params(s_ptr, b_ptr, kw_start // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP,
+                                         HAS_BIAS)
     pdl_enter(PDL)   # from here on every other load and store: the kernels ahead may write any of it (pdl.py)
-    if PREFETCH and not EARLY_W:
+    if PREFETCH and EARLY_W == 0:
         w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
                          mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
     if ZERO:
@@ -638,10 +645,18 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         blk = kw0 // 4 + blocks                                                               # blocks of 32 k
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        s0, b0 = _block_params(s_ptr, b_ptr, kw0 // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
-        s1, b1 = s0, b0
-        if TB > 1:
-            s1, b1 = _block_params(s_ptr, b_ptr, kw0 // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+        if PREFETCH and EARLY_W > 1:   # this tile's scales came a tile ahead; the next tile's now
+            s0, b0, s1, b1 = ps0, pb0, ps1, pb1
+            ps0, pb0 = _block_params(s_ptr, b_ptr, (kw0 + KWT) // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+            ps1, pb1 = ps0, pb0
+            if TB > 1:
+                ps1, pb1 = _block_params(s_ptr, b_ptr, (kw0 + KWT) // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP,
+                                         HAS_BIAS)
+        else:
+            s0, b0 = _block_params(s_ptr, b_ptr, kw0 // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+            s1, b1 = s0, b0
+            if TB > 1:
+                s1, b1 = _block_params(s_ptr, b_ptr, kw0 // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
         sums, x_sum = _row_dot(lo, hi, m0, m0 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, KB,
                                stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM, ADD,
                                HAS_G, EVEN_K)
@@ -1239,8 +1254,9 @@ def xq_buffers(m: int, k: int, limbs: int, device, copies: int = 1) -> dict:
 # SmolLM2 qkv with its norm 2.12 us against 3.37, gate+up 2.63 / 3.16, down 1.85 / 2.80; Llama-3-8B qkv with
 # its norm 10.31 against 8.50 (every program reads the 4096-float row for its rms), down 12.70 / 12.23
 SELF_XQ_BYTES = int(os.environ.get("INGOT_CUDA_SELF_XQ_BYTES", str(4 << 20)))
-# the word GEMV's first weight tile loaded before the wait on the kernel ahead, in a captured graph
-EARLY_WEIGHTS = os.environ.get("INGOT_CUDA_GEMV_EARLY_W", "1") == "1"
+# in a captured graph, the word GEMV's first weight tile (1), and its scales (2: the loop's scales a tile
+# ahead too), loaded before the wait on the kernel ahead; 0: after it (`_qgemv_words_kernel`'s EARLY_W)
+EARLY_WEIGHTS = int(os.environ.get("INGOT_CUDA_GEMV_EARLY_W", "2"))
 
 
 def rounds_own_x(m: int, w: QuantizedWeight) -> bool:
@@ -1270,9 +1286,10 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     XQ_SELF (with XQ, no `quantize`): no quantize launch; every program rounds its own split of x
     (`_qgemv_words_kernel`). ZEROED: y (float32, contiguous) is zero already, the kernel ahead zeroed it
     (`zero`), so split-K adds into it without a memset. `zero` (float32, contiguous, apart from every
-    operand): zeroed by this launch, the output of the GEMV after it (`ZEROED`). EARLY_W (default: on
-    while a CUDA graph is captured, where the weights are constants prepared before the capture, unless
-    INGOT_CUDA_GEMV_EARLY_W=0): the first weight tile is loaded before the wait on the kernel ahead."""
+    operand): zeroed by this launch, the output of the GEMV after it (`ZEROED`). EARLY_W (default
+    EARLY_WEIGHTS while a CUDA graph is captured, where the weights are constants prepared before the
+    capture; 0 otherwise): the first weight tile (1), and its scales (2), loaded before the wait on
+    the kernel ahead."""
     m = x2.shape[0]
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
     if config.pop("NLOOP", False):
@@ -1284,7 +1301,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         return _words_nloop_gemv(x2, w, y, config)
     xq = config.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not config.get("XFREE", False)
     if "EARLY_W" not in config and EARLY_WEIGHTS and x2.is_cuda and torch.cuda.is_current_stream_capturing():
-        config["EARLY_W"] = True
+        config["EARLY_W"] = EARLY_WEIGHTS
     self_round = config.pop("XQ_SELF", False) and xq and quantize is None
     zeroed = config.pop("ZEROED", False)
     assert norm is None or not config.get("XFREE", False)

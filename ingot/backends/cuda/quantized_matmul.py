@@ -476,6 +476,12 @@ def _row_dot(lo, hi, m, m_ok, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr,
 
 
 @triton.jit
+def _weight_tile(qw_ptr, rows, kw_stop, stride_qw, nn, n_mask):
+    """Word rows `rows` [TB, 4, 1] of the columns nn [1, 1, BLOCK_N] (zero at or past kw_stop)."""
+    return tl.load(qw_ptr + rows * stride_qw + nn, mask=(rows < kw_stop) & n_mask[None, None, :], other=0)
+
+
+@triton.jit
 def _block_params(s_ptr, b_ptr, blk, kw_stop, offs_n, n_mask, stride_sk, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The scale and bias [BLOCK_N] (float32) of block blk of 32 k (zero past the split's end)."""
     ok = n_mask & (blk * 4 < kw_stop)
@@ -549,7 +555,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
                         copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                        EARLY_W: tl.constexpr = 0):
+                        EARLY_W: tl.constexpr = False, AHEAD: tl.constexpr = 1):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -579,10 +585,9 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     programs store to the same words; a CTA barrier orders a program's stores before its loads. With
     NORM the scales are stored without 1 / rms, which multiplies the sums at the end as without XQ.
     ZERO: the programs zero z [Z] (float32, apart from every operand), the split-K output of the GEMV
-    launched after this one. EARLY_W (with PREFETCH): 1, the first weight tile is loaded before
-    `pdl_enter`, while the kernel ahead still runs; 2, its block scales (and biases) too, and the loop
-    loads each tile's scales a tile ahead, as the weights. Only for weights no kernel of the stream
-    writes (a replayed graph's constants: `_words_gemv`'s rule)."""
+    launched after this one. PREFETCH: the weight tiles are loaded AHEAD tiles (1-3) before their
+    arithmetic; EARLY_W: the first AHEAD of them before `pdl_enter`, while the kernel ahead still runs,
+    only for weights no kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -603,19 +608,20 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if PREFETCH and EARLY_W > 0:   # constant weights: nothing ahead on the stream writes them
-        w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
-                         mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
-        if EARLY_W > 1:
-            ps0, pb0 = _block_params(s_ptr, b_ptr, kw_start // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
-            ps1, pb1 = ps0, pb0
-            if TB > 1:
-                ps1, pb1 = _block_params(s_ptr, b_ptr, kw_start // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP,
-                                         HAS_BIAS)
+    tl.static_assert(AHEAD >= 1 and AHEAD <= 3, "weight tiles loaded 1 to 3 tiles ahead")
+    if PREFETCH and EARLY_W:   # constant weights: nothing ahead on the stream writes them
+        w_next = _weight_tile(qw_ptr, kw_start + tile_rows, kw_stop, stride_qw, nn, n_mask)
+        if AHEAD > 1:
+            w_next2 = _weight_tile(qw_ptr, kw_start + KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
+        if AHEAD > 2:
+            w_next3 = _weight_tile(qw_ptr, kw_start + 2 * KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
     pdl_enter(PDL)   # from here on every other load and store: the kernels ahead may write any of it (pdl.py)
-    if PREFETCH and EARLY_W == 0:
-        w_next = tl.load(qw_ptr + (kw_start + tile_rows) * stride_qw + nn,
-                         mask=((kw_start + tile_rows) < kw_stop) & n_mask[None, None, :], other=0)
+    if PREFETCH and not EARLY_W:
+        w_next = _weight_tile(qw_ptr, kw_start + tile_rows, kw_stop, stride_qw, nn, n_mask)
+        if AHEAD > 1:
+            w_next2 = _weight_tile(qw_ptr, kw_start + KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
+        if AHEAD > 2:
+            w_next3 = _weight_tile(qw_ptr, kw_start + 2 * KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
     if ZERO:
         _zero_share(z_ptr, Z, (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n,
                     tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
@@ -638,25 +644,24 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         rows = kw0 + tile_rows
         if PREFETCH:
             w = w_next
-            w_next = tl.load(qw_ptr + (rows + KWT) * stride_qw + nn, mask=((rows + KWT) < kw_stop) & n_mask[None, None, :],
-                             other=0)
+            if AHEAD == 1:
+                w_next = _weight_tile(qw_ptr, rows + KWT, kw_stop, stride_qw, nn, n_mask)
+            elif AHEAD == 2:
+                w_next = w_next2
+                w_next2 = _weight_tile(qw_ptr, rows + 2 * KWT, kw_stop, stride_qw, nn, n_mask)
+            else:
+                w_next = w_next2
+                w_next2 = w_next3
+                w_next3 = _weight_tile(qw_ptr, rows + 3 * KWT, kw_stop, stride_qw, nn, n_mask)
         else:
             w = tl.load(qw_ptr + rows * stride_qw + nn, mask=(rows < kw_stop) & n_mask[None, None, :], other=0)
         blk = kw0 // 4 + blocks                                                               # blocks of 32 k
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        if PREFETCH and EARLY_W > 1:   # this tile's scales came a tile ahead; the next tile's now
-            s0, b0, s1, b1 = ps0, pb0, ps1, pb1
-            ps0, pb0 = _block_params(s_ptr, b_ptr, (kw0 + KWT) // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
-            ps1, pb1 = ps0, pb0
-            if TB > 1:
-                ps1, pb1 = _block_params(s_ptr, b_ptr, (kw0 + KWT) // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP,
-                                         HAS_BIAS)
-        else:
-            s0, b0 = _block_params(s_ptr, b_ptr, kw0 // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
-            s1, b1 = s0, b0
-            if TB > 1:
-                s1, b1 = _block_params(s_ptr, b_ptr, kw0 // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+        s0, b0 = _block_params(s_ptr, b_ptr, kw0 // 4, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
+        s1, b1 = s0, b0
+        if TB > 1:
+            s1, b1 = _block_params(s_ptr, b_ptr, kw0 // 4 + 1, kw_stop, offs_n, n_mask, stride_sk, GROUP, HAS_BIAS)
         sums, x_sum = _row_dot(lo, hi, m0, m0 < M, kw0, blk, K, x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, KB,
                                stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM, ADD,
                                HAS_G, EVEN_K)
@@ -1254,11 +1259,13 @@ def xq_buffers(m: int, k: int, limbs: int, device, copies: int = 1) -> dict:
 # SmolLM2 qkv with its norm 2.12 us against 3.37, gate+up 2.63 / 3.16, down 1.85 / 2.80; Llama-3-8B qkv with
 # its norm 10.31 against 8.50 (every program reads the 4096-float row for its rms), down 12.70 / 12.23
 SELF_XQ_BYTES = int(os.environ.get("INGOT_CUDA_SELF_XQ_BYTES", str(4 << 20)))
-# in a captured graph, the word GEMV's first weight tile (1), and its scales (2: the loop's scales a tile
-# ahead too), loaded before the wait on the kernel ahead; 0: after it (`_qgemv_words_kernel`'s EARLY_W).
-# H200, one call, steps replayed: SmolLM2 533.9 us (1) / 548.8 (2) / 552.8 (0); Llama-3-8B 2012.0 (2)
-# against 2078.4 (0), and 2001.7 (1) against 2078.7 (0) in another call
-EARLY_WEIGHTS = int(os.environ.get("INGOT_CUDA_GEMV_EARLY_W", "1"))
+# in a captured graph, the word GEMV's first weight tiles loaded before the wait on the kernel ahead
+# (`_qgemv_words_kernel`'s EARLY_W). H200, steps replayed: SmolLM2 533.5-534.3 us against 552.4-552.8
+# without (two calls); Llama-3-8B 2001.7 against 2078.7, 2012.0 against 2078.4 (each pair one call).
+# Loading the first tile's scales early too, and the loop's scales a tile ahead: SmolLM2 548.8 (twice)
+EARLY_WEIGHTS = os.environ.get("INGOT_CUDA_GEMV_EARLY_W", "1") == "1"
+# weight tiles the word GEMV loads ahead of their arithmetic (1-3; with EARLY_W that many before the wait)
+WEIGHTS_AHEAD = int(os.environ.get("INGOT_CUDA_GEMV_AHEAD", "1"))
 
 
 def rounds_own_x(m: int, w: QuantizedWeight) -> bool:
@@ -1290,8 +1297,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     (`zero`), so split-K adds into it without a memset. `zero` (float32, contiguous, apart from every
     operand): zeroed by this launch, the output of the GEMV after it (`ZEROED`). EARLY_W (default
     EARLY_WEIGHTS while a CUDA graph is captured, where the weights are constants prepared before the
-    capture; 0 otherwise): the first weight tile (1), and its scales (2), loaded before the wait on
-    the kernel ahead."""
+    capture; off otherwise): the first weight tiles loaded before the wait on the kernel ahead; AHEAD
+    (default WEIGHTS_AHEAD): how many tiles ahead the weights are loaded."""
     m = x2.shape[0]
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
     if config.pop("NLOOP", False):
@@ -1303,7 +1310,9 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         return _words_nloop_gemv(x2, w, y, config)
     xq = config.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not config.get("XFREE", False)
     if "EARLY_W" not in config and EARLY_WEIGHTS and x2.is_cuda and torch.cuda.is_current_stream_capturing():
-        config["EARLY_W"] = EARLY_WEIGHTS
+        config["EARLY_W"] = True
+    if WEIGHTS_AHEAD != 1:
+        config.setdefault("AHEAD", WEIGHTS_AHEAD)
     self_round = config.pop("XQ_SELF", False) and xq and quantize is None
     zeroed = config.pop("ZEROED", False)
     assert norm is None or not config.get("XFREE", False)

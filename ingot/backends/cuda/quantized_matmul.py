@@ -555,7 +555,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
                         copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                        EARLY_W: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                        EARLY_W: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -585,9 +585,9 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     programs store to the same words; a CTA barrier orders a program's stores before its loads. With
     NORM the scales are stored without 1 / rms, which multiplies the sums at the end as without XQ.
     ZERO: the programs zero z [Z] (float32, apart from every operand), the split-K output of the GEMV
-    launched after this one. PREFETCH: the weight tiles are loaded AHEAD tiles (1-3) before their
-    arithmetic; EARLY_W: the first AHEAD of them before `pdl_enter`, while the kernel ahead still runs,
-    only for weights no kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule)."""
+    launched after this one. PREFETCH: each weight tile is loaded a tile ahead of its arithmetic;
+    EARLY_W: the first one before `pdl_enter`, while the kernel ahead still runs, only for weights no
+    kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -608,20 +608,11 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    tl.static_assert(AHEAD >= 1 and AHEAD <= 3, "weight tiles loaded 1 to 3 tiles ahead")
     if PREFETCH and EARLY_W:   # constant weights: nothing ahead on the stream writes them
         w_next = _weight_tile(qw_ptr, kw_start + tile_rows, kw_stop, stride_qw, nn, n_mask)
-        if AHEAD > 1:
-            w_next2 = _weight_tile(qw_ptr, kw_start + KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
-        if AHEAD > 2:
-            w_next3 = _weight_tile(qw_ptr, kw_start + 2 * KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
     pdl_enter(PDL)   # from here on every other load and store: the kernels ahead may write any of it (pdl.py)
     if PREFETCH and not EARLY_W:
         w_next = _weight_tile(qw_ptr, kw_start + tile_rows, kw_stop, stride_qw, nn, n_mask)
-        if AHEAD > 1:
-            w_next2 = _weight_tile(qw_ptr, kw_start + KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
-        if AHEAD > 2:
-            w_next3 = _weight_tile(qw_ptr, kw_start + 2 * KWT + tile_rows, kw_stop, stride_qw, nn, n_mask)
     if ZERO:
         _zero_share(z_ptr, Z, (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n,
                     tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
@@ -644,17 +635,9 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
         rows = kw0 + tile_rows
         if PREFETCH:
             w = w_next
-            if AHEAD == 1:
-                w_next = _weight_tile(qw_ptr, rows + KWT, kw_stop, stride_qw, nn, n_mask)
-            elif AHEAD == 2:
-                w_next = w_next2
-                w_next2 = _weight_tile(qw_ptr, rows + 2 * KWT, kw_stop, stride_qw, nn, n_mask)
-            else:
-                w_next = w_next2
-                w_next2 = w_next3
-                w_next3 = _weight_tile(qw_ptr, rows + 3 * KWT, kw_stop, stride_qw, nn, n_mask)
+            w_next = _weight_tile(qw_ptr, rows + KWT, kw_stop, stride_qw, nn, n_mask)
         else:
-            w = tl.load(qw_ptr + rows * stride_qw + nn, mask=(rows < kw_stop) & n_mask[None, None, :], other=0)
+            w = _weight_tile(qw_ptr, rows, kw_stop, stride_qw, nn, n_mask)
         blk = kw0 // 4 + blocks                                                               # blocks of 32 k
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
@@ -1259,13 +1242,13 @@ def xq_buffers(m: int, k: int, limbs: int, device, copies: int = 1) -> dict:
 # SmolLM2 qkv with its norm 2.12 us against 3.37, gate+up 2.63 / 3.16, down 1.85 / 2.80; Llama-3-8B qkv with
 # its norm 10.31 against 8.50 (every program reads the 4096-float row for its rms), down 12.70 / 12.23
 SELF_XQ_BYTES = int(os.environ.get("INGOT_CUDA_SELF_XQ_BYTES", str(4 << 20)))
-# in a captured graph, the word GEMV's first weight tiles loaded before the wait on the kernel ahead
+# in a captured graph, the word GEMV's first weight tile loaded before the wait on the kernel ahead
 # (`_qgemv_words_kernel`'s EARLY_W). H200, steps replayed: SmolLM2 533.5-534.3 us against 552.4-552.8
 # without (two calls); Llama-3-8B 2001.7 against 2078.7, 2012.0 against 2078.4 (each pair one call).
-# Loading the first tile's scales early too, and the loop's scales a tile ahead: SmolLM2 548.8 (twice)
+# Slower variants, measured and removed: the first tile's scales early too, and the loop's scales a tile
+# ahead (SmolLM2 548.8, twice); weights 2 or 3 tiles ahead, as many early (Llama-3-8B 2089.8 and 2312.0
+# against 1996.6: 177 registers a thread against 128 at 3)
 EARLY_WEIGHTS = os.environ.get("INGOT_CUDA_GEMV_EARLY_W", "1") == "1"
-# weight tiles the word GEMV loads ahead of their arithmetic (1-3; with EARLY_W that many before the wait)
-WEIGHTS_AHEAD = int(os.environ.get("INGOT_CUDA_GEMV_AHEAD", "1"))
 
 
 def rounds_own_x(m: int, w: QuantizedWeight) -> bool:
@@ -1297,8 +1280,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     (`zero`), so split-K adds into it without a memset. `zero` (float32, contiguous, apart from every
     operand): zeroed by this launch, the output of the GEMV after it (`ZEROED`). EARLY_W (default
     EARLY_WEIGHTS while a CUDA graph is captured, where the weights are constants prepared before the
-    capture; off otherwise): the first weight tiles loaded before the wait on the kernel ahead; AHEAD
-    (default WEIGHTS_AHEAD): how many tiles ahead the weights are loaded."""
+    capture; off otherwise): the first weight tile loaded before the wait on the kernel ahead."""
     m = x2.shape[0]
     assert norm is None or (x_gate is None and x2.dtype == torch.float32), "the norm prologue: float32 x, no GLU"
     if config.pop("NLOOP", False):
@@ -1311,8 +1293,6 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     xq = config.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not config.get("XFREE", False)
     if "EARLY_W" not in config and EARLY_WEIGHTS and x2.is_cuda and torch.cuda.is_current_stream_capturing():
         config["EARLY_W"] = True
-    if WEIGHTS_AHEAD != 1:
-        config.setdefault("AHEAD", WEIGHTS_AHEAD)
     self_round = config.pop("XQ_SELF", False) and xq and quantize is None
     zeroed = config.pop("ZEROED", False)
     assert norm is None or not config.get("XFREE", False)

@@ -12,11 +12,14 @@ ordering is as without PDL (tests/test_cuda_pdl.py checks it from the source); a
 two of ours never triggers early, so the stream is ordered there as usual.
 INGOT_CUDA_PDL=0 turns it off.
 
-Nothing is loaded before the wait: the kernel ahead may still be writing it (a weight prepared by the
-launch just before; the GEMV tests caught a first weight tile loaded early). L2 prefetches before the
-wait would be safe, but measured slower on the H200 (2026-12-03, Llama-3-8B step 2271 us with 8 MiB
-of GEMV weights and a short cache's first K/V tile prefetched, 2163 without; the GEMVs' kernel time
-1532 against 1449 us, decode attention's 382 against 329), so there are none.
+Nothing is loaded before the wait, the kernel ahead may still be writing it (a weight prepared by the
+launch just before; the GEMV tests caught a first weight tile loaded early), with one exception: in a
+captured CUDA graph the word GEMV loads its first weight tile before the wait (`EARLY_W`), as the
+graph's weights are constants no kernel of the stream writes (H200, 2026-12-03: SmolLM2's step 533.5-534.3
+us against 552.4-552.8, Llama-3-8B's 1996.6-2001.7 against 2078.4-2078.7). L2 prefetches before the
+wait measured slower (2026-12-03, Llama-3-8B step 2271 us with 8 MiB of GEMV weights and a short
+cache's first K/V tile prefetched, 2163 without; the GEMVs' kernel time 1532 against 1449 us, decode
+attention's 382 against 329), so there are none.
 
     kernel[grid](..., **pdl_args(x.device))
 """

@@ -369,3 +369,55 @@ def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
     assert torch.equal(xq, want["xq_ptr"]), "limb words differ from the quantize kernel's"
     assert torch.equal(xd, want["xd_ptr"]) and torch.equal(xs, want["xs_ptr"])
     assert not zero.any().item(), "the GEMV's output was not zeroed"
+
+
+# == the o projection in the decode launch (attention(o_proj=), an experiment off the executor's path) ==
+
+O_PROJ_CASES = [  # (B, Hq, Hk, D, buffer, length, N, qdtype name, zero point, bias, group, RoPE)
+    (1, 9, 3, 64, 200, 70, 150, "uint4", False, True, 32, False),   # SmolLM2's heads, two key tiles
+    (2, 4, 2, 32, 64, 1, 70, "int4", False, False, 64, True),       # batch 2, the first token, RoPE
+    (1, 6, 2, 64, 128, 100, 64, "uint4", True, True, 32, True),     # a zero point, one column block
+    (1, 4, 1, 64, 64, 0, 90, "int4", True, False, 32, False),       # length 0: out and y stay zero
+]
+
+
+@pytest.mark.parametrize("case", O_PROJ_CASES, ids=[f"case{i}" for i in range(len(O_PROJ_CASES))])
+def test_decode_adds_the_o_projection(case):
+    """attention(o_proj=(w, y)) adds out [B, Hq * D] @ w into the zeroed y in the same launch: out as
+    without it, y against float64 products of out and the dequantized weight."""
+    from ingot import dtypes as dt
+    from ingot.backends.cuda import fused
+    from ingot.backends.cuda import quantized_matmul as qmm
+    from test_cuda import make_weight
+    b, hq, hk, d, buffer, length, n, qname, zero_point, bias, group, with_rope = case
+    (q, k, v), dev = inputs(f"oproj{case}", b, hq, hk, 1, buffer, d, length, "float32")
+    rng = np.random.default_rng(length + n)
+    qw, params, _ = make_weight(rng, getattr(dt, qname), hq * d, n, group, zero_point, bias, False, False)
+    plist = [params[name] for name in ("scale", "zero_point", "bias") if name in params]
+    attrs = dict(qdtype=getattr(dt, qname), mode="affine", has_zero_point=zero_point, has_bias=bias)
+    w = qmm.prepare_weight(qw, plist, attrs, DEVICE, words=True)
+    assert w.words
+    rope, want_out = None, None
+    if with_rope:
+        for x in dev[1:]:
+            x[:, :, length:] = 0.0    # the unfused path reads the same caches
+        kn, vn = (torch.from_numpy(rng.standard_normal((b, hk, 1, d)).astype(np.float32)).to(DEVICE) for _ in range(2))
+        inv = torch.from_numpy(rotate(q, 0, d // 2, False)[1]).to(DEVICE)
+        pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
+        k_ref, v_ref = dev[1].clone(), dev[2].clone()
+        q_rot = fused.rope_qkv_into(dev[0], kn, vn, pos, inv, k_ref, v_ref, False)
+        want_out = attn.attention(q_rot, k_ref, v_ref, length=torch.tensor(length, device=DEVICE), causal=True)
+        rope = attn.RopeWrite(pos, inv, kn, vn, False, attn.rope_table(inv.cpu().numpy(), buffer, DEVICE))
+    y = torch.zeros(b, n, device=DEVICE)
+    zero = torch.full((300,), float("nan"), device=DEVICE)
+    out = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, rope=rope, zero=zero,
+                         o_proj=(w, y))
+    if want_out is None:
+        check(out, reference(q, k, v, length, True), "float32", case)
+    else:
+        assert float((out - want_out).norm() / max(float(want_out.norm()), 1e-30)) < 1e-5, case
+    assert not zero.any().item() and not zero.isnan().any().item()
+    x = out.reshape(b, hq * d).double().cpu()
+    want = x @ qmm.dequantize(w).double().cpu()
+    err = float((y.double().cpu() - want).norm() / max(float(want.norm()), 1e-30))
+    assert err < 1e-5 or (length == 0 and not y.any().item()), (case, err)

@@ -323,6 +323,23 @@ def test_attention_zeroes_the_next_gemvs_output(case):
             assert target.written == (case == 0), case
 
 
+def unfused_rope(dev, q: np.ndarray, hk: int, length: int, buffer: int, rng):
+    """A decoder layer's RoPE for attention(rope=) at position length - 1 (new k/v rows from rng), and
+    the output the unfused path gives: the RoPE launch writing copies of the caches, then the attention.
+    The caches' rows from `length` on are zeroed first (the unfused path reads the same caches)."""
+    from ingot.backends.cuda import fused
+    b, d = q.shape[0], q.shape[-1]
+    for x in dev[1:]:
+        x[:, :, length:] = 0.0
+    kn, vn = (torch.from_numpy(rng.standard_normal((b, hk, 1, d)).astype(np.float32)).to(DEVICE) for _ in range(2))
+    inv = torch.from_numpy(rotate(q, 0, d // 2, False)[1]).to(DEVICE)
+    pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
+    k_ref, v_ref = dev[1].clone(), dev[2].clone()
+    q_rot = fused.rope_qkv_into(dev[0], kn, vn, pos, inv, k_ref, v_ref, False)
+    want_out = attn.attention(q_rot, k_ref, v_ref, length=torch.tensor(length, device=DEVICE), causal=True)
+    return attn.RopeWrite(pos, inv, kn, vn, False, attn.rope_table(inv.cpu().numpy(), buffer, DEVICE)), want_out
+
+
 @pytest.mark.parametrize("case", XQ_CASES, ids=[f"case{i}" for i in range(len(XQ_CASES))])
 @pytest.mark.parametrize("with_rope", [False, True], ids=["", "rope"])
 def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
@@ -331,7 +348,6 @@ def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
     elsewhere it says it did not (`written` False) and leaves the buffers alone. With RoPE (q rotated,
     the new k/v written at length - 1: a decoder layer's whole attention) the output is checked against
     the unfused RoPE launch and attention."""
-    from ingot.backends.cuda import fused
     from ingot.backends.cuda import quantized_matmul as qmm
     b, hq, hk, d, buffer, length, split, merge, limbs = case
     (q, k, v), dev = inputs(f"xq{case}", b, hq, hk, 1, buffer, d, length, "float32")
@@ -339,16 +355,7 @@ def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
     if with_rope:
         if length == 0:
             pytest.skip("no position to write at length 0")
-        for x in dev[1:]:
-            x[:, :, length:] = 0.0    # the unfused path reads the same caches
-        rng = np.random.default_rng(length)
-        kn, vn = (torch.from_numpy(rng.standard_normal((b, hk, 1, d)).astype(np.float32)).to(DEVICE) for _ in range(2))
-        inv = torch.from_numpy(rotate(q, 0, d // 2, False)[1]).to(DEVICE)
-        pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
-        k_ref, v_ref = dev[1].clone(), dev[2].clone()
-        q_rot = fused.rope_qkv_into(dev[0], kn, vn, pos, inv, k_ref, v_ref, False)
-        want_out = attn.attention(q_rot, k_ref, v_ref, length=torch.tensor(length, device=DEVICE), causal=True)
-        rope = attn.RopeWrite(pos, inv, kn, vn, False, attn.rope_table(inv.cpu().numpy(), buffer, DEVICE))
+        rope, want_out = unfused_rope(dev, q, hk, length, buffer, np.random.default_rng(length))
     kb = hq * d // 32
     xq = torch.full((b, kb * 8 * limbs), -1, dtype=torch.int32, device=DEVICE)
     xd, xs = (torch.full((b, kb), float("nan"), device=DEVICE) for _ in range(2))
@@ -386,7 +393,6 @@ def test_decode_adds_the_o_projection(case):
     """attention(o_proj=(w, y)) adds out [B, Hq * D] @ w into the zeroed y in the same launch: out as
     without it, y against float64 products of out and the dequantized weight."""
     from ingot import dtypes as dt
-    from ingot.backends.cuda import fused
     from ingot.backends.cuda import quantized_matmul as qmm
     from test_cuda import make_weight
     b, hq, hk, d, buffer, length, n, qname, zero_point, bias, group, with_rope = case
@@ -399,15 +405,7 @@ def test_decode_adds_the_o_projection(case):
     assert w.words
     rope, want_out = None, None
     if with_rope:
-        for x in dev[1:]:
-            x[:, :, length:] = 0.0    # the unfused path reads the same caches
-        kn, vn = (torch.from_numpy(rng.standard_normal((b, hk, 1, d)).astype(np.float32)).to(DEVICE) for _ in range(2))
-        inv = torch.from_numpy(rotate(q, 0, d // 2, False)[1]).to(DEVICE)
-        pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
-        k_ref, v_ref = dev[1].clone(), dev[2].clone()
-        q_rot = fused.rope_qkv_into(dev[0], kn, vn, pos, inv, k_ref, v_ref, False)
-        want_out = attn.attention(q_rot, k_ref, v_ref, length=torch.tensor(length, device=DEVICE), causal=True)
-        rope = attn.RopeWrite(pos, inv, kn, vn, False, attn.rope_table(inv.cpu().numpy(), buffer, DEVICE))
+        rope, want_out = unfused_rope(dev, q, hk, length, buffer, rng)
     y = torch.zeros(b, n, device=DEVICE)
     zero = torch.full((300,), float("nan"), device=DEVICE)
     out = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, rope=rope, zero=zero,

@@ -419,3 +419,8 @@ def test_decode_adds_the_o_projection(case):
     want = x @ qmm.dequantize(w).double().cpu()
     err = float((y.double().cpu() - want).norm() / max(float(want.norm()), 1e-30))
     assert err < 1e-5 or (length == 0 and not y.any().item()), (case, err)
+    if rope is None:   # short_path=False asked for: o_proj takes the one-split path all the same
+        again = torch.zeros_like(y)
+        attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, o_proj=(w, again),
+                       short_path=False)
+        assert torch.allclose(again, y, rtol=1e-6, atol=1e-6), case

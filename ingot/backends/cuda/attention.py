@@ -592,8 +592,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `o_proj` = (weight, y): the decode kernel also adds out [B, Hq * Dv] @ weight into y (float32 [B, N],
     zero on entry; weight a word-layout `QuantizedWeight` with K = Hq * Dv) in the same launch, each
     program of a head one block of y's columns over all the keys (`_decode_kernel`'s O_PROJ): one query
-    row, Dv a power of two and a multiple of 32, no mask. An experiment, off the executor's path: its
-    cost grows with the cache (no split of the keys), and it has not been timed.
+    row, Dv a power of two and a multiple of 32, no mask; `short_path`, `split` and `min_chunk` are set
+    for it. An experiment (the executor's INGOT_CUDA_ATTENTION_O, off): its cost grows with the cache
+    (no split of the keys), and it has not been timed.
     """
     assert zero is None or xq is None or xq.zero is None, "attention: zero= or xq.zero, not both"
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
@@ -638,7 +639,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
         if o_proj is not None:   # axis 1: o's column blocks, each over all the keys
             assert tq == 1 and dv == block_dv and dv % 32 == 0 and xq is None, "attention(o_proj=): one query row, Dv 2**n >= 32"
-            split, merge_split, min_chunk = 1, 1, 0
+            split, merge_split, min_chunk, short_path = 1, 1, 0, True   # the one split writes out and adds o
         if split is None:
             split = merge_split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
             if short_path and min_chunk > 1:   # more splits than cdiv(buffer, min_chunk) never see keys

@@ -36,46 +36,6 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median")) * 1e3
 
 
-def o_projection_rows(q, k, v, ln, rope, length, dev) -> list[dict]:
-    """The attention and the o projection after it (a random uint4 weight [Hq * D, Hq * D], blocks of 32),
-    as the executor runs them ("separate": the attention rounds its output for the word GEMV, which adds
-    into the output the attention zeroed) against one launch (`attention(o_proj=)`: y is left
-    unzeroed here, the qkv GEMV ahead would zero it). Each zeroes a 3072-float output for the next GEMV."""
-    from ingot import dtypes as dt
-    hq, d = q.shape[1], q.shape[-1]
-    kdim = hq * d
-    rng = np.random.default_rng(0)
-    values = rng.integers(0, 16, size=(kdim, kdim))
-    params = [(rng.random((kdim // 32, kdim)) * 0.05 + 0.01).astype(np.float32),
-              (rng.standard_normal((kdim // 32, kdim)) * 0.1).astype(np.float32)]
-    attrs = dict(qdtype=dt.uint4, mode="affine", has_zero_point=False, has_bias=True)
-    w = qmm.prepare_weight(dt.pack_int4(values), params, attrs, dev, words=True)
-    out = torch.empty(1, hq, 1, d, device=dev)
-    y = torch.zeros(1, kdim, device=dev)
-    z = torch.empty(3072, device=dev)
-    limbs = 2
-    buf = qmm.xq_buffers(1, kdim, limbs, dev)
-
-    def separate():
-        target = attn.XQTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs)
-        attn.attention(q, k, v, length=ln, causal=True, rope=rope, out=out, xq=target, zero=y)
-        qmm._words_gemv(out.view(1, kdim), w, y, {"ZEROED": True, "LIMBS": limbs}, quantize=lambda *_, **__: buf,
-                        zero=z)
-
-    def fused():
-        attn.attention(q, k, v, length=ln, causal=True, rope=rope, out=out, zero=z, o_proj=(w, y))
-    found = []
-    for name, fn in (("separate", separate), ("fused", fused)):
-        try:
-            us = round(bench(fn), 2)
-        except Exception as e:   # reported, not fatal
-            us = f"error: {type(e).__name__}: {str(e)[:100]}"
-        found.append(dict(variant=f"attention+o {name}", length=length, us=us))
-    print(f"L={length}: attention + o projection: " + ", ".join(f"{r['variant'].split()[-1]} {r['us']}" for r in found),
-          flush=True)
-    return found
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="33,100,160")
@@ -102,6 +62,8 @@ def main():
         "rope+zero": dict(rope=True, zero=True),
         "exec-ieee": dict(rope=True, xq=True, zero=True, precision="ieee"),
         "exec-tf32": dict(rope=True, xq=True, zero=True, precision="tf32"),
+        "exec-tf32x3p": dict(rope=True, xq=True, zero=True, precision="tf32x3p"),
+        "plain-tf32x3p": dict(precision="tf32x3p"),
         "exec-w1": dict(rope=True, xq=True, zero=True, num_warps=1),
         "exec-w2": dict(rope=True, xq=True, zero=True, num_warps=2),
         "exec-w8": dict(rope=True, xq=True, zero=True, num_warps=8),
@@ -139,7 +101,6 @@ def main():
             rows.append(dict(variant=name, length=length, us=us))
             line.append(f"{name} {us}")
         print(f"L={length}: " + ", ".join(line), flush=True)
-        rows += o_projection_rows(q, k, v, ln, attn.RopeWrite(pos, inv_dev, kn, vn, False, table), length, dev)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

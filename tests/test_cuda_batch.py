@@ -156,29 +156,3 @@ def test_decode_gemvs_round_their_own_x(self_xq, monkeypatch):
         assert any(glu for _, glu in launches) and len(decode) >= 4 * cfg.n_layers, launches
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
-
-
-def test_decode_attention_adds_o_in_its_launch(monkeypatch):
-    """INGOT_CUDA_ATTENTION_O (an experiment, off by default): the decode attention computes the o
-    projection in its own launch, its output zeroed by the qkv GEMV ahead (head dim 32 here, a
-    multiple of 32). No o GEMV (K 96, N 96) runs in a decode step, and the logits equal the CPU
-    backend's."""
-    from ingot.backends import cuda as cuda_backend
-    cfg = llama.LlamaConfig(n_layers=2, dim=96, n_heads=3, n_kv_heads=1, ffn_dim=256, vocab_size=300,
-                            context_length=32, tied_embeddings=True)
-    model = llama.build(cfg, _weights("uint4", cfg), batch=1)
-    prompts = np.random.default_rng(12).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
-    want_logits, tokens = _greedy(model, "cpu", prompts, None)
-    monkeypatch.setattr(cuda_backend, "ATTENTION_O", True)
-    fusions = model.compile(1, "cuda").plan.fusions
-    assert fusions.count("attention adds the o projection in its own launch") == cfg.n_layers, fusions
-    gemvs = []   # (rows, K, N) of each word GEMV (eager runs only: a replayed graph calls no Python)
-    words = qmm._words_gemv
-    monkeypatch.setattr(qmm, "_words_gemv", lambda x2, w, *a, **k: gemvs.append((x2.shape[0], w.k, w.n)) or
-                        words(x2, w, *a, **k))
-    got_logits, _ = _greedy(model, "cuda", prompts, tokens)
-    decode = [g for g in gemvs if g[0] == 1]
-    qkv = (1, cfg.dim, cfg.dim + 2 * cfg.n_kv_heads * (cfg.dim // cfg.n_heads))
-    assert qkv in decode and (1, cfg.dim, cfg.dim) not in decode, gemvs
-    for step, (got, want) in enumerate(zip(got_logits, want_logits)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")

@@ -118,10 +118,6 @@ WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights
 # there the 8 programs that write the heads' outputs round 512 values each at the end of the attention,
 # while the quantize launch spreads the work over 32 and overlaps the GEMV's start
 ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 << 20)))
-# the decode attention (with RoPE and the KV write inside) also computes the o projection after it in
-# its own launch (`attention(o_proj=)`), its output zeroed by the qkv GEMV ahead: an experiment, off
-# until timed on a GPU (every program of a head reads all the keys: for short caches)
-ATTENTION_O = os.environ.get("INGOT_CUDA_ATTENTION_O", "0") == "1"
 
 
 @dataclass
@@ -1010,11 +1006,10 @@ class CudaPlan:
 
                 def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
                          has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, out=None, xq=None,
-                         zero=None, o_proj=None):
+                         zero=None):
                     rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
-                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero,
-                                                      o_proj=o_proj)
+                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero)
                     return out, k_cache, v_cache
                 groups[att.id] = (step, ins + length_slot, (self.slot[att.id], self.slot[ku.id], self.slot[vu.id]),
                                   "rope_qkv_attention")
@@ -1076,30 +1071,15 @@ class CudaPlan:
         rows, k = m.src[0].type.shape
         y_shape = tuple(m.type.shape)
         in_attention = weight.nbytes < ATTENTION_XQ_BYTES
-        behind = self._zero_ahead
         ahead = self._zero_ahead = _ZeroAhead()
-        o_proj = ATTENTION_O and name == "rope_qkv_attention" and weight.words and m.dtype == dt.float32
-        if o_proj:
-            if behind is not None:
-                behind.shape = (rows, weight.n)
-            self.fusions.append("attention adds the o projection in its own launch")
-        else:
-            behind = None
-            self.fusions.append("attention output rounded for the quantized matmul after it" if in_attention else
-                                "attention zeroes the output of the quantized matmul after it, which rounds its own x")
+        self.fusions.append("attention output rounded for the quantized matmul after it" if in_attention else
+                            "attention zeroes the output of the quantized matmul after it, which rounds its own x")
 
-        def attention_gemv(*args, fn=fn, weight=weight, rows=rows, k=k, y_shape=y_shape, ahead=ahead, behind=behind):
+        def attention_gemv(*args, fn=fn, weight=weight, rows=rows, k=k, y_shape=y_shape, ahead=ahead):
             q = args[0]
             out = torch.empty((*q.shape[:-1], k // q.shape[-3]), dtype=q.dtype, device=q.device)
             x2 = out.view(rows, k)
             holder = {}
-            dv = k // q.shape[-3]
-            if o_proj and q.shape[-2] == 1 and dv % 32 == 0 and dv == triton.next_power_of_2(dv):
-                y = behind.take() if behind is not None else None
-                if y is None:   # the qkv GEMV ahead did not zero it
-                    y = torch.zeros((rows, weight.n), dtype=torch.float32, device=q.device)
-                res = fn(*args, out=out, zero=ahead.make(q.device), o_proj=(weight, y))
-                return (*res, y.view(y_shape))
             if not qmm.gemv_takes_xq(rows, weight):
                 holder["res"] = fn(*args, out=out)
                 y = qmm.quantized_matmul(x2, weight)
@@ -1286,11 +1266,9 @@ class CudaPlan:
             self.fusions.append("the GEMV rounds its own x, its output zeroed by the step before")
         if down is None:
             offsets = [int(o) for o in np.cumsum([0] + [m.type.shape[-1] for m in members])]
-            # the attention after a qkv GEMV may take its output zeroed by this launch (ATTENTION_O)
-            ahead = self._zero_ahead = _ZeroAhead() if ATTENTION_O else None
 
             def compute(x, b, g):
-                got = _rms_norm_matmul(x, weight, g, eps, b, behind, zero=ahead.make(x.device) if ahead else None)
+                got = _rms_norm_matmul(x, weight, g, eps, b, behind)
                 total, y = got if b is not None else (None, got)
                 return total, tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(members))) \
                     if len(members) > 1 else (y,)

@@ -58,10 +58,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
                    INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
-                   z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                   ow_ptr=None, os_ptr=None, ob_ptr=None, oy_ptr=None, ON=0, stride_ow=0, stride_os=0, stride_oy=0,
-                   OGROUP: tl.constexpr = 32, O_BIAS: tl.constexpr = False, O_PROJ: tl.constexpr = False,
-                   O_BLOCK_N: tl.constexpr = 64):
+                   z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -82,15 +79,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     XQ_LIMBS (1 or 2; TQ 1, DV a multiple of 32): the program that writes a head's output also stores
     it rounded for the word GEMV that reads the output as x [B, Hq * DV] (`store_xq`), so no quantize
     launch runs between the two; ZERO: split 0 of each head zeroes its share of z [Z] (float32), the
-    output that GEMV's split-K sums are added into.
-
-    O_PROJ (TQ 1, one split: SPLIT 1; axis 1 of the grid is then o's column blocks): the o projection
-    after the attention in the same launch. Every program of a head computes the head group's output
-    over all the keys (the short cache's K/V read once from memory, then from L2, by each column
-    block; each writes the new k/v, the same values) and adds out[g] @ W[rows of head g, its O_BLOCK_N
-    columns] into oy [B, ON] (float32, zero before the launch) atomically: W in the word layout
-    (int32 [K/8, N], 8 nibbles of k 8r + j at bits 8 (j % 4) + 4 (j // 4)), scales and biases per
-    OGROUP rows of k. Not a default (`attention(o_proj=)`): untimed."""
+    output that GEMV's split-K sums are added into."""
     pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -104,13 +93,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     else:
         length = length_const  # clamped by the wrapper
     chunk, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
-    split_id = pid_s
-    if O_PROJ:   # axis 1 is o's column block; every program reads all the keys (SPLIT 1)
-        split_id = 0
     if SHORT_PATH:
-        if split_id >= tl.maximum(active, 1):   # sees no key (split 0 stays to write zeros when length is 0)
+        if pid_s >= tl.maximum(active, 1):   # sees no key (split 0 stays to write zeros when length is 0)
             return
-    start = split_id * chunk
+    start = pid_s * chunk
     stop = tl.minimum(start + chunk, length)
 
     rows = tl.arange(0, BLOCK_R)
@@ -127,7 +113,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         q_pair = tl.load(q_rows + partner[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         q = (q.to(tl.float32) * c[None, :] + q_pair.to(tl.float32) * sn[None, :]).to(q_ptr.dtype.element_ty)
         writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
-        if split_id == writer:   # the new token's k and v into the caches, before this split reads them
+        if pid_s == writer:   # the new token's k and v into the caches, before this split reads them
             if (pos >= 0) & (pos < TBUF):
                 kn_row = kn_ptr + b * skn_b + hk * skn_h
                 kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -172,10 +158,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             if XQ_LIMBS > 0:
                 store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
                           stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
-            if O_PROJ:
-                _o_projection(o.to(out_ptr.dtype.element_ty).to(tl.float32), rows, b, hk * G, G, DV, pid_s,
-                              ow_ptr, os_ptr, ob_ptr, oy_ptr, ON, stride_ow, stride_os, stride_oy,
-                              OGROUP, O_BIAS, O_BLOCK_N, BLOCK_DV)
             return
     part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
     tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
@@ -210,33 +192,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                 store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
                           stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
             tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
-
-
-@triton.jit
-def _o_projection(o, rows, b, head0, G, DV, col_block, ow_ptr, os_ptr, ob_ptr, oy_ptr, N, stride_ow, stride_os,
-                  stride_oy, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_DV: tl.constexpr):
-    """oy[b, cols] += sum over the G heads g from head0 of o[g] @ W[(head0 + g) * DV + d, cols] (`_decode_kernel`'s
-    O_PROJ): the word-layout weight's nibbles times their block's scale (+ bias), float32 products."""
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ok = cols < N
-    j = tl.arange(0, 8)
-    shifts = (j % 4) * 8 + (j // 4) * 4                                        # nibble of k = 8 r + j
-    d = tl.arange(0, BLOCK_DV)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for g in range(0, G):
-        o_g = tl.sum(tl.where((rows == g)[:, None], o, 0.0), axis=0)        # [BLOCK_DV]
-        k0 = (head0 + g) * DV
-        words = tl.load(ow_ptr + (k0 // 8 + tl.arange(0, BLOCK_DV // 8))[:, None] * stride_ow + cols[None, :],
-                        mask=c_ok[None, :], other=0)                           # [DV / 8, BLOCK_N]
-        nib = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-        w = tl.reshape(nib, [BLOCK_DV, BLOCK_N]).to(tl.float32)
-        prow = ((k0 + d) // GROUP)[:, None] * stride_os + cols[None, :]
-        w = w * tl.load(os_ptr + prow, mask=c_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            w += tl.load(ob_ptr + prow, mask=c_ok[None, :], other=0.0).to(tl.float32)
-        total += tl.sum(o_g[:, None] * w, axis=0)
-    tl.atomic_add(oy_ptr + b * stride_oy + cols, total, mask=c_ok, sem="relaxed")
 
 
 @triton.jit
@@ -561,7 +516,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
-              zero: torch.Tensor | None = None, o_proj: tuple | None = None) -> torch.Tensor:
+              zero: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
@@ -588,13 +543,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     every operand): zero when this returns, whatever `xq` got, the split-K output of the GEMV after the
     attention; the decode kernel zeroes it in its own launch (no memset between the two), other paths
     by a memset.
-
-    `o_proj` = (weight, y): the decode kernel also adds out [B, Hq * Dv] @ weight into y (float32 [B, N],
-    zero on entry; weight a word-layout `QuantizedWeight` with K = Hq * Dv) in the same launch, each
-    program of a head one block of y's columns over all the keys (`_decode_kernel`'s O_PROJ): one query
-    row, Dv a power of two and a multiple of 32, no mask; `short_path`, `split` and `min_chunk` are set
-    for it. An experiment (the executor's INGOT_CUDA_ATTENTION_O, off): its cost grows with the cache
-    (no split of the keys), and it has not been timed.
     """
     assert zero is None or xq is None or xq.zero is None, "attention: zero= or xq.zero, not both"
     batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
@@ -637,9 +585,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         if min_chunk is None:
             min_chunk = _decode_min_chunk(d, dv, k.element_size(), DECODE_CHUNK_KB << 10) if short_path else 0
         merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
-        if o_proj is not None:   # axis 1: o's column blocks, each over all the keys
-            assert tq == 1 and dv == block_dv and dv % 32 == 0 and xq is None, "attention(o_proj=): one query row, Dv 2**n >= 32"
-            split, merge_split, min_chunk, short_path = 1, 1, 0, True   # the one split writes out and adds o
         if split is None:
             split = merge_split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
             if short_path and min_chunk > 1:   # more splits than cdiv(buffer, min_chunk) never see keys
@@ -672,18 +617,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         if zero is not None:
             assert zero.dtype == torch.float32 and zero.is_contiguous()
             extra.update(z_ptr=zero, Z=zero.numel(), ZERO=True)
-        grid = (nb * hk, split)
-        if o_proj is not None:
-            weight, y = o_proj
-            assert weight.words and weight.k == hq * dv and y.dtype == torch.float32 and y.shape == (nb, weight.n)
-            assert weight.group % 32 == 0 and y.stride(1) == 1
-            o_block = 64
-            extra.update(ow_ptr=weight.q, os_ptr=weight.scale, ob_ptr=weight.bias if weight.bias is not None else weight.scale,
-                         oy_ptr=y, ON=weight.n, stride_ow=weight.q.stride(0), stride_os=weight.scale.stride(0),
-                         stride_oy=y.stride(0), OGROUP=weight.group, O_BIAS=weight.bias is not None, O_PROJ=True,
-                         O_BLOCK_N=o_block)
-            grid = (nb * hk, triton.cdiv(weight.n, o_block))
-        _decode_kernel[grid](
+        _decode_kernel[(nb * hk, split)](
             q4, k4, v4, len_ptr, o_part, ml_part, o4, tickets, len_const, hk, group, tq, tbuf, d, dv, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
             v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),

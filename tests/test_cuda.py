@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 import ingot  # noqa: E402
 from ingot import dtypes as dt  # noqa: E402
+from ingot.ir import Op  # noqa: E402
 from ingot.backends import cuda as cuda_backend  # noqa: E402
 from ingot.backends.cuda import attention as attn  # noqa: E402
 from ingot.backends.cuda import fused  # noqa: E402
@@ -360,8 +361,30 @@ def test_quantized_gather(fmt, axis):
     plist = [params["lut"]] if lut else [params[name] for name in ("scale", "zero_point", "bias") if name in params]
     want = quant_ops.quantized_gather_reference([q] + plist + [idx], attrs)
     w = qmm.prepare_weight(q, plist, dict(attrs, transpose=False), DEVICE)
-    got = fused.quantized_gather(w, cuda_backend.to_device(idx, DEVICE), axis, torch.float32)
+    zero = torch.full((3000,), float("nan"), device=DEVICE)   # the next GEMV's output, zeroed by the same launch
+    got = fused.quantized_gather(w, cuda_backend.to_device(idx, DEVICE), axis, torch.float32, zero=zero)
     np.testing.assert_allclose(cuda_backend.to_host(got), want, rtol=1e-6, atol=1e-6)
+    assert not zero.any().item() and not zero.isnan().any().item()
+
+
+@pytest.mark.parametrize("last", [0, 3, -1])
+def test_a_runtime_slice_spanning_its_axis_is_its_input(last):
+    """x[last:last + 1] of a one-row x: the backend clamps runtime starts (no host check), so the slice
+    is x itself, any `last`: no launch, the same memory."""
+    g = ingot.Graph()
+    x = g.placeholder((1, 70), name="x")
+    i = g.placeholder((), dt.int32, name="i")
+    sl = g.slice(x, [i, 0], size=[1, None])
+    exe = g.compile(targets=[sl * 2.0, sl], device="cuda")
+    slice_of = lambda plan: next(n for n in plan.nodes if n.op == Op.SLICE)  # noqa: E731
+    assert cuda_backend.identity_slice(slice_of(exe.plan))
+    xv = rng_for("wholeslice").standard_normal((1, 70)).astype(np.float32)
+    xd = cuda_backend.to_device(xv, DEVICE)
+    doubled, same = exe.run({"x": xd, "i": np.int32(last)})
+    np.testing.assert_array_equal(cuda_backend.to_host(doubled), xv * 2)
+    np.testing.assert_array_equal(cuda_backend.to_host(same), xv)
+    wider = g.slice(g.placeholder((4, 70), name="y"), [i, 0], size=[1, None])   # a real row pick stays one
+    assert not cuda_backend.identity_slice(slice_of(g.compile(targets=[wider], device="cuda").plan))
 
 
 def test_generated_region_kernel_silu_mul():

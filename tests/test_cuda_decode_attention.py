@@ -102,6 +102,22 @@ def test_decode_over_lengths_and_buffers(buffer, length, length_on_device):
     check(got, reference(q, k, v, length, True), "float32", (buffer, length))
 
 
+@pytest.mark.parametrize("config", [dict(), dict(split=4, merge=False), dict(split=4, merge=True)],
+                         ids=["default", "combine", "merge"])
+@pytest.mark.parametrize("tq", [1, 40], ids=["decode", "flash"])
+def test_length_offset_is_added_to_the_device_length(config, tq):
+    """length=pos (a device scalar), length_offset=1: the decode kernels add the 1 themselves (a decode
+    step's position + 1, no launch for the sum); the flash path adds it before its launch."""
+    for length in (1, 64, 65, 300):
+        (q, k, v), dev = inputs(f"offset{length}-{tq}", 1, 8, 2, tq, 400, 64, length, "float32")
+        pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
+        got = attn.attention(*dev, length=pos, length_offset=1, causal=True, **(config if tq == 1 else {}))
+        check(got, reference(q, k, v, length, True), "float32", (config, tq, length))
+        assert int(pos) == length - 1   # the caller's scalar is left alone
+    got = attn.attention(*dev, length=length - 3, length_offset=3, causal=True)   # an int length too
+    check(got, reference(q, k, v, length, True), "float32", "int length")
+
+
 # == forced split counts, merge in the kernel or the combine kernel ===================================
 
 SPLIT_LENGTHS = (0, 1, 63, 65, 129, 300, 2048)
@@ -188,6 +204,7 @@ SWITCHES = {
     "min-chunk-64": dict(min_chunk=64),
     "min-chunk-200": dict(min_chunk=200),    # not a multiple of the key tile: rounded up
     "min-chunk-4096": dict(min_chunk=4096),  # past the buffer: one split always
+    "tf32x3p": dict(precision="tf32x3p"),    # the three tf32 passes as independent dots: float32's bar still
 }
 
 

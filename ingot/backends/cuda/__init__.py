@@ -139,6 +139,27 @@ class _ZeroAhead:
         return tensor
 
 
+def _sum_through_views(x: Node) -> Node:
+    """The ADD that x is through reshapes and `identity_slice`s to x's own shape (a decode step's row `last`
+    of the last layer's sum), else x."""
+    y = x
+    while y.op == Op.RESHAPE or identity_slice(y):
+        y = y.src[0]
+    return y if y.op == Op.ADD and y.type.static and y.type.shape == x.type.shape else x
+
+
+def _plus_constant(node: Node, constants: dict) -> tuple[Node, int] | None:
+    """(x, c) when node is x + c for a 0-d integer x computed at run time and a 0-d integer constant c
+    (a decode step's attention length: its position + 1), else None."""
+    if node.op != Op.ADD or node.type.rank != 0 or not node.dtype.is_int:
+        return None
+    x, c = node.src if node.src[1].op == Op.CONSTANT else node.src[::-1]
+    if c.op != Op.CONSTANT or x.op == Op.CONSTANT or x.type != node.type or c.type != node.type:
+        return None
+    value = np.asarray(constants[c.attrs["key"]])
+    return (x, int(value)) if value.shape == () and abs(int(value)) < 1 << 30 else None
+
+
 def _last_axis_slice(node: Node, src: Node) -> tuple[int, int] | None:
     """(start, stop) when node is src[..., start:stop] (static, step 1, every other axis whole), else None."""
     if node.op != Op.SLICE or node.src[0] is not src or not src.type.static or \
@@ -406,9 +427,21 @@ def _runtime(value, xs):
     return xs[value.index] if isinstance(value, Ref) else value
 
 
+def identity_slice(node: Node) -> bool:
+    """Whether a slice is its input on this backend: static shapes, the output the input's type, steps 1
+    and no runtime end. A runtime start with a static size is clamped into the axis here (no host
+    check, see `_slice`), so a size spanning the axis starts at 0 (a decode step's row `last` of 1)."""
+    if node.op != Op.SLICE or not (node.type.static and node.src[0].type == node.type):
+        return False
+    return all(st == 1 for st in node.attrs["step"]) and not any(isinstance(e, Ref) for e in node.attrs["end"])
+
+
 @lowering(Op.SLICE)
 def _slice(ctx: Lowering) -> StepFn:
     node = ctx.node
+    if identity_slice(node):   # no kernel: the clamped start can only be 0
+        ctx.reads = (0,)
+        return lambda x: x
     start, end, step = node.attrs["start"], node.attrs["end"], node.attrs["step"]
     size = node.attrs.get("size") or (None,) * len(start)
     shape = node.src[0].type.shape
@@ -619,7 +652,9 @@ def _quantized_gather(ctx: Lowering) -> StepFn:
     weight = prepared_weight(arrays, dict(node.attrs, transpose=False), ctx.device)
     axis, out_dtype = node.attrs.get("axis", 0), torch_dtype(node.dtype)
     ctx.reads = (len(node.src) - 1,)
-    return lambda idx: fused.quantized_gather(weight, idx, axis, out_dtype)
+    # the embedding's launch zeroes the first layer's GEMV output where that GEMV rounds its own x
+    ahead = ctx.plan._zero_ahead = _ZeroAhead()
+    return lambda idx: fused.quantized_gather(weight, idx, axis, out_dtype, zero=ahead.make(idx.device))
 
 
 def _unpack(q: torch.Tensor, qdtype: dt.DType) -> torch.Tensor:
@@ -958,6 +993,7 @@ class CudaPlan:
         ropes = [n for n in nodes if n.op == Op.ROPE and n.src[1].type.rank == 0 and n.id not in roots and n.type.rank >= 2]
         updates = [n for n in nodes if n.op == Op.SLICE_UPDATE and n.attrs.get("inplace")]
         groups, used = {}, set()
+        offsets: dict[int, set[int]] = {}    # a length `position + c` -> the attentions that add c themselves
         attrs_of = lambda n: (n.attrs.get("base", 10000.0), bool(n.attrs.get("interleaved", False)),  # noqa: E731
                               n.attrs.get("rotary_dims") or n.type.shape[-1], len(n.src) > 2 and n.src[2].id)
         for kr in ropes:
@@ -994,7 +1030,13 @@ class CudaPlan:
             att = None if inv_host is None else self._rope_attention(qr, ku, vu, last, members, users, roots, nodes, order)
             if att is not None:   # the attention reading them rotates q and writes k/v itself (decode)
                 sdpa = att.attrs
-                length_slot = (self.slot[att.src[-1].id],) if sdpa.get("has_length") else ()
+                length_slot, offset = (), 0
+                if sdpa.get("has_length"):   # position + 1: the kernel adds the 1 (no launch for the sum)
+                    plus = _plus_constant(att.src[-1], self.program.constants)
+                    if plus is not None:
+                        offsets.setdefault(att.src[-1].id, set()).add(att.id)
+                    length, offset = plus or (att.src[-1], 0)
+                    length_slot = (self.slot[length.id],)
                 rows = ku.src[0].type.shape[-2]
                 key = (inv_host.tobytes(), rows)   # cos/sin of every cache position, one table for all layers
                 if key not in self._rope_tables:
@@ -1005,11 +1047,12 @@ class CudaPlan:
                 has_length, scale, causal = bool(sdpa.get("has_length")), sdpa.get("scale"), bool(sdpa.get("causal"))
 
                 def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
-                         has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, out=None, xq=None,
-                         zero=None):
+                         has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, offset=offset, out=None,
+                         xq=None, zero=None):
                     rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
-                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero)
+                                                      scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero,
+                                                      length_offset=offset)
                     return out, k_cache, v_cache
                 groups[att.id] = (step, ins + length_slot, (self.slot[att.id], self.slot[ku.id], self.slot[vu.id]),
                                   "rope_qkv_attention")
@@ -1026,6 +1069,10 @@ class CudaPlan:
             used |= members
             done |= members - {last.id}
             self.fusions.append("rope q + rope k + v write into the caches")
+        for add, atts in offsets.items():   # the sum no step reads any more: not computed
+            if add not in roots and all(u.id in atts for u in users[add]):
+                done.add(add)
+                self.fusions.append("the decode kernel adds 1 to the position for its length")
         return groups
 
     def _attention_gemvs(self, nodes, users, roots, done, group_of) -> dict[int, tuple]:
@@ -1211,6 +1258,7 @@ class CudaPlan:
             weight = prepared_weight(arrays, members[0].attrs, self.device, WORDS_LAYOUT)
         if weight is None or not weight.words or weight.k != k:
             return None
+        x = _sum_through_views(x)
         add = x if x.op == Op.ADD else None       # the step then runs at the add: g must be there already
         if add is not None and (add.id in roots or add.id in done or add.id in region_root or add.dtype != dt.float32 or
                                 not add.src[0].type.shape == add.src[1].type.shape == add.type.shape or

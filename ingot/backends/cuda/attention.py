@@ -37,6 +37,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b on tensor cores. PRECISION "tf32x3p": float32 inputs to float32-level accuracy as "tf32x3"
+    (a = a_hi + a_lo, a_hi the top 10 mantissa bits; a_hi b_hi + a_lo b_hi + a_hi b_lo, a_lo b_lo
+    dropped), but the three products are independent dots summed at the end, where Triton's tf32x3
+    chains them through one accumulator: a third of the dependent MMAs, which is what a short cache's
+    decode launch waits on. Anything else: tl.dot with that input precision."""
+    if PRECISION == "tf32x3p":
+        a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        lo = tl.dot(a - a_hi, b_hi, input_precision="tf32") + tl.dot(a_hi, b - b_hi, input_precision="tf32")
+        return tl.dot(a_hi, b_hi, input_precision="tf32") + lo
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _decode_chunk(length, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
     """Keys per split from the runtime length: ceil(length / SPLIT), at least MIN_CHUNK (0: none), in
     whole BLOCK_N tiles; and `active`, the splits that see at least one key (0 when length is 0)."""
@@ -58,7 +74,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
                    INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
-                   z_ptr=None, Z=0, ZERO: tl.constexpr = False):
+                   z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -88,8 +104,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             _zero_share(z_ptr, Z, pid_bh, tl.num_programs(0))
     b = pid_bh // HK
     hk = pid_bh % HK
-    if LEN_FROM_PTR:
-        length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
+    if LEN_FROM_PTR:   # the device scalar + len_add (a decode step's position + 1)
+        length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32) + len_add, 0), TBUF)
     else:
         length = length_const  # clamped by the wrapper
     chunk, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
@@ -135,7 +151,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         if EARLY_V:   # independent of p: both loads in flight together
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale       # [R, N], log2 units
+        s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                          # [R, N], log2 units
         ok = n_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= limit[:, None])
@@ -147,7 +163,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not EARLY_V:
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
         m_i = m_new
     out_offs = out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :]
     out_ok = row_ok[:, None] & (offs_dv < DV)[None, :]
@@ -229,7 +245,8 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK,
                     so_b, so_h, so_t,
                     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_DV: tl.constexpr, LEN_FROM_PTR: tl.constexpr = False, BLOCK_N: tl.constexpr = 16,
-                    SHORT_PATH: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False):
+                    SHORT_PATH: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False,
+                    len_add=0):
     """Merge the splits' partial softmaxes of one query row: weights exp2(m_s - max), CHUNK splits at a time.
     SHORT_PATH: only the `active` splits stored partials (recomputed here from the length, as the
     decode kernel does); with at most one, that split wrote the output and this program returns."""
@@ -243,7 +260,7 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK,
     n_split = SPLIT
     if SHORT_PATH:
         if LEN_FROM_PTR:
-            length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32), 0), TBUF)
+            length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32) + len_add, 0), TBUF)
         else:
             length = length_const
         _, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
@@ -441,7 +458,8 @@ DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash ti
 MERGE_MAX_SPLITS = int(os.environ.get("INGOT_CUDA_DECODE_MERGE_SPLITS", "32"))
 MERGE_IN_KERNEL = {"1": True, "0": False}.get(os.environ.get("INGOT_CUDA_DECODE_MERGE", ""))
 # float32 decode dots: "tf32x3" (the default: tensor cores, three passes, float32-level results, as the
-# prefill kernel and the tensor-core quantized matmul use) or "ieee" (FMA units through shared memory:
+# prefill kernel and the tensor-core quantized matmul use), "tf32x3p" (the same three passes as
+# independent dots, `_dot`) or "ieee" (FMA units through shared memory:
 # 2920 instructions a 64-key tile at d 128 in ptxas against 1556). H200, 2026-12-03, a step replayed:
 # SmolLM2 764 us against 826, Llama-3-8B 2114 against 2271.
 DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3")
@@ -516,11 +534,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
-              zero: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale (+ mask), causal) v over the first `length` keys; GQA by head groups.
+              zero: torch.Tensor | None = None, length_offset: int = 0) -> torch.Tensor:
+    """softmax(q k^T * scale (+ mask), causal) v over the first `length` (+ `length_offset`) keys; GQA by
+    head groups.
 
     q [..., Hq, Tq, D], k [..., Hk, Tk, D], v [..., Hk, Tk, Dv]; length an int or a 0-d integer
-    device tensor (read by the kernel: no host sync); mask bool or additive, broadcast to the scores.
+    device tensor (read by the kernel: no host sync; the decode kernels add `length_offset` to it
+    themselves, so a decode step passes its position and 1, with no launch to add them); mask bool
+    or additive, broadcast to the scores.
     Prefill variants (the flash kernel): `split_stages` runs the key tiles below the causal diagonal
     unmasked, `heavy_first` starts the causal query blocks with the most keys first,
     `heads_on_axis0` puts the heads on grid axis 0 (the first wave: the heaviest block of every head;
@@ -569,8 +590,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     if isinstance(length, torch.Tensor):
         len_ptr, len_const, from_ptr = length, 0, True
+        if length_offset and not (mask is None and group * tq <= DECODE_MAX_ROWS):   # the flash kernel: added here
+            len_ptr, length_offset = length + length_offset, 0
     else:
-        len_ptr, len_const, from_ptr = q4, min(max(int(tbuf if length is None else length), 0), tbuf), False
+        length = tbuf if length is None else int(length) + length_offset
+        len_ptr, len_const, from_ptr, length_offset = q4, min(max(length, 0), tbuf), False, 0
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = max(16, triton.next_power_of_2(dv))
     f32 = q.dtype == torch.float32
@@ -624,7 +648,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra, **pdl_args(q.device))
+            len_add=length_offset, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra,
+            **pdl_args(q.device))
         if xq_here:
             xq.written = True
         if merge:
@@ -633,7 +658,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             o_part, ml_part, o4, len_ptr, len_const, hk, group, tq, tbuf, dv, o4.stride(0), o4.stride(1), o4.stride(2),
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),
             BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=from_ptr, BLOCK_N=bn, SHORT_PATH=short_path,
-            MIN_CHUNK=max(min_chunk, 0), num_warps=4, **pdl_args(q.device))
+            MIN_CHUNK=max(min_chunk, 0), len_add=length_offset, num_warps=4, **pdl_args(q.device))
         return result
     mask4 = q4  # unused pointer
     strides = (0, 0, 0, 0)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ...ir import Node, Op
 from .pdl import pdl_args, pdl_enter
+from .quantized_matmul import _zero_share
 
 
 # -- RMSNorm --------------------------------------------------------------------------------------
@@ -309,8 +310,12 @@ def slice_write(dst: torch.Tensor, src: torch.Tensor, starts) -> torch.Tensor:
 def _qgather_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMIT,
                     stride_qk, stride_sk, lut_block_k, lut_block_n, stride_lk, stride_ln, so_j, so_t,
                     BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    AXIS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                    AXIS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                    z_ptr=None, Z=0, ZERO: tl.constexpr = False):
     pdl_enter(PDL)
+    if ZERO:   # the split-K output of the GEMV after the gather (`quantized_gather`'s zero)
+        _zero_share(z_ptr, Z, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                    tl.num_programs(0) * tl.num_programs(1))
     t = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     i = tl.load(idx_ptr + t).to(tl.int64)
@@ -339,8 +344,11 @@ def _qgather_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMI
     tl.store(out_ptr + j * so_j + t * so_t, w.to(out_ptr.dtype.element_ty), mask=j < EXTENT)
 
 
-def quantized_gather(weight, idx: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
-    """Columns (axis=1) or rows (axis=0) of the logical [K, N] weight; out-of-range indices give zeros."""
+def quantized_gather(weight, idx: torch.Tensor, axis: int, dtype: torch.dtype,
+                     zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Columns (axis=1) or rows (axis=0) of the logical [K, N] weight; out-of-range indices give zeros.
+    `zero` (float32, contiguous, apart from the operands): zeroed by the same launch, the split-K output
+    of the GEMV after the gather (a model's first layer), so no memset or quantize launch runs between."""
     flat = idx.reshape(-1)
     t = flat.shape[0]
     extent, limit = (weight.k, weight.n) if axis == 1 else (weight.n, weight.k)
@@ -360,7 +368,10 @@ def quantized_gather(weight, idx: torch.Tensor, axis: int, dtype: torch.dtype) -
             weight.q, scale, bias, lut, flat, out, extent, limit, weight.q.stride(0),
             weight.scale.stride(0) if weight.scale is not None else 0, weight.lut_block_k, weight.lut_block_n, *sl,
             so_j, so_t, BITS=weight.bits, LUT=weight.lut is not None, GROUP=weight.group,
-            HAS_BIAS=weight.bias is not None, AXIS=axis, BLOCK=block, num_warps=4, **pdl_args(out.device))
+            HAS_BIAS=weight.bias is not None, AXIS=axis, BLOCK=block, num_warps=4,
+            **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}), **pdl_args(out.device))
+    elif zero is not None:
+        zero.zero_()
     if axis == 1:
         return out.view(extent, *idx.shape)
     return out.view(*idx.shape, extent)

@@ -38,7 +38,7 @@ def bench(fn) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="33,100,160")
+    ap.add_argument("--lengths", default="33,100,160,1000")
     ap.add_argument("--shape", default="9,3,64")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -73,6 +73,9 @@ def main():
         "exec-chunk256": dict(rope=True, xq=True, zero=True, min_chunk=256),
         "exec-chunk256-bn128": dict(rope=True, xq=True, zero=True, min_chunk=256, block_n=128),
         "exec-late-v": dict(rope=True, xq=True, zero=True, early_v=False),
+        "exec-split16": dict(rope=True, xq=True, zero=True, split=16),
+        "exec-split8": dict(rope=True, xq=True, zero=True, split=8),
+        "exec-split4": dict(rope=True, xq=True, zero=True, split=4),
     }
     for length in (int(v) for v in a.lengths.split(",")):
         q = torch.randn(1, hq, 1, d, device=dev)

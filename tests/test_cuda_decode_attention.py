@@ -118,6 +118,33 @@ def test_length_offset_is_added_to_the_device_length(config, tq):
     check(got, reference(q, k, v, length, True), "float32", "int length")
 
 
+@pytest.mark.parametrize("hq,hk,buffer,want_split,combine", [(9, 3, 2048, 8, False), (32, 8, 2048, 8, False),
+                                                             (32, 8, 4096, 33, True), (9, 3, 200, 4, False)],
+                         ids=["smollm-2048", "llama-2048", "llama-4096", "smollm-200"])
+def test_decode_splits_launched_from_the_buffer(hq, hk, buffer, want_split, combine, monkeypatch):
+    """On 132 multiprocessors: at most DECODE_MERGE_SPLITS splits a KV head where the last one merges in
+    the kernel (a buffer of at most MERGE_MAX_SPLITS key tiles); past that two programs per SM, merged
+    by the combine kernel. Either way the result is the attention over the runtime length."""
+    grids, kernels = [], {"decode": attn._decode_kernel, "combine": attn._combine_kernel}
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids.append((self.name, grid))
+            return kernels[self.name][grid]
+    monkeypatch.setattr(attn, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attn, "_decode_kernel", Recorded("decode"))
+    monkeypatch.setattr(attn, "_combine_kernel", Recorded("combine"))
+    length = 150
+    (q, k, v), dev = inputs(f"splits{hq}-{buffer}", 1, hq, hk, 1, buffer, 64, length, "float32")
+    got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True)
+    check(got, reference(q, k, v, length, True), "float32", (hq, buffer))
+    assert grids[0] == ("decode", (hk, want_split)), grids
+    assert (len(grids) == 2) == combine, grids
+
+
 # == forced split counts, merge in the kernel or the combine kernel ===================================
 
 SPLIT_LENGTHS = (0, 1, 63, 65, 129, 300, 2048)

@@ -456,13 +456,22 @@ DECODE_MAX_ROWS = 64   # G * Tq up to this: the split-KV kernel; above: flash ti
 # 30-90 busy splits (2026-12-02), while a short cache leaves a few busy and saves a launch per layer.
 # INGOT_CUDA_DECODE_MERGE=1 / 0 forces it on / off.
 MERGE_MAX_SPLITS = int(os.environ.get("INGOT_CUDA_DECODE_MERGE_SPLITS", "32"))
+# the most decode splits launched per KV head where they merge in the kernel (a buffer of at most
+# MERGE_MAX_SPLITS key tiles). Every split is a program, and those past the runtime length exit at once,
+# but are launched all the same; the last split's merge loops over the active ones. H200, SmolLM2's
+# buffer of 2048 rows (32 tiles), twelfth session: the step 514.1 us with 8 against 518.6 with 32 (same
+# call; 4: 514.1, 16: 514.5); its attention with RoPE at 1000 keys 9.0 us against 9.55 (4: 10.81).
+DECODE_MERGE_SPLITS = int(os.environ.get("INGOT_CUDA_DECODE_MERGE_CAP", "8"))
 MERGE_IN_KERNEL = {"1": True, "0": False}.get(os.environ.get("INGOT_CUDA_DECODE_MERGE", ""))
-# float32 decode dots: "tf32x3" (the default: tensor cores, three passes, float32-level results, as the
-# prefill kernel and the tensor-core quantized matmul use), "tf32x3p" (the same three passes as
-# independent dots, `_dot`) or "ieee" (FMA units through shared memory:
-# 2920 instructions a 64-key tile at d 128 in ptxas against 1556). H200, 2026-12-03, a step replayed:
-# SmolLM2 764 us against 826, Llama-3-8B 2114 against 2271.
-DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3")
+# float32 decode dots: "tf32x3p" (the default: tensor cores, three tf32 passes as independent dots,
+# float32-level results, `_dot`), "tf32x3" (Triton's, the passes chained through one accumulator, as
+# the prefill kernel and the tensor-core quantized matmul use) or "ieee" (FMA units through shared
+# memory: 2920 instructions a 64-key tile at d 128 in ptxas against 1556). H200, 2026-12-03, a step
+# replayed: tf32x3 against ieee, SmolLM2 764 us against 826, Llama-3-8B 2114 against 2271; tf32x3p
+# against tf32x3 (twelfth session), SmolLM2's attention with RoPE 4.67 / 5.77 / 6.00 us against
+# 4.77 / 5.84 / 6.05 at 33 / 100 / 160 keys (677 instructions a tile against 915), the step 523.3 us
+# against 527.1.
+DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3p")
 # a short cache's split size (`_decode_min_chunk`'s K+V bytes) and the keys per tile (0: 64, 32 past d 128):
 # smaller ones spread a short cache over more programs, each with less to read one after another
 DECODE_CHUNK_KB = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_KB", "32"))
@@ -611,6 +620,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
         if split is None:
             split = merge_split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(q.device)) // max(nb * hk, 1), 128))
+            if split <= MERGE_MAX_SPLITS:   # merged in the kernel: fewer, longer splits
+                split = merge_split = min(split, DECODE_MERGE_SPLITS)
             if short_path and min_chunk > 1:   # more splits than cdiv(buffer, min_chunk) never see keys
                 split = min(split, triton.cdiv(tbuf, triton.cdiv(min_chunk, bn) * bn))
         if num_stages is None and triton.cdiv(max(triton.cdiv(tbuf, split), min_chunk), bn) <= 1:

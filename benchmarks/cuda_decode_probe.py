@@ -5,7 +5,7 @@ write inside (`rope=`), the output rounded for the o GEMV (`xq=`) and that GEMV'
 median of do_bench_cudagraph (the launch repeated in a CUDA graph, programmatic dependent launch as
 the model runs it); "empty" is a kernel that only waits and exits, the floor of a launch.
 
-    python benchmarks/cuda_decode_probe.py [--lengths 33,100,160] [--json out.json]
+    python benchmarks/cuda_decode_probe.py [--lengths 33,100,160,1000] [--json out.json]
 """
 import argparse
 import json

@@ -39,6 +39,7 @@ def bench(fn) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="33,100,160,1000")
+    ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     ap.add_argument("--shape", default="9,3,64")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -56,6 +57,9 @@ def main():
     zero = torch.empty(576, device=dev)
     variants = {
         "exec": dict(rope=True, xq=True, zero=True),
+        "exec-early": dict(rope=True, xq=True, zero=True, early=True),
+        "exec-reread": dict(rope=True, xq=True, zero=True, fresh=False),
+        "exec-reread-early": dict(rope=True, xq=True, zero=True, fresh=False, early=True),
         "plain": dict(),
         "rope": dict(rope=True),
         "xq+zero": dict(xq=True, zero=True),
@@ -77,6 +81,8 @@ def main():
         "exec-split8": dict(rope=True, xq=True, zero=True, split=8),
         "exec-split4": dict(rope=True, xq=True, zero=True, split=4),
     }
+    if a.variants:
+        variants = {name: variants[name] for name in a.variants.split(",")}
     for length in (int(v) for v in a.lengths.split(",")):
         q = torch.randn(1, hq, 1, d, device=dev)
         k = torch.randn(1, hk, buf, d, device=dev)

@@ -20,6 +20,7 @@ from cuda_env import require_cuda  # noqa: E402
 
 _INTERPRET = require_cuda()
 
+from ingot.backends.cuda import attention as attention_kernels  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.models import llama  # noqa: E402
 
@@ -84,7 +85,12 @@ def test_batched_greedy_decode_equals_the_cpu_backend(batch, kind, monkeypatch):
     prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, PROMPT)).astype(np.int32)
     cpu_logits, cpu_tokens = _greedy(model, "cpu", prompts, None)
     rows = _Rows(monkeypatch)
+    early, attention = [], attention_kernels.attention
+    monkeypatch.setattr(attention_kernels, "attention", lambda *a, **k: early.append(k.get("early")) or attention(*a, **k))
     gpu_logits, gpu_tokens = _greedy(model, "cuda", prompts, cpu_tokens)
+    # the fused attention reads the caches, the position and the RoPE table before its wait: the caches are
+    # variables only it writes, the position a feed
+    assert early and all(early), early
     # decode: the rope and the KV write run inside the decode attention kernel (one query row)
     fusions = model.compile(1, "cuda").plan.fusions
     assert "rope q + rope k + v write into the caches + attention" in fusions

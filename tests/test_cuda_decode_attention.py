@@ -280,14 +280,23 @@ ROPE_CASES = [  # (B, Hq, Hk, D, HALF, interleaved, buffer, pos, length, split, 
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[f"case{i}" for i in range(len(ROPE_CASES))])
-def test_decode_rotates_q_and_writes_the_new_kv(case):
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "reread"])
+@pytest.mark.parametrize("early", [True, False], ids=["early", "after-wait"])
+def test_decode_rotates_q_and_writes_the_new_kv(case, fresh, early):
     """attention(..., rope=) against NumPy: q rotated, the rotated k and v written into the caches at
     the position (and nothing else changed), the output over the first `length` keys of the caches
     as written (the new key among them when position < length). The cos/sin table has the buffer's
-    rows (case 4's position is past it: computed in the kernel)."""
+    rows (case 4's position is past it: computed in the kernel). The cache rows at the position hold
+    NaN before the launch: `fresh` (the new key and value from registers) never loads them, and the
+    re-reading kernel loads them only after the write. `early` reads the length, position, table (and
+    the first tile) before the kernel's wait: the same results (on the GPU the launch has nothing ahead
+    of it that writes them)."""
     b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
     skip_bf16_in_interpreter(dtype)
     (_, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
+    if pos < buffer:
+        k_dev[:, :, pos] = float("nan")
+        v_dev[:, :, pos] = float("nan")
     rng = np.random.default_rng(pos)
     q_raw = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
     kn = rng.standard_normal((b, hk, 1, d)).astype(np.float32)
@@ -303,7 +312,7 @@ def test_decode_rotates_q_and_writes_the_new_kv(case):
                           torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved,
                           attn.rope_table(inv, buffer, DEVICE))
     got = attn.attention(cast(q_raw), k_dev, v_dev, length=torch.tensor(length, device=DEVICE), causal=True,
-                         split=split, rope=rope)
+                         split=split, rope=rope, fresh=fresh, early=early)
     np.testing.assert_allclose(k_dev.float().cpu().numpy(), k_want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(v_dev.float().cpu().numpy(), v_want, rtol=0, atol=0)
     q_seen = cast(q_rot).float().cpu().numpy()

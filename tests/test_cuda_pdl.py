@@ -29,10 +29,15 @@ def kernels():
                 yield f"{module.__name__.rsplit('.', 1)[-1]}.{name}", fn
 
 
+EARLY_ENTER = "    if not EARLY:\n        pdl_enter(PDL)\n"   # the decode kernel's wait, unless EARLY moves it
+
+
 def body_before_wait(source: str) -> str:
-    """The code of a kernel from the end of its signature (and docstring) to `pdl_enter(PDL)`."""
-    assert source.count("pdl_enter(PDL)") == 1, "one pdl_enter(PDL)"
-    head, _ = source.split("pdl_enter(PDL)")
+    """The code of a kernel from the end of its signature (and docstring) to `pdl_enter(PDL)` (the first
+    one: the decode kernel has two, the second under EARLY, `early_block`)."""
+    assert source.count("pdl_enter(PDL)") == 1 or (source.count("pdl_enter(PDL)") == 2 and EARLY_ENTER in source), \
+        "one pdl_enter(PDL), or two with EARLY"
+    head = source.split("pdl_enter(PDL)")[0]
     signature_end = re.search(r"\)\s*(->[^:]*)?:\s*\n", head).end()
     code = head[signature_end:]
     return re.sub(r'"""(.|\n)*?"""', "", code, count=1)
@@ -67,6 +72,25 @@ def test_the_early_weight_load_reads_only_the_weight():
     loads = re.findall(r"(tl\.load|_\w+)\((\w+)", early.group(0))
     assert loads == [("_weight_tile", "qw_ptr")], early.group(0)
     assert "store" not in early.group(0) and "atomic" not in early.group(0)
+
+
+def early_block(source: str) -> str:
+    """The decode kernel's code between `if not EARLY: pdl_enter(PDL)` and `if EARLY: pdl_enter(PDL)`."""
+    after = source.split(EARLY_ENTER, 1)[1]
+    assert "    if EARLY:" in after
+    return after.split("    if EARLY:", 1)[0]
+
+
+def test_the_early_decode_reads_only_the_length_position_caches_and_table():
+    """Under EARLY the decode kernel reads, before its wait, what the caller promises the kernel ahead
+    does not write: the length and position scalars, the caches' first key tile (FRESH: without the
+    position's row, which this launch writes) and the RoPE table; it stores nothing."""
+    early = early_block(inspect.getsource(attention._decode_kernel.fn))
+    reads = re.findall(r"(tl\.load|_\w+)\((\w+)", early)
+    assert {r for r in reads if r[0] == "tl.load"} == {("tl.load", "len_ptr"), ("tl.load", "pos_ptr"),
+                                                       ("tl.load", "k_base"), ("tl.load", "v_base")}, reads
+    assert ("_rotation", "pos") in reads and "store" not in early and "atomic" not in early and "q_ptr" not in early
+    assert "n0_offs != skip" in early   # the position's row is left out of the early tile
 
 
 def test_generated_region_kernels_wait_too():

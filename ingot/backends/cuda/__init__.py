@@ -1045,14 +1045,19 @@ class CudaPlan:
                 inv_dev, cos_sin = self._rope_tables[key]
 
                 has_length, scale, causal = bool(sdpa.get("has_length")), sdpa.get("scale"), bool(sdpa.get("causal"))
+                # the caches as the step found them (variables no earlier node of the step wrote): only this
+                # launch writes them, so the decode kernel may read them before the kernel ahead ends; as
+                # the position and length when fed (no kernel of the step computes them)
+                early = ku.src[0].op == Op.VARIABLE and vu.src[0].op == Op.VARIABLE and pos.op in GroupOp.Source and \
+                    (not has_length or length.op in GroupOp.Source)
 
                 def step(q, position, k, k_cache, v, v_cache, *rest, interleaved=interleaved, inv_dev=inv_dev,
                          has_length=has_length, scale=scale, causal=causal, cos_sin=cos_sin, offset=offset, out=None,
-                         xq=None, zero=None):
+                         xq=None, zero=None, early=early):
                     rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
                     out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
                                                       scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero,
-                                                      length_offset=offset)
+                                                      length_offset=offset, early=early)
                     return out, k_cache, v_cache
                 groups[att.id] = (step, ins + length_slot, (self.slot[att.id], self.slot[ku.id], self.slot[vu.id]),
                                   "rope_qkv_attention")

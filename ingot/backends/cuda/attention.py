@@ -64,6 +64,28 @@ def _decode_chunk(length, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK:
 
 
 @triton.jit
+def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                 V_LOADED: tl.constexpr = True, v_mask=None):
+    """One key tile of the online softmax: the scores of q [R, D] against kt [N, D] (keys not n_ok, or past
+    a row's causal limit, left out), then acc += p vt. vt is the V tile, or (V_LOADED False) its pointers,
+    loaded here after the softmax math under v_mask."""
+    s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                          # [R, N], log2 units
+    ok = n_ok[None, :]
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= limit[:, None])
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if not V_LOADED:
+        vt = tl.load(vt, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_ptr, ticket_ptr,
                    length_const, HK, G, TQ, TBUF, D, DV, qk_scale,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
@@ -75,7 +97,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
                    INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
-                   z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0):
+                   z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
+                   EARLY: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -96,13 +119,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     XQ_LIMBS (1 or 2; TQ 1, DV a multiple of 32): the program that writes a head's output also stores
     it rounded for the word GEMV that reads the output as x [B, Hq * DV] (`store_xq`), so no quantize
     launch runs between the two; ZERO: split 0 of each head zeroes its share of z [Z] (float32), the
-    output that GEMV's split-K sums are added into."""
-    pdl_enter(PDL)
+    output that GEMV's split-K sums are added into.
+
+    FRESH (with ROPE): the new token's key is left out of the key tiles and added to the softmax from
+    registers (its score an FMA dot in float32, its k and v rounded as stored), so the first tile's
+    K and V loads go out with q's, before the rotation, and nothing waits on the write (no barrier).
+    EARLY (with PDL): the length, the position, the first tile and the RoPE table are read before
+    `pdl_enter`, while the kernel ahead still runs: the caller promises that kernel writes none of
+    them (the caches' rows other than the position, which FRESH never loads, included)."""
+    if not EARLY:
+        pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    if ZERO:
-        if pid_s == 0:
-            _zero_share(z_ptr, Z, pid_bh, tl.num_programs(0))
     b = pid_bh // HK
     hk = pid_bh % HK
     if LEN_FROM_PTR:   # the device scalar + len_add (a decode step's position + 1)
@@ -122,50 +150,75 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     row_ok = rows < G * TQ
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    skip = -1   # FRESH: the key at pos, which this launch writes: left out of the tiles, added from registers
+    if ROPE:
+        pos = tl.load(pos_ptr).to(tl.int32)
+        if FRESH:
+            skip = pos
+    if FRESH:   # the first tile's loads go out before anything waits on q or the RoPE table
+        n0_offs = start + tl.arange(0, BLOCK_N)
+        n0_ok = (n0_offs < stop) & (n0_offs != skip)
+        kt0 = tl.load(k_base + n0_offs[:, None] * sk_t + offs_d[None, :], mask=n0_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        vt0 = tl.load(v_base + n0_offs[:, None] * sv_t + offs_dv[None, :], mask=n0_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        kn_rot = tl.zeros([BLOCK_D], tl.float32)
+        vn_row = tl.zeros([BLOCK_DV], tl.float32)
+    if ROPE:
+        partner, c, sn = _rotation(pos, inv_ptr, cos_ptr, sin_ptr, TABLE_ROWS, offs_d, HALF, INTERLEAVED)
+    if EARLY:   # all of the above reads what no kernel ahead on the stream writes
+        pdl_enter(PDL)
+    if ZERO:
+        if pid_s == 0:
+            _zero_share(z_ptr, Z, pid_bh, tl.num_programs(0))
     q_rows = q_ptr + b * sq_b + (hk * G + g)[:, None] * sq_h + t[:, None] * sq_t
     q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if ROPE:
-        pos = tl.load(pos_ptr).to(tl.int32)
-        partner, c, sn = _rotation(pos, inv_ptr, cos_ptr, sin_ptr, TABLE_ROWS, offs_d, HALF, INTERLEAVED)
         q_pair = tl.load(q_rows + partner[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         q = (q.to(tl.float32) * c[None, :] + q_pair.to(tl.float32) * sn[None, :]).to(q_ptr.dtype.element_ty)
         writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
-        if pid_s == writer:   # the new token's k and v into the caches, before this split reads them
+        if pid_s == writer:   # the new token's k and v into the caches (before this split reads them, unless FRESH)
             if (pos >= 0) & (pos < TBUF):
                 kn_row = kn_ptr + b * skn_b + hk * skn_h
                 kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
                 kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
-                tl.store(k_ptr + b * sk_b + hk * sk_h + pos * sk_t + offs_d,
-                         (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty), mask=offs_d < D)
+                kn_st = (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty)
+                tl.store(k_base + pos * sk_t + offs_d, kn_st, mask=offs_d < D)
                 vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0)
-                tl.store(v_ptr + b * sv_b + hk * sv_h + pos * sv_t + offs_dv, vn.to(v_ptr.dtype.element_ty), mask=offs_dv < DV)
-            tl.debug_barrier()   # the CTA's stores are seen by its loads below
+                vn_st = vn.to(v_ptr.dtype.element_ty)
+                tl.store(v_base + pos * sv_t + offs_dv, vn_st, mask=offs_dv < DV)
+                if FRESH:   # as stored, so later steps read what this one used
+                    kn_rot = kn_st.to(tl.float32)
+                    vn_row = vn_st.to(tl.float32)
+            if not FRESH:
+                tl.debug_barrier()   # the CTA's stores are seen by its loads below
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    k_base = k_ptr + b * sk_b + hk * sk_h
-    v_base = v_ptr + b * sv_b + hk * sv_h
     limit = t + length - TQ                      # causal: the last key each row may see
-    for n0 in range(start, stop, BLOCK_N):
+    first = start
+    if FRESH:   # the first tile's K and V were loaded before the rotation; the new key comes from registers
+        m_i, l_i, acc = _decode_tile(q, kt0, vt0, n0_offs, n0_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION)
+        first = start + BLOCK_N
+    for n0 in range(first, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < stop
+        n_ok = (offs_n < stop) & (offs_n != skip)
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         if EARLY_V:   # independent of p: both loads in flight together
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                          # [R, N], log2 units
-        ok = n_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= limit[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not EARLY_V:
-            vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
-        m_i = m_new
+        else:
+            vt = v_base + offs_n[:, None] * sv_t + offs_dv[None, :]   # loaded after the softmax math
+        m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
+                                     EARLY_V, n_ok[:, None] & (offs_dv < DV)[None, :])
+    if FRESH:
+        if (skip >= start) & (skip < stop):   # the new token's key: its score in float32 from registers
+            s_new = tl.sum(q.to(tl.float32) * kn_rot[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * vn_row[None, :]
+            m_i = m_new
     out_offs = out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :]
     out_ok = row_ok[:, None] & (offs_dv < DV)[None, :]
     if SHORT_PATH:
@@ -477,6 +530,22 @@ DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3p")
 # smaller ones spread a short cache over more programs, each with less to read one after another
 DECODE_CHUNK_KB = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_KB", "32"))
 DECODE_BLOCK_N = int(os.environ.get("INGOT_CUDA_DECODE_BLOCK_N", "0"))
+# `attention(early=True)` honoured (INGOT_CUDA_DECODE_EARLY=0: ignored, for measuring): with RoPE and the
+# KV write inside the decode kernel, the length, the position and the RoPE table (and with FRESH the first
+# K/V tile) are read before the kernel's wait, while the kernel ahead (the qkv GEMV) still runs. H200,
+# 2026-12-03, steps replayed in one call: SmolLM2 int4 495.8-496.5 us against 551.0 without; Llama-3-8B
+# int4 1916.1 against 1999.1 (0.619 of copy against 0.593).
+DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
+# with early loads: the new token's key and value used from registers (`attention(fresh=)`), so the
+# first tile's loads go out before the wait too, where that K+V tile takes at most FRESH_TILE_BYTES (it
+# is held in registers through the rotation; ptxas for sm_90a, 4 warps: SmolLM2's f32 d 64 tile of 64
+# keys 246 registers against 158, a 16-bit d 128 tile 241 against 85, f32 d 128 (64 KB) spills 856
+# bytes). H200 (`cuda_decode_probe.py`, SmolLM2's attention as the step runs it, 33 / 100 / 160 / 1000
+# keys): 4.19 / 5.40 / 5.66 / 8.89 us against 4.31 / 5.51 / 5.77 / 8.92 re-reading the new row, but
+# without early loads slower (5.61 / 6.78 / 7.05 / 10.48 against 4.96 / 6.32 / 6.51 / 9.63): the peeled
+# tile costs more than the barrier it saves. The steps replayed were the same (495.8 against 495.9-496.5 us).
+DECODE_FRESH = os.environ.get("INGOT_CUDA_DECODE_FRESH", "1") == "1"
+FRESH_TILE_BYTES = 32 << 10
 
 
 @dataclass
@@ -544,7 +613,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
-              zero: torch.Tensor | None = None, length_offset: int = 0) -> torch.Tensor:
+              zero: torch.Tensor | None = None, length_offset: int = 0, fresh: bool | None = None,
+              early: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` (+ `length_offset`) keys; GQA by
     head groups.
 
@@ -566,7 +636,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
 
     `rope`: q is RoPE's input, rotated here, and the new token's k and v (`RopeWrite`) are written into
     the caches k and v at its position first: in the decode kernel itself when there is one query row
-    (no launch for them), else by `fused.rope_qkv_into` ahead of the attention.
+    (no launch for them), else by `fused.rope_qkv_into` ahead of the attention. There `fresh` (None:
+    with `early`, where the first K+V tile is at most FRESH_TILE_BYTES) takes the new key and value from
+    registers instead of reading them back, so the cache loads do not wait for the write. `early` (with `rope`, on a device with programmatic
+    dependent launch): the length, the position, the caches' first key tile and the RoPE table are read
+    while the kernel ahead on the stream still runs; only for a caller that knows that kernel writes
+    none of them (the executor's decode step: the caches are written by this launch alone).
 
     `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
     decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`
@@ -642,7 +717,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
                          INTERLEAVED=rope.interleaved)
             cos, sin = rope.cos_sin
             assert cos.shape == sin.shape and cos.shape[1] == rope.inv_freq.shape[0] and cos.dtype == torch.float32
-            extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0])
+            extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0], EARLY=early and DECODE_EARLY)
+            if fresh is None:   # with early loads; the first tile held in registers through the rotation
+                fresh = DECODE_FRESH and extra["EARLY"] and bn * (block_d + block_dv) * k.element_size() <= FRESH_TILE_BYTES
+            extra.update(FRESH=fresh)
         # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
         xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
         if xq_here:

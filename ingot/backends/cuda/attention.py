@@ -545,7 +545,7 @@ DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
 # without early loads slower (5.61 / 6.78 / 7.05 / 10.48 against 4.96 / 6.32 / 6.51 / 9.63): the peeled
 # tile costs more than the barrier it saves. The steps replayed were the same (495.8 against 495.9-496.5 us).
 DECODE_FRESH = os.environ.get("INGOT_CUDA_DECODE_FRESH", "1") == "1"
-FRESH_TILE_BYTES = 32 << 10
+FRESH_TILE_BYTES = int(os.environ.get("INGOT_CUDA_DECODE_FRESH_BYTES", 32 << 10))
 
 
 @dataclass

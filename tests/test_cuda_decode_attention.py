@@ -232,6 +232,8 @@ SWITCHES = {
     "min-chunk-200": dict(min_chunk=200),    # not a multiple of the key tile: rounded up
     "min-chunk-4096": dict(min_chunk=4096),  # past the buffer: one split always
     "tf32x3p": dict(precision="tf32x3p"),    # the three tf32 passes as independent dots: float32's bar still
+    "align16": dict(chunk_align=16),         # splits of whole 16-key steps, tiles of 64: a tile crosses them
+    "align1": dict(chunk_align=1),
 }
 
 
@@ -245,6 +247,18 @@ def test_decode_switches(name, merge):
         check(got, reference(q, k, v, length, True), "float32", (name, merge, length))
         if merge:
             assert tickets_are_zero(3), (name, length)
+
+
+@pytest.mark.parametrize("align", [1, 16, 48])
+@pytest.mark.parametrize("min_chunk", [None, 40])
+def test_chunk_align_covers_every_key(align, min_chunk):
+    """The splits launched for a buffer (split=None: capped where more could never see keys) cover every
+    key when a split's keys are multiples of `chunk_align` rather than of the key tile."""
+    for buffer, length in ((100, 100), (100, 37), (500, 500), (500, 1)):
+        (q, k, v), dev = inputs(f"align{buffer}-{length}", 1, 8, 2, 1, buffer, 64, length, "float32")
+        got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True, chunk_align=align,
+                             min_chunk=min_chunk)
+        check(got, reference(q, k, v, length, True), "float32", (align, min_chunk, buffer, length))
 
 
 def test_decode_min_chunk_is_about_32_kb():

@@ -54,11 +54,11 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _decode_chunk(length, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """Keys per split from the runtime length: ceil(length / SPLIT), at least MIN_CHUNK (0: none), in
-    whole BLOCK_N tiles; and `active`, the splits that see at least one key (0 when length is 0)."""
+def _decode_chunk(length, SPLIT: tl.constexpr, ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Keys per split from the runtime length: ceil(length / SPLIT), at least MIN_CHUNK (0: none), a
+    multiple of ALIGN keys; and `active`, the splits that see at least one key (0 when length is 0)."""
     chunk = tl.maximum((length + SPLIT - 1) // SPLIT, MIN_CHUNK)
-    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    chunk = (chunk + ALIGN - 1) // ALIGN * ALIGN
     active = tl.where(chunk > 0, (length + chunk - 1) // tl.maximum(chunk, 1), 0)
     return chunk, tl.minimum(active, SPLIT)
 
@@ -98,7 +98,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
-                   EARLY: tl.constexpr = False):
+                   EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -108,7 +108,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     one active split (or none: length 0) split 0 normalises and writes the output itself, with no
     partials, ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys
     per split (a short cache uses one split). EARLY_V: the V tile is loaded with the K tile, before
-    the softmax math. All three off: the kernel as before (every split stores partials).
+    the softmax math. All three off: the kernel as before (every split stores partials). CHUNK_ALIGN:
+    a split's keys are a multiple of it (the wrapper: BLOCK_N unless told).
 
     ROPE (one query row per head, TQ 1): q is rotated here by the position at pos_ptr (`_rotation`, cos/sin
     from a table), and
@@ -137,7 +138,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32) + len_add, 0), TBUF)
     else:
         length = length_const  # clamped by the wrapper
-    chunk, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
+    chunk, active = _decode_chunk(length, SPLIT, CHUNK_ALIGN, MIN_CHUNK)
     if SHORT_PATH:
         if pid_s >= tl.maximum(active, 1):   # sees no key (split 0 stays to write zeros when length is 0)
             return
@@ -317,7 +318,7 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK,
             length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32) + len_add, 0), TBUF)
         else:
             length = length_const
-        _, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)
+        _, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)   # BLOCK_N: the decode kernel's CHUNK_ALIGN
         if active <= 1:
             return
         n_split = active
@@ -530,6 +531,8 @@ DECODE_F32_PRECISION = os.environ.get("INGOT_CUDA_DECODE_PRECISION", "tf32x3p")
 # smaller ones spread a short cache over more programs, each with less to read one after another
 DECODE_CHUNK_KB = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_KB", "32"))
 DECODE_BLOCK_N = int(os.environ.get("INGOT_CUDA_DECODE_BLOCK_N", "0"))
+# a split's keys a multiple of this (0: the key tile)
+DECODE_CHUNK_ALIGN = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_ALIGN", "0"))
 # `attention(early=True)` honoured (INGOT_CUDA_DECODE_EARLY=0: ignored, for measuring): with RoPE and the
 # KV write inside the decode kernel, the length, the position and the RoPE table (and with FRESH the first
 # K/V tile) are read before the kernel's wait, while the kernel ahead (the qkv GEMV) still runs. H200,
@@ -614,7 +617,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
               zero: torch.Tensor | None = None, length_offset: int = 0, fresh: bool | None = None,
-              early: bool = False) -> torch.Tensor:
+              early: bool = False, chunk_align: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` (+ `length_offset`) keys; GQA by
     head groups.
 
@@ -630,7 +633,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
-    `early_v` loads each V tile with its K tile (None: as `short_path`). short_path None: on unless
+    `early_v` loads each V tile with its K tile (None: as `short_path`); `chunk_align`: a split's keys
+    are a multiple of it (None: INGOT_CUDA_DECODE_CHUNK_ALIGN, else the key tile). short_path None: on unless
     INGOT_CUDA_DECODE_SHORT=0 (for measuring a whole model without it). `short_path=False` with the
     other two left None is the kernel as it was before these switches.
 
@@ -691,6 +695,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     if mask is None and group * tq <= DECODE_MAX_ROWS:
         block_r = max(16, triton.next_power_of_2(group * tq))
         bn = block_n or DECODE_BLOCK_N or (64 if block_d <= 128 else 32)
+        align = chunk_align or DECODE_CHUNK_ALIGN or bn
         if min_chunk is None:
             min_chunk = _decode_min_chunk(d, dv, k.element_size(), DECODE_CHUNK_KB << 10) if short_path else 0
         merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
@@ -699,7 +704,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             if split <= MERGE_MAX_SPLITS:   # merged in the kernel: fewer, longer splits
                 split = merge_split = min(split, DECODE_MERGE_SPLITS)
             if short_path and min_chunk > 1:   # more splits than cdiv(buffer, min_chunk) never see keys
-                split = min(split, triton.cdiv(tbuf, triton.cdiv(min_chunk, bn) * bn))
+                split = min(split, triton.cdiv(tbuf, triton.cdiv(min_chunk, align) * align))
         if num_stages is None and triton.cdiv(max(triton.cdiv(tbuf, split), min_chunk), bn) <= 1:
             num_stages = 1   # one key tile a split at most: no pipelined loads to set up (H200, SmolLM2's
             # 9/3 heads f32 with RoPE and the rounded output: 5.04 us against 5.51 at 33 keys, 6.18 / 6.68 at 100)
@@ -738,7 +743,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            len_add=length_offset, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra,
+            len_add=length_offset, CHUNK_ALIGN=align, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra,
             **pdl_args(q.device))
         if xq_here:
             xq.written = True
@@ -747,7 +752,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         _combine_kernel[(nb * hk, group * tq)](
             o_part, ml_part, o4, len_ptr, len_const, hk, group, tq, tbuf, dv, o4.stride(0), o4.stride(1), o4.stride(2),
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),
-            BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=from_ptr, BLOCK_N=bn, SHORT_PATH=short_path,
+            BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=from_ptr, BLOCK_N=align, SHORT_PATH=short_path,
             MIN_CHUNK=max(min_chunk, 0), len_add=length_offset, num_warps=4, **pdl_args(q.device))
         return result
     mask4 = q4  # unused pointer

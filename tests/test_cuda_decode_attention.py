@@ -119,12 +119,15 @@ def test_length_offset_is_added_to_the_device_length(config, tq):
 
 
 @pytest.mark.parametrize("hq,hk,buffer,want_split,combine", [(9, 3, 2048, 8, False), (32, 8, 2048, 8, False),
-                                                             (32, 8, 4096, 33, True), (9, 3, 200, 4, False)],
-                         ids=["smollm-2048", "llama-2048", "llama-4096", "smollm-200"])
+                                                             (32, 8, 4096, 32, True), (9, 3, 200, 4, False),
+                                                             (32, 8, 32768, 32, True)],
+                         ids=["smollm-2048", "llama-2048", "llama-4096", "smollm-200", "llama-32k"])
 def test_decode_splits_launched_from_the_buffer(hq, hk, buffer, want_split, combine, monkeypatch):
     """On 132 multiprocessors: at most DECODE_MERGE_SPLITS splits a KV head where the last one merges in
-    the kernel (a buffer of at most MERGE_MAX_SPLITS key tiles); past that two programs per SM, merged
-    by the combine kernel. Either way the result is the attention over the runtime length."""
+    the kernel (a buffer of at most MERGE_MAX_SPLITS key tiles); past that two programs per SM (33
+    splits for 8 KV heads), less those the whole buffer's chunks leave without keys (32: chunks of
+    128 keys at 4096, 1024 at 32k), merged by the combine kernel. Either way the result is the
+    attention over the runtime length."""
     grids, kernels = [], {"decode": attn._decode_kernel, "combine": attn._combine_kernel}
 
     class Recorded:

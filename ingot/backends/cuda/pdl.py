@@ -13,10 +13,15 @@ two of ours never triggers early, so the stream is ordered there as usual.
 INGOT_CUDA_PDL=0 turns it off.
 
 Nothing is loaded before the wait, the kernel ahead may still be writing it (a weight prepared by the
-launch just before; the GEMV tests caught a first weight tile loaded early), with one exception: in a
+launch just before; the GEMV tests caught a first weight tile loaded early), with two exceptions. In a
 captured CUDA graph the word GEMV loads its first weight tile before the wait (`EARLY_W`), as the
 graph's weights are constants no kernel of the stream writes (H200, 2026-12-03: SmolLM2's step 533.5-534.3
-us against 552.4-552.8, Llama-3-8B's 1996.6-2001.7 against 2078.4-2078.7). L2 prefetches before the
+us against 552.4-552.8, Llama-3-8B's 1996.6-2001.7 against 2078.4-2078.7). And the decode attention
+with RoPE inside reads its length, position, RoPE table and first K/V tile before the wait when its
+caller says no kernel ahead writes them (`attention(early=True)`: the executor's decode step, whose
+caches only that launch writes; SmolLM2's step 495.9-496.5 us against 551.0, Llama-3-8B's 1916.1
+against 1999.1). Once the kernel ahead has passed its own wait, every kernel before it has finished,
+so only the kernel just ahead can still be writing. L2 prefetches before the
 wait measured slower (2026-12-03, Llama-3-8B step 2271 us with 8 MiB of GEMV weights and a short
 cache's first K/V tile prefetched, 2163 without; the GEMVs' kernel time 1532 against 1449 us, decode
 attention's 382 against 329), so there are none.

@@ -642,10 +642,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     the caches k and v at its position first: in the decode kernel itself when there is one query row
     (no launch for them), else by `fused.rope_qkv_into` ahead of the attention. There `fresh` (None:
     with `early`, where the first K+V tile is at most FRESH_TILE_BYTES) takes the new key and value from
-    registers instead of reading them back, so the cache loads do not wait for the write. `early` (with `rope`, on a device with programmatic
-    dependent launch): the length, the position, the caches' first key tile and the RoPE table are read
-    while the kernel ahead on the stream still runs; only for a caller that knows that kernel writes
-    none of them (the executor's decode step: the caches are written by this launch alone).
+    registers instead of reading them back, so the cache loads do not wait for the write. `early` (with
+    `rope`, on a device with programmatic dependent launch): the length, the position, the caches'
+    first key tile and the RoPE table are read while the kernel ahead on the stream still runs; only
+    for a caller that knows that kernel writes none of them (the executor's decode step: the caches
+    are written by this launch alone).
 
     `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
     decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`

@@ -203,7 +203,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         first = start + BLOCK_N
     for n0 in range(first, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < stop) & (offs_n != skip)
+        n_ok = offs_n < stop
+        if FRESH:
+            n_ok = n_ok & (offs_n != skip)
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         if EARLY_V:   # independent of p: both loads in flight together
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)

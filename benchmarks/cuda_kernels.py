@@ -222,8 +222,9 @@ def decode_attention_rows(results, bw, quick):
         row = dict(kernel="decode_attention", kv_len=length, heads=f"{hq}/{hk}", d=d, dtype="bfloat16", kv_bytes=nbytes,
                    torch_sdpa_us=round(t_torch * 1e3, 1), torch_tb_s=round(nbytes / (t_torch * 1e-3) / 1e12, 3))
         # (measured slower on the H200, 2026-12-03, and dropped: 32 splits merged in the kernel 56.9 us, 64 /
-        # 128 / 256 splits 48.2 / 55.2 / 74.8, 128 splits of 128-key tiles with 8 warps 63.1, against 40.3)
-        for vname, kw in {"default": {}, "combine-kernel": dict(merge=False), "split32-combine": dict(split=32, merge=False),
+        # 128 / 256 splits 48.2 / 55.2 / 74.8, 128 splits of 128-key tiles with 8 warps 63.1, against 40.3;
+        # 32 splits with the combine kernel, 39.2-39.4 against 41.1 for 33, is the default since)
+        for vname, kw in {"default": {}, "combine-kernel": dict(merge=False),
                           "split41": dict(split=41), "split49": dict(split=49), "align16": dict(chunk_align=16),
                           "align8": dict(chunk_align=8), "split49-align16": dict(split=49, chunk_align=16),
                           "bn128": dict(block_n=128), "bn32": dict(block_n=32),

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ingot.backends import cuda as cuda_backend  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.ir import Op  # noqa: E402
 from ingot.models import llama  # noqa: E402
 
 SHAPES = {
@@ -78,10 +79,28 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def weight_bytes() -> int:
-    """Bytes of every weight on the device (re-packed quantized weights and float constants)."""
+def weight_bytes(exe=None) -> int:
+    """Bytes of the device weights one step of `exe` reads: the re-packed quantized weights and float
+    constants made from its program's constants. A gather's table is read one row a token, so its own
+    device copy is left out (an untied model's embedding, 328 MB at Llama-3-8B int4; a tied model's
+    k-major copy beside the lm_head's word layout); the rows it reads are a few KB. exe None: every
+    device constant (the figure before 2026-12-03's fourteenth session, which counted the embedding)."""
+    used, gathered, other = None, set(), set()
+    if exe is not None:
+        program = exe.plan.program
+        for node in program.nodes():
+            table = node.src[:-1] if node.op in (Op.GATHER, Op.QUANTIZED_GATHER) else ()
+            for src in node.src:
+                if src.op == Op.CONSTANT:
+                    (gathered if any(src is t for t in table) else other).add(id(program.constants[src.attrs["key"]]))
+        used = gathered | other
     total = 0
-    for v in cuda_backend._DEVICE_CONSTANTS.values():
+    for key, v in cuda_backend._DEVICE_CONSTANTS.items():
+        if used is not None:
+            if key[0] not in used:
+                continue
+            if key[0] in gathered and (key[0] not in other or (isinstance(v, qmm.QuantizedWeight) and not v.words)):
+                continue   # the gather's own copy: a table only gathered, or the k-major copy of a tied one
         if isinstance(v, qmm.QuantizedWeight):
             total += v.nbytes
         elif isinstance(v, torch.Tensor):
@@ -145,7 +164,7 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
         replay_us = start.elapsed_time(end) * 1e3 / 50
     # bytes one step reads: every weight once, and the K and V caches of all B sequences (mean length)
     kv_read = 2 * cfg.n_layers * cfg.n_kv_heads * (prompt_len + steps // 2) * cfg.head_dim * 4 * batch
-    weights_read = weight_bytes()
+    weights_read = weight_bytes(dec)
     nbytes = weights_read + kv_read
     # per-kernel breakdown of one eager step (the profiler cannot see inside a graph replay)
     breakdown = {}

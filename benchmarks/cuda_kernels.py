@@ -96,11 +96,7 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         "waves24": dict(WAVES=24), "waves64": dict(WAVES=64),
         "one-wave": dict(WAVES=0),
         "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8),
-        "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1),
-        # Triton's software pipeline (cp.async through shared memory) instead of the register prefetch
-        "pipe2": dict(PREFETCH=False, STAGES=2), "pipe3": dict(PREFETCH=False, STAGES=3),
-        "pipe4": dict(PREFETCH=False, STAGES=4), "pipe3-tb1": dict(PREFETCH=False, STAGES=3, TB=1),
-        "pipe3-w4": dict(PREFETCH=False, STAGES=3, num_warps=4), "pipe3-w1": dict(PREFETCH=False, STAGES=3, num_warps=1), "tb-auto": dict(TB="auto"), "stages1": dict(num_stages=1),
+        "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "tb-auto": dict(TB="auto"), "stages1": dict(num_stages=1),
         "nloop": dict(NLOOP=True), "nloop-waves32": dict(NLOOP=True, WAVES=32), "nloop-waves8": dict(NLOOP=True, WAVES=8),
         "nloop-tb2": dict(NLOOP=True, TB=2), "nloop-tb8": dict(NLOOP=True, TB=8), "nloop-w2": dict(NLOOP=True, num_warps=2),
         "nloop-w8": dict(NLOOP=True, num_warps=8),

@@ -160,10 +160,6 @@ def test_resident_programs_and_the_one_wave_split():
     assert qmm.resident_programs(255, 4) == 2
     assert qmm.resident_programs(32, 1) == 32          # the 32-program limit, not registers
     assert qmm.resident_programs(32, 4) == 16          # the 64-warp limit
-    assert qmm.resident_programs(80, 2, shared=20768) == 10   # a pipelined GEMV: shared memory, not registers
-    assert qmm.resident_programs(80, 2, shared=0) == 12
-    assert qmm.words_gemv_config(types.SimpleNamespace(n=4096, q=torch.empty(1792, 1)), 1, 132, waves=0,
-                                 regs=(80, 20768))["SPLIT"] == 10 * 132 // 16
     gate_up = types.SimpleNamespace(n=28672, q=torch.empty(512, 1))
     assert qmm.words_gemv_config(gate_up, 1, 132, waves=0, regs=100)["SPLIT"] == 4 * 132 // 56
     assert qmm.words_gemv_config(gate_up, 1, 132, waves=0)["SPLIT"] == qmm.words_gemv_config(gate_up, 1, 132)["SPLIT"]
@@ -296,55 +292,6 @@ def test_early_weight_tile_same_result(self_round, tb):
     check(got, x, w, 2, what="early weight tile")
     split = qmm.quantized_matmul(x, w, config=dict(base, EARLY_W=True, SPLIT=3, REDUCE=2))
     assert rel_err(split.cpu(), want.cpu()) < 1e-6
-
-
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("mode", ["x-in-gemv", "xq", "xq-self", "glu-residual"])
-def test_pipelined_loop_same_result(mode, stages):
-    """STAGES (Triton's software pipeline through shared memory instead of the register prefetch)
-    changes when the loads are issued, not what is computed: bit-equal to the prefetching launch with
-    one split, over tiles of 1 and 2 blocks, a ragged K, 3 rows, and with GLU + residual."""
-    rng = rng_for(f"pipe{mode}{stages}")
-    w = words_weight(rng, FORMATS[1], (1000, 390, 32))
-    x = torch.from_numpy(rng.standard_normal((3, 1000)).astype(np.float32)).to(DEVICE)
-    kw = {}
-    if mode == "glu-residual":
-        kw = dict(x_gate=torch.from_numpy(rng.standard_normal((3, 1000)).astype(np.float32)).to(DEVICE),
-                  residual=torch.from_numpy(rng.standard_normal((3, 390)).astype(np.float32)).to(DEVICE))
-    xq = XQ_MODES["xq" if mode == "glu-residual" else mode]
-    for tb in (1, 2):
-        base = dict(LIMBS=2, SPLIT=1, TB=tb, EARLY_W=False, **xq)
-        want, got = torch.empty(3, 390, device=DEVICE), torch.empty(3, 390, device=DEVICE)
-        qmm._words_gemv(x, w, want, dict(base, PREFETCH=True), **kw)
-        qmm._words_gemv(x, w, got, dict(base, PREFETCH=False, STAGES=stages), **kw)
-        assert torch.equal(got, want), (mode, stages, tb)
-    if mode != "glu-residual":
-        check(got, x, w, 2, what="pipelined")
-        split = qmm.quantized_matmul(x, w, config=dict(KERNEL="words", LIMBS=2, SPLIT=3, REDUCE=2, PREFETCH=False,
-                                                       STAGES=stages, **xq))
-        assert rel_err(split.cpu(), want.cpu()) < 1e-6
-
-
-def test_the_gemv_stages_switch(monkeypatch):
-    """INGOT_CUDA_GEMV_STAGES > 1 runs every word GEMV pipelined, the register prefetch off; a config that
-    names either key keeps it."""
-    seen = []
-    real = qmm._qgemv_words_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw.get("STAGES", 1), kw.get("PREFETCH")))
-                return real[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(qmm, "_qgemv_words_kernel", Spy())
-    monkeypatch.setattr(qmm, "WORDS_STAGES", 3)
-    rng = rng_for("stages-switch")
-    w = words_weight(rng, FORMATS[1], (256, 130, 32))
-    x = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32)).to(DEVICE)
-    qmm.quantized_matmul(x, w)
-    qmm.quantized_matmul(x, w, config=dict(PREFETCH=True))
-    assert seen == [(3, False), (1, True)], seen
 
 
 @pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs CUDA graphs")

@@ -555,7 +555,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
                         copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                        EARLY_W: tl.constexpr = False, STAGES: tl.constexpr = 1):
+                        EARLY_W: tl.constexpr = False):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -587,9 +587,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     ZERO: the programs zero z [Z] (float32, apart from every operand), the split-K output of the GEMV
     launched after this one. PREFETCH: each weight tile is loaded a tile ahead of its arithmetic;
     EARLY_W: the first one before `pdl_enter`, while the kernel ahead still runs, only for weights no
-    kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule). STAGES > 1 (with
-    PREFETCH off): Triton's software pipeline instead, the loop's loads (weight tile, scales, x) issued
-    STAGES - 1 tiles ahead through shared memory (asynchronous copies), not registers."""
+    kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -633,7 +631,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                      NORM_BLOCK)                                                             # [ROWS]
     if XQ_SELF:
         tl.debug_barrier()                                    # every thread's rounded x is stored
-    for kw0 in tl.range(kw_start, kw_stop, KWT, num_stages=STAGES):
+    for kw0 in range(kw_start, kw_stop, KWT):
         rows = kw0 + tile_rows
         if PREFETCH:
             w = w_next
@@ -1039,13 +1037,11 @@ WORDS_MAX_ROWS = int(os.environ.get("INGOT_CUDA_WORDS_ROWS", "4"))
 DP4A = os.environ.get("TRITON_INTERPRET") != "1"                          # the interpreter runs no inline PTX
 
 
-def resident_programs(regs: int, warps: int, shared: int = 0) -> int:
-    """Programs of `warps` warps at `regs` registers a thread (and `shared` bytes of shared memory) that
-    one Hopper multiprocessor holds at once: 64K registers allocated 256 to a warp, 227 KB of shared
-    memory (1 KB of it reserved per program), at most 64 warps and 32 programs."""
+def resident_programs(regs: int, warps: int) -> int:
+    """Programs of `warps` warps at `regs` registers a thread that one Hopper multiprocessor holds at
+    once: 64K registers allocated 256 to a warp, at most 64 warps and 32 programs."""
     per_warp = -(-regs * 32 // 256) * 256
-    by_shared = (233472 // (shared + 1024)) if shared else 32
-    return max(1, min(65536 // (per_warp * warps), 64 // warps, 32, by_shared))
+    return max(1, min(65536 // (per_warp * warps), 64 // warps, 32))
 
 
 # warps a multiprocessor the word GEMV's split-K aims at; 0 (the default): exactly one wave of
@@ -1057,14 +1053,11 @@ WORDS_WAVES = int(os.environ.get("INGOT_CUDA_GEMV_WAVES", "0"))
 # serial work on x halves; SmolLM2's qkv 702 instructions a program instead of 1439 in ptxas).
 # H200, 2026-12-03: SmolLM2 step 840 us replayed against 925 with 2 everywhere.
 WORDS_TB = os.environ.get("INGOT_CUDA_GEMV_TB", "auto")
-# >1: the word GEMV's loop software-pipelined by Triton that many stages deep (weight tiles, scales and x
-# through shared memory), instead of its weight tile prefetched a tile ahead in registers (PREFETCH)
-WORDS_STAGES = int(os.environ.get("INGOT_CUDA_GEMV_STAGES", "1"))
 _WORDS_REGS: dict = {}   # the word GEMV's registers a thread, per compiled variant (from its first launch)
 
 
 def words_gemv_config(w: QuantizedWeight, m: int, sms: int, waves: int = 32, num_warps: int | None = None,
-                      rows: int | None = None, regs: int | tuple | None = None, tb: int | str | None = None) -> dict:
+                      rows: int | None = None, regs: int | None = None, tb: int | str | None = None) -> dict:
     """The word-layout GEMV: a warp's threads side by side along N (4 columns each, one 16-byte load
     per row of a tile), ROWS rows of x per program (default 1: more spilled registers), and
     split-K until about `waves` warps per multiprocessor are resident. waves=0: split-K until the
@@ -1082,8 +1075,7 @@ def words_gemv_config(w: QuantizedWeight, m: int, sms: int, waves: int = 32, num
     tb = int(tb)
     tiles = triton.cdiv(w.q.shape[0], 4 * tb)
     if waves == 0 and regs:
-        regs, shared = regs if isinstance(regs, tuple) else (regs, 0)
-        split = max(1, min(resident_programs(regs, warps, shared) * sms // programs, tiles))
+        split = max(1, min(resident_programs(regs, warps) * sms // programs, tiles))
     else:
         split = max(1, min(((waves or 32) * sms) // (programs * warps), tiles))
     return dict(BLOCK_N=block_n, TB=tb, ROWS=rows, SPLIT=split, num_warps=warps, PREFETCH=True)
@@ -1298,8 +1290,6 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         if zero is not None:
             zero.zero_()
         return _words_nloop_gemv(x2, w, y, config)
-    if WORDS_STAGES > 1 and "STAGES" not in config and "PREFETCH" not in config:
-        config.update(STAGES=WORDS_STAGES, PREFETCH=False)
     xq = config.pop("XQ", w.nbytes >= XQ_MIN_BYTES) and not config.get("XFREE", False)
     if "EARLY_W" not in config and EARLY_WEIGHTS and x2.is_cuda and torch.cuda.is_current_stream_capturing():
         config["EARLY_W"] = True
@@ -1364,7 +1354,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg,
         **pdl_args(x2.device))
     if waves == 0 and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
-        _WORDS_REGS[variant] = (compiled.n_regs, getattr(compiled.metadata, "shared", 0) or 0)
+        _WORDS_REGS[variant] = compiled.n_regs
     if target is not y:
         y.copy_(target)
 

@@ -113,11 +113,11 @@ def constant_tensor(array: np.ndarray, device) -> torch.Tensor:
 
 WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights in the dp4a GEMV's word layout
 # a decode attention rounds its output for the quantized matmul after it (no quantize launch between
-# them) where that matmul's weight is smaller than this; 0: never. H200 (eighth session), steps replayed:
-# SmolLM2's o (0.2 MB) 653 us with it against 679; Llama-3-8B's o (10.5 MB) 2054 with it against 1987:
-# there the 8 programs that write the heads' outputs round 512 values each at the end of the attention,
-# while the quantize launch spreads the work over 32 and overlaps the GEMV's start
-ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(8 << 20)))
+# them) where that matmul's weight is smaller than this; 0: never. H200, steps replayed: SmolLM2's o
+# (0.2 MB) 653 us with it against 679 (eighth session). Llama-3-8B's o (10.5 MB) lost then (2054 against
+# 1987, with the 8 MiB limit this had until the fourteenth session) but wins since the attention's early
+# loads: 1896.6 / 1896.3 us against 1919.9 / 1918.7 (fourteenth session, two calls)
+ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(256 << 20)))
 
 
 @dataclass

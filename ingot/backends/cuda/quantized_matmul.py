@@ -1152,7 +1152,9 @@ XQ_BLOCKS = int(os.environ.get("INGOT_CUDA_XQ_BLOCKS", "4"))   # blocks of 32 k 
 # one step where the row fits, so its loads are in flight together rather than one step after another
 XQ_NORM_BLOCK = int(os.environ.get("INGOT_CUDA_XQ_NORM_BLOCK", "4096"))   # Llama-3-8B: 324 us of these launches
 # a step at 4096 against 348 at 1024 (H200, eighth session)
-XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "4"))
+# its warps with a norm: Llama-3-8B's step 1905.0 / 1905.7 us at 8 against 1919.9 / 1918.7 at 4 (H200,
+# fourteenth session, two calls)
+XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "8"))
 _XQ_WORKSPACE: dict = {}
 
 

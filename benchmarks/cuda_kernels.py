@@ -312,6 +312,18 @@ def prefill_attention_rows(results, quick):
         "s2": dict(num_stages=2),
         "m128-n128-s2": dict(block_n=128, num_stages=2),
         "tma": dict(tma=True),                                  # Q/K/V through on-device tensor descriptors
+        # the Hopper kernel in Gluon (flash_sm90): softmax overlapped with the P V product; tiles, warps, ring depth
+        "gluon-m128-n64-w8-s3": dict(gluon=dict(block_m=128, block_n=64, num_warps=8, stages=3)),
+        "gluon-m64-n64-w4-s3": dict(gluon=dict(block_m=64, block_n=64, num_warps=4, stages=3)),
+        # ... warp-specialized: two compute warpgroups of 64 rows and a one-warp TMA loader (12 warps a block)
+        "ws-n64-s3": dict(gluon=dict(ws=True, block_n=64, stages=3)),
+        "ws-n64-s4": dict(gluon=dict(ws=True, block_n=64, stages=4)),
+        "ws-n64-s5": dict(gluon=dict(ws=True, block_n=64, stages=5)),
+        "ws-n128-s3": dict(gluon=dict(ws=True, block_n=128, stages=3)),
+        # ... q k^T with q from registers rather than shared memory
+        "ws-n64-s3-qreg": dict(gluon=dict(ws=True, block_n=64, stages=3, q_reg=True)),
+        "ws-n64-s4-qreg": dict(gluon=dict(ws=True, block_n=64, stages=4, q_reg=True)),
+        "ws-n128-s3-qreg": dict(gluon=dict(ws=True, block_n=128, stages=3, q_reg=True)),
     }
     h, d = 32, 128
     for t in ((4096,) if quick else (1024, 4096)):

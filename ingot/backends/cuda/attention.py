@@ -540,6 +540,8 @@ DECODE_CHUNK_ALIGN = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_ALIGN", "0"))
 # K/V tile) are read before the kernel's wait, while the kernel ahead (the qkv GEMV) still runs. H200,
 # 2026-12-03, steps replayed in one call: SmolLM2 int4 495.8-496.5 us against 551.0 without; Llama-3-8B
 # int4 1916.1 against 1999.1 (0.619 of copy against 0.593).
+# the Hopper prefill kernel (`flash_sm90`: softmax overlapped with the tensor cores) where it applies
+PREFILL_GLUON = os.environ.get("INGOT_CUDA_PREFILL_GLUON", "0") == "1"
 DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
 # with early loads: the new token's key and value used from registers (`attention(fresh=)`), so the
 # first tile's loads go out before the wait too, where that K+V tile takes at most FRESH_TILE_BYTES (it
@@ -619,7 +621,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
               zero: torch.Tensor | None = None, length_offset: int = 0, fresh: bool | None = None,
-              early: bool = False, chunk_align: int | None = None) -> torch.Tensor:
+              early: bool = False, chunk_align: int | None = None, gluon: bool | dict | None = None) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` (+ `length_offset`) keys; GQA by
     head groups.
 
@@ -632,6 +634,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `heads_on_axis0` puts the heads on grid axis 0 (the first wave: the heaviest block of every head;
     H200, causal bf16 T 4096: 421 TFLOP/s against 405 with the blocks on axis 0), `tma` loads Q/K/V
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
+    `gluon` (None: PREFILL_GLUON) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
+    dim 64 or 128, no mask, sm_90): the softmax of a key tile overlaps the tensor cores' P V product of
+    the tile before; a dict passes `flash_sm90`'s options (block_m, block_n, num_warps, stages, ws).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
@@ -771,6 +776,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             mask = mask.unsqueeze(0)
         mask4 = mask.expand(*batch, hq, tq, mask.shape[-1]).reshape(nb, hq, tq, mask.shape[-1])
         strides = (mask4.stride(0), mask4.stride(1), mask4.stride(2), mask4.stride(3) if mask.shape[-1] != 1 else 0)
+    if (PREFILL_GLUON if gluon is None else gluon) and mask is None and not f32:
+        from . import flash_sm90
+        if flash_sm90.supported(q4, k4, v4, mask, qk_scale):
+            _ensure_allocator(q.device)
+            flash_sm90.flash_sm90(q4, k4, v4, o4, len_ptr, len_const, from_ptr, group, qk_scale, causal,
+                                  **(gluon if isinstance(gluon, dict) else {}))
+            return result
     block_m, bn, warps, stages = _flash_config(f32, max(block_d, block_dv), block_m, block_n, num_warps, num_stages)
     use_tma = tma and _tma_ok(q4, k4, v4)
     if use_tma:

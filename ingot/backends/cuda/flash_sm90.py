@@ -1,0 +1,285 @@
+"""Prefill attention for Hopper (sm_90) in Gluon: each tile's softmax runs while the tensor cores multiply.
+
+Triton's `tl.dot` waits for every warpgroup MMA before the instructions after it, so in the flash
+kernel (`attention._flash_kernel`) the softmax of a key tile and the tensor-core work never overlap
+(ptxas: `wgmma.wait_group 0` right after each q k^T). Gluon states the waits. Per key tile j:
+
+    issue  S_j = q k_j^T                   (async warpgroup MMA, q and k_j in shared memory)
+    issue  acc += P_{j-1} v_{j-1}          (async; P_{j-1} in registers, from the last step)
+    wait   until only the second is in flight, then softmax(S_j) -> P_j, m, l, alpha
+    wait   for the second, acc *= alpha, and refill the stage tile j-1 used
+
+so the exponentials of one tile overlap the P V product of the one before (FlashAttention-3's overlap
+within a warpgroup). K and V arrive by TMA from device-side tensor descriptors of the first `length`
+rows of the (batch, KV head) slice (rows past it read as zero), through a ring of STAGES buffers, one
+mbarrier each for K and V. Tiles below the causal diagonal run unmasked; the rest apply the key bound
+and the causal limit (and a row that has seen no key yet keeps a zero maximum).
+
+Scope: 16-bit q/k/v with head dims D == DV of 64 or 128, row-contiguous, 16-byte aligned rows, no
+mask, a non-negative scale; `attention()` takes the Triton kernel for everything else. Compiles for
+sm_90 only (warpgroup MMA, TMA); Triton's interpreter does not run Gluon, so `tests/test_cuda_prefill.py`
+checks it on the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, tile, n, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA loads of key tile `tile` (when it is < n) into its stage of the K and V rings."""
+    st = tile % STAGES
+    ok = tile < n
+    mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [tile * BLOCK_N, 0], k_bar.index(st), k_smem.index(st), pred=ok)
+    mbarrier.expect(v_bar.index(st), v_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], v_bar.index(st), v_smem.index(st), pred=ok)
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, j, n_full, limit, length, qk_scale, CAUSAL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """P (unnormalized, float32), the new row maxima and sums and the rescale factor of key tile j from its
+    raw scores s; tiles from n_full on are masked (key bound, causal limit)."""
+    if j < n_full:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+    else:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = gl.expand_dims(offs_n < length, 0)
+        if CAUSAL:
+            ok = ok & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(limit, 1))
+        s = gl.where(ok, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _load_partition(k_desc, v_desc, k_smem, v_smem, ready, free, n, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """WS's loader (one warp): key tile j's K and V into its stage, on one barrier, once both compute
+    warpgroups have released the tile STAGES before it (a fresh barrier counts as released: a wait on
+    phase 1 returns at once)."""
+    for j in range(n):
+        st = j % STAGES
+        mbarrier.wait(free.index(st), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], ready.index(st), k_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, n, n_full, limit, length, qk_scale,
+            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+            STAGES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr, Q_REG: gl.constexpr = False):
+    """The key tiles' online softmax, S_j's exponentials overlapping P_{j-1} V_{j-1} on the tensor cores
+    (the module's schedule); returns the unnormalized output [BLOCK_M, BLOCK_D] and the row sums.
+    WS: k_bar is the ring's one ready barrier a stage (K and V together), v_bar its free barrier, which
+    this warpgroup arrives on once P_{j-1} V_{j-1} is done; the loader partition refills. Else K and V
+    have a ready barrier each and this refills the stage of tile j - 1 itself. Q_REG: q k^T takes q from
+    registers (loaded once) rather than shared memory."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
+    if Q_REG:
+        q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q = q_smem
+    if n > 0:
+        mbarrier.wait(k_bar.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        p32, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, n_full, limit, length, qk_scale, CAUSAL, BLOCK_N,
+                                             s_layout)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+    for j in range(1, n):
+        st = j % STAGES
+        mbarrier.wait(k_bar.index(st), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sp = (j - 1) % STAGES
+        if not WS:
+            mbarrier.wait(v_bar.index(sp), ((j - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        p32, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, n_full, limit, length, qk_scale, CAUSAL, BLOCK_N,
+                                             s_layout)
+        acc, p_done = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
+        if WS:
+            mbarrier.arrive(v_bar.index(sp), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+        if not WS:
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j - 1 + STAGES, n, STAGES, BLOCK_N)
+    if n > 0:
+        sp = (n - 1) % STAGES
+        if not WS:
+            mbarrier.wait(v_bar.index(sp), ((n - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])
+        if WS:
+            mbarrier.arrive(v_bar.index(sp), count=1)
+    return acc, l_i
+
+
+@gluon.jit
+def _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, num_warps: gl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M (< TQ) of the output: acc / l, zero where a row saw no key; stored from the
+    MMA layout (no shared-memory scratch, which the warp-specialized partitions could not share)."""
+    o_layout: gl.constexpr = acc.type.layout
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = gl.where(gl.expand_dims(l_o > 0, 1), acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1), 0.0)
+    out = out.to(out_ptr.dtype.element_ty)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + gl.expand_dims(offs_m, 1) * so_t + gl.expand_dims(offs_d, 0), out,
+             mask=gl.expand_dims(offs_m < TQ, 1))
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_smem, v_smem, ready, free, out_ptr, so_t, m0, n, n_full, length, TQ, qk_scale,
+                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                       STAGES: gl.constexpr, Q_REG: gl.constexpr):
+    """WS's compute warpgroup: BLOCK_M query rows from m0 (its q in q_smem), through the shared K/V ring."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    limit = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + m0 + length - TQ   # causal: last key a row sees
+    acc, l_i = _attend(q_smem, k_smem, v_smem, ready, free, k_smem, v_smem, n, n_full, limit, length, qk_scale,
+                       CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, True, 4, Q_REG)
+    _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M, BLOCK_D, 4)
+
+
+@gluon.jit
+def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, G, TQ, TBUF, qk_scale,
+                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+                       LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                       WS: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+                       Q_REG: gl.constexpr = False):
+    """One BLOCK_M block of query rows of one (batch, query head): grid (B * Hq, blocks), the causal
+    blocks with the most keys first. WS (num_warps 4): two compute warpgroups of BLOCK_M / 2 rows each
+    (the default partition and a worker, each with its own barriers' waits) share the K/V ring that a
+    one-warp loader partition fills."""
+    pid_bh = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    if CAUSAL:
+        pid_m = gl.num_programs(1) - 1 - pid_m
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // G
+    if LEN_FROM_PTR:
+        length = gl.minimum(gl.maximum(gl.load(len_ptr).to(gl.int32), 0), TBUF)
+    else:
+        length = length_const
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    TPW_D: gl.constexpr = BLOCK_D // 8                      # 16 bytes a thread along a row
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [num_warps, 1], [1, 0])
+    m0 = pid_m * BLOCK_M
+    q_base = q_ptr + b * sq_b + h * sq_h
+    o_base = out_ptr + b * so_b + h * so_h
+    rows = gl.maximum(length, 1)
+    k_desc = tma.make_tensor_descriptor(k_ptr + b * sk_b + hk * sk_h, shape=[rows, BLOCK_D], strides=[sk_t, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + b * sv_b + hk * sv_h, shape=[rows, BLOCK_D], strides=[sv_t, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=2 if WS else 1)   # WS: v_bar frees a stage, both warpgroups arrive
+    if CAUSAL:
+        hi = gl.minimum(length, gl.maximum(gl.minimum(m0 + BLOCK_M, TQ) + length - TQ, 0))
+        seen_by_all = gl.minimum(hi, gl.maximum(m0 + 1 + length - TQ, 0))   # keys the block's first row sees
+    else:
+        hi = length
+        seen_by_all = length
+    n = gl.cdiv(hi, BLOCK_N)
+    n_full = seen_by_all // BLOCK_N                       # tiles every row sees whole: no mask
+    if WS:   # two compute warpgroups of BLOCK_M // 2 rows each and a loader warp
+        HALF: gl.constexpr = BLOCK_M // 2
+        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
+        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(1, ld_layout))
+        q_lo = gl.load(q_base + gl.expand_dims(m0 + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
+                       mask=gl.expand_dims(m0 + offs_h < TQ, 1), other=0.0)
+        q_hi = gl.load(q_base + gl.expand_dims(m0 + HALF + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
+                       mask=gl.expand_dims(m0 + HALF + offs_h < TQ, 1), other=0.0)
+        q_smem_lo = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_lo)
+        q_smem_hi = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_hi)
+        fence_async_shared()                              # q's stores and the barriers, before async reads
+        gl.warp_specialize([
+            (_compute_partition, (q_smem_lo, k_smem, v_smem, k_bar, v_bar, o_base, so_t, m0, n, n_full, length, TQ,
+                                  qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
+            (_compute_partition, (q_smem_hi, k_smem, v_smem, k_bar, v_bar, o_base, so_t, m0 + HALF, n, n_full, length,
+                                  TQ, qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
+            (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, n, STAGES, BLOCK_N)),
+        ], [4, 1], [240, 24])
+    else:
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
+        q = gl.load(q_base + gl.expand_dims(offs_m, 1) * sq_t + gl.expand_dims(offs_d, 0),
+                    mask=gl.expand_dims(offs_m < TQ, 1), other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], q_layout, q)
+        fence_async_shared()                              # q's store and the barriers, before async reads
+        for i in gl.static_range(STAGES):
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, i, n, STAGES, BLOCK_N)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        limit = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + m0 + length - TQ
+        acc, l_i = _attend(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, n, n_full, limit, length, qk_scale,
+                           CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, False, num_warps, Q_REG)
+        _store_rows(acc, l_i, o_base, so_t, m0, TQ, BLOCK_M, BLOCK_D, num_warps)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, qk_scale: float) -> bool:
+    """Whether `flash_sm90` takes these [B, H, T, D] (last-contiguous) inputs: see the module's scope."""
+    d = q.shape[-1]
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if mask is not None or qk_scale < 0 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not (k.dtype == v.dtype == q.dtype and d in (64, 128) and k.shape[-1] == v.shape[-1] == d):
+        return False
+    return all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+               and x.stride(-1) == 1 for x in (q, k, v))
+
+
+def flash_sm90(q4, k4, v4, o4, len_ptr, len_const: int, from_ptr: bool, group: int, qk_scale: float, causal: bool,
+               block_m: int = 128, block_n: int = 64, num_warps: int = 8, stages: int = 3, ws: bool = False,
+               maxnreg: int | None = None, q_reg: bool = False) -> None:
+    """softmax(q k^T * scale) v into o4 for q4 [B, Hq, Tq, D], k4/v4 [B, Hk, Tbuf, D] (`attention`'s flash
+    path, the same arguments); the caller has set Triton's allocator (device-side tensor descriptors).
+    ws: two compute warpgroups of block_m / 2 rows and a one-warp loader (12 warps a block, num_warps
+    ignored), at most `maxnreg` registers a thread (default 168: one block a multiprocessor), the loader
+    24, the compute warpgroups 240. q_reg: q k^T reads q from registers instead of shared memory."""
+    nb, hq, tq, d = q4.shape
+    tbuf = k4.shape[2]
+    assert not ws or block_m == 128, "flash_sm90: ws takes blocks of 128 query rows (two warpgroups of 64)"
+    dtype = gl.float16 if q4.dtype == torch.float16 else gl.bfloat16
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m // 2 if ws else block_m, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
+    grid = (nb * hq, triton.cdiv(tq, block_m))
+    _flash_sm90_kernel[grid](
+        q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, qk_scale,
+        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+        v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
+        LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d, STAGES=stages, WS=ws,
+        q_layout=q_layout, kv_layout=kv_layout, num_warps=4 if ws else num_warps, Q_REG=q_reg,
+        **({"maxnreg": maxnreg or 168} if ws else {}))

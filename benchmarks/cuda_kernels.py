@@ -304,29 +304,29 @@ def prefill_attention_rows(results, quick):
     # attention() keyword arguments of the flash kernel; "default" is what Ingot runs
     variants = {
         "old-m64-n64-w4": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, split_stages=False, heavy_first=False,
-                               heads_on_axis0=False),
-        "default": {},                                          # m128-n64-w8-s3, two stages, heavy blocks of all heads first
-        "blocks-axis0": dict(heads_on_axis0=False),             # grid (blocks, B*H): the third session's default
-        "one-stage": dict(split_stages=False),                  # every key tile masked
-        "s4": dict(num_stages=4),
-        "s2": dict(num_stages=2),
-        "m128-n128-s2": dict(block_n=128, num_stages=2),
-        "tma": dict(tma=True),                                  # Q/K/V through on-device tensor descriptors
+                               heads_on_axis0=False, gluon=False),
+        "default": {},                                          # >= 4096 rows: flash_sm90 persistent; else the Triton kernel
+        "triton": dict(gluon=False),                            # m128-n64-w8-s3, two stages, heavy blocks of all heads first
+        "blocks-axis0": dict(heads_on_axis0=False, gluon=False),          # grid (blocks, B*H): the third session's default
+        "one-stage": dict(split_stages=False, gluon=False),          # every key tile masked
+        "s4": dict(num_stages=4, gluon=False),
+        "s2": dict(num_stages=2, gluon=False),
+        "m128-n128-s2": dict(block_n=128, num_stages=2, gluon=False),
+        "tma": dict(tma=True, gluon=False),          # Q/K/V through on-device tensor descriptors
         # the Hopper kernel in Gluon (flash_sm90): softmax overlapped with the P V product; tiles, warps, ring depth
-        "gluon-m128-n64-w8-s3": dict(gluon=dict(block_m=128, block_n=64, num_warps=8, stages=3)),
-        "gluon-m64-n64-w4-s3": dict(gluon=dict(block_m=64, block_n=64, num_warps=4, stages=3)),
         # ... warp-specialized: two compute warpgroups of 64 rows and a one-warp TMA loader (12 warps a block)
-        "ws-n64-s3": dict(gluon=dict(ws=True, block_n=64, stages=3)),
-        "ws-n64-s4": dict(gluon=dict(ws=True, block_n=64, stages=4)),
-        "ws-n64-s5": dict(gluon=dict(ws=True, block_n=64, stages=5)),
-        "ws-n128-s3": dict(gluon=dict(ws=True, block_n=128, stages=3)),
+        "ws-n64-s4": dict(gluon=dict(persistent=False, q_reg=False, block_n=64, stages=4)),
+        "ws-n128-s3": dict(gluon=dict(persistent=False, q_reg=False)),
         # ... q k^T with q from registers rather than shared memory
-        "ws-n64-s3-qreg": dict(gluon=dict(ws=True, block_n=64, stages=3, q_reg=True)),
-        "ws-n64-s4-qreg": dict(gluon=dict(ws=True, block_n=64, stages=4, q_reg=True)),
-        "ws-n128-s3-qreg": dict(gluon=dict(ws=True, block_n=128, stages=3, q_reg=True)),
+        "ws-n128-s3-qreg": dict(gluon=dict(persistent=False)),
+        # ... persistent: one program a multiprocessor walks the query blocks, the loader running ahead into the next
+        "pers-n128-s3": dict(gluon=dict(persistent=True, block_n=128, stages=3)),
+        "pers-n64-s4": dict(gluon=dict(persistent=True, block_n=64, stages=4)),
+        # ... with the two compute warpgroups taking turns at the tensor cores (ping-pong)
+        "pers-n128-s3-pp": dict(gluon=dict(persistent=True, block_n=128, stages=3, pingpong=True)),
     }
     h, d = 32, 128
-    for t in ((4096,) if quick else (1024, 4096)):
+    for t in ((4096,) if quick else (1024, 2048, 4096, 8192)):
         q, k, v = (torch.randn(1, h, t, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * t * t * d * h / 2  # causal
         t_torch = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
@@ -347,12 +347,12 @@ def prefill_attention_rows(results, quick):
         row["vs_torch"] = round(timed[best_name]["tflops"] / row["torch_sdpa_tflops"], 2)
         if "default" in timed:
             row["default_vs_torch"] = round(timed["default"]["tflops"] / row["torch_sdpa_tflops"], 2)
-            if "old-m64-n64-w4" in timed:
-                row["default_vs_old"] = round(timed["default"]["tflops"] / timed["old-m64-n64-w4"]["tflops"], 2)
+            if "triton" in timed:
+                row["default_vs_triton"] = round(timed["default"]["tflops"] / timed["triton"]["tflops"], 2)
         results.append(row)
         print(f"prefill attention T={t}: best {best_name} {timed[best_name]['tflops']} TFLOP/s vs torch SDPA "
               f"{row['torch_sdpa_tflops']} ({row['vs_torch']}); default {row.get('default_vs_torch')}x torch, "
-              f"{row.get('default_vs_old')}x old", flush=True)
+              f"{row.get('default_vs_triton')}x the Triton kernel", flush=True)
         for name, v in row.items():
             if name in variants:
                 print(f"  {name:18s} {v}", flush=True)

@@ -48,10 +48,12 @@ VARIANTS = {
     "m64-n32-w4": dict(block_m=64, block_n=32, num_warps=4),
     "m128-n128": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
     # the Hopper kernel (flash_sm90); elsewhere, and for float32 or d 80, the flash kernel runs instead
-    "gluon": dict(gluon=True),
-    "gluon-m64-n128-w4": dict(gluon=dict(block_m=64, block_n=128, num_warps=4, stages=2)),
-    "gluon-ws": dict(gluon=dict(ws=True)),
-    "gluon-ws-n128-s3-qreg": dict(gluon=dict(ws=True, block_n=128, stages=3, q_reg=True)),
+    "gluon": dict(gluon=True),                               # persistent, 128-key tiles, 3 stages
+    "gluon-m64-n128-w4": dict(gluon=dict(persistent=False, ws=False, q_reg=False, block_m=64, num_warps=4, stages=2)),
+    "gluon-ws-n64": dict(gluon=dict(persistent=False, q_reg=False, block_n=64)),
+    "gluon-ws-n128-qreg": dict(gluon=dict(persistent=False)),
+    "gluon-persistent-n64": dict(gluon=dict(block_n=64, stages=2)),
+    "gluon-persistent-pp": dict(gluon=dict(pingpong=True)),
 }
 
 

@@ -541,7 +541,12 @@ DECODE_CHUNK_ALIGN = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_ALIGN", "0"))
 # 2026-12-03, steps replayed in one call: SmolLM2 int4 495.8-496.5 us against 551.0 without; Llama-3-8B
 # int4 1916.1 against 1999.1 (0.619 of copy against 0.593).
 # the Hopper prefill kernel (`flash_sm90`: softmax overlapped with the tensor cores) where it applies
-PREFILL_GLUON = os.environ.get("INGOT_CUDA_PREFILL_GLUON", "0") == "1"
+# ("auto": for at least PREFILL_GLUON_ROWS query rows; "1" always, "0" never). H200, causal bf16 d 128, 32
+# heads, TFLOP/s of the persistent kernel against the Triton kernel in one run (fifteenth session): 8192 rows
+# 504.9 against 426.0, 4096 462.9 / 411.3, 2048 387.0 / 373.3, 1024 259.7 / 310.8 (torch SDPA 543.5,
+# 485.1, 403.6, 271.4)
+PREFILL_GLUON = os.environ.get("INGOT_CUDA_PREFILL_GLUON", "auto")
+PREFILL_GLUON_ROWS = int(os.environ.get("INGOT_CUDA_PREFILL_GLUON_ROWS", "2048"))
 DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
 # with early loads: the new token's key and value used from registers (`attention(fresh=)`), so the
 # first tile's loads go out before the wait too, where that K+V tile takes at most FRESH_TILE_BYTES (it
@@ -634,7 +639,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `heads_on_axis0` puts the heads on grid axis 0 (the first wave: the heaviest block of every head;
     H200, causal bf16 T 4096: 421 TFLOP/s against 405 with the blocks on axis 0), `tma` loads Q/K/V
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
-    `gluon` (None: PREFILL_GLUON) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
+    `gluon` (None: PREFILL_GLUON, by default from PREFILL_GLUON_ROWS query rows) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
     dim 64 or 128, no mask, sm_90): the softmax of a key tile overlaps the tensor cores' P V product of
     the tile before; a dict passes `flash_sm90`'s options (block_m, block_n, num_warps, stages, ws).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
@@ -776,7 +781,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             mask = mask.unsqueeze(0)
         mask4 = mask.expand(*batch, hq, tq, mask.shape[-1]).reshape(nb, hq, tq, mask.shape[-1])
         strides = (mask4.stride(0), mask4.stride(1), mask4.stride(2), mask4.stride(3) if mask.shape[-1] != 1 else 0)
-    if (PREFILL_GLUON if gluon is None else gluon) and mask is None and not f32:
+    if gluon is None:
+        gluon = PREFILL_GLUON == "1" or (PREFILL_GLUON == "auto" and tq >= PREFILL_GLUON_ROWS)
+    if gluon and mask is None and not f32:
         from . import flash_sm90
         if flash_sm90.supported(q4, k4, v4, mask, qk_scale):
             _ensure_allocator(q.device)

@@ -166,3 +166,23 @@ def test_prefill_default_tiles():
     assert attn._flash_config(True, 256, None, None, None, None)[:2] == (16, 16)
     assert attn._flash_config(False, 256, None, None, None, None)[0] == 32
     assert attn._flash_config(False, 64, 64, 32, None, 4) == (64, 32, 4, 4)
+
+
+@pytest.mark.parametrize("length_on_device", [False, True], ids=["len-int", "len-tensor"])
+def test_prefill_default_takes_the_hopper_kernel_from_2048_rows(monkeypatch, length_on_device):
+    """From PREFILL_GLUON_ROWS query rows, 16-bit inputs take `flash_sm90` (on sm_90; elsewhere, the
+    flash kernel), GQA 2 with a length short of the buffer and NaN past it, against the reference."""
+    if _INTERPRET:
+        pytest.skip("2048 query rows take minutes in Triton's interpreter (the GPU run checks it)")
+    from ingot.backends.cuda import flash_sm90
+    calls = []
+    real = flash_sm90.flash_sm90
+    monkeypatch.setattr(flash_sm90, "flash_sm90", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
+    case = (1, 4, 2, 2048, 2100, 128, 2060, True)
+    (q, k, v), (tq, tk, tv) = inputs(case, "bfloat16", seed=11)
+    length = torch.tensor(2060, dtype=torch.int32, device=DEVICE) if length_on_device else 2060
+    got = cuda_backend.to_host(attn.attention(tq, tk, tv, length=length, causal=True)).astype(np.float64)
+    want = reference(q, k, v, 2060, True)
+    assert rel_err(got, want) < TOLERANCE["bfloat16"], rel_err(got, want)
+    hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
+    assert len(calls) == (1 if hopper and attn.PREFILL_GLUON == "auto" else 0)

@@ -544,7 +544,8 @@ DECODE_CHUNK_ALIGN = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_ALIGN", "0"))
 # ("auto": for at least PREFILL_GLUON_ROWS query rows; "1" always, "0" never). H200, causal bf16 d 128, 32
 # heads, TFLOP/s of the persistent kernel against the Triton kernel in one run (fifteenth session): 8192 rows
 # 504.9 against 426.0, 4096 462.9 / 411.3, 2048 387.0 / 373.3, 1024 259.7 / 310.8 (torch SDPA 543.5,
-# 485.1, 403.6, 271.4)
+# 485.1, 403.6, 271.4); not causal, d 128: 577.9 against 483.0 (16 heads, 4096 rows), 508.1 / 440.4 (32, 2048).
+# Head dim 64 loses (32 heads, 4096 rows causal: 356.5 against 406.4), so "auto" takes d 128 only
 PREFILL_GLUON = os.environ.get("INGOT_CUDA_PREFILL_GLUON", "auto")
 PREFILL_GLUON_ROWS = int(os.environ.get("INGOT_CUDA_PREFILL_GLUON_ROWS", "2048"))
 DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
@@ -639,7 +640,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `heads_on_axis0` puts the heads on grid axis 0 (the first wave: the heaviest block of every head;
     H200, causal bf16 T 4096: 421 TFLOP/s against 405 with the blocks on axis 0), `tma` loads Q/K/V
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
-    `gluon` (None: PREFILL_GLUON, by default from PREFILL_GLUON_ROWS query rows) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
+    `gluon` (None: PREFILL_GLUON, by default head dim 128 from PREFILL_GLUON_ROWS query rows) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
     dim 64 or 128, no mask, sm_90): the softmax of a key tile overlaps the tensor cores' P V product of
     the tile before; a dict passes `flash_sm90`'s options (block_m, block_n, num_warps, stages, ws).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
@@ -782,7 +783,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         mask4 = mask.expand(*batch, hq, tq, mask.shape[-1]).reshape(nb, hq, tq, mask.shape[-1])
         strides = (mask4.stride(0), mask4.stride(1), mask4.stride(2), mask4.stride(3) if mask.shape[-1] != 1 else 0)
     if gluon is None:
-        gluon = PREFILL_GLUON == "1" or (PREFILL_GLUON == "auto" and tq >= PREFILL_GLUON_ROWS)
+        gluon = PREFILL_GLUON == "1" or (PREFILL_GLUON == "auto" and tq >= PREFILL_GLUON_ROWS and d == 128)
     if gluon and mask is None and not f32:
         from . import flash_sm90
         if flash_sm90.supported(q4, k4, v4, mask, qk_scale):

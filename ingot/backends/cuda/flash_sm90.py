@@ -52,6 +52,19 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, tile, n, STAGES: gl.
 
 
 @gluon.jit
+def _key_tiles(m0, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key tiles the query block from row m0 reads, and how many of them every row sees whole (no
+    mask): causal row t sees keys up to t + length - TQ."""
+    if CAUSAL:
+        hi = gl.minimum(length, gl.maximum(gl.minimum(m0 + BLOCK_M, TQ) + length - TQ, 0))
+        seen_by_all = gl.minimum(hi, gl.maximum(m0 + 1 + length - TQ, 0))   # keys the block's first row sees
+    else:
+        hi = length
+        seen_by_all = length
+    return gl.cdiv(hi, BLOCK_N), seen_by_all // BLOCK_N
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, j, n_full, limit, length, qk_scale, CAUSAL: gl.constexpr,
                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """P (unnormalized, float32), the new row maxima and sums and the rescale factor of key tile j from its
@@ -238,14 +251,7 @@ def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, 
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=2 if WS else 1)   # WS: v_bar frees a stage, both warpgroups arrive
-    if CAUSAL:
-        hi = gl.minimum(length, gl.maximum(gl.minimum(m0 + BLOCK_M, TQ) + length - TQ, 0))
-        seen_by_all = gl.minimum(hi, gl.maximum(m0 + 1 + length - TQ, 0))   # keys the block's first row sees
-    else:
-        hi = length
-        seen_by_all = length
-    n = gl.cdiv(hi, BLOCK_N)
-    n_full = seen_by_all // BLOCK_N                       # tiles every row sees whole: no mask
+    n, n_full = _key_tiles(m0, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
     if WS:   # two compute warpgroups of BLOCK_M // 2 rows each and a loader warp
         HALF: gl.constexpr = BLOCK_M // 2
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
@@ -291,13 +297,8 @@ def _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M
         pid_m = NUM_M - 1 - pid_m
     m0 = pid_m * BLOCK_M
     kv_row = (bh // HQ) * (HQ // G) + (bh % HQ) // G
-    if CAUSAL:
-        hi = gl.minimum(length, gl.maximum(gl.minimum(m0 + BLOCK_M, TQ) + length - TQ, 0))
-        seen_by_all = gl.minimum(hi, gl.maximum(m0 + 1 + length - TQ, 0))
-    else:
-        hi = length
-        seen_by_all = length
-    return bh, kv_row, m0, gl.cdiv(hi, BLOCK_N), seen_by_all // BLOCK_N
+    n, n_full = _key_tiles(m0, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
+    return bh, kv_row, m0, n, n_full
 
 
 @gluon.jit

@@ -305,16 +305,16 @@ def prefill_attention_rows(results, quick):
     variants = {
         "old-m64-n64-w4": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, split_stages=False, heavy_first=False,
                                heads_on_axis0=False, gluon=False),
-        "default": {},                                          # >= 4096 rows: flash_sm90 persistent; else the Triton kernel
-        "triton": dict(gluon=False),                            # m128-n64-w8-s3, two stages, heavy blocks of all heads first
-        "blocks-axis0": dict(heads_on_axis0=False, gluon=False),          # grid (blocks, B*H): the third session's default
-        "one-stage": dict(split_stages=False, gluon=False),          # every key tile masked
+        "default": {},                                              # from 2048 rows (d 128): flash_sm90 persistent
+        "triton": dict(gluon=False),                                # m128-n64-w8-s3, two stages, heavy blocks first
+        "blocks-axis0": dict(heads_on_axis0=False, gluon=False),    # grid (blocks, B*H): the third session's default
+        "one-stage": dict(split_stages=False, gluon=False),         # every key tile masked
         "s4": dict(num_stages=4, gluon=False),
         "s2": dict(num_stages=2, gluon=False),
         "m128-n128-s2": dict(block_n=128, num_stages=2, gluon=False),
-        "tma": dict(tma=True, gluon=False),          # Q/K/V through on-device tensor descriptors
-        # the Hopper kernel in Gluon (flash_sm90): softmax overlapped with the P V product; tiles, warps, ring depth
-        # ... warp-specialized: two compute warpgroups of 64 rows and a one-warp TMA loader (12 warps a block)
+        "tma": dict(tma=True, gluon=False),                         # Q/K/V through on-device tensor descriptors
+        # the Hopper kernel in Gluon (flash_sm90): softmax overlapped with the P V product, two compute warpgroups
+        # of 64 rows and a one-warp TMA loader (12 warps a block); first a program per query block
         "ws-n64-s4": dict(gluon=dict(persistent=False, q_reg=False, block_n=64, stages=4)),
         "ws-n128-s3": dict(gluon=dict(persistent=False, q_reg=False)),
         # ... q k^T with q from registers rather than shared memory
@@ -322,8 +322,6 @@ def prefill_attention_rows(results, quick):
         # ... persistent: one program a multiprocessor walks the query blocks, the loader running ahead into the next
         "pers-n128-s3": dict(gluon=dict(persistent=True, block_n=128, stages=3)),
         "pers-n64-s4": dict(gluon=dict(persistent=True, block_n=64, stages=4)),
-        # ... with the two compute warpgroups taking turns at the tensor cores (ping-pong)
-        "pers-n128-s3-pp": dict(gluon=dict(persistent=True, block_n=128, stages=3, pingpong=True)),
     }
     h, d = 32, 128
     for t in ((4096,) if quick else (1024, 2048, 4096, 8192)):

@@ -7,23 +7,24 @@ kernel (`attention._flash_kernel`) the softmax of a key tile and the tensor-core
     issue  S_j = q k_j^T                   (async warpgroup MMA, q and k_j in shared memory)
     issue  acc += P_{j-1} v_{j-1}          (async; P_{j-1} in registers, from the last step)
     wait   until only the second is in flight, then softmax(S_j) -> P_j, m, l, alpha
-    wait   for the second, acc *= alpha, and refill the stage tile j-1 used
+    wait   for the second, acc *= alpha, and free the stage tile j-1 used
 
 so the exponentials of one tile overlap the P V product of the one before (FlashAttention-3's overlap
 within a warpgroup). K and V arrive by TMA from device-side tensor descriptors of the first `length`
-rows of the (batch, KV head) slice (rows past it read as zero), through a ring of STAGES buffers.
-Tiles below the causal diagonal run unmasked; the rest apply the key bound and the causal limit (and a
-row that has seen no key yet keeps a zero maximum).
+rows of the (batch, KV head) slice (rows past it read as zero), through a ring of STAGES buffers that
+a one-warp loader partition fills (one ready and one free mbarrier a stage). Two compute warpgroups of
+64 query rows share the ring, each its own partition (Gluon's barriers then sync one warpgroup, not
+both). Tiles below the causal diagonal run unmasked; the rest apply the key bound and the causal limit
+(and a row that has seen no key yet keeps a zero maximum).
 
-Three structures, fastest last (H200, causal 4k d 128 bf16; BENCHMARKS.md, fifteenth session):
-- one partition of 4 or 8 warps that also issues the loads (`_flash_sm90_kernel`, ws=False): no faster
-  than the Triton kernel; ncu showed the two warpgroups of 8 warps held together by CTA barriers;
-- warp-specialized (ws): two compute warpgroups of 64 query rows, each its own partition (Gluon's
-  barriers then sync one warpgroup, not both), share the ring that a one-warp loader fills, one ready
-  and one free mbarrier a stage;
-- persistent (the default): the same partitions, one program a multiprocessor walking the query blocks
-  (the heaviest of every head first), so the loader runs ahead into the next block while the compute
-  warpgroups finish one; q goes from global memory straight into the MMA's registers.
+Two kernels: a program per query block of 128 rows (`_flash_sm90_kernel`), and the persistent one (the
+default), one program a multiprocessor walking the query blocks, heaviest of every head first, so the
+loader runs ahead into the next block while the compute warpgroups finish one; q goes from global
+memory straight into the MMA's registers. Measured and removed (H200, causal 4k d 128 bf16;
+BENCHMARKS.md, fifteenth session): one partition of 4 or 8 warps that also issues the loads, no faster
+than the Triton kernel (ncu: the two warpgroups of 8 warps held together by CTA barriers); the two
+warpgroups taking turns at the tensor cores through mbarriers (FA3's ping-pong), 459.5 TFLOP/s
+against 462.9.
 
 Scope: 16-bit q/k/v with head dims D == DV of 64 or 128, row-contiguous, 16-byte aligned rows, no
 mask, a non-negative scale; `attention()` takes the Triton kernel for everything else. Compiles for
@@ -38,17 +39,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-
-
-@gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, tile, n, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """TMA loads of key tile `tile` (when it is < n) into its stage of the K and V rings."""
-    st = tile % STAGES
-    ok = tile < n
-    mbarrier.expect(k_bar.index(st), k_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [tile * BLOCK_N, 0], k_bar.index(st), k_smem.index(st), pred=ok)
-    mbarrier.expect(v_bar.index(st), v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], v_bar.index(st), v_smem.index(st), pred=ok)
 
 
 @gluon.jit
@@ -101,24 +91,17 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, ready, free, n, STAGES: gl.c
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, n, n_full, limit, length, qk_scale,
-            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-            STAGES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr, Q_REG: gl.constexpr = False,
-            t0=0, q_in=None, turn=None, ME: gl.constexpr = 0, u=0, PINGPONG: gl.constexpr = False):
-    """The key tiles' online softmax, S_j's exponentials overlapping P_{j-1} V_{j-1} on the tensor cores
-    (the module's schedule); returns the unnormalized output [BLOCK_M, BLOCK_D] and the row sums.
-    WS: k_bar is the ring's one ready barrier a stage (K and V together), v_bar its free barrier, which
-    this warpgroup arrives on once P_{j-1} V_{j-1} is done; the loader partition refills. Else K and V
-    have a ready barrier each and this refills the stage of tile j - 1 itself. Q_REG: q k^T takes q from
-    registers (loaded once) rather than shared memory; q_in: q already in registers. t0: the ring's
-    count of tiles before this one's first (a persistent program's earlier work items).
-    PINGPONG (two compute warpgroups, ME 0 or 1): each issues its tensor-core work for a tile only on its
-    turn (mbarrier turn[ME], phase u & 1) and hands the turn over right after, so one warpgroup's
-    softmax runs while the other's MMAs do (FlashAttention-3's ping-pong); returns u advanced."""
+def _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, t0=0):
+    """One compute warpgroup's online softmax over n key tiles of the ring, S_j's exponentials overlapping
+    P_{j-1} V_{j-1} on the tensor cores (the module's schedule); returns the unnormalized output
+    [BLOCK_M, BLOCK_D] and the row sums. q: in shared memory or in the MMA's registers. ready: a stage's
+    K and V have landed; free: this warpgroup is done with a stage (it arrives once P V of its tile is).
+    t0: the ring's count of tiles before this one's first (a persistent program's earlier work items)."""
     dtype: gl.constexpr = k_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -126,62 +109,33 @@ def _attend(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, n, n_full, lim
     acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
-    if q_in is not None:
-        q = q_in
-    elif Q_REG:
-        q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q = q_smem
     if n > 0:
         st = t0 % STAGES
-        mbarrier.wait(k_bar.index(st), (t0 // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(ME), u & 1)
+        mbarrier.wait(ready.index(st), (t0 // STAGES) & 1)
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - ME), count=1)
-            u += 1
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         p32, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, n_full, limit, length, qk_scale, CAUSAL, BLOCK_N,
                                              s_layout)
         p = gl.convert_layout(p32.to(dtype), p_layout)
     for j in range(1, n):
         st = (t0 + j) % STAGES
-        mbarrier.wait(k_bar.index(st), ((t0 + j) // STAGES) & 1)
+        mbarrier.wait(ready.index(st), ((t0 + j) // STAGES) & 1)
         sp = (t0 + j - 1) % STAGES
-        if not WS:
-            mbarrier.wait(v_bar.index(sp), ((j - 1) // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(ME), u & 1)
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - ME), count=1)
-            u += 1
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
         p32, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, n_full, limit, length, qk_scale, CAUSAL, BLOCK_N,
                                              s_layout)
         acc, p_done = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
-        if WS:
-            mbarrier.arrive(v_bar.index(sp), count=1)
+        mbarrier.arrive(free.index(sp), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
-        if not WS:
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, j - 1 + STAGES, n, STAGES, BLOCK_N)
     if n > 0:
         sp = (t0 + n - 1) % STAGES
-        if not WS:
-            mbarrier.wait(v_bar.index(sp), ((n - 1) // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(ME), u & 1)
         acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - ME), count=1)
-            u += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])
-        if WS:
-            mbarrier.arrive(v_bar.index(sp), count=1)
-    return acc, l_i, u
+        mbarrier.arrive(free.index(sp), count=1)
+    return acc, l_i
 
 
 @gluon.jit
@@ -202,12 +156,17 @@ def _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M: gl.constexpr, BLOCK_D:
 def _compute_partition(q_smem, k_smem, v_smem, ready, free, out_ptr, so_t, m0, n, n_full, length, TQ, qk_scale,
                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                        STAGES: gl.constexpr, Q_REG: gl.constexpr):
-    """WS's compute warpgroup: BLOCK_M query rows from m0 (its q in q_smem), through the shared K/V ring."""
+    """A compute warpgroup: BLOCK_M query rows from m0 (its q in q_smem; Q_REG: loaded from there into
+    the MMA's registers once), through the shared K/V ring."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     limit = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + m0 + length - TQ   # causal: last key a row sees
-    acc, l_i, u = _attend(q_smem, k_smem, v_smem, ready, free, k_smem, v_smem, n, n_full, limit, length, qk_scale,
-                          CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, True, 4, Q_REG)
+    if Q_REG:
+        q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q = q_smem
+    acc, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N,
+                       BLOCK_D, STAGES)
     _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M, BLOCK_D, 4)
 
 
@@ -216,11 +175,11 @@ def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, 
                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                        LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                       WS: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+                       q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
                        Q_REG: gl.constexpr = False):
     """One BLOCK_M block of query rows of one (batch, query head): grid (B * Hq, blocks), the causal
-    blocks with the most keys first. WS (num_warps 4): two compute warpgroups of BLOCK_M / 2 rows each
-    (the default partition and a worker, each with its own barriers' waits) share the K/V ring that a
+    blocks with the most keys first. Two compute warpgroups of BLOCK_M / 2 rows each (the default
+    partition, num_warps 4, and a worker, each with its own barriers' waits) share the K/V ring that a
     one-warp loader partition fills."""
     pid_bh = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -246,45 +205,29 @@ def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, 
                                         block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=2 if WS else 1)   # WS: v_bar frees a stage, both warpgroups arrive
+        mbarrier.init(ready.index(i), count=1)                # K and V landed
+        mbarrier.init(free.index(i), count=2)                 # both warpgroups are done with it
     n, n_full = _key_tiles(m0, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
-    if WS:   # two compute warpgroups of BLOCK_M // 2 rows each and a loader warp
-        HALF: gl.constexpr = BLOCK_M // 2
-        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(1, ld_layout))
-        q_lo = gl.load(q_base + gl.expand_dims(m0 + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
-                       mask=gl.expand_dims(m0 + offs_h < TQ, 1), other=0.0)
-        q_hi = gl.load(q_base + gl.expand_dims(m0 + HALF + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
-                       mask=gl.expand_dims(m0 + HALF + offs_h < TQ, 1), other=0.0)
-        q_smem_lo = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_lo)
-        q_smem_hi = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_hi)
-        fence_async_shared()                              # q's stores and the barriers, before async reads
-        gl.warp_specialize([
-            (_compute_partition, (q_smem_lo, k_smem, v_smem, k_bar, v_bar, o_base, so_t, m0, n, n_full, length, TQ,
-                                  qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
-            (_compute_partition, (q_smem_hi, k_smem, v_smem, k_bar, v_bar, o_base, so_t, m0 + HALF, n, n_full, length,
-                                  TQ, qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
-            (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, n, STAGES, BLOCK_N)),
-        ], [4, 1], [240, 24])
-    else:
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-        q = gl.load(q_base + gl.expand_dims(offs_m, 1) * sq_t + gl.expand_dims(offs_d, 0),
-                    mask=gl.expand_dims(offs_m < TQ, 1), other=0.0)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], q_layout, q)
-        fence_async_shared()                              # q's store and the barriers, before async reads
-        for i in gl.static_range(STAGES):
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, i, n, STAGES, BLOCK_N)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        limit = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + m0 + length - TQ
-        acc, l_i, u = _attend(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, n, n_full, limit, length,
-                              qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, False, num_warps, Q_REG)
-        _store_rows(acc, l_i, o_base, so_t, m0, TQ, BLOCK_M, BLOCK_D, num_warps)
+    HALF: gl.constexpr = BLOCK_M // 2
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(1, ld_layout))
+    q_lo = gl.load(q_base + gl.expand_dims(m0 + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
+                   mask=gl.expand_dims(m0 + offs_h < TQ, 1), other=0.0)
+    q_hi = gl.load(q_base + gl.expand_dims(m0 + HALF + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
+                   mask=gl.expand_dims(m0 + HALF + offs_h < TQ, 1), other=0.0)
+    q_smem_lo = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_lo)
+    q_smem_hi = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_hi)
+    fence_async_shared()                              # q's stores and the barriers, before async reads
+    gl.warp_specialize([
+        (_compute_partition, (q_smem_lo, k_smem, v_smem, ready, free, o_base, so_t, m0, n, n_full, length, TQ,
+                              qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
+        (_compute_partition, (q_smem_hi, k_smem, v_smem, ready, free, o_base, so_t, m0 + HALF, n, n_full, length,
+                              TQ, qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
+        (_load_partition, (k_desc, v_desc, k_smem, v_smem, ready, free, n, STAGES, BLOCK_N)),
+    ], [4, 1], [240, 24])
 
 
 @gluon.jit
@@ -321,19 +264,15 @@ def _persistent_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, N
 
 
 @gluon.jit
-def _persistent_compute(k_smem, v_smem, ready, free, turn, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
+def _persistent_compute(k_smem, v_smem, ready, free, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
                         total, BH, NUM_M, HQ, G, TQ, length, qk_scale,
                         CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                        STAGES: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
+                        STAGES: gl.constexpr, ME: gl.constexpr):
     """A persistent compute warpgroup: rows HALF_ROW .. HALF_ROW + BLOCK_M / 2 of each work item's query
     block (HALF_ROW = ME * BLOCK_M / 2), q loaded from global memory straight into the MMA's register
-    layout. PINGPONG: the two warpgroups take turns at the tensor cores (`_attend`); warpgroup 1 gives
-    warpgroup 0 the first turn."""
+    layout."""
     HALF: gl.constexpr = BLOCK_M // 2
     HALF_ROW: gl.constexpr = ME * HALF
-    if PINGPONG and ME == 1:
-        mbarrier.arrive(turn.index(0), count=1)
-    u = 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -349,9 +288,8 @@ def _persistent_compute(k_smem, v_smem, ready, free, turn, q_ptr, out_ptr, sq_b,
         q = gl.load(q_ptr + b * sq_b + h * sq_h + gl.expand_dims(rows, 1) * sq_t + gl.expand_dims(offs_d, 0),
                     mask=gl.expand_dims(rows < TQ, 1), other=0.0)
         limit = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)) + r0 + length - TQ
-        acc, l_i, u = _attend(k_smem, k_smem, v_smem, ready, free, k_smem, v_smem, n, n_full, limit, length,
-                              qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, True, 4, True, t, q, turn, ME, u,
-                              PINGPONG)
+        acc, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, HALF, BLOCK_N,
+                           BLOCK_D, STAGES, t)
         _store_rows(acc, l_i, out_ptr + b * so_b + h * so_h, so_t, r0, TQ, HALF, BLOCK_D, 4)
         t += n
 
@@ -361,8 +299,7 @@ def _flash_sm90_persistent_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_
                                   sq_b, sq_h, sq_t, sk_h, sk_t, sv_h, sv_t, so_b, so_h, so_t,
                                   LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                                  kv_layout: gl.constexpr, ring_layout: gl.constexpr, num_warps: gl.constexpr,
-                                  PINGPONG: gl.constexpr = False):
+                                  kv_layout: gl.constexpr, ring_layout: gl.constexpr, num_warps: gl.constexpr):
     """`_flash_sm90_kernel`'s WS structure, persistent: one program a multiprocessor walks the work items
     (query blocks of 128 rows, the heaviest of every head first) `num_programs` apart. K and V are
     rank-3 descriptors over [B * Hk, length, D] (one stride between KV heads across the batch too)."""
@@ -381,31 +318,26 @@ def _flash_sm90_persistent_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], ring_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
     BH = NB * HQ
     NUM_M = gl.cdiv(TQ, BLOCK_M)
     total = BH * NUM_M
     gl.warp_specialize([
-        (_persistent_compute, (k_smem, v_smem, ready, free, turn, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
+        (_persistent_compute, (k_smem, v_smem, ready, free, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
                                total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                               STAGES, 0, PINGPONG)),
-        (_persistent_compute, (k_smem, v_smem, ready, free, turn, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
+                               STAGES, 0)),
+        (_persistent_compute, (k_smem, v_smem, ready, free, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
                                total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                               STAGES, 1, PINGPONG)),
+                               STAGES, 1)),
         (_persistent_loader, (k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
                               CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))
-    mbarrier.invalidate(turn.index(0))
-    mbarrier.invalidate(turn.index(1))
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, qk_scale: float) -> bool:
@@ -428,42 +360,35 @@ def persistent_ok(k4: torch.Tensor, v4: torch.Tensor) -> bool:
 
 
 def flash_sm90(q4, k4, v4, o4, len_ptr, len_const: int, from_ptr: bool, group: int, qk_scale: float, causal: bool,
-               block_m: int = 128, block_n: int = 128, num_warps: int = 8, stages: int = 3, ws: bool = True,
-               maxnreg: int | None = None, q_reg: bool = True, persistent: bool = True,
-               pingpong: bool = False) -> None:
+               block_n: int = 128, stages: int = 3, q_reg: bool = True, persistent: bool = True,
+               maxnreg: int = 168) -> None:
     """softmax(q k^T * scale) v into o4 for q4 [B, Hq, Tq, D], k4/v4 [B, Hk, Tbuf, D] (`attention`'s flash
     path, the same arguments); the caller has set Triton's allocator (device-side tensor descriptors).
-    ws: two compute warpgroups of block_m / 2 rows and a one-warp loader (12 warps a block, num_warps
-    ignored), at most `maxnreg` registers a thread (default 168: one block a multiprocessor), the loader
-    24, the compute warpgroups 240. q_reg: q k^T reads q from registers instead of shared memory.
-    persistent (ws and q_reg implied): one program a multiprocessor walks the query blocks (where one
-    stride steps between KV heads across the batch: `persistent_ok`; elsewhere the ws kernel runs);
-    pingpong: its two compute warpgroups take turns at the tensor cores. The defaults are the fastest
-    measured (H200, causal 4k d 128 bf16): persistent, 128-key tiles, 3 stages."""
+    Blocks of 128 query rows: two compute warpgroups of 64 and a one-warp loader (12 warps a block), at
+    most `maxnreg` registers a thread (168: one block a multiprocessor), the loader 24, the compute
+    warpgroups 240; a ring of `stages` tiles of `block_n` keys. q_reg: q k^T reads q from registers
+    instead of shared memory. persistent (q in registers): one program a multiprocessor walks the query
+    blocks, where one stride steps between KV heads across the batch (`persistent_ok`; elsewhere the
+    non-persistent kernel runs). The defaults are the fastest measured (H200, causal 4k d 128 bf16)."""
     nb, hq, tq, d = q4.shape
     tbuf = k4.shape[2]
+    dtype = gl.float16 if q4.dtype == torch.float16 else gl.bfloat16
     if persistent and persistent_ok(k4, v4):
-        dtype = gl.float16 if q4.dtype == torch.float16 else gl.bfloat16
-        kv_layout = gl.NVMMASharedLayout.get_default_for([1, block_n, d], dtype)
         total = nb * hq * triton.cdiv(tq, 128)
         grid = (max(1, min(total, torch.cuda.get_device_properties(q4.device).multi_processor_count)),)
         _flash_sm90_persistent_kernel[grid](
             q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, nb, qk_scale,
             q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(1), k4.stride(2), v4.stride(1), v4.stride(2),
             o4.stride(0), o4.stride(1), o4.stride(2), LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=128,
-            BLOCK_N=block_n, BLOCK_D=d, STAGES=stages, kv_layout=kv_layout,
-            ring_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, maxnreg=maxnreg or 168,
-            PINGPONG=pingpong)
+            BLOCK_N=block_n, BLOCK_D=d, STAGES=stages,
+            kv_layout=gl.NVMMASharedLayout.get_default_for([1, block_n, d], dtype),
+            ring_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, maxnreg=maxnreg)
         return
-    assert not ws or block_m == 128, "flash_sm90: ws takes blocks of 128 query rows (two warpgroups of 64)"
-    dtype = gl.float16 if q4.dtype == torch.float16 else gl.bfloat16
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m // 2 if ws else block_m, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
-    grid = (nb * hq, triton.cdiv(tq, block_m))
-    _flash_sm90_kernel[grid](
+    _flash_sm90_kernel[(nb * hq, triton.cdiv(tq, 128))](
         q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, qk_scale,
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
-        LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d, STAGES=stages, WS=ws,
-        q_layout=q_layout, kv_layout=kv_layout, num_warps=4 if ws else num_warps, Q_REG=q_reg,
-        **({"maxnreg": maxnreg or 168} if ws else {}))
+        LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=128, BLOCK_N=block_n, BLOCK_D=d, STAGES=stages,
+        q_layout=gl.NVMMASharedLayout.get_default_for([64, d], dtype),
+        kv_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, Q_REG=q_reg,
+        maxnreg=maxnreg)

@@ -184,3 +184,25 @@ def test_prefill_default_takes_the_hopper_kernel_from_2048_rows(monkeypatch, len
     assert rel_err(got, want) < TOLERANCE["bfloat16"], rel_err(got, want)
     hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
     assert len(calls) == (1 if hopper and attn.PREFILL_GLUON != "0" else 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", ["gluon", "gluon-persistent-n64", "gluon-ws-n128-qreg"])
+def test_hopper_kernel_on_strided_inputs_with_more_blocks_than_multiprocessors(variant, causal):
+    """q, k and v as [B, T, H, D] storage seen as [B, H, T, D] (no stride steps from one head to the next across
+    the batch), and 2 x 8 heads x 9 query blocks = 144 blocks, more than an H200's 132 multiprocessors, so
+    the persistent kernel's programs walk several blocks (its q buffer and K/V ring reused across them)."""
+    if _INTERPRET:
+        pytest.skip("1100 query rows take minutes in Triton's interpreter (the GPU run checks it)")
+    b, hq, hk, tq, tk, d, length = 2, 8, 2, 1100, 1150, 128, 1120
+    rng = np.random.default_rng(12)
+    host = [rng.standard_normal(shape) for shape in ((b, tq, hq, d), (b, tk, hk, d), (b, tk, hk, d))]
+    dev = [torch.tensor(a, dtype=torch.bfloat16) for a in host]
+    host = [a.double().numpy().transpose(0, 2, 1, 3) for a in dev]
+    for a in dev[1:]:
+        a[:, length:] = float("nan")
+    tq_, tk_, tv_ = (a.to(DEVICE).transpose(1, 2) for a in dev)
+    assert not tq_.is_contiguous() and tq_.stride(0) != hq * tq_.stride(1)
+    want = reference(*host, length, causal)
+    got = cuda_backend.to_host(attn.attention(tq_, tk_, tv_, length=length, causal=causal, **VARIANTS[variant]))
+    assert rel_err(got.astype(np.float64), want) < TOLERANCE["bfloat16"], rel_err(got.astype(np.float64), want)

@@ -19,8 +19,10 @@ both). Tiles below the causal diagonal run unmasked; the rest apply the key boun
 
 Two kernels: a program per query block of 128 rows (`_flash_sm90_kernel`), and the persistent one (the
 default), one program a multiprocessor walking the query blocks, heaviest of every head first, so the
-loader runs ahead into the next block while the compute warpgroups finish one; q goes from global
-memory straight into the MMA's registers. Measured and removed (H200, causal 4k d 128 bf16;
+loader runs ahead into the next block while the compute warpgroups finish one. The loader also fetches
+each block's q by TMA (rank-4 descriptors over [B, H, T, D], any strides TMA takes) into a buffer the
+compute warpgroups copy into the MMA's registers, so no warpgroup waits on a global load of q (loaded
+by each warpgroup from global memory, q took 28 % of its samples in ncu: BENCHMARKS.md, sixteenth session). Measured and removed (H200, causal 4k d 128 bf16;
 BENCHMARKS.md, fifteenth session): one partition of 4 or 8 warps that also issues the loads, no faster
 than the Triton kernel (ncu: the two warpgroups of 8 warps held together by CTA barriers); the two
 warpgroups taking turns at the tensor cores through mbarriers (FA3's ping-pong), 459.5 TFLOP/s
@@ -232,112 +234,131 @@ def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, 
 
 @gluon.jit
 def _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item `item` of the persistent kernel, the heaviest query blocks of every head first: its
-    (batch, head) row, KV head row of the rank-3 descriptors, first query row, key tiles and unmasked tiles."""
+    """Work item `item` of the persistent kernel, the heaviest query blocks of every head first: its batch,
+    query head, KV head, first query row, key tiles and unmasked tiles."""
     bh = item % BH
     pid_m = item // BH
     if CAUSAL:
         pid_m = NUM_M - 1 - pid_m
     m0 = pid_m * BLOCK_M
-    kv_row = (bh // HQ) * (HQ // G) + (bh % HQ) // G
     n, n_full = _key_tiles(m0, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
-    return bh, kv_row, m0, n, n_full
+    return bh // HQ, bh % HQ, (bh % HQ) // G, m0, n, n_full
 
 
 @gluon.jit
-def _persistent_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
-                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The persistent kernel's loader (one warp): every work item's K and V tiles through the ring, one
+def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, ready, free, total, BH,
+                       NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """The persistent kernel's loader (one warp): each work item's q (its two halves, once both compute
+    warpgroups have taken the last item's q into registers), then its K and V tiles through the ring, one
     running tile count across items, so it runs ahead into the next item while the last one finishes."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    D: gl.constexpr = q_desc.block_type.shape[3]
     t = 0
+    c = 0
     for item in range(gl.program_id(0), total, gl.num_programs(0)):
-        bh, kv_row, m0, n, n_full = _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
+        b, h, hk, m0, n, n_full = _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
+        mbarrier.wait(q_free, (c & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_smem.index(0).reshape([1, 1, HALF, D]))
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + HALF, 0], q_ready,
+                                        q_smem.index(1).reshape([1, 1, HALF, D]))
         for j in range(n):
             st = t % STAGES
             mbarrier.wait(free.index(st), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row, j * BLOCK_N, 0], ready.index(st),
-                                            k_smem.index(st).reshape([1, BLOCK_N, k_desc.block_type.shape[2]]))
-            tma.async_copy_global_to_shared(v_desc, [kv_row, j * BLOCK_N, 0], ready.index(st),
-                                            v_smem.index(st).reshape([1, BLOCK_N, v_desc.block_type.shape[2]]))
+            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], ready.index(st),
+                                            k_smem.index(st).reshape([1, 1, BLOCK_N, D]))
+            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], ready.index(st),
+                                            v_smem.index(st).reshape([1, 1, BLOCK_N, D]))
             t += 1
+        c += 1
 
 
 @gluon.jit
-def _persistent_compute(k_smem, v_smem, ready, free, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
+def _persistent_compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
                         total, BH, NUM_M, HQ, G, TQ, length, qk_scale,
                         CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                         STAGES: gl.constexpr, ME: gl.constexpr):
-    """A persistent compute warpgroup: rows HALF_ROW .. HALF_ROW + BLOCK_M / 2 of each work item's query
-    block (HALF_ROW = ME * BLOCK_M / 2), q loaded from global memory straight into the MMA's register
-    layout."""
+    """A persistent compute warpgroup: rows ME * BLOCK_M / 2 .. (ME + 1) * BLOCK_M / 2 of each work item's
+    query block, its q taken from the loader's buffer into the MMA's registers (which frees the buffer for
+    the next item's q)."""
     HALF: gl.constexpr = BLOCK_M // 2
-    HALF_ROW: gl.constexpr = ME * HALF
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(1, q_layout))
-    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, q_layout))
     t = 0
+    c = 0
     for item in range(gl.program_id(0), total, gl.num_programs(0)):
-        bh, kv_row, m0, n, n_full = _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
-        b = bh // HQ
-        h = bh % HQ
-        r0 = m0 + HALF_ROW
-        rows = r0 + offs_r
-        q = gl.load(q_ptr + b * sq_b + h * sq_h + gl.expand_dims(rows, 1) * sq_t + gl.expand_dims(offs_d, 0),
-                    mask=gl.expand_dims(rows < TQ, 1), other=0.0)
+        b, h, hk, m0, n, n_full = _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
+        r0 = m0 + ME * HALF
+        mbarrier.wait(q_ready, c & 1)
+        q = q_smem.index(ME).load(q_layout)
+        mbarrier.arrive(q_free, count=1)
         limit = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)) + r0 + length - TQ
-        acc, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, HALF, BLOCK_N,
+        out, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, HALF, BLOCK_N,
                            BLOCK_D, STAGES, t)
-        _store_rows(acc, l_i, out_ptr + b * so_b + h * so_h, so_t, r0, TQ, HALF, BLOCK_D, 4)
+        _store_rows(out, l_i, out_ptr + b * so_b + h * so_h, so_t, r0, TQ, HALF, BLOCK_D, 4)
         t += n
+        c += 1
 
 
 @gluon.jit
 def _flash_sm90_persistent_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, G, TQ, TBUF, NB, qk_scale,
-                                  sq_b, sq_h, sq_t, sk_h, sk_t, sv_h, sv_t, so_b, so_h, so_t,
+                                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                                   LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                                  kv_layout: gl.constexpr, ring_layout: gl.constexpr, num_warps: gl.constexpr):
+                                  q_desc_layout: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr,
+                                  ring_layout: gl.constexpr, num_warps: gl.constexpr):
     """`_flash_sm90_kernel`'s WS structure, persistent: one program a multiprocessor walks the work items
-    (query blocks of 128 rows, the heaviest of every head first) `num_programs` apart. K and V are
-    rank-3 descriptors over [B * Hk, length, D] (one stride between KV heads across the batch too)."""
+    (query blocks of 128 rows, the heaviest of every head first) `num_programs` apart. q, K and V come by
+    TMA from rank-4 descriptors over [B, H, T, D] (any strides TMA takes); the loader fetches an item's q
+    ahead of it, so no compute warpgroup waits on a global load of q."""
     if LEN_FROM_PTR:
         length = gl.minimum(gl.maximum(gl.load(len_ptr).to(gl.int32), 0), TBUF)
     else:
         length = length_const
     dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HALF: gl.constexpr = BLOCK_M // 2
     hk = HQ // G
     rows = gl.maximum(length, 1)
-    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[NB * hk, rows, BLOCK_D], strides=[sk_h, sk_t, 1],
-                                        block_shape=[1, BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[NB * hk, rows, BLOCK_D], strides=[sv_h, sv_t, 1],
-                                        block_shape=[1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    q_desc = tma.make_tensor_descriptor(q_ptr, shape=[NB, HQ, TQ, BLOCK_D], strides=[sq_b, sq_h, sq_t, 1],
+                                        block_shape=[1, 1, HALF, BLOCK_D], layout=q_desc_layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[NB, hk, rows, BLOCK_D], strides=[sk_b, sk_h, sk_t, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[NB, hk, rows, BLOCK_D], strides=[sv_b, sv_h, sv_t, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], ring_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], ring_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)
+    mbarrier.init(q_ready, count=1)                      # both halves of an item's q landed
+    mbarrier.init(q_free, count=2)                       # both warpgroups hold their q in registers
     fence_async_shared()
     BH = NB * HQ
     NUM_M = gl.cdiv(TQ, BLOCK_M)
     total = BH * NUM_M
     gl.warp_specialize([
-        (_persistent_compute, (k_smem, v_smem, ready, free, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
+        (_persistent_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
                                total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
                                STAGES, 0)),
-        (_persistent_compute, (k_smem, v_smem, ready, free, q_ptr, out_ptr, sq_b, sq_h, sq_t, so_b, so_h, so_t,
+        (_persistent_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
                                total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
                                STAGES, 1)),
-        (_persistent_loader, (k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+        (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, ready, free, total,
+                              BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))
+    mbarrier.invalidate(q_ready)
+    mbarrier.invalidate(q_free)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, qk_scale: float) -> bool:
@@ -353,12 +374,6 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, qk_scale:
                and x.stride(-1) == 1 for x in (q, k, v))
 
 
-def persistent_ok(k4: torch.Tensor, v4: torch.Tensor) -> bool:
-    """Whether K and V [B, Hk, T, D] step by one stride from each KV head to the next across the batch
-    (the persistent kernel's rank-3 descriptors over [B * Hk, T, D])."""
-    return all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (k4, v4))
-
-
 def flash_sm90(q4, k4, v4, o4, len_ptr, len_const: int, from_ptr: bool, group: int, qk_scale: float, causal: bool,
                block_n: int = 128, stages: int = 3, q_reg: bool = True, persistent: bool = True,
                maxnreg: int = 168) -> None:
@@ -368,20 +383,20 @@ def flash_sm90(q4, k4, v4, o4, len_ptr, len_const: int, from_ptr: bool, group: i
     most `maxnreg` registers a thread (168: one block a multiprocessor), the loader 24, the compute
     warpgroups 240; a ring of `stages` tiles of `block_n` keys. q_reg: q k^T reads q from registers
     instead of shared memory. persistent (q in registers): one program a multiprocessor walks the query
-    blocks, where one stride steps between KV heads across the batch (`persistent_ok`; elsewhere the
-    non-persistent kernel runs). The defaults are the fastest measured (H200, causal 4k d 128 bf16)."""
+    blocks. The defaults are the fastest measured (H200, causal 4k d 128 bf16)."""
     nb, hq, tq, d = q4.shape
     tbuf = k4.shape[2]
     dtype = gl.float16 if q4.dtype == torch.float16 else gl.bfloat16
-    if persistent and persistent_ok(k4, v4):
+    if persistent:
         total = nb * hq * triton.cdiv(tq, 128)
         grid = (max(1, min(total, torch.cuda.get_device_properties(q4.device).multi_processor_count)),)
         _flash_sm90_persistent_kernel[grid](
             q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, nb, qk_scale,
-            q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(1), k4.stride(2), v4.stride(1), v4.stride(2),
-            o4.stride(0), o4.stride(1), o4.stride(2), LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=128,
-            BLOCK_N=block_n, BLOCK_D=d, STAGES=stages,
-            kv_layout=gl.NVMMASharedLayout.get_default_for([1, block_n, d], dtype),
+            *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
+            LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=128, BLOCK_N=block_n, BLOCK_D=d, STAGES=stages,
+            q_desc_layout=gl.NVMMASharedLayout.get_default_for([1, 1, 64, d], dtype),
+            kv_layout=gl.NVMMASharedLayout.get_default_for([1, 1, block_n, d], dtype),
+            q_layout=gl.NVMMASharedLayout.get_default_for([64, d], dtype),
             ring_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, maxnreg=maxnreg)
         return
     _flash_sm90_kernel[(nb * hq, triton.cdiv(tq, 128))](

@@ -21,8 +21,9 @@ Two kernels: a program per query block of 128 rows (`_flash_sm90_kernel`), and t
 default), one program a multiprocessor walking the query blocks, heaviest of every head first, so the
 loader runs ahead into the next block while the compute warpgroups finish one. The loader also fetches
 each block's q by TMA (rank-4 descriptors over [B, H, T, D], any strides TMA takes) into a buffer the
-compute warpgroups copy into the MMA's registers, so no warpgroup waits on a global load of q (loaded
-by each warpgroup from global memory, q took 28 % of its samples in ncu: BENCHMARKS.md, sixteenth session). Measured and removed (H200, causal 4k d 128 bf16;
+compute warpgroups copy into the MMA's registers (a one-warp partition of its own), so no warpgroup
+waits on a global load of q (loaded by each warpgroup from global memory, q's loads were about 14 % of
+the compute warps' stall samples in ncu: BENCHMARKS.md, sixteenth session). Measured and removed (H200, causal 4k d 128 bf16;
 BENCHMARKS.md, fifteenth session): one partition of 4 or 8 warps that also issues the loads, no faster
 than the Triton kernel (ncu: the two warpgroups of 8 warps held together by CTA barriers); the two
 warpgroups taking turns at the tensor cores through mbarriers (FA3's ping-pong), 459.5 TFLOP/s
@@ -233,36 +234,36 @@ def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, 
 
 
 @gluon.jit
-def _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item `item` of the persistent kernel, the heaviest query blocks of every head first: its batch,
-    query head, KV head, first query row, key tiles and unmasked tiles."""
+def _work_item(k, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """This program's work item of round k: its batch, query head, KV head, first query row, key tiles and
+    unmasked tiles. Items go heaviest query blocks (of every head) first, round k to the programs in order
+    when k is even and in reverse when odd, so each program's heavy and light blocks even out (a causal
+    4k prefill: the busiest program does 1.00x the mean work, against 1.125x when every round went in
+    order). Past the last item (the last round), no tile and no row (m0 = TQ): every partition still
+    runs the round's handshakes."""
+    P = gl.num_programs(0)
+    pid = gl.program_id(0)
+    item = k * P + pid + (k % 2) * (P - 1 - 2 * pid)
+    valid = (item < total).to(gl.int32)
     bh = item % BH
     pid_m = item // BH
     if CAUSAL:
         pid_m = NUM_M - 1 - pid_m
-    m0 = pid_m * BLOCK_M
+    m0 = valid * pid_m * BLOCK_M + (1 - valid) * TQ
     n, n_full = _key_tiles(m0, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
-    return bh // HQ, bh % HQ, (bh % HQ) // G, m0, n, n_full
+    return bh // HQ, bh % HQ, (bh % HQ) // G, m0, n * valid, n_full
 
 
 @gluon.jit
-def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, ready, free, total, BH,
-                       NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr):
-    """The persistent kernel's loader (one warp): each work item's q (its two halves, once both compute
-    warpgroups have taken the last item's q into registers), then its K and V tiles through the ring, one
+def _persistent_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
+                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The persistent kernel's K/V loader (one warp): every work item's K and V tiles through the ring, one
     running tile count across items, so it runs ahead into the next item while the last one finishes."""
-    HALF: gl.constexpr = BLOCK_M // 2
-    D: gl.constexpr = q_desc.block_type.shape[3]
+    D: gl.constexpr = k_desc.block_type.shape[3]
     t = 0
-    c = 0
-    for item in range(gl.program_id(0), total, gl.num_programs(0)):
-        b, h, hk, m0, n, n_full = _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
-        mbarrier.wait(q_free, (c & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_smem.index(0).reshape([1, 1, HALF, D]))
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + HALF, 0], q_ready,
-                                        q_smem.index(1).reshape([1, 1, HALF, D]))
+    for k in range(0, gl.cdiv(total, gl.num_programs(0))):
+        b, h, hk, m0, n, n_full = _work_item(k, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
         for j in range(n):
             st = t % STAGES
             mbarrier.wait(free.index(st), ((t // STAGES) & 1) ^ 1)
@@ -272,6 +273,24 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, 
             tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], ready.index(st),
                                             v_smem.index(st).reshape([1, 1, BLOCK_N, D]))
             t += 1
+
+
+@gluon.jit
+def _persistent_q_loader(q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The persistent kernel's q loader (one warp): each work item's q, its two halves, as soon as both
+    compute warpgroups have taken the last item's q into registers (early in that item). In the K/V
+    loader's loop instead, a light item's q came too late (ncu, H200: compute warps waiting for q)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    c = 0
+    for k in range(0, gl.cdiv(total, gl.num_programs(0))):
+        b, h, hk, m0, n, n_full = _work_item(k, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
+        mbarrier.wait(q_free, (c & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_smem.index(0).reshape([1, 1, HALF, D]))
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + HALF, 0], q_ready,
+                                        q_smem.index(1).reshape([1, 1, HALF, D]))
         c += 1
 
 
@@ -289,8 +308,8 @@ def _persistent_compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, ou
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     t = 0
     c = 0
-    for item in range(gl.program_id(0), total, gl.num_programs(0)):
-        b, h, hk, m0, n, n_full = _work_item(item, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
+    for k in range(0, gl.cdiv(total, gl.num_programs(0))):
+        b, h, hk, m0, n, n_full = _work_item(k, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
         r0 = m0 + ME * HALF
         mbarrier.wait(q_ready, c & 1)
         q = q_smem.index(ME).load(q_layout)
@@ -351,9 +370,11 @@ def _flash_sm90_persistent_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_
         (_persistent_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
                                total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
                                STAGES, 1)),
-        (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, ready, free, total,
-                              BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [240, 24])
+        (_persistent_loader, (k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+        (_persistent_q_loader, (q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL,
+                                BLOCK_M, BLOCK_N)),
+    ], [4, 1, 1], [240, 24, 24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))

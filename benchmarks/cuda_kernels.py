@@ -305,7 +305,7 @@ def prefill_attention_rows(results, quick):
     variants = {
         "old-m64-n64-w4": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, split_stages=False, heavy_first=False,
                                heads_on_axis0=False, gluon=False),
-        "default": {},                                              # from 2048 rows (d 128): flash_sm90 persistent
+        "default": {},                                              # from 2048 rows (d 128): flash_sm90
         "triton": dict(gluon=False),                                # m128-n64-w8-s3, two stages, heavy blocks first
         "blocks-axis0": dict(heads_on_axis0=False, gluon=False),    # grid (blocks, B*H): the third session's default
         "one-stage": dict(split_stages=False, gluon=False),         # every key tile masked
@@ -314,14 +314,9 @@ def prefill_attention_rows(results, quick):
         "m128-n128-s2": dict(block_n=128, num_stages=2, gluon=False),
         "tma": dict(tma=True, gluon=False),                         # Q/K/V through on-device tensor descriptors
         # the Hopper kernel in Gluon (flash_sm90): softmax overlapped with the P V product, two compute warpgroups
-        # of 64 rows and a one-warp TMA loader (12 warps a block); first a program per query block
-        "ws-n64-s4": dict(gluon=dict(persistent=False, q_reg=False, block_n=64, stages=4)),
-        "ws-n128-s3": dict(gluon=dict(persistent=False, q_reg=False)),
-        # ... q k^T with q from registers rather than shared memory
-        "ws-n128-s3-qreg": dict(gluon=dict(persistent=False)),
-        # ... persistent: one program a multiprocessor walks the query blocks, the loader running ahead into the next
-        "pers-n128-s3": dict(gluon=dict(persistent=True, block_n=128, stages=3)),
-        "pers-n64-s4": dict(gluon=dict(persistent=True, block_n=64, stages=4)),
+        # of 64 rows, K/V and q loaders; one program a multiprocessor walks the query blocks (at any length)
+        "gluon": dict(gluon=True),
+        "gluon-n64-s4": dict(gluon=dict(block_n=64, stages=4)),
     }
     h, d = 32, 128
     for t in ((4096,) if quick else (1024, 2048, 4096, 8192)):

@@ -48,10 +48,9 @@ VARIANTS = {
     "m64-n32-w4": dict(block_m=64, block_n=32, num_warps=4),
     "m128-n128": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
     # the Hopper kernel (flash_sm90); elsewhere, and for float32 or d 80, the flash kernel runs instead
-    "gluon": dict(gluon=True),                               # persistent, 128-key tiles, 3 stages
-    "gluon-ws-n64": dict(gluon=dict(persistent=False, q_reg=False, block_n=64)),
-    "gluon-ws-n128-qreg": dict(gluon=dict(persistent=False)),
-    "gluon-persistent-n64": dict(gluon=dict(block_n=64, stages=2)),
+    "gluon": dict(gluon=True),                               # 128-key tiles, 3 stages
+    "gluon-n64-s2": dict(gluon=dict(block_n=64, stages=2)),
+    "gluon-n64-s4": dict(gluon=dict(block_n=64, stages=4)),
 }
 
 
@@ -187,11 +186,12 @@ def test_prefill_default_takes_the_hopper_kernel_from_2048_rows(monkeypatch, len
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("variant", ["gluon", "gluon-persistent-n64", "gluon-ws-n128-qreg"])
+@pytest.mark.parametrize("variant", ["gluon", "gluon-n64-s2"])
 def test_hopper_kernel_on_strided_inputs_with_more_blocks_than_multiprocessors(variant, causal):
     """q, k and v as [B, T, H, D] storage seen as [B, H, T, D] (no stride steps from one head to the next across
     the batch), and 2 x 8 heads x 9 query blocks = 144 blocks, more than an H200's 132 multiprocessors, so
-    the persistent kernel's programs walk several blocks (its q buffer and K/V ring reused across them)."""
+    the Hopper kernel's programs walk several blocks (its q buffer and K/V ring reused across them, and a
+    last round of 12 blocks in which most programs have none)."""
     if _INTERPRET:
         pytest.skip("1100 query rows take minutes in Triton's interpreter (the GPU run checks it)")
     b, hq, hk, tq, tk, d, length = 2, 8, 2, 1100, 1150, 128, 1120

@@ -542,10 +542,10 @@ DECODE_CHUNK_ALIGN = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_ALIGN", "0"))
 # int4 1916.1 against 1999.1 (0.619 of copy against 0.593).
 # the Hopper prefill kernel (`flash_sm90`: softmax overlapped with the tensor cores) where it applies
 # ("auto": for at least PREFILL_GLUON_ROWS query rows; "1" always, "0" never). H200, causal bf16 d 128, 32
-# heads, TFLOP/s of the persistent kernel against the Triton kernel in one run (fifteenth session): 8192 rows
-# 504.9 against 426.0, 4096 462.9 / 411.3, 2048 387.0 / 373.3, 1024 259.7 / 310.8 (torch SDPA 543.5,
-# 485.1, 403.6, 271.4); not causal, d 128: 577.9 against 483.0 (16 heads, 4096 rows), 508.1 / 440.4 (32, 2048).
-# Head dim 64 loses (32 heads, 4096 rows causal: 356.5 against 406.4), so "auto" takes d 128 only
+# heads, TFLOP/s of the Hopper kernel against the Triton kernel in one run (`cuda_kernels.py --only prefill`,
+# sixteenth session): 8192 rows 543.8 against 422.5, 4096 507.2 / 413.5, 2048 450.7 / 378.2, 1024 297.4 /
+# 308.1 (torch SDPA 546.7, 487.1, 405.1, 272.6). Not causal, 16 heads x 4096 rows: 591.2 / 481.4 (torch
+# 631.1). Head dim 64 loses (2 x 32 heads, 4096 rows causal: 384.7 against 405.3), so "auto" takes d 128 only
 PREFILL_GLUON = os.environ.get("INGOT_CUDA_PREFILL_GLUON", "auto")
 PREFILL_GLUON_ROWS = int(os.environ.get("INGOT_CUDA_PREFILL_GLUON_ROWS", "2048"))
 DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
@@ -642,7 +642,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
     `gluon` (None: PREFILL_GLUON, by default head dim 128 from PREFILL_GLUON_ROWS query rows) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
     dim 64 or 128, no mask, sm_90): the softmax of a key tile overlaps the tensor cores' P V product of
-    the tile before; a dict passes `flash_sm90`'s options (block_n, stages, q_reg, persistent).
+    the tile before; a dict passes `flash_sm90`'s options (block_n, stages, maxnreg).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);

@@ -4,30 +4,42 @@ Triton's `tl.dot` waits for every warpgroup MMA before the instructions after it
 kernel (`attention._flash_kernel`) the softmax of a key tile and the tensor-core work never overlap
 (ptxas: `wgmma.wait_group 0` right after each q k^T). Gluon states the waits. Per key tile j:
 
-    issue  S_j = q k_j^T                   (async warpgroup MMA, q and k_j in shared memory)
+    issue  S_j = q k_j^T                   (async warpgroup MMA, q in registers, k_j in shared memory)
     issue  acc += P_{j-1} v_{j-1}          (async; P_{j-1} in registers, from the last step)
     wait   until only the second is in flight, then softmax(S_j) -> P_j, m, l, alpha
     wait   for the second, acc *= alpha, and free the stage tile j-1 used
 
 so the exponentials of one tile overlap the P V product of the one before (FlashAttention-3's overlap
-within a warpgroup). K and V arrive by TMA from device-side tensor descriptors of the first `length`
-rows of the (batch, KV head) slice (rows past it read as zero), through a ring of STAGES buffers that
-a one-warp loader partition fills (one ready and one free mbarrier a stage). Two compute warpgroups of
-64 query rows share the ring, each its own partition (Gluon's barriers then sync one warpgroup, not
-both). Tiles below the causal diagonal run unmasked; the rest apply the key bound and the causal limit
-(and a row that has seen no key yet keeps a zero maximum).
+within a warpgroup). Tiles below the causal diagonal run unmasked; the rest apply the key bound and the
+causal limit (and a row that has seen no key yet keeps a zero maximum).
 
-Two kernels: a program per query block of 128 rows (`_flash_sm90_kernel`), and the persistent one (the
-default), one program a multiprocessor walking the query blocks, heaviest of every head first, so the
-loader runs ahead into the next block while the compute warpgroups finish one. The loader also fetches
-each block's q by TMA (rank-4 descriptors over [B, H, T, D], any strides TMA takes) into a buffer the
-compute warpgroups copy into the MMA's registers (a one-warp partition of its own), so no warpgroup
-waits on a global load of q (loaded by each warpgroup from global memory, q's loads were about 14 % of
-the compute warps' stall samples in ncu: BENCHMARKS.md, sixteenth session). Measured and removed (H200, causal 4k d 128 bf16;
-BENCHMARKS.md, fifteenth session): one partition of 4 or 8 warps that also issues the loads, no faster
-than the Triton kernel (ncu: the two warpgroups of 8 warps held together by CTA barriers); the two
-warpgroups taking turns at the tensor cores through mbarriers (FA3's ping-pong), 459.5 TFLOP/s
-against 462.9.
+The kernel is persistent: one program a multiprocessor walks the blocks of 128 query rows (`_work_item`:
+heaviest first, the rounds dealt in snake order). Four warp-specialized partitions a program:
+- two compute warpgroups of 64 query rows (`_compute`), each its own partition, so Gluon's barriers
+  sync one warpgroup, not both;
+- a one-warp K/V loader (`_kv_loader`): TMA from device-side descriptors of the first `length` rows
+  (rows past it read as zero, so a stale or NaN cache tail never enters the product) into a ring of
+  STAGES tiles shared by both warpgroups, one ready and one free mbarrier a stage; it runs ahead into
+  the next block while the warpgroups finish one;
+- a one-warp q loader (`_q_loader`): each block's q by TMA into a buffer that the warpgroups copy into
+  the MMA's registers, which frees it for the next block's q.
+The descriptors are rank 4 over [B, H, T, D], so any strides TMA takes run (q, k, v seen through a
+transpose of [B, T, H, D] too).
+
+Measured on the H200 (causal 4k d 128 bf16; BENCHMARKS.md, fifteenth and sixteenth sessions), and what
+each change gave:
+- q loaded by every compute warpgroup from global memory: its loads were about 14 % of the compute
+  warps' stall samples in ncu. By TMA from the K/V loader: 478.6 against 461.7 TFLOP/s; from a loader
+  of its own, with snake-order rounds: 500-537.
+- rounds in plain order: the busiest program did 1.125x the mean work at 4k and 1.21x at 2k.
+- removed: a program per query block, which lost to the persistent kernel at every length
+  (450.1 against 507.2 at 4k, 518.9 against 538.5 at 8k).
+- removed: one partition of 4 or 8 warps that also issues the loads, no faster than the Triton kernel
+  (ncu: the two warpgroups held together by CTA barriers).
+- removed: the two warpgroups taking turns at the tensor cores through mbarriers (FA3's ping-pong),
+  459.5 against 462.9.
+- not kept: an item's last P V and its stores overlapped with the next item's first q k^T. ptxas then
+  serialized every warpgroup MMA (C7511: not enough registers at 240 a thread).
 
 Scope: 16-bit q/k/v with head dims D == DV of 64 or 128, row-contiguous, 16-byte aligned rows, no
 mask, a non-negative scale; `attention()` takes the Triton kernel for everything else. Compiles for
@@ -81,26 +93,13 @@ def _softmax_tile(s, m_i, l_i, j, n_full, limit, length, qk_scale, CAUSAL: gl.co
 
 
 @gluon.jit
-def _load_partition(k_desc, v_desc, k_smem, v_smem, ready, free, n, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """WS's loader (one warp): key tile j's K and V into its stage, on one barrier, once both compute
-    warpgroups have released the tile STAGES before it (a fresh barrier counts as released: a wait on
-    phase 1 returns at once)."""
-    for j in range(n):
-        st = j % STAGES
-        mbarrier.wait(free.index(st), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], ready.index(st), k_smem.index(st))
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], ready.index(st), v_smem.index(st))
-
-
-@gluon.jit
 def _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, t0=0):
     """One compute warpgroup's online softmax over n key tiles of the ring, S_j's exponentials overlapping
     P_{j-1} V_{j-1} on the tensor cores (the module's schedule); returns the unnormalized output
-    [BLOCK_M, BLOCK_D] and the row sums. q: in shared memory or in the MMA's registers. ready: a stage's
-    K and V have landed; free: this warpgroup is done with a stage (it arrives once P V of its tile is).
-    t0: the ring's count of tiles before this one's first (a persistent program's earlier work items)."""
+    [BLOCK_M, BLOCK_D] and the row sums. q: in the MMA's registers. ready: a stage's K and V have landed;
+    free: this warpgroup is done with a stage (it arrives once P V of its tile is). t0: the ring's count
+    of tiles before this one's first (the program's earlier work items)."""
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -156,84 +155,6 @@ def _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M: gl.constexpr, BLOCK_D:
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_smem, v_smem, ready, free, out_ptr, so_t, m0, n, n_full, length, TQ, qk_scale,
-                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                       STAGES: gl.constexpr, Q_REG: gl.constexpr):
-    """A compute warpgroup: BLOCK_M query rows from m0 (its q in q_smem; Q_REG: loaded from there into
-    the MMA's registers once), through the shared K/V ring."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    limit = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) + m0 + length - TQ   # causal: last key a row sees
-    if Q_REG:
-        q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q = q_smem
-    acc, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                       BLOCK_D, STAGES)
-    _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M, BLOCK_D, 4)
-
-
-@gluon.jit
-def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, G, TQ, TBUF, qk_scale,
-                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-                       LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                       q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
-                       Q_REG: gl.constexpr = False):
-    """One BLOCK_M block of query rows of one (batch, query head): grid (B * Hq, blocks), the causal
-    blocks with the most keys first. Two compute warpgroups of BLOCK_M / 2 rows each (the default
-    partition, num_warps 4, and a worker, each with its own barriers' waits) share the K/V ring that a
-    one-warp loader partition fills."""
-    pid_bh = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    if CAUSAL:
-        pid_m = gl.num_programs(1) - 1 - pid_m
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // G
-    if LEN_FROM_PTR:
-        length = gl.minimum(gl.maximum(gl.load(len_ptr).to(gl.int32), 0), TBUF)
-    else:
-        length = length_const
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    TPW_D: gl.constexpr = BLOCK_D // 8                      # 16 bytes a thread along a row
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [num_warps, 1], [1, 0])
-    m0 = pid_m * BLOCK_M
-    q_base = q_ptr + b * sq_b + h * sq_h
-    o_base = out_ptr + b * so_b + h * so_h
-    rows = gl.maximum(length, 1)
-    k_desc = tma.make_tensor_descriptor(k_ptr + b * sk_b + hk * sk_h, shape=[rows, BLOCK_D], strides=[sk_t, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + b * sv_b + hk * sv_h, shape=[rows, BLOCK_D], strides=[sv_t, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)                # K and V landed
-        mbarrier.init(free.index(i), count=2)                 # both warpgroups are done with it
-    n, n_full = _key_tiles(m0, TQ, length, CAUSAL, BLOCK_M, BLOCK_N)
-    HALF: gl.constexpr = BLOCK_M // 2
-    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld_layout))
-    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(1, ld_layout))
-    q_lo = gl.load(q_base + gl.expand_dims(m0 + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
-                   mask=gl.expand_dims(m0 + offs_h < TQ, 1), other=0.0)
-    q_hi = gl.load(q_base + gl.expand_dims(m0 + HALF + offs_h, 1) * sq_t + gl.expand_dims(offs_d, 0),
-                   mask=gl.expand_dims(m0 + HALF + offs_h < TQ, 1), other=0.0)
-    q_smem_lo = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_lo)
-    q_smem_hi = gl.allocate_shared_memory(dtype, [HALF, BLOCK_D], q_layout, q_hi)
-    fence_async_shared()                              # q's stores and the barriers, before async reads
-    gl.warp_specialize([
-        (_compute_partition, (q_smem_lo, k_smem, v_smem, ready, free, o_base, so_t, m0, n, n_full, length, TQ,
-                              qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
-        (_compute_partition, (q_smem_hi, k_smem, v_smem, ready, free, o_base, so_t, m0 + HALF, n, n_full, length,
-                              TQ, qk_scale, CAUSAL, HALF, BLOCK_N, BLOCK_D, STAGES, Q_REG)),
-        (_load_partition, (k_desc, v_desc, k_smem, v_smem, ready, free, n, STAGES, BLOCK_N)),
-    ], [4, 1], [240, 24])
-
-
-@gluon.jit
 def _work_item(k, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr):
     """This program's work item of round k: its batch, query head, KV head, first query row, key tiles and
@@ -256,10 +177,11 @@ def _work_item(k, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr, BLO
 
 
 @gluon.jit
-def _persistent_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
-                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The persistent kernel's K/V loader (one warp): every work item's K and V tiles through the ring, one
-    running tile count across items, so it runs ahead into the next item while the last one finishes."""
+def _kv_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
+               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The K/V loader (one warp): every work item's K and V tiles through the ring, one running tile count
+    across items, so it runs ahead into the next item while the last one finishes (a fresh free barrier
+    counts as released: a wait on phase 1 returns at once)."""
     D: gl.constexpr = k_desc.block_type.shape[3]
     t = 0
     for k in range(0, gl.cdiv(total, gl.num_programs(0))):
@@ -276,9 +198,9 @@ def _persistent_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, N
 
 
 @gluon.jit
-def _persistent_q_loader(q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The persistent kernel's q loader (one warp): each work item's q, its two halves, as soon as both
+def _q_loader(q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The q loader (one warp): each work item's q, its two halves, as soon as both
     compute warpgroups have taken the last item's q into registers (early in that item). In the K/V
     loader's loop instead, a light item's q came too late (ncu, H200: compute warps waiting for q)."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -295,11 +217,11 @@ def _persistent_q_loader(q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, 
 
 
 @gluon.jit
-def _persistent_compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
-                        total, BH, NUM_M, HQ, G, TQ, length, qk_scale,
-                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                        STAGES: gl.constexpr, ME: gl.constexpr):
-    """A persistent compute warpgroup: rows ME * BLOCK_M / 2 .. (ME + 1) * BLOCK_M / 2 of each work item's
+def _compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
+             total, BH, NUM_M, HQ, G, TQ, length, qk_scale,
+             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+             STAGES: gl.constexpr, ME: gl.constexpr):
+    """A compute warpgroup: rows ME * BLOCK_M / 2 .. (ME + 1) * BLOCK_M / 2 of each work item's
     query block, its q taken from the loader's buffer into the MMA's registers (which frees the buffer for
     the next item's q)."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -323,16 +245,15 @@ def _persistent_compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, ou
 
 
 @gluon.jit
-def _flash_sm90_persistent_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, G, TQ, TBUF, NB, qk_scale,
-                                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-                                  LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                                  q_desc_layout: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr,
-                                  ring_layout: gl.constexpr, num_warps: gl.constexpr):
-    """`_flash_sm90_kernel`'s WS structure, persistent: one program a multiprocessor walks the work items
-    (query blocks of 128 rows, the heaviest of every head first) `num_programs` apart. q, K and V come by
-    TMA from rank-4 descriptors over [B, H, T, D] (any strides TMA takes); the loader fetches an item's q
-    ahead of it, so no compute warpgroup waits on a global load of q."""
+def _flash_sm90_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_const, HQ, G, TQ, TBUF, NB, qk_scale,
+                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+                       LEN_FROM_PTR: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                       q_desc_layout: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr,
+                       ring_layout: gl.constexpr, num_warps: gl.constexpr):
+    """One program a multiprocessor (grid: min(blocks, multiprocessors)) walks the blocks of BLOCK_M query
+    rows of every (batch, head): the shared memory, barriers and descriptors, then the four partitions
+    (the module's docstring)."""
     if LEN_FROM_PTR:
         length = gl.minimum(gl.maximum(gl.load(len_ptr).to(gl.int32), 0), TBUF)
     else:
@@ -364,16 +285,14 @@ def _flash_sm90_persistent_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, length_
     NUM_M = gl.cdiv(TQ, BLOCK_M)
     total = BH * NUM_M
     gl.warp_specialize([
-        (_persistent_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
-                               total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                               STAGES, 0)),
-        (_persistent_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t,
-                               total, BH, NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                               STAGES, 1)),
-        (_persistent_loader, (k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-        (_persistent_q_loader, (q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL,
-                                BLOCK_M, BLOCK_N)),
+        (_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t, total, BH,
+                    NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, 0)),
+        (_compute, (q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b, so_h, so_t, total, BH,
+                    NUM_M, HQ, G, TQ, length, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, 1)),
+        (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL,
+                      BLOCK_M, BLOCK_N, STAGES)),
+        (_q_loader, (q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL, BLOCK_M,
+                     BLOCK_N)),
     ], [4, 1, 1], [240, 24, 24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -396,35 +315,23 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, qk_scale:
 
 
 def flash_sm90(q4, k4, v4, o4, len_ptr, len_const: int, from_ptr: bool, group: int, qk_scale: float, causal: bool,
-               block_n: int = 128, stages: int = 3, q_reg: bool = True, persistent: bool = True,
-               maxnreg: int = 168) -> None:
+               block_n: int = 128, stages: int = 3, maxnreg: int = 168) -> None:
     """softmax(q k^T * scale) v into o4 for q4 [B, Hq, Tq, D], k4/v4 [B, Hk, Tbuf, D] (`attention`'s flash
     path, the same arguments); the caller has set Triton's allocator (device-side tensor descriptors).
-    Blocks of 128 query rows: two compute warpgroups of 64 and a one-warp loader (12 warps a block), at
-    most `maxnreg` registers a thread (168: one block a multiprocessor), the loader 24, the compute
-    warpgroups 240; a ring of `stages` tiles of `block_n` keys. q_reg: q k^T reads q from registers
-    instead of shared memory. persistent (q in registers): one program a multiprocessor walks the query
-    blocks. The defaults are the fastest measured (H200, causal 4k d 128 bf16)."""
+    One program a multiprocessor walks the blocks of 128 query rows: two compute warpgroups of 64 rows
+    and two one-warp loaders (12 warps a block), at most `maxnreg` registers a thread (168: one block a
+    multiprocessor), the loaders 24, the compute warpgroups 240; a ring of `stages` tiles of `block_n`
+    keys. The defaults are the fastest measured (H200, causal 4k d 128 bf16)."""
     nb, hq, tq, d = q4.shape
     tbuf = k4.shape[2]
     dtype = gl.float16 if q4.dtype == torch.float16 else gl.bfloat16
-    if persistent:
-        total = nb * hq * triton.cdiv(tq, 128)
-        grid = (max(1, min(total, torch.cuda.get_device_properties(q4.device).multi_processor_count)),)
-        _flash_sm90_persistent_kernel[grid](
-            q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, nb, qk_scale,
-            *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
-            LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=128, BLOCK_N=block_n, BLOCK_D=d, STAGES=stages,
-            q_desc_layout=gl.NVMMASharedLayout.get_default_for([1, 1, 64, d], dtype),
-            kv_layout=gl.NVMMASharedLayout.get_default_for([1, 1, block_n, d], dtype),
-            q_layout=gl.NVMMASharedLayout.get_default_for([64, d], dtype),
-            ring_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, maxnreg=maxnreg)
-        return
-    _flash_sm90_kernel[(nb * hq, triton.cdiv(tq, 128))](
-        q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, qk_scale,
-        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
-        v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
+    total = nb * hq * triton.cdiv(tq, 128)
+    grid = (max(1, min(total, torch.cuda.get_device_properties(q4.device).multi_processor_count)),)
+    _flash_sm90_kernel[grid](
+        q4, k4, v4, len_ptr, o4, len_const, hq, group, tq, tbuf, nb, qk_scale,
+        *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
         LEN_FROM_PTR=from_ptr, CAUSAL=causal, BLOCK_M=128, BLOCK_N=block_n, BLOCK_D=d, STAGES=stages,
+        q_desc_layout=gl.NVMMASharedLayout.get_default_for([1, 1, 64, d], dtype),
+        kv_layout=gl.NVMMASharedLayout.get_default_for([1, 1, block_n, d], dtype),
         q_layout=gl.NVMMASharedLayout.get_default_for([64, d], dtype),
-        kv_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, Q_REG=q_reg,
-        maxnreg=maxnreg)
+        ring_layout=gl.NVMMASharedLayout.get_default_for([block_n, d], dtype), num_warps=4, maxnreg=maxnreg)

@@ -94,7 +94,7 @@ def _softmax_tile(s, m_i, l_i, j, n_full, limit, length, qk_scale, CAUSAL: gl.co
 
 @gluon.jit
 def _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, t0=0):
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, t0):
     """One compute warpgroup's online softmax over n key tiles of the ring, S_j's exponentials overlapping
     P_{j-1} V_{j-1} on the tensor cores (the module's schedule); returns the unnormalized output
     [BLOCK_M, BLOCK_D] and the row sums. q: in the MMA's registers. ready: a stage's K and V have landed;
@@ -141,7 +141,7 @@ def _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, 
 
 
 @gluon.jit
-def _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, num_warps: gl.constexpr):
+def _store_rows(acc, l_i, out_ptr, so_t, m0, TQ, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr):
     """Rows m0 .. m0 + BLOCK_M (< TQ) of the output: acc / l, zero where a row saw no key; stored from the
     MMA layout (no shared-memory scratch, which the warp-specialized partitions could not share)."""
     o_layout: gl.constexpr = acc.type.layout
@@ -239,7 +239,7 @@ def _compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b
         limit = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)) + r0 + length - TQ
         out, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, HALF, BLOCK_N,
                            BLOCK_D, STAGES, t)
-        _store_rows(out, l_i, out_ptr + b * so_b + h * so_h, so_t, r0, TQ, HALF, BLOCK_D, 4)
+        _store_rows(out, l_i, out_ptr + b * so_b + h * so_h, so_t, r0, TQ, HALF, BLOCK_D)
         t += n
         c += 1
 

@@ -446,3 +446,62 @@ def test_decode_stores_its_output_rounded_for_the_gemv(case, with_rope):
     assert torch.equal(xq, want["xq_ptr"]), "limb words differ from the quantize kernel's"
     assert torch.equal(xd, want["xd_ptr"]) and torch.equal(xs, want["xs_ptr"])
     assert not zero.any().item(), "the GEMV's output was not zeroed"
+
+
+# == the Hopper decode kernel (decode_sm90: the caches through a TMA ring) =============================
+
+HOPPER_CASES = [  # (B, Hq, Hk, buffer, D, lengths)
+    (1, 32, 8, 2100, 128, (0, 1, 127, 128, 129, 1500, 2100)),   # Llama's heads, lengths off the 128-key tiles
+    (2, 9, 3, 700, 64, (1, 333, 700)),                          # SmolLM2's heads, batch 2
+    (1, 4, 4, 300, 128, (5, 300)),                              # no GQA
+]
+
+
+def _hopper_here() -> bool:
+    return DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(block_n=64, stages=4)], ids=["n128-s3", "n64-s4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=["llama", "smollm-b2", "mha"])
+@pytest.mark.parametrize("length_on_device", [False, True], ids=["len-int", "len-tensor"])
+def test_hopper_decode_over_lengths(case, dtype, variant, length_on_device):
+    """`gluon=` on a decode: the Hopper kernel's splits over lengths that end inside a tile, at one
+    key, at zero keys (zeros), and the whole buffer; NaN past the length; the combine kernel merges."""
+    if _INTERPRET or not _hopper_here():
+        pytest.skip("the Hopper kernel runs on sm_90 only (elsewhere the Triton decode kernel, tested above)")
+    b, hq, hk, buffer, d, lengths = case
+    for length in lengths:
+        (q, k, v), dev = inputs(f"hopper{case}-{length}", b, hq, hk, 1, buffer, d, length, dtype)
+        ln = torch.tensor(length, dtype=torch.int32, device=DEVICE) if length_on_device else length
+        got = attn.attention(*dev, length=ln, gluon=variant or True)
+        check(got, reference(q, k, v, length, False), dtype, (case, length))
+
+
+@pytest.mark.parametrize("split", [1, 7, 40])
+def test_hopper_decode_forced_splits_and_length_offset(split):
+    """Forced split counts, which the wrapper rounds to whole 128-key chunks of the 1024-row buffer (1, 4 and
+    8 splits: at length 200 two of four see keys), with a device position and length_offset=1, the
+    decode step's way of passing its length."""
+    if _INTERPRET or not _hopper_here():
+        pytest.skip("the Hopper kernel runs on sm_90 only")
+    for length in (1, 200, 1000):
+        (q, k, v), dev = inputs(f"hopper-split{split}-{length}", 1, 8, 2, 1, 1024, 128, length, "bfloat16")
+        pos = torch.tensor(length - 1, dtype=torch.int32, device=DEVICE)
+        got = attn.attention(*dev, length=pos, length_offset=1, split=split, gluon=True)
+        check(got, reference(q, k, v, length, False), "bfloat16", (split, length))
+
+
+def test_hopper_decode_is_the_default_from_16k_keys(monkeypatch):
+    """From DECODE_GLUON_KEYS cache rows a 16-bit decode without RoPE takes the Hopper kernel (on sm_90;
+    elsewhere the Triton kernel), against the reference at a length short of the buffer."""
+    if _INTERPRET:
+        pytest.skip("a 16k-row cache takes minutes in Triton's interpreter (the GPU run checks it)")
+    from ingot.backends.cuda import decode_sm90
+    calls = []
+    real = decode_sm90.decode_sm90
+    monkeypatch.setattr(decode_sm90, "decode_sm90", lambda *a, **kw: (calls.append(a), real(*a, **kw))[1])
+    (q, k, v), dev = inputs("hopper-default", 1, 8, 2, 1, attn.DECODE_GLUON_KEYS, 128, 12345, "bfloat16")
+    got = attn.attention(*dev, length=torch.tensor(12345, dtype=torch.int32, device=DEVICE))
+    check(got, reference(q, k, v, 12345, False), "bfloat16", "default")
+    assert len(calls) == (1 if _hopper_here() and attn.DECODE_GLUON != "0" else 0)

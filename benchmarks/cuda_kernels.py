@@ -224,16 +224,11 @@ def decode_attention_rows(results, bw, quick):
         # (measured slower on the H200, 2026-12-03, and dropped: 32 splits merged in the kernel 56.9 us, 64 /
         # 128 / 256 splits 48.2 / 55.2 / 74.8, 128 splits of 128-key tiles with 8 warps 63.1, against 40.3;
         # 32 splits with the combine kernel, 39.2-39.4 against 41.1 for 33, is the default since)
-        for vname, kw in {"default": {}, "triton": dict(gluon=False),
-                          # the Hopper kernel (decode_sm90: the caches through a TMA ring), the default from 16k keys
-                          "gluon": dict(gluon=True), "gluon-n64-s4": dict(gluon=dict(block_n=64, stages=4)),
-                          "combine-kernel": dict(merge=False, gluon=False),
-                          "split41": dict(split=41, gluon=False), "split49": dict(split=49, gluon=False),
-                          "align16": dict(chunk_align=16, gluon=False), "align8": dict(chunk_align=8, gluon=False),
-                          "split49-align16": dict(split=49, chunk_align=16, gluon=False),
-                          "bn128": dict(block_n=128, gluon=False), "bn32": dict(block_n=32, gluon=False),
-                          "w8": dict(num_warps=8, gluon=False), "stages2": dict(num_stages=2, gluon=False),
-                          "stages4": dict(num_stages=4, gluon=False)}.items():
+        for vname, kw in {"default": {}, "combine-kernel": dict(merge=False),
+                          "split41": dict(split=41), "split49": dict(split=49), "align16": dict(chunk_align=16),
+                          "align8": dict(chunk_align=8), "split49-align16": dict(split=49, chunk_align=16),
+                          "bn128": dict(block_n=128), "bn32": dict(block_n=32),
+                          "w8": dict(num_warps=8), "stages2": dict(num_stages=2), "stages4": dict(num_stages=4)}.items():
             try:
                 out = attn.attention(q, k, v, length=ln, **kw)
                 err = float((out.float() - ref).norm() / ref.norm())

@@ -548,11 +548,6 @@ DECODE_CHUNK_ALIGN = int(os.environ.get("INGOT_CUDA_DECODE_CHUNK_ALIGN", "0"))
 # 631.1). Head dim 64 loses (2 x 32 heads, 4096 rows causal: 384.7 against 405.3), so "auto" takes d 128 only
 PREFILL_GLUON = os.environ.get("INGOT_CUDA_PREFILL_GLUON", "auto")
 PREFILL_GLUON_ROWS = int(os.environ.get("INGOT_CUDA_PREFILL_GLUON_ROWS", "2048"))
-# the Hopper decode kernel (`decode_sm90`: the caches through a TMA ring) for one query row over a cache of
-# at least DECODE_GLUON_KEYS rows, where no RoPE, KV write or rounded output is folded into the attention
-# ("auto"; "1" at any length, "0" never)
-DECODE_GLUON = os.environ.get("INGOT_CUDA_DECODE_GLUON", "auto")
-DECODE_GLUON_KEYS = int(os.environ.get("INGOT_CUDA_DECODE_GLUON_KEYS", "16384"))
 DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
 # with early loads: the new token's key and value used from registers (`attention(fresh=)`), so the
 # first tile's loads go out before the wait too, where that K+V tile takes at most FRESH_TILE_BYTES (it
@@ -647,10 +642,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
     `gluon` (None: PREFILL_GLUON, by default head dim 128 from PREFILL_GLUON_ROWS query rows) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
     dim 64 or 128, no mask, sm_90): the softmax of a key tile overlaps the tensor cores' P V product of
-    the tile before; a dict passes `flash_sm90`'s options (block_n, stages, maxnreg). For one query row
-    (decode), `gluon` (None: DECODE_GLUON, by default from DECODE_GLUON_KEYS cache rows) runs `decode_sm90`
-    where it applies (16-bit, d 64 or 128, no rope, xq or zero, sm_90): the caches through a TMA ring; a
-    dict passes its block_n and stages.
+    the tile before; a dict passes `flash_sm90`'s options (block_n, stages, maxnreg).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
@@ -716,26 +708,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         return result
     if mask is None and group * tq <= DECODE_MAX_ROWS:
         block_r = max(16, triton.next_power_of_2(group * tq))
-        hopper = gluon if gluon is not None else (DECODE_GLUON == "1" or (DECODE_GLUON == "auto" and tbuf >= DECODE_GLUON_KEYS))
-        if hopper and rope is None and xq is None and zero is None and not f32 and d == dv and tbuf > 0:
-            from . import decode_sm90
-            if decode_sm90.supported(q4, k4, v4, group):
-                opts = gluon if isinstance(gluon, dict) else {}
-                bn = opts.get("block_n", 128)
-                if split is None:   # about one program a multiprocessor (a 192 KB ring each)
-                    split = max(1, min(triton.cdiv(tbuf, bn), _sm_count(q.device) // max(nb * hk, 1)))
-                split = triton.cdiv(tbuf, triton.cdiv(triton.cdiv(tbuf, split), bn) * bn)
-                o_part = torch.empty((nb * hk * split * block_r, dv), dtype=torch.float32, device=q.device)
-                ml_part = torch.empty((nb * hk * split * block_r, 2), dtype=torch.float32, device=q.device)
-                _ensure_allocator(q.device)
-                decode_sm90.decode_sm90(q4, k4, v4, o_part, ml_part, len_ptr, len_const, from_ptr, length_offset, group,
-                                        qk_scale, split, bn, block_r, bn, opts.get("stages", 3))
-                _combine_kernel[(nb * hk, group * tq)](
-                    o_part, ml_part, o4, len_ptr, len_const, hk, group, tq, tbuf, dv, o4.stride(0), o4.stride(1),
-                    o4.stride(2), SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
-                    CHUNK=min(16, triton.next_power_of_2(split)), BLOCK_R=block_r, BLOCK_DV=dv, LEN_FROM_PTR=from_ptr,
-                    BLOCK_N=bn, len_add=length_offset, num_warps=4, **pdl_args(q.device))
-                return result
         bn = block_n or DECODE_BLOCK_N or (64 if block_d <= 128 else 32)
         align = chunk_align or DECODE_CHUNK_ALIGN or bn
         if min_chunk is None:

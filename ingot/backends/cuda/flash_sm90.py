@@ -97,7 +97,7 @@ def _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, 
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, t0):
     """One compute warpgroup's online softmax over n key tiles of the ring, S_j's exponentials overlapping
     P_{j-1} V_{j-1} on the tensor cores (the module's schedule); returns the unnormalized output
-    [BLOCK_M, BLOCK_D], the row sums and the row maxima (log2 units). q: in the MMA's registers. ready: a stage's K and V have landed;
+    [BLOCK_M, BLOCK_D] and the row sums. q: in the MMA's registers. ready: a stage's K and V have landed;
     free: this warpgroup is done with a stage (it arrives once P V of its tile is). t0: the ring's count
     of tiles before this one's first (the program's earlier work items)."""
     dtype: gl.constexpr = k_smem.dtype
@@ -137,7 +137,7 @@ def _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, 
         acc_tok = warpgroup_mma(p, v_smem.index(sp), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])
         mbarrier.arrive(free.index(sp), count=1)
-    return acc, l_i, m_i
+    return acc, l_i
 
 
 @gluon.jit
@@ -237,7 +237,7 @@ def _compute(q_smem, k_smem, v_smem, q_ready, q_free, ready, free, out_ptr, so_b
         q = q_smem.index(ME).load(q_layout)
         mbarrier.arrive(q_free, count=1)
         limit = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)) + r0 + length - TQ
-        out, l_i, m_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, HALF, BLOCK_N,
+        out, l_i = _attend(q, k_smem, v_smem, ready, free, n, n_full, limit, length, qk_scale, CAUSAL, HALF, BLOCK_N,
                            BLOCK_D, STAGES, t)
         _store_rows(out, l_i, out_ptr + b * so_b + h * so_h, so_t, r0, TQ, HALF, BLOCK_D)
         t += n

@@ -200,9 +200,9 @@ def _kv_loader(k_desc, v_desc, k_smem, v_smem, ready, free, total, BH, NUM_M, HQ
 @gluon.jit
 def _q_loader(q_desc, q_smem, q_ready, q_free, total, BH, NUM_M, HQ, G, TQ, length, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The q loader (one warp): each work item's q, its two halves, as soon as both
-    compute warpgroups have taken the last item's q into registers (early in that item). In the K/V
-    loader's loop instead, a light item's q came too late (ncu, H200: compute warps waiting for q)."""
+    """The q loader (one warp): each work item's q, its two halves, as soon as both compute warpgroups have
+    taken the last item's q into registers (early in that item). In the K/V loader's loop instead, a
+    light item's q came too late (ncu, H200: compute warps waiting for q)."""
     HALF: gl.constexpr = BLOCK_M // 2
     D: gl.constexpr = q_desc.block_type.shape[3]
     c = 0

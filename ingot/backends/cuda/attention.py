@@ -640,9 +640,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     `heads_on_axis0` puts the heads on grid axis 0 (the first wave: the heaviest block of every head;
     H200, causal bf16 T 4096: 421 TFLOP/s against 405 with the blocks on axis 0), `tma` loads Q/K/V
     through tensor descriptors (16-bit inputs with 16-byte aligned rows; otherwise the pointer loads).
-    `gluon` (None: PREFILL_GLUON, by default head dim 128 from PREFILL_GLUON_ROWS query rows) runs the Hopper kernel of `flash_sm90` where it applies (16-bit, head
-    dim 64 or 128, no mask, sm_90): the softmax of a key tile overlaps the tensor cores' P V product of
-    the tile before; a dict passes `flash_sm90`'s options (block_n, stages, maxnreg).
+    `gluon` (None: PREFILL_GLUON, by default head dim 128 from PREFILL_GLUON_ROWS query rows) runs the
+    Hopper kernel of `flash_sm90` where it applies (16-bit, head dim 64 or 128, no mask, sm_90): the
+    softmax of a key tile overlaps the tensor cores' P V product of the tile before; a dict passes
+    `flash_sm90`'s options (block_n, stages, maxnreg).
     Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
     one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
     fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);

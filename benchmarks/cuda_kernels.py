@@ -92,11 +92,6 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         shapes = [s for s in shapes if s[0].replace(" ", "_") in only_shapes]
     variants = {  # word-layout dp4a kernel (the default), then the k-major kernels it replaced
         "default": None,
-        # the Hopper kernel (Gluon, the default on sm_90 for one row) against the Triton one, and its ring depth
-        "triton": dict(GLUON=False), "gluon-s4": dict(STAGES=4), "gluon-s10": dict(STAGES=10),
-        "gluon-p2": dict(PER_SM=2, STAGES=4), "gluon-w4-p2": dict(PER_SM=2, STAGES=4, WARPS=4),
-        "gluon-p3": dict(PER_SM=3, STAGES=3), "gluon-w4-p3": dict(PER_SM=3, STAGES=3, WARPS=4),
-        "gluon-w4": dict(WARPS=4), "gluon-stream": dict(STREAM=True),   # the last a bound: no arithmetic, wrong results
         "atomic": dict(REDUCE=1), "waves8": dict(WAVES=8), "waves16": dict(WAVES=16), "waves20": dict(WAVES=20),
         "waves24": dict(WAVES=24), "waves64": dict(WAVES=64),
         "one-wave": dict(WAVES=0),

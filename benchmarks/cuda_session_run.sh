@@ -24,8 +24,7 @@ run_audio() {
 run_tests() {
   timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
     tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
-    tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py tests/test_cuda_pdl.py \
-    tests/test_cuda_gemv_sm90.py --maxfail=30 -rf 2>&1 \
+    tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py tests/test_cuda_pdl.py --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }
 run_attention() {
@@ -35,7 +34,7 @@ run_attention() {
 run_gemv() {
   timeout "${GEMV_S:-100}" python3 benchmarks/cuda_kernels.py --only gemv --rows 1,4 \
     --shapes "${GEMV_SHAPES:-smollm_qkv,llama8b_qkv,llama8b_o,llama8b_gate+up,llama8b_down,llama8b_lm_head}" --row-shapes llama8b_gate+up \
-    --variants "${GEMV_VARIANTS:-default,triton,limbs2,xq-l1,xfree,waves16,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
+    --variants "${GEMV_VARIANTS:-default,limbs2,xq-l1,xfree,waves16,tb1,xq-l2-rows4}" --json "$OUT/gemv.json" 2>&1 \
     | grep "^qgemv\|^   \|copy" | tail -20
 }
 smollm() { tag=$1; shift; env "$@" timeout "${SMOLLM_S:-40}" python3 benchmarks/cuda_llm.py --models smollm2 --steps 128 \

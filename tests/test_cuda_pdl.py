@@ -93,21 +93,6 @@ def test_the_early_decode_reads_only_the_length_position_caches_and_table():
     assert "n0_offs != skip" in early   # the position's row is left out of the early tile
 
 
-def test_the_hopper_gemv_waits_before_x_y_and_the_next_output():
-    """gemv_sm90: the compute warps wait on the kernel ahead before any load, store or atomic (x, y, the
-    output they zero); the loader only issues TMA copies of the weight and its parameters, after the wait
-    unless EARLY (a captured graph's constant weights)."""
-    from ingot.backends.cuda import gemv_sm90
-    compute = re.sub(r'"""(.|\n)*?"""', "", inspect.getsource(gemv_sm90._compute.fn), count=1)
-    head = compute.split("        _gdc_wait()\n", 1)[0]
-    assert "    if PDL:\n" in head and not re.search(r"gl\.(load|store|atomic_\w+)\(|\.load\(", head)
-    assert compute.index("_gdc_launch_dependents()") > compute.index("_gdc_wait()")
-    loader = inspect.getsource(gemv_sm90._loader.fn)
-    assert "    if PDL and not EARLY:" in loader and loader.index("_gdc_wait()") < loader.index("async_copy")
-    assert not re.search(r"gl\.(load|store|atomic_\w+)\(", loader)
-    assert set(re.findall(r"async_copy_global_to_shared\((\w+)", loader)) == {"w_desc", "s_desc", "b_desc"}
-
-
 def test_generated_region_kernels_wait_too():
     source_line = inspect.getsource(fused.RegionKernel.__init__)
     assert '"    pdl_enter(PDL)",' in source_line and "PDL: tl.constexpr = False" in source_line

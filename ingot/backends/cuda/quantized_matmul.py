@@ -1251,9 +1251,6 @@ SELF_XQ_BYTES = int(os.environ.get("INGOT_CUDA_SELF_XQ_BYTES", str(4 << 20)))
 # ahead (SmolLM2 548.8, twice); weights 2 or 3 tiles ahead, as many early (Llama-3-8B 2089.8 and 2312.0
 # against 1996.6: 177 registers a thread against 128 at 3)
 EARLY_WEIGHTS = os.environ.get("INGOT_CUDA_GEMV_EARLY_W", "1") == "1"
-# one row of x pre-quantized on sm_90: the Gluon kernel (`gemv_sm90`: weights by TMA into a ring that fills
-# before the wait on the kernel ahead, one persistent program a multiprocessor) instead of the Triton one
-GEMV_GLUON = os.environ.get("INGOT_CUDA_GEMV_GLUON", "1") == "1"
 
 
 def rounds_own_x(m: int, w: QuantizedWeight) -> bool:
@@ -1300,12 +1297,6 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         config["EARLY_W"] = True
     self_round = config.pop("XQ_SELF", False) and xq and quantize is None
     zeroed = config.pop("ZEROED", False)
-    gluon = config.pop("GLUON", GEMV_GLUON)
-    if gluon and xq and not self_round and residual is None and not config.get("XFREE", False) and x2.is_cuda:
-        from . import gemv_sm90
-        if gemv_sm90.supported(w, m, x2.device):
-            _gluon_gemv(x2, w, y, config, x_gate, norm, quantize, zero, zeroed)
-            return
     assert norm is None or not config.get("XFREE", False)
     # with x pre-quantized, all (<= 4) rows in one program read the weight once: H200, Llama-3-8B
     # gate+up at 4 rows 87.0 us vs 105.4 one row per program (2026-12-03); without, 4 rows spill
@@ -1366,30 +1357,6 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         **pdl_args(x2.device))
     if waves == 0 and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
         _WORDS_REGS[variant] = compiled.n_regs
-    if target is not y:
-        y.copy_(target)
-
-
-def _gluon_gemv(x2, w, y, config, x_gate, norm, quantize, zero, zeroed) -> None:
-    """`_words_gemv` through the Hopper kernel (`gemv_sm90`): x quantized by its own launch (or `quantize`),
-    which zeroes y where it can (else a memset, or y came zeroed: `zeroed`), then the persistent GEMV.
-    config: LIMBS, EARLY_W, and the kernel's STAGES, PER_SM, WARPS, PROGRAMS."""
-    from . import gemv_sm90
-    limbs = config.pop("LIMBS", GEMV_LIMBS)
-    assert limbs in (1, 2, 3), f"LIMBS={limbs}: x in 1, 2 or 3 bytes"
-    target = y if y.dtype == torch.float32 and y.is_contiguous() else torch.empty_like(y, dtype=torch.float32)
-    inputs = (x2, x_gate) + ((norm.add, norm.total, norm.weight) if norm is not None else ())
-    zero_in_xq = ZERO_IN_XQ and not _overlaps(target, *inputs)
-    if not zero_in_xq and not (zeroed and target is y):
-        target.zero_()
-    if zero is not None:
-        assert zero.dtype == torch.float32 and zero.is_contiguous()
-        assert not _overlaps(zero, x2, x_gate, y, target, *((norm.add, norm.total, norm.weight) if norm else ()))
-    args = (quantize or _quantize_x)(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None)
-    gemv_sm90.gemv_sm90(w, args, target, limbs, zero=zero, early=config.pop("EARLY_W", False),
-                        stages=config.pop("STAGES", gemv_sm90.STAGES), per_sm=config.pop("PER_SM", gemv_sm90.PER_SM),
-                        num_warps=config.pop("WARPS", gemv_sm90.NUM_WARPS), programs=config.pop("PROGRAMS", None),
-                        pdl=pdl_args(x2.device), stream=config.pop("STREAM", False))
     if target is not y:
         y.copy_(target)
 

@@ -78,6 +78,23 @@ def test_norm_prologue_matches_numpy(case, xq):
         check(got, normalised(a + b if add else a, g if with_g else None), w, limbs, what=what)
 
 
+@pytest.mark.parametrize("parts", [True, False], ids=["parts", "whole-row"])
+def test_norm_quantize_launch_by_parts_or_whole_rows(parts, monkeypatch):
+    """The quantize launch with a norm: each program its own blocks and their sum of squares, the GEMV
+    adding a row's parts for 1 / rms (XQ_NORM_PARTS), or every program reading its row whole; more
+    programs a row than a power of two (K 4128: 33 of 4 blocks), split-K both ways, 1-4 rows."""
+    monkeypatch.setattr(qmm, "XQ_NORM_PARTS", parts)
+    rng = rng_for(f"norm-gemv-parts{parts}")
+    w = words_weight(rng, FORMATS[3], (4128, 96, 32))
+    for rows, config in ((1, dict(SPLIT=1)), (3, dict(SPLIT=3, REDUCE=1)), (4, dict(SPLIT=2, REDUCE=2))):
+        a = torch.from_numpy(rng.standard_normal((rows, 4128)).astype(np.float32) * 3).to(DEVICE)
+        b = torch.from_numpy(rng.standard_normal((rows, 4128)).astype(np.float32)).to(DEVICE)
+        g = torch.from_numpy((1 + 0.3 * rng.standard_normal(4128)).astype(np.float32)).to(DEVICE)
+        total, got = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True, LIMBS=2))
+        assert torch.equal(total.cpu(), (a + b).cpu()), (rows, config)
+        check(got, normalised(a + b, g), w, 2, what=f"rows={rows} {config}")
+
+
 def test_norm_prologue_takes_xq_by_the_module_threshold(monkeypatch):
     """Without XQ in the config, weights of XQ_MIN_BYTES and more run the norm in the quantize kernel."""
     rng = rng_for("norm-gemv-threshold")

@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from ...ops.nn import rope_cos_sin
+from . import timeline
 from .pdl import pdl_args, pdl_enter
+from .timeline import now, stamp
 from .quantized_matmul import _zero_share, store_xq
 
 LOG2E = 1.4426950408889634
@@ -98,7 +100,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    INTERLEAVED: tl.constexpr = False,
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
-                   EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64):
+                   EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64, stamp_ptr=None,
+                   STAMP: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -127,11 +130,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     K and V loads go out with q's, before the rotation, and nothing waits on the write (no barrier).
     EARLY (with PDL): the length, the position, the first tile and the RoPE table are read before
     `pdl_enter`, while the kernel ahead still runs: the caller promises that kernel writes none of
-    them (the caches' rows other than the position, which FRESH never loads, included)."""
+    them (the caches' rows other than the position, which FRESH never loads, included). STAMP: timeline.py
+    (the splits that write the output or merge; the others leave their stamps at zero)."""
+    t0 = now(STAMP)
     if not EARLY:
         pdl_enter(PDL)
+    t1 = now(STAMP)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
+    me = pid_s * tl.num_programs(0) + pid_bh
     b = pid_bh // HK
     hk = pid_bh % HK
     if LEN_FROM_PTR:   # the device scalar + len_add (a decode step's position + 1)
@@ -169,6 +176,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         partner, c, sn = _rotation(pos, inv_ptr, cos_ptr, sin_ptr, TABLE_ROWS, offs_d, HALF, INTERLEAVED)
     if EARLY:   # all of the above reads what no kernel ahead on the stream writes
         pdl_enter(PDL)
+        t1 = now(STAMP)
     if ZERO:
         if pid_s == 0:
             _zero_share(z_ptr, Z, pid_bh, tl.num_programs(0))
@@ -231,6 +239,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             if XQ_LIMBS > 0:
                 store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
                           stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
+            stamp(stamp_ptr, me, t0, t1, t1, STAMP)
             return
     part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
     tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
@@ -265,6 +274,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                 store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
                           stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
             tl.atomic_xchg(ticket_ptr + pid_bh, 0, sem="relaxed")
+            stamp(stamp_ptr, me, t0, t1, t1, STAMP)
 
 
 @triton.jit
@@ -762,7 +772,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
             len_add=length_offset, CHUNK_ALIGN=align, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra,
-            **pdl_args(q.device))
+            **pdl_args(q.device), **timeline.args(f"attention {hk}x{group} d{d}", nb * hk * split, q.device))
         if xq_here:
             xq.written = True
         if merge:

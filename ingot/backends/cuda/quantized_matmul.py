@@ -25,7 +25,8 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   `dp4a` dot products; optional SiLU(gate)*x prologue, RMSNorm prologue (`rms_norm_matmul`: x =
   rms_norm(x [+ y]) * g, the row's 1 / rms multiplying the sums; x + y stored on the way) and residual
   epilogue. x is rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by every thread (the
-  GLU and norm prologues then run there); or, for small weights whose output the launch ahead zeroes,
+  GLU and norm prologues then run there; with the norm, each of its programs stores its blocks' sum of
+  squares and the GEMV multiplies its sums by the row's 1 / rms, XQ_RMS); or, for small weights whose output the launch ahead zeroes,
   by each program for its own split of K into its column block's copy (XQ_SELF: no quantize launch).
   Each row's x is handled in the weight tile's own register layout (`_row_dot`), so the tile never
   passes through shared memory (`scripts/sm90_compile_check.py --sass` shows barriers and
@@ -44,7 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import timeline
 from .pdl import pdl_args, pdl_enter
+from .timeline import now, stamp
 
 GEMV_MAX_ROWS = 1                                                 # more rows: the tensor-core kernel
 MAGIC_CONVERT = os.environ.get("INGOT_CUDA_MAGIC", "1") == "1"   # int -> float through exponent bits
@@ -283,7 +286,8 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
                        LIMBS: tl.constexpr, BLOCKS: tl.constexpr, GLU: tl.constexpr,
                        g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
                        HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False,
-                       z_ptr=None, Z=0, ZERO: tl.constexpr = False):
+                       z_ptr=None, Z=0, ZERO: tl.constexpr = False, stamp_ptr=None, STAMP: tl.constexpr = False,
+                       PARTS: tl.constexpr = False, ssq_ptr=None):
     """x [M, K] -> what `_qgemv_words_kernel` with XQ loads, for BLOCKS blocks of 32 k of one row:
 
         xq int32 [M, KB, LIMBS, 2, 4]: word (b, l, h, j) = byte l of X[32b + 8j + 4h + i] at bits 8i (i = 0..3),
@@ -298,22 +302,32 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
 
     NORM: x = rms_norm(x [+ x2 with ADD]) * g: (x [+ x2]) * g is rounded, and the row's 1 / rms
     (`_row_rms`, the whole row read by every program) multiplies d and the block sums, so the GEMV
-    is unchanged. With ADD the first program of a row stores x + x2 to h_ptr.
+    is unchanged. With ADD the first program of a row stores x + x2 to h_ptr. NORM and PARTS: each
+    program reads only its own blocks, stores their sum of squares of x [+ x2] to ssq [M, programs a row],
+    and the scales and sums without 1 / rms: the GEMV (XQ_RMS) adds the row's parts and multiplies its
+    sums by it. With ADD, each program stores its own blocks of x + x2.
 
     ZERO: the programs also zero z [Z] (float32, contiguous), the output the GEMV after this kernel
     adds its splits into atomically: no memset between the two, which would keep the GEMV from
-    starting while this kernel runs (programmatic dependent launch)."""
+    starting while this kernel runs (programmatic dependent launch). STAMP: timeline.py."""
+    me = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    t0 = now(STAMP)
     pdl_enter(PDL)
+    t1 = now(STAMP)
     pid_b = tl.program_id(0)
     m = tl.program_id(1)
     if ZERO:
         _zero_share(z_ptr, Z, m * tl.num_programs(0) + pid_b, tl.num_programs(0) * tl.num_programs(1))
     r = 1.0
-    if NORM:
+    if NORM and not PARTS:
         rows = m + tl.arange(0, 1)
         r = _row_rms(x_ptr, x2_ptr, h_ptr, rows, rows >= 0, stride_xm, K, eps, pid_b == 0, ADD, 1, NORM_BLOCK)  # [1]
+    if PARTS:
+        ssq_ptr += m * tl.num_programs(0) + pid_b
     _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m, pid_b * BLOCKS + tl.arange(0, BLOCKS), KB, K,
-                  stride_xm, stride_xqm, stride_xdm, r, LIMBS, GLU, NORM, ADD, HAS_G)
+                  stride_xm, stride_xqm, stride_xdm, r, LIMBS, GLU, NORM, ADD, HAS_G, PARTS, h_ptr, ssq_ptr)
+    t2 = now(STAMP)
+    stamp(stamp_ptr, me, t0, t1, t2, STAMP)
 
 
 @triton.jit
@@ -328,12 +342,26 @@ def _zero_share(z_ptr, Z, index, count):
 
 @triton.jit
 def _round_blocks(x_ptr, x2_ptr, g_ptr, xq_ptr, xd_ptr, xs_ptr, m, blk, b_stop, K, stride_xm, stride_xqm, stride_xdm, r,
-                  LIMBS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_G: tl.constexpr):
+                  LIMBS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_G: tl.constexpr,
+                  PARTS: tl.constexpr = False, h_ptr=None, ssq_ptr=None):
     """Blocks blk [BLOCKS] (those below b_stop) of 32 k of row m of x rounded and stored as
-    `_quantize_x_kernel` documents, the scales and block sums multiplied by r (the row's 1 / rms, or 1)."""
+    `_quantize_x_kernel` documents, the scales and block sums multiplied by r (the row's 1 / rms, or 1).
+    PARTS (with NORM): also the sum of squares of these blocks of h = x [+ x2] stored to ssq_ptr, and with
+    ADD h itself to h_ptr (x's row stride)."""
     k = (blk[:, None, None, None] * 32 + tl.arange(0, 4)[None, :, None, None] * 8
          + tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])   # [BLOCKS, 4 j, 2 h, 4 i]
-    if NORM:
+    if NORM and PARTS:
+        ok = (k < K) & (blk < b_stop)[:, None, None, None]
+        h = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+        if ADD:
+            h = h + tl.load(x2_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+        x = h
+        if HAS_G:
+            x = h * tl.load(g_ptr + k, mask=ok, other=0.0).to(tl.float32)
+        if ADD:
+            tl.store(h_ptr + m * stride_xm + k, h, mask=ok)
+        tl.store(ssq_ptr, tl.sum(tl.sum(tl.sum(tl.sum(h * h, axis=3), axis=2), axis=1), axis=0))
+    elif NORM:
         x = _load_norm_x(x_ptr, x2_ptr, g_ptr, m * stride_xm + k, k, k < K, ADD, HAS_G)
     else:
         x = _load_x(x_ptr, x2_ptr, m * stride_xm + k, k < K, GLU)
@@ -555,7 +583,8 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
                         copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                        EARLY_W: tl.constexpr = False):
+                        EARLY_W: tl.constexpr = False, stamp_ptr=None, STAMP: tl.constexpr = False,
+                        ssq_ptr=None, nparts=0, XQ_RMS: tl.constexpr = False, NPARTS: tl.constexpr = 1):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.
 
@@ -587,10 +616,15 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     ZERO: the programs zero z [Z] (float32, apart from every operand), the split-K output of the GEMV
     launched after this one. PREFETCH: each weight tile is loaded a tile ahead of its arithmetic;
     EARLY_W: the first one before `pdl_enter`, while the kernel ahead still runs, only for weights no
-    kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule)."""
+    kernel of the stream writes (a replayed graph's constants: `_words_gemv`'s rule). STAMP: timeline.py.
+    XQ_RMS (with XQ): x was rounded before an RMSNorm's 1 / rms (the quantize kernel's PARTS): the row's
+    nparts sums of squares at ssq_ptr [M, nparts] (NPARTS, a power of two, covers them) give it, and it
+    multiplies the sums."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    me = (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
+    t0 = now(STAMP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = pid_m * ROWS + tl.arange(0, ROWS)
@@ -611,11 +645,16 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
     if PREFETCH and EARLY_W:   # constant weights: nothing ahead on the stream writes them
         w_next = _weight_tile(qw_ptr, kw_start + tile_rows, kw_stop, stride_qw, nn, n_mask)
     pdl_enter(PDL)   # from here on every other load and store: the kernels ahead may write any of it (pdl.py)
+    t1 = now(STAMP)
     if PREFETCH and not EARLY_W:
         w_next = _weight_tile(qw_ptr, kw_start + tile_rows, kw_stop, stride_qw, nn, n_mask)
+    if XQ_RMS:   # the row's 1 / rms from the quantize kernel's parts
+        parts = tl.arange(0, NPARTS)
+        ss = tl.load(ssq_ptr + offs_m[:, None] * nparts + parts[None, :], mask=m_mask[:, None] & (parts < nparts)[None, :],
+                     other=0.0)
+        r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)                                    # [ROWS]
     if ZERO:
-        _zero_share(z_ptr, Z, (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n,
-                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+        _zero_share(z_ptr, Z, me, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
     if XQ_SELF:   # this split's blocks of x rounded, for the loop's XQ loads
         xq_ptr += pid_n * copy_q
         xd_ptr += pid_n * copy_d
@@ -663,7 +702,8 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                                    KB, stride_xm, stride_xqm, stride_xdm, TB, LIMBS, ASM, HAS_BIAS, GLU, XFREE, XQ, NORM,
                                    ADD, HAS_G, EVEN_K)
             acc3 += _scaled(sums, x_sum, s0, b0, s1, b1, TB, HAS_BIAS)
-    if NORM:
+    t2 = now(STAMP)
+    if NORM or XQ_RMS:
         acc0 *= _pick(r, 0)
         acc1 *= _pick(r, 1 % ROWS)
         acc2 *= _pick(r, 2 % ROWS)
@@ -685,6 +725,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                 _row_total(m0 + i, M, N, offs_n, n_mask, splits, y_ptr, res_ptr, part_ptr, stride_ym, stride_rm,
                            RESIDUAL)
             tl.atomic_xchg(count_ptr + pid_m * tl.num_programs(0) + pid_n, 0, sem="relaxed")   # ready for the next launch
+    stamp(stamp_ptr, me, t0, t1, t2, STAMP)
 
 
 @triton.jit
@@ -1155,6 +1196,10 @@ XQ_NORM_BLOCK = int(os.environ.get("INGOT_CUDA_XQ_NORM_BLOCK", "4096"))   # Llam
 # its warps with a norm: Llama-3-8B's step 1905.0 / 1905.7 us at 8 against 1919.9 / 1918.7 at 4 (H200,
 # fourteenth session, two calls)
 XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "8"))
+# with a norm, each program of the quantize launch rounds only its own blocks and stores their sum of
+# squares; the GEMV adds a row's parts for 1 / rms (XQ_RMS). cuda_timeline.py, Llama-3-8B (2026-12-04):
+# the launch that read the whole row in every program was busy 3.6 us of a layer's ~58, twice a layer
+XQ_NORM_PARTS = os.environ.get("INGOT_CUDA_XQ_NORM_PARTS", "1") == "1"
 _XQ_WORKSPACE: dict = {}
 
 
@@ -1213,16 +1258,28 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
     first, second = (x_gate, x2) if x_gate is not None else (x2, x2)
     if x_gate is not None:
         assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape and norm is None
-    extra = {}
-    if norm is not None:   # the whole row is read for its sum of squares: more threads for it
+    extra, gemv, warps = {}, {}, 1
+    grid = (triton.cdiv(kb, XQ_BLOCKS), m)
+    if norm is not None:
         extra = norm.kernel_args(x2)
         extra["NORM_BLOCK"] = min(triton.next_power_of_2(k), XQ_NORM_BLOCK)
         second = norm.add if norm.add is not None else x2
-    _quantize_x_kernel[(triton.cdiv(kb, XQ_BLOCKS), m)](
+        if XQ_NORM_PARTS:   # each program its own blocks; the GEMV adds the parts for 1 / rms
+            floats = _xq_workspace(x2.device, 1, kb * m)[1]
+            parts = floats[floats.numel() - m * grid[0]:]
+            assert floats.numel() - parts.numel() >= 2 * m * kb, "the parts overlap the scales"
+            extra.update(PARTS=True, ssq_ptr=parts)
+            gemv = dict(XQ_RMS=True, ssq_ptr=parts, nparts=grid[0], NPARTS=triton.next_power_of_2(grid[0]),
+                        eps=float(norm.eps))
+        else:   # the whole row is read for its sum of squares in every program: more threads for it
+            warps = XQ_NORM_WARPS
+    kind = "glu" if x_gate is not None else ("norm" if norm is not None else "x")
+    _quantize_x_kernel[grid](
         first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=XQ_BLOCKS,
-        GLU=x_gate is not None, num_warps=1 if norm is None else XQ_NORM_WARPS, **extra, **pdl_args(x2.device),
-        **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}))
-    return args
+        GLU=x_gate is not None, num_warps=warps, **extra, **pdl_args(x2.device),
+        **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}),
+        **timeline.args(f"quantize {kind} {k}", grid[0] * grid[1], x2.device))
+    return {**args, **gemv}
 
 
 def xq_buffers(m: int, k: int, limbs: int, device, copies: int = 1) -> dict:
@@ -1302,8 +1359,11 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     # gate+up at 4 rows 87.0 us vs 105.4 one row per program (2026-12-03); without, 4 rows spill
     rows = config.get("ROWS") or (min(triton.next_power_of_2(m), 4) if xq else None)
     waves, tb = config.pop("WAVES", WORDS_WAVES), config.pop("TB", None)
+    # EARLY_W is left out of the key: it is set only while a graph is captured, where the variant's first
+    # launch is too late to learn its registers (until 2026-12-04 the captured GEMVs split as for 32 warps a
+    # multiprocessor: gate+up and down ran in two waves, cuda_timeline.py)
     variant = (w.n, m, w.group, w.bias is not None, xq, rows, tb, x_gate is not None, norm is not None,
-               residual is not None, tuple(sorted(config.items())))
+               residual is not None, tuple(sorted((k, v) for k, v in config.items() if k != "EARLY_W")))
     cfg = {**words_gemv_config(w, m, _sm_count(x2.device), waves, config.get("num_warps"), rows,
                                _WORDS_REGS.get(variant), tb), **config}
     block_n, tb, rows, split = cfg.pop("BLOCK_N"), cfg.pop("TB"), cfg.pop("ROWS"), cfg.pop("SPLIT")
@@ -1354,9 +1414,9 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
         ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
         RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg,
-        **pdl_args(x2.device))
+        **pdl_args(x2.device), **timeline.args(f"gemv {w.k}x{w.n}", grid[0] * grid[1] * grid[2], x2.device))
     if waves == 0 and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
-        _WORDS_REGS[variant] = compiled.n_regs
+        _WORDS_REGS[variant] = max(compiled.n_regs, _WORDS_REGS.get(variant, 0))
     if target is not y:
         y.copy_(target)
 

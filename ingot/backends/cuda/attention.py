@@ -569,6 +569,10 @@ DECODE_EARLY = os.environ.get("INGOT_CUDA_DECODE_EARLY", "1") == "1"
 # tile costs more than the barrier it saves. The steps replayed were the same (495.8 against 495.9-496.5 us).
 DECODE_FRESH = os.environ.get("INGOT_CUDA_DECODE_FRESH", "1") == "1"
 FRESH_TILE_BYTES = int(os.environ.get("INGOT_CUDA_DECODE_FRESH_BYTES", 32 << 10))
+# the decode kernel's warps; 0 (the default): 8 with RoPE where the K + V tile is too big for FRESH (float32
+# d 128: Llama-3-8B's caches), else 4. H200, Llama-3-8B int4 step replayed in one call: 1794.0 us against
+# 1817.4 at 4 warps; with FRESH forced at 8 warps (144-280 bytes spilled) 1905.3
+DECODE_WARPS = int(os.environ.get("INGOT_CUDA_DECODE_WARPS", "0"))
 
 
 @dataclass
@@ -742,6 +746,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             merge = MERGE_IN_KERNEL if MERGE_IN_KERNEL is not None else merge_split <= MERGE_MAX_SPLITS
         tickets = _qmm_workspace(q.device, 0, nb * hk)[1] if merge else ml_part
         extra = {}
+        tile_bytes = bn * (block_d + block_dv) * k.element_size()   # one K + V tile
+        warps = num_warps or DECODE_WARPS or (8 if rope is not None and tile_bytes > FRESH_TILE_BYTES else 4)
         if rope is not None:
             kn4, vn4 = four(rope.k), four(rope.v)
             assert kn4.shape[1:] == (hk, 1, d) and vn4.shape[1:] == (hk, 1, dv), "attention: rope's k/v rows [..., Hk, 1, D]"
@@ -752,7 +758,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             assert cos.shape == sin.shape and cos.shape[1] == rope.inv_freq.shape[0] and cos.dtype == torch.float32
             extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0], EARLY=early and DECODE_EARLY)
             if fresh is None:   # with early loads; the first tile held in registers through the rotation
-                fresh = DECODE_FRESH and extra["EARLY"] and bn * (block_d + block_dv) * k.element_size() <= FRESH_TILE_BYTES
+                fresh = DECODE_FRESH and extra["EARLY"] and tile_bytes <= FRESH_TILE_BYTES
             extra.update(FRESH=fresh)
         # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
         xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
@@ -771,7 +777,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
             SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
-            len_add=length_offset, CHUNK_ALIGN=align, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}), **extra,
+            len_add=length_offset, CHUNK_ALIGN=align, num_warps=warps, **({"num_stages": num_stages} if num_stages else {}), **extra,
             **pdl_args(q.device), **timeline.args(f"attention {hk}x{group} d{d}", nb * hk * split, q.device))
         if xq_here:
             xq.written = True

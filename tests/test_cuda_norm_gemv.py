@@ -81,9 +81,11 @@ def test_norm_prologue_matches_numpy(case, xq):
 @pytest.mark.parametrize("parts", [True, False], ids=["parts", "whole-row"])
 def test_norm_quantize_launch_by_parts_or_whole_rows(parts, monkeypatch):
     """The quantize launch with a norm: each program its own blocks and their sum of squares, the GEMV
-    adding a row's parts for 1 / rms (XQ_NORM_PARTS), or every program reading its row whole; more
-    programs a row than a power of two (K 4128: 33 of 4 blocks), split-K both ways, 1-4 rows."""
+    adding a row's parts for 1 / rms (XQ_NORM_PARTS, rows of XQ_NORM_PARTS_K and more), or every program
+    reading its row whole; more programs a row than a power of two (K 4128: 33 of 4 blocks), split-K
+    both ways, 1-4 rows."""
     monkeypatch.setattr(qmm, "XQ_NORM_PARTS", parts)
+    assert qmm.XQ_NORM_PARTS_K <= 4128
     rng = rng_for(f"norm-gemv-parts{parts}")
     w = words_weight(rng, FORMATS[3], (4128, 96, 32))
     for rows, config in ((1, dict(SPLIT=1)), (3, dict(SPLIT=3, REDUCE=1)), (4, dict(SPLIT=2, REDUCE=2))):

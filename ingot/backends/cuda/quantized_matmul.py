@@ -1196,10 +1196,13 @@ XQ_NORM_BLOCK = int(os.environ.get("INGOT_CUDA_XQ_NORM_BLOCK", "4096"))   # Llam
 # its warps with a norm: Llama-3-8B's step 1905.0 / 1905.7 us at 8 against 1919.9 / 1918.7 at 4 (H200,
 # fourteenth session, two calls)
 XQ_NORM_WARPS = int(os.environ.get("INGOT_CUDA_XQ_NORM_WARPS", "8"))
-# with a norm, each program of the quantize launch rounds only its own blocks and stores their sum of
-# squares; the GEMV adds a row's parts for 1 / rms (XQ_RMS). cuda_timeline.py, Llama-3-8B (2026-12-04):
-# the launch that read the whole row in every program was busy 3.6 us of a layer's ~58, twice a layer
+# with a norm over rows of XQ_NORM_PARTS_K and more, each program of the quantize launch rounds only its
+# own blocks and stores their sum of squares; the GEMV adds a row's parts for 1 / rms (XQ_RMS). H200,
+# 2026-12-04 (cuda_timeline.py): Llama-3-8B's launch that read the whole 4096-float row in every program
+# was busy 3.6 us of a layer's ~58, twice a layer; by parts 1.4, the step 1821.7-1827.9 us against 1882.4.
+# SmolLM2's one such launch (576 floats, before the lm_head) lost by parts: 498.4-499.2 against 496.3
 XQ_NORM_PARTS = os.environ.get("INGOT_CUDA_XQ_NORM_PARTS", "1") == "1"
+XQ_NORM_PARTS_K = int(os.environ.get("INGOT_CUDA_XQ_NORM_PARTS_K", "1024"))
 _XQ_WORKSPACE: dict = {}
 
 
@@ -1264,7 +1267,7 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
         extra = norm.kernel_args(x2)
         extra["NORM_BLOCK"] = min(triton.next_power_of_2(k), XQ_NORM_BLOCK)
         second = norm.add if norm.add is not None else x2
-        if XQ_NORM_PARTS:   # each program its own blocks; the GEMV adds the parts for 1 / rms
+        if XQ_NORM_PARTS and k >= XQ_NORM_PARTS_K:   # each program its own blocks; the GEMV adds the parts
             floats = _xq_workspace(x2.device, 1, kb * m)[1]
             parts = floats[floats.numel() - m * grid[0]:]
             assert floats.numel() - parts.numel() >= 2 * m * kb, "the parts overlap the scales"

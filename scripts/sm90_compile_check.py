@@ -13,7 +13,7 @@ ignored; the exit status is 1 when a launch does not compile.
     python scripts/sm90_compile_check.py tests/test_cuda_prefill.py tests/test_audio_cuda.py -x
     python scripts/sm90_compile_check.py --sass /tmp/sass tests/test_cuda_gemv_xq.py
 
---sass DIR also disassembles each launch (cuobjdump) into DIR and prints, for each loop (a backward
+--sass DIR also disassembles each launch (cuobjdump) into DIR (with Triton's TTGIR beside it) and prints, for each loop (a backward
 branch), its instructions, barriers and shared-memory loads and stores: a layout conversion that
 Triton put inside a loop shows as barriers there (the word GEMV had 36 a tile, 2026-12-03).
 
@@ -109,6 +109,8 @@ class Launches:
                     path = os.path.join(sass_dir, f"{index:03d}_{fn.fn.__name__}.sass")
                     with open(path, "w") as f:
                         f.write(sass)
+                    with open(path[: -len(".sass")] + ".ttgir", "w") as f:   # Triton's last IR, in source order
+                        f.write(kernel.asm["ttgir"])
                     for loop in loop_counts(sass):
                         print(f"      loop: {loop['instructions']} instructions, {loop['BAR']} barriers, "
                               f"{loop['STS'] + loop['STSM']} shared stores, {loop['LDS'] + loop['LDSM']} shared loads  {path}")

@@ -108,6 +108,20 @@ def weight_bytes(exe=None) -> int:
     return total
 
 
+def graph_replay_us(graph, replays: int = 50, warmup: int = 1) -> float:
+    """Microseconds one replay of a captured CUDA graph takes, replayed back to back (after `warmup`)."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def model_shape(name: str, layers: int | None) -> dict:
     shape = dict(SHAPES[name])
     if layers:
@@ -150,18 +164,7 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
     tokens2, steps_s2 = generate(steps)
     # GPU time of one step: replay the captured graph back to back
     entry = next(iter(dec.plan._graphs.values()), None)
-    replay_us = None
-    if entry is not None:
-        g = entry["graph"]
-        g.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        replay_us = start.elapsed_time(end) * 1e3 / 50
+    replay_us = None if entry is None else graph_replay_us(entry["graph"])
     # bytes one step reads: every weight once, and the K and V caches of all B sequences (mean length)
     kv_read = 2 * cfg.n_layers * cfg.n_kv_heads * (prompt_len + steps // 2) * cfg.head_dim * 4 * batch
     weights_read = weight_bytes(dec)

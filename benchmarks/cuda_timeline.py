@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cuda_llm import SHAPES, fast_random_weights, gguf_like_random_weights, model_shape  # noqa: E402
+from cuda_llm import SHAPES, fast_random_weights, gguf_like_random_weights, graph_replay_us, model_shape  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.backends.cuda import timeline  # noqa: E402
 from ingot.models import llama  # noqa: E402
@@ -83,16 +83,7 @@ def main() -> None:
     graphs = list(dec.plan._graphs.values())
     assert graphs, "the decode step was not captured (INGOT_CUDA_GRAPHS=0?)"
     g = graphs[0]["graph"]
-    for _ in range(20):
-        g.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        g.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    replay_us = start.elapsed_time(stop) * 1e3 / 50
+    replay_us = graph_replay_us(g, warmup=20)
     g.replay()
     torch.cuda.synchronize()
     launches = timeline.read()

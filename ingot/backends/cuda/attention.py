@@ -101,7 +101,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
                    EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64, stamp_ptr=None,
-                   STAMP: tl.constexpr = False, HOIST: tl.constexpr = False):
+                   STAMP: tl.constexpr = False, HOIST: tl.constexpr = False, PAIR: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -132,7 +132,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     `pdl_enter`, while the kernel ahead still runs: the caller promises that kernel writes none of
     them (the caches' rows other than the position, which FRESH never loads, included). HOIST (with ROPE):
     the new k and v rows are loaded with q, masked to the writing split, instead of after q's rotation
-    (ptxas for sm_90a issued q's, k's and v's loads as three round trips apart). STAMP: timeline.py
+    (ptxas for sm_90a issued q's, k's and v's loads as three round trips apart). PAIR (with EARLY_V,
+    float32 K and V, D = DV): Triton places each tile's layout change for its dot right after its load,
+    so the second tile's load went out a round trip after the first; here V is loaded first and passed
+    through a side-effecting copy that also takes K, which its layout change cannot move above, so both
+    tiles' loads go out together (ptxas: 16 loads before the first barrier against 8 + 8 around two).
+    STAMP: timeline.py
     (the splits that write the output or merge; the others leave their stamps at zero)."""
     t0 = now(STAMP)
     if not EARLY:
@@ -224,10 +229,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         n_ok = offs_n < stop
         if FRESH:
             n_ok = n_ok & (offs_n != skip)
-        kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        if EARLY_V:   # independent of p: both loads in flight together
+        tl.static_assert(not PAIR or EARLY_V, "PAIR loads V with K")
+        if PAIR:   # V first, passed through an opaque copy that takes K too: see the docstring
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        else:
+        kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        if PAIR:
+            vt = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [vt, kt], dtype=tl.float32, is_pure=False, pack=1)
+        elif EARLY_V:   # independent of p: both loads in flight together
+            vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        if not EARLY_V:
             vt = v_base + offs_n[:, None] * sv_t + offs_dv[None, :]   # loaded after the softmax math
         m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
                                      EARLY_V, n_ok[:, None] & (offs_dv < DV)[None, :])
@@ -585,6 +595,9 @@ FRESH_TILE_BYTES = int(os.environ.get("INGOT_CUDA_DECODE_FRESH_BYTES", 32 << 10)
 DECODE_WARPS = int(os.environ.get("INGOT_CUDA_DECODE_WARPS", "0"))
 # the new k and v rows loaded with q (the kernel's HOIST): not yet timed on a GPU, so off by default
 DECODE_HOIST = os.environ.get("INGOT_CUDA_DECODE_HOIST", "0") == "1"
+# a split of one key tile loads K and V together (the kernel's PAIR; float32 caches, inline PTX, so not
+# under the interpreter): not yet timed on a GPU, so off by default
+DECODE_PAIR = os.environ.get("INGOT_CUDA_DECODE_PAIR", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @dataclass
@@ -772,6 +785,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             if fresh is None:   # with early loads; the first tile held in registers through the rotation
                 fresh = DECODE_FRESH and extra["EARLY"] and tile_bytes <= FRESH_TILE_BYTES
             extra.update(FRESH=fresh, HOIST=DECODE_HOIST)
+        early_v = short_path if early_v is None else early_v
+        if DECODE_PAIR and early_v and num_stages == 1 and block_d == block_dv and k.dtype == v.dtype == torch.float32:
+            extra.update(PAIR=True)
         # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
         xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
         if xq_here:
@@ -788,7 +804,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
             LEN_FROM_PTR=from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
             BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (DECODE_F32_PRECISION if f32 else "tf32"), MERGE=merge,
-            SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=short_path if early_v is None else early_v,
+            SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=early_v,
             len_add=length_offset, CHUNK_ALIGN=align, num_warps=warps, **({"num_stages": num_stages} if num_stages else {}), **extra,
             **pdl_args(q.device), **timeline.args(f"attention {hk}x{group} d{d}", nb * hk * split, q.device))
         if xq_here:

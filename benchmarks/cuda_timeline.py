@@ -11,10 +11,13 @@ the medians over the step's launches, in us:
     busy     first release to last end;  stream: the weight bytes over busy, TB/s
     tail     median end to last end;  loop  median (loop done - release) of its programs
     spread   the programs' release times, first to last
+    ends     the programs' ends, first to last;  since: its last end after the kernel ahead's last end
 
 then the first layer launch by launch, and the step: stamped span against the replay's time.
+--ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the kernels keep their registers, and so their
+waves, which the full stamps change for some (timeline.py); only tail, ends and since are shown.
 
-    python benchmarks/cuda_timeline.py [--model llama8b] [--layers 32] [--npz out.npz]
+    python benchmarks/cuda_timeline.py [--model llama8b] [--layers 32] [--ends] [--npz out.npz]
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import os
 import sys
 from collections import defaultdict
 
-os.environ["INGOT_CUDA_TIMELINE"] = "1"
+os.environ["INGOT_CUDA_TIMELINE"] = "end" if "--ends" in sys.argv else "1"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -42,17 +45,21 @@ def summarize(launches: list[dict], nbytes: dict) -> tuple[list[dict], float]:
     rows, prev_end = [], None
     launches = [dict(x, stamps=x["stamps"][x["stamps"][:, 3] > 0]) for x in launches]   # programs that stamped
     launches = [x for x in launches if len(x["stamps"])]
-    t0 = min(int(x["stamps"][:, 0].min()) for x in launches)
+    full = all((x["stamps"][:, 1] > 0).all() for x in launches)   # every point stamped, or the ends only
+    t0 = min(int(x["stamps"][:, 0 if full else 3].min()) for x in launches)
     for x in launches:
         s = x["stamps"].astype(np.int64)
         start, rel, loop, end = (s[:, i] - t0 for i in range(4))
         row = dict(name=x["name"], programs=len(s), sms=len(np.unique(s[:, 4])),
-                   early=(rel.min() - start.min()) / 1e3, busy=(end.max() - rel.min()) / 1e3,
-                   tail=(end.max() - np.median(end)) / 1e3, loop=float(np.median(loop - rel)) / 1e3,
-                   spread=(rel.max() - rel.min()) / 1e3, gap=None if prev_end is None else (rel.min() - prev_end) / 1e3,
-                   at=rel.min() / 1e3, end=end.max() / 1e3)
-        b = nbytes.get(x["name"])
-        row["stream"] = b / (row["busy"] * 1e-6) / 1e12 if b and row["busy"] > 0 else None
+                   tail=(end.max() - np.median(end)) / 1e3, ends=(end.max() - end.min()) / 1e3,
+                   since=None if prev_end is None else (end.max() - prev_end) / 1e3, end=end.max() / 1e3,
+                   early=None, busy=None, loop=None, spread=None, gap=None, stream=None, at=end.min() / 1e3)
+        if full:
+            row.update(early=(rel.min() - start.min()) / 1e3, busy=(end.max() - rel.min()) / 1e3,
+                       loop=float(np.median(loop - rel)) / 1e3, spread=(rel.max() - rel.min()) / 1e3,
+                       gap=None if prev_end is None else (rel.min() - prev_end) / 1e3, at=rel.min() / 1e3)
+            b = nbytes.get(x["name"])
+            row["stream"] = b / (row["busy"] * 1e-6) / 1e12 if b and row["busy"] > 0 else None
         rows.append(row)
         prev_end = end.max()
     span = (max(int(x["stamps"][:, 3].max()) for x in launches) - t0) / 1e3
@@ -69,6 +76,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--npz", default=None, help="save every launch's raw stamps here")
+    ap.add_argument("--ends", action="store_true", help="stamp only each program's end (INGOT_CUDA_TIMELINE=end)")
     args = ap.parse_args()
     cfg = llama.LlamaConfig(**model_shape(args.model, args.layers), context_length=2048)
     weights = gguf_like_random_weights(cfg) if args.model == "smollm2" else fast_random_weights(cfg)
@@ -100,7 +108,7 @@ def main() -> None:
     rows, span = summarize(launches, nbytes)
     print(f"{args.model} ({cfg.n_layers} layers): {len(rows)} stamped launches; stamped span {span:.1f} us, "
           f"replay {replay_us:.1f} us/step; timer step {int(ticks[ticks > 0].min())} ns")
-    cols = ("gap", "early", "busy", "tail", "loop", "spread", "stream")
+    cols = ("gap", "early", "busy", "tail", "loop", "spread", "ends", "since", "stream")
     print(f"{'kernel':28s} {'n':>4s} {'progs':>6s} " + " ".join(f"{c:>7s}" for c in cols))
     by = defaultdict(list)
     for r in rows[1:]:
@@ -114,10 +122,13 @@ def main() -> None:
     print(f"{'kernel':28s} {'at':>7s} " + " ".join(f"{c:>7s}" for c in cols))
     for r in rows[: per_layer + 1]:
         print(f"{r['name']:28s} {fmt(r['at'])} " + " ".join(fmt(r[c]) for c in cols))
+    weights = f"weights {sum(nbytes.get(r['name'], 0) for r in rows) / 1e6:.1f} MB stamped"
+    if rows[0]["busy"] is None:   # ends only
+        print(f"\n{weights}")
+        return
     gaps = sum(r["gap"] for r in rows if r["gap"] is not None and r["gap"] > 0)
     busy = sum(r["busy"] for r in rows)
-    print(f"\nsum of busy {busy:.1f} us (overlapping launches count twice), of positive gaps {gaps:.1f} us; "
-          f"weights {sum(nbytes.get(r['name'], 0) for r in rows) / 1e6:.1f} MB stamped")
+    print(f"\nsum of busy {busy:.1f} us (overlapping launches count twice), of positive gaps {gaps:.1f} us; {weights}")
 
 
 if __name__ == "__main__":

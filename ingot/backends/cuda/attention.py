@@ -101,7 +101,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
                    EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64, stamp_ptr=None,
-                   STAMP: tl.constexpr = False, HOIST: tl.constexpr = False, PAIR: tl.constexpr = False):
+                   STAMP: tl.constexpr = 0, HOIST: tl.constexpr = False, PAIR: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so

@@ -286,7 +286,7 @@ def _quantize_x_kernel(x_ptr, x2_ptr, xq_ptr, xd_ptr, xs_ptr, K, KB, stride_xm, 
                        LIMBS: tl.constexpr, BLOCKS: tl.constexpr, GLU: tl.constexpr,
                        g_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False, ADD: tl.constexpr = False,
                        HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False,
-                       z_ptr=None, Z=0, ZERO: tl.constexpr = False, stamp_ptr=None, STAMP: tl.constexpr = False,
+                       z_ptr=None, Z=0, ZERO: tl.constexpr = False, stamp_ptr=None, STAMP: tl.constexpr = 0,
                        PARTS: tl.constexpr = False, ssq_ptr=None):
     """x [M, K] -> what `_qgemv_words_kernel` with XQ loads, for BLOCKS blocks of 32 k of one row:
 
@@ -583,7 +583,7 @@ def _qgemv_words_kernel(x_ptr, x2_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, res_ptr, par
                         HAS_G: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16, EVEN_K: tl.constexpr = False,
                         PDL: tl.constexpr = False, XQ_SELF: tl.constexpr = False, SELF_BLOCKS: tl.constexpr = 8,
                         copy_q=0, copy_d=0, z_ptr=None, Z=0, ZERO: tl.constexpr = False,
-                        EARLY_W: tl.constexpr = False, stamp_ptr=None, STAMP: tl.constexpr = False,
+                        EARLY_W: tl.constexpr = False, stamp_ptr=None, STAMP: tl.constexpr = 0,
                         ssq_ptr=None, nparts=0, XQ_RMS: tl.constexpr = False, NPARTS: tl.constexpr = 1):
     """y[m, n] (+)= sum_k x[m, k] * W[k, n] for ROWS rows of x, BLOCK_N columns and one split of K, from
     the word layout (`QuantizedWeight.words`): one int32 holds 8 consecutive k of one column.

@@ -10,7 +10,9 @@ its programs store the global timer (ns) at four points, and their multiprocesso
 
 The times are held in registers and stored at the end. That still costs some kernels registers (ptxas
 for sm_90a: the split-K word GEMV of 2 warps 130 a thread against 100; of 4 warps none), so fewer of
-their programs fit a multiprocessor than without stamps: read those kernels' waves with that in mind.
+their programs fit a multiprocessor than without stamps. INGOT_CUDA_TIMELINE=end stamps only the end
+(and the multiprocessor), which costs none: the kernels run as without stamps, and their ends still show
+each kernel's tail, its waves and its gap to the next one's end.
 
 A replay rewrites the same slots; `benchmarks/cuda_timeline.py` reads them after one and prints, kernel
 by kernel, when its programs started, were released and ended, relative to the kernel ahead.
@@ -29,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("INGOT_CUDA_TIMELINE", "0") == "1"
+MODE = {"1": 2, "end": 1}.get(os.environ.get("INGOT_CUDA_TIMELINE", "0"), 0)   # 2 every point, 1 the end only
+ENABLED = MODE > 0
 POINTS = 5
 CAPACITY = 1 << 22          # stamps (int64): 32 MiB, a Llama-3-8B step's ~230 stamped launches x ~600 programs
 _buffers: dict = {}         # device -> int64 [CAPACITY]
@@ -55,7 +58,7 @@ def args(name: str, programs: int, device) -> dict:
         return {}
     _cursor[0] += programs * POINTS
     records.append((name, offset, programs))
-    return dict(stamp_ptr=buf[offset:], STAMP=True)
+    return dict(stamp_ptr=buf[offset:], STAMP=MODE)
 
 
 def reset() -> None:
@@ -75,8 +78,8 @@ def read() -> list[dict]:
 
 @triton.jit
 def now(STAMP: tl.constexpr):
-    """The global timer (ns) when STAMP, else 0 (nothing compiled)."""
-    if STAMP:
+    """The global timer (ns) when STAMP is 2 (every point), else 0 (nothing compiled)."""
+    if STAMP == 2:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     else:
         return 0
@@ -84,11 +87,12 @@ def now(STAMP: tl.constexpr):
 
 @triton.jit
 def stamp(ptr, program, t0, t1, t2, STAMP: tl.constexpr):
-    """Store a program's stamps: t0-t2 (from `now`), the time now as the end, and its multiprocessor.
+    """Store a program's stamps (STAMP 1 or 2): t0-t2 (from `now`: 0 at STAMP 1), the time now as the end,
+    and its multiprocessor.
     The times are kept in registers until the end: a store between them cost the word GEMV ~30
     registers a thread (ptxas for sm_90a), and with them a program a multiprocessor."""
     if STAMP:
-        t3 = now(STAMP)
+        t3 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
         base = ptr + program * 5
         tl.store(base + 0, t0)

@@ -80,6 +80,11 @@ def main():
         "exec-split16": dict(rope=True, xq=True, zero=True, split=16),
         "exec-split8": dict(rope=True, xq=True, zero=True, split=8),
         "exec-split4": dict(rope=True, xq=True, zero=True, split=4),
+        "exec-early-w4": dict(rope=True, xq=True, zero=True, early=True, num_warps=4),
+        "exec-early-tf32": dict(rope=True, xq=True, zero=True, early=True, precision="tf32"),
+        "rope-early": dict(rope=True, early=True),
+        "rope+zero-early": dict(rope=True, zero=True, early=True),
+        "exec-early-late-v": dict(rope=True, xq=True, zero=True, early=True, early_v=False),
     }
     if a.variants:
         variants = {name: variants[name] for name in a.variants.split(",")}

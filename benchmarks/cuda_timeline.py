@@ -14,10 +14,13 @@ the medians over the step's launches, in us:
     ends     the programs' ends, first to last;  since: its last end after the kernel ahead's last end
 
 then the first layer launch by launch, and the step: stamped span against the replay's time.
---ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the kernels keep their registers, and so their
-waves, which the full stamps change for some (timeline.py); only tail, ends and since are shown.
+--ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the 2-warp GEMVs keep their registers, the 4-warp
+ones with XQ_RMS do not (timeline.py), so gate+up and lm_head show a second wave there; only tail, ends
+and since are shown. --detail NAME,...: those kernels' programs a multiprocessor, their ends in deciles,
+and the word GEMV's compiled variants with their registers (the memo `_words_gemv` sizes splits from).
 
     python benchmarks/cuda_timeline.py [--model llama8b] [--layers 32] [--ends] [--npz out.npz]
+        [--detail "gemv 4096x28672,gemv 14336x4096"]
 """
 from __future__ import annotations
 
@@ -66,6 +69,33 @@ def summarize(launches: list[dict], nbytes: dict) -> tuple[list[dict], float]:
     return rows, span
 
 
+def detail(launches: list[dict], name: str) -> None:
+    """The first launch called `name`: how many of its programs each multiprocessor ran, and when they
+    ended (us after its first end, in deciles): two waves show as a gap between groups of ends; and the
+    word GEMV's compiled variants with their registers a thread."""
+    x = next((x for x in launches if x["name"] == name), None)
+    if x is None:
+        print(f"\nno launch named {name!r}")
+        return
+    s = x["stamps"][x["stamps"][:, 3] > 0].astype(np.int64)
+    per_sm = np.bincount(np.unique(s[:, 4], return_counts=True)[1])
+    end = (s[:, 3] - s[:, 3].min()) / 1e3
+    print(f"\n{name}: {len(s)} programs on {len(np.unique(s[:, 4]))} multiprocessors; multiprocessors running "
+          + ", ".join(f"{n} programs: {c}" for n, c in enumerate(per_sm) if c))
+    print("  ends (us after the first), deciles: " + " ".join(f"{v:.1f}" for v in np.quantile(end, np.linspace(0, 1, 11))))
+    for cache in getattr(qmm._qgemv_words_kernel, "device_caches", {}).values():
+        kernels = cache[0] if isinstance(cache, tuple) else cache
+        for kernel in getattr(kernels, "values", lambda: [])():
+            names = qmm._qgemv_words_kernel.arg_names
+            consts = {names[k[0]] if isinstance(k, tuple) else k: v
+                      for k, v in (getattr(getattr(kernel, "src", None), "constants", None) or {}).items()}
+            print(f"  word GEMV variant: {kernel.n_regs} registers, {kernel.n_spills} spills, warps "
+                  f"{kernel.metadata.num_warps}; " + " ".join(f"{k}={v}" for k, v in sorted(consts.items())
+                                                             if k in ("BLOCK_N", "TB", "EARLY_W", "XQ", "REDUCE",
+                                                                      "XQ_RMS", "RESIDUAL", "ZERO", "ROWS")))
+    print("  register memo: " + "; ".join(f"n {k[0]}: {v}" for k, v in qmm._WORDS_REGS.items()))
+
+
 def fmt(v, w=7, d=2):
     return f"{v:{w}.{d}f}" if isinstance(v, (float, int, np.floating)) and v is not None else " " * (w - 1) + "-"
 
@@ -77,6 +107,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--npz", default=None, help="save every launch's raw stamps here")
     ap.add_argument("--ends", action="store_true", help="stamp only each program's end (INGOT_CUDA_TIMELINE=end)")
+    ap.add_argument("--detail", default=None, help="kernel names (comma-separated): their programs a multiprocessor and end times")
     args = ap.parse_args()
     cfg = llama.LlamaConfig(**model_shape(args.model, args.layers), context_length=2048)
     weights = gguf_like_random_weights(cfg) if args.model == "smollm2" else fast_random_weights(cfg)
@@ -123,6 +154,8 @@ def main() -> None:
     for r in rows[: per_layer + 1]:
         print(f"{r['name']:28s} {fmt(r['at'])} " + " ".join(fmt(r[c]) for c in cols))
     weights = f"weights {sum(nbytes.get(r['name'], 0) for r in rows) / 1e6:.1f} MB stamped"
+    for name in (args.detail.split(",") if args.detail else []):
+        detail(launches, name)
     if rows[0]["busy"] is None:   # ends only
         print(f"\n{weights}")
         return

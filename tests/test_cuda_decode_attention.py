@@ -299,8 +299,7 @@ ROPE_CASES = [  # (B, Hq, Hk, D, HALF, interleaved, buffer, pos, length, split, 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[f"case{i}" for i in range(len(ROPE_CASES))])
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "reread"])
 @pytest.mark.parametrize("early", [True, False], ids=["early", "after-wait"])
-@pytest.mark.parametrize("variant", ["", "hoist", "pair"])
-def test_decode_rotates_q_and_writes_the_new_kv(case, fresh, early, variant, monkeypatch):
+def test_decode_rotates_q_and_writes_the_new_kv(case, fresh, early):
     """attention(..., rope=) against NumPy: q rotated, the rotated k and v written into the caches at
     the position (and nothing else changed), the output over the first `length` keys of the caches
     as written (the new key among them when position < length). The cos/sin table has the buffer's
@@ -308,14 +307,9 @@ def test_decode_rotates_q_and_writes_the_new_kv(case, fresh, early, variant, mon
     NaN before the launch: `fresh` (the new key and value from registers) never loads them, and the
     re-reading kernel loads them only after the write. `early` reads the length, position, table (and
     the first tile) before the kernel's wait: the same results (on the GPU the launch has nothing ahead
-    of it that writes them). `hoist`: the new k and v rows loaded with q (attn.DECODE_HOIST); `pair`: a
-    split's K and V tiles loaded together (attn.DECODE_PAIR, inline PTX: not under the interpreter)."""
+    of it that writes them)."""
     b, hq, hk, d, half, interleaved, buffer, pos, length, split, dtype = case
     skip_bf16_in_interpreter(dtype)
-    if variant == "pair" and os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("PAIR is inline PTX, which the interpreter does not run")
-    monkeypatch.setattr(attn, "DECODE_HOIST", variant == "hoist")
-    monkeypatch.setattr(attn, "DECODE_PAIR", variant == "pair")
     (_, k, v), (_, k_dev, v_dev) = inputs(f"rope{case}", b, hq, hk, 1, buffer, d, length, dtype)
     if pos < buffer:
         k_dev[:, :, pos] = float("nan")

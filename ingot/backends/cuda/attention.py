@@ -101,7 +101,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
                    EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64, stamp_ptr=None,
-                   STAMP: tl.constexpr = 0, HOIST: tl.constexpr = False, PAIR: tl.constexpr = False):
+                   STAMP: tl.constexpr = 0):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -130,14 +130,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     K and V loads go out with q's, before the rotation, and nothing waits on the write (no barrier).
     EARLY (with PDL): the length, the position, the first tile and the RoPE table are read before
     `pdl_enter`, while the kernel ahead still runs: the caller promises that kernel writes none of
-    them (the caches' rows other than the position, which FRESH never loads, included). HOIST (with ROPE):
-    the new k and v rows are loaded with q, masked to the writing split, instead of after q's rotation
-    (ptxas for sm_90a issued q's, k's and v's loads as three round trips apart). PAIR (with EARLY_V,
-    float32 K and V, D = DV): Triton places each tile's layout change for its dot right after its load,
-    so the second tile's load went out a round trip after the first; here V is loaded first and passed
-    through a side-effecting copy that also takes K, which its layout change cannot move above, so both
-    tiles' loads go out together (ptxas: 16 loads before the first barrier against 8 + 8 around two).
-    STAMP: timeline.py
+    them (the caches' rows other than the position, which FRESH never loads, included). STAMP: timeline.py
     (the splits that write the output or merge; the others leave their stamps at zero)."""
     t0 = now(STAMP)
     if not EARLY:
@@ -191,24 +184,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if ROPE:
         q_pair = tl.load(q_rows + partner[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
-        kn_row = kn_ptr + b * skn_b + hk * skn_h
-        if HOIST:   # the writer's rows loaded with q: one round trip for the three
-            writes = (pid_s == writer) & (pos >= 0) & (pos < TBUF)
-            kn_h = tl.load(kn_row + offs_d, mask=(offs_d < D) & writes, other=0.0).to(tl.float32)
-            kn_pair_h = tl.load(kn_row + partner, mask=(offs_d < D) & writes, other=0.0).to(tl.float32)
-            vn_h = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=(offs_dv < DV) & writes, other=0.0)
         q = (q.to(tl.float32) * c[None, :] + q_pair.to(tl.float32) * sn[None, :]).to(q_ptr.dtype.element_ty)
+        writer = tl.where((pos >= 0) & (pos < length), pos // tl.maximum(chunk, 1), 0)   # the split holding pos, or 0
         if pid_s == writer:   # the new token's k and v into the caches (before this split reads them, unless FRESH)
             if (pos >= 0) & (pos < TBUF):
-                if HOIST:
-                    kn, kn_pair, vn = kn_h, kn_pair_h, vn_h
-                else:
-                    kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-                    kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
-                    vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0)
+                kn_row = kn_ptr + b * skn_b + hk * skn_h
+                kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+                kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
                 kn_st = (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty)
                 tl.store(k_base + pos * sk_t + offs_d, kn_st, mask=offs_d < D)
+                vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0)
                 vn_st = vn.to(v_ptr.dtype.element_ty)
                 tl.store(v_base + pos * sv_t + offs_dv, vn_st, mask=offs_dv < DV)
                 if FRESH:   # as stored, so later steps read what this one used
@@ -229,15 +214,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         n_ok = offs_n < stop
         if FRESH:
             n_ok = n_ok & (offs_n != skip)
-        tl.static_assert(not PAIR or EARLY_V, "PAIR loads V with K")
-        if PAIR:   # V first, passed through an opaque copy that takes K too: see the docstring
-            vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        if PAIR:
-            vt = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [vt, kt], dtype=tl.float32, is_pure=False, pack=1)
-        elif EARLY_V:   # independent of p: both loads in flight together
+        if EARLY_V:   # independent of p: both loads in flight together
             vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        if not EARLY_V:
+        else:
             vt = v_base + offs_n[:, None] * sv_t + offs_dv[None, :]   # loaded after the softmax math
         m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
                                      EARLY_V, n_ok[:, None] & (offs_dv < DV)[None, :])
@@ -593,11 +573,10 @@ FRESH_TILE_BYTES = int(os.environ.get("INGOT_CUDA_DECODE_FRESH_BYTES", 32 << 10)
 # d 128: Llama-3-8B's caches), else 4. H200, Llama-3-8B int4 step replayed in one call: 1794.0 us against
 # 1817.4 at 4 warps; with FRESH forced at 8 warps (144-280 bytes spilled) 1905.3
 DECODE_WARPS = int(os.environ.get("INGOT_CUDA_DECODE_WARPS", "0"))
-# the new k and v rows loaded with q (the kernel's HOIST): not yet timed on a GPU, so off by default
-DECODE_HOIST = os.environ.get("INGOT_CUDA_DECODE_HOIST", "0") == "1"
-# a split of one key tile loads K and V together (the kernel's PAIR; float32 caches, inline PTX, so not
-# under the interpreter): not yet timed on a GPU, so off by default
-DECODE_PAIR = os.environ.get("INGOT_CUDA_DECODE_PAIR", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+# Measured and removed (H200, 2026-12-04): the new k and v rows loaded with q (one round trip after the
+# wait instead of three in ptxas's schedule), Llama-3-8B's step 1796.5 us against 1797.6, the launch alone
+# at 33 keys 5.38 against 5.52 (cuda_decode_probe.py --shape 32,8,128); K and V tiles loaded together
+# through an opaque copy (205 registers against 174), 1798.0 against 1797.6. Both together 1796.5.
 
 
 @dataclass
@@ -784,10 +763,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
             extra.update(cos_ptr=cos, sin_ptr=sin, TABLE_ROWS=cos.shape[0], EARLY=early and DECODE_EARLY)
             if fresh is None:   # with early loads; the first tile held in registers through the rotation
                 fresh = DECODE_FRESH and extra["EARLY"] and tile_bytes <= FRESH_TILE_BYTES
-            extra.update(FRESH=fresh, HOIST=DECODE_HOIST)
+            extra.update(FRESH=fresh)
         early_v = short_path if early_v is None else early_v
-        if DECODE_PAIR and early_v and num_stages == 1 and block_d == block_dv and k.dtype == v.dtype == torch.float32:
-            extra.update(PAIR=True)
         # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
         xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
         if xq_here:

@@ -11,8 +11,10 @@ its programs store the global timer (ns) at four points, and their multiprocesso
 The times are held in registers and stored at the end. That still costs some kernels registers (ptxas
 for sm_90a: the split-K word GEMV of 2 warps 130 a thread against 100; of 4 warps none), so fewer of
 their programs fit a multiprocessor than without stamps. INGOT_CUDA_TIMELINE=end stamps only the end
-(and the multiprocessor), which costs none: the kernels run as without stamps, and their ends still show
-each kernel's tail, its waves and its gap to the next one's end.
+(and the multiprocessor). That costs the 2-warp GEMV none (98 against 100), but the 4-warp one with XQ_RMS
+(Llama-3-8B's gate+up and lm_head) 142 against 96 (ptxas, 2026-12-04; whether or not t0-t2 are stored),
+so under it those run 616 and 502 programs, sized for 96 registers, in 1.5 waves: their ends then show
+a second wave that the kernels without stamps do not have (`cuda_timeline.py --detail`).
 
 A replay rewrites the same slots; `benchmarks/cuda_timeline.py` reads them after one and prints, kernel
 by kernel, when its programs started, were released and ended, relative to the kernel ahead.
@@ -95,8 +97,9 @@ def stamp(ptr, program, t0, t1, t2, STAMP: tl.constexpr):
         t3 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
         base = ptr + program * 5
-        tl.store(base + 0, t0)
-        tl.store(base + 1, t1)
-        tl.store(base + 2, t2)
+        if STAMP == 2:   # the buffer's zeros stay at the others
+            tl.store(base + 0, t0)
+            tl.store(base + 1, t1)
+            tl.store(base + 2, t2)
         tl.store(base + 3, t3)
         tl.store(base + 4, sm.to(tl.int64))

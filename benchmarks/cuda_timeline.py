@@ -14,9 +14,8 @@ the medians over the step's launches, in us:
     ends     the programs' ends, first to last;  since: its last end after the kernel ahead's last end
 
 then the first layer launch by launch, and the step: stamped span against the replay's time.
---ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the 2-warp GEMVs keep their registers, the 4-warp
-ones with XQ_RMS do not (timeline.py), so gate+up and lm_head show a second wave there; only tail, ends
-and since are shown. --detail NAME,...: those kernels' programs a multiprocessor, their ends in deciles,
+--ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the word GEMVs keep their registers (held to
+them, timeline.py), and so their waves; only tail, ends and since are shown. --detail NAME,...: those kernels' programs a multiprocessor, their ends in deciles,
 and the word GEMV's compiled variants with their registers (the memo `_words_gemv` sizes splits from).
 
     python benchmarks/cuda_timeline.py [--model llama8b] [--layers 32] [--ends] [--npz out.npz]

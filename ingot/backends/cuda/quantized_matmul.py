@@ -1159,6 +1159,13 @@ def _overlaps(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
 # 1: atomics into a zeroed y (a memset launch); 2: tickets, no memset, but the last split's serial sum
 # made every shape slower on the H200 (2026-12-02: Llama-3-8B gate+up 48.0 vs 43.4 us, qkv 17.2 vs 12.2)
 SPLIT_REDUCE = int(os.environ.get("INGOT_CUDA_SPLIT_REDUCE", "1"))
+# Measured and removed (H200, 2026-12-04): a stream-K word GEMV for one row with x pre-quantized (the
+# whole GEMV's tiles, in column-block order, cut into equal runs, one per program of one wave, a run
+# adding its sums into y where it leaves a column block), so every multiprocessor had the same work
+# (gate+up now runs 616 programs, 3 to 5 on a multiprocessor). Llama-3-8B's step 1938.6 us against
+# 1793.5 (1941.7 held to 96 registers, 2001.8 to 104; ptxas chose 128 against the split-K's 96); in the
+# timeline every GEMV was slower (gate+up 20.99 us against 19.78, down 11.18 / 10.67, qkv 6.35 / 5.66,
+# o 4.62 / 2.69) and the tails no shorter (gate+up 2.83 against 1.98).
 _WORKSPACE: dict = {}
 
 
@@ -1412,13 +1419,18 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         assert x_gate.stride() == x2.stride() and x_gate.shape == x2.shape
         x2, gate = gate, x2       # the kernel reads silu(x_ptr) * x2_ptr
     res = residual if residual is not None else y
+    stamps = timeline.args(f"gemv {w.k}x{w.n}", grid[0] * grid[1] * grid[2], x2.device)
+    if stamps.get("STAMP") == 1 and _WORDS_REGS.get(variant):
+        # end stamps only: held to the registers of the same kernel without them, which its split assumed
+        # (ptxas gave the 4-warp kernel with XQ_RMS 142 against 96 for one more store, without spills at 96)
+        cfg["maxnreg"] = _WORDS_REGS[variant]
     compiled = _qgemv_words_kernel[grid](
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
         ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
         RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg,
-        **pdl_args(x2.device), **timeline.args(f"gemv {w.k}x{w.n}", grid[0] * grid[1] * grid[2], x2.device))
-    if waves == 0 and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
+        **pdl_args(x2.device), **stamps)
+    if waves == 0 and not stamps and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter
         _WORDS_REGS[variant] = max(compiled.n_regs, _WORDS_REGS.get(variant, 0))
     if target is not y:
         y.copy_(target)

@@ -11,10 +11,11 @@ its programs store the global timer (ns) at four points, and their multiprocesso
 The times are held in registers and stored at the end. That still costs some kernels registers (ptxas
 for sm_90a: the split-K word GEMV of 2 warps 130 a thread against 100; of 4 warps none), so fewer of
 their programs fit a multiprocessor than without stamps. INGOT_CUDA_TIMELINE=end stamps only the end
-(and the multiprocessor). That costs the 2-warp GEMV none (98 against 100), but the 4-warp one with XQ_RMS
-(Llama-3-8B's gate+up and lm_head) 142 against 96 (ptxas, 2026-12-04; whether or not t0-t2 are stored),
-so under it those run 616 and 502 programs, sized for 96 registers, in 1.5 waves: their ends then show
-a second wave that the kernels without stamps do not have (`cuda_timeline.py --detail`).
+(and the multiprocessor). On its own that still cost the 4-warp word GEMV with XQ_RMS (Llama-3-8B's
+gate+up and lm_head) 142 registers against 96 (ptxas; any one store more did, wherever it stood), so
+their programs, split for 96, ran in 1.5 waves (`cuda_timeline.py --detail`). The word GEMV's end-stamped
+launches are therefore held to the registers of the same kernel without stamps (`maxnreg`, from
+`_words_gemv`'s memo: 96, no spills), and then run as without stamps.
 
 A replay rewrites the same slots; `benchmarks/cuda_timeline.py` reads them after one and prints, kernel
 by kernel, when its programs started, were released and ended, relative to the kernel ahead.

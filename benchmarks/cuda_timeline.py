@@ -15,8 +15,9 @@ the medians over the step's launches, in us:
 
 then the first layer launch by launch, and the step: stamped span against the replay's time.
 --ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the word GEMVs keep their registers (held to
-them, timeline.py), and so their waves; only tail, ends and since are shown. --detail NAME,...: those kernels' programs a multiprocessor, their ends in deciles,
-and the word GEMV's compiled variants with their registers (the memo `_words_gemv` sizes splits from).
+them, timeline.py), and so their waves; only tail, ends and since are shown. --detail NAME,...: those
+kernels' programs a multiprocessor and their ends in deciles, then the word GEMV's compiled variants
+with their registers (and the memo `_words_gemv` sizes its splits from).
 
     python benchmarks/cuda_timeline.py [--model llama8b] [--layers 32] [--ends] [--npz out.npz]
         [--detail "gemv 4096x28672,gemv 14336x4096"]
@@ -70,8 +71,7 @@ def summarize(launches: list[dict], nbytes: dict) -> tuple[list[dict], float]:
 
 def detail(launches: list[dict], name: str) -> None:
     """The first launch called `name`: how many of its programs each multiprocessor ran, and when they
-    ended (us after its first end, in deciles): two waves show as a gap between groups of ends; and the
-    word GEMV's compiled variants with their registers a thread."""
+    ended (us after its first end, in deciles): two waves show as a gap between groups of ends."""
     x = next((x for x in launches if x["name"] == name), None)
     if x is None:
         print(f"\nno launch named {name!r}")
@@ -82,17 +82,22 @@ def detail(launches: list[dict], name: str) -> None:
     print(f"\n{name}: {len(s)} programs on {len(np.unique(s[:, 4]))} multiprocessors; multiprocessors running "
           + ", ".join(f"{n} programs: {c}" for n, c in enumerate(per_sm) if c))
     print("  ends (us after the first), deciles: " + " ".join(f"{v:.1f}" for v in np.quantile(end, np.linspace(0, 1, 11))))
+
+
+def word_gemv_registers() -> None:
+    """The word GEMV's compiled variants, with their registers a thread, and `_words_gemv`'s memo."""
+    print()
     for cache in getattr(qmm._qgemv_words_kernel, "device_caches", {}).values():
         kernels = cache[0] if isinstance(cache, tuple) else cache
         for kernel in getattr(kernels, "values", lambda: [])():
             names = qmm._qgemv_words_kernel.arg_names
             consts = {names[k[0]] if isinstance(k, tuple) else k: v
                       for k, v in (getattr(getattr(kernel, "src", None), "constants", None) or {}).items()}
-            print(f"  word GEMV variant: {kernel.n_regs} registers, {kernel.n_spills} spills, warps "
+            print(f"word GEMV variant: {kernel.n_regs} registers, {kernel.n_spills} spills, warps "
                   f"{kernel.metadata.num_warps}; " + " ".join(f"{k}={v}" for k, v in sorted(consts.items())
                                                              if k in ("BLOCK_N", "TB", "EARLY_W", "XQ", "REDUCE",
                                                                       "XQ_RMS", "RESIDUAL", "ZERO", "ROWS")))
-    print("  register memo: " + "; ".join(f"n {k[0]}: {v}" for k, v in qmm._WORDS_REGS.items()))
+    print("register memo: " + "; ".join(f"n {k[0]}: {v}" for k, v in qmm._WORDS_REGS.items()))
 
 
 def fmt(v, w=7, d=2):
@@ -153,8 +158,10 @@ def main() -> None:
     for r in rows[: per_layer + 1]:
         print(f"{r['name']:28s} {fmt(r['at'])} " + " ".join(fmt(r[c]) for c in cols))
     weights = f"weights {sum(nbytes.get(r['name'], 0) for r in rows) / 1e6:.1f} MB stamped"
-    for name in (args.detail.split(",") if args.detail else []):
-        detail(launches, name)
+    if args.detail:
+        for name in args.detail.split(","):
+            detail(launches, name)
+        word_gemv_registers()
     if rows[0]["busy"] is None:   # ends only
         print(f"\n{weights}")
         return

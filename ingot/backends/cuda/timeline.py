@@ -9,8 +9,8 @@ its programs store the global timer (ns) at four points, and their multiprocesso
     2 loop done: the weights are consumed   3 end: its last store issued        4 %smid
 
 The times are held in registers and stored at the end. That still costs some kernels registers (ptxas
-for sm_90a: the split-K word GEMV of 2 warps 130 a thread against 100; of 4 warps none), so fewer of
-their programs fit a multiprocessor than without stamps. INGOT_CUDA_TIMELINE=end stamps only the end
+for sm_90a: the split-K word GEMV of 2 warps 130 a thread against 100, of 4 warps with XQ_RMS 129
+against 96), so fewer of their programs fit a multiprocessor than without stamps. INGOT_CUDA_TIMELINE=end stamps only the end
 (and the multiprocessor). On its own that still cost the 4-warp word GEMV with XQ_RMS (Llama-3-8B's
 gate+up and lm_head) 142 registers against 96 (ptxas; any one store more did, wherever it stood), so
 their programs, split for 96, ran in 1.5 waves (`cuda_timeline.py --detail`). The word GEMV's end-stamped

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so (the parts' time
 # limits below add up under that; issue calls back to back, while the machine is still warm):
-#   bash benchmarks/cuda_session_run.sh tests                     # 480 s at most (on a fresh machine the whole
-#                                                                 # suite ran past 340 s: 89 %, eighth session)
+#   bash benchmarks/cuda_session_run.sh tests                     # 480 s at most (TESTS_S); the whole suite took
+#                                                                 # 385 s on a fresh machine (twentieth session)
 #   bash benchmarks/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
 #   bash benchmarks/cuda_session_run.sh attention audio           # 150 + 200 s at most
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
@@ -24,7 +24,8 @@ run_audio() {
 run_tests() {
   timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
     tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
-    tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py tests/test_cuda_pdl.py --maxfail=30 -rf 2>&1 \
+    tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py tests/test_cuda_pdl.py \
+    tests/test_cuda_bench_bytes.py --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }
 run_attention() {

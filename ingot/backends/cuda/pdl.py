@@ -24,7 +24,10 @@ against 1999.1). Once the kernel ahead has passed its own wait, every kernel bef
 so only the kernel just ahead can still be writing. L2 prefetches before the
 wait measured slower (2026-12-03, Llama-3-8B step 2271 us with 8 MiB of GEMV weights and a short
 cache's first K/V tile prefetched, 2163 without; the GEMVs' kernel time 1532 against 1449 us, decode
-attention's 382 against 329), so there are none.
+attention's 382 against 329), so there are none. Nor is the next kernel held back: triggering later
+(H200, 2026-12-04, Llama-3-8B step) after the decode attention's last loads took the attention from
+7.84 to 6.69 us a layer and the o GEMV behind it from 2.67 to 3.58 (step 1805.1 us against 1799.0),
+and at the end of the quantize launches 1818.1 (BENCHMARKS.md, twentieth session).
 
     kernel[grid](..., **pdl_args(x.device))
 """

@@ -25,7 +25,7 @@ run_tests() {
   timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py tests/test_cuda_gemv_xq.py \
     tests/test_cuda_batch.py tests/test_cuda_bf16.py tests/test_cuda_sampling.py tests/test_cuda_norm_gemv.py \
     tests/test_cuda_decode_attention.py tests/test_cuda_prefill.py tests/test_audio_cuda.py tests/test_cuda_pdl.py \
-    tests/test_cuda_bench_bytes.py --maxfail=30 -rf 2>&1 \
+    tests/test_cuda_bench_bytes.py tests/test_cuda_llm.py --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }
 run_attention() {

@@ -124,6 +124,23 @@ class LLM:
         self.state = self.decoder.new_state()
         self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
         self.stats = GenerationStats()
+        self._warm: set[int] = set()  # executable lengths run on self.state already (on a device)
+        if self.device != "cpu":
+            self._warm_up(1)
+
+    def _warm_up(self, size: int) -> None:
+        """On a device: run the executable for `size` tokens twice from position 0 on self.state (its
+        kernels compile or load on the first run, its CUDA graph is captured on the second), as
+        llama.cpp's warm-up run does, so a timed `generate` measures neither. Only cache rows
+        0..size-1 are written, which the next prefill from an empty cache writes again; so it runs only
+        while nothing is cached."""
+        assert not self.cached, "a warm-up would overwrite cached K/V"
+        exe = self.decoder if size == 1 else self.model.compile(size, self.device)
+        tokens = np.zeros(size, np.int32)
+        for _ in range(2):
+            logits = self._run(exe, tokens, 0, size - 1)
+        self._to_host(logits[0])   # waits for the work
+        self._warm.add(size)
 
     # -- prompts ----------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict]) -> str:
@@ -150,6 +167,7 @@ class LLM:
         self.adapters = adapters
         self.model.callables_for = binder(self.config, adapters)
         self.decoder = self.model.compile(1, self.device)
+        self._warm.clear()   # the prefill executables run once more before a timed generate
 
     # -- the model ----------------------------------------------------------------------------------
     def _run(self, exe, tokens: np.ndarray, pos: int, last: int):
@@ -229,8 +247,10 @@ class LLM:
         if not keep_cache:
             self.reset()
         stats = self.stats = GenerationStats(prompt_tokens=list(ids))
-        for size in self._chunk_sizes(len(ids)):  # compile before timing
+        for size in self._chunk_sizes(len(ids)):  # compile (and on a device run once) before timing
             self.model.compile(size, self.device)
+            if on_device and size not in self._warm and not self.cached:
+                self._warm_up(size)
         t0 = time.perf_counter()
         cached_before = len(self.cached)
         logits = self._prefill(ids) if on_device else self.prefill(ids)

@@ -3,7 +3,7 @@
 
 Runs where torch sees a GPU; CI skips it. `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1` runs it under
 Triton's interpreter (the dp4a then runs byte by byte), so the shapes stay small but awkward: K not a
-multiple of 32, N not a multiple of 128, 1/3/4 rows.
+multiple of 32, N not a multiple of 128, 1/3/4/11 rows.
 
 The tolerance is the rounding of x, element by element: y_n - ref_n = sum_k (X_k d - x_k) * w_kn, and
 
@@ -37,7 +37,7 @@ QMAX = {1: 127.0, 2: 32767.0}
 REL = {1: 3e-2, 2: 1e-4, 3: 2e-6}      # about 6x the expected relative error (docstring), a norm-wise sanity check
 CASES = [  # (format, (K, N, block along K or None for per-column), rows)
     (FORMATS[0], (230, 150, 32), 1), (FORMATS[1], (193, 300, 64), 3), (FORMATS[2], (256, 130, None), 4),
-    (FORMATS[3], (296, 78, 32), 3),
+    (FORMATS[3], (296, 78, 32), 3), (FORMATS[1], (193, 300, 64), 11),   # 11 rows: three programs of 4 rows down M
 ]
 
 

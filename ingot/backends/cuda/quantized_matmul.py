@@ -17,13 +17,13 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   nibbles split in registers, w = v * s + b applied per element, products accumulated in a 2-D
   register tile and summed over K once at the end; split-K with atomics when N alone does not
   fill the chip.
-- `_qgemm_kernel` (2 rows and more): the same dequantized tile fed to tl.dot (tensor cores; tf32x3
-  for float32 inputs, float32-level accuracy).
+- `_qgemm_kernel` (2 rows and more; for word-layout weights, more than WORDS_MAX_ROWS): the same
+  dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy).
 - `_qgemv_words_kernel` (1-16 rows, up to 4 a program; 4-bit affine weights re-packed with
-  `words=True`, the default for matmul weights): int32 words of 8 consecutive k per column, x rounded to integers of LIMBS
-  bytes (default 2: 16 bits with a float scale per block of 32; 3: 22 bits per tile; 1: 8 bits),
-  `dp4a` dot products; optional SiLU(gate)*x prologue, RMSNorm prologue (`rms_norm_matmul`: x =
-  rms_norm(x [+ y]) * g, the row's 1 / rms multiplying the sums; x + y stored on the way) and residual
+  `words=True`, the default for matmul weights): int32 words of 8 consecutive k per column, x
+  rounded to integers of LIMBS bytes (default 2: 16 bits with a float scale per block of 32; 3: 22
+  bits per tile; 1: 8 bits), `dp4a` dot products; optional SiLU(gate)*x prologue, RMSNorm prologue
+  (`rms_norm_matmul`: x = rms_norm(x [+ y]) * g, the row's 1 / rms multiplying the sums; x + y stored on the way) and residual
   epilogue. x is rounded once per GEMV by `_quantize_x_kernel` (XQ) instead of by every thread (the
   GLU and norm prologues then run there; with the norm, each of its programs stores its blocks' sum of
   squares and the GEMV multiplies its sums by the row's 1 / rms, XQ_RMS); or, for small weights whose output the launch ahead zeroes,

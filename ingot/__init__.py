@@ -4,15 +4,9 @@ from .dtypes import (DType, bfloat16, bool_, complex64, float16, float32, int4, 
 from .errors import IngotError  # noqa: F401
 from .graph import Graph, Tensor  # noqa: F401
 from .ir import TensorType  # noqa: F401
-from .runtime import Executable, State  # noqa: F401
+from .runtime import Executable, State, load  # noqa: F401
 
 __version__ = "0.1.0"
-
-
-def load(path, device: str | None = None) -> Executable:
-    """Load a package written by Executable.save."""
-    from .package import load as _load
-    return _load(path, device=device)
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes=None):

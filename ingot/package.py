@@ -35,18 +35,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import dtypes as dt
 from .errors import IngotError
-from .ir import Node, Op, Program, Ref, TensorType, verify
+from .ir import Node, Op, Program, Ref, TensorType
+from .verify import verify
 
 FORMAT = "ingot-package"
 VERSION = 2
 
-# safetensors dtype names -> the NumPy dtype that holds the bytes
-ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+# safetensors dtype names -> the NumPy dtype that holds the bytes (BF16: ml_dtypes' bfloat16, made on
+# first use by ingot.dtypes, so that importing ingot does not load ml_dtypes)
+ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": None,
              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
              "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
              "BOOL": np.bool_, "C64": np.complex64}
@@ -213,7 +214,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         try:
-            dtype = np.dtype(ST_DTYPES[info["dtype"]])
+            kind = ST_DTYPES[info["dtype"]]
+            dtype = dt.bfloat16.storage if info["dtype"] == "BF16" else np.dtype(kind)
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -283,7 +285,9 @@ def _build_program(path: Path, graph: dict, weights: dict[str, np.ndarray]) -> t
     return program, inputs
 
 
-def _read_package(path: Path) -> tuple[Program, dict, dict]:
+def read_package(path: Path) -> tuple[Program, dict, dict]:
+    """(program, manifest, graph.json) of the package at path, verified; runtime.load builds the
+    Executable from them."""
     manifest = _read_json(path / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise IngotError(f"package: {path} is not an Ingot package (manifest.json format is {manifest.get('format')!r}, "
@@ -310,7 +314,7 @@ def _read_package(path: Path) -> tuple[Program, dict, dict]:
     return program, manifest, graph
 
 
-def _callable_names(path: Path, manifest: dict) -> list[str]:
+def callable_names(path: Path, manifest: dict) -> list[str]:
     names = manifest.get("callables", [])
     if not isinstance(names, list):
         raise IngotError(f"package: {path}/manifest.json has callables {names!r}, not a list of names.")
@@ -318,25 +322,3 @@ def _callable_names(path: Path, manifest: dict) -> list[str]:
         if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
             raise IngotError(f"package: {path}/manifest.json names a callable {name!r} that is not a plain name.")
     return names
-
-
-def load(path, device: str | None = None):
-    """Load a package written by Executable.save; weights stay memory-mapped from the file."""
-    from .passes.memory_plan import plan_memory
-    from .runtime import Executable
-
-    path = Path(path)
-    if not path.is_dir():
-        raise IngotError(f"package: {path} does not exist or is not a package directory.")
-    program, manifest, graph = _read_package(path)
-    # the memory plan is derived data: rebuild it rather than trust sizes read from a file
-    regions = program.regions
-    program, _ = plan_memory(program)
-    program.regions = regions
-    callables = {name: load(path / "callables" / f"{name}.ingot", device) for name in _callable_names(path, manifest)}
-    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
-    device = device or manifest.get("device", "cpu")
-    try:
-        return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"])
-    except IngotError as e:
-        raise IngotError(f"package: {path} cannot be loaded: {e}") from None

@@ -16,9 +16,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import dtypes as dt
+from . import package
 from .backends import get_backend
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
+from .passes.memory_plan import plan_memory
 
 
 class State:
@@ -208,12 +210,33 @@ class Executable:
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write a package directory (see ingot.package); atomic: all of it or nothing."""
-        from .package import save
-        save(self, path)
+        package.save(self, path)
 
     def __repr__(self) -> str:
         return (f"<Executable {self.device} inputs={[f'{n}:{t}' for n, t in self.feed_types.items()]} "
                 f"outputs={self.output_types} nodes={len(self.program.nodes())}>")
+
+
+def load(path, device: str | None = None) -> Executable:
+    """Load a package written by Executable.save (ingot.package); weights stay memory-mapped."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_dir():
+        raise IngotError(f"package: {path} does not exist or is not a package directory.")
+    program, manifest, graph = package.read_package(path)
+    # the memory plan is derived data: rebuild it rather than trust sizes read from a file
+    regions = program.regions
+    program, _ = plan_memory(program)
+    program.regions = regions
+    callables = {name: load(path / "callables" / f"{name}.ingot", device)
+                 for name in package.callable_names(path, manifest)}
+    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
+    device = device or manifest.get("device", "cpu")
+    try:
+        return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"])
+    except IngotError as e:
+        raise IngotError(f"package: {path} cannot be loaded: {e}") from None
 
 
 def _fits(have: TensorType, want: TensorType) -> bool:

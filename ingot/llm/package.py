@@ -171,7 +171,7 @@ def read_llm(path) -> StoredModel:
     factors: dict = {}
     int8 = False
     for site in info.get("adapter_sites", []):
-        from ..package import load
+        from ..runtime import load
         a, b, int8 = factors_of(load(path / "callables" / f"{site}.ingot"))
         names = site.split("+")
         starts = np.concatenate([[0], np.cumsum(site_layout(config, names))])

@@ -24,8 +24,8 @@ def _reference_tensors(reference) -> tuple[str, Mapping, str]:
         return "a mapping", reference, "ingot"
     path = os.fspath(reference)
     if os.path.isdir(path):
-        from ..package import _read_package
-        program, _, _ = _read_package(__import__("pathlib").Path(path))
+        from ..package import read_package
+        program, _, _ = read_package(__import__("pathlib").Path(path))
         return path, program.constants, "ingot"
     if not os.path.isfile(path):
         raise IngotError(f"--reference: {path} does not exist.")

@@ -58,9 +58,9 @@ def open_model(path, device: str = "cpu") -> Model:
 
 
 def _open_package(p: Path) -> Model:
-    from ..package import _read_package
+    from ..package import read_package
 
-    program, manifest, graph = _read_package(p)
+    program, manifest, graph = read_package(p)
     history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
     notes = [f"Ingot package, format version {manifest.get('version')}, compiled for {manifest.get('device', 'cpu')}"]
     notes += _llm_notes(p)

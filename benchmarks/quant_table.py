@@ -53,10 +53,12 @@ def decode_tok_s(model, tensors, adapters, steps: int) -> float:
 def main() -> int:
     from threadpoolctl import threadpool_limits
 
-    from ingot.eval import chunks, compare, score, tokenize
+    from ingot.eval import chunks, compare, score
     from ingot.llm.generate import default_model_path
-    from ingot.llm.package import StoredModel, float_weights, open_model, tensor_nbytes
-    from ingot.quant.pipeline import activation_stats, quantize_model
+    from ingot.llm.package import StoredModel, open_model
+    from ingot.llm.tokenizer import tokenize
+    from ingot.quant.formats import tensor_nbytes
+    from ingot.quant.pipeline import activation_stats, float_weights, quantize_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS),
@@ -85,7 +87,7 @@ def main() -> int:
           f"PPL {np.exp(-scored_ref.logprobs[np.arange(len(scored_ref.targets)), scored_ref.targets].mean()):.3f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     with threadpool_limits(1):
-        stats = activation_stats(source, calibration, context=args.context)
+        stats = activation_stats(source, tokenize(source, calibration), context=args.context)
     results = []
     print(f"| format | bytes (MB) | vs Q4_1 tensors | adapters (MB) | mean KLD | top-1 | PPL | decode tok/s |", flush=True)
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)

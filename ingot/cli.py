@@ -106,7 +106,7 @@ def _loras(args) -> list[tuple[str, float]]:
 
 
 def _quantize(args) -> int:
-    from .quant.cli import quantize_command
+    from .convert import quantize_command
 
     return quantize_command(args)
 

@@ -115,16 +115,11 @@ def compare(reference: Scored, model: Scored) -> KLDResult:
     return KLDResult(float(kld.mean()), top1, ppl_ref, ppl, len(rows), float(np.percentile(kld, 99)))
 
 
-def tokenize(model, text: str) -> list[int]:
-    from .llm.tokenizer import Tokenizer
-
-    return Tokenizer(model.metadata).encode(text, add_special=True)
-
-
 def kld(reference_path, model_path, text: str, context: int = DEFAULT_CONTEXT, device: str = "cpu") -> KLDResult:
     """`ingot eval kld`: the model at model_path against the one at reference_path (GGUF files or
     Ingot LLM packages) over text."""
     from .llm.package import open_model
+    from .llm.tokenizer import tokenize
 
     reference = open_model(reference_path)
     token_chunks = chunks(tokenize(reference, text), context)

@@ -39,6 +39,32 @@ def save_tiny(path, seed: int = 0) -> None:
     save_llm(path, cfg, tiny_tensors(cfg, seed), tokenizer_metadata())
 
 
+def save_tiny_gguf(path, seed: int = 0) -> LlamaConfig:
+    """The tiny model as a float32 GGUF file (what `ingot convert` reads); returns its config as the
+    file states it (norm_eps rounded to float32)."""
+    import dataclasses
+
+    import gguf
+
+    cfg = tiny_config()
+    cfg = dataclasses.replace(cfg, norm_eps=float(np.float32(cfg.norm_eps)))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    u32 = gguf.GGUFValueType.UINT32
+    for key, value in (("block_count", cfg.n_layers), ("embedding_length", cfg.dim), ("attention.head_count", cfg.n_heads),
+                       ("attention.head_count_kv", cfg.n_kv_heads), ("feed_forward_length", cfg.ffn_dim),
+                       ("context_length", cfg.context_length)):
+        writer.add_key_value(f"llama.{key}", value, u32)
+    writer.add_key_value("llama.rope.freq_base", cfg.rope_base, gguf.GGUFValueType.FLOAT32)
+    writer.add_key_value("llama.attention.layer_norm_rms_epsilon", cfg.norm_eps, gguf.GGUFValueType.FLOAT32)
+    for name, w in tiny_tensors(cfg, seed).items():
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return cfg
+
+
 def logits(cfg, tensors, tokens, adapters=None, all_logits=True):
     """All-position logits of the model over tokens (one prefill from an empty cache)."""
     from ingot.adapters import binder

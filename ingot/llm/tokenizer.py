@@ -404,6 +404,11 @@ class Tokenizer:
                 f"bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)})")
 
 
+def tokenize(model, text: str) -> list[int]:
+    """text as the token ids a model (anything with GGUF `.metadata`: a StoredModel) reads, BOS first."""
+    return Tokenizer(model.metadata).encode(text, add_special=True)
+
+
 class StreamDecoder:
     """Text pieces as token ids arrive, never splitting a multi-byte UTF-8 character.
 

@@ -107,3 +107,8 @@ def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
     return QuantizedTensor(cat([p.q for p in parts]), first.qdtype, (first.shape[0], sum(p.shape[1] for p in parts)),
                            first.block_size, cat([p.scale for p in parts]), cat([p.bias for p in parts]),
                            cat([p.zero_point for p in parts]), first.source, block_axis=0, lut=lut)
+
+
+def tensor_nbytes(t) -> int:
+    """Bytes a weight takes as stored: a QuantizedTensor's packed values and parameters, or an array's."""
+    return t.nbytes if isinstance(t, QuantizedTensor) else int(np.asarray(t).nbytes)

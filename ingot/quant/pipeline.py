@@ -2,8 +2,8 @@
 optional calibration (activation statistics from a text), AWQ-style scaling, excluded tensors and
 error-compensation adapters. `ingot quantize` is a thin shell around `quantize_model`.
 
-    model = open_model("in.gguf")
-    stats = activation_stats(model, text)                       # optional
+    model = open_model("in.gguf")                               # ingot.llm.package
+    stats = activation_stats(model, tokenize(model, text))      # optional (ingot.llm.tokenizer)
     result = quantize_model(model, "int4:128", stats=stats, compensate=16)
     save_llm("out.ingot", model.config, result.tensors, model.metadata, result.adapters)
 """
@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import IngotError
-from .formats import QuantizedTensor
+from .formats import QuantizedTensor, tensor_nbytes
 from .quantize import Format, parse_format, quantize
 
 LAYER_WEIGHT = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
@@ -39,15 +39,15 @@ class QuantizeResult:
         return float(np.mean(list(self.errors.values()))) if self.errors else 0.0
 
 
-def activation_stats(model, text: str, context: int = 256, max_tokens: int = 1024, device: str = "cpu") -> dict[str, np.ndarray]:
+def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: int = 1024,
+                     device: str = "cpu") -> dict[str, np.ndarray]:
     """Mean square of the activations each layer weight multiplies, per input column, over the
-    calibration text run through `model` (a StoredModel): {weight name: float32 [in]}."""
+    calibration text's token ids run through `model` (a StoredModel): {weight name: float32 [in]}."""
     from .. import dtypes as dt
-    from ..eval import tokenize
     from ..ir import TensorType
     from ..models import llama
 
-    ids = tokenize(model, text)[:max_tokens]
+    ids = list(ids)[:max_tokens]
     if len(ids) < 2:
         raise IngotError(f"calibration: the text has {len(ids)} tokens; give a longer text.")
     graph = llama.build(model.config, model.tensors, model.path, all_logits=True)  # the head sees every row
@@ -68,6 +68,27 @@ def activation_stats(model, text: str, context: int = 256, max_tokens: int = 102
         for name in s.split("+"):
             stats[name] = (sums[s] / count).astype(np.float32)
     return stats
+
+
+def float_weights(model):
+    """(name, float32 array) for every tensor of a StoredModel, matrices as [out, in]; side-by-side
+    groups ("a+b" names, as an LLM package stores them) split into their weights."""
+    from ..adapters import site_layout
+
+    for name in list(model.tensors):
+        t = model.tensors[name]
+        names = name.split("+")
+        if isinstance(t, QuantizedTensor):
+            w = t.dequantize_rows()
+            w = w.T if t.block_axis == 0 else w
+        else:
+            w = np.asarray(t, np.float32)
+        if len(names) == 1:
+            yield name, w
+            continue
+        starts = np.concatenate([[0], np.cumsum(site_layout(model.config, names))])
+        for i, n in enumerate(names):
+            yield n, np.ascontiguousarray(w[starts[i]:starts[i + 1]])
 
 
 def excluded(name: str, patterns: Sequence[str]) -> bool:
@@ -125,7 +146,6 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
     compensation; awq applies activation-aware scaling first (needs stats, affine formats);
     compensate=RANK adds low-rank factors of each layer weight's error as adapters."""
     from ..adapters import AdapterSet
-    from ..llm.package import float_weights, tensor_nbytes
     from .compensate import low_rank
 
     fmt = parse_format(fmt)

@@ -11,7 +11,7 @@
 
 How it works: every ONNX value becomes an Ingot tensor of a static type (input shapes are fixed at
 import: the model's own, or `input_shapes=` for its symbolic dimensions). While the graph is built,
-every op whose inputs are all known is also computed at once (`_ImportGraph`), so shape arithmetic
+every op whose inputs are all known is also computed at once (`onnx_ops.ImportGraph`), so shape arithmetic
 (Shape -> Gather -> Concat -> Reshape) becomes constants, and converters read the constant operands
 they need (a Reshape's shape, a Slice's bounds) with `ctx.constant(...)`. Each ONNX op has one
 converter in `onnx_ops.CONVERTERS`; the graph they build is plain Ingot, which the compiler's own
@@ -26,7 +26,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -34,59 +34,13 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Graph, Tensor
 from ..ir import GroupOp, Op, Program, TensorType
-from ..ops import reference
 from ..runtime import Executable
+from . import onnx_attention, onnx_math, onnx_nn, onnx_quant, onnx_shape, onnx_signal  # noqa: F401  (registration)
+from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
+                       UnsupportedOnnx, as_ingot_array, ingot_dtype)
 
-__all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImport", "UnsupportedOnnx",
+__all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImport", "UnsupportedOnnx", "NeedsConstant",
            "supported_ops"]
-
-
-class UnsupportedOnnx(IngotError):
-    """The model uses ops (or attributes of an op) the importer does not convert."""
-
-
-class NeedsConstant(UnsupportedOnnx):
-    """An operand Ingot needs at import (a shape, axes, bounds) is computed at run time.
-
-    `input_names` are the graph inputs it is computed from: fixing their values with
-    `constant_inputs=` makes the model importable (ONNX's node tests pass shapes as inputs)."""
-
-    def __init__(self, message: str, input_names: list[str] | None = None):
-        super().__init__(message)
-        self.input_names = list(input_names or [])
-
-
-# ONNX TensorProto element types -> (the Ingot dtype that computes them, the NumPy dtype ONNX declares)
-ONNX_DTYPES: dict[int, tuple[dt.DType, np.dtype]] = {
-    1: (dt.float32, np.dtype(np.float32)), 2: (dt.uint8, np.dtype(np.uint8)), 3: (dt.int8, np.dtype(np.int8)),
-    4: (dt.int32, np.dtype(np.uint16)), 5: (dt.int32, np.dtype(np.int16)), 6: (dt.int32, np.dtype(np.int32)),
-    7: (dt.int64, np.dtype(np.int64)), 9: (dt.bool_, np.dtype(np.bool_)), 10: (dt.float16, np.dtype(np.float16)),
-    11: (dt.float32, np.dtype(np.float64)), 12: (dt.int64, np.dtype(np.uint32)), 13: (dt.int64, np.dtype(np.uint64)),
-    14: (dt.complex64, np.dtype(np.complex64)), 16: (dt.bfloat16, dt.bfloat16.storage),
-}
-ONNX_TYPE_NAMES = {1: "float", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 8: "string",
-                   9: "bool", 10: "float16", 11: "double", 12: "uint32", 13: "uint64", 14: "complex64",
-                   15: "complex128", 16: "bfloat16", 17: "float8e4m3fn", 18: "float8e4m3fnuz", 19: "float8e5m2",
-                   20: "float8e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4e2m1"}
-
-KNOWN_MAX_ELEMENTS = 1 << 22  # ops on known values up to this size are computed at import
-
-
-def ingot_dtype(elem_type: int, what: str) -> dt.DType:
-    if elem_type not in ONNX_DTYPES:
-        raise UnsupportedOnnx(f"{what} has ONNX type {ONNX_TYPE_NAMES.get(elem_type, elem_type)}, which Ingot does not compute "
-                              f"(supported: {', '.join(sorted({ONNX_TYPE_NAMES[k] for k in ONNX_DTYPES}))}).")
-    return ONNX_DTYPES[elem_type][0]
-
-
-def as_ingot_array(array: np.ndarray) -> np.ndarray:
-    """A NumPy array in the storage dtype Ingot computes its ONNX type in."""
-    a = np.asarray(array)
-    kind = {np.dtype(np.float64): np.float32, np.dtype(np.int16): np.int32, np.dtype(np.uint16): np.int32,
-            np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64, np.dtype(np.complex128): np.complex64}
-    if a.dtype in kind:
-        return a.astype(kind[a.dtype])
-    return a
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -148,104 +102,8 @@ def _all_nodes(graph):
                 yield from _all_nodes(sub)
 
 
-# -- the graph being built ------------------------------------------------------------------------
-
-class _ImportGraph(Graph):
-    """A Graph that also computes every op whose inputs are all known (constants), as it is built."""
-
-    def __init__(self):
-        super().__init__()
-        self.known: dict[int, np.ndarray] = {}
-
-    def _op(self, op, src, attrs=None, name=None):
-        out = super()._op(op, src, attrs, name)
-        if op in GroupOp.Source or op in (Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.CALL, Op.GET_ITEM):
-            return out
-        t = out.node.type
-        if not isinstance(t, TensorType) or t.dtype.packed or t.size > KNOWN_MAX_ELEMENTS:
-            return out
-        values = [self.value(s) for s in src]
-        if any(v is None for v in values):
-            return out
-        try:
-            with np.errstate(all="ignore"):
-                value = np.asarray(reference(op, values, out.node.attrs))
-        except Exception:  # a value the op cannot take is left to fail (or not) where it runs
-            return out
-        if value.shape == t.shape and value.dtype == t.dtype.storage:
-            self.known[out.node.id] = value
-        return out
-
-    def value(self, t: Tensor) -> np.ndarray | None:
-        """t's value if it is known at import (a constant, or computed only from constants)."""
-        node = t.node
-        if node.op == Op.CONSTANT:
-            return None if node.dtype.packed else self.constants[node.attrs["key"]]
-        return self.known.get(node.id)
-
-
-@dataclass
-class OnnxNode:
-    """One ONNX node as a converter sees it: inputs as Ingot tensors (None where omitted)."""
-
-    op_type: str
-    domain: str
-    name: str
-    inputs: list[Tensor | None]
-    attrs: dict[str, Any]
-    outputs: list[str]
-    opset: int
-
-    def attr(self, key: str, default: Any = None) -> Any:
-        return self.attrs.get(key, default)
-
-    def input(self, i: int) -> Tensor | None:
-        return self.inputs[i] if i < len(self.inputs) else None
-
-    @property
-    def label(self) -> str:
-        return f"{self.op_type} node {self.name!r}" if self.name else f"{self.op_type} node (output {self.outputs[0]!r})"
-
-
-@dataclass
-class Context:
-    """What converters use: the graph, the ONNX file's label for errors, and constant reads."""
-
-    g: _ImportGraph
-    what: str
-    opsets: dict[str, int] = field(default_factory=dict)
-    quantize: Any = None  # an ingot.quant Format: store matmul weights in it
-
-    def value(self, t: Tensor | None) -> np.ndarray | None:
-        return None if t is None else self.g.value(t)
-
-    def constant(self, node: OnnxNode, i: int, what: str) -> np.ndarray:
-        """Input i's value, which must be known at import (a constant or constant arithmetic)."""
-        t = node.input(i)
-        v = self.value(t)
-        if v is None:
-            sources = _placeholders_of(t)
-            hint = f" from graph inputs {sources} (fix them with constant_inputs=)" if sources else ""
-            raise NeedsConstant(f"{self.what}: {node.label} needs its {what} (input {i}) known at import, but it is computed "
-                                f"at run time{hint}.", sources)
-        return v
-
-    def fail(self, node: OnnxNode, message: str) -> UnsupportedOnnx:
-        return UnsupportedOnnx(f"{self.what}: {node.label}: {message}.")
-
-
-def _placeholders_of(t: Tensor) -> list[str]:
-    """The graph inputs a tensor is computed from (placeholder names, in graph order)."""
-    from ..ir import toposort
-    return [n.name for n in toposort([t.node]) if n.op == Op.PLACEHOLDER]
-
-
-Converter = Callable[[Context, OnnxNode], Sequence[Tensor | None]]
-
-
 def supported_ops() -> list[str]:
     """Every ONNX op type the importer converts ("domain:Op" outside the default domain)."""
-    from .onnx_ops import CONVERTERS
     return sorted(f"{d}:{o}" if d else o for d, o in CONVERTERS)
 
 
@@ -329,7 +187,6 @@ def _output_dtype(vi) -> np.dtype | None:
 
 def check_supported(model, what: str) -> None:
     """One UnsupportedOnnx naming every op type the importer lacks (type, a node name, count)."""
-    from .onnx_ops import CONVERTERS
 
     missing: dict[str, list[str]] = {}
     for node in _all_nodes(model.graph):
@@ -390,7 +247,6 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     the executable still takes them, and checks that they hold those values. quantize: an
     ingot.quant format ("int8", "int4:32", ...) for the 2-D constant weights of MatMul and Gemm.
     """
-    from .onnx_ops import CONVERTERS
 
     if what is None:
         what = str(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else "onnx model"
@@ -401,7 +257,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     check_supported(model, what)
     input_shapes = dict(input_shapes or {})
     graph = model.graph
-    g = _ImportGraph()
+    g = ImportGraph()
     if quantize is not None:
         from ..quant import parse_format
         quantize = parse_format(quantize)
@@ -461,7 +317,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes, constant_inputs)
 
 
-def _constant(g: _ImportGraph, array: np.ndarray, elem_type: int, name: str) -> Tensor:
+def _constant(g: ImportGraph, array: np.ndarray, elem_type: int, name: str) -> Tensor:
     if elem_type in (21, 22):  # uint4, int4: Ingot keeps them packed two per byte
         if array.ndim == 0:
             array = array.reshape(1)
@@ -469,7 +325,7 @@ def _constant(g: _ImportGraph, array: np.ndarray, elem_type: int, name: str) -> 
     return g.constant(as_ingot_array(array), name=name)
 
 
-def _settle(g: _ImportGraph, t: Tensor, name: str) -> Tensor:
+def _settle(g: ImportGraph, t: Tensor, name: str) -> Tensor:
     """A value known at import becomes a constant node (so the graph shows no dead shape arithmetic)."""
     if t.node.op in GroupOp.Source:
         return t

@@ -9,8 +9,7 @@ import numpy as np
 from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
-from .onnx import Context, OnnxNode
-from .onnx_ops import converter, need_float, scalar
+from .onnx_ops import Context, OnnxNode, converter, need_float, scalar
 
 
 @converter("Attention")

@@ -8,15 +8,8 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
 from ..ops import normalize_axis
-from .onnx import Context, OnnxNode
-from .onnx_ops import (
-    CONVERTERS,
-    converter,
-    ints,
-    need_float,
-    onnx_to_ingot_dtype,
-    scalar,
-)
+from .onnx_ops import (CONVERTERS, Context, OnnxNode, converter, ints, need_float, onnx_to_ingot_dtype,
+                       scalar)
 
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Equal": "equal", "Less": "less",
            "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal",

@@ -12,8 +12,7 @@ from ..errors import IngotError
 from ..graph import Tensor
 from ..ir import Op
 from ..ops import normalize_axis
-from .onnx import Context, OnnxNode, UnsupportedOnnx
-from .onnx_ops import converter, need_float, onnx_to_ingot_dtype, scalar
+from .onnx_ops import Context, OnnxNode, UnsupportedOnnx, converter, need_float, onnx_to_ingot_dtype, scalar
 
 
 def _split_swap(g, b: Tensor) -> Tensor:

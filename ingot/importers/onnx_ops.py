@@ -1,20 +1,170 @@
-"""One converter per ONNX op: (Context, OnnxNode) -> the node's outputs as Ingot tensors.
+"""What every ONNX converter works with: the import context (the graph being built, which computes
+what it can at import; constant reads; errors), ONNX's types, and the table of converters
+(CONVERTERS) with the helpers they share. The converters themselves are grouped by family in
+onnx_math, onnx_shape, onnx_nn, onnx_signal, onnx_quant and onnx_attention, which register into
+the table when ingot.importers.onnx imports them.
 
-The table (CONVERTERS) and the helpers every converter uses live here; the converters themselves
-are grouped by family in onnx_math, onnx_shape, onnx_nn, onnx_signal, onnx_quant and onnx_attention.
-
-A converter builds plain Ingot ops with the builder API. Operands that ONNX passes as tensors but
-that Ingot needs as attributes (shapes, axes, slice bounds, pads) are read with `ctx.constant`,
-which works because every input shape is fixed at import and shape arithmetic is computed as the
-graph is built. What a converter cannot express raises `ctx.fail(node, why)` (UnsupportedOnnx).
+A converter, (Context, OnnxNode) -> the node's outputs as Ingot tensors, builds plain Ingot ops with
+the builder API. Operands that ONNX passes as tensors but that Ingot needs as attributes (shapes,
+axes, slice bounds, pads) are read with `ctx.constant`, which works because every input shape is
+fixed at import and shape arithmetic is computed as the graph is built. What a converter cannot
+express raises `ctx.fail(node, why)` (UnsupportedOnnx).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import dtypes as dt
-from ..graph import Tensor
-from .onnx import ONNX_DTYPES, ONNX_TYPE_NAMES, Context, Converter, OnnxNode
+from ..errors import IngotError
+from ..graph import Graph, Tensor
+from ..ir import GroupOp, Op, TensorType, toposort
+from ..ops import reference
+
+
+class UnsupportedOnnx(IngotError):
+    """The model uses ops (or attributes of an op) the importer does not convert."""
+
+
+class NeedsConstant(UnsupportedOnnx):
+    """An operand Ingot needs at import (a shape, axes, bounds) is computed at run time.
+
+    `input_names` are the graph inputs it is computed from: fixing their values with
+    `constant_inputs=` makes the model importable (ONNX's node tests pass shapes as inputs)."""
+
+    def __init__(self, message: str, input_names: list[str] | None = None):
+        super().__init__(message)
+        self.input_names = list(input_names or [])
+
+
+# ONNX TensorProto element types -> (the Ingot dtype that computes them, the NumPy dtype ONNX declares)
+ONNX_DTYPES: dict[int, tuple[dt.DType, np.dtype]] = {
+    1: (dt.float32, np.dtype(np.float32)), 2: (dt.uint8, np.dtype(np.uint8)), 3: (dt.int8, np.dtype(np.int8)),
+    4: (dt.int32, np.dtype(np.uint16)), 5: (dt.int32, np.dtype(np.int16)), 6: (dt.int32, np.dtype(np.int32)),
+    7: (dt.int64, np.dtype(np.int64)), 9: (dt.bool_, np.dtype(np.bool_)), 10: (dt.float16, np.dtype(np.float16)),
+    11: (dt.float32, np.dtype(np.float64)), 12: (dt.int64, np.dtype(np.uint32)), 13: (dt.int64, np.dtype(np.uint64)),
+    14: (dt.complex64, np.dtype(np.complex64)), 16: (dt.bfloat16, dt.bfloat16.storage),
+}
+ONNX_TYPE_NAMES = {1: "float", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 8: "string",
+                   9: "bool", 10: "float16", 11: "double", 12: "uint32", 13: "uint64", 14: "complex64",
+                   15: "complex128", 16: "bfloat16", 17: "float8e4m3fn", 18: "float8e4m3fnuz", 19: "float8e5m2",
+                   20: "float8e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4e2m1"}
+
+KNOWN_MAX_ELEMENTS = 1 << 22  # ops on known values up to this size are computed at import
+
+
+def ingot_dtype(elem_type: int, what: str) -> dt.DType:
+    if elem_type not in ONNX_DTYPES:
+        raise UnsupportedOnnx(f"{what} has ONNX type {ONNX_TYPE_NAMES.get(elem_type, elem_type)}, which Ingot does not compute "
+                              f"(supported: {', '.join(sorted({ONNX_TYPE_NAMES[k] for k in ONNX_DTYPES}))}).")
+    return ONNX_DTYPES[elem_type][0]
+
+
+def as_ingot_array(array: np.ndarray) -> np.ndarray:
+    """A NumPy array in the storage dtype Ingot computes its ONNX type in."""
+    a = np.asarray(array)
+    kind = {np.dtype(np.float64): np.float32, np.dtype(np.int16): np.int32, np.dtype(np.uint16): np.int32,
+            np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64, np.dtype(np.complex128): np.complex64}
+    if a.dtype in kind:
+        return a.astype(kind[a.dtype])
+    return a
+
+
+# -- the graph being built ------------------------------------------------------------------------
+
+class ImportGraph(Graph):
+    """A Graph that also computes every op whose inputs are all known (constants), as it is built."""
+
+    def __init__(self):
+        super().__init__()
+        self.known: dict[int, np.ndarray] = {}
+
+    def _op(self, op, src, attrs=None, name=None):
+        out = super()._op(op, src, attrs, name)
+        if op in GroupOp.Source or op in (Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.CALL, Op.GET_ITEM):
+            return out
+        t = out.node.type
+        if not isinstance(t, TensorType) or t.dtype.packed or t.size > KNOWN_MAX_ELEMENTS:
+            return out
+        values = [self.value(s) for s in src]
+        if any(v is None for v in values):
+            return out
+        try:
+            with np.errstate(all="ignore"):
+                value = np.asarray(reference(op, values, out.node.attrs))
+        except Exception:  # a value the op cannot take is left to fail (or not) where it runs
+            return out
+        if value.shape == t.shape and value.dtype == t.dtype.storage:
+            self.known[out.node.id] = value
+        return out
+
+    def value(self, t: Tensor) -> np.ndarray | None:
+        """t's value if it is known at import (a constant, or computed only from constants)."""
+        node = t.node
+        if node.op == Op.CONSTANT:
+            return None if node.dtype.packed else self.constants[node.attrs["key"]]
+        return self.known.get(node.id)
+
+
+@dataclass
+class OnnxNode:
+    """One ONNX node as a converter sees it: inputs as Ingot tensors (None where omitted)."""
+
+    op_type: str
+    domain: str
+    name: str
+    inputs: list[Tensor | None]
+    attrs: dict[str, Any]
+    outputs: list[str]
+    opset: int
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+    def input(self, i: int) -> Tensor | None:
+        return self.inputs[i] if i < len(self.inputs) else None
+
+    @property
+    def label(self) -> str:
+        return f"{self.op_type} node {self.name!r}" if self.name else f"{self.op_type} node (output {self.outputs[0]!r})"
+
+
+@dataclass
+class Context:
+    """What converters use: the graph, the ONNX file's label for errors, and constant reads."""
+
+    g: ImportGraph
+    what: str
+    opsets: dict[str, int] = field(default_factory=dict)
+    quantize: Any = None  # an ingot.quant Format: store matmul weights in it
+
+    def value(self, t: Tensor | None) -> np.ndarray | None:
+        return None if t is None else self.g.value(t)
+
+    def constant(self, node: OnnxNode, i: int, what: str) -> np.ndarray:
+        """Input i's value, which must be known at import (a constant or constant arithmetic)."""
+        t = node.input(i)
+        v = self.value(t)
+        if v is None:
+            sources = placeholders_of(t)
+            hint = f" from graph inputs {sources} (fix them with constant_inputs=)" if sources else ""
+            raise NeedsConstant(f"{self.what}: {node.label} needs its {what} (input {i}) known at import, but it is computed "
+                                f"at run time{hint}.", sources)
+        return v
+
+    def fail(self, node: OnnxNode, message: str) -> UnsupportedOnnx:
+        return UnsupportedOnnx(f"{self.what}: {node.label}: {message}.")
+
+
+def placeholders_of(t: Tensor) -> list[str]:
+    """The graph inputs a tensor is computed from (placeholder names, in graph order)."""
+    return [n.name for n in toposort([t.node]) if n.op == Op.PLACEHOLDER]
+
+
+Converter = Callable[[Context, OnnxNode], Sequence[Tensor | None]]
+
 
 CONVERTERS: dict[tuple[str, str], Converter] = {}
 
@@ -53,6 +203,3 @@ def onnx_to_ingot_dtype(ctx: Context, node: OnnxNode, elem_type: int) -> dt.DTyp
 
 def ints(value) -> list[int]:
     return [int(v) for v in np.asarray(value).reshape(-1)]
-
-
-from . import onnx_attention, onnx_math, onnx_nn, onnx_quant, onnx_shape, onnx_signal  # noqa: E402,F401  (registration)

@@ -8,8 +8,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
 from ..ops import normalize_axis
-from .onnx import Context, OnnxNode
-from .onnx_ops import converter, need_float, onnx_to_ingot_dtype, scalar
+from .onnx_ops import Context, OnnxNode, converter, need_float, onnx_to_ingot_dtype, scalar
 
 
 def _quant_params(ctx: Context, node: OnnxNode, x: Tensor, scale: Tensor):

@@ -11,8 +11,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
 from ..ops import normalize_axis
-from .onnx import Context, OnnxNode, as_ingot_array
-from .onnx_ops import attr_or_input, converter, ints, onnx_to_ingot_dtype, scalar
+from .onnx_ops import Context, OnnxNode, as_ingot_array, attr_or_input, converter, ints, onnx_to_ingot_dtype, scalar
 
 
 @converter("Shape")

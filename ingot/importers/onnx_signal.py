@@ -7,8 +7,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
 from ..ops import normalize_axis
-from .onnx import Context, OnnxNode
-from .onnx_ops import converter, onnx_to_ingot_dtype
+from .onnx_ops import Context, OnnxNode, converter, onnx_to_ingot_dtype
 
 
 def _window_values(node: OnnxNode, size: int) -> np.ndarray:

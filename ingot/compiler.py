@@ -14,7 +14,8 @@ import time
 from typing import Any, Callable
 
 from .errors import IngotError
-from .ir import Node, Op, Program, TensorType, verify
+from .ir import Node, Op, Program, TensorType
+from .verify import verify
 from .passes.attention_length import attention_over_buffer
 from .passes.cse import eliminate_common_subexpressions
 from .passes.dce import eliminate_dead_code

@@ -1,4 +1,4 @@
-"""The IR: the Op enum, TensorType, Node, Program, and the verifier.
+"""The IR: the Op enum, TensorType, Node and Program (the verifier is ingot.verify).
 
 A Node is small and immutable: (op, type, src, attrs, name). Passes make new nodes with
 `node.replace(...)`; they never mutate one. A Program is what the compiler works on: the outputs
@@ -14,7 +14,6 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import dtypes as dt
-from .errors import IngotError
 
 
 class Op(enum.IntEnum):
@@ -218,32 +217,3 @@ def consumers(nodes: list[Node]) -> dict[int, list[Node]]:
         for s in n.src:
             users.setdefault(s.id, []).append(n)
     return users
-
-
-def verify(program: Program) -> None:
-    """Check the invariants every pass must keep: sources defined, types equal to the op's rules."""
-    from .ops import infer_type
-
-    names: dict[str, Node] = {}
-    for node in program.nodes():
-        if node.op == Op.CONSTANT and node.attrs["key"] not in program.constants:
-            raise IngotError(f"verify: constant {node.attrs['key']!r} is used by the graph but absent from the store.")
-        if node.op == Op.CONSTANT:
-            value = program.constants[node.attrs["key"]]
-            want = dt.storage_shape(node.type.shape, node.dtype) if node.type.shape else ()
-            if tuple(value.shape) != tuple(want) or value.dtype != node.dtype.storage:
-                raise IngotError(f"verify: constant {node.attrs['key']!r} holds {value.dtype}{list(value.shape)} "
-                                 f"but its node says {node.type}.")
-        if node.op == Op.VARIABLE:
-            vname = node.attrs["name"]
-            if vname not in program.variables:
-                raise IngotError(f"verify: variable {vname!r} has no initial value.")
-        if node.op == Op.PLACEHOLDER:
-            other = names.setdefault(node.name, node)
-            if other is not node and other.type != node.type:
-                raise IngotError(f"verify: two placeholders named {node.name!r} with different types.")
-        if node.op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE):
-            continue
-        expected = infer_type(node.op, [s.type for s in node.src], node.attrs)
-        if expected != node.type:
-            raise IngotError(f"verify: {node.op.name} #{node.id} has type {node.type} but its rule gives {expected}.")

@@ -29,9 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ingot.backends import cuda as cuda_backend  # noqa: E402
-from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
-from ingot.ir import Op  # noqa: E402
+from ingot.backends.cuda.traffic import free_device, weight_bytes  # noqa: E402
 from ingot.models import llama  # noqa: E402
 
 SHAPES = {
@@ -79,35 +77,6 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def weight_bytes(exe=None) -> int:
-    """Bytes of the device weights one step of `exe` reads: the re-packed quantized weights and float
-    constants made from its program's constants. A gather's table is read one row a token, so its own
-    device copy is left out (an untied model's embedding, 328 MB at Llama-3-8B int4; a tied model's
-    k-major copy beside the lm_head's word layout); the rows it reads are a few KB. exe None: every
-    device constant (the figure before 2026-12-03's fourteenth session, which counted the embedding)."""
-    used, gathered, other = None, set(), set()
-    if exe is not None:
-        program = exe.plan.program
-        for node in program.nodes():
-            table = node.src[:-1] if node.op in (Op.GATHER, Op.QUANTIZED_GATHER) else ()
-            for src in node.src:
-                if src.op == Op.CONSTANT:
-                    (gathered if any(src is t for t in table) else other).add(id(program.constants[src.attrs["key"]]))
-        used = gathered | other
-    total = 0
-    for key, v in cuda_backend._DEVICE_CONSTANTS.items():
-        if used is not None:
-            if key[0] not in used:
-                continue
-            if key[0] in gathered and (key[0] not in other or (isinstance(v, qmm.QuantizedWeight) and not v.words)):
-                continue   # the gather's own copy: a table only gathered, or the k-major copy of a tied one
-        if isinstance(v, qmm.QuantizedWeight):
-            total += v.nbytes
-        elif isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-    return total
-
-
 def graph_replay_us(graph, replays: int = 50, warmup: int = 1) -> float:
     """Microseconds one replay of a captured CUDA graph takes, replayed back to back (after `warmup`)."""
     for _ in range(warmup):
@@ -127,11 +96,6 @@ def model_shape(name: str, layers: int | None) -> dict:
     if layers:
         shape["n_layers"] = layers
     return shape
-
-
-def free_device() -> None:
-    cuda_backend._DEVICE_CONSTANTS.clear()
-    torch.cuda.empty_cache()
 
 
 def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batch: int, steps: int, prompt_len: int,

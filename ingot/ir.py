@@ -53,6 +53,7 @@ class Op(enum.IntEnum):
     # later additions go here, at the end
     ARGMIN = enum.auto(); REAL = enum.auto(); IMAG = enum.auto(); COMPLEX = enum.auto()
     DIM = enum.auto()
+    FUSED = enum.auto()   # a named subgraph a device pass chose to run as one step (ops/fused.py)
 
 
 class GroupOp:
@@ -163,6 +164,8 @@ def freeze(value: Any) -> Any:
         return tuple(freeze(v) for v in value)
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if hasattr(value, "structural_key"):   # a fused op's body (ops/fused.py)
+        return value.structural_key()
     return value
 
 

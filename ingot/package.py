@@ -39,6 +39,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .errors import IngotError
+from .ops.fused import Body
 from .ir import Node, Op, Program, Ref, TensorType
 from .verify import verify
 
@@ -61,6 +62,8 @@ def _encode(value: Any) -> Any:
         return {"ref": value.index}
     if isinstance(value, TensorType):
         return {"tensor_type": _encode_type(value)}
+    if isinstance(value, Body):
+        return {"body": _encode_body(value)}
     if isinstance(value, (tuple, list)):
         return [_encode(v) for v in value]
     if isinstance(value, (np.integer, np.floating, np.bool_)):
@@ -80,8 +83,38 @@ def _decode(value: Any) -> Any:
             return Ref(int(value["ref"]))
         if set(value) == {"tensor_type"}:
             return _decode_type(value["tensor_type"])
+        if set(value) == {"body"}:
+            return _decode_body(value["body"])
         raise IngotError(f"graph.json has an attribute object with unknown keys {sorted(value)}")
     return value
+
+
+def _encode_body(body: Body) -> dict:
+    """A fused op's body: its nodes, parameters first, each naming its sources by position."""
+    pos = {n.id: i for i, n in enumerate(body.nodes)}
+    return {"nodes": [{"op": n.op.name, "type": _encode_type(n.type), "src": [pos[x.id] for x in n.src],
+                       "attrs": {k: _encode(v) for k, v in n.attrs.items()}} for n in body.nodes],
+            "outputs": [pos[o.id] for o in body.outputs]}
+
+
+def _decode_body(value: dict) -> Body:
+    nodes: list[Node] = []
+    for entry in value["nodes"]:
+        op = entry["op"]
+        if not isinstance(op, str) or op not in Op.__members__:
+            raise IngotError(f"graph.json has a fused body with unknown op {op!r}")
+        src = entry["src"]
+        if not isinstance(src, list) or any(not isinstance(i, int) or not 0 <= i < len(nodes) for i in src):
+            raise IngotError(f"graph.json has a fused body node whose sources {src!r} are not earlier nodes")
+        nodes.append(Node(Op[op], _decode_type(entry["type"]), tuple(nodes[i] for i in src),
+                          {k: _decode(v) for k, v in entry["attrs"].items()}))
+    params = [n for n in nodes if n.op == Op.PLACEHOLDER]
+    if [n.attrs.get("param") for n in params] != list(range(len(params))):
+        raise IngotError("graph.json has a fused body whose parameters are not numbered 0, 1, ...")
+    outputs = value["outputs"]
+    if not isinstance(outputs, list) or not outputs or any(not isinstance(i, int) or not 0 <= i < len(nodes) for i in outputs):
+        raise IngotError(f"graph.json has a fused body with outputs {outputs!r}")
+    return Body(params, [nodes[i] for i in outputs])
 
 
 def _encode_type(t) -> Any:

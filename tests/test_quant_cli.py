@@ -146,7 +146,8 @@ def test_generate_with_lora_and_swap(tiny_package, tmp_path, capsys):
     write_peft(tmp_path / "b", cfg, ["q_proj", "v_proj", "down_proj"], rank=2, alpha=64, seed=2)
     runs = {}
     for name, extra in (("base", []), ("a", ["--lora", f"{tmp_path / 'a'}:1.0"])):
-        assert main(["generate", "--model", str(tiny_package), "--no-chat", "--max-tokens", "6", "--json", "hello"] + extra) == 0
+        assert main(["generate", "--model", str(tiny_package), "--no-chat", "--max-tokens", "6", "--temperature", "0",
+                     "--json", "hello"] + extra) == 0
         runs[name] = json.loads(capsys.readouterr().out)["tokens"]
     assert runs["a"] != runs["base"]
     # swap adapter b in on the loaded model: the same decode executable, the logits of a fresh load with b

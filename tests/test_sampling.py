@@ -347,3 +347,60 @@ def test_device_sampler_raises_the_numpy_errors():
     masked = torch.tensor([float("-inf"), 0.0, float("-inf"), 1.0])
     assert {s(masked) for _ in range(300)} == {1, 3}
     assert DeviceSampler()(torch.tensor([0.0, 2.0, 2.0], dtype=torch.bfloat16)) == 1  # half logits: float32 inside
+
+
+def test_min_p_keeps_tokens_near_the_best():
+    x = np.log(np.array([0.5, 0.3, 0.1, 0.06, 0.04], np.float32))
+    ids, probs = Sampler(temperature=1.0, min_p=0.15).distribution(x)  # keeps p >= 0.075
+    assert ids.tolist() == [0, 1, 2]
+    np.testing.assert_allclose(probs, [0.5 / 0.9, 0.3 / 0.9, 0.1 / 0.9], rtol=1e-5)
+    ids, _ = Sampler(temperature=1.0, top_p=0.85, min_p=0.15).distribution(x)  # after top-p, in its order
+    assert ids.tolist() == [0, 1, 2]
+    ids, _ = Sampler(temperature=1.0, top_k=4, min_p=0.5).distribution(x)
+    assert ids.tolist() == [0, 1]
+    assert set(_draws(Sampler(temperature=1.0, min_p=0.5, seed=0), x, 300).tolist()) == {0, 1}
+    assert Sampler(temperature=1.0, min_p=0.0).distribution(x)[0].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(IngotError, match="min_p must be in"):
+        Sampler(min_p=1.5)
+
+
+def test_repetition_penalty_over_the_last_n_ids():
+    x = np.array([2.0, 1.9, 1.8, 0.0], np.float32)
+    s = Sampler(repetition_penalty=2.0, repeat_last_n=2)
+    np.testing.assert_allclose(s.apply_penalty(x, [0, 1, 3]), [2.0, 0.95, 1.8, 0.0])  # id 0 is out of the window
+    assert s(x, [1, 2, 0]) == 1  # 0 and 2 penalised, 1 (older than the window) not
+    assert Sampler(repetition_penalty=2.0)(x, [1, 2, 0]) == 0  # no window: all three penalised, 0 still best
+    with pytest.raises(IngotError, match="repeat_last_n"):
+        Sampler(repeat_last_n=-1)
+
+
+def test_sampling_defaults_from_the_file_else_llama_cpp():
+    from ingot.llm.sampling import DEFAULTS, sampling_defaults
+
+    assert sampling_defaults({}) == DEFAULTS == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                                                 "repetition_penalty": 1.1, "repeat_last_n": 64}
+    got = sampling_defaults({"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
+                             "general.sampling.penalty_last_n": -1})
+    assert got["temperature"] == 0.6 and got["top_k"] == 20 and got["repeat_last_n"] == 0 and got["top_p"] == 0.95
+    with pytest.raises(IngotError, match="general.sampling.top_k is 'many'"):
+        sampling_defaults({"general.sampling.top_k": "many"})
+    with pytest.raises(IngotError, match="general.sampling.*top_p"):
+        sampling_defaults({"general.sampling.top_p": 7.0})
+
+
+@pytest.mark.parametrize("min_p", [0.02, 0.1, 0.5])
+def test_device_min_p_and_penalty_window_equal_numpy(min_p):
+    torch = pytest.importorskip("torch")
+    from ingot.llm.sampling import DeviceSampler
+    rng = np.random.default_rng(int(min_p * 100))
+    for case in (dict(temperature=0.8), dict(temperature=1.0, top_k=40, top_p=0.95), dict(temperature=1.3, top_p=0.6)):
+        x = (rng.normal(size=4999) * 2).astype(np.float32)
+        want = _dense(Sampler(min_p=min_p, **case), x)
+        got = DeviceSampler(min_p=min_p, **case).distribution_tensor(torch.from_numpy(x)).numpy()
+        assert np.flatnonzero(got).tolist() == np.flatnonzero(want).tolist(), case
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    prev = rng.integers(4999, size=300)
+    want = Sampler(repetition_penalty=1.3, repeat_last_n=64).apply_penalty(x, prev)
+    got, _ = DeviceSampler(repetition_penalty=1.3, repeat_last_n=64).penalize(torch.from_numpy(x), torch.from_numpy(prev))
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert not np.array_equal(want, Sampler(repetition_penalty=1.3).apply_penalty(x, prev))  # the window matters

@@ -45,11 +45,15 @@ class Token:
 
 @dataclass
 class GenerationStats:
+    """What one `generate` did. tokens: the generated ids whose text was returned (an end-of-sequence
+    token and the tokens of a stop string are not among them); stop_reason: "eos", "stop",
+    "max_tokens" or "context"."""
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     prefilled: int = 0            # tokens actually computed in prefill (cached ones are not)
+    steps: int = 0                # decode steps (the first generated token comes from prefill)
     stop_reason: str = ""
 
     @property
@@ -58,9 +62,13 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
-        # the first generated token comes from prefill; each later one is one decode step
-        steps = max(len(self.tokens) - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
+        return self.steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def summary(self) -> str:
+        """One line saying what was measured, e.g. "prefill 41 tokens at 310.2 tok/s, decode 11 tokens
+        at 42.0 tok/s (12 generated, stop: eos)"."""
+        return (f"prefill {self.prefilled} tokens at {self.prefill_tok_s:.1f} tok/s, decode {self.steps} tokens at "
+                f"{self.decode_tok_s:.1f} tok/s ({len(self.tokens)} generated, stop: {self.stop_reason})")
 
 
 class LLM:
@@ -72,6 +80,7 @@ class LLM:
         from ..models import llama
         from .package import open_model
 
+        started = time.perf_counter()
         self.path = path
         self.device = device
         _allocate_big_arrays_with_mmap()
@@ -80,6 +89,7 @@ class LLM:
         # straight into the graph; on a GPU its BF16 tensors stay bf16 (multiplied as they are), on
         # the CPU they widen to float32 once
         model = open_model(path, bfloat16=device != "cpu")
+        self.info = _model_info(model)
         if device == "cpu":  # compile (or load) the kernels before any weight: LLVM's working memory
             from ..backends.cpu.kernels import release_compiler_pages, warm_up  # is freed before they arrive
             warm_up()
@@ -102,6 +112,15 @@ class LLM:
         del model
         _return_freed_memory()
         self._compile_decoder()
+        self.info.update(context=self.config.context_length, load_seconds=time.perf_counter() - started)
+
+    def describe(self) -> str:
+        """One line naming the model, as llama-cli and mlx_lm print at load, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf:
+        llama, 134.5M parameters, Q4_1, 98.4 MB, context 2048 of 8192, loaded in 1.3 s on cpu"."""
+        i = self.info
+        return (f"{os.path.basename(os.path.normpath(self.path))}: {i['architecture']}, {_count(i['parameters'])} parameters, "
+                f"{i['weights']}, {i['file_bytes'] / 1e6:.1f} MB, context {i['context']} of {i['trained_context']}, "
+                f"loaded in {i['load_seconds']:.1f} s on {self.device}")
 
     @classmethod
     def from_graph(cls, model, tokenizer, device: str = "cpu") -> LLM:
@@ -223,19 +242,30 @@ class LLM:
         return logits[0]
 
     # -- generation -----------------------------------------------------------------------------
+    def sampling_defaults(self) -> dict:
+        """The sampling settings this model asks for (its file's `general.sampling.*` keys, otherwise
+        llama.cpp's defaults): keyword arguments for `generate`. generate itself defaults to greedy."""
+        from .sampling import sampling_defaults
+
+        return sampling_defaults(self.metadata)
+
     def generate(self, prompt: str | Sequence[dict] | Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 stop: Sequence[str] = (), chat: bool = True, keep_cache: bool = False) -> Iterator[Token]:
+                 stop: Sequence[str] = (), chat: bool = True, keep_cache: bool = False, min_p: float = 0.0,
+                 repeat_last_n: int = 0) -> Iterator[Token]:
         """Yield generated tokens (id and text piece) until EOS, a stop string or max_tokens.
 
         prompt: a string (rendered through the chat template unless chat=False), a list of chat
-        messages, or token ids. Statistics of the run are in `self.stats` afterwards.
+        messages, or token ids. The defaults are greedy (temperature 0); `**llm.sampling_defaults()`
+        gives the model's own (or llama.cpp's) sampling settings. Statistics of the run are in
+        `self.stats` afterwards.
         """
         from .sampling import DeviceSampler, Sampler, StopChecker
 
         on_device = self.device != "cpu"  # logits stay on the device; the sampler runs there too
         sampler = (DeviceSampler if on_device else Sampler)(temperature=temperature, top_k=top_k, top_p=top_p,
-                                                             repetition_penalty=repetition_penalty, seed=seed)
+                                                             repetition_penalty=repetition_penalty, seed=seed,
+                                                             min_p=min_p, repeat_last_n=repeat_last_n)
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (int, np.integer)):
             ids = [int(i) for i in prompt]
         else:
@@ -264,21 +294,28 @@ class LLM:
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
         stats.stop_reason = "max_tokens"
+        decoded = shown = 0   # characters out of the detokenizer, and of them passed the stop strings
+        starts = []           # where each generated token's text starts among the decoded characters
         for i in range(max_tokens):
             token = int(sampler(logits, history.ids))
             if i == 0:  # prefill ends when its token is known (on a device, the .item() waits for the work)
                 t1 = time.perf_counter()
                 stats.prefill_seconds = t1 - t0
             history.append(token)
-            stats.tokens.append(token)
             if token in eos:
                 stats.stop_reason = "eos"
                 break
-            text = stopper.feed(stream.push(token))
+            stats.tokens.append(token)
+            piece = stream.push(token)
+            starts.append(decoded)
+            decoded += len(piece)
+            text = stopper.feed(piece)
+            shown += len(text)
             if text:
                 yield Token(token, text)
-            if stopper.stopped:
+            if stopper.stopped:  # the tokens whose text all lies in the stop string are not generated text
                 stats.stop_reason = "stop"
+                del stats.tokens[next((j for j, start in enumerate(starts) if start >= shown), len(starts)):]
                 break
             if i + 1 >= max_tokens:
                 break
@@ -286,10 +323,51 @@ class LLM:
                 stats.stop_reason = "context"
                 break
             logits = self._step(token) if on_device else self.step(token)
+            stats.steps += 1
         rest = "" if stopper.stopped else stopper.feed(stream.flush()) + stopper.flush()
         if rest:
             yield Token(-1, rest)
         stats.decode_seconds = time.perf_counter() - t1
+
+
+def _model_info(model) -> dict:
+    """Architecture, parameter count, weight types and size on disk of an opened model (no weight is
+    converted: a GGUF's shapes and types come from its tensor table)."""
+    from ..quant.formats import QuantizedTensor
+
+    tensors = model.tensors
+    table = getattr(tensors, "by_name", None)  # a GGUF file's tensor records
+    parameters, by_kind = 0, {}
+    for name in tensors:
+        if table is not None:
+            shape, kind = tensors.shape(name), table[name].tensor_type.name
+        else:
+            t = tensors[name]
+            if isinstance(t, QuantizedTensor):
+                shape = t.shape
+                kind = f"lut{t.qdtype.bits}" if t.lut is not None else f"{t.qdtype.name}:{t.block_size}"
+            else:
+                shape, kind = np.shape(t), np.asarray(t).dtype.name
+        count = int(np.prod(shape, dtype=np.int64))
+        parameters += count
+        if len(shape) == 2:
+            by_kind[kind] = by_kind.get(kind, 0) + count
+    kinds = sorted(by_kind, key=by_kind.get, reverse=True)
+    weights = (kinds[0] if len(kinds) == 1 else f"mostly {kinds[0]}") if kinds else "no matrices"
+    path = model.path
+    if os.path.isdir(path):
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    else:
+        size = os.path.getsize(path)
+    return {"architecture": model.architecture, "parameters": parameters, "weights": weights, "file_bytes": size,
+            "trained_context": model.config.context_length}
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 class _History:

@@ -1,11 +1,16 @@
 """Choosing the next token from logits, and stopping on stop strings.
 
-    sampler = Sampler(temperature=0.7, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=0)
+    sampler = Sampler(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1,
+                      repeat_last_n=64, seed=0)
     next_id = sampler(logits, previous_ids)          # logits: float32 [vocab]
 
-The steps run in transformers' order: repetition penalty, temperature, top-k, top-p, then a draw from
-the remaining distribution with a NumPy Generator (deterministic for a given seed). Temperature 0 is
-greedy: the arg-max after the repetition penalty, ties going to the lowest id.
+The steps run in transformers' order: repetition penalty (over the last repeat_last_n ids),
+temperature, top-k, top-p, min-p, then a draw from the remaining distribution with a NumPy Generator
+(deterministic for a given seed). Temperature 0 is greedy: the arg-max after the repetition penalty,
+ties going to the lowest id.
+
+What `ingot generate` uses when a flag is not given: `sampling_defaults(metadata)`, the model file's
+own `general.sampling.*` keys where it carries them, otherwise llama.cpp's defaults (DEFAULTS).
 
     stop = StopChecker(["\\nUser:", "###"])
     for piece in pieces:                             # text pieces as they stream out of the decoder
@@ -35,6 +40,42 @@ _NUCLEUS_CANDIDATES = (256, 4096)
 # draws over long vectors find the block first, then the token inside it
 _BLOCK = 1024
 
+# llama.cpp's defaults (common/common.h), used where a model file carries none of its own
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1,
+            "repeat_last_n": 64}
+# the GGUF keys a model file may carry them under (gguf-py's Keys.General.SAMPLING_*)
+GGUF_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
+             "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
+             "repetition_penalty": "general.sampling.penalty_repeat",
+             "repeat_last_n": "general.sampling.penalty_last_n"}
+
+
+def sampling_defaults(metadata) -> dict:
+    """The sampling settings a model asks for: each of DEFAULTS taken from the model's metadata
+    (GGUF `general.sampling.*`) where present, else llama.cpp's default. A value of the wrong type or
+    out of range raises IngotError naming the key.
+
+        >>> sampling_defaults({"general.sampling.temp": 0.6})["temperature"]
+        0.6
+    """
+    out = dict(DEFAULTS)
+    for name, key in GGUF_KEYS.items():
+        value = metadata.get(key) if metadata else None
+        if value is None:
+            continue
+        integer = isinstance(DEFAULTS[name], int)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+                (integer and not float(value).is_integer()):
+            raise IngotError(f"model metadata {key} is {value!r}, not {'an integer' if integer else 'a number'}.")
+        out[name] = int(value) if integer else float(value)
+    if out["repeat_last_n"] == -1:  # llama.cpp: -1 is the whole context
+        out["repeat_last_n"] = 0
+    try:
+        Sampler(**out)
+    except IngotError as e:
+        raise IngotError(f"model metadata general.sampling.*: {e}") from None
+    return out
+
 
 class Sampler:
     """Picks one token id from a vector of logits.
@@ -42,13 +83,16 @@ class Sampler:
     temperature: 0 is greedy; otherwise logits are divided by it before the softmax.
     top_k: keep the k most likely tokens (0 keeps all; ties at the k-th logit are kept too).
     top_p: keep the smallest set of most likely tokens whose probabilities sum to at least p (at least one).
+    min_p: keep the tokens at least min_p times as likely as the most likely one (0 keeps all).
     repetition_penalty: for every id in previous_ids, a positive logit is divided by it and a negative one
         multiplied (llama.cpp's and transformers' rule); 1.0 is off.
+    repeat_last_n: the penalty looks at the last this many of previous_ids (0: all of them).
     seed: seed of the NumPy Generator used for the draws; None draws from fresh entropy.
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None):
+                 repetition_penalty: float = 1.0, seed: int | None = None, min_p: float = 0.0,
+                 repeat_last_n: int = 0):
         def number(name, value):
             try:
                 f = float(value)
@@ -60,11 +104,16 @@ class Sampler:
 
         temperature = number("temperature", temperature)
         top_p = number("top_p", top_p)
+        min_p = number("min_p", min_p)
         repetition_penalty = number("repetition_penalty", repetition_penalty)
         if temperature < 0:
             raise IngotError(f"Sampler temperature must be >= 0, not {temperature!r}.")
         if not 0.0 < top_p <= 1.0:
             raise IngotError(f"Sampler top_p must be in (0, 1], not {top_p!r}.")
+        if not 0.0 <= min_p <= 1.0:
+            raise IngotError(f"Sampler min_p must be in [0, 1], not {min_p!r}.")
+        if isinstance(repeat_last_n, bool) or not isinstance(repeat_last_n, (int, np.integer)) or repeat_last_n < 0:
+            raise IngotError(f"Sampler repeat_last_n must be an integer >= 0, not {repeat_last_n!r}.")
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
             raise IngotError(f"Sampler top_k must be an integer >= 0, not {top_k!r}.")
         if repetition_penalty <= 0:
@@ -74,7 +123,9 @@ class Sampler:
         self.temperature = temperature
         self.top_k = int(top_k)
         self.top_p = top_p
+        self.min_p = min_p
         self.repetition_penalty = repetition_penalty
+        self.repeat_last_n = int(repeat_last_n)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
 
@@ -123,8 +174,9 @@ class Sampler:
         """logits with the repetition penalty applied over previous_ids (a new float32 array when it applies)."""
         if self.repetition_penalty == 1.0 or previous_ids is None:
             return logits
-        prev = np.unique(np.asarray(list(previous_ids) if not isinstance(previous_ids, np.ndarray) else previous_ids,
-                                    dtype=np.int64).ravel())
+        prev = np.asarray(list(previous_ids) if not isinstance(previous_ids, np.ndarray) else previous_ids,
+                          dtype=np.int64).ravel()
+        prev = np.unique(prev[-self.repeat_last_n:] if self.repeat_last_n else prev)
         if prev.size == 0:
             return logits
         if prev[0] < 0 or prev[-1] >= logits.size:
@@ -144,6 +196,16 @@ class Sampler:
         return (np.arange(probs.size) if ids is None else ids), probs
 
     def _distribution(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        ids, probs = self._nucleus(logits)
+        if self.min_p > 0.0:
+            keep = probs >= self.min_p * probs.max()
+            if not keep.all():
+                ids = np.flatnonzero(keep) if ids is None else ids[keep]
+                probs = probs[keep]
+                probs = probs / probs.sum(dtype=np.float64)
+        return ids, probs
+
+    def _nucleus(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         x = np.asarray(logits, dtype=np.float32)
         n = x.size
         m = np.max(x)
@@ -202,8 +264,9 @@ class DeviceSampler(Sampler):
     _BAD_ID, _NAN, _NO_MAXIMUM = -3, -1, -2
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None):
-        super().__init__(temperature, top_k, top_p, repetition_penalty, seed)
+                 repetition_penalty: float = 1.0, seed: int | None = None, min_p: float = 0.0,
+                 repeat_last_n: int = 0):
+        super().__init__(temperature, top_k, top_p, repetition_penalty, seed, min_p, repeat_last_n)
         self._draw_seed = seed
         self._generator = None
 
@@ -237,7 +300,8 @@ class DeviceSampler(Sampler):
         if isinstance(previous_ids, torch.Tensor):
             previous_ids = previous_ids.detach().cpu().numpy()
         Sampler.__call__(Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                 repetition_penalty=self.repetition_penalty, seed=0), host, previous_ids)
+                                 repetition_penalty=self.repetition_penalty, seed=0, min_p=self.min_p,
+                                 repeat_last_n=self.repeat_last_n), host, previous_ids)
         raise IngotError("DeviceSampler: the device flagged logits the NumPy Sampler accepts.")
 
     def choose(self, logits, previous_ids=None):
@@ -275,6 +339,8 @@ class DeviceSampler(Sampler):
         else:
             prev = np.asarray(list(previous_ids) if not isinstance(previous_ids, np.ndarray) else previous_ids, np.int64)
             prev = torch.as_tensor(prev.reshape(-1), device=x.device)
+        if self.repeat_last_n:
+            prev = prev[-self.repeat_last_n:]
         if prev.numel() == 0:
             return x, None
         n = x.numel()
@@ -287,9 +353,16 @@ class DeviceSampler(Sampler):
         return x.clone().scatter_(0, index, penalized), bad_ids  # repeats write the same value
 
     def probabilities(self, x):
-        """(float64 probabilities over the whole vocabulary, zero outside what temperature, top-k and
-        top-p keep, and a 0-d bool tensor saying the logits have no finite maximum); Sampler's
+        """(float64 probabilities over the whole vocabulary, zero outside what temperature, top-k,
+        top-p and min-p keep, and a 0-d bool tensor saying the logits have no finite maximum); Sampler's
         `_distribution` as dense device vectors, with no data-dependent shape (so no sync)."""
+        probs, no_maximum = self._nucleus_probabilities(x)
+        if self.min_p > 0.0:
+            probs = probs.where(probs >= self.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
+        return probs, no_maximum
+
+    def _nucleus_probabilities(self, x):
         import torch
         n = x.numel()
         m = x.max()

@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 
-from . import __version__
 from .errors import IngotError
 
 
@@ -268,10 +267,23 @@ def _view(args) -> int:
     return 0
 
 
+class _Version(argparse.Action):
+    """--version: the installed distribution's version (read only when asked for)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"ingot {version('ingot')}")
+        except PackageNotFoundError:
+            print("ingot (not installed: a source checkout)")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ingot", description="Ingot: a graph compiler and runtime for fast ML inference.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--version", action="version", version=f"ingot {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print Ingot's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text with a language model (a GGUF file or an Ingot LLM package)",
                          description="Generate text with a language model: a GGUF file or an Ingot LLM package "

@@ -12,7 +12,7 @@ each engine over --repeats runs after one warm-up:
 Ingot's time is `exe.run` of an executable compiled once for the signal length (compile time is
 printed apart). Ratios are anchor time / Ingot time: above 1 means Ingot is faster.
 
-    python benchmarks/audio.py [--repeats 5] [--threads 2] [--durations 60,3600] [--skip librosa,torch]
+    python -m benchmarks audio [--repeats 5] [--threads 2] [--durations 60,3600] [--skip librosa,torch]
 
 --device cuda times the same graphs compiled for the GPU (the signal already on the device; Ingot's
 time is a replay of its captured CUDA graph plus the copy of the result out of the graph's buffer)
@@ -22,7 +22,7 @@ median of triton.testing.do_bench (L2 flushed between calls). It also times the 
 variants (matmul precision, tile sizes) on the 1-h spectrum and checks Ingot's result against the
 torch anchors:
 
-    python benchmarks/audio.py --device cuda [--durations 3600]
+    python -m benchmarks audio --device cuda [--durations 3600]
 """
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def cuda_main(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (BLAS and FFT use their defaults)")
     ap.add_argument("--durations", default="60,3600", help="signal lengths in seconds, comma-separated")

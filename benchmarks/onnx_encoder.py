@@ -1,9 +1,9 @@
 """A BERT-like encoder exported from PyTorch to ONNX, run by Ingot (ingot.from_onnx, CPU) and by
 onnxruntime (CPUExecutionProvider, all graph optimisations) in one process, same inputs.
 
-    python benchmarks/onnx_encoder.py                        # hidden 128, 4 heads, 2 layers, 128 tokens
-    python benchmarks/onnx_encoder.py --length 32 --threads 1
-    python benchmarks/onnx_encoder.py --model tests/fixtures/onnx/encoder.onnx --length 16
+    python -m benchmarks onnx                        # hidden 128, 4 heads, 2 layers, 128 tokens
+    python -m benchmarks onnx --length 32 --threads 1
+    python -m benchmarks onnx --model tests/fixtures/onnx/encoder.onnx --length 16
 
 Prints the median time per forward pass of each (over --repeats runs, the two interleaved after a
 warm-up), the ratio onnxruntime / Ingot (> 1: Ingot is faster), and the largest difference between
@@ -44,7 +44,7 @@ def blas_threads() -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="an encoder .onnx with inputs input_ids, attention_mask (default: export one)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)

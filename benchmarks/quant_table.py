@@ -9,7 +9,7 @@ Compensation rows add low-rank factors (int8, weighted by activation statistics 
 tests/fixtures/calibration_text.txt) of every layer weight's error as called adapters.
 Decode tok/s: median of --steps single-token steps after a 16-token prompt, one thread for GEMV.
 
-    python benchmarks/quant_table.py [--rows int8,int4:32,...] [--context 256] [--steps 24] [--json OUT]
+    python -m benchmarks quant [--rows int8,int4:32,...] [--context 256] [--steps 24] [--json OUT]
 """
 from __future__ import annotations
 
@@ -51,15 +51,6 @@ def decode_tok_s(model, tensors, adapters, steps: int) -> float:
 
 
 def main() -> int:
-    from threadpoolctl import threadpool_limits
-
-    from ingot.eval import chunks, compare, score
-    from ingot.llm.generate import default_model_path
-    from ingot.llm.package import StoredModel, open_model
-    from ingot.llm.tokenizer import tokenize
-    from ingot.quant.formats import tensor_nbytes
-    from ingot.quant.pipeline import activation_stats, float_weights, quantize_model
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS),
                         help="FMT[+cRANK][+awq][+cal][+x], comma-separated: compensation rank, AWQ scaling, calibration-weighted "
@@ -69,6 +60,15 @@ def main() -> int:
     parser.add_argument("--json", help="also write the results as JSON here")
     parser.add_argument("--speed-only", action="store_true", help="skip the KLD scoring: bytes and decode tok/s only")
     args = parser.parse_args()
+
+    from threadpoolctl import threadpool_limits
+
+    from ingot.eval import chunks, compare, score
+    from ingot.llm.generate import default_model_path
+    from ingot.llm.package import StoredModel, open_model
+    from ingot.llm.tokenizer import tokenize
+    from ingot.quant.formats import tensor_nbytes
+    from ingot.quant.pipeline import activation_stats, float_weights, quantize_model
 
     path = default_model_path()
     source = open_model(path)

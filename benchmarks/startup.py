@@ -10,7 +10,7 @@ the page cache is warm, as it is for a user's second command):
 The goals (issue 32): import under 0.5 s, --help and a refused file under 1 s. An anchor for the
 floor: `python -c "import numpy"`, which every one of them pays.
 
-    python benchmarks/startup.py [--repeats 5] [--json]
+    python -m benchmarks startup [--repeats 5] [--json]
 
 Run it from the repository root (it puts the root first on PYTHONPATH, so the checkout's ingot is
 the one timed). `python -X importtime -c "import ingot"` shows where an import's time goes.
@@ -41,7 +41,7 @@ def wall(argv: list[str], expect: int, env: dict) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

@@ -5,7 +5,7 @@ First paint is `performance.now()` in a task queued from the first frame that ho
 from navigation start: page, data, layout in the Web Worker, SVG). Median of --repeats page loads
 on one server per graph.
 
-    python benchmarks/viewer_first_paint.py [--sizes 1000,3000,10000] [--repeats 3] [--no-model]
+    python -m benchmarks viewer [--sizes 1000,3000,10000] [--repeats 3] [--no-model]
 """
 from __future__ import annotations
 

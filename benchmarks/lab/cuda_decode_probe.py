@@ -5,7 +5,7 @@ write inside (`rope=`), the output rounded for the o GEMV (`xq=`) and that GEMV'
 median of do_bench_cudagraph (the launch repeated in a CUDA graph, programmatic dependent launch as
 the model runs it); "empty" is a kernel that only waits and exits, the floor of a launch.
 
-    python benchmarks/cuda_decode_probe.py [--lengths 33,100,160,1000] [--json out.json]
+    python benchmarks/lab/cuda_decode_probe.py [--lengths 33,100,160,1000] [--json out.json]
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ingot.backends.cuda import attention as attn  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.backends.cuda.pdl import pdl_args, pdl_enter  # noqa: E402

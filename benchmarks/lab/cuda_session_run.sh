@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so (the parts' time
 # limits below add up under that; issue calls back to back, while the machine is still warm):
-#   bash benchmarks/cuda_session_run.sh tests                     # 480 s at most (TESTS_S); the whole suite took
+#   bash benchmarks/lab/cuda_session_run.sh tests                     # 480 s at most (TESTS_S); the whole suite took
 #                                                                 # 385 s on a fresh machine (twentieth session)
-#   bash benchmarks/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
-#   bash benchmarks/cuda_session_run.sh attention audio           # 150 + 200 s at most
+#   bash benchmarks/lab/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
+#   bash benchmarks/lab/cuda_session_run.sh attention audio           # 150 + 200 s at most
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama:

@@ -19,7 +19,7 @@ them, timeline.py), and so their waves; only tail, ends and since are shown. --d
 kernels' programs a multiprocessor and their ends in deciles, then the word GEMV's compiled variants
 with their registers (and the memo `_words_gemv` sizes its splits from).
 
-    python benchmarks/cuda_timeline.py [--model llama8b] [--layers 32] [--ends] [--npz out.npz]
+    python benchmarks/lab/cuda_timeline.py [--model llama8b] [--layers 32] [--ends] [--npz out.npz]
         [--detail "gemv 4096x28672,gemv 14336x4096"]
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ os.environ["INGOT_CUDA_TIMELINE"] = "end" if "--ends" in sys.argv else "1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))          # benchmarks/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))    # the repository
 from cuda_llm import SHAPES, fast_random_weights, gguf_like_random_weights, graph_replay_us, model_shape  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.backends.cuda import timeline  # noqa: E402

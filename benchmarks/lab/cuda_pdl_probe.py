@@ -5,7 +5,7 @@ output vector, and writes the next: y = x + sum(w_tile) * 0 + 1, so the chain's 
 Variants: plain launches, PDL with the wait at the top, PDL with the weight load before the wait.
 Prints the replayed graph's time per kernel, median of 20 replays of N kernels.
 
-    python benchmarks/cuda_pdl_probe.py --kernels 200 --weight-kib 256
+    python benchmarks/lab/cuda_pdl_probe.py --kernels 200 --weight-kib 256
 """
 import argparse
 import statistics

@@ -7,12 +7,7 @@ import torch
 
 from ...ir import Op
 from . import quantized_matmul as qmm
-
-
-def _device_constants() -> dict:
-    from .. import cuda   # the backend's cache of device copies, keyed by the host array's id first
-
-    return cuda._DEVICE_CONSTANTS
+from .device import _DEVICE_CONSTANTS   # the backend's device copies of constants, keyed by the host array's id first
 
 
 def weight_bytes(exe=None) -> int:
@@ -31,7 +26,7 @@ def weight_bytes(exe=None) -> int:
                     (gathered if any(src is t for t in table) else other).add(id(program.constants[src.attrs["key"]]))
         used = gathered | other
     total = 0
-    for key, v in _device_constants().items():
+    for key, v in _DEVICE_CONSTANTS.items():
         if used is not None:
             if key[0] not in used:
                 continue
@@ -46,10 +41,10 @@ def weight_bytes(exe=None) -> int:
 
 def device_weights() -> list:
     """Every device copy of a constant made so far (torch tensors and qmm.QuantizedWeights)."""
-    return list(_device_constants().values())
+    return list(_DEVICE_CONSTANTS.values())
 
 
 def free_device() -> None:
     """Drop every cached device copy of a constant and return the memory to the driver."""
-    _device_constants().clear()
+    _DEVICE_CONSTANTS.clear()
     torch.cuda.empty_cache()

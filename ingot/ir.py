@@ -121,22 +121,26 @@ _ids = itertools.count()
 class Node:
     """One op application. Immutable; compare by identity, CSE by `key()`."""
 
-    __slots__ = ("op", "type", "src", "attrs", "name", "id")
+    __slots__ = ("op", "type", "src", "attrs", "name", "id", "origin")
 
     def __init__(self, op: Op, type: TensorType | tuple[TensorType, ...], src: tuple["Node", ...] = (),
-                 attrs: dict[str, Any] | None = None, name: str | None = None):
+                 attrs: dict[str, Any] | None = None, name: str | None = None, origin: int | None = None):
         object.__setattr__(self, "op", op)
         object.__setattr__(self, "type", type)
         object.__setattr__(self, "src", tuple(src))
         object.__setattr__(self, "attrs", dict(attrs or {}))
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "id", next(_ids))
+        # the id of the node this one was first made as, through every replace(): which node of an
+        # earlier program it is (the viewer outlines a fused op's members in the unfused graph by it)
+        object.__setattr__(self, "origin", self.id if origin is None else origin)
 
     def __setattr__(self, *_):
         raise AttributeError("Node is immutable; use replace()")
 
     def replace(self, **changes) -> "Node":
-        fields = {"op": self.op, "type": self.type, "src": self.src, "attrs": self.attrs, "name": self.name}
+        fields = {"op": self.op, "type": self.type, "src": self.src, "attrs": self.attrs, "name": self.name,
+                  "origin": self.origin}
         fields.update(changes)
         return Node(**fields)
 

@@ -180,7 +180,8 @@ def test_fused_regions_toggle_by_device(smol):
     page.click("#expand-all")
     wait_layout(page, before)
     cuda_groups = page.evaluate("fetch('api/graph').then(r => r.json()).then(d => d.regions.cuda.groups.length)")
-    assert cuda_groups == 30 + 59 + 30      # silu*mul regions, add+rms_norm, rope written into the cache
+    # per layer: norm -> qkv GEMV, rope + attention + o GEMV, add + norm -> gate/up -> silu*mul -> down GEMV
+    assert cuda_groups == 30 + 30 + 30
     assert page.locator("#device").input_value() == "cpu"       # the --device the page was made for
     page.select_option("#device", "cuda")
     assert page.locator("#graph rect.region").count() == cuda_groups
@@ -189,7 +190,7 @@ def test_fused_regions_toggle_by_device(smol):
     assert "runs each node as one step" in page.locator("#legend").inner_text()
     page.select_option("#device", "cuda")
     assert page.locator("#graph rect.region.cuda").count() == cuda_groups
-    assert page.locator("#graph rect.region.kind-region").count() == 30
+    assert page.locator("#graph rect.region.kind-norm_gemv_glu").count() == 30
     page.select_option("#device", "")
     assert page.locator("#graph rect.region").count() == 0
     page.select_option("#device", "cuda")

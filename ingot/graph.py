@@ -492,16 +492,24 @@ class Graph:
 
     def dequantize(self, q, scale=None, zero_point=None, bias=None, axis: int | None = None,
                    block_size: int | None = None, lut=None, dtype: dt.DType = dt.float32):
-        """Integers to floats: (q - zero_point) * scale + bias, or lut[q].
+        """Integers to floats: (q - zero_point) * scale + bias, lut[q], or lut[q] * scale.
 
         Parameters are scalars, per-axis (axis=), per-block (axis= and block_size=), or of q's rank
-        with each dimension dividing q's. A lookup table has 2**bits entries, per tensor or per group.
+        with each dimension dividing q's. A lookup table has 2**bits entries, per tensor or per group;
+        given with scale= (and neither zero_point= nor bias=) each looked-up value is scaled
+        ("scaled_lut": GGUF's IQ and MXFP4 types).
         """
         q = self._own(q)
-        if (lut is None) == (scale is None):
-            raise IngotError("dequantize: give either scale= (affine) or lut= (lookup table).")
+        if lut is None and scale is None:
+            raise IngotError("dequantize: give scale= (affine), lut= (lookup table) or both (scaled lookup table).")
         attrs = {"qdtype": q.dtype, "dtype": dtype}
-        if lut is not None:
+        if lut is not None and scale is not None:
+            if zero_point is not None or bias is not None:
+                raise IngotError("dequantize: a scaled lookup table (lut= and scale=) takes no zero_point= or bias=.")
+            attrs["mode"] = "scaled_lut"
+            params = [self._block_param(lut, q, None, None, "dequantize", extra=1),
+                      self._block_param(scale, q, axis, block_size, "dequantize")]
+        elif lut is not None:
             attrs["mode"] = "lut"
             params = [self._block_param(lut, q, axis, block_size, "dequantize", extra=1)]
         else:

@@ -116,6 +116,9 @@ class Weights:
         g = self.g
         if isinstance(w, QuantizedTensor):
             q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
+            if w.lut is not None and w.scale is not None:  # a scaled lookup table (GGUF's IQ types, MXFP4)
+                return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"), axis=0, block_size=w.block_size,
+                                    scale=g.constant(w.scale, name=f"{name}.scale"))
             if w.lut is not None:
                 return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"))
             params = {"scale": g.constant(w.scale, name=f"{name}.scale")}

@@ -6,8 +6,13 @@ per block of q.shape[i] / p.shape[i] elements). Scalar, per-axis and per-block p
 this one form; the builder reshapes what the user gives into it. A lookup table has one extra
 trailing axis of 2**bits entries.
 
-Affine:  w = (q - zero_point) * scale + bias        (zero_point and bias optional)
-LUT:     w = lut[group(q), q]
+Affine:      w = (q - zero_point) * scale + bias        (zero_point and bias optional)
+LUT:         w = lut[group(q), q]
+Scaled LUT:  w = lut[group(q), q] * scale             (mode "scaled_lut"; params lut, scale)
+
+The scaled LUT is the form of GGUF's non-linear and codebook types (IQ4_NL/XS, the IQ2/IQ3/IQ1
+grids, MXFP4): each weight's code picks a value of a small table, and a per-block scale multiplies
+it, in float32 (the product gguf.quants.dequantize forms, bit for bit).
 
 4-bit tensors are packed two per byte along the last axis, which must be even.
 """
@@ -23,16 +28,25 @@ QUANT_DTYPES = (dt.int8, dt.uint8, dt.int4, dt.uint4)
 RANGES = {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15)}
 
 
+MODES = ("affine", "lut", "scaled_lut")
+
+
 def param_count(attrs) -> int:
-    return 1 if attrs["mode"] == "lut" else 1 + bool(attrs.get("has_zero_point")) + bool(attrs.get("has_bias"))
+    mode = attrs["mode"]
+    if mode == "lut":
+        return 1
+    if mode == "scaled_lut":
+        return 2
+    return 1 + bool(attrs.get("has_zero_point")) + bool(attrs.get("has_bias"))
 
 
 def _check_params(op, types, q_shape, params, mode, qdtype):
-    for p in params:
-        p_shape = p.shape[:-1] if mode == "lut" else p.shape
+    for i, p in enumerate(params):
+        table = mode == "lut" or (mode == "scaled_lut" and i == 0)
+        p_shape = p.shape[:-1] if table else p.shape
         if len(p_shape) != len(q_shape) or any(pd is None or (qd is not None and (pd == 0 or qd % pd)) for pd, qd in zip(p_shape, q_shape)):
             raise fail(op, types, f"parameters whose dims divide {q_shape} (block-broadcast), not {p.shape}")
-        if mode == "lut" and p.shape[-1] != 2 ** qdtype.bits:
+        if table and p.shape[-1] != 2 ** qdtype.bits:
             raise fail(op, types, f"a table of {2 ** qdtype.bits} entries for {qdtype.name}")
 
 
@@ -43,6 +57,8 @@ def _dequantize_rule(types, attrs):
         raise fail(Op.DEQUANTIZE, types, "an int8, uint8, int4 or uint4 input")
     if q.dtype.packed and q.shape and q.shape[-1] is not None and q.shape[-1] % 2:
         raise fail(Op.DEQUANTIZE, types, "an even last axis for a packed 4-bit tensor")
+    if attrs["mode"] not in MODES:
+        raise fail(Op.DEQUANTIZE, types, f"a mode among {', '.join(MODES)}, not {attrs['mode']!r}")
     if len(params) != param_count(attrs) or any(not p.dtype.is_float for p in params):
         raise fail(Op.DEQUANTIZE, types, "float scale (and zero point, bias) or a float lookup table")
     _check_params(Op.DEQUANTIZE, types, q.shape, params, attrs["mode"], qdtype)
@@ -67,14 +83,11 @@ def dequantize_values(q_values: np.ndarray, params, attrs) -> np.ndarray:
     """Dequantize already unpacked integers; params are block-broadcast arrays."""
     out_dtype = attrs["dtype"].numpy
     if attrs["mode"] == "lut":
-        lut = params[0].astype(np.float32)
-        groups = lut.shape[:-1]
-        idx = q_values.astype(np.intp)
-        table = expand(lut.reshape(groups + (lut.shape[-1],)), q_values.shape + (lut.shape[-1],)) \
-            if any(g != 1 for g in groups) else lut.reshape(-1)
-        if table.ndim == 1:
-            return table[idx].astype(out_dtype)
-        return np.take_along_axis(np.broadcast_to(table, q_values.shape + (lut.shape[-1],)), idx[..., None], axis=-1)[..., 0].astype(out_dtype)
+        return _lookup(q_values, params[0]).astype(out_dtype)
+    if attrs["mode"] == "scaled_lut":
+        w = _lookup(q_values, params[0])
+        w *= expand(params[1].astype(np.float32), q_values.shape)
+        return w.astype(out_dtype)
     it = iter(params)
     scale = next(it).astype(np.float32)
     w = q_values.astype(np.float32)
@@ -84,6 +97,17 @@ def dequantize_values(q_values: np.ndarray, params, attrs) -> np.ndarray:
     if attrs.get("has_bias"):
         w = w + expand(next(it).astype(np.float32), q_values.shape)
     return w.astype(out_dtype)
+
+
+def _lookup(q_values: np.ndarray, lut: np.ndarray) -> np.ndarray:
+    """float32 lut[group, q] for every integer of q_values (a fresh array)."""
+    lut = lut.astype(np.float32)
+    groups = lut.shape[:-1]
+    idx = q_values.astype(np.intp)
+    if not any(g != 1 for g in groups):
+        return lut.reshape(-1)[idx]
+    table = expand(lut, q_values.shape + (lut.shape[-1],))
+    return np.take_along_axis(np.broadcast_to(table, q_values.shape + (lut.shape[-1],)), idx[..., None], axis=-1)[..., 0]
 
 
 register(Op.DEQUANTIZE, _dequantize_rule,
@@ -97,6 +121,8 @@ def _quantize_rule(types, attrs):
         raise fail(Op.QUANTIZE, types, "a float input and an int8, uint8, int4 or uint4 target")
     if target.packed and x.shape and x.shape[-1] is not None and x.shape[-1] % 2:
         raise fail(Op.QUANTIZE, types, "an even last axis for a packed 4-bit result")
+    if attrs["mode"] not in ("affine", "lut"):
+        raise fail(Op.QUANTIZE, types, f"mode 'affine' or 'lut', not {attrs['mode']!r}")
     if len(params) != (1 if attrs["mode"] == "lut" else 1 + bool(attrs.get("has_zero_point"))):
         raise fail(Op.QUANTIZE, types, "a scale (and zero point) or a lookup table")
     _check_params(Op.QUANTIZE, types, x.shape, params, attrs["mode"], target)

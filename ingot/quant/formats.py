@@ -11,7 +11,9 @@ zero_point and bias are optional. Every GGUF quant type converts into this lossl
 A lookup-table tensor (`lut` set, `scale` None) maps each integer through a table instead:
 w[r, c] = lut[r // (rows // lut.shape[0]), c // (cols // lut.shape[1]), q[r, c]], the table
 block-broadcast over the logical matrix (one per tensor: [1, 1, 2**bits]; one per group of output
-rows: [rows // g, 1, 2**bits]), the form `Graph.dequantize(q, lut=)` takes.
+rows: [rows // g, 1, 2**bits]), the form `Graph.dequantize(q, lut=)` takes. With both `lut` and
+`scale` set (a scaled lookup table, GGUF's IQ and MXFP4 types) each looked-up value is multiplied
+by its block's scale: w[r, c] = lut[..., q[r, c]] * scale[r, b], in float32.
 
 `to_k_major()` gives the transposed form a matmul reads best on the CPU: the logical [cols, rows]
 matrix (reduction axis first), packed along rows, blocks along axis 0, parameters
@@ -33,7 +35,7 @@ class QuantizedTensor:
     qdtype: dt.DType                 # int4, uint4, int8 or uint8
     shape: tuple[int, int]           # logical [rows, cols]
     block_size: int
-    scale: np.ndarray | None         # float32 [rows, cols // block_size]; None for a lookup table
+    scale: np.ndarray | None         # float32 [rows, cols // block_size]; None for a plain lookup table
     bias: np.ndarray | None = None   # float32 [rows, cols // block_size]
     zero_point: np.ndarray | None = None
     source: str = ""                 # e.g. "Q4_1" for a GGUF tensor
@@ -59,17 +61,21 @@ class QuantizedTensor:
             rows_per, cols_per = self.shape[0] // lut.shape[0], self.shape[1] // lut.shape[1]
             r = (np.arange(start, stop) // rows_per)[:, None]
             c = (np.arange(self.shape[1]) // cols_per)[None, :]
-            return lut[r, c, v.astype(np.intp)].astype(np.float32)
-        if self.block_axis == 0:
-            rep = lambda p: np.repeat(p, self.block_size, axis=0)[start:stop]  # noqa: E731
-        else:
-            rep = lambda p: np.repeat(p[start:stop], self.block_size, axis=1)  # noqa: E731
+            looked_up = lut[r, c, v.astype(np.intp)].astype(np.float32)
+            return looked_up if self.scale is None else looked_up * self._repeat(self.scale, start, stop)
+        rep = lambda p: self._repeat(p, start, stop)  # noqa: E731
         if self.zero_point is not None:
             v = v - rep(self.zero_point)
         v = v * rep(self.scale)
         if self.bias is not None:
             v = v + rep(self.bias)
         return v
+
+    def _repeat(self, p: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """A block parameter repeated to one value per weight, rows start..stop."""
+        if self.block_axis == 0:
+            return np.repeat(p, self.block_size, axis=0)[start:stop]
+        return np.repeat(p[start:stop], self.block_size, axis=1)
 
     def to_k_major(self) -> "QuantizedTensor":
         """The same weight transposed: logical [cols, rows], packed along rows, blocks along axis 0."""
@@ -95,11 +101,16 @@ def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
                and p.shape[0] == first.shape[0] and (p.bias is None) == (first.bias is None)
                and (p.zero_point is None) == (first.zero_point is None)
                and (not p.qdtype.packed or p.shape[1] % 2 == 0) and (p.lut is None) == (first.lut is None)
-               and (p.lut is None or p.lut.shape[0] == 1) for p in parts)
+               and (p.lut is None or p.lut.shape[0] == 1) and (p.scale is None) == (first.scale is None)
+               for p in parts)
     if not same:
         raise ValueError("only k-major tensors of one format and K concatenate")
     lut = None
-    if first.lut is not None:  # tables per group of columns: repeat each up to the common group size
+    if first.lut is not None and first.scale is not None:  # scaled tables: one table for all
+        if any(p.lut.shape[:2] != (1, 1) or not np.array_equal(p.lut, first.lut) for p in parts):
+            raise ValueError("only scaled-table tensors with one and the same table concatenate")
+        lut = first.lut
+    elif first.lut is not None:  # tables per group of columns: repeat each up to the common group size
         widths = [p.shape[1] // p.lut.shape[1] for p in parts]
         group = int(np.gcd.reduce(widths))
         lut = np.ascontiguousarray(np.concatenate([np.repeat(p.lut, w // group, axis=1) for p, w in zip(parts, widths)], axis=1))

@@ -124,6 +124,11 @@ def _quantized_matmul(node: Node, out):
         step = lut_kernels.lut_matmul_step(node, out)
         if step is not None:
             return step
+    if node.attrs.get("mode") == "scaled_lut":  # GGUF's IQ types and MXFP4: the same file
+        from . import lut_kernels
+        step = lut_kernels.scaled_lut_matmul_step(node, out)
+        if step is not None:
+            return step
     return kernels.quantized_matmul_step(node, out)
 
 

@@ -349,8 +349,8 @@ def test_corrupt_tensor_type_id(tmp_path):
     one_sentence(str(e.value), p)
 
 
-@pytest.mark.parametrize("qtype,row_bytes", [(T.IQ2_XXS, 66), (T.TQ2_0, 66), (T.F64, None)],
-                         ids=["IQ2_XXS", "TQ2_0", "F64"])
+@pytest.mark.parametrize("qtype,row_bytes", [(T.Q8_1, 40), (T.NVFP4, 36), (T.F64, None)],
+                         ids=["Q8_1", "NVFP4", "F64"])
 def test_unsupported_type(tmp_path, qtype, row_bytes):
     arr = np.zeros((2, 4), np.float64) if row_bytes is None else np.zeros((2, row_bytes), np.uint8)
     p = write_gguf(tmp_path / "u.gguf", [("ok", np.ones(3, np.float32), None),

@@ -14,6 +14,21 @@ losslessly, block by block, straight from the reader's memory map:
     Q4_K                  QuantizedTensor uint4, block 32, scale = d*sc, bias = -dmin*m
     Q5_K                  QuantizedTensor uint8, block 32, scale = d*sc, bias = -dmin*m
     Q6_K                  QuantizedTensor int8,  block 16, scale = d*sc          (q - 32)
+    Q2_K                  QuantizedTensor uint4, block 16, scale = d*sc, bias = -dmin*m   (0..3)
+    Q3_K                  QuantizedTensor int4,  block 16, scale = d*(sc - 32)   (-4..3)
+    TQ1_0, TQ2_0          QuantizedTensor int4,  block 256, scale = d            (-1..1, -1..2)
+    IQ4_NL, IQ4_XS        scaled table: uint4 codes, lut = gguf's kvalues, block 32, scale = d (IQ4_XS: d*(sc - 32))
+    MXFP4                 scaled table: uint4 codes, lut = the doubled e2m1 values, block 32, scale = 2**(e - 128)
+    IQ2_XXS/XS/S,         scaled table: uint4 codes for the grid values and their negatives (the grid
+    IQ3_XXS/S             rows and sign patterns decoded per weight), block 32 (IQ2_XS/S: 16),
+                          scale = d * (0.5 + s) / 4 (IQ3_XXS: / 2; IQ3_S: d * (1 + 2s))
+    IQ1_S, IQ1_M          scaled table: uint4 codes for grid value (-1, 0, 1) +- delta, block 32
+                          (IQ1_M: 16), scale = d * (2s + 1)
+
+A scaled table (QuantizedTensor with both lut [1, 1, 16] and scale) means w = lut[code] * scale, in
+float32: the product gguf forms. The codebook grids, sign tables and value lists are read from the
+gguf package (gguf.quants), not copied. These types take 4 bits a weight plus a float32 scale per
+block in memory (IQ4_XS 5 bits, IQ2_XXS 5, IQ2_XS 6; the file holds 4.25, 2.06 and 2.31).
 
 so that `w = q * scale + bias` reproduces `gguf.quants.dequantize` bit for bit in float32 (the
 products d*sc are formed in float32 from the f16 values, exactly as llama.cpp does).
@@ -394,6 +409,227 @@ def _cv_q6_k(b, q, s, _):
     np.multiply(b["d"].astype(np.float32)[..., None], b["scales"], out=s.reshape(r, nb, 16))
 
 
+# The 2-bit, 3-bit and ternary types become 4-bit integers (Q2_K, Q3_K, TQ*); the non-linear and
+# codebook types become 4-bit codes into one 16-entry table per type, times a scale per block
+# (Ingot's scaled lookup table). Codebook grids, sign tables and value tables are the gguf
+# package's own (gguf.quants), never copied here.
+
+_GQ = _gguf.quants
+_POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+
+
+def _pack_codes(codes: np.ndarray, q: np.ndarray) -> None:
+    """Values 0..15 (or int4 values -8..7) in element order [r, ..., cols] -> q, two per byte, low
+    nibble = even column (Ingot's 4-bit packing)."""
+    c = codes.reshape(q.shape[0], -1, 2).astype(np.uint8)
+    np.bitwise_or(c[..., 0] & np.uint8(0x0F), (c[..., 1] & np.uint8(0x0F)) << np.uint8(4), out=q.reshape(q.shape[0], -1))
+
+
+def _two_bit(qs: np.ndarray) -> np.ndarray:
+    """A K-quant's 2-bit field [r, nb, 64] -> [r, nb, 256]: each 32-byte half h holds elements
+    128h + 32j + i in bits 2j..2j+1 of byte i."""
+    r, nb, _ = qs.shape
+    v = qs.reshape(r, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    return (v & np.uint8(3)).reshape(r, nb, 256)
+
+
+def _cv_q2_k(b, q, s, m):
+    r, nb = b.shape
+    _pack_codes(_two_bit(b["qs"]), q)
+    sc = b["scales"]
+    np.multiply(b["d"].astype(np.float32)[..., None], (sc & np.uint8(0x0F)).astype(np.float32), out=s.reshape(r, nb, 16))
+    mv = m.reshape(r, nb, 16)
+    np.multiply(b["dmin"].astype(np.float32)[..., None], (sc >> np.uint8(4)).astype(np.float32), out=mv)
+    np.negative(mv, out=mv)
+
+
+def _cv_q3_k(b, q, s, _):
+    r, nb = b.shape
+    low = _two_bit(b["qs"]).astype(np.int8)
+    high = (b["hmask"].reshape(r, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+    low -= ((high ^ np.uint8(1)) << np.uint8(2)).astype(np.int8).reshape(r, nb, 256)   # -4 where the mask bit is 0
+    _pack_codes(low, q)
+    sc = b["scales"]
+    lo = (sc[..., :8].reshape(r, nb, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)).reshape(r, nb, 16)
+    hi = (sc[..., 8:].reshape(r, nb, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(r, nb, 16)
+    six = ((lo & np.uint8(0x0F)) | ((hi & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    np.multiply(b["d"].astype(np.float32)[..., None], six.astype(np.float32), out=s.reshape(r, nb, 16))
+
+
+def _cv_tq1_0(b, q, s, _):
+    r, nb = b.shape
+    qs = b["qs"]
+    parts = [(qs[..., :32].reshape(r, nb, 1, 32) * _POW3.reshape(1, 1, 5, 1)).reshape(r, nb, 160),
+             (qs[..., 32:].reshape(r, nb, 1, 16) * _POW3.reshape(1, 1, 5, 1)).reshape(r, nb, 80),
+             (b["qh"].reshape(r, nb, 1, 4) * _POW3[:4].reshape(1, 1, 4, 1)).reshape(r, nb, 16)]
+    trits = (np.concatenate(parts, axis=-1).astype(np.uint16) * np.uint16(3)) >> np.uint16(8)   # 0..2
+    _pack_codes(trits.astype(np.int8) - np.int8(1), q)
+    s[...] = b["d"]
+
+
+def _cv_tq2_0(b, q, s, _):
+    _pack_codes(_two_bit(b["qs"]).astype(np.int8) - np.int8(1), q)
+    s[...] = b["d"]
+
+
+def _table(values) -> np.ndarray:
+    """A type's values as Ingot's [1, 1, 16] float32 table (unused entries 0)."""
+    t = np.zeros(16, np.float32)
+    v = np.asarray(values, np.float32).reshape(-1)
+    t[:v.size] = v
+    return t.reshape(1, 1, 16)
+
+
+def _cv_iq4_nl(b, q, s, _):
+    _repack_nibbles(b["qs"], q, 16)
+    s[...] = b["d"]
+
+
+def _cv_iq4_xs(b, q, s, _):
+    r, nb = b.shape
+    _repack_nibbles(b["qs"], q, 16)
+    lo = (b["scales_l"].reshape(r, nb, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2)).reshape(r, nb, 8)
+    hi = (b["scales_h"].reshape(r, nb, 1) >> np.arange(0, 16, 2, dtype=np.uint16).reshape(1, 1, 8)).astype(np.uint8)
+    six = ((lo & np.uint8(0x0F)) | ((hi & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    np.multiply(b["d"].astype(np.float32)[..., None], six.astype(np.float32), out=s.reshape(r, nb, 8))
+
+
+def _cv_mxfp4(b, q, s, _):
+    _repack_nibbles(b["qs"], q, 16)
+    s[...] = _GQ.MXFP4.e8m0_to_fp32_half(b["e"].astype(np.uint32))
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_codes(cls) -> np.ndarray:
+    """A codebook type's grid [entries, width] as indices into its value list (gguf's grid_map)."""
+    cls.init_grid()
+    grid = cls.grid.reshape(cls.grid_shape)
+    levels = np.asarray(cls.grid_map, np.float32)
+    codes = np.searchsorted(levels, grid).astype(np.uint8)
+    assert np.array_equal(levels[codes], grid), cls
+    return codes
+
+
+@functools.lru_cache(maxsize=None)
+def _ksigns() -> np.ndarray:
+    """The 128 sign patterns of IQ2_XXS/IQ2_XS/IQ3_XXS as [128, 8] bits (1 = negative)."""
+    k = np.frombuffer(_GQ.IQ2_XXS.ksigns, dtype=np.uint8)
+    return np.unpackbits(k[:, None], axis=1, bitorder="little")
+
+
+def _signed_table(cls) -> np.ndarray:
+    """Codes 0..L-1 the grid values, L..2L-1 their negatives."""
+    levels = np.asarray(cls.grid_map, np.float32)
+    return _table(np.concatenate([levels, -levels]))
+
+
+def _signed_codes(cls, index: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Codes [r, nb, cols] from grid indices [r, nb, groups] and sign bits [r, nb, cols]."""
+    grid = _grid_codes(cls)
+    levels = len(cls.grid_map)
+    codes = grid[index.astype(np.intp)].reshape(negative.shape)
+    return codes + negative.astype(np.uint8) * np.uint8(levels)
+
+
+def _iq_scale(d, ls, half: float, out) -> None:
+    """d * (0.5 + ls) * half in float32, the order gguf.quants forms it in."""
+    np.multiply(d.astype(np.float32)[..., None] * (np.float32(0.5) + ls.astype(np.float32)), np.float32(half), out=out)
+
+
+def _cv_iq2_xxs(b, q, s, _):
+    r, nb = b.shape
+    words = b["qs"].reshape(r, nb, 8, 2)
+    index = words[..., 0].copy().view(np.uint8).reshape(r, nb, 32)                        # 4 grid rows per 32
+    sign_idx = (words[..., 1:2] >> np.array([0, 7, 14, 21], np.uint32).reshape(1, 1, 1, 4)) & np.uint32(0x7F)
+    negative = _ksigns()[sign_idx.reshape(r, nb, 32)].reshape(r, nb, 256)
+    _pack_codes(_signed_codes(_GQ.IQ2_XXS, index, negative), q)
+    _iq_scale(b["d"], words[..., 1] >> np.uint32(28), 0.25, s.reshape(r, nb, 8))
+
+
+def _nibble_scales(scales: np.ndarray) -> np.ndarray:
+    """Bytes [r, nb, n] -> 2n four-bit scales, low nibble first."""
+    r, nb, n = scales.shape
+    return ((scales.reshape(r, nb, n, 1) >> np.array([0, 4], np.uint8)) & np.uint8(0x0F)).reshape(r, nb, 2 * n)
+
+
+def _sign_bits(signs: np.ndarray) -> np.ndarray:
+    """Bytes [r, nb, n] -> [r, nb, 8n] bits, bit k of byte i for element 8i + k."""
+    return np.unpackbits(signs, axis=-1, bitorder="little")
+
+
+def _cv_iq2_xs(b, q, s, _):
+    r, nb = b.shape
+    qs = b["qs"]
+    negative = _ksigns()[(qs >> np.uint16(9)).astype(np.intp)].reshape(r, nb, 256)
+    _pack_codes(_signed_codes(_GQ.IQ2_XS, qs & np.uint16(511), negative), q)
+    _iq_scale(b["d"], _nibble_scales(b["scales"]), 0.25, s.reshape(r, nb, 16))
+
+
+def _cv_iq2_s(b, q, s, _):
+    r, nb = b.shape
+    high = (b["qh"].reshape(r, nb, 8, 1) >> np.array([0, 2, 4, 6], np.uint8)) & np.uint8(3)
+    index = b["qs"].astype(np.uint16) | (high.reshape(r, nb, 32).astype(np.uint16) << np.uint16(8))
+    _pack_codes(_signed_codes(_GQ.IQ2_S, index, _sign_bits(b["signs"])), q)
+    _iq_scale(b["d"], _nibble_scales(b["scales"]), 0.25, s.reshape(r, nb, 16))
+
+
+def _cv_iq3_xxs(b, q, s, _):
+    r, nb = b.shape
+    aux = b["scales"]                                                                       # [r, nb, 8] u32
+    sign_idx = (aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & np.uint32(0x7F)
+    negative = _ksigns()[sign_idx.reshape(r, nb, 32)].reshape(r, nb, 256)
+    _pack_codes(_signed_codes(_GQ.IQ3_XXS, b["qs"], negative), q)
+    _iq_scale(b["d"], aux >> np.uint32(28), 0.5, s.reshape(r, nb, 8))
+
+
+def _cv_iq3_s(b, q, s, _):
+    r, nb = b.shape
+    high = _sign_bits(b["qh"]).astype(np.uint16)                                            # bit 8 of each index
+    index = b["qs"].astype(np.uint16) | (high << np.uint16(8))
+    _pack_codes(_signed_codes(_GQ.IQ3_S, index, _sign_bits(b["signs"])), q)
+    odd = (np.uint8(1) + np.uint8(2) * _nibble_scales(b["scales"])).astype(np.float32)
+    np.multiply(b["d"].astype(np.float32)[..., None], odd, out=s.reshape(r, nb, 8))
+
+
+def _iq1_table() -> np.ndarray:
+    """IQ1 codes: 0..2 the grid values -1, 0, 1 plus delta, 3..5 the same minus delta (float32 sums)."""
+    levels = np.asarray(_GQ.IQ1_S.grid_map, np.float32)
+    delta = _GQ.IQ1_S.delta
+    return _table(np.concatenate([levels + delta, levels - delta]))
+
+
+def _iq1_codes(cls, index: np.ndarray, minus: np.ndarray) -> np.ndarray:
+    """Codes [r, nb, 256] from grid indices [r, nb, 32] and a minus-delta flag per group of 8."""
+    grid = _grid_codes(cls)
+    r, nb, _ = index.shape
+    codes = grid[index.astype(np.intp)]                                                     # [r, nb, 32, 8]
+    return (codes + (minus.astype(np.uint8) * np.uint8(3)).reshape(r, nb, 32, 1)).reshape(r, nb, 256)
+
+
+def _cv_iq1_s(b, q, s, _):
+    r, nb = b.shape
+    qh = b["qh"]                                                                            # [r, nb, 8] u16
+    high = (qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)
+    index = b["qs"].astype(np.uint16) | (high.reshape(r, nb, 32) << np.uint16(8))
+    minus = np.repeat((qh & np.uint16(0x8000)) != 0, 4, axis=-1)
+    _pack_codes(_iq1_codes(_GQ.IQ1_S, index, minus), q)
+    odd = (np.uint16(2) * ((qh >> np.uint16(12)) & np.uint16(7)) + np.uint16(1)).astype(np.float32)
+    np.multiply(b["d"].astype(np.float32)[..., None], odd, out=s.reshape(r, nb, 8))
+
+
+def _cv_iq1_m(b, q, s, _):
+    r, nb = b.shape
+    sc = b["scales"]                                                                        # [r, nb, 4] u16
+    top = (sc & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+    d = (top[..., 0] | top[..., 1] | top[..., 2] | top[..., 3]).view(np.float16).astype(np.float32)
+    nib = (b["qh"].reshape(r, nb, 16, 1) >> np.array([0, 4], np.uint8)).reshape(r, nb, 32)
+    index = b["qs"].astype(np.uint16) | ((nib & np.uint8(7)).astype(np.uint16) << np.uint16(8))
+    _pack_codes(_iq1_codes(_GQ.IQ1_M, index, (nib & np.uint8(8)) != 0), q)
+    three = ((sc[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)).reshape(r, nb, 16)
+    odd = (np.uint16(2) * three + np.uint16(1)).astype(np.float32)
+    np.multiply(d[..., None], odd, out=s.reshape(r, nb, 16))
+
+
 @dataclass(frozen=True)
 class _QSpec:
     block: np.dtype        # one GGUF block
@@ -401,6 +637,7 @@ class _QSpec:
     block_size: int        # Ingot's block (parameters per block_size columns)
     bias: bool
     convert: Callable
+    table: Callable | None = None   # () -> [1, 1, 16] float32: a scaled lookup table's values
 
 
 _QUANT: dict[Any, _QSpec] = {
@@ -418,6 +655,36 @@ _QUANT: dict[Any, _QSpec] = {
                                            ("qh", "u1", (32,)), ("qs", "u1", (128,))]), dt.uint8, 32, True, _cv_q5_k),
     _T.Q6_K: _QSpec(_block_dtype(_T.Q6_K, [("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)),
                                            ("d", _F16)]), dt.int8, 16, False, _cv_q6_k),
+    _T.Q2_K: _QSpec(_block_dtype(_T.Q2_K, [("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", _F16), ("dmin", _F16)]),
+                    dt.uint4, 16, True, _cv_q2_k),
+    _T.Q3_K: _QSpec(_block_dtype(_T.Q3_K, [("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "u1", (12,)),
+                                           ("d", _F16)]), dt.int4, 16, False, _cv_q3_k),
+    _T.TQ1_0: _QSpec(_block_dtype(_T.TQ1_0, [("qs", "u1", (48,)), ("qh", "u1", (4,)), ("d", _F16)]),
+                     dt.int4, 256, False, _cv_tq1_0),
+    _T.TQ2_0: _QSpec(_block_dtype(_T.TQ2_0, [("qs", "u1", (64,)), ("d", _F16)]), dt.int4, 256, False, _cv_tq2_0),
+    _T.IQ4_NL: _QSpec(_block_dtype(_T.IQ4_NL, [("d", _F16), ("qs", "u1", (16,))]), dt.uint4, 32, False, _cv_iq4_nl,
+                      lambda: _table(_GQ.IQ4_NL.kvalues)),
+    _T.IQ4_XS: _QSpec(_block_dtype(_T.IQ4_XS, [("d", _F16), ("scales_h", "<u2"), ("scales_l", "u1", (4,)),
+                                               ("qs", "u1", (128,))]), dt.uint4, 32, False, _cv_iq4_xs,
+                      lambda: _table(_GQ.IQ4_NL.kvalues)),
+    _T.MXFP4: _QSpec(_block_dtype(_T.MXFP4, [("e", "u1"), ("qs", "u1", (16,))]), dt.uint4, 32, False, _cv_mxfp4,
+                     lambda: _table(_GQ.MXFP4.kvalues)),
+    _T.IQ2_XXS: _QSpec(_block_dtype(_T.IQ2_XXS, [("d", _F16), ("qs", "<u4", (16,))]), dt.uint4, 32, False, _cv_iq2_xxs,
+                       lambda: _signed_table(_GQ.IQ2_XXS)),
+    _T.IQ2_XS: _QSpec(_block_dtype(_T.IQ2_XS, [("d", _F16), ("qs", "<u2", (32,)), ("scales", "u1", (8,))]),
+                      dt.uint4, 16, False, _cv_iq2_xs, lambda: _signed_table(_GQ.IQ2_XS)),
+    _T.IQ2_S: _QSpec(_block_dtype(_T.IQ2_S, [("d", _F16), ("qs", "u1", (32,)), ("signs", "u1", (32,)),
+                                             ("qh", "u1", (8,)), ("scales", "u1", (8,))]),
+                     dt.uint4, 16, False, _cv_iq2_s, lambda: _signed_table(_GQ.IQ2_S)),
+    _T.IQ3_XXS: _QSpec(_block_dtype(_T.IQ3_XXS, [("d", _F16), ("qs", "u1", (64,)), ("scales", "<u4", (8,))]),
+                       dt.uint4, 32, False, _cv_iq3_xxs, lambda: _signed_table(_GQ.IQ3_XXS)),
+    _T.IQ3_S: _QSpec(_block_dtype(_T.IQ3_S, [("d", _F16), ("qs", "u1", (64,)), ("qh", "u1", (8,)),
+                                             ("signs", "u1", (32,)), ("scales", "u1", (4,))]),
+                     dt.uint4, 32, False, _cv_iq3_s, lambda: _signed_table(_GQ.IQ3_S)),
+    _T.IQ1_S: _QSpec(_block_dtype(_T.IQ1_S, [("d", _F16), ("qs", "u1", (32,)), ("qh", "<u2", (8,))]),
+                     dt.uint4, 32, False, _cv_iq1_s, _iq1_table),
+    _T.IQ1_M: _QSpec(_block_dtype(_T.IQ1_M, [("qs", "u1", (32,)), ("qh", "u1", (16,)), ("scales", "<u2", (4,))]),
+                     dt.uint4, 16, False, _cv_iq1_m, _iq1_table),
 }
 _PLAIN = {_T.F32: np.float32, _T.F16: np.float32, _T.BF16: np.float32,
           _T.I8: np.int8, _T.I16: np.int32, _T.I32: np.int32, _T.I64: np.int64}
@@ -447,7 +714,8 @@ def _convert_quant(path: str, t, spec: _QSpec) -> QuantizedTensor:
         r1 = min(rows, r0 + step)
         spec.convert(blocks[r0:r1], q[r0:r1], scale[r0:r1], None if bias is None else bias[r0:r1])
     return QuantizedTensor(q=q, qdtype=spec.qdtype, shape=(rows, cols), block_size=spec.block_size,
-                           scale=scale, bias=bias, source=t.tensor_type.name)
+                           scale=scale, bias=bias, source=t.tensor_type.name,
+                           lut=None if spec.table is None else spec.table())
 
 
 def _convert_plain(t, bfloat16: bool = False) -> np.ndarray:

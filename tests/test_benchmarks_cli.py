@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ["cpu-llm", "cuda-llm", "cuda-generate", "kernels", "audio", "onnx", "quant", "viewer", "startup"]
+NAMES = ["cpu-llm", "cuda-llm", "cuda-generate", "kernels", "audio", "onnx", "quant", "gguf-quants", "viewer", "startup"]
 
 
 def run(*args: str, block=("torch", "triton")) -> subprocess.CompletedProcess:

@@ -4,8 +4,8 @@ Q4_K, Q3_K and IQ4_XS, on the default model's (SmolLM2-135M) decode shapes, one 
 Each weight is random valid GGUF blocks of its type written to a GGUF file and read back with
 read_gguf (so the timed form is what the importer makes: Q4_1 and Q4_K -> uint4 block 32 with scale
 and bias, Q3_K -> int4 block 16, IQ4_XS -> 4-bit codes into a 16-entry table times a scale per 32),
-then multiplied by x [1, K] through a compiled graph (quantized_matmul; the time includes the
-runtime's per-run overhead, the same for every type). K = 576 is not a multiple of the K-quants'
+then multiplied by x [1, K] by the CPU backend's quantized_matmul step (the GEMV kernels; a
+compiled graph adds ~0.1 ms of runtime overhead per run, the same for every type, not counted). K = 576 is not a multiple of the K-quants'
 256: those weights are [N, 768] in the file, cut to their first 576 columns (whole Ingot blocks).
 Times are medians over --reps runs, the types interleaved.
 
@@ -78,21 +78,23 @@ def weights(types: list[str]) -> dict:
 
 
 def gemv(t):
-    """A compiled x [1, K] @ W for the k-major weight t, and its feed."""
+    """The CPU backend's step for quantized_matmul(x [1, K], t) (what a compiled graph runs for the
+    fused dequantize + matmul; timed without the runtime's per-run overhead) and its arguments."""
     from ingot import dtypes as dt
-    from ingot.graph import Graph
+    from ingot.backends.cpu import kernels, lut_kernels
+    from ingot.ir import Node, Op, TensorType
 
-    g = Graph()
-    q = g.constant(t.q, dtype=t.qdtype)
+    k, n = t.shape
+    attrs = {"qdtype": t.qdtype, "dtype": dt.float32, "transpose": False}
     if t.lut is not None:
-        w = g.dequantize(q, lut=g.constant(t.lut), scale=g.constant(t.scale), axis=0, block_size=t.block_size)
+        attrs["mode"], params = "scaled_lut", (t.lut, t.scale)
     else:
-        extra = {"bias": g.constant(t.bias)} if t.bias is not None else {}
-        w = g.dequantize(q, scale=g.constant(t.scale), axis=0, block_size=t.block_size, **extra)
-    x = g.placeholder((1, t.shape[0]), dt.float32, name="x")
-    exe = g.compile(targets=[g.matmul(x, w)])
-    feed = {"x": np.random.default_rng(1).standard_normal((1, t.shape[0])).astype(np.float32)}
-    return exe, feed
+        attrs.update(mode="affine", has_zero_point=False, has_bias=t.bias is not None)
+        params = (t.scale,) if t.bias is None else (t.scale, t.bias)
+    node = Node(Op.QUANTIZED_MATMUL, TensorType((1, n), dt.float32), (), attrs)
+    step = lut_kernels.scaled_lut_matmul_step(node, None) if t.lut is not None else kernels.quantized_matmul_step(node, None)
+    x = np.random.default_rng(1).standard_normal((1, k)).astype(np.float32)
+    return step, (x, t.q) + params
 
 
 def main() -> int:
@@ -104,13 +106,13 @@ def main() -> int:
     types = args.types.split(",")
     ws = weights(types)
     runs = {key: gemv(t) for key, t in ws.items()}
-    for exe, feed in runs.values():  # compile the kernels, warm the caches
-        exe.run(feed)
+    for step, step_args in runs.values():  # compile the kernels, warm the caches
+        step(*step_args)
     times: dict = {key: [] for key in runs}
     for _ in range(args.reps):
-        for key, (exe, feed) in runs.items():
+        for key, (step, step_args) in runs.items():
             t0 = time.perf_counter()
-            exe.run(feed)
+            step(*step_args)
             times[key].append(time.perf_counter() - t0)
     med = {key: float(np.median(v)) * 1e6 for key, v in times.items()}
     print(f"# CPU GEMV, one thread, median of {args.reps} ({platform.processor() or platform.machine()}, "

@@ -270,9 +270,12 @@ def test_llama_with_iq_and_k_quant_weights_generates_like_f32(tmp_path):
     f32 = write_model(tmp_path, np.random.default_rng(0), dequantized=True)   # the same draws, dequantized
     types = read_gguf(quantized, lazy=True).tensor_types
     assert {types["blk.1.attn_q.weight"], types["blk.0.ffn_gate.weight"], types["token_embd.weight"]} == {"IQ4_XS", "Q3_K"}
+    from ingot.convert import convert
+    package = str(tmp_path / "quantized.ingot")
+    convert(quantized, package)            # an LLM package stores the same table, codes and scales
     prompt = [5, 17, 42, 99, 7, 250, 3]
     tokens, logits = [], []
-    for path in (quantized, f32):
+    for path in (quantized, f32, package):
         llm = load(path)
         list(llm.generate(prompt, max_tokens=16))
         tokens.append(llm.stats.tokens)
@@ -285,8 +288,9 @@ def test_llama_with_iq_and_k_quant_weights_generates_like_f32(tmp_path):
         llm.reset()
         logits.append(llm.prefill(prompt[:5]))
     assert len(set(tokens[0])) > 1      # (a random model soon repeats itself or stops)
-    assert tokens[0] == tokens[1]
+    assert tokens[0] == tokens[1] == tokens[2]
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4 * float(np.abs(logits[1]).max()))
+    np.testing.assert_array_equal(logits[2], logits[0])
 
 
 @pytest.mark.parametrize("shuffle", [True, False], ids=["pshufb", "lookup"])

@@ -165,6 +165,28 @@ def test_grouped_lookup_tables_match_the_reference():
     np.testing.assert_array_equal(stats.dequantized_corner(model.program, op.src[1], op, 64, 32), want)
 
 
+def test_scaled_lookup_tables_match_the_reference():
+    """GGUF's IQ types import as a table times a scale per block: described and dequantized so."""
+    from ingot.ir import Op
+    from ingot.ops import reference
+    from ingot.viewer import stats
+    g = ingot.Graph()
+    x = g.placeholder((2, 64), name="x")
+    rng = np.random.default_rng(3)
+    q = g.constant(rng.integers(0, 256, size=(64, 16), dtype=np.uint8), dtype=dt.uint4, name="w")
+    table = rng.integers(-127, 128, 16).astype(np.float32).reshape(1, 1, 16)
+    scale = rng.random((2, 32)).astype(np.float32)                         # one per 32 rows and column
+    model = from_graph(g, [g.matmul(x, g.dequantize(q, lut=table, scale=scale, axis=0, block_size=32))], name="iq")
+    nodes = model.program.nodes()
+    op = next(n for n in nodes if n.op.name == "QUANTIZED_MATMUL")
+    assert export(model)["constants"][nodes.index(op.src[1])]["format"] == "LUT-16 (uint4) block 32 · scale"
+    want = reference(Op.DEQUANTIZE, [model.program.constants[s.attrs["key"]] for s in op.src[1:]],
+                     {k: v for k, v in op.attrs.items() if k != "transpose"})
+    np.testing.assert_array_equal(stats.dequantized_corner(model.program, op.src[1], op, 64, 32), want)
+    p = stats.preview(model.program, op.src[1], nodes)
+    assert p["params"]["lut"]["values"] == table.reshape(-1).tolist() and "histogram" in p["params"]["scale"]
+
+
 def test_quantization_error_against_a_reference(toy):
     model, _ = toy
     from ingot.viewer.qerror import quantization_error

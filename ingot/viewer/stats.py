@@ -40,6 +40,8 @@ def quant_params(op: Node) -> list[tuple[str, Node]]:
     at = QUANT_OPS[op.op]
     if op.attrs["mode"] == "lut":
         return [("lut", op.src[at + 1])]
+    if op.attrs["mode"] == "scaled_lut":
+        return [("lut", op.src[at + 1]), ("scale", op.src[at + 2])]
     names = ["scale"] + (["zero_point"] if op.attrs.get("has_zero_point") else []) + (["bias"] if op.attrs.get("has_bias") else [])
     return list(zip(names, op.src[at + 1: at + 1 + len(names)]))
 
@@ -52,6 +54,9 @@ def describe_format(q: Node, op: Node) -> str:
         lut = params[0][1]
         groups = int(np.prod([d or 1 for d in lut.shape[:-1]]))
         return f"LUT-{2 ** qdtype.bits} ({qdtype.name})" + (f", {groups} tables" if groups > 1 else "")
+    scaled = op.attrs["mode"] == "scaled_lut"   # a table times a scale per block (GGUF's IQ types, MXFP4)
+    if scaled:
+        params = params[1:]
     p = params[0][1]
     granularity = "per-tensor"
     blocks = [q.shape[i] // p.shape[i] for i in range(len(q.shape)) if p.shape[i] not in (1, q.shape[i])]
@@ -59,6 +64,8 @@ def describe_format(q: Node, op: Node) -> str:
         granularity = "block " + "x".join(str(b) for b in blocks)
     elif any(d != 1 for d in p.shape):
         granularity = "per-channel"
+    if scaled:
+        return f"LUT-{2 ** qdtype.bits} ({qdtype.name}) {granularity} · scale"
     return f"{qdtype.name} {granularity} · {', '.join(name for name, _ in params)}"
 
 
@@ -159,13 +166,16 @@ def dequantized_corner(program: Program, q: Node, op: Node, rows: int, cols: int
     byte_cols = (cols + 1) // 2 if qdtype.packed else cols
     codes = unpack(np.ascontiguousarray(stored[:rows, :byte_cols]), qdtype)[:, :cols].astype(np.float32)
     params = dict(quant_params(op))
-    if op.attrs["mode"] == "lut":   # one table per group: groups are block-broadcast like affine parameters
+    value = lambda name: program.constants[params[name].attrs["key"]]  # noqa: E731
+    if op.attrs["mode"] in ("lut", "scaled_lut"):   # one table per group: groups are block-broadcast like affine parameters
         lut = program.constants[params["lut"].attrs["key"]]
         tables = lut.reshape(-1, *lut.shape[-3:])[0] if lut.ndim >= 3 else lut.reshape(1, 1, lut.shape[-1])
         r = np.arange(rows)[:, None] * tables.shape[0] // q_rows
         c = np.arange(cols)[None, :] * tables.shape[1] // shape[-1]
-        return tables[r, c, codes.astype(np.int64)]
-    value = lambda name: program.constants[params[name].attrs["key"]]  # noqa: E731
+        looked_up = tables[r, c, codes.astype(np.int64)]
+        if op.attrs["mode"] == "scaled_lut":
+            looked_up = looked_up * _expand_rows(value("scale"), shape, rows, cols)
+        return looked_up
     w = codes
     if "zero_point" in params:
         w = w - _expand_rows(value("zero_point"), shape, rows, cols)

@@ -252,14 +252,20 @@ def _spectrogram(args) -> int:
 
 
 def _view(args) -> int:
+    from .progress import progress_bar
     from .viewer import open_model
     from .viewer.server import serve, write_html
 
     if args.port is not None and not 0 <= args.port <= 65535:
         raise IngotError(f"--port must be 0..65535, not {args.port}.")
-    model = open_model(args.path, device=args.device)
+    with progress_bar("view", total=2 if args.html else 1) as advance:
+        advance(f"compiling {args.path}", steps=0)
+        model = open_model(args.path, device=args.device)
+        if args.html:
+            advance(f"writing {args.html}")
+            write_html(model, args.html, device=args.device, profile=args.profile, reference=args.reference)
+        advance("done")
     if args.html:
-        write_html(model, args.html, device=args.device, profile=args.profile, reference=args.reference)
         print(f"[{args.html}: one self-contained page]", file=sys.stderr)
         return 0
     serve(model, port=args.port or 0, open_browser=not args.no_browser, device=args.device, profile=args.profile,
@@ -329,7 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tensors to keep as they are, e.g. 'token_embd.weight' or 'blk.0.*' (repeatable)")
     quant.add_argument("--compensate", type=int, default=0, metavar="RANK", help="add low-rank error-compensation adapters")
     quant.add_argument("--awq", action="store_true", help="activation-aware scaling (needs --calibration; affine formats)")
-    quant.add_argument("--eval", dest="eval_text", help="a text for the KLD / top-1 report (default: the calibration text)")
+    quant.add_argument("--eval", dest="eval_text", metavar="TEXT",
+                       help="a text file for the KLD / top-1 report (default: the calibration text, else a short "
+                            "English text shipped with Ingot)")
+    quant.add_argument("--no-eval", action="store_true", help="skip the KLD / top-1 report")
     quant.add_argument("--context", type=int, default=256, help="tokens per chunk for calibration and the KLD report")
     quant.set_defaults(func=_quantize)
     conv = sub.add_parser("convert", help="convert an ONNX model or a GGUF LLM into an Ingot package")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .errors import IngotError
+from .progress import progress_bar
 
 
 def parse_input_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -78,9 +79,14 @@ def convert(source, output, device: str = "cpu", quantize: str | None = None,
         return _convert_gguf(source, output, fmt, device, start)
     from .importers.onnx import compile_import, import_onnx, op_counts
 
-    imported = import_onnx(source, input_shapes, what=str(source), quantize=fmt)
-    exe = compile_import(imported, device)
-    exe.save(output)
+    with progress_bar(f"convert {source.name}", total=3) as advance:
+        advance("importing", steps=0)
+        imported = import_onnx(source, input_shapes, what=str(source), quantize=fmt)
+        advance("compiling")
+        exe = compile_import(imported, device)
+        advance("saving")
+        exe.save(output)
+        advance("saved")
     counts = op_counts(exe)
     fused = ", ".join(f"{counts[k]} {k}" for k in ("sdpa", "quantized_matmul") if counts[k])
     return (f"[{source} -> {output}: {len(imported.inputs)} inputs, {len(imported.outputs)} outputs, "
@@ -97,7 +103,8 @@ def _convert_gguf(source: Path, output: Path, fmt, device: str, start: float) ->
     tensors, adapters, extra = model.tensors, None, {"converted": {"source": source.name}}
     if fmt is not None:
         from .quant.pipeline import quantize_model
-        result = quantize_model(model, fmt)
+        with progress_bar(f"quantize {fmt}", total=len(model.tensors)) as advance:
+            result = quantize_model(model, fmt, progress=advance)
         tensors, adapters = result.tensors, (result.adapters or None)
         extra["quantized"] = {"format": str(fmt), "source": source.name}
     save_llm(output, model.config, tensors, model.metadata, adapters, architecture=model.architecture, extra=extra)
@@ -117,10 +124,22 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def quantize_command(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def disk_bytes(path) -> int:
+    """The bytes a file, or every file under a folder (a package), takes on disk as written."""
+    path = Path(path)
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
 
+
+def default_eval_text() -> tuple[str, str]:
+    """(name, text) of the short English text `ingot quantize` scores KLD on when given none."""
+    from importlib.resources import files
+
+    return "ingot/data/eval.txt", (files("ingot") / "data" / "eval.txt").read_text(encoding="utf-8")
+
+
+def quantize_command(args) -> int:
     from .eval import chunks, compare, read_text, score
     from .llm.package import StoredModel, is_llm_package, open_model, save_llm
     from .llm.tokenizer import tokenize
@@ -141,6 +160,9 @@ def quantize_command(args) -> int:
         raise IngotError("quantize: --awq needs --calibration TEXT_FILE.")
     calibration = read_text(args.calibration) if args.calibration else None
     eval_text = read_text(args.eval_text) if args.eval_text else calibration
+    eval_name = args.eval_text or args.calibration
+    if eval_text is None and not args.no_eval:
+        eval_name, eval_text = default_eval_text()
     if Path(args.input).resolve() == out.resolve():
         raise IngotError("quantize: the output would replace the input; choose another path.")
     model = open_model(args.input)
@@ -153,33 +175,33 @@ def quantize_command(args) -> int:
         print(f"calibrating on {args.calibration} ...", file=err)
         stats = activation_stats(model, tokenize(model, calibration), context=args.context)
     names = list(model.tensors)
-    with Progress(TextColumn("[bold]quantize[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True)) as progress:
-        task = progress.add_task(str(fmt), total=len(names))
+    with progress_bar(f"quantize {fmt}", total=len(names)) as advance:
         done = set()
 
         def step(name: str) -> None:
             done.add(name)
-            progress.update(task, completed=min(len(done), len(names)), description=f"{fmt} {name}")
+            advance(name, steps=1 if len(done) <= len(names) else 0)
         result = quantize_model(model, fmt, exclude=args.exclude, stats=stats, compensate=args.compensate,
                                 awq=args.awq, progress=step)
-        progress.update(task, completed=len(names), description=str(fmt))
     extra = {"quantized": {"format": str(fmt), "exclude": list(args.exclude), "compensate": args.compensate,
                            "awq": bool(args.awq), "calibration": Path(args.calibration).name if args.calibration else None,
                            "source": Path(args.input).name}}
     architecture = "llama" if is_llm_package(args.input) else model.architecture
     save_llm(out, model.config, result.tensors, model.metadata, result.adapters if result.adapters else None,
              architecture=architecture, extra=extra)
-    ratio = result.bytes_after / max(result.bytes_before, 1)
-    print(f"[{args.input}: {_mb(result.bytes_before)} -> {out}: {_mb(result.bytes_after)} ({ratio:.2f}x)"
+    # sizes as the disk holds them (`du --apparent-size`), not the tensors' bytes: the package's graph,
+    # KV cache initial values and metadata count too
+    before, after = disk_bytes(args.input), disk_bytes(out)
+    print(f"[{args.input}: {_mb(before)} -> {out}: {_mb(after)} on disk ({after / max(before, 1):.2f}x)"
           + (f", of which adapters {_mb(result.adapter_bytes)}" if result.adapter_bytes else "")
           + f"; weight error ||W - W_hat|| / ||W|| mean {result.mean_relative_error:.4f}]")
     for note in result.notes:
         print(f"  note: {note}", file=err)
     if eval_text is not None:
-        token_chunks = chunks(tokenize(model, eval_text), args.context)
-        reference = score(open_model(args.input), token_chunks)
+        token_chunks = chunks(tokenize(model, eval_text), min(args.context, model.config.context_length))
         quantized = StoredModel(str(out), model.architecture, model.metadata, result.tensors, model.config, result.adapters)
-        r = compare(reference, score(quantized, token_chunks))
-        print(f"[vs {Path(args.input).name} over {args.eval_text or args.calibration}: {r.row()}]")
+        with progress_bar("KLD", total=2 * len(token_chunks)) as advance:
+            reference = score(open_model(args.input), token_chunks, progress=lambda: advance("reference"))
+            r = compare(reference, score(quantized, token_chunks, progress=lambda: advance("quantized")))
+        print(f"[vs {Path(args.input).name} over {eval_name}: {r.row()}]")
     return 0

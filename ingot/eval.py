@@ -75,9 +75,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def score(model, token_chunks: list[list[int]], device: str = "cpu") -> Scored:
+def score(model, token_chunks: list[list[int]], device: str = "cpu", progress=None) -> Scored:
     """Run a StoredModel (ingot.llm.package) over each chunk from an empty cache and keep the
-    log-probabilities of the second half of each chunk's positions."""
+    log-probabilities of the second half of each chunk's positions; progress() is called after each chunk."""
     from .adapters import binder
     from .models import llama
 
@@ -97,6 +97,8 @@ def score(model, token_chunks: list[list[int]], device: str = "cpu") -> Scored:
         first = len(chunk) // 2
         logprobs.append(log_softmax(logits[first:len(chunk) - 1]))
         targets.append(np.asarray(chunk[first + 1:], np.int64))
+        if progress is not None:
+            progress()
     return Scored(np.concatenate(logprobs), np.concatenate(targets))
 
 
@@ -120,13 +122,15 @@ def kld(reference_path, model_path, text: str, context: int = DEFAULT_CONTEXT, d
     Ingot LLM packages) over text."""
     from .llm.package import open_model
     from .llm.tokenizer import tokenize
+    from .progress import progress_bar
 
     reference = open_model(reference_path)
+    model = open_model(model_path)  # both opened (checked) before the long work
+    if model.config.vocab_size != reference.config.vocab_size:
+        raise IngotError(f"eval: {model_path} has a vocabulary of {model.config.vocab_size} tokens, "
+                         f"the reference {reference.config.vocab_size}.")
     token_chunks = chunks(tokenize(reference, text), context)
-    scored_ref = score(reference, token_chunks, device)
-    vocab = reference.config.vocab_size
-    del reference
-    model = open_model(model_path)
-    if model.config.vocab_size != vocab:
-        raise IngotError(f"eval: {model_path} has a vocabulary of {model.config.vocab_size} tokens, the reference {vocab}.")
-    return compare(scored_ref, score(model, token_chunks, device))
+    with progress_bar("eval kld", total=2 * len(token_chunks)) as advance:
+        scored_ref = score(reference, token_chunks, device, progress=lambda: advance("reference"))
+        del reference
+        return compare(scored_ref, score(model, token_chunks, device, progress=lambda: advance("model")))

@@ -176,3 +176,17 @@ def test_convert_keeps_or_quantizes_the_weights(tmp_path):
     assert {t.qdtype.name for t in model.tensors.values() if hasattr(t, "qdtype")} == {"int8"}
     a = _logits(model)
     assert 0 < np.abs(a - want).mean() < 0.1 * np.abs(want).mean()       # int8 per channel: a few per cent
+
+
+def test_quantize_reports_sizes_on_disk_and_kld_by_default(tiny_package, tmp_path, capsys):
+    from ingot.convert import disk_bytes
+
+    out = tmp_path / "plain.ingot"
+    assert main(["quantize", str(tiny_package), "-o", str(out), "--format", "int8"]) == 0
+    text = capsys.readouterr().out
+    sizes = text.split("[", 1)[1].split(";")[0]  # "IN: 0.3 MB -> OUT: 0.2 MB on disk (0.71x)"
+    before, after = (float(part.rsplit(":", 1)[1].split("MB")[0]) for part in sizes.split(" -> "))
+    assert before == round(disk_bytes(tiny_package) / 1e6, 1) and after == round(disk_bytes(out) / 1e6, 1), text
+    assert "on disk" in text and "mean KLD" in text and "ingot/data/eval.txt" in text  # the shipped text
+    assert main(["quantize", str(tiny_package), "-o", str(tmp_path / "quiet.ingot"), "--format", "int8", "--no-eval"]) == 0
+    assert "mean KLD" not in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Audio files in, spectrogram images and arrays out: what `ingot spectrogram` needs around the graphs.
 
 soundfile reads (WAV, FLAC, OGG, ...), scipy's polyphase filter resamples, matplotlib draws. All
-three are the `audio` extra; a missing one is an IngotError naming the install command. Every
+three are core dependencies (imported when used); a missing one is an IngotError naming it. Every
 problem with an input file is one IngotError sentence naming the file; outputs are written under a
 temporary name and renamed, so a failure leaves no file behind.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import IngotError
 
-INSTALL = "pip install 'ingot[audio]'"
+INSTALL = "a dependency of Ingot: pip install -e . or pip install ingot installs it"
 
 
 def _require(module: str):

@@ -13,7 +13,7 @@ Shapes and dtypes are inferred as each op is built; a mismatch raises IngotError
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -558,15 +558,21 @@ class Graph:
         return [self._op(Op.GET_ITEM, [call], {"index": i}) for i in range(len(output_types))]
 
     # -- compile --------------------------------------------------------------------------------
-    def compile(self, feeds: dict[Any, TensorType] | None = None, targets: Sequence[Tensor] = (), device: str = "cpu",
-                callables: dict[str, Any] | None = None, debug: bool | str = False, assigns: Sequence[Tensor] | None = None):
+    def compile(self, feeds: dict[Any, TensorType] | None = None, targets: Sequence[Tensor] | Mapping[str, Tensor] = (),
+                device: str = "cpu", callables: dict[str, Any] | None = None, debug: bool | str = False,
+                assigns: Sequence[Tensor] | None = None):
         """Compile targets (and every assign, unless `assigns` names a subset) into an Executable.
 
         feeds maps placeholders (tensors or names) to concrete TensorTypes; placeholders not named
-        keep their declared type, which must then be static. Results are cached per feed types.
+        keep their declared type, which must then be static. targets: a list, or {name: tensor} to
+        name the outputs (`exe.run(...)["name"]`; a list's outputs are "output_0", ... unless the
+        tensor is a named placeholder). Results are cached per feed types.
         """
         from .compiler import compile_graph
 
+        names = None
+        if isinstance(targets, Mapping):
+            names, targets = [str(k) for k in targets], list(targets.values())
         feeds = feeds or {}
         feed_types = {}
         for key, value in feeds.items():
@@ -576,10 +582,13 @@ class Graph:
         assign_nodes = self.assigns if assigns is None else [self._own(a).node for a in assigns]
         cache_key = (tuple(sorted(feed_types.items(), key=lambda kv: kv[0])), tuple(t.node.id for t in targets),
                      tuple(a.id for a in assign_nodes), device, debug)
-        cache_key += (tuple(sorted((k, id(v)) for k, v in (callables or {}).items())),)
+        cache_key += (tuple(sorted((k, id(v)) for k, v in (callables or {}).items())), tuple(names or ()))
         if cache_key in self._compiled:
             return self._compiled[cache_key]
         exe = compile_graph(self, [t.node for t in targets], assign_nodes, feed_types, device, callables or {}, debug)
+        if names is not None:
+            from .runtime import name_outputs
+            exe.output_names = name_outputs(exe.program.outputs, names)
         self._compiled[cache_key] = exe
         return exe
 

@@ -144,6 +144,7 @@ def _write(executable, path: Path) -> None:
         "nodes": [{"id": n.id, "op": n.op.name, "type": _encode_type(n.type), "src": [s.id for s in n.src],
                    "attrs": {k: _encode(v) for k, v in n.attrs.items()}, "name": n.name} for n in nodes],
         "outputs": [n.id for n in program.outputs],
+        "output_names": list(executable.output_names),
         "assigns": [n.id for n in program.assigns],
         "inputs": [{"name": name, "type": _encode_type(executable.feed_types[name])} for name in executable.feed_order],
         "regions": [list(r) for r in program.regions],
@@ -344,6 +345,11 @@ def read_package(path: Path) -> tuple[Program, dict, dict]:
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise IngotError(f"package: {path}/graph.json does not describe a valid program ({type(e).__name__}: {e}).") from None
     graph["inputs"] = inputs
+    names = graph.get("output_names")  # absent in packages written before outputs had names
+    if names is not None and (not isinstance(names, list) or len(names) != len(program.outputs)
+                              or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)):
+        raise IngotError(f"package: {path}/graph.json has output_names {str(names)[:80]}, not "
+                         f"{len(program.outputs)} distinct names.")
     return program, manifest, graph
 
 

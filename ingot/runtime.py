@@ -8,6 +8,14 @@
     >>> exe = g.compile(targets=[counter + x])
     >>> exe.run({"x": np.ones(3, np.float32)})[0].tolist(), exe.run({"x": np.ones(3, np.float32)})[0].tolist()
     ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+
+Every executable's run returns Outputs: a tuple in target order that also maps output names.
+
+    >>> exe = g.compile(targets={"total": counter + x, "twice": x * 2})
+    >>> out = exe.run({"x": np.ones(3, np.float32)})
+    >>> out["twice"].tolist(), list(out.keys())
+    ([2.0, 2.0, 2.0], ['total', 'twice'])
+    >>> total, twice = out
 """
 from __future__ import annotations
 
@@ -69,14 +77,77 @@ class State:
         return f"<State {', '.join(f'{k}:{v.dtype}{list(v.shape)}' for k, v in self.values.items())}>"
 
 
+class Outputs(tuple):
+    """What `run` returns on every executable (built, loaded or imported): the outputs as a tuple in
+    target order, so `(logits,) = exe.run(...)` and `exe.run(...)[0]` work, that also maps each
+    output's name to its value, so `exe.run(...)["logits"]`, `.keys()`, `.items()` and `dict(out)` work.
+    Iterating gives the values, as a tuple's does. Names come from `compile(targets={name: tensor})`,
+    the ONNX graph's outputs, or else the target's own name or "output_I"."""
+
+    def __new__(cls, names: Sequence[str], values: Sequence[Any]) -> "Outputs":
+        self = super().__new__(cls, values)
+        self._names = tuple(names)
+        if len(self._names) != len(self):
+            raise IngotError(f"Outputs: {len(self._names)} names for {len(self)} values.")
+        return self
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            try:
+                return tuple.__getitem__(self, self._names.index(key))
+            except ValueError:
+                raise KeyError(f"{key!r} is not an output (outputs: {list(self._names)})") from None
+        return tuple.__getitem__(self, key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._names if isinstance(key, str) else any(key is v for v in self)
+
+    def keys(self) -> tuple[str, ...]:
+        return self._names
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(self)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(zip(self._names, self))
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self._names else default
+
+    def __repr__(self) -> str:
+        return "Outputs(" + ", ".join(f"{n}={v!r}" for n, v in zip(self._names, self)) + ")"
+
+    def __reduce__(self):
+        return (Outputs, (self._names, tuple(self)))
+
+
+def name_outputs(nodes: Sequence[Node], names: Sequence[str] | None = None) -> list[str]:
+    """names when given (as many as nodes, distinct), else each node's own name or "output_I"."""
+    if names is None:
+        names = [n.name if n.name else f"output_{i}" for i, n in enumerate(nodes)]
+        seen: dict[str, int] = {}
+        for i, name in enumerate(names):  # a placeholder returned twice: the later ones get their index
+            if name in seen:
+                names[i] = f"{name}_{i}"
+            seen[name] = i
+    names = [str(n) for n in names]
+    if len(names) != len(nodes) or len(set(names)) != len(names):
+        raise IngotError(f"executable: output names {names} must be {len(nodes)} distinct names, one per output.")
+    return names
+
+
 class Executable:
-    """A compiled graph. `run` takes feeds by placeholder name or tensor and returns the targets."""
+    """A compiled graph. `run` takes feeds by placeholder name or tensor and returns the targets as
+    Outputs (a tuple in target order that also maps output names)."""
 
     def __init__(self, program: Program, device: str = "cpu", callables: Mapping[str, "Executable"] | None = None,
-                 history: Sequence[tuple[str, bool]] = (), inputs: Sequence[tuple[str, TensorType]] = ()):
+                 history: Sequence[tuple[str, bool]] = (), inputs: Sequence[tuple[str, TensorType]] = (),
+                 output_names: Sequence[str] | None = None):
         """inputs: every (name, type) the caller declared, in order; compile may have made some of
-        them unnecessary (a folded dim()), they are still accepted and checked, then not used."""
+        them unnecessary (a folded dim()), they are still accepted and checked, then not used.
+        output_names: one per program output (default: the nodes' names, else "output_I")."""
         self.program = program
+        self.output_names = name_outputs(program.outputs, output_names)
         self.device = device
         self.history = list(history)
         self.backend = get_backend(device)
@@ -153,8 +224,8 @@ class Executable:
         self.callables[name] = executable
 
     # -- running --------------------------------------------------------------------------------
-    def run(self, feeds: Mapping[Any, Any] | Sequence[Any] = (), state: State | None = None, **options) -> list[Any]:
-        """Run once and return the targets (a list, in target order).
+    def run(self, feeds: Mapping[Any, Any] | Sequence[Any] = (), state: State | None = None, **options) -> Outputs:
+        """Run once and return the targets as Outputs: a tuple in target order that also maps names.
 
         feeds: {name or placeholder tensor: array}, or a list in the order the placeholders were
         declared. state: the variables to read and update (default: `self.state`).
@@ -165,7 +236,7 @@ class Executable:
             self._check_state(state)
         values = self._feeds(feeds)
         try:
-            return self.plan.run(values, state.values, **options)
+            return Outputs(self.output_names, self.plan.run(values, state.values, **options))
         except IngotError:
             raise
         except (ValueError, IndexError, TypeError, ArithmeticError, AssertionError) as e:
@@ -234,7 +305,8 @@ def load(path, device: str | None = None) -> Executable:
     history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
     device = device or manifest.get("device", "cpu")
     try:
-        return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"])
+        return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"],
+                          output_names=graph.get("output_names"))
     except IngotError as e:
         raise IngotError(f"package: {path} cannot be loaded: {e}") from None
 

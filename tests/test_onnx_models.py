@@ -39,7 +39,7 @@ def encoder_feeds(batch=1, length=16, seed=0):
 def assert_matches(exe, model, feeds, atol=1e-4, optimize=True):
     ours = exe.run(feeds)
     theirs = onnxruntime_outputs(model, feeds, optimize)
-    assert list(ours) == list(theirs)
+    assert list(ours.keys()) == list(theirs)  # by ONNX output name, in the graph's order
     for name in theirs:
         assert ours[name].shape == theirs[name].shape and ours[name].dtype == theirs[name].dtype, name
         np.testing.assert_allclose(ours[name], theirs[name], atol=atol, rtol=0, err_msg=name)

@@ -220,3 +220,68 @@ def test_run_time_errors_are_ingot_errors():
     with pytest.raises(ingot.IngotError, match="gather"):
         exe.run({"i": np.array([9], np.int32)})
     assert [n.op for n in exe.program.nodes()].count(Op.GATHER) == 1
+
+
+# == one return convention: Outputs, from g.compile, ingot.load and from_onnx alike =================
+
+def _two_outputs():
+    import ingot
+    g = ingot.Graph()
+    x = g.placeholder((2, 3), ingot.float32, name="x")
+    return g, x, {"doubled": x * 2.0, "total": g.sum(x, axis=1)}
+
+
+def test_run_returns_outputs_by_name_and_in_order(tmp_path):
+    import ingot
+    g, x, targets = _two_outputs()
+    feed = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    exe = g.compile(targets=targets)
+    out = exe.run(feed)
+    assert isinstance(out, ingot.Outputs) and isinstance(out, tuple)
+    doubled, total = out                                     # positional, in target order
+    np.testing.assert_array_equal(out["doubled"], doubled)
+    np.testing.assert_array_equal(total, [3.0, 12.0])
+    assert list(out.keys()) == ["doubled", "total"] and "total" in out and "nope" not in out
+    assert set(dict(out)) == {"doubled", "total"} and out.get("nope") is None
+    with pytest.raises(KeyError, match="'nope' is not an output"):
+        out["nope"]
+    exe.save(tmp_path / "two.ingot")
+    again = ingot.load(tmp_path / "two.ingot").run(feed)     # the names are kept by the package
+    assert type(again) is ingot.Outputs and list(again.keys()) == ["doubled", "total"]
+    np.testing.assert_array_equal(again["total"], total)
+    unnamed = g.compile(targets=[targets["total"], x]).run(feed)
+    assert list(unnamed.keys()) == ["output_0", "x"]         # a placeholder keeps its own name
+
+
+def test_package_without_output_names_still_loads(tmp_path):
+    import json
+
+    import ingot
+    g, x, targets = _two_outputs()
+    g.compile(targets=targets).save(tmp_path / "old.ingot")
+    graph = json.loads((tmp_path / "old.ingot" / "graph.json").read_text())
+    del graph["output_names"]                                # as packages written before names
+    (tmp_path / "old.ingot" / "graph.json").write_text(json.dumps(graph))
+    assert list(ingot.load(tmp_path / "old.ingot").run({"x": np.ones((2, 3), np.float32)}).keys()) == ["output_0", "output_1"]
+    graph["output_names"] = ["a", "a"]
+    (tmp_path / "old.ingot" / "graph.json").write_text(json.dumps(graph))
+    with pytest.raises(ingot.IngotError, match="output_names"):
+        ingot.load(tmp_path / "old.ingot")
+
+
+def test_from_onnx_returns_the_same_outputs_type():
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    import ingot
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["x"], ["z"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+                               helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out = ingot.from_onnx(model).run({"x": np.array([-1.0, 2.0], np.float32)})
+    assert type(out) is ingot.Outputs and list(out.keys()) == ["y", "z"]
+    y, z = out
+    np.testing.assert_array_equal(y, [0.0, 2.0])
+    np.testing.assert_array_equal(out["z"], [1.0, -2.0])
+    assert onnx is not None

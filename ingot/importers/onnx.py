@@ -34,7 +34,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Graph, Tensor
 from ..ir import GroupOp, Op, Program, TensorType
-from ..runtime import Executable
+from ..runtime import Executable, Outputs
 from . import onnx_attention, onnx_math, onnx_nn, onnx_quant, onnx_shape, onnx_signal  # noqa: F401  (registration)
 from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
                        UnsupportedOnnx, as_ingot_array, ingot_dtype)
@@ -47,7 +47,11 @@ __all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImpo
 
 def load_model(model_or_path, what: str | None = None):
     """An onnx.ModelProto from a path or a ModelProto (external data loaded), or one IngotError."""
-    import onnx
+    try:
+        import onnx
+    except ImportError:
+        raise IngotError(f"{what or model_or_path}: reading ONNX models needs the onnx package "
+                         "(pip install 'ingot[onnx]').") from None
 
     if isinstance(model_or_path, onnx.ModelProto):
         return model_or_path
@@ -338,19 +342,19 @@ def _settle(g: ImportGraph, t: Tensor, name: str) -> Tensor:
 # -- the executable --------------------------------------------------------------------------------
 
 class OnnxExecutable(Executable):
-    """An Executable compiled from ONNX: `run` takes feeds by ONNX input name and returns a dict of
-    outputs by ONNX output name, in the dtypes the model declares."""
+    """An Executable compiled from ONNX: `run` takes feeds by ONNX input name and returns Outputs
+    named by the ONNX graph's outputs (in its order), host arrays in the dtypes the model declares."""
 
     def __init__(self, program: Program, device: str, history, inputs, output_names: list[str],
                  output_dtypes: list[np.dtype], onnx_inputs: list[str], constant_inputs: Mapping[str, np.ndarray] | None = None):
-        super().__init__(program, device=device, history=history, inputs=inputs)
-        self.output_names = list(output_names)
+        super().__init__(program, device=device, history=history, inputs=inputs, output_names=output_names)
         self.output_dtypes = list(output_dtypes)
         self.onnx_inputs = list(onnx_inputs)
         self.constant_inputs = dict(constant_inputs or {})
 
-    def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> dict[str, np.ndarray]:
-        """Run once: feeds by ONNX input name (or a list in the model's input order); returns {output name: array}."""
+    def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
+        """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs
+        (`out["logits"]` by ONNX output name, or `(logits,) = out` in the graph's output order)."""
         if not isinstance(feeds, Mapping):
             feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
             if len(feeds) != len(self.onnx_inputs):
@@ -367,11 +371,11 @@ class OnnxExecutable(Executable):
                 raise IngotError(f"run: input {name!r} was fixed to {np.asarray(fixed).tolist()} at import; "
                                  f"it cannot take other values ({np.asarray(feeds[name]).tolist()}).")
         outs = super().run({k: v for k, v in feeds.items() if k in self.feed_types}, state, **options)
-        result = {}
-        for name, dtype, value in zip(self.output_names, self.output_dtypes, outs):
+        result = []
+        for dtype, value in zip(self.output_dtypes, outs):
             value = np.asarray(self.backend.to_host(value))
-            result[name] = value.astype(dtype) if value.dtype != dtype else value
-        return result
+            result.append(value.astype(dtype) if value.dtype != dtype else value)
+        return Outputs(self.output_names, result)
 
     __call__ = run
 

@@ -526,9 +526,10 @@ def _signed_table(cls) -> np.ndarray:
 def _signed_codes(cls, index: np.ndarray, negative: np.ndarray) -> np.ndarray:
     """Codes [r, nb, cols] from grid indices [r, nb, groups] and sign bits [r, nb, cols]."""
     grid = _grid_codes(cls)
-    levels = len(cls.grid_map)
-    codes = grid[index.astype(np.intp)].reshape(negative.shape)
-    return codes + negative.astype(np.uint8) * np.uint8(levels)
+    codes = np.take(grid, index.astype(np.intp), axis=0).reshape(negative.shape)
+    flips = negative.view(np.uint8) if negative.dtype == np.uint8 else negative.astype(np.uint8)
+    codes += flips * np.uint8(len(cls.grid_map))
+    return codes
 
 
 def _iq_scale(d, ls, half: float, out) -> None:

@@ -524,6 +524,8 @@ def _expand(p: torch.Tensor, shape) -> torch.Tensor:
 @lowering(Op.DEQUANTIZE)
 def _dequantize(ctx: Lowering) -> StepFn:
     a = ctx.node.attrs
+    if a["mode"] not in ("affine", "lut"):   # "scaled_lut" (GGUF's IQ types): no device kernel yet
+        return host_reference(ctx)
     qdtype, out_dtype = a["qdtype"], torch_dtype(a["dtype"])
 
     def dequantize(q, *params):

@@ -3,7 +3,6 @@ NumPy, hot swap on one compiled executable (rebinding >= 100x faster than compil
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -77,15 +76,13 @@ def test_peft_adapter_equals_merged_weights(tiny, tmp_path):
     np.testing.assert_allclose(with_adapter, expect, rtol=1e-4, atol=1e-4)
 
 
-def test_two_adapters_swap_on_one_compiled_executable(tiny, tmp_path):
+def test_two_adapters_swap_on_one_compiled_executable(tiny, tmp_path, monkeypatch):
     cfg, tensors = tiny
     f1 = write_peft(tmp_path / "one", cfg, ["q_proj", "v_proj", "down_proj"], seed=1)
     f2 = write_peft(tmp_path / "two", cfg, ["q_proj", "v_proj", "down_proj"], rank=2, seed=2)
     a1, a2 = load_peft(tmp_path / "one", cfg), load_peft(tmp_path / "two", cfg)
-    start = time.perf_counter()
     graph = llama.build(cfg, tensors, adapter_sites=a1.names, all_logits=True)
     exe = graph.compile(len(TOKENS))
-    compile_seconds = time.perf_counter() - start
     feeds = {"tokens": np.asarray(TOKENS, np.int32), "pos": np.int32(0)}
     sites = sorted(exe.call_sites)
     assert set(sites) == set(a1.names)  # float weights are multiplied one by one: one call site each
@@ -94,18 +91,17 @@ def test_two_adapters_swap_on_one_compiled_executable(tiny, tmp_path):
     for name, callee in ones.items():
         exe.bind(name, callee)
     out1 = exe.run(feeds, state=exe.new_state())[0]
-    binds = []
+    from ingot import compiler
+    compiles = []
+    real = compiler.run_pipeline
+    monkeypatch.setattr(compiler, "run_pipeline", lambda *a, **k: compiles.append(1) or real(*a, **k))
     for name, callee in twos.items():
-        t0 = time.perf_counter()
         exe.bind(name, callee)
-        binds.append(time.perf_counter() - t0)
     out2 = exe.run(feeds, state=exe.new_state())[0]
+    assert compiles == []                                         # swapping adapters compiled nothing
     np.testing.assert_allclose(out1, logits(cfg, merged(cfg, tensors, f1, 2.0), TOKENS), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(out2, logits(cfg, merged(cfg, tensors, f2, 4.0), TOKENS), rtol=1e-4, atol=1e-4)
     assert graph.compile(len(TOKENS)) is exe                      # still the one compiled executable
-    # swapping one adapter (one bind) against compiling the model
-    assert compile_seconds >= 100 * min(binds), (compile_seconds, min(binds))
-    assert compile_seconds >= 100 * sum(binds) / len(binds)
 
 
 def test_adapter_whose_shapes_do_not_fit_is_one_sentence(tiny, tmp_path):

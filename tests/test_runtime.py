@@ -1,10 +1,9 @@
 """The Executable: feeds, state objects, callables and hot swap, views, and what it refuses."""
-import time
-
 import numpy as np
 import pytest
 
 import ingot
+from ingot import compiler
 from ingot.ir import Op
 
 F32 = ingot.TensorType
@@ -25,16 +24,17 @@ def main_with_call(callables=None):
 
 
 # -- callables ------------------------------------------------------------------------------------
-def test_hot_swap_changes_the_output_without_recompiling():
+def test_hot_swap_changes_the_output_without_recompiling(monkeypatch):
     exe = main_with_call({"adapter": adapter(2.0)})
     plan, program = exe.plan, exe.program
     xv = np.zeros((2, 4), np.float32)
     np.testing.assert_allclose(exe.run({"x": xv})[0], np.full((2, 4), 3.0))
     other = adapter(10.0)
-    start = time.perf_counter()
+    compiles = []
+    monkeypatch.setattr(compiler, "run_pipeline", lambda *a, **k: compiles.append(a) or pytest.fail("bind compiled"))
     for _ in range(1000):
         exe.bind("adapter", other)
-    assert time.perf_counter() - start < 0.5  # a dictionary update, not a compile
+    assert compiles == []  # a dictionary update, not a compile
     assert exe.plan is plan and exe.program is program
     np.testing.assert_allclose(exe.run({"x": xv})[0], np.full((2, 4), 11.0))
 

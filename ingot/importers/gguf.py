@@ -72,7 +72,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..quant.formats import QuantizedTensor
 
-__all__ = ["GGUFModel", "read_gguf", "SUPPORTED_TYPES"]
+__all__ = ["GGUFModel", "read_gguf", "SUPPORTED_TYPES", "metadata_int", "metadata_float"]
 
 _T = _gguf.GGMLQuantizationType
 _V = _gguf.GGUFValueType
@@ -125,6 +125,7 @@ def _reader_class():
         def _build_tensors(self, start_offs, fields):
             self._tensor_infos = (start_offs, fields)
             self._stage = "tensor data"
+            _check_tensor_infos(self.path_name, int(start_offs), fields, int(self.data.shape[0]))
             return super()._build_tensors(start_offs, fields)
 
         def _get_field_parts(self, orig_offs, raw_type):
@@ -170,11 +171,53 @@ def _reader_class():
     return _Reader
 
 
+class _Refused(Exception):
+    """A tensor-list entry that breaks a rule, found before any tensor is touched: its message is the
+    IngotError's sentence."""
+
+
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+
+
+def _check_tensor_infos(path: str, start: int, fields, size: int) -> None:
+    """Every tensor's dims (1..4 of them, each >= 1), type, and bytes (inside the file), computed in
+    Python integers so that no product wraps: what the reader would otherwise map, reshape and loop
+    over is bounded by the file itself."""
+    for f in fields:
+        _nl, name_data, _nd, dims, raw_dtype, offset = f.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        ne = [int(x) for x in dims]
+        if not 1 <= len(ne) <= MAX_DIMS:
+            raise _Refused(f"{path}: tensor {shown} has {len(ne)} dimensions; GGUF tensors have 1 to {MAX_DIMS}.")
+        try:
+            ttype = _T(int(raw_dtype[0]))
+        except ValueError:
+            raise _Refused(f"{path}: tensor {shown} has unknown GGML type id {int(raw_dtype[0])}.") from None
+        if min(ne) < 1:
+            raise _Refused(f"{path}: tensor {shown} has a dimension of 0 (ne={ne}); every dimension must be at least 1.")
+        bs, ts = _gguf.GGML_QUANT_SIZES[ttype]
+        if ne[0] % bs:
+            raise _Refused(f"{path}: tensor {shown} ({ttype.name}) has {ne[0]} columns, not a multiple of the "
+                           f"{ttype.name} block size {bs}.")
+        count = 1
+        for d in ne:
+            count *= d
+        first = start + int(offset[0])
+        end = first + count // bs * ts
+        if end > size:
+            raise _Refused(f"{path} is truncated: tensor {shown} ({ttype.name}, ne={ne}) needs bytes {first}..{end} "
+                           f"but the file has only {size} bytes.")
+
+
 def _open(path: str):
     cls = _reader_class()
     reader = cls.__new__(cls)
+    reader.path_name = path
     try:
         _gguf.GGUFReader.__init__(reader, path, "r")
+    except _Refused as exc:
+        raise IngotError(str(exc)) from None
     except Exception as exc:  # the reader raises ValueError, IndexError, KeyError, OSError ...
         raise _explain_failure(path, reader, exc) from exc
     return reader
@@ -248,6 +291,45 @@ def _field_value(path: str, key: str, f) -> Any:
     if main is None:
         return None
     return f.parts[-1].tolist()[0]
+
+
+def metadata_int(model, key: str, default: int | None = None, minimum: int = 1, maximum: int = 1 << 31) -> int:
+    """The integer metadata value `key` of a GGUFModel (or anything with .path and .get), checked:
+    stored as an integer (not a string, float or bool) and within [minimum, maximum]; `default`
+    when absent (None: the key is required). One IngotError naming the file, key and value."""
+    value = model.get(key)
+    if value is None:
+        if default is None:
+            raise IngotError(f"{model.path}: metadata lacks {key}.")
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise IngotError(f"{model.path}: metadata key {key} is {_short(value)} ({type(value).__name__}), not an integer.")
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise IngotError(f"{model.path}: metadata key {key} is {value}, outside {minimum}..{maximum}.")
+    return value
+
+
+def metadata_float(model, key: str, default: float, minimum: float = 0.0, maximum: float = 1e30,
+                   exclusive_minimum: bool = False) -> float:
+    """A finite number-valued metadata value (integers accepted), within [minimum, maximum] (or
+    (minimum, maximum] with exclusive_minimum); `default` when absent."""
+    value = model.get(key)
+    if value is None:
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise IngotError(f"{model.path}: metadata key {key} is {_short(value)} ({type(value).__name__}), not a number.")
+    value = float(value)
+    low_ok = value > minimum if exclusive_minimum else value >= minimum
+    if not (np.isfinite(value) and low_ok and value <= maximum):
+        raise IngotError(f"{model.path}: metadata key {key} is {value}, outside {'(' if exclusive_minimum else '['}"
+                         f"{minimum}, {maximum}].")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # --------------------------------------------------------------------------------------------

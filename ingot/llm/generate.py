@@ -84,24 +84,27 @@ class LLM:
         self.path = path
         self.device = device
         _allocate_big_arrays_with_mmap()
-        # the file is opened (validated, memory-mapped; no weight converted yet) first, so a file that
-        # is not a model is refused before the kernels load. A GGUF's weights are converted once each,
-        # straight into the graph; on a GPU its BF16 tensors stay bf16 (multiplied as they are), on
-        # the CPU they widen to float32 once
+        # the cheap checks first (header, metadata, config, tokenizer: no weight is converted yet), so
+        # a file that is not a model is refused before any kernel compiles. A GGUF's weights are
+        # converted once each, straight into the graph; on a GPU its BF16 tensors stay bf16
+        # (multiplied as they are), on the CPU they widen to float32 once
         model = open_model(path, bfloat16=device != "cpu")
         self.info = _model_info(model)
-        if device == "cpu":  # compile (or load) the kernels before any weight: LLVM's working memory
-            from ..backends.cpu.kernels import release_compiler_pages, warm_up  # is freed before they arrive
-            warm_up()
-            release_compiler_pages()
-            _return_freed_memory()
         self.config = model.config
         self.adapters = model.adapters
         for lora_path, scale in lora:
             self.adapters = self.adapters.merged(load_peft(lora_path, self.config, scale))
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
         from .tokenizer import Tokenizer  # here: a file refused above never imports tokenizers
-        self.tokenizer = Tokenizer(model.metadata)
+        try:
+            self.tokenizer = Tokenizer(model.metadata)
+        except IngotError as e:
+            raise IngotError(f"{path}: {e}") from None
+        if device == "cpu":  # compile (or load) the kernels before the weights arrive: LLVM's working
+            from ..backends.cpu.kernels import release_compiler_pages, warm_up  # memory is freed first
+            warm_up()
+            release_compiler_pages()
+            _return_freed_memory()
         # the vocabulary now lives in the tokenizer; keep the small metadata only
         model.metadata = {k: v for k, v in model.metadata.items()
                           if k == "tokenizer.chat_template" or not k.startswith("tokenizer.ggml.")}

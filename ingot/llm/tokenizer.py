@@ -111,6 +111,35 @@ _END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end
                       "<\uff5cend\u2581of\u2581sentence\uff5c>")
 
 
+# The longest text encode() takes: a prompt this long fills any context many times over (and the
+# Rust tokenizer panics on texts of ~100 MB).
+MAX_TEXT_CHARS = 1 << 24
+
+
+def _is_rust_panic(e: BaseException) -> bool:
+    """pyo3's PanicException (a Rust panic inside tokenizers): a BaseException that no `except Exception` catches."""
+    return type(e).__name__ == "PanicException"
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()).rstrip(".")
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _check_merges(merges: list[tuple], vocab: Mapping[str, int]) -> None:
+    for i, merge in enumerate(merges):
+        if len(merge) != 2:
+            raise IngotError(f"GGUF metadata field tokenizer.ggml.merges holds {' '.join(merge)!r} (entry {i}), which is not "
+                             f"two tokens separated by a space.")
+        for part in merge:
+            if part not in vocab:
+                raise IngotError(f"GGUF metadata field tokenizer.ggml.merges entry {i} names the token {part[:40]!r}, which "
+                                 f"is not in tokenizer.ggml.tokens.")
+        if merge[0] + merge[1] not in vocab:
+            raise IngotError(f"GGUF metadata field tokenizer.ggml.merges entry {i} makes {(merge[0] + merge[1])[:40]!r}, "
+                             f"which is not in tokenizer.ggml.tokens.")
+
+
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the alphabet byte-level vocabularies are spelled in)."""
@@ -173,7 +202,16 @@ class Tokenizer:
     """
 
     def __init__(self, metadata: Mapping):
-        self._build(metadata)
+        try:
+            self._build(metadata)
+        except IngotError:
+            raise
+        except (ValueError, TypeError, OverflowError) as e:
+            raise IngotError(f"GGUF tokenizer metadata is malformed ({type(e).__name__}: {_one_line(e)}).") from None
+        except BaseException as e:  # the Rust library raises plain Exception (and PanicException, a BaseException)
+            if type(e) is Exception or _is_rust_panic(e):
+                raise IngotError(f"GGUF tokenizer metadata does not describe a valid vocabulary: {_one_line(e)}.") from None
+            raise
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping) -> Tokenizer:
@@ -188,11 +226,20 @@ class Tokenizer:
         if model is None:
             raise IngotError("GGUF metadata has no tokenizer.ggml.model, so it describes no tokenizer.")
         model = _as_str(model)
-        tokens = [_as_str(t) for t in _as_list(get("tokens"))]
-        if not tokens:
+        raw_tokens = _as_list(get("tokens"))
+        if not raw_tokens:
             raise IngotError("GGUF metadata field tokenizer.ggml.tokens is missing or empty.")
+        bad = next((t for t in raw_tokens if not isinstance(t, (str, bytes, bytearray))), None)
+        if bad is not None:
+            raise IngotError(f"GGUF metadata field tokenizer.ggml.tokens holds {type(bad).__name__} values such as "
+                             f"{bad!r}, not strings.")
+        tokens = [_as_str(t) for t in raw_tokens]
         n = len(tokens)
-        types = [int(t) for t in _as_list(get("token_type"))] or [TOKEN_NORMAL] * n
+        raw_types = _as_list(get("token_type"))
+        bad = next((t for t in raw_types if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise IngotError(f"GGUF metadata field tokenizer.ggml.token_type holds {bad!r}, not an integer.")
+        types = [int(t) for t in raw_types] or [TOKEN_NORMAL] * n
         if len(types) != n:
             raise IngotError(f"GGUF metadata field tokenizer.ggml.token_type has {len(types)} entries "
                              f"but tokenizer.ggml.tokens has {n}.")
@@ -208,7 +255,8 @@ class Tokenizer:
             v = get(name)
             if v is None:
                 return None
-            v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise IngotError(f"GGUF metadata field tokenizer.ggml.{name} is {v!r}, not a token id.")
             if not 0 <= v < n:
                 raise IngotError(f"GGUF metadata field tokenizer.ggml.{name} is {v}, outside the vocabulary "
                                  f"of {n} tokens.")
@@ -278,6 +326,7 @@ class Tokenizer:
                 raise IngotError(f"GGUF metadata field tokenizer.ggml.merges holds {m!r}, which is not two "
                                  f"tokens separated by a space.")
             merges.append((a, b))
+        _check_merges(merges, vocab)
         pre = self.pre if self.pre is not None else "default"
         if pre not in _PRE_TOKENIZERS:
             warnings.warn(f"tokenizer.ggml.pre {pre!r} is not one Ingot knows; splitting text with GPT-2's regex.",
@@ -311,6 +360,8 @@ class Tokenizer:
                                  f"tokenizer.ggml.tokens has {len(tokens)}; a 'llama' (SentencePiece) vocabulary "
                                  f"without merges needs one score per token.")
             merges = _generate_merges(vocab, dict(zip(tokens, (float(s) for s in scores))))
+        if merges_raw:
+            _check_merges(merges, vocab)
         unk = tokens[self.unk_id] if self.unk_id is not None else None
         tk = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=unk, fuse_unk=True,
                                      byte_fallback=True))
@@ -367,7 +418,14 @@ class Tokenizer:
                 self._tk_plain = _HFTokenizer.from_str(self._tk.to_str())
                 self._tk_plain.encode_special_tokens = True
             tk = self._tk_plain
-        ids = tk.encode(text, add_special_tokens=False).ids if text else []
+        if len(text) > MAX_TEXT_CHARS:
+            raise IngotError(f"Tokenizer.encode: the text has {len(text)} characters; at most {MAX_TEXT_CHARS} are tokenized.")
+        try:
+            ids = tk.encode(text, add_special_tokens=False).ids if text else []
+        except BaseException as e:  # a Rust panic arrives as PanicException, a BaseException
+            if _is_rust_panic(e) or type(e) is Exception:
+                raise IngotError(f"Tokenizer.encode failed on a text of {len(text)} characters: {_one_line(e)}.") from None
+            raise
         if add_special:
             if self.add_bos and self.bos_id is not None:
                 ids = [self.bos_id] + ids

@@ -27,6 +27,7 @@ from ..ops.nn import rope_inv_freq
 from ..quant.formats import QuantizedTensor, concat_columns
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
+MAX_DIMENSION = 1 << 24  # any count or size a config may hold (layers, dims, vocabulary, context)
 
 
 @dataclass
@@ -49,39 +50,82 @@ class LlamaConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.validate()
         self.head_dim = self.head_dim or self.dim // self.n_heads
         self.rope_dims = self.rope_dims or self.head_dim
+        if self.rope_dims > self.head_dim or self.rope_dims % 2:
+            raise IngotError(f"llama: rope_dims {self.rope_dims} must be even and at most head_dim {self.head_dim}.")
+
+    def validate(self) -> None:
+        """Every field of the type and range a decoder can be built from (a file or llm.json may say
+        anything): positive counts, heads that divide, finite numbers. One IngotError otherwise."""
+        counts = {"n_layers": self.n_layers, "dim": self.dim, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                  "ffn_dim": self.ffn_dim, "vocab_size": self.vocab_size, "context_length": self.context_length}
+        for name, value in {**counts, "head_dim": self.head_dim, "rope_dims": self.rope_dims}.items():
+            low = 1 if name in counts else 0
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= MAX_DIMENSION:
+                raise IngotError(f"llama: {name} must be an integer in {low}..{MAX_DIMENSION}, not {value!r}.")
+        for name in ("rope_base", "rope_scale", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value) or value < 0 or (value == 0 and name != "norm_eps"):
+                raise IngotError(f"llama: {name} must be a finite positive number, not {value!r}.")
         if self.n_heads % self.n_kv_heads:
             raise IngotError(f"llama: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads.")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise IngotError(f"llama: dim {self.dim} is not a multiple of {self.n_heads} heads (and no head_dim is given).")
 
     @classmethod
     def from_gguf(cls, model) -> "LlamaConfig":
+        """The config a GGUF file's metadata describes, every value checked (type, range, consistency)
+        before anything is allocated from it."""
+        from ..importers.gguf import metadata_float, metadata_int
+
         arch = model.architecture
         if arch not in ARCHITECTURES:
             raise IngotError(f"{model.path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)}).")
-        get = lambda key, default=None: model.get(f"{arch}.{key}", default)  # noqa: E731
         required = ["block_count", "embedding_length", "attention.head_count", "feed_forward_length"]
-        missing = [k for k in required if get(k) is None]
+        missing = [k for k in required if model.get(f"{arch}.{k}") is None]
         if missing:
             raise IngotError(f"{model.path}: metadata lacks {', '.join(arch + '.' + k for k in missing)}.")
-        n_heads = int(get("attention.head_count"))
+        integer = lambda key, default=None, minimum=1: metadata_int(model, f"{arch}.{key}", default, minimum,  # noqa: E731
+                                                                     MAX_DIMENSION)
+        number = lambda key, default, **kw: metadata_float(model, f"{arch}.{key}", default, **kw)  # noqa: E731
         if "token_embd.weight" not in model.tensors:
             raise IngotError(f"{model.path}: tensor token_embd.weight is missing.")
         tensors = model.tensors
         vocab = tensors.shape("token_embd.weight")[0] if hasattr(tensors, "shape") else tensors["token_embd.weight"].shape[0]
-        scaling = get("rope.scaling.type")
-        return cls(
-            n_layers=int(get("block_count")), dim=int(get("embedding_length")), n_heads=n_heads,
-            n_kv_heads=int(get("attention.head_count_kv", n_heads)), ffn_dim=int(get("feed_forward_length")),
-            vocab_size=int(vocab), head_dim=int(get("attention.key_length", 0) or 0),
-            rope_base=float(get("rope.freq_base", 10000.0)), rope_dims=int(get("rope.dimension_count", 0) or 0),
+        scaling = model.get(f"{arch}.rope.scaling.type")
+        n_heads = integer("attention.head_count")
+        dim = integer("embedding_length")
+        head_dim = integer("attention.key_length", 0, minimum=0)
+        if not head_dim and dim % n_heads:
+            raise IngotError(f"{model.path}: {arch}.embedding_length {dim} is not a multiple of "
+                             f"{arch}.attention.head_count {n_heads}.")
+        head_dim = head_dim or dim // n_heads
+        rope_dims = integer("rope.dimension_count", 0, minimum=0)
+        if rope_dims > head_dim or rope_dims % 2:
+            raise IngotError(f"{model.path}: {arch}.rope.dimension_count is {rope_dims}; it must be even and at most "
+                             f"the head dimension {head_dim}.")
+        n_kv_heads = integer("attention.head_count_kv", n_heads)
+        if n_heads % n_kv_heads:
+            raise IngotError(f"{model.path}: {arch}.attention.head_count {n_heads} is not a multiple of "
+                             f"{arch}.attention.head_count_kv {n_kv_heads}.")
+        values = dict(
+            n_layers=integer("block_count"), dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+            ffn_dim=integer("feed_forward_length"), vocab_size=int(vocab), head_dim=head_dim,
+            rope_base=number("rope.freq_base", 10000.0, exclusive_minimum=True), rope_dims=rope_dims,
             rope_interleaved=arch not in ("qwen2",),  # llama.cpp runs qwen2 with NEOX (half-split) RoPE
-            rope_scale=float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            context_length=int(get("context_length", 2048)),
+            rope_scale=number("rope.scaling.factor", 1.0, exclusive_minimum=True) if scaling == "linear" else 1.0,
+            norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5, maximum=1.0),
+            context_length=integer("context_length", 2048),
             tied_embeddings="output.weight" not in model.tensors,
             qkv_bias="blk.0.attn_q.bias" in model.tensors,
         )
+        try:
+            return cls(**values)
+        except IngotError as e:
+            raise IngotError(f"{model.path}: {e}") from None
 
 
 def _is_bfloat16(w) -> bool:

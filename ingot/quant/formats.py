@@ -78,19 +78,22 @@ class QuantizedTensor:
         return np.repeat(p[start:stop], self.block_size, axis=1)
 
     def to_k_major(self) -> "QuantizedTensor":
-        """The same weight transposed: logical [cols, rows], packed along rows, blocks along axis 0."""
+        """The same weight transposed: logical [cols, rows], packed along rows, blocks along axis 0.
+
+        4-bit values pack two per byte along rows, so an odd number of rows (a vocabulary of 32001)
+        cannot pack: those stay one value per byte (int4 -> int8, uint4 -> uint8), the same numbers."""
         if self.block_axis != 1:
             raise ValueError("already k-major")
         values = self.values().T                                  # [cols, rows]
-        if self.qdtype.packed:
-            if self.shape[0] % 2:
-                raise ValueError(f"k-major 4-bit needs an even number of rows, not {self.shape[0]}")
+        qdtype = self.qdtype
+        if qdtype.packed and self.shape[0] % 2 == 0:
             q = dt.pack_int4(values)
         else:
             q = np.ascontiguousarray(values)
+            qdtype = {"int4": dt.int8, "uint4": dt.uint8}.get(qdtype.name, qdtype)
         t = lambda p: None if p is None else np.ascontiguousarray(p.T)  # noqa: E731
         lut = None if self.lut is None else np.ascontiguousarray(self.lut.transpose(1, 0, 2))
-        return QuantizedTensor(q, self.qdtype, (self.shape[1], self.shape[0]), self.block_size, t(self.scale),
+        return QuantizedTensor(q, qdtype, (self.shape[1], self.shape[0]), self.block_size, t(self.scale),
                                t(self.bias), t(self.zero_point), self.source, block_axis=0, lut=lut)
 
 

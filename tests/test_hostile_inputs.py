@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ingot
-from hostile import patch_gguf_tensor, tiny_llama_gguf, write_gguf
+from hostile import onnx_add_model, onnx_model, onnx_with_external, patch_gguf_tensor, tiny_llama_gguf, write_gguf
 from ingot import IngotError
 from ingot.cli import main
 
@@ -117,3 +117,139 @@ def test_odd_vocabulary_with_a_4bit_embedding_loads(tmp_path, qtype):
     want = reference.run(feeds, state=reference.new_state())[0]
     assert got.shape == (1, 271)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# -- ONNX -----------------------------------------------------------------------------------------------
+
+def secret(tmp_path):
+    path = tmp_path / "secret.bin"
+    path.write_bytes(np.full(6, 7.0, np.float32).tobytes())
+    return path
+
+
+def onnx_refused(path, *words):
+    with pytest.raises(IngotError) as e:
+        ingot.from_onnx(str(path))
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message, message
+    for w in words:
+        assert w in message, message
+    return message
+
+
+def test_onnx_external_data_symlink_out_of_the_folder(tmp_path):
+    """onnx 1.16 followed this link and returned the secret's bytes as weights."""
+    secret(tmp_path)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.symlink("../secret.bin", folder / "link.bin")
+    onnx_refused(onnx_with_external(folder, "link.bin"), "link.bin", "outside the model's folder")
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "sub/../../secret.bin"])
+def test_onnx_external_data_dotdot(tmp_path, location):
+    secret(tmp_path)
+    (tmp_path / "model" / "sub").mkdir(parents=True)
+    onnx_refused(onnx_with_external(tmp_path / "model", location), "outside the model's folder")
+
+
+@pytest.mark.parametrize("location", ["ABSOLUTE", "w.bin\0x", "a" * 5000, ""])
+def test_onnx_external_data_location_is_a_plain_relative_path(tmp_path, location):
+    location = str(secret(tmp_path)) if location == "ABSOLUTE" else location
+    onnx_refused(onnx_with_external(tmp_path / "model", location), "not a relative path")
+
+
+def test_onnx_external_data_inside_the_folder_loads(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "real.bin").write_bytes(b"\0" * 8 + np.arange(6, dtype=np.float32).tobytes())
+    os.symlink("real.bin", folder / "link.bin")  # a link that stays inside is fine
+    exe = ingot.from_onnx(str(onnx_with_external(folder, "link.bin", offset="8")))
+    assert exe.run({"x": np.ones((2, 3), np.float32)})["y"].tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+@pytest.mark.parametrize("offset, length, data, words", [
+    ("abc", None, b"\0" * 24, ["offset 'abc'"]),
+    ("-8", None, b"\0" * 24, ["offset '-8'"]),
+    ("1e3", None, b"\0" * 24, ["offset '1e3'"]),
+    ("0", "x", b"\0" * 24, ["length 'x'"]),
+    ("0", "4", b"\0" * 24, ["length is 4"]),
+    ("16", None, b"\0" * 24, ["needs bytes 16..40", "holds 24"]),
+])
+def test_onnx_external_offsets_and_lengths(tmp_path, offset, length, data, words):
+    onnx_refused(onnx_with_external(tmp_path / "m", "w.bin", offset=offset, length=length, data=data), *words)
+
+
+def save_onnx(model, path):
+    import onnx
+    onnx.save(model, str(path))
+    return path
+
+
+def test_onnx_initializer_dims_disagree_with_data(tmp_path):
+    model = onnx_add_model()
+    model.graph.initializer[0].dims[:] = [2, 4]
+    onnx_refused(save_onnx(model, tmp_path / "a.onnx"), "'w'", "[2, 4]", "24 bytes")
+    model = onnx_add_model()
+    w = model.graph.initializer[0]
+    w.ClearField("raw_data")
+    w.float_data[:] = [1.0] * 5
+    onnx_refused(save_onnx(model, tmp_path / "b.onnx"), "'w'", "[2, 3]")
+
+
+def test_onnx_unknown_data_type(tmp_path):
+    model = onnx_add_model()
+    model.graph.initializer[0].data_type = 99
+    onnx_refused(save_onnx(model, tmp_path / "a.onnx"), "'w'", "type 99")
+
+
+def constant_model(tmp_path, name, node, inits, out_type=1):
+    from onnx import helper
+    model = onnx_model([node], [], [helper.make_tensor_value_info("y", out_type, None)], inits)
+    return save_onnx(model, tmp_path / f"{name}.onnx")
+
+
+def i64(name, values):
+    from onnx import numpy_helper
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def f32(name, values):
+    from onnx import numpy_helper
+    return numpy_helper.from_array(np.array(values, np.float32), name)
+
+
+def hostile_generators():
+    from onnx import helper
+    node = helper.make_node
+    return {
+        "Range": (node("Range", ["a", "b", "c"], ["y"]), [i64("a", 0), i64("b", 2**40), i64("c", 1)], 7),
+        "ConstantOfShape": (node("ConstantOfShape", ["s"], ["y"]), [i64("s", [2**20, 2**20])], 1),
+        "OneHot": (node("OneHot", ["i", "d", "v"], ["y"]), [i64("i", [1, 2]), i64("d", [2**40]), f32("v", [0, 1])], 1),
+        "Pad": (node("Pad", ["x", "p"], ["y"]), [f32("x", [1, 2]), i64("p", [0, 2**40])], 1),
+        "Resize": (node("Resize", ["x", "", "s"], ["y"], mode="nearest"), [f32("x", [[1, 2], [3, 4]]), f32("s", [2**20, 2**20])], 1),
+        "Expand": (node("Expand", ["x", "s"], ["y"]), [f32("x", [1]), i64("s", [2**20, 2**20])], 1),
+        "CumSum": (node("CumSum", ["x", "a"], ["y"]), [f32("x", np.zeros((1, 2**17))), i64("a", 1)], 1),
+    }
+
+
+@pytest.mark.parametrize("op", ["Range", "ConstantOfShape", "OneHot", "Pad", "Resize", "Expand", "CumSum"])
+def test_onnx_generated_tensors_are_capped(tmp_path, op):
+    node, inits, out_type = hostile_generators()[op]
+    onnx_refused(constant_model(tmp_path, op, node, inits, out_type), f"{op} node", "more than this import allows")
+
+
+def test_onnx_declared_input_dim_2_31(tmp_path):
+    from onnx import helper
+    model = onnx_model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", 1, [2**31, 4])],
+                       [helper.make_tensor_value_info("y", 1, None)])
+    onnx_refused(save_onnx(model, tmp_path / "a.onnx"), "input 'x'", "2147483648")
+
+
+def test_onnx_converter_errors_on_odd_attributes_are_one_sentence(tmp_path):
+    from onnx import helper
+    # a float where ints belong, and a mode string that is not one
+    node = helper.make_node("Transpose", ["x"], ["y"], perm=[1.5, 0.5])
+    onnx_refused(constant_model(tmp_path, "t", node, [f32("x", [[1, 2]])]), "Transpose")
+    node = helper.make_node("Range", ["a", "b", "c"], ["y"])
+    onnx_refused(constant_model(tmp_path, "r", node, [i64("a", 0), i64("b", 5), i64("c", 0)], 7), "Range")

@@ -17,11 +17,18 @@ they need (a Reshape's shape, a Slice's bounds) with `ctx.constant(...)`. Each O
 converter in `onnx_ops.CONVERTERS`; the graph they build is plain Ingot, which the compiler's own
 passes then rewrite (hand-written attention -> SDPA, DequantizeLinear -> MatMul -> quantized_matmul).
 
+Untrusted files: external data must resolve (symlinks followed) to a file inside the model's folder
+and is read by Ingot itself, whatever the onnx version; every tensor the import creates (inputs,
+constants it generates, op outputs) holds at most `element_budget(model)` elements: the larger of
+MIN_ELEMENT_BUDGET (2**26) and 16x the model's own weights, so a few bytes of a Range, ConstantOfShape,
+Resize, OneHot, Pad or input dimension cannot claim terabytes.
+
 ONNX types Ingot lacks are computed in the nearest Ingot type (double in float32, int16/uint16 in
 int32, uint32/uint64 in int64); `OnnxExecutable.run` casts the outputs back to the declared types.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,7 +44,9 @@ from ..ir import GroupOp, Op, Program, TensorType
 from ..runtime import Executable, Outputs
 from . import onnx_attention, onnx_math, onnx_nn, onnx_quant, onnx_shape, onnx_signal  # noqa: F401  (registration)
 from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
-                       UnsupportedOnnx, as_ingot_array, ingot_dtype)
+                       MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array, ingot_dtype)
+
+MAX_LOCATION_CHARS = 4096  # an external data location (PATH_MAX)
 
 __all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImport", "UnsupportedOnnx", "NeedsConstant",
            "supported_ops"]
@@ -68,23 +77,78 @@ def load_model(model_or_path, what: str | None = None):
     base = path.parent
     for tensor in _all_tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            info = {e.key: e.value for e in tensor.external_data}
-            location = info.get("location", "")
-            file = (base / location).resolve()
-            if not location or not file.is_file():
-                raise IngotError(f"{what}: tensor {tensor.name!r} keeps its data in the external file {location!r}, "
-                                 f"which does not exist next to the model ({base}).")
-            offset, length = int(info.get("offset", 0) or 0), info.get("length")
-            size = file.stat().st_size
-            if length is not None and offset + int(length) > size:
-                raise IngotError(f"{what}: tensor {tensor.name!r} needs bytes {offset}..{offset + int(length)} of "
-                                 f"{location!r}, which holds {size}.")
-    try:
-        from onnx.external_data_helper import load_external_data_for_model
-        load_external_data_for_model(model, str(base))
-    except Exception as e:
-        raise IngotError(f"{what}: its external data could not be read ({type(e).__name__}: {e}).") from None
+            _read_external(tensor, base, what)
     return model
+
+
+def _external_int(tensor, info: dict, key: str, what: str) -> int | None:
+    text = info.get(key)
+    if text is None or text == "":
+        return None
+    if not text.isascii() or not text.isdigit() or len(text) > 20:
+        raise IngotError(f"{what}: tensor {_name(tensor)} has external data {key} {text[:40]!r}, not a non-negative integer.")
+    return int(text)
+
+
+def _name(tensor) -> str:
+    return repr(tensor.name if len(tensor.name) <= 80 else tensor.name[:77] + "...")
+
+
+def _read_external(tensor, base: Path, what: str) -> None:
+    """Read a tensor's external data into it, from a file that resolves (symlinks followed) inside
+    the model's folder; refuse anything else with one IngotError. Ingot checks this itself: onnx
+    1.16 followed a symlink out of the folder."""
+    import onnx
+
+    info = {e.key: e.value for e in tensor.external_data}
+    location = info.get("location", "")
+    if not location or "\0" in location or len(location) > MAX_LOCATION_CHARS or os.path.isabs(location) \
+            or any(len(part.encode()) > 255 for part in location.replace("\\", "/").split("/")):
+        raise IngotError(f"{what}: tensor {_name(tensor)} names its external data file {location[:80]!r}, which is not a "
+                         "relative path of a file beside the model.")
+    folder = os.path.realpath(base)
+    file = os.path.realpath(os.path.join(folder, location))
+    if os.path.commonpath([folder, file]) != folder:
+        raise IngotError(f"{what}: tensor {_name(tensor)} keeps its data in {location[:80]!r}, which resolves to a file outside "
+                         f"the model's folder {folder}; refused.")
+    if not os.path.isfile(file):
+        raise IngotError(f"{what}: tensor {_name(tensor)} keeps its data in the external file {location[:80]!r}, which does not "
+                         f"exist next to the model ({base}).")
+    offset = _external_int(tensor, info, "offset", what) or 0
+    length = _external_int(tensor, info, "length", what)
+    size = os.path.getsize(file)
+    itemsize = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 14: 8, 15: 16, 16: 2}
+    count = _element_count(tensor, what)
+    if tensor.data_type in itemsize:
+        need = count * itemsize[tensor.data_type]
+        if length is not None and length != need:
+            raise IngotError(f"{what}: tensor {_name(tensor)} has dims {list(tensor.dims)} ({need} bytes) but its external data "
+                             f"length is {length}.")
+        length = need
+    elif length is None:
+        length = size - offset
+    if offset + length > size:
+        raise IngotError(f"{what}: tensor {_name(tensor)} needs bytes {offset}..{offset + length} of {location[:80]!r}, which "
+                         f"holds {size}.")
+    try:
+        with open(file, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except OSError as e:
+        raise IngotError(f"{what}: the external data of tensor {_name(tensor)} cannot be read ({e.strerror}).") from None
+    tensor.raw_data = data
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+def _element_count(tensor, what: str) -> int:
+    """A TensorProto's element count from its dims, each checked (>= 0; the product in Python integers)."""
+    count = 1
+    for d in tensor.dims:
+        if d < 0:
+            raise IngotError(f"{what}: tensor {_name(tensor)} has a negative dimension in {list(tensor.dims)}.")
+        count *= int(d)
+    return count
 
 
 def _all_tensors(model):
@@ -125,10 +189,10 @@ class OnnxImport:
     constant_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # inputs fixed at import
 
 
-def _attribute_value(attr) -> Any:
-    from onnx import helper, numpy_helper
+def _attribute_value(attr, what: str = "onnx model") -> Any:
+    from onnx import helper
     if attr.type == attr.TENSOR:
-        return _tensor_array(attr.t)
+        return _tensor_array(attr.t, what)
     if attr.type == attr.GRAPH or attr.type == attr.GRAPHS:
         return attr.g if attr.type == attr.GRAPH else list(attr.graphs)
     value = helper.get_attribute_value(attr)
@@ -137,22 +201,47 @@ def _attribute_value(attr) -> Any:
     if isinstance(value, list) and value and isinstance(value[0], bytes):
         return [v.decode("utf-8", "replace") for v in value]
     if attr.type == attr.TENSORS:
-        return [numpy_helper.to_array(t) for t in value]
+        return [_tensor_array(t, what) for t in value]
     return value
 
 
-def _tensor_array(tensor) -> np.ndarray:
-    """A TensorProto's values; 4-bit types unpacked to int8/uint8 (the caller packs them)."""
+def _tensor_array(tensor, what: str = "onnx model") -> np.ndarray:
+    """A TensorProto's values; 4-bit types unpacked to int8/uint8 (the caller packs them). Its type
+    must be one Ingot computes and its data must hold exactly what its dims say."""
     from onnx import numpy_helper
     if tensor.data_type == 8:
-        raise UnsupportedOnnx(f"tensor {tensor.name!r} holds strings, which Ingot does not compute.")
-    array = numpy_helper.to_array(tensor)
+        raise UnsupportedOnnx(f"{what}: tensor {_name(tensor)} holds strings, which Ingot does not compute.")
+    if tensor.data_type not in ONNX_DTYPES and tensor.data_type not in (21, 22):
+        raise UnsupportedOnnx(f"{what}: tensor {_name(tensor)} has ONNX type "
+                              f"{ONNX_TYPE_NAMES.get(tensor.data_type, tensor.data_type)}, which Ingot does not compute.")
+    count = _element_count(tensor, what)
+    if tensor.HasField("raw_data"):
+        itemsize = ONNX_DTYPES[tensor.data_type][1].itemsize if tensor.data_type in ONNX_DTYPES else 0.5
+        if len(tensor.raw_data) != math.ceil(count * itemsize):
+            raise IngotError(f"{what}: tensor {_name(tensor)} has dims {list(tensor.dims)} ({count} elements) but "
+                             f"{len(tensor.raw_data)} bytes of data.")
+    try:
+        array = numpy_helper.to_array(tensor)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise IngotError(f"{what}: tensor {_name(tensor)} (dims {list(tensor.dims)}) does not hold the data its dims and type "
+                         f"say ({type(e).__name__}: {' '.join(str(e).split())[:200]}).") from None
+    if array.size != count:
+        raise IngotError(f"{what}: tensor {_name(tensor)} has dims {list(tensor.dims)} ({count} elements) but holds {array.size}.")
     if array.dtype.name in ("int4", "uint4"):
         return array.astype(np.int8 if array.dtype.name == "int4" else np.uint8)
-    if tensor.data_type not in ONNX_DTYPES and tensor.data_type not in (21, 22):
-        raise UnsupportedOnnx(f"tensor {tensor.name!r} has ONNX type {ONNX_TYPE_NAMES.get(tensor.data_type, tensor.data_type)}, "
-                              "which Ingot does not compute.")
     return array
+
+
+def element_budget(model) -> int:
+    """The most elements any one tensor of this model's import may hold: MIN_ELEMENT_BUDGET, or
+    WEIGHT_BUDGET_FACTOR times the model's own weights when those are larger."""
+    weights = 0
+    for init in model.graph.initializer:
+        count = 1
+        for d in init.dims:
+            count *= max(int(d), 0)
+        weights += count
+    return max(MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR * weights)
 
 
 def _value_type(vi, what: str, shapes: Mapping[str, Sequence[int]]) -> tuple[TensorType, np.dtype]:
@@ -261,14 +350,14 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     check_supported(model, what)
     input_shapes = dict(input_shapes or {})
     graph = model.graph
-    g = ImportGraph()
+    g = ImportGraph(element_budget(model))
     if quantize is not None:
         from ..quant import parse_format
         quantize = parse_format(quantize)
     ctx = Context(g, what, opsets, quantize)
     values: dict[str, Tensor] = {}
     for init in graph.initializer:
-        array = _tensor_array(init)
+        array = _tensor_array(init, what)
         values[init.name] = _constant(g, array, init.data_type, init.name)
     for init in graph.sparse_initializer:
         raise UnsupportedOnnx(f"{what}: sparse initializer {init.values.name!r} is not supported.")
@@ -286,6 +375,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
             inputs[vi.name] = values[vi.name]
             input_dtypes[vi.name] = declared
             continue
+        g.check_elements(t.shape, f"{what}: input {vi.name!r}")
         placeholder = g.placeholder(t.shape, t.dtype, name=vi.name)
         inputs[vi.name] = values[vi.name] = placeholder
         input_dtypes[vi.name] = declared
@@ -296,7 +386,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     for node in _topological(graph, set(values), what):
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         converter = CONVERTERS[(domain, node.op_type)]
-        attrs = {a.name: _attribute_value(a) for a in node.attribute}
+        attrs = {a.name: _attribute_value(a, what) for a in node.attribute}
         onode = OnnxNode(node.op_type, domain, node.name, [values[i] if i else None for i in node.input], attrs,
                          list(node.output), opsets.get(domain, 1))
         try:
@@ -304,7 +394,12 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
         except UnsupportedOnnx:
             raise
         except IngotError as e:
-            raise IngotError(f"{what}: {onode.label}: {e}") from None
+            message = str(e)
+            raise IngotError(message if message.startswith(f"{what}: ") else f"{what}: {onode.label}: {message}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError) as e:
+            # a converter meeting an attribute or operand of a form it does not expect: the file's doing
+            raise IngotError(f"{what}: {onode.label} has attributes or inputs the importer cannot use "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]}).") from None
         for name, out in zip(node.output, outs):
             if name and out is not None:
                 values[name] = _settle(g, out, name)

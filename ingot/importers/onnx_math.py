@@ -411,6 +411,7 @@ def _positions(ctx: Context, n: int, rank: int, axis: int, dtype: dt.DType) -> T
     """arange(n) shaped to lie along `axis` of a rank-`rank` tensor."""
     shape = [1] * rank
     shape[axis] = n
+    ctx.g.check_elements(n, f"{ctx.what}: a table of {n} positions")
     return ctx.g.constant(np.arange(n, dtype=dtype.numpy).reshape(shape))
 
 
@@ -431,6 +432,9 @@ def _one_hot(ctx: Context, node: OnnxNode):
     indices, values = node.inputs[0], node.inputs[2]
     g = ctx.g
     depth = int(np.asarray(ctx.constant(node, 1, "depth")).reshape(-1)[0])
+    if depth < 1:
+        raise IngotError(f"depth {depth} is not positive")
+    ctx.check_elements(node, list(indices.shape) + [depth])
     idx = indices if indices.dtype == dt.int64 else g.cast(indices, dt.int64)
     idx = g.where(idx < scalar(ctx, 0, idx), idx + scalar(ctx, depth, idx), idx)
     rank = idx.ndim + 1
@@ -450,6 +454,7 @@ def _cumsum(ctx: Context, node: OnnxNode):
         raise ctx.fail(node, "a bool input")
     axis = normalize_axis("CumSum", int(np.asarray(ctx.constant(node, 1, "axis")).reshape(-1)[0]), x.ndim)
     n = x.shape[axis]
+    ctx.check_elements(node, (n, n), "its summation matrix")
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     exclusive, reverse = node.attr("exclusive", 0), node.attr("reverse", 0)
     take = (i > j if exclusive else i >= j) if reverse else (i < j if exclusive else i <= j)  # y_j = sum_i x_i take[i, j]

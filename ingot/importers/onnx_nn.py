@@ -483,6 +483,11 @@ def _resize(ctx: Context, node: OnnxNode):
         full_sizes = [int(s * d) for s, d in zip(full_scales, x.shape)]
     else:
         raise IngotError("neither scales nor sizes")
+    if any(d < 0 for d in full_sizes) or not all(math.isfinite(v) and v > 0 for v in full_scales):
+        raise IngotError(f"scales {full_scales} / sizes {full_sizes} are not positive")
+    ctx.check_elements(node, full_sizes)
+    for a in range(r):
+        ctx.check_elements(node, (full_sizes[a], x.shape[a]), f"its interpolation matrix along axis {a}")
     fct = _resize_coefficients(node)
     transform = node.attr("coordinate_transformation_mode", "half_pixel" if node.opset >= 11 else "asymmetric")
     kwargs = dict(coordinate_transformation_mode=transform, exclude_outside=bool(node.attr("exclude_outside", 0)))

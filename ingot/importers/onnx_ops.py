@@ -12,6 +12,7 @@ express raises `ctx.fail(node, why)` (UnsupportedOnnx).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -53,6 +54,8 @@ ONNX_TYPE_NAMES = {1: "float", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6
                    20: "float8e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4e2m1"}
 
 KNOWN_MAX_ELEMENTS = 1 << 22  # ops on known values up to this size are computed at import
+MIN_ELEMENT_BUDGET = 1 << 26  # no tensor of an import holds more elements than this, unless the model's
+WEIGHT_BUDGET_FACTOR = 16     # weights are larger: then up to this many times their element count
 
 
 def ingot_dtype(elem_type: int, what: str) -> dt.DType:
@@ -77,12 +80,23 @@ def as_ingot_array(array: np.ndarray) -> np.ndarray:
 class ImportGraph(Graph):
     """A Graph that also computes every op whose inputs are all known (constants), as it is built."""
 
-    def __init__(self):
+    def __init__(self, max_elements: int = MIN_ELEMENT_BUDGET):
         super().__init__()
         self.known: dict[int, np.ndarray] = {}
+        self.max_elements = max_elements
+
+    def check_elements(self, shape, what: str) -> None:
+        """IngotError when a tensor of `shape` (or of that many elements) would exceed the import's budget."""
+        count = shape if isinstance(shape, (int, np.integer)) else math.prod(int(d) for d in shape if d is not None)
+        if count > self.max_elements:
+            shown = f"{count} elements" if isinstance(shape, (int, np.integer)) else f"shape {[int(d) for d in shape]}"
+            raise IngotError(f"{what} would hold {shown}, more than this import allows ({self.max_elements} elements: "
+                             f"the larger of {MIN_ELEMENT_BUDGET} and {WEIGHT_BUDGET_FACTOR}x the model's weights).")
 
     def _op(self, op, src, attrs=None, name=None):
         out = super()._op(op, src, attrs, name)
+        if isinstance(out.node.type, TensorType):
+            self.check_elements(out.node.type.shape, f"the {op.name.lower()} result")
         if op in GroupOp.Source or op in (Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.CALL, Op.GET_ITEM):
             return out
         t = out.node.type
@@ -153,6 +167,10 @@ class Context:
             raise NeedsConstant(f"{self.what}: {node.label} needs its {what} (input {i}) known at import, but it is computed "
                                 f"at run time{hint}.", sources)
         return v
+
+    def check_elements(self, node: OnnxNode, shape, what: str = "its output") -> None:
+        """Refuse (IngotError) a tensor this node would create that exceeds the import's element budget."""
+        self.g.check_elements(shape, f"{self.what}: {node.label}: {what}")
 
     def fail(self, node: OnnxNode, message: str) -> UnsupportedOnnx:
         return UnsupportedOnnx(f"{self.what}: {node.label}: {message}.")

@@ -182,13 +182,20 @@ def _tile(ctx: Context, node: OnnxNode):
 def _range(ctx: Context, node: OnnxNode):
     start, limit, delta = (ctx.constant(node, i, w) for i, w in enumerate(("start", "limit", "delta")))
     dtype = node.inputs[0].dtype.storage
-    count = max(int(math.ceil((float(limit) - float(start)) / float(delta))), 0)
+    span = (float(limit) - float(start)) / float(delta) if float(delta) else math.inf
+    if not math.isfinite(span):
+        raise IngotError(f"start {start}, limit {limit} and delta {delta} give no finite number of values")
+    count = max(int(math.ceil(span)), 0)
+    ctx.check_elements(node, count)
     return [ctx.g.constant((start + np.arange(count) * delta).astype(dtype))]
 
 
 @converter("ConstantOfShape")
 def _constant_of_shape(ctx: Context, node: OnnxNode):
     shape = ints(ctx.constant(node, 0, "shape"))
+    if any(d < 0 for d in shape):
+        raise IngotError(f"shape {shape} has a negative dimension")
+    ctx.check_elements(node, shape)
     value = node.attr("value")
     fill = np.zeros(1, np.float32) if value is None else as_ingot_array(value)
     return [ctx.g.constant(np.full(shape, fill.reshape(-1)[0], fill.dtype))]
@@ -216,6 +223,7 @@ def _constant(ctx: Context, node: OnnxNode):
 def _eye_like(ctx: Context, node: OnnxNode):
     (x,) = node.inputs
     dtype = x.dtype if node.attr("dtype") is None else onnx_to_ingot_dtype(ctx, node, node.attr("dtype"))
+    ctx.check_elements(node, x.shape[:2])
     return [ctx.g.constant(np.eye(x.shape[0], x.shape[1], k=node.attr("k", 0), dtype=dtype.numpy))]
 
 

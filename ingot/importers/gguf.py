@@ -72,7 +72,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..quant.formats import QuantizedTensor
 
-__all__ = ["GGUFModel", "read_gguf", "SUPPORTED_TYPES", "metadata_int", "metadata_float"]
+__all__ = ["GGUFModel", "read_gguf", "SUPPORTED_TYPES"]
 
 _T = _gguf.GGMLQuantizationType
 _V = _gguf.GGUFValueType
@@ -291,45 +291,6 @@ def _field_value(path: str, key: str, f) -> Any:
     if main is None:
         return None
     return f.parts[-1].tolist()[0]
-
-
-def metadata_int(model, key: str, default: int | None = None, minimum: int = 1, maximum: int = 1 << 31) -> int:
-    """The integer metadata value `key` of a GGUFModel (or anything with .path and .get), checked:
-    stored as an integer (not a string, float or bool) and within [minimum, maximum]; `default`
-    when absent (None: the key is required). One IngotError naming the file, key and value."""
-    value = model.get(key)
-    if value is None:
-        if default is None:
-            raise IngotError(f"{model.path}: metadata lacks {key}.")
-        return default
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise IngotError(f"{model.path}: metadata key {key} is {_short(value)} ({type(value).__name__}), not an integer.")
-    value = int(value)
-    if not minimum <= value <= maximum:
-        raise IngotError(f"{model.path}: metadata key {key} is {value}, outside {minimum}..{maximum}.")
-    return value
-
-
-def metadata_float(model, key: str, default: float, minimum: float = 0.0, maximum: float = 1e30,
-                   exclusive_minimum: bool = False) -> float:
-    """A finite number-valued metadata value (integers accepted), within [minimum, maximum] (or
-    (minimum, maximum] with exclusive_minimum); `default` when absent."""
-    value = model.get(key)
-    if value is None:
-        return default
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise IngotError(f"{model.path}: metadata key {key} is {_short(value)} ({type(value).__name__}), not a number.")
-    value = float(value)
-    low_ok = value > minimum if exclusive_minimum else value >= minimum
-    if not (np.isfinite(value) and low_ok and value <= maximum):
-        raise IngotError(f"{model.path}: metadata key {key} is {value}, outside {'(' if exclusive_minimum else '['}"
-                         f"{minimum}, {maximum}].")
-    return value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class LlamaConfig:
     def from_gguf(cls, model) -> "LlamaConfig":
         """The config a GGUF file's metadata describes, every value checked (type, range, consistency)
         before anything is allocated from it."""
-        from ..importers.gguf import metadata_float, metadata_int
+        from ..untrusted import metadata_float, metadata_int
 
         arch = model.architecture
         if arch not in ARCHITECTURES:

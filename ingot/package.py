@@ -27,6 +27,7 @@ graph.json; 2 stores them as safetensors BF16 and C64 and records the input orde
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -41,6 +42,7 @@ from . import dtypes as dt
 from .errors import IngotError
 from .ops.fused import Body
 from .ir import Node, Op, Program, Ref, TensorType
+from .untrusted import clip, inside, loads, read_json, short
 from .verify import verify
 
 FORMAT = "ingot-package"
@@ -126,7 +128,10 @@ def _encode_type(t) -> Any:
 def _decode_type(v) -> Any:
     if "tuple" in v:
         return tuple(_decode_type(x) for x in v["tuple"])
-    return TensorType(v["shape"], dt.by_name(v["dtype"]))
+    shape = v["shape"]
+    if not isinstance(shape, list) or not all(d is None or _is_count(d) for d in shape):
+        raise IngotError(f"graph.json has a tensor type with shape {short(shape)}, not a list of non-negative integers")
+    return TensorType(shape, dt.by_name(v["dtype"]))
 
 
 # -- save ---------------------------------------------------------------------------------------
@@ -215,10 +220,7 @@ def atomic_directory(path: Path):
 def _read_json(path: Path, what: type = dict) -> Any:
     if not path.is_file():
         raise IngotError(f"package: {path} is missing.")
-    try:
-        value = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IngotError(f"package: {path} is not valid JSON ({e}).") from None
+    value = read_json(path, f"package: {path}")
     if not isinstance(value, what):
         raise IngotError(f"package: {path} holds a JSON {type(value).__name__}, not an object.")
     return value
@@ -236,10 +238,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
             raise IngotError(f"package: {path} is truncated: its header claims {n} bytes but the file has {size}.")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise IngotError(f"package: {path} has a corrupt header.") from None
+        header = loads(f.read(n), f"package: {path}'s header")
     if not isinstance(header, dict):
         raise IngotError(f"package: {path} has a corrupt header (not a JSON object).")
     data_size = size - 8 - n
@@ -250,21 +249,27 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         try:
             kind = ST_DTYPES[info["dtype"]]
             dtype = dt.bfloat16.storage if info["dtype"] == "BF16" else np.dtype(kind)
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if not all(_is_count(v) for v in (*shape, begin, end)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise IngotError(f"package: {path} entry {name!r} is malformed ({info}).") from None
-        count = int(np.prod(shape, dtype=np.int64))
+            raise IngotError(f"package: {path} entry {short(name)} is malformed ({short(info, 200)}).") from None
+        count = math.prod(shape)  # Python integers: a product that would wrap in int64 stays too big
         if begin < 0 or end - begin != count * dtype.itemsize:
-            raise IngotError(f"package: {path} entry {name!r} has {end - begin} bytes for {dtype}{list(shape)}.")
+            raise IngotError(f"package: {path} entry {short(name)} has {end - begin} bytes for {dtype}{list(shape)}.")
         if end > data_size:
-            raise IngotError(f"package: {path} is truncated: tensor {name!r} needs bytes {begin}..{end} "
+            raise IngotError(f"package: {path} is truncated: tensor {short(name)} needs bytes {begin}..{end} "
                              f"but the data section has {data_size}.")
         if count == 0:
             out[name] = np.zeros(shape, dtype)
         else:
             out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + begin, shape=shape)
     return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _check_tensor(path: Path, what: str, name: str, array: np.ndarray, t: TensorType) -> None:
@@ -336,14 +341,15 @@ def read_package(path: Path) -> tuple[Program, dict, dict]:
         if str(e).startswith("package:"):
             raise
         raise IngotError(f"package: {path}/graph.json is malformed: {e}") from None
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise IngotError(f"package: {path}/graph.json is malformed ({type(e).__name__}: {e}).") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise IngotError(f"package: {path}/graph.json is malformed ({type(e).__name__}: {clip(e)}).") from None
     try:
         verify(program)
     except IngotError as e:
         raise IngotError(f"package: {path}/graph.json does not describe a valid program: {e}") from None
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise IngotError(f"package: {path}/graph.json does not describe a valid program ({type(e).__name__}: {e}).") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise IngotError(f"package: {path}/graph.json does not describe a valid program ({type(e).__name__}: "
+                         f"{clip(e)}).") from None
     graph["inputs"] = inputs
     names = graph.get("output_names")  # absent in packages written before outputs had names
     if names is not None and (not isinstance(names, list) or len(names) != len(program.outputs)
@@ -358,6 +364,8 @@ def callable_names(path: Path, manifest: dict) -> list[str]:
     if not isinstance(names, list):
         raise IngotError(f"package: {path}/manifest.json has callables {names!r}, not a list of names.")
     for name in names:
-        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
-            raise IngotError(f"package: {path}/manifest.json names a callable {name!r} that is not a plain name.")
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name \
+                or len(name.encode()) > 200:
+            raise IngotError(f"package: {path}/manifest.json names a callable {short(name)} that is not a plain name.")
+        inside(path, f"callables/{name}.ingot", f"package: {path}/manifest.json callable {short(name)}")
     return names

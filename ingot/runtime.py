@@ -302,7 +302,9 @@ def load(path, device: str | None = None) -> Executable:
     program.regions = regions
     callables = {name: load(path / "callables" / f"{name}.ingot", device)
                  for name in package.callable_names(path, manifest)}
-    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
+    history = graph.get("history", [])
+    history = [(str(h[0]), bool(h[1])) for h in (history if isinstance(history, list) else [])
+               if isinstance(h, list) and len(h) == 2]
     device = device or manifest.get("device", "cpu")
     try:
         return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"],

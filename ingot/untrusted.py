@@ -31,6 +31,12 @@ MAX_JSON_DEPTH = 64           # nesting of arrays and objects in manifest.json, 
 MAX_JSON_BYTES = 1 << 30      # a JSON file Ingot reads whole
 
 
+def clip(text: Any, limit: int = 200) -> str:
+    """str(text) on one line, cut to `limit` characters (for an exception's message inside a sentence)."""
+    text = " ".join(str(text).split()).rstrip(".")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def short(value: Any, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters (a hostile value may be megabytes long)."""
     text = repr(value)

@@ -3,7 +3,10 @@ IngotError sentence (the CLI: one `error:` line, exit 2), fast, without allocati
 claims; and a valid file with an odd shape loads."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -13,7 +16,8 @@ import numpy as np
 import pytest
 
 import ingot
-from hostile import onnx_add_model, onnx_model, onnx_with_external, patch_gguf_tensor, tiny_llama_gguf, write_gguf
+from hostile import (nested_json, onnx_add_model, onnx_model, onnx_with_external, patch_gguf_tensor, safetensors_bytes,
+                     tiny_llama_gguf, tiny_package, write_gguf)
 from ingot import IngotError
 from ingot.cli import main
 
@@ -253,3 +257,153 @@ def test_onnx_converter_errors_on_odd_attributes_are_one_sentence(tmp_path):
     onnx_refused(constant_model(tmp_path, "t", node, [f32("x", [[1, 2]])]), "Transpose")
     node = helper.make_node("Range", ["a", "b", "c"], ["y"])
     onnx_refused(constant_model(tmp_path, "r", node, [i64("a", 0), i64("b", 5), i64("c", 0)], 7), "Range")
+
+
+# -- packages -------------------------------------------------------------------------------------------
+
+def package_refused(path, *words):
+    with pytest.raises(IngotError) as e:
+        ingot.load(str(path))
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message, message
+    for w in words:
+        assert w in message, message
+
+
+def edit_json(path, fn):
+    data = json.loads(path.read_text())
+    out = fn(data)
+    path.write_text(out if isinstance(out, str) else json.dumps(data))
+
+
+def edit_safetensors_header(path, fn):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    new = fn(header)
+    path.write_bytes(safetensors_bytes(new if new is not None else header, raw[8 + n:]))
+
+
+@pytest.mark.parametrize("file", ["manifest.json", "graph.json"])
+def test_package_deeply_nested_json(tmp_path, file):
+    pkg = tiny_package(tmp_path / "p.ingot")
+    (pkg / file).write_text(nested_json(100_000))
+    package_refused(pkg, file, "deeper than")
+    (pkg / file).write_text('{"nodes": [{"attrs": {"a": ' + nested_json(900) + '}}]}')  # within Python's limit, not ours
+    package_refused(pkg, file, "deeper than")
+
+
+def constant_entry(header):
+    return next(v for k, v in header.items() if k != "__metadata__")
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda h: nested_json(100_000), ["header", "deeper than"]),
+    (lambda h: constant_entry(h).update(shape=[2**32, 2**32, 1]), ["24 bytes", "4294967296"]),  # np.prod wraps to 0
+    (lambda h: constant_entry(h).update(shape=[2**62, 4]), ["24 bytes"]),
+    (lambda h: json.dumps(h).replace('"shape": [2, 3]', '"shape": [Infinity, 3]'), ["Infinity"]),
+    (lambda h: constant_entry(h).update(shape=[2.0, 3]), ["malformed"]),
+    (lambda h: constant_entry(h).update(shape=None), ["malformed"]),
+    (lambda h: constant_entry(h).update(data_offsets=[0, None]), ["malformed"]),
+    (lambda h: {k: None for k in h}, ["malformed"]),
+])
+def test_package_safetensors_header(tmp_path, change, words):
+    pkg = tiny_package(tmp_path / "p.ingot")
+    edit_safetensors_header(pkg / "weights.safetensors", change)
+    package_refused(pkg, "weights.safetensors", *words)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda g: g.update(nodes=None), ["graph.json"]),
+    (lambda g: g["nodes"].__setitem__(0, None), ["graph.json"]),
+    (lambda g: g["nodes"][0].update(type=None), ["graph.json"]),
+    (lambda g: g["nodes"][0]["type"].update(shape=None), ["graph.json", "shape None"]),
+    (lambda g: json.dumps(g).replace('"shape": [2, 3]', '"shape": [Infinity, 3]', 1), ["Infinity"]),
+    (lambda g: json.dumps(g).replace('"shape": [2, 3]', '"shape": [1e300, 3]', 1), ["1e+300"]),
+    (lambda g: json.dumps(g).replace('"shape": [2, 3]', '"shape": [-2, 3]', 1), ["[-2, 3]"]),
+    (lambda g: g.update(inputs=[None]), ["graph.json"]),
+    (lambda g: g.update(outputs=[[1]]), ["graph.json"]),
+    (lambda g: g.update(regions=[[99999]]), ["graph.json"]),
+])
+def test_package_graph_json_fields(tmp_path, change, words):
+    pkg = tiny_package(tmp_path / "p.ingot")
+    edit_json(pkg / "graph.json", change)
+    package_refused(pkg, *words)
+
+
+@pytest.mark.parametrize("callables", [["a" * 5000], [None], ["../x"], ["x\0y"]])
+def test_package_callable_names(tmp_path, callables):
+    pkg = tiny_package(tmp_path / "p.ingot")
+    edit_json(pkg / "manifest.json", lambda m: m.update(callables=callables))
+    package_refused(pkg, "manifest.json", "callable")
+
+
+def test_package_callable_symlinked_out_of_the_folder(tmp_path):
+    pkg = tiny_package(tmp_path / "p.ingot")
+    tiny_package(tmp_path / "elsewhere.ingot")
+    (pkg / "callables").mkdir()
+    os.symlink(tmp_path / "elsewhere.ingot", pkg / "callables" / "x.ingot")
+    edit_json(pkg / "manifest.json", lambda m: m.update(callables=["x"]))
+    package_refused(pkg, "outside")
+
+
+def test_package_null_device_and_odd_history(tmp_path):
+    pkg = tiny_package(tmp_path / "p.ingot")
+    edit_json(pkg / "graph.json", lambda g: g.update(history=5))
+    assert ingot.load(str(pkg)).run({"x": np.zeros((2, 3), np.float32)})[0].tolist() == [[1.0] * 3] * 2
+    edit_json(pkg / "manifest.json", lambda m: m.update(device=None))
+    package_refused(pkg, "device")
+
+
+# -- LLM packages ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm_package(tmp_path_factory):
+    from ingot.convert import convert
+    folder = tmp_path_factory.mktemp("llm")
+    convert(tiny_llama_gguf(folder / "t.gguf"), folder / "src.ingot", quantize="int4:32")
+    return folder / "src.ingot"
+
+
+def quantized_entry(info):
+    return next(v for v in info["tensors"].values() if v["kind"] == "quantized")
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda i: i.update(adapter_sites=["../../outside"]), ["adapter site", "'../../outside'"]),
+    (lambda i: i.update(adapter_sites=[None]), ["adapter site", "None"]),
+    (lambda i: i.update(adapter_sites="x"), ["adapter_sites"]),
+    (lambda i: nested_json(100_000), ["deeper than"]),
+    (lambda i: i["config"].update(dim=None), ["dim", "None"]),
+    (lambda i: i["config"].update(n_heads="4"), ["n_heads", "'4'"]),
+    (lambda i: i["config"].update(n_heads=0), ["n_heads", "0"]),
+    (lambda i: i["config"].update(context_length=-1), ["context_length", "-1"]),
+    (lambda i: json.dumps(i).replace('"rope_base": 10000.0', '"rope_base": NaN'), ["NaN"]),
+    (lambda i: i.update(tensors=None), ["llm.json"]),
+    (lambda i: quantized_entry(i).update(shape=[2**40, 64]), ["1099511627776", "do not fit"]),
+    (lambda i: quantized_entry(i).update(block_size=0), ["blocks of 0"]),
+    (lambda i: i.update(metadata=[1]), ["metadata"]),
+])
+def test_llm_package_llm_json(tmp_path, llm_package, change, words):
+    from ingot.llm.package import read_llm
+    pkg = tmp_path / "m.ingot"
+    shutil.copytree(llm_package, pkg)
+    (tmp_path / "outside.ingot").mkdir()
+    edit_json(pkg / "llm.json", change)
+    with pytest.raises(IngotError) as e:
+        read_llm(pkg)
+    assert "\n" not in str(e.value) and str(pkg) in str(e.value)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_llm_package_adapter_site_symlinked_out(tmp_path, llm_package):
+    from ingot.llm.package import read_llm
+    pkg = tmp_path / "m.ingot"
+    shutil.copytree(llm_package, pkg)
+    tiny_package(tmp_path / "elsewhere.ingot")
+    (pkg / "callables").mkdir(exist_ok=True)
+    os.symlink(tmp_path / "elsewhere.ingot", pkg / "callables" / "blk.0.attn_q.weight.ingot")
+    edit_json(pkg / "llm.json", lambda i: i.update(adapter_sites=["blk.0.attn_q.weight"]))
+    with pytest.raises(IngotError, match="outside"):
+        read_llm(pkg)

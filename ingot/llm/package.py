@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
+from ..untrusted import clip, inside, read_json, short
 from ..quant.formats import QuantizedTensor, concat_columns
 
 LLM_FORMAT = "ingot-llm"
@@ -139,49 +140,74 @@ def read_llm(path) -> StoredModel:
     path = Path(path)
     if not is_llm_package(path):
         raise IngotError(f"{path} is not an Ingot LLM package (no {LLM_FILE}).")
-    try:
-        info = json.loads((path / LLM_FILE).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IngotError(f"{path / LLM_FILE} is not valid JSON ({e}).") from None
+    info = read_json(path / LLM_FILE)
     if not isinstance(info, dict) or info.get("format") != LLM_FORMAT:
         raise IngotError(f"{path / LLM_FILE} is not an {LLM_FORMAT} description.")
     if info.get("version") != LLM_VERSION:
         raise IngotError(f"{path / LLM_FILE} has version {info.get('version')!r}; this Ingot reads version {LLM_VERSION}.")
     try:
         known = {f.name for f in fields(LlamaConfig)}
-        config = LlamaConfig(**{k: v for k, v in info["config"].items() if k in known})
+        config = LlamaConfig(**{k: v for k, v in info["config"].items() if k in known and k != "extra"})
         weights = {k.partition(":")[2]: v for k, v in read_safetensors(path / "weights.safetensors").items()
                    if k.startswith("constant:")}
         tensors: dict = {}
         for name, spec in info["tensors"].items():
             if spec["kind"] == "quantized":
                 qdtype = dt.by_name(spec["qdtype"])
-                params = {p: np.asarray(weights[f"{name}.{p}"]) for p in spec["params"]}
+                params = {p: np.asarray(weights[f"{name}.{p}"]) for p in spec["params"] if p in _PARAMS}
                 tensors[name] = QuantizedTensor(weights[name], qdtype, tuple(spec["shape"]), int(spec["block_size"]),
                                                 params.get("scale"), params.get("bias"), params.get("zero_point"),
-                                                spec.get("source", ""), block_axis=0, lut=params.get("lut"))
+                                                str(spec.get("source", "")), block_axis=0, lut=params.get("lut"))
+                _check_quantized(path, name, tensors[name])
             elif spec["kind"] == "matrix":
                 tensors[name] = weights[name].T
             else:
                 tensors[name] = weights[name]
         if "rope_freqs" in info:
             tensors["rope_freqs.weight"] = np.asarray(info["rope_freqs"], np.float32)
-    except (KeyError, TypeError, ValueError) as e:
-        raise IngotError(f"{path}: {LLM_FILE} does not match weights.safetensors ({type(e).__name__}: {e}).") from None
+    except IngotError as e:
+        raise IngotError(f"{path}: {LLM_FILE}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise IngotError(f"{path}: {LLM_FILE} does not match weights.safetensors ({type(e).__name__}: {clip(e)}).") from None
     factors: dict = {}
     int8 = False
-    for site in info.get("adapter_sites", []):
+    sites = info.get("adapter_sites", [])
+    if not isinstance(sites, list):
+        raise IngotError(f"{path}: {LLM_FILE} has adapter_sites {short(sites)}, not a list of names.")
+    for site in sites:
         from ..runtime import load
-        a, b, int8 = factors_of(load(path / "callables" / f"{site}.ingot"))
-        names = site.split("+")
-        starts = np.concatenate([[0], np.cumsum(site_layout(config, names))])
-        for i, n in enumerate(names):
-            part = b[starts[i]:starts[i + 1]]
-            ranks = np.any(part != 0, axis=0)  # this weight's own rank columns of the stacked factors
-            if np.any(ranks):
-                factors.setdefault(n, []).append((np.ascontiguousarray(a[ranks]), np.ascontiguousarray(part[:, ranks])))
-    return StoredModel(str(path), info.get("architecture", "llama"), info.get("metadata", {}), tensors, config,
-                       AdapterSet(factors, int8=int8))
+        if not isinstance(site, str) or "/" in site or "\\" in site or site in ("", ".", "..") or len(site.encode()) > 200:
+            raise IngotError(f"{path}: {LLM_FILE} names an adapter site {short(site)}, which is not a plain name.")
+        folder = inside(path, f"callables/{site}.ingot", f"{path}: {LLM_FILE} adapter site")
+        try:
+            a, b, int8 = factors_of(load(folder))
+            names = site.split("+")
+            starts = np.concatenate([[0], np.cumsum(site_layout(config, names))])
+            for i, n in enumerate(names):
+                part = b[starts[i]:starts[i + 1]]
+                ranks = np.any(part != 0, axis=0)  # this weight's own rank columns of the stacked factors
+                if np.any(ranks):
+                    factors.setdefault(n, []).append((np.ascontiguousarray(a[ranks]), np.ascontiguousarray(part[:, ranks])))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise IngotError(f"{path}: adapter site {short(site)} does not fit the model ({type(e).__name__}: {clip(e)}).") from None
+    metadata = info.get("metadata", {})
+    architecture = info.get("architecture", "llama")
+    if not isinstance(metadata, dict) or not isinstance(architecture, str):
+        raise IngotError(f"{path}: {LLM_FILE} has metadata or architecture of the wrong type.")
+    return StoredModel(str(path), architecture, metadata, tensors, config, AdapterSet(factors, int8=int8))
+
+
+def _check_quantized(path: Path, name: str, t: QuantizedTensor) -> None:
+    """A k-major tensor read from a package: logical shape [K, N], q [K, N // 2 or N], params [K // block, N]."""
+    k, n = (int(d) for d in t.shape)
+    block = t.block_size
+    q_shape = (k, n // 2 if t.qdtype.packed else n)
+    params = [p for p in (t.scale, t.bias, t.zero_point) if p is not None]
+    if (k < 1 or n < 1 or block < 1 or k % block or (t.qdtype.packed and n % 2) or tuple(t.q.shape) != q_shape
+            or t.q.dtype != t.qdtype.storage or any(tuple(p.shape) != (k // block, n) for p in params)
+            or (t.scale is None and t.lut is None)):
+        raise IngotError(f"tensor {short(name)} is described as {t.qdtype.name}{[k, n]} in blocks of "
+                         f"{block}, which its stored arrays (q {list(t.q.shape)}) do not fit.")
 
 
 def open_model(path, bfloat16: bool = False):

@@ -407,3 +407,85 @@ def test_llm_package_adapter_site_symlinked_out(tmp_path, llm_package):
     edit_json(pkg / "llm.json", lambda i: i.update(adapter_sites=["blk.0.attn_q.weight"]))
     with pytest.raises(IngotError, match="outside"):
         read_llm(pkg)
+
+
+# -- chat templates -------------------------------------------------------------------------------------
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}",
+    "{{ ('a'*10**6)|wordwrap(1) }}",
+    "{% for c in 'a'*1000000 %}{% for d in 'a'*1000000 %}{% endfor %}{% endfor %}",
+])
+def test_chat_template_time_bound(template):
+    from ingot.llm.chat import MAX_RENDER_SECONDS, render_chat
+    start = time.monotonic()
+    with pytest.raises(IngotError, match="longer than"):
+        render_chat(template, MESSAGES)
+    assert time.monotonic() - start < MAX_RENDER_SECONDS + 5  # the bound, not the loops' hours
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 'a' * 2**31 }}", "2147483648"),
+    ("{{ [1] * 2**31 }}", "2147483648"),
+    ("{{ 'a'|center(2**31) }}", "filter center"),
+    ("{{ 'a'.center(2**31) }}", "center"),
+    ("{{ '%2000000000d' % 1 }}", "2000000000"),
+    ("{{ '{:2000000000}'.format(1) }}", "2000000000"),
+    ("{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "'~'"),
+    ("{{ ('a'*1000000)|replace('a', 'aaaaaaaaaa') }}", "filter replace"),
+    ("{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}", "rendered text"),
+])
+def test_chat_template_output_bound(template, words):
+    from ingot.llm.chat import render_chat
+    with pytest.raises(IngotError) as e:
+        render_chat(template, MESSAGES)
+    assert "stopped" in str(e.value) and words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{" + "(" * 100_000 + "1" + ")" * 100_000 + "}}", "too deeply"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "stack"),
+    ("x" * (2**20 + 1), "at most"),
+])
+def test_chat_template_parse_and_recursion(template, words):
+    from ingot.llm.chat import render_chat
+    with pytest.raises(IngotError, match=words):
+        render_chat(template, MESSAGES)
+
+
+def test_chat_template_bounds_leave_real_templates_alone():
+    from ingot.llm.chat import render_chat
+    from ingot.llm.generate import default_model_path
+    try:
+        from ingot.importers.gguf import read_gguf
+        template = read_gguf(default_model_path(), lazy=True).get("tokenizer.chat_template")
+    except IngotError:
+        pytest.skip("default model not installed")
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hello there " * 50} for i in range(200)]
+    text = render_chat(template, messages)
+    assert text.count("hello there") == 200 * 50 and text.endswith("<|im_start|>assistant\n")
+
+
+def test_tokenizer_panic_and_huge_text_are_one_sentence(monkeypatch):
+    import ingot.llm.tokenizer as tk_module
+    from hostile import tokenizer_metadata
+    tok = tk_module.Tokenizer(tokenizer_metadata())
+    assert tok.decode(tok.encode("hello")) == "hello"
+
+    class PanicException(BaseException):  # pyo3's: a BaseException that `except Exception` misses
+        pass
+
+    class Panicking:
+        def encode(self, *a, **k):
+            raise PanicException("called `Result::unwrap()` on an `Err` value")
+
+    monkeypatch.setattr(tok, "_tk", Panicking())
+    with pytest.raises(IngotError, match="unwrap"):
+        tok.encode("hello")
+    monkeypatch.setattr(tk_module, "MAX_TEXT_CHARS", 10)
+    with pytest.raises(IngotError, match="11 characters"):
+        tok.encode("hello world")

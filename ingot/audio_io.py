@@ -26,8 +26,26 @@ from typing import Iterator
 import numpy as np
 
 from .errors import IngotError
+from .files import default_file_mode
 
 INSTALL = "a dependency of Ingot: pip install -e . or pip install ingot installs it"
+
+# Bounds on what a file or an argument may ask for (the signal is held whole, as float32):
+MAX_SAMPLES = 1 << 27         # frames x channels read (512 MiB of float32; 2.3 hours of 16 kHz audio)
+MAX_SAMPLE_RATE = 1 << 20     # Hz, of a file or a resampling target
+MAX_N_FFT = 1 << 16
+MAX_MELS = 1024
+MAX_HOP_LENGTH = 1 << 20
+
+
+def check_spectrogram_parameters(n_mels: int, n_fft: int, hop_length: int | None = None,
+                                 sample_rate: int | None = None) -> None:
+    """One IngotError unless every parameter is a positive integer within its documented bound
+    (MAX_MELS, MAX_N_FFT, MAX_HOP_LENGTH, MAX_SAMPLE_RATE): checked before any audio is read."""
+    for name, value, bound in (("--mels", n_mels, MAX_MELS), ("--n-fft", n_fft, MAX_N_FFT),
+                               ("--hop-length", hop_length, MAX_HOP_LENGTH), ("--sample-rate", sample_rate, MAX_SAMPLE_RATE)):
+        if value is not None and not 0 < value <= bound:
+            raise IngotError(f"{name} must be in 1..{bound}, not {value}.")
 
 
 def _require(module: str):
@@ -74,7 +92,16 @@ def read_audio(path: str | os.PathLike, sample_rate: int | None = None) -> tuple
         raise IngotError(f"{path}: the file is empty.")
     if _wav_sample_rate(path) == 0:
         raise IngotError(f"{path}: the sample rate is 0 Hz, so the samples have no timing.")
-    try:
+    try:  # the header first: how much would be read, at what rate
+        info = soundfile.info(str(path))
+        if info.frames * info.channels > MAX_SAMPLES:
+            raise IngotError(f"{path}: {info.frames} frames x {info.channels} channels is more than the {MAX_SAMPLES} samples "
+                             f"Ingot reads from one file.")
+        if not 0 < info.samplerate <= MAX_SAMPLE_RATE:
+            raise IngotError(f"{path}: the sample rate {info.samplerate} Hz is outside 1..{MAX_SAMPLE_RATE}.")
+        if sample_rate is not None and 0 < sample_rate <= MAX_SAMPLE_RATE \
+                and info.frames * sample_rate // info.samplerate > MAX_SAMPLES:
+            raise IngotError(f"{path}: resampled to {sample_rate} Hz it would hold more than {MAX_SAMPLES} samples.")
         samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
     except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError) as e:
         reason = str(e).split(": ", 1)[-1].rstrip(".") if ": " in str(e) else str(e).rstrip(".")
@@ -90,8 +117,8 @@ def read_audio(path: str | os.PathLike, sample_rate: int | None = None) -> tuple
     signal = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     signal = np.ascontiguousarray(signal)
     if sample_rate is not None:
-        if sample_rate <= 0:
-            raise IngotError(f"the target sample rate must be positive, not {sample_rate}.")
+        if not 0 < sample_rate <= MAX_SAMPLE_RATE:
+            raise IngotError(f"the target sample rate must be in 1..{MAX_SAMPLE_RATE} Hz, not {sample_rate}.")
         signal, rate = resample(signal, rate, sample_rate), sample_rate
     return signal, int(rate)
 
@@ -108,10 +135,12 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        os.chmod(tmp, default_file_mode())  # mkstemp makes it 0600; a new file gets the user's umask
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
+
 
 
 def save_array(path: str | os.PathLike, array: np.ndarray) -> None:

@@ -227,8 +227,7 @@ def _spectrogram(args) -> int:
             raise IngotError(f"{out}: the folder {Path(out).resolve().parent} does not exist.")
     if args.whisper and args.mels not in (80, 128):
         raise IngotError(f"--whisper takes --mels 80 or 128 (the published models), not {args.mels}.")
-    if args.mels <= 0 or args.n_fft <= 0 or (args.hop_length is not None and args.hop_length <= 0):
-        raise IngotError(f"--mels, --n-fft and --hop-length must be positive, not {args.mels}, {args.n_fft}, {args.hop_length}.")
+    audio_io.check_spectrogram_parameters(args.mels, args.n_fft, args.hop_length, args.sample_rate)
     signal, rate = audio_io.read_audio(args.input, audio.WHISPER_SAMPLE_RATE if args.whisper else args.sample_rate)
     if args.whisper:
         hop = audio.WHISPER_HOP_LENGTH

@@ -40,6 +40,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .errors import IngotError
+from .files import default_file_mode
 from .ops.fused import Body
 from .ir import Node, Op, Program, Ref, TensorType
 from .untrusted import clip, inside, loads, read_json, short
@@ -164,6 +165,7 @@ def _write(executable, path: Path) -> None:
     path.mkdir(parents=True)
     (path / "graph.json").write_text(json.dumps(graph))
     save_file(tensors, str(path / "weights.safetensors"))
+    os.chmod(path / "weights.safetensors", default_file_mode())  # safetensors writes 0600
     for name, exe in executable.callables.items():
         _write(exe, path / "callables" / f"{name}.ingot")
     manifest = {"format": FORMAT, "version": VERSION, "device": executable.device,

@@ -489,3 +489,44 @@ def test_tokenizer_panic_and_huge_text_are_one_sentence(monkeypatch):
     monkeypatch.setattr(tk_module, "MAX_TEXT_CHARS", 10)
     with pytest.raises(IngotError, match="11 characters"):
         tok.encode("hello world")
+
+
+# -- audio and the files Ingot writes -------------------------------------------------------------------
+
+@pytest.fixture
+def tone(tmp_path):
+    from hostile import wav_bytes
+    path = tmp_path / "tone.wav"
+    path.write_bytes(wav_bytes(np.sin(np.arange(8000) / 10.0)))
+    return path
+
+
+@pytest.mark.parametrize("flag", ["--mels", "--n-fft", "--hop-length", "--sample-rate"])
+def test_spectrogram_sizes_are_bounded(tmp_path, capsys, tone, flag):
+    refused(capsys, ["spectrogram", str(tone), "--npy", str(tmp_path / "o.npy"), flag, str(2**40)], flag, str(2**40))
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_two_gigabyte_wav_is_refused_by_its_header(tmp_path, capsys):
+    from hostile import sparse_wav
+    path = sparse_wav(tmp_path / "big.wav", 2 * 10**9)   # sparse: no sample is written to disk
+    assert os.stat(path).st_blocks * 512 < 1 << 20
+    refused(capsys, ["spectrogram", path, "--npy", str(tmp_path / "o.npy")], "big.wav", "1000000000 frames")
+
+
+@pytest.fixture
+def umask_002():
+    old = os.umask(0o002)
+    yield 0o664
+    os.umask(old)
+
+
+def test_outputs_get_the_umask(tmp_path, tone, umask_002):
+    pytest.importorskip("matplotlib")
+    assert main(["spectrogram", str(tone), "-o", str(tmp_path / "s.png"), "--npy", str(tmp_path / "s.npy")]) == 0
+    for name in ("s.png", "s.npy"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == umask_002, name
+    assert sorted(os.listdir(tmp_path)) == ["s.npy", "s.png", "tone.wav"]   # no temporary left behind
+    pkg = tiny_package(tmp_path / "p.ingot")
+    for name in ("weights.safetensors", "graph.json", "manifest.json"):
+        assert os.stat(pkg / name).st_mode & 0o777 == umask_002, name

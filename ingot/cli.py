@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from .errors import IngotError
 
@@ -365,15 +366,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except IngotError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    # RuntimeWarnings (numpy's overflow and invalid-value notes, raised while a bad input is read)
+    # are held back: a refusal prints its one error line alone; a success shows them at the end
+    held: list[tuple] = []
+    show = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, category, *rest: (
+            held.append((message, category, *rest)) if issubclass(category, RuntimeWarning) and not args.debug
+            else show(message, category, *rest))
+        try:
+            code = args.func(args)
+        except IngotError as e:
+            if args.debug:
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+    for warning in held:
+        show(*warning)
+    return code
 
 
 if __name__ == "__main__":

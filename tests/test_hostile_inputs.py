@@ -530,3 +530,52 @@ def test_outputs_get_the_umask(tmp_path, tone, umask_002):
     pkg = tiny_package(tmp_path / "p.ingot")
     for name in ("weights.safetensors", "graph.json", "manifest.json"):
         assert os.stat(pkg / name).st_mode & 0o777 == umask_002, name
+
+
+# -- the CLI boundary -----------------------------------------------------------------------------------
+
+def warn_then(result):
+    def command(*args, **kwargs):
+        import warnings
+        warnings.warn("overflow encountered in cast", RuntimeWarning)
+        warnings.warn("overflow encountered in cast", RuntimeWarning)
+        if isinstance(result, Exception):
+            raise result
+    return command
+
+
+def test_runtime_warnings_do_not_precede_the_error_line(tmp_path, capsys, tone, monkeypatch):
+    import ingot.audio_io
+    monkeypatch.setattr(ingot.audio_io, "check_spectrogram_parameters", warn_then(IngotError("bad value in x.")))
+    refused(capsys, ["spectrogram", str(tone), "--npy", str(tmp_path / "o.npy")], "bad value in x")
+
+
+def run_python(code: str, *argv, timeout=120):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_runtime_warnings_of_a_success_are_shown_after_it(tmp_path, tone):
+    code = ("import sys, warnings, ingot.audio_io as a; from ingot.cli import main\n"
+            "a.check_spectrogram_parameters = lambda *x: warnings.warn('overflow encountered', RuntimeWarning)\n"
+            "sys.exit(main(sys.argv[1:]))")
+    r = run_python(code, "spectrogram", str(tone), "--npy", str(tmp_path / "o.npy"))
+    assert r.returncode == 0 and "RuntimeWarning" in r.stderr and r.stderr.index("mels x") < r.stderr.index("RuntimeWarning")
+    code = code.replace("RuntimeWarning)", "RuntimeWarning) or (_ for _ in ()).throw(a.IngotError('bad value.'))")
+    r = run_python(code, "spectrogram", str(tone), "--npy", str(tmp_path / "o.npy"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: bad value."], r.stderr
+
+
+def test_refusals_are_cheap_and_one_line(tmp_path):
+    """A 24-byte file, and a model whose metadata is wrong, are refused before any kernel compiles or
+    weight loads: the process never imports numba (issue 31: a refusal took 10 s under load)."""
+    bad = tmp_path / "tiny.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16)
+    heads0 = tiny_llama_gguf(tmp_path / "heads0.gguf", metadata={"llama.attention.head_count": 0})
+    code = "import sys; from ingot.cli import main; rc = main(sys.argv[1:]); print('numba' in sys.modules, file=sys.stderr); sys.exit(rc)"
+    for argv, name in ((["generate", "hi", "--model", str(bad)], "tiny.gguf"), (["convert", str(bad), "-o", str(tmp_path / "o.ingot")], "tiny.gguf"),
+                       (["generate", "hi", "--model", heads0], "heads0.gguf")):
+        r = run_python(code, *argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 2 and lines[0].startswith("error: ") and name in lines[0], r.stderr
+        assert lines[1] == "False", (argv, "numba was imported before the refusal")

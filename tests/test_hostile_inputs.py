@@ -450,6 +450,8 @@ def test_chat_template_output_bound(template, words):
     ("{{" + "(" * 100_000 + "1" + ")" * 100_000 + "}}", "too deeply"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "stack"),
     ("x" * (2**20 + 1), "at most"),
+    ("{% break %}{{ messages }}", "break"),            # found by the fuzzer: Python's SyntaxError, not jinja2's
+    ("{% for m in messages %}{% endfor %}{% continue %}", "continue"),
 ])
 def test_chat_template_parse_and_recursion(template, words):
     from ingot.llm.chat import render_chat

@@ -237,6 +237,8 @@ def render_chat(template: str | None, messages: Sequence[Mapping], add_generatio
         compiled = _compile(template)
     except RecursionError:
         raise IngotError("the chat template does not parse: it nests expressions too deeply.") from None
+    except SyntaxError as e:  # jinja2 parsed it but Python rejects the code it made (e.g. a break outside a loop)
+        raise IngotError(f"the chat template does not compile: {_one_line(e.msg)}.") from None
     except jinja2.TemplateSyntaxError as e:
         raise IngotError(f"the chat template does not parse: {_one_line(e.message or e)} (template line {e.lineno}).") \
             from None

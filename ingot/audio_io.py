@@ -27,6 +27,7 @@ import numpy as np
 
 from .errors import IngotError
 from .files import default_file_mode
+from .untrusted import checked_path
 
 INSTALL = "a dependency of Ingot: pip install -e . or pip install ingot installs it"
 
@@ -85,7 +86,7 @@ def read_audio(path: str | os.PathLike, sample_rate: int | None = None) -> tuple
     sample_rate when given; returns (signal, rate). Empty, unreadable, rate-0 or non-finite audio
     is an IngotError."""
     soundfile = _require("soundfile")
-    path = Path(path)
+    path = Path(checked_path(path, "audio file"))
     if not path.is_file():
         raise IngotError(f"{path}: no such audio file.")
     if path.stat().st_size == 0:

@@ -381,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # a path given on the command line the system refuses (too long, no access, ...)
+            if args.debug or e.filename is None:
+                raise
+            name = str(e.filename) if len(str(e.filename)) <= 80 else str(e.filename)[:77] + "..."
+            print(f"error: {name}: {e.strerror or e}.", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             return 130
     for warning in held:

@@ -4,6 +4,7 @@
     metadata_float(model, key, ...)    a finite number in range
     read_json(path, what)              JSON with a depth limit, no NaN/Infinity, one IngotError
     inside(folder, relative, what)     a path that resolves (symlinks followed) inside folder
+    checked_path(path, what)           a path the OS can look up (no NUL, not over-long)
 
 Each raises one IngotError naming the file, the field and the value.
 
@@ -126,6 +127,23 @@ def read_json(path, what: str | None = None) -> Any:
 
 
 # -- paths --------------------------------------------------------------------------------------------
+
+MAX_PATH_BYTES = 4096   # Linux's PATH_MAX; a name within it at most NAME_MAX (255) bytes
+
+
+def checked_path(path, what: str = "path") -> str:
+    """os.fspath(path), refused with one IngotError when the OS could not look it up (a NUL byte,
+    more than MAX_PATH_BYTES, a component over 255 bytes): Path.is_file() raises OSError on those."""
+    try:
+        text = os.fspath(path)
+        raw = os.fsencode(text)
+    except (TypeError, ValueError, UnicodeError):
+        raise IngotError(f"{what} {short(path)} is not a file path.") from None
+    if b"\0" in raw or len(raw) > MAX_PATH_BYTES or any(len(part) > 255 for part in raw.split(b"/")):
+        raise IngotError(f"{what} {short(text)} ({len(raw)} bytes) is not a path this system can open: it is too long "
+                         f"or holds a NUL byte.")
+    return text
+
 
 def inside(folder, relative: str, what: str) -> str:
     """folder/relative as a real path (symlinks followed), which must lie inside folder's real path;

@@ -581,3 +581,27 @@ def test_refusals_are_cheap_and_one_line(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 2 and lines[0].startswith("error: ") and name in lines[0], r.stderr
         assert lines[1] == "False", (argv, "numba was imported before the refusal")
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "hi", "--model", "LONG"], ["view", "LONG", "--html", "OUT/x.html"], ["convert", "LONG", "-o", "OUT/o.ingot"],
+    ["spectrogram", "LONG", "--npy", "OUT/o.npy"], ["spectrogram", "TONE", "--npy", "OUT/LONG.npy"],
+    ["eval", "kld", "--reference", "LONG", "--model", "LONG", "--text", "LONG"],
+])
+def test_five_thousand_character_paths(tmp_path, capsys, tone, argv):
+    long = "a" * 5000
+    argv = [a.replace("LONG", long).replace("OUT", str(tmp_path)).replace("TONE", str(tone)) for a in argv]
+    line = refused(capsys, argv)
+    assert len(line) < 400, line
+
+
+@pytest.mark.parametrize("load", ["ingot.load", "ingot.from_onnx", "read_gguf", "open_model", "read_audio"])
+def test_library_entry_points_refuse_unopenable_paths(load):
+    from ingot.audio_io import read_audio
+    from ingot.importers.gguf import read_gguf
+    from ingot.llm.package import open_model
+    fn = {"ingot.load": ingot.load, "ingot.from_onnx": ingot.from_onnx, "read_gguf": read_gguf, "open_model": open_model,
+          "read_audio": read_audio}[load]
+    for path in ("a" * 5000, "x\0y"):
+        with pytest.raises(IngotError, match="not a path this system can open"):
+            fn(path)

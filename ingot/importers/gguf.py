@@ -70,6 +70,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
+from ..untrusted import checked_path
 from ..quant.formats import QuantizedTensor
 
 __all__ = ["GGUFModel", "read_gguf", "SUPPORTED_TYPES"]
@@ -833,7 +834,7 @@ def read_gguf(path, *, architectures: tuple[str, ...] | None = None, lazy: bool 
     Raises IngotError for a missing file, a file that is not GGUF, a truncated or corrupt file, a
     tensor type Ingot cannot import, or (when `architectures` is given) another architecture.
     """
-    path = os.fspath(path)
+    path = checked_path(path, "GGUF file")
     if not os.path.exists(path):
         raise IngotError(f"GGUF file {path} does not exist.")
     if not os.path.isfile(path):

@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
+from ..untrusted import checked_path
 from ..graph import Graph, Tensor
 from ..ir import GroupOp, Op, Program, TensorType
 from ..runtime import Executable, Outputs
@@ -64,7 +65,7 @@ def load_model(model_or_path, what: str | None = None):
 
     if isinstance(model_or_path, onnx.ModelProto):
         return model_or_path
-    path = Path(model_or_path)
+    path = Path(checked_path(model_or_path, "ONNX model"))
     what = what or str(path)
     if not path.is_file():
         raise IngotError(f"{what}: the file does not exist." if not path.exists() else f"{what}: is not a file.")

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
-from ..untrusted import clip, inside, read_json, short
+from ..untrusted import checked_path, clip, inside, read_json, short
 from ..quant.formats import QuantizedTensor, concat_columns
 
 LLM_FORMAT = "ingot-llm"
@@ -219,7 +219,7 @@ def open_model(path, bfloat16: bool = False):
     from ..importers.gguf import read_gguf
     from ..models.llama import LlamaConfig
 
-    if Path(path).is_dir():
+    if Path(checked_path(path, "model")).is_dir():
         return read_llm(path)
     model = read_gguf(path, lazy=True, bfloat16=bfloat16)
     return StoredModel(model.path, model.architecture, model.metadata, model.tensors, LlamaConfig.from_gguf(model),

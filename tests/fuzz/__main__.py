@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     parser.add_argument("--loader", action="append", help="gguf, onnx, package, audio, template, viewer (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="fuzz-findings")
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="wall seconds before a case is killed as a hang (each outcome also records its CPU time)")
     args = parser.parse_args(argv)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
     draw = RandomDraw(random.Random(args.seed))
     counts = {n: Counter() for n in names}
     slowest = {n: 0.0 for n in names}
+    busiest = {n: 0.0 for n in names}
     start = time.monotonic()
     end = start + 60 * args.minutes
     report_at = start + 60
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
             c = counts[n]
             print(f"{'final' if final else f'{minutes:5.1f} min'} {n:8s} cases {sum(c.values()):8d}  refused {c['refused']:8d}  "
                   f"ok {c['ok']:7d}  crash {c['crash']}  hang {c['hang']}  memory {c['memory']}  "
-                  f"slowest {slowest[n]:.2f} s", flush=True)
+                  f"slowest {slowest[n]:.2f} s wall, {busiest[n]:.2f} s CPU", flush=True)
 
     while time.monotonic() < end:
         name = names[index % len(names)]
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
         outcome = run_case(loader.target, case, timeout=args.timeout)
         counts[name][outcome.kind] += 1
         slowest[name] = max(slowest[name], outcome.seconds)
+        busiest[name] = max(busiest[name], outcome.cpu_seconds)
         if outcome.bug:
             where = save_case(Path(args.out), name, index, case, outcome)
             print(f"BUG {name} {outcome.kind}: {outcome.detail.strip().splitlines()[-1][:200] if outcome.detail.strip() else ''} "

@@ -30,7 +30,8 @@ TIMEOUT = 10.0              # seconds a case may run
 class Outcome:
     kind: str               # ok, refused, crash, hang, memory
     detail: str = ""        # the IngotError's message, or the traceback
-    seconds: float = 0.0
+    seconds: float = 0.0    # wall time
+    cpu_seconds: float = 0.0  # the child's own CPU time (what a loaded machine does not inflate)
 
     @property
     def bug(self) -> bool:
@@ -93,24 +94,26 @@ def run_case(target: Callable[[Any], Any], case: Any, timeout: float = TIMEOUT, 
             left = deadline - time.monotonic()
             if left <= 0:
                 os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return Outcome("hang", f"still running after {timeout} s", time.monotonic() - start)
+                _, _, usage = os.wait4(pid, 0)
+                cpu = usage.ru_utime + usage.ru_stime
+                return Outcome("hang", f"still running after {timeout} s ({cpu:.1f} s of CPU)", time.monotonic() - start, cpu)
             ready, _, _ = select.select([read_fd], [], [], left)
             if ready:
                 chunk = os.read(read_fd, 65536)
                 if not chunk:
                     break
                 chunks.append(chunk)
-        _, status = os.waitpid(pid, 0)
+        _, status, usage = os.wait4(pid, 0)
     finally:
         os.close(read_fd)
     seconds = time.monotonic() - start
+    cpu = usage.ru_utime + usage.ru_stime
     text = b"".join(chunks).decode("utf-8", "replace")
     kind, _, detail = text.partition("\n")
     if kind in ("ok", "refused", "crash", "memory"):
-        return Outcome(kind, detail, seconds)
+        return Outcome(kind, detail, seconds, cpu)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         # the kernel's answer to an allocation past the limit can be a SIGSEGV/SIGABRT in C code
-        return Outcome("crash", f"killed by signal {signal.Signals(signum).name}", seconds)
-    return Outcome("crash", f"exited with status {os.WEXITSTATUS(status)} without a report", seconds)
+        return Outcome("crash", f"killed by signal {signal.Signals(signum).name}", seconds, cpu)
+    return Outcome("crash", f"exited with status {os.WEXITSTATUS(status)} without a report", seconds, cpu)

@@ -63,7 +63,7 @@ class Loader:
         if self.name == "gguf":
             cases = [data for data, _ in seeds[:2]]
         elif self.name == "audio":
-            cases = [(data, None) for data in seeds]
+            cases = [(data, rate) for data in seeds for rate in (None, 16000)]  # (resampling imports scipy)
         elif self.name == "onnx":
             cases = [{"model.onnx": data} for data in seeds]
         else:
@@ -348,18 +348,22 @@ def package_case(draw: Draw) -> dict:
     for _ in range(draw.integer(1, 2)):
         name = draw.choice(sorted(files))
         data = files[name]
-        if name.endswith(".json") and not draw.chance(4):
-            try:
+        try:
+            if name.endswith(".json") and not draw.chance(4):
                 files[name] = json.dumps(mutate_json(draw, json.loads(data)), allow_nan=True).encode()
-            except RecursionError:
-                files[name] = b"[" * 100000
-        elif name.endswith(".safetensors") and not draw.chance(3):
-            (n,) = struct.unpack("<Q", data[:8])
-            header = json.loads(data[8:8 + n])
-            new = json.dumps(mutate_json(draw, header, rounds=2), allow_nan=True).encode()
-            files[name] = struct.pack("<Q", len(new)) + new + data[8 + n:]
-        else:
-            files[name] = mutate_bytes(draw, data, focus=256)
+                continue
+            if name.endswith(".safetensors") and not draw.chance(3):
+                (n,) = struct.unpack("<Q", data[:8])
+                header = json.loads(data[8:8 + n])
+                new = json.dumps(mutate_json(draw, header, rounds=2), allow_nan=True).encode()
+                files[name] = struct.pack("<Q", len(new)) + new + data[8 + n:]
+                continue
+        except RecursionError:
+            files[name] = b"[" * 100000
+            continue
+        except (ValueError, struct.error):  # mutated already in an earlier round: mutate its bytes instead
+            pass
+        files[name] = mutate_bytes(draw, data, focus=256)
     if draw.chance(10):
         files["@callables/x.ingot"] = b"../../.."
     return files

@@ -29,7 +29,6 @@ from .backends import get_backend
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
 from .passes.memory_plan import plan_memory
-from .untrusted import checked_path
 
 
 class State:
@@ -293,7 +292,7 @@ def load(path, device: str | None = None) -> Executable:
     """Load a package written by Executable.save (ingot.package); weights stay memory-mapped."""
     from pathlib import Path
 
-    path = Path(checked_path(path, "package"))
+    path = Path(path)
     if not path.is_dir():
         raise IngotError(f"package: {path} does not exist or is not a package directory.")
     program, manifest, graph = package.read_package(path)
@@ -303,9 +302,7 @@ def load(path, device: str | None = None) -> Executable:
     program.regions = regions
     callables = {name: load(path / "callables" / f"{name}.ingot", device)
                  for name in package.callable_names(path, manifest)}
-    history = graph.get("history", [])
-    history = [(str(h[0]), bool(h[1])) for h in (history if isinstance(history, list) else [])
-               if isinstance(h, list) and len(h) == 2]
+    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
     device = device or manifest.get("device", "cpu")
     try:
         return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"],

@@ -52,9 +52,13 @@ class State:
         """Overwrite a variable's contents (same shape; cast to the variable's dtype)."""
         old = self[name]
         value = np.asarray(value)
-        if value.shape != old.shape:
-            raise IngotError(f"state: variable {name!r} has shape {old.shape}, not {value.shape}.")
-        old[...] = value
+        if tuple(value.shape) != tuple(old.shape):
+            raise IngotError(f"state: variable {name!r} has shape {tuple(old.shape)}, not {value.shape}.")
+        if isinstance(old, np.ndarray):
+            old[...] = value
+        else:   # a device array (the CUDA backend's torch tensors): copied in, in place
+            import torch
+            old.copy_(torch.as_tensor(np.ascontiguousarray(value)).to(old.dtype))
 
     def __contains__(self, name: object) -> bool:
         return name in self.values

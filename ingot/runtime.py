@@ -29,6 +29,7 @@ from .backends import get_backend
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
 from .passes.memory_plan import plan_memory
+from .untrusted import checked_path
 
 
 class State:
@@ -296,7 +297,7 @@ def load(path, device: str | None = None) -> Executable:
     """Load a package written by Executable.save (ingot.package); weights stay memory-mapped."""
     from pathlib import Path
 
-    path = Path(path)
+    path = Path(checked_path(path, "package"))
     if not path.is_dir():
         raise IngotError(f"package: {path} does not exist or is not a package directory.")
     program, manifest, graph = package.read_package(path)

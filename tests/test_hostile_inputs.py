@@ -595,7 +595,7 @@ def test_five_thousand_character_paths(tmp_path, capsys, tone, argv):
     assert len(line) < 400, line
 
 
-@pytest.mark.parametrize("load", ["ingot.from_onnx", "read_gguf", "open_model", "read_audio"])
+@pytest.mark.parametrize("load", ["ingot.load", "ingot.from_onnx", "read_gguf", "open_model", "read_audio"])
 def test_library_entry_points_refuse_unopenable_paths(load):
     from ingot.audio_io import read_audio
     from ingot.importers.gguf import read_gguf

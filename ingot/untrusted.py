@@ -2,6 +2,7 @@
 
     metadata_int(model, key, ...)      an integer metadata value of the type and range a builder needs
     metadata_float(model, key, ...)    a finite number in range
+    metadata_str(model, key)           a string
     read_json(path, what)              JSON with a depth limit, no NaN/Infinity, one IngotError
     inside(folder, relative, what)     a path that resolves (symlinks followed) inside folder
     checked_path(path, what)           a path the OS can look up (no NUL, not over-long)
@@ -60,6 +61,16 @@ def metadata_int(model, key: str, default: int | None = None, minimum: int = 1, 
     value = int(value)
     if not minimum <= value <= maximum:
         raise IngotError(f"{model.path}: metadata key {key} is {value}, outside {minimum}..{maximum}.")
+    return value
+
+
+def metadata_str(model, key: str, default: str | None = None) -> str | None:
+    """A string metadata value (not a number or an array); `default` when absent."""
+    value = model.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise IngotError(f"{model.path}: metadata key {key} is {short(value)} ({type(value).__name__}), not a string.")
     return value
 
 

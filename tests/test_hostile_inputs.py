@@ -54,6 +54,7 @@ def run_cli(*args, timeout=60):
     ("llama.block_count", "two", ["block_count", "'two'", "not an integer"]),
     ("llama.embedding_length", 64.0, ["embedding_length", "not an integer"]),
     ("llama.context_length", -5, ["context_length", "-5"]),
+    ("llama.rope.scaling.type", [1048576, 31], ["rope.scaling.type", "not a string"]),  # found by the fuzzer
 ])
 def test_gguf_metadata_is_checked_before_use(tmp_path, capsys, key, value, words):
     path = tiny_llama_gguf(tmp_path / "m.gguf", metadata={key: value})
@@ -99,6 +100,12 @@ def test_gguf_tensor_list_is_bounded_by_the_file(tmp_path, name, patch, words):
     assert "\n" not in str(e.value)
     for w in words:
         assert w in str(e.value)
+
+
+def test_gguf_quantized_norm_vector_is_refused(tmp_path, capsys):
+    """Found by the fuzzer: a norm weight stored as Q4_1 reached np.asarray(QuantizedTensor) (TypeError)."""
+    path = tiny_llama_gguf(tmp_path / "m.gguf", quantize={"blk.0.attn_norm.weight": T.Q4_1})
+    refused(capsys, ["generate", "hi", "--model", path], "blk.0.attn_norm.weight", "float vector", "Q4_1")
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1])

@@ -79,7 +79,7 @@ class LlamaConfig:
     def from_gguf(cls, model) -> "LlamaConfig":
         """The config a GGUF file's metadata describes, every value checked (type, range, consistency)
         before anything is allocated from it."""
-        from ..untrusted import metadata_float, metadata_int
+        from ..untrusted import metadata_float, metadata_int, metadata_str
 
         arch = model.architecture
         if arch not in ARCHITECTURES:
@@ -95,7 +95,7 @@ class LlamaConfig:
             raise IngotError(f"{model.path}: tensor token_embd.weight is missing.")
         tensors = model.tensors
         vocab = tensors.shape("token_embd.weight")[0] if hasattr(tensors, "shape") else tensors["token_embd.weight"].shape[0]
-        scaling = model.get(f"{arch}.rope.scaling.type")
+        scaling = metadata_str(model, f"{arch}.rope.scaling.type")
         n_heads = integer("attention.head_count")
         dim = integer("embedding_length")
         head_dim = integer("attention.key_length", 0, minimum=0)
@@ -146,7 +146,12 @@ class Weights:
         return self.tensors[name]
 
     def vector(self, name: str) -> Tensor:
-        return self.g.constant(np.asarray(self.get(name), np.float32), name=name)
+        w = self.get(name)
+        if isinstance(w, QuantizedTensor) or np.ndim(w) != 1:
+            raise IngotError(f"{self.path}: tensor {name} should be a float vector, not "
+                             f"{w.source or w.qdtype.name if isinstance(w, QuantizedTensor) else np.asarray(w).dtype}"
+                             f"{list(w.shape)}.")
+        return self.g.constant(np.asarray(w, np.float32), name=name)
 
     def _checked(self, name: str, shape: tuple[int, int]):
         w = self.get(name)

@@ -77,10 +77,10 @@ def main(argv=None) -> int:
         loader = LOADERS[name]
         try:
             case = loader.case(draw)
-        except Exception as e:  # a mutator that cannot make this case: draw another
+        except Exception:  # a mutator that cannot make this case: draw another
             counts[name]["unmade"] += 1
             continue
-        outcome = run_case(loader.target, case, timeout=args.timeout)
+        outcome = run_case(loader.run, case, timeout=args.timeout)
         counts[name][outcome.kind] += 1
         slowest[name] = max(slowest[name], outcome.seconds)
         busiest[name] = max(busiest[name], outcome.cpu_seconds)

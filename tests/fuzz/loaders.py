@@ -9,9 +9,11 @@ a bug. Seeds are built once in the parent, before any fork.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import socket
 import struct
 import tempfile
@@ -24,7 +26,19 @@ import numpy as np
 from .mutate import INTERESTING_FLOATS, Draw, hostile_value, mutate_bytes, mutate_json
 
 HERE = Path(__file__).resolve().parent
-SCRATCH = Path(tempfile.gettempdir()) / f"ingot-fuzz-{os.getpid()}"
+SCRATCH = Path(tempfile.gettempdir()) / f"ingot-fuzz-{os.getpid()}"   # everything a run writes; removed at exit
+_OWNER = os.getpid()
+
+
+@atexit.register
+def _remove_scratch() -> None:
+    if os.getpid() == _OWNER:   # (children leave by os._exit: this runs in the parent only)
+        shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+def temporary_folder(prefix: str) -> Path:
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=SCRATCH))
 
 
 def _hostile():
@@ -40,7 +54,6 @@ def scratch() -> Path:
     """A fresh folder for one case (in the child: named after its pid)."""
     folder = SCRATCH / str(os.getpid())
     if folder.exists():
-        import shutil
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     return folder
@@ -53,6 +66,13 @@ class Loader:
     target: Callable[[Any], None]
     seeds: Callable[[], Any]        # built once, in the parent
     warm: bool = True               # run the target on the seeds in the parent first (imports, JIT)
+
+    def run(self, case: Any) -> None:
+        """The target, then its scratch folder removed (in the child; a killed child's is removed at exit)."""
+        try:
+            self.target(case)
+        finally:
+            shutil.rmtree(SCRATCH / str(os.getpid()), ignore_errors=True)
 
     def prepare(self) -> None:
         """Build the seeds and, once in this process, do what every case does (imports, kernels
@@ -80,7 +100,7 @@ def gguf_seeds() -> list[tuple[bytes, int]]:
     and the default model's header region (its metadata and tensor list, no tensor data)."""
     import gguf
     h = _hostile()
-    folder = Path(tempfile.mkdtemp(prefix="ingot-fuzz-seeds-"))
+    folder = temporary_folder("seeds-")
     T = gguf.GGMLQuantizationType
     paths = [h.tiny_llama_gguf(folder / "f32.gguf"),
              h.tiny_llama_gguf(folder / "q.gguf", vocab=271, quantize={"token_embd.weight": T.Q4_0,
@@ -131,7 +151,7 @@ def gguf_case(draw: Draw) -> bytes:
     if kind < 4:                                 # bytes, mostly in the header of any seed
         data, head = draw.choice(seeds)
         return mutate_bytes(draw, data, focus=head, rounds=6)
-    folder = Path(tempfile.mkdtemp(prefix="ingot-fuzz-case-"))
+    folder = temporary_folder("case-")
     try:
         if kind < 8:                             # metadata values of the tiny model
             metadata = {}
@@ -165,7 +185,6 @@ def gguf_case(draw: Draw) -> bytes:
             h.patch_gguf_tensor(path, name, offset=draw.interesting_int() % 2**64)
         return path.read_bytes()
     finally:
-        import shutil
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -334,7 +353,7 @@ def package_seeds() -> list[dict]:
     """The files of a tiny package and of a tiny LLM package (int4 weights), by relative path."""
     from ingot.convert import convert
     h = _hostile()
-    folder = Path(tempfile.mkdtemp(prefix="ingot-fuzz-seeds-"))
+    folder = temporary_folder("seeds-")
     small = h.tiny_package(folder / "p.ingot")
     convert(h.tiny_llama_gguf(folder / "t.gguf"), folder / "llm.ingot", quantize="int4:32")
     seeds = []
@@ -485,7 +504,7 @@ def viewer_server():
     from ingot.viewer import open_model
     from ingot.viewer.server import model_server
     h = _hostile()
-    folder = Path(tempfile.mkdtemp(prefix="ingot-fuzz-seeds-"))
+    folder = temporary_folder("seeds-")
     return model_server(open_model(str(h.tiny_package(folder / "p.ingot"))))
 
 

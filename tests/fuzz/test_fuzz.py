@@ -33,7 +33,7 @@ def test_fuzz_loader(name):
     @given(st.data())
     def one_case(data):
         case = loader.case(HypothesisDraw(data))
-        outcome = run_case(loader.target, case)
+        outcome = run_case(loader.run, case)
         outcomes.append(outcome.kind)
         assert not outcome.bug, f"{name} case {case!r:.2000}\n{outcome.kind} after {outcome.seconds:.2f} s:\n{outcome.detail}"
 

@@ -20,7 +20,6 @@ optionally rank_pattern/alpha_pattern, use_rslora) and adapter_model.safetensors
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .errors import IngotError
+from .untrusted import read_json, short
 
 # PEFT module name -> the GGUF tensor it adapts (per layer)
 PEFT_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -189,12 +189,12 @@ def load_peft(path, cfg, multiplier: float = 1.0) -> AdapterSet:
     config_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise IngotError(f"LoRA {path}: a PEFT adapter folder needs adapter_config.json and adapter_model.safetensors.")
-    try:
-        config = json.loads(config_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IngotError(f"LoRA {config_path} is not valid JSON ({e}).") from None
+    config = read_json(config_path, f"LoRA {config_path}")
     if not isinstance(config, dict) or "r" not in config:
         raise IngotError(f"LoRA {config_path} has no rank r.")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise IngotError(f"LoRA {config_path}: {key} is {short(config.get(key))}, not an object.")
     tensors = {k: np.asarray(v, np.float32) for k, v in read_safetensors(weights_path).items()}
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
@@ -224,8 +224,12 @@ def load_peft(path, cfg, multiplier: float = 1.0) -> AdapterSet:
             raise IngotError(f"LoRA {path}: layer {layer} {module} has A {list(a.shape)} and B {list(b.shape)}, "
                              f"which do not fit the model's weight [{out}, {inp}] (A must be [r, {inp}], B [{out}, r]).")
         rank = a.shape[0]
+        if rank < 1:
+            raise IngotError(f"LoRA {path}: layer {layer} {module} has rank 0 factors.")
         r_cfg = _pattern(config.get("rank_pattern"), module, layer, config["r"])
         alpha = _pattern(config.get("alpha_pattern"), module, layer, config.get("lora_alpha", r_cfg))
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise IngotError(f"LoRA {config_path}: lora_alpha for layer {layer} {module} is {short(alpha)}, not a finite number.")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         if cfg.rope_interleaved and module in ("q_proj", "k_proj"):
             b = _to_interleaved_rows(b, cfg.n_heads if module == "q_proj" else cfg.n_kv_heads, hd)

@@ -612,3 +612,28 @@ def test_library_entry_points_refuse_unopenable_paths(load):
     for path in ("a" * 5000, "x\0y"):
         with pytest.raises(IngotError, match="not a path this system can open"):
             fn(path)
+
+
+# -- LoRA (PEFT) folders --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, rank, words", [
+    (nested_json(100_000), 4, ["deeper than"]),
+    ('{"r": 4, "lora_alpha": "eight"}', 4, ["lora_alpha", "'eight'"]),
+    ('{"r": 4, "lora_alpha": NaN}', 4, ["NaN"]),
+    ('{"r": 4, "rank_pattern": [1]}', 4, ["rank_pattern"]),
+    ('{"r": 0}', 0, ["rank 0"]),
+])
+def test_peft_folder(tmp_path, config, rank, words):
+    from safetensors.numpy import save_file
+
+    from ingot.adapters import load_peft
+    from ingot.models import llama
+    cfg = llama.LlamaConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=270)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": np.zeros((rank, 64), np.float32), f"{key}.lora_B.weight": np.zeros((64, rank), np.float32)},
+              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(config)
+    with pytest.raises(IngotError) as e:
+        load_peft(tmp_path, cfg)
+    for w in words:
+        assert w in str(e.value), str(e.value)

@@ -581,9 +581,13 @@ def test_refusals_are_cheap_and_one_line(tmp_path):
     bad = tmp_path / "tiny.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16)
     heads0 = tiny_llama_gguf(tmp_path / "heads0.gguf", metadata={"llama.attention.head_count": 0})
+    loops = tiny_llama_gguf(tmp_path / "loops.gguf", metadata={"tokenizer.chat_template": "{% for i in range(99999) %}"
+                                                                 "{% for j in range(99999) %}{% endfor %}{% endfor %}"})
+    big = tiny_llama_gguf(tmp_path / "big.gguf", metadata={"tokenizer.chat_template": "{{ 'a' * 2**31 }}"})
     code = "import sys; from ingot.cli import main; rc = main(sys.argv[1:]); print('numba' in sys.modules, file=sys.stderr); sys.exit(rc)"
     for argv, name in ((["generate", "hi", "--model", str(bad)], "tiny.gguf"), (["convert", str(bad), "-o", str(tmp_path / "o.ingot")], "tiny.gguf"),
-                       (["generate", "hi", "--model", heads0], "heads0.gguf")):
+                       (["generate", "hi", "--model", heads0], "heads0.gguf"), (["generate", "hi", "--model", loops], "longer than"),
+                       (["generate", "hi", "--model", big], "2147483648")):
         r = run_python(code, *argv)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 2 and lines[0].startswith("error: ") and name in lines[0], r.stderr

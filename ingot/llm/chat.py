@@ -209,6 +209,22 @@ def _compile(template: str) -> jinja2.Template:
     return compiled
 
 
+class TemplateRefused(IngotError):
+    """The template cannot be used at all: it does not parse or compile, or it passed a bound."""
+
+
+def check_template(template: str | None) -> None:
+    """Refuse (TemplateRefused) a template that does not parse or compile, or that passes the time or
+    output bound on a one-message conversation: what loading a model checks before anything else is
+    built. A template that only rejects this conversation (raise_exception, an undefined name) passes."""
+    try:
+        render_chat(template, [{"role": "user", "content": "Hello."}], add_generation_prompt=True)
+    except TemplateRefused:
+        raise
+    except IngotError:
+        pass
+
+
 def _one_line(text: str) -> str:
     text = " ".join(str(text).split()).rstrip(".")
     return text if len(text) <= 300 else text[:297] + "..."
@@ -231,16 +247,16 @@ def render_chat(template: str | None, messages: Sequence[Mapping], add_generatio
     if not template:
         template = CHATML_TEMPLATE
     if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
-        raise IngotError(f"the chat template is {type(template).__name__ if not isinstance(template, str) else f'{len(template)} characters long'}"
+        raise TemplateRefused(f"the chat template is {type(template).__name__ if not isinstance(template, str) else f'{len(template)} characters long'}"
                          f"; a template is a string of at most {MAX_TEMPLATE_CHARS} characters.")
     try:
         compiled = _compile(template)
     except RecursionError:
-        raise IngotError("the chat template does not parse: it nests expressions too deeply.") from None
+        raise TemplateRefused("the chat template does not parse: it nests expressions too deeply.") from None
     except SyntaxError as e:  # jinja2 parsed it but Python rejects the code it made (e.g. a break outside a loop)
-        raise IngotError(f"the chat template does not compile: {_one_line(e.msg)}.") from None
+        raise TemplateRefused(f"the chat template does not compile: {_one_line(e.msg)}.") from None
     except jinja2.TemplateSyntaxError as e:
-        raise IngotError(f"the chat template does not parse: {_one_line(e.message or e)} (template line {e.lineno}).") \
+        raise TemplateRefused(f"the chat template does not parse: {_one_line(e.message or e)} (template line {e.lineno}).") \
             from None
     previous = sys.gettrace()
     sys.settrace(_deadline_tracer(time.monotonic() + MAX_RENDER_SECONDS))
@@ -254,14 +270,14 @@ def render_chat(template: str | None, messages: Sequence[Mapping], add_generatio
             pieces.append(piece)
         return "".join(pieces)
     except _TemplateTooBig as e:
-        raise IngotError(f"the chat template was stopped: {_one_line(e)}.") from None
+        raise TemplateRefused(f"the chat template was stopped: {_one_line(e)}.") from None
     except (MemoryError, RecursionError) as e:
-        raise IngotError(f"the chat template was stopped: it ran out of {'memory' if isinstance(e, MemoryError) else 'stack'}.") \
+        raise TemplateRefused(f"the chat template was stopped: it ran out of {'memory' if isinstance(e, MemoryError) else 'stack'}.") \
             from None
     except _TemplateRaised as e:
         raise IngotError(f"the chat template rejected the messages: {_one_line(e)}.") from None
     except jinja2.exceptions.SecurityError as e:
-        raise IngotError(f"the chat template tried something the sandbox forbids: {_one_line(e)}.") from None
+        raise TemplateRefused(f"the chat template tried something the sandbox forbids: {_one_line(e)}.") from None
     except Exception as e:  # a template error at render time: undefined attribute, bad operand, ...
         raise IngotError(f"the chat template failed to render: {type(e).__name__}: {_one_line(e)}.") from None
     finally:

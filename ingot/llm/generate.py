@@ -96,8 +96,10 @@ class LLM:
             self.adapters = self.adapters.merged(load_peft(lora_path, self.config, scale))
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
         from .tokenizer import Tokenizer  # here: a file refused above never imports tokenizers
+        from .chat import check_template
         try:
             self.tokenizer = Tokenizer(model.metadata)
+            check_template(self.tokenizer.chat_template)   # a hostile template: refused before any kernel compiles
         except IngotError as e:
             raise IngotError(f"{path}: {e}") from None
         if device == "cpu":  # compile (or load) the kernels before the weights arrive: LLVM's working

@@ -373,3 +373,110 @@ def test_first_paint_of_a_3000_node_graph(browser):
         assert min(paints) < FIRST_PAINT_MS, paints
     finally:
         server.close()
+
+
+# == what a newcomer sees first: folded, unfolded, an ONNX model, a one-file page (issue 32) =========
+
+def drawn_bounds(page) -> dict:
+    """Where the drawn boxes lie on screen, against the canvas: their union, the canvas, the zoom, and
+    how many boxes lie wholly inside the canvas."""
+    return page.evaluate("""() => {
+        const c = document.getElementById('graph').getBoundingClientRect();
+        const boxes = [...document.querySelectorAll('#graph .node')].map(e => e.getBoundingClientRect());
+        const u = {left: Math.min(...boxes.map(b => b.left)), right: Math.max(...boxes.map(b => b.right)),
+                   top: Math.min(...boxes.map(b => b.top)), bottom: Math.max(...boxes.map(b => b.bottom))};
+        const inside = boxes.filter(b => b.left >= c.left - 1 && b.right <= c.right + 1 && b.top >= c.top - 1
+                                         && b.bottom <= c.bottom + 1).length;
+        return {canvas: {left: c.left, right: c.right, top: c.top, bottom: c.bottom, width: c.width, height: c.height},
+                union: u, boxes: boxes.length, inside, zoom: window.ingotViewer.state.view.k,
+                columns: window.ingotViewer.state.layout.columns};
+    }""")
+
+
+def test_folded_and_unfolded_default_model_fit_the_window(smol, tmp_path):
+    page, _ = smol
+    page.click("#collapse-all")
+    page.click("#fit")
+    page.screenshot(path=str(tmp_path / "folded.png"))
+    folded = drawn_bounds(page)
+    assert folded["inside"] == folded["boxes"] >= 8                  # fitted: every box on screen
+    before = layouts(page)
+    page.click("#expand-all")
+    wait_layout(page, before)
+    page.screenshot(path=str(tmp_path / "unfolded.png"))
+    b = drawn_bounds(page)
+    c, u = b["canvas"], b["union"]
+    assert b["boxes"] > 800 and b["inside"] == b["boxes"]              # every op of the 30 layers, all in view
+    # not a thin column: the graph is set in columns that fill the window's width and height
+    assert b["columns"] >= 3
+    assert (u["right"] - u["left"]) > 0.6 * c["width"] and (u["bottom"] - u["top"]) > 0.6 * c["height"], b
+    assert b["zoom"] > 0.05, b                                        # the old single column fitted at ~0.01
+    assert page.locator("#graph .block-outline").count() == 30        # each unfolded block outlined
+    assert page.errors == []
+    page.click("#collapse-all")
+
+
+@pytest.fixture(scope="module")
+def encoder_page(browser):
+    from ingot.viewer import open_model
+    pytest.importorskip("onnx")
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "onnx", "encoder.onnx")
+    server = serve(open_model(path))
+    page = open_page(browser, server.url)
+    yield page
+    page.context.close()
+    server.close()
+
+
+def test_onnx_model_folds_its_layers_whole(encoder_page, tmp_path):
+    """Each layer's matmuls sit in its block (their weights have an exporter's serial names): folded,
+    no matmul of a layer is drawn outside the folded box, and every drawn box is joined by an edge."""
+    page = encoder_page
+    page.screenshot(path=str(tmp_path / "onnx-folded.png"))
+    assert page.locator("#graph .node.group").count() == 1
+    outside = page.evaluate("[...document.querySelectorAll('#graph .node.op-matmul')].length")
+    assert outside == 1                                               # the pooler's, after the last layer
+    assert page.evaluate("""() => {
+        const S = window.ingotViewer.state, joined = new Set();
+        for (const e of S.layout.edges) { joined.add(e.s); joined.add(e.t); }
+        return S.vis.items.every((id, k) => joined.has(k)); }""")
+    before = layouts(page)
+    page.click("#expand-all")
+    wait_layout(page, before)
+    page.screenshot(path=str(tmp_path / "onnx-unfolded.png"))
+    b = drawn_bounds(page)
+    assert b["inside"] == b["boxes"] and page.locator("#graph .block-outline").count() == 2
+    # six matmuls in each outlined layer: q, k, v, the output projection, the two of the MLP
+    per_block = page.evaluate("""() => [...document.querySelectorAll('#graph .block-outline')].map(r => {
+        const o = r.getBoundingClientRect();
+        return [...document.querySelectorAll('#graph .node.op-matmul')].filter(n => {
+            const b = n.getBoundingClientRect();
+            return b.left >= o.left && b.right <= o.right && b.top >= o.top && b.bottom <= o.bottom; }).length; })""")
+    assert per_block == [6, 6], per_block
+    assert page.errors == []
+
+
+def test_html_file_is_drawn_when_it_loads(browser, tmp_path):
+    """A one-file page (--html) shows its graph at the load event, with no wait for the layout worker:
+    a screenshot taken right after page.goto is not the "laying out" message."""
+    from PIL import Image
+
+    from ingot.viewer import open_model
+    from ingot.viewer.server import write_html
+    pytest.importorskip("onnx")
+    out = tmp_path / "encoder.html"
+    write_html(open_model(os.path.join(os.path.dirname(__file__), "fixtures", "onnx", "encoder.onnx")), str(out))
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.add_init_script("""window.addEventListener('load', () => { window.__atLoad = {
+        boxes: document.querySelectorAll('#graph .node').length, status: document.getElementById('status').textContent}; });""")
+    page.goto(out.as_uri())                      # returns at the load event
+    shot = page.screenshot(path=str(tmp_path / "html.png"))
+    at_load = page.evaluate("window.__atLoad")
+    assert at_load["boxes"] >= 10 and "laying out" not in at_load["status"], at_load
+    b = drawn_bounds(page)
+    assert b["boxes"] >= 10 and b["inside"] == b["boxes"]
+    pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("RGB"))
+    canvas = pixels[int(b["canvas"]["top"]):int(b["canvas"]["bottom"]), int(b["canvas"]["left"]):int(b["canvas"]["right"])]
+    assert np.all(canvas == canvas[0, 0], axis=2).mean() < 0.97   # drawn over the background
+    context.close()

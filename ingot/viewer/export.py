@@ -21,6 +21,7 @@ from . import fusion, stats
 from .source import Model
 
 NUMBERED = re.compile(r"(?:^|[./_:])(\d+)(?=[./_:]|$)")
+SERIAL = re.compile(r"^[A-Za-z]*(?:::[A-Za-z]+)?_\d+$")   # val_14, onnx::MatMul_1234: an exporter's serial names
 DEVICES = ("cpu", "cuda")
 
 
@@ -80,21 +81,42 @@ def find_blocks(nodes: list[Node]) -> tuple[str, dict[int, int]]:
         return "", {}
     prefix = max(families, key=lambda p: (len(families[p]), -len(p)))
     block: dict[int, int] = {i: k for i, (p, k) in numbered.items() if p == prefix}
-    outside: set[int] = {n.id for n in nodes if n.op in (Op.CONSTANT, Op.VARIABLE) and n.id not in block
-                         and _label_name(n) and not _label_name(n).startswith(("folded_", "const_"))}
+    users: dict[int, list[Node]] = {}
     for n in nodes:
-        if n.op in (Op.CONSTANT, Op.VARIABLE, Op.PLACEHOLDER):
-            continue
+        for s in n.src:
+            users.setdefault(s.id, []).append(n)
+    # a named tensor outside the blocks read by one op (an embedding, the output head) keeps that op
+    # outside; serial names an exporter made up (val_14, onnx::MatMul_7) and tensors several ops share
+    # (one norm weight for every layer) say nothing about where their reader belongs
+    outside: set[int] = {n.id for n in nodes if n.op in (Op.CONSTANT, Op.VARIABLE) and n.id not in block
+                         and _label_name(n) and not _label_name(n).startswith(("folded_", "const_"))
+                         and not SERIAL.match(_label_name(n)) and len(users.get(n.id, ())) == 1}
+    ops = [n for n in nodes if n.op not in (Op.CONSTANT, Op.VARIABLE, Op.PLACEHOLDER)]
+    for n in ops:  # forward: an op joins the latest block it reads from
         if any(s.id in outside for s in n.src):
             continue
         found = [block[s.id] for s in n.src if s.id in block]
         if found:
             block[n.id] = max(found)
+    for n in reversed(ops):  # backward: an op with a weight of its own joins the block of all its readers
+        own = [s for s in n.src if s.op in (Op.CONSTANT, Op.VARIABLE) and s.id not in outside and s.id not in block
+               and len(users.get(s.id, ())) == 1]
+        readers = {block.get(u.id) for u in users.get(n.id, ())}
+        if own and len(readers) == 1 and None not in readers and not any(s.id in outside for s in n.src):
+            block[n.id] = readers.pop()
+    # the last block keeps no more ops than the others have: ops after it that read it (a pooler, a
+    # head with a serial-named weight) come off it, last first, while nothing in it reads them
+    sizes = Counter(k for i, k in block.items() if i in {n.id for n in ops})
+    if len(sizes) >= 2:
+        last = max(sizes)
+        typical = Counter(v for k, v in sizes.items() if k != last).most_common(1)[0][0]
+        for n in reversed(ops):
+            if sizes[last] <= typical:
+                break
+            if block.get(n.id) == last and all(block.get(u.id) != last for u in users.get(n.id, ())):
+                del block[n.id]
+                sizes[last] -= 1
     # an op that takes a graph input and feeds only ops outside every block is not part of the last block
-    users: dict[int, list[Node]] = {}
-    for n in nodes:
-        for s in n.src:
-            users.setdefault(s.id, []).append(n)
     for n in reversed(nodes):
         if n.id in block and n.op not in (Op.CONSTANT, Op.VARIABLE) and any(s.op == Op.PLACEHOLDER for s in n.src) \
                 and not any(s.id in block and s.op in (Op.CONSTANT, Op.VARIABLE) for s in n.src) \

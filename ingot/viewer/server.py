@@ -141,6 +141,8 @@ def page(data: dict[str, Any] | None = None, previews: bool = False) -> str:
     html = html.replace('<script src="static/viewer.js"></script>',
                         f'<script type="application/json" id="ingot-data">{safe(_json_bytes(data).decode())}</script>\n'
                         f'<script type="text/plain" id="ingot-layout">{safe(layout)}</script>\n'
+                        # the same layout in the page itself: the first view is drawn before the load event
+                        f"<script>\nwindow.ingotLayout = (() => {{\n{safe(layout)}\nreturn layout;\n}})();\n</script>\n"
                         f"<script>\n{safe(js)}\n</script>")
     return html
 

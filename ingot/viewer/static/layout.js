@@ -10,9 +10,13 @@
 //    (they would cross everything: a shared position input, a mask)
 // 4. order within layers: barycentre sweeps, down and up
 // 5. x: each node pulled toward the mean of its neighbours, then spaced, alternately down and up
+// 6. a graph much taller than the window (msg.aspect: its width / height) is cut between layers into
+//    columns set side by side, like a newspaper's, so that fitting it in the window keeps it readable;
+//    an edge from one column to another is drawn as a stub
 "use strict";
 
-const LONG = 24, FANOUT = 10, GAP_X = 24, GAP_Y = 36, DUMMY_W = 8, SWEEPS = 4, PASSES = 4;
+const LONG = 24, FANOUT = 10, GAP_X = 24, GAP_Y = 36, DUMMY_W = 8, SWEEPS = 4, PASSES = 4, GAP_COLUMN = 80,
+      MAX_COLUMNS = 16;
 
 function layout(msg) {
   const n = msg.nodes.length;
@@ -147,6 +151,32 @@ function layout(msg) {
   for (let l = 0; l < depth; l++) top[l + 1] = top[l] + rowH[l] + GAP_Y;
   const y = new Float64Array(total);
   for (let v = 0; v < total; v++) y[v] = top[L[v]] + rowH[L[v]] / 2;
+  // 6. columns
+  let width = maxX - minX, height = top[depth];
+  const columns = msg.aspect > 0 ? Math.min(MAX_COLUMNS, depth, Math.round(Math.sqrt(height * msg.aspect / Math.max(width, 1)))) : 1;
+  const columnOf = new Int32Array(depth);            // layer -> column
+  if (columns >= 2) {
+    const firstLayer = [0];
+    for (let c = 1; c < columns; c++) {
+      let l = firstLayer[c - 1] + 1;
+      while (l < depth - 1 && top[l] < height * c / columns) l++;
+      if (l < depth) firstLayer.push(l);
+    }
+    for (let c = 0; c < firstLayer.length; c++)
+      for (let l = firstLayer[c]; l < (c + 1 < firstLayer.length ? firstLayer[c + 1] : depth); l++) columnOf[l] = c;
+    let tallest = 0;
+    for (let c = 0; c < firstLayer.length; c++) {
+      const end = c + 1 < firstLayer.length ? top[firstLayer[c + 1]] - GAP_Y : height;
+      tallest = Math.max(tallest, end - top[firstLayer[c]]);
+    }
+    for (let v = 0; v < total; v++) {
+      const c = columnOf[L[v]];
+      x[v] += c * (width + GAP_COLUMN);
+      y[v] -= top[firstLayer[c]];
+    }
+    width = firstLayer.length * width + (firstLayer.length - 1) * GAP_COLUMN;
+    height = tallest;
+  }
   // ports: the edges into (out of) a node spread over its top (bottom) edge, ordered by where they come from (go)
   const near = (e, end) => {     // x of the point next to this end of the edge
     const c = e.chain || [];
@@ -169,14 +199,17 @@ function layout(msg) {
   for (const [v, list] of outs) { spread(list, v, "a"); for (const e of list) start.set(e, portX.get(e)[1]); }
   for (const [v, list] of ins) { spread(list, v, "b"); for (const e of list) end.set(e, portX.get(e)[1]); }
   const routed = edges.map(e => {
-    const pts = [[e.stub ? x[e.a] : start.get(e), y[e.a] + H[e.a] / 2]];
-    for (const d of e.chain || []) pts.push([x[d], y[d]]);
-    pts.push([e.stub ? x[e.b] : end.get(e), y[e.b] - H[e.b] / 2]);
+    // an edge between columns: a stub at its target (the ports were placed before the columns moved)
+    const across = columnOf[L[e.a]] !== columnOf[L[e.b]] || (e.chain || []).some(d => columnOf[L[d]] !== columnOf[L[e.a]]);
+    const stub = e.stub || across;
+    const pts = [[stub ? x[e.a] : start.get(e), y[e.a] + H[e.a] / 2]];
+    if (!stub) for (const d of e.chain || []) pts.push([x[d], y[d]]);
+    pts.push([stub ? x[e.b] : end.get(e), y[e.b] - H[e.b] / 2]);
     if (e.rev) pts.reverse();
-    return {s: e.s, t: e.t, points: pts, stub: e.stub};
+    return {s: e.s, t: e.t, points: pts, stub};
   });
   return {id: msg.id, x: Array.from(x.subarray(0, n)), y: Array.from(y.subarray(0, n)), edges: routed,
-          width: maxX - minX, height: top[depth]};
+          width, height, columns: Math.max(1, columns >= 2 ? columnOf[depth - 1] + 1 : 1)};
 }
 
 if (typeof self !== "undefined" && typeof window === "undefined") {

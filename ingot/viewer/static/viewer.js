@@ -108,11 +108,16 @@ function makeWorker() {
   return w;
 }
 function runLayout(vis) {
-  worker = worker || makeWorker();
   const id = nextId++;
+  const r = $("canvas").getBoundingClientRect();
+  const msg = {id, nodes: vis.sizes, edges: vis.edges, aspect: r.width > 0 && r.height > 0 ? r.width / r.height : 0};
+  // a one-file page (--html) lays out its first view here, before the page's load event: a screenshot
+  // taken as soon as it loads shows the graph; later layouts (unfolding) go to the worker
+  if (window.ingotLayout && !S.layout) return Promise.resolve(window.ingotLayout(msg));
+  worker = worker || makeWorker();
   return new Promise(resolve => {
     pending.set(id, resolve);
-    worker.postMessage({id, nodes: vis.sizes, edges: vis.edges});
+    worker.postMessage(msg);
   });
 }
 
@@ -301,8 +306,9 @@ function applyView() {
 function fit() {
   if (!S.layout) return;
   const r = $("canvas").getBoundingClientRect();
-  const k = Math.min(1.5, Math.max(0.02, Math.min((r.width - 40) / (S.layout.width || 1), (r.height - 40) / (S.layout.height || 1))));
-  S.view = {k, x: (r.width - S.layout.width * k) / 2, y: 20};
+  // a margin of 20 px, 36 at the top where the status line lies over the canvas
+  const k = Math.min(1.5, Math.max(0.02, Math.min((r.width - 40) / (S.layout.width || 1), (r.height - 56) / (S.layout.height || 1))));
+  S.view = {k, x: (r.width - S.layout.width * k) / 2, y: 36};
   applyView();
 }
 function centerOn(k, zoom) {
@@ -645,7 +651,7 @@ function wire() {
 }
 
 async function main() {
-  worker = makeWorker();   // started now: its script loads while the data does
+  if (!window.ingotLayout) worker = makeWorker();   // started now: its script loads while the data does
   try {
     D = await loadData();
   } catch (e) {

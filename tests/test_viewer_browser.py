@@ -411,7 +411,15 @@ def test_folded_and_unfolded_default_model_fit_the_window(smol, tmp_path):
     assert b["columns"] >= 3
     assert (u["right"] - u["left"]) > 0.6 * c["width"] and (u["bottom"] - u["top"]) > 0.6 * c["height"], b
     assert b["zoom"] > 0.05, b                                        # the old single column fitted at ~0.01
-    assert page.locator("#graph .block-outline").count() == 30        # each unfolded block outlined
+    # each of the 30 blocks outlined (a block cut between two columns once in each), no outline over another
+    labels = page.evaluate("[...document.querySelectorAll('#graph .block-label')].map(t => t.textContent)")
+    assert sum("(continued)" not in t for t in labels) == 30, labels
+    rects = page.evaluate("""[...document.querySelectorAll('#graph .block-outline')].map(r => {
+        const b = r.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom]; })""")
+    area = lambda r: max(0, r[2] - r[0]) * max(0, r[3] - r[1])  # noqa: E731
+    shared = sum(area([max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])])
+                 for i, a in enumerate(rects) for b in rects[i + 1:])
+    assert shared < 0.02 * sum(area(r) for r in rects), (shared, rects)
     assert page.errors == []
     page.click("#collapse-all")
 

@@ -1,7 +1,8 @@
 // Layered (Sugiyama-style) layout of a directed graph, top to bottom, run in a Web Worker.
 //
 // in:  {id, nodes: [{w, h}], edges: [[source, target], ...]}
-// out: {id, x: [...], y: [...] (node centres), edges: [{s, t, points: [[x, y], ...], stub}], width, height}
+// out: {id, x: [...], y: [...] (node centres), edges: [{s, t, points: [[x, y], ...], stub}], width, height,
+//       columns, column: [...] (each node's column)}
 //
 // 1. break cycles (edges found going back in a depth-first search are laid out reversed)
 // 2. layers: longest path from the sources; a source sits just above its first reader
@@ -209,7 +210,8 @@ function layout(msg) {
     return {s: e.s, t: e.t, points: pts, stub};
   });
   return {id: msg.id, x: Array.from(x.subarray(0, n)), y: Array.from(y.subarray(0, n)), edges: routed,
-          width, height, columns: Math.max(1, columns >= 2 ? columnOf[depth - 1] + 1 : 1)};
+          width, height, columns: Math.max(1, columns >= 2 ? columnOf[depth - 1] + 1 : 1),
+          column: Array.from({length: n}, (_, v) => columnOf[L[v]])};
 }
 
 if (typeof self !== "undefined" && typeof window === "undefined") {

@@ -203,9 +203,13 @@ function graphMarkup(withText) {
     if (S.collapsed.has(g.id) || !g.nodes) continue;
     const ks = g.nodes.map(i => S.vis.at.get("n" + i)).filter(k => k !== undefined);
     if (!ks.length) continue;
-    const [x0, y0, x1, y1] = bounds(ks.map(box), 10);
-    parts.push(`<rect class="block-outline" x="${x0}" y="${y0}" width="${x1 - x0}" height="${y1 - y0}"/>` +
-               `<text class="block-label" x="${x0 + 6}" y="${y0 + 12}">${esc(g.label)}</text>`);
+    const byColumn = new Map();   // a block cut between two columns gets an outline in each
+    for (const k of ks) { const c = lay.column ? lay.column[k] : 0; if (!byColumn.has(c)) byColumn.set(c, []); byColumn.get(c).push(k); }
+    [...byColumn.keys()].sort((a, b) => a - b).forEach((c, part) => {
+      const [x0, y0, x1, y1] = bounds(byColumn.get(c).map(box), 10);
+      parts.push(`<rect class="block-outline" x="${x0}" y="${y0}" width="${x1 - x0}" height="${y1 - y0}"/>` +
+                 `<text class="block-label" x="${x0 + 6}" y="${y0 + 12}">${esc(g.label)}${part ? " (continued)" : ""}</text>`);
+    });
   }
   parts.push("</g>");
   // fused regions of the chosen device

@@ -449,10 +449,12 @@ class Graph:
         return self._op(Op.ROPE, src, attrs)
 
     def scaled_dot_product_attention(self, q, k, v, mask=None, scale: float | None = None, causal: bool = False,
-                                     length: Tensor | None = None):
+                                     length: Tensor | None = None, window: int = 0, softcap: float = 0.0):
         """softmax(q kᵀ · scale + mask) v over [..., H, T, D]; K/V may have fewer heads (GQA/MQA).
         mask: bool (True = attend) or additive, broadcast to [..., Hq, Tq, Tk]. causal aligns the last
-        query with the last key. length: only the first `length` keys count (a runtime scalar)."""
+        query with the last key. length: only the first `length` keys count (a runtime scalar).
+        window (with causal): each query sees only its last `window` keys, itself included (sliding
+        window attention). softcap c: scores s become c * tanh(s / c) before the mask (Gemma 2)."""
         src = [q, k, v]
         if mask is not None:
             src.append(self._lift(mask))
@@ -460,6 +462,10 @@ class Graph:
             src.append(length)
         attrs = {"scale": None if scale is None else float(scale), "causal": bool(causal),
                  "has_mask": mask is not None, "has_length": length is not None}
+        if window:   # only when set: graphs without them are unchanged (fusion passes, packages)
+            attrs["window"] = int(window)
+        if softcap:
+            attrs["softcap"] = float(softcap)
         return self._op(Op.SDPA, src, attrs)
 
     sdpa = scaled_dot_product_attention

@@ -66,18 +66,22 @@ def test_packed_kernel_block_ranges(chunks):
     np.testing.assert_allclose(out, x @ w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tq,length,causal", [(1, 1, True), (1, 37, True), (5, 29, True), (3, 11, False), (33, 33, True), (40, 57, True)])
-def test_attention_kernels_match_reference(tq, length, causal):
+@pytest.mark.parametrize("tq,length,causal,window,softcap", [
+    (1, 1, True, 0, 0.0), (1, 37, True, 0, 0.0), (5, 29, True, 0, 0.0), (3, 11, False, 0, 0.0), (33, 33, True, 0, 0.0),
+    (40, 57, True, 0, 0.0), (1, 37, True, 7, 0.0), (5, 29, True, 3, 1.5), (40, 57, True, 11, 0.0), (33, 33, True, 1, 2.0),
+    (3, 11, False, 0, 0.7)])
+def test_attention_kernels_match_reference(tq, length, causal, window, softcap):
     q = RNG.standard_normal((1, 6, tq, 24)).astype(np.float32)
     k = RNG.standard_normal((1, 2, 64, 24)).astype(np.float32)
     v = RNG.standard_normal((1, 2, 64, 20)).astype(np.float32)
     scale = np.float32(1 / math.sqrt(24))
-    want = nn_ops.sdpa(q, k, v, None, length, float(scale), causal)
+    want = nn_ops.sdpa(q, k, v, None, length, float(scale), causal, window, softcap)
     out = np.empty((1, 6, tq, 20), np.float32)
-    kernels.attention(q, k, v, length, scale, causal, out)
+    kernels.attention(q, k, v, length, scale, causal, window, np.float32(softcap), out)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     if length >= tq:
-        np.testing.assert_allclose(kernels.attention_blas(q, k, v, length, scale, causal), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(kernels.attention_blas(q, k, v, length, scale, causal, window, softcap), want,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

@@ -587,8 +587,9 @@ for _dtype in FLOATS:
                lambda g, x, p: g.rope(x, p), lambda x, p: rope_reference(x, p)))
 
 
-def sdpa_reference(q, k, v, mask=None, scale=None, causal=False, length=None):
-    """Per query head h, key/value head h // (Hq / Hkv); a row that sees no key gives zeros."""
+def sdpa_reference(q, k, v, mask=None, scale=None, causal=False, length=None, window=0, softcap=0.0):
+    """Per query head h, key/value head h // (Hq / Hkv); a row that sees no key gives zeros.
+    window: query i (at key position i + tk - tq) sees keys j with i + tk - tq - window < j."""
     if length is not None:
         k, v = k[..., :int(length), :], v[..., :int(length), :]
         if mask is not None and mask.shape[-1] != 1:
@@ -598,6 +599,8 @@ def sdpa_reference(q, k, v, mask=None, scale=None, causal=False, length=None):
     k, v = np.take(k, heads, axis=-3), np.take(v, heads, axis=-3)
     tq, tk = q.shape[-2], k.shape[-2]
     scores = q @ np.swapaxes(k, -1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
     allowed = np.ones(scores.shape, bool)
     if mask is not None and mask.dtype == np.bool_:
         allowed = allowed & mask
@@ -605,6 +608,8 @@ def sdpa_reference(q, k, v, mask=None, scale=None, causal=False, length=None):
         scores = scores + mask
     if causal:
         allowed = allowed & (np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq))
+    if window:
+        allowed = allowed & (np.arange(tk)[None, :] > np.arange(tq)[:, None] + (tk - tq) - window)
     scores = np.where(allowed, scores, -np.inf)
     seen = np.isfinite(scores).any(axis=-1, keepdims=True)
     weights = scipy.special.softmax(np.where(seen, scores, 0), axis=-1) * seen
@@ -648,6 +653,13 @@ for _dtype in FLOATS:
                (In((1, 4, 3, 8), _dtype), In((1, 2, 13, 8), _dtype), In((1, 2, 13, 8), _dtype), In((), I32, fixed(9))),
                lambda g, q, k, v, n: g.sdpa(q, k, v, causal=True, length=n),
                lambda q, k, v, n: sdpa_reference(q, k, v, causal=True, length=n)))
+    add(OpCase(f"sdpa-window3-softcap-gqa-{_dtype.name}", (In((2, 6, 5, 8), _dtype, normal(3)), In(KV, _dtype, normal(3)), In(KV, _dtype)),
+               lambda g, q, k, v: g.sdpa(q, k, v, causal=True, window=3, softcap=2.5),
+               lambda q, k, v: sdpa_reference(q, k, v, causal=True, window=3, softcap=2.5)))
+    add(OpCase(f"sdpa-window4-runtime-length-{_dtype.name}",
+               (In((1, 4, 7, 8), _dtype), In((1, 2, 13, 8), _dtype), In((1, 2, 13, 8), _dtype), In((), I32, fixed(9))),
+               lambda g, q, k, v, n: g.sdpa(q, k, v, causal=True, length=n, window=4),
+               lambda q, k, v, n: sdpa_reference(q, k, v, causal=True, length=n, window=4)))
 
 # == quantization ==================================================================================
 Q_SHAPE = (15, 18)  # 15: odd, for blocks of 3 and 5; 18: even, as packed 4-bit rows need
@@ -984,6 +996,15 @@ def test_bad_dtypes_raise_ingot_error_naming_the_op(op, build):
     args = [g.placeholder((7, 13), d, name=n) for n, d in (("f", F32), ("h", F16), ("i", I32), ("m", BOOL))]
     with pytest.raises(IngotError, match=op):
         build(g, *args)
+
+
+def test_sdpa_rejects_a_window_without_causal_and_a_negative_softcap():
+    g = ingot.Graph()
+    q = g.placeholder((1, 2, 3, 4))
+    with pytest.raises(IngotError, match="window"):
+        g.sdpa(q, q, q, window=2)
+    with pytest.raises(IngotError, match="softcap"):
+        g.sdpa(q, q, q, causal=True, softcap=-1.0)
 
 
 def test_sdpa_rejects_query_heads_not_a_multiple_of_key_heads():

@@ -145,11 +145,20 @@ def _sdpa_rule(types, attrs):
         length = types[i]
         if length.rank != 0 or not length.dtype.is_int:
             raise fail(Op.SDPA, types, "a scalar integer length")
+    window, softcap = attrs.get("window", 0), attrs.get("softcap", 0.0)
+    if not isinstance(window, int) or window < 0 or (window and not attrs.get("causal")):
+        raise fail(Op.SDPA, types, f"a sliding window of >= 1 keys with causal=True, not window={window!r}")
+    if not isinstance(softcap, (int, float)) or softcap < 0 or not math.isfinite(softcap):
+        raise fail(Op.SDPA, types, f"a logit softcap >= 0 (0: none), not softcap={softcap!r}")
     return TensorType(batch + (hq, q.shape[-2], v.shape[-1]), q.dtype)
 
 
-def sdpa(q, k, v, mask=None, length=None, scale=None, causal=False):
-    """Reference attention in float32: softmax(q k^T * scale + mask) v, GQA by repeating K/V heads."""
+def sdpa(q, k, v, mask=None, length=None, scale=None, causal=False, window=0, softcap=0.0):
+    """Reference attention in float32: softmax(cap(q k^T * scale) + mask) v, GQA by repeating K/V heads.
+
+    softcap c > 0: scores become c * tanh(s / c) (Gemma 2) before the mask. window w > 0 (with causal):
+    the query at position p sees keys p - w < j <= p only (a sliding window; positions are aligned
+    so that the last query is the last key, as causal is)."""
     tq, d = q.shape[-2], q.shape[-1]
     if length is not None:
         length = int(length)
@@ -161,10 +170,15 @@ def sdpa(q, k, v, mask=None, length=None, scale=None, causal=False):
     kf = np.repeat(k.astype(np.float32), group, axis=-3)
     vf = np.repeat(v.astype(np.float32), group, axis=-3)
     s = np.matmul(q.astype(np.float32), np.swapaxes(kf, -1, -2)) * np.float32(scale if scale is not None else 1 / math.sqrt(d))
+    if softcap:
+        s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
     if mask is not None:
         s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float32)
     if causal:
-        allowed = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
+        query_pos = np.arange(tq)[:, None] + (tk - tq)
+        allowed = np.arange(tk)[None, :] <= query_pos
+        if window:
+            allowed &= np.arange(tk)[None, :] > query_pos - window
         s = np.where(allowed, s, -np.inf)
     row_max = np.max(s, axis=-1, keepdims=True)
     dead = ~np.isfinite(row_max)  # rows that see no key give zeros, not NaN
@@ -180,7 +194,8 @@ def _sdpa(xs, a):
         mask = xs[i]; i += 1
     if a.get("has_length"):
         length = xs[i]
-    return sdpa(xs[0], xs[1], xs[2], mask, length, a.get("scale"), a.get("causal", False))
+    return sdpa(xs[0], xs[1], xs[2], mask, length, a.get("scale"), a.get("causal", False), a.get("window", 0),
+                a.get("softcap", 0.0))
 
 
 register(Op.SDPA, _sdpa_rule, _sdpa)

@@ -146,7 +146,8 @@ def _masked_attention_step(node: Node) -> StepFn:
     reference = REGISTRY[Op.SDPA].reference
 
     def step(q, k, v, mask):
-        if q.dtype != np.float32 or q.ndim != 4 or q.shape[0] != k.shape[0] or mask.dtype not in (np.float32, np.bool_):
+        if q.dtype != np.float32 or q.ndim != 4 or q.shape[0] != k.shape[0] or mask.dtype not in (np.float32, np.bool_) \
+                or attrs.get("window") or attrs.get("softcap"):
             return reference((q, k, v, mask), attrs)
         b, hq, tq, d = q.shape
         hk, tk = k.shape[1], k.shape[2]

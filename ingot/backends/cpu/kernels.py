@@ -339,8 +339,9 @@ def quantized_matmul_step(node: Node, out):
     return step
 
 
-def _attention(q, k, v, length, scale, causal, out):
-    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D]; keys >= length ignored; causal aligned to length."""
+def _attention(q, k, v, length, scale, causal, window, softcap, out):
+    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D]; keys >= length ignored; causal aligned to length;
+    window > 0: each query sees its last `window` keys only; softcap > 0: s -> softcap * tanh(s / softcap)."""
     nbatch, hq, tq, d = q.shape
     hk = k.shape[1]
     dv = v.shape[3]
@@ -352,29 +353,34 @@ def _attention(q, k, v, length, scale, causal, out):
         scores = np.empty(length, np.float32)
         for t in range(tq):
             limit = length
+            first = 0
             if causal:
                 limit = min(length, t + 1 + length - tq)
-            if limit <= 0:
+                if window > 0:
+                    first = max(0, t + 1 + length - tq - window)
+            if limit <= first:
                 for e in range(dv):
                     out[b, h, t, e] = 0.0
                 continue
             best = -np.inf
-            for j in range(limit):
+            for j in range(first, limit):
                 s = np.float32(0.0)
                 for e in range(d):
                     s += q[b, h, t, e] * k[b, kh, j, e]
                 s *= scale
+                if softcap > 0:
+                    s = softcap * math.tanh(s / softcap)
                 scores[j] = s
                 if s > best:
                     best = s
             total = np.float32(0.0)
-            for j in range(limit):
+            for j in range(first, limit):
                 p = math.exp(scores[j] - best)
                 scores[j] = p
                 total += p
             for e in range(dv):
                 out[b, h, t, e] = 0.0
-            for j in range(limit):
+            for j in range(first, limit):
                 p = scores[j] / total
                 for e in range(dv):
                     out[b, h, t, e] += p * v[b, kh, j, e]
@@ -383,17 +389,25 @@ def _attention(q, k, v, length, scale, causal, out):
 attention = njit(**_serial)(_attention)
 
 
-def attention_blas(q, k, v, length, scale, causal):
+def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     """Attention for many queries (prefill) with BLAS: each K/V head multiplies its whole group of
-    query heads at once (no repeated K/V), causal mask aligned to `length`, softmax in place."""
+    query heads at once (no repeated K/V), causal mask aligned to `length` (within `window` keys when
+    window > 0), scores capped by softcap * tanh(s / softcap) when softcap > 0, softmax in place."""
     nbatch, hq, tq, d = q.shape
     hk = k.shape[1]
     group = hq // hk
     k, v = k[:, :, :length], v[:, :, :length]
     s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
     s *= scale
+    if softcap:
+        s /= np.float32(softcap)
+        np.tanh(s, out=s)
+        s *= np.float32(softcap)
     if causal:
-        blocked = np.arange(length)[None, :] > np.arange(tq)[:, None] + (length - tq)  # [Tq, L]
+        query_pos = np.arange(tq)[:, None] + (length - tq)
+        blocked = np.arange(length)[None, :] > query_pos  # [Tq, L]
+        if window:
+            blocked |= np.arange(length)[None, :] <= query_pos - window
         s.reshape(nbatch, hk, group, tq, length)[..., blocked] = -np.inf
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
@@ -405,16 +419,18 @@ def sdpa_step(node: Node):
     attrs = node.attrs
     scale_attr = attrs.get("scale")
     f32 = node.dtype.name == "float32" and node.type.rank == 4
+    window, softcap = int(attrs.get("window", 0)), np.float32(attrs.get("softcap", 0.0))
 
     def step(q, k, v, *rest):
         if attrs.get("has_mask") or not f32 or q.shape[0] != k.shape[0]:
             return nn_ops._sdpa((q, k, v) + rest, attrs)
         length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
         scale = np.float32(scale_attr if scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
+        causal = attrs.get("causal", False)
         if q.shape[2] > 16 and length >= q.shape[2]:  # prefill: BLAS
-            return attention_blas(q, k, v, length, scale, attrs.get("causal", False))
+            return attention_blas(q, k, v, length, scale, causal, window, softcap)
         out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
-        attention(q, k, v, length, scale, attrs.get("causal", False), out)
+        attention(q, k, v, length, scale, causal, window, softcap, out)
         return out
     return step
 

@@ -186,7 +186,7 @@ def quantize_command(args) -> int:
     extra = {"quantized": {"format": str(fmt), "exclude": list(args.exclude), "compensate": args.compensate,
                            "awq": bool(args.awq), "calibration": Path(args.calibration).name if args.calibration else None,
                            "source": Path(args.input).name}}
-    architecture = "llama" if is_llm_package(args.input) else model.architecture
+    architecture = model.architecture  # a package says what its family is
     save_llm(out, model.config, result.tensors, model.metadata, result.adapters if result.adapters else None,
              architecture=architecture, extra=extra)
     # sizes as the disk holds them (`du --apparent-size`), not the tensors' bytes: the package's graph,

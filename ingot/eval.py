@@ -79,13 +79,13 @@ def score(model, token_chunks: list[list[int]], device: str = "cpu", progress=No
     """Run a StoredModel (ingot.llm.package) over each chunk from an empty cache and keep the
     log-probabilities of the second half of each chunk's positions; progress() is called after each chunk."""
     from .adapters import binder
-    from .models import llama
+    from . import models
 
     cfg = model.config
     longest = max(len(c) for c in token_chunks)
     if longest > cfg.context_length:
         raise IngotError(f"eval: chunks of {longest} tokens exceed the model's context of {cfg.context_length}.")
-    graph = llama.build(cfg, model.tensors, model.path, adapter_sites=model.adapters.names, all_logits=True)
+    graph = models.build(cfg, model.tensors, model.path, adapter_sites=model.adapters.names, all_logits=True)
     if model.adapters:
         graph.callables_for = binder(cfg, model.adapters)
     logprobs, targets = [], []

@@ -77,7 +77,7 @@ class LLM:
 
     def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=()):
         from ..adapters import binder, load_peft
-        from ..models import llama
+        from .. import models
         from .package import open_model
 
         started = time.perf_counter()
@@ -111,7 +111,7 @@ class LLM:
         model.metadata = {k: v for k, v in model.metadata.items()
                           if k == "tokenizer.chat_template" or not k.startswith("tokenizer.ggml.")}
         self.metadata = model.metadata
-        self.model = llama.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)
+        self.model = models.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)
         if self.adapters:
             self.model.callables_for = binder(self.config, self.adapters)
         del model

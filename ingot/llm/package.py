@@ -82,7 +82,7 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     """
     from .. import package
     from ..adapters import binder
-    from ..models import llama
+    from .. import models
 
     path = Path(path)
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / "manifest.json").is_file())):
@@ -90,7 +90,7 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     stored = storage_form(cfg, tensors)
     # the stored decode executable's KV cache is short (its zeros are stored too); generate rebuilds
     # the graph from llm.json with the model's own context length
-    model = llama.build(replace(cfg, context_length=min(cfg.context_length, STORED_CONTEXT)), stored, str(path),
+    model = models.build(replace(cfg, context_length=min(cfg.context_length, STORED_CONTEXT)), stored, str(path),
                         adapter_sites=adapters.names if adapters else ())
     if adapters:
         model.callables_for = binder(cfg, adapters)
@@ -134,7 +134,7 @@ class StoredModel:
 def read_llm(path) -> StoredModel:
     """Open an LLM package: weights memory-mapped, adapters read back from its callables."""
     from ..adapters import AdapterSet, factors_of, site_layout
-    from ..models.llama import LlamaConfig
+    from ..models import config_class
     from ..package import read_safetensors
 
     path = Path(path)
@@ -146,8 +146,9 @@ def read_llm(path) -> StoredModel:
     if info.get("version") != LLM_VERSION:
         raise IngotError(f"{path / LLM_FILE} has version {info.get('version')!r}; this Ingot reads version {LLM_VERSION}.")
     try:
-        known = {f.name for f in fields(LlamaConfig)}
-        config = LlamaConfig(**{k: v for k, v in info["config"].items() if k in known and k != "extra"})
+        config_type = config_class(info.get("architecture", "llama"), str(path))
+        known = {f.name for f in fields(config_type)}
+        config = config_type(**{k: v for k, v in info["config"].items() if k in known and k != "extra"})
         weights = {k.partition(":")[2]: v for k, v in read_safetensors(path / "weights.safetensors").items()
                    if k.startswith("constant:")}
         tensors: dict = {}
@@ -217,10 +218,10 @@ def open_model(path, bfloat16: bool = False):
     are; the CPU backend widens each once at load) instead of widening them to float32 here."""
     from ..adapters import AdapterSet
     from ..importers.gguf import read_gguf
-    from ..models.llama import LlamaConfig
+    from ..models import config_from_gguf
 
     if Path(checked_path(path, "model")).is_dir():
         return read_llm(path)
     model = read_gguf(path, lazy=True, bfloat16=bfloat16)
-    return StoredModel(model.path, model.architecture, model.metadata, model.tensors, LlamaConfig.from_gguf(model),
+    return StoredModel(model.path, model.architecture, model.metadata, model.tensors, config_from_gguf(model),
                        AdapterSet())

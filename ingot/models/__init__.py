@@ -1,1 +1,51 @@
-"""Graph builders for model families."""
+"""Graph builders for model families, and the registry of decoder families by GGUF architecture.
+
+    family("gemma3")                  -> the module that builds it (ingot.models.gemma)
+    config_from_gguf(model)           -> its config (GemmaConfig, ...) from the GGUF metadata, or one
+                                         IngotError naming an architecture no family reads
+    build(cfg, tensors, path, ...)    -> the decoder graph (blocks.DecoderGraph)
+
+Each family module has ARCHITECTURES, `Config` (its config dataclass, with `from_gguf`), GGUF_KEYS (its metadata
+table) and `build`; it is imported only when used.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ..errors import IngotError
+
+# GGUF general.architecture -> family module. Mistral 7B and SmolLM2 files say "llama"; "mistral"
+# and "smollm" are kept for files written by other tools.
+FAMILIES = {
+    "llama": "llama", "mistral": "llama", "smollm": "llama", "qwen2": "llama",
+}
+
+
+def supported() -> tuple[str, ...]:
+    return tuple(FAMILIES)
+
+
+def family(architecture: str, path: str = ""):
+    """The module that builds `architecture`; IngotError (one sentence) when none does."""
+    name = FAMILIES.get(architecture)
+    if name is None:
+        where = f"{path}: " if path else ""
+        raise IngotError(f"{where}architecture {architecture or '(none)'!r} is not supported "
+                         f"(supported: {', '.join(FAMILIES)}).")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def config_class(architecture: str, path: str = ""):
+    """The config dataclass of `architecture`'s family (its module's `Config`)."""
+    return family(architecture, path).Config
+
+
+def config_from_gguf(model):
+    """The family config for a GGUF model (its metadata and tensor table; no weight is converted)."""
+    return config_class(model.architecture, model.path).from_gguf(model)
+
+
+def build(cfg, tensors, path: str = "", **kwargs):
+    """The decoder graph of cfg's family (kwargs: adapter_sites, all_logits, batch; see llama.build)."""
+    module = importlib.import_module(f"{__name__}.{cfg.family}")
+    return module.build(cfg, tensors, path, **kwargs)

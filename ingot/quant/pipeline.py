@@ -45,12 +45,12 @@ def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: 
     calibration text's token ids run through `model` (a StoredModel): {weight name: float32 [in]}."""
     from .. import dtypes as dt
     from ..ir import TensorType
-    from ..models import llama
+    from .. import models
 
     ids = list(ids)[:max_tokens]
     if len(ids) < 2:
         raise IngotError(f"calibration: the text has {len(ids)} tokens; give a longer text.")
-    graph = llama.build(model.config, model.tensors, model.path, all_logits=True)  # the head sees every row
+    graph = models.build(model.config, model.tensors, model.path, all_logits=True)  # the head sees every row
     sites = sorted(graph.inputs)
     sums = {s: 0.0 for s in sites}
     count = 0

@@ -88,12 +88,12 @@ def _llm_notes(p: Path) -> list[str]:
 def _open_gguf(path: str) -> Model:
     from ..compiler import run_pipeline
     from ..importers.gguf import read_gguf
-    from ..models import llama
+    from .. import models
 
     model = read_gguf(path, lazy=True)
-    config = llama.LlamaConfig.from_gguf(model)
+    config = models.config_from_gguf(model)
     config.context_length = min(config.context_length, DECODE_CONTEXT)
-    built = llama.build(config, model.tensors, path)
+    built = models.build(config, model.tensors, path)
     g = built.graph
     program = Program([built.logits.node], list(g.assigns), dict(g.constants), dict(g.variables))
     step = TensorType((1,), dt.int32)

@@ -636,7 +636,7 @@ def _warm_up() -> None:
         scaled_tile_int8(weights[1], s, 0, 32, 32, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, f32(32, 4))
     q = f32(1, 2, 1, 8)
-    attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, f32(1, 2, 1, 8))
+    attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, 0, np.float32(0), f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
     rms_norm(f32(1, 8), f32(8), np.float32(1e-5))

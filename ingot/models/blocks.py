@@ -1,0 +1,431 @@
+"""The blocks every decoder family is built from (gpt-fast style: a config dataclass, one function
+per block, shapes in comments).
+
+A family module (llama.py, qwen3.py, gemma.py) maps its GGUF metadata to a config with one table
+(`Key` entries read by `config_from_gguf`) and builds its graph from these blocks with plain ops:
+rms_norm, dequantize -> matmul, rope, slice_update of the KV-cache variables, and
+scaled_dot_product_attention. The compiler's passes fuse them on every device; nothing here fuses
+by hand.
+
+    tokens: int32 [B*T]   pos: int32 []   last: int32 []   ->   logits: float32 [B, vocab]
+
+Compiling a graph for T = 1 gives the decode executable (static shapes, the position a runtime
+scalar); compiling for a prompt chunk length gives a prefill executable (cached per length).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from .. import dtypes as dt
+from ..errors import IngotError
+from ..graph import Graph, Tensor
+from ..ir import TensorType
+from ..ops.nn import rope_inv_freq
+from ..quant.formats import QuantizedTensor, concat_columns
+
+
+MAX_DIMENSION = 1 << 24  # any count or size a config may hold (layers, dims, vocabulary, context)
+
+
+@dataclass
+class DecoderConfig:
+    """What every decoder family shares; a family's config adds its own fields."""
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    head_dim: int = 0                   # 0: dim // n_heads (GGUF attention.key_length when it differs)
+    rope_base: float = 10000.0
+    rope_dims: int = 0
+    rope_interleaved: bool = True       # GGUF stores Llama's Q/K permuted for llama.cpp's interleaved RoPE
+    rope_scale: float = 1.0             # linear position scaling
+    norm_eps: float = 1e-5
+    context_length: int = 2048
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    extra: dict = field(default_factory=dict)
+
+    family: ClassVar[str] = ""          # the models/ module that builds it
+
+    def __post_init__(self):
+        self.validate()
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        self.rope_dims = self.rope_dims or self.head_dim
+        if self.rope_dims > self.head_dim or self.rope_dims % 2:
+            raise IngotError(f"{self.family}: rope_dims {self.rope_dims} must be even and at most head_dim {self.head_dim}.")
+
+    def validate(self) -> None:
+        """Every field of the type and range a decoder can be built from (a file or llm.json may say
+        anything): positive counts, heads that divide, finite numbers. One IngotError otherwise."""
+        counts = {"n_layers": self.n_layers, "dim": self.dim, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                  "ffn_dim": self.ffn_dim, "vocab_size": self.vocab_size, "context_length": self.context_length}
+        for name, value in {**counts, "head_dim": self.head_dim, "rope_dims": self.rope_dims}.items():
+            low = 1 if name in counts else 0
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= MAX_DIMENSION:
+                raise IngotError(f"{self.family}: {name} must be an integer in {low}..{MAX_DIMENSION}, not {value!r}.")
+        for name in ("rope_base", "rope_scale", "norm_eps"):
+            value = getattr(self, name)
+            if not _finite(value) or value < 0 or (value == 0 and name != "norm_eps"):
+                raise IngotError(f"{self.family}: {name} must be a finite positive number, not {value!r}.")
+        if self.n_heads % self.n_kv_heads:
+            raise IngotError(f"{self.family}: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads.")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise IngotError(f"{self.family}: dim {self.dim} is not a multiple of {self.n_heads} heads (and no head_dim is given).")
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF metadata -> config, by table.
+
+
+@dataclass(frozen=True)
+class Key:
+    """One row of a family's metadata table: GGUF key `{architecture}.{key}` -> config field, with
+    the range a value must lie in (integers: [minimum, MAX_DIMENSION]; numbers: as metadata_float)."""
+    key: str
+    field: str
+    kind: type = int
+    required: bool = False
+    minimum: float | None = None        # None: 1 for integers, 0 for numbers
+    maximum: float = 1e30
+    exclusive_minimum: bool = False
+
+
+def config_from_gguf(cls, model, table: tuple[Key, ...], **computed) -> DecoderConfig:
+    """cls(**fields) from the GGUF metadata keys in `table` (architecture prefix added), each checked
+    (type, range, consistency) before anything is allocated from it, the shapes the tensor table
+    implies, the rope scaling, and `computed` (family-specific values)."""
+    from ..untrusted import metadata_float, metadata_int
+
+    arch = model.architecture
+    missing = [f"{arch}.{k.key}" for k in table if k.required and model.get(f"{arch}.{k.key}") is None]
+    if missing:
+        raise IngotError(f"{model.path}: metadata lacks {', '.join(missing)}.")
+    values: dict[str, Any] = {}
+    for k in table:
+        full = f"{arch}.{k.key}"
+        if model.get(full) is None:
+            continue
+        if k.kind is int:
+            values[k.field] = metadata_int(model, full, None, 1 if k.minimum is None else int(k.minimum), MAX_DIMENSION)
+        else:
+            values[k.field] = metadata_float(model, full, 0.0, k.minimum or 0.0, k.maximum, k.exclusive_minimum)
+    dim, n_heads = values["dim"], values["n_heads"]
+    if not values.get("head_dim") and dim % n_heads:
+        raise IngotError(f"{model.path}: {arch}.embedding_length {dim} is not a multiple of "
+                         f"{arch}.attention.head_count {n_heads}.")
+    head_dim = values.get("head_dim") or dim // n_heads
+    rope_dims = values.get("rope_dims", 0)
+    if rope_dims > head_dim or rope_dims % 2:
+        raise IngotError(f"{model.path}: {arch}.rope.dimension_count is {rope_dims}; it must be even and at most "
+                         f"the head dimension {head_dim}.")
+    n_kv_heads = values.setdefault("n_kv_heads", n_heads)
+    if n_heads % n_kv_heads:
+        raise IngotError(f"{model.path}: {arch}.attention.head_count {n_heads} is not a multiple of "
+                         f"{arch}.attention.head_count_kv {n_kv_heads}.")
+    tensors = model.tensors
+    if "token_embd.weight" not in tensors:
+        raise IngotError(f"{model.path}: tensor token_embd.weight is missing.")
+    shape = tensors.shape("token_embd.weight") if hasattr(tensors, "shape") else tensors["token_embd.weight"].shape
+    values.update(vocab_size=int(shape[0]), tied_embeddings="output.weight" not in tensors,
+                  qkv_bias="blk.0.attn_q.bias" in tensors, rope_scale=rope_scaling(model))
+    values.update(computed)
+    try:
+        return cls(**values)
+    except IngotError as e:
+        raise IngotError(f"{model.path}: {e}") from None
+
+
+def rope_scaling(model) -> float:
+    """The linear RoPE position factor from `{arch}.rope.scaling.*` (1.0 when none). Llama 3's scaling
+    comes as the tensor rope_freqs.weight (see `rope_frequencies`). A kind Ingot does not implement
+    (YaRN, LongRoPE, ...) is refused by name, never ignored: its logits would be wrong at long context."""
+    from ..untrusted import metadata_float, metadata_str, short
+
+    arch = model.architecture
+    kind = metadata_str(model, f"{arch}.rope.scaling.type")
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in model.tensors:
+            raise IngotError(f"{model.path}: tensor {name} asks for LongRoPE scaling, which Ingot does not implement.")
+    if kind is None or kind == "none":
+        return 1.0
+    if kind == "linear":
+        return metadata_float(model, f"{arch}.rope.scaling.factor", 1.0, exclusive_minimum=True)
+    raise IngotError(f"{model.path}: RoPE scaling {short(kind)} ({arch}.rope.scaling.type) is not supported; Ingot "
+                     f"implements 'linear' and Llama 3's rope_freqs, not YaRN or LongRoPE.")
+
+
+def rope_frequencies(rope_dims: int, base: float, scale: float = 1.0, tensors=None) -> np.ndarray:
+    """RoPE inverse frequencies float32 [rope_dims / 2]: base ** (-2i / rope_dims), divided by Llama 3's
+    rope_freqs.weight factors when the file has them, and by the linear position scale."""
+    inv_freq = rope_inv_freq(rope_dims, base)
+    if tensors is not None and "rope_freqs.weight" in tensors:      # Llama 3 frequency scaling
+        inv_freq = inv_freq / np.asarray(tensors["rope_freqs.weight"], np.float32)
+    return (inv_freq / np.float32(scale)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Weights.
+
+
+def _is_bfloat16(w) -> bool:
+    return isinstance(w, np.ndarray) and w.dtype == dt.bfloat16.storage
+
+
+class Weights:
+    """Looks up GGUF-named tensors and turns them into graph constants (quantized ones stay so)."""
+
+    def __init__(self, g: Graph, tensors: dict, path: str = "", adapter_sites=()):
+        self.g, self.tensors, self.path = g, tensors, path
+        self.adapter_sites = frozenset(adapter_sites)  # weight names whose output gets a called adapter
+        self.inputs: dict[str, Tensor] = {}            # "+".join(weight names) -> the tensor they multiply
+
+    def get(self, name: str):
+        if name not in self.tensors:
+            raise IngotError(f"{self.path}: tensor {name} is missing.")
+        return self.tensors[name]
+
+    def vector(self, name: str) -> Tensor:
+        w = self.get(name)
+        if isinstance(w, QuantizedTensor) or np.ndim(w) != 1:
+            raise IngotError(f"{self.path}: tensor {name} should be a float vector, not "
+                             f"{w.source or w.qdtype.name if isinstance(w, QuantizedTensor) else np.asarray(w).dtype}"
+                             f"{list(w.shape)}.")
+        return self.g.constant(np.asarray(w, np.float32), name=name)
+
+    def _checked(self, name: str, shape: tuple[int, int]):
+        w = self.get(name)
+        if tuple(w.shape) != (shape if not isinstance(w, QuantizedTensor) or w.block_axis == 1 else shape[::-1]):
+            raise IngotError(f"{self.path}: tensor {name} has shape {tuple(w.shape)}, expected {shape}.")
+        if isinstance(w, QuantizedTensor) and w.block_axis == 1:
+            w = w.to_k_major()
+        return w
+
+    def _constant(self, w, name: str) -> Tensor:
+        g = self.g
+        if isinstance(w, QuantizedTensor):
+            q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
+            if w.lut is not None and w.scale is not None:  # a scaled lookup table (GGUF's IQ types, MXFP4)
+                return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"), axis=0, block_size=w.block_size,
+                                    scale=g.constant(w.scale, name=f"{name}.scale"))
+            if w.lut is not None:
+                return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"))
+            params = {"scale": g.constant(w.scale, name=f"{name}.scale")}
+            if w.zero_point is not None:
+                params["zero_point"] = g.constant(w.zero_point, name=f"{name}.zero_point")
+            if w.bias is not None:
+                params["bias"] = g.constant(w.bias, name=f"{name}.bias")
+            return g.dequantize(q, axis=0, block_size=w.block_size, **params)
+        if _is_bfloat16(w):  # stays bf16 [in, out]; consumers see float32 (backends multiply the bf16 directly)
+            return g.cast(g.constant(np.ascontiguousarray(np.asarray(w).T), name=name), dt.float32)
+        return g.constant(np.ascontiguousarray(np.asarray(w, np.float32).T), name=name)
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> Tensor:
+        """The [out, in] weight as an [in, out] float tensor: a dequantize of its k-major form when
+        quantized (the reduction axis first is what the CPU GEMV reads fastest; see QuantizedTensor),
+        cast(bf16 constant, float32) when bfloat16 (a GGUF BF16 tensor, or random_weights(dense_dtype=))."""
+        return self._constant(self._checked(name, shape), name)
+
+    def matrices(self, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor] | Tensor:
+        """Weights that multiply the same input, side by side as one [in, sum(out)] tensor when they
+        share a quantized format or are all bfloat16 (one matmul instead of several); else a list, one per weight.
+        A tensor stored under "+".join(names) (an Ingot LLM package) is that side-by-side weight."""
+        fused = "+".join(names)
+        if len(names) > 1 and fused in self.tensors:
+            return self._constant(self.tensors[fused], fused)
+        ws = [self._checked(n, s) for n, s in zip(names, shapes)]
+        if all(isinstance(w, QuantizedTensor) for w in ws):
+            try:
+                return self._constant(concat_columns(ws), "+".join(names))
+            except ValueError:
+                pass
+        if len(ws) > 1 and all(_is_bfloat16(w) for w in ws):  # [out, in] rows stacked: [in, sum(out)] after the transpose
+            return self._constant(np.concatenate([np.asarray(w) for w in ws], axis=0), "+".join(names))
+        return [self._constant(w, n) for w, n in zip(ws, names)]
+
+
+def adapted(g: Graph, weights: Weights, names: list[str], x: Tensor, y: Tensor) -> Tensor:
+    """y plus a separately compiled adapter's delta(x) when one of these weights has an adapter site:
+    a `call` named "+".join(names), bound (and re-bound) to an executable, e.g. LoRA x @ A.T @ B.T."""
+    weights.inputs["+".join(names)] = x  # calibration reads these (activation statistics per weight)
+    if not weights.adapter_sites.intersection(names):
+        return y
+    (delta,) = g.call("+".join(names), [x], [TensorType(y.shape, y.dtype)])
+    # y + delta, typed as y: a call's declared output keeps the build-time dynamic length, and
+    # [1, n] + [?, n] would leave every later shape (and the next call's input) dynamic at decode
+    return g.slice_update(y, y + delta, [0, 0])
+
+
+def linear_split(g: Graph, x: Tensor, weights: Weights, names: list[str], shapes: list[tuple[int, int]]) -> list[Tensor]:
+    """[x @ w.T for each weight], computed as one matmul over the weights side by side when possible."""
+    fused = weights.matrices(names, shapes)
+    if isinstance(fused, list):
+        return [adapted(g, weights, [n], x, linear(g, x, w)) for n, w in zip(names, fused)]
+    y = adapted(g, weights, names, x, linear(g, x, fused))
+    outs, at = [], 0
+    for rows, _ in shapes:
+        outs.append(g.slice(y, [0, at], [None, at + rows]))
+        at += rows
+    return outs
+
+
+def linear(g: Graph, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ w (+ bias); x: [T, in], w: [in, out]."""
+    y = g.matmul(x, w)
+    return y + bias if bias is not None else y
+
+
+# --------------------------------------------------------------------------------------------
+# The blocks.
+
+
+def inputs(g: Graph) -> tuple[Tensor, Tensor, Tensor]:
+    """The decoder's feeds: this step's token ids [B*T], the position of tokens[0], the logits row."""
+    tokens = g.placeholder((None,), dt.int32, name="tokens")
+    pos = g.placeholder((), dt.int32, name="pos")
+    last = g.placeholder((), dt.int32, name="last")
+    return tokens, pos, last
+
+
+def checked_batch(batch) -> int:
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise IngotError(f"build: batch must be a whole number of sequences >= 1, got {batch!r}.")
+    return int(batch)
+
+
+def embedding(g: Graph, cfg: DecoderConfig, weights: Weights, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(x [B*T, dim], the embedding matrix [dim, vocab]); only the looked-up columns are dequantized."""
+    embed = weights.matrix("token_embd.weight", (cfg.vocab_size, cfg.dim))   # [dim, vocab]
+    return g.transpose(g.gather(embed, tokens, axis=1), (1, 0)), embed
+
+
+def rms_norm(g: Graph, cfg: DecoderConfig, weights: Weights, name: str, x: Tensor) -> Tensor:
+    """x / rms(x) * w over the last axis (GGUF stores Gemma's (1 + w) already added)."""
+    return g.rms_norm(x, weights.vector(name), cfg.norm_eps)
+
+
+def split_heads(g: Graph, t: Tensor, n: int, hd: int, batch: int) -> Tensor:
+    """[B*T, n*hd] -> [B, n, T, hd]."""
+    if batch == 1:
+        return g.reshape(g.transpose(g.reshape(t, (-1, n, hd)), (1, 0, 2)), (1, n, -1, hd))
+    return g.transpose(g.reshape(t, (batch, -1, n, hd)), (0, 2, 1, 3))
+
+
+def merge_heads(g: Graph, t: Tensor, n: int, hd: int, batch: int) -> Tensor:
+    """[B, n, T, hd] -> [B*T, n*hd]."""
+    if batch == 1:
+        return g.reshape(g.transpose(g.reshape(t, (n, -1, hd)), (1, 0, 2)), (-1, n * hd))
+    return g.reshape(g.transpose(t, (0, 2, 1, 3)), (-1, n * hd))
+
+
+def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int) -> tuple[Tensor, Tensor]:
+    """This layer's K and V cache variables [B, nkv, context, hd], zeros at first."""
+    shape = (batch, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
+    return (g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.k_cache"),
+            g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.v_cache"))
+
+
+def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq: np.ndarray,
+              batch: int = 1, *, qk_norm: bool = False, window: int = 0, softcap: float = 0.0,
+              scale: float | None = None, rope_base: float | None = None) -> Tensor:
+    """Causal self-attention for one layer, writing this chunk's K/V into the cache variables.
+
+    x: [B*T, dim], B sequences of T tokens (sequence-major), all at position `pos`. qk_norm: rms_norm
+    of each head of q and k (weights attn_q_norm/attn_k_norm [hd]) before RoPE; window: sliding-window
+    attention over the last `window` positions; softcap: scores c * tanh(s / c); scale: of the
+    scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base)."""
+    p = f"blk.{layer}."
+    hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    q, k, v = linear_split(g, x, weights, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+                           [(nh * hd, cfg.dim), (nkv * hd, cfg.dim), (nkv * hd, cfg.dim)])   # [B*T, h*hd]
+    if cfg.qkv_bias:
+        q, k, v = (q + weights.vector(p + "attn_q.bias"), k + weights.vector(p + "attn_k.bias"),
+                   v + weights.vector(p + "attn_v.bias"))
+    q, k, v = split_heads(g, q, nh, hd, batch), split_heads(g, k, nkv, hd, batch), split_heads(g, v, nkv, hd, batch)
+    if qk_norm:                                                       # per head, over hd
+        q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
+        k = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k)
+    rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
+    q = g.rope(q, pos, **rope)                                        # [B, nh, T, hd]
+    k = g.rope(k, pos, **rope)                                        # [B, nkv, T, hd]
+    k_cache, v_cache = kv_cache(g, cfg, layer, batch)
+    k_all = g.slice_update(k_cache, k, [0, 0, pos, 0])                # written in place by the compiler
+    v_all = g.slice_update(v_cache, v, [0, 0, pos, 0])
+    g.assign(k_cache, k_all)
+    g.assign(v_cache, v_all)
+    end = pos + (g.dim(x, 0) if batch == 1 else g.dim(q, 2))         # T tokens per sequence
+    k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])  # attention over the valid prefix
+    v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
+    out = g.scaled_dot_product_attention(q, k_seen, v_seen, scale=scale, causal=True, window=window,
+                                         softcap=softcap)             # [B, nh, T, hd]
+    out = merge_heads(g, out, nh, hd, batch)                          # [B*T, nh*hd]
+    return adapted(g, weights, [p + "attn_output.weight"], out,
+                   linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
+
+
+ACTIVATIONS: dict[str, Callable[[Graph, Tensor], Tensor]] = {
+    "silu": lambda g, x: g.silu(x),                       # SwiGLU (Llama, Qwen)
+    "gelu_tanh": lambda g, x: g.gelu(x, approximate="tanh"),   # GeGLU (Gemma)
+}
+
+
+def feed_forward(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, activation: str = "silu") -> Tensor:
+    """Gated feed-forward: down(act(gate(x)) * up(x)); x: [B*T, dim] -> [B*T, dim]."""
+    p = f"blk.{layer}."
+    gate, up = linear_split(g, x, weights, [p + "ffn_gate.weight", p + "ffn_up.weight"],
+                            [(cfg.ffn_dim, cfg.dim), (cfg.ffn_dim, cfg.dim)])   # [B*T, ffn]
+    h = ACTIVATIONS[activation](g, gate) * up
+    return adapted(g, weights, [p + "ffn_down.weight"], h,
+                   linear(g, h, weights.matrix(p + "ffn_down.weight", (cfg.dim, cfg.ffn_dim))))
+
+
+def output(g: Graph, cfg: DecoderConfig, weights: Weights, x: Tensor, embed: Tensor, last: Tensor, batch: int,
+           all_logits: bool, softcap: float = 0.0) -> Tensor:
+    """The final norm and the head: logits [B, vocab] of row `last` of each sequence ([B*T, vocab]
+    with all_logits); tied embeddings reuse `embed`; softcap: c * tanh(logits / c)."""
+    if not all_logits and batch == 1:
+        x = g.slice(x, [last, 0], size=[1, None])              # only the row whose logits we need
+    elif not all_logits:                                       # row `last` of each sequence: [B, dim]
+        x = g.reshape(g.slice(g.reshape(x, (batch, -1, cfg.dim)), [0, last, 0], size=[None, 1, None]), (batch, cfg.dim))
+    x = rms_norm(g, cfg, weights, "output_norm.weight", x)
+    head = embed if cfg.tied_embeddings else weights.matrix("output.weight", (cfg.vocab_size, cfg.dim))
+    head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    logits = adapted(g, weights, [head_name], x, linear(g, x, head))   # [B, vocab]
+    if softcap:
+        logits = g.tanh(logits * np.float32(1.0 / softcap)) * np.float32(softcap)
+    return logits
+
+
+@dataclass
+class DecoderGraph:
+    graph: Graph
+    tokens: Tensor
+    pos: Tensor
+    last: Tensor
+    logits: Tensor
+    config: "DecoderConfig"
+    callables_for: Callable[[dict[str, int], str], dict] | None = None  # {call name: input rows}, device -> {name: executable}
+    inputs: dict[str, Tensor] = field(default_factory=dict)             # what each (fused) weight multiplies
+    batch: int = 1                                                      # sequences decoded in lockstep
+
+    def compile(self, length: int, device: str = "cpu"):
+        """The executable for `length` tokens per step and sequence (1 = decode); cached by the graph.
+        Its tokens feed is [batch * length] (sequence-major). Adapter call sites are (re)bound to
+        `callables_for({site: rows}, device)`, which costs no recompile."""
+        exe = self.graph.compile(feeds={self.tokens: TensorType((self.batch * length,), dt.int32)}, targets=[self.logits],
+                                 device=device)
+        if self.callables_for is not None:
+            rows = {name: site.src[0].type.shape[0] for name, site in exe.call_sites.items()}
+            for name, callee in self.callables_for(rows, device).items():
+                if exe.callables.get(name) is not callee:
+                    exe.bind(name, callee)
+        return exe

@@ -18,6 +18,8 @@ from ..errors import IngotError
 # and "smollm" are kept for files written by other tools.
 FAMILIES = {
     "llama": "llama", "mistral": "llama", "smollm": "llama", "qwen2": "llama",
+    "qwen3": "qwen3",
+    "gemma2": "gemma", "gemma3": "gemma",
 }
 
 

@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Make the per-family reference fixture with HF transformers (fp32) over tiny random-weight GGUFs.
+
+Not part of Ingot and not run by the tests: it needs torch, transformers and accelerate (to load a
+GGUF), which are not project dependencies. For each family in tests/family_models.py it writes the
+tiny GGUF (seeded), lets transformers load it (its own GGUF reader and modelling code: an
+independent implementation) and records
+
+  * the prompt ids (24 random ids: longer than the Gemma models' sliding window of 8),
+  * float32 logits at every prompt position (prefill), and
+  * 32 greedily generated ids (HF generate, do_sample=False, with its KV cache).
+
+Outputs: tests/fixtures/families_reference.npz ({family}.prompt, {family}.logits, {family}.greedy)
+and tests/fixtures/families_reference.json (versions, command). Run from the repository root:
+
+    pip install torch transformers accelerate      # a scratch environment, never Ingot's deps
+    python scripts/make_family_fixture.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from family_models import FAMILIES, write_family_gguf  # noqa: E402
+
+PROMPT_LENGTH, GENERATED = 24, 32
+
+
+def prompt_ids(vocab: int) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, vocab, PROMPT_LENGTH).astype(np.int32)
+
+
+def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    f = write_family_gguf(name, folder / f"{name}.gguf")
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.gguf", dtype=torch.float32).eval()
+    ids = prompt_ids(f.vocab)
+    x = torch.tensor(ids[None].astype(np.int64))
+    with torch.no_grad():
+        logits = model(x).logits[0].numpy().astype(np.float32)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=GENERATED, min_new_tokens=GENERATED,
+                             do_sample=False)
+    return {f"{name}.prompt": ids, f"{name}.logits": logits,
+            f"{name}.greedy": out[0, len(ids):].numpy().astype(np.int32)}
+
+
+def main() -> None:
+    import torch
+    import transformers
+
+    arrays: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in FAMILIES:
+            arrays.update(reference(name, Path(tmp)))
+            print(name, arrays[f"{name}.greedy"][:8].tolist())
+    fixtures = ROOT / "tests" / "fixtures"
+    np.savez_compressed(fixtures / "families_reference.npz", **arrays)
+    meta = {"families": list(FAMILIES), "prompt_length": PROMPT_LENGTH, "generated": GENERATED,
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "command": "python scripts/make_family_fixture.py"}
+    (fixtures / "families_reference.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Tiny random-weight GGUF files in each decoder family's real layout and metadata (test helper).
+
+`write_family_gguf(name, path)` writes one with gguf.GGUFWriter: the tensor names, shapes and
+metadata keys llama.cpp's converter writes for that architecture, float32 weights (or Q8_0
+matrices), seeded, so HF transformers and Ingot read the same file. scripts/make_family_fixture.py
+runs transformers over these files; tests/test_families.py compares Ingot with what it stored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    n_layers: int
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 96
+    vocab: int = 128
+    context: int = 256
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+    sliding_window: int = 0
+    quant: str = "F32"                         # or "Q8_0" for the matrices
+    extra: dict = field(default_factory=dict)  # more metadata, {key without the arch prefix: value}
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in ("qwen3", "gemma3")
+
+    @property
+    def gemma(self) -> bool:
+        return self.arch.startswith("gemma")
+
+
+FAMILIES = {
+    "llama": Family("llama", 2, quant="Q8_0"),
+    "qwen2": Family("qwen2", 2, rope_base=1e6, eps=1e-6),
+    # head_dim != dim / heads; 128 because HF's GGUF loader assumes it (it reads no qwen3.attention.key_length)
+    "qwen3": Family("qwen3", 2, head_dim=128, rope_base=1e6, eps=1e-6),
+    # Gemma: head_dim 256 is what HF's GGUF loader assumes (query_pre_attn_scalar), as the real models have
+    "gemma2": Family("gemma2", 2, n_heads=2, n_kv_heads=1, head_dim=256, eps=1e-6, sliding_window=8,
+                     extra={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": Family("gemma3", 6, n_heads=2, n_kv_heads=1, head_dim=256, rope_base=1e6, eps=1e-6, sliding_window=8),
+}
+
+
+def _add_matrix(w: gguf.GGUFWriter, name: str, m: np.ndarray, quant: str) -> None:
+    if quant == "Q8_0":
+        data = gguf.quants.quantize(m, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        w.add_tensor(name, m.astype(np.float32))
+
+
+def write_family_gguf(name: str, path, seed: int = 0) -> Family:
+    """Write the tiny model of family `name` (a key of FAMILIES) to path; returns its Family."""
+    f = FAMILIES[name]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), f.arch)
+    w.add_name(f"tiny-{name}")
+    w.add_block_count(f.n_layers)
+    w.add_context_length(f.context)
+    w.add_embedding_length(f.dim)
+    w.add_feed_forward_length(f.ffn_dim)
+    w.add_head_count(f.n_heads)
+    w.add_head_count_kv(f.n_kv_heads)
+    w.add_rope_freq_base(f.rope_base)
+    w.add_layer_norm_rms_eps(f.eps)
+    w.add_vocab_size(f.vocab)
+    if f.head_dim != f.dim // f.n_heads or f.gemma:
+        w.add_key_length(f.head_dim)
+        w.add_value_length(f.head_dim)
+    if f.sliding_window:
+        w.add_sliding_window(f.sliding_window)
+    for key, value in f.extra.items():
+        w.add_float32(f"{f.arch}.{key}", value)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if f.quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
+
+    def matrix(rows, cols):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n):  # Gemma's files store 1 + w; the others w: both near 1
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    hd, q_rows, kv_rows = f.head_dim, f.n_heads * f.head_dim, f.n_kv_heads * f.head_dim
+    _add_matrix(w, "token_embd.weight", (rng.standard_normal((f.vocab, f.dim)) * (0.05 if f.gemma else 1)).astype(np.float32), f.quant)
+    w.add_tensor("output_norm.weight", norm(f.dim))
+    if not f.gemma:
+        _add_matrix(w, "output.weight", matrix(f.vocab, f.dim), f.quant)
+    for i in range(f.n_layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm(f.dim))
+        _add_matrix(w, p + "attn_q.weight", matrix(q_rows, f.dim), f.quant)
+        _add_matrix(w, p + "attn_k.weight", matrix(kv_rows, f.dim), f.quant)
+        _add_matrix(w, p + "attn_v.weight", matrix(kv_rows, f.dim), f.quant)
+        if f.arch == "qwen2":
+            for n, rows in (("attn_q.bias", q_rows), ("attn_k.bias", kv_rows), ("attn_v.bias", kv_rows)):
+                w.add_tensor(p + n, (0.1 * rng.standard_normal(rows)).astype(np.float32))
+        if f.qk_norm:
+            w.add_tensor(p + "attn_q_norm.weight", norm(hd))
+            w.add_tensor(p + "attn_k_norm.weight", norm(hd))
+        _add_matrix(w, p + "attn_output.weight", matrix(f.dim, q_rows), f.quant)
+        if f.gemma:
+            w.add_tensor(p + "post_attention_norm.weight", norm(f.dim))
+        w.add_tensor(p + "ffn_norm.weight", norm(f.dim))
+        _add_matrix(w, p + "ffn_gate.weight", matrix(f.ffn_dim, f.dim), f.quant)
+        _add_matrix(w, p + "ffn_up.weight", matrix(f.ffn_dim, f.dim), f.quant)
+        _add_matrix(w, p + "ffn_down.weight", matrix(f.dim, f.ffn_dim), f.quant)
+        if f.gemma:
+            w.add_tensor(p + "post_ffw_norm.weight", norm(f.dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return f

@@ -1,0 +1,150 @@
+"""Each decoder family against HF transformers (fp32) on a tiny random-weight GGUF in its real layout.
+
+tests/family_models.py writes the files; scripts/make_family_fixture.py ran transformers over them
+and stored its logits and greedy ids (tests/fixtures/families_reference.*). Ingot must give prefill
+logits within 1e-4 relative L2 at every position and the same 32 greedy ids; the prompts are longer
+than the Gemma models' sliding window. Where transformers is installed, one test also runs it live.
+"""
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from family_models import FAMILIES, write_family_gguf
+from ingot import models
+from ingot.errors import IngotError
+from ingot.importers.gguf import read_gguf
+
+FIXTURE = Path(__file__).parent / "fixtures" / "families_reference.npz"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with np.load(FIXTURE, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def ingot_run(path: Path, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, list[int]]:
+    """(logits at every prompt position [T, vocab], `steps` greedy ids after the prompt)."""
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    cfg.context_length = 64
+    everything = models.build(cfg, model.tensors, str(path), all_logits=True).compile(len(prompt))
+    (logits,) = everything.run({"tokens": prompt, "pos": np.int32(0)})
+    graph = models.build(cfg, model.tensors, str(path))
+    prefill, decode = graph.compile(len(prompt)), graph.compile(1)
+    state = decode.new_state()
+    (row,) = prefill.run({"tokens": prompt, "pos": np.int32(0), "last": np.int32(len(prompt) - 1)}, state=state)
+    ids = []
+    for i in range(steps):
+        ids.append(int(np.argmax(row[0])))
+        (row,) = decode.run({"tokens": np.array(ids[-1:], np.int32), "pos": np.int32(len(prompt) + i),
+                             "last": np.int32(0)}, state=state)
+    return logits, ids
+
+
+def rel_l2_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers(name, reference, tmp_path):
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(name, path)
+    prompt = reference[f"{name}.prompt"]
+    expected = reference[f"{name}.greedy"].tolist()
+    logits, ids = ingot_run(path, prompt, len(expected))
+    assert logits.shape == reference[f"{name}.logits"].shape
+    errors = rel_l2_rows(logits, reference[f"{name}.logits"])
+    assert errors.max() < 1e-4, f"{name}: prefill logits differ from transformers' by {errors.max():.2e} (rel L2)"
+    assert ids == expected
+
+
+def test_config_reads_each_family_table(tmp_path):
+    """What each family's table makes of its metadata (the numbers the graph is built from)."""
+    configs = {}
+    for name in ("qwen3", "gemma2", "gemma3"):
+        write_family_gguf(name, tmp_path / f"{name}.gguf")
+        configs[name] = models.config_from_gguf(read_gguf(tmp_path / f"{name}.gguf", lazy=True))
+    q3, g2, g3 = configs["qwen3"], configs["gemma2"], configs["gemma3"]
+    assert (q3.family, q3.head_dim, q3.qk_norm, q3.rope_interleaved) == ("qwen3", 128, True, False)
+    assert [g3.window(i) for i in range(6)] == [8, 8, 8, 8, 8, 0]           # 5 local : 1 global
+    assert (g3.rope_base, g3.rope_base_local, g3.qk_norm, g3.attention_scale) == (1e6, 1e4, True, 1 / 16)
+    assert [g2.window(i) for i in range(2)] == [8, 0]
+    assert (g2.attn_softcap, g2.final_softcap, g2.qk_norm) == (50.0, 30.0, False)
+
+
+def test_sliding_window_is_what_makes_gemma3_match(reference, tmp_path):
+    """The comparison can fail: without its window, Gemma 3's logits past position 8 are wrong."""
+    path = tmp_path / "gemma3.gguf"
+    write_family_gguf("gemma3", path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    cfg.sliding_window = 1000   # still the local layers (their RoPE base), but a window longer than the prompt
+    exe = models.build(cfg, model.tensors, str(path), all_logits=True).compile(24)
+    (logits,) = exe.run({"tokens": reference["gemma3.prompt"], "pos": np.int32(0)})
+    errors = rel_l2_rows(logits, reference["gemma3.logits"])
+    assert errors[:8].max() < 1e-4 and errors[8:].min() > 1e-3
+
+
+def _write_gguf(path: Path, arch: str, **metadata) -> None:
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_architecture_is_refused_before_any_kernel_compiles(tmp_path, monkeypatch):
+    import ingot.backends.cpu.kernels as kernels
+    import ingot.llm
+
+    path = tmp_path / "mamba.gguf"
+    _write_gguf(path, "mamba", **{"mamba.block_count": 1})
+    monkeypatch.setattr(kernels, "warm_up", lambda: pytest.fail("kernels compiled before the refusal"))
+    started = time.perf_counter()
+    with pytest.raises(IngotError, match=r"mamba.gguf: architecture 'mamba' is not supported \(supported: llama"):
+        ingot.llm.load(str(path))
+    assert time.perf_counter() - started < 5  # generous on a loaded CI machine; it takes ~0.1 s
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope", "su"])
+def test_rope_scaling_that_ingot_lacks_is_refused_by_name(tmp_path, kind):
+    path = tmp_path / "scaled.gguf"
+    _write_gguf(path, "qwen2", **{"qwen2.block_count": 1, "qwen2.embedding_length": 4, "qwen2.attention.head_count": 1,
+                                  "qwen2.feed_forward_length": 8, "qwen2.rope.scaling.type": kind,
+                                  "qwen2.rope.scaling.factor": 4.0})
+    with pytest.raises(IngotError, match=f"RoPE scaling '{kind}' \\(qwen2.rope.scaling.type\\) is not supported"):
+        models.config_from_gguf(read_gguf(path, lazy=True))
+
+
+def test_linear_rope_scaling_is_read(tmp_path):
+    path = tmp_path / "linear.gguf"
+    _write_gguf(path, "llama", **{"llama.block_count": 1, "llama.embedding_length": 4, "llama.attention.head_count": 1,
+                                  "llama.feed_forward_length": 8, "llama.rope.scaling.type": "linear",
+                                  "llama.rope.scaling.factor": 4.0})
+    assert models.config_from_gguf(read_gguf(path, lazy=True)).rope_scale == 4.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "accelerate")),
+                    reason="needs torch, transformers and accelerate (to load a GGUF)")
+def test_fixture_is_what_transformers_computes_now(reference, tmp_path):
+    """The stored fixture still is transformers' answer (regenerate it with scripts/make_family_fixture.py)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from make_family_fixture import reference as live
+
+    for name in ("qwen3", "gemma3"):
+        now = live(name, tmp_path)
+        np.testing.assert_array_equal(now[f"{name}.greedy"], reference[f"{name}.greedy"])
+        assert rel_l2_rows(now[f"{name}.logits"], reference[f"{name}.logits"]).max() < 1e-5
+    meta = json.loads(FIXTURE.with_suffix(".json").read_text())
+    assert set(meta["families"]) == set(FAMILIES)

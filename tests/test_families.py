@@ -148,3 +148,50 @@ def test_fixture_is_what_transformers_computes_now(reference, tmp_path):
         assert rel_l2_rows(now[f"{name}.logits"], reference[f"{name}.logits"]).max() < 1e-5
     meta = json.loads(FIXTURE.with_suffix(".json").read_text())
     assert set(meta["families"]) == set(FAMILIES)
+
+
+# -- chat and stopping per family -------------------------------------------------------------------
+
+TURN_TOKENS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|end|>"]
+
+
+def tokenizer_for(architecture: str, template: str | None = None):
+    """A byte-level vocabulary with every family's turn tokens as control tokens, and the family's
+    default template as generate.LLM gives it."""
+    from hostile import MERGES, byte_symbols
+    from ingot.llm.tokenizer import Tokenizer
+
+    tokens = byte_symbols() + ["he", "ll", "hell", "hello"] + TURN_TOKENS
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.token_type": [1] * 260 + [3] * len(TURN_TOKENS), "tokenizer.ggml.merges": list(MERGES),
+          "tokenizer.ggml.bos_token_id": tokens.index("<bos>"), "tokenizer.ggml.eos_token_id": tokens.index("<eos>")}
+    if template is not None:
+        md["tokenizer.chat_template"] = template
+    return Tokenizer(md, default_template=models.chat_template(architecture)), tokens
+
+
+def test_gemma_without_a_template_gets_its_own_turn_format_and_stops_at_end_of_turn():
+    tok, tokens = tokenizer_for("gemma3")
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+                                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    assert tok.eos_ids == {tokens.index("<eos>"), tokens.index("<end_of_turn>")}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_chatml_families_without_a_template_stop_at_im_end(architecture):
+    tok, tokens = tokenizer_for(architecture)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_ids == {tokens.index("<eos>"), tokens.index("<|im_end|>")}
+
+
+@pytest.mark.parametrize("architecture, template, stop", [
+    ("gemma3", "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}", "<|im_end|>"),  # the file's wins
+    ("llama", "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}", "<|eot_id|>"),
+    ("llama", "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}", "<|end|>"),
+])
+def test_the_files_template_and_its_end_of_turn_token(architecture, template, stop):
+    tok, tokens = tokenizer_for(architecture, template)
+    assert tok.chat_template == template
+    assert tok.eos_ids == {tokens.index("<eos>"), tokens.index(stop)}

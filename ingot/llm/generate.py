@@ -98,7 +98,7 @@ class LLM:
         from .tokenizer import Tokenizer  # here: a file refused above never imports tokenizers
         from .chat import check_template
         try:
-            self.tokenizer = Tokenizer(model.metadata)
+            self.tokenizer = Tokenizer(model.metadata, default_template=models.chat_template(model.architecture))
             check_template(self.tokenizer.chat_template)   # a hostile template: refused before any kernel compiles
         except IngotError as e:
             raise IngotError(f"{path}: {e}") from None

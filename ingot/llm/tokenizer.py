@@ -197,11 +197,13 @@ class Tokenizer:
     Attributes: `bos_id`, `eos_id`, `unk_id`, `pad_id` (None when the file names none); `eos_ids`, the
     ids that end generation (eos, eot/eom when named, and the end-of-turn tokens such as <|im_end|> or
     <|eot_id|> that the chat template writes, plus <|endoftext|>); `special_ids` (control tokens);
-    `add_bos`, `add_eos`; `chat_template` (None when the file has none); `model` and `pre` as the file
-    names them.
+    `add_bos`, `add_eos`; `chat_template` (the file's; when it has none, `default_template`, the model
+    family's own turn format, e.g. Gemma's; None when neither: ChatML is rendered); `model` and `pre` as
+    the file names them.
     """
 
-    def __init__(self, metadata: Mapping):
+    def __init__(self, metadata: Mapping, default_template: str | None = None):
+        self._default_template = default_template
         try:
             self._build(metadata)
         except IngotError:
@@ -250,6 +252,8 @@ class Tokenizer:
         self.chat_template = md.get("tokenizer.chat_template")
         if self.chat_template is not None:
             self.chat_template = _as_str(self.chat_template)
+        if not self.chat_template:
+            self.chat_template = self._default_template
 
         def token_id(name):
             v = get(name)
@@ -297,12 +301,16 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, ty in enumerate(types) if ty == TOKEN_CONTROL)
 
         # end of generation: eos, eot/eom when the file names them, and the end-of-turn tokens the chat
-        # template writes (<|im_end|>, <|eot_id|>, ...)
+        # template writes (<|im_end|>, <|eot_id|>, <end_of_turn>, ...; ChatML's when there is no template),
+        # control or user-defined tokens (llama.cpp treats these texts as end of generation either way)
+        from .chat import CHATML_TEMPLATE
+
         eos = {i for i in (self.eos_id, eot_id, eom_id) if i is not None}
-        template = self.chat_template or ""
+        template = self.chat_template or CHATML_TEMPLATE
         for text in _END_OF_TURN_TEXTS:
             i = self._tk.token_to_id(text)
-            if i is not None and i < n and types[i] == TOKEN_CONTROL and (text in template or text == "<|endoftext|>"):
+            if i is not None and i < n and types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED) \
+                    and (text in template or text == "<|endoftext|>"):
                 eos.add(i)
         self.eos_ids = frozenset(eos)
 

@@ -47,6 +47,12 @@ def config_from_gguf(model):
     return config_class(model.architecture, model.path).from_gguf(model)
 
 
+def chat_template(architecture: str) -> str | None:
+    """The family's own turn format (a jinja2 chat template) for files that carry none; None: ChatML."""
+    name = FAMILIES.get(architecture)
+    return None if name is None else getattr(importlib.import_module(f"{__name__}.{name}"), "CHAT_TEMPLATE", None)
+
+
 def build(cfg, tensors, path: str = "", **kwargs):
     """The decoder graph of cfg's family (kwargs: adapter_sites, all_logits, batch; see llama.build)."""
     module = importlib.import_module(f"{__name__}.{cfg.family}")

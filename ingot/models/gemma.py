@@ -34,6 +34,23 @@ SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}        # llama.cpp's set_swa_patter
 LOCAL_ROPE_BASE = {"gemma2": 0.0, "gemma3": 10000.0}  # 0: the global base (HF's rope_local_base_freq)
 LAYERS_OF_27B = {"gemma2": 46, "gemma3": 62}        # the 27B models scale scores by 1 / sqrt(dim / heads)
 
+# Gemma's turn format, for a file without tokenizer.chat_template: no system role (a system message is
+# put before the first user message's text), the assistant is "model", each turn ends with <end_of_turn>
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set system.text = system.text + message['content'] | trim + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + system.text"
+    " + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% set system.text = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 # GGUF metadata `{architecture}.{key}` -> GemmaConfig field
 GGUF_KEYS = (
     Key("block_count", "n_layers", int, required=True),

@@ -57,3 +57,19 @@ def test_a_cache_read_before_its_write_is_left_alone():
     g, exe = rope_k_into_cache(read_old=True)      # the write is not in place: nothing to fuse
     after, changed = fuse_rope_cache(exe.program)
     assert not changed and not kinds(after)
+
+
+def test_a_windowed_or_capped_attention_keeps_its_own_step():
+    g = ingot.Graph()
+    kc = g.variable(np.zeros((1, 2, 16, 8), np.float32), name="k_cache")
+    vc = g.variable(np.zeros((1, 2, 16, 8), np.float32), name="v_cache")
+    q, k, v = (g.placeholder((1, 2, 1, 8), name=n) for n in "qkv")
+    pos = g.placeholder((), ingot.int32, name="pos")
+    ku = g.slice_update(kc, g.rope(k, pos), [0, 0, pos, 0])
+    vu = g.slice_update(vc, v, [0, 0, pos, 0])
+    g.assign(kc, ku)
+    g.assign(vc, vu)
+    out = g.scaled_dot_product_attention(g.rope(q, pos), ku, vu, causal=True, softcap=30.0)
+    exe = g.compile(targets=[out])
+    after, changed = fuse_rope_cache(exe.program)
+    assert kinds(after) == {"rope_qkv_write": 1} and sum(n.op == Op.SDPA for n in after.nodes()) == 1

@@ -13,7 +13,7 @@ import math
 
 from ..ir import Node, Op, Program, consumers
 from .fusion import Match, fuse_matches
-from .gemv_rules import constant_affine
+from .gemv_rules import constant_affine, plain_attention
 
 
 def _order_kept(t: Node) -> bool:
@@ -44,7 +44,7 @@ def fuse_attention_gemv(program: Program) -> tuple[Program, bool]:
             head = sorted(users[att.id], key=lambda g: g.attrs["index"])   # its GET_ITEMs
             if any(g.op != Op.GET_ITEM for g in head):
                 continue
-        elif x.op == Op.SDPA and not x.attrs.get("has_mask"):
+        elif plain_attention(x) and not x.attrs.get("has_mask"):
             att_out, att = x, x
         else:
             continue

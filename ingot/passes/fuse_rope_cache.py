@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..ir import Node, Op, Program, Ref, consumers
 from .fusion import Match, fuse_matches
+from .gemv_rules import plain_attention
 
 
 def writes_rows_at(update: Node, pos: Node, like: Node) -> bool:
@@ -55,7 +56,7 @@ def _attention(qr: Node, ku: Node, vu: Node, members: set[int], users, roots, no
     if qr.id in roots or len(users[qr.id]) != 1:
         return None
     att = users[qr.id][0]
-    if att.op != Op.SDPA or att.attrs.get("has_mask") or att.src[0] is not qr or att.src[1] is not ku or \
+    if not plain_attention(att) or att.attrs.get("has_mask") or att.src[0] is not qr or att.src[1] is not ku or \
             att.src[2] is not vu or ku is vu:
         return None
     if any(order[u.id] < order[att.id] for m in (ku, vu) for u in users[m.id] if u.id not in members and u is not att):

@@ -84,3 +84,8 @@ def last_axis_slice(node: Node, src: Node) -> tuple[int, int] | None:
     if any(len(r) != d for r, d in zip(spans[:-1], shape[:-1])):
         return None
     return spans[-1].start, spans[-1].stop
+
+
+def plain_attention(att: Node) -> bool:
+    """An SDPA the CUDA attention kernels take: no sliding window and no logit softcap (yet)."""
+    return att.op == Op.SDPA and not att.attrs.get("window") and not att.attrs.get("softcap")

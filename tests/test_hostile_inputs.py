@@ -104,8 +104,12 @@ def test_gguf_tensor_list_is_bounded_by_the_file(tmp_path, name, patch, words):
 
 def test_gguf_quantized_norm_vector_is_refused(tmp_path, capsys):
     """Found by the fuzzer: a norm weight stored as Q4_1 reached np.asarray(QuantizedTensor) (TypeError)."""
+    from ingot.llm.package import open_model
+    from ingot.models import llama
     path = tiny_llama_gguf(tmp_path / "m.gguf", quantize={"blk.0.attn_norm.weight": T.Q4_1})
-    refused(capsys, ["generate", "hi", "--model", path], "blk.0.attn_norm.weight", "float vector", "Q4_1")
+    model = open_model(path)
+    with pytest.raises(IngotError, match=r"blk\.0\.attn_norm\.weight should be a float vector, not Q4_1"):
+        llama.build(model.config, model.tensors, path)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1])

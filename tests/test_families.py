@@ -195,3 +195,16 @@ def test_the_files_template_and_its_end_of_turn_token(architecture, template, st
     tok, tokens = tokenizer_for(architecture, template)
     assert tok.chat_template == template
     assert tok.eos_ids == {tokens.index("<eos>"), tokens.index(stop)}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+def test_random_weights_of_a_family_build_and_run(family):
+    """Random weights of a config's shapes (what GPU runs use) build a graph the CPU runs."""
+    import importlib
+    module = importlib.import_module(f"ingot.models.{family}")
+    cfg = module.Config(2, 64, 2, 1, 96, 100, head_dim=32, context_length=32)
+    if family == "gemma":
+        cfg.sliding_window, cfg.sliding_pattern = 4, 2
+    graph = models.build(cfg, module.random_weights(cfg, dense_dtype="float32"))
+    (logits,) = graph.compile(6).run({"tokens": np.arange(6, dtype=np.int32), "pos": np.int32(0), "last": np.int32(5)})
+    assert logits.shape == (1, 100) and np.isfinite(logits).all()

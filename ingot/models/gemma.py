@@ -145,3 +145,21 @@ def build(cfg: GemmaConfig, tensors: dict, path: str = "", adapter_sites=(), all
         x = x + rms_norm(g, cfg, weights, p + "post_ffw_norm.weight", f)
     logits = output(g, cfg, weights, x, embed, last, batch, all_logits, softcap=cfg.final_softcap)
     return DecoderGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs, batch=batch)
+
+
+def random_weights(cfg: GemmaConfig, seed: int = 0, **kwargs) -> dict:
+    """GGUF-named random weights of a Gemma config's shapes, for tests and GPU runs: llama.random_weights
+    (its keyword arguments; QK-norms when cfg.qk_norm, no output.weight when tied) plus the post-norms.
+
+        >>> t = random_weights(GemmaConfig(2, 64, 2, 1, 96, 100, head_dim=32, qk_norm=True), dense_dtype="float32")
+        >>> t["blk.1.post_ffw_norm.weight"].shape, t["blk.0.attn_q_norm.weight"].shape
+        ((64,), (32,))
+    """
+    from .llama import random_weights as llama_weights
+
+    t = llama_weights(cfg, seed=seed, **kwargs)
+    rng = np.random.default_rng(seed + 1)
+    for i in range(cfg.n_layers):
+        for name in ("post_attention_norm", "post_ffw_norm"):
+            t[f"blk.{i}.{name}.weight"] = (1 + 0.1 * rng.standard_normal(cfg.dim)).astype(np.float32)
+    return t

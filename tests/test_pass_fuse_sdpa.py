@@ -19,8 +19,10 @@ def ops_of(program: Program) -> list[Op]:
     return [n.op for n in program.nodes()]
 
 
-def reference_attention(q, k, v, scale, mask=None, bool_mask=None):
+def reference_attention(q, k, v, scale, mask=None, bool_mask=None, softcap=0.0):
     s = q.astype(np.float64) @ np.swapaxes(k, -1, -2).astype(np.float64) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     if mask is not None:
         s = s + mask
     if bool_mask is not None:
@@ -29,7 +31,7 @@ def reference_attention(q, k, v, scale, mask=None, bool_mask=None):
     return (p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
 
 
-def build(lead, hq, tq, tk, d, dv, scale_mode, mask_mode):
+def build(lead, hq, tq, tk, d, dv, scale_mode, mask_mode, cap_mode=None):
     """Hand-written attention; returns (graph, output, feeds, expected)."""
     rng = np.random.default_rng(sum(lead) + 7 * hq + 11 * tq + 13 * tk + 17 * d + 19 * dv)
     g = ingot.Graph()
@@ -48,6 +50,13 @@ def build(lead, hq, tq, tk, d, dv, scale_mode, mask_mode):
     elif scale_mode == "div":
         scale = 1 / math.sqrt(d)
         scores = scores / math.sqrt(d)
+    softcap = 0.0
+    if cap_mode == "div":
+        softcap = 1.5
+        scores = g.tanh(scores / 1.5) * 1.5
+    elif cap_mode == "mul_left":
+        softcap = 2.0
+        scores = 2.0 * g.tanh(scores * 0.5)
     mask = bool_mask = None
     if mask_mode in ("add", "add_left"):
         mask = np.triu(np.full((tq, tk), -1e4, np.float32), 1 + tk - tq)
@@ -61,7 +70,7 @@ def build(lead, hq, tq, tk, d, dv, scale_mode, mask_mode):
         feeds["mask"] = bool_mask
         scores = g.where(m, scores, -np.inf)
     out = g.matmul(g.softmax(scores, axis=-1), v)
-    expected = reference_attention(feeds["q"], feeds["k"], feeds["v"], scale, mask, bool_mask)
+    expected = reference_attention(feeds["q"], feeds["k"], feeds["v"], scale, mask, bool_mask, softcap)
     return g, out, feeds, expected
 
 
@@ -72,9 +81,9 @@ def program_of(g, out) -> Program:
 @HYPOTHESIS
 @given(lead=st.sampled_from([(), (1,), (2,)]), hq=st.integers(1, 3), tq=st.integers(1, 5), tk=st.integers(1, 6),
        d=st.integers(1, 8), dv=st.integers(1, 8), scale_mode=st.sampled_from(["none", "mul", "mul_left", "div"]),
-       mask_mode=st.sampled_from([None, "add", "add_left", "where"]))
-def test_fuses_every_form_and_keeps_the_numbers(lead, hq, tq, tk, d, dv, scale_mode, mask_mode):
-    g, out, feeds, expected = build(lead, hq, tq, tk, d, dv, scale_mode, mask_mode)
+       mask_mode=st.sampled_from([None, "add", "add_left", "where"]), cap_mode=st.sampled_from([None, "div", "mul_left"]))
+def test_fuses_every_form_and_keeps_the_numbers(lead, hq, tq, tk, d, dv, scale_mode, mask_mode, cap_mode):
+    g, out, feeds, expected = build(lead, hq, tq, tk, d, dv, scale_mode, mask_mode, cap_mode)
     before = program_of(g, out)
     after, changed = fuse_attention(before)
     assert changed
@@ -83,6 +92,8 @@ def test_fuses_every_form_and_keeps_the_numbers(lead, hq, tq, tk, d, dv, scale_m
     assert ops.count(Op.SDPA) == 1
     sdpa = after.outputs[0]
     assert sdpa.attrs["has_mask"] == (mask_mode is not None)
+    assert sdpa.attrs.get("softcap", 0.0) == {None: 0.0, "div": 1.5, "mul_left": 2.0}[cap_mode]
+    assert Op.TANH not in ops
     assert sdpa.type == out.type
     (unfused,) = evaluate(before, feeds)
     (fused,) = Executable(after).run(feeds)
@@ -120,10 +131,12 @@ def _unfusable(kind):
         return g, g.matmul(g.softmax(s * c, axis=-1), v)
     if kind == "scale_divides":
         return g, g.matmul(g.softmax(g.div(2.0, s), axis=-1), v)
+    if kind == "cap_mismatch":  # tanh(s / 2) * 3 is not a softcap
+        return g, g.matmul(g.softmax(g.tanh(s / 2.0) * 3.0, axis=-1), v)
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["softmax_axis", "not_a_swap", "runtime_scale", "scale_divides"])
+@pytest.mark.parametrize("kind", ["softmax_axis", "not_a_swap", "runtime_scale", "scale_divides", "cap_mismatch"])
 def test_leaves_what_is_not_attention(kind):
     g, out = _unfusable(kind)
     after, changed = fuse_attention(program_of(g, out))

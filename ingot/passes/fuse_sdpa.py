@@ -1,10 +1,12 @@
 """Recognise hand-written attention and replace it with one scaled_dot_product_attention node.
 
-    matmul(softmax(matmul(q, swap(k)) [* c | / c] [+ mask | where(mask, ., -inf)], axis=-1), v)
-        -> sdpa(q, k, v, mask, scale)
+    matmul(softmax(cap(matmul(q, swap(k)) [* c | / c]) [+ mask | where(mask, ., -inf)], axis=-1), v)
+        -> sdpa(q, k, v, mask, scale, softcap)
 
 `swap` is a transpose of the last two axes, c a constant scalar (either side of the multiply), the
-additive mask either side of the add. A missing scale means scale 1. The fused node must have the
+additive mask either side of the add; `cap` is optional: tanh(s / m) * m (or tanh(s * (1 / m)), the
+product either way round) with one constant m, the logit softcap of Gemma 2. A sliding window written
+by hand is a mask like any other. A missing scale means scale 1. The fused node must have the
 type the matmul had, or nothing is rewritten.
 """
 from __future__ import annotations
@@ -47,18 +49,43 @@ def _scaled_scores(node: Node, ctx: Context) -> tuple[Node, Node, float] | None:
     return node.src[0], node.src[1].src[0], scale
 
 
+def _capped_scores(node: Node, ctx: Context) -> tuple[Node, Node, float, float] | None:
+    """(q, k, scale, softcap) if node is [tanh(s / m) * m of] scaled scores s, else None."""
+    found = _scaled_scores(node, ctx)
+    if found is not None:
+        return found + (0.0,)
+    if node.op != Op.MUL:
+        return None
+    for t, outer in (node.src, node.src[::-1]):
+        m = _scalar(outer, ctx)
+        if t.op != Op.TANH or m is None or not math.isfinite(m) or m <= 0:
+            continue
+        inner = t.src[0]
+        if inner.op == Op.DIV and _scalar(inner.src[1], ctx) == m:
+            s = inner.src[0]
+        elif inner.op == Op.MUL and _scalar(inner.src[1], ctx) is not None \
+                and math.isclose(_scalar(inner.src[1], ctx) * m, 1.0, rel_tol=1e-6):
+            s = inner.src[0]
+        else:
+            continue
+        found = _scaled_scores(s, ctx)
+        if found is not None:
+            return found + (m,)
+    return None
+
+
 def _candidates(scores: Node, ctx: Context):
-    """Every (q, k, scale, mask) reading of the softmax input."""
-    found = _scaled_scores(scores, ctx)
+    """Every (q, k, scale, softcap, mask) reading of the softmax input."""
+    found = _capped_scores(scores, ctx)
     if found is not None:
         yield found + (None,)
     if scores.op == Op.ADD:
         for s, mask in (scores.src, scores.src[::-1]):
-            found = _scaled_scores(s, ctx)
+            found = _capped_scores(s, ctx)
             if found is not None:
                 yield found + (mask,)
     elif scores.op == Op.WHERE and _scalar(scores.src[2], ctx) == -math.inf:
-        found = _scaled_scores(scores.src[1], ctx)
+        found = _capped_scores(scores.src[1], ctx)
         if found is not None:
             yield found + (scores.src[0],)
 
@@ -67,11 +94,13 @@ def _fuse(node: Node, ctx: Context) -> Node | None:
     probs, v = node.src
     if probs.op != Op.SOFTMAX or probs.type.rank < 3 or probs.attrs["axis"] != probs.type.rank - 1:
         return None
-    for q, k, scale, mask in _candidates(probs.src[0], ctx):
+    for q, k, scale, softcap, mask in _candidates(probs.src[0], ctx):
         if not q.type.rank == k.type.rank == v.type.rank == probs.type.rank:
             continue
         src = (q, k, v) + ((mask,) if mask is not None else ())
         attrs = {"scale": scale, "causal": False, "has_mask": mask is not None, "has_length": False}
+        if softcap:
+            attrs["softcap"] = softcap
         try:
             out_type = infer_type(Op.SDPA, [s.type for s in src], attrs)
         except IngotError:

@@ -208,3 +208,20 @@ def test_random_weights_of_a_family_build_and_run(family):
     graph = models.build(cfg, module.random_weights(cfg, dense_dtype="float32"))
     (logits,) = graph.compile(6).run({"tokens": np.arange(6, dtype=np.int32), "pos": np.int32(0), "last": np.int32(5)})
     assert logits.shape == (1, 100) and np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path):
+    """`ingot convert` of a family's GGUF: the package reads back as that family (its config class)
+    and gives transformers' logits too."""
+    from ingot.convert import convert
+    from ingot.llm.package import read_llm
+
+    write_family_gguf(name, tmp_path / f"{name}.gguf")
+    convert(tmp_path / f"{name}.gguf", tmp_path / f"{name}.ingot")
+    stored = read_llm(tmp_path / f"{name}.ingot")
+    assert stored.architecture == name and type(stored.config) is models.config_class(name)
+    stored.config.context_length = 64
+    exe = models.build(stored.config, stored.tensors, stored.path, all_logits=True).compile(24)
+    (logits,) = exe.run({"tokens": reference[f"{name}.prompt"], "pos": np.int32(0)})
+    assert rel_l2_rows(logits, reference[f"{name}.logits"]).max() < 1e-4

@@ -225,3 +225,27 @@ def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path)
     exe = models.build(stored.config, stored.tensors, stored.path, all_logits=True).compile(24)
     (logits,) = exe.run({"tokens": reference[f"{name}.prompt"], "pos": np.int32(0)})
     assert rel_l2_rows(logits, reference[f"{name}.logits"]).max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_generation_loop_with_padded_chunks_matches_transformers(name, reference, tmp_path, monkeypatch):
+    """ingot.llm's loop: the prompt prefilled in padded chunks (here 16 + 8 tokens, padded to 16 each,
+    across the window of 8), then decoded step by step, gives transformers' logits and greedy ids."""
+    import ingot.llm.generate as generate
+    from ingot.llm.generate import LLM
+
+    monkeypatch.setattr(generate, "PREFILL_BUCKETS", (4, 16))
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(name, path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    cfg.context_length = 64
+    llm = LLM.from_graph(models.build(cfg, model.tensors, str(path)), tokenizer=None)
+    prompt = reference[f"{name}.prompt"].tolist()
+    logits = llm.prefill(prompt)
+    assert rel_l2_rows(logits, reference[f"{name}.logits"][-1]) < 1e-4
+    ids = []
+    for _ in range(len(reference[f"{name}.greedy"])):
+        ids.append(int(np.argmax(logits)))
+        logits = llm.step(ids[-1])
+    assert ids == reference[f"{name}.greedy"].tolist()

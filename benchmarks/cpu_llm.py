@@ -51,8 +51,8 @@ def ingot_speed(gguf_path: str, n_prompt: int = 512, n_decode: int = 128, decode
     load = os.getloadavg()[0]
     pre = [prefill_once() for _ in range(repeats)]
     dec = [decode_once() for _ in range(repeats)]
-    from ingot.backends.cpu import kernels
-    return anchors._summary(pre, dec, load, engine="ingot", gemv_threads=kernels.THREADS,
+    from ingot.options import CpuOptions
+    return anchors._summary(pre, dec, load, engine="ingot", gemv_threads=CpuOptions().resolved_threads,
                             load_s=round(load_s, 2), n_prompt=n_prompt, n_decode=n_decode)
 
 

@@ -4,6 +4,7 @@ from .dtypes import (DType, bfloat16, bool_, complex64, float16, float32, int4, 
 from .errors import IngotError  # noqa: F401
 from .graph import Graph, Tensor  # noqa: F401
 from .ir import TensorType  # noqa: F401
+from .options import CompileOptions  # noqa: F401
 from .runtime import Executable, Outputs, State, load  # noqa: F401
 
 __version__ = "0.1.0"

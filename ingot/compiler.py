@@ -187,4 +187,4 @@ def compile_graph(graph, targets: list[Node], assigns: list[Node], feed_types: d
     order = [name for name in getattr(graph, "placeholders", {}) if name in placeholders]
     order += sorted(placeholders - set(order))
     inputs = [(name, feed_types.get(name, declared_types[name])) for name in order]
-    return Executable(program, device=device, callables=callables, history=history, inputs=inputs)
+    return Executable(program, device=device, callables=callables, history=history, inputs=inputs, options=options)

@@ -566,15 +566,22 @@ class Graph:
     # -- compile --------------------------------------------------------------------------------
     def compile(self, feeds: dict[Any, TensorType] | None = None, targets: Sequence[Tensor] | Mapping[str, Tensor] = (),
                 device: str = "cpu", callables: dict[str, Any] | None = None, debug: bool | str = False,
-                assigns: Sequence[Tensor] | None = None):
+                assigns: Sequence[Tensor] | None = None, options=None):
         """Compile targets (and every assign, unless `assigns` names a subset) into an Executable.
 
         feeds maps placeholders (tensors or names) to concrete TensorTypes; placeholders not named
         keep their declared type, which must then be static. targets: a list, or {name: tensor} to
         name the outputs (`exe.run(...)["name"]`; a list's outputs are "output_0", ... unless the
-        tensor is a named placeholder). Results are cached per feed types.
+        tensor is a named placeholder). Results are cached per feed types and options. options: an
+        `ingot.CompileOptions` (None: `CompileOptions.from_environment()`).
         """
         from .compiler import compile_graph
+        from .options import CompileOptions
+
+        if options is None:
+            options = CompileOptions.from_environment()
+        elif not isinstance(options, CompileOptions):
+            raise IngotError(f"compile: options must be an ingot.CompileOptions, not {type(options).__name__}.")
 
         names = None
         if isinstance(targets, Mapping):
@@ -587,11 +594,12 @@ class Graph:
         targets = [self._own(t) for t in targets]
         assign_nodes = self.assigns if assigns is None else [self._own(a).node for a in assigns]
         cache_key = (tuple(sorted(feed_types.items(), key=lambda kv: kv[0])), tuple(t.node.id for t in targets),
-                     tuple(a.id for a in assign_nodes), device, debug)
+                     tuple(a.id for a in assign_nodes), device, debug, options)
         cache_key += (tuple(sorted((k, id(v)) for k, v in (callables or {}).items())), tuple(names or ()))
         if cache_key in self._compiled:
             return self._compiled[cache_key]
-        exe = compile_graph(self, [t.node for t in targets], assign_nodes, feed_types, device, callables or {}, debug)
+        exe = compile_graph(self, [t.node for t in targets], assign_nodes, feed_types, device, callables or {}, debug,
+                            options)
         if names is not None:
             from .runtime import name_outputs
             exe.output_names = name_outputs(exe.program.outputs, names)

@@ -1,6 +1,7 @@
 """The package format: a directory NAME.ingot/ holding
 
-    manifest.json          {"format": "ingot-package", "version": 2, "device": ..., "callables": [...]}
+    manifest.json          {"format": "ingot-package", "version": 3, "device": ..., "callables": [...],
+                            "options": {...}}   (the CompileOptions, `CompileOptions.to_dict`)
     graph.json             the compiled program: nodes (sources first), outputs, assigns, inputs in
                            order, fusion regions, memory plan, pass history
     weights.safetensors    constants and variable initial values ("constant:KEY", "variable:NAME"),
@@ -13,7 +14,8 @@ temporary name and renamed into place, so a failed save leaves nothing half writ
 package can be broken raises one IngotError naming the file and what is wrong.
 
 Version history: 1 stored bfloat16 as U16 and complex64 as F32 pairs with a dtype table in
-graph.json; 2 stores them as safetensors BF16 and C64 and records the input order.
+graph.json; 2 stores them as safetensors BF16 and C64 and records the input order; 3 records the
+compile options in the manifest (a version 2 package loads with the default options).
 
     >>> import numpy as np, ingot, tempfile, os
     >>> g = ingot.Graph()
@@ -47,7 +49,8 @@ from .untrusted import clip, inside, loads, read_json, short
 from .verify import verify
 
 FORMAT = "ingot-package"
-VERSION = 2
+VERSION = 3
+READS = (2, 3)   # versions this Ingot loads
 
 # safetensors dtype names -> the NumPy dtype that holds the bytes (BF16: ml_dtypes' bfloat16, made on
 # first use by ingot.dtypes, so that importing ingot does not load ml_dtypes)
@@ -169,7 +172,7 @@ def _write(executable, path: Path) -> None:
     for name, exe in executable.callables.items():
         _write(exe, path / "callables" / f"{name}.ingot")
     manifest = {"format": FORMAT, "version": VERSION, "device": executable.device,
-                "callables": sorted(executable.callables)}
+                "callables": sorted(executable.callables), "options": executable.options.to_dict()}
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
@@ -333,8 +336,9 @@ def read_package(path: Path) -> tuple[Program, dict, dict]:
     if manifest.get("format") != FORMAT:
         raise IngotError(f"package: {path} is not an Ingot package (manifest.json format is {manifest.get('format')!r}, "
                          f"expected {FORMAT!r}).")
-    if manifest.get("version") != VERSION:
-        raise IngotError(f"package: {path} has format version {manifest.get('version')!r}; this Ingot reads version {VERSION}.")
+    if manifest.get("version") not in READS:
+        raise IngotError(f"package: {path} has format version {manifest.get('version')!r}; this Ingot reads versions "
+                         f"{', '.join(map(str, READS))}.")
     graph = _read_json(path / "graph.json")
     weights = read_safetensors(path / "weights.safetensors")
     try:
@@ -373,3 +377,13 @@ def callable_names(path: Path, manifest: dict) -> list[str]:
             raise IngotError(f"package: {path}/manifest.json names a callable {short(name)} that is not a plain name.")
         inside(path, f"callables/{name}.ingot", f"package: {path}/manifest.json callable {short(name)}")
     return names
+
+
+def options_of(path: Path, manifest: dict):
+    """The CompileOptions the package was compiled with (a version 2 package: the defaults)."""
+    from .options import CompileOptions
+
+    try:
+        return CompileOptions.from_dict(manifest.get("options", {}))
+    except IngotError as e:
+        raise IngotError(f"package: {path}/manifest.json: {e}") from None

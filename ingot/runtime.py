@@ -28,6 +28,7 @@ from . import package
 from .backends import get_backend
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
+from .options import CompileOptions
 from .passes.memory_plan import plan_memory
 from .untrusted import checked_path
 
@@ -147,12 +148,14 @@ class Executable:
 
     def __init__(self, program: Program, device: str = "cpu", callables: Mapping[str, "Executable"] | None = None,
                  history: Sequence[tuple[str, bool]] = (), inputs: Sequence[tuple[str, TensorType]] = (),
-                 output_names: Sequence[str] | None = None):
+                 output_names: Sequence[str] | None = None, options: CompileOptions | None = None):
         """inputs: every (name, type) the caller declared, in order; compile may have made some of
         them unnecessary (a folded dim()), they are still accepted and checked, then not used.
-        output_names: one per program output (default: the nodes' names, else "output_I")."""
+        output_names: one per program output (default: the nodes' names, else "output_I").
+        options: what it was compiled with (None: the defaults), `exe.options`; the backend reads them."""
         self.program = program
         self.output_names = name_outputs(program.outputs, output_names)
+        self.options = options if options is not None else CompileOptions()
         self.device = device
         self.history = list(history)
         self.backend = get_backend(device)
@@ -293,8 +296,9 @@ class Executable:
                 f"outputs={self.output_types} nodes={len(self.program.nodes())}>")
 
 
-def load(path, device: str | None = None) -> Executable:
-    """Load a package written by Executable.save (ingot.package); weights stay memory-mapped."""
+def load(path, device: str | None = None, options: CompileOptions | None = None) -> Executable:
+    """Load a package written by Executable.save (ingot.package); weights stay memory-mapped. options:
+    CompileOptions instead of the ones it stores (for it and its callables)."""
     from pathlib import Path
 
     path = Path(checked_path(path, "package"))
@@ -305,13 +309,14 @@ def load(path, device: str | None = None) -> Executable:
     regions = program.regions
     program, _ = plan_memory(program)
     program.regions = regions
-    callables = {name: load(path / "callables" / f"{name}.ingot", device)
+    options = options if options is not None else package.options_of(path, manifest)
+    callables = {name: load(path / "callables" / f"{name}.ingot", device, options)
                  for name in package.callable_names(path, manifest)}
     history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
     device = device or manifest.get("device", "cpu")
     try:
         return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"],
-                          output_names=graph.get("output_names"))
+                          output_names=graph.get("output_names"), options=options)
     except IngotError as e:
         raise IngotError(f"package: {path} cannot be loaded: {e}") from None
 

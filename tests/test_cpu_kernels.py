@@ -101,14 +101,14 @@ def test_rms_norm_and_silu():
     np.testing.assert_allclose(kernels.silu(x), x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
 
 
-def test_threads_split_the_reduction_axis(monkeypatch):
+def test_threads_split_the_reduction_axis():
     k, n, block = 256, 64, 32
     q, scale, bias = kmajor_weight(k, n, dt.int4, block)
     x = RNG.standard_normal((2, k)).astype(np.float32)
     serial, threaded = np.empty((2, n), np.float32), np.empty((2, n), np.float32)
     kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, serial, 0)
-    monkeypatch.setattr(kernels, "THREADS", 3)
-    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, threaded, 10**9)
+    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, threaded, 10**9,
+                         threads=3)
     np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-5)
 
 

@@ -148,7 +148,7 @@ def test_iq_values_use_every_table_entry(converted):
         assert set(np.unique(codes)) == set(range(n)), qtype.name
 
 
-def quantized_matmul_graph(t: QuantizedTensor, x: np.ndarray, transpose: bool):
+def quantized_matmul_graph(t: QuantizedTensor, x: np.ndarray, transpose: bool, options=None):
     """y = x @ W.T through a graph the compiler fuses into quantized_matmul; W k-major unless transpose."""
     g = Graph()
     w = t if transpose else t.to_k_major()
@@ -161,7 +161,7 @@ def quantized_matmul_graph(t: QuantizedTensor, x: np.ndarray, transpose: bool):
         deq = g.dequantize(q, scale=g.constant(w.scale), axis=axis, block_size=w.block_size, **extra)
     xin = g.placeholder(x.shape, dt.float32, name="x")
     y = g.matmul(xin, g.transpose(deq, (1, 0)) if transpose else deq)
-    exe = g.compile(targets=[y])
+    exe = g.compile(targets=[y], options=options)
     ops = [n.op for n in exe.program.nodes()]
     assert Op.QUANTIZED_MATMUL in ops and Op.DEQUANTIZE not in ops and Op.MATMUL not in ops
     return exe.run({"x": x})[0]
@@ -205,13 +205,13 @@ def select_rows(t: QuantizedTensor, keep) -> QuantizedTensor:
 def test_scaled_lut_kernel_split_over_threads(converted, monkeypatch):
     """The GEMV split along K over worker threads adds up to the one-thread result."""
     from ingot.backends.cpu import kernels
+    from ingot.options import CompileOptions, CpuOptions
     path, raws = converted
     t = read_gguf(path).tensors["IQ4_XS.b"]
     x = np.random.default_rng(0).standard_normal((2, t.shape[1])).astype(np.float32)
     one = quantized_matmul_graph(t, x, transpose=False)
-    monkeypatch.setattr(kernels, "THREADS", 2)
     monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 1)
-    two = quantized_matmul_graph(t, x, transpose=False)
+    two = quantized_matmul_graph(t, x, transpose=False, options=CompileOptions(cpu=CpuOptions(threads=2)))
     np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6 * float(np.abs(one).max()))
     check_close(two, x, t.dequantize_rows())
 

@@ -225,7 +225,7 @@ BREAKAGES = {
     "truncated weights": (truncate_weights, "weights.safetensors is truncated"),
     "empty weights": (lambda p: (p / "weights.safetensors").write_bytes(b"\x01\x00"), "truncated"),
     "wrong version": (lambda p: edit_json(p / "manifest.json", lambda m: m.update(version=VERSION + 1)),
-                      f"format version {VERSION + 1}; this Ingot reads version {VERSION}"),
+                      f"format version {VERSION + 1}; this Ingot reads versions"),
     "wrong format": (lambda p: edit_json(p / "manifest.json", lambda m: m.update(format="mpsgraph")),
                      "not an Ingot package .*'mpsgraph'"),
     "missing manifest": (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing"),

@@ -75,7 +75,7 @@ class LLM:
     """A GGUF language model (or an Ingot LLM package) compiled for one device, with its tokenizer
     and chat template. lora: PEFT adapter folders as (path, scale) pairs, called beside the weights."""
 
-    def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=()):
+    def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=(), options=None):
         from ..adapters import binder, load_peft
         from .. import models
         from .package import open_model
@@ -83,6 +83,7 @@ class LLM:
         started = time.perf_counter()
         self.path = path
         self.device = device
+        self.options = options   # CompileOptions for every compile (None: CompileOptions.from_environment())
         _allocate_big_arrays_with_mmap()
         # the cheap checks first (header, metadata, config, tokenizer: no weight is converted yet), so
         # a file that is not a model is refused before any kernel compiles. A GGUF's weights are
@@ -128,7 +129,7 @@ class LLM:
                 f"loaded in {i['load_seconds']:.1f} s on {self.device}")
 
     @classmethod
-    def from_graph(cls, model, tokenizer, device: str = "cpu") -> LLM:
+    def from_graph(cls, model, tokenizer, device: str = "cpu", options=None) -> LLM:
         """An LLM around an already built decoder graph (`ingot.models.llama.build`) and a tokenizer
         (anything with encode, decode, stream_decoder, eos_ids): for tests and benchmarks with random
         weights, no file.
@@ -140,13 +141,13 @@ class LLM:
         from ..adapters import AdapterSet
 
         llm = cls.__new__(cls)
-        llm.path, llm.device, llm.config, llm.model = "", device, model.config, model
+        llm.path, llm.device, llm.config, llm.model, llm.options = "", device, model.config, model, options
         llm.adapters, llm.tokenizer, llm.metadata = AdapterSet(), tokenizer, {}
         llm._compile_decoder()
         return llm
 
     def _compile_decoder(self) -> None:
-        self.decoder = self.model.compile(1, self.device)
+        self.decoder = self.model.compile(1, self.device, self.options)
         self.state = self.decoder.new_state()
         self.cached: list[int] = []   # token ids whose K/V are in self.state, in order
         self.stats = GenerationStats()
@@ -161,7 +162,7 @@ class LLM:
         0..size-1 are written, which the next prefill from an empty cache writes again; so it runs only
         while nothing is cached."""
         assert not self.cached, "a warm-up would overwrite cached K/V"
-        exe = self.decoder if size == 1 else self.model.compile(size, self.device)
+        exe = self.decoder if size == 1 else self.model.compile(size, self.device, self.options)
         tokens = np.zeros(size, np.int32)
         for _ in range(2):
             logits = self._run(exe, tokens, 0, size - 1)
@@ -192,7 +193,7 @@ class LLM:
             raise IngotError(f"set_adapters: {sorted(extra)[0]} has no adapter site in this model; load it with lora= instead.")
         self.adapters = adapters
         self.model.callables_for = binder(self.config, adapters)
-        self.decoder = self.model.compile(1, self.device)
+        self.decoder = self.model.compile(1, self.device, self.options)
         self._warm.clear()   # the prefill executables run once more before a timed generate
 
     # -- the model ----------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ class LLM:
             size = self._bucket(len(chunk), pos)
             padded = np.zeros(size, np.int32)
             padded[:len(chunk)] = chunk
-            exe = self.decoder if size == 1 else self.model.compile(size, self.device)
+            exe = self.decoder if size == 1 else self.model.compile(size, self.device, self.options)
             logits = self._run(exe, padded, pos, len(chunk) - 1)
             pos += len(chunk)
         self.cached = list(ids)
@@ -285,7 +286,7 @@ class LLM:
             self.reset()
         stats = self.stats = GenerationStats(prompt_tokens=list(ids))
         for size in self._chunk_sizes(len(ids)):  # compile (and on a device run once) before timing
-            self.model.compile(size, self.device)
+            self.model.compile(size, self.device, self.options)
             if on_device and size not in self._warm and not self.cached:
                 self._warm_up(size)
         t0 = time.perf_counter()
@@ -420,8 +421,9 @@ def _return_freed_memory() -> None:
         pass
 
 
-def load(path: str | None = None, device: str = "cpu", context: int | None = None, lora=()) -> LLM:
+def load(path: str | None = None, device: str = "cpu", context: int | None = None, lora=(), options=None) -> LLM:
     """Load a GGUF model or an Ingot LLM package (the default model when path is None) and compile
-    it for device; lora: PEFT folders, as paths or (path, scale) pairs."""
+    it for device; lora: PEFT folders, as paths or (path, scale) pairs; options: the
+    `ingot.CompileOptions` of every compile (None: `CompileOptions.from_environment()`)."""
     lora = [(item, 1.0) if isinstance(item, (str, os.PathLike)) else tuple(item) for item in lora]
-    return LLM(path or default_model_path(), device=device, context=context, lora=lora)
+    return LLM(path or default_model_path(), device=device, context=context, lora=lora, options=options)

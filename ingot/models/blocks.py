@@ -417,12 +417,13 @@ class DecoderGraph:
     inputs: dict[str, Tensor] = field(default_factory=dict)             # what each (fused) weight multiplies
     batch: int = 1                                                      # sequences decoded in lockstep
 
-    def compile(self, length: int, device: str = "cpu"):
-        """The executable for `length` tokens per step and sequence (1 = decode); cached by the graph.
+    def compile(self, length: int, device: str = "cpu", options=None):
+        """The executable for `length` tokens per step and sequence (1 = decode); cached by the graph
+        (and options, an `ingot.CompileOptions`).
         Its tokens feed is [batch * length] (sequence-major). Adapter call sites are (re)bound to
         `callables_for({site: rows}, device)`, which costs no recompile."""
         exe = self.graph.compile(feeds={self.tokens: TensorType((self.batch * length,), dt.int32)}, targets=[self.logits],
-                                 device=device)
+                                 device=device, options=options)
         if self.callables_for is not None:
             rows = {name: site.src[0].type.shape[0] for name, site in exe.call_sites.items()}
             for name, callee in self.callables_for(rows, device).items():

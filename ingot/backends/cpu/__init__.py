@@ -20,6 +20,7 @@ from ...ops.elementwise import BINARY, UNARY
 from ...ops.shape import slice_index, slice_update_into
 from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
+from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
 from . import kernels
 
@@ -118,7 +119,7 @@ def _slice_update(node: Node, out):
 
 
 @lowering(Op.QUANTIZED_MATMUL)
-def _quantized_matmul(node: Node, out):
+def _quantized_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     if node.attrs.get("mode") == "lut":  # lookup-table weights: ingot/backends/cpu/lut_kernels.py
         from . import lut_kernels
         step = lut_kernels.lut_matmul_step(node, out)
@@ -126,10 +127,14 @@ def _quantized_matmul(node: Node, out):
             return step
     if node.attrs.get("mode") == "scaled_lut":  # GGUF's IQ types and MXFP4: the same file
         from . import lut_kernels
-        step = lut_kernels.scaled_lut_matmul_step(node, out)
+        step = lut_kernels.scaled_lut_matmul_step(node, out, threads=options.resolved_threads)
         if step is not None:
             return step
-    return kernels.quantized_matmul_step(node, out)
+    return kernels.quantized_matmul_step(node, out, options.resolved_threads)
+
+
+# the lowerings that take the CPU options as a third argument (until every lowering takes one context)
+WITH_OPTIONS = {Op.QUANTIZED_MATMUL}
 
 
 @lowering(Op.SDPA)
@@ -236,6 +241,8 @@ class CpuPlan:
 
     def __init__(self, program: Program, executable):
         self.program = program
+        options = getattr(executable, "options", None) or CompileOptions()
+        options = options.cpu
         nodes = program.nodes()
         self.slot = {n.id: i for i, n in enumerate(nodes)}
         self.initial: list[Any] = [None] * len(nodes)
@@ -274,6 +281,8 @@ class CpuPlan:
                     dt.storage_shape(t.shape, t.dtype))
             if node.op == Op.CALL:
                 fn = _call_step(node, executable)
+            elif node.op in WITH_OPTIONS:
+                fn = LOWERINGS[node.op](node, out, options)
             else:
                 fn = LOWERINGS.get(node.op, _reference)(node, out)
             self.steps.append((fn, tuple(self.slot[x.id] for x in node.src), s))

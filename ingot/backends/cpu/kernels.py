@@ -170,7 +170,6 @@ scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
 GEMM_TILE_ELEMENTS = 1 << 21  # 8 MB of float32 per dequantized tile
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
-THREADS = max(1, int(os.environ.get("INGOT_CPU_THREADS", "1")))  # >1 splits big GEMVs over threads: slower on the 2-core VMs measured (memory-bound), see BENCHMARKS.md
 PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller matmuls are not worth waking another thread (~50 us in a VM)
 
 
@@ -204,22 +203,22 @@ class _Workers:
                 raise e
 
 
-_workers: _Workers | None = None
+_workers: dict[int, _Workers] = {}   # by their number
 
 
-def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int) -> None:
-    """kernel(*head, b0, b1, out) over the reduction axis: THREADS contiguous ranges of blocks in
-    parallel, each thread streaming its own part of the weight; partial results added at the end."""
-    global _workers
-    parts = min(THREADS, n_blocks)
-    if parts == 1 or work < PARALLEL_MIN_WEIGHTS:
+def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int, threads: int = 1) -> None:
+    """kernel(*head, b0, b1, out) over the reduction axis: `threads` contiguous ranges of blocks in
+    parallel (`CpuOptions.threads`: more were slower on the 2-core VMs measured, memory-bound), each
+    thread streaming its own part of the weight; partial results added at the end."""
+    parts = min(threads, n_blocks)
+    if parts <= 1 or work < PARALLEL_MIN_WEIGHTS:
         kernel(*head, 0, n_blocks, out)
         return
-    if _workers is None:
-        _workers = _Workers(THREADS - 1)
+    if parts - 1 not in _workers:
+        _workers[parts - 1] = _Workers(parts - 1)
     bounds = [n_blocks * i // parts for i in range(parts + 1)]
     outs = [out] + [np.empty_like(out) for _ in range(parts - 1)]
-    _workers.run(kernel, [head + (bounds[i], bounds[i + 1], outs[i]) for i in range(parts)])
+    _workers[parts - 1].run(kernel, [head + (bounds[i], bounds[i + 1], outs[i]) for i in range(parts)])
     for partial in outs[1:]:
         out += partial
 
@@ -262,9 +261,10 @@ def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
     return p
 
 
-def quantized_matmul_step(node: Node, out):
+def quantized_matmul_step(node: Node, out, threads: int = 1):
     """quantized_matmul on the CPU: the packed GEMV kernels for up to GEMV_MAX_ROWS rows of a k-major
-    (transpose=False) affine weight, a tiled dequantize + BLAS GEMM above that; the reference otherwise."""
+    (transpose=False) affine weight (split over `threads`), a tiled dequantize + BLAS GEMM above that;
+    the reference otherwise."""
     attrs = node.attrs
     qdtype = attrs["qdtype"]
     fast = attrs["mode"] == "affine" and not attrs.get("transpose") and node.dtype.name == "float32"
@@ -310,7 +310,7 @@ def quantized_matmul_step(node: Node, out):
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        split_blocks(kernel, (x2, q) + args, nb, result, k * n)
+        split_blocks(kernel, (x2, q) + args, nb, result, k * n, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, flip, block, n):

@@ -352,10 +352,10 @@ def int8_table(table: np.ndarray) -> tuple[np.ndarray, float] | None:
     return None
 
 
-def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None):
+def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads: int = 1):
     """A step for a k-major scaled-table quantized_matmul (4-bit codes, one table, a scale per block
     of K rows and output column), or None (the caller then uses the reference). shuffle: use the
-    PSHUFB kernels when the table allows (default: when the CPU has them)."""
+    PSHUFB kernels when the table allows (default: when the CPU has them); threads: `CpuOptions.threads`."""
     from . import kernels
 
     attrs = node.attrs
@@ -405,7 +405,7 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None):
         rows = x2.shape[0]
         if rows <= GEMV_MAX_ROWS:
             result = np.empty((rows, n), np.float32)
-            kernels.split_blocks(gemv, (x2, qv, table, full), nb, result, k * n)
+            kernels.split_blocks(gemv, (x2, qv, table, full), nb, result, k * n, threads)
         else:
             block = k // nb
             tile_k = max(block, min(k, TILE_ELEMENTS // n) // block * block)

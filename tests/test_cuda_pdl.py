@@ -100,9 +100,8 @@ def test_generated_region_kernels_wait_too():
 
 def test_pdl_args_only_for_cuda_devices(monkeypatch):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(pdl, "FORCED", False)
     assert pdl.pdl_args(torch.device("cpu")) == {}
-    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "_CAPABLE", {0: True})
+    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "_CAPABLE", {0: False})   # before sm_90
     assert pdl.pdl_args(torch.device("cuda", 0)) == {}
-    monkeypatch.setattr(pdl, "FORCED", True)
-    assert pdl.pdl_args(torch.device("cpu")) == {"PDL": True, "launch_pdl": True}

@@ -9,8 +9,9 @@ a CUDA graph) 1.35 -> 0.91 us a tiny kernel and 2.10 -> 1.68 us one reading 1 Mi
 the decode path (attention.py, fused.py, quantized_matmul.py and the generated regions; the audio
 kernels of fft.py are launched plainly) calls `pdl_enter` before it reads or writes global memory, so
 ordering is as without PDL (tests/test_cuda_pdl.py checks it from the source); a torch kernel between
-two of ours never triggers early, so the stream is ordered there as usual.
-INGOT_CUDA_PDL=0 turns it off.
+two of ours never triggers early, so the stream is ordered there as usual. It is always on where the
+device has it (off measured slower everywhere; scripts/sm90_compile_check.py compiles the kernels with
+it for sm_90a without a GPU).
 
 Nothing is loaded before the wait, the kernel ahead may still be writing it (a weight prepared by the
 launch just before; the GEMV tests caught a first weight tile loaded early), with two exceptions. In a
@@ -33,14 +34,10 @@ and at the end of the quantize launches 1818.1 (BENCHMARKS.md, twentieth session
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("INGOT_CUDA_PDL", "1") in ("1", "force")
-FORCED = os.environ.get("INGOT_CUDA_PDL") == "force"   # on whatever the device: scripts/sm90_compile_check.py
 _CAPABLE: dict[int, bool] = {}
 
 
@@ -54,11 +51,8 @@ def pdl_enter(PDL: tl.constexpr):
 
 def pdl_args(device: torch.device) -> dict:
     """Launch keywords for a kernel taking `PDL: tl.constexpr`: PDL on a CUDA device of compute
-    capability 9 or later unless INGOT_CUDA_PDL=0; none elsewhere (older GPUs, Triton's interpreter).
-    INGOT_CUDA_PDL=force: on for any device (compiling for sm_90a without a GPU)."""
-    if FORCED:
-        return {"PDL": True, "launch_pdl": True}
-    if not ENABLED or device.type != "cuda":
+    capability 9 or later; none elsewhere (older GPUs, Triton's interpreter)."""
+    if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     capable = _CAPABLE.get(index)
@@ -67,4 +61,4 @@ def pdl_args(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if capable else {}
 
 
-__all__ = ["pdl_enter", "pdl_args", "ENABLED"]
+__all__ = ["pdl_enter", "pdl_args"]

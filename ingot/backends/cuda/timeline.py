@@ -1,7 +1,7 @@
 """When each program of a captured decode step's kernels started, was released and ended (a diagnostic).
 
 The profiler sees one replayed CUDA graph as one event, and a kernel timed alone hides how it overlaps
-its neighbours through programmatic dependent launch (pdl.py). With INGOT_CUDA_TIMELINE=1, every word
+its neighbours through programmatic dependent launch (pdl.py). With `CudaOptions(timeline="all")`, every word
 GEMV, quantize and decode attention launch captured into a graph takes a slot of a device buffer, and
 its programs store the global timer (ns) at four points, and their multiprocessor:
 
@@ -10,7 +10,7 @@ its programs store the global timer (ns) at four points, and their multiprocesso
 
 The times are held in registers and stored at the end. That still costs some kernels registers (ptxas
 for sm_90a: the split-K word GEMV of 2 warps 130 a thread against 100, of 4 warps with XQ_RMS 129
-against 96), so fewer of their programs fit a multiprocessor than without stamps. INGOT_CUDA_TIMELINE=end stamps only the end
+against 96), so fewer of their programs fit a multiprocessor than without stamps. timeline="end" stamps only the end
 (and the multiprocessor). On its own that still cost the 4-warp word GEMV with XQ_RMS (Llama-3-8B's
 gate+up and lm_head) 142 registers against 96 (ptxas; any one store more did, wherever it stood), so
 their programs, split for 96, ran in 1.5 waves (`cuda_timeline.py --detail`). The word GEMV's end-stamped
@@ -21,21 +21,18 @@ A replay rewrites the same slots; `benchmarks/cuda_timeline.py` reads them after
 by kernel, when its programs started, were released and ended, relative to the kernel ahead.
 Off (the default), the kernels compile without any of it.
 
-    kernel[grid](..., **timeline.args("gemv 4096x6144", programs, device))
+    kernel[grid](..., **timeline.args("gemv 4096x6144", programs, device, options.timeline))
     ...
     t0 = now(STAMP)                          # in the kernel, at each point
     stamp(stamp_ptr, program, t0, t1, t2, STAMP)   # at the end; program its flat index
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-MODE = {"1": 2, "end": 1}.get(os.environ.get("INGOT_CUDA_TIMELINE", "0"), 0)   # 2 every point, 1 the end only
-ENABLED = MODE > 0
+MODES = {"off": 0, "end": 1, "all": 2}   # `CudaOptions.timeline` -> STAMP: 2 every point, 1 the end only
 POINTS = 5
 CAPACITY = 1 << 22          # stamps (int64): 32 MiB, a Llama-3-8B step's ~230 stamped launches x ~600 programs
 _buffers: dict = {}         # device -> int64 [CAPACITY]
@@ -43,10 +40,11 @@ records: list = []          # (name, offset, programs) per stamped launch, in ca
 _cursor = [0]
 
 
-def args(name: str, programs: int, device) -> dict:
+def args(name: str, programs: int, device, mode: str = "off") -> dict:
     """The kernel arguments for one launch: a slot of `programs` x POINTS stamps while a CUDA graph is
-    captured with the timeline on, nothing otherwise (the kernel then compiles without stamps)."""
-    if not ENABLED or not torch.cuda.is_available():
+    captured with the timeline on (mode "end" or "all"), nothing otherwise (the kernel then compiles
+    without stamps)."""
+    if not MODES[mode] or not torch.cuda.is_available():
         return {}
     device = torch.device(device)
     buf = _buffers.get(device)
@@ -61,7 +59,7 @@ def args(name: str, programs: int, device) -> dict:
         return {}
     _cursor[0] += programs * POINTS
     records.append((name, offset, programs))
-    return dict(stamp_ptr=buf[offset:], STAMP=MODE)
+    return dict(stamp_ptr=buf[offset:], STAMP=MODES[mode])
 
 
 def reset() -> None:

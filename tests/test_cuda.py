@@ -32,6 +32,7 @@ from ingot.backends.cuda import fused  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.ops import nn as nn_ops  # noqa: E402
 from ingot.ops import quant as quant_ops  # noqa: E402
+from ingot.options import CudaOptions  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_ops  # noqa: E402  (the op table and its independent references)
@@ -141,7 +142,7 @@ def test_quantized_matmul_matches_the_cpu_backend(fmt, shape, rows):
         assert got.shape == want.shape == (rows, n)
         # the dp4a GEMV (4-bit affine, few rows) rounds x to 16-bit integers per block of 32 by default:
         # ~2e-5 relative on Gaussian x (LIMBS=3, 22 bits per tile: the float32 tolerances)
-        words = qdtype.bits == 4 and not lut and rows <= qmm.WORDS_MAX_ROWS and qmm.GEMV_LIMBS < 3
+        words = qdtype.bits == 4 and not lut and rows <= qmm.WORDS_MAX_ROWS and CudaOptions().gemv_limbs < 3
         tol = 1e-4 if words else (2e-6 if rows <= qmm.GEMV_MAX_ROWS else 1e-5)
         assert rel_err(got, want) < tol, f"transpose={transpose}: relative error {rel_err(got, want)}"
 
@@ -182,14 +183,13 @@ def test_words_gemv(rows, fmt, shape):
     x = torch.randn(rows, k, device=DEVICE)
     want = (x.double() @ qmm.dequantize(w).double())
     configs = [{}, dict(SPLIT=1), dict(ROWS=4), dict(PREFETCH=False, SPLIT=3), dict(num_warps=1, WAVES=4),
-               dict(REDUCE=2), dict(NLOOP=True), dict(NLOOP=True, TB=2), dict(TB=1), dict(TB="auto", ROWS=2)]
-    # x is rounded to GEMV_LIMBS bytes: 3, 22-bit integers per tile (a few float32 roundings of the tile's
-    # largest element; the N-loop kernel always); 2, 16 bits per block of 32 (about 2e-5 on Gaussian x);
-    # 1, 8 bits (about 5e-3). tests/test_cuda_gemv_xq.py checks each against its rounding bound.
-    tol = {3: 2e-6, 2: 1e-4, 1: 3e-2}[qmm.GEMV_LIMBS]
+               dict(REDUCE=2), dict(TB=1), dict(TB="auto", ROWS=2), dict(TB=2, LIMBS=3)]
+    # x is rounded to CudaOptions.gemv_limbs bytes: 3, 22-bit integers per tile (a few float32 roundings of
+    # the tile's largest element); 2, 16 bits per block of 32 (about 2e-5 on Gaussian x); 1, 8 bits (about
+    # 5e-3). tests/test_cuda_gemv_xq.py checks each against its rounding bound.
     for config in configs:
         got = qmm.quantized_matmul(x, w, config=dict(config, KERNEL="words"))
-        limit = 2e-6 if config.get("NLOOP") else tol
+        limit = {3: 2e-6, 2: 1e-4, 1: 3e-2}[config.get("LIMBS", CudaOptions().gemv_limbs)]
         assert rel_err(got.cpu(), want.cpu()) < limit, (config, rel_err(got.cpu(), want.cpu()))
     got = qmm.quantized_matmul(x[:1], w, config=dict(KERNEL="small"))
     assert rel_err(got.cpu(), want[:1].cpu()) < 2e-6
@@ -201,7 +201,8 @@ def test_words_gemv(rows, fmt, shape):
     for config in ({}, dict(SPLIT=1), dict(SPLIT=5)):
         got = torch.empty(rows, n, device=DEVICE)
         qmm._words_gemv(x, w, got, dict(config), x_gate=gate, residual=residual)
-        assert rel_err(got.cpu(), want.cpu()) < tol, (config, rel_err(got.cpu(), want.cpu()))
+        limit = {3: 2e-6, 2: 1e-4, 1: 3e-2}[CudaOptions().gemv_limbs]
+        assert rel_err(got.cpu(), want.cpu()) < limit, (config, rel_err(got.cpu(), want.cpu()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -225,7 +226,7 @@ def test_quantized_weight_f16_params_only_when_exact():
     assert w.scale.dtype == torch.float32  # random f32 scales do not fit f16
     s16 = params["scale"].astype(np.float16).astype(np.float32)
     w = qmm.prepare_weight(q, [s16, s16], dict(qdtype=dt.uint4, mode="affine", has_bias=True), DEVICE)
-    assert w.scale.dtype == torch.float16 or not qmm.PARAMS_F16
+    assert w.scale.dtype == torch.float16
 
 
 # == attention ========================================================================================

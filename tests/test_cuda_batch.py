@@ -7,6 +7,7 @@ GPU; `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1` runs it under Triton's interpret
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -23,6 +24,7 @@ _INTERPRET = require_cuda()
 from ingot.backends.cuda import attention as attention_kernels  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.models import llama  # noqa: E402
+from ingot.options import CompileOptions, CudaOptions  # noqa: E402
 
 PROMPT, STEPS = 3, 3
 
@@ -40,10 +42,10 @@ def _weights(kind: str, cfg: llama.LlamaConfig) -> dict:
     return llama.random_weights(cfg, seed=3)   # uint4, blocks of 32, scale and bias: quantized_matmul
 
 
-def _greedy(model: llama.LlamaGraph, device: str, prompts: np.ndarray, forced: list[np.ndarray] | None):
+def _greedy(model: llama.LlamaGraph, device: str, prompts: np.ndarray, forced: list[np.ndarray] | None, options=None):
     """Logits after prefill and after each decode step; the next tokens are `forced` when given (the
     CPU's choices, so a near tie cannot make the two runs diverge), else the argmax."""
-    pre, dec = model.compile(PROMPT, device), model.compile(1, device)
+    pre, dec = model.compile(PROMPT, device, options), model.compile(1, device, options)
     state = dec.new_state()
     host = dec.backend.to_host
     logits = host(pre.run({"tokens": prompts.reshape(-1), "pos": np.int32(0), "last": np.int32(PROMPT - 1)}, state=state)[0])
@@ -61,7 +63,7 @@ class _Rows:
 
     def __init__(self, monkeypatch):
         self.words, self.tensor_core = set(), set()
-        words, gemm = qmm._words_gemv, qmm._qgemm_kernel
+        words, gemm = qmm._words_gemv, qmm.dispatch._qgemm_kernel
 
         def counted_words(x2, *args, **kwargs):
             self.words.add(x2.shape[0])
@@ -73,8 +75,9 @@ class _Rows:
                     self.tensor_core.add(args[5])   # m: after x2 come q, scale, bias, lut, y
                     return gemm[grid](x2, *args, **kwargs)
                 return launch
-        monkeypatch.setattr(qmm, "_words_gemv", counted_words)
-        monkeypatch.setattr(qmm, "_qgemm_kernel", CountedGemm())
+        monkeypatch.setattr(qmm, "_words_gemv", counted_words)        # the plan's own calls
+        monkeypatch.setattr(qmm.gemv, "_words_gemv", counted_words)   # quantized_matmul's
+        monkeypatch.setattr(qmm.dispatch, "_qgemm_kernel", CountedGemm())
 
 
 @pytest.mark.parametrize("kind", ["f32", "uint4"])
@@ -119,29 +122,29 @@ ZEROED_BY_ATTENTION = "attention zeroes the output of the quantized matmul after
 
 @pytest.mark.parametrize("self_xq", [True, False], ids=["self-xq", "self-xq-off"])
 @pytest.mark.parametrize("limit", [0, 1, None], ids=["off", "below-every-weight", "default"])
-def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, self_xq, monkeypatch):
+def test_attention_rounds_for_the_o_gemv_below_the_weight_threshold(limit, self_xq):
     """The attention rounds its output for the o projection's GEMV where the o weight is under
-    ATTENTION_XQ_BYTES (0: never); above it, where the GEMV rounds its own x (weights under
-    qmm.SELF_XQ_BYTES), it zeroes the GEMV's output; the decode step computes the same logits every way."""
-    import ingot.backends.cuda as cuda_backend
+    options.cuda.attention_xq_bytes (0: never); above it, where the GEMV rounds its own x (weights under
+    self_xq_bytes), it zeroes the GEMV's output; the decode step computes the same logits every way."""
     cfg = _config()
     model = llama.build(cfg, _weights("uint4", cfg), batch=1)
     prompts = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
     want_logits, tokens = _greedy(model, "cpu", prompts, None)
+    cuda = CudaOptions(self_xq_bytes=4 << 20 if self_xq else 0)
     if limit is not None:
-        monkeypatch.setattr(cuda_backend, "ATTENTION_XQ_BYTES", limit)
-    monkeypatch.setattr(qmm, "SELF_XQ_BYTES", 4 << 20 if self_xq else 0)
-    fusions = model.compile(1, "cuda").plan.fusions
+        cuda = dataclasses.replace(cuda, attention_xq_bytes=limit)
+    options = CompileOptions(cuda=cuda)
+    fusions = model.compile(1, "cuda", options).plan.fusions
     assert (ROUNDED_BY_ATTENTION in fusions) == (limit is None), (limit, fusions)
     assert (ZEROED_BY_ATTENTION in fusions) == (limit is not None and self_xq), (limit, fusions)
-    got_logits, _ = _greedy(model, "cuda", prompts, tokens)
+    got_logits, _ = _greedy(model, "cuda", prompts, tokens, options)
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")
 
 
 @pytest.mark.parametrize("self_xq", [True, False], ids=["self-xq", "self-xq-off"])
 def test_decode_gemvs_round_their_own_x(self_xq, monkeypatch):
-    """Weights under qmm.SELF_XQ_BYTES: the gate+up GEMV zeroes the down GEMV's output and the down GEMV
+    """Weights under options.cuda.self_xq_bytes: the gate+up GEMV zeroes the down GEMV's output and the down GEMV
     rounds silu(gate) * up itself; every norm GEMV (layer 0's qkv after the embedding lookup, which
     zeroes it) gets its output zeroed by the step before and rounds its own x; so does o where the
     attention cannot round its x (head dim 16 here: the attention rounds only multiples of 32), the
@@ -152,16 +155,17 @@ def test_decode_gemvs_round_their_own_x(self_xq, monkeypatch):
     model = llama.build(cfg, _weights("uint4", cfg), batch=1)
     prompts = np.random.default_rng(11).integers(0, cfg.vocab_size, (1, PROMPT)).astype(np.int32)
     want_logits, tokens = _greedy(model, "cpu", prompts, None)
-    monkeypatch.setattr(qmm, "SELF_XQ_BYTES", 4 << 20 if self_xq else 0)
-    fusions = model.compile(1, "cuda").plan.fusions
+    options = CompileOptions(cuda=CudaOptions(self_xq_bytes=4 << 20 if self_xq else 0))
+    fusions = model.compile(1, "cuda", options).plan.fusions
     down = fusions.count("the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself")
     zeroed = fusions.count("the GEMV rounds its own x, its output zeroed by the step before")
     assert (down, zeroed) == ((cfg.n_layers, 2 * cfg.n_layers + 1) if self_xq else (0, 0)), fusions
     launches = []   # per quantize launch: rows, and whether it computes silu(gate) * up (eager runs only:
     quantize = qmm._quantize_x   # a replayed graph calls no Python)
-    monkeypatch.setattr(qmm, "_quantize_x", lambda x2, x_gate, *a, **k:
-                        launches.append((x2.shape[0], x_gate is not None)) or quantize(x2, x_gate, *a, **k))
-    got_logits, _ = _greedy(model, "cuda", prompts, tokens)
+    counted = (lambda x2, x_gate, *a, **k: launches.append((x2.shape[0], x_gate is not None)) or quantize(x2, x_gate, *a, **k))
+    monkeypatch.setattr(qmm, "_quantize_x", counted)      # the plan's own calls
+    monkeypatch.setattr(qmm.xq, "_quantize_x", counted)   # the GEMV's
+    got_logits, _ = _greedy(model, "cuda", prompts, tokens, options)
     decode = [glu for rows, glu in launches if rows == 1]   # prefill: PROMPT rows
     if self_xq:   # a decode step: none (prefill's rows take the tensor-core kernel, no quantize launch)
         assert not any(glu for _, glu in launches) and not decode, launches

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from test_cuda import DEVICE, FORMATS, make_weight, rel_err, rng_for  # noqa: E402
 
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.options import CudaOptions  # noqa: E402
 
 QMAX = {1: 127.0, 2: 32767.0}
 REL = {1: 3e-2, 2: 1e-4, 3: 2e-6}      # about 6x the expected relative error (docstring), a norm-wise sanity check
@@ -133,20 +134,20 @@ def test_words_gemv_half_inputs(xq):
         assert rel_err(got.float().cpu(), want) < (1e-3 if dtype == torch.float16 else 1e-2)   # y stored in x's dtype
 
 
-def test_defaults_from_the_module_constants(monkeypatch):
-    """No LIMBS/XQ in the config: GEMV_LIMBS, and XQ for weights of XQ_MIN_BYTES and more."""
+def test_defaults_from_the_options(monkeypatch):
+    """No LIMBS/XQ in the config: options.gemv_limbs, and XQ for weights of options.xq_min_bytes and more."""
     rng = rng_for("xq-defaults")
     w = words_weight(rng, FORMATS[0], (230, 150, 32))
     x = torch.from_numpy(rng.standard_normal((1, 230)).astype(np.float32)).to(DEVICE)
     calls = []
-    quantize = qmm._quantize_x
-    monkeypatch.setattr(qmm, "_quantize_x", lambda *a, **kw: calls.append(a[2]) or quantize(*a, **kw))
+    quantize = qmm.xq._quantize_x
+    monkeypatch.setattr(qmm.xq, "_quantize_x", lambda *a, **kw: calls.append(a[2]) or quantize(*a, **kw))
     for limbs in (1, 3):
-        monkeypatch.setattr(qmm, "GEMV_LIMBS", limbs)
         for min_bytes, want_xq in ((w.nbytes + 1, False), (w.nbytes, True)):
-            monkeypatch.setattr(qmm, "XQ_MIN_BYTES", min_bytes)
+            options = CudaOptions(gemv_limbs=limbs, xq_min_bytes=min_bytes)
+            assert qmm.gemv_takes_xq(1, w, options=options) == (limbs if want_xq else 0)
             calls.clear()
-            got = qmm.quantized_matmul(x, w, config=dict(SPLIT=1))
+            got = qmm.quantized_matmul(x, w, config=dict(SPLIT=1), options=options)
             want = qmm.quantized_matmul(x, w, config=dict(SPLIT=1, LIMBS=limbs, XQ=want_xq))
             assert calls == [limbs] * (2 if want_xq else 0)         # the default call, then the explicit one
             assert torch.equal(got, want)
@@ -183,15 +184,14 @@ def test_one_wave_split_results():
 
 
 @pytest.mark.parametrize("zero_in_xq", [True, False], ids=["zeroed-by-xq", "memset"])
-def test_split_output_zeroed_by_the_quantize_launch(monkeypatch, zero_in_xq):
-    """XQ with splits added atomically (REDUCE 1): the quantize launch zeroes y (no memset between it
-    and the GEMV, ZERO_IN_XQ) or a memset does; y's old contents (NaN) never reach the sums, call after
-    call into the same y, and an output that overlaps x is left to the memset."""
-    monkeypatch.setattr(qmm, "ZERO_IN_XQ", zero_in_xq)
+def test_split_output_zeroed_by_the_quantize_launch(zero_in_xq):
+    """XQ with splits added atomically (REDUCE 1): the quantize launch zeroes a contiguous y (no memset
+    between it and the GEMV), a memset zeroes any other; y's old contents (NaN) never reach the sums,
+    call after call into the same y, and an output that overlaps x is left to the memset."""
     rng = rng_for("xq-zero")
     w = words_weight(rng, FORMATS[0], (1000, 300, 32))
     x = torch.from_numpy(rng.standard_normal((2, 1000)).astype(np.float32)).to(DEVICE)
-    y = torch.full((2, 300), float("nan"), device=DEVICE)
+    y = torch.full((2, 300 if zero_in_xq else 320), float("nan"), device=DEVICE)[:, :300]   # rows apart: a memset
     for _ in range(2):
         qmm.quantized_matmul(x, w, out=y, config=dict(KERNEL="words", LIMBS=2, XQ=True, SPLIT=5, REDUCE=1))
         check(y, x, w, 2, what="y zeroed before the splits add into it")

@@ -34,6 +34,7 @@ from test_cuda_gemv_xq import check, words_weight  # noqa: E402
 import ingot  # noqa: E402
 from ingot.backends import cuda as cuda_backend  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.options import CudaOptions  # noqa: E402
 
 EPS = 1e-5
 CASES = [  # (format, (K, N, block along K), rows, LIMBS)
@@ -79,39 +80,39 @@ def test_norm_prologue_matches_numpy(case, xq):
 
 
 @pytest.mark.parametrize("parts", [True, False], ids=["parts", "whole-row"])
-def test_norm_quantize_launch_by_parts_or_whole_rows(parts, monkeypatch):
+def test_norm_quantize_launch_by_parts_or_whole_rows(parts):
     """The quantize launch with a norm: each program its own blocks and their sum of squares, the GEMV
-    adding a row's parts for 1 / rms (XQ_NORM_PARTS, rows of XQ_NORM_PARTS_K and more), or every program
-    reading its row whole; more programs a row than a power of two (K 4128: 33 of 4 blocks), split-K
-    both ways, 1-4 rows."""
-    monkeypatch.setattr(qmm, "XQ_NORM_PARTS", parts)
-    assert qmm.XQ_NORM_PARTS_K <= 4128
+    adding a row's parts for 1 / rms (rows of options.xq_norm_parts_min_k and more), or every program
+    reading its row whole (shorter rows); more programs a row than a power of two (K 4128: 33 of 4
+    blocks), split-K both ways, 1-4 rows."""
+    options = CudaOptions(xq_norm_parts_min_k=4128 if parts else 4129)
+    assert CudaOptions().xq_norm_parts_min_k <= 4128
     rng = rng_for(f"norm-gemv-parts{parts}")
     w = words_weight(rng, FORMATS[3], (4128, 96, 32))
     for rows, config in ((1, dict(SPLIT=1)), (3, dict(SPLIT=3, REDUCE=1)), (4, dict(SPLIT=2, REDUCE=2))):
         a = torch.from_numpy(rng.standard_normal((rows, 4128)).astype(np.float32) * 3).to(DEVICE)
         b = torch.from_numpy(rng.standard_normal((rows, 4128)).astype(np.float32)).to(DEVICE)
         g = torch.from_numpy((1 + 0.3 * rng.standard_normal(4128)).astype(np.float32)).to(DEVICE)
-        total, got = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True, LIMBS=2))
+        total, got = qmm.rms_norm_matmul(a, w, g, EPS, add=b, config=dict(config, XQ=True, LIMBS=2), options=options)
         assert torch.equal(total.cpu(), (a + b).cpu()), (rows, config)
         check(got, normalised(a + b, g), w, 2, what=f"rows={rows} {config}")
 
 
-def test_norm_prologue_takes_xq_by_the_module_threshold(monkeypatch):
-    """Without XQ in the config, weights of XQ_MIN_BYTES and more run the norm in the quantize kernel."""
+def test_norm_prologue_takes_xq_by_the_options_threshold(monkeypatch):
+    """Without XQ in the config, weights of options.xq_min_bytes and more run the norm in the quantize kernel."""
     rng = rng_for("norm-gemv-threshold")
     w = words_weight(rng, FORMATS[0], (576, 130, 32))
     a, b = (torch.from_numpy(rng.standard_normal((2, 576)).astype(np.float32)).to(DEVICE) for _ in range(2))
     calls = []
-    quantize = qmm._quantize_x
-    monkeypatch.setattr(qmm, "_quantize_x", lambda *args, **kw: calls.append(args) or quantize(*args, **kw))
+    quantize = qmm.xq._quantize_x
+    monkeypatch.setattr(qmm.xq, "_quantize_x", lambda *args, **kw: calls.append(args) or quantize(*args, **kw))
     for min_bytes, want_xq in ((w.nbytes + 1, False), (w.nbytes, True)):
-        monkeypatch.setattr(qmm, "XQ_MIN_BYTES", min_bytes)
+        options = CudaOptions(xq_min_bytes=min_bytes)
         calls.clear()
-        total, got = qmm.rms_norm_matmul(a, w, None, EPS, add=b, config=dict(SPLIT=1))
+        total, got = qmm.rms_norm_matmul(a, w, None, EPS, add=b, config=dict(SPLIT=1), options=options)
         assert len(calls) == int(want_xq) and all(c[3] is not None for c in calls)
         assert torch.equal(total.cpu(), (a + b).cpu())
-        check(got, normalised(a + b, None), w, qmm.GEMV_LIMBS, what=f"xq={want_xq}")
+        check(got, normalised(a + b, None), w, options.gemv_limbs, what=f"xq={want_xq}")
 
 
 def test_self_rounding_norm_gemv_zeroes_the_next_output():
@@ -125,7 +126,7 @@ def test_self_rounding_norm_gemv_zeroes_the_next_output():
     total, got = qmm.rms_norm_matmul(a, w, None, EPS, add=b, zero=zero, out=out,
                                      config=dict(SPLIT=3, REDUCE=1, XQ=True, XQ_SELF=True, ZEROED=True))
     assert got.data_ptr() == out.data_ptr() and not zero.any().item(), "the next GEMV's output was not zeroed"
-    check(got, normalised(a + b, None), w, qmm.GEMV_LIMBS, what="into the zeroed output")
+    check(got, normalised(a + b, None), w, CudaOptions().gemv_limbs, what="into the zeroed output")
 
 
 # == the plan =========================================================================================

@@ -1,0 +1,90 @@
+"""`quantized_matmul`: the kernel for the rows and the weight's layout."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ....options import DEFAULT_CUDA, CudaOptions
+from ..pdl import pdl_args
+from . import gemv
+from .buffers import _sm_count
+from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _qgemm_kernel, _qgemv_kernel, _qgemv_small_kernel, gemm_config,
+                   gemv_config, small_gemv_config)
+from .weights import QuantizedWeight
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None,
+                     config: dict | None = None, precision: str = "tf32x3",
+                     options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
+    """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
+
+    Word-layout weights: the dp4a GEMV up to options.words_max_rows rows; else one row: the k-major GEMV
+    kernels; more: the tensor-core kernel (config={"BLOCK_M": ...} forces it).
+
+        >>> w = prepare_weight(q, [scale, bias], attrs, "cuda", words=True)   # doctest: +SKIP
+        >>> y = quantized_matmul(x, w)                                        # doctest: +SKIP
+    """
+    assert x.shape[-1] == w.k, f"quantized_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = out if out is not None else torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    lut = w.lut if w.lut is not None else w.q
+    s = w.scale if w.scale is not None else w.q
+    b = w.bias if w.bias is not None else s
+    stride_lk, stride_ln = (w.lut.stride(0), w.lut.stride(1)) if w.lut is not None else (0, 0)
+    stride_sk = w.scale.stride(0) if w.scale is not None else 0
+    common = dict(BITS=w.bits, LUT=w.lut is not None, GROUP=w.group, HAS_BIAS=w.bias is not None)
+    if m == 0:
+        return y.reshape(*lead, w.n)
+    config = dict(config or {})
+    if w.words and (m <= options.words_max_rows or config.get("KERNEL") == "words") \
+            and config.get("KERNEL", "words") == "words" and "BLOCK_M" not in config:
+        config.pop("KERNEL", None)
+        gemv._words_gemv(x2, w, y, config, options=options)
+        return y.reshape(*lead, w.n)
+    assert config.get("KERNEL") != "words", "the words kernel needs a weight prepared with words=True"
+    if m <= GEMV_MAX_ROWS and "BLOCK_M" not in config:
+        config = dict(config or {})
+        waves = config.pop("WAVES", 8)
+        small = config.get("KERNEL", "small" if w.nbytes < SMALL_GEMV_BYTES else "stream") == "small"
+        base = small_gemv_config(w, _sm_count(x.device)) if small else \
+            gemv_config(w, _sm_count(x.device), config.get("num_warps"), waves)
+        cfg = {**base, **config}
+        kernel = _qgemv_small_kernel if cfg.pop("KERNEL", "stream") == "small" else _qgemv_kernel
+        if kernel is _qgemv_small_kernel:
+            cfg.pop("PREFETCH", None)
+            cfg["WORDS"] = w.words
+        else:
+            assert not w.words, "the streaming k-major kernel reads no word layout"
+        block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
+        assert block_k <= w.group or w.lut is not None
+        k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
+        split = triton.cdiv(w.k, k_per_split)
+        atomic = split > 1
+        target = y
+        if atomic:
+            target = y if y.dtype == torch.float32 and y.is_contiguous() else torch.empty((m, w.n), dtype=torch.float32,
+                                                                                          device=x.device)
+            target.zero_()
+        for row in range(m):
+            kernel[(triton.cdiv(w.n, block_n), split)](
+                x2[row], w.q, s, b, lut, target[row], w.n, w.k, w.nq, k_per_split, w.q.stride(0), stride_sk,
+                w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
+                BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, **common, **cfg,
+                **pdl_args(x.device))
+        if target is not y:
+            y.copy_(target)
+    else:
+        cfg = {**gemm_config(m, w, x.dtype), **(config or {})}
+        block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
+        _qgemm_kernel[grid](
+            x2, w.q, s, b, lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, y.stride(0),
+            w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision,
+            WORDS=w.words, **common, **cfg, **pdl_args(x.device))
+    return y.reshape(*lead, w.n)
+

@@ -1,0 +1,227 @@
+"""The k-major kernels: one row of x (`_qgemv_kernel`, `_qgemv_small_kernel`) and the tensor-core
+GEMM (`_qgemm_kernel`), for every weight layout (4/8-bit, lookup tables, the word layout read
+nibble by nibble), with their tile choices."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..pdl import pdl_enter
+from .weights import QuantizedWeight
+
+GEMV_MAX_ROWS = 1                                                 # more rows: the tensor-core kernel
+SMALL_GEMV_BYTES = 8 << 20   # below: the latency-bound kernel (measured on the H200, 2026-12-02)
+
+
+@triton.jit
+def _to_float(v):
+    """Unsigned integers < 2**23 to float32 exactly: OR the value into the mantissa of 2**23 and
+    subtract 2**23 (a logic op and an add) instead of the int-to-float unit, which runs at 1/4 rate."""
+    return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               WORDS: tl.constexpr = False):
+    """The unsigned integers of W[offs_k, n0:n0+BLOCK_N] as [BLOCK_K, BLOCK_N] (0 past the ends)."""
+    k_ok = (offs_k < K)[:, None]
+    if WORDS:  # word row k // 8; nibble k % 4 of the low (k % 8 < 4) or high half of each byte
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        words = tl.load(q_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :], mask=k_ok & (offs_n < NQ)[None, :],
+                        other=0)
+        shift = ((offs_k % 4) * 8 + ((offs_k // 4) % 2) * 4)[:, None]
+        return (words >> shift) & 0xF
+    elif BITS == 4:
+        offs_b = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        packed = tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_b[None, :], mask=k_ok & (offs_b < NQ)[None, :], other=0)
+        return tl.join(packed & 0xF, packed >> 4).reshape([BLOCK_K, BLOCK_N])
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        return tl.load(q_ptr + offs_k[:, None] * stride_qk + offs_n[None, :], mask=k_ok & (offs_n < NQ)[None, :], other=0)
+
+
+@triton.jit
+def _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                     stride_lk, stride_ln, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """float32 weights of a [BLOCK_K, BLOCK_N] tile of unsigned integers."""
+    if LUT:
+        off = (offs_k // lut_block_k)[:, None] * stride_lk + (offs_n // lut_block_n)[None, :] * stride_ln
+        return tl.load(lut_ptr + off + v.to(tl.int32), mask=(offs_k < K)[:, None] & n_mask[None, :], other=0.0)
+    else:
+        vf = _to_float(v)
+        if BLOCK_K <= GROUP:        # one parameter row for the whole tile
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            w = vf * s[None, :]
+            if HAS_BIAS:
+                w += tl.load(b_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            g = (offs_k // GROUP)[:, None]
+            ok = (offs_k < K)[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + g * stride_sk + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+            w = vf * s
+            if HAS_BIAS:
+                w += tl.load(b_ptr + g * stride_sk + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        return w
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
+                  N, K, NQ, k_per_split, stride_qk, stride_sk,
+                  lut_block_k, lut_block_n, stride_lk, stride_ln,
+                  BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+                  PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+    """y[n] (+)= sum_k x[k] * W[k, n] over BLOCK_N columns and one split of K.
+
+    BLOCK_N is sized so a warp's threads lie along N (16 bytes each): the BLOCK_K rows of a tile sit in
+    each thread's registers, many 16-byte loads in flight per thread, and the sum over K is formed
+    in-thread: block sums sum_k v*x, then one multiply by the row's scale (and bias * sum_k x).
+    PREFETCH issues the next tile's loads before this tile's arithmetic."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        v_next = _load_tile(q_ptr, k_start + rows, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + rows
+        if PREFETCH:
+            v = v_next
+            v_next = _load_tile(q_ptr, offs_k + BLOCK_K, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        else:
+            v = _load_tile(q_ptr, offs_k, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
+        if LUT:
+            off = (offs_k // lut_block_k)[:, None] * stride_lk + (offs_n // lut_block_n)[None, :] * stride_ln
+            w = tl.load(lut_ptr + off + v.to(tl.int32), mask=(offs_k < k_stop)[:, None] & n_mask[None, :], other=0.0)
+            acc += tl.sum(w * x[:, None], axis=0)
+        else:
+            part = tl.sum(_to_float(v) * x[:, None], axis=0)         # [BLOCK_N] block sums
+            g = k0 // GROUP                                                    # BLOCK_K <= GROUP: one row
+            s = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += part * s
+            if HAS_BIAS:
+                b = tl.load(b_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                acc += b * tl.sum(x, axis=0)
+    if ATOMIC:
+        tl.atomic_add(y_ptr + offs_n, acc, mask=n_mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _qgemv_small_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
+                        N, K, NQ, k_per_split, stride_qk, stride_sk,
+                        lut_block_k, lut_block_n, stride_lk, stride_ln,
+                        BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+                        WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
+    """The GEMV for small weights (a few MB, latency-bound): [BLOCK_K, BLOCK_N] tiles spread over the
+    threads, w = v * s + b per element into a 2-D accumulator, one sum over K at the end. Measured
+    faster than `_qgemv_kernel` below about 8 MB (SmolLM2's layers), slower above."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
+        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
+        w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                             stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
+        acc += w * x[:, None]
+    y = tl.sum(acc, axis=0)
+    if ATOMIC:
+        tl.atomic_add(y_ptr + offs_n, y, mask=n_mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
+                  M, N, K, NQ, stride_xm, stride_qk, stride_sk, stride_ym,
+                  lut_block_k, lut_block_n, stride_lk, stride_ln,
+                  BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  PRECISION: tl.constexpr, WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n                   # grouped order: neighbouring programs share W tiles in L2
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
+        w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                             stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
+        if x.dtype == tl.float32:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def small_gemv_config(w: QuantizedWeight, sms: int) -> dict:
+    block_k = min(w.group, 32)
+    block_n = 256 if w.bits == 4 else 128
+    while block_n > 32 and triton.cdiv(w.n, block_n) < sms:
+        block_n //= 2
+    split = max(1, min((4 * sms) // triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k), 32))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=4, KERNEL="small")
+
+
+def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, waves: int = 8) -> dict:
+    """Tiles and K splits for one row: a warp's 32 threads side by side along N, 16 bytes each (so a
+    tile's rows stay in registers), at most GROUP rows per tile (one parameter row), and enough
+    programs for about `waves` warps per multiprocessor."""
+    block_k = min(w.group, 8)
+    per_warp = 32 * (32 if w.bits == 4 else 16)            # columns a warp covers with 16-byte loads
+    if w.lut is not None:   # table lookups: 64 values per thread (ptxas, sm_90a: 16-byte tiles of 8 rows spill
+        block_k, per_warp = min(w.group, 4), 512   # 4-16 KB per thread; 512 x 4 spills nothing), not measured yet
+    warps = num_warps or (4 if w.n >= 8 * per_warp else 1)
+    block_n = per_warp * warps
+    while block_n > 64 and block_n // 2 >= w.n:            # small N: narrower tiles, threads share rows
+        block_n //= 2
+    programs_n = triton.cdiv(w.n, block_n)
+    split = max(1, min((waves * sms) // (programs_n * warps), triton.cdiv(w.k, block_k * 2)))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, PREFETCH=True)
+
+
+def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype) -> dict:
+    block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
+    block_k = 32 if dtype == torch.float32 else 64
+    if w.lut is None and w.group >= 16:
+        block_k = min(block_k, w.group)
+    block_n = 64 if m <= 16 else 128
+    stages = 2 if dtype == torch.float32 else 3
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m * block_n <= 64 * 128 else 8,
+                num_stages=stages)

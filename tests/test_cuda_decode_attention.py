@@ -123,8 +123,8 @@ def test_length_offset_is_added_to_the_device_length(config, tq):
                                                              (32, 8, 32768, 32, True)],
                          ids=["smollm-2048", "llama-2048", "llama-4096", "smollm-200", "llama-32k"])
 def test_decode_splits_launched_from_the_buffer(hq, hk, buffer, want_split, combine, monkeypatch):
-    """On 132 multiprocessors: at most DECODE_MERGE_SPLITS splits a KV head where the last one merges in
-    the kernel (a buffer of at most MERGE_MAX_SPLITS key tiles); past that two programs per SM (33
+    """On 132 multiprocessors: at most decode_merge_splits splits a KV head where the last one merges in
+    the kernel (a buffer of at most decode_merge_max_splits key tiles); past that two programs per SM (33
     splits for 8 KV heads), less those the whole buffer's chunks leave without keys (32: chunks of
     128 keys at 4096, 1024 at 32k), merged by the combine kernel. Either way the result is the
     attention over the runtime length."""
@@ -137,9 +137,9 @@ def test_decode_splits_launched_from_the_buffer(hq, hk, buffer, want_split, comb
         def __getitem__(self, grid):
             grids.append((self.name, grid))
             return kernels[self.name][grid]
-    monkeypatch.setattr(attn, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(attn, "_decode_kernel", Recorded("decode"))
-    monkeypatch.setattr(attn, "_combine_kernel", Recorded("combine"))
+    monkeypatch.setattr(attn.decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attn.decode, "_decode_kernel", Recorded("decode"))
+    monkeypatch.setattr(attn.decode, "_combine_kernel", Recorded("combine"))
     length = 150
     (q, k, v), dev = inputs(f"splits{hq}-{buffer}", 1, hq, hk, 1, buffer, 64, length, "float32")
     got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=True)

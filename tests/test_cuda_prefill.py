@@ -167,7 +167,7 @@ def test_prefill_default_tiles():
 
 @pytest.mark.parametrize("length_on_device", [False, True], ids=["len-int", "len-tensor"])
 def test_prefill_default_takes_the_hopper_kernel_from_2048_rows(monkeypatch, length_on_device):
-    """From PREFILL_GLUON_ROWS query rows, 16-bit inputs of head dim 128 take `flash_sm90` (on sm_90; elsewhere, the
+    """From CudaOptions.prefill_hopper_min_rows query rows, 16-bit inputs of head dim 128 take `flash_sm90` (on sm_90; elsewhere, the
     flash kernel), GQA 2 with a length short of the buffer and NaN past it, against the reference."""
     if _INTERPRET:
         pytest.skip("2048 query rows take minutes in Triton's interpreter (the GPU run checks it)")
@@ -182,7 +182,7 @@ def test_prefill_default_takes_the_hopper_kernel_from_2048_rows(monkeypatch, len
     want = reference(q, k, v, 2060, True)
     assert rel_err(got, want) < TOLERANCE["bfloat16"], rel_err(got, want)
     hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
-    assert len(calls) == (1 if hopper and attn.PREFILL_GLUON != "0" else 0)
+    assert len(calls) == (1 if hopper else 0)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import ingot  # noqa: E402
 from ingot.backends.cuda import fft as cuda_fft  # noqa: E402
 from ingot.backends.cuda import to_host  # noqa: E402
+from ingot.options import CompileOptions, CudaOptions  # noqa: E402
 from ingot.models import audio  # noqa: E402
 
 WINDOWS = ["hann", "hamming", ("gaussian", 9.5), "boxcar", "custom"]
@@ -49,13 +50,13 @@ def window_of(name, n_fft: int):
     return name
 
 
-def run_both(build, x: np.ndarray):
+def run_both(build, x: np.ndarray, options=None):
     """(cuda result as numpy, cpu result, the cuda executable)."""
     g = ingot.Graph()
     s = g.placeholder(x.shape, ingot.float32, name="signal")
     y = build(g, s)
     expected = g.compile(targets=[y]).run({"signal": x})[0]
-    exe = g.compile(targets=[y], device="cuda")
+    exe = g.compile(targets=[y], device="cuda", options=options)
     actual = to_host(exe.run({"signal": x})[0])
     again = to_host(exe.run({"signal": x})[0])    # the second run replays a captured CUDA graph
     np.testing.assert_array_equal(actual, again)
@@ -104,8 +105,8 @@ def test_log_mel_equals_cpu(length, n_fft, n_mels, htk):
     actual, expected, exe = run_both(lambda g, s: audio.log_mel_spectrogram(
         g, s, sample_rate=16000, n_fft=n_fft, hop_length=160, n_mels=n_mels, htk=htk, pad_mode="reflect"), x)
     assert_close(actual, expected, LOG_MEL)
-    if os.environ.get("INGOT_CUDA_AUDIO_MEL", "unrolled") == "unrolled":   # the dB scale stored by the mel kernel
-        assert any(f.startswith("mel epilogue") and "tl.log(tl.maximum(mel, " in f for f in exe.plan.fusions), exe.plan.fusions
+    # the dB scale stored by the mel kernel
+    assert any(f.startswith("mel epilogue") and "tl.log(tl.maximum(mel, " in f for f in exe.plan.fusions), exe.plan.fusions
 
 
 def test_epilogue_with_the_constant_first_keeps_operand_order():
@@ -119,8 +120,7 @@ def test_epilogue_with_the_constant_first_keeps_operand_order():
         return g.div(g.sub(g.constant(np.float32(3.0)), g.log(g.maximum(floor, mel))), g.constant(np.float32(4.0)))
     actual, expected, exe = run_both(build, x)
     assert_close(actual, expected, LOG_MEL)
-    if os.environ.get("INGOT_CUDA_AUDIO_MEL", "unrolled") == "unrolled":
-        assert any(f.startswith("mel epilogue") and "(3.0 - tl.log(" in f for f in exe.plan.fusions), exe.plan.fusions
+    assert any(f.startswith("mel epilogue") and "(3.0 - tl.log(" in f for f in exe.plan.fusions), exe.plan.fusions
 
 
 def test_mel_read_elsewhere_keeps_its_values_and_no_epilogue():
@@ -176,20 +176,9 @@ def test_cosine_window_recognition():
     assert cuda_fft.cosine_window(np.ones(2)) is None
 
 
-def test_mel_bands_cover_every_non_zero():
-    filters = audio.mel_filterbank(16000, 400, 80)
-    bands = cuda_fft.mel_bands(filters, 16)
-    assert bands.shape == (5, 2)
-    for tile, (lo, hi) in enumerate(bands):
-        rows = filters[tile * 16:(tile + 1) * 16]
-        assert not rows[:, :lo].any() and not rows[:, hi:].any()
-    assert (bands[:, 1] - bands[:, 0]).sum() < 201 * 5 // 2    # the band skips most of the zeros
-
-
-@pytest.mark.parametrize("method", ["stream", "gemm", "banded gemm", "fused", "unrolled"])
 @pytest.mark.parametrize("frames,bins_n_fft,n_mels,cosine", [(1, 400, 80, (0.5, 0.5)), (333, 401, 40, (0.54, 0.46)),
                                                               (70, 256, 24, None), (129, 1023, 128, (0.5, 0.5))])
-def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
+def test_mel_kernel_equals_numpy(frames, bins_n_fft, n_mels, cosine):
     n_fft = bins_n_fft
     rng = np.random.default_rng(8)
     x = rng.standard_normal((frames, n_fft)).astype(np.float32)
@@ -197,18 +186,9 @@ def test_mel_kernels_equal_numpy(method, frames, bins_n_fft, n_mels, cosine):
     window = np.ones(n_fft) if cosine is None else cosine[0] - cosine[1] * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
     expected = (filters.astype(np.float64) @ (np.abs(np.fft.rfft(x * window, axis=-1)) ** 2).T).astype(np.float32)
     device = torch.device(os.environ.get("INGOT_CUDA_DEVICE", "cuda"))
-    bands = cuda_fft.mel_bands(filters, 16)
-    projection = cuda_fft.MelProjection(torch.as_tensor(filters, device=device), torch.as_tensor(bands, device=device),
-                                        n_fft, cosine, method=method.split()[-1],
-                                        host_bands=tuple(map(tuple, bands.tolist())) if method == "banded gemm" else (),
-                                        unrolled=cuda_fft.unrolled_kernel(filters, n_fft, cosine)
-                                        if method == "unrolled" else None)
-    minimum = cuda_fft.BANDED_MIN_FRAMES
-    cuda_fft.BANDED_MIN_FRAMES = 1   # the banded GEMMs on these small inputs too
-    try:
-        actual = to_host(cuda_fft.mel_of_frames(torch.as_tensor(x, device=device), projection))
-    finally:
-        cuda_fft.BANDED_MIN_FRAMES = minimum
+    projection = cuda_fft.MelProjection(torch.as_tensor(filters, device=device), n_fft, cosine,
+                                        cuda_fft.unrolled_kernel(filters, n_fft, cosine))
+    actual = to_host(cuda_fft.mel_of_frames(torch.as_tensor(x, device=device), projection))
     assert_close(actual, expected, F32)
 
 
@@ -225,15 +205,29 @@ def test_adjacent_chunk_views_merge_into_one():
 
 
 @pytest.mark.parametrize("pass_frames", [5, 1 << 17])
-def test_chunked_log_mel_merges_chunks_and_equals_cpu(pass_frames, monkeypatch):
-    monkeypatch.setattr(cuda_fft, "PASS_FRAMES", pass_frames)
+def test_chunked_log_mel_merges_chunks_and_equals_cpu(pass_frames):
+    options = CompileOptions(cuda=CudaOptions(mel_pass_frames=pass_frames))
     x = signal(16000 + 333, seed=4)
     build = lambda g, s: audio.log_mel_spectrogram(g, s, sample_rate=16000, n_fft=400, hop_length=160,  # noqa: E731
                                                    n_mels=80, pad_mode="reflect", frames_per_chunk=11)
-    actual, expected, exe = run_both(build, x)
+    actual, expected, exe = run_both(build, x, options)
     assert_close(actual, expected, LOG_MEL)
     concat = [n for n in exe.plan.program.nodes() if n.op.name == "CONCAT"]
-    assert concat and cuda_fft.mel_chains(exe.plan.program, exe.plan.device)[concat[0].id].part == "concat"
+    roles = cuda_fft.mel_chains(exe.plan.program, exe.plan.device, options)
+    assert roles[concat[0].id].part == "concat" and roles[concat[0].id].projection.options.mel_pass_frames == pass_frames
+
+
+def test_mel_fusions_by_name():
+    """CompileOptions.fusions without "mel" (none at all here): the chain's nodes lowered one by one, the
+    same values as fused."""
+    x = signal(4001, seed=9)
+    build = lambda g, s: audio.log_mel_spectrogram(g, s, sample_rate=16000, n_fft=400, hop_length=160,  # noqa: E731
+                                                   n_mels=40, pad_mode="reflect")
+    for fusions, chain, epilogue in ((frozenset(), False, False), (None, True, True)):
+        actual, expected, exe = run_both(build, x, CompileOptions(fusions=fusions))
+        assert_close(actual, expected, LOG_MEL)
+        assert any(f.startswith("stft power+mel") for f in exe.plan.fusions) == chain, exe.plan.fusions
+        assert any(f.startswith("mel epilogue") for f in exe.plan.fusions) == epilogue, exe.plan.fusions
 
 
 @pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs device memory")

@@ -19,26 +19,27 @@ signal continued by X[-k] = conj X[k]), so the chain becomes
                                                # per frame walks its bins once (window, |.|^2) and adds
                                                # each bin's power into its bands, weights as constants
 
-Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. The earlier methods
-stay selectable for measuring (INGOT_CUDA_AUDIO_MEL): "gemm" (a windowed-power pass, then a float32
-cuBLAS projection), "fused" and "stream" (power and projection in one kernel on the tensor cores,
-tf32x3); on the H200 the unrolled kernel took 0.39 ms for the hour of 16 kHz audio against 0.38 +
-0.46 for "gemm"'s two passes and 0.82 for "stream" (BENCHMARKS.md). The chunks a graph is built in
+Other windows are multiplied in first (torch) and the kernel does |.|^2 alone. The earlier methods,
+measured and removed (git keeps them): a windowed-power pass then a float32 cuBLAS projection, and
+power and projection in one kernel on the tensor cores (tf32x3); on the H200 the unrolled kernel took
+0.39 ms for the hour of 16 kHz audio against 0.38 + 0.46 for the two passes and 0.82 for the one
+tensor-core kernel (BENCHMARKS.md). The chunks a graph is built in
 (for the CPU's memory) are merged again at run time when their frames are adjacent views of one
 signal: one cuFFT batch per pass of 2^17 frames, passes alternating over two streams, each written
 into its columns of the concatenation. The nodes of the chain are recognised in the lowered program
 (`mel_chains`); their steps pass a deferred value along and the matmul step computes the result, so
 nothing in between is written to device memory. Any other use of these ops lowers as before.
-INGOT_CUDA_AUDIO_FUSION=0 turns the fusion off (each node lowered alone: for measuring what it saves).
+The fusion is named "mel" in `CompileOptions.fusions` (the dB scale stored by its kernel, "mel_epilogue");
+the kernel's tiles and the passes are `CudaOptions.mel_*`. The plan's options are `plan.options` (a
+CompileOptions) where the plan has them, else the defaults.
 
     >>> exe = g.compile(targets=[audio.log_mel_spectrogram(g, x)], device="cuda")   # doctest: +SKIP
     >>> exe.plan.fusions                                       # doctest: +SKIP
-    ['stft power+mel (hann, 400-point, unrolled)', ...]
+    ['stft power+mel (hann, 400-point)', ...]
 """
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -46,9 +47,9 @@ from typing import Callable
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 from ...ir import Node, Op, Program
+from ...options import DEFAULT_CUDA, CompileOptions, CudaOptions
 from . import LOWERINGS, Lowering, StepFn, constant_tensor
 
 _FORWARD = {"none": "backward", "size": "forward", "unitary": "ortho"}
@@ -72,120 +73,6 @@ def fft_lowering(ctx: Lowering) -> StepFn:
         return lambda x: torch.fft.rfftn(x, dim=axes, norm=_FORWARD[norm])
     s = [ctx.node.type.shape[ax] for ax in axes]
     return lambda x: torch.fft.irfftn(x, s=s, dim=axes, norm=_INVERSE[norm]).to(torch.float32)
-
-
-# -- the fused kernel -----------------------------------------------------------------------------
-
-@triton.jit
-def _power_mel_kernel(spec_ptr, filt_ptr, band_ptr, out_ptr, F, B, M, REFLECT, stride_sf, stride_om, a0, a1_half,
-                      WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
-    """out[m, f] = sum_k filt[m, k] |X_w[f, k]|^2 for one tile of mel bands x frames; X is complex64
-    [F, B] read as interleaved float32, X_w its windowed form (WINDOWED) or X itself."""
-    pid_m = tl.program_id(0)  # mel tiles vary fastest: the tiles of one block of frames share its rows in L2
-    pid_f = tl.program_id(1)
-    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo = tl.load(band_ptr + 2 * pid_m)
-    hi = tl.load(band_ptr + 2 * pid_m + 1)
-    rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
-    f_mask = offs_f[:, None] < F
-    m_mask = offs_m[None, :] < M
-    acc = tl.zeros((BLOCK_F, BLOCK_M), dtype=tl.float32)
-    for b0 in range(lo, hi, BLOCK_B):
-        k = b0 + tl.arange(0, BLOCK_B)
-        k_mask = k < hi
-        mask = f_mask & k_mask[None, :]
-        re = tl.load(rows + 2 * k[None, :], mask=mask, other=0.0)
-        im = tl.load(rows + 2 * k[None, :] + 1, mask=mask, other=0.0)
-        if WINDOWED:
-            below = tl.where(k == 0, 1, k - 1)               # X[-1] = conj X[1]
-            above = tl.where(k == B - 1, REFLECT, k + 1)     # X[B] = conj X[n_fft - B]
-            re_below = tl.load(rows + 2 * below[None, :], mask=mask, other=0.0)
-            im_below = tl.load(rows + 2 * below[None, :] + 1, mask=mask, other=0.0)
-            re_above = tl.load(rows + 2 * above[None, :], mask=mask, other=0.0)
-            im_above = tl.load(rows + 2 * above[None, :] + 1, mask=mask, other=0.0)
-            im_below = tl.where(k[None, :] == 0, -im_below, im_below)
-            im_above = tl.where(k[None, :] == B - 1, -im_above, im_above)
-            re = a0 * re - a1_half * (re_below + re_above)
-            im = a0 * im - a1_half * (im_below + im_above)
-        power = re * re + im * im                                                   # [BLOCK_F, BLOCK_B]
-        w = tl.load(filt_ptr + offs_m[None, :] * B + k[:, None], mask=m_mask & k_mask[:, None], other=0.0)
-        acc += tl.dot(power, w, input_precision=PRECISION)                          # [BLOCK_F, BLOCK_M]
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_f[:, None], acc, mask=f_mask & m_mask)
-
-
-@triton.jit
-def _windowed_power_kernel(spec_ptr, out_ptr, F, B, REFLECT, stride_sf, stride_of, a0, a1_half,
-                           WINDOWED: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr):
-    """out[f, k] = |X_w[f, k]|^2 (float32 [F, B]) from complex64 X [F, B] read as interleaved float32."""
-    offs_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
-    k = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
-    mask = (offs_f[:, None] < F) & (k[None, :] < B)
-    re = tl.load(rows + 2 * k[None, :], mask=mask, other=0.0)
-    im = tl.load(rows + 2 * k[None, :] + 1, mask=mask, other=0.0)
-    if WINDOWED:
-        below = tl.where(k == 0, 1, k - 1)               # X[-1] = conj X[1]
-        above = tl.where(k == B - 1, REFLECT, k + 1)     # X[B] = conj X[n_fft - B]
-        re_below = tl.load(rows + 2 * below[None, :], mask=mask, other=0.0)
-        im_below = tl.load(rows + 2 * below[None, :] + 1, mask=mask, other=0.0)
-        re_above = tl.load(rows + 2 * above[None, :], mask=mask, other=0.0)
-        im_above = tl.load(rows + 2 * above[None, :] + 1, mask=mask, other=0.0)
-        im_below = tl.where(k[None, :] == 0, -im_below, im_below)
-        im_above = tl.where(k[None, :] == B - 1, -im_above, im_above)
-        re = a0 * re - a1_half * (re_below + re_above)
-        im = a0 * im - a1_half * (im_below + im_above)
-    tl.store(out_ptr + offs_f[:, None].to(tl.int64) * stride_of + k[None, :], re * re + im * im, mask=mask)
-
-
-@triton.jit
-def _spectrum_mel_kernel(spec_ptr, filt_ptr, out_ptr, F, B, stride_sf, stride_om, a0, a1_half,
-                         WINDOWED: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, M: tl.constexpr,
-                         BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, B_PAD: tl.constexpr):
-    """out[m, f] = sum_k filt_t[k, m] |X_w[f, k]|^2 for BLOCK_F frames, every bin and every mel band:
-    the spectrum rows are read once, as contiguous interleaved (re, im) pairs, in BLOCK_B-bin chunks.
-
-    X_w, the spectrum of the windowed frame, is a0 X[k] - a1/2 (X[k-1] + X[k+1]); its neighbours are
-    the same rows read one pair earlier and later (L1 hits), with the ends continued as the spectrum
-    of a real signal is: X[-1] = conj X[1], X[B] = conj X[B-2] (even n_fft) or conj X[B-1] (odd).
-    filt_t is the filter bank transposed and zero-padded to [B_PAD, BLOCK_M]."""
-    offs_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
-    f_mask = offs_f[:, None] < F
-    rows = spec_ptr + offs_f[:, None].to(tl.int64) * stride_sf
-    pair = tl.arange(0, 2 * BLOCK_B)                                                  # interleaved re, im
-    offs_m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_F, BLOCK_M), dtype=tl.float32)
-    for b0 in tl.static_range(0, B_PAD, BLOCK_B):
-        at = 2 * b0 + pair
-        mask = f_mask & (at < 2 * B)[None, :]
-        x = tl.reshape(tl.load(rows + at[None, :], mask=mask, other=0.0), (BLOCK_F, BLOCK_B, 2))
-        re, im = tl.split(x)                                                          # [BLOCK_F, BLOCK_B]
-        if WINDOWED:
-            k = b0 + tl.arange(0, BLOCK_B)[None, :]
-            below_ok = f_mask & ((at >= 2) & (at < 2 * B + 2))[None, :]
-            above_ok = f_mask & (at + 2 < 2 * B)[None, :]
-            xb = tl.reshape(tl.load(rows + at[None, :] - 2, mask=below_ok, other=0.0), (BLOCK_F, BLOCK_B, 2))
-            xa = tl.reshape(tl.load(rows + at[None, :] + 2, mask=above_ok, other=0.0), (BLOCK_F, BLOCK_B, 2))
-            re_b, im_b = tl.split(xb)
-            re_a, im_a = tl.split(xa)
-            first = k == 0                                      # X[-1] = conj X[1], X[1] is "above" here
-            re_b = tl.where(first, re_a, re_b)
-            im_b = tl.where(first, -im_a, im_b)
-            last = k == B - 1                                   # X[B] = conj X[n_fft - B]
-            if EVEN:
-                re_a = tl.where(last, re_b, re_a)
-                im_a = tl.where(last, -im_b, im_a)
-            else:
-                re_a = tl.where(last, re, re_a)
-                im_a = tl.where(last, -im, im_a)
-            re, im = a0 * re - a1_half * (re_b + re_a), a0 * im - a1_half * (im_b + im_a)
-        power = re * re + im * im                                                     # [BLOCK_F, BLOCK_B]
-        k_rows = b0 + tl.arange(0, BLOCK_B)
-        w = tl.load(filt_ptr + k_rows[:, None] * BLOCK_M + offs_m[None, :])          # zero-padded: no mask
-        acc += tl.dot(power, w, input_precision=PRECISION)
-    out = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_f[:, None]
-    tl.store(out, acc, mask=f_mask & (offs_m[None, :] < M))
 
 
 # -- the unrolled kernel: the filter bank compiled into the code -----------------------------------
@@ -273,22 +160,19 @@ def unrolled_source(filters: np.ndarray, n_fft: int, cosine: tuple[float, float]
     return "\n".join(lines) + "\n"
 
 
-# "unrolled" kernel: frames per program, warps, bins loaded ahead (H200, the hour's log-mel through the
-# graph: 1.375 ms with loads 16 bins ahead, 1.389 with 8, 1.428 with 1; 128 frames / 4 warps as fast as
-# any other tile measured, 2 frames per thread 40 % slower; a frame's bins spread over 8 or 16 threads,
-# so that a warp load touches fewer frames' cache lines, 1.725 / 1.792 ms against 1.363, 2026-12-03:
-# benchmarks/audio.py)
-UNROLLED_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_F", "128")),
-                       num_warps=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_WARPS", "4")),
-                       lookahead=int(os.environ.get("INGOT_CUDA_MEL_UNROLLED_AHEAD", "16")))
+# The kernel's tuning (`CudaOptions.mel_*`): frames per program, warps, bins loaded ahead (H200, the hour's
+# log-mel through the graph: 1.375 ms with loads 16 bins ahead, 1.389 with 8, 1.428 with 1; 128 frames /
+# 4 warps as fast as any other tile measured, 2 frames per thread 40 % slower; a frame's bins spread over
+# 8 or 16 threads, so that a warp load touches fewer frames' cache lines, 1.725 / 1.792 ms against 1.363,
+# 2026-12-03: benchmarks/audio.py)
 
 
 def unrolled_kernel(filters: np.ndarray, n_fft: int, cosine: tuple[float, float] | None, lookahead: int | None = None,
                     epilogue: str = "@v"):
     """The compiled-in kernel for this bank, window and epilogue (generated once per process and cached
-    on disk by its source, like the fused regions)."""
+    on disk by its source, like the fused regions); lookahead None: CudaOptions().mel_lookahead."""
     from .fused import _load_kernel
-    ahead = UNROLLED_CONFIG["lookahead"] if lookahead is None else lookahead
+    ahead = DEFAULT_CUDA.mel_lookahead if lookahead is None else lookahead
     return _load_kernel(unrolled_source(filters, n_fft, cosine, ahead, epilogue), "mel_kernel")
 
 
@@ -311,87 +195,28 @@ def unrolled_mel(spectrum: torch.Tensor, projection: "MelProjection", out: torch
                  block_f: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """filters @ |window(spectrum)|^2.T through the projection's unrolled kernel: complex64 [frames,
     bins] -> float32 [n_mels, frames], into `out` (any [n_mels, frames] view with unit frame stride)."""
-    assert projection.unrolled is not None, "unrolled_mel: the projection has no unrolled kernel"
     spectrum, out = _spectrum_and_out(spectrum, projection, out)
     frames = spectrum.shape[0]
     if frames == 0:
         return out
     kernel = projection.unrolled
-    block_f = block_f or UNROLLED_CONFIG["block_f"]
+    block_f = block_f or projection.options.mel_block_frames
     kernel[(triton.cdiv(frames, block_f),)](torch.view_as_real(spectrum), projection.filters, out, frames, out.stride(0),
-                                            BLOCK_F=block_f, num_warps=num_warps or UNROLLED_CONFIG["num_warps"])
+                                            BLOCK_F=block_f, num_warps=num_warps or projection.options.mel_warps)
     return out
 
 
 @dataclass(frozen=True)
 class MelProjection:
-    """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, each
-    mel tile's non-zero bin range, the window as cosine-sum coefficients (None: already applied)."""
+    """What the kernel needs besides the spectrum: the filters [n_mels, bins] on the device, the window
+    as cosine-sum coefficients (None: already applied), the generated kernel (`unrolled_kernel`) and
+    what it stores of each band value @v, and the kernel's tuning."""
     filters: torch.Tensor
-    bands: torch.Tensor
     n_fft: int
     cosine: tuple[float, float] | None
-    block_m: int = 16
-    method: str = "gemm"    # "unrolled" (mel_chains' default): the generated kernel in `unrolled`; "gemm": power
-                            # kernel + cuBLAS; "stream": one kernel per block of frames (every bin, every band,
-                            # tf32x3); "fused": one kernel per mel tile and block of frames
-    host_bands: tuple[tuple[int, int], ...] = ()   # `bands` on the host: "gemm" multiplies each tile's band alone
-    filters_t: torch.Tensor | None = None          # [bins padded, mels padded] for "stream" (transposed_filters)
-    unrolled: object = field(default=None, compare=False)   # the "unrolled" method's kernel (unrolled_kernel)
-    epilogue: str = "@v"                                    # what `unrolled` stores of each band value @v
-
-
-def transposed_filters(filters: np.ndarray | torch.Tensor, device=None) -> torch.Tensor:
-    """The [n_mels, bins] bank as the "stream" kernel reads it: [bins rounded up to 128, n_mels rounded
-    up to a power of two >= 16], zeros outside."""
-    f = torch.as_tensor(np.asarray(filters.cpu() if isinstance(filters, torch.Tensor) else filters, np.float32))
-    n_mels, bins = f.shape
-    out = torch.zeros((triton.cdiv(bins, 128) * 128, max(16, triton.next_power_of_2(n_mels))), dtype=torch.float32)
-    out[:bins, :n_mels] = f.T
-    return out.to(device if device is not None else (filters.device if isinstance(filters, torch.Tensor) else "cpu"))
-
-
-# "stream" tiles, measured on the H200 for the hour of 16 kHz audio (benchmarks/audio.py)
-STREAM_CONFIG = dict(block_f=int(os.environ.get("INGOT_CUDA_MEL_F", "32")), block_b=int(os.environ.get("INGOT_CUDA_MEL_B", "32")),
-                     num_warps=int(os.environ.get("INGOT_CUDA_MEL_WARPS", "4")), num_stages=1,
-                     precision=os.environ.get("INGOT_CUDA_MEL_PRECISION", "tf32x3"))
-
-
-def spectrum_mel(spectrum: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None,
-                 precision: str | None = None, block_f: int | None = None, block_b: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """filters @ |window(spectrum)|^2.T in one pass over the spectrum: complex64 [frames, bins] ->
-    float32 [n_mels, frames], written into `out` (any [n_mels, frames] view with unit frame stride)
-    when given. precision "tf32x3" (default) keeps float32 accuracy on the tensor cores."""
-    cfg = STREAM_CONFIG
-    precision, block_f, block_b = precision or cfg["precision"], block_f or cfg["block_f"], block_b or cfg["block_b"]
-    num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
-    spectrum, out = _spectrum_and_out(spectrum, projection, out)
-    frames, bins = spectrum.shape
-    n_mels = projection.filters.shape[0]
-    filters_t = projection.filters_t
-    if filters_t is None:
-        filters_t = transposed_filters(projection.filters)
-    b_pad = triton.cdiv(bins, block_b) * block_b
-    assert filters_t.shape[0] >= b_pad and filters_t.shape[1] >= n_mels, (filters_t.shape, b_pad, n_mels)
-    if frames == 0:
-        return out
-    a0, a1 = projection.cosine if projection.cosine is not None else (1.0, 0.0)
-    _spectrum_mel_kernel[(triton.cdiv(frames, block_f),)](
-        torch.view_as_real(spectrum), filters_t, out, frames, bins, 2 * bins, out.stride(0), a0, a1 / 2,
-        WINDOWED=projection.cosine is not None and a1 != 0.0, EVEN=projection.n_fft % 2 == 0, PRECISION=precision,
-        M=n_mels, BLOCK_F=block_f, BLOCK_B=block_b, BLOCK_M=filters_t.shape[1], B_PAD=b_pad,
-        num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-def mel_bands(filters: np.ndarray, block_m: int) -> np.ndarray:
-    """[tiles, 2] int32: for each tile of block_m mel rows, the bins [lo, hi) holding its non-zeros."""
-    bands = []
-    for m0 in range(0, filters.shape[0], block_m):
-        cols = np.nonzero(np.any(filters[m0:m0 + block_m] != 0, axis=0))[0]
-        bands.append((int(cols[0]), int(cols[-1]) + 1) if cols.size else (0, 0))
-    return np.asarray(bands, np.int32).reshape(-1, 2)
+    unrolled: object = field(compare=False)
+    epilogue: str = "@v"
+    options: CudaOptions = field(default=DEFAULT_CUDA, compare=False)
 
 
 def cosine_window(window: np.ndarray) -> tuple[float, float] | None:
@@ -408,97 +233,16 @@ def cosine_window(window: np.ndarray) -> tuple[float, float] | None:
     return a0, a1
 
 
-def power_mel(spectrum: torch.Tensor, projection: MelProjection, precision: str = "tf32x3",
-              block_f: int = 128, block_b: int = 16, num_warps: int = 8, num_stages: int = 1) -> torch.Tensor:
-    """filters @ |window(spectrum)|^2.T: complex64 [frames, bins] -> float32 [n_mels, frames]."""
-    filters = projection.filters
-    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
-    frames, bins = spectrum.shape
-    n_mels = filters.shape[0]
-    assert filters.shape == (n_mels, bins) and filters.is_contiguous(), (filters.shape, bins)
-    assert bins == projection.n_fft // 2 + 1
-    if spectrum.stride() != (bins, 1):
-        spectrum = spectrum.contiguous()
-    interleaved = torch.view_as_real(spectrum)                                   # [frames, bins, 2] float32
-    out = torch.empty((n_mels, frames), dtype=torch.float32, device=spectrum.device)
-    if frames == 0:
-        return out
-    a0, a1 = projection.cosine if projection.cosine is not None else (1.0, 0.0)
-    grid = (triton.cdiv(n_mels, projection.block_m), triton.cdiv(frames, block_f))
-    _power_mel_kernel[grid](interleaved, filters, projection.bands, out, frames, bins, n_mels,
-                            projection.n_fft - bins, 2 * bins, out.stride(0), a0, a1 / 2,
-                            WINDOWED=projection.cosine is not None and a1 != 0.0, PRECISION=precision,
-                            BLOCK_F=block_f, BLOCK_B=block_b, BLOCK_M=projection.block_m,
-                            num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-def windowed_power(spectrum: torch.Tensor, n_fft: int, cosine: tuple[float, float] | None,
-                   block_f: int = 8, block_b: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """|window(spectrum)|^2: complex64 [frames, bins] -> float32 [frames, bins] in one pass."""
-    assert spectrum.dtype == torch.complex64 and spectrum.ndim == 2, spectrum.shape
-    frames, bins = spectrum.shape
-    assert bins == n_fft // 2 + 1
-    if spectrum.stride() != (bins, 1):
-        spectrum = spectrum.contiguous()
-    out = torch.empty((frames, bins), dtype=torch.float32, device=spectrum.device)
-    if frames == 0:
-        return out
-    block_b = block_b or min(256, triton.next_power_of_2(bins))
-    a0, a1 = cosine if cosine is not None else (1.0, 0.0)
-    grid = (triton.cdiv(frames, block_f), triton.cdiv(bins, block_b))
-    _windowed_power_kernel[grid](torch.view_as_real(spectrum), out, frames, bins, n_fft - bins, 2 * bins, bins,
-                                 a0, a1 / 2, WINDOWED=cosine is not None and a1 != 0.0,
-                                 BLOCK_F=block_f, BLOCK_B=block_b, num_warps=num_warps)
-    return out
-
-
-# The projection tile by tile (5 GEMMs for 80 mels) beat one dense GEMM on the H200 for 360,001
-# frames (0.34 vs 0.46 ms); for the default chunks (~10k frames) five launches per chunk may cost
-# more than they save (not measured), so those keep the one dense GEMM.
-BANDED_MIN_FRAMES = 100_000
-
-
-def mel_of_spectrum(spectrum: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None) -> torch.Tensor:
-    """filters @ |window(spectrum)|^2.T by the projection's method: complex64 [frames, bins] ->
-    float32 [n_mels, frames] (into `out` when given). "gemm" is float32 cuBLAS (TF32 only if the
-    caller allowed it globally through torch.backends.cuda.matmul.allow_tf32)."""
-    if projection.method == "stream":
-        return spectrum_mel(spectrum, projection, out)
-    if projection.method == "unrolled":
-        return unrolled_mel(spectrum, projection, out)
-    if out is not None:
-        out.copy_(mel_of_spectrum(spectrum, projection))
-        return out
-    if projection.method == "fused":
-        return power_mel(spectrum, projection)
-    power = windowed_power(spectrum, projection.n_fft, projection.cosine)        # [frames, bins]
-    filters = projection.filters
-    if not projection.host_bands or power.shape[0] < BANDED_MIN_FRAMES:
-        return torch.matmul(filters, power.T)
-    out = torch.empty((filters.shape[0], power.shape[0]), dtype=torch.float32, device=power.device)
-    for tile, (lo, hi) in enumerate(projection.host_bands):  # each tile of mel rows over its non-zero bins only
-        rows = slice(tile * projection.block_m, (tile + 1) * projection.block_m)
-        if hi > lo:
-            torch.mm(filters[rows, lo:hi], power[:, lo:hi].T, out=out[rows])
-        else:
-            out[rows].zero_()
-    return out
-
-
 def mel_of_frames(frames: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None) -> torch.Tensor:
     """[frames, n_fft] (a strided view of the signal, windowed already unless projection.cosine)
     -> mel [n_mels, frames]: cuFFT, then the window in frequency, power and the mel projection."""
-    return mel_of_spectrum(torch.fft.rfft(frames, dim=-1), projection, out)
+    return unrolled_mel(torch.fft.rfft(frames, dim=-1), projection, out)
 
 
-# Frames per cuFFT batch and kernel launch once chunks are merged: the complex spectrum of this many
-# 400-point frames is 211 MB, so the hour of 16 kHz audio takes three passes (benchmarks/audio.py)
-PASS_FRAMES = int(os.environ.get("INGOT_CUDA_MEL_PASS_FRAMES", str(1 << 17)))
-
-
-# >= 2: passes spread over that many streams (H200, the hour: "gemm" 2.04 ms on one stream, 1.95 on two)
-STREAMS = int(os.environ.get("INGOT_CUDA_MEL_STREAMS", "2"))
+# Frames per cuFFT batch and kernel launch once chunks are merged (`CudaOptions.mel_pass_frames`): the
+# complex spectrum of 2**17 400-point frames is 211 MB, so the hour of 16 kHz audio takes three passes;
+# mel_streams >= 2: passes spread over that many streams (H200, the hour: 2.04 ms on one stream, 1.95 on
+# two, with the two-pass method; benchmarks/audio.py)
 _SIDE: dict = {}
 
 
@@ -532,20 +276,21 @@ def concatenated_mel(deferred: "list[Deferred]", projection: MelProjection) -> t
     views = merged_views([d.frames for d in deferred])
     total = sum(v.shape[0] for v in views)
     out = torch.empty((projection.filters.shape[0], total), dtype=torch.float32, device=views[0].device)
-    pieces, col, step = [], 0, max(1, PASS_FRAMES)
+    pieces, col, step = [], 0, max(1, projection.options.mel_pass_frames)
     for v in views:
         for start in range(0, v.shape[0], step):  # bounded temporaries: the spectrum of `step` frames at most
             piece = v[start:start + step]
             pieces.append((piece, out[:, col:col + piece.shape[0]]))
             col += piece.shape[0]
-    if STREAMS < 2 or len(pieces) < 2 or out.device.type != "cuda":
+    streams = projection.options.mel_streams
+    if streams < 2 or len(pieces) < 2 or out.device.type != "cuda":
         for piece, columns in pieces:
             mel_of_frames(piece, projection, columns)
         return out
     # pieces alternate over side streams, so one piece's cuFFT overlaps another's kernels (neither
     # alone fills the memory system); forked from and joined to the caller's stream (graph capture too)
     main = torch.cuda.current_stream(out.device)
-    side = _side_streams(out.device, STREAMS)
+    side = _side_streams(out.device, streams)
     start = torch.cuda.Event()
     start.record(main)
     for i, (piece, columns) in enumerate(pieces):
@@ -585,10 +330,14 @@ def _constant(program: Program, node: Node) -> np.ndarray | None:
     return program.constants[node.attrs["key"]] if node.op == Op.CONSTANT else None
 
 
-def mel_chains(program: Program, device) -> dict[int, Role]:
+def mel_chains(program: Program, device, options: CompileOptions | None = None) -> dict[int, Role]:
     """node id -> Role for every matmul(filters, transpose(|rfft(frames [* window])|^2)) in the program
     whose inner nodes have no other reader. The program as `ingot.models.audio` leaves it after the
-    passes (CSE has made the two abs one node)."""
+    passes (CSE has made the two abs one node). options: the fusions "mel" and "mel_epilogue" (both where
+    options.fusions is None) and the kernel's tuning."""
+    options = options or CompileOptions()
+    if not fused(options, "mel"):
+        return {}
     nodes = program.nodes()
     users: dict[int, set[int]] = {}
     for n in nodes:
@@ -640,12 +389,9 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         hosts[key] = filters
         projection = projections.get(key)
         if projection is None:
-            bands = mel_bands(filters, 16)
-            method = os.environ.get("INGOT_CUDA_AUDIO_MEL", "unrolled")
             projection = projections[key] = MelProjection(
-                constant_tensor(filters, device), torch.as_tensor(bands, device=device), n_fft, cosine, method=method,
-                host_bands=tuple((int(lo), int(hi)) for lo, hi in bands), filters_t=transposed_filters(filters, device),
-                unrolled=unrolled_kernel(filters, n_fft, cosine) if method == "unrolled" else None)
+                constant_tensor(filters, device), n_fft, cosine,
+                unrolled_kernel(filters, n_fft, cosine, options.cuda.mel_lookahead), options=options.cuda)
         roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
                       square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
                       mm.id: Role("mel", (1,), projection)})
@@ -659,19 +405,19 @@ def mel_chains(program: Program, device) -> dict[int, Role]:
         for s, r in zip(cat.src, parts):
             roles[s.id] = Role("mel", r.reads, r.projection, deferred=True)
         roles[cat.id] = Role("concat", tuple(range(len(cat.src))), parts[0].projection)
-    if os.environ.get("INGOT_CUDA_MEL_EPILOGUE", "1") == "1":
+    if fused(options, "mel_epilogue"):
         by_id = {n.id: n for n in nodes}
         region_of = {i: set(region) for region in getattr(program, "regions", ()) for i in region}
         for node_id, role in list(roles.items()):
             computes = role.part == "concat" or (role.part == "mel" and not role.deferred)
-            if not computes or role.projection.method != "unrolled":
+            if not computes:
                 continue
             tail, expr = _epilogue(program, by_id[node_id], by_id, users, roots, region_of)
             if not tail:
                 continue
             p = role.projection
             key = next(k for k, v in projections.items() if v is p)
-            kernel = unrolled_kernel(hosts[key], p.n_fft, p.cosine, epilogue=expr)
+            kernel = unrolled_kernel(hosts[key], p.n_fft, p.cosine, options.cuda.mel_lookahead, epilogue=expr)
             roles[node_id] = Role(role.part, role.reads, replace(p, unrolled=kernel, epilogue=expr), role.deferred)
             roles.update({t.id: Role("epilogue", (index,)) for t, index in tail})
     return roles
@@ -715,13 +461,23 @@ def _epilogue(program: Program, start: Node, by_id: dict, users: dict, roots: se
     return tail, exprs[-1] if exprs else "@v"
 
 
+def fused(options: CompileOptions, name: str) -> bool:
+    """Whether the fusion `name` runs: every fusion where options.fusions is None."""
+    return options.fusions is None or name in options.fusions
+
+
+def plan_options(plan) -> CompileOptions:
+    """The CompileOptions a CudaPlan was compiled with (`plan.options`), else the defaults."""
+    options = getattr(plan, "options", None)
+    return options if isinstance(options, CompileOptions) else CompileOptions()
+
+
 def plan_roles(plan) -> dict[int, Role]:
-    """mel_chains of a CudaPlan's program, computed once per plan ({} with INGOT_CUDA_AUDIO_FUSION=0)."""
-    if os.environ.get("INGOT_CUDA_AUDIO_FUSION", "1") != "1":
-        return {}
+    """mel_chains of a CudaPlan's program with the plan's options, computed once per plan ({} where the
+    "mel" fusion is off)."""
     roles = _CHAINS.get(plan)
     if roles is None:
-        roles = _CHAINS[plan] = mel_chains(plan.program, plan.device)
+        roles = _CHAINS[plan] = mel_chains(plan.program, plan.device, plan_options(plan))
     return roles
 
 
@@ -753,8 +509,7 @@ def _chain_step(role: Role, ctx: Lowering) -> StepFn:
     if role.part == "concat":
         return lambda *deferred: concatenated_mel(list(deferred), projection)
     if hasattr(plan, "fusions"):
-        plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point, "
-                            f"{projection.method})")
+        plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point)")
     if role.deferred:
         return lambda deferred: deferred
     return lambda deferred: mel_of_frames(deferred.frames, projection)
@@ -763,8 +518,6 @@ def _chain_step(role: Role, ctx: Lowering) -> StepFn:
 def _with_chains(previous: Callable[[Lowering], StepFn]) -> Callable[[Lowering], StepFn]:
     """A lowering that takes the mel chain's nodes and leaves every other node to `previous`."""
     def lower(ctx: Lowering) -> StepFn:
-        if os.environ.get("INGOT_CUDA_AUDIO_FUSION", "1") != "1":  # off: every node lowered alone (measuring)
-            return previous(ctx)
         role = _roles(ctx).get(ctx.node.id)
         return previous(ctx) if role is None else _chain_step(role, ctx)
     lower.__doc__ = f"The fused audio chain's part, else {getattr(previous, '__name__', previous)}."

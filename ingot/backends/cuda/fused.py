@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...ir import Node, Op
+from ...options import cache_dir
 from .pdl import pdl_args, pdl_enter
 from .quantized_matmul import _zero_share
 
@@ -401,8 +402,7 @@ def region_supported(nodes: list[Node]) -> bool:
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("INGOT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ingot")
-    path = os.path.join(root, "triton_regions")
+    path = os.path.join(cache_dir(), "triton_regions")
     try:
         os.makedirs(path, exist_ok=True)
         return path

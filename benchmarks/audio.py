@@ -27,7 +27,6 @@ torch anchors:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import statistics
@@ -175,6 +174,7 @@ def cuda_main(args) -> None:
     import ingot
     from ingot.backends.cuda import fft as cuda_fft
     from ingot.models import audio
+    from ingot.options import CompileOptions, CudaOptions
 
     from ingot.backends.cuda import device_name
 
@@ -193,49 +193,37 @@ def cuda_main(args) -> None:
         label = f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} min" if seconds < 3600 else f"{seconds / 3600:g} h"
         log_mel = lambda g, s, **o: audio.log_mel_spectrogram(g, s, sample_rate=SAMPLE_RATE, n_fft=N_FFT,  # noqa: E731
                                                              hop_length=HOP, n_mels=N_MELS, pad_mode="reflect", **o)
-        # name: (builder, environment while compiling, cuda_fft module settings while compiling and capturing)
+        def tuned(**cuda):   # CompileOptions with these CudaOptions fields (the mel kernel's and passes')
+            return CompileOptions(cuda=CudaOptions(**cuda))
+
+        # name: (builder, CompileOptions)
         builders = {
-            "ingot log-mel": (log_mel, {}, {}),
-            "ingot log-mel, one chunk": (lambda g, s: log_mel(g, s, frames_per_chunk=len(host)), {}, {}),
-            "ingot log-mel, one stream": (log_mel, {}, {"STREAMS": 1}),
-            "ingot log-mel, one pass": (log_mel, {}, {"PASS_FRAMES": 1 << 30, "STREAMS": 1}),
-            "ingot log-mel, stream kernel": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "stream"}, {}),
-            "ingot log-mel, stream kernel tf32": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "stream"},
-                                                  {"STREAM_CONFIG": {"precision": "tf32"}}),
-            "ingot log-mel, unfused": (log_mel, {"INGOT_CUDA_AUDIO_FUSION": "0"}, {}),
-            "ingot log-mel, gemm method": (log_mel, {"INGOT_CUDA_AUDIO_MEL": "gemm"}, {}),
-            "ingot log-mel, passes of 2^16": (log_mel, {}, {"PASS_FRAMES": 1 << 16}),
-            "ingot log-mel, passes of 2^18": (log_mel, {}, {"PASS_FRAMES": 1 << 18}),
-            "ingot log-mel, 3 streams": (log_mel, {}, {"STREAMS": 3}),
-            "ingot log-mel, ahead 1": (log_mel, {}, {"UNROLLED_CONFIG": {"lookahead": 1}}),
-            "ingot log-mel, ahead 8": (log_mel, {}, {"UNROLLED_CONFIG": {"lookahead": 8}}),
-            "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), {}, {}),
-            "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), {}, {}),
+            "ingot log-mel": (log_mel, None),
+            "ingot log-mel, one chunk": (lambda g, s: log_mel(g, s, frames_per_chunk=len(host)), None),
+            "ingot log-mel, one stream": (log_mel, tuned(mel_streams=1)),
+            "ingot log-mel, one pass": (log_mel, tuned(mel_pass_frames=1 << 30, mel_streams=1)),
+            "ingot log-mel, unfused": (log_mel, CompileOptions(fusions=frozenset())),   # no device fusion at all
+            "ingot log-mel, passes of 2^16": (log_mel, tuned(mel_pass_frames=1 << 16)),
+            "ingot log-mel, passes of 2^18": (log_mel, tuned(mel_pass_frames=1 << 18)),
+            "ingot log-mel, 3 streams": (log_mel, tuned(mel_streams=3)),
+            "ingot log-mel, ahead 1": (log_mel, tuned(mel_lookahead=1)),
+            "ingot log-mel, ahead 8": (log_mel, tuned(mel_lookahead=8)),
+            "ingot whisper": (lambda g, s: audio.whisper_log_mel_spectrogram(g, s, n_mels=N_MELS), None),
+            "ingot stft": (lambda g, s: audio.stft(g, s, n_fft=N_FFT, hop_length=HOP, pad_mode="reflect"), None),
         }
         if args.quick:
             also = {f"ingot log-mel, {name.strip()}" for name in args.also.split(",") if name.strip()}
             builders = {k: v for k, v in builders.items() if k in {"ingot log-mel", "ingot whisper", "ingot stft", *also}}
         times, results = {}, {}
-        for name, (build, env, settings) in builders.items():
+        for name, (build, options) in builders.items():
             start = time.perf_counter()
             g = ingot.Graph()
             signal = g.placeholder(host.shape, ingot.float32, name="signal")
-            saved_env = {k: os.environ.get(k) for k in env}
-            saved = {k: getattr(cuda_fft, k) for k in settings}
-            os.environ.update(env)
-            for k, v in settings.items():
-                setattr(cuda_fft, k, {**saved[k], **v} if isinstance(v, dict) else v)
-            try:
-                exe = g.compile(targets=[build(g, signal)], device="cuda")
-                compile_s = time.perf_counter() - start
-                run = (lambda exe=exe: exe.run({"signal": x})[0])
-                results[name] = run()              # kernels compiled; the next runs capture and replay
-                run()
-            finally:
-                for k, v in saved_env.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-                for k, v in saved.items():
-                    setattr(cuda_fft, k, v)
+            exe = g.compile(targets=[build(g, signal)], device="cuda", options=options)
+            compile_s = time.perf_counter() - start
+            run = (lambda exe=exe: exe.run({"signal": x})[0])
+            results[name] = run()              # kernels compiled; the next runs capture and replay
+            run()
             times[name] = bench(run)
             print(f"{label:>8} {name:<28} {times[name]:8.3f} ms   compile {compile_s:.2f} s   fusions: "
                   f"{sorted(set(f for f in exe.plan.fusions if f.startswith('stft')))}", flush=True)
@@ -263,20 +251,12 @@ def cuda_main(args) -> None:
         filters = audio.mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS)
         spectrum = torch.fft.rfft(frames)
         print(f"{label:>8} part: cuFFT rfft of the strided frames      {bench(lambda: torch.fft.rfft(frames)):8.3f} ms")
-        power = cuda_fft.windowed_power(spectrum, N_FFT, (0.5, 0.5))
-        print(f"{label:>8} part: windowed_power (gemm method's pass)  "
-              f"{bench(lambda: cuda_fft.windowed_power(spectrum, N_FFT, (0.5, 0.5))):8.3f} ms", flush=True)
         filters_d = torch.from_numpy(filters).to(device)
-        print(f"{label:>8} part: cuBLAS filters @ power.T             {bench(lambda: filters_d @ power.T):8.3f} ms")
-        bands = cuda_fft.mel_bands(filters, 16)
-        projection = cuda_fft.MelProjection(filters_d, torch.from_numpy(bands).to(device), N_FFT, (0.5, 0.5),
-                                            filters_t=cuda_fft.transposed_filters(filters, device))
-        reference = (filters_d.double() @ power.double().T).float()
+        hann = 0.5 - 0.5 * torch.cos(2 * torch.pi * torch.arange(N_FFT, device=device, dtype=torch.float64) / N_FFT)
+        power = torch.fft.rfft(frames.double() * hann).abs() ** 2                  # the window in time, float64
+        reference = (filters_d.double() @ power.T).float()
         out = torch.empty((N_MELS, spectrum.shape[0]), dtype=torch.float32, device=device)
         spectrum_bytes = spectrum.numel() * 8 + out.numel() * 4
-        stream_configs = (("tf32x3", 32, 32, 4, 1), ("tf32x3", 16, 32, 4, 1), ("tf32x3", 16, 32, 2, 1),
-                          ("tf32x3", 32, 32, 2, 1), ("tf32x3", 16, 64, 4, 1), ("tf32x3", 32, 16, 4, 1),
-                          ("tf32x3", 16, 16, 1, 1), ("tf32", 16, 32, 4, 1), ("tf32", 32, 32, 4, 1))
 
         def part(kernel: str, config: str, run) -> None:
             """Time one kernel configuration writing `out`, with its error against the float64 reference."""
@@ -290,12 +270,9 @@ def cuda_main(args) -> None:
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is reported, not fatal)
                 print(f"{label:>8} part: {kernel} {config} failed: {type(e).__name__}: {str(e)[:200]}")
 
-        for precision, block_f, block_b, num_warps, num_stages in stream_configs[:1] if args.quick else stream_configs:
-            part("stream kernel", f"{precision} F{block_f} B{block_b} warps {num_warps} stages {num_stages}",
-                 lambda: cuda_fft.spectrum_mel(spectrum, projection, out, precision, block_f, block_b, num_warps, num_stages))
         for block_f, num_warps, ahead in ((128, 4, 1), (128, 4, 16), (64, 2, 16), (128, 4, 32)):
-            kernel = cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead)
-            unrolled = dataclasses.replace(projection, unrolled=kernel)
+            unrolled = cuda_fft.MelProjection(filters_d, N_FFT, (0.5, 0.5),
+                                              cuda_fft.unrolled_kernel(filters, N_FFT, (0.5, 0.5), ahead))
             part("unrolled kernel", f"F{block_f} warps {num_warps} ahead {ahead}",
                  lambda: cuda_fft.unrolled_mel(spectrum, unrolled, out, block_f, num_warps))
         power = spectrum = out = reference = None   # free the device memory before the next length
@@ -314,7 +291,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--quick", action="store_true", help="cuda: only the default log-mel, Whisper and STFT graphs")
     ap.add_argument("--skip-parts", action="store_true", help="cuda: not the per-kernel timings of the chain's parts")
-    ap.add_argument("--also", default="", help="cuda --quick: log-mel variants to add, e.g. 'ahead 8,gemm method'")
+    ap.add_argument("--also", default="", help="cuda --quick: log-mel variants to add, e.g. 'ahead 8,one stream'")
     args = ap.parse_args()
     if args.device == "cuda":
         return cuda_main(args)

@@ -97,9 +97,6 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         "one-wave": dict(WAVES=0),
         "w1": dict(num_warps=1), "w2": dict(num_warps=2), "w4": dict(num_warps=4), "w8": dict(num_warps=8),
         "no-prefetch": dict(PREFETCH=False), "tb1": dict(TB=1), "tb-auto": dict(TB="auto"), "stages1": dict(num_stages=1),
-        "nloop": dict(NLOOP=True), "nloop-waves32": dict(NLOOP=True, WAVES=32), "nloop-waves8": dict(NLOOP=True, WAVES=8),
-        "nloop-tb2": dict(NLOOP=True, TB=2), "nloop-tb8": dict(NLOOP=True, TB=8), "nloop-w2": dict(NLOOP=True, num_warps=2),
-        "nloop-w8": dict(NLOOP=True, num_warps=8),
         "kmajor-stream": dict(KMAJOR=True), "kmajor-small": dict(KMAJOR=True, KERNEL="small"),
         # x in LIMBS bytes (2 * LIMBS dp4a per weight word), rounded in the GEMV or pre-quantized by its own launch (XQ)
         "limbs1": dict(LIMBS=1, XQ=False), "limbs2": dict(LIMBS=2, XQ=False), "limbs3": dict(LIMBS=3, XQ=False),
@@ -112,10 +109,8 @@ def gemv_rows(results, bw, quick, rows_list=(1,), only_shapes=None, row_shapes=N
         "self-sb16": dict(XQ=True, XQ_SELF=True, ZEROED=True, SELF_BLOCKS=16),
         # x = rms_norm(x + add) * g (`rms_norm_matmul`): its quantize launch, or each program's own rounding
         "norm": dict(NORM=True), "norm-self": dict(NORM=True, XQ=True, XQ_SELF=True, ZEROED=True),
-        # bounds, not kernels (wrong results): x costs nothing (what a pre-quantized x could give at most)
-        "xfree": dict(XFREE=True), "xfree-waves64": dict(XFREE=True, WAVES=64),
     }
-    row_variants = {"default": None, "nloop": dict(NLOOP=True), "nloop-rows1": dict(NLOOP=True, ROWS=1), "rows1": dict(ROWS=1), "rows2": dict(ROWS=2),
+    row_variants = {"default": None, "rows1": dict(ROWS=1), "rows2": dict(ROWS=2),
                     "waves64": dict(WAVES=64), "tensor-core": dict(BLOCK_M=16),
                     # x pre-quantized: no x registers to spill, so 4 rows per program (the weight read once) may pay now
                     "xq-l2": dict(XQ=True, LIMBS=2), "xq-l2-rows4": dict(XQ=True, LIMBS=2, ROWS=4)}

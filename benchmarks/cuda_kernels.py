@@ -256,12 +256,12 @@ def small_decode_attention_rows(results):
     """Short-cache decode attention, float32 caches of 2048 rows: SmolLM2 (9/3 heads, d 64) at short and
     long prefixes, and Llama-3-8B's shape (32/8 heads, d 128) at 64 and 512. Variants: "default" (only
     the splits that see keys run; one split writes the output itself; at least ~64 KB of K+V per split),
-    "old" (short_path=False: the kernel before that), min_chunk overrides, the V load after the softmax."""
+    the combine kernel, min_chunk overrides, one split."""
     variants = {
-        "default": {}, "old": dict(short_path=False), "combine-kernel": dict(merge=False),
+        "default": {}, "combine-kernel": dict(merge=False),
         "min-chunk-0": dict(min_chunk=0), "min-chunk-64": dict(min_chunk=64), "min-chunk-128": dict(min_chunk=128),
-        "min-chunk-256": dict(min_chunk=256), "late-v": dict(early_v=False), "split1": dict(split=1),
-    }   # 9 variants: a compile per shape, a graph-replay timing per length (63 in all): under a minute
+        "min-chunk-256": dict(min_chunk=256), "split1": dict(split=1),
+    }   # 7 variants: a compile per shape, a graph-replay timing per length (49 in all): under a minute
     shapes = [("smollm2", 9, 3, 64, (32, 64, 100, 160, 1000)), ("llama3-8b", 32, 8, 128, (64, 512))]
     buf = 2048
     for name, hq, hk, d, lengths in shapes:

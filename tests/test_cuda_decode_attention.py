@@ -4,7 +4,7 @@ Short and long caches over buffers of 64, 200 and 2048 rows; the split count for
 with the in-kernel merge and with the combine kernel; one launch configuration reused for many
 lengths through a device length tensor changed in place (what a CUDA graph replay does), the merge
 tickets back at 0 after every call; GQA 1/3/4, Tq 1 and 3, causal, d 64/128, batch 2, `out=`;
-the `short_path`, `min_chunk` and `early_v` switches. Keys at or past `length` hold NaN, so a load
+the `min_chunk`, `chunk_align` and `precision` choices. Keys at or past `length` hold NaN, so a load
 that strays past it fails the test.
 
     INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1 python -m pytest -q tests/test_cuda_decode_attention.py
@@ -171,8 +171,8 @@ REPLAY_LENGTHS = (5, 300, 0, 64, 129, 1, 700, 65, 128, 0, 2048, 33)
 
 
 @pytest.mark.parametrize("config", [dict(split=33, merge=True), dict(split=4, merge=True), dict(split=40, merge=False),
-                                    dict(split=33, merge=True, min_chunk=0), dict(), dict(short_path=False)],
-                         ids=["s33-merge", "s4-merge", "s40-combine", "s33-merge-mc0", "default", "old"])
+                                    dict(split=33, merge=True, min_chunk=0), dict()],
+                         ids=["s33-merge", "s4-merge", "s40-combine", "s33-merge-mc0", "default"])
 def test_decode_one_launch_many_lengths(config):
     """The same tensors, split and configuration every call; only the device length changes, so the
     launches are those a captured graph replays. Every result is right and the tickets end at 0."""
@@ -210,15 +210,14 @@ SHAPES = [  # (B, Hq, Hk, Tq, buffer, D, length, causal)
 
 @pytest.mark.parametrize("case", SHAPES, ids=["b{}-h{}/{}-q{}-buf{}-d{}-len{}-{}".format(*c) for c in SHAPES])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("short_path", [True, False], ids=["short", "old"])
-def test_decode_shapes_and_dtypes(case, dtype, short_path):
+def test_decode_shapes_and_dtypes(case, dtype):
     skip_bf16_in_interpreter(dtype)
     b, hq, hk, tq, buffer, d, length, causal = case
     (q, k, v), dev = inputs(f"shape{case}{dtype}", b, hq, hk, tq, buffer, d, length, dtype)
     want = reference(q, k, v, length, causal)
     for split, merge in ((None, None), (4, True), (33, False)):
         got = attn.attention(*dev, length=torch.tensor(length, device=DEVICE), causal=causal, split=split,
-                             merge=merge, short_path=short_path)
+                             merge=merge)
         check(got, want, dtype, (split, merge))
 
 
@@ -226,9 +225,6 @@ def test_decode_shapes_and_dtypes(case, dtype, short_path):
 
 SWITCHES = {
     "default": {},
-    "old": dict(short_path=False),
-    "old-early-v": dict(short_path=False, early_v=True),
-    "short-late-v": dict(early_v=False),
     "min-chunk-0": dict(min_chunk=0),
     "min-chunk-1": dict(min_chunk=1),
     "min-chunk-64": dict(min_chunk=64),

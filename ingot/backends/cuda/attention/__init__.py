@@ -119,7 +119,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               block_n: int | None = None, num_warps: int | None = None, block_m: int | None = None,
               num_stages: int | None = None, merge: bool | None = None, split_stages: bool = True,
               heavy_first: bool = True, heads_on_axis0: bool = True, tma: bool = False,
-              short_path: bool | None = None, min_chunk: int | None = None, early_v: bool | None = None,
+              min_chunk: int | None = None,
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
               zero: torch.Tensor | None = None, length_offset: int = 0, fresh: bool | None = None,
               early: bool = False, chunk_align: int | None = None, gluon: bool | dict | None = None,
@@ -140,12 +140,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     Hopper kernel of `flash_sm90` where it applies (16-bit, head dim 64 or 128, no mask, sm_90): the
     softmax of a key tile overlaps the tensor cores' P V product of the tile before; a dict passes
     `flash_sm90`'s options (block_n, stages, maxnreg).
-    Decode variants (the split-KV kernel): `short_path` runs only the splits that see keys, and with
-    one such split writes the output from it (no partials, ticket or merge); `min_chunk` is the
-    fewest keys per split (None: about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum);
-    `early_v` loads each V tile with its K tile (None: as `short_path`); `chunk_align`: a split's keys
-    are a multiple of it (None: options.decode_chunk_align, else the key tile). short_path None: on.
-    `short_path=False` with the other two left None is the kernel as it was before these switches.
+    Decode (the split-KV kernel): only the splits that see keys run, and one such split writes the
+    output itself (no partials, ticket or merge); `min_chunk` is the fewest keys per split (None:
+    about 32 KB of K+V, e.g. 64 keys at f32 d 64; 0 or 1: no minimum); `chunk_align`: a split's keys
+    are a multiple of it (None: options.decode_chunk_align, else the key tile); `split` and `merge`
+    force the split count and where the splits are merged.
 
     `rope`: q is RoPE's input, rotated here, and the new token's k and v (`RopeWrite`) are written into
     the caches k and v at its position first: in the decode kernel itself when there is one query row
@@ -171,7 +170,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         from ..fused import rope_qkv_into
         q = rope_qkv_into(q, rope.k, rope.v, rope.pos, rope.inv_freq, k, v, rope.interleaved)
         rope = None
-    short_path = True if short_path is None else short_path
     hq, tq, d = q.shape[-3:]
     hk, tbuf, _ = k.shape[-3:]
     dv = v.shape[-1]
@@ -204,7 +202,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
                 max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv)), q.dtype == torch.float32,
                 qk_scale, len_ptr, len_const, from_ptr, length_offset, four)
     if decodes:
-        return decode.decode_attention(p, causal, split, precision, block_n, num_warps, num_stages, merge, short_path,
-                                       min_chunk, early_v, rope, xq, zero, fresh, early, chunk_align, options)
+        return decode.decode_attention(p, causal, split, precision, block_n, num_warps, num_stages, merge, min_chunk,
+                                       rope, xq, zero, fresh, early, chunk_align, options)
     return prefill.prefill_attention(p, causal, mask, precision, block_n, num_warps, block_m, num_stages, split_stages,
                                      heavy_first, heads_on_axis0, tma, gluon, options)

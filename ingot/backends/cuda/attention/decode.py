@@ -42,11 +42,9 @@ def _decode_chunk(length, SPLIT: tl.constexpr, ALIGN: tl.constexpr, MIN_CHUNK: t
 
 
 @triton.jit
-def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                 V_LOADED: tl.constexpr = True, v_mask=None):
+def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of the online softmax: the scores of q [R, D] against kt [N, D] (keys not n_ok, or past
-    a row's causal limit, left out), then acc += p vt. vt is the V tile, or (V_LOADED False) its pointers,
-    loaded here after the softmax math under v_mask."""
+    a row's causal limit, left out), then acc += p vt."""
     s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                          # [R, N], log2 units
     ok = n_ok[None, :]
     if CAUSAL:
@@ -57,8 +55,6 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if not V_LOADED:
-        vt = tl.load(vt, mask=v_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
     return m_new, l_i, acc
 
@@ -69,8 +65,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                    LEN_FROM_PTR: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   PRECISION: tl.constexpr, MERGE: tl.constexpr = False, SHORT_PATH: tl.constexpr = False,
-                   MIN_CHUNK: tl.constexpr = 0, EARLY_V: tl.constexpr = False, PDL: tl.constexpr = False,
+                   PRECISION: tl.constexpr, MERGE: tl.constexpr = False,
+                   MIN_CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False,
                    pos_ptr=None, inv_ptr=None, kn_ptr=None, vn_ptr=None, HALF=0, skn_b=0, skn_h=0, svn_b=0, svn_h=0,
                    cos_ptr=None, sin_ptr=None, TABLE_ROWS=0, ROPE: tl.constexpr = False,
                    INTERLEAVED: tl.constexpr = False,
@@ -83,12 +79,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
     no combine launch follows.
 
-    SHORT_PATH: only the `active` splits (those that see keys) run, the others return at once; with
-    one active split (or none: length 0) split 0 normalises and writes the output itself, with no
-    partials, ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys
-    per split (a short cache uses one split). EARLY_V: the V tile is loaded with the K tile, before
-    the softmax math. All three off: the kernel as before (every split stores partials). CHUNK_ALIGN:
-    a split's keys are a multiple of it (the wrapper: BLOCK_N unless told).
+    Only the `active` splits (those that see keys) run, the others return at once; with one active
+    split (or none: length 0) split 0 normalises and writes the output itself, with no partials,
+    ticket or merge; with MERGE the ticket counts to `active`. MIN_CHUNK: the fewest keys per split (a
+    short cache uses one split). Each V tile is loaded with its K tile, before the softmax math.
+    CHUNK_ALIGN: a split's keys are a multiple of it (the wrapper: BLOCK_N unless told). Measured and
+    removed: every launched split storing partials, and the V tile loaded after the softmax.
 
     ROPE (one query row per head, TQ 1): q is rotated here by the position at pos_ptr (`_rotation`, cos/sin
     from a table), and
@@ -122,9 +118,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     else:
         length = length_const  # clamped by the wrapper
     chunk, active = _decode_chunk(length, SPLIT, CHUNK_ALIGN, MIN_CHUNK)
-    if SHORT_PATH:
-        if pid_s >= tl.maximum(active, 1):   # sees no key (split 0 stays to write zeros when length is 0)
-            return
+    if pid_s >= tl.maximum(active, 1):   # sees no key (split 0 stays to write zeros when length is 0)
+        return
     start = pid_s * chunk
     stop = tl.minimum(start + chunk, length)
 
@@ -191,12 +186,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         if FRESH:
             n_ok = n_ok & (offs_n != skip)
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        if EARLY_V:   # independent of p: both loads in flight together
-            vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        else:
-            vt = v_base + offs_n[:, None] * sv_t + offs_dv[None, :]   # loaded after the softmax math
-        m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
-                                     EARLY_V, n_ok[:, None] & (offs_dv < DV)[None, :])
+        # independent of p: both loads in flight together
+        vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION)
     if FRESH:
         if (skip >= start) & (skip < stop):   # the new token's key: its score in float32 from registers
             s_new = tl.sum(q.to(tl.float32) * kn_rot[None, :], axis=1) * qk_scale
@@ -208,15 +200,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             m_i = m_new
     out_offs = out_ptr + b * so_b + (hk * G + g)[:, None] * so_h + t[:, None] * so_t + offs_dv[None, :]
     out_ok = row_ok[:, None] & (offs_dv < DV)[None, :]
-    if SHORT_PATH:
-        if active <= 1:   # the only split: normalise and write, nothing to merge
-            o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-            tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
-            if XQ_LIMBS > 0:
-                store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
-                          stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
-            stamp(stamp_ptr, me, t0, t1, t1, STAMP)
-            return
+    if active <= 1:   # the only split: normalise and write, nothing to merge
+        o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
+        if XQ_LIMBS > 0:
+            store_xq(o.to(out_ptr.dtype.element_ty).to(tl.float32), b, hk * G, row_ok, xq_ptr, xd_ptr, xs_ptr,
+                      stride_xqm, stride_xdm, XQ_LIMBS, BLOCK_R, BLOCK_DV)
+        stamp(stamp_ptr, me, t0, t1, t1, STAMP)
+        return
     part = (pid_bh * SPLIT + pid_s) * BLOCK_R + rows
     tl.store(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
     tl.store(ml_part_ptr + part * 2, m_i)
@@ -224,11 +215,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     if MERGE:
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel")
-        if SHORT_PATH:
-            last = ticket == active - 1     # only the active splits take a ticket
-        else:
-            last = ticket == SPLIT - 1
-        if last:
+        if ticket == active - 1:     # only the active splits take a ticket
             m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_all = tl.zeros([BLOCK_R], tl.float32)
             o_all = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -288,11 +275,10 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK,
                     so_b, so_h, so_t,
                     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_DV: tl.constexpr, LEN_FROM_PTR: tl.constexpr = False, BLOCK_N: tl.constexpr = 16,
-                    SHORT_PATH: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False,
-                    len_add=0):
+                    MIN_CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False, len_add=0):
     """Merge the splits' partial softmaxes of one query row: weights exp2(m_s - max), CHUNK splits at a time.
-    SHORT_PATH: only the `active` splits stored partials (recomputed here from the length, as the
-    decode kernel does); with at most one, that split wrote the output and this program returns."""
+    Only the `active` splits stored partials (recomputed here from the length, as the decode kernel
+    does); with at most one, that split wrote the output and this program returns."""
     pdl_enter(PDL)
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)
@@ -300,16 +286,14 @@ def _combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, len_ptr, length_const, HK,
     hk = pid_bh % HK
     g = r // TQ
     t = r % TQ
-    n_split = SPLIT
-    if SHORT_PATH:
-        if LEN_FROM_PTR:
-            length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32) + len_add, 0), TBUF)
-        else:
-            length = length_const
-        _, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)   # BLOCK_N: the decode kernel's CHUNK_ALIGN
-        if active <= 1:
-            return
-        n_split = active
+    if LEN_FROM_PTR:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr).to(tl.int32) + len_add, 0), TBUF)
+    else:
+        length = length_const
+    _, active = _decode_chunk(length, SPLIT, BLOCK_N, MIN_CHUNK)   # BLOCK_N: the decode kernel's CHUNK_ALIGN
+    if active <= 1:
+        return
+    n_split = active
     splits = tl.arange(0, SPLIT_P2)
     s_ok = splits < n_split
     part = (pid_bh * SPLIT + splits) * BLOCK_R + r
@@ -369,8 +353,8 @@ def _sm_count(device) -> int:
 
 
 def decode_attention(p, causal: bool, split: int | None, precision: str | None, block_n: int | None, num_warps: int | None,
-           num_stages: int | None, merge: bool | None, short_path: bool, min_chunk: int | None,
-           early_v: bool | None, rope, xq, zero: torch.Tensor | None, fresh: bool | None, early: bool,
+           num_stages: int | None, merge: bool | None, min_chunk: int | None,
+           rope, xq, zero: torch.Tensor | None, fresh: bool | None, early: bool,
            chunk_align: int | None, options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
     """The split-KV kernel for `attention` (its arguments; p: the `Problem` it built)."""
     q4, k4, v4, o4, nb, hk, group, tq, tbuf, d, dv = p.q4, p.k4, p.v4, p.o4, p.nb, p.hk, p.group, p.tq, p.tbuf, p.d, p.dv
@@ -379,7 +363,7 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
     bn = block_n or options.decode_block_n or (64 if block_d <= 128 else 32)
     align = chunk_align or options.decode_chunk_align or bn
     if min_chunk is None:
-        min_chunk = _decode_min_chunk(d, dv, k4.element_size(), options.decode_chunk_kb << 10) if short_path else 0
+        min_chunk = _decode_min_chunk(d, dv, k4.element_size(), options.decode_chunk_kb << 10)
     merge_split = split   # the merge rule below sees the split count chosen before the min_chunk cap
     if split is None:
         split = merge_split = max(1, min(triton.cdiv(tbuf, bn), (2 * _sm_count(device)) // max(nb * hk, 1), 128))
@@ -388,7 +372,7 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         # splits past the whole buffer's last chunk never see keys: at 32k keys of 64-key tiles 33 splits
         # have chunks of 1024, so 32 (H200, 2026-12-03, Llama-shape bf16: 39.4 us against 41.1 in one
         # call, the combine kernel over 32 splits instead of 33)
-        chunk = triton.cdiv(max(triton.cdiv(tbuf, split), min_chunk if short_path else 0), align) * align
+        chunk = triton.cdiv(max(triton.cdiv(tbuf, split), min_chunk), align) * align
         split = triton.cdiv(tbuf, chunk)
     if num_stages is None and triton.cdiv(max(triton.cdiv(tbuf, split), min_chunk), bn) <= 1:
         num_stages = 1   # one key tile a split at most: no pipelined loads to set up (H200, SmolLM2's
@@ -414,7 +398,6 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         if fresh is None:   # with early loads; the first tile held in registers through the rotation
             fresh = early and tile_bytes <= options.decode_fresh_tile_bytes
         extra.update(FRESH=fresh)
-    early_v = short_path if early_v is None else early_v
     # every output is written by the decode kernel itself (no combine launch): it can round it for the GEMV
     xq_here = xq is not None and merge and tq == 1 and dv == block_dv and dv % 32 == 0 and xq.limbs in (1, 2)
     if xq_here:
@@ -432,7 +415,7 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         LEN_FROM_PTR=p.from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (options.decode_precision if p.f32 else "tf32"),
-        MERGE=merge, SHORT_PATH=short_path, MIN_CHUNK=max(min_chunk, 0), EARLY_V=early_v,
+        MERGE=merge, MIN_CHUNK=max(min_chunk, 0),
         len_add=p.length_offset, CHUNK_ALIGN=align, num_warps=warps, **({"num_stages": num_stages} if num_stages else {}),
         **extra, **pdl_args(device), **timeline.args(f"attention {hk}x{group} d{d}", nb * hk * split, device,
                                                      options.timeline))
@@ -443,6 +426,6 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
     _combine_kernel[(nb * hk, group * tq)](
         o_part, ml_part, o4, p.len_ptr, p.len_const, hk, group, tq, tbuf, dv, o4.stride(0), o4.stride(1), o4.stride(2),
         SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), CHUNK=min(16, triton.next_power_of_2(split)),
-        BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=p.from_ptr, BLOCK_N=align, SHORT_PATH=short_path,
+        BLOCK_R=block_r, BLOCK_DV=block_dv, LEN_FROM_PTR=p.from_ptr, BLOCK_N=align,
         MIN_CHUNK=max(min_chunk, 0), len_add=p.length_offset, num_warps=4, **pdl_args(device))
     return p.result

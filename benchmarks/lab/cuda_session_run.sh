@@ -45,7 +45,7 @@ llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-60}" python3 benchmarks/cu
 # runs as tag[:VAR=value,VAR=value] (SMOLLM_RUNS / LLAMA_RUNS override the lists)
 runs() { fn=$1; shift; for v in "$@"; do tag=${v%%:*}; envs=""; [ "$tag" != "$v" ] && envs=${v#*:}; $fn "$tag" ${envs//,/ }; done; }
 run_smollm() { runs smollm ${SMOLLM_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq-off:INGOT_CUDA_ATTENTION_XQ_BYTES=0}; }
-run_llama() { runs llama ${LLAMA_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq:INGOT_CUDA_ATTENTION_XQ_BYTES=1000000000000 pdl-off:INGOT_CUDA_PDL=0}; }
+run_llama() { runs llama ${LLAMA_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq:INGOT_CUDA_ATTENTION_XQ_BYTES=1000000000000}; }
 
 for part in $parts; do
   echo "== $part"

@@ -1,7 +1,7 @@
 """Where a replayed decode step's time goes between and inside its GEMVs (ingot/backends/cuda/timeline.py).
 
 Builds the Llama graph with random weights of a real shape (int4 g32, as cuda_llm.py), captures the
-decode step with INGOT_CUDA_TIMELINE=1 (every word GEMV and quantize launch stamps the global timer in
+decode step with CudaOptions(timeline="all") (every word GEMV and quantize launch stamps the global timer in
 each program: start, released past its wait, loop done, end), replays it, and prints per kernel kind
 the medians over the step's launches, in us:
 
@@ -14,7 +14,7 @@ the medians over the step's launches, in us:
     ends     the programs' ends, first to last;  since: its last end after the kernel ahead's last end
 
 then the first layer launch by launch, and the step: stamped span against the replay's time.
---ends stamps only the ends (INGOT_CUDA_TIMELINE=end): the word GEMVs keep their registers (held to
+--ends stamps only the ends (timeline="end"): the word GEMVs keep their registers (held to
 them, timeline.py), and so their waves; only tail, ends and since are shown. --detail NAME,...: those
 kernels' programs a multiprocessor and their ends in deciles, then the word GEMV's compiled variants
 with their registers (and the memo `_words_gemv` sizes its splits from).
@@ -29,8 +29,6 @@ import os
 import sys
 from collections import defaultdict
 
-os.environ["INGOT_CUDA_TIMELINE"] = "end" if "--ends" in sys.argv else "1"
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -38,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))    # the repository
 from cuda_llm import SHAPES, fast_random_weights, gguf_like_random_weights, graph_replay_us, model_shape  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.options import CompileOptions, CudaOptions  # noqa: E402
 from ingot.backends.cuda import timeline  # noqa: E402
 from ingot.models import llama  # noqa: E402
 
@@ -110,13 +109,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--npz", default=None, help="save every launch's raw stamps here")
-    ap.add_argument("--ends", action="store_true", help="stamp only each program's end (INGOT_CUDA_TIMELINE=end)")
+    ap.add_argument("--ends", action="store_true", help="stamp only each program's end (timeline=\"end\")")
     ap.add_argument("--detail", default=None, help="kernel names (comma-separated): their programs a multiprocessor and end times")
     args = ap.parse_args()
     cfg = llama.LlamaConfig(**model_shape(args.model, args.layers), context_length=2048)
     weights = gguf_like_random_weights(cfg) if args.model == "smollm2" else fast_random_weights(cfg)
     model = llama.build(cfg, weights)
-    dec, pre = model.compile(1, "cuda"), model.compile(args.prompt, "cuda")
+    options = CompileOptions(cuda=CudaOptions(timeline="end" if args.ends else "all"))
+    dec, pre = model.compile(1, "cuda", options), model.compile(args.prompt, "cuda", options)
     state = dec.new_state()
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt).astype(np.int32)
     pre.run({"tokens": prompt, "pos": np.int32(0), "last": np.int32(args.prompt - 1)}, state=state)

@@ -65,8 +65,11 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
     ],
 }
-FUSIONS = {device: tuple(name.removeprefix("fuse_") for name, _ in passes) + (("rope_attention",) if passes else ())
-           for device, passes in DEVICE_PIPELINES.items()}
+# every name options.fusions may hold: the passes, and choices the backend makes as it lowers
+# (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels; mel and
+# mel_epilogue: the STFT power -> mel chain as one kernel, backends/cuda/fft.py)
+FUSIONS = {"cpu": (), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+           ("rope_attention", "regions", "mel", "mel_epilogue")}
 
 LATE_PIPELINE: list[tuple[str, Pass]] = [
     ("regions", find_regions),                      # elementwise chains a backend runs as one kernel
@@ -95,6 +98,8 @@ def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
     settings = {"rope_attention": "rope_attention" in chosen,
                 "words_max_rows": getattr(tuning, "words_max_rows", WORDS_MAX_ROWS),
                 "self_xq_bytes": getattr(tuning, "self_xq_bytes", SELF_XQ_BYTES)}
+    if getattr(tuning, "words_layout", True) is False:   # no word GEMV: nothing to fold into it
+        chosen -= {"glu", "norm_gemv"}
     return [(name, lambda p, fn=fn: fn(p, settings)) for name, fn in DEVICE_PIPELINES.get(device, [])
             if name.removeprefix("fuse_") in chosen]
 

@@ -24,10 +24,10 @@ def require_cuda() -> bool:
     return INTERPRET
 
 
-def greedy(model, device, prompt, steps, forced=None):
+def greedy(model, device, prompt, steps, forced=None, options=None):
     """A Llama graph's greedy decode on `device`: (tokens, logits after the prompt and each step, the
     decode executable). `forced` feeds those tokens instead (the same inputs on both backends)."""
-    pre, dec = model.compile(len(prompt), device), model.compile(1, device)
+    pre, dec = model.compile(len(prompt), device, options), model.compile(1, device, options)
     state = dec.new_state()
     host = dec.backend.to_host
     logits = host(pre.run({"tokens": np.array(prompt, np.int32), "pos": np.int32(0), "last": np.int32(len(prompt) - 1)},

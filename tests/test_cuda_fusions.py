@@ -100,3 +100,17 @@ def test_a_lone_rope_written_into_the_cache():
     gpu, outs, states = run_both(g, [g.exp(k)], feeds, {"k_cache": rng.standard_normal((1, 2, 16, 8)).astype(np.float32)})
     close(outs + states)
     assert fused_kinds(gpu) == {"rope_kv_write"} and "rope_into_cache" in gpu.plan.step_names
+
+
+def test_a_norm_feeding_a_siblings_group_is_one_gemv():
+    """rms_norm -> two quantized matmuls built apart (a siblings op nested in the norm_gemv body): the
+    weights come through the nested op's parameters."""
+    rng = np.random.default_rng(8)
+    g = ingot.Graph()
+    a, b = g.placeholder((2, 64), name="a"), g.placeholder((2, 64), name="b")
+    h = g.rms_norm(a + b, g.constant((1 + 0.1 * rng.standard_normal(64)).astype(np.float32)), 1e-5)
+    outs = [g.matmul(h, quantized_weight(g, 64, 48, seed=4)), g.matmul(h, quantized_weight(g, 64, 32, seed=5))]
+    feeds = {"a": rng.standard_normal((2, 64)).astype(np.float32), "b": rng.standard_normal((2, 64)).astype(np.float32)}
+    gpu, outs_pairs, _ = run_both(g, outs, feeds)
+    close(outs_pairs)
+    assert fused_kinds(gpu) == {"norm_gemv"} and "add_rms_norm_gemv" in gpu.plan.step_names, gpu.plan.step_names

@@ -7,7 +7,7 @@ its own launch (XQ), one split and several (atomics, tickets). The tolerance is 
 per-element rounding bound on the normalised x: the kernel rounds (x [+ y]) * g per block and
 multiplies the sums by the row's 1 / rms, so the rounding step relative to the block is the same.
 
-Graph level: a random-weight Llama decoded greedily with INGOT_CUDA_NORM_GEMV on and off (the fusion
+Graph level: a random-weight Llama decoded greedily with the norm_gemv fusion on and off (the fusion
 entries, logits against the CPU backend, the same tokens), and a sibling group (two quantized matmuls
 over one normalised x) whose add has another reader.
 
@@ -131,20 +131,26 @@ def test_self_rounding_norm_gemv_zeroes_the_next_output():
 
 # == the plan =========================================================================================
 
-def _decode(monkeypatch, switch: str):
-    monkeypatch.setenv("INGOT_CUDA_NORM_GEMV", switch)
+def _without_norm_gemv(switch: str):
+    """CompileOptions with every CUDA fusion but norm_gemv for switch "0"; the defaults for "1"."""
+    from ingot.compiler import FUSIONS
+    from ingot.options import CompileOptions
+    return None if switch == "1" else CompileOptions(fusions=frozenset(FUSIONS["cuda"]) - {"norm_gemv"})
+
+
+def _decode(switch: str):
     model, _ = small_llama()                   # a fresh graph: compiled executables are cached per graph
     prompt = [5, 17, 250, 3, 99, 42, 7]
     cpu_tokens, cpu_logits, _ = greedy(model, "cpu", prompt, 4)
-    tokens, logits, dec = greedy(model, "cuda", prompt, 4, forced=cpu_tokens)
+    tokens, logits, dec = greedy(model, "cuda", prompt, 4, forced=cpu_tokens, options=_without_norm_gemv(switch))
     for step, (got, want) in enumerate(zip(logits, cpu_logits)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}")   # as test_cuda.py's decode
     assert [int(np.argmax(x)) for x in logits[:-1]] == cpu_tokens     # greedy: the same tokens
     return dec, model
 
 
-def test_llama_decode_with_the_norm_in_the_gemv(monkeypatch):
-    dec, model = _decode(monkeypatch, "1")
+def test_llama_decode_with_the_norm_in_the_gemv():
+    dec, model = _decode("1")
     fusions, names = dec.plan.fusions, dec.plan.step_names
     layers = model.config.n_layers
     # layer 0's attention norm reads the embedding (no add); every later norm follows a residual add, the
@@ -160,17 +166,16 @@ def test_llama_decode_with_the_norm_in_the_gemv(monkeypatch):
     assert prefill.plan.fusions.count("rms_norm into the GEMV") == 1   # ... but the output norm of row `last`
 
 
-def test_llama_decode_with_the_switch_off(monkeypatch):
-    dec, _ = _decode(monkeypatch, "0")
+def test_llama_decode_with_the_switch_off():
+    dec, _ = _decode("0")
     assert not any("rms_norm into the GEMV" in f for f in dec.plan.fusions), dec.plan.fusions
     assert "add+rms_norm" in dec.plan.fusions and "rms_norm" in dec.plan.step_names
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_sibling_group_after_an_add_with_another_reader(monkeypatch, switch):
+def test_sibling_group_after_an_add_with_another_reader(switch):
     """h = a + b read by a float matmul and by rms_norm feeding two quantized matmuls (one GEMV over the
     concatenated weight): one step writes h and both outputs."""
-    monkeypatch.setenv("INGOT_CUDA_NORM_GEMV", switch)
     rng = rng_for(f"norm-gemv-siblings{switch}")
     rows, k = 3, 96
     g = ingot.Graph()
@@ -183,7 +188,7 @@ def test_sibling_group_after_an_add_with_another_reader(monkeypatch, switch):
         w = g.dequantize(g.constant(q, dtype=FORMATS[0][0]), **{name: g.constant(p) for name, p in params.items()})
         outs.append(g.matmul(normed, w))
     outs.append(g.matmul(h, g.constant(rng.standard_normal((k, 5)).astype(np.float32))))
-    exe = g.compile(targets=outs, device="cuda")
+    exe = g.compile(targets=outs, device="cuda", options=_without_norm_gemv(switch))
     feeds = {"a": rng.standard_normal((rows, k)).astype(np.float32), "b": rng.standard_normal((rows, k)).astype(np.float32)}
     got = [cuda_backend.to_host(x) for x in exe.run(feeds)]
     want = g.compile(targets=outs, device="cpu").run(feeds)

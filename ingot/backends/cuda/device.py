@@ -82,30 +82,21 @@ def constant_tensor(array: np.ndarray, device) -> torch.Tensor:
     return _cached(array, ("tensor", str(device)), lambda: to_device(array, device))
 
 
-WORDS_LAYOUT = os.environ.get("INGOT_CUDA_WORDS", "1") == "1"   # matmul weights in the dp4a GEMV's word layout
-# a decode attention rounds its output for the quantized matmul after it (no quantize launch between
-# them) where that matmul's weight is smaller than this; 0: never. H200, steps replayed: SmolLM2's o
-# (0.2 MB) 653 us with it against 679 (eighth session). Llama-3-8B's o (10.5 MB) lost then (2054 against
-# 1987, with the 8 MiB limit this had until the fourteenth session) but wins since the attention's early
-# loads: 1896.6 / 1896.3 us against 1919.9 / 1918.7 (fourteenth session, two calls)
-ATTENTION_XQ_BYTES = int(os.environ.get("INGOT_CUDA_ATTENTION_XQ_BYTES", str(256 << 20)))
-
-
 def prepared_weight(arrays: list[np.ndarray], attrs: dict, device, words: bool = False) -> qmm.QuantizedWeight:
     key = ("qweight", str(device), attrs["mode"], attrs["qdtype"].name, bool(attrs.get("transpose")),
            bool(attrs.get("has_zero_point")), bool(attrs.get("has_bias")), words) + tuple(id(a) for a in arrays[1:])
     return _cached(arrays[0], key, lambda: qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device, words))
 
 
-def concatenated_weight(members: list[tuple[list[np.ndarray], dict]], device) -> qmm.QuantizedWeight | None:
+def concatenated_weight(members: list[tuple[list[np.ndarray], dict]], device, words: bool = True) -> qmm.QuantizedWeight | None:
     """The weights of sibling matmuls side by side along N (one GEMV for q/k/v), or None if they differ in kind."""
-    key = ("qconcat", str(device), WORDS_LAYOUT) + tuple((id(a), attrs["qdtype"].name, bool(attrs.get("transpose")))
+    key = ("qconcat", str(device), words) + tuple((id(a), attrs["qdtype"].name, bool(attrs.get("transpose")))
                                            for arrays, attrs in members for a in arrays)
     first = members[0][0][0]
     hit = _DEVICE_CONSTANTS.get((id(first),) + key)
     if hit is not None:
         return hit
-    joined = qmm.concatenate([qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device, WORDS_LAYOUT)
+    joined = qmm.concatenate([qmm.prepare_weight(arrays[0], list(arrays[1:]), attrs, device, words)
                               for arrays, attrs in members])
     if joined is None:
         return None

@@ -20,7 +20,7 @@ from ...ops.nn import rope_inv_freq
 from . import attention as attention_kernels
 from . import fused
 from . import quantized_matmul as qmm
-from .device import ATTENTION_XQ_BYTES, WORDS_LAYOUT, concatenated_weight, prepared_weight
+from .device import concatenated_weight, prepared_weight
 from .lowerings import LOWERINGS, Lowering, StepFn, _ZeroAhead, host_reference
 
 FusedLowering = Callable[[Lowering], "tuple[StepFn, str] | None"]
@@ -81,7 +81,7 @@ def param(n: Node) -> int:
 def _weight(ctx: Lowering, m: Node) -> qmm.QuantizedWeight:
     """The prepared (re-packed, device) weight of a quantized matmul inside ctx's body."""
     arrays = [ctx.constant(param(s)) for s in m.src[1:]]
-    return prepared_weight(arrays, m.attrs, ctx.device, WORDS_LAYOUT)
+    return prepared_weight(arrays, m.attrs, ctx.device, ctx.cuda.words_layout)
 
 
 def _group_weight(ctx: Lowering, matmuls: list[Node]) -> qmm.QuantizedWeight | None:
@@ -89,7 +89,7 @@ def _group_weight(ctx: Lowering, matmuls: list[Node]) -> qmm.QuantizedWeight | N
     if len(matmuls) == 1:
         return _weight(ctx, matmuls[0])
     members = [([ctx.constant(param(s)) for s in m.src[1:]], m.attrs) for m in matmuls]
-    return concatenated_weight(members, ctx.device)
+    return concatenated_weight(members, ctx.device, ctx.cuda.words_layout)
 
 
 # -- sibling matmuls, silu(gate) * up ------------------------------------------------------------------
@@ -105,8 +105,10 @@ def _siblings(ctx: Lowering):
     ctx.reads = (param(matmuls[0].src[0]),)
     ctx.plan.fusions.append(f"{len(matmuls)} sibling quantized matmuls")
 
+    options = ctx.cuda
+
     def step(x):
-        y = qmm.quantized_matmul(x, weight)
+        y = qmm.quantized_matmul(x, weight, options=options)
         return tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(matmuls)))
     return step, "qkv"
 
@@ -124,7 +126,8 @@ def _glu_gemv(ctx: Lowering):
     gate, up, m = _gate_up(ctx.node.attrs["body"])
     weight = _weight(ctx, m)
     rows = math.prod(m.src[0].type.shape[:-1])
-    if not weight.words or rows > qmm.WORDS_MAX_ROWS:
+    options = ctx.cuda
+    if not weight.words or rows > options.words_max_rows:
         return None
     n_out = m.type.shape[-1]
     ctx.reads = (param(gate), param(up))
@@ -135,24 +138,25 @@ def _glu_gemv(ctx: Lowering):
         if a2.stride() != b2.stride() or a2.stride(-1) != 1:
             a2, b2 = a2.contiguous(), b2.contiguous()
         y = torch.empty((a2.shape[0], n_out), dtype=a.dtype, device=a.device)
-        qmm._words_gemv(b2, weight, y, {}, x_gate=a2)
+        qmm._words_gemv(b2, weight, y, {}, x_gate=a2, options=options)
         return y.reshape(*a.shape[:-1], n_out)
     return step, "glu_quantized_matmul"
 
 
 # -- rms_norm in the GEMV's prologue --------------------------------------------------------------------
 
-def _rms_norm_matmul(x, weight: qmm.QuantizedWeight, g, eps: float, add, behind: _ZeroAhead | None, **kw):
+def _rms_norm_matmul(x, weight: qmm.QuantizedWeight, g, eps: float, add, behind: _ZeroAhead | None, options, **kw):
     """`qmm.rms_norm_matmul`, into the output the step before zeroed where there is one (`_ZeroAhead`):
     then the GEMV rounds its own x, with no quantize launch ahead of it."""
     y = behind.take() if behind is not None else None
     if y is None:
-        return qmm.rms_norm_matmul(x, weight, g, eps, add=add, **kw)
-    return qmm.rms_norm_matmul(x, weight, g, eps, add=add, out=y, config={"XQ_SELF": True, "ZEROED": True}, **kw)
+        return qmm.rms_norm_matmul(x, weight, g, eps, add=add, options=options, **kw)
+    return qmm.rms_norm_matmul(x, weight, g, eps, add=add, out=y, config={"XQ_SELF": True, "ZEROED": True},
+                               options=options, **kw)
 
 
 def _glu_down(plan, weight: qmm.QuantizedWeight, eps: float, d_weight: qmm.QuantizedWeight, n_out: int,
-              behind: _ZeroAhead | None):
+              behind: _ZeroAhead | None, options):
     """compute(x, add or None, g) -> (x + add or None, (y,)): rms_norm -> gate+up GEMV -> silu(gate) *
     up -> down GEMV with no quantize launch between the two GEMVs: the gate+up launch zeroes the down
     GEMV's output and the down GEMV rounds silu(gate) * up itself, each program its split
@@ -166,11 +170,11 @@ def _glu_down(plan, weight: qmm.QuantizedWeight, eps: float, d_weight: qmm.Quant
         lead = x.shape[:-1]
         rows = math.prod(lead)
         y_down = torch.empty((rows, n_out), dtype=torch.float32, device=x.device)
-        got = _rms_norm_matmul(x, weight, g, eps, b, behind, zero=y_down)
+        got = _rms_norm_matmul(x, weight, g, eps, b, behind, options, zero=y_down)
         total, y = got if b is not None else (None, got)
         y2 = y.reshape(rows, 2 * half)
         qmm._words_gemv(y2[:, half:], d_weight, y_down, {"XQ_SELF": True, "ZEROED": True}, x_gate=y2[:, :half],
-                        zero=ahead.make(x.device))
+                        zero=ahead.make(x.device), options=options)
         return total, (y_down.reshape(*lead, n_out),)
     return compute
 
@@ -205,30 +209,33 @@ def _norm_gemv(ctx: Lowering):
     add, norm, gemv, matmuls = _norm_gemv_parts(body)
     k = norm.type.shape[-1]
     rows = math.prod(norm.type.shape[:-1])
-    weight = _group_weight(ctx, matmuls)
-    if weight is None or not weight.words or weight.k != k or rows > qmm.WORDS_MAX_ROWS:
+    # the matmuls' weights are read through their own op's parameters (a siblings op nested in this body)
+    owner = ctx if gemv.op == Op.QUANTIZED_MATMUL else Lowering(plan, gemv, parent=ctx)
+    weight = _group_weight(owner, matmuls)
+    options = ctx.cuda
+    if weight is None or not weight.words or weight.k != k or rows > options.words_max_rows:
         return None
     glu = next((n for n in body.nodes if n.op == Op.FUSED and n.attrs["kind"] == "glu_gemv"), None)
     down = None
     if glu is not None:   # the down GEMV in the same step, rounding its own x
         d_node = _gate_up(glu.attrs["body"])[2]
         d_weight = _weight(Lowering(plan, glu, parent=ctx), d_node)
-        if not (d_weight.words and qmm.rounds_own_x(rows, d_weight)):
+        if not (d_weight.words and qmm.rounds_own_x(rows, d_weight, options=options)):
             return None
         down = (d_node, d_weight)
     eps = norm.attrs["eps"]
     has_g = len(norm.src) > 1
     behind, plan._zero_ahead = plan._zero_ahead, None
-    if behind is not None and qmm.rounds_own_x(rows, weight):
+    if behind is not None and qmm.rounds_own_x(rows, weight, options=options):
         behind.shape = (rows, weight.n)
         plan.fusions.append("the GEMV rounds its own x, its output zeroed by the step before")
     offsets = [int(o) for o in np.cumsum([0] + [m.type.shape[-1] for m in matmuls])]
     if down is not None:
-        compute = _glu_down(plan, weight, eps, down[1], down[0].type.shape[-1], behind)
+        compute = _glu_down(plan, weight, eps, down[1], down[0].type.shape[-1], behind, options)
         suffix = "+glu_gemv"
     else:
         def compute(x, b, g):
-            got = _rms_norm_matmul(x, weight, g, eps, b, behind)
+            got = _rms_norm_matmul(x, weight, g, eps, b, behind, options)
             total, y = got if b is not None else (None, got)
             return total, tuple(y[..., offsets[i]:offsets[i + 1]] for i in range(len(matmuls)))
         suffix = ""
@@ -365,12 +372,13 @@ def _rope_qkv_attention(ctx: Lowering):
     early = source(param(ku.src[0])).op == Op.VARIABLE and source(param(vu.src[0])).op == Op.VARIABLE and \
         source(pos_i).op in GroupOp.Source and (length_i is None or source(length_i).op in GroupOp.Source)
     plan.fusions.append("rope q + rope k + v write into the caches + attention")
+    options = ctx.cuda
 
     def step(q, position, k, k_cache, v, v_cache, *rest, out=None, xq=None, zero=None):
         rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
         out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
                                           scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero,
-                                          length_offset=offset, early=early)
+                                          length_offset=offset, early=early, options=options)
         return out, k_cache, v_cache
     return step, "rope_qkv_attention"
 
@@ -378,7 +386,7 @@ def _rope_qkv_attention(ctx: Lowering):
 @fused_lowering("attention_gemv")
 def _attention_gemv(ctx: Lowering):
     """The attention step, then m = x @ W from its output, which the decode kernel stores rounded for the
-    GEMV (`XQTarget`; weights under ATTENTION_XQ_BYTES), or the GEMV rounds its own x, the decode kernel
+    GEMV (`XQTarget`; weights under CudaOptions.attention_xq_bytes), or the GEMV rounds its own x, the decode kernel
     zeroing its output (`qmm.rounds_own_x`). The GEMV zeroes the output of the next step's first GEMV
     (`_ZeroAhead`)."""
     plan, body = ctx.plan, ctx.node.attrs["body"]
@@ -386,7 +394,9 @@ def _attention_gemv(ctx: Lowering):
     att = next(n for n in body.nodes if n.op == Op.SDPA or (n.op == Op.FUSED and n.attrs["kind"] == "rope_qkv_attention"))
     weight = _weight(ctx, m)
     rows, k = m.src[0].type.shape
-    if not (weight.nbytes < ATTENTION_XQ_BYTES or (m.dtype == dt.float32 and qmm.rounds_own_x(rows, weight))):
+    options = ctx.cuda
+    if not (weight.nbytes < options.attention_xq_bytes or
+            (m.dtype == dt.float32 and qmm.rounds_own_x(rows, weight, options=options))):
         return None
     inner = Lowering(plan, att, parent=ctx)
     fn, name = lower(inner)
@@ -395,7 +405,7 @@ def _attention_gemv(ctx: Lowering):
     inner_reads = inner.reads if inner.reads is not None else range(len(att.src))
     ctx.reads = tuple(param(att.src[i]) for i in inner_reads)
     y_shape = tuple(m.type.shape)
-    in_attention = weight.nbytes < ATTENTION_XQ_BYTES
+    in_attention = weight.nbytes < options.attention_xq_bytes
     ahead = plan._zero_ahead = _ZeroAhead()
     plan.fusions.append("attention output rounded for the quantized matmul after it" if in_attention else
                         "attention zeroes the output of the quantized matmul after it, which rounds its own x")
@@ -408,14 +418,14 @@ def _attention_gemv(ctx: Lowering):
         out = torch.empty((*q.shape[:-1], k // q.shape[-3]), dtype=q.dtype, device=q.device)
         x2 = out.view(rows, k)
         holder = {}
-        if not qmm.gemv_takes_xq(rows, weight):
+        if not qmm.gemv_takes_xq(rows, weight, options=options):
             holder["res"] = fn(*args, out=out)
-            y = qmm.quantized_matmul(x2, weight)
-        elif x2.dtype == torch.float32 and qmm.rounds_own_x(rows, weight):
+            y = qmm.quantized_matmul(x2, weight, options=options)
+        elif x2.dtype == torch.float32 and qmm.rounds_own_x(rows, weight, options=options):
             # the attention zeroes y and, where its kernel can (in_attention), rounds x for the GEMV;
             # where it did not, the GEMV rounds its own x: no quantize launch either way
             y = torch.empty((rows, weight.n), dtype=torch.float32, device=x2.device)
-            limbs = qmm.gemv_takes_xq(rows, weight)
+            limbs = qmm.gemv_takes_xq(rows, weight, options=options)
             buf = qmm.xq_buffers(rows, k, limbs, x2.device)
             target = attention_kernels.XQTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs) \
                 if in_attention else None
@@ -425,15 +435,15 @@ def _attention_gemv(ctx: Lowering):
                 quantize = (lambda *_, **__: buf)
             else:
                 quantize, config["XQ_SELF"] = None, True
-            qmm._words_gemv(x2, weight, y, config, quantize=quantize, zero=ahead.make(x2.device))
+            qmm._words_gemv(x2, weight, y, config, quantize=quantize, zero=ahead.make(x2.device), options=options)
         else:
             def quantize(x2_, x_gate, limbs, norm, zero=None):
                 buf = qmm.xq_buffers(rows, k, limbs, x2_.device)
                 target = attention_kernels.XQTarget(buf["xq_ptr"], buf["xd_ptr"], buf["xs_ptr"], limbs, zero)
                 holder["res"] = fn(*args, out=out, xq=target)
-                return buf if target.written else qmm._quantize_x(x2_, None, limbs, None, zero=zero)
+                return buf if target.written else qmm._quantize_x(x2_, None, limbs, None, zero=zero, options=options)
             y = torch.empty((rows, weight.n), dtype=x2.dtype, device=x2.device)
-            qmm._words_gemv(x2, weight, y, {}, quantize=quantize, zero=ahead.make(x2.device))
+            qmm._words_gemv(x2, weight, y, {}, quantize=quantize, zero=ahead.make(x2.device), options=options)
         res = holder["res"]
         got = (y.view(y_shape),) + tuple(res[i] for i in extra)
         return got[0] if len(got) == 1 else got

@@ -17,6 +17,7 @@ import torch
 from ... import dtypes as dt
 from ...errors import IngotError
 from ...ir import Node, Op, Ref
+from ...options import CudaOptions
 from ...ops import REGISTRY
 from ...ops.nn import rope_inv_freq
 from ...passes.fold import widens_weight
@@ -24,7 +25,7 @@ from ...passes.gemv_rules import identity_slice
 from . import attention as attention_kernels
 from . import fused
 from . import quantized_matmul as qmm
-from .device import WORDS_LAYOUT, prepared_weight, to_device, to_host, torch_dtype
+from .device import prepared_weight, to_device, to_host, torch_dtype
 
 @dataclass
 class _ZeroAhead:
@@ -58,6 +59,11 @@ class Lowering:
     def __init__(self, plan, node: Node, parent: "Lowering | None" = None):
         self.plan, self.node, self.device, self.parent = plan, node, plan.device, parent
         self.reads: tuple[int, ...] | None = None   # which sources the step takes (default: all)
+
+    @property
+    def cuda(self) -> CudaOptions:
+        """The tuning the plan was compiled with (CompileOptions.cuda)."""
+        return self.plan.options.cuda
 
     def source(self, src_index: int) -> Node:
         """The program's node that src[src_index] is (through fused bodies' parameters)."""
@@ -463,12 +469,13 @@ def _sdpa(ctx: Lowering) -> StepFn:
     if a.get("window") or a.get("softcap"):   # no kernel takes a sliding window or a softcap yet
         return host_reference(ctx)
     scale, causal, has_mask, has_length = a.get("scale"), bool(a.get("causal")), a.get("has_mask"), a.get("has_length")
+    options = ctx.cuda
 
     def sdpa(q, k, v, *rest, out=None, xq=None, zero=None):
         mask = rest[0] if has_mask else None
         length = rest[-1] if has_length else None
         return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out,
-                                           xq=xq, zero=zero)
+                                           xq=xq, zero=zero, options=options)
     return sdpa
 
 
@@ -481,15 +488,16 @@ def _weight_arrays(ctx: Lowering, first: int, count: int) -> list[np.ndarray] | 
 
 @lowering(Op.QUANTIZED_MATMUL)
 def _quantized_matmul(ctx: Lowering) -> StepFn:
-    node = ctx.node
+    node, options = ctx.node, ctx.cuda
     arrays = _weight_arrays(ctx, 1, len(node.src) - 1)
     if arrays is None:  # a weight computed at run time: re-pack it on the device every run
         attrs = node.attrs
         return lambda x, q, *params: qmm.quantized_matmul(
-            x, qmm.prepare_weight(to_host(q), [to_host(p) for p in params], attrs, x.device, WORDS_LAYOUT))
-    weight = prepared_weight(arrays, node.attrs, ctx.device, WORDS_LAYOUT)
+            x, qmm.prepare_weight(to_host(q), [to_host(p) for p in params], attrs, x.device, options.words_layout),
+            options=options)
+    weight = prepared_weight(arrays, node.attrs, ctx.device, options.words_layout)
     ctx.reads = (0,)  # the step takes x only: the weight lives re-packed on the device
-    return lambda x: qmm.quantized_matmul(x, weight)
+    return lambda x: qmm.quantized_matmul(x, weight, options=options)
 
 
 @lowering(Op.QUANTIZED_GATHER)

@@ -14,6 +14,7 @@ import torch
 from ... import dtypes as dt
 from ...errors import IngotError
 from ...ir import GroupOp, Node, Op, Program, TensorType
+from ...options import CompileOptions
 from ...passes.fold import widens_weight
 from . import fused
 from .device import constant_tensor, to_device, torch_dtype
@@ -27,7 +28,7 @@ class CudaPlan:
     def __init__(self, program: Program, executable, device: torch.device, options=None):
         self.program = program
         self.device = device
-        self.options = options
+        self.options = options if isinstance(options, CompileOptions) else CompileOptions()
         self.host_syncs: list[str] = []
         nodes = program.nodes()
         self.nodes = nodes
@@ -51,7 +52,8 @@ class CudaPlan:
         region_root: dict[int, fused.RegionKernel] = {}
         from . import fft as audio_chains
         chain_roles = audio_chains.plan_roles(self)
-        for region in program.regions:
+        chosen = self.options.fusions
+        for region in (program.regions if chosen is None or "regions" in chosen else ()):
             members = [by_id[i] for i in region if i in by_id]
             if len(members) < 2 or not fused.region_supported(members):
                 continue
@@ -124,8 +126,7 @@ class CudaPlan:
         # an output must not be memory a later run changes (a variable, a staged feed) or a constant
         self.output_copies = [i for i, n in enumerate(program.outputs)
                               if base[n.id].op in (Op.VARIABLE, Op.CONSTANT, Op.PLACEHOLDER)]
-        graphs = getattr(getattr(options, "cuda", None), "graphs", True)
-        self.capturable = device.type == "cuda" and not self.host_syncs and graphs and \
+        self.capturable = device.type == "cuda" and not self.host_syncs and self.options.cuda.graphs and \
             all(isinstance(n.type, (TensorType, tuple)) and (n.op == Op.CALL or _static(n.type)) for n in nodes)
         self._graphs: dict[int, dict] = {}
         self._runs: dict[int, int] = {}

@@ -2,7 +2,8 @@
 set -u
 MODELS=${MODELS:-smollm2,llama8b}; STEPS=${STEPS:-64}
 for round in 1 2; do
-  for code in old new; do
+  order="old new"; [ $round = 2 ] && order="new old"     # ABBA: no side always runs second
+  for code in $order; do
     dir=.; [ $code = old ] && dir=.old
     echo "=== $code round $round"
     PYTHONPATH=$dir timeout ${PER:-280} python $dir/benchmarks/cuda_llm.py --models $MODELS --steps $STEPS --json $OUT/${code}_$round.json 2>&1 | grep -v Warning | tail -4

@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from family_models import FAMILIES, write_family_gguf  # noqa: E402
+from family_models import FAMILIES, HF_CONFIG, write_family_gguf  # noqa: E402
 
 PROMPT_LENGTH, GENERATED = 24, 32
 
@@ -42,7 +42,10 @@ def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
     from transformers import AutoModelForCausalLM
 
     f = write_family_gguf(name, folder / f"{name}.gguf")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.gguf", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.gguf", dtype=torch.float32,
+                                                 **HF_CONFIG.get(name, {})).eval()
+    if name in HF_CONFIG:   # the override took: transformers' rotary embedding is YaRN's
+        assert model.model.rotary_emb.attention_scaling != 1.0, name
     ids = prompt_ids(f.vocab)
     x = torch.tensor(ids[None].astype(np.int64))
     with torch.no_grad():

@@ -48,7 +48,15 @@ FAMILIES = {
     "gemma2": Family("gemma2", 2, n_heads=2, n_kv_heads=1, head_dim=256, eps=1e-6, sliding_window=8,
                      extra={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     "gemma3": Family("gemma3", 6, n_heads=2, n_kv_heads=1, head_dim=256, rope_base=1e6, eps=1e-6, sliding_window=8),
+    # YaRN, factor 4 over an original context of 16 (shorter than the prompt)
+    "qwen3_yarn": Family("qwen3", 2, head_dim=128, rope_base=1e6, eps=1e-6,
+                         extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                "rope.scaling.original_context_length": 16}),
 }
+
+# what transformers' GGUF reader does not take from the file, given to from_pretrained (the same values)
+HF_CONFIG = {"qwen3_yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                                "rope_theta": 1e6}}}
 
 
 def _add_matrix(w: gguf.GGUFWriter, name: str, m: np.ndarray, quant: str) -> None:
@@ -80,7 +88,8 @@ def write_family_gguf(name: str, path, seed: int = 0) -> Family:
     if f.sliding_window:
         w.add_sliding_window(f.sliding_window)
     for key, value in f.extra.items():
-        w.add_float32(f"{f.arch}.{key}", value)
+        add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
+        add(f"{f.arch}.{key}", value)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if f.quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
 
     def matrix(rows, cols):

@@ -115,13 +115,27 @@ def test_unsupported_architecture_is_refused_before_any_kernel_compiles(tmp_path
     assert time.perf_counter() - started < 5  # generous on a loaded CI machine; it takes ~0.1 s
 
 
-@pytest.mark.parametrize("kind", ["yarn", "longrope", "su"])
+@pytest.mark.parametrize("kind", ["longrope", "su", "dynamic"])
 def test_rope_scaling_that_ingot_lacks_is_refused_by_name(tmp_path, kind):
     path = tmp_path / "scaled.gguf"
     _write_gguf(path, "qwen2", **{"qwen2.block_count": 1, "qwen2.embedding_length": 4, "qwen2.attention.head_count": 1,
                                   "qwen2.feed_forward_length": 8, "qwen2.rope.scaling.type": kind,
                                   "qwen2.rope.scaling.factor": 4.0})
     with pytest.raises(IngotError, match=f"RoPE scaling '{kind}' \\(qwen2.rope.scaling.type\\) is not supported"):
+        models.config_from_gguf(read_gguf(path, lazy=True))
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({}, "metadata lacks qwen2.rope.scaling.original_context_length"),
+    ({"qwen2.rope.scaling.original_context_length": 32, "qwen2.rope.scaling.yarn_log_multiplier": 0.1},
+     "YaRN with qwen2.rope.scaling.yarn_log_multiplier = 0.1"),
+])
+def test_yarn_variants_ingot_lacks_are_refused(tmp_path, extra, words):
+    path = tmp_path / "yarn.gguf"
+    _write_gguf(path, "qwen2", **{"qwen2.block_count": 1, "qwen2.embedding_length": 4, "qwen2.attention.head_count": 1,
+                                  "qwen2.feed_forward_length": 8, "qwen2.rope.scaling.type": "yarn",
+                                  "qwen2.rope.scaling.factor": 4.0, **extra})
+    with pytest.raises(IngotError, match=words.replace(".", r"\.")):
         models.config_from_gguf(read_gguf(path, lazy=True))
 
 
@@ -249,3 +263,17 @@ def test_generation_loop_with_padded_chunks_matches_transformers(name, reference
         ids.append(int(np.argmax(logits)))
         logits = llm.step(ids[-1])
     assert ids == reference[f"{name}.greedy"].tolist()
+
+
+def test_yarn_is_what_makes_the_scaled_qwen3_match(reference, tmp_path):
+    """The comparison can fail: read as unscaled (or linearly scaled) RoPE, the YaRN model's logits differ."""
+    path = tmp_path / "qwen3_yarn.gguf"
+    write_family_gguf("qwen3_yarn", path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    assert (cfg.rope_scaling, cfg.rope_scale, cfg.rope_original_context) == ("yarn", 4.0, 16)
+    for rope_scaling in ("", "linear"):
+        cfg.rope_scaling = rope_scaling
+        exe = models.build(cfg, model.tensors, str(path), all_logits=True).compile(24)
+        (logits,) = exe.run({"tokens": reference["qwen3_yarn.prompt"], "pos": np.int32(0)})
+        assert rel_l2_rows(logits, reference["qwen3_yarn.logits"]).max() > 1e-3

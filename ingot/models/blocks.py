@@ -44,7 +44,11 @@ class DecoderConfig:
     rope_base: float = 10000.0
     rope_dims: int = 0
     rope_interleaved: bool = True       # GGUF stores Llama's Q/K permuted for llama.cpp's interleaved RoPE
-    rope_scale: float = 1.0             # linear position scaling
+    rope_scale: float = 1.0             # linear position scaling (YaRN: its factor)
+    rope_scaling: str = ""              # "" (none or linear by rope_scale) or "yarn"
+    rope_original_context: int = 0      # YaRN: the context the model was trained with
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
     norm_eps: float = 1e-5
     context_length: int = 2048
     tied_embeddings: bool = False
@@ -73,6 +77,15 @@ class DecoderConfig:
             value = getattr(self, name)
             if not _finite(value) or value < 0 or (value == 0 and name != "norm_eps"):
                 raise IngotError(f"{self.family}: {name} must be a finite positive number, not {value!r}.")
+        if self.rope_scaling not in ("", "linear", "yarn"):
+            raise IngotError(f"{self.family}: rope_scaling must be '', 'linear' or 'yarn', not {self.rope_scaling!r}.")
+        if self.rope_scaling == "yarn" and (isinstance(self.rope_original_context, bool) or not isinstance(
+                self.rope_original_context, (int, np.integer)) or not 1 <= self.rope_original_context <= MAX_DIMENSION
+                or not all(_finite(b) and b > 0 for b in (self.yarn_beta_fast, self.yarn_beta_slow))
+                or self.rope_dims not in (0, self.head_dim or self.dim // self.n_heads)):
+            raise IngotError(f"{self.family}: YaRN needs an original context in 1..{MAX_DIMENSION}, positive betas "
+                             f"and RoPE over whole heads, not {self.rope_original_context!r}, {self.yarn_beta_fast!r}, "
+                             f"{self.yarn_beta_slow!r}, rope_dims {self.rope_dims}.")
         if self.n_heads % self.n_kv_heads:
             raise IngotError(f"{self.family}: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads.")
         if not self.head_dim and self.dim % self.n_heads:
@@ -137,7 +150,7 @@ def config_from_gguf(cls, model, table: tuple[Key, ...], **computed) -> DecoderC
         raise IngotError(f"{model.path}: tensor token_embd.weight is missing.")
     shape = tensors.shape("token_embd.weight") if hasattr(tensors, "shape") else tensors["token_embd.weight"].shape
     values.update(vocab_size=int(shape[0]), tied_embeddings="output.weight" not in tensors,
-                  qkv_bias="blk.0.attn_q.bias" in tensors, rope_scale=rope_scaling(model))
+                  qkv_bias="blk.0.attn_q.bias" in tensors, **rope_scaling(model))
     values.update(computed)
     try:
         return cls(**values)
@@ -145,11 +158,13 @@ def config_from_gguf(cls, model, table: tuple[Key, ...], **computed) -> DecoderC
         raise IngotError(f"{model.path}: {e}") from None
 
 
-def rope_scaling(model) -> float:
-    """The linear RoPE position factor from `{arch}.rope.scaling.*` (1.0 when none). Llama 3's scaling
-    comes as the tensor rope_freqs.weight (see `rope_frequencies`). A kind Ingot does not implement
-    (YaRN, LongRoPE, ...) is refused by name, never ignored: its logits would be wrong at long context."""
-    from ..untrusted import metadata_float, metadata_str, short
+def rope_scaling(model) -> dict[str, Any]:
+    """Config fields for `{arch}.rope.scaling.*`: none ({}), linear (rope_scale), or YaRN (rope_scaling
+    "yarn", rope_scale = its factor, rope_original_context, yarn_beta_fast/slow). Llama 3's scaling
+    comes as the tensor rope_freqs.weight (see `rope_frequencies`). A kind or a YaRN variant Ingot does
+    not implement (LongRoPE, YaRN with an attention factor or log multiplier of its own) is refused by
+    name, never ignored: its logits would be wrong at long context."""
+    from ..untrusted import metadata_float, metadata_int, metadata_str, short
 
     arch = model.architecture
     kind = metadata_str(model, f"{arch}.rope.scaling.type")
@@ -157,20 +172,61 @@ def rope_scaling(model) -> float:
         if name in model.tensors:
             raise IngotError(f"{model.path}: tensor {name} asks for LongRoPE scaling, which Ingot does not implement.")
     if kind is None or kind == "none":
-        return 1.0
+        return {}
+    factor = f"{arch}.rope.scaling.factor"
     if kind == "linear":
-        return metadata_float(model, f"{arch}.rope.scaling.factor", 1.0, exclusive_minimum=True)
+        return {"rope_scale": metadata_float(model, factor, 1.0, exclusive_minimum=True)}
+    if kind == "yarn":
+        for key, plain in (("attn_factor", (1.0,)), ("yarn_attn_factor", (1.0,)), ("yarn_log_multiplier", (0.0,)),
+                           ("yarn_ext_factor", (-1.0, 1.0))):
+            value = model.get(f"{arch}.rope.scaling.{key}")
+            if value is not None and value not in plain:
+                raise IngotError(f"{model.path}: YaRN with {arch}.rope.scaling.{key} = {short(value)} is not supported; "
+                                 f"Ingot implements YaRN as transformers does by default.")
+        if model.get(factor) is None:
+            raise IngotError(f"{model.path}: metadata lacks {factor}, which YaRN scaling needs.")
+        return {"rope_scaling": "yarn", "rope_scale": metadata_float(model, factor, 1.0, minimum=1.0),
+                "rope_original_context": metadata_int(model, f"{arch}.rope.scaling.original_context_length", None, 1,
+                                                      MAX_DIMENSION),
+                "yarn_beta_fast": metadata_float(model, f"{arch}.rope.scaling.yarn_beta_fast", 32.0, exclusive_minimum=True),
+                "yarn_beta_slow": metadata_float(model, f"{arch}.rope.scaling.yarn_beta_slow", 1.0, exclusive_minimum=True)}
     raise IngotError(f"{model.path}: RoPE scaling {short(kind)} ({arch}.rope.scaling.type) is not supported; Ingot "
-                     f"implements 'linear' and Llama 3's rope_freqs, not YaRN or LongRoPE.")
+                     f"implements 'linear', 'yarn' and Llama 3's rope_freqs, not LongRoPE.")
 
 
-def rope_frequencies(rope_dims: int, base: float, scale: float = 1.0, tensors=None) -> np.ndarray:
+def rope_frequencies(rope_dims: int, base: float, scale: float = 1.0, tensors=None,
+                     yarn: tuple[int, float, float] | None = None) -> np.ndarray:
     """RoPE inverse frequencies float32 [rope_dims / 2]: base ** (-2i / rope_dims), divided by Llama 3's
-    rope_freqs.weight factors when the file has them, and by the linear position scale."""
+    rope_freqs.weight factors when the file has them, and by the linear position scale.
+
+    yarn = (original context, beta_fast, beta_slow): YaRN's blend instead (scale is its factor): the
+    pairs that turn fewer than beta_slow times over the original context are interpolated (/ scale),
+    those that turn more than beta_fast times kept, a linear ramp between (transformers' default form)."""
     inv_freq = rope_inv_freq(rope_dims, base)
+    if yarn is not None:
+        original, beta_fast, beta_slow = yarn
+
+        def pair(rotations: float) -> float:   # the pair index that turns `rotations` times over the original context
+            return rope_dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(math.floor(pair(beta_fast)), 0), min(math.ceil(pair(beta_slow)), rope_dims - 1)
+        interpolated = np.clip((np.arange(rope_dims // 2) - low) / ((high - low) or 0.001), 0, 1)
+        f = inv_freq.astype(np.float64)
+        return (f / scale * interpolated + f * (1 - interpolated)).astype(np.float32)
     if tensors is not None and "rope_freqs.weight" in tensors:      # Llama 3 frequency scaling
         inv_freq = inv_freq / np.asarray(tensors["rope_freqs.weight"], np.float32)
     return (inv_freq / np.float32(scale)).astype(np.float32)
+
+
+def decoder_rope(cfg: DecoderConfig, tensors=None) -> tuple[np.ndarray, float | None]:
+    """(inverse frequencies, the attention scale or None for 1 / sqrt(hd)) of cfg's RoPE and scaling.
+    YaRN multiplies cos and sin by 0.1 ln(factor) + 1, i.e. the scores by its square."""
+    if cfg.rope_scaling != "yarn":
+        return rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale, tensors), None
+    inv_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale,
+                                yarn=(cfg.rope_original_context, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
+    magnitude = 0.1 * math.log(cfg.rope_scale) + 1.0 if cfg.rope_scale > 1 else 1.0
+    return inv_freq, magnitude * magnitude / math.sqrt(cfg.head_dim)
 
 
 # --------------------------------------------------------------------------------------------

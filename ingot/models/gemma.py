@@ -109,6 +109,8 @@ class GemmaConfig(DecoderConfig):
         if arch not in ARCHITECTURES:
             raise IngotError(f"{model.path}: architecture {arch!r} is not a Gemma one ({', '.join(ARCHITECTURES)}).")
         cfg = config_from_gguf(cls, model, GGUF_KEYS, sliding_pattern=SLIDING_PATTERN[arch], qk_norm=arch == "gemma3")
+        if cfg.rope_scaling == "yarn":
+            raise IngotError(f"{model.path}: YaRN RoPE scaling ({arch}.rope.scaling.type) is not supported for {arch}.")
         if model.get(f"{arch}.rope.freq_base_swa") is None:
             cfg.rope_base_local = LOCAL_ROPE_BASE[arch]
         if not cfg.attention_scale:

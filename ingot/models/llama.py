@@ -22,7 +22,7 @@ from ..errors import IngotError
 from ..graph import Graph
 from ..quant.formats import QuantizedTensor
 from .blocks import (MAX_DIMENSION, DecoderConfig, DecoderGraph, Key, Weights, adapted, attention, checked_batch, config_from_gguf,  # noqa: F401
-                     embedding, feed_forward, inputs, linear, linear_split, output, rms_norm, rope_frequencies)
+                     decoder_rope, embedding, feed_forward, inputs, linear, linear_split, output, rms_norm, rope_frequencies)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
 LlamaGraph = DecoderGraph
@@ -76,13 +76,13 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
     g = Graph()
     weights = Weights(g, tensors, path, adapter_sites)
     tokens, pos, last = inputs(g)
-    inv_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale, tensors)
+    inv_freq, scale = decoder_rope(cfg, tensors)                          # scale: None but for YaRN
     x, embed = embedding(g, cfg, weights, tokens)                         # [B*T, dim]
     qk_norm = getattr(cfg, "qk_norm", False)
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."
         h = rms_norm(g, cfg, weights, p + "attn_norm.weight", x)
-        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm)
+        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
         x = x + feed_forward(g, cfg, weights, layer, h)                   # SwiGLU
     logits = output(g, cfg, weights, x, embed, last, batch, all_logits)  # [B, vocab]

@@ -19,18 +19,12 @@ from .verify import verify
 from .passes.attention_length import attention_over_buffer
 from .passes.cse import eliminate_common_subexpressions
 from .passes.dce import eliminate_dead_code
+from .passes.device import DEVICE_PIPELINES, FUSIONS, device_steps  # noqa: F401  (public here)
 from .passes.fold import fold_constants
 from .passes.fuse_dequant import fuse_dequantize
 from .passes.fuse_sdpa import fuse_attention
 from .passes.inplace import update_variables_in_place
 from .passes.memory_plan import plan_memory
-from .passes.fuse_add_rms_norm import fuse_add_rms_norm
-from .passes.fuse_attention_gemv import fuse_attention_gemv
-from .passes.fuse_glu import fuse_glu
-from .passes.fuse_norm_gemv import fuse_norm_gemv
-from .passes.fuse_rope_cache import fuse_rope_cache
-from .passes.fuse_siblings import fuse_siblings
-from .passes.gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
 from .passes.regions import find_regions
 from .passes.simplify_views import simplify_views
 from .passes.specialize import specialize
@@ -49,28 +43,6 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("attention_length", attention_over_buffer),    # attention over a cache prefix keeps shapes static
 ]
 
-# Each backend's fusions, after the generic pipeline: rewrites into FUSED ops (ops/fused.py) that the
-# backend lowers as one kernel each. A fusion is named by its pass without "fuse_"; compile options
-# choose among them (CompileOptions.fusions). Order matters: later fusions take earlier ones whole.
-DevicePass = Callable[[Program, dict], tuple[Program, bool]]
-DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
-    "cpu": [],
-    "cuda": [
-        # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
-        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True))),
-        ("fuse_siblings", lambda p, o: fuse_siblings(p)),            # q/k/v, gate/up: one GEMV
-        ("fuse_attention_gemv", lambda p, o: fuse_attention_gemv(p)),  # attention rounds x for the o GEMV
-        ("fuse_glu", lambda p, o: fuse_glu(p, o["words_max_rows"])),   # silu(gate) * up in the down GEMV
-        ("fuse_norm_gemv", lambda p, o: fuse_norm_gemv(p, o["words_max_rows"], o["self_xq_bytes"])),  # norm in the GEMV
-        ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
-    ],
-}
-# every name options.fusions may hold: the passes, and choices the backend makes as it lowers
-# (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels; mel and
-# mel_epilogue: the STFT power -> mel chain as one kernel, backends/cuda/fft.py)
-FUSIONS = {"cpu": (), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
-           ("rope_attention", "regions", "mel", "mel_epilogue")}
-
 LATE_PIPELINE: list[tuple[str, Pass]] = [
     ("regions", find_regions),                      # elementwise chains a backend runs as one kernel
     ("memory_plan", plan_memory),                   # buffers reused by liveness
@@ -83,25 +55,6 @@ def pass_names(device: str = "cpu") -> tuple[str, ...]:
     """The passes a compile for `device` runs, in order (what debug= can name and history lists)."""
     return ("specialize",) + tuple(n for n, _ in PIPELINE) + tuple(n for n, _ in DEVICE_PIPELINES.get(device, [])) + \
         tuple(n for n, _ in LATE_PIPELINE)
-
-
-def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
-    """The device pipeline's passes that `options` keep (all of them by default)."""
-    fusions = getattr(options, "fusions", None)
-    known = FUSIONS.get(device, ())
-    if fusions is not None:
-        unknown = set(fusions) - set(known)
-        if unknown:
-            raise IngotError(f"compile: fusions {sorted(unknown)} are not {device} fusions (those are {', '.join(known)}).")
-    chosen = set(known) if fusions is None else set(fusions)
-    tuning = getattr(options, "cuda", None)
-    settings = {"rope_attention": "rope_attention" in chosen,
-                "words_max_rows": getattr(tuning, "words_max_rows", WORDS_MAX_ROWS),
-                "self_xq_bytes": getattr(tuning, "self_xq_bytes", SELF_XQ_BYTES)}
-    if getattr(tuning, "words_layout", True) is False:   # no word GEMV: nothing to fold into it
-        chosen -= {"glu", "norm_gemv"}
-    return [(name, lambda p, fn=fn: fn(p, settings)) for name, fn in DEVICE_PIPELINES.get(device, [])
-            if name.removeprefix("fuse_") in chosen]
 
 
 def _dump_filter(debug: bool | str) -> Callable[[str], bool]:

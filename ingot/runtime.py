@@ -29,8 +29,11 @@ from .backends import get_backend
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
 from .options import CompileOptions
+from .passes.device import device_steps
 from .passes.memory_plan import plan_memory
+from .passes.regions import find_regions
 from .untrusted import checked_path
+from .verify import verify
 
 
 class State:
@@ -305,15 +308,23 @@ def load(path, device: str | None = None, options: CompileOptions | None = None)
     if not path.is_dir():
         raise IngotError(f"package: {path} does not exist or is not a package directory.")
     program, manifest, graph = package.read_package(path)
+    options = options if options is not None else package.options_of(path, manifest)
+    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
+    device = device or manifest.get("device", "cpu")
+    # compiled for another device: this device's fusions run now (and the regions after them)
+    missing = [(name, step) for name, step in device_steps(device, options) if name not in {h[0] for h in history}]
+    for name, step in missing:
+        program, changed = step(program)
+        verify(program)
+        history.append((name, changed))
+    if missing:
+        program, _ = find_regions(program)
     # the memory plan is derived data: rebuild it rather than trust sizes read from a file
     regions = program.regions
     program, _ = plan_memory(program)
     program.regions = regions
-    options = options if options is not None else package.options_of(path, manifest)
     callables = {name: load(path / "callables" / f"{name}.ingot", device, options)
                  for name in package.callable_names(path, manifest)}
-    history = [(str(h[0]), bool(h[1])) for h in graph.get("history", []) if isinstance(h, list) and len(h) == 2]
-    device = device or manifest.get("device", "cpu")
     try:
         return Executable(program, device=device, callables=callables, history=history, inputs=graph["inputs"],
                           output_names=graph.get("output_names"), options=options)

@@ -114,3 +114,15 @@ def test_a_norm_feeding_a_siblings_group_is_one_gemv():
     gpu, outs_pairs, _ = run_both(g, outs, feeds)
     close(outs_pairs)
     assert fused_kinds(gpu) == {"norm_gemv"} and "add_rms_norm_gemv" in gpu.plan.step_names, gpu.plan.step_names
+
+
+def test_a_package_compiled_for_the_cpu_gets_the_cuda_fusions_at_load(tmp_path):
+    from ingot.models import llama
+    cfg = llama.LlamaConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, context_length=32)
+    cpu = llama.build(cfg, llama.random_weights(cfg, seed=1)).compile(1)
+    cpu.save(tmp_path / "m.ingot")
+    gpu = ingot.load(tmp_path / "m.ingot", device="cuda")
+    assert fused_kinds(gpu) == {"norm_gemv", "norm_gemv_glu", "attention_gemv"}, fused_kinds(gpu)
+    assert [h for h in gpu.history if h[0] == "fuse_norm_gemv"] == [("fuse_norm_gemv", True)]
+    _, feeds = tiny_llama(1)
+    close([(cuda_backend.to_host(gpu.run(feeds)[0]), cpu.run(feeds)[0])])

@@ -101,3 +101,4 @@ def test_options_choose_fusions():
     Options.fusions = frozenset({"everything"})
     with pytest.raises(IngotError, match="not cuda fusions"):
         compiler.run_pipeline(program, device="cuda", options=Options())
+

@@ -1,0 +1,58 @@
+"""Each backend's device pipeline: the fusion passes that run after the generic ones, as rewrites into
+FUSED ops (ops/fused.py) the backend lowers as one kernel each. A fusion is named by its pass without
+"fuse_"; CompileOptions.fusions chooses among FUSIONS[device]. The compiler runs them after the generic
+passes (compiler.run_pipeline); ingot.load runs them on a package compiled for another device.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import IngotError
+from ..ir import Program
+from .fuse_add_rms_norm import fuse_add_rms_norm
+from .fuse_attention_gemv import fuse_attention_gemv
+from .fuse_glu import fuse_glu
+from .fuse_norm_gemv import fuse_norm_gemv
+from .fuse_rope_cache import fuse_rope_cache
+from .fuse_siblings import fuse_siblings
+from .gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
+
+Pass = Callable[[Program], tuple[Program, bool]]
+# Order matters: later fusions take earlier ones whole.
+DevicePass = Callable[[Program, dict], tuple[Program, bool]]
+DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
+    "cpu": [],
+    "cuda": [
+        # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
+        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True))),
+        ("fuse_siblings", lambda p, o: fuse_siblings(p)),            # q/k/v, gate/up: one GEMV
+        ("fuse_attention_gemv", lambda p, o: fuse_attention_gemv(p)),  # attention rounds x for the o GEMV
+        ("fuse_glu", lambda p, o: fuse_glu(p, o["words_max_rows"])),   # silu(gate) * up in the down GEMV
+        ("fuse_norm_gemv", lambda p, o: fuse_norm_gemv(p, o["words_max_rows"], o["self_xq_bytes"])),  # norm in the GEMV
+        ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
+    ],
+}
+# every name options.fusions may hold: the passes, and choices the backend makes as it lowers
+# (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels; mel and
+# mel_epilogue: the STFT power -> mel chain as one kernel, backends/cuda/fft.py)
+FUSIONS = {"cpu": (), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+           ("rope_attention", "regions", "mel", "mel_epilogue")}
+
+
+def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
+    """The device pipeline's passes that `options` keep (all of them by default)."""
+    fusions = getattr(options, "fusions", None)
+    known = FUSIONS.get(device, ())
+    if fusions is not None:
+        unknown = set(fusions) - set(known)
+        if unknown:
+            raise IngotError(f"compile: fusions {sorted(unknown)} are not {device} fusions (those are {', '.join(known)}).")
+    chosen = set(known) if fusions is None else set(fusions)
+    tuning = getattr(options, "cuda", None)
+    settings = {"rope_attention": "rope_attention" in chosen,
+                "words_max_rows": getattr(tuning, "words_max_rows", WORDS_MAX_ROWS),
+                "self_xq_bytes": getattr(tuning, "self_xq_bytes", SELF_XQ_BYTES)}
+    if getattr(tuning, "words_layout", True) is False:   # no word GEMV: nothing to fold into it
+        chosen -= {"glu", "norm_gemv"}
+    return [(name, lambda p, fn=fn: fn(p, settings)) for name, fn in DEVICE_PIPELINES.get(device, [])
+            if name.removeprefix("fuse_") in chosen]

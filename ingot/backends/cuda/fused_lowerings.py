@@ -297,14 +297,19 @@ def _inverse_frequencies(ctx: Lowering, rope: Node) -> tuple[np.ndarray | None, 
     return host, torch.as_tensor(rope_inv_freq(rd, a.get("base", 10000.0)), device=ctx.device)
 
 
+def _rope_reads(ctx: Lowering, kr: Node, *inputs: Node):
+    """(interleaved, the device inverse frequencies): ctx reads `inputs`, then rope(k)'s own frequencies
+    where it has them (a step's last argument)."""
+    _, table = _inverse_frequencies(ctx, kr)
+    ctx.reads = tuple(param(x) for x in inputs) + ((param(kr.src[2]),) if len(kr.src) > 2 else ())
+    return bool(kr.attrs.get("interleaved", False)), table
+
+
 @fused_lowering("rope_kv_write")
 def _rope_kv_write(ctx: Lowering):
     """rope(k) written into the cache at its position, in place (the KV-cache update of a layer)."""
     _, kr, ku, _ = _rope_parts(ctx.node.attrs["body"])
-    interleaved = bool(kr.attrs.get("interleaved", False))
-    _, table = _inverse_frequencies(ctx, kr)
-    has_inv = len(kr.src) > 2
-    ctx.reads = (param(kr.src[0]), param(kr.src[1]), param(ku.src[0])) + ((param(kr.src[2]),) if has_inv else ())
+    interleaved, table = _rope_reads(ctx, kr, kr.src[0], kr.src[1], ku.src[0])
     ctx.plan.fusions.append("rope+kv write")
 
     def step(x, position, cache, inv=None):
@@ -316,11 +321,7 @@ def _rope_kv_write(ctx: Lowering):
 def _rope_qkv_write(ctx: Lowering):
     """rope(q), rope(k) written into the k cache and v into the v cache at one runtime position: one kernel."""
     qr, kr, ku, vu = _rope_parts(ctx.node.attrs["body"])
-    interleaved = bool(kr.attrs.get("interleaved", False))
-    _, table = _inverse_frequencies(ctx, kr)
-    has_inv = len(kr.src) > 2
-    ctx.reads = tuple(param(x) for x in (qr.src[0], kr.src[1], kr.src[0], ku.src[0], vu.src[1], vu.src[0])) + \
-        ((param(kr.src[2]),) if has_inv else ())
+    interleaved, table = _rope_reads(ctx, kr, qr.src[0], kr.src[1], kr.src[0], ku.src[0], vu.src[1], vu.src[0])
     ctx.plan.fusions.append("rope q + rope k + v write into the caches")
 
     def step(q, position, k, k_cache, v, v_cache, *inv):

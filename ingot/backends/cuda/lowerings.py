@@ -578,27 +578,6 @@ def _quantize(ctx: Lowering) -> StepFn:
     return quantize
 
 
-# fft
-
-_FORWARD = {"none": "backward", "size": "forward", "unitary": "ortho"}
-_INVERSE = {"none": "forward", "size": "backward", "unitary": "ortho"}
-
-
-@lowering(Op.FFT, Op.IFFT, Op.RFFT, Op.IRFFT)
-def _fft(ctx: Lowering) -> StepFn:
-    a = ctx.node.attrs
-    axes, norm, op = tuple(a["axes"]), a["norm"], ctx.node.op
-    if op == Op.FFT:
-        return lambda x: torch.fft.fftn(x, dim=axes, norm=_FORWARD[norm]).to(torch.complex64)
-    if op == Op.IFFT:
-        return lambda x: torch.fft.ifftn(x, dim=axes, norm=_INVERSE[norm]).to(torch.complex64)
-    if op == Op.RFFT:
-        return lambda x: torch.fft.rfftn(x, dim=axes, norm=_FORWARD[norm])
-    out_shape = ctx.node.type.shape
-    s = [out_shape[ax] for ax in axes]
-    return lambda x: torch.fft.irfftn(x, s=s, dim=axes, norm=_INVERSE[norm]).to(torch.float32)
-
-
 @lowering(Op.GET_ITEM)
 def _get_item(ctx: Lowering) -> StepFn:
     index = ctx.node.attrs["index"]

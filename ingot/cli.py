@@ -85,6 +85,8 @@ def _sampling(args, llm) -> dict:
     for name in _SAMPLING:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
+    if settings["temperature"] == 0 and args.repetition_penalty is None:
+        settings["repetition_penalty"] = 1.0   # --temperature 0 is exact greedy unless a penalty is asked for
     settings["seed"] = args.seed
     if args.seed is None and settings["temperature"] > 0:
         import secrets

@@ -169,3 +169,20 @@ def test_default_sampling_prints_its_seed_and_does_not_loop():
     poem = run_cli("generate", "Write a poem about the moon.", "--max-tokens", "300", "--seed", "3")
     sentences = [s.strip() for s in poem.stdout.replace("\n", ".").split(".") if s.strip()]
     assert len(set(sentences)) >= 0.8 * len(sentences), poem.stdout
+
+
+def test_temperature_zero_is_exact_greedy_without_a_penalty():
+    """--temperature 0 drops the default repetition penalty (1.1) unless one is given."""
+    import argparse
+    from ingot.cli import _sampling
+
+    class Defaults:
+        def sampling_defaults(self):
+            return {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1,
+                    "repeat_last_n": 64}
+    from ingot.cli import _SAMPLING
+    args = argparse.Namespace(**dict.fromkeys(list(_SAMPLING) + ["seed"]))
+    args.temperature = 0.0
+    assert _sampling(args, Defaults())["repetition_penalty"] == 1.0
+    args.repetition_penalty = 1.3
+    assert _sampling(args, Defaults())["repetition_penalty"] == 1.3

@@ -330,6 +330,10 @@ def load(path, device: str | None = None, options: CompileOptions | None = None)
                           output_names=graph.get("output_names"), options=options)
     except IngotError as e:
         raise IngotError(f"package: {path} cannot be loaded: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        # graph.json attributes of a form the backend cannot plan (a slice start of null, say)
+        raise IngotError(f"package: {path} cannot be loaded: graph.json holds attributes the {device} backend cannot use "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}).") from None
 
 
 def _fits(have: TensorType, want: TensorType) -> bool:

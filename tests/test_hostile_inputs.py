@@ -645,3 +645,29 @@ def test_peft_folder(tmp_path, config, rank, words):
         load_peft(tmp_path, cfg)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+# -- found by the long fuzz run -------------------------------------------------------------------------
+
+def test_onnx_softmax_of_an_empty_tensor(tmp_path):
+    """A Tile by 0 makes an empty axis; Softmax over it took np.max of nothing (ValueError; the fuzzer met it
+    while the compiler folded a constant one)."""
+    from onnx import helper
+    model = onnx_model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Tile", ["h", "reps"], ["t"]),
+                        helper.make_node("Softmax", ["t"], ["y"], axis=-1)],
+                       [helper.make_tensor_value_info("x", 1, [2, 8])], [helper.make_tensor_value_info("y", 1, None)],
+                       [f32("w", np.ones((8, 4))), i64("reps", [1, 0])])
+    exe = ingot.from_onnx(str(save_onnx(model, tmp_path / "m.onnx")))   # the softmax axis is empty
+    assert exe.run({"x": np.ones((2, 8), np.float32)})["y"].shape == (2, 0)
+
+
+def test_package_slice_with_a_null_start(tmp_path):
+    """A SLICE node whose start holds null reached the CPU backend's planner (TypeError)."""
+    g = ingot.Graph()
+    x = g.placeholder((4,), name="x")
+    g.compile(targets=[g.slice(x, [1], [3]) * 2.0]).save(str(tmp_path / "p.ingot"))
+
+    def null_start(graph):  # with a size, as the fuzzer's case had: the type rule accepts it, the planner did not
+        next(n for n in graph["nodes"] if n["op"] == "SLICE")["attrs"].update(start=[None], end=[None], size=[2])
+    edit_json(tmp_path / "p.ingot" / "graph.json", null_start)
+    package_refused(tmp_path / "p.ingot", "cannot be loaded", "TypeError")

@@ -75,12 +75,16 @@ def _softmax_rule(op):
 
 def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     xf = x.astype(compute_dtype(x))
+    if xf.size == 0:  # an empty tensor (an ONNX Tile by 0, say): nothing to normalise, no max to take
+        return np.empty(x.shape, x.dtype)
     e = np.exp(xf - np.max(xf, axis=axis, keepdims=True))
     return (e / np.sum(e, axis=axis, keepdims=True)).astype(x.dtype)
 
 
 def log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     xf = x.astype(compute_dtype(x))
+    if xf.size == 0:
+        return np.empty(x.shape, x.dtype)
     shifted = xf - np.max(xf, axis=axis, keepdims=True)
     return (shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))).astype(x.dtype)
 

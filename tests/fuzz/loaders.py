@@ -343,7 +343,8 @@ def onnx_target(files: dict) -> None:
     model_folder.mkdir()
     _write_files(model_folder, files)
     exe = from_onnx(str(model_folder / "model.onnx"))
-    exe.run({name: np.zeros(t.shape, t.dtype.storage) for name, t in exe.feed_types.items()})
+    feeds = _zeros_for(exe)   # (inputs the compiled program no longer reads still take a value)
+    exe.run({name: feeds.get(name, np.zeros((), np.float32)) for name in exe.onnx_inputs})
 
 
 # -- packages -------------------------------------------------------------------------------------------

@@ -268,6 +268,8 @@ def test_onnx_converter_errors_on_odd_attributes_are_one_sentence(tmp_path):
     onnx_refused(constant_model(tmp_path, "t", node, [f32("x", [[1, 2]])]), "Transpose")
     node = helper.make_node("Range", ["a", "b", "c"], ["y"])
     onnx_refused(constant_model(tmp_path, "r", node, [i64("a", 0), i64("b", 5), i64("c", 0)], 7), "Range")
+    node = helper.make_node("Unsqueeze", ["x", "axes"], ["y"])   # found by the fuzzer: StopIteration
+    onnx_refused(constant_model(tmp_path, "u", node, [f32("x", [1, 2]), i64("axes", [0, 0, 0, 0])]), "Unsqueeze")
 
 
 # -- packages -------------------------------------------------------------------------------------------
@@ -671,3 +673,18 @@ def test_package_slice_with_a_null_start(tmp_path):
         next(n for n in graph["nodes"] if n["op"] == "SLICE")["attrs"].update(start=[None], end=[None], size=[2])
     edit_json(tmp_path / "p.ingot" / "graph.json", null_start)
     package_refused(tmp_path / "p.ingot", "cannot be loaded", "TypeError")
+
+
+def test_sdpa_length_beyond_the_cache_is_refused():
+    """Found by the long fuzz run: a package whose folded constant made the attention length 2**24 read
+    past the KV cache in the numba kernel (SIGSEGV). The length is now checked against the cache."""
+    from ingot.backends.cpu.kernels import sdpa_step
+    from ingot.ir import Node, Op, TensorType
+    q = np.zeros((1, 4, 1, 16), np.float32)
+    kv = np.zeros((1, 2, 64, 16), np.float32)
+    node = Node(Op.SDPA, TensorType(q.shape), (), {"scale": None, "causal": True, "has_mask": False, "has_length": True})
+    step = sdpa_step(node)
+    assert step(q, kv, kv, np.int32(3)).shape == q.shape
+    for length in (2**24, 65, -1):
+        with pytest.raises(IngotError, match="outside 0..64"):
+            step(q, kv, kv, np.int32(length))

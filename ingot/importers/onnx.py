@@ -397,7 +397,8 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
         except IngotError as e:
             message = str(e)
             raise IngotError(message if message.startswith(f"{what}: ") else f"{what}: {onode.label}: {message}") from None
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError,
+                StopIteration) as e:
             # a converter meeting an attribute or operand of a form it does not expect: the file's doing
             raise IngotError(f"{what}: {onode.label} has attributes or inputs the importer cannot use "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]}).") from None

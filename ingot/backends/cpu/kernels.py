@@ -13,6 +13,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from ...errors import IngotError
 from ...ir import Node
 from ...ops import nn as nn_ops
 from ...ops import quant as quant_ops
@@ -425,6 +426,8 @@ def sdpa_step(node: Node):
         if attrs.get("has_mask") or not f32 or q.shape[0] != k.shape[0]:
             return nn_ops._sdpa((q, k, v) + rest, attrs)
         length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
+        if not 0 <= length <= k.shape[2]:  # the kernels index the cache by it, unchecked
+            raise IngotError(f"sdpa: attention length {length} is outside 0..{k.shape[2]} (the cache's positions).")
         scale = np.float32(scale_attr if scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
         causal = attrs.get("causal", False)
         if q.shape[2] > 16 and length >= q.shape[2]:  # prefill: BLAS

@@ -1,7 +1,7 @@
 # old main (.old, the session's starting commit) against new main (the working tree), interleaved
 set -u
 MODELS=${MODELS:-smollm2,llama8b}; STEPS=${STEPS:-64}
-for round in 1 2; do
+for round in $(seq 1 ${ROUNDS:-2}); do
   order="old new"; [ $round = 2 ] && order="new old"     # ABBA: no side always runs second
   for code in $order; do
     dir=.; [ $code = old ] && dir=.old

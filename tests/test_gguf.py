@@ -15,6 +15,7 @@ from ingot import IngotError
 from ingot import dtypes as dt
 from ingot.importers import GGUFModel, read_gguf
 from ingot.importers import gguf as ig
+from ingot.importers import gguf_blocks
 from ingot.quant.formats import QuantizedTensor
 
 RNG_SEED = 1234
@@ -85,10 +86,10 @@ def touches_mmap(a) -> bool:
 # Quantized types: exact against the gguf package's reference dequantizers.
 
 
-@pytest.mark.parametrize("chunk", [ig._CHUNK_ELEMS, 300])  # 300 forces many row chunks
+@pytest.mark.parametrize("chunk", [gguf_blocks._CHUNK_ELEMS, 300])  # 300 forces many row chunks
 @pytest.mark.parametrize("qtype", list(EXPECTED), ids=lambda t: t.name)
 def test_quantized_tensor_matches_reference(tmp_path, monkeypatch, qtype, chunk):
-    monkeypatch.setattr(ig, "_CHUNK_ELEMS", chunk)
+    monkeypatch.setattr(gguf_blocks, "_CHUNK_ELEMS", chunk)
     rng = np.random.default_rng(RNG_SEED + int(qtype))
     unit = 256 if qtype in K_QUANTS else 32
     shapes = {"a": (3, unit), "b": (7, 3 * unit), "c": (1, 2 * unit)}

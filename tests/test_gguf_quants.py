@@ -12,6 +12,7 @@ from quant_helpers import tokenizer_metadata
 from ingot import dtypes as dt
 from ingot.graph import Graph
 from ingot.importers import gguf as ig
+from ingot.importers import gguf_blocks
 from ingot.importers import read_gguf
 from ingot.ir import Op
 from ingot.ops.quant import dequantize_values, unpack
@@ -101,8 +102,8 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("qtype", list(EXPECTED), ids=lambda t: t.name)
 def test_conversion_is_bit_exact(converted, qtype, monkeypatch):
     path, raws = converted
-    for chunk in (ig._CHUNK_ELEMS, 300):  # 300: one row per chunk
-        monkeypatch.setattr(ig, "_CHUNK_ELEMS", chunk)
+    for chunk in (gguf_blocks._CHUNK_ELEMS, 300):  # 300: one row per chunk
+        monkeypatch.setattr(gguf_blocks, "_CHUNK_ELEMS", chunk)
         m = read_gguf(path)
         qdtype, block, has_bias, table = EXPECTED[qtype]
         for name in "abc":

@@ -357,6 +357,8 @@ def read_package(path: Path) -> tuple[Program, dict, dict]:
         raise IngotError(f"package: {path}/graph.json does not describe a valid program ({type(e).__name__}: "
                          f"{clip(e)}).") from None
     graph["inputs"] = inputs
+    if not isinstance(manifest.get("device", "cpu"), str):
+        raise IngotError(f"package: {path}/manifest.json has device {short(manifest.get('device'))}, not a device name.")
     history = graph.get("history", [])   # the pass history, shown by the viewer: kept only where well formed
     graph["history"] = [h for h in (history if isinstance(history, list) else []) if isinstance(h, list) and len(h) == 2]
     names = graph.get("output_names")  # absent in packages written before outputs had names

@@ -366,6 +366,8 @@ def test_package_null_device_and_odd_history(tmp_path):
     assert ingot.load(str(pkg)).run({"x": np.zeros((2, 3), np.float32)})[0].tolist() == [[1.0] * 3] * 2
     edit_json(pkg / "manifest.json", lambda m: m.update(device=None))
     package_refused(pkg, "device")
+    edit_json(pkg / "manifest.json", lambda m: m.update(device=["cpu"]))   # found by the fuzzer: unhashable
+    package_refused(pkg, "device", "['cpu']")
 
 
 # -- LLM packages ---------------------------------------------------------------------------------------

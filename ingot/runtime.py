@@ -313,10 +313,16 @@ def load(path, device: str | None = None, options: CompileOptions | None = None)
     device = device or manifest.get("device", "cpu")
     # compiled for another device: this device's fusions run now (and the regions after them)
     missing = [(name, step) for name, step in device_steps(device, options) if name not in {h[0] for h in history}]
-    for name, step in missing:
-        program, changed = step(program)
-        verify(program)
-        history.append((name, changed))
+    try:
+        for name, step in missing:
+            program, changed = step(program)
+            verify(program)
+            history.append((name, changed))
+    except IngotError as e:
+        raise IngotError(f"package: {path} cannot be compiled for {device}: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise IngotError(f"package: {path} cannot be compiled for {device}: graph.json holds a graph its passes "
+                         f"cannot rewrite ({type(e).__name__}: {' '.join(str(e).split())[:200]}).") from None
     if missing:
         program, _ = find_regions(program)
     # the memory plan is derived data: rebuild it rather than trust sizes read from a file

@@ -76,7 +76,6 @@ def main():
         "exec-bn128": dict(rope=True, xq=True, zero=True, block_n=128),
         "exec-chunk256": dict(rope=True, xq=True, zero=True, min_chunk=256),
         "exec-chunk256-bn128": dict(rope=True, xq=True, zero=True, min_chunk=256, block_n=128),
-        "exec-late-v": dict(rope=True, xq=True, zero=True, early_v=False),
         "exec-split16": dict(rope=True, xq=True, zero=True, split=16),
         "exec-split8": dict(rope=True, xq=True, zero=True, split=8),
         "exec-split4": dict(rope=True, xq=True, zero=True, split=4),
@@ -84,7 +83,6 @@ def main():
         "exec-early-tf32": dict(rope=True, xq=True, zero=True, early=True, precision="tf32"),
         "rope-early": dict(rope=True, early=True),
         "rope+zero-early": dict(rope=True, zero=True, early=True),
-        "exec-early-late-v": dict(rope=True, xq=True, zero=True, early=True, early_v=False),
     }
     if a.variants:
         variants = {name: variants[name] for name in a.variants.split(",")}

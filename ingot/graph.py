@@ -12,7 +12,6 @@ Shapes and dtypes are inferred as each op is built; a mismatch raises IngotError
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -21,7 +20,7 @@ from . import dtypes as dt
 from .errors import IngotError
 from .ir import Node, Op, Ref, TensorType
 from .ops import infer_type, normalize_axis
-from .ops.nn import rope_inv_freq
+
 
 Scalar = int | float | bool
 

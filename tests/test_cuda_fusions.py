@@ -126,3 +126,16 @@ def test_a_package_compiled_for_the_cpu_gets_the_cuda_fusions_at_load(tmp_path):
     assert [h for h in gpu.history if h[0] == "fuse_norm_gemv"] == [("fuse_norm_gemv", True)]
     _, feeds = tiny_llama(1)
     close([(cuda_backend.to_host(gpu.run(feeds)[0]), cpu.run(feeds)[0])])
+
+
+def test_two_variables_swapped_in_one_run():
+    """assign(a, b) and assign(b, a): each value is taken before the other variable is written."""
+    g = ingot.Graph()
+    a = g.variable(np.arange(4, dtype=np.float32), name="a")
+    b = g.variable(np.arange(4, dtype=np.float32) * 10, name="b")
+    g.assign(a, b)
+    g.assign(b, a)
+    exe = g.compile(targets=[a + b], device="cuda")
+    exe.run({})
+    np.testing.assert_array_equal(cuda_backend.to_host(exe.state["a"]), np.arange(4, dtype=np.float32) * 10)
+    np.testing.assert_array_equal(cuda_backend.to_host(exe.state["b"]), np.arange(4, dtype=np.float32))

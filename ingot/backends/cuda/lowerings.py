@@ -25,7 +25,7 @@ from ...passes.gemv_rules import identity_slice
 from . import attention as attention_kernels
 from . import fused
 from . import quantized_matmul as qmm
-from .device import prepared_weight, to_device, to_host, torch_dtype
+from .device import constant_tensor, prepared_weight, to_device, to_host, torch_dtype
 
 @dataclass
 class _ZeroAhead:

@@ -19,7 +19,7 @@ from ...passes.fold import widens_weight
 from . import fused
 from .device import constant_tensor, to_device, torch_dtype
 from .fused_lowerings import lower
-from .lowerings import Lowering, StepFn, _call, _ZeroAhead, narrow_weight
+from .lowerings import Lowering, StepFn, _call, _shares, _ZeroAhead, narrow_weight
 
 
 class CudaPlan:

@@ -1,6 +1,4 @@
 """fuse_attention_gemv: a decode attention and the o projection reading it as one FUSED op."""
-import numpy as np
-
 from ingot.ir import Op
 from ingot.passes.fuse_attention_gemv import fuse_attention_gemv
 from ingot.passes.fuse_rope_cache import fuse_rope_cache

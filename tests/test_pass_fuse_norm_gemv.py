@@ -1,5 +1,4 @@
 """fuse_norm_gemv: [add ->] rms_norm -> GEMV [-> silu * up -> down GEMV] as one FUSED op."""
-import numpy as np
 import pytest
 
 from ingot.ir import Op

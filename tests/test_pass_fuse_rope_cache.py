@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import ingot
-from ingot.ir import Op, Program
+from ingot.ir import Op
 from ingot.passes.fuse_rope_cache import fuse_rope_cache
 from fusion_helpers import assert_same_on_cpu, kinds, tiny_llama
 

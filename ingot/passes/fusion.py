@@ -107,8 +107,3 @@ def fuse_matches(program: Program, matches: list[Match]) -> tuple[Program, bool]
             memo[n.id] = items[(i, k)]
     out = program.with_roots([memo[n.id] for n in program.outputs], [memo[n.id] for n in program.assigns])
     return out, True
-
-
-def only_read_by(node: Node, readers: set[int], users: dict[int, list[Node]], roots: set[int]) -> bool:
-    """Whether every reader of node is in `readers` (ids) and node is no output or assign."""
-    return node.id not in roots and all(u.id in readers for u in users[node.id])

@@ -466,18 +466,12 @@ def fused(options: CompileOptions, name: str) -> bool:
     return options.fusions is None or name in options.fusions
 
 
-def plan_options(plan) -> CompileOptions:
-    """The CompileOptions a CudaPlan was compiled with (`plan.options`), else the defaults."""
-    options = getattr(plan, "options", None)
-    return options if isinstance(options, CompileOptions) else CompileOptions()
-
-
 def plan_roles(plan) -> dict[int, Role]:
     """mel_chains of a CudaPlan's program with the plan's options, computed once per plan ({} where the
     "mel" fusion is off)."""
     roles = _CHAINS.get(plan)
     if roles is None:
-        roles = _CHAINS[plan] = mel_chains(plan.program, plan.device, plan_options(plan))
+        roles = _CHAINS[plan] = mel_chains(plan.program, plan.device, plan.options)
     return roles
 
 

@@ -192,7 +192,7 @@ def _norm_gemv_parts(body: Body):
 def _feeds(add: Node, norm: Node) -> bool:
     """norm reads add through views (the residual sum of a norm_gemv body)."""
     x = norm.src[0]
-    while x is not add and x.op in GroupOp.View | {Op.SLICE}:
+    while x is not add and x.op in GroupOp.View:
         x = x.src[0]
     return x is add
 

@@ -7,7 +7,6 @@ than the Gemma models' sliding window. Where transformers is installed, one test
 """
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -109,10 +108,8 @@ def test_unsupported_architecture_is_refused_before_any_kernel_compiles(tmp_path
     path = tmp_path / "mamba.gguf"
     _write_gguf(path, "mamba", **{"mamba.block_count": 1})
     monkeypatch.setattr(kernels, "warm_up", lambda: pytest.fail("kernels compiled before the refusal"))
-    started = time.perf_counter()
     with pytest.raises(IngotError, match=r"mamba.gguf: architecture 'mamba' is not supported \(supported: llama"):
         ingot.llm.load(str(path))
-    assert time.perf_counter() - started < 5  # generous on a loaded CI machine; it takes ~0.1 s
 
 
 @pytest.mark.parametrize("kind", ["longrope", "su", "dynamic"])

@@ -12,6 +12,7 @@ from ..ir import Program
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
 from .fuse_glu import fuse_glu
+from .fuse_mel import fuse_mel
 from .fuse_norm_gemv import fuse_norm_gemv
 from .fuse_rope_cache import fuse_rope_cache
 from .fuse_siblings import fuse_siblings
@@ -30,13 +31,14 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_glu", lambda p, o: fuse_glu(p, o["words_max_rows"])),   # silu(gate) * up in the down GEMV
         ("fuse_norm_gemv", lambda p, o: fuse_norm_gemv(p, o["words_max_rows"], o["self_xq_bytes"])),  # norm in the GEMV
         ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
+        ("fuse_mel", lambda p, o: fuse_mel(p, o["mel_epilogue"])),     # STFT power -> mel (-> dB): one kernel
     ],
 }
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
-# (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels; mel and
-# mel_epilogue: the STFT power -> mel chain as one kernel, backends/cuda/fft.py)
+# (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
+# mel_epilogue: fuse_mel takes the dB scale after the mel too)
 FUSIONS = {"cpu": (), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
-           ("rope_attention", "regions", "mel", "mel_epilogue")}
+           ("rope_attention", "regions", "mel_epilogue")}
 
 
 def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
@@ -49,7 +51,7 @@ def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
             raise IngotError(f"compile: fusions {sorted(unknown)} are not {device} fusions (those are {', '.join(known)}).")
     chosen = set(known) if fusions is None else set(fusions)
     tuning = getattr(options, "cuda", None)
-    settings = {"rope_attention": "rope_attention" in chosen,
+    settings = {"rope_attention": "rope_attention" in chosen, "mel_epilogue": "mel_epilogue" in chosen,
                 "words_max_rows": getattr(tuning, "words_max_rows", WORDS_MAX_ROWS),
                 "self_xq_bytes": getattr(tuning, "self_xq_bytes", SELF_XQ_BYTES)}
     if getattr(tuning, "words_layout", True) is False:   # no word GEMV: nothing to fold into it

@@ -26,12 +26,11 @@ power and projection in one kernel on the tensor cores (tf32x3); on the H200 the
 tensor-core kernel (BENCHMARKS.md). The chunks a graph is built in
 (for the CPU's memory) are merged again at run time when their frames are adjacent views of one
 signal: one cuFFT batch per pass of 2^17 frames, passes alternating over two streams, each written
-into its columns of the concatenation. The nodes of the chain are recognised in the lowered program
-(`mel_chains`); their steps pass a deferred value along and the matmul step computes the result, so
-nothing in between is written to device memory. Any other use of these ops lowers as before.
-The fusion is named "mel" in `CompileOptions.fusions` (the dB scale stored by its kernel, "mel_epilogue");
-the kernel's tiles and the passes are `CudaOptions.mel_*`. The plan's options are `plan.options` (a
-CompileOptions) where the plan has them, else the defaults.
+into its columns of the concatenation. The compiler's fuse_mel pass (ingot/passes/fuse_mel.py) makes
+the chain one FUSED "stft_mel" op, lowered here as one step, so nothing in between is written to device
+memory; any other use of these ops lowers as before. The fusion is named "mel" in
+`CompileOptions.fusions` (the dB scale stored by its kernel, "mel_epilogue"); the kernel's tiles and
+the passes are `CudaOptions.mel_*`.
 
     >>> exe = g.compile(targets=[audio.log_mel_spectrogram(g, x)], device="cuda")   # doctest: +SKIP
     >>> exe.plan.fusions                                       # doctest: +SKIP
@@ -40,17 +39,19 @@ CompileOptions) where the plan has them, else the defaults.
 from __future__ import annotations
 
 import math
-import weakref
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import triton
 
-from ...ir import Node, Op, Program
-from ...options import DEFAULT_CUDA, CompileOptions, CudaOptions
-from . import LOWERINGS, Lowering, StepFn, constant_tensor
+from ...ir import Node, Op
+from ...ops.fused import Body
+from ...options import DEFAULT_CUDA, CudaOptions
+from ...passes.fuse_mel import EPILOGUE_OPS, chain_spectrum, cosine_window  # noqa: F401  (tests name it here)
+from .device import constant_tensor
+from .fused_lowerings import fused_lowering, param
+from .lowerings import LOWERINGS, Lowering, StepFn
 
 _FORWARD = {"none": "backward", "size": "forward", "unitary": "ortho"}
 _INVERSE = {"none": "forward", "size": "backward", "unitary": "ortho"}
@@ -219,20 +220,6 @@ class MelProjection:
     options: CudaOptions = field(default=DEFAULT_CUDA, compare=False)
 
 
-def cosine_window(window: np.ndarray) -> tuple[float, float] | None:
-    """(a0, a1) when window[n] == a0 - a1 cos(2 pi n / N) for its length N >= 3 (a periodic Hann,
-    Hamming or boxcar), to float32 precision; None otherwise."""
-    w = np.asarray(window, np.float64)
-    n = w.shape[-1]
-    if w.ndim != 1 or n < 3:
-        return None
-    cos = np.cos(2 * np.pi * np.arange(n) / n)
-    a0, a1 = float(w.mean()), float(-2.0 * (w * cos).mean())
-    if np.abs(w - (a0 - a1 * cos)).max() > 1e-6 * max(np.abs(w).max(), 1e-30):
-        return None
-    return a0, a1
-
-
 def mel_of_frames(frames: torch.Tensor, projection: MelProjection, out: torch.Tensor | None = None) -> torch.Tensor:
     """[frames, n_fft] (a strided view of the signal, windowed already unless projection.cosine)
     -> mel [n_mels, frames]: cuFFT, then the window in frequency, power and the mel projection."""
@@ -270,10 +257,10 @@ def merged_views(views: list[torch.Tensor]) -> list[torch.Tensor]:
     return merged
 
 
-def concatenated_mel(deferred: "list[Deferred]", projection: MelProjection) -> torch.Tensor:
-    """The concatenation of the chains' mels [n_mels, sum of frames], each run of adjacent chunks
+def concatenated_mel(chunks: list[torch.Tensor], projection: MelProjection) -> torch.Tensor:
+    """The concatenation of the chunks' mels [n_mels, sum of frames], each run of adjacent chunks
     computed as one and written straight into its columns (no per-chunk result, no concatenation)."""
-    views = merged_views([d.frames for d in deferred])
+    views = merged_views(chunks)
     total = sum(v.shape[0] for v in views)
     out = torch.empty((projection.filters.shape[0], total), dtype=torch.float32, device=views[0].device)
     pieces, col, step = [], 0, max(1, projection.options.mel_pass_frames)
@@ -305,180 +292,6 @@ def concatenated_mel(deferred: "list[Deferred]", projection: MelProjection) -> t
     return out
 
 
-# -- recognising the mel chain in a lowered program -----------------------------------------------
-
-@dataclass(frozen=True)
-class Role:
-    """A node's part in a mel chain: 'window', 'rfft', 'abs', 'square', 'transpose' pass a deferred
-    value on; 'mel' (the matmul) computes. `reads` are the source indices the step takes."""
-    part: str
-    reads: tuple[int, ...]
-    projection: MelProjection | None = None
-    deferred: bool = False   # 'mel': leave the result to the CONCAT that takes every chunk ('concat')
-
-
-@dataclass
-class Deferred:
-    """Frames whose window, transform and power a later mel step computes."""
-    frames: torch.Tensor
-
-
-_CHAINS: "weakref.WeakKeyDictionary[object, dict[int, Role]]" = weakref.WeakKeyDictionary()
-
-
-def _constant(program: Program, node: Node) -> np.ndarray | None:
-    return program.constants[node.attrs["key"]] if node.op == Op.CONSTANT else None
-
-
-def mel_chains(program: Program, device, options: CompileOptions | None = None) -> dict[int, Role]:
-    """node id -> Role for every matmul(filters, transpose(|rfft(frames [* window])|^2)) in the program
-    whose inner nodes have no other reader. The program as `ingot.models.audio` leaves it after the
-    passes (CSE has made the two abs one node). options: the fusions "mel" and "mel_epilogue" (both where
-    options.fusions is None) and the kernel's tuning."""
-    options = options or CompileOptions()
-    if not fused(options, "mel"):
-        return {}
-    nodes = program.nodes()
-    users: dict[int, set[int]] = {}
-    for n in nodes:
-        for s in n.src:
-            users.setdefault(s.id, set()).add(n.id)
-    roots = {n.id for n in program.roots}
-
-    def only_for(inner: Node, user: Node) -> bool:
-        return inner.id not in roots and users.get(inner.id) == {user.id}
-
-    roles: dict[int, Role] = {}
-    projections: dict[tuple, MelProjection] = {}   # one per filter bank, window and n_fft
-    hosts: dict[tuple, np.ndarray] = {}
-    for mm in nodes:
-        if mm.op != Op.MATMUL or len(mm.src) != 2 or mm.type.rank != 2 or mm.dtype.name != "float32":
-            continue
-        filters_node, transpose = mm.src
-        filters = _constant(program, filters_node)
-        if filters is None or filters.ndim != 2 or filters.dtype != np.float32:
-            continue
-        swaps = (transpose.op == Op.TRANSPOSE and tuple(transpose.attrs["perm"]) == (1, 0)) or \
-            (transpose.op == Op.RESHAPE and transpose.type.rank == 2 and transpose.src[0].type.rank == 2 and
-             transpose.src[0].type.shape[0] == 1 and tuple(transpose.type.shape) == tuple(transpose.src[0].type.shape)[::-1])
-        if not swaps or not only_for(transpose, mm):   # a transpose, or the reshape that stands for one (one frame)
-            continue
-        square = transpose.src[0]
-        if square.op != Op.MUL or square.src[0] is not square.src[1] or not only_for(square, transpose):
-            continue
-        magnitude = square.src[0]
-        if magnitude.op != Op.ABS or not only_for(magnitude, square):
-            continue
-        spectrum = magnitude.src[0]
-        if spectrum.op != Op.RFFT or spectrum.type.rank != 2 or tuple(spectrum.attrs["axes"]) != (1,) \
-                or spectrum.attrs["norm"] != "none" or not only_for(spectrum, magnitude):
-            continue
-        frames = spectrum.src[0]
-        n_fft = frames.type.shape[1]
-        if filters.shape[1] != n_fft // 2 + 1:
-            continue
-        cosine = None
-        if frames.op == Op.MUL and only_for(frames, spectrum):
-            which = [i for i in (0, 1) if (w := _constant(program, frames.src[i])) is not None and w.shape == (n_fft,)]
-            view_index = 1 - which[0] if which else None
-            if which and frames.src[view_index].type.shape == frames.type.shape:
-                cosine = cosine_window(_constant(program, frames.src[which[0]]))
-                if cosine is not None:
-                    roles[frames.id] = Role("window", (view_index,))
-        key = (filters_node.id, n_fft, cosine)
-        hosts[key] = filters
-        projection = projections.get(key)
-        if projection is None:
-            projection = projections[key] = MelProjection(
-                constant_tensor(filters, device), n_fft, cosine,
-                unrolled_kernel(filters, n_fft, cosine, options.cuda.mel_lookahead), options=options.cuda)
-        roles.update({spectrum.id: Role("rfft", (0,)), magnitude.id: Role("abs", (0,)),
-                      square.id: Role("square", (0,)), transpose.id: Role("transpose", (0,)),
-                      mm.id: Role("mel", (1,), projection)})
-    for cat in nodes:  # the chunks of one signal, concatenated along frames: computed together by the concat
-        if cat.op != Op.CONCAT or cat.type.rank != 2 or cat.attrs["axis"] not in (1, -1):
-            continue
-        parts = [roles.get(s.id) for s in cat.src]
-        if not all(r is not None and r.part == "mel" and only_for(s, cat) for r, s in zip(parts, cat.src)) \
-                or len({id(r.projection) for r in parts}) != 1:
-            continue
-        for s, r in zip(cat.src, parts):
-            roles[s.id] = Role("mel", r.reads, r.projection, deferred=True)
-        roles[cat.id] = Role("concat", tuple(range(len(cat.src))), parts[0].projection)
-    if fused(options, "mel_epilogue"):
-        by_id = {n.id: n for n in nodes}
-        region_of = {i: set(region) for region in getattr(program, "regions", ()) for i in region}
-        for node_id, role in list(roles.items()):
-            computes = role.part == "concat" or (role.part == "mel" and not role.deferred)
-            if not computes:
-                continue
-            tail, expr = _epilogue(program, by_id[node_id], by_id, users, roots, region_of)
-            if not tail:
-                continue
-            p = role.projection
-            key = next(k for k, v in projections.items() if v is p)
-            kernel = unrolled_kernel(hosts[key], p.n_fft, p.cosine, options.cuda.mel_lookahead, epilogue=expr)
-            roles[node_id] = Role(role.part, role.reads, replace(p, unrolled=kernel, epilogue=expr), role.deferred)
-            roles.update({t.id: Role("epilogue", (index,)) for t, index in tail})
-    return roles
-
-
-_EPILOGUE_OPS = (Op.MAXIMUM, Op.MINIMUM, Op.LOG, Op.MUL, Op.ADD, Op.SUB, Op.DIV)
-
-
-def _epilogue(program: Program, start: Node, by_id: dict, users: dict, roots: set,
-              region_of: dict) -> tuple[list[tuple[Node, int]], str]:
-    """The float32 elementwise nodes that follow the mel (`start`), each the only reader of the one
-    before and with a scalar constant as its other operand (log: none), with the index of the value
-    among its sources, and what they compute as an expression of `@v`; whole fusion regions only (a
-    region cut in two would read the dB values as mels)."""
-    from .fused import _FLOAT_EXPR
-    tail, exprs, x, expr = [], [], start, "@v"
-    while x.id not in roots and len(users.get(x.id, ())) == 1:
-        u = by_id[next(iter(users[x.id]))]
-        if u.op not in _EPILOGUE_OPS or u.dtype.name != "float32" or u.type.shape != x.type.shape:
-            break
-        if u.op == Op.LOG:
-            if len(u.src) != 1:
-                break
-            expr = _FLOAT_EXPR[Op.LOG].format(expr)
-        else:
-            if len(u.src) != 2 or u.src[0] is u.src[1]:
-                break
-            other = u.src[1] if u.src[0] is x else u.src[0]
-            c = _constant(program, other)
-            if c is None or c.size != 1:
-                break
-            literal = repr(float(np.float32(c.reshape(()))))
-            expr = _FLOAT_EXPR[u.op].format(*((expr, literal) if u.src[0] is x else (literal, expr)))
-        tail.append((u, 0 if u.src[0] is x else 1))
-        exprs.append(expr)
-        x = u
-    ids = {t.id for t, _ in tail}
-    while tail and not all(region_of.get(t.id, {t.id}) <= ids for t, _ in tail):   # whole regions only
-        ids.discard(tail.pop()[0].id)
-        exprs.pop()
-    return tail, exprs[-1] if exprs else "@v"
-
-
-def fused(options: CompileOptions, name: str) -> bool:
-    """Whether the fusion `name` runs: every fusion where options.fusions is None."""
-    return options.fusions is None or name in options.fusions
-
-
-def plan_roles(plan) -> dict[int, Role]:
-    """mel_chains of a CudaPlan's program with the plan's options, computed once per plan ({} where the
-    "mel" fusion is off)."""
-    roles = _CHAINS.get(plan)
-    if roles is None:
-        roles = _CHAINS[plan] = mel_chains(plan.program, plan.device, plan.options)
-    return roles
-
-
-def _roles(ctx: Lowering) -> dict[int, Role]:
-    return plan_roles(ctx.plan)
-
-
 def _window_name(cosine: tuple[float, float] | None) -> str:
     if cosine is None:
         return "window applied first"
@@ -488,43 +301,61 @@ def _window_name(cosine: tuple[float, float] | None) -> str:
                  and math.isclose(a1, b1, abs_tol=1e-6)), f"cosine {a0:.3g}, {a1:.3g}")
 
 
-def _chain_step(role: Role, ctx: Lowering) -> StepFn:
-    ctx.reads = role.reads
-    if role.part == "window":
-        return lambda frames: Deferred(frames)
-    if role.part == "rfft":
-        return lambda frames: frames if isinstance(frames, Deferred) else Deferred(frames)
-    if role.part in ("abs", "square", "transpose", "epilogue"):
-        return lambda deferred: deferred
-    projection = role.projection
+@fused_lowering("stft_mel")
+def stft_mel(ctx: Lowering) -> tuple[StepFn, str]:
+    """The FUSED "stft_mel" op (passes/fuse_mel.py): cuFFT over each chunk's frames, then the unrolled
+    kernel (window in frequency where the op holds a cosine window, |.|^2, the bank, the epilogue),
+    chunks of one signal merged into one pass where their frames are adjacent views."""
+    body: Body = ctx.node.attrs["body"]
+    cat = body.find(Op.CONCAT)
+    matmuls = list(cat[0].src) if cat else body.find(Op.MATMUL)
+    head = cat[0] if cat else matmuls[0]
+    frames, window = [], None
+    for mm in matmuls:
+        x = chain_spectrum(mm).src[0]
+        if x.op == Op.MUL:   # the cosine window, applied in frequency by the kernel
+            i = 0 if ctx.constant(param(x.src[0])) is not None and x.src[0].type.rank == 1 else 1
+            window, x = ctx.constant(param(x.src[i])), x.src[1 - i]
+        frames.append(param(x))
+    filters = ctx.constant(param(matmuls[0].src[0]))
+    n_fft = chain_spectrum(matmuls[0]).src[0].type.shape[1]
+    cosine = cosine_window(window) if window is not None else None
+    expr = _epilogue(ctx, body, head)
+    projection = MelProjection(constant_tensor(filters, ctx.device), n_fft, cosine,
+                               unrolled_kernel(filters, n_fft, cosine, ctx.cuda.mel_lookahead, epilogue=expr),
+                               epilogue=expr, options=ctx.cuda)
     plan = ctx.plan
-    if projection.epilogue != "@v" and hasattr(plan, "fusions"):
-        plan.fusions.append(f"mel epilogue {projection.epilogue.replace('@v', 'mel')}")
-    if role.part == "concat":
-        return lambda *deferred: concatenated_mel(list(deferred), projection)
     if hasattr(plan, "fusions"):
-        plan.fusions.append(f"stft power+mel ({_window_name(projection.cosine)}, {projection.n_fft}-point)")
-    if role.deferred:
-        return lambda deferred: deferred
-    return lambda deferred: mel_of_frames(deferred.frames, projection)
+        plan.fusions.append(f"stft power+mel ({_window_name(cosine)}, {n_fft}-point)")
+        if expr != "@v":
+            plan.fusions.append(f"mel epilogue {expr.replace('@v', 'mel')}")
+    ctx.reads = tuple(frames)
+    if len(frames) == 1:
+        return (lambda x: mel_of_frames(x, projection)), "stft_mel"
+    return (lambda *xs: concatenated_mel(list(xs), projection)), "stft_mel"
 
 
-def _with_chains(previous: Callable[[Lowering], StepFn]) -> Callable[[Lowering], StepFn]:
-    """A lowering that takes the mel chain's nodes and leaves every other node to `previous`."""
-    def lower(ctx: Lowering) -> StepFn:
-        role = _roles(ctx).get(ctx.node.id)
-        return previous(ctx) if role is None else _chain_step(role, ctx)
-    lower.__doc__ = f"The fused audio chain's part, else {getattr(previous, '__name__', previous)}."
-    return lower
+def _epilogue(ctx: Lowering, body: Body, head: Node) -> str:
+    """What the kernel stores of each mel value @v: the body's scalar ops after `head`, in order."""
+    from .fused import _FLOAT_EXPR
+    expr, x = "@v", head
+    readers = {s.id: n for n in body.nodes for s in n.src if n.op in EPILOGUE_OPS}
+    while x is not body.outputs[0]:
+        u = readers[x.id]
+        if u.op == Op.LOG:
+            expr = _FLOAT_EXPR[Op.LOG].format(expr)
+        else:
+            other = u.src[1] if u.src[0] is x else u.src[0]
+            literal = repr(float(np.float32(ctx.constant(param(other)).reshape(()))))
+            expr = _FLOAT_EXPR[u.op].format(*((expr, literal) if u.src[0] is x else (literal, expr)))
+        x = u
+    return expr
 
 
 def register(table: dict) -> None:
-    """Put the FFT lowerings and the mel-chain parts into a backend's lowering table."""
-    for op in (Op.FFT, Op.IFFT, Op.IRFFT):
+    """Put the FFT lowerings into a backend's lowering table."""
+    for op in (Op.FFT, Op.IFFT, Op.RFFT, Op.IRFFT):
         table[op] = fft_lowering
-    table[Op.RFFT] = _with_chains(fft_lowering)
-    for op in {Op.MUL, Op.ABS, Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL, Op.CONCAT, *_EPILOGUE_OPS}:
-        table[op] = _with_chains(table[op])
 
 
 register(LOWERINGS)

@@ -50,15 +50,11 @@ class CudaPlan:
 
         # fused elementwise regions (the regions pass): the root's step computes the region from its inputs
         region_root: dict[int, fused.RegionKernel] = {}
-        from . import fft as audio_chains
-        chain_roles = audio_chains.plan_roles(self)
         chosen = self.options.fusions
         for region in (program.regions if chosen is None or "regions" in chosen else ()):
             members = [by_id[i] for i in region if i in by_id]
             if len(members) < 2 or not fused.region_supported(members):
                 continue
-            if all(m.id in chain_roles for m in members):
-                continue  # the mel kernel's epilogue (ingot.backends.cuda.fft)
             if any(m.id in roots for m in members[:-1]):
                 continue
             kernel = fused.RegionKernel(members, torch_dtype)

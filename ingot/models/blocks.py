@@ -352,6 +352,21 @@ def inputs(g: Graph) -> tuple[Tensor, Tensor, Tensor]:
     return tokens, pos, last
 
 
+def row_inputs(g: Graph, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The feeds of a decode step over `rows` independent sequences (`ingot serve`'s continuous
+    batching): one token per row [rows], each row's own position [rows] (and an unused `last`)."""
+    tokens = g.placeholder((None,), dt.int32, name="tokens")
+    positions = g.placeholder((rows,), dt.int32, name="positions")
+    last = g.placeholder((), dt.int32, name="last")
+    return tokens, positions, last
+
+
+def checked_rows(rows) -> int:
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
+        raise IngotError(f"build: rows must be a whole number of sequences >= 0, got {rows!r}.")
+    return int(rows)
+
+
 def checked_batch(batch) -> int:
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise IngotError(f"build: batch must be a whole number of sequences >= 1, got {batch!r}.")
@@ -392,13 +407,15 @@ def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int) -> tuple[Tens
 
 def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq: np.ndarray,
               batch: int = 1, *, qk_norm: bool = False, window: int = 0, softcap: float = 0.0,
-              scale: float | None = None, rope_base: float | None = None) -> Tensor:
+              scale: float | None = None, rope_base: float | None = None, rows: int = 0) -> Tensor:
     """Causal self-attention for one layer, writing this chunk's K/V into the cache variables.
 
     x: [B*T, dim], B sequences of T tokens (sequence-major), all at position `pos`. qk_norm: rms_norm
     of each head of q and k (weights attn_q_norm/attn_k_norm [hd]) before RoPE; window: sliding-window
     attention over the last `window` positions; softcap: scores c * tanh(s / c); scale: of the
-    scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base)."""
+    scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base).
+    rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
+    positions [rows] (see `row_attention`); batch is 1."""
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     q, k, v = linear_split(g, x, weights, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
@@ -406,6 +423,11 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
     if cfg.qkv_bias:
         q, k, v = (q + weights.vector(p + "attn_q.bias"), k + weights.vector(p + "attn_k.bias"),
                    v + weights.vector(p + "attn_v.bias"))
+    if rows:   # one token per row, each at its own position, over its own cache (ingot serve)
+        out = row_attention(g, cfg, weights, layer, q, k, v, pos, inv_freq, rows, qk_norm=qk_norm, window=window,
+                            softcap=softcap, scale=scale, rope_base=rope_base)
+        return adapted(g, weights, [p + "attn_output.weight"], out,
+                       linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
     q, k, v = split_heads(g, q, nh, hd, batch), split_heads(g, k, nkv, hd, batch), split_heads(g, v, nkv, hd, batch)
     if qk_norm:                                                       # per head, over hd
         q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
@@ -426,6 +448,51 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
     out = merge_heads(g, out, nh, hd, batch)                          # [B*T, nh*hd]
     return adapted(g, weights, [p + "attn_output.weight"], out,
                    linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
+
+
+def row_cache(g: Graph, cfg: DecoderConfig, layer: int, row: int) -> tuple[Tensor, Tensor]:
+    """Row `row`'s own K and V cache variables [1, nkv, context, hd] (blk.L.k_cache.ROW): the
+    arrays of a batch-1 decoder's state, so a server maps each row to any sequence's cache."""
+    shape = (1, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
+    return (g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.k_cache.{row}"),
+            g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.v_cache.{row}"))
+
+
+def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                  positions: Tensor, inv_freq: np.ndarray, rows: int, *, qk_norm: bool = False, window: int = 0,
+                  softcap: float = 0.0, scale: float | None = None, rope_base: float | None = None) -> Tensor:
+    """Decode attention of `rows` independent sequences, one token each, every row at its own
+    position and over its own cache: q [rows, nh*hd], k and v [rows, nkv*hd] -> [rows, nh*hd].
+
+    Row r runs the batch-1 decode step's ops on its own slices (heads, QK-norm, RoPE at
+    positions[r], its K/V written in place at positions[r] of blk.L.k_cache.r / v_cache.r,
+    attention over positions 0..positions[r]), so its result is bit for bit what a batch-1 decoder
+    computes and never depends on another row."""
+    p = f"blk.{layer}."
+    hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved,
+                rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
+    outs = []
+    for r in range(rows):
+        pos = g.reshape(g.slice(positions, [r], [r + 1]), ())
+        q_r, k_r, v_r = (split_heads(g, g.slice(t, [r, 0], [r + 1, None]), n, hd, 1)
+                         for t, n in ((q, nh), (k, nkv), (v, nkv)))                 # [1, h, 1, hd]
+        if qk_norm:
+            q_r = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q_r)
+            k_r = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k_r)
+        q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
+        k_cache, v_cache = row_cache(g, cfg, layer, r)
+        k_all = g.slice_update(k_cache, k_r, [0, 0, pos, 0])          # written in place by the compiler
+        v_all = g.slice_update(v_cache, v_r, [0, 0, pos, 0])
+        g.assign(k_cache, k_all)
+        g.assign(v_cache, v_all)
+        end = pos + 1
+        k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])   # attention over the valid prefix
+        v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
+        out = g.scaled_dot_product_attention(q_r, k_seen, v_seen, scale=scale, causal=True, window=window,
+                                             softcap=softcap)              # [1, nh, 1, hd]
+        outs.append(merge_heads(g, out, nh, hd, 1))                          # [1, nh*hd]
+    return outs[0] if rows == 1 else g.concat(outs, axis=0)
 
 
 ACTIVATIONS: dict[str, Callable[[Graph, Tensor], Tensor]] = {

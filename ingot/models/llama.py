@@ -22,7 +22,8 @@ from ..errors import IngotError
 from ..graph import Graph
 from ..quant.formats import QuantizedTensor
 from .blocks import (MAX_DIMENSION, DecoderConfig, DecoderGraph, Key, Weights, adapted, attention, checked_batch, config_from_gguf,  # noqa: F401
-                     decoder_rope, embedding, feed_forward, inputs, linear, linear_split, output, rms_norm, rope_frequencies)
+                     decoder_rope, embedding, feed_forward, inputs, linear, linear_split, output, rms_norm, rope_frequencies,
+                     checked_rows, row_inputs)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
 LlamaGraph = DecoderGraph
@@ -61,31 +62,35 @@ Config = LlamaConfig
 
 
 def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False,
-          batch: int = 1) -> DecoderGraph:
+          batch: int = 1, rows: int = 0) -> DecoderGraph:
     """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors).
 
     adapter_sites: weight names (e.g. "blk.0.attn_q.weight") whose outputs add a called adapter
     (see `blocks.adapted`); all_logits: logits for every position [T, vocab] instead of row `last`.
     batch: B sequences decoded in lockstep (one shared position): tokens [B*T] sequence-major, KV
     caches [B, nkv, ctx, hd], logits [B, vocab] (row `last` of each sequence) or [B*T, vocab].
+    rows=R (continuous batching, `ingot serve`): R independent sequences, one token each, tokens [R],
+    positions [R] (each row's own), a cache per row (blk.L.k_cache.r [1, nkv, ctx, hd]), logits [R, vocab].
 
         >>> m = build(cfg, random_weights(cfg), batch=4)                     # doctest: +SKIP
         >>> m.compile(1).run({"tokens": ids4, "pos": np.int32(p), "last": np.int32(0)})  # doctest: +SKIP
     """
-    batch = checked_batch(batch)
+    batch, rows = checked_batch(batch), checked_rows(rows)
+    if rows and batch != 1:
+        raise IngotError(f"build: rows={rows} decodes independent sequences; it takes batch=1, not {batch}.")
     g = Graph()
     weights = Weights(g, tensors, path, adapter_sites)
-    tokens, pos, last = inputs(g)
+    tokens, pos, last = row_inputs(g, rows) if rows else inputs(g)
     inv_freq, scale = decoder_rope(cfg, tensors)                          # scale: None but for YaRN
     x, embed = embedding(g, cfg, weights, tokens)                         # [B*T, dim]
     qk_norm = getattr(cfg, "qk_norm", False)
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."
         h = rms_norm(g, cfg, weights, p + "attn_norm.weight", x)
-        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale)
+        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
         x = x + feed_forward(g, cfg, weights, layer, h)                   # SwiGLU
-    logits = output(g, cfg, weights, x, embed, last, batch, all_logits)  # [B, vocab]
+    logits = output(g, cfg, weights, x, embed, last, batch, all_logits or bool(rows))  # [B, vocab]
     return DecoderGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs, batch=batch)
 
 

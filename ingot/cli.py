@@ -7,6 +7,7 @@
     ingot quantize IN.(gguf|ingot) -o OUT.ingot --format FMT [--calibration TEXT] [--exclude GLOB] [--compensate RANK] [--awq]
     ingot eval kld --reference A --model B --text FILE [--context N]
     ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]
+                  [--constant NAME=V0,V1,...]
     ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the device the package is compiled for")
     conv.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                       help="the shape of an ONNX input with symbolic dimensions (repeatable)")
+    conv.add_argument("--constant", action="append", default=[], metavar="NAME=V0,V1,...",
+                      help="fix an ONNX input's values at import: a sample rate, a shape (repeatable)")
     conv.set_defaults(func=_convert)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
     evals = evaluate.add_subparsers(dest="what", required=True)

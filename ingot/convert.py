@@ -1,4 +1,5 @@
-"""`ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]`
+"""`ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]
+[--constant NAME=V0,V1,...]`
 and `ingot quantize IN.(gguf|ingot) -o OUT.ingot --format FMT [--calibration TEXT] [--exclude GLOB]
 [--compensate RANK] [--awq]`: the one way from a model file to an Ingot package.
 
@@ -40,6 +41,52 @@ def parse_input_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def parse_constants(items: Sequence[str]) -> dict[str, list[float]]:
+    """["sr=16000", "shape=2,3"] -> {"sr": [16000], "shape": [2, 3]}; IngotError naming a malformed item."""
+    values = {}
+    for item in items or ():
+        name, sep, text = item.partition("=")
+        try:
+            numbers = [_number(v) for v in text.split(",") if v.strip()] if sep else None
+        except ValueError:
+            numbers = None
+        if not name or not numbers:
+            raise IngotError(f"--constant {item!r} is not NAME=V0,V1,... (numbers).")
+        values[name] = numbers
+    return values
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def constant_arrays(model, values: Mapping[str, Sequence[float]], what: str) -> dict:
+    """Each named input's values as an array of its declared dtype, in its declared shape when that
+    is static and holds as many values (else a scalar for one value, a vector for more)."""
+    import numpy as np
+
+    from .importers.onnx_ops import ONNX_DTYPES
+    declared = {vi.name: vi for vi in model.graph.input}
+    arrays = {}
+    for name, numbers in values.items():
+        if name not in declared:
+            raise IngotError(f"{what}: --constant names {name!r}, which is not an input of the model "
+                             f"(inputs: {list(declared)}).")
+        t = declared[name].type.tensor_type
+        dtype = ONNX_DTYPES[t.elem_type][1] if t.elem_type in ONNX_DTYPES else np.float32
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in t.shape.dim]
+        array = np.array(numbers).astype(dtype)
+        if t.HasField("shape") and None not in dims and int(np.prod(dims)) == array.size:
+            array = array.reshape(dims)
+        elif array.size == 1:
+            array = array.reshape(())
+        arrays[name] = array
+    return arrays
+
+
 def _kind(path: Path) -> str:
     """'onnx' or 'gguf', by the file's first bytes (GGUF's magic), else by its suffix."""
     if not path.exists():
@@ -56,8 +103,11 @@ def _kind(path: Path) -> str:
 
 
 def convert(source, output, device: str = "cpu", quantize: str | None = None,
-            input_shapes: Mapping[str, Sequence[int]] | None = None) -> str:
-    """Convert an ONNX or GGUF file into an Ingot package at `output`; returns a one-line summary."""
+            input_shapes: Mapping[str, Sequence[int]] | None = None,
+            constants: Mapping[str, Sequence[float]] | None = None) -> str:
+    """Convert an ONNX or GGUF file into an Ingot package at `output`; returns a one-line summary.
+    constants: {input name: values} fixed at import (a sample rate, a shape); the package takes
+    the other inputs only."""
     source, output = Path(source), Path(output)
     if not str(output).endswith(".ingot"):
         raise IngotError(f"convert: the output {output} should be a package directory named NAME.ingot.")
@@ -74,14 +124,16 @@ def convert(source, output, device: str = "cpu", quantize: str | None = None,
     kind = _kind(source)
     start = time.perf_counter()
     if kind == "gguf":
-        if input_shapes:
-            raise IngotError("convert: --input-shape applies to ONNX models, not GGUF.")
+        if input_shapes or constants:
+            raise IngotError(f"convert: {'--input-shape' if input_shapes else '--constant'} applies to ONNX models, not GGUF.")
         return _convert_gguf(source, output, fmt, device, start)
-    from .importers.onnx import compile_import, import_onnx, op_counts
+    from .importers.onnx import compile_import, import_onnx, load_model, op_counts
 
     with progress_bar(f"convert {source.name}", total=3) as advance:
         advance("importing", steps=0)
-        imported = import_onnx(source, input_shapes, what=str(source), quantize=fmt)
+        model = load_model(source, str(source))
+        fixed = constant_arrays(model, constants or {}, str(source))
+        imported = import_onnx(model, input_shapes, what=str(source), constant_inputs=fixed, quantize=fmt)
         advance("compiling")
         exe = compile_import(imported, device)
         advance("saving")
@@ -115,7 +167,7 @@ def _convert_gguf(source: Path, output: Path, fmt, device: str, start: float) ->
 
 def convert_command(args) -> int:
     summary = convert(args.input, args.output, device=args.device, quantize=args.quantize,
-                      input_shapes=parse_input_shapes(args.input_shape))
+                      input_shapes=parse_input_shapes(args.input_shape), constants=parse_constants(args.constant))
     print(summary, file=sys.stderr)
     return 0
 

@@ -72,6 +72,26 @@ def test_input_shape_option(tmp_path, capsys):
     one_sentence(capsys, "--input-shape 'x=a'")
 
 
+def test_constant_option(tmp_path, capsys):
+    # y = Reshape(x, shape): the shape is an input, fixed by --constant; the package takes x alone
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+                               helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    assert main(["convert", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.ingot")]) == 2
+    one_sentence(capsys, "shape (input 1)", "constant_inputs")
+    assert main(["convert", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.ingot"), "--constant", "shape=3,2"]) == 0
+    capsys.readouterr()
+    exe = ingot.load(tmp_path / "m.ingot")
+    assert list(exe.feed_types) == ["x"]
+    (out,) = exe.run({"x": np.arange(6, dtype=np.float32)})
+    assert out.tolist() == [[0, 1], [2, 3], [4, 5]]
+    for bad, message in [("shape=a", "--constant 'shape=a'"), ("nope=1", "'nope', which is not an input")]:
+        assert main(["convert", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.ingot"), "--constant", bad]) == 2
+        one_sentence(capsys, message)
+
+
 def test_corrupt_file(tmp_path, capsys):
     data = (FIXTURES / "cnn.onnx").read_bytes()
     bad = tmp_path / "cut.onnx"

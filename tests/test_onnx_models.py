@@ -12,7 +12,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 import ingot  # noqa: E402
-from ingot.importers.onnx import from_onnx, op_counts  # noqa: E402
+from ingot.importers.onnx import NeedsConstant, SpecializingOnnxExecutable, from_onnx, import_onnx, op_counts  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "onnx"
@@ -71,15 +71,56 @@ def test_stft_matches_onnxruntime():
     assert_matches(exe, path, {"audio": audio})
 
 
-def test_symbolic_dimensions_need_input_shapes():
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+@pytest.mark.parametrize("batch", ["batch", -1])   # PaddlePaddle writes dim_value -1 for a symbolic dimension
+def test_symbolic_dimensions_compile_per_shape(batch):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])
     model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(ingot.IngotError, match="symbolic dimension 'batch'.*input_shapes"):
-        from_onnx(model)
+    with pytest.raises(ingot.IngotError, match="symbolic dimension '(batch|\\?)'.*input_shapes"):
+        import_onnx(model)                         # a static import (ingot convert) still needs the shape
     exe = from_onnx(model, input_shapes={"x": (3, 4)})
     assert exe.run({"x": -np.ones((3, 4), np.float32)})["y"].tolist() == [[0.0] * 4] * 3
+    with pytest.raises(ingot.IngotError, match="shape"):
+        exe.run({"x": np.ones((2, 4), np.float32)})
+    exe = from_onnx(model)                         # compiled per shape, at run
+    assert isinstance(exe, SpecializingOnnxExecutable)
+    for rows in (3, 5, 3):
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) - 6
+        np.testing.assert_array_equal(exe.run({"x": x})["y"], np.maximum(x, 0))
+    assert len(exe.compiled) == 2
+
+
+def test_shape_giving_inputs_compile_per_value():
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+                                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+                                           helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.arange(6, dtype=np.float32)
+    exe = from_onnx(model)
+    assert isinstance(exe, SpecializingOnnxExecutable)
+    for shape, axis in [((2, 3), 0), ((2, 3), 1), ((3, 2), 1), ((2, 3), 0)]:
+        out = exe.run({"x": x, "shape": np.array(shape), "axes": np.array([axis])})
+        assert type(out) is ingot.Outputs and list(out.keys()) == ["y"]
+        np.testing.assert_array_equal(out["y"], x.reshape(shape).sum(axis))
+    assert len(exe.compiled) == 3 and exe.value_inputs == ["shape", "axes"]
+    fixed = from_onnx(model, constant_inputs={"shape": np.array([3, 2]), "axes": np.array([0])})
+    np.testing.assert_array_equal(fixed.run({"x": x, "shape": np.array([3, 2]), "axes": np.array([0])})["y"], [6, 9])
+    with pytest.raises(ingot.IngotError, match="fixed to"):
+        fixed.run({"x": x, "shape": np.array([2, 3]), "axes": np.array([0])})
+
+
+def test_large_shape_giving_inputs_are_not_compiled_per_value():
+    # a Reshape whose shape comes from a 100-element input's values: not something to compile per value
+    nodes = [helper.make_node("Cast", ["big"], ["c"], to=TensorProto.INT64),
+             helper.make_node("ReduceMax", ["c"], ["m"], keepdims=1), helper.make_node("Reshape", ["x", "m"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+                                           helper.make_tensor_value_info("big", TensorProto.FLOAT, [100])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    with pytest.raises(NeedsConstant, match="constant_inputs"):
+        from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 def test_unsupported_ops_are_listed_in_one_error():

@@ -49,8 +49,8 @@ from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, Import
 
 MAX_LOCATION_CHARS = 4096  # an external data location (PATH_MAX)
 
-__all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImport", "UnsupportedOnnx", "NeedsConstant",
-           "supported_ops"]
+__all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImport", "SpecializingOnnxExecutable",
+           "UnsupportedOnnx", "NeedsConstant", "supported_ops"]
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def _value_type(vi, what: str, shapes: Mapping[str, Sequence[int]]) -> tuple[Ten
     if vi.name in shapes:
         shape = tuple(int(d) for d in shapes[vi.name])
         if t.tensor_type.HasField("shape"):
-            declared = [d.dim_value if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim]
+            declared = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in t.tensor_type.shape.dim]
             if len(declared) != len(shape) or any(d is not None and d != s for d, s in zip(declared, shape)):
                 raise IngotError(f"{what}: input_shapes gives {vi.name!r} the shape {list(shape)}, which does not fit the "
                                  f"model's {['?' if d is None else d for d in declared]}.")
@@ -492,16 +492,151 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Sequence[int]] | None = None,
               constant_inputs: Mapping[str, np.ndarray] | None = None, quantize=None,
-              debug: bool | str = False) -> OnnxExecutable:
+              debug: bool | str = False) -> "OnnxExecutable | SpecializingOnnxExecutable":
     """Import an ONNX model (path or onnx.ModelProto) and compile it for `device`.
 
     input_shapes fixes the symbolic dimensions of inputs: {"input_ids": (1, 128)}; constant_inputs
     fixes the values of inputs that must be known at import (shapes, axes). The result's `run`
-    takes {ONNX input name: array} and returns {ONNX output name: array}. quantize: an ingot.quant
+    takes {ONNX input name: array} and returns Outputs by ONNX output name. quantize: an ingot.quant
     format for the matmul weights ("int8", "int4:32", "lut4"), multiplied as quantized_matmul.
+
+    A model whose shapes depend on what it is fed (symbolic input dimensions not fixed by
+    input_shapes; small inputs that a Reshape, Resize or reduction reads as its shape, sizes or
+    axes) gives a SpecializingOnnxExecutable, which compiles once per such shape or value, at run.
     """
-    return compile_import(import_onnx(model_or_path, input_shapes, constant_inputs=constant_inputs, quantize=quantize),
-                          device, debug)
+    what = str(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else "onnx model"
+    model = load_model(model_or_path, what)
+    input_shapes, constant_inputs = dict(input_shapes or {}), dict(constant_inputs or {})
+    initializers = {i.name for i in model.graph.initializer}
+    if any(vi.name not in input_shapes and vi.name not in constant_inputs and vi.name not in initializers
+           and _has_symbolic_dims(vi) for vi in model.graph.input):
+        return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug)
+    try:
+        imported = import_onnx(model, input_shapes, what=what, constant_inputs=constant_inputs, quantize=quantize)
+    except NeedsConstant as e:
+        names = [n for n in e.input_names if n not in constant_inputs]
+        if not names or not all(_may_specialize(model, n) for n in names):
+            raise
+        return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug, names)
+    return compile_import(imported, device, debug)
+
+
+MAX_SPECIALIZED_ELEMENTS = 64   # an input this small (shapes, axes, scales) may be fixed per value at run
+MAX_SPECIALIZATIONS = 16        # compiled executables a SpecializingOnnxExecutable keeps (oldest dropped)
+
+
+def _has_symbolic_dims(vi) -> bool:
+    t = vi.type
+    if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
+        return False
+    return any(not d.HasField("dim_value") or d.dim_value < 0 for d in t.tensor_type.shape.dim)
+
+
+def _may_specialize(model, name: str) -> bool:
+    """Whether graph input `name` is declared small enough to be compiled per value (unknown: yes)."""
+    for vi in model.graph.input:
+        if vi.name == name:
+            t = vi.type
+            if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
+                return True
+            dims = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in t.tensor_type.shape.dim]
+            return None in dims or math.prod(dims) <= MAX_SPECIALIZED_ELEMENTS
+    return False
+
+
+class SpecializingOnnxExecutable:
+    """An ONNX model compiled per input shape and per value of its shape-giving inputs, at run.
+
+    Ingot compiles static shapes. A model with symbolic input dimensions, or one that reads a
+    small input as a shape, axes or scales (ONNX's node tests do; so do exported models that pass
+    a sample rate), is imported and compiled when it is first run with a given set of such
+    shapes and values; later runs with the same ones reuse that executable (the latest
+    MAX_SPECIALIZATIONS are kept). `run` takes and returns what OnnxExecutable's does.
+
+        >>> import numpy as np, onnx, ingot
+        >>> from onnx import helper, TensorProto
+        >>> node = helper.make_node("Reshape", ["x", "shape"], ["y"])
+        >>> graph = helper.make_graph([node], "reshape", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+        ...                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        ...                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        >>> exe = ingot.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+        >>> exe.run({"x": np.arange(6, dtype=np.float32), "shape": np.array([2, 3])})["y"].shape
+        (2, 3)
+    """
+
+    def __init__(self, model, what: str, device: str, input_shapes: Mapping[str, Sequence[int]],
+                 constant_inputs: Mapping[str, np.ndarray], quantize, debug, value_inputs: Sequence[str] = ()):
+        self.model, self.what, self.device, self.quantize, self.debug = model, what, device, quantize, debug
+        self.input_shapes, self.constant_inputs = dict(input_shapes), dict(constant_inputs)
+        initializers = {i.name for i in model.graph.initializer}
+        self.onnx_inputs = [vi.name for vi in model.graph.input if vi.name not in initializers]
+        self.shape_inputs = [vi.name for vi in model.graph.input if vi.name in self.onnx_inputs and
+                             vi.name not in self.input_shapes and vi.name not in self.constant_inputs and _has_symbolic_dims(vi)]
+        self.value_inputs = list(value_inputs)     # grows as imports name more inputs they need the values of
+        self.output_names = [vi.name for vi in model.graph.output]
+        self.compiled: dict[tuple, OnnxExecutable] = {}
+
+    def _key(self, feeds: Mapping[str, Any]) -> tuple:
+        shapes = tuple((n, np.shape(feeds[n])) for n in self.shape_inputs)
+        values = []
+        for n in self.value_inputs:
+            a = np.asarray(feeds[n])
+            values.append((n, a.dtype.str, a.shape, a.tobytes()))
+        return shapes, tuple(values)
+
+    def executable(self, feeds: Mapping[str, Any]) -> OnnxExecutable:
+        """The executable compiled for these feeds' shapes and shape-giving values (compiled now if new)."""
+        missing = [k for k in self.onnx_inputs if k not in feeds]
+        if missing:
+            raise IngotError(f"run: missing feeds {missing}.")
+        key = self._key(feeds)
+        if key in self.compiled:
+            return self.compiled[key]
+        while True:
+            for n in self.value_inputs:
+                size = np.size(feeds[n])
+                if size > MAX_SPECIALIZED_ELEMENTS:
+                    raise IngotError(f"{self.what}: input {n!r} gives a shape, axes or bounds that Ingot needs at compile "
+                                     f"time, but holds {size} values (at most {MAX_SPECIALIZED_ELEMENTS} are compiled "
+                                     f"per value); fix it with constant_inputs=.")
+            shapes = {**self.input_shapes, **{n: np.shape(feeds[n]) for n in self.shape_inputs}}
+            fixed = {**self.constant_inputs, **{n: np.asarray(feeds[n]) for n in self.value_inputs}}
+            try:
+                imported = import_onnx(self.model, shapes, what=self.what, constant_inputs=fixed, quantize=self.quantize)
+                break
+            except NeedsConstant as e:
+                new = [n for n in e.input_names if n not in fixed and n in self.onnx_inputs]
+                if not new:
+                    raise
+                self.value_inputs += new
+                key = self._key(feeds)
+                if key in self.compiled:
+                    return self.compiled[key]
+        exe = compile_import(imported, self.device, self.debug)
+        if len(self.compiled) >= MAX_SPECIALIZATIONS:
+            del self.compiled[next(iter(self.compiled))]
+        self.compiled[key] = exe
+        return exe
+
+    def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
+        """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs."""
+        if not isinstance(feeds, Mapping):
+            feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
+            if len(feeds) != len(self.onnx_inputs):
+                raise IngotError(f"run: expected {len(self.onnx_inputs)} inputs ({self.onnx_inputs}), got {len(feeds)}.")
+            feeds = dict(zip(self.onnx_inputs, feeds))
+        unknown = [k for k in feeds if k not in self.onnx_inputs]
+        if unknown:
+            raise IngotError(f"run: {unknown} are not inputs of this model (inputs: {self.onnx_inputs}).")
+        return self.executable(feeds).run(feeds, state, **options)
+
+    __call__ = run
+
+    def __repr__(self) -> str:
+        return (f"<SpecializingOnnxExecutable {self.device} inputs={self.onnx_inputs} compiled per "
+                f"{'shape of ' + str(self.shape_inputs) if self.shape_inputs else ''}"
+                f"{' and ' if self.shape_inputs and self.value_inputs else ''}"
+                f"{'value of ' + str(self.value_inputs) if self.value_inputs else ''} ({len(self.compiled)} so far)>")
 
 
 def op_counts(exe: Executable) -> Counter:

@@ -4,8 +4,10 @@
     python -m ingot.importers.onnx_report Conv Gemm    # only the cases of these ops
 
 Each case (from `onnx.backend.test.case.node`) is a model, its inputs and the expected outputs;
-a case passes when every output has the expected dtype and shape and is within ONNX's own
-tolerance (rtol 1e-3, atol 1e-7, NaN equal to NaN, as onnx's backend test runner checks). A case
+each runs through the public `ingot.from_onnx(case.model)` and `run(inputs)`, nothing fixed by hand
+(node tests pass shapes and axes as inputs: from_onnx then compiles per value at run), and passes
+when every output has the expected dtype and shape and is within the case's own tolerance (rtol
+1e-3, atol 1e-7 unless the case says otherwise, NaN equal to NaN, as onnx's backend runner checks). A case
 is *unsupported* when the importer says so (UnsupportedOnnx: an op or attribute it does not
 convert), and *failed* on any other error or a wrong value.
 
@@ -105,8 +107,9 @@ def _input_value(value):
 
 def run_case(case) -> tuple[str, str]:
     """('pass' | 'fail' | 'unsupported', message) for one node test case."""
+    from .. import from_onnx
     from ..errors import IngotError
-    from .onnx import NeedsConstant, UnsupportedOnnx, from_onnx
+    from .onnx import UnsupportedOnnx
 
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
@@ -117,17 +120,7 @@ def run_case(case) -> tuple[str, str]:
                         for inputs, expected in case.data_sets]
             except TypeError as e:
                 return "unsupported", str(e)
-            # node tests pass shapes, axes and bounds as graph inputs: fix those the importer needs
-            fixed: dict[str, np.ndarray] = {}
-            while True:
-                try:
-                    exe = from_onnx(case.model, constant_inputs=fixed)
-                    break
-                except NeedsConstant as e:
-                    new = [n for n in e.input_names if n not in fixed]
-                    if not new or len(data) != 1:
-                        raise
-                    fixed.update({n: data[0][0][n] for n in new})
+            exe = from_onnx(case.model)   # the public entry, as a user calls it: nothing fixed by hand
             for feeds, expected in data:
                 outputs = list(exe.run(feeds).values())
                 if len(outputs) != len(expected):

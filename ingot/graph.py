@@ -423,6 +423,19 @@ class Graph:
         a, b = self._pair(a, b)
         return self._op(Op.MATMUL, [a, b])
 
+    def conv(self, x, w, bias=None, strides: Sequence[int] | None = None, dilations: Sequence[int] | None = None,
+             pads: Sequence[tuple[int, int]] | None = None, groups: int = 1):
+        """N-d convolution of x [N, C, *spatial] with w [M, C / groups, *kernel] (+ bias [M]); pads are
+        (before, after) zeros per spatial axis. Defaults: stride 1, dilation 1, no padding."""
+        x = self._own(x)
+        w = self._lift(w, x)
+        k = x.ndim - 2
+        src = [x, w] + ([self._lift(bias, x)] if bias is not None else [])
+        attrs = {"strides": tuple(int(s) for s in (strides or (1,) * k)),
+                 "dilations": tuple(int(d) for d in (dilations or (1,) * k)),
+                 "pads": tuple((int(a), int(b)) for a, b in (pads or ((0, 0),) * k)), "groups": int(groups)}
+        return self._op(Op.CONV, src, attrs)
+
     def rms_norm(self, x, weight=None, eps: float = 1e-6):
         """x / sqrt(mean(x^2, last axis) + eps) * weight."""
         src = [x] + ([self._lift(weight)] if weight is not None else [])

@@ -54,6 +54,7 @@ class Op(enum.IntEnum):
     ARGMIN = enum.auto(); REAL = enum.auto(); IMAG = enum.auto(); COMPLEX = enum.auto()
     DIM = enum.auto()
     FUSED = enum.auto()   # a named subgraph a device pass chose to run as one step (ops/fused.py)
+    CONV = enum.auto()    # N-d convolution with optional bias (ops/conv.py)
 
 
 class GroupOp:

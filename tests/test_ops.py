@@ -902,6 +902,45 @@ add(OpCase("fft-default-norm-is-none", (In((7, 13), C64, complex_normal()),), la
            fft_reference((1,), "none"), out=C64, atol_by_scale=True))
 add(OpCase("ifft-default-norm-is-size", (In((7, 13), C64, complex_normal()),), lambda g, x: g.ifft(x),
            ifft_reference((1,), "size"), out=C64, atol_by_scale=True))
+def conv_reference(x, w, b=None, strides=None, dilations=None, pads=None, groups=1):
+    """Convolution by its definition: every output element a sum over its window (float64 loops)."""
+    k = x.ndim - 2
+    strides, dilations = strides or (1,) * k, dilations or (1,) * k
+    pads = pads or ((0, 0),) * k
+    x = np.pad(x.astype(np.float64), [(0, 0), (0, 0)] + [tuple(p) for p in pads])
+    n, m, cg = x.shape[0], w.shape[0], w.shape[1]
+    kernel = w.shape[2:]
+    out = [(s - d * (kk - 1) - 1) // st + 1 for s, kk, st, d in zip(x.shape[2:], kernel, strides, dilations)]
+    y = np.zeros((n, m, *out))
+    for o in np.ndindex(*out):
+        for t in np.ndindex(*kernel):
+            at = tuple(oo * st + tt * d for oo, tt, st, d in zip(o, t, strides, dilations))
+            for j in range(m):
+                g = j // (m // groups)
+                y[(slice(None), j) + o] += x[(slice(None), slice(g * cg, (g + 1) * cg)) + at] @ w[(j, slice(None)) + t]
+    if b is not None:
+        y += b.reshape((m,) + (1,) * k)
+    return y
+
+
+CONVS = [  # x, w, bias, strides, dilations, pads, groups
+    ((2, 6, 11, 9), (4, 3, 3, 3), True, (2, 2), (1, 1), ((1, 2), (0, 1)), 2),
+    ((1, 8, 7, 13), (8, 1, 5, 5), False, (1, 1), (2, 2), ((4, 4), (4, 4)), 8),       # depthwise, dilated
+    ((1, 8, 9, 10), (8, 1, 3, 3), True, (2, 2), (1, 1), ((1, 1), (1, 1)), 8),        # depthwise, strided
+    ((1, 5, 6, 7), (3, 5, 1, 1), True, (1, 1), (1, 1), ((0, 0), (0, 0)), 1),         # pointwise
+    ((1, 16, 30, 64), (9, 16, 3, 3), True, (1, 1), (1, 1), ((1, 1), (1, 1)), 1),     # several tiles of rows
+    ((2, 4, 17), (6, 2, 3), True, (2,), (1,), ((1, 1),), 2),                          # 1-D
+    ((1, 3, 5, 5, 4), (2, 3, 2, 2, 2), False, (1, 1, 2), (1, 1, 1), ((0, 1), (1, 0), (0, 0)), 1),  # 3-D
+]
+for _x, _w, _bias, _st, _dil, _pads, _groups in CONVS:
+    for _dtype in FLOATS:
+        _ins = (In(_x, _dtype), In(_w, _dtype, normal(0.3))) + ((In((_w[0],), _dtype),) if _bias else ())
+        _kw = dict(strides=_st, dilations=_dil, pads=_pads, groups=_groups)
+        add(OpCase(f"conv-{_dtype.name}-{shape_id(_x)}*{shape_id(_w)}-s{_st[0]}d{_dil[0]}g{_groups}{'-bias' if _bias else ''}",
+                   _ins, lambda g, *xs, kw=_kw: g.conv(*xs[:2], xs[2] if len(xs) > 2 else None, **kw),
+                   lambda *xs, kw=_kw: conv_reference(*xs[:2], xs[2] if len(xs) > 2 else None, **kw).astype(xs[0].dtype)))
+
+
 add(OpCase("irfft-rfft-roundtrip-odd-n13", (In((7, 13), F32),), lambda g, x: g.irfft(g.rfft(x), n=13), lambda x: x,
            out=F32, atol_by_scale=True))
 add(OpCase("ifft-fft-roundtrip-axes01", (In((7, 13), C64, complex_normal()),), lambda g, x: g.ifft(g.fft(x, axes=(0, 1)), axes=(0, 1)),

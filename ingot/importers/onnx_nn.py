@@ -251,24 +251,10 @@ def _conv(ctx: Context, node: OnnxNode):
 
 
 def _convolve(g, x: Tensor, w: Tensor, b: Tensor | None, kernel, strides, dilations, groups: int, before, after) -> Tensor:
-    """N-d convolution as columns (a strided view of the padded input) times the weights, per group."""
-    n, c = x.shape[:2]
-    m = w.shape[0]
-    if any(before + after):
-        x = g.pad(x, [(0, 0), (0, 0)] + list(zip(before, after)))
-    padded = x.shape[2:]
-    out = [_out_size(p, kk, s, d) for p, kk, s, d in zip(padded, kernel, strides, dilations)]
-    # columns [N, G, C/G, *kernel, *out] -> [N, G, C/G * K, L]; weights [G, M/G, C/G * K]
-    grouped = g.reshape(x, (n, groups, c // groups) + tuple(padded))
-    cols = _windows(g, grouped, kernel, strides, dilations, out, (n, groups, c // groups))
-    kk = int(np.prod(kernel, dtype=np.int64))
-    length = int(np.prod(out, dtype=np.int64))
-    cols = g.reshape(cols, (n, groups, (c // groups) * kk, length))
-    wg = g.reshape(w, (groups, m // groups, (c // groups) * kk))
-    y = g.reshape(g.matmul(wg, cols), (n, m) + tuple(out))
-    if b is not None:
-        y = y + _per_channel(g, b, y.ndim)
-    return y
+    """N-d convolution: one CONV op (padding as its attribute, not a padded copy)."""
+    if tuple(w.shape[2:]) != tuple(kernel):
+        raise IngotError(f"Conv: kernel_shape {list(kernel)} does not match the weights' {list(w.shape[2:])}.")
+    return g.conv(x, w, b, strides, dilations, list(zip(before, after)), groups)
 
 
 @converter("ConvTranspose")

@@ -11,6 +11,7 @@ from ..errors import IngotError
 from ..ir import Program
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
+from .fuse_conv_epilogue import fuse_conv_epilogue
 from .fuse_glu import fuse_glu
 from .fuse_mel import fuse_mel
 from .fuse_norm_gemv import fuse_norm_gemv
@@ -22,7 +23,9 @@ Pass = Callable[[Program], tuple[Program, bool]]
 # Order matters: later fusions take earlier ones whole.
 DevicePass = Callable[[Program, dict], tuple[Program, bool]]
 DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
-    "cpu": [],
+    "cpu": [
+        ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
+    ],
     "cuda": [
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True))),
@@ -37,7 +40,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": (), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("conv_epilogue",), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

@@ -22,7 +22,7 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import kernels
+from . import conv, kernels
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -43,6 +43,21 @@ def _reference(node: Node, out: np.ndarray | None) -> StepFn:
 
 def _is_f32(node: Node) -> bool:
     return all(isinstance(s.type, TensorType) and s.dtype.name == "float32" for s in node.src) and node.dtype.name == "float32"
+
+
+@lowering(Op.CONV)
+def _conv(node: Node, out):
+    return conv.conv_lowering(node, out) or _reference(node, out)
+
+
+@lowering(Op.FUSED)
+def _fused(node: Node, out):
+    """A fused op by kind where a kernel here runs it, else its body through the references."""
+    rule = FUSED_LOWERINGS.get(node.attrs["kind"])
+    return (rule(node, out) if rule is not None else None) or _reference(node, out)
+
+
+FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS)
 
 
 @lowering(*BINARY)

@@ -378,6 +378,20 @@ def _dim(ctx: Lowering) -> StepFn:
 
 # linear algebra and the transformer ops
 
+@lowering(Op.CONV)
+def _conv(ctx: Lowering) -> StepFn:
+    """cuDNN through torch; uneven padding as a pad first."""
+    a = ctx.node.attrs
+    fn = (None, torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[ctx.node.type.rank - 2]
+    even = all(lo == hi for lo, hi in a["pads"])
+    flat = tuple(v for lo, hi in reversed(a["pads"]) for v in (lo, hi))   # torch's pad: last axis first
+
+    def conv(x, w, b=None):
+        x = x if even else torch.nn.functional.pad(x, flat)
+        return fn(x, w, b, a["strides"], tuple(lo for lo, _ in a["pads"]) if even else 0, a["dilations"], a["groups"])
+    return conv
+
+
 @lowering(Op.MATMUL)
 def _matmul(ctx: Lowering) -> StepFn:
     if not ctx.node.dtype.is_float:

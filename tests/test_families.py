@@ -89,6 +89,41 @@ def test_sliding_window_is_what_makes_gemma3_match(reference, tmp_path):
     assert errors[:8].max() < 1e-4 and errors[8:].min() > 1e-3
 
 
+def test_qwen3moe_reads_its_experts_and_renormalised_routing_matters(reference, tmp_path):
+    """The MoE table (8 experts, 3 used, expert width 64); and the comparison can fail: without the
+    renormalised top-k probabilities (norm_topk_prob) the logits are not transformers'."""
+    path = tmp_path / "qwen3moe.gguf"
+    write_family_gguf("qwen3moe", path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    assert (cfg.family, cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn_dim, cfg.norm_top_k, cfg.head_dim) == \
+        ("qwen3moe", 8, 3, 64, True, 32)
+    cfg.norm_top_k = False
+    exe = models.build(cfg, model.tensors, str(path), all_logits=True).compile(24)
+    (logits,) = exe.run({"tokens": reference["qwen3moe.prompt"], "pos": np.int32(0)})
+    assert rel_l2_rows(logits, reference["qwen3moe.logits"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("key, value", [("expert_shared_count", 1), ("expert_gating_func", 2)])
+def test_qwen3moe_variants_ingot_lacks_are_refused_by_name(tmp_path, key, value):
+    path = tmp_path / "moe.gguf"
+    _write_gguf(path, "qwen3moe", **{"qwen3moe.block_count": 1, "qwen3moe.embedding_length": 4,
+                                     "qwen3moe.attention.head_count": 1, "qwen3moe.feed_forward_length": 8,
+                                     "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
+                                     "qwen3moe.expert_feed_forward_length": 8, f"qwen3moe.{key}": value})
+    with pytest.raises(IngotError, match=f"qwen3moe.{key} = {value} is not supported"):
+        models.config_from_gguf(read_gguf(path, lazy=True))
+
+
+def test_qwen3moe_is_refused_as_an_llm_package_not_stored_wrong(tmp_path):
+    from ingot.convert import convert
+
+    write_family_gguf("qwen3moe", tmp_path / "moe.gguf")
+    with pytest.raises(IngotError, match=r"mixture-of-experts model \(qwen3moe\) cannot be stored"):
+        convert(tmp_path / "moe.gguf", tmp_path / "moe.ingot")
+    assert not (tmp_path / "moe.ingot").exists()
+
+
 def _write_gguf(path: Path, arch: str, **metadata) -> None:
     import gguf
     w = gguf.GGUFWriter(str(path), arch)
@@ -153,7 +188,7 @@ def test_fixture_is_what_transformers_computes_now(reference, tmp_path):
     sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
     from make_family_fixture import reference as live
 
-    for name in ("qwen3", "gemma3"):
+    for name in ("qwen3", "gemma3", "qwen3moe"):
         now = live(name, tmp_path)
         np.testing.assert_array_equal(now[f"{name}.greedy"], reference[f"{name}.greedy"])
         assert rel_l2_rows(now[f"{name}.logits"], reference[f"{name}.logits"]).max() < 1e-5

@@ -463,12 +463,11 @@ _CHUNK_ELEMS = 1 << 19  # rows are converted in chunks of about this many values
 
 
 def convert_quant(path: str, t, spec: _QSpec) -> QuantizedTensor:
+    # a 3-D tensor (a stack of expert matrices [E, R, C]) reads as the 2-D matrix of its rows [E * R, C];
+    # the model builder splits it by the expert count it reads from the metadata
     ne = [int(x) for x in t.shape]
-    if len(ne) > 2 and any(x != 1 for x in ne[2:]):
-        raise IngotError(f"{path}: tensor {t.name} is a quantized {len(ne)}-D tensor (ne={ne}); Ingot imports "
-                         f"quantized tensors only as 2-D matrices.")
     cols = ne[0]
-    rows = ne[1] if len(ne) > 1 else 1
+    rows = int(np.prod(ne[1:], dtype=np.int64)) if len(ne) > 1 else 1
     gbs = _gguf.GGML_QUANT_SIZES[t.tensor_type][0]
     nb = cols // gbs
     raw = np.asarray(t.data).reshape(rows, nb * spec.block.itemsize)

@@ -87,6 +87,9 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     path = Path(path)
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / "manifest.json").is_file())):
         raise IngotError(f"save: {path} exists and is not an Ingot package; refusing to replace it.")
+    if getattr(cfg, "n_experts", 0):
+        raise IngotError(f"save: {path}: a mixture-of-experts model ({cfg.family}) cannot be stored as an Ingot LLM "
+                         f"package yet; run its GGUF file directly.")
     stored = storage_form(cfg, tensors)
     # the stored decode executable's KV cache is short (its zeros are stored too); generate rebuilds
     # the graph from llm.json with the model's own context length

@@ -62,7 +62,7 @@ Config = LlamaConfig
 
 
 def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False,
-          batch: int = 1, rows: int = 0) -> DecoderGraph:
+          batch: int = 1, rows: int = 0, ffn=feed_forward) -> DecoderGraph:
     """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors).
 
     adapter_sites: weight names (e.g. "blk.0.attn_q.weight") whose outputs add a called adapter
@@ -71,6 +71,7 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
     caches [B, nkv, ctx, hd], logits [B, vocab] (row `last` of each sequence) or [B*T, vocab].
     rows=R (continuous batching, `ingot serve`): R independent sequences, one token each, tokens [R],
     positions [R] (each row's own), a cache per row (blk.L.k_cache.r [1, nkv, ctx, hd]), logits [R, vocab].
+    ffn: the feed-forward block, (g, cfg, weights, layer, x) -> x's update (SwiGLU; moe.feed_forward).
 
         >>> m = build(cfg, random_weights(cfg), batch=4)                     # doctest: +SKIP
         >>> m.compile(1).run({"tokens": ids4, "pos": np.int32(p), "last": np.int32(0)})  # doctest: +SKIP
@@ -89,7 +90,7 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
         h = rms_norm(g, cfg, weights, p + "attn_norm.weight", x)
         x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
-        x = x + feed_forward(g, cfg, weights, layer, h)                   # SwiGLU
+        x = x + ffn(g, cfg, weights, layer, h)                            # SwiGLU (or experts)
     logits = output(g, cfg, weights, x, embed, last, batch, all_logits or bool(rows))  # [B, vocab]
     return DecoderGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs, batch=batch)
 

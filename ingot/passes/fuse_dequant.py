@@ -4,6 +4,7 @@
     matmul(x, transpose(dequantize(q, ...)))  -> quantized_matmul(x, q, ..., transpose=True)
     gather(dequantize(q, ...), idx, axis=0|1) -> quantized_gather(q, ..., idx, axis=0|1)
     gather(cast(w_bf16, float32), idx)        -> cast(gather(w_bf16, idx), float32)
+    gather_matmul(x, dequantize(q, ...), idx) -> quantized_gather_matmul(x, idx, q, ...)   (experts)
 
 A bf16 weight's widening cast (kept by fold) is left to the matmul that reads it: backends
 multiply the narrow weight directly (CUDA) or widen it once at load (CPU). A gather of it takes
@@ -53,6 +54,17 @@ def _gather(node: Node, ctx: Context) -> Node | None:
     return Node(Op.QUANTIZED_GATHER, out, src, attrs, node.name)
 
 
+def _gather_matmul(node: Node, ctx: Context) -> Node | None:
+    x, w, idx = node.src
+    if w.op != Op.DEQUANTIZE:
+        return None
+    src = (x, idx) + w.src
+    out = _typed(Op.QUANTIZED_GATHER_MATMUL, src, dict(w.attrs))
+    if out != node.type:
+        return None
+    return Node(Op.QUANTIZED_GATHER_MATMUL, out, src, dict(w.attrs), node.name)
+
+
 def _gather_then_cast(node: Node, ctx: Context) -> Node | None:
     table, idx = node.src
     if not widens_weight(table):
@@ -70,5 +82,6 @@ def _gather_then_cast(node: Node, ctx: Context) -> Node | None:
 
 def fuse_dequantize(program: Program) -> tuple[Program, bool]:
     """Fuse every dequantize into the matmul or gather that reads it; returns (program, changed)."""
-    return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather), ((Op.GATHER,), _gather_then_cast)],
+    return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather), ((Op.GATHER,), _gather_then_cast),
+                                   ((Op.GATHER_MATMUL,), _gather_matmul)],
                          "fuse_dequantize")

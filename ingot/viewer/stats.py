@@ -19,7 +19,7 @@ from ..ops.quant import param_count, unpack
 SAMPLE = 1 << 20
 HEATMAP = 48
 BINS = 48
-QUANT_OPS = {Op.DEQUANTIZE: 0, Op.QUANTIZED_MATMUL: 1, Op.QUANTIZED_GATHER: 0}  # op -> index of q in src
+QUANT_OPS = {Op.DEQUANTIZE: 0, Op.QUANTIZED_MATMUL: 1, Op.QUANTIZED_GATHER: 0, Op.QUANTIZED_GATHER_MATMUL: 2}  # op -> index of q in src
 PARAM_NAMES = ("scale", "zero_point", "bias")
 
 

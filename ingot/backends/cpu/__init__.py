@@ -148,8 +148,15 @@ def _quantized_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     return kernels.quantized_matmul_step(node, out, options.resolved_threads)
 
 
+@lowering(Op.QUANTIZED_GATHER_MATMUL)
+def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
+    """Mixture-of-experts matmul: the chosen experts' packed weights through quantized_matmul's kernels."""
+    from . import experts
+    return experts.quantized_gather_matmul_step(node, lambda expert: _quantized_matmul(expert, None, options))
+
+
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
-WITH_OPTIONS = {Op.QUANTIZED_MATMUL}
+WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL}
 
 
 @lowering(Op.SDPA)

@@ -44,8 +44,8 @@ def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
     f = write_family_gguf(name, folder / f"{name}.gguf")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.gguf", dtype=torch.float32,
                                                  **HF_CONFIG.get(name, {})).eval()
-    if "rope_parameters" in HF_CONFIG.get(name, {}):   # the override took: transformers' rotary embedding is YaRN's
-        assert model.model.rotary_emb.attention_scaling != 1.0, name
+    if "rope_parameters" in HF_CONFIG.get(name, {}):   # the override took: transformers' rotary embedding is YaRN's, ...
+        assert model.model.rotary_emb.rope_type == HF_CONFIG[name]["rope_parameters"]["rope_type"], name
     ids = prompt_ids(f.vocab)
     x = torch.tensor(ids[None].astype(np.int64))
     with torch.no_grad():

@@ -55,14 +55,35 @@ FAMILIES = {
     # Qwen3-MoE: 8 experts, 3 used per token (norm_topk_prob), Q8_0 and Q4_0 expert tensors [E, out, in]
     "qwen3moe": Family("qwen3moe", 2, head_dim=32, rope_base=1e6, eps=1e-6, experts=8, experts_used=3,
                        expert_ffn_dim=64),
+    # Phi-3: fused attn_qkv and gate_up (ffn_up) tensors, LongRoPE over an original context of 16 (the
+    # prompt is longer: the long factors), attn_factor by default from context_length / original, a
+    # sliding window of 8 on every layer
+    "phi3": Family("phi3", 2, sliding_window=8, extra={"rope.scaling.original_context_length": 16}),
+    # Phi-3 within its original context (4096 > 256): the short factors, attn_factor 1, no window, Q8_0
+    "phi3_short": Family("phi3", 2, quant="Q8_0", extra={"rope.scaling.original_context_length": 4096}),
     # YaRN, factor 4 over an original context of 16 (shorter than the prompt)
     "qwen3_yarn": Family("qwen3", 2, head_dim=128, rope_base=1e6, eps=1e-6,
                          extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                 "rope.scaling.original_context_length": 16}),
 }
 
+
+def longrope_factors(head_dim: int) -> dict[str, list[float]]:
+    """The LongRoPE factor tensors the phi3 models carry (deterministic, so HF's config can repeat them)."""
+    half = np.arange(head_dim // 2, dtype=np.float64) / (head_dim // 2)
+    return {"long": (1.0 + 7.0 * half ** 2).astype(np.float32).tolist(),
+            "short": (1.0 + 0.3 * half).astype(np.float32).tolist()}
+
+
+def _phi3_config(original: int, **more) -> dict:
+    return {"original_max_position_embeddings": original, "pad_token_id": None, **more,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": original,
+                                "long_factor": longrope_factors(16)["long"], "short_factor": longrope_factors(16)["short"]}}
+
+
 # what transformers' GGUF reader does not take from the file, given to from_pretrained (the same values)
-HF_CONFIG = {"qwen3moe": {"moe_intermediate_size": 64},   # it reads no qwen3moe.expert_feed_forward_length
+HF_CONFIG = {"phi3": _phi3_config(16, sliding_window=8), "phi3_short": _phi3_config(4096),
+             "qwen3moe": {"moe_intermediate_size": 64},   # it reads no qwen3moe.expert_feed_forward_length
              "qwen3_yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                                 "rope_theta": 1e6}}}
 
@@ -96,6 +117,10 @@ def write_family_gguf(name: str, path, seed: int = 0) -> Family:
         w.add_value_length(f.head_dim)
     if f.sliding_window:
         w.add_sliding_window(f.sliding_window)
+    if f.arch == "phi3":
+        w.add_rope_dimension_count(f.head_dim)
+        for kind, factors in longrope_factors(f.head_dim).items():
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(factors, np.float32))
     if f.experts:
         w.add_expert_count(f.experts)
         w.add_expert_used_count(f.experts_used)
@@ -119,9 +144,12 @@ def write_family_gguf(name: str, path, seed: int = 0) -> Family:
     for i in range(f.n_layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(f.dim))
-        _add_matrix(w, p + "attn_q.weight", matrix(q_rows, f.dim), f.quant)
-        _add_matrix(w, p + "attn_k.weight", matrix(kv_rows, f.dim), f.quant)
-        _add_matrix(w, p + "attn_v.weight", matrix(kv_rows, f.dim), f.quant)
+        if f.arch == "phi3":   # q, k, v rows in one tensor
+            _add_matrix(w, p + "attn_qkv.weight", matrix(q_rows + 2 * kv_rows, f.dim), f.quant)
+        else:
+            _add_matrix(w, p + "attn_q.weight", matrix(q_rows, f.dim), f.quant)
+            _add_matrix(w, p + "attn_k.weight", matrix(kv_rows, f.dim), f.quant)
+            _add_matrix(w, p + "attn_v.weight", matrix(kv_rows, f.dim), f.quant)
         if f.arch == "qwen2":
             for n, rows in (("attn_q.bias", q_rows), ("attn_k.bias", kv_rows), ("attn_v.bias", kv_rows)):
                 w.add_tensor(p + n, (0.1 * rng.standard_normal(rows)).astype(np.float32))
@@ -138,6 +166,9 @@ def write_family_gguf(name: str, path, seed: int = 0) -> Family:
             _add_matrix(w, p + "ffn_gate_exps.weight", np.stack([matrix(h, f.dim) for _ in range(e)]), f.expert_quant)
             _add_matrix(w, p + "ffn_up_exps.weight", np.stack([matrix(h, f.dim) for _ in range(e)]), f.expert_quant)
             _add_matrix(w, p + "ffn_down_exps.weight", np.stack([matrix(f.dim, h) for _ in range(e)]), "Q4_0")
+        elif f.arch == "phi3":   # gate rows, then up rows, in one tensor
+            _add_matrix(w, p + "ffn_up.weight", matrix(2 * f.ffn_dim, f.dim), f.quant)
+            _add_matrix(w, p + "ffn_down.weight", matrix(f.dim, f.ffn_dim), f.quant)
         else:
             _add_matrix(w, p + "ffn_gate.weight", matrix(f.ffn_dim, f.dim), f.quant)
             _add_matrix(w, p + "ffn_up.weight", matrix(f.ffn_dim, f.dim), f.quant)

@@ -89,6 +89,42 @@ def test_sliding_window_is_what_makes_gemma3_match(reference, tmp_path):
     assert errors[:8].max() < 1e-4 and errors[8:].min() > 1e-3
 
 
+def test_phi3_reads_longrope_and_each_part_of_it_matters(reference, tmp_path):
+    """Phi-3's table (LongRoPE over an original context of 16, attn_factor sqrt(1 + ln 16 / ln 16), a
+    window of 8); and the comparison can fail: the short factors, no attention factor or no window
+    each give logits that are not transformers'."""
+    import dataclasses
+    path = tmp_path / "phi3.gguf"
+    write_family_gguf("phi3", path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    assert (cfg.family, cfg.rope_scaling, cfg.rope_original_context, cfg.sliding_window, cfg.rope_interleaved) == \
+        ("phi3", "longrope", 16, 8, False)
+    assert cfg.rope_attn_factor == pytest.approx(2 ** 0.5)
+    cfg.context_length = 64
+    for change in ({"rope_original_context": 64}, {"rope_attn_factor": 1.0}, {"sliding_window": 0}):
+        exe = models.build(dataclasses.replace(cfg, **change), model.tensors, str(path), all_logits=True).compile(24)
+        (logits,) = exe.run({"tokens": reference["phi3.prompt"], "pos": np.int32(0)})
+        assert rel_l2_rows(logits, reference["phi3.logits"]).max() > 1e-3, change
+
+
+def test_longrope_needs_both_factor_tensors(tmp_path):
+    import gguf
+    path = tmp_path / "half.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    for key, value in (("block_count", 1), ("embedding_length", 4), ("attention.head_count", 1),
+                       ("feed_forward_length", 8), ("rope.scaling.original_context_length", 16)):
+        w.add_uint32(f"phi3.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.add_tensor("rope_factors_long.weight", np.ones(2, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(IngotError, match="LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight"):
+        models.config_from_gguf(read_gguf(path, lazy=True))
+
+
 def test_qwen3moe_reads_its_experts_and_renormalised_routing_matters(reference, tmp_path):
     """The MoE table (8 experts, 3 used, expert width 64); and the comparison can fail: without the
     renormalised top-k probabilities (norm_topk_prob) the logits are not transformers'."""
@@ -225,7 +261,14 @@ def test_gemma_without_a_template_gets_its_own_turn_format_and_stops_at_end_of_t
     assert tok.eos_ids == {tokens.index("<eos>"), tokens.index("<end_of_turn>")}
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_phi3_without_a_template_gets_its_own_turn_format_and_stops_at_end():
+    tok, tokens = tokenizer_for("phi3")
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<bos><|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    assert tok.eos_ids == {tokens.index("<eos>"), tokens.index("<|end|>")}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "qwen3moe"])
 def test_chatml_families_without_a_template_stop_at_im_end(architecture):
     tok, tokens = tokenizer_for(architecture)
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -256,7 +299,7 @@ def test_random_weights_of_a_family_build_and_run(family):
     assert logits.shape == (1, 100) and np.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3"])
 def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path):
     """`ingot convert` of a family's GGUF: the package reads back as that family (its config class)
     and gives transformers' logits too."""

@@ -32,6 +32,9 @@ _PARAMS = ("scale", "bias", "zero_point", "lut")
 STORED_CONTEXT = 256
 
 
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def is_llm_package(path) -> bool:
     return Path(path).is_dir() and (Path(path) / LLM_FILE).is_file()
 
@@ -90,7 +93,8 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     if getattr(cfg, "n_experts", 0):
         raise IngotError(f"save: {path}: a mixture-of-experts model ({cfg.family}) cannot be stored as an Ingot LLM "
                          f"package yet; run its GGUF file directly.")
-    stored = storage_form(cfg, tensors)
+    unfused = getattr(models.family(architecture), "unfused", None)   # e.g. Phi-3's attn_qkv as attn_q/k/v rows
+    stored = storage_form(cfg, tensors if unfused is None else unfused(cfg, tensors, str(path)))
     # the stored decode executable's KV cache is short (its zeros are stored too); generate rebuilds
     # the graph from llm.json with the model's own context length
     model = models.build(replace(cfg, context_length=min(cfg.context_length, STORED_CONTEXT)), stored, str(path),
@@ -117,6 +121,9 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     if "rope_freqs.weight" in tensors:
         info["rope_freqs"] = np.asarray(tensors["rope_freqs.weight"], np.float32).tolist()
         layout.pop("rope_freqs.weight", None)
+    factors = {n: np.asarray(tensors[n], np.float32).tolist() for n in LONGROPE_TENSORS if n in tensors}
+    if factors:   # LongRoPE's (Phi-3): read when the graph is built, not graph constants
+        info["rope_factors"] = factors
     with package.atomic_directory(path) as staged:
         package.save(decoder, staged)
         (staged / LLM_FILE).write_text(json.dumps(info, default=_json_value))
@@ -169,6 +176,10 @@ def read_llm(path) -> StoredModel:
                 tensors[name] = weights[name]
         if "rope_freqs" in info:
             tensors["rope_freqs.weight"] = np.asarray(info["rope_freqs"], np.float32)
+        for name, values in dict(info.get("rope_factors", {})).items():
+            if name not in LONGROPE_TENSORS:
+                raise IngotError(f"rope_factors names {short(name)}, not one of {', '.join(LONGROPE_TENSORS)}.")
+            tensors[name] = np.asarray(values, np.float32).reshape(-1)
     except IngotError as e:
         raise IngotError(f"{path}: {LLM_FILE}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:

@@ -18,7 +18,7 @@ from ..errors import IngotError
 # and "smollm" are kept for files written by other tools.
 FAMILIES = {
     "llama": "llama", "mistral": "llama", "smollm": "llama", "qwen2": "llama",
-    "qwen3": "qwen3", "qwen3moe": "qwen3moe",
+    "qwen3": "qwen3", "qwen3moe": "qwen3moe", "phi3": "phi3",
     "gemma2": "gemma", "gemma3": "gemma",
 }
 

@@ -45,8 +45,9 @@ class DecoderConfig:
     rope_dims: int = 0
     rope_interleaved: bool = True       # GGUF stores Llama's Q/K permuted for llama.cpp's interleaved RoPE
     rope_scale: float = 1.0             # linear position scaling (YaRN: its factor)
-    rope_scaling: str = ""              # "" (none or linear by rope_scale) or "yarn"
-    rope_original_context: int = 0      # YaRN: the context the model was trained with
+    rope_scaling: str = ""              # "" (none or linear by rope_scale), "yarn" or "longrope"
+    rope_original_context: int = 0      # YaRN, LongRoPE: the context the model was trained with
+    rope_attn_factor: float = 1.0       # LongRoPE: what cos and sin are multiplied by (the scores by its square)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     norm_eps: float = 1e-5
@@ -77,8 +78,15 @@ class DecoderConfig:
             value = getattr(self, name)
             if not _finite(value) or value < 0 or (value == 0 and name != "norm_eps"):
                 raise IngotError(f"{self.family}: {name} must be a finite positive number, not {value!r}.")
-        if self.rope_scaling not in ("", "linear", "yarn"):
-            raise IngotError(f"{self.family}: rope_scaling must be '', 'linear' or 'yarn', not {self.rope_scaling!r}.")
+        if self.rope_scaling not in ("", "linear", "yarn", "longrope"):
+            raise IngotError(f"{self.family}: rope_scaling must be '', 'linear', 'yarn' or 'longrope', not {self.rope_scaling!r}.")
+        if self.rope_scaling == "longrope" and (
+                isinstance(self.rope_original_context, bool) or not isinstance(self.rope_original_context, (int, np.integer))
+                or not 1 <= self.rope_original_context <= MAX_DIMENSION or not _finite(self.rope_attn_factor)
+                or self.rope_attn_factor <= 0 or self.rope_dims not in (0, self.head_dim or self.dim // self.n_heads)):
+            raise IngotError(f"{self.family}: LongRoPE needs an original context in 1..{MAX_DIMENSION}, a positive "
+                             f"attention factor and RoPE over whole heads, not {self.rope_original_context!r}, "
+                             f"{self.rope_attn_factor!r}, rope_dims {self.rope_dims}.")
         if self.rope_scaling == "yarn" and (isinstance(self.rope_original_context, bool) or not isinstance(
                 self.rope_original_context, (int, np.integer)) or not 1 <= self.rope_original_context <= MAX_DIMENSION
                 or not all(_finite(b) and b > 0 for b in (self.yarn_beta_fast, self.yarn_beta_slow))
@@ -168,9 +176,9 @@ def rope_scaling(model) -> dict[str, Any]:
 
     arch = model.architecture
     kind = metadata_str(model, f"{arch}.rope.scaling.type")
-    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-        if name in model.tensors:
-            raise IngotError(f"{model.path}: tensor {name} asks for LongRoPE scaling, which Ingot does not implement.")
+    factors = [name for name in ("rope_factors_long.weight", "rope_factors_short.weight") if name in model.tensors]
+    if factors:
+        return longrope_scaling(model, factors, kind)
     if kind is None or kind == "none":
         return {}
     factor = f"{arch}.rope.scaling.factor"
@@ -191,7 +199,29 @@ def rope_scaling(model) -> dict[str, Any]:
                 "yarn_beta_fast": metadata_float(model, f"{arch}.rope.scaling.yarn_beta_fast", 32.0, exclusive_minimum=True),
                 "yarn_beta_slow": metadata_float(model, f"{arch}.rope.scaling.yarn_beta_slow", 1.0, exclusive_minimum=True)}
     raise IngotError(f"{model.path}: RoPE scaling {short(kind)} ({arch}.rope.scaling.type) is not supported; Ingot "
-                     f"implements 'linear', 'yarn' and Llama 3's rope_freqs, not LongRoPE.")
+                     f"implements 'linear', 'yarn', Llama 3's rope_freqs and LongRoPE (rope_factors_long/short tensors).")
+
+
+def longrope_scaling(model, factors: list[str], kind) -> dict[str, Any]:
+    """Config fields for LongRoPE (Phi-3/3.5): the tensors rope_factors_long/short.weight divide the
+    frequencies (see `decoder_rope`), `{arch}.rope.scaling.original_context_length` says which set a
+    context needs, and cos/sin are multiplied by `{arch}.rope.scaling.attn_factor` (default, as
+    transformers: sqrt(1 + ln(s) / ln(original)), s = context_length / original, when s > 1)."""
+    from ..untrusted import metadata_float, metadata_int, short
+
+    arch = model.architecture
+    if kind not in (None, "none", "longrope", "su"):
+        raise IngotError(f"{model.path}: RoPE scaling {short(kind)} ({arch}.rope.scaling.type) with LongRoPE factor "
+                         f"tensors is not supported.")
+    if len(factors) != 2:
+        raise IngotError(f"{model.path}: LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight; "
+                         f"the file has only {factors[0]}.")
+    original = metadata_int(model, f"{arch}.rope.scaling.original_context_length", None, 1, MAX_DIMENSION)
+    trained = metadata_int(model, f"{arch}.context_length", original, 1, MAX_DIMENSION)
+    stretch = trained / original
+    default = math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1 and original > 1 else 1.0
+    return {"rope_scaling": "longrope", "rope_original_context": original,
+            "rope_attn_factor": metadata_float(model, f"{arch}.rope.scaling.attn_factor", default, exclusive_minimum=True)}
 
 
 def rope_frequencies(rope_dims: int, base: float, scale: float = 1.0, tensors=None,
@@ -220,7 +250,19 @@ def rope_frequencies(rope_dims: int, base: float, scale: float = 1.0, tensors=No
 
 def decoder_rope(cfg: DecoderConfig, tensors=None) -> tuple[np.ndarray, float | None]:
     """(inverse frequencies, the attention scale or None for 1 / sqrt(hd)) of cfg's RoPE and scaling.
-    YaRN multiplies cos and sin by 0.1 ln(factor) + 1, i.e. the scores by its square."""
+    YaRN multiplies cos and sin by 0.1 ln(factor) + 1, i.e. the scores by its square. LongRoPE divides
+    the frequencies by rope_factors_long.weight when the context (cfg.context_length, what the KV cache
+    holds) exceeds the original one, by rope_factors_short.weight otherwise (llama.cpp's rule;
+    transformers switches per call, by the longest position, so the two agree while every position
+    is on one side), and multiplies cos and sin by rope_attn_factor."""
+    if cfg.rope_scaling == "longrope":
+        name = "rope_factors_long.weight" if cfg.context_length > cfg.rope_original_context else "rope_factors_short.weight"
+        factors = np.asarray(tensors[name] if tensors is not None and name in tensors else (), np.float32)
+        if factors.shape != (cfg.rope_dims // 2,) or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+            raise IngotError(f"{cfg.family}: tensor {name} must hold {cfg.rope_dims // 2} positive factors, "
+                             f"not {factors.size} values.")
+        inv_freq = (rope_inv_freq(cfg.rope_dims, cfg.rope_base) / factors).astype(np.float32)
+        return inv_freq, cfg.rope_attn_factor ** 2 / math.sqrt(cfg.head_dim)
     if cfg.rope_scaling != "yarn":
         return rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale, tensors), None
     inv_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale,

@@ -88,7 +88,9 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}."
         h = rms_norm(g, cfg, weights, p + "attn_norm.weight", x)
-        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows)
+        window = cfg.window(layer) if hasattr(cfg, "window") else 0         # Phi-3's sliding window
+        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows,
+                          window=window)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
         x = x + ffn(g, cfg, weights, layer, h)                            # SwiGLU (or experts)
     logits = output(g, cfg, weights, x, embed, last, batch, all_logits or bool(rows))  # [B, vocab]

@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from family_models import FAMILIES, HF_CONFIG, write_family_gguf  # noqa: E402
+from family_models import FAMILIES, HF_CONFIG, HF_TWIN, write_family_gguf  # noqa: E402
 
 PROMPT_LENGTH, GENERATED = 24, 32
 
@@ -42,8 +42,23 @@ def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
     from transformers import AutoModelForCausalLM
 
     f = write_family_gguf(name, folder / f"{name}.gguf")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.gguf", dtype=torch.float32,
-                                                 **HF_CONFIG.get(name, {})).eval()
+    if name in HF_TWIN:   # transformers reads the same tensors written as a family it knows, runs them in its own model
+        import transformers
+        arch, model_class, config_class = HF_TWIN[name]
+        write_family_gguf(name, folder / f"{name}.{arch}.gguf", arch=arch)
+        twin = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.{arch}.gguf", dtype=torch.float32)
+        c = twin.config
+        config = getattr(transformers, config_class)(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": f.rope_base},
+            tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        model = getattr(transformers, model_class)(config).to(torch.float32).eval()
+        model.load_state_dict(twin.state_dict(), strict=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"{name}.gguf", dtype=torch.float32,
+                                                     **HF_CONFIG.get(name, {})).eval()
     if "rope_parameters" in HF_CONFIG.get(name, {}):   # the override took: transformers' rotary embedding is YaRN's, ...
         assert model.model.rotary_emb.rope_type == HF_CONFIG[name]["rope_parameters"]["rope_type"], name
     ids = prompt_ids(f.vocab)

@@ -61,6 +61,9 @@ FAMILIES = {
     "phi3": Family("phi3", 2, sliding_window=8, extra={"rope.scaling.original_context_length": 16}),
     # Phi-3 within its original context (4096 > 256): the short factors, attn_factor 1, no window, Q8_0
     "phi3_short": Family("phi3", 2, quant="Q8_0", extra={"rope.scaling.original_context_length": 4096}),
+    # SmolLM3: Llama's layout, layer 3 without RoPE (transformers cannot read this GGUF: the reference
+    # is its SmolLM3 model holding the weights it reads from the same file written as "llama")
+    "smollm3": Family("smollm3", 4, rope_base=5e6, eps=1e-6, quant="Q8_0"),
     # YaRN, factor 4 over an original context of 16 (shorter than the prompt)
     "qwen3_yarn": Family("qwen3", 2, head_dim=128, rope_base=1e6, eps=1e-6,
                          extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
@@ -97,9 +100,18 @@ def _add_matrix(w: gguf.GGUFWriter, name: str, m: np.ndarray, quant: str) -> Non
         w.add_tensor(name, m.astype(np.float32))
 
 
-def write_family_gguf(name: str, path, seed: int = 0) -> Family:
-    """Write the tiny model of family `name` (a key of FAMILIES) to path; returns its Family."""
+# families transformers' GGUF reader does not take: (the architecture to write the twin file as,
+# the transformers model class and config class that run the weights it reads from that twin)
+HF_TWIN = {"smollm3": ("llama", "SmolLM3ForCausalLM", "SmolLM3Config")}
+
+
+def write_family_gguf(name: str, path, seed: int = 0, arch: str | None = None) -> Family:
+    """Write the tiny model of family `name` (a key of FAMILIES) to path; returns its Family.
+    arch: write it as another architecture (the same tensors; metadata keys under that prefix)."""
     f = FAMILIES[name]
+    if arch is not None:
+        import dataclasses
+        f = dataclasses.replace(f, arch=arch)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), f.arch)
     w.add_name(f"tiny-{name}")

@@ -125,6 +125,21 @@ def test_longrope_needs_both_factor_tensors(tmp_path):
         models.config_from_gguf(read_gguf(path, lazy=True))
 
 
+def test_smollm3_leaves_rope_out_of_every_fourth_layer(reference, tmp_path):
+    """SmolLM3's NoPE layers (layer 3 of 4); and the comparison can fail: with RoPE in every layer the
+    logits are not transformers'."""
+    path = tmp_path / "smollm3.gguf"
+    write_family_gguf("smollm3", path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    assert (cfg.family, cfg.no_rope_interval, [cfg.rope_in(i) for i in range(8)]) == \
+        ("llama", 4, [True, True, True, False, True, True, True, False])
+    cfg.no_rope_interval = 0
+    exe = models.build(cfg, model.tensors, str(path), all_logits=True).compile(24)
+    (logits,) = exe.run({"tokens": reference["smollm3.prompt"], "pos": np.int32(0)})
+    assert rel_l2_rows(logits, reference["smollm3.logits"]).max() > 1e-3
+
+
 def test_qwen3moe_reads_its_experts_and_renormalised_routing_matters(reference, tmp_path):
     """The MoE table (8 experts, 3 used, expert width 64); and the comparison can fail: without the
     renormalised top-k probabilities (norm_topk_prob) the logits are not transformers'."""
@@ -299,7 +314,7 @@ def test_random_weights_of_a_family_build_and_run(family):
     assert logits.shape == (1, 100) and np.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3", "smollm3"])
 def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path):
     """`ingot convert` of a family's GGUF: the package reads back as that family (its config class)
     and gives transformers' logits too."""

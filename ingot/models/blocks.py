@@ -455,8 +455,8 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
     x: [B*T, dim], B sequences of T tokens (sequence-major), all at position `pos`. qk_norm: rms_norm
     of each head of q and k (weights attn_q_norm/attn_k_norm [hd]) before RoPE; window: sliding-window
     attention over the last `window` positions; softcap: scores c * tanh(s / c); scale: of the
-    scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base).
-    rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
+    scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base);
+    inv_freq None: no RoPE at all (SmolLM3's NoPE layers). rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
     positions [rows] (see `row_attention`); batch is 1."""
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -474,9 +474,10 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
     if qk_norm:                                                       # per head, over hd
         q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
         k = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k)
-    rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
-    q = g.rope(q, pos, **rope)                                        # [B, nh, T, hd]
-    k = g.rope(k, pos, **rope)                                        # [B, nkv, T, hd]
+    if inv_freq is not None:
+        rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
+        q = g.rope(q, pos, **rope)                                    # [B, nh, T, hd]
+        k = g.rope(k, pos, **rope)                                    # [B, nkv, T, hd]
     k_cache, v_cache = kv_cache(g, cfg, layer, batch)
     k_all = g.slice_update(k_cache, k, [0, 0, pos, 0])                # written in place by the compiler
     v_all = g.slice_update(v_cache, v, [0, 0, pos, 0])
@@ -522,7 +523,8 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
         if qk_norm:
             q_r = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q_r)
             k_r = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k_r)
-        q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
+        if inv_freq is not None:
+            q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
         k_cache, v_cache = row_cache(g, cfg, layer, r)
         k_all = g.slice_update(k_cache, k_r, [0, 0, pos, 0])          # written in place by the compiler
         v_all = g.slice_update(v_cache, v_r, [0, 0, pos, 0])

@@ -8,7 +8,8 @@ as two variables per layer, and a token placeholder whose length is dynamic (see
 
 build(batch=B) decodes B sequences in lockstep (one shared position): tokens [B*T], KV caches
 [B, nkv, ctx, hd], logits [B, vocab]. Mistral 7B and SmolLM2 files say "llama"; Qwen2 differs in
-its q/k/v biases (found in the tensors) and NEOX RoPE; Qwen3 (qwen3.py) adds QK-norm.
+its q/k/v biases (found in the tensors) and NEOX RoPE; Qwen3 (qwen3.py) adds QK-norm. SmolLM3
+(smollm3) leaves RoPE out of every 4th layer (NoPE).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .blocks import (MAX_DIMENSION, DecoderConfig, DecoderGraph, Key, Weights, a
                      decoder_rope, embedding, feed_forward, inputs, linear, linear_split, output, rms_norm, rope_frequencies,
                      checked_rows, row_inputs)
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm", "smollm3")
+NO_ROPE_INTERVAL = {"smollm3": 4}      # every 4th layer has no RoPE (llama.cpp's n_no_rope_layer_step; no GGUF key)
 LlamaGraph = DecoderGraph
 
 # GGUF metadata `{architecture}.{key}` -> LlamaConfig field
@@ -46,6 +48,18 @@ GGUF_KEYS = (
 @dataclass
 class LlamaConfig(DecoderConfig):
     qk_norm: bool = False               # rms_norm of each q and k head before RoPE (Qwen3)
+    no_rope_interval: int = 0           # n > 0: layers n-1, 2n-1, ... attend without RoPE (SmolLM3's NoPE); 0: none
+
+    def validate(self) -> None:
+        super().validate()
+        n = self.no_rope_interval
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_DIMENSION:
+            raise IngotError(f"{self.family}: no_rope_interval must be an integer in 0..{MAX_DIMENSION}, not {n!r}.")
+
+    def rope_in(self, layer: int) -> bool:
+        """Whether `layer` rotates q and k (False for a NoPE layer)."""
+        n = self.no_rope_interval
+        return not n or (layer + 1) % n != 0
 
     family = "llama"
 
@@ -55,7 +69,8 @@ class LlamaConfig(DecoderConfig):
             raise IngotError(f"{model.path}: architecture {model.architecture!r} is not a Llama-family one "
                              f"({', '.join(ARCHITECTURES)}).")
         # llama.cpp runs qwen2 with NEOX (half-split) RoPE; llama files store Q/K permuted for interleaved
-        return config_from_gguf(cls, model, GGUF_KEYS, rope_interleaved=model.architecture != "qwen2")
+        return config_from_gguf(cls, model, GGUF_KEYS, rope_interleaved=model.architecture != "qwen2",
+                                no_rope_interval=NO_ROPE_INTERVAL.get(model.architecture, 0))
 
 
 Config = LlamaConfig
@@ -89,7 +104,8 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
         p = f"blk.{layer}."
         h = rms_norm(g, cfg, weights, p + "attn_norm.weight", x)
         window = cfg.window(layer) if hasattr(cfg, "window") else 0         # Phi-3's sliding window
-        x = x + attention(g, cfg, weights, layer, h, pos, inv_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows,
+        layer_freq = inv_freq if not hasattr(cfg, "rope_in") or cfg.rope_in(layer) else None   # None: NoPE
+        x = x + attention(g, cfg, weights, layer, h, pos, layer_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows,
                           window=window)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
         x = x + ffn(g, cfg, weights, layer, h)                            # SwiGLU (or experts)

@@ -106,6 +106,15 @@ class Graph:
         node_type = infer_type(op, [n.type for n in nodes], attrs)
         return Tensor(self, Node(op, node_type, nodes, attrs, name))
 
+    def op(self, op: Op, inputs: Sequence[Tensor], attrs: dict[str, Any] | None = None, name: str | None = None) -> Tensor:
+        """Any IR op by its enum entry, for the ops without a builder method of their own.
+
+            >>> g = Graph(); x = g.placeholder((3,), name="x")
+            >>> g.op(Op.FLOOR, [x]).type
+            float32[3]
+        """
+        return self._op(op, inputs, attrs, name)
+
     def _own(self, t: Tensor) -> Tensor:
         if not isinstance(t, Tensor):
             raise IngotError(f"expected an ingot Tensor, got {type(t).__name__}.")

@@ -58,6 +58,15 @@ class Op(enum.IntEnum):
     # mixture-of-experts routing (ops/moe.py)
     TOP_K = enum.auto(); TAKE_ALONG_AXIS = enum.auto(); GATHER_MATMUL = enum.auto()
     QUANTIZED_GATHER_MATMUL = enum.auto()
+    # ONNX breadth: a cast to a format Ingot stores wider (float8, float4, int4, int2), more unary math,
+    # bitwise ops, float mod, a product reduction (ops/elementwise.py, reduce.py)
+    NARROW_CAST = enum.auto()
+    FLOOR = enum.auto(); CEIL = enum.auto(); ROUND = enum.auto(); TAN = enum.auto(); ASIN = enum.auto()
+    ACOS = enum.auto(); ATAN = enum.auto(); SINH = enum.auto(); COSH = enum.auto(); ASINH = enum.auto()
+    ACOSH = enum.auto(); ATANH = enum.auto()
+    BITWISE_AND = enum.auto(); BITWISE_OR = enum.auto(); BITWISE_XOR = enum.auto(); BITWISE_NOT = enum.auto()
+    SHIFT_LEFT = enum.auto(); SHIFT_RIGHT = enum.auto()
+    PROD = enum.auto(); MOD = enum.auto()
 
 
 class GroupOp:

@@ -946,6 +946,87 @@ add(OpCase("irfft-rfft-roundtrip-odd-n13", (In((7, 13), F32),), lambda g, x: g.i
 add(OpCase("ifft-fft-roundtrip-axes01", (In((7, 13), C64, complex_normal()),), lambda g, x: g.ifft(g.fft(x, axes=(0, 1)), axes=(0, 1)),
            lambda x: x, out=C64, atol_by_scale=True))
 
+# == ONNX breadth: more unary math, bitwise ops, shifts, mod, product, narrow casts ================
+from ingot.ir import Op  # noqa: E402
+
+MORE_UNARY = [  # op, reference, sampler
+    (Op.FLOOR, np.floor, normal(3)), (Op.CEIL, np.ceil, normal(3)),
+    (Op.ROUND, np.round, lambda rng, shape: np.round(rng.standard_normal(shape) * 6) / 2),  # halves: to even
+    (Op.TAN, np.tan, uniform(-1.4, 1.4)), (Op.ASIN, np.arcsin, uniform(-0.99, 0.99)),
+    (Op.ACOS, np.arccos, uniform(-0.99, 0.99)), (Op.ATAN, np.arctan, normal(3)), (Op.SINH, np.sinh, normal(2)),
+    (Op.COSH, np.cosh, normal(2)), (Op.ASINH, np.arcsinh, normal(3)), (Op.ACOSH, np.arccosh, uniform(1.01, 9)),
+    (Op.ATANH, np.arctanh, uniform(-0.95, 0.95)),
+]
+for _op, _ref, _sample in MORE_UNARY:
+    for _dtype, _shape in ((F32, (7, 13)), (F32, ()), (F16, (3, 5, 11))):
+        add(OpCase(f"{_op.name.lower()}-{_dtype.name}-{shape_id(_shape)}", (In(_shape, _dtype, _sample),),
+                   lambda g, x, _op=_op: g.op(_op, [x]), _ref))
+for _op, _ref in [(Op.BITWISE_AND, np.bitwise_and), (Op.BITWISE_OR, np.bitwise_or), (Op.BITWISE_XOR, np.bitwise_xor)]:
+    for _dtype, _lo, _hi in ((I32, -2**31, 2**31 - 1), (U8, 0, 255), (I8, -128, 127)):
+        add(OpCase(f"{_op.name.lower()}-{_dtype.name}-broadcast", (In((7, 13), _dtype, integers(_lo, _hi)),
+                   In((13,), _dtype, integers(_lo, _hi))), lambda g, a, b, _op=_op: g.op(_op, [a, b]), _ref))
+add(OpCase("bitwise_not-int64", (In((5, 9), I64, integers(-2**40, 2**40)),), lambda g, x: g.op(Op.BITWISE_NOT, [x]),
+           np.invert))
+
+
+def shift_reference(left: bool, width: int, signed: bool):
+    """Shifts on Python integers: wrap to `width` bits; out-of-range amounts give 0 (or -1, right, negative)."""
+    def ref(x, n):
+        out = []
+        for v, k in zip(np.broadcast_to(x, np.broadcast_shapes(x.shape, n.shape)).ravel().tolist(),
+                        np.broadcast_to(n, np.broadcast_shapes(x.shape, n.shape)).ravel().tolist()):
+            if not 0 <= k < width:
+                out.append(-1 if (not left and signed and v < 0) else 0)
+                continue
+            r = (v << k) % (1 << width) if left else v >> k
+            r = r - (1 << width) if signed and left and r >= 1 << (width - 1) else r
+            out.append(r - (1 << 64) if r >= 1 << 63 else r)   # a uint64 value as the bits of its int64 storage
+        return np.array(out).reshape(np.broadcast_shapes(x.shape, n.shape))
+    return ref
+
+
+for _left in (True, False):
+    _op = Op.SHIFT_LEFT if _left else Op.SHIFT_RIGHT
+    for _dtype, _attrs, _width, _signed, _lo, _hi in ((U8, {}, 8, False, 0, 255), (I32, {}, 32, True, -2**31, 2**31 - 1),
+                                                       (I32, {"bits": 16, "signed": False}, 16, False, 0, 2**16 - 1),
+                                                       (I32, {"bits": 16, "signed": True}, 16, True, -2**15, 2**15 - 1),
+                                                       (I64, {"bits": 64, "signed": False}, 64, False, 0, 2**62)):
+        add(OpCase(f"{_op.name.lower()}-{_dtype.name}-bits{_width}{'-signed' if _signed else ''}",
+                   (In((6, 7), _dtype, integers(_lo, _hi)), In((7,), _dtype, integers(-1 if _signed else 0, _width + 1))),
+                   lambda g, a, b, _op=_op, _a=_attrs: g.op(_op, [a, b], dict(_a)), shift_reference(_left, _width, _signed)))
+for _fmod, _ref in ((False, np.mod), (True, np.fmod)):
+    add(OpCase(f"mod-fmod{int(_fmod)}-float32", (In((7, 13), F32, normal(5)), In((13,), F32, away_from_zero(0.5, 3))),
+               lambda g, a, b, _f=_fmod: g.op(Op.MOD, [a, b], {"fmod": _f}), _ref))
+for _axes, _keep in (((1,), False), ((0, 2), True), ((0, 1, 2), False)):
+    add(OpCase(f"prod-axes{axes_id(_axes)}-keep{int(_keep)}", (In((3, 5, 4), F32, uniform(0.5, 1.5)),),
+               lambda g, x, _a=_axes, _k=_keep: g.op(Op.PROD, [x], {"axes": _a, "keepdims": _k}),
+               lambda x, _a=_axes, _k=_keep: np.prod(x, axis=_a, keepdims=_k)))
+
+
+def narrow_reference(fmt: str, saturate: bool):
+    def ref(x):
+        target = np.dtype(getattr(ml_dtypes, fmt))
+        if saturate and fmt.startswith("float8"):
+            big = float(ml_dtypes.finfo(target).max)
+            x = np.clip(x, -big, big)
+        return x.astype(np.float32).astype(target).astype(np.float64)
+    return ref
+
+
+_EDGES = lambda rng, shape: np.concatenate([rng.standard_normal(shape[0] - 6) * 50,  # noqa: E731
+                                            [1e6, -1e6, np.inf, -np.inf, 0.1, -0.0]])
+for _fmt in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn"):
+    for _sat in (True, False):
+        add(OpCase(f"narrow_cast-{_fmt}-saturate{int(_sat)}", (In((37,), F32, _EDGES),),
+                   lambda g, x, _f=_fmt, _s=_sat: g.op(Op.NARROW_CAST, [x], {"format": _f, "saturate": _s}),
+                   narrow_reference(_fmt, _sat), tol=0.0))
+add(OpCase("narrow_cast-float8_e8m0fnu-up", (In((5, 7), F32, uniform(0.01, 100)),),
+           lambda g, x: g.op(Op.NARROW_CAST, [x], {"format": "float8_e8m0fnu"}),
+           lambda x: 2.0 ** np.ceil(np.log2(x.astype(np.float32).astype(np.float64))), tol=0.0))
+for _fmt, _lo, _hi, _out in (("int4", -8, 7, I8), ("uint4", 0, 15, U8), ("int2", -2, 1, I8), ("uint2", 0, 3, U8)):
+    add(OpCase(f"narrow_cast-{_fmt}-from-int32", (In((4, 9), I32, integers(_lo, _hi)),),
+               lambda g, x, _f=_fmt: g.op(Op.NARROW_CAST, [x], {"format": _f}), lambda x: x, out=_out))
+
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 

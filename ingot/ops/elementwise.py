@@ -181,3 +181,140 @@ def _complex_rule(types, attrs):
 
 
 register(Op.COMPLEX, _complex_rule, lambda xs, a: (xs[0] + 1j * xs[1]).astype(np.complex64))
+
+
+# -- ONNX breadth: more unary math, bitwise ops, and casts to formats Ingot stores wider --------------
+
+MORE_UNARY = {
+    Op.FLOOR: np.floor, Op.CEIL: np.ceil, Op.ROUND: np.round,   # np.round: halves to even, as ONNX Round
+    Op.TAN: np.tan, Op.ASIN: np.arcsin, Op.ACOS: np.arccos, Op.ATAN: np.arctan, Op.SINH: np.sinh, Op.COSH: np.cosh,
+    Op.ASINH: np.arcsinh, Op.ACOSH: np.arccosh, Op.ATANH: np.arctanh,
+}
+
+
+def _float_unary_rule(op):
+    def rule(types, attrs):
+        (t,) = types
+        if not t.dtype.is_float:
+            raise fail(op, types, "a floating-point input")
+        return t
+    return rule
+
+
+for _op, _fn in MORE_UNARY.items():
+    register(_op, _float_unary_rule(_op), lambda xs, a, _fn=_fn: np.asarray(_lowp(_fn)(xs[0])))
+
+BITWISE = {Op.BITWISE_AND: np.bitwise_and, Op.BITWISE_OR: np.bitwise_or, Op.BITWISE_XOR: np.bitwise_xor}
+
+
+def _bitwise_rule(op):
+    def rule(types, attrs):
+        _no_packed(op, types)
+        if any(not t.dtype.is_int for t in types) or len({t.dtype for t in types}) != 1:
+            raise fail(op, types, "integer inputs of one dtype")
+        return TensorType(broadcast_shapes(op, types), types[0].dtype)
+    return rule
+
+
+def _shift(left: bool):
+    """Shifts as ONNX BitShift defines them: attrs["bits"] is the width of the values when they are held
+    in a wider dtype (ONNX's uint16 in int32), attrs["signed"] whether they are signed (default: the
+    dtype's). Left shifts wrap; right shifts of signed values are arithmetic; a shift by a negative
+    amount or by the width or more gives 0 (-1 for a negative value shifted right)."""
+    def ref(xs, attrs):
+        x, n = np.broadcast_arrays(*(np.asarray(v) for v in xs))
+        full = 8 * x.dtype.itemsize
+        width = attrs.get("bits") or full
+        signed = attrs.get("signed", x.dtype.kind == "i")
+        unsigned = np.dtype(f"u{x.dtype.itemsize}")
+        valid = (n >= 0) & (n < width)
+        amount = np.where(valid, n, 0).astype(unsigned)
+        if left:
+            out = np.left_shift(x.astype(unsigned), amount)
+            if width < full:
+                out &= unsigned.type((1 << width) - 1)
+                if signed:   # sign-extend the narrow value into the wide dtype
+                    sign = unsigned.type(1 << (width - 1))
+                    out = (out ^ sign).astype(x.dtype) - x.dtype.type(1 << (width - 1))
+            return np.where(valid, out.astype(x.dtype), x.dtype.type(0))
+        if signed:
+            return np.where(valid, np.right_shift(x, amount.astype(x.dtype)), np.where(x < 0, x.dtype.type(-1), x.dtype.type(0)))
+        return np.where(valid, np.right_shift(x.astype(unsigned), amount).astype(x.dtype), x.dtype.type(0))
+    return ref
+
+
+def _mod(xs, attrs):
+    a, b = xs
+    return (np.fmod if attrs.get("fmod") else np.mod)(a, b)
+
+
+register(Op.MOD, _binary_rule(Op.MOD), lambda xs, a: np.asarray(_lowp(lambda p, q: _mod((p, q), a))(xs[0], xs[1])))
+
+
+for _op, _fn in BITWISE.items():
+    register(_op, _bitwise_rule(_op), lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))
+register(Op.BITWISE_NOT, lambda types, a: _bitwise_rule(Op.BITWISE_NOT)(types, a), lambda xs, a: np.invert(xs[0]))
+register(Op.SHIFT_LEFT, _bitwise_rule(Op.SHIFT_LEFT), _shift(True))
+register(Op.SHIFT_RIGHT, _bitwise_rule(Op.SHIFT_RIGHT), _shift(False))
+
+
+NARROW_FORMATS = {   # format -> the Ingot dtype its values are held in
+    "float8_e4m3fn": dt.float32, "float8_e4m3fnuz": dt.float32, "float8_e5m2": dt.float32,
+    "float8_e5m2fnuz": dt.float32, "float8_e8m0fnu": dt.float32, "float4_e2m1fn": dt.float32,
+    "int4": dt.int8, "uint4": dt.uint8, "int2": dt.int8, "uint2": dt.uint8,
+}
+
+
+def _narrow_cast_rule(types, attrs):
+    (t,) = types
+    _no_packed(Op.NARROW_CAST, types)
+    if attrs["format"] not in NARROW_FORMATS:
+        raise fail(Op.NARROW_CAST, types, f"a format of {sorted(NARROW_FORMATS)}, not {attrs['format']!r}")
+    if t.dtype == dt.complex64:
+        raise fail(Op.NARROW_CAST, types, "a real input")
+    return TensorType(t.shape, NARROW_FORMATS[attrs["format"]])
+
+
+def _to_e8m0(x: np.ndarray, saturate: bool, round_mode: str) -> np.ndarray:
+    """float32 -> float8_e8m0fnu (a power of two: the float32 exponent alone), rounding the mantissa
+    away by round_mode ("up", "down" or "nearest"); NaN and infinity become NaN (its one special)."""
+    import ml_dtypes
+
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    exponent = ((bits >> 23) & 0xFF).astype(np.int32)
+    mantissa = bits & 0x7FFFFF
+    special = exponent == 0xFF
+    if round_mode == "up":
+        up = mantissa > 0
+    elif round_mode == "nearest":   # halfway rounds up unless the exponent is 0 (even)
+        half = (mantissa & 0x400000) > 0
+        up = half & (((mantissa & 0x3FFFFF) > 0) | (exponent > 0))
+    else:
+        up = np.zeros_like(special)
+    if saturate:
+        up &= exponent != 0xFE
+    exponent = np.where(special, 0xFF, np.minimum(exponent + up, 0xFF))
+    return exponent.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def narrow_cast(x: np.ndarray, format: str, saturate: bool = True, round_mode: str = "up") -> np.ndarray:
+    """x's values as the narrow `format` (an ml_dtypes name) represents them, as ONNX Cast defines:
+    float8 formats saturate to their largest finite value when `saturate` (else overflow to
+    infinity, or NaN where the format has none); integers wrap as NumPy's cast does."""
+    import ml_dtypes
+
+    target = np.dtype(getattr(ml_dtypes, format))
+    if x.dtype.kind == "V" or x.dtype == np.float16 or x.dtype.name == "bfloat16":
+        x = x.astype(np.float32)
+    if format == "float8_e8m0fnu":
+        y = _to_e8m0(x, saturate, round_mode)
+    elif saturate and format.startswith("float8"):
+        info = ml_dtypes.finfo(target)
+        y = np.clip(x, info.min, info.max).astype(target)
+    else:
+        y = x.astype(target)
+    return y.astype(NARROW_FORMATS[format].numpy)
+
+
+register(Op.NARROW_CAST, _narrow_cast_rule,
+         lambda xs, a: narrow_cast(xs[0], a["format"], a.get("saturate", True), a.get("round_mode", "up")))

@@ -58,6 +58,7 @@ register(Op.SUM, _reduce_rule(Op.SUM), _sum_ref)
 register(Op.MEAN, _reduce_rule(Op.MEAN), _reduce_ref(np.mean))
 register(Op.MAX, _reduce_rule(Op.MAX), _reduce_ref(np.max))
 register(Op.MIN, _reduce_rule(Op.MIN), _reduce_ref(np.min))
+register(Op.PROD, _reduce_rule(Op.PROD), _reduce_ref(np.prod))
 register(Op.ARGMAX, _reduce_rule(Op.ARGMAX), _arg_ref(np.argmax))
 register(Op.ARGMIN, _reduce_rule(Op.ARGMIN), _arg_ref(np.argmin))
 

@@ -48,6 +48,7 @@ from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, Import
                        MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array, ingot_dtype)
 
 MAX_LOCATION_CHARS = 4096  # an external data location (PATH_MAX)
+SUB_BYTE_SIZES = {21: 0.5, 22: 0.5, 23: 0.5, 25: 0.25, 26: 0.25}  # bytes per element of the packed ONNX types
 
 __all__ = ["from_onnx", "import_onnx", "load_model", "OnnxExecutable", "OnnxImport", "SpecializingOnnxExecutable",
            "UnsupportedOnnx", "NeedsConstant", "supported_ops"]
@@ -212,12 +213,12 @@ def _tensor_array(tensor, what: str = "onnx model") -> np.ndarray:
     from onnx import numpy_helper
     if tensor.data_type == 8:
         raise UnsupportedOnnx(f"{what}: tensor {_name(tensor)} holds strings, which Ingot does not compute.")
-    if tensor.data_type not in ONNX_DTYPES and tensor.data_type not in (21, 22):
+    if tensor.data_type not in ONNX_DTYPES:
         raise UnsupportedOnnx(f"{what}: tensor {_name(tensor)} has ONNX type "
                               f"{ONNX_TYPE_NAMES.get(tensor.data_type, tensor.data_type)}, which Ingot does not compute.")
     count = _element_count(tensor, what)
     if tensor.HasField("raw_data"):
-        itemsize = ONNX_DTYPES[tensor.data_type][1].itemsize if tensor.data_type in ONNX_DTYPES else 0.5
+        itemsize = SUB_BYTE_SIZES.get(tensor.data_type) or ONNX_DTYPES[tensor.data_type][1].itemsize
         if len(tensor.raw_data) != math.ceil(count * itemsize):
             raise IngotError(f"{what}: tensor {_name(tensor)} has dims {list(tensor.dims)} ({count} elements) but "
                              f"{len(tensor.raw_data)} bytes of data.")
@@ -360,6 +361,8 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     for init in graph.initializer:
         array = _tensor_array(init, what)
         values[init.name] = _constant(g, array, init.data_type, init.name)
+        if init.data_type in ONNX_DTYPES and init.data_type not in (21, 22):   # (4-bit constants stay packed)
+            ctx.declare(values[init.name], init.data_type)
     for init in graph.sparse_initializer:
         raise UnsupportedOnnx(f"{what}: sparse initializer {init.values.name!r} is not supported.")
     inputs: dict[str, Tensor] = {}
@@ -371,13 +374,14 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
         t, declared = _value_type(vi, what, input_shapes if vi.name not in constant_inputs else
                                   {**input_shapes, vi.name: np.shape(constant_inputs[vi.name])})
         if vi.name in constant_inputs:
-            array = np.asarray(constant_inputs[vi.name])
+            array = as_ingot_array(np.asarray(constant_inputs[vi.name]))
             values[vi.name] = g.constant(as_ingot_array(array).astype(t.dtype.storage), name=vi.name)
             inputs[vi.name] = values[vi.name]
             input_dtypes[vi.name] = declared
             continue
         g.check_elements(t.shape, f"{what}: input {vi.name!r}")
         placeholder = g.placeholder(t.shape, t.dtype, name=vi.name)
+        ctx.declare(placeholder, declared)
         inputs[vi.name] = values[vi.name] = placeholder
         input_dtypes[vi.name] = declared
     unknown = (set(input_shapes) | set(constant_inputs)) - set(inputs)
@@ -405,6 +409,8 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
         for name, out in zip(node.output, outs):
             if name and out is not None:
                 values[name] = _settle(g, out, name)
+                if out.node.id in ctx.declared:
+                    ctx.declared[values[name].node.id] = ctx.declared[out.node.id]
         for name in node.output[len(outs):]:
             if name:
                 raise ctx.fail(onode, f"output {name!r} is not computed by the importer")
@@ -467,7 +473,8 @@ class OnnxExecutable(Executable):
             if not np.array_equal(np.asarray(feeds[name]), fixed):
                 raise IngotError(f"run: input {name!r} was fixed to {np.asarray(fixed).tolist()} at import; "
                                  f"it cannot take other values ({np.asarray(feeds[name]).tolist()}).")
-        outs = super().run({k: v for k, v in feeds.items() if k in self.feed_types}, state, **options)
+        outs = super().run({k: as_ingot_array(v) if isinstance(v, np.ndarray) else v
+                            for k, v in feeds.items() if k in self.feed_types}, state, **options)
         result = []
         for dtype, value in zip(self.output_dtypes, outs):
             value = np.asarray(self.backend.to_host(value))

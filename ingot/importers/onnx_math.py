@@ -7,8 +7,9 @@ import numpy as np
 from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
+from ..ir import Op
 from ..ops import normalize_axis
-from .onnx_ops import (CONVERTERS, Context, OnnxNode, converter, ints, need_float, onnx_to_ingot_dtype,
+from .onnx_ops import (CONVERTERS, NARROW_TYPES, Context, OnnxNode, converter, ints, need_float, onnx_to_ingot_dtype,
                        scalar)
 
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Equal": "equal", "Less": "less",
@@ -47,6 +48,39 @@ def _unary(ctx: Context, node: OnnxNode):
     if node.op_type in ("Abs", "Neg") and x.dtype == dt.bool_:
         raise ctx.fail(node, "a bool input")
     return [getattr(ctx.g, _UNARY[node.op_type])(x)]
+
+
+_MORE_UNARY = {"Floor": Op.FLOOR, "Ceil": Op.CEIL, "Round": Op.ROUND, "Tan": Op.TAN, "Asin": Op.ASIN, "Acos": Op.ACOS,
+               "Atan": Op.ATAN, "Sinh": Op.SINH, "Cosh": Op.COSH, "Asinh": Op.ASINH, "Acosh": Op.ACOSH, "Atanh": Op.ATANH}
+
+
+@converter(*_MORE_UNARY)
+def _more_unary(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    need_float(ctx, node, x)
+    return [ctx.g.op(_MORE_UNARY[node.op_type], [x])]
+
+
+_BITWISE = {"BitwiseAnd": Op.BITWISE_AND, "BitwiseOr": Op.BITWISE_OR, "BitwiseXor": Op.BITWISE_XOR}
+
+
+@converter(*_BITWISE, "BitwiseNot", "BitShift")
+def _bitwise(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    if not x.dtype.is_int:
+        raise ctx.fail(node, f"input of type {x.dtype.name}")
+    if node.op_type == "BitwiseNot":
+        return [ctx.g.op(Op.BITWISE_NOT, [x])]
+    y = node.inputs[1]
+    if node.op_type in _BITWISE:
+        return [ctx.g.op(_BITWISE[node.op_type], [x, y])]
+    direction = node.attr("direction")
+    if direction not in ("LEFT", "RIGHT"):
+        raise ctx.fail(node, f"direction {direction!r} (LEFT or RIGHT)")
+    # ONNX shifts unsigned integers only; uint16/uint32/uint64 are held in int32/int64: shift their bits
+    declared = ctx.onnx_dtype(x)
+    attrs = {"bits": 8 * declared.itemsize, "signed": declared.kind == "i"} if declared != x.dtype.storage else {}
+    return [ctx.g.op(Op.SHIFT_LEFT if direction == "LEFT" else Op.SHIFT_RIGHT, [x, y], attrs)]
 
 
 @converter("Identity")
@@ -261,20 +295,28 @@ def _where(ctx: Context, node: OnnxNode):
 @converter("Cast")
 def _cast(ctx: Context, node: OnnxNode):
     (x,) = node.inputs
-    target = onnx_to_ingot_dtype(ctx, node, node.attr("to"))
-    if x.dtype == target:
-        return [x]
-    if x.dtype == dt.complex64:
-        raise ctx.fail(node, "a complex input")
-    if node.attr("saturate", 1) == 0:
-        raise ctx.fail(node, "saturate=0")
-    return [ctx.g.cast(x, target)]
+    elem = node.attr("to")
+    target = onnx_to_ingot_dtype(ctx, node, elem, narrow=True)
+    return [ctx.declare(_cast_to(ctx, node, x, target, NARROW_TYPES.get(elem)), elem)]
 
 
 @converter("CastLike")
 def _cast_like(ctx: Context, node: OnnxNode):
     x, like = node.inputs
-    return [x if x.dtype == like.dtype else ctx.g.cast(x, like.dtype)]
+    return [ctx.declare(_cast_to(ctx, node, x, like.dtype, ctx.narrow_format(like)), ctx.onnx_dtype(like))]
+
+
+def _cast_to(ctx: Context, node: OnnxNode, x: Tensor, target: dt.DType, narrow: str | None) -> Tensor:
+    """x cast to `target`; to the values of a narrow format (float8, int4, ...) held in `target` when
+    `narrow` names one (ONNX's saturate and round_mode attributes apply to those)."""
+    if x.dtype == dt.complex64:
+        raise ctx.fail(node, "a complex input")
+    if narrow is None:
+        return x if x.dtype == target else ctx.g.cast(x, target)
+    if ctx.narrow_format(x) == narrow:
+        return x
+    return ctx.g.op(Op.NARROW_CAST, [x], {"format": narrow, "saturate": bool(node.attr("saturate", 1)),
+                                           "round_mode": node.attr("round_mode", "up")})
 
 
 def _reduce_axes(ctx: Context, node: OnnxNode, x: Tensor, input_since: int) -> tuple[int, ...] | None:
@@ -315,7 +357,9 @@ def _reduce(ctx: Context, node: OnnxNode):
             fill = info.min if fill < 0 else info.max
         return [g.constant(np.full(shape, fill, x.dtype.numpy))]
     if op == "ReduceProd":
-        raise ctx.fail(node, "products (Ingot has no product reduction)")
+        if x.dtype == dt.bool_:
+            raise ctx.fail(node, "a bool input")
+        return [g.op(Op.PROD, [x], {"axes": axes, "keepdims": keep})]
     if x.dtype == dt.bool_ and op in ("ReduceMax", "ReduceMin"):
         wide = g.cast(x, dt.int32)
         return [g.cast(g.max(wide, axes, keep) if op == "ReduceMax" else g.min(wide, axes, keep), dt.bool_)]
@@ -371,11 +415,8 @@ def _mod(ctx: Context, node: OnnxNode):
     a, b = node.inputs
     g = ctx.g
     fmod = node.attr("fmod", 0)
-    if a.dtype.is_float:
-        if not fmod:
-            raise IngotError("fmod=0 on floats (ONNX requires fmod=1)")
-        quotient = g.cast(g.cast(a / b, dt.int64), a.dtype)  # truncated toward zero
-        return [a - quotient * b]
+    if a.dtype.is_float:   # fmod: C's fmod (the dividend's sign); else Python's % (the divisor's)
+        return [g.op(Op.MOD, [a, b], {"fmod": bool(fmod)})]
     if not a.dtype.is_int:
         raise ctx.fail(node, f"input of type {a.dtype.name}")
     r = a - g.div(a, b) * b  # Ingot's integer division truncates: r takes the dividend's sign (C's %)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from .. import dtypes as dt
@@ -23,6 +24,7 @@ from ..errors import IngotError
 from ..graph import Graph, Tensor
 from ..ir import GroupOp, Op, TensorType, toposort
 from ..ops import reference
+from ..ops.elementwise import NARROW_FORMATS
 
 
 class UnsupportedOnnx(IngotError):
@@ -48,10 +50,16 @@ ONNX_DTYPES: dict[int, tuple[dt.DType, np.dtype]] = {
     11: (dt.float32, np.dtype(np.float64)), 12: (dt.int64, np.dtype(np.uint32)), 13: (dt.int64, np.dtype(np.uint64)),
     14: (dt.complex64, np.dtype(np.complex64)), 16: (dt.bfloat16, dt.bfloat16.storage),
 }
+# ONNX types Ingot holds in a wider dtype (ops.elementwise.NARROW_FORMATS), by the ml_dtypes format whose
+# values they keep: a Cast to one rounds to that format (Op.NARROW_CAST), run() returns the declared type
+NARROW_TYPES = {17: "float8_e4m3fn", 18: "float8_e4m3fnuz", 19: "float8_e5m2", 20: "float8_e5m2fnuz", 21: "uint4",
+                22: "int4", 23: "float4_e2m1fn", 24: "float8_e8m0fnu", 25: "uint2", 26: "int2"}
+ONNX_DTYPES.update({elem: (NARROW_FORMATS[fmt], np.dtype(getattr(ml_dtypes, fmt))) for elem, fmt in NARROW_TYPES.items()})
 ONNX_TYPE_NAMES = {1: "float", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 8: "string",
                    9: "bool", 10: "float16", 11: "double", 12: "uint32", 13: "uint64", 14: "complex64",
                    15: "complex128", 16: "bfloat16", 17: "float8e4m3fn", 18: "float8e4m3fnuz", 19: "float8e5m2",
-                   20: "float8e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4e2m1"}
+                   20: "float8e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4e2m1", 24: "float8e8m0", 25: "uint2",
+                   26: "int2"}
 
 KNOWN_MAX_ELEMENTS = 1 << 22  # ops on known values up to this size are computed at import
 MIN_ELEMENT_BUDGET = 1 << 26  # no tensor of an import holds more elements than this, unless the model's
@@ -72,6 +80,8 @@ def as_ingot_array(array: np.ndarray) -> np.ndarray:
             np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64, np.dtype(np.complex128): np.complex64}
     if a.dtype in kind:
         return a.astype(kind[a.dtype])
+    if a.dtype.name in NARROW_FORMATS:
+        return a.astype(NARROW_FORMATS[a.dtype.name].numpy)
     return a
 
 
@@ -153,6 +163,23 @@ class Context:
     what: str
     opsets: dict[str, int] = field(default_factory=dict)
     quantize: Any = None  # an ingot.quant Format: store matmul weights in it
+    declared: dict[int, np.dtype] = field(default_factory=dict)  # node id -> its ONNX type, where Ingot holds it wider
+
+    def onnx_dtype(self, t: Tensor) -> np.dtype:
+        """The NumPy dtype of t's ONNX type (uint16 for a uint16 held in int32), where the import knows it."""
+        return self.declared.get(t.node.id, t.dtype.storage)
+
+    def narrow_format(self, t: Tensor | None) -> str | None:
+        """The narrow format (float8, int4, ...) t's ONNX type is, None for a type Ingot has."""
+        name = None if t is None else self.onnx_dtype(t).name
+        return name if name in NARROW_FORMATS else None
+
+    def declare(self, t: Tensor, elem_or_dtype) -> Tensor:
+        """Record t's ONNX type (an element type number or a NumPy dtype) where Ingot holds it in another."""
+        declared = ONNX_DTYPES[elem_or_dtype][1] if isinstance(elem_or_dtype, int) else np.dtype(elem_or_dtype)
+        if declared != t.dtype.storage:
+            self.declared[t.node.id] = declared
+        return t
 
     def value(self, t: Tensor | None) -> np.ndarray | None:
         return None if t is None else self.g.value(t)
@@ -213,8 +240,10 @@ def attr_or_input(ctx: Context, node: OnnxNode, name: str, index: int, default=N
     return default
 
 
-def onnx_to_ingot_dtype(ctx: Context, node: OnnxNode, elem_type: int) -> dt.DType:
-    if elem_type not in ONNX_DTYPES:
+def onnx_to_ingot_dtype(ctx: Context, node: OnnxNode, elem_type: int, narrow: bool = False) -> dt.DType:
+    """The Ingot dtype that computes an ONNX type; the narrow ones (float8, int4, ...) only where the
+    converter rounds to them (narrow=True)."""
+    if elem_type not in ONNX_DTYPES or (elem_type in NARROW_TYPES and not narrow):
         raise ctx.fail(node, f"type {ONNX_TYPE_NAMES.get(elem_type, elem_type)} is not one Ingot computes")
     return ONNX_DTYPES[elem_type][0]
 

@@ -2,13 +2,16 @@
 quantized_matmul in the compiler), com.microsoft MatMulNBits, DynamicQuantizeLinear, integer matmuls."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Tensor
+from ..ir import Op
 from ..ops import normalize_axis
-from .onnx_ops import Context, OnnxNode, converter, need_float, onnx_to_ingot_dtype, scalar
+from ..ops.elementwise import NARROW_FORMATS
+from .onnx_ops import ONNX_DTYPES, Context, OnnxNode, converter, need_float, onnx_to_ingot_dtype, scalar
 
 
 def _quant_params(ctx: Context, node: OnnxNode, x: Tensor, scale: Tensor):
@@ -28,16 +31,15 @@ def _quant_params(ctx: Context, node: OnnxNode, x: Tensor, scale: Tensor):
 def _dequantize_linear(ctx: Context, node: OnnxNode):
     q, scale, zero = node.input(0), node.input(1), node.input(2)
     g = ctx.g
-    if q.dtype not in (dt.int8, dt.uint8, dt.int4, dt.uint4):
-        if q.dtype in (dt.int32, dt.int64) and scale.ndim <= 1:  # int16/uint16/int32 tensors: in floats
-            p = scale if scale.ndim == 0 or scale.type.size == 1 else _axis_param(g, scale, node, q)
-            y = g.cast(q, dt.float32)
-            if zero is not None:
-                zp = zero if zero.ndim == 0 or zero.type.size == 1 else _axis_param(g, zero, node, q)
-                y = y - g.cast(zp, dt.float32)
-            y = y * (p if p.dtype == dt.float32 else g.cast(p, dt.float32))
-            return [y if scale.dtype == dt.float32 else g.cast(y, scale.dtype)]
-        raise ctx.fail(node, f"input of type {q.dtype.name}")
+    if q.dtype not in (dt.int8, dt.uint8, dt.int4, dt.uint4) or ctx.narrow_format(q) or ctx.narrow_format(zero):
+        # int16/uint16/int32 and the narrow types (float8, float4, int2, ...): (q - zero) * scale in float32
+        if not (q.dtype.is_int or q.dtype.is_float) or q.dtype.packed or (zero is not None and zero.dtype.packed):
+            raise ctx.fail(node, f"input of type {q.dtype.name}")
+        y = g.cast(q, dt.float32) if q.dtype != dt.float32 else q
+        if zero is not None:
+            y = y - _param(ctx, node, g.cast(zero, dt.float32) if zero.dtype != dt.float32 else zero, q)
+        y = y * _param(ctx, node, scale if scale.dtype == dt.float32 else g.cast(scale, dt.float32), q)
+        return [y if scale.dtype == dt.float32 else g.cast(y, scale.dtype)]
     if node.attr("output_dtype", 0):
         raise ctx.fail(node, "output_dtype")
     axis, block = _quant_params(ctx, node, q, scale)
@@ -59,6 +61,21 @@ def _dequantize_linear(ctx: Context, node: OnnxNode):
     return [g.dequantize(q, scale=scale, zero_point=zero, axis=axis, dtype=scale.dtype)]
 
 
+def _param(ctx: Context, node: OnnxNode, p: Tensor, x: Tensor) -> Tensor:
+    """A scale or zero point (scalar, per axis, or per block along the axis) broadcast against x."""
+    g = ctx.g
+    if p.ndim == 0 or p.type.size == 1:
+        return g.reshape(p, ())
+    axis = normalize_axis(node.op_type, node.attr("axis", 1), x.ndim)
+    block = node.attr("block_size", 0)
+    if not block:
+        return _axis_param(g, p, node, x)
+    if p.ndim != x.ndim or x.shape[axis] > p.shape[axis] * block:
+        raise IngotError(f"a blocked parameter of shape {list(p.shape)} for an input of shape {list(x.shape)}")
+    index = np.minimum(np.arange(x.shape[axis]) // block, p.shape[axis] - 1)
+    return g.gather(p, g.constant(index.astype(np.int64)), axis=axis)
+
+
 def _axis_param(g, p: Tensor, node: OnnxNode, x: Tensor) -> Tensor:
     axis = normalize_axis(node.op_type, node.attr("axis", 1), x.ndim)
     shape = [1] * x.ndim
@@ -71,13 +88,18 @@ def _quantize_linear(ctx: Context, node: OnnxNode):
     x, scale, zero = node.input(0), node.input(1), node.input(2)
     g = ctx.g
     need_float(ctx, node, x)
-    target = zero.dtype if zero is not None else dt.uint8
+    target, declared = dt.uint8, np.dtype(np.uint8)
+    if zero is not None:
+        target, declared = zero.dtype, ctx.onnx_dtype(zero)
     if node.attr("output_dtype", 0):
-        target = onnx_to_ingot_dtype(ctx, node, node.attr("output_dtype"))
-    if target not in (dt.int8, dt.uint8):
-        raise ctx.fail(node, f"output type {target.name}")
-    if node.attr("saturate", 1) == 0 or node.attr("precision", 0):
-        raise ctx.fail(node, "saturate=0 or precision")
+        target = onnx_to_ingot_dtype(ctx, node, node.attr("output_dtype"), narrow=True)
+        declared = ONNX_DTYPES[node.attr("output_dtype")][1]
+    if node.attr("precision", 0):
+        raise ctx.fail(node, "precision")
+    if target not in (dt.int8, dt.uint8) or declared != target.storage or node.attr("block_size", 0):
+        return [ctx.declare(_quantize_generic(ctx, node, x, scale, zero, target, declared), declared)]
+    if node.attr("saturate", 1) == 0:
+        raise ctx.fail(node, "saturate=0")
     axis, _ = _quant_params(ctx, node, x, scale)
     if scale.dtype != x.dtype:
         scale = g.cast(scale, x.dtype)
@@ -85,6 +107,25 @@ def _quantize_linear(ctx: Context, node: OnnxNode):
         scale = g.reshape(scale, ())
         zero = None if zero is None else g.reshape(zero, ())
     return [g.quantize(x, target, scale=scale, zero_point=zero, axis=axis)]
+
+
+def _quantize_generic(ctx: Context, node: OnnxNode, x: Tensor, scale: Tensor, zero: Tensor | None, target: dt.DType,
+                      declared: np.dtype) -> Tensor:
+    """QuantizeLinear to any type, in float32: integers round(x / scale) + zero, saturated to the
+    declared type's range; float8 and float4 x / scale + zero, cast to the format (saturating)."""
+    g = ctx.g
+    xf = x if x.dtype == dt.float32 else g.cast(x, dt.float32)
+    y = xf / _param(ctx, node, scale if scale.dtype == dt.float32 else g.cast(scale, dt.float32), x)
+    if declared.kind in "iu" or declared.name in ("int4", "uint4", "int2", "uint2"):
+        y = g.op(Op.ROUND, [y])
+    if zero is not None:
+        y = y + _param(ctx, node, zero if zero.dtype == dt.float32 else g.cast(zero, dt.float32), x)
+    fmt = declared.name if declared.name in NARROW_FORMATS else None
+    if fmt and declared.name.startswith("float"):
+        return g.op(Op.NARROW_CAST, [y], {"format": fmt, "saturate": bool(node.attr("saturate", 1))})
+    info = ml_dtypes.iinfo(declared)
+    y = g.minimum(g.maximum(y, scalar(ctx, info.min, y)), scalar(ctx, info.max, y))
+    return g.cast(y, target)
 
 
 @converter("MatMulNBits", domain="com.microsoft")

@@ -67,6 +67,7 @@ class Op(enum.IntEnum):
     BITWISE_AND = enum.auto(); BITWISE_OR = enum.auto(); BITWISE_XOR = enum.auto(); BITWISE_NOT = enum.auto()
     SHIFT_LEFT = enum.auto(); SHIFT_RIGHT = enum.auto()
     PROD = enum.auto(); MOD = enum.auto()
+    RNN = enum.auto(); LSTM = enum.auto(); GRU = enum.auto()   # recurrent layers (ops/recurrent.py)
 
 
 class GroupOp:

@@ -43,7 +43,8 @@ from ..untrusted import checked_path
 from ..graph import Graph, Tensor
 from ..ir import GroupOp, Op, Program, TensorType
 from ..runtime import Executable, Outputs
-from . import onnx_attention, onnx_math, onnx_nn, onnx_quant, onnx_shape, onnx_signal  # noqa: F401  (registration)
+from . import (onnx_attention, onnx_control, onnx_math, onnx_nn, onnx_quant, onnx_recurrent, onnx_shape,  # noqa: F401
+               onnx_signal)  # (registration)
 from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
                        MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array, ingot_dtype)
 
@@ -388,6 +389,23 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     if unknown:
         raise IngotError(f"{what}: input_shapes or constant_inputs name {sorted(unknown)}, which are not inputs of the model "
                          f"(inputs: {list(inputs)}).")
+    ctx.import_subgraph = lambda sub, outer: _convert_subgraph(ctx, sub, outer, what)
+    _convert_graph(ctx, graph, values, what)
+    outputs: dict[str, Tensor] = {}
+    output_dtypes: dict[str, np.dtype] = {}
+    for vi in graph.output:
+        if vi.name not in values:
+            raise IngotError(f"{what}: output {vi.name!r} is produced by no node.")
+        outputs[vi.name] = values[vi.name]
+        output_dtypes[vi.name] = _output_dtype(vi) or values[vi.name].dtype.storage
+    return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes, constant_inputs)
+
+
+def _convert_graph(ctx: Context, graph, values: dict[str, Tensor], what: str) -> None:
+    """Convert a graph's nodes in order, adding each output to `values` (which holds what they may read:
+    the graph's inputs and initializers, and for a subgraph the enclosing graph's values)."""
+    g, opsets = ctx.g, ctx.opsets
+    outer_scope, ctx.scope = ctx.scope, values
     for node in _topological(graph, set(values), what):
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         converter = CONVERTERS[(domain, node.op_type)]
@@ -414,14 +432,22 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
         for name in node.output[len(outs):]:
             if name:
                 raise ctx.fail(onode, f"output {name!r} is not computed by the importer")
-    outputs: dict[str, Tensor] = {}
-    output_dtypes: dict[str, np.dtype] = {}
-    for vi in graph.output:
-        if vi.name not in values:
-            raise IngotError(f"{what}: output {vi.name!r} is produced by no node.")
-        outputs[vi.name] = values[vi.name]
-        output_dtypes[vi.name] = _output_dtype(vi) or values[vi.name].dtype.storage
-    return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes, constant_inputs)
+    ctx.scope = outer_scope
+
+
+def _convert_subgraph(ctx: Context, graph, outer: Mapping[str, Tensor], what: str) -> list[Tensor]:
+    """A subgraph (an If branch) converted into the enclosing graph: its outputs, in order."""
+    values = dict(outer)
+    for init in graph.initializer:
+        constant = _constant(ctx.g, _tensor_array(init, what), init.data_type, init.name)
+        values[init.name] = constant if init.data_type in (21, 22) else ctx.declare(constant, init.data_type)
+    if len(graph.input):
+        raise UnsupportedOnnx(f"{what}: a subgraph with inputs ({graph.name!r}; Loop and Scan bodies are not supported).")
+    _convert_graph(ctx, graph, values, what)
+    missing = [vi.name for vi in graph.output if vi.name not in values]
+    if missing:
+        raise IngotError(f"{what}: subgraph {graph.name!r} has outputs {missing} that no node produces.")
+    return [values[vi.name] for vi in graph.output]
 
 
 def _constant(g: ImportGraph, array: np.ndarray, elem_type: int, name: str) -> Tensor:

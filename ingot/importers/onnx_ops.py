@@ -164,6 +164,8 @@ class Context:
     opsets: dict[str, int] = field(default_factory=dict)
     quantize: Any = None  # an ingot.quant Format: store matmul weights in it
     declared: dict[int, np.dtype] = field(default_factory=dict)  # node id -> its ONNX type, where Ingot holds it wider
+    scope: dict[str, Tensor] | None = None      # the values the graph being converted can read, by ONNX name
+    import_subgraph: Any = None                 # (subgraph, outer values) -> its outputs, converted in place
 
     def onnx_dtype(self, t: Tensor) -> np.dtype:
         """The NumPy dtype of t's ONNX type (uint16 for a uint16 held in int32), where the import knows it."""

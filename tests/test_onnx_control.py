@@ -1,0 +1,65 @@
+"""ONNX If, folded at import: a condition known then (a constant input, shape arithmetic) picks the
+branch; one computed from a small input compiles per value; one computed from data is refused."""
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+import ingot  # noqa: E402
+from ingot.importers.onnx import NeedsConstant, OnnxExecutable, SpecializingOnnxExecutable, from_onnx  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+
+def if_model(condition_nodes, condition_inputs):
+    """y = x * 2 if cond else x + offset (a branch initializer); both branches read the outer x."""
+    then = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["y_then"])], "then", [],
+                             [helper.make_tensor_value_info("y_then", TensorProto.FLOAT, [4])],
+                             [numpy_helper.from_array(np.array(2, np.float32), "two")])
+    other = helper.make_graph([helper.make_node("Add", ["x", "offset"], ["y_else"])], "else", [],
+                              [helper.make_tensor_value_info("y_else", TensorProto.FLOAT, [4])],
+                              [numpy_helper.from_array(np.array(1, np.float32), "offset")])
+    nodes = condition_nodes + [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])] + condition_inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+SAMPLE_RATE = if_model([helper.make_node("Constant", [], ["rate"], value_int=16000),
+                        helper.make_node("Equal", ["sr", "rate"], ["cond"])],
+                       [helper.make_tensor_value_info("sr", TensorProto.INT64, [])])
+X = np.arange(4, dtype=np.float32)
+
+
+def test_if_on_a_constant_input_is_folded():
+    exe = from_onnx(SAMPLE_RATE, constant_inputs={"sr": np.array(16000)})
+    assert isinstance(exe, OnnxExecutable)
+    np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(16000)})["y"], X * 2)
+    assert not any(n.op.name == "ADD" for n in exe.program.nodes())   # the other branch is never built
+    exe = from_onnx(SAMPLE_RATE, constant_inputs={"sr": np.array(8000)})
+    np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(8000)})["y"], X + 1)
+
+
+def test_if_on_a_small_input_compiles_per_value():
+    exe = ingot.from_onnx(SAMPLE_RATE)
+    assert isinstance(exe, SpecializingOnnxExecutable)
+    for sr in (16000, 8000, 16000):
+        want = X * 2 if sr == 16000 else X + 1
+        np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(sr)})["y"], want)
+    assert len(exe.compiled) == 2
+
+
+def test_if_on_shape_arithmetic_is_folded():
+    model = if_model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("ReduceProd", ["s"], ["n"], keepdims=0),
+                      helper.make_node("Constant", [], ["four"], value=numpy_helper.from_array(np.array(4, np.int64))),
+                      helper.make_node("Equal", ["n", "four"], ["cond"])], [])
+    np.testing.assert_array_equal(from_onnx(model).run({"x": X})["y"], X * 2)
+
+
+def test_if_on_data_is_refused_with_one_sentence():
+    big = helper.make_tensor_value_info("data", TensorProto.FLOAT, [1000])
+    model = if_model([helper.make_node("ReduceSum", ["data"], ["total"], keepdims=0),
+                      helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array(0, np.float32))),
+                      helper.make_node("Greater", ["total", "zero"], ["cond"])], [big])
+    with pytest.raises(NeedsConstant, match=r"If node .*folds If at import.*\['data'\].*constant_inputs") as e:
+        from_onnx(model)
+    assert "\n" not in str(e.value)

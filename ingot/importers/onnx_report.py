@@ -32,11 +32,11 @@ Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh AveragePool BatchNorm
 BitwiseNot BitwiseOr BitwiseXor BlackmanWindow Cast CastLike Ceil Celu Clip Concat Constant ConstantOfShape
 Conv ConvTranspose Cos Cosh CumSum DepthToSpace DequantizeLinear DFT Div DynamicQuantizeLinear Einsum Elu Erf
 Exp Expand EyeLike Flatten Floor Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool
-Greater GreaterOrEqual GroupNormalization HammingWindow HannWindow Hardmax HardSigmoid HardSwish
+Greater GreaterOrEqual GroupNormalization GRU HammingWindow HannWindow Hardmax HardSigmoid HardSwish If
 InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax LpNormalization
-LpPool MatMul MatMulInteger Max MaxPool Mean Min Mish Mod Mul Neg NegativeLogLikelihoodLoss Not OneHot Or Pad
-Pow PRelu QLinearMatMul QuantizeLinear Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp
-ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu Reshape Resize RMSNormalization
+LpPool LSTM MatMul MatMulInteger Max MaxPool Mean Min Mish Mod Mul Neg NegativeLogLikelihoodLoss Not OneHot Or
+Pad Pow PRelu QLinearMatMul QuantizeLinear Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp
+ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu Reshape Resize RMSNormalization RNN
 RotaryEmbedding Round Scatter ScatterElements ScatterND Selu Shape Sigmoid Sign Sin Sinh Size Slice Softmax
 SoftmaxCrossEntropyLoss Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum Swish Tan Tanh
 ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Where Xor

@@ -64,7 +64,7 @@ def _transpose(ctx: Context, node: OnnxNode):
 def _squeeze(ctx: Context, node: OnnxNode):
     x = node.inputs[0]
     axes = attr_or_input(ctx, node, "axes", 1)
-    axes = [i for i, d in enumerate(x.shape) if d == 1] if axes is None else [normalize_axis("Squeeze", a, x.ndim) for a in axes]
+    axes = [i for i, d in enumerate(x.shape) if d == 1] if axes is None else [normalize_axis("Squeeze", a, x.ndim) for a in ints(axes)]
     if any(x.shape[a] != 1 for a in axes):
         raise IngotError(f"axes {axes} of shape {list(x.shape)} are not all of size 1")
     return [ctx.g.reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))]
@@ -73,7 +73,7 @@ def _squeeze(ctx: Context, node: OnnxNode):
 @converter("Unsqueeze")
 def _unsqueeze(ctx: Context, node: OnnxNode):
     x = node.inputs[0]
-    axes = attr_or_input(ctx, node, "axes", 1)
+    axes = ints(attr_or_input(ctx, node, "axes", 1))   # (a scalar axes tensor names one axis)
     rank = x.ndim + len(axes)
     axes = sorted(normalize_axis("Unsqueeze", a, rank) for a in axes)
     shape, it = [], iter(x.shape)
@@ -181,6 +181,9 @@ def _tile(ctx: Context, node: OnnxNode):
 @converter("Range")
 def _range(ctx: Context, node: OnnxNode):
     start, limit, delta = (ctx.constant(node, i, w) for i, w in enumerate(("start", "limit", "delta")))
+    if any(np.size(v) != 1 for v in (start, limit, delta)):
+        raise IngotError(f"start, limit and delta of shapes {[list(np.shape(v)) for v in (start, limit, delta)]} (scalars)")
+    start, limit, delta = (np.asarray(v).reshape(()) for v in (start, limit, delta))   # (one-element tensors as scalars)
     dtype = node.inputs[0].dtype.storage
     span = (float(limit) - float(start)) / float(delta) if float(delta) else math.inf
     if not math.isfinite(span):

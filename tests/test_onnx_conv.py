@@ -42,9 +42,11 @@ def build_model(seed: int = 0):
     nodes.append(helper.make_node("ConvTranspose", ["lr", weight("up_w", (24, 8, 2, 2)), weight("up_b", (8,))], ["up"],
                                   kernel_shape=[2, 2], strides=[2, 2]))
     nodes.append(helper.make_node("Sigmoid", ["up"], ["prob"]))
+    nodes.append(helper.make_node("MaxPool", [a], ["pool"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]))
     graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 37, 42])],
                               [helper.make_tensor_value_info("prob", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("lr", TensorProto.FLOAT, None)], inits)
+                               helper.make_tensor_value_info("lr", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("pool", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -52,10 +54,10 @@ def test_convolutional_model_equals_onnxruntime_and_fuses_epilogues():
     model = build_model()
     x = np.random.default_rng(1).standard_normal((1, 3, 37, 42)).astype(np.float32)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    expected = dict(zip(["prob", "lr"], sess.run(None, {"image": x})))
+    expected = dict(zip(["prob", "lr", "pool"], sess.run(None, {"image": x})))
     exe = ingot.from_onnx(model)
     got = exe.run({"image": x})
-    for name in ("prob", "lr"):
+    for name in ("prob", "lr", "pool"):   # pool: a max over a window view, 9 elementwise maxima on the CPU
         assert got[name].shape == expected[name].shape, name
         err = np.abs(got[name] - expected[name]).max() / np.abs(expected[name]).max()
         assert err < 1e-4, f"{name}: relative error {err:.3g}"

@@ -257,6 +257,19 @@ def _convolve(g, x: Tensor, w: Tensor, b: Tensor | None, kernel, strides, dilati
     return g.conv(x, w, b, strides, dilations, list(zip(before, after)), groups)
 
 
+def _unshuffled_transpose(g, x: Tensor, w: np.ndarray, b: Tensor | None, kernel) -> Tensor:
+    """A 2-D transposed convolution whose kernel equals its stride (no overlap, no padding): every input
+    pixel writes its own kh x kw block, so it is a 1x1 convolution to M * kh * kw channels followed by
+    a depth-to-space shuffle, with no zeros inserted or multiplied."""
+    n, c, h, wd = x.shape
+    m, (kh, kw) = w.shape[1], kernel
+    pointwise = np.ascontiguousarray(w.reshape(c, m * kh * kw).T).reshape(m * kh * kw, c, 1, 1)
+    y = g.conv(x, g.constant(pointwise))                                        # [N, M*kh*kw, H, W]
+    y = g.transpose(g.reshape(y, (n, m, kh, kw, h, wd)), (0, 1, 4, 2, 5, 3))    # [N, M, H, kh, W, kw]
+    y = g.reshape(y, (n, m, h * kh, wd * kw))
+    return y + _per_channel(g, b, 4) if b is not None else y
+
+
 @converter("ConvTranspose")
 def _conv_transpose(ctx: Context, node: OnnxNode):
     """The gradient of a convolution: zeros between the input's elements (stride), then a stride-1
@@ -272,6 +285,11 @@ def _conv_transpose(ctx: Context, node: OnnxNode):
     strides = list(node.attr("strides", [1] * k))
     dilations = list(node.attr("dilations", [1] * k))
     extra = list(node.attr("output_padding", [0] * k))
+    wv = ctx.value(w)
+    if k == 2 and groups == 1 and kernel == strides and dilations == [1, 1] and not any(extra) and wv is not None \
+            and node.attr("auto_pad", "NOTSET") in ("NOTSET", "VALID") and not any(node.attr("pads", [0] * 4)) \
+            and node.attr("output_shape") is None and None not in spatial:
+        return [_unshuffled_transpose(g, x, wv, b, kernel)]
     span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
     full = [(d - 1) * s + sp + e for d, s, sp, e in zip(spatial, strides, span, extra)]  # before any padding is cut
     auto = node.attr("auto_pad", "NOTSET")
@@ -301,7 +319,6 @@ def _conv_transpose(ctx: Context, node: OnnxNode):
         y = g.slice(y, [0, 0] + [max(0, -v) for v in before], [None, None] + [d + min(0, v) for d, v in zip(y.shape[2:], after)])
         before, after = [max(0, v) for v in before], [max(0, v) for v in after]
     m = w.shape[1] * groups
-    wv = ctx.value(w)
     if wv is not None:  # [C, M/G, *k] -> [M, C/G, *k], flipped
         wg = wv.reshape((groups, c // groups, m // groups) + tuple(kernel)).swapaxes(1, 2).reshape((m, c // groups) + tuple(kernel))
         flipped = g.constant(np.ascontiguousarray(wg[(slice(None), slice(None)) + (slice(None, None, -1),) * k]))

@@ -5,7 +5,8 @@ fusion passes (compiler.DEVICE_PIPELINES, torch-free) on it and outlines each FU
 by the `origin` every rewritten node keeps; then the elementwise regions of what is left. Nothing here
 restates a compiler rule: a new fusion pass shows up by itself.
 
-  cpu   runs every node as its own step (NumPy, numba kernels); its device pipeline is empty.
+  cpu   runs every node as its own step (NumPy, numba kernels); what its device pipeline fused
+        (fuse_conv_epilogue) is already one FUSED node of the program shown.
   cuda  the fused ops of its pipeline, and one generated kernel per region the backend supports
         (asked of the backend when torch and triton import, else every region the pass found).
 """
@@ -48,8 +49,14 @@ def kernel_groups(program: Program, device: str) -> dict[str, Any]:
     if device not in DEVICE_PIPELINES:
         return {"groups": [], "note": f"no kernel grouping known for device {device!r}", "pass_regions": len(program.regions)}
     if device == "cpu":
+        kinds: dict[str, int] = {}
+        for n in nodes:
+            if n.op == Op.FUSED:
+                kinds[n.attrs["kind"]] = kinds.get(n.attrs["kind"], 0) + 1
+        fused = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"
         note = (f"The CPU backend runs each node as one step; the regions pass found {len(program.regions)} elementwise "
-                "group(s), which the CPU runs op by op. Fused ops: quantized_matmul, quantized_gather, sdpa.")
+                f"group(s), which the CPU runs op by op. Fused ops: quantized_matmul, quantized_gather, sdpa; from its "
+                f"device pipeline: {fused}.")
         return {"groups": [], "note": note, "pass_regions": len(program.regions)}
     fused_program = program
     for _, step in device_steps(device):

@@ -126,11 +126,16 @@ class CpuOptions:
 
     threads: int | None = None   # threads a big GEMV is split over; None: INGOT_CPU_THREADS, else 1
                                  # (more were slower on the 2-core VMs measured: memory-bound)
+    gemv_activations: str = "float32"   # "int8": the quantized GEMV rounds x to int8 per block of 32 k
+                                        # and multiplies in integers, as llama.cpp does (BENCHMARKS.md:
+                                        # speed and accuracy); "float32": exact float products
 
     def __post_init__(self) -> None:
         _check_fields(self, "cpu")
         if self.threads is not None and self.threads < 1:
             raise IngotError(f"options: cpu.threads is {self.threads}; at least 1 (or None).")
+        if self.gemv_activations not in ("float32", "int8"):
+            raise IngotError(f"options: cpu.gemv_activations is {self.gemv_activations!r}; 'float32' or 'int8'.")
 
     @property
     def resolved_threads(self) -> int:

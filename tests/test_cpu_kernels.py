@@ -49,6 +49,60 @@ def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias, params,
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)  # float sums in another order
 
 
+def integer_activation_model(x, values, scale, offset, center, block):
+    """What the int8-activation GEMV computes, in NumPy: x rounded to int8 per 32 k (d = max|x| / 127,
+    round half to even), exact integer dots of the rounded x with the stored weight values minus the
+    center, each weight block's scale applied in float, the center and offset times the exact x sums."""
+    rows, k = x.shape
+    xb = x.reshape(rows, k // 32, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.rint(xb * inv).astype(np.int64)
+    d = (amax / np.float32(127))[..., 0].astype(np.float64)                     # [rows, k/32]
+    xsum = xb.astype(np.float64).sum(axis=2)
+    dots = np.einsum("rbj,bjn->rbn", xq, (values.astype(np.int64) - center).reshape(k // 32, 32, -1))
+    per = np.repeat(scale.astype(np.float64), block // 32, axis=0)            # the scale row of each 32
+    off = np.repeat(offset.astype(np.float64), block // 32, axis=0) if offset is not None else 0.0
+    return ((dots * d[..., None] + center * xsum[..., None]) * per + off * xsum[..., None]).sum(axis=1)
+
+
+@pytest.mark.parametrize("qdtype", [dt.uint4, dt.int4, dt.int8, dt.uint8], ids=lambda d: d.name)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("block", [32, 64, 6])                 # 6: not a multiple of 32, the float kernel
+def test_integer_activation_gemv_matches_its_model(qdtype, rows, has_bias, params, block):
+    from ingot.options import CompileOptions, CpuOptions
+    k, n = 192, 46
+    levels = 16 if qdtype.bits == 4 else 256
+    values = RNG.integers(0, levels, (k, n)) - (levels // 2 if qdtype.kind == "i" else 0)
+    values[:, 0] = levels - 1 - (levels // 2 if qdtype.kind == "i" else 0)   # the largest products
+    values[:, 1] = -(levels // 2) if qdtype.kind == "i" else 0
+    q = dt.pack_int4(values) if qdtype.packed else values.astype(qdtype.numpy)
+    scale = (RNG.random((k // block, n), np.float32) + 0.1).astype(params)
+    bias = RNG.standard_normal((k // block, n)).astype(params) if has_bias else None
+    g = ingot.Graph()
+    xp = g.placeholder((rows, k), name="x")
+    w = g.dequantize(g.constant(q, dtype=qdtype if qdtype.packed else None), axis=0, block_size=block,
+                     scale=g.constant(scale), bias=g.constant(bias) if has_bias else None)
+    exe = g.compile(targets=[xp @ w], options=CompileOptions(cpu=CpuOptions(gemv_activations="int8")))
+    x = RNG.standard_normal((rows, k)).astype(np.float32)
+    x[0, :32] = 0            # a block of zeros (d = 0)
+    x[-1, 32:64] *= 100      # a block far larger than the rest
+    got = exe.run({"x": x})[0]
+    node = next(nd for nd in exe.program.nodes() if nd.op.name == "QUANTIZED_MATMUL")
+    exact = quantized_matmul_reference([x] + [exe.program.constants[s.attrs["key"]] for s in node.src[1:]], node.attrs)
+    if block % 32:           # the exact float kernel
+        np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5 * np.abs(exact).max())
+        return
+    center = {"u": levels // 2, "i": 0}[qdtype.kind]
+    want = integer_activation_model(x, values, scale.astype(np.float32), None if bias is None else bias.astype(np.float32),
+                                    center, block)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())  # float sums in another order
+    err = np.abs(got - exact).max() / np.abs(exact).max()
+    assert err < 0.02, err   # and the rounding of x stays small beside the exact product
+
+
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_packed_kernel_block_ranges(chunks):
     k, n, block = 64, 30, 16

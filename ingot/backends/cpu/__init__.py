@@ -173,7 +173,7 @@ def _quantized_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
         step = lut_kernels.scaled_lut_matmul_step(node, out, threads=options.resolved_threads)
         if step is not None:
             return step
-    return kernels.quantized_matmul_step(node, out, options.resolved_threads)
+    return kernels.quantized_matmul_step(node, out, options.resolved_threads, options.gemv_activations)
 
 
 @lowering(Op.QUANTIZED_GATHER_MATMUL)

@@ -139,6 +139,112 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
             out[m, i] = res[i]
 
 
+XQ_BLOCK = 32  # activations rounded to int8 per this many k (CpuOptions.gemv_activations = "int8")
+
+
+def _round_block(x, m, k0, xb):
+    """x[m, k0:k0+32] rounded to int8 into xb as llama.cpp's Q8 blocks are (x ~ xb * d, d = max|x| / 127,
+    round half to even); returns (d, the block's exact float sum)."""
+    amax = np.float32(0.0)
+    total = np.float32(0.0)
+    for j in range(XQ_BLOCK):
+        v = x[m, k0 + j]
+        total += v
+        amax = max(amax, abs(v))
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    for j in range(XQ_BLOCK):
+        xb[j] = np.int16(np.rint(x[m, k0 + j] * inv))
+    return amax / np.float32(127.0), total
+
+
+def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, out):
+    """_kmajor_packed4 with integer activations: x rounded to int8 per block of 32 k (_round_block),
+    each 32-row block of W multiplied as int8 x (nibble - 8) in int16 lanes (|sum| <= 32 * 127 * 8
+    < 2**15), then out += scale * (d * dot + center * xsum) + offset * xsum in float32. center is 8
+    for uint4 (w = (u - 8) * scale + 8 * scale + offset) and 0 for int4 read through flip = 0x88
+    (u - 8 is then the signed value). s0..s1: blocks of 32 k; the weight's own block (its scale row)
+    is a multiple of 32."""
+    m_rows, k = x.shape
+    half = q.shape[1]
+    bs = k // scale.shape[0]
+    acc_e = np.empty(half, np.int16)
+    acc_o = np.empty(half, np.int16)
+    res_e = np.empty(half, np.float32)
+    res_o = np.empty(half, np.float32)
+    sbuf = np.empty(2 * half, np.float32)
+    obuf = np.empty(2 * half, np.float32)
+    xb = np.empty(XQ_BLOCK, np.int16)
+    low, shift, eight = np.uint8(15), np.uint8(4), np.int16(8)
+    for m in range(m_rows):
+        res_e[:] = 0
+        res_o[:] = 0
+        for sb in range(s0, s1):
+            k0 = sb * XQ_BLOCK
+            d, xsum = _round_block(x, m, k0, xb)
+            acc_e[:] = 0
+            acc_o[:] = 0
+            for j in range(XQ_BLOCK):
+                xv = xb[j]
+                row = q[k0 + j]
+                for i in range(half):  # int16 lanes (the np.int16 casts let LLVM narrow numba's int64)
+                    v = row[i] ^ flip
+                    acc_e[i] += np.int16(xv * (np.int16(v & low) - eight))
+                    acc_o[i] += np.int16(xv * (np.int16(v >> shift) - eight))
+            b = k0 // bs
+            cx = center * xsum
+            srow = params_row(scale, b, sbuf)
+            for i in range(half):
+                res_e[i] += srow[2 * i] * (np.float32(acc_e[i]) * d + cx)
+                res_o[i] += srow[2 * i + 1] * (np.float32(acc_o[i]) * d + cx)
+            if has_offset:
+                orow = params_row(offset, b, obuf)
+                for i in range(half):
+                    res_e[i] += orow[2 * i] * xsum
+                    res_o[i] += orow[2 * i + 1] * xsum
+        for i in range(half):
+            out[m, 2 * i] = res_e[i]
+            out[m, 2 * i + 1] = res_o[i]
+
+
+def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, out):
+    """_kmajor_int8 with integer activations: x rounded as in _kmajor_packed4_xq, int8 x int8 dot
+    products per block of 32 k (two rows' products summed in int16 lanes, then int32), then
+    out += scale * (d * dot + center * xsum) + offset * xsum. A uint8 W is read as int8 through
+    flip = 0x80 (u - 128) with center 128; an int8 W has flip 0, center 0."""
+    m_rows, k = x.shape
+    n = q.shape[1]
+    bs = k // scale.shape[0]
+    acc = np.empty(n, np.int32)
+    res = np.empty(n, np.float32)
+    sbuf = np.empty(n, np.float32)
+    obuf = np.empty(n, np.float32)
+    xb = np.empty(XQ_BLOCK, np.int16)
+    for m in range(m_rows):
+        res[:] = 0
+        for sb in range(s0, s1):
+            k0 = sb * XQ_BLOCK
+            d, xsum = _round_block(x, m, k0, xb)
+            acc[:] = 0
+            for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
+                x0, x1, x2, x3 = xb[j], xb[j + 1], xb[j + 2], xb[j + 3]
+                r0, r1, r2, r3 = q[k0 + j], q[k0 + j + 1], q[k0 + j + 2], q[k0 + j + 3]
+                for i in range(n):
+                    w0, w1 = np.int16(np.int8(r0[i] ^ flip)), np.int16(np.int8(r1[i] ^ flip))
+                    w2, w3 = np.int16(np.int8(r2[i] ^ flip)), np.int16(np.int8(r3[i] ^ flip))
+                    acc[i] += np.int32(np.int16(x0 * w0 + x1 * w1)) + np.int32(np.int16(x2 * w2 + x3 * w3))
+            b = k0 // bs
+            cx = center * xsum
+            srow = params_row(scale, b, sbuf)
+            for i in range(n):
+                res[i] += srow[i] * (np.float32(acc[i]) * d + cx)
+            if has_offset:
+                orow = params_row(offset, b, obuf)
+                for i in range(n):
+                    res[i] += orow[i] * xsum
+        for i in range(n):
+            out[m, i] = res[i]
+
+
 def _scaled_tile_packed4(q, scale, k0, k1, block, flip, out):
     """out[k - k0, :] = (q[k, :] ^ flip) * scale[k // block, :] for a k-major 4-bit weight, read as
     _kmajor_packed4 reads it (the offset is added by the caller)."""
@@ -171,6 +277,9 @@ scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
 GEMM_TILE_ELEMENTS = 1 << 21  # 8 MB of float32 per dequantized tile
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
+_round_block = njit(inline="always", **_serial)(_round_block)
+kmajor_packed4_xq = njit(**_serial)(_kmajor_packed4_xq)
+kmajor_int8_xq = njit(**_serial)(_kmajor_int8_xq)
 PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller matmuls are not worth waking another thread (~50 us in a VM)
 
 
@@ -262,10 +371,12 @@ def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
     return p
 
 
-def quantized_matmul_step(node: Node, out, threads: int = 1):
+def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = "float32"):
     """quantized_matmul on the CPU: the packed GEMV kernels for up to GEMV_MAX_ROWS rows of a k-major
     (transpose=False) affine weight (split over `threads`), a tiled dequantize + BLAS GEMM above that;
-    the reference otherwise."""
+    the reference otherwise. activations="int8" (`CpuOptions.gemv_activations`): the GEMV rounds x to
+    int8 per block of 32 k and multiplies in integers (the *_xq kernels), where the weight's block is
+    a multiple of 32; the GEMM stays float32."""
     attrs = node.attrs
     qdtype = attrs["qdtype"]
     fast = attrs["mode"] == "affine" and not attrs.get("transpose") and node.dtype.name == "float32"
@@ -280,26 +391,37 @@ def quantized_matmul_step(node: Node, out, threads: int = 1):
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
             scale, offset, nb = _kmajor_params(params, attrs, n)
+            k = q.shape[0]
+            ks = _kernel_form(scale)
+            absent = no_offset if ks.dtype == np.float32 else no_offset_bits
+            if activations == "int8" and k % XQ_BLOCK == 0 and (k // nb) % XQ_BLOCK == 0:
+                unsigned = qdtype.kind == "u"   # read as signed through flip, the difference in center
+                if qdtype.packed:
+                    kernel = kmajor_packed4_xq
+                    args = (np.uint8(0 if unsigned else 0x88), np.float32(8 if unsigned else 0))
+                else:
+                    kernel = kmajor_int8_xq
+                    args = (np.uint8(0x80), np.float32(128)) if unsigned else (np.int8(0), np.float32(0))
+                gemv = (kernel, (ks, _kernel_form(offset if offset is not None else absent), offset is not None) + args,
+                        k // XQ_BLOCK)
+            else:
+                gemv = None
             signed4 = qdtype.packed and qdtype.kind == "i"
             if signed4:  # read as uint4 n ^ 8 = value + 8: the -8 goes into the offset
                 shift = np.float32(-8) * scale.astype(np.float32)
                 offset = shift if offset is None else offset.astype(np.float32) + shift
             flip = np.uint32(0x88 if signed4 else 0)
-            ks = _kernel_form(scale)
-            ko = _kernel_form(offset if offset is not None else no_offset if ks.dtype == np.float32 else no_offset_bits)
-            if qdtype.packed:
-                kernel = kmajor_packed4
-                args = (ks, ko, offset is not None, flip)
-            else:
-                kernel = kmajor_int8
-                args = (ks, ko, offset is not None)
-            hit = prepared[key] = (kernel, args, scale, offset, flip, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
+            ko = _kernel_form(offset if offset is not None else absent)
+            if gemv is None:
+                gemv = (kmajor_packed4, (ks, ko, offset is not None, flip), nb) if qdtype.packed else \
+                    (kmajor_int8, (ks, ko, offset is not None), nb)
+            hit = prepared[key] = (gemv, scale, offset, flip, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
         return hit
 
     def step(x, q, *params):
         if not fast:
             return reference((x, q) + params, attrs)
-        kernel, args, scale, offset, flip, nb, n, q, _ = prepare(q, params)
+        (kernel, args, parts), scale, offset, flip, nb, n, q, _ = prepare(q, params)
         k = x.shape[-1]
         if k % nb:
             return reference((x, q) + params, attrs)
@@ -311,7 +433,7 @@ def quantized_matmul_step(node: Node, out, threads: int = 1):
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        split_blocks(kernel, (x2, q) + args, nb, result, k * n, threads)
+        split_blocks(kernel, (x2, q) + args, parts, result, k * n, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, flip, block, n):
@@ -620,7 +742,7 @@ def _cache_is_cold() -> bool:
     surprise counts as warm, and the kernels compile here as before)."""
     try:
         return any(not d._cache._cache_file._load_index() for d in
-                   (kmajor_packed4, kmajor_int8, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows,
+                   (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows,
                     _rms_norm_rows, _layer_norm_rows, erf_rows))
     except Exception:
         return False
@@ -635,6 +757,9 @@ def _warm_up() -> None:
         kmajor_packed4(x, weights[0], s, o, True, np.uint32(0), 0, 1, out)
         kmajor_int8(x, weights[1], s, o, True, 0, 1, out)
         kmajor_int8(x, weights[2], s, o, True, 0, 1, out)
+        kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, out)
+        kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, out)
+        kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, out)
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, f32(32, 4))

@@ -124,8 +124,8 @@ _CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee"), "prefill_hopper":
 class CpuOptions:
     """Choices of the CPU backend."""
 
-    threads: int | None = None   # threads a big GEMV is split over; None: INGOT_CPU_THREADS, else 1
-                                 # (more were slower on the 2-core VMs measured: memory-bound)
+    threads: int | None = None   # the CPU threads: the quantized GEMV's pool and BLAS (prefill) both;
+                                 # None: INGOT_CPU_THREADS, else the cores this process may run on
     gemv_activations: str = "float32"   # "int8": the quantized GEMV rounds x to int8 per block of 32 k
                                         # and multiplies in integers, as llama.cpp does (BENCHMARKS.md:
                                         # speed and accuracy); "float32": exact float products
@@ -139,12 +139,12 @@ class CpuOptions:
 
     @property
     def resolved_threads(self) -> int:
-        """`threads`, or INGOT_CPU_THREADS, or 1."""
+        """`threads`, or INGOT_CPU_THREADS, or the cores this process may run on."""
         if self.threads is not None:
             return self.threads
         text = read_env("INGOT_CPU_THREADS")
         try:
-            return max(1, int(text)) if text else 1
+            return max(1, int(text)) if text else usable_cores()
         except ValueError:
             raise IngotError(f"INGOT_CPU_THREADS is {text!r}, not a number of threads.") from None
 
@@ -239,6 +239,14 @@ def read_env(name: str) -> str | None:
 def cache_dir() -> str:
     """The root directory of Ingot's generated files: INGOT_CACHE, else ~/.cache/ingot."""
     return read_env("INGOT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ingot")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
 
 
 def _names(cls) -> set[str]:

@@ -1,5 +1,6 @@
 """CompileOptions: validated, round-trip through JSON, reach the executable and are stored in packages."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ def test_options_file_from_the_environment(tmp_path, monkeypatch):
 
 def test_cpu_threads_from_the_environment(monkeypatch):
     monkeypatch.delenv("INGOT_CPU_THREADS", raising=False)
-    assert CpuOptions().resolved_threads == 1
+    assert CpuOptions().resolved_threads == len(os.sched_getaffinity(0))   # the usable cores
     monkeypatch.setenv("INGOT_CPU_THREADS", "3")
     assert CpuOptions().resolved_threads == 3 and CpuOptions(threads=2).resolved_threads == 2
     monkeypatch.setenv("INGOT_CPU_THREADS", "many")

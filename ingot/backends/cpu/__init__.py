@@ -293,6 +293,7 @@ class CpuPlan:
         self.program = program
         options = getattr(executable, "options", None) or CompileOptions()
         options = options.cpu
+        self.threads = options.resolved_threads   # the GEMV pool's and BLAS's (kernels.blas_threads)
         nodes = program.nodes()
         self.slot = {n.id: i for i, n in enumerate(nodes)}
         self.initial: list[Any] = [None] * len(nodes)
@@ -363,6 +364,7 @@ class CpuPlan:
                               if base[n.id].op in (Op.VARIABLE, Op.CONSTANT)]
 
     def run(self, feeds: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> list[np.ndarray]:
+        kernels.blas_threads(self.threads)
         vals = list(self.initial)
         for name, s, _ in self.feed_slots:
             vals[s] = feeds[name]

@@ -316,6 +316,26 @@ class _Workers:
 _workers: dict[int, _Workers] = {}   # by their number
 
 
+_blas = {"threads": None, "libraries": None}
+
+
+def blas_threads(n: int) -> None:
+    """Set the BLAS libraries' threads (OpenBLAS under NumPy and SciPy: the prefill GEMMs) to n,
+    the one CPU thread setting (`CpuOptions.threads`) that the GEMV pool also follows, so BLAS never
+    runs more threads than that beside it. A no-op when n is already set or threadpoolctl is missing."""
+    if _blas["threads"] == n:
+        return
+    if _blas["libraries"] is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _blas["libraries"] = ThreadpoolController().select(user_api="blas").lib_controllers
+        except Exception:   # not installed, or a BLAS it cannot drive: BLAS keeps its own setting
+            _blas["libraries"] = []
+    for library in _blas["libraries"]:
+        library.set_num_threads(n)
+    _blas["threads"] = n
+
+
 def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int, threads: int = 1) -> None:
     """kernel(*head, b0, b1, out) over the reduction axis: `threads` contiguous ranges of blocks in
     parallel (`CpuOptions.threads`: more were slower on the 2-core VMs measured, memory-bound), each

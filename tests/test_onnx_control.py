@@ -63,3 +63,53 @@ def test_if_on_data_is_refused_with_one_sentence():
     with pytest.raises(NeedsConstant, match=r"If node .*folds If at import.*\['data'\].*constant_inputs") as e:
         from_onnx(model)
     assert "\n" not in str(e.value)
+
+
+def loop_model(condition_from_data: bool):
+    """A Loop of 3 steps: total += x * i; each step's total is also a scan output."""
+    body_nodes = [helper.make_node("Cast", ["i"], ["i_float"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", ["x", "i_float"], ["step"]),
+                  helper.make_node("Add", ["total_in", "step"], ["total_out"]),
+                  helper.make_node("Identity", ["total_out"], ["scan_out"])]
+    if condition_from_data:
+        body_nodes += [helper.make_node("ReduceSum", ["total_out"], ["s"], keepdims=0),
+                       helper.make_node("Constant", [], ["cap"], value=numpy_helper.from_array(np.array(100, np.float32))),
+                       helper.make_node("Less", ["s", "cap"], ["cond_out"])]
+    else:
+        body_nodes += [helper.make_node("Identity", ["cond_in"], ["cond_out"])]
+    body = helper.make_graph(body_nodes, "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("total_in", TensorProto.FLOAT, [4])],
+                             [helper.make_tensor_value_info(n, t, s) for n, t, s in
+                              (("cond_out", TensorProto.BOOL, []), ("total_out", TensorProto.FLOAT, [4]),
+                               ("scan_out", TensorProto.FLOAT, [4]))])
+    nodes = [helper.make_node("Constant", [], ["trip"], value=numpy_helper.from_array(np.array(3, np.int64))),
+             helper.make_node("Constant", [], ["go"], value=numpy_helper.from_array(np.array(True))),
+             helper.make_node("Loop", ["trip", "go", "zeros"], ["total", "steps"], body=body)]
+    graph = helper.make_graph(nodes, "loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, [4]),
+                               helper.make_tensor_value_info("steps", TensorProto.FLOAT, [3, 4])],
+                              [numpy_helper.from_array(np.zeros(4, np.float32), "zeros")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_loop_with_a_static_trip_count_is_unrolled():
+    total, steps = from_onnx(loop_model(False)).run({"x": X})
+    np.testing.assert_array_equal(total, X * 3)
+    np.testing.assert_array_equal(steps, [X * 0, X * 1, X * 3])
+
+
+def test_loop_whose_condition_depends_on_data_is_refused():
+    with pytest.raises(ingot.IngotError, match="Loop node .*condition computed from data"):
+        from_onnx(loop_model(True))
+
+
+def test_an_op_without_a_converter_runs_as_its_onnx_function():
+    # MeanVarianceNormalization has no converter: ONNX defines it as a function of other ops
+    node = helper.make_node("MeanVarianceNormalization", ["x"], ["y"], axes=[1])
+    graph = helper.make_graph([node], "mvn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])])
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    y = from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])).run({"x": x})["y"]
+    np.testing.assert_allclose(y, (x - x.mean(1, keepdims=True)) / x.std(1, keepdims=True), rtol=1e-5, atol=1e-5)

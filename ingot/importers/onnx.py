@@ -23,6 +23,10 @@ constants it generates, op outputs) holds at most `element_budget(model)` elemen
 MIN_ELEMENT_BUDGET (2**26) and 16x the model's own weights, so a few bytes of a Range, ConstantOfShape,
 Resize, OneHot, Pad or input dimension cannot claim terabytes.
 
+An op without a converter whose ONNX definition is a function of other ops (AffineGrid, Shrink,
+LinearAttention, ...) is converted as that function body. Control flow is resolved at import: If
+folded, Loop and Scan unrolled (onnx_control).
+
 ONNX types Ingot lacks are computed in the nearest Ingot type (double in float32, int16/uint16 in
 int32, uint32/uint64 in int64); `OnnxExecutable.run` casts the outputs back to the declared types.
 """
@@ -282,12 +286,14 @@ def _output_dtype(vi) -> np.dtype | None:
 
 
 def check_supported(model, what: str) -> None:
-    """One UnsupportedOnnx naming every op type the importer lacks (type, a node name, count)."""
+    """One UnsupportedOnnx naming every op type the importer lacks (type, a node name, count): those
+    with no converter and no function body in ONNX's definition."""
+    opsets = {("" if o.domain in ("", "ai.onnx") else o.domain): o.version for o in model.opset_import}
 
     missing: dict[str, list[str]] = {}
     for node in _all_nodes(model.graph):
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
-        if (domain, node.op_type) not in CONVERTERS:
+        if (domain, node.op_type) not in CONVERTERS and _function_body(node, opsets.get(domain, 1)) is None:
             key = f"{domain}:{node.op_type}" if domain else node.op_type
             missing.setdefault(key, []).append(node.name or (node.output[0] if node.output else "?"))
     if missing:
@@ -389,7 +395,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     if unknown:
         raise IngotError(f"{what}: input_shapes or constant_inputs name {sorted(unknown)}, which are not inputs of the model "
                          f"(inputs: {list(inputs)}).")
-    ctx.import_subgraph = lambda sub, outer: _convert_subgraph(ctx, sub, outer, what)
+    ctx.import_subgraph = lambda sub, outer, inputs=(): _convert_subgraph(ctx, sub, outer, what, inputs)
     _convert_graph(ctx, graph, values, what)
     outputs: dict[str, Tensor] = {}
     output_dtypes: dict[str, np.dtype] = {}
@@ -408,12 +414,12 @@ def _convert_graph(ctx: Context, graph, values: dict[str, Tensor], what: str) ->
     outer_scope, ctx.scope = ctx.scope, values
     for node in _topological(graph, set(values), what):
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
-        converter = CONVERTERS[(domain, node.op_type)]
+        converter = CONVERTERS.get((domain, node.op_type))
         attrs = {a.name: _attribute_value(a, what) for a in node.attribute}
         onode = OnnxNode(node.op_type, domain, node.name, [values[i] if i else None for i in node.input], attrs,
                          list(node.output), opsets.get(domain, 1))
         try:
-            outs = list(converter(ctx, onode))
+            outs = list(converter(ctx, onode)) if converter else _expand_function(ctx, node, onode.inputs, what)
         except UnsupportedOnnx:
             raise
         except IngotError as e:
@@ -435,14 +441,92 @@ def _convert_graph(ctx: Context, graph, values: dict[str, Tensor], what: str) ->
     ctx.scope = outer_scope
 
 
-def _convert_subgraph(ctx: Context, graph, outer: Mapping[str, Tensor], what: str) -> list[Tensor]:
-    """A subgraph (an If branch) converted into the enclosing graph: its outputs, in order."""
+def _function_body(node, opset: int, input_types=None):
+    """ONNX's own definition of an op as a function of other ops, for this opset: (FunctionProto,
+    OpSchema), or None where it has none. A context-dependent function (one that depends on the input
+    types) is only made when `input_types` (TypeProtos) are given."""
+    from onnx import FunctionProto, defs
+
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    try:
+        schema = defs.get_schema(node.op_type, opset, domain)
+    except Exception:  # onnx's SchemaError: no such op at this opset
+        return None
+    proto = FunctionProto()
+
+    def pick(versions):   # the function for the newest opset up to ours; else the oldest (the op is the same
+        older = [v for v in versions if v <= opset]   # schema, its function written with newer ops)
+        return max(older) if older else min(versions, default=None)
+
+    version = pick(list(schema.function_opset_versions))
+    if version is not None:
+        proto.ParseFromString(schema.get_function_with_opset_version(version))
+        return proto, schema
+    version = pick(list(schema.context_dependent_function_opset_versions))
+    if version is None:
+        return None
+    if input_types is None:
+        return proto, schema
+    try:
+        made = schema.get_context_dependent_function_with_opset_version(
+            version, node.SerializeToString(), [t.SerializeToString() for t in input_types])
+    except Exception:  # onnx could not build the function for these types
+        return None
+    proto.ParseFromString(made)
+    return proto, schema
+
+
+def _expand_function(ctx: Context, node, inputs: Sequence[Tensor | None], what: str) -> list[Tensor]:
+    """An op without a converter, converted as ONNX defines it: its function body, with the node's
+    inputs and attributes bound (onnxruntime does the same for ops it has no kernel for)."""
+    from onnx import GraphProto, helper
+
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    types = [helper.make_tensor_type_proto(0, None) if t is None else
+             helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(ctx.onnx_dtype(t)), list(t.shape)) for t in inputs]
+    found = _function_body(node, ctx.opsets.get(domain, 1), types)
+    if found is None:
+        raise UnsupportedOnnx(f"{what}: op {node.op_type} (node {node.name or node.output[0]!r}) is not supported.")
+    proto, schema = found
+    attrs = {a.name: a for a in node.attribute}
+    for name, declared in schema.attributes.items():
+        if name not in attrs and declared.default_value and declared.default_value.name:
+            attrs[name] = declared.default_value
+    omitted = {name for i, name in enumerate(proto.input) if i >= len(inputs) or inputs[i] is None}
+    body = GraphProto(name=f"{node.op_type} function")
+    for inner in proto.node:
+        copy = body.node.add()
+        copy.CopyFrom(inner)
+        copy.input[:] = ["" if i in omitted else i for i in inner.input]
+        del copy.attribute[:]
+        for a in inner.attribute:
+            if a.ref_attr_name:   # an attribute of the function: the node's value, or left out
+                if a.ref_attr_name in attrs:
+                    bound = copy.attribute.add()
+                    bound.CopyFrom(attrs[a.ref_attr_name])
+                    bound.name = a.name
+            else:
+                copy.attribute.add().CopyFrom(a)
+    values = {name: t for name, t in zip(proto.input, inputs) if t is not None}
+    outer_opsets = ctx.opsets
+    ctx.opsets = {**outer_opsets, **{("" if o.domain in ("", "ai.onnx") else o.domain): o.version for o in proto.opset_import}}
+    try:
+        _convert_graph(ctx, body, values, what)
+    finally:
+        ctx.opsets = outer_opsets
+    return [values[name] if name in values else None for name in proto.output][:len(node.output)]
+
+
+def _convert_subgraph(ctx: Context, graph, outer: Mapping[str, Tensor], what: str, inputs: Sequence[Tensor] = ()) -> list[Tensor]:
+    """A subgraph (an If branch, one step of a Loop or Scan body) converted into the enclosing graph, its
+    inputs bound to `inputs`: its outputs, in order."""
+    if len(inputs) != len(graph.input):
+        raise IngotError(f"{what}: subgraph {graph.name!r} takes {len(graph.input)} inputs, given {len(inputs)}.")
     values = dict(outer)
+    values.update({vi.name: t for vi, t in zip(graph.input, inputs)})
     for init in graph.initializer:
         constant = _constant(ctx.g, _tensor_array(init, what), init.data_type, init.name)
         values[init.name] = constant if init.data_type in (21, 22) else ctx.declare(constant, init.data_type)
-    if len(graph.input):
-        raise UnsupportedOnnx(f"{what}: a subgraph with inputs ({graph.name!r}; Loop and Scan bodies are not supported).")
     _convert_graph(ctx, graph, values, what)
     missing = [vi.name for vi in graph.output if vi.name not in values]
     if missing:

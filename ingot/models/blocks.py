@@ -507,22 +507,25 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
     """Decode attention of `rows` independent sequences, one token each, every row at its own
     position and over its own cache: q [rows, nh*hd], k and v [rows, nkv*hd] -> [rows, nh*hd].
 
-    Row r runs the batch-1 decode step's ops on its own slices (heads, QK-norm, RoPE at
+    Row r runs the batch-1 decode step's kernels on arrays laid out as that step's (RoPE at
     positions[r], its K/V written in place at positions[r] of blk.L.k_cache.r / v_cache.r,
     attention over positions 0..positions[r]), so its result is bit for bit what a batch-1 decoder
-    computes and never depends on another row."""
+    computes and never depends on another row. (A strided q, sliced out of [1, nh, rows, hd], gave
+    1e-6 differences: numba's fastmath kernels vectorise differently for non-contiguous arrays.)"""
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved,
                 rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
+    # one token per row: [rows, h*hd] -> [rows, h, 1, hd] is a reshape, and row r's slice of it is
+    # contiguous, laid out as a batch-1 step's [1, h, 1, hd] (the kernels see the same arrays)
+    q, k, v = g.reshape(q, (rows, nh, 1, hd)), g.reshape(k, (rows, nkv, 1, hd)), g.reshape(v, (rows, nkv, 1, hd))
+    if qk_norm:                                                       # per head, over hd
+        q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
+        k = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k)
     outs = []
     for r in range(rows):
         pos = g.reshape(g.slice(positions, [r], [r + 1]), ())
-        q_r, k_r, v_r = (split_heads(g, g.slice(t, [r, 0], [r + 1, None]), n, hd, 1)
-                         for t, n in ((q, nh), (k, nkv), (v, nkv)))                 # [1, h, 1, hd]
-        if qk_norm:
-            q_r = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q_r)
-            k_r = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k_r)
+        q_r, k_r, v_r = (g.slice(t, [r], [r + 1]) for t in (q, k, v))  # [1, h, 1, hd]
         if inv_freq is not None:
             q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
         k_cache, v_cache = row_cache(g, cfg, layer, r)
@@ -533,10 +536,9 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
         end = pos + 1
         k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])   # attention over the valid prefix
         v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
-        out = g.scaled_dot_product_attention(q_r, k_seen, v_seen, scale=scale, causal=True, window=window,
-                                             softcap=softcap)              # [1, nh, 1, hd]
-        outs.append(merge_heads(g, out, nh, hd, 1))                          # [1, nh*hd]
-    return outs[0] if rows == 1 else g.concat(outs, axis=0)
+        outs.append(g.scaled_dot_product_attention(q_r, k_seen, v_seen, scale=scale, causal=True, window=window,
+                                                   softcap=softcap))      # [1, nh, 1, hd]
+    return g.reshape(outs[0] if rows == 1 else g.concat(outs, axis=0), (rows, nh * hd))
 
 
 ACTIVATIONS: dict[str, Callable[[Graph, Tensor], Tensor]] = {

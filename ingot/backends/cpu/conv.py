@@ -23,15 +23,16 @@ from ...passes.fuse_conv_epilogue import operand_form
 TILE_ELEMENTS = 1 << 16   # floats of gathered windows per tile (256 KB): L2-sized
 
 
-# Inner loops run over views and range indices only: an index computed from a signed offset makes
-# numba wrap negative indices per element, which keeps LLVM from vectorising (5x on the depthwise
-# kernel, 2.3x on the im2col copy).
+# Inner loops index with unsigned integers: an index computed from a signed offset makes numba wrap
+# negative indices per element, which keeps LLVM from vectorising (CPU time on this VM: im2col copy
+# 1.0 -> 4.7-7.2 Gelem/s, depthwise 3x3 2.5 -> 13.8 GFLOP/s).
 
 @njit(cache=True, nogil=True)
 def _im2col(x, kh, kw, sh, sw, dh, dw, ph, pw, ow, oy0, oy1, cols):
     """cols[(c, i, j), (oy - oy0) * ow + ox] = x[c, oy * sh + i * dh - ph, ox * sw + j * dw - pw], zero
     outside x; x [C, H, W], output rows oy0..oy1."""
     c_n, h, w = x.shape
+    us = np.uintp(sw)
     r = 0
     for c in range(c_n):
         for i in range(kh):
@@ -39,17 +40,27 @@ def _im2col(x, kh, kw, sh, sw, dh, dw, ph, pw, ow, oy0, oy1, cols):
                 off = j * dw - pw
                 lo = max(0, (-off + sw - 1) // sw)           # the first ox with ox * sw + off >= 0
                 hi = max(lo, min(ow, (w - 1 - off) // sw + 1) if w - 1 - off >= 0 else 0)
+                s0, n = np.uintp(lo * sw + off), np.uintp(hi - lo)
                 dst = cols[r]
                 for oy in range(oy0, oy1):
                     iy = oy * sh + i * dh - ph
-                    base = (oy - oy0) * ow
+                    base = np.uintp((oy - oy0) * ow)
                     if iy < 0 or iy >= h:
-                        dst[base:base + ow] = 0.0
+                        for t in range(np.uintp(ow)):
+                            dst[base + t] = 0.0
                         continue
-                    dst[base:base + lo] = 0.0
-                    if hi > lo:
-                        dst[base + lo:base + hi] = x[c, iy, lo * sw + off:(hi - 1) * sw + off + 1:sw]
-                    dst[base + hi:base + ow] = 0.0
+                    xrow = x[c, iy]
+                    for t in range(np.uintp(lo)):
+                        dst[base + t] = 0.0
+                    d0 = base + np.uintp(lo)
+                    if sw == 1:
+                        for t in range(n):
+                            dst[d0 + t] = xrow[s0 + t]
+                    else:
+                        for t in range(n):
+                            dst[d0 + t] = xrow[s0 + t * us]
+                    for t in range(np.uintp(hi), np.uintp(ow)):
+                        dst[base + t] = 0.0
                 r += 1
 
 
@@ -60,10 +71,13 @@ def _depthwise(x, w, sh, sw, dh, dw, ph, pw, oy0, oy1, out):
     c_n, h, wd = x.shape
     kh, kw = w.shape[1], w.shape[2]
     ow = out.shape[2]
+    us = np.uintp(sw)
     for c in range(c_n):
         plane = out[c]
         for oy in range(oy0, oy1):
-            plane[oy, :] = 0.0
+            row = plane[oy]
+            for t in range(np.uintp(ow)):
+                row[t] = 0.0
         for i in range(kh):
             for j in range(kw):
                 wv = w[c, i, j]
@@ -72,14 +86,18 @@ def _depthwise(x, w, sh, sw, dh, dw, ph, pw, oy0, oy1, out):
                 hi = min(ow, (wd - 1 - off) // sw + 1) if wd - 1 - off >= 0 else 0
                 if hi <= lo:
                     continue
+                s0, d0, n = np.uintp(lo * sw + off), np.uintp(lo), np.uintp(hi - lo)
                 for oy in range(oy0, oy1):
                     iy = oy * sh + i * dh - ph
                     if iy < 0 or iy >= h:
                         continue
-                    acc = plane[oy, lo:hi]
-                    xs = x[c, iy, lo * sw + off:(hi - 1) * sw + off + 1:sw]
-                    for t in range(hi - lo):
-                        acc[t] += wv * xs[t]
+                    row, xrow = plane[oy], x[c, iy]
+                    if sw == 1:
+                        for t in range(n):
+                            row[d0 + t] += wv * xrow[s0 + t]
+                    else:
+                        for t in range(n):
+                            row[d0 + t] += wv * xrow[s0 + t * us]
 
 
 # -- the epilogue: elementwise ops on a tile [channels, columns] -----------------------------------

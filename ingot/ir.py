@@ -68,6 +68,7 @@ class Op(enum.IntEnum):
     SHIFT_LEFT = enum.auto(); SHIFT_RIGHT = enum.auto()
     PROD = enum.auto(); MOD = enum.auto()
     RNN = enum.auto(); LSTM = enum.auto(); GRU = enum.auto()   # recurrent layers (ops/recurrent.py)
+    CUMPROD = enum.auto(); BITCAST = enum.auto(); DET = enum.auto(); GRID_SAMPLE = enum.auto()
 
 
 class GroupOp:

@@ -1027,6 +1027,78 @@ for _fmt, _lo, _hi, _out in (("int4", -8, 7, I8), ("uint4", 0, 15, U8), ("int2",
     add(OpCase(f"narrow_cast-{_fmt}-from-int32", (In((4, 9), I32, integers(_lo, _hi)),),
                lambda g, x, _f=_fmt: g.op(Op.NARROW_CAST, [x], {"format": _f}), lambda x: x, out=_out))
 
+
+
+def cumprod_reference(axis: int, exclusive: bool, reverse: bool):
+    def ref(x):
+        x = np.moveaxis(x, axis, 0)
+        out = np.empty_like(x)
+        order = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
+        running = np.ones(x.shape[1:], x.dtype)
+        for i in order:
+            if exclusive:
+                out[i] = running
+                running = running * x[i]
+            else:
+                running = running * x[i]
+                out[i] = running
+        return np.moveaxis(out, 0, axis)
+    return ref
+
+
+for _axis, _exclusive, _reverse in ((0, False, False), (1, True, False), (2, False, True), (1, True, True)):
+    add(OpCase(f"cumprod-axis{_axis}-excl{int(_exclusive)}-rev{int(_reverse)}", (In((3, 5, 4), F32, uniform(0.5, 1.5)),),
+               lambda g, x, _a=_axis, _e=_exclusive, _r=_reverse: g.op(Op.CUMPROD, [x], {"axis": _a, "exclusive": _e,
+                                                                                        "reverse": _r}),
+               cumprod_reference(_axis, _exclusive, _reverse)))
+add(OpCase("cumprod-int32", (In((4, 3), I32, integers(-3, 3)),), lambda g, x: g.op(Op.CUMPROD, [x], {"axis": 0}),
+           cumprod_reference(0, False, False)))
+
+
+def det3(m):
+    """Determinants of 3x3 matrices by cofactor expansion (not LU, as NumPy computes them)."""
+    a = m
+    return (a[..., 0, 0] * (a[..., 1, 1] * a[..., 2, 2] - a[..., 1, 2] * a[..., 2, 1])
+            - a[..., 0, 1] * (a[..., 1, 0] * a[..., 2, 2] - a[..., 1, 2] * a[..., 2, 0])
+            + a[..., 0, 2] * (a[..., 1, 0] * a[..., 2, 1] - a[..., 1, 1] * a[..., 2, 0]))
+
+
+add(OpCase("det-batched-3x3", (In((5, 2, 3, 3), F32),), lambda g, x: g.op(Op.DET, [x]), det3, tol=1e-4))
+add(OpCase("bitcast-float32-to-int32", (In((7, 13), F32),),
+           lambda g, x: g.op(Op.BITCAST, [x], {"source": "float32", "target": "int32", "dtype": I32}),
+           lambda x: x.astype(np.float32).view(np.int32), out=I32))
+add(OpCase("bitcast-int8-to-uint8", (In((33,), I8, integers(-128, 127)),),
+           lambda g, x: g.op(Op.BITCAST, [x], {"source": "int8", "target": "uint8", "dtype": U8}),
+           lambda x: x.astype(np.int8).view(np.uint8), out=U8))
+
+
+def grid_sample_reference(padding: str, align_corners: bool):
+    """Bilinear sampling by scipy.ndimage.map_coordinates (zeros: 'grid-constant', border: 'nearest')."""
+    import scipy.ndimage
+
+    def ref(x, grid):
+        n, c, h, w = x.shape
+        out = np.empty((n, c) + grid.shape[1:3])
+        for b in range(n):
+            gx, gy = grid[b, ..., 0], grid[b, ..., 1]
+            if align_corners:
+                px, py = (gx + 1) / 2 * (w - 1), (gy + 1) / 2 * (h - 1)
+            else:
+                px, py = ((gx + 1) * w - 1) / 2, ((gy + 1) * h - 1) / 2
+            for ch in range(c):
+                out[b, ch] = scipy.ndimage.map_coordinates(x[b, ch], [py, px], order=1, cval=0.0,
+                                                           mode="grid-constant" if padding == "zeros" else "nearest")
+        return out
+    return ref
+
+
+for _padding in ("zeros", "border"):
+    for _align in (False, True):
+        add(OpCase(f"grid_sample-linear-{_padding}-align{int(_align)}", (In((2, 3, 5, 7), F32), In((2, 4, 6, 2), F32, uniform(-1.3, 1.3))),
+                   lambda g, x, grid, _p=_padding, _a=_align: g.op(Op.GRID_SAMPLE, [x, grid], {"mode": "linear", "padding": _p,
+                                                                                                "align_corners": _a}),
+                   grid_sample_reference(_padding, _align)))
+
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 

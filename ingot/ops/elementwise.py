@@ -318,3 +318,17 @@ def narrow_cast(x: np.ndarray, format: str, saturate: bool = True, round_mode: s
 
 register(Op.NARROW_CAST, _narrow_cast_rule,
          lambda xs, a: narrow_cast(xs[0], a["format"], a.get("saturate", True), a.get("round_mode", "up")))
+
+
+def _bitcast_rule(types, attrs):
+    """bitcast: attrs "source" and "target" name the NumPy dtypes whose bits are reinterpreted (the same
+    size); "dtype" is the Ingot dtype that holds the result (an ONNX uint16 in int32, say)."""
+    (t,) = types
+    source, target = np.dtype(attrs["source"]), np.dtype(attrs["target"])
+    if t.dtype.packed or source.itemsize != target.itemsize:
+        raise fail(Op.BITCAST, types, f"types of one size, not {source} and {target}")
+    return TensorType(t.shape, attrs["dtype"])
+
+
+register(Op.BITCAST, _bitcast_rule, lambda xs, a: np.array(xs[0], copy=True).astype(a["source"]).view(a["target"])
+         .astype(a["dtype"].storage))

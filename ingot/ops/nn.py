@@ -33,6 +33,16 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 register(Op.MATMUL, _matmul_rule, lambda xs, a: matmul(xs[0], xs[1]))
 
 
+def _det_rule(types, attrs):
+    (t,) = types
+    if t.rank < 2 or t.shape[-1] != t.shape[-2] or not t.dtype.is_float:
+        raise fail(Op.DET, types, "float square matrices [..., M, M]")
+    return TensorType(t.shape[:-2], t.dtype)
+
+
+register(Op.DET, _det_rule, lambda xs, a: np.asarray(np.linalg.det(xs[0].astype(np.float64))).astype(xs[0].dtype))
+
+
 def _norm_rule(op):
     def rule(types, attrs):
         x = types[0]

@@ -92,3 +92,26 @@ def log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
 
 register(Op.SOFTMAX, _softmax_rule(Op.SOFTMAX), lambda xs, a: softmax(xs[0], a["axis"]))
 register(Op.LOG_SOFTMAX, _softmax_rule(Op.LOG_SOFTMAX), lambda xs, a: log_softmax(xs[0], a["axis"]))
+
+
+def _cumprod_rule(types, attrs):
+    (t,) = types
+    if t.dtype.packed or t.dtype == dt.bool_ or not 0 <= attrs["axis"] < max(t.rank, 1):
+        raise fail(Op.CUMPROD, types, f"a numeric input with axis {attrs['axis']} within its rank")
+    return t
+
+
+def _cumprod(xs, attrs):
+    """Products along an axis: y_i = x_0 ... x_i (exclusive: x_0 ... x_{i-1}, the first 1; reverse: from the end)."""
+    (x,) = xs
+    axis = attrs["axis"]
+    v = np.flip(x, axis) if attrs.get("reverse") else x
+    out = np.cumprod(v.astype(compute_dtype(v)), axis=axis)
+    if attrs.get("exclusive"):
+        ones = np.ones_like(np.take(out, [0], axis=axis))
+        out = np.concatenate([ones, np.delete(out, -1, axis=axis)], axis=axis) if out.shape[axis] else out
+    out = np.flip(out, axis) if attrs.get("reverse") else out
+    return np.ascontiguousarray(out).astype(x.dtype)
+
+
+register(Op.CUMPROD, _cumprod_rule, _cumprod)

@@ -9,7 +9,7 @@ from ..errors import IngotError
 from ..graph import Tensor
 from ..ir import Op
 from ..ops import normalize_axis
-from .onnx_ops import (CONVERTERS, NARROW_TYPES, Context, OnnxNode, converter, ints, need_float, onnx_to_ingot_dtype,
+from .onnx_ops import (CONVERTERS, NARROW_TYPES, ONNX_DTYPES, Context, OnnxNode, converter, ints, need_float, onnx_to_ingot_dtype,
                        scalar)
 
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Equal": "equal", "Less": "less",
@@ -485,6 +485,36 @@ def _one_hot(ctx: Context, node: OnnxNode):
     hot = g.equal(g.reshape(idx, shape), _positions(ctx, depth, rank, axis, dt.int64))
     off, on = g.split(values, 2, axis=0)
     return [g.where(hot, g.reshape(on, ()), g.reshape(off, ()))]
+
+
+@converter("CumProd")
+def _cumprod(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    if x.dtype == dt.bool_:
+        raise ctx.fail(node, "a bool input")
+    axis = normalize_axis("CumProd", int(np.asarray(ctx.constant(node, 1, "axis")).reshape(-1)[0]), x.ndim)
+    return [ctx.g.op(Op.CUMPROD, [x], {"axis": axis, "exclusive": bool(node.attr("exclusive", 0)),
+                                       "reverse": bool(node.attr("reverse", 0))})]
+
+
+@converter("Det")
+def _det(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    need_float(ctx, node, x)
+    return [ctx.g.op(Op.DET, [x])]
+
+
+@converter("BitCast")
+def _bitcast(ctx: Context, node: OnnxNode):
+    (x,) = node.inputs
+    elem = node.attr("to")
+    target = onnx_to_ingot_dtype(ctx, node, elem)
+    source_type, target_type = ctx.onnx_dtype(x), ONNX_DTYPES[elem][1]
+    if source_type.itemsize != target_type.itemsize or (source_type.kind == "f" and x.dtype.storage != source_type):
+        # a double held in float32 has lost the bits a bitcast would read
+        raise ctx.fail(node, f"a bitcast from {source_type} to {target_type}")
+    y = ctx.g.op(Op.BITCAST, [x], {"source": source_type.name, "target": target_type.name, "dtype": target})
+    return [ctx.declare(y, elem)]
 
 
 @converter("CumSum")

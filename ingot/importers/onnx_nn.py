@@ -546,3 +546,19 @@ def _lp_pool(ctx: Context, node: OnnxNode):
         powered = g.pad(powered, [(0, 0), (0, 0)] + list(zip(before, after)))
     total = g.sum(_windows(g, powered, kernel, strides, dilations, out, (n, c)), tuple(range(2, 2 + k)))
     return [g.sqrt(total) if p == 2 else g.pow(total, scalar(ctx, 1.0 / p, total))]
+
+
+_GRID_MODES = {"bilinear": "linear", "linear": "linear", "nearest": "nearest", "bicubic": "cubic", "cubic": "cubic"}
+
+
+@converter("GridSample")
+def _grid_sample(ctx: Context, node: OnnxNode):
+    x, grid = node.inputs
+    need_float(ctx, node, x)
+    mode = _GRID_MODES.get(node.attr("mode", "linear" if node.opset >= 20 else "bilinear"))
+    if mode is None:
+        raise ctx.fail(node, f"mode {node.attr('mode')!r}")
+    if grid.dtype != x.dtype:
+        grid = ctx.g.cast(grid, x.dtype)
+    return [ctx.g.op(Op.GRID_SAMPLE, [x, grid], {"mode": mode, "padding": node.attr("padding_mode", "zeros"),
+                                                 "align_corners": bool(node.attr("align_corners", 0))})]

@@ -283,9 +283,10 @@ def _pad(ctx: Context, node: OnnxNode):
 @converter("Dropout")
 def _dropout(ctx: Context, node: OnnxNode):
     x = node.inputs[0]
-    training = ctx.value(node.input(2)) if node.input(2) is not None else None
-    if node.input(2) is not None and (training is None or bool(training)):
-        raise ctx.fail(node, "training mode")
+    if node.input(2) is not None and bool(np.asarray(ctx.constant(node, 2, "training mode")).reshape(-1)[0]):
+        ratio = 0.5 if node.input(1) is None else float(np.asarray(ctx.constant(node, 1, "ratio")).reshape(-1)[0])
+        if ratio != 0:   # random masks: a training-time op, not one of inference
+            raise ctx.fail(node, f"training mode with ratio {ratio}")
     outs = [x]
     if len(node.outputs) > 1 and node.outputs[1]:
         outs.append(ctx.g.constant(np.ones(x.shape, bool)))

@@ -82,6 +82,7 @@ class Loader:
             return
         if self.name == "gguf":
             cases = [data for data, _ in seeds[:2]]
+            _gguf_tensor_headers(0), _gguf_tensor_headers(1)
         elif self.name == "audio":
             cases = [(data, rate) for data in seeds for rate in (None, 16000)]  # (resampling imports scipy)
         elif self.name == "onnx":
@@ -144,6 +145,16 @@ def _gguf_writable(value: Any) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def _gguf_tensor_headers(seed: int) -> dict[str, tuple[int, int]]:
+    """{tensor name: (offset of its n_dims field, n_dims)} in gguf_seeds()[seed], parsed once."""
+    import gguf
+    h = _hostile()
+    path = temporary_folder("seeds-") / "m.gguf"
+    path.write_bytes(gguf_seeds()[seed][0])
+    return {t.name: h.gguf_tensor_header(path, t.name) for t in gguf.GGUFReader(str(path)).tensors}
+
+
 def gguf_case(draw: Draw) -> bytes:
     h = _hostile()
     seeds = gguf_seeds()
@@ -151,39 +162,37 @@ def gguf_case(draw: Draw) -> bytes:
     if kind < 4:                                 # bytes, mostly in the header of any seed
         data, head = draw.choice(seeds)
         return mutate_bytes(draw, data, focus=head, rounds=6)
+    if kind >= 8:                                # the tensor list of a tiny model
+        seed = draw.integer(0, 1)
+        buf = bytearray(seeds[seed][0])
+        headers = _gguf_tensor_headers(seed)
+        name = draw.choice(list(headers))
+        at, n_dims = headers[name]
+        what = draw.integer(0, 2)                # (as hostile.patch_gguf_tensor, on offsets parsed once)
+        if what == 0:
+            struct.pack_into(f"<{n_dims}Q", buf, at + 4, *[draw.interesting_int() % 2**64 for _ in range(n_dims)])
+        elif what == 1:
+            struct.pack_into("<I", buf, at + 4 + 8 * n_dims, draw.choice([draw.integer(0, 40), 2**32 - 1, 9999]))
+        else:
+            struct.pack_into("<Q", buf, at + 8 + 8 * n_dims, draw.interesting_int() % 2**64)
+        return bytes(buf)
+    metadata = {}                                # metadata values of the tiny model
+    for _ in range(draw.integer(1, 3)):
+        key = draw.choice(GGUF_KEYS)
+        if key == "tokenizer.ggml.tokens" and draw.chance(2):
+            metadata[key] = h.tokenizer_metadata()["tokenizer.ggml.tokens"][: draw.integer(0, 300)]
+        elif key == "tokenizer.ggml.merges" and draw.chance(2):
+            metadata[key] = [draw.choice(["h e", "zz qq", "", "a", "he ll o", "\u0120 t"]) for _ in range(3)]
+        else:
+            metadata[key] = _gguf_writable(hostile_value(draw))
+    drop = tuple(draw.choice(list(h.llama_tensors())) for _ in range(draw.integer(0, 1)))
     folder = temporary_folder("case-")
     try:
-        if kind < 8:                             # metadata values of the tiny model
-            metadata = {}
-            for _ in range(draw.integer(1, 3)):
-                key = draw.choice(GGUF_KEYS)
-                if key == "tokenizer.ggml.tokens" and draw.chance(2):
-                    metadata[key] = h.tokenizer_metadata()["tokenizer.ggml.tokens"][: draw.integer(0, 300)]
-                elif key == "tokenizer.ggml.merges" and draw.chance(2):
-                    metadata[key] = [draw.choice(["h e", "zz qq", "", "a", "he ll o", "\u0120 t"]) for _ in range(3)]
-                else:
-                    metadata[key] = _gguf_writable(hostile_value(draw))
-            drop = tuple(draw.choice(list(h.llama_tensors())) for _ in range(draw.integer(0, 1)))
-            try:
-                path = h.tiny_llama_gguf(folder / "m.gguf", metadata=metadata, drop=drop)
-            except (TypeError, ValueError, OverflowError, struct.error):  # the writer cannot store that value
-                path = h.tiny_llama_gguf(folder / "m.gguf")
-            return Path(path).read_bytes()
-        data, _ = seeds[draw.integer(0, 1)]      # the tensor list of a tiny model
-        path = folder / "m.gguf"
-        path.write_bytes(data)
-        import gguf
-        names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
-        name = draw.choice(names)
-        _at, n_dims = h.gguf_tensor_header(path, name)
-        what = draw.integer(0, 2)
-        if what == 0:
-            h.patch_gguf_tensor(path, name, dims=[draw.interesting_int() % 2**64 for _ in range(n_dims)])
-        elif what == 1:
-            h.patch_gguf_tensor(path, name, type_id=draw.choice([draw.integer(0, 40), 2**32 - 1, 9999]))
-        else:
-            h.patch_gguf_tensor(path, name, offset=draw.interesting_int() % 2**64)
-        return path.read_bytes()
+        try:
+            path = h.tiny_llama_gguf(folder / "m.gguf", metadata=metadata, drop=drop)
+        except (TypeError, ValueError, OverflowError, struct.error):  # the writer cannot store that value
+            path = h.tiny_llama_gguf(folder / "m.gguf")
+        return Path(path).read_bytes()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -550,7 +559,8 @@ def viewer_target(request: bytes) -> None:
     server = viewer_server()
     errors = []
     server.httpd.handle_error = lambda request, address: errors.append(sys.exc_info()[1])
-    server.start()
+    if server.thread is None or not server.thread.is_alive():   # (a long-mode worker serves many cases)
+        server.start()
     with socket.create_connection(("127.0.0.1", server.port), timeout=8) as conn:
         try:
             conn.sendall(request)

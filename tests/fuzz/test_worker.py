@@ -1,0 +1,65 @@
+"""The long mode's engine (worker.py) blames each way a case can go wrong on exactly that case, and
+goes on with the next one in a fresh worker."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from ingot.errors import IngotError
+
+from . import worker
+from .loaders import Loader
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="the engine forks (Linux)")
+
+# what case `index` does: a case is drawn by index, so the plan is indexed the same way
+PLAN = ["ok", "refused", "crash", "ok", "exit", "ok", "segv", "ok", "spin", "ok", "sleep", "ok", "oom", "ok", "peak",
+        "ok", "multiline", "ok"]
+
+
+def _target(what: str) -> None:
+    if what == "refused":
+        raise IngotError("x.gguf: field n is -1, which is not a count")
+    if what == "multiline":
+        raise IngotError("two\nlines")
+    if what == "crash":
+        raise ZeroDivisionError("head_count 0")
+    if what == "exit":
+        os._exit(7)
+    if what == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if what == "spin":
+        while True:
+            pass
+    if what == "sleep":
+        time.sleep(60)
+    if what == "oom":
+        bytearray(8 << 30)
+    if what == "peak":
+        block = bytearray(200 << 20)
+        block[::4096] = b"\1" * len(block[::4096])   # touched: resident
+
+
+def test_each_outcome_is_blamed_on_its_case(monkeypatch):
+    monkeypatch.setattr(worker, "PEAK_RSS", (worker._status_kib("VmRSS:") << 10) + (150 << 20))
+    plan = {"fake": Loader("fake", None, _target, lambda: None)}
+    monkeypatch.setattr(worker, "draw_case", lambda loader, seed, index: PLAN[index])
+    pool = worker.Pool(plan, ["fake"], seed=0, jobs=1, timeout=0.5, wall_timeout=1.5, recycle=4)
+    results = {}
+    for r in pool.events(lambda: len(results) >= len(PLAN)):
+        results[r.index] = r
+    kinds = [results[i].kind for i in range(len(PLAN))]
+    assert kinds == ["ok", "refused", "crash", "ok", "crash", "ok", "crash", "ok", "hang", "ok", "hang", "ok", "memory",
+                     "ok", "memory", "ok", "crash", "ok"]
+    assert "ZeroDivisionError" in results[2].detail
+    assert "status 7" in results[4].detail and "SIGSEGV" in results[6].detail
+    assert "Segmentation fault" in results[6].detail   # (faulthandler's report, Python stack included)
+    assert "still running" in results[8].detail                                 # spun (over its CPU or wall budget)
+    assert results[10].seconds >= 1.5 and results[10].cpu_seconds < 0.5         # slept: over its wall budget
+    assert "MemoryError" in results[12].detail and "peak RSS" in results[14].detail
+    assert all(results[i].peak_rss > 0 for i in range(len(PLAN)) if PLAN[i] in ("ok", "refused"))
+    assert not pool.slots   # every worker ended

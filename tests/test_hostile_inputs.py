@@ -690,3 +690,35 @@ def test_sdpa_length_beyond_the_cache_is_refused():
     for length in (2**24, 65, -1):
         with pytest.raises(IngotError, match="outside 0..64"):
             step(q, kv, kv, np.int32(length))
+
+
+def _peak_rss_during(fn):
+    """fn()'s result and how far its peak RSS rose above the RSS before it (Linux: VmHWM, reset first)."""
+    def kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field)) << 10
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS:")
+    result = fn()
+    return result, kib("VmHWM:") - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS is read from Linux's /proc")
+def test_onnx_resize_weights_do_not_cost_many_times_their_size():
+    """Found by the long fuzz run: an image model's Resize on a 5,792-tall input peaked at 2.9 GB while its
+    weights (ONNX's reference run on an identity matrix) were computed; they now come a block at a time."""
+    from onnx.reference.ops import op_resize as ref
+
+    from ingot.importers.onnx_nn import _resize_matrix
+    for fct in (ref._linear_coeffs, lambda r, s: ref._cubic_coeffs(r, s, A=-0.75), lambda r, s: ref._nearest_coeffs(r)):
+        for transform in ("half_pixel", "align_corners", "asymmetric"):
+            kwargs = dict(coordinate_transformation_mode=transform, exclude_outside=False)
+            weights, outside = _resize_matrix(7, 13, 13 / 7, None, fct, **kwargs)
+            expected = ref._interpolate_1d_along_axis(np.eye(7), 0, 13 / 7, 13, fct, extrapolation_value=0.0, **kwargs)
+            np.testing.assert_allclose(weights, expected, atol=1e-12)
+            assert outside.shape == (13,)
+    (weights, _), rise = _peak_rss_during(lambda: _resize_matrix(2048, 4096, 2.0, None, ref._linear_coeffs,
+                                                                 coordinate_transformation_mode="half_pixel"))
+    assert weights.shape == (4096, 2048) and np.allclose(weights.sum(axis=1), 1.0)
+    assert rise < 2.5 * weights.nbytes, f"peak RSS rose {rise >> 20} MiB for {weights.nbytes >> 20} MiB of weights"

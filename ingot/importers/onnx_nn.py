@@ -415,6 +415,9 @@ def _global_pool(ctx: Context, node: OnnxNode):
     return [fn(x, axes, keepdims=True)]
 
 
+RESIZE_BLOCK_ELEMENTS = 1 << 22   # float64s of the reference's temporaries while Resize weights are computed
+
+
 def _resize_matrix(n_in: int, n_out: int, scale: float, roi, fct, **kwargs) -> tuple[np.ndarray, np.ndarray]:
     """The interpolation along one axis as a matrix [n_out, n_in] (and which outputs are extrapolated),
     from ONNX's own reference: resizing the identity gives the weights, resizing zeros the outside."""
@@ -424,9 +427,29 @@ def _resize_matrix(n_in: int, n_out: int, scale: float, roi, fct, **kwargs) -> t
         import onnx
         raise UnsupportedOnnx(f"Resize needs the separable reference of a newer onnx (onnx {onnx.__version__} lacks it)") from None
 
-    weights = _interpolate_1d_along_axis(np.eye(n_in), 0, scale, n_out, fct, roi=roi, extrapolation_value=0.0, **kwargs)
-    outside = _interpolate_1d_along_axis(np.zeros((n_in, 1)), 0, scale, n_out, fct, roi=roi, extrapolation_value=1.0, **kwargs)
-    return np.asarray(weights, np.float64), np.asarray(outside, np.float64).reshape(-1)
+    # The reference gathers [n_out, taps, columns] of its input: the identity goes in blocks of columns small
+    # enough that this stays near RESIZE_BLOCK_ELEMENTS (a whole identity of 5,792 peaked at 2.9 GB), and the
+    # per-output coefficients, the same for every block, are computed once.
+    memo: dict = {}
+
+    def coefficients(ratio, scale_factor):
+        key = (ratio, scale_factor)
+        if key not in memo:
+            memo[key] = np.asarray(fct(ratio, scale_factor))
+        return memo[key]
+
+    taps = len(coefficients(0.5, scale))
+    block = max(1, RESIZE_BLOCK_ELEMENTS // max(1, n_out * taps))
+    weights = np.empty((n_out, n_in), np.float64)
+    for start in range(0, n_in, block):
+        width = min(block, n_in - start)
+        identity = np.zeros((n_in, width))
+        identity[np.arange(start, start + width), np.arange(width)] = 1.0
+        weights[:, start:start + width] = _interpolate_1d_along_axis(identity, 0, scale, n_out, coefficients, roi=roi,
+                                                                     extrapolation_value=0.0, **kwargs)
+    outside = _interpolate_1d_along_axis(np.zeros((n_in, 1)), 0, scale, n_out, coefficients, roi=roi, extrapolation_value=1.0,
+                                         **kwargs)
+    return weights, np.asarray(outside, np.float64).reshape(-1)
 
 
 def _resize_coefficients(node: OnnxNode):

@@ -704,6 +704,15 @@ def _peak_rss_during(fn):
     return result, kib("VmHWM:") - before
 
 
+
+def test_onnx_huge_dimension_beside_a_zero_is_refused(tmp_path):
+    """Found by the long fuzz run: an input declared [6204901781994648158, 0] holds 0 elements, so it passed the
+    element budget, and no caller could make the array it asks for (NumPy: "array is too big")."""
+    from onnx import helper
+    model = onnx_model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", 1, [6204901781994648158, 0])],
+                       [helper.make_tensor_value_info("y", 1, None)])
+    onnx_refused(save_onnx(model, tmp_path / "a.onnx"), "input 'x'", "6204901781994648158", "more than this import allows")
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS is read from Linux's /proc")
 def test_onnx_resize_weights_do_not_cost_many_times_their_size():
     """Found by the long fuzz run: an image model's Resize on a 5,792-tall input peaked at 2.9 GB while its

@@ -96,9 +96,11 @@ class ImportGraph(Graph):
         self.max_elements = max_elements
 
     def check_elements(self, shape, what: str) -> None:
-        """IngotError when a tensor of `shape` (or of that many elements) would exceed the import's budget."""
+        """IngotError when a tensor of `shape` (or of that many elements) would exceed the import's budget; so does
+        one dimension past it, even beside a 0 (NumPy cannot make an empty array 2**62 long)."""
         count = shape if isinstance(shape, (int, np.integer)) else math.prod(int(d) for d in shape if d is not None)
-        if count > self.max_elements:
+        longest = 0 if isinstance(shape, (int, np.integer)) else max((int(d) for d in shape if d is not None), default=0)
+        if count > self.max_elements or longest > self.max_elements:
             shown = f"{count} elements" if isinstance(shape, (int, np.integer)) else f"shape {[int(d) for d in shape]}"
             raise IngotError(f"{what} would hold {shown}, more than this import allows ({self.max_elements} elements: "
                              f"the larger of {MIN_ELEMENT_BUDGET} and {WEIGHT_BUDGET_FACTOR}x the model's weights).")

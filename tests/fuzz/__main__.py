@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     slowest = {n: 0.0 for n in names}
     busiest = {n: 0.0 for n in names}
     peak = {n: 0 for n in names}
+    where = {n: {} for n in names}   # the case index of the slowest, busiest and largest case
     start = time.monotonic()
     end = start + 60 * minutes
     report_at = start + 60
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
             cases = sum(c.values()) - c["unmade"]
             print(f"{'final' if final else ''} {minutes:6.1f} min {n:8s} cases {cases:8d}  refused {c['refused']:8d}  "
                   f"ok {c['ok']:7d}  crash {c['crash']}  hang {c['hang']}  memory {c['memory']}  "
-                  f"slowest {slowest[n]:.2f} s wall, {busiest[n]:.2f} s CPU, peak RSS {peak[n] / 2**20:.0f} MiB", flush=True)
+                  f"slowest {slowest[n]:.2f} s wall (#{where[n].get('wall')}), {busiest[n]:.2f} s CPU (#{where[n].get('cpu')}), "
+                  f"peak RSS {peak[n] / 2**20:.0f} MiB (#{where[n].get('rss')})", flush=True)
         total = sum(sum(c.values()) - c["unmade"] for c in counts.values())
         rate = total / max(minutes, 1e-9)
         print(f"{'final' if final else ''} {minutes:6.1f} min total    cases {total:8d}  ({rate:.0f} a minute, "
@@ -94,9 +96,10 @@ def main(argv=None) -> int:
     for outcome in pool.events(stop):
         name = outcome.loader
         counts[name][outcome.kind] += 1
-        slowest[name] = max(slowest[name], outcome.seconds)
-        busiest[name] = max(busiest[name], outcome.cpu_seconds)
-        peak[name] = max(peak[name], outcome.peak_rss)
+        for table, value, key in ((slowest, outcome.seconds, "wall"), (busiest, outcome.cpu_seconds, "cpu"),
+                                  (peak, outcome.peak_rss, "rss")):
+            if value > table[name]:
+                table[name], where[name][key] = value, outcome.index
         if outcome.bug:
             try:
                 case = draw_case(LOADERS[name], args.seed, outcome.index)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -93,24 +94,32 @@ def main(argv=None) -> int:
             return True
         return args.cases is not None and all(sum(c.values()) - c["unmade"] >= args.cases for c in counts.values())
 
-    for outcome in pool.events(stop):
-        name = outcome.loader
-        counts[name][outcome.kind] += 1
-        for table, value, key in ((slowest, outcome.seconds, "wall"), (busiest, outcome.cpu_seconds, "cpu"),
-                                  (peak, outcome.peak_rss, "rss")):
-            if value > table[name]:
-                table[name], where[name][key] = value, outcome.index
-        if outcome.bug:
-            try:
-                case = draw_case(LOADERS[name], args.seed, outcome.index)
-            except Exception as e:  # noqa: BLE001
-                case = f"(could not draw case {outcome.index} again: {e!r})"
-            where = save_case(Path(args.out), name, outcome.index, case, outcome)
-            print(f"BUG {name} {outcome.kind}: {outcome.detail.strip().splitlines()[-1][:200] if outcome.detail.strip() else ''} "
-                  f"-> {where}", flush=True)
-        if time.monotonic() > report_at:
-            report()
-            report_at += 60
+    def interrupted(signum, frame):  # (a run in the background ignores SIGINT unless told otherwise)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        for outcome in pool.events(stop):
+            name = outcome.loader
+            counts[name][outcome.kind] += 1
+            for table, value, key in ((slowest, outcome.seconds, "wall"), (busiest, outcome.cpu_seconds, "cpu"),
+                                      (peak, outcome.peak_rss, "rss")):
+                if value > table[name]:
+                    table[name], where[name][key] = value, outcome.index
+            if outcome.bug:
+                try:
+                    case = draw_case(LOADERS[name], args.seed, outcome.index)
+                except Exception as e:  # noqa: BLE001
+                    case = f"(could not draw case {outcome.index} again: {e!r})"
+                saved = save_case(Path(args.out), name, outcome.index, case, outcome)
+                print(f"BUG {name} {outcome.kind}: {outcome.detail.strip().splitlines()[-1][:200] if outcome.detail.strip() else ''} "
+                      f"-> {saved}", flush=True)
+            if time.monotonic() > report_at:
+                report()
+                report_at += 60
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
     report(final=True)
     return 1 if any(counts[n][k] for n in names for k in ("crash", "hang", "memory")) else 0
 

@@ -109,6 +109,7 @@ def _worker(loaders: dict, names: list[str], seed: int, jobs: int, first: int, r
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         faulthandler.enable(open(_fault_file(os.getpid()), "w"))   # a fatal signal's Python traceback, for the parent
         budget = _address_space() + limit
         resource.setrlimit(resource.RLIMIT_AS, (budget, budget))

@@ -256,6 +256,14 @@ def onnx_seeds() -> list[bytes]:
             image.SerializeToString()]
 
 
+def _raw_bytes(init) -> bytes:
+    """An initializer's data as bytes (one made external by an earlier edit of this case: its first 4 bytes)."""
+    import onnx
+    if init.data_location == onnx.TensorProto.EXTERNAL:   # (onnx reads nothing of a location it has no folder for)
+        return b"\0\0\x80?"
+    return init.raw_data or np.asarray(onnx.numpy_helper.to_array(init)).tobytes()
+
+
 def onnx_case(draw: Draw) -> dict:
     """{"model.onnx": bytes, other file names: bytes} (external data lives beside the model)."""
     import onnx
@@ -288,7 +296,7 @@ def onnx_case(draw: Draw) -> dict:
             elif choice == 1:
                 init.data_type = draw.integer(0, 30)
             else:
-                raw = init.raw_data or np.asarray(onnx.numpy_helper.to_array(init)).tobytes()
+                raw = _raw_bytes(init)
                 init.raw_data = mutate_bytes(draw, raw)
         elif what == 2 and g.input:                      # a declared input dimension
             dims = g.input[0].type.tensor_type.shape.dim
@@ -304,7 +312,7 @@ def onnx_case(draw: Draw) -> dict:
                  "Split", "Concat", "Squeeze", "Unsqueeze", "Transpose", "TopK", "Einsum", "NoSuchOp"])
         elif what == 4 and g.initializer:                # external data, with hostile fields
             init = draw.choice(list(g.initializer))
-            raw = init.raw_data or np.asarray(onnx.numpy_helper.to_array(init)).tobytes()
+            raw = _raw_bytes(init)
             init.ClearField("raw_data")
             for field in ("float_data", "int64_data", "int32_data", "double_data"):
                 init.ClearField(field)
@@ -366,8 +374,31 @@ def onnx_target(files: dict) -> None:
     model_folder.mkdir()
     _write_files(model_folder, files)
     exe = from_onnx(str(model_folder / "model.onnx"))
-    feeds = _zeros_for(exe)   # (inputs the compiled program no longer reads still take a value)
+    if hasattr(exe, "feed_types"):
+        feeds = _zeros_for(exe)   # (inputs the compiled program no longer reads still take a value)
+    else:                         # compiled at run, per input shape (symbolic dimensions) and shape-giving value
+        feeds = _zeros_as_declared(exe.model.graph.input)
+        if feeds is None:
+            return
     exe.run({name: feeds.get(name, np.zeros((), np.float32)) for name in exe.onnx_inputs})
+
+
+def _zeros_as_declared(inputs, symbolic: int = 2, limit: int = 1 << 24) -> dict | None:
+    """Zeros of each graph input's declared shape and type (a symbolic dimension: `symbolic`); None when an
+    input would hold more than `limit` elements (no caller could feed it: the import is judged alone)."""
+    from onnx import helper
+    feeds = {}
+    for vi in inputs:
+        t = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else symbolic for d in t.shape.dim]
+        if max(shape, default=0) > limit or int(np.prod(shape, dtype=object)) > limit:
+            return None
+        try:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))
+        except (KeyError, TypeError, ValueError):  # a type NumPy lacks: Ingot is to refuse it, fed float32
+            dtype = np.dtype(np.float32)
+        feeds[vi.name] = np.zeros(shape, dtype)
+    return feeds
 
 
 # -- packages -------------------------------------------------------------------------------------------

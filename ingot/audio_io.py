@@ -34,6 +34,8 @@ INSTALL = "a dependency of Ingot: pip install -e . or pip install ingot installs
 # Bounds on what a file or an argument may ask for (the signal is held whole, as float32):
 MAX_SAMPLES = 1 << 27         # frames x channels read (512 MiB of float32; 2.3 hours of 16 kHz audio)
 MAX_SAMPLE_RATE = 1 << 20     # Hz, of a file or a resampling target
+MAX_RESAMPLE_TERM = 1 << 16   # the terms of the reduced ratio target/rate (resample_poly's filter has 20x as many taps:
+                              # 44,100 -> 16,000 Hz is 160/441; two coprime rates near 2**20 took 1 GB and 5 s)
 MAX_N_FFT = 1 << 16
 MAX_MELS = 1024
 MAX_HOP_LENGTH = 1 << 20
@@ -76,9 +78,18 @@ def resample(signal: np.ndarray, rate: int, target: int) -> np.ndarray:
     """signal at `rate` Hz to `target` Hz with scipy.signal.resample_poly (polyphase, Kaiser window)."""
     if rate == target:
         return signal
-    signal_module = _require("scipy.signal")
+    up, down = _resample_ratio(rate, target)
+    return _require("scipy.signal").resample_poly(signal, up, down).astype(np.float32)
+
+
+def _resample_ratio(rate: int, target: int) -> tuple[int, int]:
+    """target/rate in lowest terms; IngotError when a term exceeds MAX_RESAMPLE_TERM."""
     common = math.gcd(int(rate), int(target))
-    return signal_module.resample_poly(signal, target // common, rate // common).astype(np.float32)
+    up, down = int(target) // common, int(rate) // common
+    if max(up, down) > MAX_RESAMPLE_TERM:
+        raise IngotError(f"resampling {rate} Hz to {target} Hz reduces to the ratio {up}/{down}, whose filter would have "
+                         f"{20 * max(up, down)} taps; Ingot resamples when both terms are at most {MAX_RESAMPLE_TERM}.")
+    return up, down
 
 
 def read_audio(path: str | os.PathLike, sample_rate: int | None = None) -> tuple[np.ndarray, int]:
@@ -103,6 +114,11 @@ def read_audio(path: str | os.PathLike, sample_rate: int | None = None) -> tuple
         if sample_rate is not None and 0 < sample_rate <= MAX_SAMPLE_RATE \
                 and info.frames * sample_rate // info.samplerate > MAX_SAMPLES:
             raise IngotError(f"{path}: resampled to {sample_rate} Hz it would hold more than {MAX_SAMPLES} samples.")
+        if sample_rate is not None and 0 < sample_rate <= MAX_SAMPLE_RATE:
+            try:
+                _resample_ratio(info.samplerate, sample_rate)
+            except IngotError as e:
+                raise IngotError(f"{path}: {e}") from None
         samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
     except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError) as e:
         reason = str(e).split(": ", 1)[-1].rstrip(".") if ": " in str(e) else str(e).rstrip(".")

@@ -731,3 +731,19 @@ def test_onnx_resize_weights_do_not_cost_many_times_their_size():
                                                                  coordinate_transformation_mode="half_pixel"))
     assert weights.shape == (4096, 2048) and np.allclose(weights.sum(axis=1), 1.0)
     assert rise < 2.5 * weights.nbytes, f"peak RSS rose {rise >> 20} MiB for {weights.nbytes >> 20} MiB of weights"
+
+
+def test_resampling_between_coprime_rates_is_refused_by_its_header(tmp_path):
+    """Found by the long fuzz run: a 2,000-sample FLAC claiming 1,048,384 Hz, read at 22,050 Hz, designed
+    a filter of 10 million taps (resample_poly's 20x the larger term of 11025/524192): 480 MB and 2 s; two
+    coprime rates near 2**20 took 1 GB and 5 s. The reduced ratio's terms are now bounded, from the header."""
+    from hostile import wav_bytes
+
+    from ingot.audio_io import read_audio, resample
+    path = tmp_path / "odd.wav"
+    path.write_bytes(wav_bytes(np.zeros(2000, np.float32), 1048573))
+    with pytest.raises(IngotError, match="odd.wav: resampling 1048573 Hz to 22050 Hz reduces to the ratio 22050/1048573"):
+        read_audio(path, 22050)
+    assert read_audio(path)[1] == 1048573                              # read as it is: fine
+    for rate in (44100, 48000, 22050, 11025, 8000, 96000, 44056):     # every usual rate (and an odd one) resamples
+        assert resample(np.zeros(rate // 10, np.float32), rate, 16000).shape == (1600,)

@@ -349,21 +349,7 @@ def _write_files(folder: Path, files: dict) -> None:
 
 
 def _zeros_for(exe) -> dict:
-    if hasattr(exe, "feed_types"):
-        return {name: np.zeros(t.shape, t.dtype.storage) for name, t in exe.feed_types.items()}
-    # compiled per shape at run (SpecializingOnnxExecutable): the declared inputs, symbolic dims as 1
-    from onnx import helper
-    feeds = {}
-    for vi in exe.model.graph.input:
-        if vi.name in exe.onnx_inputs and vi.type.HasField("tensor_type"):
-            t = vi.type.tensor_type
-            try:
-                dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-            except Exception:   # an unknown or string type: let the executable refuse it
-                continue
-            dims = [d.dim_value if d.HasField("dim_value") and 0 < d.dim_value <= 64 else 1 for d in t.shape.dim]
-            feeds[vi.name] = np.zeros(dims, dtype)
-    return feeds
+    return {name: np.zeros(t.shape, t.dtype.storage) for name, t in exe.feed_types.items()}
 
 
 def onnx_target(files: dict) -> None:

@@ -585,3 +585,28 @@ def _grid_sample(ctx: Context, node: OnnxNode):
         grid = ctx.g.cast(grid, x.dtype)
     return [ctx.g.op(Op.GRID_SAMPLE, [x, grid], {"mode": mode, "padding": node.attr("padding_mode", "zeros"),
                                                  "align_corners": bool(node.attr("align_corners", 0))})]
+
+
+@converter("LRN")
+def _lrn(ctx: Context, node: OnnxNode):
+    """y = x / (bias + alpha / size * sum of x^2 over the channels c - (size-1)//2 .. c + size//2) ** beta."""
+    (x,) = node.inputs
+    need_float(ctx, node, x)
+    g = ctx.g
+    size = int(node.attr("size"))
+    alpha, beta, bias = node.attr("alpha", 1e-4), node.attr("beta", 0.75), node.attr("bias", 1.0)
+    channels = x.shape[1]
+    before, after = (size - 1) // 2, size // 2
+    square = x * x
+    pads = [(0, 0)] * x.ndim
+    pads[1] = (before, after)
+    padded = g.pad(square, pads)
+    total = None
+    for k in range(size):
+        start = [0] * x.ndim
+        end = list(padded.shape)
+        start[1], end[1] = k, k + channels
+        part = g.slice(padded, start, end)
+        total = part if total is None else total + part
+    denominator = g.pow(scalar(ctx, bias, x) + scalar(ctx, alpha / size, x) * total, scalar(ctx, beta, x))
+    return [x / denominator]

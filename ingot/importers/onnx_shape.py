@@ -428,3 +428,57 @@ def _scatter_elements(ctx: Context, node: OnnxNode):
     hot = g.equal(g.reshape(i_t, tuple(i_t.shape) + (1,)), g.constant(np.arange(n, dtype=np.int64)))  # [*other, m, n]
     out = _scatter_rows(ctx, node, g.reshape(d_t, tuple(d_t.shape) + (1,)), hot, g.reshape(u_t, tuple(u_t.shape) + (1,)))
     return [g.transpose(g.reshape(out, tuple(d_t.shape)), back)]
+
+
+@converter("Compress")
+def _compress(ctx: Context, node: OnnxNode):
+    x = node.inputs[0]
+    keep = np.flatnonzero(np.asarray(ctx.constant(node, 1, "condition")).reshape(-1))
+    g = ctx.g
+    if node.attr("axis") is None:
+        flat = g.reshape(x, (int(np.prod(x.shape)),))
+        keep = keep[keep < flat.shape[0]]
+        return [g.gather(flat, g.constant(keep.astype(np.int64)), axis=0)]
+    axis = normalize_axis("Compress", node.attr("axis"), x.ndim)
+    keep = keep[keep < x.shape[axis]]
+    return [g.gather(x, g.constant(keep.astype(np.int64)), axis=axis)]
+
+
+@converter("ReverseSequence")
+def _reverse_sequence(ctx: Context, node: OnnxNode):
+    """y[b, t] = x[b, len_b - 1 - t] for t < len_b, else x[b, t]: one gather over (batch, time) pairs."""
+    x = node.inputs[0]
+    g = ctx.g
+    lengths = ints(ctx.constant(node, 1, "sequence_lens"))
+    batch_axis, time_axis = node.attr("batch_axis", 1), node.attr("time_axis", 0)
+    batch, steps = x.shape[batch_axis], x.shape[time_axis]
+    if len(lengths) != batch or any(not 0 <= n <= steps for n in lengths):
+        raise IngotError(f"sequence_lens {lengths} for {batch} sequences of {steps} steps")
+    rest = [a for a in range(x.ndim) if a not in (batch_axis, time_axis)]
+    moved = g.transpose(x, [batch_axis, time_axis] + rest)
+    flat = g.reshape(moved, (batch * steps,) + tuple(moved.shape[2:]))
+    source = [b * steps + (n - 1 - t if t < n else t) for b, n in enumerate(lengths) for t in range(steps)]
+    out = g.reshape(g.gather(flat, g.constant(np.array(source, np.int64)), axis=0), moved.shape)
+    inverse = np.argsort([batch_axis, time_axis] + rest)
+    return [g.transpose(out, [int(a) for a in inverse])]
+
+
+@converter("Upsample")
+def _upsample(ctx: Context, node: OnnxNode):
+    """Upsample (deprecated; Resize replaces it), nearest mode: y[i] = x[floor(i / scale)] per axis."""
+    x = node.inputs[0]
+    g = ctx.g
+    if node.attr("mode", "nearest") != "nearest":
+        raise ctx.fail(node, f"mode {node.attr('mode')!r} (Ingot converts nearest)")
+    scales = node.attr("scales") if node.attr("scales") is not None else np.asarray(ctx.constant(node, 1, "scales")).reshape(-1)
+    if len(scales) != x.ndim:
+        raise IngotError(f"{len(scales)} scales for an input of rank {x.ndim}")
+    y = x
+    for axis, scale in enumerate(scales):
+        size = int(np.floor(x.shape[axis] * float(scale)))
+        if size == x.shape[axis] and float(scale) == 1.0:
+            continue
+        ctx.check_elements(node, [size if a == axis else d for a, d in enumerate(y.shape)])
+        index = np.minimum(np.floor(np.arange(size) / float(scale)).astype(np.int64), x.shape[axis] - 1)
+        y = g.gather(y, g.constant(index), axis=axis)
+    return [y]

@@ -3,8 +3,9 @@
     outcome = run_case(target, case)      # target(case) runs in the child
     outcome.kind                          # "ok" | "refused" (one IngotError) | "crash" | "hang" | "memory"
 
-The parent (pytest, or `python -m tests.fuzz`) has imported everything already; each case forks
-(a few milliseconds), so a case that crashes, allocates what the input claims or loops forever costs
+One fresh child per case: the way to replay a saved finding alone (CI and the long mode run many
+cases per child, with these limits and classes: worker.py). The parent has imported everything
+already, so a case that crashes, allocates what the input claims or loops forever costs
 only its child. The child's address space is limited with resource.setrlimit(RLIMIT_AS): an
 allocation past it raises MemoryError (classified "memory"), as it would on a machine without the
 memory. A child still running after the timeout is killed ("hang"). A refusal must be exactly one

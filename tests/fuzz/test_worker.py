@@ -63,3 +63,19 @@ def test_each_outcome_is_blamed_on_its_case(monkeypatch):
     assert "MemoryError" in results[12].detail and "peak RSS" in results[14].detail
     assert all(results[i].peak_rss > 0 for i in range(len(PLAN)) if PLAN[i] in ("ok", "refused"))
     assert not pool.slots   # every worker ended
+
+
+def test_the_ci_runner_blames_each_case_and_goes_on():
+    """worker.Runner (CI: cases made by hypothesis in the parent, sent to a persistent worker) gives the same
+    outcomes, each case's own, whatever the cases before it did; it also carries bytes, dicts and tuples."""
+    runner = worker.Runner(_target, timeout=1.5, recycle=4)
+    try:
+        kinds = [runner.run(what).kind for what in PLAN]
+        assert kinds == ["ok", "refused", "crash", "ok", "crash", "ok", "crash", "ok", "hang", "ok", "hang", "ok", "memory",
+                         "ok", "memory", "ok", "crash", "ok"]
+        echo = worker.Runner(lambda case: None if case == ({"a.bin": b"\0\xff", "@l": b"../x"}, None, 3) else 1 / 0)
+        assert echo.run(({"a.bin": b"\0\xff", "@l": b"../x"}, None, 3)).kind == "ok"
+        echo.close()
+    finally:
+        runner.close()
+    assert runner.pid is None

@@ -21,6 +21,7 @@ grown by RSS_GROWTH, so that no state leaks from one case into many others.
 """
 from __future__ import annotations
 
+import base64
 import faulthandler
 import json
 import os
@@ -263,3 +264,160 @@ class Pool:
         self.slots.remove(slot)
         if not stop():
             self.slots.append(self._fork(slot.next_index))
+
+
+# -- CI: cases made by hypothesis in the parent, run by one persistent worker --------------------------
+
+def _encode(value):
+    """A case (bytes, str, int, None, and dicts and tuples of them) as JSON-able data."""
+    if isinstance(value, bytes):
+        return {"b": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, dict):
+        return {"d": {k: _encode(v) for k, v in value.items()}}
+    if isinstance(value, (tuple, list)):
+        return {"t": [_encode(v) for v in value]}
+    if value is None or isinstance(value, (str, int, float)):
+        return {"v": value}
+    raise TypeError(f"a case holds a {type(value).__name__}")
+
+
+def _decode(data):
+    (kind, value), = data.items()
+    if kind == "b":
+        return base64.b64decode(value)
+    if kind == "d":
+        return {k: _decode(v) for k, v in value.items()}
+    if kind == "t":
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            return b""
+        out += chunk
+    return out
+
+
+def _serve(target, read_fd: int, write_fd: int, limit: int, recycle: int) -> None:
+    """In the forked worker: run each case the parent sends (8-byte length, JSON) and answer as _worker does."""
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        faulthandler.enable(open(_fault_file(os.getpid()), "w"))
+        budget = _address_space() + limit
+        resource.setrlimit(resource.RLIMIT_AS, (budget, budget))
+        for _ in range(recycle):
+            header = _read_exactly(read_fd, 8)
+            if not header:
+                break
+            case = _decode(json.loads(_read_exactly(read_fd, int.from_bytes(header, "little"))))
+            _reset_peak()
+            wall, cpu = time.monotonic(), time.process_time()
+            kind, detail = _run_one(target, case)
+            peak = _status_kib("VmHWM:") << 10
+            if kind in ("ok", "refused") and peak > PEAK_RSS:
+                kind, detail = "memory", f"peak RSS {peak / 2**30:.2f} GiB (over {PEAK_RSS / 2**30:.0f} GiB)"
+            data = (json.dumps({"kind": kind, "detail": detail[-65536:], "seconds": time.monotonic() - wall,
+                                "cpu": time.process_time() - cpu, "peak": peak}) + "\n").encode("utf-8", "replace")
+            while data:
+                data = data[os.write(write_fd, data):]
+            if kind not in ("ok", "refused"):
+                break
+    except BaseException:  # noqa: BLE001
+        code = 3
+    finally:
+        os._exit(code)
+
+
+class Runner:
+    """harness.run_case without a fork per case: `Runner(target).run(case)` sends the case to a persistent
+    worker (forked on first use, again after a bug or `recycle` cases) and returns its Outcome. The same
+    limits and classes as run_case: an address-space limit, a wall-clock timeout (hang), a death (crash),
+    MemoryError or a peak RSS over PEAK_RSS (memory); a worker that fails is replaced."""
+
+    def __init__(self, target, timeout: float = 10.0, limit: int = MEMORY_LIMIT, recycle: int = 500):
+        self.target, self.timeout, self.limit, self.recycle = target, timeout, limit, recycle
+        self.pid: int | None = None
+        self.done = 0
+
+    def _fork(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        case_read, self.case_fd = os.pipe()
+        self.result_fd, result_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(self.case_fd)
+                os.close(self.result_fd)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+            finally:
+                _serve(self.target, case_read, result_write, self.limit, self.recycle)
+        os.close(case_read)
+        os.close(result_write)
+        self.pid, self.done, self.buffer = pid, 0, b""
+
+    def close(self, kill: bool = True) -> tuple[int, str]:
+        """End the worker: (its wait status, what faulthandler wrote)."""
+        if self.pid is None:
+            return 0, ""
+        from .loaders import SCRATCH
+        os.close(self.case_fd)
+        if kill:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.result_fd)
+        shutil.rmtree(SCRATCH / str(self.pid), ignore_errors=True)
+        try:
+            fault = _fault_file(self.pid).read_text(errors="replace").split("\nExtension modules:")[0][-6000:]
+            _fault_file(self.pid).unlink()
+        except OSError:
+            fault = ""
+        self.pid = None
+        return status, fault
+
+    def run(self, case) -> Outcome:
+        if self.pid is None:
+            self._fork()
+        data = json.dumps(_encode(case)).encode()
+        start = time.monotonic()
+        try:
+            view = memoryview(len(data).to_bytes(8, "little") + data)
+            while view:
+                view = view[os.write(self.case_fd, view):]
+        except BrokenPipeError:   # (it died before reading: judged below by its exit)
+            pass
+        while b"\n" not in self.buffer:
+            left = start + self.timeout - time.monotonic()
+            ready, _, _ = select.select([self.result_fd], [], [], max(left, 0))
+            if not ready:
+                cpu = _cpu_of(self.pid)
+                self.close()
+                return Outcome("hang", f"still running after {self.timeout} s ({cpu:.1f} s of CPU in its worker)",
+                               time.monotonic() - start, cpu)
+            chunk = os.read(self.result_fd, 1 << 16)
+            if not chunk:
+                status, fault = self.close(kill=False)
+                if os.WIFSIGNALED(status):
+                    how = f"killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+                else:
+                    how = f"exited with status {os.WEXITSTATUS(status)} without a report"
+                return Outcome("crash", f"{fault}\nthe worker {how}", time.monotonic() - start)
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        message = json.loads(line)
+        self.done += 1
+        outcome = Outcome(message["kind"], message["detail"], message["seconds"], message["cpu"])
+        if outcome.bug or self.done >= self.recycle:   # the worker leaves after a bug, or after `recycle` cases
+            self.close(kill=False)
+        return outcome

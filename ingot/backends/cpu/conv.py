@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ... import codegen
 from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
@@ -123,6 +124,7 @@ class Epilogue:
 
     def __init__(self, body: Body | None, conv: Node | None):
         self.steps: list[tuple[Node, list[tuple[str, int]]]] = []
+        self.kernel = None   # the steps as one generated numba loop, where they have no transcendental op
         if body is None:
             return
         slot = {conv.id: ("value", 0)}
@@ -140,6 +142,8 @@ class Epilogue:
                     raise AssertionError(f"conv epilogue: {s.op.name.lower()} is neither a member nor an input")
             slot[n.id] = ("step", len(self.steps))
             self.steps.append((n, refs))
+
+        self.kernel = _compiled(self.steps)
 
     def run(self, tile: np.ndarray, inputs, n: int, m0: int, m1: int, c0: int, c1: int, scratch: dict) -> None:
         """Apply the steps to tile (out[n, m0:m1] flattened, columns c0:c1), writing the last one into it."""
@@ -169,6 +173,85 @@ class Epilogue:
                 if k == last:
                     tile[...] = value
                 vals.append(value)
+
+
+    def run_compiled(self, slab: np.ndarray, bias, inputs, n: int, m0: int, m1: int) -> None:
+        """Bias and steps in one pass over a whole C-contiguous slab out[n, m0:m1] as [M, P]."""
+        args = []
+        for form, i in self.operands:
+            a = inputs[i]
+            if form == "scalar":
+                args.append(a.reshape(-1)[0])
+            elif form == "channel":
+                args.append(a.reshape(-1)[m0:m1])
+            else:
+                args.append(np.ascontiguousarray(a[n, m0:m1]).reshape(m1 - m0, -1))
+        self.kernel(slab, bias[m0:m1] if bias is not None else _NO_BIAS, bias is not None, *args)
+
+    @property
+    def operands(self) -> list[tuple[str, int]]:
+        return _operands(self.steps)
+
+
+def _operands(steps) -> list[tuple[str, int]]:
+    """The fused op's inputs the steps read (form, input index), in order of first use."""
+    seen: dict[int, str] = {}
+    for _, refs in steps:
+        for form, i in refs:
+            if form in ("scalar", "channel", "full"):
+                seen.setdefault(i, form)
+    return [(form, i) for i, form in seen.items()]
+
+
+_NO_BIAS = np.zeros(0, np.float32)
+_EXPR = {Op.ADD: "({0} + {1})", Op.SUB: "({0} - {1})", Op.MUL: "({0} * {1})", Op.DIV: "({0} / {1})",
+         Op.MAXIMUM: "_max({0}, {1})", Op.MINIMUM: "_min({0}, {1})", Op.NEG: "(-{0})", Op.ABS: "abs({0})",
+         Op.LESS: "({0} < {1})", Op.LESS_EQUAL: "({0} <= {1})", Op.GREATER: "({0} > {1})",
+         Op.GREATER_EQUAL: "({0} >= {1})", Op.EQUAL: "({0} == {1})", Op.NOT_EQUAL: "({0} != {1})",
+         Op.WHERE: "({1} if {0} else {2})"}
+
+
+@njit(inline="always")
+def _max(a, b):
+    return a if a > b or a != a else b   # NaN in either propagates, as np.maximum
+
+
+@njit(inline="always")
+def _min(a, b):
+    return a if a < b or a != a else b
+
+
+def _compiled(steps) -> object | None:
+    """The steps as one numba loop over [M, P] (generated, cached on disk by its source), or None where
+    a step is transcendental: numba has no vector exp here (no SVML), NumPy's ufuncs do."""
+    if not steps or any(node.op not in _EXPR or node.dtype.name not in ("float32", "bool") for node, _ in steps):
+        return None
+    lines, operands = [], {i: form for form, i in _operands(steps)}
+    hoist = []
+    for i, form in operands.items():
+        if form == "channel":
+            hoist.append(f"        c{i} = a{i}[m]")
+        elif form == "full":
+            hoist.append(f"        f{i} = a{i}[m]")
+    for k, (node, refs) in enumerate(steps):
+        args = []
+        for form, i in refs:
+            args.append({"value": "v", "step": f"s{i}", "scalar": f"a{i}", "channel": f"c{i}", "full": f"f{i}[t]"}[form])
+        lines.append(f"            s{k} = {_EXPR[node.op].format(*args)}")
+    params = "".join(f", a{i}" for i in operands)
+    source = "\n".join([
+        "import numpy as np", "from numba import njit", "from ingot.backends.cpu.conv import _max, _min", "", "",
+        "@njit(cache=True, nogil=True)",
+        f"def epilogue(slab, bias, has_bias{params}):",
+        "    for m in range(slab.shape[0]):",
+        "        row = slab[m]",
+        "        b = bias[m] if has_bias else np.float32(0.0)",
+        *hoist,
+        "        for t in range(np.uintp(row.shape[0])):",
+        "            v = row[t] + b",
+        *lines,
+        f"            row[t] = s{len(steps) - 1}", ""])
+    return codegen.load(source, "epilogue", "cpu_epilogues")
 
 
 # -- the step ---------------------------------------------------------------------------------------
@@ -238,7 +321,10 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                     else:
                         _im2col(xg, kh, kw, sh, sw, dh, dw, ph, pw, ow, oy0, oy1, cols)
                         np.matmul(wk[g], cols[:, :c1 - c0], out=tile)
-                    if (c1 - done) * (m1 - m0) >= EPILOGUE_ELEMENTS or oy1 == oh:
+                    if epilogue.kernel is not None:
+                        if oy1 == oh:
+                            epilogue.run_compiled(flat, bias, inputs, n, m0, m1)
+                    elif (c1 - done) * (m1 - m0) >= EPILOGUE_ELEMENTS or oy1 == oh:
                         span = flat[:, done:c1]
                         if bias is not None:
                             span += bias[m0:m1, None]

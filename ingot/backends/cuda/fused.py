@@ -13,19 +13,14 @@
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import math
-import os
-import sys
-import tempfile
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import codegen
 from ...ir import Node, Op
-from ...options import cache_dir
 from .pdl import pdl_args, pdl_enter
 from .quantized_matmul import _zero_share
 
@@ -401,18 +396,7 @@ def region_supported(nodes: list[Node]) -> bool:
     return True
 
 
-def _cache_dir() -> str:
-    path = os.path.join(cache_dir(), "triton_regions")
-    try:
-        os.makedirs(path, exist_ok=True)
-        return path
-    except OSError:
-        path = os.path.join(tempfile.gettempdir(), "ingot_triton_regions")
-        os.makedirs(path, exist_ok=True)
-        return path
 
-
-_MODULES: dict[tuple[str, str], object] = {}
 
 
 class RegionKernel:
@@ -474,23 +458,8 @@ class RegionKernel:
 
 
 def _load_kernel(source: str, name: str = "region_kernel"):
-    """The jit function `name` of a generated module, written once under the cache directory by the
-    hash of its source (Triton reads a kernel's source from its file) and imported."""
-    key = hashlib.sha256(source.encode()).hexdigest()[:20]
-    if (key, name) in _MODULES:
-        return _MODULES[key, name]
-    path = os.path.join(_cache_dir(), f"region_{key}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"ingot_region_{key}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    _MODULES[key, name] = getattr(module, name)
-    return _MODULES[key, name]
+    """The jit function `name` of a generated module (Triton reads a kernel's source from its file)."""
+    return codegen.load(source, name, "triton_regions")
 
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "slice_write", "quantized_gather", "RegionKernel", "region_supported",

@@ -19,7 +19,7 @@ LAYERS = [
     ["ingot.ir", "ingot.quant.formats"],
     ["ingot.ops"],
     ["ingot.verify", "ingot.passes", "ingot.quant.quantize", "ingot.quant.compensate"],
-    ["ingot.options"],
+    ["ingot.options", "ingot.codegen"],
     ["ingot.backends"],
     ["ingot.package"],
     ["ingot.runtime"],

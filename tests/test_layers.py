@@ -31,7 +31,7 @@ LAYERS = [
     ["ingot.llm"],
     ["ingot.eval"],
     ["ingot.convert"],
-    ["ingot.viewer"],
+    ["ingot.viewer", "ingot.serve"],
     ["ingot.cli"],
     ["ingot"],                            # the package's own __init__: the public names
 ]

@@ -109,9 +109,8 @@ def _input_value(value):
 
 def run_case(case) -> tuple[str, str]:
     """('pass' | 'fail' | 'unsupported', message) for one node test case."""
-    from .. import from_onnx
     from ..errors import IngotError
-    from .onnx import UnsupportedOnnx
+    from .onnx import UnsupportedOnnx, from_onnx   # what ingot.from_onnx calls
 
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):

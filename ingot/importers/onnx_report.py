@@ -4,7 +4,7 @@
     python -m ingot.importers.onnx_report Conv Gemm    # only the cases of these ops
 
 Each case (from `onnx.backend.test.case.node`) is a model, its inputs and the expected outputs;
-each runs through the public `ingot.from_onnx(case.model)` and `run(inputs)`, nothing fixed by hand
+each runs through the public `from_onnx(case.model)` (ingot.from_onnx) and `run(inputs)`, nothing fixed by hand
 (node tests pass shapes and axes as inputs: from_onnx then compiles per value at run), and passes
 when every output has the expected dtype and shape and is within the case's own tolerance (rtol
 1e-3, atol 1e-7 unless the case says otherwise, NaN equal to NaN, as onnx's backend runner checks). A case

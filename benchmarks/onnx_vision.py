@@ -1,14 +1,18 @@
 """Convolutional ONNX models (scripts/vision_models.py: MobileNetV3-style, YOLOv8-style, DBNet-style,
 random weights, exported from PyTorch) run by Ingot (ingot.from_onnx, CPU) and onnxruntime
 (CPUExecutionProvider, all graph optimisations) in one process on the same input, single-threaded
-by default (both, and NumPy's BLAS).
+by default (both, and NumPy's BLAS). --real adds the ONNX files that PyPI packages ship, where they
+are installed (`pip install --no-deps rapidocr-onnxruntime silero-vad magika`): PP-OCRv4's text
+detector and recogniser and its direction classifier, Silero VAD (LSTM, If on the sample rate) and
+Magika's file-type classifier.
 
     python -m benchmarks onnx-vision                      # all three, 20 interleaved runs each
     python -m benchmarks onnx-vision --models yolo --runs 50 --threads 2
+    python -m benchmarks onnx-vision --real --models none
 
 Prints per model the median wall time and the median CPU time of one run of each (CPU time is the
 steadier figure on a shared machine), the ratio onnxruntime / Ingot (> 1: Ingot is faster) and the
-largest difference between the outputs relative to the largest output. Needs torch (to export),
+largest difference between the first outputs (relative to the largest value where that exceeds 1). Needs torch (to export),
 onnx and onnxruntime.
 """
 from __future__ import annotations
@@ -25,8 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def vision_models():
-    spec = importlib.util.spec_from_file_location("vision_models", ROOT / "scripts" / "vision_models.py")
+def script(name: str):
+    """A module of scripts/ (shared with the tests, which import no benchmark)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,6 +48,7 @@ def main() -> int:
     p.add_argument("--models", default="mobilenet,yolo,dbnet")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads and NumPy's BLAS threads")
+    p.add_argument("--real", action="store_true", help="also the ONNX files of installed PyPI packages (REAL)")
     args = p.parse_args()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when NumPy loads its BLAS
         os.environ[var] = str(args.threads)
@@ -51,28 +57,32 @@ def main() -> int:
     import onnxruntime as ort
 
     import ingot
-    models = vision_models()
+    models = script("vision_models")
     print(f"# {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}, {args.runs} interleaved runs, ms")
     print(f"{'model':<10} {'ingot wall':>10} {'ort wall':>9} {'ratio':>6} {'ingot cpu':>10} {'ort cpu':>8} {'ratio':>6} "
           f"{'max diff':>9}")
     with tempfile.TemporaryDirectory() as folder:
-        for name in args.models.split(","):
+        cases = []
+        for name in [m for m in args.models.split(",") if m and m != "none"]:
             if name not in models.MODELS:
                 print(f"no model {name!r} (have {', '.join(models.MODELS)})", file=sys.stderr)
                 return 2
-            path = models.export(name, Path(folder) / f"{name}.onnx")
             x = np.random.default_rng(0).standard_normal(models.MODELS[name][1]).astype(np.float32)
+            cases.append((name, models.export(name, Path(folder) / f"{name}.onnx"), {"image": x}))
+        if args.real:
+            cases += [(name, path, feeds) for name, (path, feeds) in script("real_onnx_models").real_models().items()]
+        for name, path, feeds in cases:
             options = ort.SessionOptions()
             options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             exe = ingot.from_onnx(str(path))
-            expected = session.run(None, {"image": x})[0]
-            got = exe.run({"image": x})["out"]
-            diff = float(np.abs(got - expected).max() / np.abs(expected).max())
+            expected = session.run(None, feeds)[0]
+            got = np.asarray(exe.run(feeds)[0])
+            diff = float(np.abs(got - expected).max() / max(float(np.abs(expected).max()), 1.0))
             ours, theirs = [], []
             for _ in range(args.runs):
-                ours.append(timed(lambda: exe.run({"image": x})))
-                theirs.append(timed(lambda: session.run(None, {"image": x})))
+                ours.append(timed(lambda: exe.run(feeds)))
+                theirs.append(timed(lambda: session.run(None, feeds)))
             (iw, ic), (ow, oc) = [tuple(statistics.median(t[i] for t in runs) * 1e3 for i in (0, 1)) for runs in (ours, theirs)]
             print(f"{name:<10} {iw:>10.1f} {ow:>9.1f} {ow / iw:>6.2f} {ic:>10.1f} {oc:>8.1f} {oc / ic:>6.2f} {diff:>9.1e}")
     return 0

@@ -142,7 +142,6 @@ class Epilogue:
                     raise AssertionError(f"conv epilogue: {s.op.name.lower()} is neither a member nor an input")
             slot[n.id] = ("step", len(self.steps))
             self.steps.append((n, refs))
-
         self.kernel = _compiled(self.steps)
 
     def run(self, tile: np.ndarray, inputs, n: int, m0: int, m1: int, c0: int, c1: int, scratch: dict) -> None:
@@ -173,7 +172,6 @@ class Epilogue:
                 if k == last:
                     tile[...] = value
                 vals.append(value)
-
 
     def run_compiled(self, slab: np.ndarray, bias, inputs, n: int, m0: int, m1: int) -> None:
         """Bias and steps in one pass over a whole C-contiguous slab out[n, m0:m1] as [M, P]."""

@@ -9,7 +9,7 @@ in which only the last op is read outside (at most MAX_OPS ops).
 """
 from __future__ import annotations
 
-from ..ir import GroupOp, Node, Op, Program, consumers
+from ..ir import GroupOp, Op, Program, consumers
 from .fusion import Match, fuse_matches
 
 MAX_OPS = 12

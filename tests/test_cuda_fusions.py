@@ -89,6 +89,31 @@ def test_a_decoder_step_fuses_every_kind_and_equals_the_cpu(length):
     assert not any(n.endswith(" as parts") for n in gpu.plan.step_names), gpu.plan.step_names
 
 
+def test_gemma_geglu_runs_in_the_gemv():
+    """gelu_tanh(gate) * up (Gemma's GeGLU) computed by the word GEMV as it loads x, alone (glu_gemv) and
+    in a Gemma decode step behind the norm and the gate+up GEMV (norm_gemv_glu)."""
+    rng = np.random.default_rng(9)
+    g = ingot.Graph()
+    a, b = g.placeholder((3, 64), name="a"), g.placeholder((3, 64), name="b")
+    down = g.matmul(g.gelu(a, approximate="tanh") * b, quantized_weight(g, 64, 40, seed=3))
+    gpu, outs, _ = run_both(g, [down], {n: rng.standard_normal((3, 64)).astype(np.float32) for n in "ab"})
+    close(outs)
+    assert fused_kinds(gpu) == {"glu_gemv"} and "gelu_tanh*mul into the GEMV" in gpu.plan.fusions, gpu.plan.fusions
+    from ingot.models import gemma
+    cfg = gemma.GemmaConfig(n_layers=2, dim=64, n_heads=2, n_kv_heads=1, ffn_dim=96, vocab_size=50, head_dim=32,
+                            context_length=32, qk_norm=True, sliding_window=4, sliding_pattern=2)
+    model = gemma.build(cfg, gemma.random_weights(cfg, seed=1))
+    gpu, cpu = model.compile(1, "cuda"), model.compile(1, "cpu")
+    feeds = {"tokens": np.array([7], np.int32), "pos": np.int32(5), "last": np.int32(0)}
+    s_gpu, s_cpu = gpu.new_state(), cpu.new_state()
+    for name in s_cpu:
+        value = (0.5 * rng.standard_normal(s_cpu[name].shape)).astype(np.float32)
+        s_gpu[name] = value
+        s_cpu[name] = value
+    close([(cuda_backend.to_host(gpu.run(feeds, state=s_gpu)[0]), cpu.run(feeds, state=s_cpu)[0])])
+    assert "norm_gemv_glu" in fused_kinds(gpu), fused_kinds(gpu)
+
+
 def test_a_lone_rope_written_into_the_cache():
     g = ingot.Graph()
     cache = g.variable(np.zeros((1, 2, 16, 8), np.float32), name="k_cache")

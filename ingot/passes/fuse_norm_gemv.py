@@ -15,8 +15,8 @@ from __future__ import annotations
 from .. import dtypes as dt
 from ..ir import Node, Op, Program, consumers
 from .fusion import Match, fuse_matches
-from .gemv_rules import (SELF_XQ_BYTES, WORDS_MAX_ROWS, last_axis_slice, outer_sources, rows, sum_through_views,
-                         weight_bytes, word_layout)
+from .gemv_rules import (SELF_XQ_BYTES, WORDS_MAX_ROWS, glu_parts, last_axis_slice, outer_sources, rows,
+                         sum_through_views, weight_bytes, word_layout)
 
 
 def _gemv_members(norm: Node, readers: list[Node]) -> list[Node] | None:
@@ -60,9 +60,8 @@ def _glu_after(gemv: Node, users, roots, self_xq_bytes: int) -> tuple[list[Node]
     if glu.op != Op.FUSED or glu.attrs["kind"] != "glu_gemv":
         return None
     body = glu.attrs["body"]
-    silu, mul = body.find(Op.SILU)[0], body.find(Op.MUL)[0]
-    up_param = mul.src[1] if mul.src[0] is silu else mul.src[0]
-    if glu.src[silu.src[0].attrs["param"]] is not gate or up_param.op != Op.PLACEHOLDER or \
+    act, _, up_param = glu_parts(body)
+    if glu.src[act.src[0].attrs["param"]] is not gate or up_param.op != Op.PLACEHOLDER or \
             glu.src[up_param.attrs["param"]] is not up:
         return None
     if weight_bytes(body.find(Op.QUANTIZED_MATMUL)[0]) >= self_xq_bytes:

@@ -2,7 +2,7 @@
 
 The CUDA backend's word GEMV (backends/cuda/quantized_matmul) streams 4-bit affine weights re-packed
 at load into a word layout; it takes up to `words_max_rows` rows and can run a prologue (rms_norm,
-the residual add, silu(gate) * up) as it loads x. The fusion passes offer it only matmuls it can take;
+the residual add, act(gate) * up with act silu or gelu_tanh) as it loads x. The fusion passes offer it only matmuls it can take;
 the backend still checks the weight it prepared and runs a fused op as its parts where it cannot.
 """
 from __future__ import annotations
@@ -15,6 +15,26 @@ from ..ir import Node, Op, Ref
 
 WORDS_MAX_ROWS = 16         # rows the word GEMV takes (CudaOptions.words_max_rows)
 SELF_XQ_BYTES = 4 << 20     # weights under this round their own x in the GEMV (CudaOptions.self_xq_bytes)
+
+
+# the gate activations of a GLU the GEMV computes as it loads x: its kernels' GLU constexpr
+GATE_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+
+
+def gate_activation(node: Node) -> str | None:
+    """"silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma) when `node` is a gate activation the GEMV computes; else None."""
+    if node.op == Op.SILU:
+        return "silu"
+    if node.op == Op.GELU and node.attrs.get("approximate") == "tanh":
+        return "gelu_tanh"
+    return None
+
+
+def glu_parts(body) -> tuple[Node, Node, Node]:
+    """(the gate activation, the product, the other factor) of a glu_gemv body (act(gate) * up)."""
+    mul = body.find(Op.MUL)[0]
+    act = next(s for s in mul.src if gate_activation(s) is not None)
+    return act, mul, mul.src[1] if mul.src[0] is act else mul.src[0]
 
 
 def constant_affine(m: Node, src: tuple[Node, ...] | None = None) -> bool:

@@ -17,6 +17,7 @@ from ... import dtypes as dt
 from ...ir import GroupOp, Node, Op
 from ...ops.fused import Body
 from ...ops.nn import rope_inv_freq
+from ...passes.gemv_rules import gate_activation, glu_parts
 from . import attention as attention_kernels
 from . import fused
 from . import quantized_matmul as qmm
@@ -113,17 +114,17 @@ def _siblings(ctx: Lowering):
     return step, "qkv"
 
 
-def _gate_up(body: Body) -> tuple[Node, Node, Node]:
-    """(silu's input, the other factor, the matmul) of a glu_gemv body."""
-    silu, mul = body.find(Op.SILU)[0], body.find(Op.MUL)[0]
-    up = mul.src[1] if mul.src[0] is silu else mul.src[0]
-    return silu.src[0], up, body.find(Op.QUANTIZED_MATMUL)[0]
+def _gate_up(body: Body) -> tuple[Node, Node, Node, str]:
+    """(the gate activation's input, the other factor, the matmul, the activation: silu or gelu_tanh)
+    of a glu_gemv body."""
+    act, _, up = glu_parts(body)
+    return act.src[0], up, body.find(Op.QUANTIZED_MATMUL)[0], gate_activation(act)
 
 
 @fused_lowering("glu_gemv")
 def _glu_gemv(ctx: Lowering):
-    """y = (silu(a) * b) @ W: the word-layout GEMV computes silu(a) * b as it loads x."""
-    gate, up, m = _gate_up(ctx.node.attrs["body"])
+    """y = (act(a) * b) @ W: the word-layout GEMV computes act(a) * b as it loads x (act silu or gelu_tanh)."""
+    gate, up, m, activation = _gate_up(ctx.node.attrs["body"])
     weight = _weight(ctx, m)
     rows = math.prod(m.src[0].type.shape[:-1])
     options = ctx.cuda
@@ -131,14 +132,14 @@ def _glu_gemv(ctx: Lowering):
         return None
     n_out = m.type.shape[-1]
     ctx.reads = (param(gate), param(up))
-    ctx.plan.fusions.append("silu*mul into the GEMV")
+    ctx.plan.fusions.append("silu*mul into the GEMV" if activation == "silu" else f"{activation}*mul into the GEMV")
 
     def step(a, b):
         a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         if a2.stride() != b2.stride() or a2.stride(-1) != 1:
             a2, b2 = a2.contiguous(), b2.contiguous()
         y = torch.empty((a2.shape[0], n_out), dtype=a.dtype, device=a.device)
-        qmm._words_gemv(b2, weight, y, {}, x_gate=a2, options=options)
+        qmm._words_gemv(b2, weight, y, {}, x_gate=a2, options=options, activation=activation)
         return y.reshape(*a.shape[:-1], n_out)
     return step, "glu_quantized_matmul"
 
@@ -156,10 +157,10 @@ def _rms_norm_matmul(x, weight: qmm.QuantizedWeight, g, eps: float, add, behind:
 
 
 def _glu_down(plan, weight: qmm.QuantizedWeight, eps: float, d_weight: qmm.QuantizedWeight, n_out: int,
-              behind: _ZeroAhead | None, options):
-    """compute(x, add or None, g) -> (x + add or None, (y,)): rms_norm -> gate+up GEMV -> silu(gate) *
-    up -> down GEMV with no quantize launch between the two GEMVs: the gate+up launch zeroes the down
-    GEMV's output and the down GEMV rounds silu(gate) * up itself, each program its split
+              behind: _ZeroAhead | None, options, activation: str = "silu"):
+    """compute(x, add or None, g) -> (x + add or None, (y,)): rms_norm -> gate+up GEMV -> act(gate) *
+    up (act: `activation`, silu or gelu_tanh) -> down GEMV with no quantize launch between the two GEMVs:
+    the gate+up launch zeroes the down GEMV's output and the down GEMV rounds act(gate) * up itself, each program its split
     (`qmm.rounds_own_x`). `behind`: the gate+up GEMV's output, zeroed by the step before
     (`_ZeroAhead`); the down GEMV zeroes the next step's."""
     half = weight.n // 2
@@ -174,7 +175,7 @@ def _glu_down(plan, weight: qmm.QuantizedWeight, eps: float, d_weight: qmm.Quant
         total, y = got if b is not None else (None, got)
         y2 = y.reshape(rows, 2 * half)
         qmm._words_gemv(y2[:, half:], d_weight, y_down, {"XQ_SELF": True, "ZEROED": True}, x_gate=y2[:, :half],
-                        zero=ahead.make(x.device), options=options)
+                        zero=ahead.make(x.device), options=options, activation=activation)
         return total, (y_down.reshape(*lead, n_out),)
     return compute
 
@@ -218,7 +219,7 @@ def _norm_gemv(ctx: Lowering):
     glu = next((n for n in body.nodes if n.op == Op.FUSED and n.attrs["kind"] == "glu_gemv"), None)
     down = None
     if glu is not None:   # the down GEMV in the same step, rounding its own x
-        d_node = _gate_up(glu.attrs["body"])[2]
+        _, _, d_node, activation = _gate_up(glu.attrs["body"])
         d_weight = _weight(Lowering(plan, glu, parent=ctx), d_node)
         if not (d_weight.words and qmm.rounds_own_x(rows, d_weight, options=options)):
             return None
@@ -231,7 +232,7 @@ def _norm_gemv(ctx: Lowering):
         plan.fusions.append("the GEMV rounds its own x, its output zeroed by the step before")
     offsets = [int(o) for o in np.cumsum([0] + [m.type.shape[-1] for m in matmuls])]
     if down is not None:
-        compute = _glu_down(plan, weight, eps, down[1], down[0].type.shape[-1], behind, options)
+        compute = _glu_down(plan, weight, eps, down[1], down[0].type.shape[-1], behind, options, activation)
         suffix = "+glu_gemv"
     else:
         def compute(x, b, g):

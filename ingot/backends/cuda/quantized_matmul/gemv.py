@@ -8,6 +8,7 @@ import torch
 import triton
 
 from ....options import DEFAULT_CUDA, CudaOptions
+from ....passes.gemv_rules import GATE_ACTIVATIONS
 from .. import timeline
 from ..pdl import pdl_args
 from . import xq as x_quant
@@ -96,8 +97,8 @@ def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None, option
 
 def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, x_gate: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, norm: NormPrologue | None = None, quantize=None,
-                zero: torch.Tensor | None = None, options: CudaOptions = DEFAULT_CUDA) -> None:
-    """y = x2 @ W (x2 = silu(x_gate) * x2 when x_gate is given; rms_norm(x2 [+ norm.add]) * norm.weight
+                zero: torch.Tensor | None = None, options: CudaOptions = DEFAULT_CUDA, activation: str = "silu") -> None:
+    """y = x2 @ W (x2 = act(x_gate) * x2 when x_gate is given, act the `activation` silu or gelu_tanh; rms_norm(x2 [+ norm.add]) * norm.weight
     with `norm`; + residual when given).
 
     config keys override `words_gemv_config`'s choice, and LIMBS (1-3, default options.gemv_limbs) and XQ
@@ -127,7 +128,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     # EARLY_W is left out of the key: it is set only while a graph is captured, where the variant's first
     # launch is too late to learn its registers (until 2026-12-04 the captured GEMVs split as for 32 warps a
     # multiprocessor: gate+up and down ran in two waves, cuda_timeline.py)
-    variant = (w.n, m, w.group, w.bias is not None, xq, rows, tb, x_gate is not None, norm is not None,
+    glu = GATE_ACTIVATIONS[activation] if x_gate is not None else 0     # the kernels' GLU: 0 none, 1 silu, 2 gelu_tanh
+    variant = (w.n, m, w.group, w.bias is not None, xq, rows, tb, glu, norm is not None,
                residual is not None, tuple(sorted((k, v) for k, v in config.items() if k != "EARLY_W")))
     cfg = {**words_gemv_config(w, m, _sm_count(x2.device), waves, config.get("num_warps"), rows,
                                _WORDS_REGS.get(variant), tb), **config}
@@ -163,7 +165,8 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
         cfg.setdefault("SELF_BLOCKS", 2 * cfg.get("num_warps", 4))
     elif xq:
         if quantize is None:
-            cfg.update(x_quant._quantize_x(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None, options=options))
+            cfg.update(x_quant._quantize_x(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None, options=options,
+                                           activation=activation))
         else:
             cfg.update(quantize(x2, x_gate, limbs, norm, zero=target if zero_in_xq else None))
         x_gate = norm = None      # applied by the quantize kernel
@@ -184,7 +187,7 @@ def _words_gemv(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     compiled = _qgemv_words_kernel[grid](
         x2, gate, w.q, w.scale, b, target, res, part, tickets, m, w.n, w.k, kw, kw_per_split, x2.stride(0),
         w.q.stride(0), w.scale.stride(0), target.stride(0), res.stride(0), GROUP=w.group, HAS_BIAS=w.bias is not None,
-        ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=x_gate is not None,
+        ROWS=rows, BLOCK_N=block_n, TB=tb, REDUCE=reduce, ASM=cfg.pop("ASM", DP4A), GLU=glu if x_gate is not None else 0,
         RESIDUAL=residual is not None, LIMBS=limbs, XQ=xq, EVEN_K=w.k == kw * 8 and w.k % (32 * tb) == 0, **cfg,
         **pdl_args(x2.device), **stamps)
     if waves == 0 and not stamps and isinstance(getattr(compiled, "n_regs", None), int):   # none under the interpreter

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ....options import DEFAULT_CUDA, CudaOptions
+from ....passes.gemv_rules import GATE_ACTIVATIONS
 from .. import timeline
 from ..pdl import pdl_args, pdl_enter
 from ..timeline import now, stamp
@@ -49,10 +50,15 @@ def _limb_words(X, shifts, LIMB: tl.constexpr):
 
 @triton.jit
 def _load_x(x_ptr, x2_ptr, offs, mask, GLU: tl.constexpr):
-    """x, or silu(x) * x2 (the gated unit of an MLP, computed as the region kernel computes it)."""
+    """x, or act(x) * x2 (the gated unit of an MLP): GLU 1 silu (as the region kernel computes it),
+    2 gelu with the tanh approximation, 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+    (gemv_rules.GATE_ACTIVATIONS)."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if GLU:
+    if GLU == 1:
         x = (x * tl.sigmoid(x)) * tl.load(x2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    elif GLU == 2:
+        x = (x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))) * \
+            tl.load(x2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
@@ -276,8 +282,8 @@ NORM_BLOCK = 1024        # floats of a row per step of the norm prologue's sum o
 # whole 4096-float row in every program was busy 3.6 us of a layer's ~58, twice a layer; by parts 1.4, the
 # step 1821.7-1827.9 us against 1882.4. SmolLM2's one such launch (576 floats) lost by parts: 498.4 / 496.3.
 def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm: NormPrologue | None = None,
-                zero: torch.Tensor | None = None, options: CudaOptions = DEFAULT_CUDA) -> dict:
-    """x2 (silu(x_gate) * x2 when x_gate is given; rms_norm(x2 [+ add]) * weight with `norm`) [M, K]
+                zero: torch.Tensor | None = None, options: CudaOptions = DEFAULT_CUDA, activation: str = "silu") -> dict:
+    """x2 (act(x_gate) * x2 when x_gate is given, act the `activation` silu or gelu_tanh; rms_norm(x2 [+ add]) * weight with `norm`) [M, K]
     quantized for the word GEMV's XQ path: the kernel arguments xq_ptr/xd_ptr/xs_ptr (views of the
     stream's workspace) and their sizes. `zero` (float32, contiguous, apart from every input): zeroed
     by the same launch. options: xq_blocks, xq_norm_block, xq_norm_warps, xq_norm_parts_min_k, timeline."""
@@ -305,7 +311,7 @@ def _quantize_x(x2: torch.Tensor, x_gate: torch.Tensor | None, limbs: int, norm:
     kind = "glu" if x_gate is not None else ("norm" if norm is not None else "x")
     _quantize_x_kernel[grid](
         first, second, xq, xd, xs, k, kb, x2.stride(0), xq.stride(0), xd.stride(0), LIMBS=limbs, BLOCKS=options.xq_blocks,
-        GLU=x_gate is not None, num_warps=warps, **extra, **pdl_args(x2.device),
+        GLU=GATE_ACTIVATIONS[activation] if x_gate is not None else 0, num_warps=warps, **extra, **pdl_args(x2.device),
         **(dict(z_ptr=zero, Z=zero.numel(), ZERO=True) if zero is not None else {}),
         **timeline.args(f"quantize {kind} {k}", grid[0] * grid[1], x2.device, options.timeline))
     return {**args, **gemv}

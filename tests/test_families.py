@@ -331,7 +331,7 @@ def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path)
     assert rel_l2_rows(logits, reference[f"{name}.logits"]).max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "phi3", "qwen3moe"])
 def test_generation_loop_with_padded_chunks_matches_transformers(name, reference, tmp_path, monkeypatch):
     """ingot.llm's loop: the prompt prefilled in padded chunks (here 16 + 8 tokens, padded to 16 each,
     across the window of 8), then decoded step by step, gives transformers' logits and greedy ids."""

@@ -113,9 +113,11 @@ def _open_onnx(path: str) -> Model:
         raise IngotError(f"view: {path} is an ONNX file, and this Ingot has no ONNX importer yet.")
     if importlib.util.find_spec("onnx") is None:
         raise IngotError(f"view: {path} is an ONNX file; reading it needs the onnx package (pip install 'ingot[onnx]').")
-    from ..importers.onnx import from_onnx
+    from ..importers.onnx import compile_import, import_onnx
 
-    exe = from_onnx(path)  # imported and compiled for the CPU: the program `ingot convert` would package
+    # imported and compiled for the CPU: the program `ingot convert` would package (static shapes: a model
+    # with symbolic dimensions is refused with the input_shapes hint, not compiled per shape as from_onnx does)
+    exe = compile_import(import_onnx(path))
     inputs = [(name, exe.feed_types[name]) for name in exe.feed_order]
     return Model(path, "onnx", exe.program, inputs, list(exe.history), ["ONNX model after the compile pipeline"])
 

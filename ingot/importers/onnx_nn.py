@@ -12,7 +12,7 @@ from ..errors import IngotError
 from ..graph import Tensor
 from ..ir import Op
 from ..ops import normalize_axis
-from .onnx_ops import Context, OnnxNode, UnsupportedOnnx, converter, need_float, onnx_to_ingot_dtype, scalar
+from .onnx_ops import Context, OnnxNode, UnsupportedOnnx, converter, ints, need_float, onnx_to_ingot_dtype, scalar
 
 
 def _split_swap(g, b: Tensor) -> Tensor:
@@ -610,3 +610,53 @@ def _lrn(ctx: Context, node: OnnxNode):
         total = part if total is None else total + part
     denominator = g.pow(scalar(ctx, bias, x) + scalar(ctx, alpha / size, x) * total, scalar(ctx, beta, x))
     return [x / denominator]
+
+
+def _as(ctx: Context, node: OnnxNode, op_type: str, inputs, attrs=None) -> list:
+    """Convert as another ONNX op would be (ConvInteger as Conv, MaxUnpool as ScatterND)."""
+    from .onnx_ops import CONVERTERS, OnnxNode as Node
+
+    other = Node(op_type, "", node.name, list(inputs), dict(node.attrs if attrs is None else attrs), node.outputs,
+                 ctx.opsets.get("", node.opset))
+    return list(CONVERTERS[("", op_type)](ctx, other))
+
+
+@converter("ConvInteger")
+def _conv_integer(ctx: Context, node: OnnxNode):
+    """A convolution of 8-bit integers less their zero points, as int32: computed in float32, exact while
+    every sum stays below 2**24 (the products of 8-bit values over a kernel of up to 256 taps do)."""
+    x, w, x_zero, w_zero = node.input(0), node.input(1), node.input(2), node.input(3)
+    g = ctx.g
+    if x.dtype not in (dt.int8, dt.uint8) or w.dtype not in (dt.int8, dt.uint8):
+        raise ctx.fail(node, f"inputs of type {x.dtype.name} and {w.dtype.name}")
+    xf, wf = g.cast(x, dt.float32), g.cast(w, dt.float32)
+    if x_zero is not None:
+        xf = xf - g.reshape(g.cast(x_zero, dt.float32), ())
+    if w_zero is not None:
+        z = g.cast(w_zero, dt.float32)
+        wf = wf - (g.reshape(z, (z.shape[0],) + (1,) * (w.ndim - 1)) if z.ndim == 1 and z.shape[0] != 1 else g.reshape(z, ()))
+    (y,) = _as(ctx, node, "Conv", [xf, wf])
+    return [g.cast(g.op(Op.ROUND, [y]), dt.int32)]
+
+
+@converter("MaxUnpool")
+def _max_unpool(ctx: Context, node: OnnxNode):
+    """Each value written at its index (flat over the whole output, as MaxPool's Indices give it) in zeros."""
+    x, indices = node.input(0), node.input(1)
+    g = ctx.g
+    k = x.ndim - 2
+    kernel = list(node.attr("kernel_shape"))
+    strides = list(node.attr("strides", [1] * k))
+    pads = list(node.attr("pads", [0] * (2 * k)))
+    inferred = list(x.shape[:2]) + [(x.shape[2 + i] - 1) * strides[i] - pads[i] - pads[k + i] + kernel[i] for i in range(k)]
+    shape = inferred if node.input(2) is None else ints(ctx.constant(node, 2, "output_shape"))
+    if len(shape) != x.ndim or any(s < i for s, i in zip(shape, inferred)):
+        raise IngotError(f"output_shape {shape} smaller than the unpooled shape {inferred}")
+    ctx.check_elements(node, shape)
+    zeros = g.constant(np.zeros((int(np.prod(inferred)),), x.dtype.storage))
+    idx = g.reshape(indices if indices.dtype == dt.int64 else g.cast(indices, dt.int64), (int(np.prod(x.shape)), 1))
+    (flat,) = _as(ctx, node, "ScatterND", [zeros, idx, g.reshape(x, (int(np.prod(x.shape)),))], {})
+    y = g.reshape(flat, tuple(inferred))
+    if shape != inferred:   # a larger output_shape: the unpooled values in its leading corner, zeros after
+        y = g.pad(y, [(0, s - i) for s, i in zip(shape, inferred)])
+    return [y]

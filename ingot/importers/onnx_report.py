@@ -31,18 +31,18 @@ CLAIMED = frozenset("""
 Abs Acos Acosh Add AffineGrid ai.onnx.preview.training:Adagrad ai.onnx.preview.training:Adam
 ai.onnx.preview.training:Momentum And ArgMax ArgMin Asin Asinh Atan Atanh AveragePool BatchNormalization
 BitShift BitwiseAnd BitwiseNot BitwiseOr BitwiseXor BlackmanWindow Cast CastLike CausalConvWithState Ceil Celu
-CenterCropPad Clip Compress Concat Constant ConstantOfShape Conv ConvTranspose Cos Cosh CumProd CumSum
-DepthToSpace DequantizeLinear Det DFT Div DynamicQuantizeLinear Einsum Elu Erf Exp Expand EyeLike Flatten
-Floor Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
+CenterCropPad Clip Compress Concat Constant ConstantOfShape Conv ConvInteger ConvTranspose Cos Cosh CumProd
+CumSum DepthToSpace DequantizeLinear Det DFT Div DynamicQuantizeLinear Einsum Elu Erf Exp Expand EyeLike
+Flatten Floor Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
 GridSample GroupNormalization GRU HammingWindow HannWindow Hardmax HardSigmoid HardSwish If
 InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual LinearAttention Log LogSoftmax
-LpNormalization LpPool LRN LSTM MatMul MatMulInteger Max MaxPool Mean MeanVarianceNormalization Min Mish Mod
-Mul Neg NegativeLogLikelihoodLoss Not OneHot Or Pad Pow PRelu QLinearMatMul QuantizeLinear Range Reciprocal
-ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum
+LpNormalization LpPool LRN LSTM MatMul MatMulInteger Max MaxPool MaxUnpool Mean MeanVarianceNormalization Min
+Mish Mod Mul Neg NegativeLogLikelihoodLoss Not OneHot Or Pad Pow PRelu QLinearMatMul QuantizeLinear Range
+Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum
 ReduceSumSquare Relu Reshape Resize ReverseSequence RMSNormalization RNN RotaryEmbedding Round Scan Scatter
 ScatterElements ScatterND Selu Shape Shrink Sigmoid Sign Sin Sinh Size Slice Softmax SoftmaxCrossEntropyLoss
-Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum SwiGLU Swish Tan Tanh ThresholdedRelu Tile TopK
-Transpose Trilu Unsqueeze Upsample Where Xor
+Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum SwiGLU Swish Tan Tanh TensorScatter
+ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample Where Xor
 """.split())
 
 

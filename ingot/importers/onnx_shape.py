@@ -482,3 +482,31 @@ def _upsample(ctx: Context, node: OnnxNode):
         index = np.minimum(np.floor(np.arange(size) / float(scale)).astype(np.int64), x.shape[axis] - 1)
         y = g.gather(y, g.constant(index), axis=axis)
     return [y]
+
+
+@converter("TensorScatter")
+def _tensor_scatter(ctx: Context, node: OnnxNode):
+    """A cache update: each batch row's update written into the past cache along `axis` from its write
+    index (wrapping around for mode circular). The indices must be known at import (from_onnx compiles
+    per value); each row is one gather from [past; update] along the axis."""
+    past, update, where = node.input(0), node.input(1), node.input(2)
+    g = ctx.g
+    axis = normalize_axis("TensorScatter", node.attr("axis", -2), past.ndim)
+    if axis == 0 or update.ndim != past.ndim:
+        raise IngotError(f"axis {axis} of a past cache of rank {past.ndim} and an update of rank {update.ndim}")
+    batch, size, count = past.shape[0], past.shape[axis], update.shape[axis]
+    starts = [0] * batch if where is None else ints(ctx.constant(node, 2, "write_indices"))
+    circular = node.attr("mode", "linear") == "circular"
+    joined = g.concat([past, update], axis)
+    rows = []
+    for b, start in enumerate(starts):
+        source = np.arange(size)
+        for j in range(count):
+            p = (start + j) % size if circular else start + j
+            if not 0 <= p < size:
+                raise IngotError(f"write index {start} + {count} updates runs past the cache's {size} positions")
+            source[p] = size + j
+        lo, hi = [0] * past.ndim, list(joined.shape)
+        lo[0], hi[0] = b, b + 1
+        rows.append(g.gather(g.slice(joined, lo, hi), g.constant(source.astype(np.int64)), axis=axis))
+    return [g.concat(rows, 0) if len(rows) > 1 else rows[0]]

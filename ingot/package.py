@@ -325,7 +325,13 @@ def _build_program(path: Path, graph: dict, weights: dict[str, np.ndarray]) -> t
             raise IngotError(f"package: {path}/graph.json has a fusion region over nodes the program does not use.")
         regions.append(ids)
     program.regions = regions
-    inputs = [(str(entry["name"]), _decode_type(entry["type"])) for entry in graph.get("inputs", [])]
+    inputs = []
+    for entry in graph.get("inputs", []):
+        name, t = entry["name"], _decode_type(entry["type"])
+        if not isinstance(name, str) or not isinstance(t, TensorType) or not all(_is_count(d) for d in t.shape):
+            raise IngotError(f"package: {path}/graph.json has input {short(name)} of type {short(entry['type'])}, "
+                             f"not a named tensor of known shape.")
+        inputs.append((name, t))
     return program, inputs
 
 

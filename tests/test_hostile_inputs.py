@@ -677,6 +677,32 @@ def test_package_slice_with_a_null_start(tmp_path):
     package_refused(tmp_path / "p.ingot", "cannot be loaded", "TypeError")
 
 
+def test_package_inputs_must_be_named_tensors_of_known_shape(tmp_path):
+    """Found by the long fuzz run: graph.json's inputs [{"name": 255, "type": {"shape": [2, null]}}] loaded, and
+    feed_types then held a shape no caller could make (np.zeros: TypeError)."""
+    g = ingot.Graph()
+    x = g.placeholder((2, 3), name="x")
+    g.compile(targets=[x * 2.0]).save(str(tmp_path / "p.ingot"))
+    edit_json(tmp_path / "p.ingot" / "graph.json", lambda graph: graph["inputs"][0].update(name=255))
+    package_refused(tmp_path / "p.ingot", "input 255", "not a named tensor of known shape")
+    g.compile(targets=[x * 2.0]).save(str(tmp_path / "q.ingot"))
+    edit_json(tmp_path / "q.ingot" / "graph.json", lambda graph: graph["inputs"][0]["type"].update(shape=[2, None]))
+    package_refused(tmp_path / "q.ingot", "'x'", "[2, None]", "not a named tensor of known shape")
+
+
+@pytest.mark.parametrize("eps", [[15], "1e-5", -1.0, True])
+def test_package_norm_eps_must_be_a_number(tmp_path, eps):
+    """Found by the long fuzz run: an RMS_NORM whose eps graph.json gives as [15] reached the numba kernel
+    (TypingError at run). A norm's eps must be a finite number >= 0."""
+    g = ingot.Graph()
+    x = g.placeholder((2, 8), name="x")
+    g.compile(targets=[g.rms_norm(x, np.ones(8, np.float32), eps=1e-5)]).save(str(tmp_path / "p.ingot"))
+
+    def set_eps(graph):
+        next(n for n in graph["nodes"] if n["op"] == "RMS_NORM")["attrs"]["eps"] = eps
+    edit_json(tmp_path / "p.ingot" / "graph.json", set_eps)
+    package_refused(tmp_path / "p.ingot", "rms_norm", "a finite eps >= 0")
+
 def test_sdpa_length_beyond_the_cache_is_refused():
     """Found by the long fuzz run: a package whose folded constant made the attention length 2**24 read
     past the KV cache in the numba kernel (SIGSEGV). The length is now checked against the cache."""

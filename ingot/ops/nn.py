@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -51,6 +52,9 @@ def _norm_rule(op):
         for p in types[1:]:
             if p.dtype != x.dtype or p.shape != x.shape[-1:]:
                 raise fail(op, types, f"weight and bias of shape ({x.shape[-1]},) and dtype {x.dtype.name}")
+        eps = attrs.get("eps")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+            raise fail(op, types, f"a finite eps >= 0, not {str(eps)[:40]}")   # (a package's graph.json says what it is)
         return x
     return rule
 

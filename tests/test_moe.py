@@ -111,3 +111,35 @@ def test_expert_stack_of_the_wrong_shape_is_refused(tmp_path):
     model = read_gguf(tmp_path / "experts.gguf")
     with pytest.raises(IngotError, match=r"ffn_up_exps.weight has shape \(32, 32\), expected the rows of \[5, 8, 32\]"):
         expert_matrices(Weights(ingot.Graph(), model.tensors, "m.gguf"), "blk.0.ffn_up_exps.weight", (5, 8, 32))
+
+
+@pytest.mark.parametrize("up_type", [T.Q8_0, T.Q4_0])
+def test_gate_and_up_experts_side_by_side_when_their_formats_allow(tmp_path, up_type):
+    """Same format: one [E, in, 2 out] stack (one routed matmul for gate and up); else one each.
+    Either way the routed products are those of the dequantized stacks."""
+    e, rows, cols = 4, 6, 64
+    rng = np.random.default_rng(5)
+    dense = {}
+    writer = gguf.GGUFWriter(str(tmp_path / "two.gguf"), "qwen3moe")
+    for name, qtype in (("gate", T.Q8_0), ("up", up_type)):
+        data = gguf.quants.quantize(rng.standard_normal((e, rows, cols)).astype(np.float32), qtype)
+        writer.add_tensor(f"{name}.weight", data, raw_shape=data.shape, raw_dtype=qtype)
+        dense[name] = gguf.quants.dequantize(data, qtype).reshape(e, rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    g = ingot.Graph()
+    stacks = expert_matrices(Weights(g, read_gguf(tmp_path / "two.gguf").tensors), ["gate.weight", "up.weight"],
+                             [(e, rows, cols)] * 2)
+    if up_type == T.Q8_0:
+        assert not isinstance(stacks, list) and stacks.shape == (e, cols, 2 * rows)
+        stacks = [stacks]
+    else:
+        assert [s.shape for s in stacks] == [(e, cols, rows)] * 2
+    x, idx = g.placeholder((3, 1, cols), name="x"), g.placeholder((3, 2), ingot.int32, name="idx")
+    exe = g.compile(targets=[g.gather_matmul(x, s, idx) for s in stacks], device="cpu")
+    xv, iv = rng.standard_normal((3, 1, cols)).astype(np.float32), np.array([[0, 3], [2, 1], [3, 0]], np.int32)
+    got = np.concatenate(exe.run({"x": xv, "idx": iv}), axis=-1)
+    want = np.concatenate([np.einsum("tk,tjnk->tjn", xv[:, 0], dense[n][iv]) for n in ("gate", "up")], axis=-1)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

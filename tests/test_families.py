@@ -367,3 +367,58 @@ def test_yarn_is_what_makes_the_scaled_qwen3_match(reference, tmp_path):
         exe = models.build(cfg, model.tensors, str(path), all_logits=True).compile(24)
         (logits,) = exe.run({"tokens": reference["qwen3_yarn.prompt"], "pos": np.int32(0)})
         assert rel_l2_rows(logits, reference["qwen3_yarn.logits"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "phi3", "smollm3"])
+def test_rows_decoder_of_a_family_equals_its_batch_one_decoder(name, tmp_path):
+    """`ingot serve`'s rows decoder (one token per row, each at its own position and cache) of the new
+    families: each row's logits are the batch-1 decoder's (experts routed per token; Phi-3's window;
+    SmolLM3's NoPE layers)."""
+    from ingot.ir import TensorType
+    from ingot.runtime import State
+    from ingot import dtypes as dt
+
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(name, path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    cfg.context_length = 32
+    single = models.build(cfg, model.tensors, str(path))
+    decoder = single.compile(1)
+    rows = models.build(cfg, model.tensors, str(path), rows=2)
+    exe = rows.graph.compile(feeds={rows.tokens: TensorType((2,), dt.int32)}, targets=[rows.logits])
+    rng = np.random.default_rng(2)
+    states, reference, positions = [], [], [11, 4]
+    for n in positions:
+        prompt = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+        pair = [decoder.new_state(), decoder.new_state()]
+        for state in pair:
+            single.compile(n).run({"tokens": prompt, "pos": np.int32(0), "last": np.int32(n - 1)}, state=state)
+        states.append(pair[0])
+        reference.append(pair[1])
+    row_state = State({f"blk.{i}.{kind}_cache.{r}": s.values[f"blk.{i}.{kind}_cache"]
+                       for r, s in enumerate(states) for i in range(cfg.n_layers) for kind in ("k", "v")})
+    tokens = rng.integers(0, cfg.vocab_size, 2).astype(np.int32)
+    (got,) = exe.run({"tokens": tokens, "positions": np.array(positions, np.int32)}, state=row_state)
+    for r in range(2):
+        (want,) = decoder.run({"tokens": tokens[r:r + 1], "pos": np.int32(positions[r]), "last": np.int32(0)},
+                              state=reference[r])
+        np.testing.assert_allclose(got[r], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["phi3_short", "qwen3moe"])
+def test_the_servers_storage_form_builds_the_same_model(name, reference, tmp_path):
+    """`ingot serve` converts the tensors once into the storage form (k-major, q/k/v side by side):
+    Phi-3's fused tensors split first, expert stacks kept as they are; the graph built from it gives
+    transformers' logits too."""
+    from ingot.llm.package import storage_form
+
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(name, path)
+    model = read_gguf(path)
+    cfg = models.config_from_gguf(model)
+    cfg.context_length = 64
+    stored = storage_form(cfg, model.tensors)
+    exe = models.build(cfg, stored, str(path), all_logits=True).compile(24)
+    (logits,) = exe.run({"tokens": reference[f"{name}.prompt"], "pos": np.int32(0)})
+    assert rel_l2_rows(logits, reference[f"{name}.logits"]).max() < 1e-4

@@ -46,7 +46,12 @@ def fused_groups(cfg) -> list[list[str]]:
 
 
 def storage_form(cfg, tensors: Mapping) -> dict:
-    """Tensors as the package stores them: quantized ones k-major, fusable groups side by side."""
+    """Tensors as the package stores them: quantized ones k-major, fusable groups side by side; a
+    family's fused tensors split first (models.unfused); expert stacks (*_exps) stay in GGUF's row
+    form, which models/moe.py reads."""
+    from .. import models
+
+    tensors = models.unfused(cfg, tensors)
     out: dict = {}
     grouped = set()
     for names in fused_groups(cfg):
@@ -61,6 +66,9 @@ def storage_form(cfg, tensors: Mapping) -> dict:
         if name in grouped or name in out:
             continue
         t = tensors[name]
+        if isinstance(t, QuantizedTensor) and name.endswith("_exps.weight"):
+            out[name] = t
+            continue
         out[name] = (t if t.block_axis == 0 else t.to_k_major()) if isinstance(t, QuantizedTensor) else np.asarray(t)
     return out
 
@@ -93,8 +101,7 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     if getattr(cfg, "n_experts", 0):
         raise IngotError(f"save: {path}: a mixture-of-experts model ({cfg.family}) cannot be stored as an Ingot LLM "
                          f"package yet; run its GGUF file directly.")
-    unfused = getattr(models.family(architecture), "unfused", None)   # e.g. Phi-3's attn_qkv as attn_q/k/v rows
-    stored = storage_form(cfg, tensors if unfused is None else unfused(cfg, tensors, str(path)))
+    stored = storage_form(cfg, tensors)
     # the stored decode executable's KV cache is short (its zeros are stored too); generate rebuilds
     # the graph from llm.json with the model's own context length
     model = models.build(replace(cfg, context_length=min(cfg.context_length, STORED_CONTEXT)), stored, str(path),

@@ -53,6 +53,13 @@ def chat_template(architecture: str) -> str | None:
     return None if name is None else getattr(importlib.import_module(f"{__name__}.{name}"), "CHAT_TEMPLATE", None)
 
 
+def unfused(cfg, tensors, path: str = ""):
+    """The tensors as cfg's family builder reads them: a family whose files fuse weights (Phi-3's
+    attn_qkv) presents them split (its module's `unfused`); the others' tensors as they are."""
+    hook = getattr(importlib.import_module(f"{__name__}.{cfg.family}"), "unfused", None)
+    return tensors if hook is None else hook(cfg, tensors, path)
+
+
 def build(cfg, tensors, path: str = "", **kwargs):
     """The decoder graph of cfg's family (kwargs: adapter_sites, all_logits, batch; see llama.build)."""
     module = importlib.import_module(f"{__name__}.{cfg.family}")

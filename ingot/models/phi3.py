@@ -126,6 +126,7 @@ def unfused(cfg: Phi3Config, tensors: Mapping, path: str = "") -> Unfused:
     return Unfused(cfg, tensors, path)
 
 
-def build(cfg: Phi3Config, tensors: Mapping, path: str = "", **kwargs) -> DecoderGraph:
+def build(cfg: Phi3Config, tensors: Mapping, path: str = "", adapter_sites=(), all_logits: bool = False, batch: int = 1,
+          rows: int = 0) -> DecoderGraph:
     """The Phi-3 decoder graph over GGUF-named tensors (fused or split); arguments as `llama.build`."""
-    return llama.build(cfg, Unfused(cfg, tensors, path), path, **kwargs)
+    return llama.build(cfg, Unfused(cfg, tensors, path), path, adapter_sites, all_logits, batch, rows)

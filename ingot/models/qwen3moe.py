@@ -10,11 +10,10 @@ qwen3moe; transformers' GGUF reader sets norm_topk_prob). No shared experts, no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 from ..errors import IngotError
 from . import llama, moe
-from .blocks import Key, config_from_gguf
+from .blocks import DecoderGraph, Key, config_from_gguf
 from .qwen3 import Qwen3Config
 
 ARCHITECTURES = ("qwen3moe",)
@@ -61,4 +60,9 @@ class Qwen3MoeConfig(Qwen3Config):
 
 
 Config = Qwen3MoeConfig
-build = partial(llama.build, ffn=moe.feed_forward)
+
+
+def build(cfg: Qwen3MoeConfig, tensors, path: str = "", adapter_sites=(), all_logits: bool = False, batch: int = 1,
+          rows: int = 0) -> DecoderGraph:
+    """The Qwen3-MoE decoder graph: llama.build with the experts as the feed-forward; arguments as there."""
+    return llama.build(cfg, tensors, path, adapter_sites, all_logits, batch, rows, ffn=moe.feed_forward)

@@ -16,10 +16,13 @@ Formats (FMT strings, `parse_format`):
         columns), `channel` (one per row, the default) or `tensor` (one for the whole matrix).
         Signed types default to symmetric (scale = max|w| / (qmax + 1/2)), unsigned ones to asymmetric
         (scale = (max - min) / (2**bits - 1), bias = min). |w - w_hat| <= scale / 2 everywhere.
-    lut4 | lut8 [:gROWS] [:uniform]
+    lut4 | lut8 [:gROWS] [:bBLOCK] [:uniform]
         a lookup table of 2**bits float16 values, one per tensor or per group of ROWS output rows, fitted by
         1-D k-means (weighted by importance when given) or spaced uniformly over [min, max]; each
-        weight becomes the index of its nearest table entry.
+        weight becomes the index of its nearest table entry. With :bBLOCK (16-256) every block of
+        BLOCK columns also has a float32 scale (a scaled table, as GGUF's IQ4_NL with a fitted
+        table): w = table[q] * scale, the table fitted on the weights divided by their block's scale,
+        each scale then refitted by least squares (the importance-weighted error, alternately).
 
 A BLOCK (or ROWS) that does not divide a tensor's columns (rows) becomes the largest divisor of
 them that is not above it (SmolLM2's 576 columns take int4:128 as blocks of 96); the tensor
@@ -39,14 +42,14 @@ from .formats import QuantizedTensor
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 AFFINE_TYPES = {"int8": dt.int8, "uint8": dt.uint8, "int4": dt.int4, "uint4": dt.uint4}
 FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor) and :sym/:asym, "
-               "or lut4/lut8 with an optional :gROWS and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut8)")
+               "or lut4/lut8 with an optional :gROWS, :bBLOCK and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut8)")
 
 
 @dataclass(frozen=True)
 class Format:
     kind: str                       # "affine" or "lut"
     qdtype: dt.DType
-    block_size: int | None = None   # affine: columns per parameter; None per channel, 0 per tensor
+    block_size: int | None = None   # affine: columns per parameter; None per channel, 0 per tensor; lut: per scale, None unscaled
     symmetric: bool = True          # affine
     group_rows: int | None = None   # lut: rows per table; None: one table for the tensor
     uniform: bool = False           # lut: uniform table instead of k-means
@@ -57,7 +60,8 @@ class Format:
 
     def __str__(self) -> str:
         if self.kind == "lut":
-            return f"lut{self.bits}" + (f":g{self.group_rows}" if self.group_rows else "") + (":uniform" if self.uniform else "")
+            return (f"lut{self.bits}" + (f":g{self.group_rows}" if self.group_rows else "")
+                    + (f":b{self.block_size}" if self.block_size else "") + (":uniform" if self.uniform else ""))
         block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
         default_sym = self.qdtype.kind == "i"
         return self.qdtype.name + block + ("" if self.symmetric == default_sym else (":sym" if self.symmetric else ":asym"))
@@ -90,7 +94,7 @@ def parse_format(fmt: str | Format) -> Format:
         return Format("affine", qdtype, block, symmetric)
     m = re.fullmatch(r"lut([48])", head)
     if m:
-        group, uniform = None, False
+        group, uniform, block = None, False, None
         for opt in options:
             if opt == "uniform":
                 uniform = True
@@ -98,9 +102,13 @@ def parse_format(fmt: str | Format) -> Format:
                 uniform = False
             elif re.fullmatch(r"g[1-9][0-9]*", opt):
                 group = int(opt[1:])
+            elif re.fullmatch(r"b[0-9]+", opt):
+                if int(opt[1:]) not in BLOCK_SIZES:
+                    raise bad(f"block size {opt[1:]} is not one of {', '.join(map(str, BLOCK_SIZES))}")
+                block = int(opt[1:])
             else:
-                raise bad(f"option {opt!r} is not gROWS, uniform or kmeans")
-        return Format("lut", dt.uint4 if m.group(1) == "4" else dt.uint8, group_rows=group, uniform=uniform)
+                raise bad(f"option {opt!r} is not gROWS, bBLOCK, uniform or kmeans")
+        return Format("lut", dt.uint4 if m.group(1) == "4" else dt.uint8, block, group_rows=group, uniform=uniform)
     raise bad(f"{head!r} is not a type")
 
 
@@ -135,7 +143,7 @@ def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | Non
         if importance.shape != (w.shape[1],):
             raise IngotError(f"quantize: importance has shape {importance.shape}, expected ({w.shape[1]},).")
     if fmt.kind == "lut":
-        return _quantize_lut(w, fmt, importance)
+        return _quantize_scaled_lut(w, fmt, importance) if fmt.block_size else _quantize_lut(w, fmt, importance)
     return _quantize_affine(w, fmt, importance)
 
 
@@ -325,3 +333,65 @@ def _quantize_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> 
     q = _nearest_entry(groups, tables.astype(np.float32)).reshape(rows, cols)
     return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), cols, None,
                            source=str(fmt), lut=tables.reshape(n_groups, 1, k))
+
+
+SCALE_STARTS = (0.9, 1.0, 1.1)   # block scales tried, times max|w| / max|table|
+TABLE_REFITS = 2
+
+
+def _scaled_codes(blocks, scale, tables, group):
+    """Nearest table entries of blocks / scale: blocks [rows, nb, block], scale [rows, nb], tables [G, K]
+    sorted; the count of the table's midpoints below each value (a few compares per value: tables
+    are short, so this beats a binary search)."""
+    mids = np.repeat((tables[:, 1:] + tables[:, :-1]) / 2, group, axis=0)[:, None, None, :]   # [rows, 1, 1, K - 1]
+    normalized = blocks / scale[..., None]
+    codes = np.zeros(blocks.shape, np.uint8)
+    for k in range(mids.shape[-1]):
+        codes += normalized > mids[..., k]
+    return codes
+
+
+def _refit_scale(blocks, codes, tables, group, weights):
+    """Per block the least-squares scale for fixed codes (importance-weighted); [rows, nb]."""
+    rows = blocks.shape[0]
+    t = tables[np.repeat(np.arange(tables.shape[0]), group)[:, None, None], codes]     # [rows, nb, block]
+    num = (weights * blocks * t).sum(axis=2)
+    den = (weights * t * t).sum(axis=2)
+    return np.where(den > 0, num / np.maximum(den, 1e-30), 1.0).reshape(rows, -1)
+
+
+def _quantize_scaled_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
+    rows, cols = w.shape
+    k = 2 ** fmt.bits
+    block = fitting_divisor(cols, fmt.block_size)
+    group = rows if fmt.group_rows is None else fitting_divisor(rows, fmt.group_rows)
+    blocks = w.reshape(rows, cols // block, block)
+    imp = np.ones(cols, np.float32) if importance is None else np.maximum(importance, 0) + np.float32(1e-8)
+    weights = np.broadcast_to(imp.reshape(1, cols // block, block), blocks.shape)
+    absmax = np.abs(blocks).max(axis=2)
+    scale = np.where(absmax > 0, absmax, 1.0)
+    for _ in range(TABLE_REFITS):
+        # the table, fitted on the normalised weights; an error e in them costs e * scale in w
+        normalized = (blocks / scale[..., None]).reshape(rows // group, -1)
+        fit_weights = (weights * scale[..., None] ** 2).reshape(rows // group, -1)
+        tables = _fit_tables(normalized, fit_weights, k, fmt.uniform).astype(np.float16).astype(np.float32)
+        tables.sort(axis=1)
+        top = np.abs(tables).max(axis=1)
+        best_err, best_scale = None, scale
+        for start in SCALE_STARTS:  # from a few starting scales: codes, then the least-squares scale for them
+            s = np.where(absmax > 0, absmax / (start * np.repeat(top, group)[:, None]), 1.0)
+            s = _refit_scale(blocks, _scaled_codes(blocks, s, tables, group), tables, group, weights)
+            s = np.where(np.abs(s) > 1e-30, s, 1.0)
+            codes = _scaled_codes(blocks, s, tables, group)
+            approx = tables[np.repeat(np.arange(tables.shape[0]), group)[:, None, None], codes] * s[..., None]
+            err = (weights * (blocks - approx) ** 2).sum(axis=2)
+            if best_err is None:
+                best_err, best_scale = err, s
+            else:
+                better = err < best_err
+                best_err, best_scale = np.where(better, err, best_err), np.where(better, s, best_scale)
+        scale = best_scale
+    scale = scale.astype(np.float32)
+    q = _scaled_codes(blocks, scale, tables, group).reshape(rows, cols)
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, scale, source=str(fmt),
+                           lut=tables.astype(np.float32).reshape(rows // group, 1, k))

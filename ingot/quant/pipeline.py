@@ -1,10 +1,11 @@
 """Quantizing a whole LLM: float weights (dequantized from the input file) to one format, with
-optional calibration (activation statistics from a text), AWQ-style scaling, excluded tensors and
-error-compensation adapters. `ingot quantize` is a thin shell around `quantize_model`.
+calibration (activation statistics from a text: by default one shipped with Ingot), AWQ-style
+scaling, GPTQ rounding, excluded tensors and error-compensation adapters. `ingot quantize` is a
+thin shell around `quantize_default`, which picks the methods; `quantize_model` takes them one by one.
 
     model = open_model("in.gguf")                               # ingot.llm.package
-    stats = activation_stats(model, tokenize(model, text))      # optional (ingot.llm.tokenizer)
-    result = quantize_model(model, "int4:128", stats=stats, compensate=16)
+    stats = calibrate(model)                                    # second moments over Ingot's calibration text
+    result = quantize_default(model, "int4:64", stats=stats, compensate=8)
     save_llm("out.ingot", model.config, result.tensors, model.metadata, result.adapters)
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..errors import IngotError
 from .formats import QuantizedTensor, tensor_nbytes
 from .quantize import Format, parse_format, quantize
 
+DEFAULT_FORMAT = "int4:64"   # 4.5 bits per weight; `ingot quantize` with no --format
 LAYER_WEIGHT = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75)
 
@@ -40,9 +42,11 @@ class QuantizeResult:
 
 
 def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: int = 1024,
-                     device: str = "cpu") -> dict[str, np.ndarray]:
+                     device: str = "cpu", second_moments: bool = False) -> dict[str, np.ndarray]:
     """Mean square of the activations each layer weight multiplies, per input column, over the
-    calibration text's token ids run through `model` (a StoredModel): {weight name: float32 [in]}."""
+    calibration text's token ids run through `model` (a StoredModel): {weight name: float32 [in]}.
+    second_moments=True keeps the whole matrix E[x x^T] instead ({name: float32 [in, in]}, what
+    GPTQ needs; its diagonal is the mean square)."""
     from .. import dtypes as dt
     from ..ir import TensorType
     from .. import models
@@ -61,13 +65,45 @@ def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: 
         outs = exe.run({"tokens": np.asarray(chunk, np.int32), "pos": np.int32(0)}, state=exe.new_state())
         for s, x in zip(sites, outs):
             x = np.asarray(exe.backend.to_host(x), np.float64)
-            sums[s] = sums[s] + (x * x).sum(axis=0)
+            sums[s] = sums[s] + (x.T @ x if second_moments else (x * x).sum(axis=0))
         count += len(chunk)
     stats = {}
     for s in sites:
         for name in s.split("+"):
             stats[name] = (sums[s] / count).astype(np.float32)
     return stats
+
+
+def default_calibration_text() -> str:
+    """The calibration text shipped with Ingot (ingot/data/calibration.txt): a few kB of varied
+    English (prose, dialogue in a chat layout, code, lists, figures), used when none is given."""
+    from importlib.resources import files
+
+    return (files("ingot") / "data" / "calibration.txt").read_text(encoding="utf-8")
+
+
+def calibrate(model, text: str | None = None, context: int = 256, device: str = "cpu") -> dict[str, np.ndarray]:
+    """The activations' second moments E[x x^T] per weight over text (default: Ingot's shipped
+    calibration text): what AWQ, GPTQ, the weighted quantizers and compensation all read."""
+    from ..llm.tokenizer import tokenize
+
+    text = default_calibration_text() if text is None else text
+    context = min(context, model.config.context_length)
+    return activation_stats(model, tokenize(model, text), context=context, device=device, second_moments=True)
+
+
+def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | None = None, compensate: int = 0,
+                     exclude: Sequence[str] = (), awq: bool | None = None, gptq: bool | None = None,
+                     progress: Callable[[str], None] | None = None) -> QuantizeResult:
+    """What `ingot quantize` does: quantize_model with the methods that pay on by default. Given
+    calibration stats (from calibrate), affine formats get AWQ scaling, and GPTQ rounds every format
+    whose stats hold second moments; awq= / gptq= force either way."""
+    fmt = parse_format(fmt)
+    has_moments = stats is not None and any(v.ndim == 2 for v in stats.values())
+    awq = (stats is not None and fmt.kind == "affine") if awq is None else awq
+    gptq = has_moments if gptq is None else gptq
+    return quantize_model(model, fmt, exclude=exclude, stats=stats, compensate=compensate, awq=awq, gptq=gptq,
+                          progress=progress)
 
 
 def float_weights(model):
@@ -91,6 +127,11 @@ def float_weights(model):
             yield n, np.ascontiguousarray(w[starts[i]:starts[i + 1]])
 
 
+def diagonal(stat: np.ndarray) -> np.ndarray:
+    """The mean square per input column of an activation statistic (a vector, or the diagonal of E[x x^T])."""
+    return stat if stat.ndim == 1 else np.ascontiguousarray(np.diag(stat))
+
+
 def excluded(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or p == name for p in patterns)
 
@@ -110,7 +151,7 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> di
         for names, producer, how in groups:
             if not all(n in floats and n in stats for n in names) or producer not in floats:
                 continue
-            m = stats[names[0]].astype(np.float64)
+            m = diagonal(stats[names[0]]).astype(np.float64)
             rms = np.sqrt(np.maximum(m, 1e-12))
             best, best_err, best_s = None, None, None
             for alpha in AWQ_ALPHAS:
@@ -126,9 +167,11 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> di
             chosen.append(best)
             if best == 0.0:
                 continue
+            stat = stats[names[0]]   # the weights of a group read one input: one statistic, rescaled once
+            scaled = (stat / (best_s ** 2 if stat.ndim == 1 else np.outer(best_s, best_s))).astype(np.float32)
             for n in names:
                 floats[n] = (floats[n] * best_s).astype(np.float32)
-                stats[n] = (m / best_s ** 2).astype(np.float32)
+                stats[n] = scaled
             if how == "vector":
                 floats[producer] = (floats[producer] / best_s).astype(np.float32)
             else:
@@ -139,20 +182,24 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> di
 
 
 def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats: dict | None = None,
-                   compensate: int = 0, awq: bool = False,
+                   compensate: int = 0, awq: bool = False, gptq: bool = False,
                    progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize every 2-D weight of a StoredModel to fmt (tensors matching an exclude glob stay as
     they are in the input). stats (from activation_stats) weight the quantizers and the
     compensation; awq applies activation-aware scaling first (needs stats, affine formats);
-    compensate=RANK adds low-rank factors of each layer weight's error as adapters."""
+    compensate=RANK adds low-rank factors of each layer weight's error as adapters; gptq rounds
+    with GPTQ (needs stats with second moments: activation_stats(..., second_moments=True))."""
     from ..adapters import AdapterSet
     from .compensate import low_rank
+    from .gptq import gptq as gptq_quantize, inverse_cholesky
 
     fmt = parse_format(fmt)
     if awq and stats is None:
         raise IngotError("quantize: AWQ scaling needs a calibration text.")
     if awq and fmt.kind != "affine":
         raise IngotError(f"quantize: AWQ scaling applies to affine formats, not {fmt}.")
+    if gptq and (stats is None or not any(v.ndim == 2 for v in stats.values())):
+        raise IngotError("quantize: GPTQ needs a calibration text (its activations' second moments).")
     if compensate < 0:
         raise IngotError(f"quantize: the compensation rank must be positive, not {compensate}.")
     bytes_before = sum(tensor_nbytes(model.tensors[n]) for n in model.tensors)
@@ -167,6 +214,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         stats = _awq(floats, stats, fmt, model.config.n_layers, notes)
     tensors = dict(originals)
     errors, factors = {}, {}
+    rounded_by_gptq, factors_by_input = 0, {}
     head = "token_embd.weight" if model.config.tied_embeddings else "output.weight"  # the output head's adapter site
     for name, w in floats.items():
         if progress:
@@ -174,8 +222,15 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         if w.ndim != 2:
             tensors[name] = w
             continue
-        importance = None if stats is None else stats.get(name)
-        t = quantize(w, fmt, importance=importance)
+        stat = None if stats is None else stats.get(name)
+        importance = None if stat is None else diagonal(stat)
+        if gptq and stat is not None and stat.ndim == 2 and not (fmt.kind == "affine" and fmt.block_size == 0):
+            if id(stat) not in factors_by_input:  # weights that read one input share its factorisation
+                factors_by_input[id(stat)] = inverse_cholesky(stat)
+            t = gptq_quantize(w, fmt, stat, factor=factors_by_input[id(stat)])
+            rounded_by_gptq += 1
+        else:
+            t = quantize(w, fmt, importance=importance)
         if (fmt.kind == "affine" and fmt.block_size and t.block_size != fmt.block_size
                 and f"{t.block_size}/{w.shape[1]}" not in " ".join(notes)):
             notes.append(f"blocks of {t.block_size} for {w.shape[1]} columns (not divisible by {fmt.block_size}): {t.block_size}/{w.shape[1]}")
@@ -185,6 +240,8 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         if compensate and (LAYER_WEIGHT.match(name) or name == head):
             a, b = low_rank(w - approx, compensate, importance)
             factors[name] = [(a, b)]
+    if rounded_by_gptq:
+        notes.append(f"GPTQ: {rounded_by_gptq} weights rounded against their inputs' second moments")
     adapters = AdapterSet(factors, int8=True)
     adapter_bytes = adapters.stored_nbytes
     bytes_after = sum(tensor_nbytes(t) for t in tensors.values()) + adapter_bytes

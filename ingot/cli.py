@@ -4,7 +4,7 @@
                    [--seed S] [--device cpu|cuda] [--no-chat] [--json]
     ingot chat [--model PATH] ...
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
-    ingot quantize IN.(gguf|ingot) -o OUT.ingot --format FMT [--calibration TEXT] [--exclude GLOB] [--compensate RANK] [--awq]
+    ingot quantize IN.(gguf|ingot) -o OUT.ingot [--format FMT] [--calibration TEXT | --no-calibration] [--exclude GLOB] [--compensate RANK] [--no-awq] [--no-gptq]
     ingot eval kld --reference A --model B --text FILE [--context N]
     ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]
                   [--constant NAME=V0,V1,...]
@@ -351,15 +351,21 @@ def build_parser() -> argparse.ArgumentParser:
     quant = sub.add_parser("quantize", help="quantize an LLM (GGUF or Ingot package) into an Ingot package")
     quant.add_argument("input", help="a GGUF file or an Ingot LLM package (float weights by dequantizing)")
     quant.add_argument("-o", "--output", required=True, help="the package to write (NAME.ingot)")
-    quant.add_argument("--format", required=True, help="int8, uint8, int4, uint4 [:BLOCK][:sym|:asym]; lut4, lut8 [:gROWS][:uniform]")
-    quant.add_argument("--calibration", help="a text file: activation statistics weight the quantizers and compensation")
+    quant.add_argument("--format", default=None, help="int8, uint8, int4, uint4 [:BLOCK][:sym|:asym]; lut4, lut8 "
+                       "[:gROWS][:bBLOCK][:uniform] (default: int4:64, 4.5 bits per weight)")
+    quant.add_argument("--calibration", help="a text file whose activation statistics drive AWQ, GPTQ, the weighted "
+                       "quantizers and compensation (default: a text shipped with Ingot)")
+    quant.add_argument("--no-calibration", action="store_true", help="quantize each weight alone (round to nearest)")
     quant.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                        help="tensors to keep as they are, e.g. 'token_embd.weight' or 'blk.0.*' (repeatable)")
     quant.add_argument("--compensate", type=int, default=0, metavar="RANK", help="add low-rank error-compensation adapters")
-    quant.add_argument("--awq", action="store_true", help="activation-aware scaling (needs --calibration; affine formats)")
+    quant.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
+                       help="activation-aware scaling (default: on for affine formats when calibrated)")
+    quant.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
+                       help="GPTQ rounding (default: on when calibrated)")
     quant.add_argument("--eval", dest="eval_text", metavar="TEXT",
-                       help="a text file for the KLD / top-1 report (default: the calibration text, else a short "
-                            "English text shipped with Ingot)")
+                       help="a text file for the KLD / top-1 report (default: a short English text shipped with Ingot, "
+                            "not the calibration text)")
     quant.add_argument("--no-eval", action="store_true", help="skip the KLD / top-1 report")
     quant.add_argument("--context", type=int, default=256, help="tokens per chunk for calibration and the KLD report")
     quant.set_defaults(func=_quantize)

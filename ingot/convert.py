@@ -192,13 +192,16 @@ def default_eval_text() -> tuple[str, str]:
 
 
 def quantize_command(args) -> int:
+    import numpy as np
+
     from .eval import chunks, compare, read_text, score
     from .llm.package import StoredModel, is_llm_package, open_model, save_llm
     from .llm.tokenizer import tokenize
     from .quant import parse_format
-    from .quant.pipeline import activation_stats, quantize_model
+    from .quant.formats import tensor_nbytes
+    from .quant.pipeline import DEFAULT_FORMAT, calibrate, quantize_default
 
-    fmt = parse_format(args.format)
+    fmt = parse_format(args.format or DEFAULT_FORMAT)
     out = Path(args.output)
     if not str(out).endswith(".ingot"):
         raise IngotError(f"quantize: the output {out} should be a package directory named NAME.ingot.")
@@ -208,24 +211,32 @@ def quantize_command(args) -> int:
         raise IngotError(f"quantize: the folder {out.resolve().parent} does not exist.")
     if args.compensate < 0:
         raise IngotError(f"quantize: --compensate takes a rank >= 1, not {args.compensate}.")
-    if args.awq and not args.calibration:
-        raise IngotError("quantize: --awq needs --calibration TEXT_FILE.")
-    calibration = read_text(args.calibration) if args.calibration else None
-    eval_text = read_text(args.eval_text) if args.eval_text else calibration
-    eval_name = args.eval_text or args.calibration
+    if args.no_calibration and args.calibration:
+        raise IngotError("quantize: give --calibration TEXT_FILE or --no-calibration, not both.")
+    for method in ("awq", "gptq"):
+        if args.no_calibration and getattr(args, method):
+            raise IngotError(f"quantize: --{method} needs a calibration text (drop --no-calibration).")
+    if args.awq and fmt.kind != "affine":
+        raise IngotError(f"quantize: --awq applies to affine formats (int8, int4, ...), not {fmt}.")
+    calibration_name, calibration = None, None
+    if args.calibration:
+        calibration_name, calibration = args.calibration, read_text(args.calibration)
+    elif not args.no_calibration:
+        calibration_name = "ingot/data/calibration.txt"
+    eval_name, eval_text = (args.eval_text, read_text(args.eval_text)) if args.eval_text else (None, None)
     if eval_text is None and not args.no_eval:
         eval_name, eval_text = default_eval_text()
     if Path(args.input).resolve() == out.resolve():
         raise IngotError("quantize: the output would replace the input; choose another path.")
     model = open_model(args.input)
     err = sys.stderr
-    if fmt.kind == "lut" and calibration is None:
-        print("note: LUT tables fitted without --calibration ignore which columns meet large activations; on "
+    if fmt.kind == "lut" and args.no_calibration:
+        print("note: LUT tables fitted without calibration ignore which columns meet large activations; on "
               "SmolLM2 that costs far more than it saves (BENCHMARKS.md, Quantization).", file=err)
     stats = None
-    if calibration is not None:
-        print(f"calibrating on {args.calibration} ...", file=err)
-        stats = activation_stats(model, tokenize(model, calibration), context=args.context)
+    if calibration_name is not None:
+        print(f"calibrating on {calibration_name} ...", file=err)
+        stats = calibrate(model, calibration, context=args.context)
     names = list(model.tensors)
     with progress_bar(f"quantize {fmt}", total=len(names)) as advance:
         done = set()
@@ -233,10 +244,11 @@ def quantize_command(args) -> int:
         def step(name: str) -> None:
             done.add(name)
             advance(name, steps=1 if len(done) <= len(names) else 0)
-        result = quantize_model(model, fmt, exclude=args.exclude, stats=stats, compensate=args.compensate,
-                                awq=args.awq, progress=step)
+        result = quantize_default(model, fmt, stats=stats, compensate=args.compensate, exclude=args.exclude,
+                                  awq=args.awq, gptq=args.gptq, progress=step)
+    methods = {"awq": any(n.startswith("AWQ") for n in result.notes), "gptq": any(n.startswith("GPTQ") for n in result.notes)}
     extra = {"quantized": {"format": str(fmt), "exclude": list(args.exclude), "compensate": args.compensate,
-                           "awq": bool(args.awq), "calibration": Path(args.calibration).name if args.calibration else None,
+                           **methods, "calibration": Path(calibration_name).name if calibration_name else None,
                            "source": Path(args.input).name}}
     architecture = model.architecture  # a package says what its family is
     save_llm(out, model.config, result.tensors, model.metadata, result.adapters if result.adapters else None,
@@ -244,8 +256,10 @@ def quantize_command(args) -> int:
     # sizes as the disk holds them (`du --apparent-size`), not the tensors' bytes: the package's graph,
     # KV cache initial values and metadata count too
     before, after = disk_bytes(args.input), disk_bytes(out)
-    print(f"[{args.input}: {_mb(before)} -> {out}: {_mb(after)} on disk ({after / max(before, 1):.2f}x)"
-          + (f", of which adapters {_mb(result.adapter_bytes)}" if result.adapter_bytes else "")
+    matrices = [t for t in result.tensors.values() if len(getattr(t, "shape", ())) == 2]
+    bits = 8 * (sum(tensor_nbytes(t) for t in matrices) + result.adapter_bytes) / max(1, sum(int(np.prod(t.shape)) for t in matrices))
+    print(f"[{args.input}: {_mb(before)} -> {out}: {_mb(after)} on disk ({after / max(before, 1):.2f}x), "
+          f"{bits:.2f} bits per weight" + (f", of which adapters {_mb(result.adapter_bytes)}" if result.adapter_bytes else "")
           + f"; weight error ||W - W_hat|| / ||W|| mean {result.mean_relative_error:.4f}]")
     for note in result.notes:
         print(f"  note: {note}", file=err)
@@ -257,3 +271,4 @@ def quantize_command(args) -> int:
             r = compare(reference, score(quantized, token_chunks, progress=lambda: advance("quantized")))
         print(f"[vs {Path(args.input).name} over {eval_name}: {r.row()}]")
     return 0
+

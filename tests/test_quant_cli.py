@@ -95,7 +95,9 @@ def test_awq_and_calibrated_lut_are_not_worse(tiny_package):
     (["--format", "fp4"], "is not a type"),
     (["--format", "int4:32", "--calibration", "EMPTY"], "is empty"),
     (["--format", "int4:32", "--compensate", "-1"], "rank"),
-    (["--format", "int4:32", "--awq"], "--calibration"),
+    (["--format", "int4:32", "--no-calibration", "--awq"], "needs a calibration text"),
+    (["--format", "int4:32", "--no-calibration", "--calibration", "EMPTY"], "not both"),
+    (["--format", "lut4", "--awq"], "affine formats"),
 ])
 def test_quantize_bad_input_is_one_sentence_and_writes_nothing(tiny_package, tmp_path, capsys, args, message):
     empty = tmp_path / "empty.txt"
@@ -190,3 +192,30 @@ def test_quantize_reports_sizes_on_disk_and_kld_by_default(tiny_package, tmp_pat
     assert "on disk" in text and "mean KLD" in text and "ingot/data/eval.txt" in text  # the shipped text
     assert main(["quantize", str(tiny_package), "-o", str(tmp_path / "quiet.ingot"), "--format", "int8", "--no-eval"]) == 0
     assert "mean KLD" not in capsys.readouterr().out
+
+
+def test_quantize_with_no_flags_calibrates_on_the_shipped_text(tiny_package, tmp_path, capsys):
+    from ingot.quant.pipeline import DEFAULT_FORMAT
+
+    out = tmp_path / "default.ingot"
+    assert main(["quantize", str(tiny_package), "-o", str(out), "--no-eval"]) == 0
+    captured = capsys.readouterr()
+    assert "bits per weight" in captured.out and "ingot/data/calibration.txt" in captured.err
+    quantized = json.loads((out / "llm.json").read_text())["extra"]["quantized"]
+    assert quantized["format"] == DEFAULT_FORMAT and quantized["calibration"] == "calibration.txt"
+    assert quantized["awq"] and quantized["gptq"]
+    assert main(["quantize", str(tiny_package), "-o", str(tmp_path / "plain.ingot"), "--no-calibration", "--no-eval"]) == 0
+    quantized = json.loads((tmp_path / "plain.ingot" / "llm.json").read_text())["extra"]["quantized"]
+    assert quantized["calibration"] is None and not quantized["awq"] and not quantized["gptq"]
+
+
+def test_second_moments_hold_the_mean_squares_on_their_diagonal(tiny_package):
+    model = open_model(tiny_package)
+    ids = tokenize(model, SHORT)
+    squares = activation_stats(model, ids, context=64)
+    moments = activation_stats(model, ids, context=64, second_moments=True)
+    assert set(squares) == set(moments)
+    for name, m in moments.items():
+        assert m.shape == (len(squares[name]), len(squares[name]))
+        np.testing.assert_allclose(np.diag(m), squares[name], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(m, m.T, rtol=1e-5, atol=1e-7)

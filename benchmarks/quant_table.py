@@ -1,24 +1,37 @@
-"""Quantization formats on the default model: bytes, mean KLD and top-1 agreement against the float
-model, decode tok/s on the CPU, in one run (the BENCHMARKS.md "Quantization" table).
+"""Quantization head to head with llama.cpp's quantizer on the default model (the BENCHMARKS.md
+"Quantization" table): bits per weight, bytes on disk, mean KLD, top-1 agreement and perplexity
+against the float model, every row scored by the same evaluator.
 
-The float reference is the default model's weights dequantized to float32 (all of them, the Q8_0
-embedding included). Every row quantizes those float weights with `ingot.quant` (all 2-D weights,
-the tied embedding included) and is scored over tests/fixtures/eval_text.txt in llama.cpp's manner
-(chunks of --context tokens from an empty cache, second half of each scored; ingot.eval).
-Compensation rows add low-rank factors (int8, weighted by activation statistics from
-tests/fixtures/calibration_text.txt) of every layer weight's error as called adapters.
-Decode tok/s: median of --steps single-token steps after a 16-token prompt, one thread for GEMV.
+The float weights: the default model's tensors dequantized to float32 and written as an F32 GGUF
+(the gguf library; metadata and tokenizer copied from the original file). llama.cpp's rows run
+`llama_cpp.llama_model_quantize` (llama-cpp-python) on that file and are read back by Ingot's GGUF
+importer, which converts Q4_0, Q5_0, Q8_0, Q3_K..Q6_K, IQ4_NL and IQ4_XS bit-exactly; Ingot's rows
+run `ingot.quant` on the same floats. Every row is scored with `ingot.eval` over
+tests/fixtures/eval_text.txt (llama.cpp's method: chunks of --context tokens from an empty cache,
+the second half of each scored), against the F32 GGUF's own scoring.
 
-    python -m benchmarks quant [--rows int8,int4:32,...] [--context 256] [--steps 24] [--json OUT]
+bits per weight: the bits of every 2-D weight as stored (packed values and block parameters, and
+for Ingot the compensation adapters) over their element count; disk MB: the GGUF file, or the
+Ingot LLM package (`--save-packages`; otherwise its tensors and adapters).
+
+Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
+scaling), +gptq (GPTQ), +cRANK (compensation adapters), +x (the tied embedding kept as the source
+stores it); `default` is what `ingot quantize IN -o OUT` does with no flags. Calibration always comes
+from Ingot's shipped corpus (ingot/data/calibration.txt), never from the scored text.
+
+    python -m benchmarks quant [--llama Q4_0,Q4_K_M,...] [--rows default,int4:64,...] [--chunks 3] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,96 +39,174 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ROWS = ["int8", "int4:32", "int4:128", "lut4", "lut4:g128", "int4:128+c8", "int4:128+c16", "int4:128+c32"]
+# llama.cpp's file types (llama.h, enum llama_ftype)
+LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q8_0": 7, "Q3_K_M": 12, "Q4_K_S": 14, "Q4_K_M": 15,
+                "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
+LLAMA_ROWS = ["Q4_0", "Q4_K_M", "IQ4_XS", "Q3_K_M"]
+ROWS = ["int4:64", "uint4:128", "default", "default+c8", "lut4:g8+cal"]
 
 
-def decode_tok_s(model, tensors, adapters, steps: int) -> float:
-    from ingot.adapters import binder
-    from ingot.models import llama
+def write_float_gguf(source_path: str, floats: dict, out) -> None:
+    """An F32 GGUF at out holding `floats` (GGUF names -> float arrays, matrices [out, in]) in the
+    source file's tensor order, with the source's metadata (tokenizer and chat template included)."""
+    import gguf
 
-    cfg = model.config
-    graph = llama.build(cfg, tensors, adapter_sites=adapters.names if adapters else ())
-    if adapters:
-        graph.callables_for = binder(cfg, adapters)
-    exe = graph.compile(1)
-    state = exe.new_state()
-    rng = np.random.default_rng(0)
-    times = []
-    for pos in range(16 + steps):
-        token = np.array([rng.integers(0, cfg.vocab_size)], np.int32)
-        t = time.perf_counter()
-        exe.run({"tokens": token, "pos": np.int32(pos), "last": np.int32(0)}, state=state)
-        if pos >= 16:
-            times.append(time.perf_counter() - t)
-    return 1.0 / float(np.median(times))
+    reader = gguf.GGUFReader(source_path)
+    architecture = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(str(out), architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment", "general.file_type"):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(floats[t.name], np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_weight_bits(path) -> tuple[int, int]:
+    """(bits, elements) of a GGUF file's 2-D tensors as stored."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    return sum(8 * int(t.n_bytes) for t in matrices), sum(int(t.n_elements) for t in matrices)
+
+
+@contextmanager
+def stderr_to(path):
+    """The process's file descriptor 2 (llama.cpp's C logging) sent to a file for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def llama_quantize(source: Path, out: Path, name: str, log: Path) -> str | None:
+    """Run llama.cpp's quantizer; None when it wrote out, else why not (one line)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[name]
+    params.nthread = 2
+    with stderr_to(log):
+        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0 or not out.is_file():
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+        return f"llama_model_quantize returned {rc}: {tail[0] if tail else 'no message'}"
+    return None
+
+
+def ingot_row(source, row: str, stats: dict):
+    """quantize_model's result for an Ingot row spec (see the module docstring)."""
+    from ingot.quant.pipeline import quantize_default, quantize_model
+
+    fmt, *options = row.split("+")
+    rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
+    if fmt == "default":
+        return quantize_default(source, stats=stats, compensate=rank)
+    exclude = ["token_embd.weight"] if "x" in options else []
+    use_stats = rank or {"awq", "cal", "gptq"} & set(options)
+    return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,
+                          gptq="gptq" in options, exclude=exclude)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(ROWS),
-                        help="FMT[+cRANK][+awq][+cal][+x], comma-separated: compensation rank, AWQ scaling, calibration-weighted "
-                             "quantizer, token_embd kept (Q8_0)")
+    parser.add_argument("--llama", default=",".join(LLAMA_ROWS), help="llama.cpp file types, comma-separated ('' for none)")
+    parser.add_argument("--rows", default=",".join(ROWS), help="Ingot rows, comma-separated: FMT[+cal][+awq][+gptq][+cRANK][+x] or default")
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--chunks", type=int, default=3, help="chunks of the eval text scored (at most 5)")
+    parser.add_argument("--workdir", help="where the F32 GGUF and llama.cpp's files go (default: a temporary folder)")
+    parser.add_argument("--save-packages", action="store_true", help="write each Ingot row's package to measure it on disk")
     parser.add_argument("--json", help="also write the results as JSON here")
-    parser.add_argument("--speed-only", action="store_true", help="skip the KLD scoring: bytes and decode tok/s only")
     args = parser.parse_args()
 
-    from threadpoolctl import threadpool_limits
-
+    from ingot.convert import disk_bytes
     from ingot.eval import chunks, compare, score
     from ingot.llm.generate import default_model_path
-    from ingot.llm.package import StoredModel, open_model
+    from ingot.llm.package import StoredModel, open_model, save_llm
     from ingot.llm.tokenizer import tokenize
     from ingot.quant.formats import tensor_nbytes
-    from ingot.quant.pipeline import activation_stats, float_weights, quantize_model
+    from ingot.quant.pipeline import activation_stats, default_calibration_text, float_weights
 
+    t0 = time.perf_counter()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ingot-quant-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     path = default_model_path()
     source = open_model(path)
+    float_path = workdir / "float32.gguf"
+    if not float_path.is_file():
+        write_float_gguf(path, dict(float_weights(source)), float_path)
+    reference = open_model(str(float_path))
     text = (ROOT / "tests/fixtures/eval_text.txt").read_text()
-    calibration = (ROOT / "tests/fixtures/calibration_text.txt").read_text()
-    token_chunks = chunks(tokenize(source, text), args.context)
-    t0 = time.perf_counter()
-    floats = dict(float_weights(source))
-    reference = StoredModel(path, source.architecture, source.metadata, floats, source.config, source.adapters)
-    scored_ref = score(reference, token_chunks if not args.speed_only else [token_chunks[0][:8]])
-    gguf_bytes = sum(tensor_nbytes(source.tensors[n]) for n in source.tensors)
-    float_bytes = sum(w.nbytes for w in floats.values())
-    del reference, floats
-    print(f"reference: float32 weights {float_bytes / 1e6:.1f} MB (the GGUF's tensors in Ingot's form: {gguf_bytes / 1e6:.1f} MB); "
-          f"{len(token_chunks)} chunks of {args.context} tokens, {len(scored_ref.targets)} scored; "
-          f"PPL {np.exp(-scored_ref.logprobs[np.arange(len(scored_ref.targets)), scored_ref.targets].mean()):.3f} "
+    token_chunks = chunks(tokenize(reference, text), args.context)[:args.chunks]
+    scored_ref = score(reference, token_chunks)
+    print(f"reference: {float_path.name} ({disk_bytes(float_path) / 1e6:.0f} MB, float32 from {Path(path).name}); "
+          f"{len(token_chunks)} chunks of {args.context} tokens of tests/fixtures/eval_text.txt, {len(scored_ref.targets)} "
+          f"scored; PPL {np.exp(-scored_ref.logprobs[np.arange(len(scored_ref.targets)), scored_ref.targets].mean()):.3f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    with threadpool_limits(1):
-        stats = activation_stats(source, tokenize(source, calibration), context=args.context)
     results = []
-    print(f"| format | bytes (MB) | vs Q4_1 tensors | adapters (MB) | mean KLD | top-1 | PPL | decode tok/s |", flush=True)
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
-    for row in args.rows.split(","):
-        fmt, *options = row.split("+")
-        rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
-        awq = "awq" in options
-        exclude = ["token_embd.weight"] if "x" in options else []   # x: the embedding stays as the GGUF has it (Q8_0)
-        t = time.perf_counter()
-        with threadpool_limits(1):  # many small SVDs and k-means: BLAS threads only contend on 2 cores
-            result = quantize_model(source, fmt, stats=stats if (rank or awq or "cal" in options) else None, compensate=rank, awq=awq,
-                                    exclude=exclude)
-        quant_s = time.perf_counter() - t
-        model = StoredModel(path, source.architecture, source.metadata, result.tensors, source.config, result.adapters)
-        r = compare(scored_ref, score(model, token_chunks if not args.speed_only else [token_chunks[0][:8]]))
-        speed = decode_tok_s(source, result.tensors, result.adapters, args.steps)
-        entry = {"row": row, "bytes": result.bytes_after, "adapter_bytes": result.adapter_bytes, "mean_kld": r.mean_kld,
+    header = "| quantizer | format | bits/weight | disk MB | mean KLD | KLD p99 | top-1 | PPL | quantize s |"
+    print(header + "\n|" + " --- |" * 2 + " ---: |" * 7, flush=True)
+
+    def report(quantizer, row, bits, elements, disk, model, seconds, notes=()):
+        r = compare(scored_ref, score(model, token_chunks))
+        entry = {"quantizer": quantizer, "row": row, "bpw": bits / elements, "disk_bytes": disk, "mean_kld": r.mean_kld,
                  "kld_p99": r.kld_p99, "top1": r.top1, "ppl": r.ppl_model, "ppl_reference": r.ppl_reference,
-                 "decode_tok_s": speed, "quantize_s": quant_s, "notes": result.notes}
+                 "quantize_s": seconds, "notes": list(notes)}
         results.append(entry)
-        print(f"| {row} | {result.bytes_after / 1e6:.1f} | {result.bytes_after / gguf_bytes:.2f}x | "
-              f"{result.adapter_bytes / 1e6:.1f} | {r.mean_kld:.4f} | {100 * r.top1:.1f}% | {r.ppl_model:.2f} | {speed:.1f} |",
-              flush=True)
+        print(f"| {quantizer} | {row} | {bits / elements:.3f} | {disk / 1e6:.1f} | {r.mean_kld:.4f} | {r.kld_p99:.3f} | "
+              f"{100 * r.top1:.1f}% | {r.ppl_model:.2f} | {seconds:.0f} |", flush=True)
+
+    for name in [n for n in args.llama.split(",") if n]:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print(f"| llama.cpp | {name} | (llama-cpp-python is not installed) |", flush=True)
+            continue
+        out = workdir / f"llama-{name}.gguf"
+        t = time.perf_counter()
+        refused = llama_quantize(float_path, out, name, workdir / f"llama-{name}.log")
+        seconds = time.perf_counter() - t
+        if refused:
+            print(f"| llama.cpp | {name} | refused: {refused} |", flush=True)
+            continue
+        bits, elements = gguf_weight_bits(out)
+        report("llama.cpp", name, bits, elements, disk_bytes(out), open_model(str(out)), seconds)
+        out.unlink()
+
+    stats = activation_stats(source, tokenize(source, default_calibration_text()), context=args.context)
+    for row in [r for r in args.rows.split(",") if r]:
+        t = time.perf_counter()
+        result = ingot_row(source, row, stats)
+        seconds = time.perf_counter() - t
+        matrices = [(n, v) for n, v in result.tensors.items() if len(getattr(v, "shape", ())) == 2]
+        bits = 8 * (sum(tensor_nbytes(v) for _, v in matrices) + result.adapter_bytes)
+        elements = sum(int(np.prod(v.shape)) for _, v in matrices)
+        disk = sum(tensor_nbytes(v) for v in result.tensors.values()) + result.adapter_bytes
+        if args.save_packages:
+            out = workdir / "row.ingot"
+            save_llm(out, source.config, result.tensors, source.metadata, result.adapters or None,
+                     architecture=source.architecture)
+            disk = disk_bytes(out)
+        model = StoredModel(path, source.architecture, source.metadata, result.tensors, source.config, result.adapters)
+        report("Ingot", row, bits, elements, disk, model, seconds, result.notes)
     print(f"[{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; total {time.perf_counter() - t0:.0f} s]")
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; total {time.perf_counter() - t0:.0f} s; files in {workdir}]")
     if args.json:
-        Path(args.json).write_text(json.dumps({"reference_ppl": results[0]["ppl_reference"] if results else None,
-                                               "gguf_bytes": gguf_bytes, "float_bytes": float_bytes, "rows": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"reference_ppl": float(np.exp(-scored_ref.logprobs[
+            np.arange(len(scored_ref.targets)), scored_ref.targets].mean())), "rows": results}, indent=1))
     return 0
 
 

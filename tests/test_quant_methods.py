@@ -124,3 +124,22 @@ def test_the_benchmarks_float_gguf_reads_back_with_the_same_weights_and_metadata
     fields = lambda p: {k: f.contents() for k, f in gguf.GGUFReader(str(p)).fields.items()  # noqa: E731
                         if not k.startswith("GGUF.") and k != "general.file_type"}
     assert fields(out) == fields(source)
+
+
+def test_scaled_lut_and_gptq_model_saves_and_reads_back_the_same_logits(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from quant_helpers import logits, save_tiny, tiny_config
+
+    from ingot.llm.package import open_model, read_llm, save_llm
+    from ingot.quant.pipeline import calibrate, quantize_default
+
+    save_tiny(tmp_path / "tiny.ingot")
+    model = open_model(tmp_path / "tiny.ingot")
+    stats = calibrate(model, context=64)
+    result = quantize_default(model, "lut4:b32", stats=stats)
+    assert any(n.startswith("GPTQ") for n in result.notes)
+    save_llm(tmp_path / "q.ingot", model.config, result.tensors, model.metadata)
+    back = read_llm(tmp_path / "q.ingot")
+    tokens = [1, 40, 41, 60, 61, 80]
+    np.testing.assert_allclose(logits(tiny_config(), back.tensors, tokens), logits(tiny_config(), result.tensors, tokens),
+                               rtol=1e-5, atol=1e-5)

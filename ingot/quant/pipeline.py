@@ -238,7 +238,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         approx = t.dequantize_rows()
         errors[name] = float(np.linalg.norm(w - approx) / max(np.linalg.norm(w), 1e-30))
         if compensate and (LAYER_WEIGHT.match(name) or name == head):
-            a, b = low_rank(w - approx, compensate, importance)
+            a, b = low_rank(w - approx, compensate, stat)   # the whole second moments when calibrated
             factors[name] = [(a, b)]
     if rounded_by_gptq:
         notes.append(f"GPTQ: {rounded_by_gptq} weights rounded against their inputs' second moments")

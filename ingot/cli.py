@@ -358,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--no-calibration", action="store_true", help="quantize each weight alone (round to nearest)")
     quant.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                        help="tensors to keep as they are, e.g. 'token_embd.weight' or 'blk.0.*' (repeatable)")
+    quant.add_argument("--tensor-format", action="append", default=[], metavar="GLOB=FMT",
+                       help="another format for the tensors matching GLOB (repeatable; default: the output head "
+                            "in int8, e.g. 'token_embd.weight=int4:64' to quantize it like the rest)")
     quant.add_argument("--compensate", type=int, default=0, metavar="RANK", help="add low-rank error-compensation adapters")
     quant.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
                        help="activation-aware scaling (default: on for affine formats when calibrated)")

@@ -199,9 +199,15 @@ def quantize_command(args) -> int:
     from .llm.tokenizer import tokenize
     from .quant import parse_format
     from .quant.formats import tensor_nbytes
-    from .quant.pipeline import DEFAULT_FORMAT, calibrate, quantize_default
+    from .quant.pipeline import DEFAULT_FORMAT, DEFAULT_TENSOR_FORMATS, calibrate, quantize_default
 
     fmt = parse_format(args.format or DEFAULT_FORMAT)
+    tensor_formats = []
+    for item in args.tensor_format:
+        glob, sep, tensor_fmt = item.partition("=")
+        if not sep or not glob:
+            raise IngotError(f"quantize: --tensor-format {item!r} is not GLOB=FMT (e.g. 'token_embd.weight=int8').")
+        tensor_formats.append((glob, str(parse_format(tensor_fmt))))
     out = Path(args.output)
     if not str(out).endswith(".ingot"):
         raise IngotError(f"quantize: the output {out} should be a package directory named NAME.ingot.")
@@ -245,9 +251,11 @@ def quantize_command(args) -> int:
             done.add(name)
             advance(name, steps=1 if len(done) <= len(names) else 0)
         result = quantize_default(model, fmt, stats=stats, compensate=args.compensate, exclude=args.exclude,
-                                  awq=args.awq, gptq=args.gptq, progress=step)
+                                  awq=args.awq, gptq=args.gptq, tensor_formats=tensor_formats + list(DEFAULT_TENSOR_FORMATS),
+                                  progress=step)
     methods = {"awq": any(n.startswith("AWQ") for n in result.notes), "gptq": any(n.startswith("GPTQ") for n in result.notes)}
-    extra = {"quantized": {"format": str(fmt), "exclude": list(args.exclude), "compensate": args.compensate,
+    extra = {"quantized": {"format": str(fmt), "tensor_formats": tensor_formats + list(DEFAULT_TENSOR_FORMATS),
+                           "exclude": list(args.exclude), "compensate": args.compensate,
                            **methods, "calibration": Path(calibration_name).name if calibration_name else None,
                            "source": Path(args.input).name}}
     architecture = model.architecture  # a package says what its family is

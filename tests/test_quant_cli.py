@@ -98,6 +98,8 @@ def test_awq_and_calibrated_lut_are_not_worse(tiny_package):
     (["--format", "int4:32", "--no-calibration", "--awq"], "needs a calibration text"),
     (["--format", "int4:32", "--no-calibration", "--calibration", "EMPTY"], "not both"),
     (["--format", "lut4", "--awq"], "affine formats"),
+    (["--tensor-format", "token_embd.weight"], "is not GLOB=FMT"),
+    (["--tensor-format", "token_embd.weight=int3"], "format 'int3' is not valid"),
 ])
 def test_quantize_bad_input_is_one_sentence_and_writes_nothing(tiny_package, tmp_path, capsys, args, message):
     empty = tmp_path / "empty.txt"
@@ -204,6 +206,8 @@ def test_quantize_with_no_flags_calibrates_on_the_shipped_text(tiny_package, tmp
     quantized = json.loads((out / "llm.json").read_text())["extra"]["quantized"]
     assert quantized["format"] == DEFAULT_FORMAT and quantized["calibration"] == "calibration.txt"
     assert quantized["awq"] and quantized["gptq"]
+    head = read_llm(out).tensors["token_embd.weight"]
+    assert head.qdtype.name == "int8"                               # the output head keeps 8 bits by default
     assert main(["quantize", str(tiny_package), "-o", str(tmp_path / "plain.ingot"), "--no-calibration", "--no-eval"]) == 0
     quantized = json.loads((tmp_path / "plain.ingot" / "llm.json").read_text())["extra"]["quantized"]
     assert quantized["calibration"] is None and not quantized["awq"] and not quantized["gptq"]

@@ -22,6 +22,9 @@ from .formats import QuantizedTensor, tensor_nbytes
 from .quantize import Format, parse_format, quantize
 
 DEFAULT_FORMAT = "int4:64"   # 4.5 bits per weight; `ingot quantize` with no --format
+# the output head keeps 8 bits, as llama.cpp's mixes keep it at Q6_K or Q8_0: its error reaches every
+# logit directly (on SmolLM2 it is also the tied embedding, a fifth of the weights)
+DEFAULT_TENSOR_FORMATS = (("output.weight", "int8"), ("token_embd.weight", "int8"))
 LAYER_WEIGHT = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75)
 
@@ -94,16 +97,19 @@ def calibrate(model, text: str | None = None, context: int = 256, device: str = 
 
 def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | None = None, compensate: int = 0,
                      exclude: Sequence[str] = (), awq: bool | None = None, gptq: bool | None = None,
+                     tensor_formats: Sequence[tuple[str, str]] | None = None,
                      progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """What `ingot quantize` does: quantize_model with the methods that pay on by default. Given
     calibration stats (from calibrate), affine formats get AWQ scaling, and GPTQ rounds every format
-    whose stats hold second moments; awq= / gptq= force either way."""
+    whose stats hold second moments; awq= / gptq= force either way. tensor_formats (GLOB, FMT)
+    pairs come before DEFAULT_TENSOR_FORMATS (the output head in int8); [] for none at all."""
     fmt = parse_format(fmt)
+    tensor_formats = DEFAULT_TENSOR_FORMATS if tensor_formats is None else tuple(tensor_formats)
     has_moments = stats is not None and any(v.ndim == 2 for v in stats.values())
     awq = (stats is not None and fmt.kind == "affine") if awq is None else awq
     gptq = has_moments if gptq is None else gptq
     return quantize_model(model, fmt, exclude=exclude, stats=stats, compensate=compensate, awq=awq, gptq=gptq,
-                          progress=progress)
+                          tensor_formats=tensor_formats, progress=progress)
 
 
 def float_weights(model):
@@ -136,7 +142,7 @@ def excluded(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or p == name for p in patterns)
 
 
-def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> dict:
+def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list, format_of=None) -> dict:
     """Activation-aware scaling (AWQ): per group of weights that read one input, scale input column j
     by s_j = rms_j ** alpha (alpha searched to minimise the activation-weighted quantization error)
     and fold 1 / s_j into what produces that input (the RMSNorm weight; for ffn_down, ffn_up's rows).
@@ -160,7 +166,7 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> di
                 err = 0.0
                 for n in names:
                     w = floats[n].astype(np.float64)
-                    approx = quantize((w * s).astype(np.float32), fmt).dequantize_rows() / s
+                    approx = quantize((w * s).astype(np.float32), format_of(n) if format_of else fmt).dequantize_rows() / s
                     err += float((((w - approx) ** 2) * m).sum())
                 if best_err is None or err < best_err:
                     best, best_err, best_s = alpha, err, s
@@ -183,17 +189,21 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list) -> di
 
 def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats: dict | None = None,
                    compensate: int = 0, awq: bool = False, gptq: bool = False,
+                   tensor_formats: Sequence[tuple[str, str | Format]] = (),
                    progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize every 2-D weight of a StoredModel to fmt (tensors matching an exclude glob stay as
     they are in the input). stats (from activation_stats) weight the quantizers and the
     compensation; awq applies activation-aware scaling first (needs stats, affine formats);
     compensate=RANK adds low-rank factors of each layer weight's error as adapters; gptq rounds
-    with GPTQ (needs stats with second moments: activation_stats(..., second_moments=True))."""
+    with GPTQ (needs stats with second moments: activation_stats(..., second_moments=True));
+    tensor_formats: (GLOB, FMT) pairs, the first whose glob matches a tensor's name gives its format."""
     from ..adapters import AdapterSet
     from .compensate import low_rank
     from .gptq import gptq as gptq_quantize, inverse_cholesky
 
     fmt = parse_format(fmt)
+    tensor_formats = [(glob, parse_format(f)) for glob, f in tensor_formats]
+    format_of = lambda name: next((f for glob, f in tensor_formats if excluded(name, [glob])), fmt)  # noqa: E731
     if awq and stats is None:
         raise IngotError("quantize: AWQ scaling needs a calibration text.")
     if awq and fmt.kind != "affine":
@@ -211,7 +221,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
             floats[name] = w
     notes = []
     if awq:
-        stats = _awq(floats, stats, fmt, model.config.n_layers, notes)
+        stats = _awq(floats, stats, fmt, model.config.n_layers, notes, format_of)
     tensors = dict(originals)
     errors, factors = {}, {}
     rounded_by_gptq, factors_by_input = 0, {}
@@ -222,18 +232,19 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         if w.ndim != 2:
             tensors[name] = w
             continue
+        tensor_fmt = format_of(name)
         stat = None if stats is None else stats.get(name)
         importance = None if stat is None else diagonal(stat)
-        if gptq and stat is not None and stat.ndim == 2 and not (fmt.kind == "affine" and fmt.block_size == 0):
+        if gptq and stat is not None and stat.ndim == 2 and not (tensor_fmt.kind == "affine" and tensor_fmt.block_size == 0):
             if id(stat) not in factors_by_input:  # weights that read one input share its factorisation
                 factors_by_input[id(stat)] = inverse_cholesky(stat)
-            t = gptq_quantize(w, fmt, stat, factor=factors_by_input[id(stat)])
+            t = gptq_quantize(w, tensor_fmt, stat, factor=factors_by_input[id(stat)])
             rounded_by_gptq += 1
         else:
-            t = quantize(w, fmt, importance=importance)
-        if (fmt.kind == "affine" and fmt.block_size and t.block_size != fmt.block_size
+            t = quantize(w, tensor_fmt, importance=importance)
+        if (tensor_fmt.kind == "affine" and tensor_fmt.block_size and t.block_size != tensor_fmt.block_size
                 and f"{t.block_size}/{w.shape[1]}" not in " ".join(notes)):
-            notes.append(f"blocks of {t.block_size} for {w.shape[1]} columns (not divisible by {fmt.block_size}): {t.block_size}/{w.shape[1]}")
+            notes.append(f"blocks of {t.block_size} for {w.shape[1]} columns (not divisible by {tensor_fmt.block_size}): {t.block_size}/{w.shape[1]}")
         tensors[name] = t
         approx = t.dequantize_rows()
         errors[name] = float(np.linalg.norm(w - approx) / max(np.linalg.norm(w), 1e-30))

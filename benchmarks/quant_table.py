@@ -16,7 +16,8 @@ Ingot LLM package (`--save-packages`; otherwise its tensors and adapters).
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
 scaling), +gptq (GPTQ), +cRANK (compensation adapters), +x (the tied embedding kept as the source
-stores it); `default` is what `ingot quantize IN -o OUT` does with no flags. Calibration always comes
+stores it); `default` is what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it
+does with --format FMT (calibrated AWQ for affine formats, GPTQ, the output head in int8). Calibration always comes
 from Ingot's shipped corpus (ingot/data/calibration.txt), never from the scored text.
 
     python -m benchmarks quant [--llama Q4_0,Q4_K_M,...] [--rows default,int4:64,...] [--chunks 3] [--json OUT]
@@ -109,12 +110,12 @@ def llama_quantize(source: Path, out: Path, name: str, log: Path) -> str | None:
 
 def ingot_row(source, row: str, stats: dict):
     """quantize_model's result for an Ingot row spec (see the module docstring)."""
-    from ingot.quant.pipeline import quantize_default, quantize_model
+    from ingot.quant.pipeline import DEFAULT_FORMAT, quantize_default, quantize_model
 
     fmt, *options = row.split("+")
     rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
-    if fmt == "default":
-        return quantize_default(source, stats=stats, compensate=rank)
+    if fmt == "default" or "default" in options:
+        return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank)
     exclude = ["token_embd.weight"] if "x" in options else []
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,
@@ -124,7 +125,7 @@ def ingot_row(source, row: str, stats: dict):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama", default=",".join(LLAMA_ROWS), help="llama.cpp file types, comma-separated ('' for none)")
-    parser.add_argument("--rows", default=",".join(ROWS), help="Ingot rows, comma-separated: FMT[+cal][+awq][+gptq][+cRANK][+x] or default")
+    parser.add_argument("--rows", default=",".join(ROWS), help="Ingot rows, comma-separated: FMT[+cal][+awq][+gptq][+cRANK][+x], default, FMT+default[+cRANK]")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=3, help="chunks of the eval text scored (at most 5)")
     parser.add_argument("--workdir", help="where the F32 GGUF and llama.cpp's files go (default: a temporary folder)")
@@ -138,7 +139,7 @@ def main() -> int:
     from ingot.llm.package import StoredModel, open_model, save_llm
     from ingot.llm.tokenizer import tokenize
     from ingot.quant.formats import tensor_nbytes
-    from ingot.quant.pipeline import activation_stats, default_calibration_text, float_weights
+    from ingot.quant.pipeline import calibrate, float_weights
 
     t0 = time.perf_counter()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ingot-quant-"))
@@ -186,7 +187,7 @@ def main() -> int:
         report("llama.cpp", name, bits, elements, disk_bytes(out), open_model(str(out)), seconds)
         out.unlink()
 
-    stats = activation_stats(source, tokenize(source, default_calibration_text()), context=args.context)
+    stats = calibrate(source, context=args.context)    # second moments over ingot/data/calibration.txt
     for row in [r for r in args.rows.split(",") if r]:
         t = time.perf_counter()
         result = ingot_row(source, row, stats)

@@ -47,29 +47,6 @@ LLAMA_ROWS = ["Q4_0", "Q4_K_M", "IQ4_XS", "Q3_K_M"]
 ROWS = ["int4:64", "uint4:128", "default", "default+c8", "lut4:g8+cal"]
 
 
-def write_float_gguf(source_path: str, floats: dict, out) -> None:
-    """An F32 GGUF at out holding `floats` (GGUF names -> float arrays, matrices [out, in]) in the
-    source file's tensor order, with the source's metadata (tokenizer and chat template included)."""
-    import gguf
-
-    reader = gguf.GGUFReader(source_path)
-    architecture = reader.get_field("general.architecture").contents()
-    writer = gguf.GGUFWriter(str(out), architecture)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment", "general.file_type"):
-            continue
-        value_type = field.types[0]
-        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.ascontiguousarray(floats[t.name], np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def gguf_weight_bits(path) -> tuple[int, int]:
     """(bits, elements) of a GGUF file's 2-D tensors as stored."""
     import gguf
@@ -138,6 +115,7 @@ def main() -> int:
     from ingot.llm.generate import default_model_path
     from ingot.llm.package import StoredModel, open_model, save_llm
     from ingot.llm.tokenizer import tokenize
+    from ingot.quant.export import write_float_gguf
     from ingot.quant.formats import tensor_nbytes
     from ingot.quant.pipeline import calibrate, float_weights
 

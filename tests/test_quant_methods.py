@@ -102,13 +102,13 @@ def test_bad_scaled_lut_format_is_one_sentence(fmt):
         parse_format(fmt)
 
 
-def test_the_benchmarks_float_gguf_reads_back_with_the_same_weights_and_metadata(tmp_path):
+def test_float_gguf_reads_back_with_the_same_weights_and_metadata(tmp_path):
     import gguf
 
     sys.path.insert(0, os.path.dirname(__file__))
     from quant_helpers import save_tiny_gguf
 
-    from benchmarks.quant_table import write_float_gguf
+    from ingot.quant.export import write_float_gguf
     from ingot.llm.package import open_model
     from ingot.quant.pipeline import float_weights
 

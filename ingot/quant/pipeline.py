@@ -195,7 +195,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
     they are in the input). stats (from activation_stats) weight the quantizers and the
     compensation; awq applies activation-aware scaling first (needs stats, affine formats);
     compensate=RANK adds low-rank factors of each layer weight's error as adapters; gptq rounds
-    with GPTQ (needs stats with second moments: activation_stats(..., second_moments=True));
+    the 4-bit weights with GPTQ (needs stats with second moments: activation_stats(..., second_moments=True));
     tensor_formats: (GLOB, FMT) pairs, the first whose glob matches a tensor's name gives its format."""
     from ..adapters import AdapterSet
     from .compensate import low_rank
@@ -235,7 +235,9 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         tensor_fmt = format_of(name)
         stat = None if stats is None else stats.get(name)
         importance = None if stat is None else diagonal(stat)
-        if gptq and stat is not None and stat.ndim == 2 and not (tensor_fmt.kind == "affine" and tensor_fmt.block_size == 0):
+        # GPTQ for the 4-bit weights: 8-bit rounding error is already ~256x smaller, not worth the sweep
+        if (gptq and stat is not None and stat.ndim == 2 and tensor_fmt.bits <= 4
+                and not (tensor_fmt.kind == "affine" and tensor_fmt.block_size == 0)):
             if id(stat) not in factors_by_input:  # weights that read one input share its factorisation
                 factors_by_input[id(stat)] = inverse_cholesky(stat)
             t = gptq_quantize(w, tensor_fmt, stat, factor=factors_by_input[id(stat)])

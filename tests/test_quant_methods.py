@@ -158,3 +158,32 @@ def test_compensation_weighted_by_second_moments_beats_the_diagonal_model():
         left[name] = _output_error(error, b @ a, h)
     # the inputs span ~16 directions: rank 8 in the right norm removes most of what they see
     assert left["matrix"] < 0.6 * left["diagonal"], left
+
+
+def test_auto_picks_the_form_with_the_lower_weighted_error_at_equal_bytes():
+    rng = np.random.default_rng(7)
+    centred = rng.standard_normal((16, 256)).astype(np.float32)
+    shifted = (np.abs(rng.standard_normal((16, 256))) + 0.5).astype(np.float32)   # all positive: asymmetric wins
+    for w in (centred, shifted):
+        t = quantize(w, "int4:64:auto")
+        assert t.source in ("int4:64", "uint4:128") and t.nbytes == quantize(w, "int4:64").nbytes
+        errors = {f: float(np.sum((w - quantize(w, f).dequantize_rows()) ** 2)) for f in ("int4:64", "uint4:128")}
+        assert t.source == min(errors, key=errors.get)
+    assert quantize(shifted, "int4:64:auto").source == "uint4:128"
+    assert str(parse_format("int4:64:auto")) == "int4:64:auto"
+    with pytest.raises(IngotError, match="needs a block size"):
+        parse_format("int4:auto")
+
+
+def test_pipeline_auto_with_gptq_picks_by_the_output_error(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from quant_helpers import save_tiny
+
+    from ingot.llm.package import open_model
+    from ingot.quant.pipeline import calibrate, quantize_default
+
+    save_tiny(tmp_path / "tiny.ingot")
+    model = open_model(tmp_path / "tiny.ingot")
+    result = quantize_default(model, "int4:32:auto", stats=calibrate(model, context=64))
+    picked = {t.source for n, t in result.tensors.items() if n.startswith("blk.") and hasattr(t, "source")}
+    assert picked <= {"int4:32", "uint4:64"} and any(n.startswith("auto:") for n in result.notes)

@@ -187,6 +187,17 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list, forma
     return stats
 
 
+def _output_error(w: np.ndarray, t: QuantizedTensor, stat: np.ndarray | None) -> float:
+    """The error of t as the calibration inputs see it: E ||(W - W_hat) x||^2 (second moments), its
+    diagonal model (mean squares), or plain squared error without calibration."""
+    e = (w - t.dequantize_rows()).astype(np.float64)
+    if stat is None:
+        return float((e * e).sum())
+    if stat.ndim == 1:
+        return float((e * e * stat).sum())
+    return float(((e @ stat) * e).sum())
+
+
 def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats: dict | None = None,
                    compensate: int = 0, awq: bool = False, gptq: bool = False,
                    tensor_formats: Sequence[tuple[str, str | Format]] = (),
@@ -224,7 +235,7 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         stats = _awq(floats, stats, fmt, model.config.n_layers, notes, format_of)
     tensors = dict(originals)
     errors, factors = {}, {}
-    rounded_by_gptq, factors_by_input = 0, {}
+    rounded_by_gptq, factors_by_input, chosen = 0, {}, {}
     head = "token_embd.weight" if model.config.tied_embeddings else "output.weight"  # the output head's adapter site
     for name, w in floats.items():
         if progress:
@@ -236,15 +247,17 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         stat = None if stats is None else stats.get(name)
         importance = None if stat is None else diagonal(stat)
         # GPTQ for the 4-bit weights: 8-bit rounding error is already ~256x smaller, not worth the sweep
-        if (gptq and stat is not None and stat.ndim == 2 and tensor_fmt.bits <= 4
-                and not (tensor_fmt.kind == "affine" and tensor_fmt.block_size == 0)):
-            if id(stat) not in factors_by_input:  # weights that read one input share its factorisation
-                factors_by_input[id(stat)] = inverse_cholesky(stat)
-            t = gptq_quantize(w, tensor_fmt, stat, factor=factors_by_input[id(stat)])
-            rounded_by_gptq += 1
-        else:
-            t = quantize(w, tensor_fmt, importance=importance)
-        if (tensor_fmt.kind == "affine" and tensor_fmt.block_size and t.block_size != tensor_fmt.block_size
+        use_gptq = (gptq and stat is not None and stat.ndim == 2 and tensor_fmt.bits <= 4
+                    and not (tensor_fmt.kind == "affine" and tensor_fmt.block_size == 0))
+        if use_gptq and id(stat) not in factors_by_input:  # weights that read one input share its factorisation
+            factors_by_input[id(stat)] = inverse_cholesky(stat)
+        tried = [gptq_quantize(w, f, stat, factor=factors_by_input[id(stat)]) if use_gptq else quantize(w, f, importance=importance)
+                 for f in tensor_fmt.candidates()]
+        t = min(tried, key=lambda t: _output_error(w, t, stat)) if len(tried) > 1 else tried[0]
+        rounded_by_gptq += use_gptq
+        if tensor_fmt.auto:
+            chosen[t.source] = chosen.get(t.source, 0) + 1
+        if (tensor_fmt.kind == "affine" and not tensor_fmt.auto and tensor_fmt.block_size and t.block_size != tensor_fmt.block_size
                 and f"{t.block_size}/{w.shape[1]}" not in " ".join(notes)):
             notes.append(f"blocks of {t.block_size} for {w.shape[1]} columns (not divisible by {tensor_fmt.block_size}): {t.block_size}/{w.shape[1]}")
         tensors[name] = t
@@ -253,6 +266,8 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         if compensate and (LAYER_WEIGHT.match(name) or name == head):
             a, b = low_rank(w - approx, compensate, stat)   # the whole second moments when calibrated
             factors[name] = [(a, b)]
+    if chosen:
+        notes.append("auto: " + ", ".join(f"{n} {f}" for f, n in sorted(chosen.items())))
     if rounded_by_gptq:
         notes.append(f"GPTQ: {rounded_by_gptq} weights rounded against their inputs' second moments")
     adapters = AdapterSet(factors, int8=True)

@@ -11,11 +11,13 @@
 
 Formats (FMT strings, `parse_format`):
 
-    int8 | uint8 | int4 | uint4 [:BLOCK] [:sym | :asym]
+    int8 | uint8 | int4 | uint4 [:BLOCK] [:sym | :asym | :auto]
         affine, w = q * scale (+ bias). BLOCK: 16, 32, 64, 128, 256 (parameters per block of
         columns), `channel` (one per row, the default) or `tensor` (one for the whole matrix).
         Signed types default to symmetric (scale = max|w| / (qmax + 1/2)), unsigned ones to asymmetric
         (scale = (max - min) / (2**bits - 1), bias = min). |w - w_hat| <= scale / 2 everywhere.
+        :auto (with a BLOCK) picks per tensor, by the importance-weighted error, between the
+        symmetric form in blocks of BLOCK and the asymmetric one in blocks of 2 * BLOCK: the same bytes.
     lut4 | lut8 [:gROWS] [:bBLOCK] [:uniform]
         a lookup table of 2**bits float16 values, one per tensor or per group of ROWS output rows, fitted by
         1-D k-means (weighted by importance when given) or spaced uniformly over [min, max]; each
@@ -51,6 +53,7 @@ class Format:
     qdtype: dt.DType
     block_size: int | None = None   # affine: columns per parameter; None per channel, 0 per tensor; lut: per scale, None unscaled
     symmetric: bool = True          # affine
+    auto: bool = False              # affine: symmetric:BLOCK or asymmetric:2*BLOCK, per tensor
     group_rows: int | None = None   # lut: rows per table; None: one table for the tensor
     uniform: bool = False           # lut: uniform table instead of k-means
 
@@ -64,7 +67,18 @@ class Format:
                     + (f":b{self.block_size}" if self.block_size else "") + (":uniform" if self.uniform else ""))
         block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
         default_sym = self.qdtype.kind == "i"
+        if self.auto:
+            return self.qdtype.name + block + ":auto"
         return self.qdtype.name + block + ("" if self.symmetric == default_sym else (":sym" if self.symmetric else ":asym"))
+
+    def candidates(self) -> list["Format"]:
+        """The formats this one stands for: itself, or for :auto its symmetric and asymmetric forms."""
+        if not self.auto:
+            return [self]
+        signed = AFFINE_TYPES[self.qdtype.name.lstrip("u")]
+        unsigned = AFFINE_TYPES["u" + self.qdtype.name.lstrip("u")]
+        wider = min(2 * self.block_size, BLOCK_SIZES[-1])
+        return [Format("affine", signed, self.block_size, True), Format("affine", unsigned, wider, False)]
 
 
 def parse_format(fmt: str | Format) -> Format:
@@ -77,10 +91,12 @@ def parse_format(fmt: str | Format) -> Format:
     head, *options = fmt.strip().lower().split(":")
     if head in AFFINE_TYPES:
         qdtype = AFFINE_TYPES[head]
-        block, symmetric = None, qdtype.kind == "i"
+        block, symmetric, auto = None, qdtype.kind == "i", False
         for opt in options:
             if opt in ("sym", "asym"):
                 symmetric = opt == "sym"
+            elif opt == "auto":
+                auto = True
             elif opt == "channel":
                 block = None
             elif opt == "tensor":
@@ -90,8 +106,10 @@ def parse_format(fmt: str | Format) -> Format:
                     raise bad(f"block size {opt} is not one of {', '.join(map(str, BLOCK_SIZES))}")
                 block = int(opt)
             else:
-                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym or asym")
-        return Format("affine", qdtype, block, symmetric)
+                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym, asym or auto")
+        if auto and not block:
+            raise bad(":auto needs a block size (it compares blocks of BLOCK and 2 * BLOCK)")
+        return Format("affine", qdtype, block, symmetric, auto=auto)
     m = re.fullmatch(r"lut([48])", head)
     if m:
         group, uniform, block = None, False, None
@@ -144,6 +162,10 @@ def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | Non
             raise IngotError(f"quantize: importance has shape {importance.shape}, expected ({w.shape[1]},).")
     if fmt.kind == "lut":
         return _quantize_scaled_lut(w, fmt, importance) if fmt.block_size else _quantize_lut(w, fmt, importance)
+    if fmt.auto:
+        weights = np.ones(w.shape[1], np.float32) if importance is None else importance
+        tried = [_quantize_affine(w, f, importance) for f in fmt.candidates()]
+        return min(tried, key=lambda t: float((((w - t.dequantize_rows()) ** 2) * weights).sum()))
     return _quantize_affine(w, fmt, importance)
 
 

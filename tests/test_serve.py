@@ -317,3 +317,25 @@ def test_a_full_queue_is_429_and_the_server_recovers(server, client):
         statuses = list(pool.map(one, range(24)))
     assert 429 in statuses and 200 in statuses
     assert _chat(client, base, PROMPTS[6]).choices[0].message.content
+
+
+def test_prefix_of_a_running_request_is_reused_exactly(server, client, reference):
+    """B shares a long prefix with A, still streaming: B's prompt reuses A's K/V rows and its answer
+    equals `generate(B, keep_cache=True)` after A (which reuses the same rows the same way)."""
+    import httpx
+    url, base, _ = server
+    a = "Tell me a long story about a dragon who guards a mountain of gold, and a knight."
+    b = "Tell me a long story about a dragon who guards a mountain of gold, and a princess."
+    llm = reference[None]
+    ids_a, ids_b = llm.encode_prompt(a), llm.encode_prompt(b)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+    body = {"model": base, "messages": [{"role": "user", "content": a}], "max_tokens": 300, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", url + "/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(l for l in lines if '"content": "' in l and '"content": ""' not in l)   # A is decoding
+        reply = _chat(client, base, b)
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared
+    list(llm.generate(a, max_tokens=1, temperature=0.0))
+    want = "".join(t.text for t in llm.generate(b, max_tokens=MAX_TOKENS, temperature=0.0, keep_cache=True))
+    assert reply.choices[0].message.content == want

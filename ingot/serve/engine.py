@@ -22,6 +22,7 @@ sequence's slot when that shares a longer one, and prefills only the rest.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import threading
@@ -35,6 +36,7 @@ import numpy as np
 from ..errors import IngotError
 
 PREFILL_CHUNK = 512            # tokens per prefill run: generate's chunk (so greedy answers equal generate's)
+WARM_PREFILL = (16, 64)        # prefill lengths compiled at start (short chats); longer ones on first use
 
 
 @dataclass
@@ -193,9 +195,10 @@ class Engine:
         started = time.perf_counter()
         model = open_model(path, bfloat16=device != "cpu")
         family = models.family(model.architecture, str(path))
-        if "rows" not in family.build.__code__.co_varnames:
-            raise IngotError(f"{path}: serve batches {', '.join(sorted(a for a, f in models.FAMILIES.items() if f == 'llama'))} "
-                             f"models; architecture {model.architecture!r} has no rows decoder yet.")
+        parameters = inspect.signature(family.build).parameters
+        if "rows" not in parameters and not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            raise IngotError(f"{path}: architecture {model.architecture!r} has no rows decoder (continuous batching) "
+                             f"yet; ingot serve runs the Llama-built families.")
         self.path, self.device, self.options = str(path), device, options
         self.info = _model_info(model)
         self.config = cfg = model.config
@@ -273,13 +276,12 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
-    def warm(self, rows=()) -> None:
-        """Compile the rows decoders for these row counts (default: every bucket) and the prefill buckets now."""
-        from ..llm.generate import PREFILL_BUCKETS
-
+    def warm(self, rows=(), prefill=WARM_PREFILL) -> None:
+        """Compile the rows decoders for these row counts (default: every bucket) and these prefill
+        lengths now; other prefill lengths compile when a prompt first needs them."""
         for r in rows or self.buckets():
             self._rows_executable(r)
-        for size in PREFILL_BUCKETS:
+        for size in prefill:
             if size <= self.context:
                 self.model.compile(size, self.device, self.options)
 

@@ -10,8 +10,11 @@ copy), at its own position. Each row computes exactly what a batch-1 decode step
 answer depends on what else is in the batch.
 
 Between decode steps the scheduler admits waiting requests (up to max_batch running), runs one
-prefill chunk (so a long prompt does not stall the others for more than a chunk), and retires
-finished or cancelled sequences at once, their slots free for the next request.
+prefill chunk, and retires finished or cancelled sequences at once, their slots free for the next
+request. A prompt is prefilled in generate's chunks (512 tokens) while nothing else decodes, so a
+lone request's greedy answer is generate's exactly, and in 64-token chunks while others decode, so
+their next token waits for one short chunk at most (a long prompt prefilled so may differ from
+generate's in the last bits of its K/V: other chunk lengths round differently).
 
 Prefix reuse: a free slot keeps the tokens whose K/V it holds. A new request takes the free slot
 sharing the longest prefix with its prompt (same adapter), or copies the rows of a running
@@ -35,8 +38,8 @@ import numpy as np
 
 from ..errors import IngotError
 
-PREFILL_CHUNK = 512            # tokens per prefill run: generate's chunk (so greedy answers equal generate's)
-WARM_PREFILL = (16, 64)        # prefill lengths compiled at start (short chats); longer ones on first use
+PREFILL_CHUNK = 512            # tokens per prefill run when nothing decodes: generate's chunk (its answers exactly)
+BUSY_PREFILL_CHUNK = 64        # ... while other sequences decode: each of their steps waits one such chunk at most
 
 
 @dataclass
@@ -276,12 +279,14 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
-    def warm(self, rows=(), prefill=WARM_PREFILL) -> None:
-        """Compile the rows decoders for these row counts (default: every bucket) and these prefill
-        lengths now; other prefill lengths compile when a prompt first needs them."""
+    def warm(self, rows=()) -> None:
+        """Compile the rows decoders for these row counts (default: every bucket) and the prefill
+        executables of every bucket length the context allows, before the first request needs them."""
+        from ..llm.generate import PREFILL_BUCKETS
+
         for r in rows or self.buckets():
             self._rows_executable(r)
-        for size in prefill:
+        for size in PREFILL_BUCKETS:
             if size <= self.context:
                 self.model.compile(size, self.device, self.options)
 
@@ -392,7 +397,8 @@ class Engine:
 
         ids = seq.request.ids
         pos = seq.done
-        chunk = ids[pos:pos + self.prefill_chunk]
+        busy = any(not s.prefilling and s.next_token is not None for s in self.running)
+        chunk = ids[pos:pos + (min(self.prefill_chunk, BUSY_PREFILL_CHUNK) if busy else self.prefill_chunk)]
         size = min(next((b for b in PREFILL_BUCKETS if b >= len(chunk)), len(chunk)), self.context - pos)
         exe = self.model.compile(size, self.device, self.options)
         self._bind_prefill(exe, seq.request.adapter, size)

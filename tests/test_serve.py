@@ -346,3 +346,17 @@ def test_prefix_of_a_running_request_is_reused_exactly(server, client, reference
     list(llm.generate(a, max_tokens=1, temperature=0.0))
     want = "".join(t.text for t in llm.generate(b, max_tokens=MAX_TOKENS, temperature=0.0, keep_cache=True))
     assert reply.choices[0].message.content == want
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora", "no-equals-sign"], "NAME=PATH"),
+    (["--lora", "bad name=/tmp"], "--lora name"),
+    (["--lora", "a=/x", "--lora", "a=/y"], "twice"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--port", "70000"], "--port"),
+])
+def test_serve_arguments_are_refused_before_loading(args, message, capsys):
+    from ingot.cli import main
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

@@ -195,6 +195,8 @@ class Engine:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise IngotError(f"serve: {name} must be an integer in 1..4096, not {value!r}.")
+        if loras and device != "cpu":   # the gathered adapters' row ids live in a host array (adapters.py)
+            raise IngotError(f"serve: --lora runs on the CPU only for now, not on {device}.")
         started = time.perf_counter()
         model = open_model(path, bfloat16=device != "cpu")
         family = models.family(model.architecture, str(path))

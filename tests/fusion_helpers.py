@@ -9,6 +9,7 @@ import numpy as np
 
 from ingot.ir import Op, Program
 from ingot.models import llama
+from ingot.options import CompileOptions
 from ingot.passes.memory_plan import plan_memory
 from ingot.passes.regions import find_regions
 from ingot.runtime import Executable
@@ -16,11 +17,12 @@ from ingot.verify import verify
 
 
 def tiny_llama(length: int = 1, **overrides):
-    """(the executable of a 2-layer random-weight Llama for `length` tokens on the CPU, its feeds)."""
+    """(the executable of a 2-layer random-weight Llama for `length` tokens on the CPU, without the CPU's
+    own device fusions (the passes under test start from the plain program), its feeds)."""
     shape = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, context_length=32)
     shape.update(overrides)
     cfg = llama.LlamaConfig(**shape)
-    exe = llama.build(cfg, llama.random_weights(cfg, seed=1)).compile(length)
+    exe = llama.build(cfg, llama.random_weights(cfg, seed=1)).compile(length, options=CompileOptions(fusions=frozenset()))
     feeds = {"tokens": (np.arange(length, dtype=np.int32) * 7 + 3) % cfg.vocab_size, "pos": np.int32(5),
              "last": np.int32(length - 1)}
     return exe, feeds

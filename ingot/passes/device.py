@@ -25,6 +25,8 @@ DevicePass = Callable[[Program, dict], tuple[Program, bool]]
 DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
     "cpu": [
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
+        # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
+        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True)),
     ],
     "cuda": [
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
@@ -40,7 +42,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("conv_epilogue",), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("conv_epilogue", "rope_cache"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

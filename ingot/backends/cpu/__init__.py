@@ -22,7 +22,7 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import conv, kernels
+from . import conv, kernels, rope_cache
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -57,7 +57,7 @@ def _fused(node: Node, out):
     return (rule(node, out) if rule is not None else None) or _reference(node, out)
 
 
-FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS)
+FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS
 
 
 @lowering(Op.MAX, Op.MIN)

@@ -1,0 +1,148 @@
+"""The CPU lowerings of fuse_rope_cache's fused ops (passes/fuse_rope_cache.py): RoPE of q and k, the
+new k/v rows written into their caches in place, and (rope_qkv_attention) the attention over the
+caches, as one step. At decode (up to DECODE_MAX_ROWS queries) one compiled kernel does it all; a
+prefill rotates and writes with the RoPE kernel and attends with BLAS. Anything else (not float32,
+rank other than 4, a position outside the cache) runs the fused op's body through the references.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ...errors import IngotError
+from ...ir import Node, Op
+from ...ops import nn as nn_ops
+from ...ops.fused import _fused_reference
+from . import kernels
+
+DECODE_MAX_ROWS = 16   # queries up to which the compiled decode kernel attends (above: BLAS)
+
+
+def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
+                       softcap, attend, q_out, out):
+    """k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches; q [B, Hq, T, D]
+    rotated into q_out; then, if attend, the attention of q_out over the caches' first `length` rows
+    into out (kernels.attention)."""
+    nbatch, hk, t, d = k.shape
+    half = rd // 2
+    cos = np.empty((t, half), np.float32)
+    sin = np.empty((t, half), np.float32)
+    for i in range(t):
+        for j in range(half):
+            angle = np.float64(pos + i) * np.float64(inv_freq[j])
+            cos[i, j] = math.cos(angle)
+            sin[i, j] = math.sin(angle)
+    for b in range(nbatch):
+        for h in range(hk):
+            for i in range(t):
+                row = k_cache[b, h, pos + i]
+                for e in range(v.shape[3]):
+                    v_cache[b, h, pos + i, e] = v[b, h, i, e]
+                for j in range(half):
+                    c, s = cos[i, j], sin[i, j]
+                    if interleaved:
+                        x0, x1 = k[b, h, i, 2 * j], k[b, h, i, 2 * j + 1]
+                        row[2 * j] = x0 * c - x1 * s
+                        row[2 * j + 1] = x1 * c + x0 * s
+                    else:
+                        x0, x1 = k[b, h, i, j], k[b, h, i, j + half]
+                        row[j] = x0 * c - x1 * s
+                        row[j + half] = x1 * c + x0 * s
+                for e in range(rd, d):
+                    row[e] = k[b, h, i, e]
+        for h in range(q.shape[1]):
+            for i in range(t):
+                for j in range(half):
+                    c, s = cos[i, j], sin[i, j]
+                    if interleaved:
+                        x0, x1 = q[b, h, i, 2 * j], q[b, h, i, 2 * j + 1]
+                        q_out[b, h, i, 2 * j] = x0 * c - x1 * s
+                        q_out[b, h, i, 2 * j + 1] = x1 * c + x0 * s
+                    else:
+                        x0, x1 = q[b, h, i, j], q[b, h, i, j + half]
+                        q_out[b, h, i, j] = x0 * c - x1 * s
+                        q_out[b, h, i, j + half] = x1 * c + x0 * s
+                for e in range(rd, q.shape[3]):
+                    q_out[b, h, i, e] = q[b, h, i, e]
+    if attend:
+        kernels.attention(q_out, k_cache, v_cache, length, scale, causal, window, softcap, out)
+
+
+rope_write_attend = njit(fastmath=True, cache=True, nogil=True)(_rope_write_attend)
+
+
+def _param(body_node: Node) -> int | None:
+    return body_node.attrs["param"] if body_node.op == Op.PLACEHOLDER else None
+
+
+def rope_cache_lowering(node: Node, out):
+    """The step of a rope_qkv_attention or rope_qkv_write fused op; None where its body is not the
+    pass's usual form (the caller then runs the body through the references)."""
+    kind, body = node.attrs["kind"], node.attrs["body"]
+    updates = body.find(Op.SLICE_UPDATE)
+    ropes = body.find(Op.ROPE)
+    ku = next((u for u in updates if u.src[1].op == Op.ROPE), None)
+    vu = next((u for u in updates if u is not ku), None)
+    if ku is None or vu is None or len(ropes) != 2:
+        return None
+    kr = ku.src[1]
+    qr = next(r for r in ropes if r is not kr)
+    reads = [_param(x) for x in (qr.src[0], kr.src[0], vu.src[1], ku.src[0], vu.src[0], kr.src[1])]
+    inv_i = _param(kr.src[2]) if len(kr.src) > 2 else None
+    if None in reads or (len(kr.src) > 2 and inv_i is None) or (len(qr.src) > 2 and qr.src[2] is not kr.src[2]):
+        return None
+    iq, ik, iv, ikc, ivc, ipos = reads
+    a = kr.attrs
+    interleaved, base = bool(a.get("interleaved", False)), a.get("base", 10000.0)
+    rd = a.get("rotary_dims") or kr.type.shape[-1]
+    if (qr.attrs.get("rotary_dims") or qr.type.shape[-1]) != rd or bool(qr.attrs.get("interleaved", False)) != interleaved:
+        return None
+    attend = kind == "rope_qkv_attention"
+    length_of = None
+    if attend:
+        att = body.find(Op.SDPA)[0]
+        sa = att.attrs
+        if sa.get("has_mask") or att.src[0] is not qr:
+            return None
+        causal, window, softcap = bool(sa.get("causal")), int(sa.get("window", 0)), np.float32(sa.get("softcap", 0.0))
+        scale_attr = sa.get("scale")
+        if sa.get("has_length"):
+            ln = att.src[-1]
+            parts = [_param(s) for s in ln.src] if ln.op == Op.ADD else [_param(ln)]
+            if None in parts:
+                return None
+            length_of = parts
+    default_inv = nn_ops.rope_inv_freq(rd, base)
+    body_only = lambda *xs: _fused_reference(xs, node.attrs)   # noqa: E731
+
+    def step(*xs):
+        q, k, v, kc, vc = xs[iq], xs[ik], xs[iv], xs[ikc], xs[ivc]
+        pos = int(xs[ipos])
+        t = k.shape[-2]
+        if not all(isinstance(y, np.ndarray) and y.dtype == np.float32 and y.ndim == 4 for y in (q, k, v, kc, vc)) \
+                or not kc.flags.writeable or not vc.flags.writeable or not 0 <= pos <= kc.shape[2] - t \
+                or q.shape[0] != k.shape[0] or k.shape[:2] != kc.shape[:2] or v.shape[:2] != vc.shape[:2]:
+            return body_only(*xs)
+        inv = np.ascontiguousarray(xs[inv_i], np.float32).reshape(-1) if inv_i is not None else default_inv
+        length = kc.shape[2]
+        if length_of is not None:
+            length = sum(int(xs[i]) for i in length_of)
+            if not 0 <= length <= kc.shape[2]:
+                raise IngotError(f"sdpa: attention length {length} is outside 0..{kc.shape[2]} (the cache's positions).")
+        scale = np.float32(scale_attr if attend and scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
+        q_out = np.empty(q.shape, np.float32)
+        if not attend or q.shape[2] <= DECODE_MAX_ROWS or length < q.shape[2]:
+            result = np.empty(q.shape[:3] + (vc.shape[3],), np.float32) if attend else q_out
+            rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
+                              causal if attend else False, window if attend else 0,
+                              softcap if attend else np.float32(0), attend, q_out, result)
+            return result, kc, vc
+        rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window, softcap,
+                          False, q_out, q_out)
+        return kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), kc, vc
+    return step
+
+
+FUSED_LOWERINGS = {"rope_qkv_attention": rope_cache_lowering, "rope_qkv_write": rope_cache_lowering}

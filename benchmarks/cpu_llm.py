@@ -102,7 +102,10 @@ def interleaved(engines: list, n_prompt: int, n_decode: int, decode_prompt: int,
             if r:
                 pre[e.name].append(p)
                 dec[e.name].append(d)
+            print(f"round {r}{' (warm-up)' if not r else ''}: {e.name}: pp {p:.1f} tok/s, tg {d:.1f} tok/s",
+                  file=sys.stderr, flush=True)
         loads.append(os.getloadavg()[0])
+        print(f"round {r}: load average {loads[-1]:.2f}", file=sys.stderr, flush=True)
     return {e.name: {"prefill_tok_s": statistics.median(pre[e.name]), "decode_tok_s": statistics.median(dec[e.name]),
                      "prefill_runs_tok_s": [round(x, 1) for x in pre[e.name]],
                      "decode_runs_tok_s": [round(x, 1) for x in dec[e.name]]} for e in engines} | \

@@ -761,9 +761,10 @@ def _cache_is_cold() -> bool:
     """True when some kernel has no usable entry in numba's on-disk cache (numba internals: any
     surprise counts as warm, and the kernels compile here as before)."""
     try:
+        from .rope_cache import rope_write_attend
         return any(not d._cache._cache_file._load_index() for d in
                    (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows,
-                    _rms_norm_rows, _layer_norm_rows, erf_rows))
+                    _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend))
     except Exception:
         return False
 
@@ -788,5 +789,10 @@ def _warm_up() -> None:
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
     rms_norm(f32(1, 8), f32(8), np.float32(1e-5))
+    from .rope_cache import rope_write_attend   # (a module that imports this one)
+    inv = f32(4)
+    inv.flags.writeable = False
+    rope_write_attend(q, f32(1, 1, 1, 8), f32(1, 1, 1, 8), f32(1, 1, 4, 8), f32(1, 1, 4, 8), 0, 1, inv, True, 8,
+                      np.float32(1), True, 0, np.float32(0), True, f32(1, 2, 1, 8), f32(1, 2, 1, 8))
     erf_rows(f32(4), f32(4))
     layer_norm(f32(1, 8), f32(8), f32(8), np.float32(1e-5))

@@ -114,7 +114,7 @@ def rope_cache_lowering(node: Node, out):
             if None in parts:
                 return None
             length_of = parts
-    default_inv = nn_ops.rope_inv_freq(rd, base)
+    default_inv = nn_ops.rope_inv_freq(rd, base).view()
     body_only = lambda *xs: _fused_reference(xs, node.attrs)   # noqa: E731
 
     def step(*xs):
@@ -125,7 +125,9 @@ def rope_cache_lowering(node: Node, out):
                 or not kc.flags.writeable or not vc.flags.writeable or not 0 <= pos <= kc.shape[2] - t \
                 or q.shape[0] != k.shape[0] or k.shape[:2] != kc.shape[:2] or v.shape[:2] != vc.shape[:2]:
             return body_only(*xs)
-        inv = np.ascontiguousarray(xs[inv_i], np.float32).reshape(-1) if inv_i is not None else default_inv
+        q, k, v = (np.ascontiguousarray(y) for y in (q, k, v))   # the layouts warm_up compiles for
+        inv = np.ascontiguousarray(xs[inv_i], np.float32).reshape(-1).view() if inv_i is not None else default_inv
+        inv.flags.writeable = False
         length = kc.shape[2]
         if length_of is not None:
             length = sum(int(xs[i]) for i in length_of)

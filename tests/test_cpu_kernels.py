@@ -49,6 +49,26 @@ def test_quantized_matmul_step_matches_reference(qdtype, rows, has_bias, params,
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)  # float sums in another order
 
 
+@pytest.mark.parametrize("qdtype", [dt.uint4, dt.int8], ids=lambda d: d.name)
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gemm_splits_columns_over_threads(qdtype, threads):
+    """Past GEMV_MAX_ROWS rows, a big enough quantized matmul splits its output columns over the pool
+    (uneven parts with 3), each part dequantizing and multiplying its own columns."""
+    from ingot.options import CompileOptions, CpuOptions
+    rows, k, n, block = 40, 256, 520, 32
+    q, scale, bias = kmajor_weight(k, n, qdtype, block)
+    g = ingot.Graph()
+    x = g.placeholder((rows, k), name="x")
+    w = g.dequantize(g.constant(q, dtype=qdtype if qdtype.packed else None), axis=0, block_size=block,
+                     scale=g.constant(scale), bias=g.constant(bias))
+    exe = g.compile(targets=[x @ w], options=CompileOptions(cpu=CpuOptions(threads=threads)))
+    assert rows * k * n >= kernels.PARALLEL_MIN_GEMM and (q.shape[1] // 64) >= threads
+    a = RNG.standard_normal((rows, k)).astype(np.float32)
+    node = next(nd for nd in exe.program.nodes() if nd.op.name == "QUANTIZED_MATMUL")
+    want = quantized_matmul_reference([a] + [exe.program.constants[s.attrs["key"]] for s in node.src[1:]], node.attrs)
+    np.testing.assert_allclose(exe.run({"x": a})[0], want, rtol=1e-4, atol=1e-3)
+
+
 def integer_activation_model(x, values, scale, offset, center, block):
     """What the int8-activation GEMV computes, in NumPy: x rounded to int8 per 32 k (d = max|x| / 127,
     round half to even), exact integer dots of the rounded x with the stored weight values minus the

@@ -17,6 +17,7 @@ from ...errors import IngotError
 from ...ir import Node
 from ...ops import nn as nn_ops
 from ...ops import quant as quant_ops
+from ...options import usable_cores
 
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
@@ -245,30 +246,30 @@ def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, out):
             out[m, i] = res[i]
 
 
-def _scaled_tile_packed4(q, scale, k0, k1, block, flip, out):
-    """out[k - k0, :] = (q[k, :] ^ flip) * scale[k // block, :] for a k-major 4-bit weight, read as
-    _kmajor_packed4 reads it (the offset is added by the caller)."""
-    half = q.shape[1]
+def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
+    """out[k - k0, :] = (q[k, i0:i1] ^ flip) * scale[k // block, 2 * i0:2 * i1] for a k-major 4-bit
+    weight (byte columns i0..i1: output columns 2 * i0..2 * i1), read as _kmajor_packed4 reads it
+    (the offset is added by the caller)."""
     low, shift = np.uint32(15), np.uint32(4)
-    sbuf = np.empty(2 * half, np.float32)
+    sbuf = np.empty(2 * q.shape[1], np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
         srow = params_row(scale, b, sbuf)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             row = q[k]
-            for i in range(half):
+            for i in range(i0, i1):
                 v = np.uint32(row[i]) ^ flip
-                out[k - k0, 2 * i] = np.float32(np.int32(v & low)) * srow[2 * i]
-                out[k - k0, 2 * i + 1] = np.float32(np.int32(v >> shift)) * srow[2 * i + 1]
+                out[k - k0, 2 * (i - i0)] = np.float32(np.int32(v & low)) * srow[2 * i]
+                out[k - k0, 2 * (i - i0) + 1] = np.float32(np.int32(v >> shift)) * srow[2 * i + 1]
 
 
-def _scaled_tile_int8(q, scale, k0, k1, block, out):
-    n = q.shape[1]
-    sbuf = np.empty(n, np.float32)
+def _scaled_tile_int8(q, scale, k0, k1, block, i0, i1, out):
+    """out[k - k0, :] = q[k, i0:i1] * scale[k // block, i0:i1] for a k-major 8-bit weight."""
+    sbuf = np.empty(q.shape[1], np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
         srow = params_row(scale, b, sbuf)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
-            for i in range(n):
-                out[k - k0, i] = np.float32(np.int32(q[k, i])) * srow[i]
+            for i in range(i0, i1):
+                out[k - k0, i - i0] = np.float32(np.int32(q[k, i])) * srow[i]
 
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
@@ -281,6 +282,7 @@ _round_block = njit(inline="always", **_serial)(_round_block)
 kmajor_packed4_xq = njit(**_serial)(_kmajor_packed4_xq)
 kmajor_int8_xq = njit(**_serial)(_kmajor_int8_xq)
 PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller matmuls are not worth waking another thread (~50 us in a VM)
+PARALLEL_MIN_GEMM = 1 << 22     # multiply-adds from which a GEMM splits its columns over the pool
 
 
 class _Workers:
@@ -457,28 +459,52 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, flip, block, n):
-        """Many rows: dequantize K-tiles of q * scale into one float buffer, multiply with BLAS; the
+        """Many rows: dequantize K-tiles of q * scale into a float buffer, multiply with BLAS; the
         offsets add xsum @ offset, one more small matmul. Tiles hold at most GEMM_TILE_ELEMENTS
-        weights, so there is never a float copy of a big weight."""
+        weights, so there is never a float copy of a big weight. On `threads` threads the output
+        columns are split over the GEMV pool, each part dequantizing and multiplying its own columns
+        with BLAS on one thread: the pool's threads wait without spinning, where BLAS's own threads
+        spin and collapse when a busy neighbour takes a core."""
+        width = q.shape[1]   # byte columns (two output columns each for 4 bits)
+        parts = min(threads, width // 64) if x2.shape[0] * q.shape[0] * n >= PARALLEL_MIN_GEMM else 1
+        result = np.empty((x2.shape[0], n), np.float32)
+        bounds = [width * i // max(parts, 1) for i in range(max(parts, 1) + 1)]
+        argsets = [(x2, xsum, q, scale, offset, flip, block, i0, i1, result) for i0, i1 in zip(bounds, bounds[1:])]
+        if parts <= 1:
+            gemm_columns(*argsets[0])
+            return result
+        if parts - 1 not in _workers:
+            _workers[parts - 1] = _Workers(parts - 1)
+        before = _blas["threads"]
+        blas_threads(1)
+        try:
+            _workers[parts - 1].run(gemm_columns, argsets)
+        finally:
+            blas_threads(before if before is not None else usable_cores())
+        return result
+
+    def gemm_columns(x2, xsum, q, scale, offset, flip, block, i0, i1, result):
+        per = 2 if qdtype.packed else 1
+        c0, c1 = i0 * per, i1 * per
         k = x2.shape[1]
-        tile_k = max(block, min(k, GEMM_TILE_ELEMENTS // n) // block * block)
-        tile = np.empty((min(tile_k, k), n), np.float32)
-        result = None
+        tile_k = max(block, min(k, GEMM_TILE_ELEMENTS // max(c1 - c0, 1)) // block * block)
+        tile = np.empty((min(tile_k, k), c1 - c0), np.float32)
+        acc = None
         for k0 in range(0, k, tile_k):
             k1 = min(k, k0 + tile_k)
             t = tile[: k1 - k0]
             if qdtype.packed:
-                scaled_tile_packed4(q, _kernel_form(scale), k0, k1, block, flip, t)
+                scaled_tile_packed4(q, _kernel_form(scale), k0, k1, block, flip, i0, i1, t)
             else:
-                scaled_tile_int8(q, _kernel_form(scale), k0, k1, block, t)
+                scaled_tile_int8(q, _kernel_form(scale), k0, k1, block, i0, i1, t)
             part = x2[:, k0:k1] @ t  # (matmul with out= is slower in NumPy for these shapes)
-            if result is None:
-                result = part
+            if acc is None:
+                acc = part
             else:
-                result += part
+                acc += part
         if offset is not None:
-            result += xsum @ offset
-        return result
+            acc += xsum @ offset[:, c0:c1]
+        result[:, c0:c1] = acc
     return step
 
 
@@ -763,7 +789,8 @@ def _cache_is_cold() -> bool:
     try:
         from .rope_cache import rope_write_attend
         return any(not d._cache._cache_file._load_index() for d in
-                   (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4, scaled_tile_int8, attention, rope_rows,
+                   (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
+                    scaled_tile_int8, attention, rope_rows,
                     _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend))
     except Exception:
         return False
@@ -781,9 +808,9 @@ def _warm_up() -> None:
         kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, out)
         kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, out)
         kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, out)
-        scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), f32(32, 4))
-        scaled_tile_int8(weights[1], s, 0, 32, 32, f32(32, 4))
-        scaled_tile_int8(weights[2], s, 0, 32, 32, f32(32, 4))
+        scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
+        scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
+        scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))
     q = f32(1, 2, 1, 8)
     attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, 0, np.float32(0), f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))

@@ -21,7 +21,9 @@ from ..errors import IngotError
 from .formats import QuantizedTensor, tensor_nbytes
 from .quantize import Format, parse_format, quantize
 
-DEFAULT_FORMAT = "int4:64"   # 4.5 bits per weight; `ingot quantize` with no --format
+# `ingot quantize` with no --format: per tensor int4:64 (symmetric) or uint4:128 (asymmetric), the one
+# with the lower calibrated output error; ~4.5 bits per weight (BENCHMARKS.md, Quantization)
+DEFAULT_FORMAT = "int4:64:auto"
 # the output head keeps 8 bits, as llama.cpp's mixes keep it at Q6_K or Q8_0: its error reaches every
 # logit directly (on SmolLM2 it is also the tied embedding, a fifth of the weights)
 DEFAULT_TENSOR_FORMATS = (("output.weight", "int8"), ("token_embd.weight", "int8"))

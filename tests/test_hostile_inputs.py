@@ -773,3 +773,46 @@ def test_resampling_between_coprime_rates_is_refused_by_its_header(tmp_path):
     assert read_audio(path)[1] == 1048573                              # read as it is: fine
     for rate in (44100, 48000, 22050, 11025, 8000, 96000, 44056):     # every usual rate (and an odd one) resamples
         assert resample(np.zeros(rate // 10, np.float32), rate, 16000).shape == (1600,)
+
+
+def test_onnx_external_offset_past_the_end_without_a_size(tmp_path):
+    """Found by the long fuzz run: an external offset of 2**64 on a tensor whose type has no fixed size
+    (its length then came from the file's size) reached f.seek (ValueError: cannot fit 'int')."""
+    import onnx
+    path = onnx_with_external(tmp_path, "w.bin", offset=str(2**64), data=b"\0" * 24)
+    model = onnx.load(str(path), load_external_data=False)
+    model.graph.initializer[0].data_type = 8   # (STRING: no bytes per element)
+    onnx.save(model, str(path))
+    onnx_refused(path, "offset 18446744073709551616", "past the end of 'w.bin' (24 bytes)")
+
+
+def test_onnx_op_type_that_is_not_utf8(tmp_path):
+    """Found by the long fuzz run: an op type whose bytes are not UTF-8 reaches Python as bytes, and sorting
+    it among the str ones for the "not supported" sentence raised TypeError."""
+    from onnx import helper
+    model = onnx_model([helper.make_node("Zzz", ["x"], ["h"]), helper.make_node("Nope", ["h"], ["y"])],
+                       [helper.make_tensor_value_info("x", 1, [2])], [helper.make_tensor_value_info("y", 1, None)])
+    path = save_onnx(model, tmp_path / "m.onnx")
+    raw = path.read_bytes().replace(b"Nope", b"N\xf5pe")
+    path.write_bytes(raw)
+    onnx_refused(path, "2 op types are not supported", "N\\xf5pe", "Zzz")
+
+
+def test_onnx_resize_of_a_wide_axis_gathers_its_taps():
+    """Found by the long fuzz run: Resize applied its weights [n_out, n_in] as a matmul, n_in multiply-adds per
+    output; an upscale of a batch of 4,096-wide images by 2 ran past 10 s of CPU. Linear weights have 2
+    taps a row: the axis is now a sum of 2 gathers, equal to the matmul."""
+    from onnx.reference.ops import op_resize as ref
+
+    from ingot.importers.onnx_nn import _interpolate_axis, _resize_matrix
+    for n_in, n_out, fct in ((4096, 8192, ref._linear_coeffs), (7, 13, lambda r, s: ref._cubic_coeffs(r, s, A=-0.75)),
+                             (6, 3, ref._linear_coeffs)):
+        weights, _ = _resize_matrix(n_in, n_out, n_out / n_in, None, fct, coordinate_transformation_mode="half_pixel")
+        g = ingot.Graph()
+        x = g.placeholder((3, n_in, 2), name="x")
+        y = _interpolate_axis(g, x, 1, weights)
+        exe = g.compile(targets=[y])
+        data = np.random.default_rng(0).standard_normal((3, n_in, 2)).astype(np.float32)
+        np.testing.assert_allclose(exe.run({"x": data})[0], np.einsum("oi,bic->boc", weights, data), rtol=1e-5, atol=1e-5)
+        if n_in == 4096:   # (a 6-wide axis keeps the matmul: 2 taps of 6 is no saving)
+            assert "MATMUL" not in {n.op.name for n in exe.program.nodes()}

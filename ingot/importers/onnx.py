@@ -134,6 +134,9 @@ def _read_external(tensor, base: Path, what: str) -> None:
         length = need
     elif length is None:
         length = size - offset
+    if offset > size:
+        raise IngotError(f"{what}: tensor {_name(tensor)} has the external data offset {offset}, past the end of "
+                         f"{location[:80]!r} ({size} bytes).")
     if offset + length > size:
         raise IngotError(f"{what}: tensor {_name(tensor)} needs bytes {offset}..{offset + length} of {location[:80]!r}, which "
                          f"holds {size}.")
@@ -294,7 +297,7 @@ def check_supported(model, what: str) -> None:
     for node in _all_nodes(model.graph):
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         if (domain, node.op_type) not in CONVERTERS and _function_body(node, opsets.get(domain, 1)) is None:
-            key = f"{domain}:{node.op_type}" if domain else node.op_type
+            key = f"{domain}:{node.op_type}" if domain else str(node.op_type)   # (bytes where not UTF-8)
             missing.setdefault(key, []).append(node.name or (node.output[0] if node.output else "?"))
     if missing:
         parts = [f"{op} ({len(names)} node{'s' if len(names) > 1 else ''}, e.g. {names[0]!r})" for op, names in

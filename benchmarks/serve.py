@@ -105,7 +105,8 @@ async def _load(url: str, model: str, clients: int, requests: int, max_tokens: i
     gaps = sorted(g for r in out for g in r["gaps"])
     tokens = sum(r["tokens"] for r in out)
     pct = lambda xs, p: xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")  # noqa: E731
-    return {"clients": clients, "requests": len(out), "tokens": tokens, "wall_s": round(wall, 2),
+    return {"clients": clients, "requests": len(out), "empty": sum(not r["gaps"] and r["ttft"] != r["ttft"] for r in out),
+            "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 2), "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1),
             "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1), "itl_p50_ms": round(1e3 * pct(gaps, 50), 1),
             "itl_p99_ms": round(1e3 * pct(gaps, 99), 1)}
@@ -143,7 +144,8 @@ def llamacpp_command(gguf: str, port: int, slots: int, context: int, threads: in
     except ImportError:
         return None
     return "llama_cpp.server", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-                                "--port", str(port), "--n_ctx", str(context), "--n_threads", str(threads)]
+                                "--port", str(port), "--n_ctx", str(context), "--n_threads", str(threads),
+                                "--interrupt_requests", "False"]   # queue requests (default: a new one cancels the running one)
 
 
 def main() -> None:

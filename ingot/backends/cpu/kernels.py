@@ -558,6 +558,60 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
 attention = njit(**_serial)(_attention)
 
 
+def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
+                       softcap, attend, q_out, out):
+    """The fused RoPE + KV write + attention of backends/cpu/rope_cache.py:
+    k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches; q [B, Hq, T, D]
+    rotated into q_out; then, if attend, the attention of q_out over the caches' first `length` rows
+    into out (kernels.attention)."""
+    nbatch, hk, t, d = k.shape
+    half = rd // 2
+    cos = np.empty((t, half), np.float32)
+    sin = np.empty((t, half), np.float32)
+    for i in range(t):
+        for j in range(half):
+            angle = np.float64(pos + i) * np.float64(inv_freq[j])
+            cos[i, j] = math.cos(angle)
+            sin[i, j] = math.sin(angle)
+    for b in range(nbatch):
+        for h in range(hk):
+            for i in range(t):
+                row = k_cache[b, h, pos + i]
+                for e in range(v.shape[3]):
+                    v_cache[b, h, pos + i, e] = v[b, h, i, e]
+                for j in range(half):
+                    c, s = cos[i, j], sin[i, j]
+                    if interleaved:
+                        x0, x1 = k[b, h, i, 2 * j], k[b, h, i, 2 * j + 1]
+                        row[2 * j] = x0 * c - x1 * s
+                        row[2 * j + 1] = x1 * c + x0 * s
+                    else:
+                        x0, x1 = k[b, h, i, j], k[b, h, i, j + half]
+                        row[j] = x0 * c - x1 * s
+                        row[j + half] = x1 * c + x0 * s
+                for e in range(rd, d):
+                    row[e] = k[b, h, i, e]
+        for h in range(q.shape[1]):
+            for i in range(t):
+                for j in range(half):
+                    c, s = cos[i, j], sin[i, j]
+                    if interleaved:
+                        x0, x1 = q[b, h, i, 2 * j], q[b, h, i, 2 * j + 1]
+                        q_out[b, h, i, 2 * j] = x0 * c - x1 * s
+                        q_out[b, h, i, 2 * j + 1] = x1 * c + x0 * s
+                    else:
+                        x0, x1 = q[b, h, i, j], q[b, h, i, j + half]
+                        q_out[b, h, i, j] = x0 * c - x1 * s
+                        q_out[b, h, i, j + half] = x1 * c + x0 * s
+                for e in range(rd, q.shape[3]):
+                    q_out[b, h, i, e] = q[b, h, i, e]
+    if attend:
+        attention(q_out, k_cache, v_cache, length, scale, causal, window, softcap, out)
+
+
+rope_write_attend = njit(**_serial)(_rope_write_attend)
+
+
 def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     """Attention for many queries (prefill) with BLAS: each K/V head multiplies its whole group of
     query heads at once (no repeated K/V), causal mask aligned to `length` (within `window` keys when
@@ -787,7 +841,6 @@ def _cache_is_cold() -> bool:
     """True when some kernel has no usable entry in numba's on-disk cache (numba internals: any
     surprise counts as warm, and the kernels compile here as before)."""
     try:
-        from .rope_cache import rope_write_attend
         return any(not d._cache._cache_file._load_index() for d in
                    (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
                     scaled_tile_int8, attention, rope_rows,
@@ -816,7 +869,6 @@ def _warm_up() -> None:
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), False, 8, f32(2, 1, 8))
     rms_norm(f32(1, 8), f32(8), np.float32(1e-5))
-    from .rope_cache import rope_write_attend   # (a module that imports this one)
     inv = f32(4)
     inv.flags.writeable = False
     rope_write_attend(q, f32(1, 1, 1, 8), f32(1, 1, 1, 8), f32(1, 1, 4, 8), f32(1, 1, 4, 8), 0, 1, inv, True, 8,

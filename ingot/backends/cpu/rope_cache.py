@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from ...errors import IngotError
 from ...ir import Node, Op
@@ -20,57 +19,6 @@ from . import kernels
 DECODE_MAX_ROWS = 16   # queries up to which the compiled decode kernel attends (above: BLAS)
 
 
-def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
-                       softcap, attend, q_out, out):
-    """k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches; q [B, Hq, T, D]
-    rotated into q_out; then, if attend, the attention of q_out over the caches' first `length` rows
-    into out (kernels.attention)."""
-    nbatch, hk, t, d = k.shape
-    half = rd // 2
-    cos = np.empty((t, half), np.float32)
-    sin = np.empty((t, half), np.float32)
-    for i in range(t):
-        for j in range(half):
-            angle = np.float64(pos + i) * np.float64(inv_freq[j])
-            cos[i, j] = math.cos(angle)
-            sin[i, j] = math.sin(angle)
-    for b in range(nbatch):
-        for h in range(hk):
-            for i in range(t):
-                row = k_cache[b, h, pos + i]
-                for e in range(v.shape[3]):
-                    v_cache[b, h, pos + i, e] = v[b, h, i, e]
-                for j in range(half):
-                    c, s = cos[i, j], sin[i, j]
-                    if interleaved:
-                        x0, x1 = k[b, h, i, 2 * j], k[b, h, i, 2 * j + 1]
-                        row[2 * j] = x0 * c - x1 * s
-                        row[2 * j + 1] = x1 * c + x0 * s
-                    else:
-                        x0, x1 = k[b, h, i, j], k[b, h, i, j + half]
-                        row[j] = x0 * c - x1 * s
-                        row[j + half] = x1 * c + x0 * s
-                for e in range(rd, d):
-                    row[e] = k[b, h, i, e]
-        for h in range(q.shape[1]):
-            for i in range(t):
-                for j in range(half):
-                    c, s = cos[i, j], sin[i, j]
-                    if interleaved:
-                        x0, x1 = q[b, h, i, 2 * j], q[b, h, i, 2 * j + 1]
-                        q_out[b, h, i, 2 * j] = x0 * c - x1 * s
-                        q_out[b, h, i, 2 * j + 1] = x1 * c + x0 * s
-                    else:
-                        x0, x1 = q[b, h, i, j], q[b, h, i, j + half]
-                        q_out[b, h, i, j] = x0 * c - x1 * s
-                        q_out[b, h, i, j + half] = x1 * c + x0 * s
-                for e in range(rd, q.shape[3]):
-                    q_out[b, h, i, e] = q[b, h, i, e]
-    if attend:
-        kernels.attention(q_out, k_cache, v_cache, length, scale, causal, window, softcap, out)
-
-
-rope_write_attend = njit(fastmath=True, cache=True, nogil=True)(_rope_write_attend)
 
 
 def _param(body_node: Node) -> int | None:
@@ -137,11 +85,11 @@ def rope_cache_lowering(node: Node, out):
         q_out = np.empty(q.shape, np.float32)
         if not attend or q.shape[2] <= DECODE_MAX_ROWS or length < q.shape[2]:
             result = np.empty(q.shape[:3] + (vc.shape[3],), np.float32) if attend else q_out
-            rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
+            kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
                               causal if attend else False, window if attend else 0,
                               softcap if attend else np.float32(0), attend, q_out, result)
             return result, kc, vc
-        rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window, softcap,
+        kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window, softcap,
                           False, q_out, q_out)
         return kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), kc, vc
     return step

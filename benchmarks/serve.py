@@ -9,7 +9,8 @@ prints aggregate output tok/s (completion tokens of all requests / wall time), p
 first token and p50/p99 inter-token latency (gaps between streamed chunks), and Ingot's ratio to
 the anchor and to its own N = 1.
 
-    python -m benchmarks serve [--gguf PATH] [--clients 1,4,8] [--requests 3] [--max-tokens 64] [--skip llamacpp]
+    python -m benchmarks serve [--gguf PATH] [--clients 1,4,8] [--requests 3] [--max-tokens 64] [--long-every 3]
+                               [--skip ingot,llamacpp]
 """
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a ra
 CONTEXT = ("Here are my notes from the meeting. " + "We discussed the budget, the schedule and the hiring plan. " * 30)
 
 
-def _prompts(n: int) -> list[str]:
-    """Realistic lengths: a bare question, or the question after a long context (about 400 tokens)."""
-    return [(CONTEXT + " " if i % 3 == 2 else "") + QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+def _prompts(n: int, long_every: int = 3) -> list[str]:
+    """Realistic lengths: a bare question, or (every long_every-th; 0: none) the question after a
+    long context (about 400 tokens)."""
+    return [(CONTEXT + " " if long_every and i % long_every == long_every - 1 else "") + QUESTIONS[i % len(QUESTIONS)]
+            for i in range(n)]
 
 
 def _free_port() -> int:
@@ -92,9 +95,9 @@ async def _client(http, url: str, model: str, prompts: list[str], max_tokens: in
                     "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens})
 
 
-async def _load(url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
+async def _load(url: str, model: str, clients: int, requests: int, max_tokens: int, long_every: int) -> dict:
     import httpx
-    prompts = _prompts(clients * requests)
+    prompts = _prompts(clients * requests, long_every)
     out: list = []
     async with httpx.AsyncClient(timeout=600) as http:
         await _client(http, url, model, [QUESTIONS[0]], 8, [])       # warm-up
@@ -117,7 +120,8 @@ def _model_id(url: str) -> str:
     return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
-def run_engine(name: str, command: list[str], url: str, clients: list[int], requests: int, max_tokens: int) -> list[dict]:
+def run_engine(name: str, command: list[str], url: str, clients: list[int], requests: int, max_tokens: int,
+               long_every: int) -> list[dict]:
     t = time.perf_counter()
     process = _start(command, url)
     print(f"[{name}: ready in {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
@@ -125,7 +129,7 @@ def run_engine(name: str, command: list[str], url: str, clients: list[int], requ
         model = _model_id(url)
         rows = []
         for n in clients:
-            row = {"engine": name, **asyncio.run(_load(url, model, n, requests, max_tokens))}
+            row = {"engine": name, **asyncio.run(_load(url, model, n, requests, max_tokens, long_every))}
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
         return rows
@@ -156,6 +160,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     ap.add_argument("--context", type=int, default=1024, help="context per slot (default 1024)")
+    ap.add_argument("--long-every", type=int, default=3,
+                    help="every K-th prompt carries a ~400-token context (default 3; 0: short prompts only)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
     ap.add_argument("--skip", default="", help="comma-separated: ingot, llamacpp")
     args = ap.parse_args()
@@ -174,7 +180,8 @@ def main() -> None:
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {env_root!r}); from ingot.cli import main; "
                    f"sys.exit(main())", "serve", "--model", gguf, "--port", str(port), "--max-batch", str(slots),
                    "--context", str(args.context), "--max-queue", str(4 * slots)]
-        rows += run_engine("ingot", command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens)
+        rows += run_engine("ingot", command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens,
+                           args.long_every)
     if "llamacpp" not in skip:
         port = _free_port()
         anchor = llamacpp_command(gguf, port, slots, args.context, args.threads)
@@ -183,7 +190,8 @@ def main() -> None:
         else:
             name, command = anchor
             try:
-                rows += run_engine(name, command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens)
+                rows += run_engine(name, command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens,
+                                   args.long_every)
             except RuntimeError as e:
                 print(f"[{name}: {e}]", file=sys.stderr)
     print(f"{'engine':<18}{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"

@@ -50,7 +50,11 @@ def kernel_groups(program: Program, device: str) -> dict[str, Any]:
         return {"groups": [], "note": f"no kernel grouping known for device {device!r}", "pass_regions": len(program.regions)}
     if device == "cpu":
         kinds: dict[str, int] = {}
-        for n in nodes:
+        counted = program
+        if not any(n.op == Op.FUSED for n in nodes):   # a program compiled without device fusions (an LLM's)
+            for _, step in device_steps("cpu"):
+                counted, _ = step(counted)
+        for n in counted.nodes():
             if n.op == Op.FUSED:
                 kinds[n.attrs["kind"]] = kinds.get(n.attrs["kind"], 0) + 1
         fused = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"

@@ -88,6 +88,7 @@ def _llm_notes(p: Path) -> list[str]:
 def _open_gguf(path: str) -> Model:
     from ..compiler import run_pipeline
     from ..importers.gguf import read_gguf
+    from ..options import CompileOptions
     from .. import models
 
     model = read_gguf(path, lazy=True)
@@ -97,7 +98,8 @@ def _open_gguf(path: str) -> Model:
     g = built.graph
     program = Program([built.logits.node], list(g.assigns), dict(g.constants), dict(g.variables))
     step = TensorType((1,), dt.int32)
-    program, history = run_pipeline(program, feed_types={"tokens": step})
+    # the graph before any device's fusions (each device's kernel groups are outlined over it: fusion.py)
+    program, history = run_pipeline(program, feed_types={"tokens": step}, options=CompileOptions(fusions=frozenset()))
     inputs = [("tokens", step), ("pos", TensorType((), dt.int32)), ("last", TensorType((), dt.int32))]
     types = sorted({t for t in model.tensor_types.values()})
     notes = [f"GGUF {model.architecture}: {config.n_layers} layers, dim {config.dim}, {config.n_heads}/{config.n_kv_heads} heads, "

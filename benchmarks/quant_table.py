@@ -117,7 +117,7 @@ def main() -> int:
     from ingot.llm.tokenizer import tokenize
     from ingot.quant.export import write_float_gguf
     from ingot.quant.formats import tensor_nbytes
-    from ingot.quant.pipeline import calibrate, float_weights
+    from ingot.quant.pipeline import calibrate, default_calibration_text, float_weights
 
     t0 = time.perf_counter()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ingot-quant-"))
@@ -165,7 +165,7 @@ def main() -> int:
         report("llama.cpp", name, bits, elements, disk_bytes(out), open_model(str(out)), seconds)
         out.unlink()
 
-    stats = calibrate(source, context=args.context)    # second moments over ingot/data/calibration.txt
+    stats = calibrate(source, tokenize(source, default_calibration_text()), context=args.context)  # ingot/data/calibration.txt
     for row in [r for r in args.rows.split(",") if r]:
         t = time.perf_counter()
         result = ingot_row(source, row, stats)

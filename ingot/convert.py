@@ -199,7 +199,7 @@ def quantize_command(args) -> int:
     from .llm.tokenizer import tokenize
     from .quant import parse_format
     from .quant.formats import tensor_nbytes
-    from .quant.pipeline import DEFAULT_FORMAT, DEFAULT_TENSOR_FORMATS, calibrate, quantize_default
+    from .quant.pipeline import DEFAULT_FORMAT, DEFAULT_TENSOR_FORMATS, calibrate, default_calibration_text, quantize_default
 
     fmt = parse_format(args.format or DEFAULT_FORMAT)
     tensor_formats = []
@@ -242,7 +242,8 @@ def quantize_command(args) -> int:
     stats = None
     if calibration_name is not None:
         print(f"calibrating on {calibration_name} ...", file=err)
-        stats = calibrate(model, calibration, context=args.context)
+        text = default_calibration_text() if calibration is None else calibration
+        stats = calibrate(model, tokenize(model, text), context=args.context)
     names = list(model.tensors)
     with progress_bar(f"quantize {fmt}", total=len(names)) as advance:
         done = set()

@@ -6,7 +6,7 @@ import pytest
 
 import ingot
 from ingot import dtypes as dt
-from ingot.backends.cpu import kernels
+from ingot.backends.cpu import kernels, nn_kernels
 from ingot.ops import nn as nn_ops
 from ingot.ops.quant import quantized_matmul_reference
 
@@ -151,10 +151,10 @@ def test_attention_kernels_match_reference(tq, length, causal, window, softcap):
     scale = np.float32(1 / math.sqrt(24))
     want = nn_ops.sdpa(q, k, v, None, length, float(scale), causal, window, softcap)
     out = np.empty((1, 6, tq, 20), np.float32)
-    kernels.attention(q, k, v, length, scale, causal, window, np.float32(softcap), out)
+    nn_kernels.attention(q, k, v, length, scale, causal, window, np.float32(softcap), out)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     if length >= tq:
-        np.testing.assert_allclose(kernels.attention_blas(q, k, v, length, scale, causal, window, softcap), want,
+        np.testing.assert_allclose(nn_kernels.attention_blas(q, k, v, length, scale, causal, window, softcap), want,
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -164,15 +164,15 @@ def test_rope_kernel(interleaved, rd):
     from ingot.ir import Node, Op, TensorType
     x = RNG.standard_normal((2, 3, 7, 14)).astype(np.float32)
     node = Node(Op.ROPE, TensorType(x.shape), (), {"base": 500.0, "interleaved": interleaved, "rotary_dims": rd})
-    got = kernels.rope_step(node)(x, np.int32(5))
+    got = nn_kernels.rope_step(node)(x, np.int32(5))
     np.testing.assert_allclose(got, nn_ops.rope(x, 5, None, 500.0, interleaved, rd), rtol=1e-5, atol=1e-5)
 
 
 def test_rms_norm_and_silu():
     x = RNG.standard_normal((5, 33)).astype(np.float32) * 3
     w = RNG.standard_normal(33).astype(np.float32)
-    np.testing.assert_allclose(kernels.rms_norm(x, w, np.float32(1e-5)), nn_ops.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(kernels.silu(x), x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(nn_kernels.rms_norm(x, w, np.float32(1e-5)), nn_ops.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(nn_kernels.silu(x), x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
 
 
 def test_threads_split_the_reduction_axis():
@@ -207,10 +207,10 @@ def test_erf_kernel():
     """The CPU backend's float32 erf (a rational approximation) against float64 erf."""
     x = np.concatenate([RNG.standard_normal(5000) * 3, np.linspace(-8, 8, 4001), [0.0, -0.0, 1e-30, -1e-12]]).astype(np.float32)
     want = np.array([math.erf(v) for v in x.astype(np.float64)])
-    got = kernels.erf(x.reshape(-1, 1))
+    got = nn_kernels.erf(x.reshape(-1, 1))
     assert got.shape == (x.size, 1) and got.dtype == np.float32
     np.testing.assert_allclose(got[:, 0], want, rtol=1e-6, atol=5e-7)
-    assert np.isnan(kernels.erf(np.float32([np.nan])))[0]
+    assert np.isnan(nn_kernels.erf(np.float32([np.nan])))[0]
 
 
 @pytest.mark.parametrize("has_w,has_b", [(True, True), (True, False), (False, True), (False, False)])
@@ -218,5 +218,5 @@ def test_layer_norm_kernel(has_w, has_b):
     x = (RNG.standard_normal((3, 5, 37)) * 4 + 2).astype(np.float32)
     w = RNG.standard_normal(37).astype(np.float32) if has_w else None
     b = RNG.standard_normal(37).astype(np.float32) if has_b else None
-    got = kernels.layer_norm(x, w, b, np.float32(1e-5))
+    got = nn_kernels.layer_norm(x, w, b, np.float32(1e-5))
     np.testing.assert_allclose(got, nn_ops.layer_norm(x, w, b, 1e-5), rtol=1e-5, atol=2e-5)

@@ -706,7 +706,7 @@ def test_package_norm_eps_must_be_a_number(tmp_path, eps):
 def test_sdpa_length_beyond_the_cache_is_refused():
     """Found by the long fuzz run: a package whose folded constant made the attention length 2**24 read
     past the KV cache in the numba kernel (SIGSEGV). The length is now checked against the cache."""
-    from ingot.backends.cpu.kernels import sdpa_step
+    from ingot.backends.cpu.nn_kernels import sdpa_step
     from ingot.ir import Node, Op, TensorType
     q = np.zeros((1, 4, 1, 16), np.float32)
     kv = np.zeros((1, 2, 64, 16), np.float32)

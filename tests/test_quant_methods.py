@@ -131,11 +131,12 @@ def test_scaled_lut_and_gptq_model_saves_and_reads_back_the_same_logits(tmp_path
     from quant_helpers import logits, save_tiny, tiny_config
 
     from ingot.llm.package import open_model, read_llm, save_llm
-    from ingot.quant.pipeline import calibrate, quantize_default
+    from ingot.llm.tokenizer import tokenize
+    from ingot.quant.pipeline import calibrate, default_calibration_text, quantize_default
 
     save_tiny(tmp_path / "tiny.ingot")
     model = open_model(tmp_path / "tiny.ingot")
-    stats = calibrate(model, context=64)
+    stats = calibrate(model, tokenize(model, default_calibration_text()), context=64)
     result = quantize_default(model, "lut4:b32", stats=stats)
     assert any(n.startswith("GPTQ") for n in result.notes)
     save_llm(tmp_path / "q.ingot", model.config, result.tensors, model.metadata)
@@ -180,10 +181,11 @@ def test_pipeline_auto_with_gptq_picks_by_the_output_error(tmp_path):
     from quant_helpers import save_tiny
 
     from ingot.llm.package import open_model
-    from ingot.quant.pipeline import calibrate, quantize_default
+    from ingot.llm.tokenizer import tokenize
+    from ingot.quant.pipeline import calibrate, default_calibration_text, quantize_default
 
     save_tiny(tmp_path / "tiny.ingot")
     model = open_model(tmp_path / "tiny.ingot")
-    result = quantize_default(model, "int4:32:auto", stats=calibrate(model, context=64))
+    result = quantize_default(model, "int4:32:auto", stats=calibrate(model, tokenize(model, default_calibration_text()), context=64))
     picked = {t.source for n, t in result.tensors.items() if n.startswith("blk.") and hasattr(t, "source")}
     assert picked <= {"int4:32", "uint4:64"} and any(n.startswith("auto:") for n in result.notes)

@@ -4,7 +4,7 @@ scaling, GPTQ rounding, excluded tensors and error-compensation adapters. `ingot
 thin shell around `quantize_default`, which picks the methods; `quantize_model` takes them one by one.
 
     model = open_model("in.gguf")                               # ingot.llm.package
-    stats = calibrate(model)                                    # second moments over Ingot's calibration text
+    stats = calibrate(model, tokenize(model, default_calibration_text()))   # ingot.llm.tokenizer
     result = quantize_default(model, "int4:64", stats=stats, compensate=8)
     save_llm("out.ingot", model.config, result.tensors, model.metadata, result.adapters)
 """
@@ -87,14 +87,12 @@ def default_calibration_text() -> str:
     return (files("ingot") / "data" / "calibration.txt").read_text(encoding="utf-8")
 
 
-def calibrate(model, text: str | None = None, context: int = 256, device: str = "cpu") -> dict[str, np.ndarray]:
-    """The activations' second moments E[x x^T] per weight over text (default: Ingot's shipped
-    calibration text): what AWQ, GPTQ, the weighted quantizers and compensation all read."""
-    from ..llm.tokenizer import tokenize
-
-    text = default_calibration_text() if text is None else text
+def calibrate(model, tokens: Sequence[int], context: int = 256, device: str = "cpu") -> dict[str, np.ndarray]:
+    """The activations' second moments E[x x^T] per weight over the token ids of a text (by default
+    default_calibration_text(), tokenized by the caller: quant sits below llm): what AWQ, GPTQ, the
+    weighted quantizers and compensation all read."""
     context = min(context, model.config.context_length)
-    return activation_stats(model, tokenize(model, text), context=context, device=device, second_moments=True)
+    return activation_stats(model, list(tokens), context=context, device=device, second_moments=True)
 
 
 def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | None = None, compensate: int = 0,

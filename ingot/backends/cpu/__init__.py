@@ -22,7 +22,7 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import conv, kernels, rope_cache
+from . import conv, kernels, nn_kernels, rope_cache
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -107,20 +107,20 @@ def _unary(node: Node, out):
 @lowering(Op.SILU)
 def _silu(node: Node, out):
     if _is_f32(node):
-        return kernels.silu
+        return nn_kernels.silu
     return _reference(node, out)
 
 
 @lowering(Op.ERF)
 def _erf(node: Node, out):
-    return kernels.erf if _is_f32(node) else _reference(node, out)
+    return nn_kernels.erf if _is_f32(node) else _reference(node, out)
 
 
 @lowering(Op.GELU)
 def _gelu(node: Node, out):
     if _is_f32(node) and node.attrs.get("approximate", "none") == "none":
         scale = np.float32(1 / np.sqrt(2.0))
-        return lambda x: 0.5 * x * (1.0 + kernels.erf(x * scale))
+        return lambda x: 0.5 * x * (1.0 + nn_kernels.erf(x * scale))
     return _reference(node, out)
 
 
@@ -191,7 +191,7 @@ WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL}
 def _sdpa(node: Node, out):
     if node.attrs.get("has_mask") and not node.attrs.get("has_length"):
         return _masked_attention_step(node)
-    return kernels.sdpa_step(node)
+    return nn_kernels.sdpa_step(node)
 
 
 def _masked_attention_step(node: Node) -> StepFn:
@@ -233,7 +233,7 @@ def _masked_attention_step(node: Node) -> StepFn:
 def _rms_norm(node: Node, out):
     if _is_f32(node) and len(node.src) == 2:
         eps = np.float32(node.attrs["eps"])
-        return lambda x, w: kernels.rms_norm(x, w, eps)
+        return lambda x, w: nn_kernels.rms_norm(x, w, eps)
     return _reference(node, out)
 
 
@@ -242,12 +242,12 @@ def _layer_norm(node: Node, out):
     if not (_is_f32(node) and node.type.rank >= 1):
         return _reference(node, out)
     eps, has_w, has_b = np.float32(node.attrs["eps"]), node.attrs.get("has_weight"), node.attrs.get("has_bias")
-    return lambda x, *p: kernels.layer_norm(x, p[0] if has_w else None, p[-1] if has_b else None, eps)
+    return lambda x, *p: nn_kernels.layer_norm(x, p[0] if has_w else None, p[-1] if has_b else None, eps)
 
 
 @lowering(Op.ROPE)
 def _rope(node: Node, out):
-    return kernels.rope_step(node)
+    return nn_kernels.rope_step(node)
 
 
 @lowering(*GroupOp.Fft)

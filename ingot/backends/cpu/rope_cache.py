@@ -14,7 +14,7 @@ from ...errors import IngotError
 from ...ir import Node, Op
 from ...ops import nn as nn_ops
 from ...ops.fused import _fused_reference
-from . import kernels
+from . import nn_kernels
 
 DECODE_MAX_ROWS = 16   # queries up to which the compiled decode kernel attends (above: BLAS)
 
@@ -83,13 +83,13 @@ def rope_cache_lowering(node: Node, out):
         q_out = np.empty(q.shape, np.float32)
         if not attend or q.shape[2] <= DECODE_MAX_ROWS or length < q.shape[2]:
             result = np.empty(q.shape[:3] + (vc.shape[3],), np.float32) if attend else q_out
-            kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
+            nn_kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
                                       causal if attend else False, window if attend else 0,
                                       softcap if attend else np.float32(0), attend, q_out, result)
             return result, kc, vc
-        kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window,
+        nn_kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window,
                                   softcap, False, q_out, q_out)
-        return kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), kc, vc
+        return nn_kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), kc, vc
     return step
 
 

@@ -1,0 +1,311 @@
+"""Compiled CPU kernels (numba) for the transformer's row-wise ops: decode attention over a cache
+prefix (with RoPE and the cache write fused for the decode step, `rope_write_attend`), RMSNorm,
+LayerNorm, SiLU, erf and RoPE. Each is tested against the NumPy reference of its op
+(tests/test_cpu_kernels.py); kernels.py warms them up with the GEMV kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ...errors import IngotError
+from ...ir import Node
+from ...ops import nn as nn_ops
+
+_serial = dict(fastmath=True, cache=True, nogil=True)
+
+
+def _attention(q, k, v, length, scale, causal, window, softcap, out):
+    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D]; keys >= length ignored; causal aligned to length;
+    window > 0: each query sees its last `window` keys only; softcap > 0: s -> softcap * tanh(s / softcap)."""
+    nbatch, hq, tq, d = q.shape
+    hk = k.shape[1]
+    dv = v.shape[3]
+    group = hq // hk
+    for job in prange(nbatch * hq):
+        b = job // hq
+        h = job % hq
+        kh = h // group
+        scores = np.empty(length, np.float32)
+        for t in range(tq):
+            limit = length
+            first = 0
+            if causal:
+                limit = min(length, t + 1 + length - tq)
+                if window > 0:
+                    first = max(0, t + 1 + length - tq - window)
+            if limit <= first:
+                for e in range(dv):
+                    out[b, h, t, e] = 0.0
+                continue
+            best = -np.inf
+            for j in range(first, limit):
+                s = np.float32(0.0)
+                for e in range(d):
+                    s += q[b, h, t, e] * k[b, kh, j, e]
+                s *= scale
+                if softcap > 0:
+                    s = softcap * math.tanh(s / softcap)
+                scores[j] = s
+                if s > best:
+                    best = s
+            total = np.float32(0.0)
+            for j in range(first, limit):
+                p = math.exp(scores[j] - best)
+                scores[j] = p
+                total += p
+            for e in range(dv):
+                out[b, h, t, e] = 0.0
+            for j in range(first, limit):
+                p = scores[j] / total
+                for e in range(dv):
+                    out[b, h, t, e] += p * v[b, kh, j, e]
+
+
+attention = njit(**_serial)(_attention)
+
+
+def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
+                       softcap, attend, q_out, out):
+    """The fused RoPE + KV write + attention of backends/cpu/rope_cache.py:
+    k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches; q [B, Hq, T, D]
+    rotated into q_out; then, if attend, the attention of q_out over the caches' first `length` rows
+    into out (kernels.attention)."""
+    nbatch, hk, t, d = k.shape
+    half = rd // 2
+    cos = np.empty((t, half), np.float32)
+    sin = np.empty((t, half), np.float32)
+    for i in range(t):
+        for j in range(half):
+            angle = np.float64(pos + i) * np.float64(inv_freq[j])
+            cos[i, j] = math.cos(angle)
+            sin[i, j] = math.sin(angle)
+    for b in range(nbatch):
+        for h in range(hk):
+            for i in range(t):
+                row = k_cache[b, h, pos + i]
+                for e in range(v.shape[3]):
+                    v_cache[b, h, pos + i, e] = v[b, h, i, e]
+                for j in range(half):
+                    c, s = cos[i, j], sin[i, j]
+                    if interleaved:
+                        x0, x1 = k[b, h, i, 2 * j], k[b, h, i, 2 * j + 1]
+                        row[2 * j] = x0 * c - x1 * s
+                        row[2 * j + 1] = x1 * c + x0 * s
+                    else:
+                        x0, x1 = k[b, h, i, j], k[b, h, i, j + half]
+                        row[j] = x0 * c - x1 * s
+                        row[j + half] = x1 * c + x0 * s
+                for e in range(rd, d):
+                    row[e] = k[b, h, i, e]
+        for h in range(q.shape[1]):
+            for i in range(t):
+                for j in range(half):
+                    c, s = cos[i, j], sin[i, j]
+                    if interleaved:
+                        x0, x1 = q[b, h, i, 2 * j], q[b, h, i, 2 * j + 1]
+                        q_out[b, h, i, 2 * j] = x0 * c - x1 * s
+                        q_out[b, h, i, 2 * j + 1] = x1 * c + x0 * s
+                    else:
+                        x0, x1 = q[b, h, i, j], q[b, h, i, j + half]
+                        q_out[b, h, i, j] = x0 * c - x1 * s
+                        q_out[b, h, i, j + half] = x1 * c + x0 * s
+                for e in range(rd, q.shape[3]):
+                    q_out[b, h, i, e] = q[b, h, i, e]
+    if attend:
+        attention(q_out, k_cache, v_cache, length, scale, causal, window, softcap, out)
+
+
+rope_write_attend = njit(**_serial)(_rope_write_attend)
+
+
+def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
+    """Attention for many queries (prefill) with BLAS: each K/V head multiplies its whole group of
+    query heads at once (no repeated K/V), causal mask aligned to `length` (within `window` keys when
+    window > 0), scores capped by softcap * tanh(s / softcap) when softcap > 0, softmax in place."""
+    nbatch, hq, tq, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    k, v = k[:, :, :length], v[:, :, :length]
+    s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
+    s *= scale
+    if softcap:
+        s /= np.float32(softcap)
+        np.tanh(s, out=s)
+        s *= np.float32(softcap)
+    if causal:
+        query_pos = np.arange(tq)[:, None] + (length - tq)
+        blocked = np.arange(length)[None, :] > query_pos  # [Tq, L]
+        if window:
+            blocked |= np.arange(length)[None, :] <= query_pos - window
+        s.reshape(nbatch, hk, group, tq, length)[..., blocked] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, v).reshape(nbatch, hq, tq, v.shape[3])
+
+
+def sdpa_step(node: Node):
+    attrs = node.attrs
+    scale_attr = attrs.get("scale")
+    f32 = node.dtype.name == "float32" and node.type.rank == 4
+    window, softcap = int(attrs.get("window", 0)), np.float32(attrs.get("softcap", 0.0))
+
+    def step(q, k, v, *rest):
+        if attrs.get("has_mask") or not f32 or q.shape[0] != k.shape[0]:
+            return nn_ops._sdpa((q, k, v) + rest, attrs)
+        length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
+        if not 0 <= length <= k.shape[2]:  # the kernels index the cache by it, unchecked
+            raise IngotError(f"sdpa: attention length {length} is outside 0..{k.shape[2]} (the cache's positions).")
+        scale = np.float32(scale_attr if scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
+        causal = attrs.get("causal", False)
+        if q.shape[2] > 16 and length >= q.shape[2]:  # prefill: BLAS
+            return attention_blas(q, k, v, length, scale, causal, window, softcap)
+        out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
+        attention(q, k, v, length, scale, causal, window, softcap, out)
+        return out
+    return step
+
+
+@njit(fastmath=True, cache=True)
+def _rms_norm_rows(x, w, eps, out):
+    for r in range(x.shape[0]):
+        ss = np.float32(0.0)
+        for i in range(x.shape[1]):
+            ss += x[r, i] * x[r, i]
+        inv = np.float32(1.0) / np.sqrt(ss / x.shape[1] + eps)
+        for i in range(x.shape[1]):
+            out[r, i] = x[r, i] * inv * w[i]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:
+    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    _rms_norm_rows(x2, w, eps, out)
+    return out.reshape(x.shape)
+
+
+@njit(fastmath=True, cache=True)
+def _layer_norm_rows(x, w, b, has_w, has_b, eps, out):
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        mean = np.float32(0.0)
+        for i in range(n):
+            mean += x[r, i]
+        mean /= n
+        var = np.float32(0.0)
+        for i in range(n):
+            d = x[r, i] - mean
+            var += d * d
+        inv = np.float32(1.0) / np.sqrt(var / n + eps)
+        for i in range(n):
+            y = (x[r, i] - mean) * inv
+            if has_w:
+                y *= w[i]
+            if has_b:
+                y += b[i]
+            out[r, i] = y
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: np.float32) -> np.ndarray:
+    """LayerNorm over the last axis of a float32 array (two passes per row: mean, then variance)."""
+    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    none = np.zeros(1, np.float32)
+    _layer_norm_rows(x2, none if w is None else w, none if b is None else b, w is not None, b is not None, eps, out)
+    return out.reshape(x.shape)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) with NumPy's vectorised exp (numba's scalar exp is slower here)."""
+    out = np.negative(x, out=np.empty(np.shape(x), np.float32))  # an array even for 0-d x
+    np.exp(out, out=out)
+    out += 1
+    np.divide(x, out, out=out)
+    return out
+
+
+# erf(x) ~ x P(x^2) / Q(x^2) on x clamped to [-4, 4] (erf(4) = 1 - 1.5e-8): the rational
+# approximation Eigen uses for float32; max error 4.5e-7 against float64 erf (tests/test_cpu_kernels.py).
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+
+
+def _erf_rows(x, out):
+    p0, p1, p2, p3, p4, p5, p6 = [np.float32(c) for c in _ERF_P]
+    q0, q1, q2, q3, q4 = [np.float32(c) for c in _ERF_Q]
+    for i in range(x.shape[0]):
+        v = x[i]
+        v = v if np.isnan(v) else min(max(v, np.float32(-4.0)), np.float32(4.0))  # NaN stays NaN
+        v2 = v * v
+        p = ((((((p0 * v2 + p1) * v2 + p2) * v2 + p3) * v2 + p4) * v2 + p5) * v2 + p6) * v
+        q = (((q0 * v2 + q1) * v2 + q2) * v2 + q3) * v2 + q4
+        out[i] = p / q
+
+
+erf_rows = njit(cache=True, nogil=True)(_erf_rows)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf of a float32 array, vectorised (numba's math.erf is a C library call per element)."""
+    x = np.asarray(x, dtype=np.float32, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+    out = np.empty(x.shape, np.float32)
+    erf_rows(x.reshape(-1), out.reshape(-1))
+    return out
+
+
+def _rope_rows(x, positions, inv_freq, interleaved, rd, out):
+    """x, out: [R, T, D] float32; rotate the first rd dims of each row by position * inv_freq."""
+    rows, t, d = x.shape
+    half = rd // 2
+    cos = np.empty((t, half), np.float32)
+    sin = np.empty((t, half), np.float32)
+    for i in range(t):
+        for j in range(half):
+            angle = np.float64(positions[i]) * np.float64(inv_freq[j])
+            cos[i, j] = math.cos(angle)
+            sin[i, j] = math.sin(angle)
+    for r in range(rows):
+        for i in range(t):
+            for j in range(half):
+                c, s = cos[i, j], sin[i, j]
+                if interleaved:
+                    a, b = x[r, i, 2 * j], x[r, i, 2 * j + 1]
+                    out[r, i, 2 * j] = a * c - b * s
+                    out[r, i, 2 * j + 1] = b * c + a * s
+                else:
+                    a, b = x[r, i, j], x[r, i, j + half]
+                    out[r, i, j] = a * c - b * s
+                    out[r, i, j + half] = b * c + a * s
+            for j in range(rd, d):
+                out[r, i, j] = x[r, i, j]
+
+
+rope_rows = njit(**_serial)(_rope_rows)
+
+
+def rope_step(node: Node):
+    attrs = node.attrs
+    base, interleaved = attrs.get("base", 10000.0), bool(attrs.get("interleaved", False))
+    rotary_dims = attrs.get("rotary_dims")
+    cache: dict = {}
+
+    def step(x, pos, inv_freq=None):
+        d, t = x.shape[-1], x.shape[-2]
+        rd = rotary_dims or d
+        if inv_freq is None:
+            inv_freq = cache.get(rd)
+            if inv_freq is None:
+                inv_freq = cache[rd] = nn_ops.rope_inv_freq(rd, base)
+        if x.dtype != np.float32:
+            return nn_ops.rope(x, pos, inv_freq, base, interleaved, rotary_dims)
+        positions = np.arange(int(pos), int(pos) + t, dtype=np.int64) if np.ndim(pos) == 0 else np.asarray(pos, np.int64)
+        x3 = np.ascontiguousarray(x).reshape(-1, t, d)
+        out = np.empty_like(x3)
+        rope_rows(x3, positions, inv_freq, interleaved, rd, out)
+        return out.reshape(x.shape)
+    return step

@@ -796,6 +796,8 @@ def test_onnx_op_type_that_is_not_utf8(tmp_path):
     raw = path.read_bytes().replace(b"Nope", b"N\xf5pe")
     path.write_bytes(raw)
     onnx_refused(path, "2 op types are not supported", "N\\xf5pe", "Zzz")
+    path.write_bytes(raw.replace(b"N\xf5pe", b"N\npe"))   # (found by the long fuzz run, seed 32: a newline in an op type)
+    onnx_refused(path, "2 op types are not supported", "'N\\npe'")
 
 
 def test_onnx_resize_of_a_wide_axis_gathers_its_taps():

@@ -298,6 +298,7 @@ def check_supported(model, what: str) -> None:
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         if (domain, node.op_type) not in CONVERTERS and _function_body(node, opsets.get(domain, 1)) is None:
             key = f"{domain}:{node.op_type}" if domain else str(node.op_type)   # (bytes where not UTF-8)
+            key = key if key.isprintable() else repr(key)                          # (one line, whatever the file says)
             missing.setdefault(key, []).append(node.name or (node.output[0] if node.output else "?"))
     if missing:
         parts = [f"{op} ({len(names)} node{'s' if len(names) > 1 else ''}, e.g. {names[0]!r})" for op, names in

@@ -703,6 +703,21 @@ def test_package_norm_eps_must_be_a_number(tmp_path, eps):
     edit_json(tmp_path / "p.ingot" / "graph.json", set_eps)
     package_refused(tmp_path / "p.ingot", "rms_norm", "a finite eps >= 0")
 
+
+@pytest.mark.parametrize("attr,value,says", [("scale", [-8179203571892546432, 9007199254740992], "a finite scale"),
+                                             ("scale", "0.25", "a finite scale"), ("causal", 1, "causal true or false")])
+def test_package_sdpa_scalars_must_be_what_they_say(tmp_path, attr, value, says):
+    """Found by the long fuzz run on the final code (seed 33, package case 95230): an SDPA whose scale
+    graph.json gives as a list of ints reached the fused RoPE/attention numba kernel (TypingError)."""
+    g = ingot.Graph()
+    q = g.placeholder((1, 2, 3, 8), name="q")
+    g.compile(targets=[g.scaled_dot_product_attention(q, q, q, scale=0.5)]).save(str(tmp_path / "p.ingot"))
+
+    def set_attr(graph):
+        next(n for n in graph["nodes"] if n["op"] == "SDPA")["attrs"][attr] = value
+    edit_json(tmp_path / "p.ingot" / "graph.json", set_attr)
+    package_refused(tmp_path / "p.ingot", "sdpa", says)
+
 def test_sdpa_length_beyond_the_cache_is_refused():
     """Found by the long fuzz run: a package whose folded constant made the attention length 2**24 read
     past the KV cache in the numba kernel (SIGSEGV). The length is now checked against the cache."""

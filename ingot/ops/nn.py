@@ -164,6 +164,11 @@ def _sdpa_rule(types, attrs):
         raise fail(Op.SDPA, types, f"a sliding window of >= 1 keys with causal=True, not window={window!r}")
     if not isinstance(softcap, (int, float)) or softcap < 0 or not math.isfinite(softcap):
         raise fail(Op.SDPA, types, f"a logit softcap >= 0 (0: none), not softcap={softcap!r}")
+    scale, causal = attrs.get("scale"), attrs.get("causal", False)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)):
+        raise fail(Op.SDPA, types, f"a finite scale (or none: 1/sqrt(D)), not {str(scale)[:40]}")   # (a package's graph.json)
+    if not isinstance(causal, bool):
+        raise fail(Op.SDPA, types, f"causal true or false, not {str(causal)[:40]}")
     return TensorType(batch + (hq, q.shape[-2], v.shape[-1]), q.dtype)
 
 

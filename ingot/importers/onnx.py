@@ -558,6 +558,19 @@ def _settle(g: ImportGraph, t: Tensor, name: str) -> Tensor:
 
 # -- the executable --------------------------------------------------------------------------------
 
+def named_feeds(feeds, onnx_inputs: Sequence[str]) -> dict:
+    """Feeds by ONNX input name, from a mapping or a list in the model's input order; unknown names refused."""
+    if not isinstance(feeds, Mapping):
+        feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
+        if len(feeds) != len(onnx_inputs):
+            raise IngotError(f"run: expected {len(onnx_inputs)} inputs ({onnx_inputs}), got {len(feeds)}.")
+        feeds = dict(zip(onnx_inputs, feeds))
+    unknown = [k for k in feeds if k not in onnx_inputs]
+    if unknown:
+        raise IngotError(f"run: {unknown} are not inputs of this model (inputs: {onnx_inputs}).")
+    return dict(feeds)
+
+
 class OnnxExecutable(Executable):
     """An Executable compiled from ONNX: `run` takes feeds by ONNX input name and returns Outputs
     named by the ONNX graph's outputs (in its order), host arrays in the dtypes the model declares."""
@@ -572,14 +585,7 @@ class OnnxExecutable(Executable):
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs
         (`out["logits"]` by ONNX output name, or `(logits,) = out` in the graph's output order)."""
-        if not isinstance(feeds, Mapping):
-            feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
-            if len(feeds) != len(self.onnx_inputs):
-                raise IngotError(f"run: expected {len(self.onnx_inputs)} inputs ({self.onnx_inputs}), got {len(feeds)}.")
-            feeds = dict(zip(self.onnx_inputs, feeds))
-        unknown = [k for k in feeds if k not in self.onnx_inputs]
-        if unknown:
-            raise IngotError(f"run: {unknown} are not inputs of this model (inputs: {self.onnx_inputs}).")
+        feeds = named_feeds(feeds, self.onnx_inputs)
         missing = [k for k in self.onnx_inputs if k not in feeds]
         if missing:
             raise IngotError(f"run: missing feeds {missing}.")
@@ -741,14 +747,7 @@ class SpecializingOnnxExecutable:
 
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs."""
-        if not isinstance(feeds, Mapping):
-            feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
-            if len(feeds) != len(self.onnx_inputs):
-                raise IngotError(f"run: expected {len(self.onnx_inputs)} inputs ({self.onnx_inputs}), got {len(feeds)}.")
-            feeds = dict(zip(self.onnx_inputs, feeds))
-        unknown = [k for k in feeds if k not in self.onnx_inputs]
-        if unknown:
-            raise IngotError(f"run: {unknown} are not inputs of this model (inputs: {self.onnx_inputs}).")
+        feeds = named_feeds(feeds, self.onnx_inputs)
         return self.executable(feeds).run(feeds, state, **options)
 
     __call__ = run

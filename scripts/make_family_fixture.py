@@ -14,7 +14,8 @@ Outputs: tests/fixtures/families_reference.npz ({family}.prompt, {family}.logits
 and tests/fixtures/families_reference.json (versions, command). Run from the repository root:
 
     pip install torch transformers accelerate      # a scratch environment, never Ingot's deps
-    python scripts/make_family_fixture.py
+    python scripts/make_family_fixture.py              # every family
+    python scripts/make_family_fixture.py mistral3     # only these (the others' arrays kept)
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from family_models import FAMILIES, HF_CONFIG, HF_TWIN, write_family_gguf  # noqa: E402
+from family_models import FAMILIES, HF_CONFIG, HF_TWIN, HF_TWIN_ROPE, write_family_gguf  # noqa: E402
 
 PROMPT_LENGTH, GENERATED = 24, 32
 
@@ -52,8 +53,10 @@ def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
             vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
             num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-            rms_norm_eps=c.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": f.rope_base},
-            tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+            rms_norm_eps=c.rms_norm_eps,
+            rope_parameters=HF_TWIN_ROPE.get(name, {"rope_type": "default", "rope_theta": f.rope_base}),
+            tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+            **({"head_dim": f.head_dim} if config_class == "Ministral3Config" else {}))
         model = getattr(transformers, model_class)(config).to(torch.float32).eval()
         model.load_state_dict(twin.state_dict(), strict=True)
     else:
@@ -61,6 +64,8 @@ def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
                                                      **HF_CONFIG.get(name, {})).eval()
     if "rope_parameters" in HF_CONFIG.get(name, {}):   # the override took: transformers' rotary embedding is YaRN's, ...
         assert model.model.rotary_emb.rope_type == HF_CONFIG[name]["rope_parameters"]["rope_type"], name
+    if name in HF_TWIN_ROPE:
+        assert model.model.rotary_emb.rope_type == HF_TWIN_ROPE[name]["rope_type"], name
     ids = prompt_ids(f.vocab)
     x = torch.tensor(ids[None].astype(np.int64))
     with torch.no_grad():
@@ -71,16 +76,20 @@ def reference(name: str, folder: Path) -> dict[str, np.ndarray]:
             f"{name}.greedy": out[0, len(ids):].numpy().astype(np.int32)}
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Every family's reference, or (names given) only those, the others kept from the stored fixture."""
     import torch
     import transformers
 
+    fixtures = ROOT / "tests" / "fixtures"
     arrays: dict[str, np.ndarray] = {}
+    if names:
+        with np.load(fixtures / "families_reference.npz", allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files if k.split(".")[0] in FAMILIES and k.split(".")[0] not in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in FAMILIES:
+        for name in names or FAMILIES:
             arrays.update(reference(name, Path(tmp)))
             print(name, arrays[f"{name}.greedy"][:8].tolist())
-    fixtures = ROOT / "tests" / "fixtures"
     np.savez_compressed(fixtures / "families_reference.npz", **arrays)
     meta = {"families": list(FAMILIES), "prompt_length": PROMPT_LENGTH, "generated": GENERATED,
             "transformers": transformers.__version__, "torch": torch.__version__,
@@ -89,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

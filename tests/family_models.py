@@ -64,6 +64,20 @@ FAMILIES = {
     # SmolLM3: Llama's layout, layer 3 without RoPE (transformers cannot read this GGUF: the reference
     # is its SmolLM3 model holding the weights it reads from the same file written as "llama")
     "smollm3": Family("smollm3", 4, rope_base=5e6, eps=1e-6, quant="Q8_0"),
+    # Mistral 3 / Ministral 3 (mistral3): Llama's layout, YaRN (factor 4 over an original context of 16,
+    # shorter than the prompt) with mscale = mscale_all_dim = 1 (yarn_log_multiplier, as Ministral's files)
+    # and Llama 4's attention temperature (beta 0.1 per step of 16 positions); transformers reads no
+    # mistral3 GGUF: the reference is its Ministral3 model holding the weights of the file written as "llama"
+    "mistral3": Family("mistral3", 2, rope_base=1e6, quant="Q8_0",
+                       extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                              "rope.scaling.original_context_length": 16, "rope.scaling.yarn_beta_fast": 32.0,
+                              "rope.scaling.yarn_beta_slow": 1.0, "rope.scaling.yarn_log_multiplier": 1.0,
+                              "attention.temperature_scale": 0.1}),
+    # the mscale form with mscale_all_dim 0.5 (cos/sin times (1 + 0.1 ln 8) / (1 + 0.05 ln 8)), a stronger
+    # temperature, its length given by its own key (transformers takes it from the original context: the same 16)
+    "mistral3_mscale": Family("mistral3", 2, extra={
+        "rope.scaling.type": "yarn", "rope.scaling.factor": 8.0, "rope.scaling.original_context_length": 16,
+        "rope.scaling.yarn_log_multiplier": 0.5, "attention.temperature_scale": 0.5, "attention.temperature_length": 16}),
     # YaRN, factor 4 over an original context of 16 (shorter than the prompt)
     "qwen3_yarn": Family("qwen3", 2, head_dim=128, rope_base=1e6, eps=1e-6,
                          extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
@@ -102,16 +116,26 @@ def _add_matrix(w: gguf.GGUFWriter, name: str, m: np.ndarray, quant: str) -> Non
 
 # families transformers' GGUF reader does not take: (the architecture to write the twin file as,
 # the transformers model class and config class that run the weights it reads from that twin)
-HF_TWIN = {"smollm3": ("llama", "SmolLM3ForCausalLM", "SmolLM3Config")}
+HF_TWIN = {"smollm3": ("llama", "SmolLM3ForCausalLM", "SmolLM3Config"),
+           "mistral3": ("llama", "Ministral3ForCausalLM", "Ministral3Config"),
+           "mistral3_mscale": ("llama", "Ministral3ForCausalLM", "Ministral3Config")}
+
+# the twin model's rope_parameters (transformers' names for what the mistral3 file says)
+HF_TWIN_ROPE = {
+    "mistral3": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+    "mistral3_mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+                        "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.5},
+}
 
 
 def write_family_gguf(name: str, path, seed: int = 0, arch: str | None = None) -> Family:
     """Write the tiny model of family `name` (a key of FAMILIES) to path; returns its Family.
-    arch: write it as another architecture (the same tensors; metadata keys under that prefix)."""
+    arch: write it as another architecture (the same tensors; the common metadata under that prefix)."""
     f = FAMILIES[name]
     if arch is not None:
         import dataclasses
-        f = dataclasses.replace(f, arch=arch)
+        f = dataclasses.replace(f, arch=arch, extra={})   # the same tensors, none of the family's own metadata
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), f.arch)
     w.add_name(f"tiny-{name}")

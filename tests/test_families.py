@@ -5,8 +5,10 @@ and stored its logits and greedy ids (tests/fixtures/families_reference.*). Ingo
 logits within 1e-4 relative L2 at every position and the same 32 greedy ids; the prompts are longer
 than the Gemma models' sliding window. Where transformers is installed, one test also runs it live.
 """
+import dataclasses
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -314,7 +316,7 @@ def test_random_weights_of_a_family_build_and_run(family):
     assert logits.shape == (1, 100) and np.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3", "smollm3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3", "smollm3", "mistral3"])
 def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path):
     """`ingot convert` of a family's GGUF: the package reads back as that family (its config class)
     and gives transformers' logits too."""
@@ -331,7 +333,7 @@ def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path)
     assert rel_l2_rows(logits, reference[f"{name}.logits"]).max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2", "phi3", "qwen3moe"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "phi3", "qwen3moe", "mistral3_mscale"])
 def test_generation_loop_with_padded_chunks_matches_transformers(name, reference, tmp_path, monkeypatch):
     """ingot.llm's loop: the prompt prefilled in padded chunks (here 16 + 8 tokens, padded to 16 each,
     across the window of 8), then decoded step by step, gives transformers' logits and greedy ids."""
@@ -369,11 +371,56 @@ def test_yarn_is_what_makes_the_scaled_qwen3_match(reference, tmp_path):
         assert rel_l2_rows(logits, reference["qwen3_yarn.logits"]).max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "phi3", "smollm3"])
+def test_mistral3_reads_yarn_mscale_and_temperature_and_each_part_matters(reference, tmp_path):
+    """What the mistral3 table makes of its metadata; and the comparison can fail: without the attention
+    temperature, or with YaRN's default factor 0.1 ln(f) + 1 instead of the mscale form, the logits differ."""
+    from ingot.models.blocks import yarn_magnitude
+
+    for name in ("mistral3", "mistral3_mscale"):
+        path = tmp_path / f"{name}.gguf"
+        write_family_gguf(name, path)
+        model = read_gguf(path)
+        cfg = models.config_from_gguf(model)
+        mscale_all_dim, beta = (1.0, 0.1) if name == "mistral3" else (0.5, 0.5)
+        assert (cfg.family, cfg.rope_interleaved, cfg.rope_scaling, cfg.rope_original_context) == ("llama", True, "yarn", 16)
+        assert (cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (1.0, mscale_all_dim)
+        assert (cfg.attn_temperature_scale, cfg.attn_temperature_length) == (pytest.approx(beta), 16)
+        f = cfg.rope_scale
+        assert yarn_magnitude(cfg) == pytest.approx((0.1 * np.log(f) + 1) / (0.1 * mscale_all_dim * np.log(f) + 1))
+        cfg.context_length = 64
+        wrong = [{"attn_temperature_scale": 0.0}, {"yarn_mscale": 0.0, "yarn_mscale_all_dim": 0.0}]
+        for change in wrong[:1] if name == "mistral3" else wrong:   # mistral3's mscale form is a factor 1 ...
+            bad = dataclasses.replace(cfg, **change)
+            exe = models.build(bad, model.tensors, str(path), all_logits=True).compile(24)
+            (logits,) = exe.run({"tokens": reference[f"{name}.prompt"], "pos": np.int32(0)})
+            assert rel_l2_rows(logits, reference[f"{name}.logits"]).max() > 1e-3, change
+            assert rel_l2_rows(logits, reference[f"{name}.logits"])[:16].max() < 1e-4 or "yarn_mscale" in change
+    cfg = models.config_from_gguf(read_gguf(tmp_path / "mistral3.gguf"))   # ... where the default would be 1.14
+    assert yarn_magnitude(dataclasses.replace(cfg, yarn_mscale=0.0)) == pytest.approx(0.1 * np.log(4) + 1)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"mistral3.attention.temperature_scale": 0.1}, "metadata lacks mistral3.attention.temperature_length (or "
+                                                    "mistral3.rope.scaling.original_context_length)"),
+    ({"mistral3.attention.temperature_scale": -0.1, "mistral3.attention.temperature_length": 4},
+     "metadata key mistral3.attention.temperature_scale is -0.1"),
+    ({"mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 4.0,
+      "mistral3.rope.scaling.original_context_length": 8, "mistral3.rope.scaling.yarn_log_multiplier": -1.0},
+     "metadata key mistral3.rope.scaling.yarn_log_multiplier is -1.0"),
+])
+def test_mistral3_metadata_it_cannot_use_is_refused(tmp_path, extra, words):
+    path = tmp_path / "m3.gguf"
+    _write_gguf(path, "mistral3", **{"mistral3.block_count": 1, "mistral3.embedding_length": 4,
+                                     "mistral3.attention.head_count": 1, "mistral3.feed_forward_length": 8, **extra})
+    with pytest.raises(IngotError, match=re.escape(words)):
+        models.config_from_gguf(read_gguf(path, lazy=True))
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "phi3", "smollm3", "mistral3_mscale"])
 def test_rows_decoder_of_a_family_equals_its_batch_one_decoder(name, tmp_path):
     """`ingot serve`'s rows decoder (one token per row, each at its own position and cache) of the new
     families: each row's logits are the batch-1 decoder's (experts routed per token; Phi-3's window;
-    SmolLM3's NoPE layers)."""
+    SmolLM3's NoPE layers; Mistral 3's temperature, a row past its length of 16)."""
     from ingot.ir import TensorType
     from ingot.runtime import State
     from ingot import dtypes as dt
@@ -388,7 +435,7 @@ def test_rows_decoder_of_a_family_equals_its_batch_one_decoder(name, tmp_path):
     rows = models.build(cfg, model.tensors, str(path), rows=2)
     exe = rows.graph.compile(feeds={rows.tokens: TensorType((2,), dt.int32)}, targets=[rows.logits])
     rng = np.random.default_rng(2)
-    states, reference, positions = [], [], [11, 4]
+    states, reference, positions = [], [], [19, 4]
     for n in positions:
         prompt = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
         pair = [decoder.new_state(), decoder.new_state()]

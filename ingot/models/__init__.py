@@ -17,7 +17,7 @@ from ..errors import IngotError
 # GGUF general.architecture -> family module. Mistral 7B and SmolLM2 files say "llama"; "mistral"
 # and "smollm" are kept for files written by other tools.
 FAMILIES = {
-    "llama": "llama", "mistral": "llama", "smollm": "llama", "smollm3": "llama", "qwen2": "llama",
+    "llama": "llama", "mistral": "llama", "smollm": "llama", "smollm3": "llama", "qwen2": "llama", "mistral3": "llama",
     "qwen3": "qwen3", "qwen3moe": "qwen3moe", "phi3": "phi3",
     "gemma2": "gemma", "gemma3": "gemma",
 }

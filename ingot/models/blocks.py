@@ -50,6 +50,8 @@ class DecoderConfig:
     rope_attn_factor: float = 1.0       # LongRoPE: what cos and sin are multiplied by (the scores by its square)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0            # YaRN's cos/sin factor is mscale(f, yarn_mscale) / mscale(f, yarn_mscale_all_dim)
+    yarn_mscale_all_dim: float = 0.0    # when both are non-zero (Mistral 3); mscale(f) = 0.1 ln(f) + 1 otherwise
     norm_eps: float = 1e-5
     context_length: int = 2048
     tied_embeddings: bool = False
@@ -78,6 +80,9 @@ class DecoderConfig:
             value = getattr(self, name)
             if not _finite(value) or value < 0 or (value == 0 and name != "norm_eps"):
                 raise IngotError(f"{self.family}: {name} must be a finite positive number, not {value!r}.")
+        for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+            if not _finite(getattr(self, name)) or getattr(self, name) < 0:
+                raise IngotError(f"{self.family}: {name} must be a finite number >= 0, not {getattr(self, name)!r}.")
         if self.rope_scaling not in ("", "linear", "yarn", "longrope"):
             raise IngotError(f"{self.family}: rope_scaling must be '', 'linear', 'yarn' or 'longrope', not {self.rope_scaling!r}.")
         if self.rope_scaling == "longrope" and (
@@ -166,9 +171,15 @@ def config_from_gguf(cls, model, table: tuple[Key, ...], **computed) -> DecoderC
         raise IngotError(f"{model.path}: {e}") from None
 
 
+# architectures whose `rope.scaling.yarn_log_multiplier` is YaRN's mscale_all_dim (llama.cpp's reading of
+# Mistral 3: mscale 1, the cos/sin factor mscale(f, 1) / mscale(f, mscale_all_dim)); elsewhere it is refused
+YARN_MSCALE_ALL_DIM = ("mistral3",)
+
+
 def rope_scaling(model) -> dict[str, Any]:
     """Config fields for `{arch}.rope.scaling.*`: none ({}), linear (rope_scale), or YaRN (rope_scaling
-    "yarn", rope_scale = its factor, rope_original_context, yarn_beta_fast/slow). Llama 3's scaling
+    "yarn", rope_scale = its factor, rope_original_context, yarn_beta_fast/slow, and for Mistral 3
+    yarn_mscale/yarn_mscale_all_dim from its yarn_log_multiplier). Llama 3's scaling
     comes as the tensor rope_freqs.weight (see `rope_frequencies`). A kind or a YaRN variant Ingot does
     not implement (LongRoPE, YaRN with an attention factor or log multiplier of its own) is refused by
     name, never ignored: its logits would be wrong at long context."""
@@ -185,15 +196,21 @@ def rope_scaling(model) -> dict[str, Any]:
     if kind == "linear":
         return {"rope_scale": metadata_float(model, factor, 1.0, exclusive_minimum=True)}
     if kind == "yarn":
+        mscale: dict[str, float] = {}
+        if arch in YARN_MSCALE_ALL_DIM:      # its yarn_log_multiplier is transformers' mscale_all_dim, mscale 1
+            all_dim = metadata_float(model, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)
+            mscale = {"yarn_mscale": 1.0, "yarn_mscale_all_dim": all_dim} if all_dim else {}
         for key, plain in (("attn_factor", (1.0,)), ("yarn_attn_factor", (1.0,)), ("yarn_log_multiplier", (0.0,)),
                            ("yarn_ext_factor", (-1.0, 1.0))):
+            if key == "yarn_log_multiplier" and arch in YARN_MSCALE_ALL_DIM:
+                continue
             value = model.get(f"{arch}.rope.scaling.{key}")
             if value is not None and value not in plain:
                 raise IngotError(f"{model.path}: YaRN with {arch}.rope.scaling.{key} = {short(value)} is not supported; "
                                  f"Ingot implements YaRN as transformers does by default.")
         if model.get(factor) is None:
             raise IngotError(f"{model.path}: metadata lacks {factor}, which YaRN scaling needs.")
-        return {"rope_scaling": "yarn", "rope_scale": metadata_float(model, factor, 1.0, minimum=1.0),
+        return {"rope_scaling": "yarn", "rope_scale": metadata_float(model, factor, 1.0, minimum=1.0), **mscale,
                 "rope_original_context": metadata_int(model, f"{arch}.rope.scaling.original_context_length", None, 1,
                                                       MAX_DIMENSION),
                 "yarn_beta_fast": metadata_float(model, f"{arch}.rope.scaling.yarn_beta_fast", 32.0, exclusive_minimum=True),
@@ -250,7 +267,7 @@ def rope_frequencies(rope_dims: int, base: float, scale: float = 1.0, tensors=No
 
 def decoder_rope(cfg: DecoderConfig, tensors=None) -> tuple[np.ndarray, float | None]:
     """(inverse frequencies, the attention scale or None for 1 / sqrt(hd)) of cfg's RoPE and scaling.
-    YaRN multiplies cos and sin by 0.1 ln(factor) + 1, i.e. the scores by its square. LongRoPE divides
+    YaRN multiplies cos and sin by `yarn_magnitude`, i.e. the scores by its square. LongRoPE divides
     the frequencies by rope_factors_long.weight when the context (cfg.context_length, what the KV cache
     holds) exceeds the original one, by rope_factors_short.weight otherwise (llama.cpp's rule;
     transformers switches per call, by the longest position, so the two agree while every position
@@ -267,8 +284,27 @@ def decoder_rope(cfg: DecoderConfig, tensors=None) -> tuple[np.ndarray, float | 
         return rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale, tensors), None
     inv_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale,
                                 yarn=(cfg.rope_original_context, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
-    magnitude = 0.1 * math.log(cfg.rope_scale) + 1.0 if cfg.rope_scale > 1 else 1.0
-    return inv_freq, magnitude * magnitude / math.sqrt(cfg.head_dim)
+    return inv_freq, yarn_magnitude(cfg) ** 2 / math.sqrt(cfg.head_dim)
+
+
+def yarn_magnitude(cfg: DecoderConfig) -> float:
+    """What YaRN multiplies cos and sin by (transformers' attention_factor): mscale(f, m) = 0.1 m ln(f) + 1
+    (1 for f <= 1); mscale(f, yarn_mscale) / mscale(f, yarn_mscale_all_dim) when both are given, else
+    mscale(f, 1). Mistral 3 has both 1: a factor of 1, its scores unscaled."""
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(cfg.rope_scale) + 1.0 if cfg.rope_scale > 1 else 1.0
+    if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
+        return mscale(cfg.yarn_mscale) / mscale(cfg.yarn_mscale_all_dim)
+    return mscale(1.0)
+
+
+def temperature_table(g: Graph, cfg: DecoderConfig, beta: float, length: int) -> Tensor | None:
+    """Llama 4's attention temperature (Mistral 3): q at position p times 1 + beta ln(1 + floor(p / length)),
+    a constant [context_length] the attention blocks slice at their positions; None when beta is 0."""
+    if not beta:
+        return None
+    positions = np.arange(cfg.context_length, dtype=np.float64)
+    return g.constant((1.0 + beta * np.log1p(np.floor(positions / length))).astype(np.float32), name="attn_temperature")
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,14 +485,16 @@ def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int) -> tuple[Tens
 
 def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq: np.ndarray,
               batch: int = 1, *, qk_norm: bool = False, window: int = 0, softcap: float = 0.0,
-              scale: float | None = None, rope_base: float | None = None, rows: int = 0) -> Tensor:
+              scale: float | None = None, rope_base: float | None = None, rows: int = 0,
+              q_scale: Tensor | None = None) -> Tensor:
     """Causal self-attention for one layer, writing this chunk's K/V into the cache variables.
 
     x: [B*T, dim], B sequences of T tokens (sequence-major), all at position `pos`. qk_norm: rms_norm
     of each head of q and k (weights attn_q_norm/attn_k_norm [hd]) before RoPE; window: sliding-window
     attention over the last `window` positions; softcap: scores c * tanh(s / c); scale: of the
     scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base);
-    inv_freq None: no RoPE at all (SmolLM3's NoPE layers). rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
+    inv_freq None: no RoPE at all (SmolLM3's NoPE layers); q_scale: float32 [context], what q at each
+    position is multiplied by (Mistral 3's attention temperature, see `temperature_table`). rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
     positions [rows] (see `row_attention`); batch is 1."""
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -467,13 +505,16 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
                    v + weights.vector(p + "attn_v.bias"))
     if rows:   # one token per row, each at its own position, over its own cache (ingot serve)
         out = row_attention(g, cfg, weights, layer, q, k, v, pos, inv_freq, rows, qk_norm=qk_norm, window=window,
-                            softcap=softcap, scale=scale, rope_base=rope_base)
+                            softcap=softcap, scale=scale, rope_base=rope_base, q_scale=q_scale)
         return adapted(g, weights, [p + "attn_output.weight"], out,
                        linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
     q, k, v = split_heads(g, q, nh, hd, batch), split_heads(g, k, nkv, hd, batch), split_heads(g, v, nkv, hd, batch)
     if qk_norm:                                                       # per head, over hd
         q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
         k = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k)
+    end = pos + (g.dim(x, 0) if batch == 1 else g.dim(q, 2))         # T tokens per sequence
+    if q_scale is not None:                                           # before RoPE, which is linear per position
+        q = q * g.reshape(g.slice(q_scale, [pos], [end]), (1, 1, -1, 1))
     if inv_freq is not None:
         rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
         q = g.rope(q, pos, **rope)                                    # [B, nh, T, hd]
@@ -483,7 +524,6 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
     v_all = g.slice_update(v_cache, v, [0, 0, pos, 0])
     g.assign(k_cache, k_all)
     g.assign(v_cache, v_all)
-    end = pos + (g.dim(x, 0) if batch == 1 else g.dim(q, 2))         # T tokens per sequence
     k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])  # attention over the valid prefix
     v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
     out = g.scaled_dot_product_attention(q, k_seen, v_seen, scale=scale, causal=True, window=window,
@@ -503,7 +543,8 @@ def row_cache(g: Graph, cfg: DecoderConfig, layer: int, row: int) -> tuple[Tenso
 
 def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q: Tensor, k: Tensor, v: Tensor,
                   positions: Tensor, inv_freq: np.ndarray, rows: int, *, qk_norm: bool = False, window: int = 0,
-                  softcap: float = 0.0, scale: float | None = None, rope_base: float | None = None) -> Tensor:
+                  softcap: float = 0.0, scale: float | None = None, rope_base: float | None = None,
+                  q_scale: Tensor | None = None) -> Tensor:
     """Decode attention of `rows` independent sequences, one token each, every row at its own
     position and over its own cache: q [rows, nh*hd], k and v [rows, nkv*hd] -> [rows, nh*hd].
 
@@ -526,6 +567,8 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
     for r in range(rows):
         pos = g.reshape(g.slice(positions, [r], [r + 1]), ())
         q_r, k_r, v_r = (g.slice(t, [r], [r + 1]) for t in (q, k, v))  # [1, h, 1, hd]
+        if q_scale is not None:
+            q_r = q_r * g.reshape(g.slice(q_scale, [pos], size=[1]), (1, 1, 1, 1))
         if inv_freq is not None:
             q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
         k_cache, v_cache = row_cache(g, cfg, layer, r)

@@ -9,7 +9,10 @@ as two variables per layer, and a token placeholder whose length is dynamic (see
 build(batch=B) decodes B sequences in lockstep (one shared position): tokens [B*T], KV caches
 [B, nkv, ctx, hd], logits [B, vocab]. Mistral 7B and SmolLM2 files say "llama"; Qwen2 differs in
 its q/k/v biases (found in the tensors) and NEOX RoPE; Qwen3 (qwen3.py) adds QK-norm. SmolLM3
-(smollm3) leaves RoPE out of every 4th layer (NoPE).
+(smollm3) leaves RoPE out of every 4th layer (NoPE). Mistral 3 / Ministral 3 text models (mistral3)
+are Llama's layout with YaRN in its mscale form (see blocks.yarn_magnitude) and Llama 4's attention
+temperature: q at position p times 1 + beta ln(1 + floor(p / L)), beta = attention.temperature_scale,
+L = attention.temperature_length or else rope.scaling.original_context_length (llama.cpp's reading).
 """
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ from ..graph import Graph
 from ..quant.formats import QuantizedTensor
 from .blocks import (MAX_DIMENSION, DecoderConfig, DecoderGraph, Key, Weights, adapted, attention, checked_batch, config_from_gguf,  # noqa: F401
                      decoder_rope, embedding, feed_forward, inputs, linear, linear_split, output, rms_norm, rope_frequencies,
-                     checked_rows, row_inputs)
+                     checked_rows, row_inputs, temperature_table)
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm", "smollm3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm", "smollm3", "mistral3")
 NO_ROPE_INTERVAL = {"smollm3": 4}      # every 4th layer has no RoPE (llama.cpp's n_no_rope_layer_step; no GGUF key)
 LlamaGraph = DecoderGraph
 
@@ -43,15 +46,27 @@ GGUF_KEYS = (
     Key("attention.layer_norm_rms_epsilon", "norm_eps", float, maximum=1.0),
     Key("context_length", "context_length", int),
 )
+TEMPERATURE_KEYS = (
+    Key("attention.temperature_scale", "attn_temperature_scale", float, maximum=1e6),
+    Key("attention.temperature_length", "attn_temperature_length", int),
+)
 
 
 @dataclass
 class LlamaConfig(DecoderConfig):
     qk_norm: bool = False               # rms_norm of each q and k head before RoPE (Qwen3)
     no_rope_interval: int = 0           # n > 0: layers n-1, 2n-1, ... attend without RoPE (SmolLM3's NoPE); 0: none
+    attn_temperature_scale: float = 0.0   # Mistral 3: beta of q's factor 1 + beta ln(1 + floor(p / length)); 0: none
+    attn_temperature_length: int = 0      # its length (positions per step of the floor)
 
     def validate(self) -> None:
         super().validate()
+        beta, length = self.attn_temperature_scale, self.attn_temperature_length
+        if isinstance(beta, bool) or not isinstance(beta, (int, float, np.integer, np.floating)) or not math.isfinite(beta) \
+                or beta < 0 or (beta and (isinstance(length, bool) or not isinstance(length, (int, np.integer))
+                                          or not 1 <= length <= MAX_DIMENSION)):
+            raise IngotError(f"{self.family}: attention temperature needs a finite scale >= 0 and, when it is not 0, a "
+                             f"length in 1..{MAX_DIMENSION}, not {beta!r}, {length!r}.")
         n = self.no_rope_interval
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_DIMENSION:
             raise IngotError(f"{self.family}: no_rope_interval must be an integer in 0..{MAX_DIMENSION}, not {n!r}.")
@@ -69,8 +84,18 @@ class LlamaConfig(DecoderConfig):
             raise IngotError(f"{model.path}: architecture {model.architecture!r} is not a Llama-family one "
                              f"({', '.join(ARCHITECTURES)}).")
         # llama.cpp runs qwen2 with NEOX (half-split) RoPE; llama files store Q/K permuted for interleaved
-        return config_from_gguf(cls, model, GGUF_KEYS, rope_interleaved=model.architecture != "qwen2",
-                                no_rope_interval=NO_ROPE_INTERVAL.get(model.architecture, 0))
+        arch = model.architecture
+        computed = {}
+        if arch == "mistral3":
+            from ..untrusted import metadata_int
+            original = f"{arch}.rope.scaling.original_context_length"
+            if model.get(f"{arch}.attention.temperature_scale") and model.get(f"{arch}.attention.temperature_length") is None:
+                if model.get(original) is None:
+                    raise IngotError(f"{model.path}: metadata lacks {arch}.attention.temperature_length (or {original}), "
+                                     f"which the attention temperature {arch}.attention.temperature_scale needs.")
+                computed["attn_temperature_length"] = metadata_int(model, original, None, 1, MAX_DIMENSION)
+        return config_from_gguf(cls, model, GGUF_KEYS + (TEMPERATURE_KEYS if arch == "mistral3" else ()),
+                                rope_interleaved=arch != "qwen2", no_rope_interval=NO_ROPE_INTERVAL.get(arch, 0), **computed)
 
 
 Config = LlamaConfig
@@ -98,6 +123,8 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
     weights = Weights(g, tensors, path, adapter_sites)
     tokens, pos, last = row_inputs(g, rows) if rows else inputs(g)
     inv_freq, scale = decoder_rope(cfg, tensors)                          # scale: None but for YaRN
+    q_scale = temperature_table(g, cfg, getattr(cfg, "attn_temperature_scale", 0.0),
+                                getattr(cfg, "attn_temperature_length", 0))   # Mistral 3; None elsewhere
     x, embed = embedding(g, cfg, weights, tokens)                         # [B*T, dim]
     qk_norm = getattr(cfg, "qk_norm", False)
     for layer in range(cfg.n_layers):
@@ -106,7 +133,7 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
         window = cfg.window(layer) if hasattr(cfg, "window") else 0         # Phi-3's sliding window
         layer_freq = inv_freq if not hasattr(cfg, "rope_in") or cfg.rope_in(layer) else None   # None: NoPE
         x = x + attention(g, cfg, weights, layer, h, pos, layer_freq, batch, qk_norm=qk_norm, scale=scale, rows=rows,
-                          window=window)
+                          window=window, q_scale=q_scale)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
         x = x + ffn(g, cfg, weights, layer, h)                            # SwiGLU (or experts)
     logits = output(g, cfg, weights, x, embed, last, batch, all_logits or bool(rows))  # [B, vocab]

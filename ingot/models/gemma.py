@@ -26,8 +26,8 @@ import numpy as np
 
 from ..errors import IngotError
 from ..graph import Graph
-from .blocks import (MAX_DIMENSION, DecoderConfig, DecoderGraph, Key, Weights, attention, checked_batch, config_from_gguf, embedding,
-                     feed_forward, inputs, output, rms_norm, rope_frequencies)
+from .blocks import (MAX_DIMENSION, DecoderConfig, DecoderGraph, Key, Weights, attention, checked_batch, checked_rows,
+                     config_from_gguf, embedding, feed_forward, inputs, output, rms_norm, row_inputs, rope_frequencies)
 
 ARCHITECTURES = ("gemma2", "gemma3")
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}        # llama.cpp's set_swa_pattern; HF's layer_types
@@ -123,12 +123,15 @@ Config = GemmaConfig
 
 
 def build(cfg: GemmaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False,
-          batch: int = 1) -> DecoderGraph:
-    """The Gemma 2/3 decoder graph over GGUF-named tensors; arguments as `llama.build`."""
-    batch = checked_batch(batch)
+          batch: int = 1, rows: int = 0) -> DecoderGraph:
+    """The Gemma 2/3 decoder graph over GGUF-named tensors; arguments as `llama.build` (rows=R: R
+    independent sequences, one token each, for `ingot serve`)."""
+    batch, rows = checked_batch(batch), checked_rows(rows)
+    if rows and batch != 1:
+        raise IngotError(f"build: rows={rows} decodes independent sequences; it takes batch=1, not {batch}.")
     g = Graph()
     weights = Weights(g, tensors, path, adapter_sites)
-    tokens, pos, last = inputs(g)
+    tokens, pos, last = row_inputs(g, rows) if rows else inputs(g)
     global_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale)   # scaling: global layers only
     local_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base_local or cfg.rope_base)
     scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)
@@ -140,12 +143,12 @@ def build(cfg: GemmaConfig, tensors: dict, path: str = "", adapter_sites=(), all
         h = rms_norm(g, cfg, weights, p + "attn_norm.weight", x)
         a = attention(g, cfg, weights, layer, h, pos, local_freq if window else global_freq, batch, qk_norm=cfg.qk_norm,
                       window=window, softcap=cfg.attn_softcap, scale=scale,
-                      rope_base=(cfg.rope_base_local or cfg.rope_base) if window else cfg.rope_base)   # [B*T, dim]
+                      rope_base=(cfg.rope_base_local or cfg.rope_base) if window else cfg.rope_base, rows=rows)   # [B*T, dim]
         x = x + rms_norm(g, cfg, weights, p + "post_attention_norm.weight", a)
         h = rms_norm(g, cfg, weights, p + "ffn_norm.weight", x)
         f = feed_forward(g, cfg, weights, layer, h, activation="gelu_tanh")      # GeGLU
         x = x + rms_norm(g, cfg, weights, p + "post_ffw_norm.weight", f)
-    logits = output(g, cfg, weights, x, embed, last, batch, all_logits, softcap=cfg.final_softcap)
+    logits = output(g, cfg, weights, x, embed, last, batch, all_logits or bool(rows), softcap=cfg.final_softcap)
     return DecoderGraph(g, tokens, pos, last, logits, cfg, inputs=weights.inputs, batch=batch)
 
 

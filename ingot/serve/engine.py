@@ -203,7 +203,7 @@ class Engine:
         parameters = inspect.signature(family.build).parameters
         if "rows" not in parameters and not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
             raise IngotError(f"{path}: architecture {model.architecture!r} has no rows decoder (continuous batching) "
-                             f"yet; ingot serve runs the Llama-built families.")
+                             f"yet, so ingot serve cannot batch it.")
         self.path, self.device, self.options = str(path), device, options
         self.info = _model_info(model)
         self.config = cfg = model.config

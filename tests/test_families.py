@@ -168,15 +168,6 @@ def test_qwen3moe_variants_ingot_lacks_are_refused_by_name(tmp_path, key, value)
         models.config_from_gguf(read_gguf(path, lazy=True))
 
 
-def test_qwen3moe_is_refused_as_an_llm_package_not_stored_wrong(tmp_path):
-    from ingot.convert import convert
-
-    write_family_gguf("qwen3moe", tmp_path / "moe.gguf")
-    with pytest.raises(IngotError, match=r"mixture-of-experts model \(qwen3moe\) cannot be stored"):
-        convert(tmp_path / "moe.gguf", tmp_path / "moe.ingot")
-    assert not (tmp_path / "moe.ingot").exists()
-
-
 def _write_gguf(path: Path, arch: str, **metadata) -> None:
     import gguf
     w = gguf.GGUFWriter(str(path), arch)
@@ -316,7 +307,7 @@ def test_random_weights_of_a_family_build_and_run(family):
     assert logits.shape == (1, 100) and np.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3", "smollm3", "mistral3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3", "smollm3", "mistral3", "qwen3moe"])
 def test_an_llm_package_of_a_family_keeps_its_numbers(name, reference, tmp_path):
     """`ingot convert` of a family's GGUF: the package reads back as that family (its config class)
     and gives transformers' logits too."""

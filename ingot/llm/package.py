@@ -24,6 +24,7 @@ from .. import dtypes as dt
 from ..errors import IngotError
 from ..untrusted import checked_path, clip, inside, read_json, short
 from ..quant.formats import QuantizedTensor, concat_columns
+from ..models.moe import ExpertStack
 
 LLM_FORMAT = "ingot-llm"
 LLM_VERSION = 1
@@ -45,15 +46,30 @@ def fused_groups(cfg) -> list[list[str]]:
             for kinds in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))]
 
 
+def expert_groups(cfg) -> list[tuple[list[str], list[tuple[int, int, int]]]]:
+    """A mixture-of-experts config's expert stacks per layer: (names, [E, out, in] shapes) of each group
+    the builder multiplies as one (gate and up; down); [] for a dense model."""
+    e, f, dim = getattr(cfg, "n_experts", 0), getattr(cfg, "expert_ffn_dim", 0), cfg.dim
+    if not e:
+        return []
+    return [group for i in range(cfg.n_layers) for group in (
+        ([f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"], [(e, f, dim)] * 2),
+        ([f"blk.{i}.ffn_down_exps.weight"], [(e, dim, f)]))]
+
+
 def storage_form(cfg, tensors: Mapping) -> dict:
     """Tensors as the package stores them: quantized ones k-major, fusable groups side by side; a
-    family's fused tensors split first (models.unfused); expert stacks (*_exps) stay in GGUF's row
-    form, which models/moe.py reads."""
+    family's fused tensors split first (models.unfused); expert stacks (*_exps) in the form the graph
+    multiplies (models.moe.ExpertStack: each expert k-major, gate and up side by side when they can)."""
     from .. import models
+    from ..models.moe import stored_experts
 
     tensors = models.unfused(cfg, tensors)
     out: dict = {}
     grouped = set()
+    for names, shapes in expert_groups(cfg):
+        out.update(stored_experts("", tensors, names, shapes))
+        grouped.update(names)
     for names in fused_groups(cfg):
         parts = [tensors.get(n) for n in names]
         if all(isinstance(p, QuantizedTensor) for p in parts):
@@ -66,7 +82,7 @@ def storage_form(cfg, tensors: Mapping) -> dict:
         if name in grouped or name in out:
             continue
         t = tensors[name]
-        if isinstance(t, QuantizedTensor) and name.endswith("_exps.weight"):
+        if isinstance(t, ExpertStack):
             out[name] = t
             continue
         out[name] = (t if t.block_axis == 0 else t.to_k_major()) if isinstance(t, QuantizedTensor) else np.asarray(t)
@@ -98,9 +114,6 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     path = Path(path)
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / "manifest.json").is_file())):
         raise IngotError(f"save: {path} exists and is not an Ingot package; refusing to replace it.")
-    if getattr(cfg, "n_experts", 0):
-        raise IngotError(f"save: {path}: a mixture-of-experts model ({cfg.family}) cannot be stored as an Ingot LLM "
-                         f"package yet; run its GGUF file directly.")
     stored = storage_form(cfg, tensors)
     # the stored decode executable's KV cache is short (its zeros are stored too); generate rebuilds
     # the graph from llm.json with the model's own context length
@@ -111,7 +124,11 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     decoder = model.compile(1, "cpu")
     layout = {}
     for name, t in stored.items():
-        if isinstance(t, QuantizedTensor):
+        if isinstance(t, ExpertStack):
+            layout[name] = {"kind": "experts", "qdtype": t.qdtype.name if t.qdtype else None, "shape": list(t.shape),
+                            "block_size": t.block_size, "params": [p for p in t.PARAMS if getattr(t, p) is not None],
+                            "source": t.source}
+        elif isinstance(t, QuantizedTensor):
             layout[name] = {"kind": "quantized", "qdtype": t.qdtype.name, "shape": list(t.shape), "block_size": t.block_size,
                             "params": [p for p in _PARAMS if getattr(t, p) is not None], "source": t.source}
         elif np.ndim(t) == 2:
@@ -177,6 +194,12 @@ def read_llm(path) -> StoredModel:
                                                 params.get("scale"), params.get("bias"), params.get("zero_point"),
                                                 str(spec.get("source", "")), block_axis=0, lut=params.get("lut"))
                 _check_quantized(path, name, tensors[name])
+            elif spec["kind"] == "experts":
+                qdtype = None if spec["qdtype"] is None else dt.by_name(spec["qdtype"])
+                params = {p: np.asarray(weights[f"{name}.{p}"]) for p in spec["params"] if p in ExpertStack.PARAMS}
+                tensors[name] = ExpertStack(weights[name], qdtype, int(spec["block_size"]), **params,
+                                            source=str(spec.get("source", "")))
+                tensors[name].check(name)
             elif spec["kind"] == "matrix":
                 tensors[name] = weights[name].T
             else:

@@ -120,6 +120,9 @@ def float_weights(model):
     for name in list(model.tensors):
         t = model.tensors[name]
         names = name.split("+")
+        if hasattr(t, "float_rows"):   # a package's expert stacks (models.moe.ExpertStack), as GGUF's rows
+            yield from t.float_rows(names)
+            continue
         if isinstance(t, QuantizedTensor):
             w = t.dequantize_rows()
             w = w.T if t.block_axis == 0 else w

@@ -135,3 +135,23 @@ def test_gathers_bfloat16_rows_before_the_cast():
     np.testing.assert_array_equal(evaluate(after, feeds)[0], evaluate(before, feeds)[0])
     float_table = Program([g.gather(g.constant(table.astype(np.float32)), idx, axis=1).node], [], dict(g.constants))
     assert not fuse_dequantize(float_table)[1]  # a float32 table is left alone
+
+
+def test_conv_weight_is_dequantized_once_at_compile():
+    """conv(x, dequantize(q_const)) -> conv(x, float constant): the numbers of the unfused program."""
+    rng = np.random.default_rng(3)
+    stored, scale, zp, weight = quantized_weight(rng, (6, 12), ingot.uint8, "axis", 0, None, True)
+    g = ingot.Graph()
+    x = g.placeholder((2, 4, 7, 5), name="x")
+    w = g.dequantize(g.constant(stored.reshape(6, 2, 3, 2)), scale=g.constant(scale.reshape(6, 1, 1, 1)),
+                     zero_point=g.constant(zp.reshape(6, 1, 1, 1)))
+    y = g.conv(x, w, strides=(2, 1), pads=((1, 1), (0, 0)), groups=2)
+    before = Program([y.node], [], dict(g.constants))
+    after, changed = fuse_dequantize(before)
+    assert changed
+    conv = after.outputs[0]
+    assert conv.op == Op.CONV and conv.src[1].op == Op.CONSTANT and Op.DEQUANTIZE not in [n.op for n in after.nodes()]
+    np.testing.assert_allclose(after.constants[conv.src[1].attrs["key"]].reshape(6, 12), weight, rtol=1e-6)
+    assert set(before.constants) < set(after.constants)   # the dequantized weight is added to a copy
+    feeds = {"x": rng.standard_normal((2, 4, 7, 5)).astype(np.float32)}
+    np.testing.assert_allclose(Executable(after).run(feeds)[0], evaluate(before, feeds)[0], rtol=1e-5, atol=1e-5)

@@ -47,7 +47,7 @@ from ..untrusted import checked_path
 from ..graph import Graph, Tensor
 from ..ir import GroupOp, Op, Program, TensorType
 from ..runtime import Executable, Outputs
-from . import (onnx_attention, onnx_control, onnx_math, onnx_nn, onnx_quant, onnx_recurrent, onnx_shape,  # noqa: F401
+from . import (onnx_attention, onnx_control, onnx_integer, onnx_math, onnx_nn, onnx_quant, onnx_recurrent, onnx_shape,  # noqa: F401
                onnx_signal, onnx_training)  # (registration)
 from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
                        MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array, ingot_dtype)

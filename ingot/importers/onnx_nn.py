@@ -645,24 +645,6 @@ def _as(ctx: Context, node: OnnxNode, op_type: str, inputs, attrs=None) -> list:
     return list(CONVERTERS[("", op_type)](ctx, other))
 
 
-@converter("ConvInteger")
-def _conv_integer(ctx: Context, node: OnnxNode):
-    """A convolution of 8-bit integers less their zero points, as int32: computed in float32, exact while
-    every sum stays below 2**24 (the products of 8-bit values over a kernel of up to 256 taps do)."""
-    x, w, x_zero, w_zero = node.input(0), node.input(1), node.input(2), node.input(3)
-    g = ctx.g
-    if x.dtype not in (dt.int8, dt.uint8) or w.dtype not in (dt.int8, dt.uint8):
-        raise ctx.fail(node, f"inputs of type {x.dtype.name} and {w.dtype.name}")
-    xf, wf = g.cast(x, dt.float32), g.cast(w, dt.float32)
-    if x_zero is not None:
-        xf = xf - g.reshape(g.cast(x_zero, dt.float32), ())
-    if w_zero is not None:
-        z = g.cast(w_zero, dt.float32)
-        wf = wf - (g.reshape(z, (z.shape[0],) + (1,) * (w.ndim - 1)) if z.ndim == 1 and z.shape[0] != 1 else g.reshape(z, ()))
-    (y,) = _as(ctx, node, "Conv", [xf, wf])
-    return [g.cast(g.op(Op.ROUND, [y]), dt.int32)]
-
-
 @converter("MaxUnpool")
 def _max_unpool(ctx: Context, node: OnnxNode):
     """Each value written at its index (flat over the whole output, as MaxPool's Indices give it) in zeros."""

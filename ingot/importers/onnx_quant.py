@@ -1,5 +1,6 @@
 """ONNX converters for quantization: Quantize/DequantizeLinear (DequantizeLinear -> MatMul becomes
-quantized_matmul in the compiler), com.microsoft MatMulNBits, DynamicQuantizeLinear, integer matmuls."""
+quantized_matmul in the compiler), com.microsoft MatMulNBits, DynamicQuantizeLinear (the integer
+ops, MatMulInteger to QLinearConv: onnx_integer.py)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -183,50 +184,3 @@ def _dynamic_quantize_linear(ctx: Context, node: OnnxNode):
     zero_point = g.quantize(g.neg(lo) / scale, dt.uint8, scale=scalar(ctx, 1, x))   # saturate(round(-lo / scale))
     y = g.quantize(x, dt.uint8, scale=scale, zero_point=zero_point)
     return [y, scale, zero_point]
-
-
-def _integer_operand(g, t: Tensor, zero: Tensor | None, axis: int | None) -> Tensor:
-    """An 8-bit matmul operand as int32 with its zero point taken away (per tensor or per axis)."""
-    wide = g.cast(t, dt.int32)
-    if zero is None:
-        return wide
-    z = g.cast(zero, dt.int32)
-    if z.ndim == 1 and z.shape[0] != 1 and axis is not None:
-        shape = [1] * t.ndim
-        shape[axis] = z.shape[0]
-        z = g.reshape(z, shape)
-    elif z.ndim == 1:
-        z = g.reshape(z, ())
-    return wide - z
-
-
-@converter("MatMulInteger")
-def _matmul_integer(ctx: Context, node: OnnxNode):
-    a, b = node.input(0), node.input(1)
-    g = ctx.g
-    ai = _integer_operand(g, a, node.input(2), a.ndim - 2 if a.ndim >= 2 else None)
-    bi = _integer_operand(g, b, node.input(3), b.ndim - 1)
-    return [g.matmul(ai, bi)]
-
-
-@converter("QLinearMatMul")
-def _qlinear_matmul(ctx: Context, node: OnnxNode):
-    """Dequantize both sides, multiply in float, quantize the result (a DequantizeLinear -> MatMul
-    pattern the compiler fuses where the weight side is constant)."""
-    a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero = node.inputs
-    g = ctx.g
-    if a.dtype not in (dt.int8, dt.uint8) or b.dtype not in (dt.int8, dt.uint8):
-        raise ctx.fail(node, f"inputs of type {a.dtype.name} and {b.dtype.name}")
-
-    def dequantized(q, scale, zero, axis):
-        scale = scale if scale.dtype == dt.float32 else g.cast(scale, dt.float32)
-        per_axis = scale.ndim == 1 and scale.shape[0] != 1
-        scale = scale if per_axis else g.reshape(scale, ())
-        zero = None if zero is None else (zero if per_axis else g.reshape(zero, ()))
-        return g.dequantize(q, scale=scale, zero_point=zero, axis=axis if per_axis else None)
-
-    af = dequantized(a, a_scale, a_zero, a.ndim - 2)
-    bf = dequantized(b, b_scale, b_zero, b.ndim - 1)
-    y = g.matmul(af, bf)
-    ys = g.reshape(y_scale if y_scale.dtype == dt.float32 else g.cast(y_scale, dt.float32), ())
-    return [g.quantize(y, y_zero.dtype, scale=ys, zero_point=g.reshape(y_zero, ()))]

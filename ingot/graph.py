@@ -600,6 +600,14 @@ class Graph:
                                                 "input_types": tuple(self._own(i).type for i in inputs)})
         return [self._op(Op.GET_ITEM, [call], {"index": i}) for i in range(len(output_types))]
 
+    def if_call(self, cond, then: str, otherwise: str, inputs: Sequence[Tensor], output_types: Sequence[TensorType]) -> list[Tensor]:
+        """Run the executable bound to `then` when cond (one value) is true, else the one bound to
+        `otherwise`; both take `inputs` and return `output_types`. Only the chosen one runs."""
+        inputs = [self._own(i) for i in inputs]
+        node = self._op(Op.IF, [self._own(cond)] + inputs, {"then": then, "else": otherwise, "output_types": tuple(output_types),
+                                                           "input_types": tuple(i.type for i in inputs)})
+        return [self._op(Op.GET_ITEM, [node], {"index": i}) for i in range(len(output_types))]
+
     # -- compile --------------------------------------------------------------------------------
     def compile(self, feeds: dict[Any, TensorType] | None = None, targets: Sequence[Tensor] | Mapping[str, Tensor] = (),
                 device: str = "cpu", callables: dict[str, Any] | None = None, debug: bool | str = False,

@@ -69,6 +69,7 @@ class Op(enum.IntEnum):
     PROD = enum.auto(); MOD = enum.auto()
     RNN = enum.auto(); LSTM = enum.auto(); GRU = enum.auto()   # recurrent layers (ops/recurrent.py)
     CUMPROD = enum.auto(); BITCAST = enum.auto(); DET = enum.auto(); GRID_SAMPLE = enum.auto()
+    IF = enum.auto()      # one of two bound callables, chosen by a run-time condition (ops/control.py)
 
 
 class GroupOp:

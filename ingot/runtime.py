@@ -173,6 +173,7 @@ class Executable:
         self._used_inputs = frozenset(found)
         self.output_types = [n.type for n in program.outputs]
         self.call_sites: dict[str, Node] = {n.attrs["name"]: n for n in nodes if n.op == Op.CALL}
+        self.call_sites.update({n.attrs[b]: n for n in nodes if n.op == Op.IF for b in ("then", "else")})
         self.callables: dict[str, Executable] = {}
         for name, exe in (callables or {}).items():
             self.bind(name, exe)
@@ -225,7 +226,7 @@ class Executable:
             raise IngotError(f"bind: an executable cannot call itself ({name!r}).")
         if executable.device != self.device:
             raise IngotError(f"bind: {name!r} is compiled for {executable.device!r} but this executable runs on {self.device!r}.")
-        want_in = [s.type for s in site.src]
+        want_in = [s.type for s in site.src[1:]] if site.op == Op.IF else [s.type for s in site.src]
         want_out = list(site.type)
         have_in = [executable.feed_types[n] for n in executable.feed_order]
         have_out = executable.output_types

@@ -197,6 +197,7 @@ class OnnxImport:
     output_dtypes: dict[str, np.dtype]             # the dtypes ONNX declares for the outputs
     input_dtypes: dict[str, np.dtype]
     constant_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # inputs fixed at import
+    branches: dict[str, Any] = field(default_factory=dict)  # If branches compiled as callables (onnx_control.py)
 
 
 def _attribute_value(attr, what: str = "onnx model") -> Any:
@@ -408,7 +409,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
             raise IngotError(f"{what}: output {vi.name!r} is produced by no node.")
         outputs[vi.name] = values[vi.name]
         output_dtypes[vi.name] = _output_dtype(vi) or values[vi.name].dtype.storage
-    return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes, constant_inputs)
+    return OnnxImport(g, inputs, outputs, output_dtypes, input_dtypes, constant_inputs, ctx.branches)
 
 
 def _convert_graph(ctx: Context, graph, values: dict[str, Tensor], what: str) -> None:
@@ -613,8 +614,10 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
     placeholders = {n.name for n in program.nodes() if n.op == Op.PLACEHOLDER}
     program, history = run_pipeline(program, debug)
     inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
-    return OnnxExecutable(program, device, history, inputs, list(imported.outputs),
-                          list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs)
+    exe = OnnxExecutable(program, device, history, inputs, list(imported.outputs),
+                         list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs)
+    onnx_control.bind_branches(exe, imported.branches, debug)
+    return exe
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Sequence[int]] | None = None,

@@ -1,25 +1,49 @@
-"""ONNX control flow, all resolved at import: Loop and Scan unrolled (static trip counts, conditions
-known at import), and If folded. Its condition must be known then (a constant, shape
-arithmetic, or computed from inputs fixed with constant_inputs=, which from_onnx does per value at
-run for a small input such as a sample rate); the chosen branch is converted into the graph and
-the other is never read. An If whose condition depends on a tensor's data is refused."""
+"""ONNX control flow: Loop and Scan unrolled at import (static trip counts, conditions known at
+import), and If folded where its condition is known then (a constant, shape arithmetic, or computed
+from inputs fixed with constant_inputs=, which from_onnx does per value at run for small inputs such
+as a sample rate): the chosen branch is converted into the graph and the other is never read.
+
+An If whose condition depends on data (a larger input, or values computed from it) runs at run time:
+each branch is imported as a graph of its own, taking the outer values it reads as inputs, compiled
+into an executable, and bound as a callable of an `if` op, which runs the one its condition picks.
+Both branches must then return the same types (Ingot compiles static shapes).
+"""
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..graph import Tensor
+from ..ir import Op, Program, TensorType, toposort
 from ..ops import normalize_axis
-from .onnx_ops import Context, NeedsConstant, OnnxNode, converter, placeholders_of
+from .onnx_ops import Context, ImportGraph, NeedsConstant, OnnxNode, converter, placeholders_of
+
+
+@dataclass
+class Branch:
+    """An If branch imported on its own: its graph, inputs (placeholder name, type) and outputs."""
+    graph: ImportGraph
+    inputs: list[tuple[str, TensorType]]
+    outputs: list[Tensor]
+    branches: dict[str, "Branch"] = field(default_factory=dict)   # its own run-time Ifs
 
 
 @converter("If")
 def _if(ctx: Context, node: OnnxNode):
+    from .onnx import MAX_SPECIALIZED_ELEMENTS   # (onnx.py imports this module)
+
     cond = node.input(0)
     value = ctx.value(cond)
     if value is None:
-        sources = placeholders_of(cond)
-        raise NeedsConstant(f"{ctx.what}: {node.label}: Ingot folds If at import, so its condition must be known then, but "
-                            f"it is computed at run time{f' from graph inputs {sources} (fix them with constant_inputs=)' if sources else ''}.",
-                            sources)
+        sources = [n for n in toposort([cond.node]) if n.op == Op.PLACEHOLDER]
+        if sources and not ctx.in_branch and all(n.type.static and n.type.size <= MAX_SPECIALIZED_ELEMENTS for n in sources):
+            names = placeholders_of(cond)
+            raise NeedsConstant(f"{ctx.what}: {node.label}: Ingot folds an If whose condition comes from small inputs "
+                                f"at import, so its condition must be known then, but it is computed at run time from "
+                                f"graph inputs {names} (fix them with constant_inputs=).", names)
+        return _if_at_run_time(ctx, node, cond)
     if np.size(value) != 1:
         raise ctx.fail(node, f"a condition of {np.size(value)} values (ONNX requires one)")
     branch = node.attr("then_branch") if bool(np.asarray(value).reshape(-1)[0]) else node.attr("else_branch")
@@ -27,6 +51,63 @@ def _if(ctx: Context, node: OnnxNode):
     if len(outs) != len(node.outputs):
         raise ctx.fail(node, f"a branch with {len(outs)} outputs for {len(node.outputs)} node outputs")
     return outs
+
+
+def outer_names(graph) -> list[str]:
+    """The names a subgraph reads from its enclosing scopes (nested subgraphs included), in first-use order."""
+    local = {vi.name for vi in graph.input} | {i.name for i in graph.initializer}
+    found: dict[str, None] = {}
+    for n in graph.node:
+        reads = list(n.input)
+        for a in n.attribute:
+            reads += [name for sub in ([a.g] if a.type == a.GRAPH else list(a.graphs)) for name in outer_names(sub)]
+        found.update((name, None) for name in reads if name and name not in local)
+        local.update(o for o in n.output if o)
+    found.update((vi.name, None) for vi in graph.output if vi.name not in local)
+    return list(found)
+
+
+def _if_at_run_time(ctx: Context, node: OnnxNode, cond: Tensor) -> list[Tensor]:
+    from .onnx import _convert_subgraph
+
+    if cond.type.size != 1:
+        raise ctx.fail(node, f"a condition of shape {list(cond.shape)} (ONNX requires one value)")
+    graphs = [node.attr("then_branch"), node.attr("else_branch")]
+    outer = {name: ctx.scope[name] for g in graphs for name in outer_names(g) if name in ctx.scope}
+    passed = [name for name, t in outer.items() if ctx.value(t) is None]   # the rest enter as constants
+    built = []
+    for graph in graphs:
+        sub = Context(ImportGraph(ctx.g.max_elements), ctx.what, ctx.opsets, ctx.quantize, in_branch=True)
+        sub.import_subgraph = lambda s, o, i=(), sub=sub: _convert_subgraph(sub, s, o, ctx.what, i)
+        values = {}
+        for i, (name, t) in enumerate(outer.items()):
+            v = sub.g.placeholder(t.shape, t.dtype, name=f"input_{i}") if name in passed else sub.g.constant(ctx.value(t))
+            values[name] = sub.declare(v, ctx.onnx_dtype(t))
+        built.append((sub, _convert_subgraph(sub, graph, values, ctx.what)))
+    types = [[o.type for o in outs] for _, outs in built]
+    if len(types[0]) != len(node.outputs) or types[0] != types[1]:
+        raise ctx.fail(node, f"a condition computed at run time and branches that return {types[0]} and {types[1]} "
+                             "(Ingot runs such an If only between branches of the same types)")
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", node.outputs[0])[:80]
+    names = [f"if{len(ctx.branches)}_{stem}_{side}" for side in ("then", "else")]
+    for name, (sub, outs) in zip(names, built):
+        inputs = [(f"input_{i}", t.type) for i, (n, t) in enumerate(outer.items()) if n in passed]
+        ctx.branches[name] = Branch(sub.g, inputs, outs, sub.branches)
+    return ctx.g.if_call(cond, names[0], names[1], [outer[n] for n in passed], types[0])
+
+
+def bind_branches(exe, branches: dict[str, Branch], debug=False) -> None:
+    """Compile each run-time If branch (and theirs) for exe's device and bind it to exe's `if` ops."""
+    from ..compiler import run_pipeline
+    from ..runtime import Executable
+
+    for name, b in branches.items():
+        if name not in exe.call_sites:   # an If the compiler dropped (its result unused)
+            continue
+        program, history = run_pipeline(Program([t.node for t in b.outputs], [], dict(b.graph.constants), {}), debug)
+        branch = Executable(program, exe.device, history=history, inputs=b.inputs)
+        bind_branches(branch, b.branches, debug)
+        exe.bind(name, branch)
 
 
 MAX_UNROLLED_NODES = 20_000   # a Loop or Scan is unrolled at import only up to this many body nodes in all

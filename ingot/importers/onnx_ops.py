@@ -109,7 +109,7 @@ class ImportGraph(Graph):
         out = super()._op(op, src, attrs, name)
         if isinstance(out.node.type, TensorType):
             self.check_elements(out.node.type.shape, f"the {op.name.lower()} result")
-        if op in GroupOp.Source or op in (Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.CALL, Op.GET_ITEM):
+        if op in GroupOp.Source or op in (Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.CALL, Op.IF, Op.GET_ITEM):
             return out
         t = out.node.type
         if not isinstance(t, TensorType) or t.dtype.packed or t.size > KNOWN_MAX_ELEMENTS:
@@ -168,6 +168,8 @@ class Context:
     declared: dict[int, np.dtype] = field(default_factory=dict)  # node id -> its ONNX type, where Ingot holds it wider
     scope: dict[str, Tensor] | None = None      # the values the graph being converted can read, by ONNX name
     import_subgraph: Any = None                 # (subgraph, outer values) -> its outputs, converted in place
+    branches: dict[str, Any] = field(default_factory=dict)  # If branches run at run time, by callable name
+    in_branch: bool = False                     # converting such a branch (its inputs are not the model's)
 
     def onnx_dtype(self, t: Tensor) -> np.dtype:
         """The NumPy dtype of t's ONNX type (uint16 for a uint16 held in int32), where the import knows it."""

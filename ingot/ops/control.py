@@ -1,8 +1,8 @@
-"""Sources, state and calls: placeholder, constant, variable, assign, call, get_item."""
+"""Sources, state and calls: placeholder, constant, variable, assign, call, if, get_item."""
 from __future__ import annotations
 
 from ..errors import IngotError
-from ..ir import Op
+from ..ir import Op, TensorType
 from . import fail, register
 
 
@@ -35,6 +35,16 @@ def _call_rule(types, attrs):
 
 
 register(Op.CALL, _call_rule, _no_reference(Op.CALL))
+
+
+def _if_rule(types, attrs):
+    cond = types[0]
+    if not isinstance(cond, TensorType) or not cond.static or cond.size != 1 or tuple(types[1:]) != tuple(attrs["input_types"]):
+        raise fail(Op.IF, types, f"a condition of one value, then inputs {list(attrs['input_types'])}")
+    return tuple(attrs["output_types"])
+
+
+register(Op.IF, _if_rule, _no_reference(Op.IF))
 
 
 def _get_item_rule(types, attrs):

@@ -43,7 +43,7 @@ class Body:
         for n in nodes:
             if n.id in inside:
                 continue
-            if n.op in GroupOp.Source or n.op in (Op.ASSIGN, Op.CALL):
+            if n.op in GroupOp.Source or n.op in (Op.ASSIGN, Op.CALL, Op.IF):
                 raise IngotError(f"fused: a body may not hold {n.op.name.lower()} nodes (sources enter as parameters).")
             inside.add(n.id)
         object.__setattr__(self, "nodes", nodes)

@@ -34,7 +34,7 @@ def _same_value(a: Node, b: Node, constants: dict, depth: int = 4) -> bool:
     """a and b compute the same scalar (the same node, or the same op over the same sources: pos + 1 twice)."""
     if a is b:
         return True
-    if depth == 0 or a.op != b.op or a.type != b.type or len(a.src) != len(b.src) or a.op == Op.CALL:
+    if depth == 0 or a.op != b.op or a.type != b.type or len(a.src) != len(b.src) or a.op in (Op.CALL, Op.IF):
         return False
     if a.op in (Op.PLACEHOLDER, Op.VARIABLE):
         return a.name == b.name

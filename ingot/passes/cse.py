@@ -22,7 +22,7 @@ def eliminate_common_subexpressions(program: Program) -> tuple[Program, bool]:
             key = ("const", node.type, value.dtype.str, value.tobytes()) if value.nbytes <= SMALL_CONSTANT else new.key()
         elif node.op in (Op.PLACEHOLDER, Op.VARIABLE):
             key = (node.op, node.name)
-        elif node.op in (Op.ASSIGN, Op.CALL):
+        elif node.op in (Op.ASSIGN, Op.CALL, Op.IF):
             key = ("unique", node.id)
         else:
             key = new.key()

@@ -14,7 +14,7 @@ from ..ir import GroupOp, Node, Op, Program, TensorType
 from ..ops import reference
 from . import Context, graph_rewrite
 
-NO_FOLD = frozenset({Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.QUANTIZED_GATHER_MATMUL, Op.BROADCAST_TO, Op.CALL, Op.GET_ITEM,
+NO_FOLD = frozenset({Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.QUANTIZED_GATHER_MATMUL, Op.BROADCAST_TO, Op.CALL, Op.IF, Op.GET_ITEM,
                      Op.ASSIGN, Op.ARRAY_VIEW}) | GroupOp.Source
 MAX_ELEMENTS = 1 << 20
 

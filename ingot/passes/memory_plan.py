@@ -18,7 +18,7 @@ from .fold import widens_weight
 
 def _planned(node: Node, keep: set[int]) -> bool:
     # a bf16 weight's cast to float32 is a load-time value (CPU) or never made (CUDA): no buffer
-    return (node.op not in GroupOp.Source and not widens_weight(node) and node.op not in GroupOp.View and node.op not in (Op.CALL, Op.GET_ITEM, Op.ASSIGN, Op.FUSED)
+    return (node.op not in GroupOp.Source and not widens_weight(node) and node.op not in GroupOp.View and node.op not in (Op.CALL, Op.IF, Op.GET_ITEM, Op.ASSIGN, Op.FUSED)
             and not node.attrs.get("inplace") and node.id not in keep and isinstance(node.type, TensorType) and node.type.static)
 
 

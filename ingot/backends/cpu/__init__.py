@@ -330,7 +330,7 @@ class CpuPlan:
                 t = node.type
                 out = buffers[program.memory_plan[node.id]][: t.nbytes].view(t.dtype.storage).reshape(
                     dt.storage_shape(t.shape, t.dtype))
-            if node.op == Op.CALL:
+            if node.op in (Op.CALL, Op.IF):
                 fn = _call_step(node, executable)
             elif node.op in WITH_OPTIONS:
                 fn = LOWERINGS[node.op](node, out, options)
@@ -413,15 +413,20 @@ def _assign(state: dict[str, np.ndarray], updates: list[tuple[str, np.ndarray]])
 
 
 def _call_step(node: Node, executable) -> StepFn:
-    name = node.attrs["name"]
+    """A call, or an if: its condition (src 0) picks which bound executable runs."""
 
-    def call(*xs):
+    def call(*xs, name=node.attrs.get("name")):
         target = executable.callables.get(name)
         if target is None:
             raise IngotError(f"call: no executable is bound to {name!r}; pass callables={{{name!r}: exe}} or exe.bind().")
         outs = target.run(list(xs))
         # a result that is a view of an input would alias this plan's buffers: give it its own memory
         return tuple(np.array(o, copy=True) if any(np.may_share_memory(o, x) for x in xs) else o for o in outs)
+
+    if node.op == Op.IF:
+        def branch(cond, *xs):
+            return call(*xs, name=node.attrs["then"] if bool(np.asarray(cond).reshape(-1)[0]) else node.attrs["else"])
+        return branch
     return call
 
 

@@ -599,15 +599,21 @@ def _get_item(ctx: Lowering) -> StepFn:
 
 
 def _call(ctx: Lowering, executable) -> StepFn:
-    name = ctx.node.attrs["name"]
+    """A call, or an if: its condition (src 0) read on the host picks which bound executable runs."""
+    node = ctx.node
     ctx.syncs("a call (its executable can be re-bound)")
 
-    def call(*xs):
+    def call(*xs, name=node.attrs.get("name")):
         target = executable.callables.get(name)
         if target is None:
             raise IngotError(f"call: no executable is bound to {name!r}; pass callables={{{name!r}: exe}} or exe.bind().")
         outs = target.run(list(xs))
         return tuple(o.clone() if any(_shares(o, x) for x in xs) else o for o in outs)
+
+    if node.op == Op.IF:
+        def branch(cond, *xs):
+            return call(*xs, name=node.attrs["then"] if bool(cond.reshape(-1)[0].item()) else node.attrs["else"])
+        return branch
     return call
 
 

@@ -87,7 +87,7 @@ class CudaPlan:
                 steps.append((kernel, tuple(self.slot[x.id] for x in kernel.inputs), (s,), "region"))
                 continue
             ctx = Lowering(self, node)
-            fn, name = (_call(ctx, executable), "call") if node.op == Op.CALL else lower(ctx)
+            fn, name = (_call(ctx, executable), "call") if node.op in (Op.CALL, Op.IF) else lower(ctx)
             reads = node.src if ctx.reads is None else [node.src[i] for i in ctx.reads]
             steps.append((fn, tuple(self.slot[x.id] for x in reads), self._outputs(node, users, done), name))
 
@@ -123,7 +123,7 @@ class CudaPlan:
         self.output_copies = [i for i, n in enumerate(program.outputs)
                               if base[n.id].op in (Op.VARIABLE, Op.CONSTANT, Op.PLACEHOLDER)]
         self.capturable = device.type == "cuda" and not self.host_syncs and self.options.cuda.graphs and \
-            all(isinstance(n.type, (TensorType, tuple)) and (n.op == Op.CALL or _static(n.type)) for n in nodes)
+            all(isinstance(n.type, (TensorType, tuple)) and (n.op in (Op.CALL, Op.IF) or _static(n.type)) for n in nodes)
         self._graphs: dict[int, dict] = {}
         self._runs: dict[int, int] = {}
         self._stage = None

@@ -49,6 +49,7 @@ from ..ir import GroupOp, Op, Program, TensorType
 from ..runtime import Executable, Outputs
 from . import (onnx_attention, onnx_control, onnx_integer, onnx_math, onnx_nn, onnx_quant, onnx_recurrent, onnx_shape,  # noqa: F401
                onnx_signal, onnx_training)  # (registration)
+from .onnx_staged import NeedsHostStep, StagedOnnxExecutable
 from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
                        MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array, ingot_dtype)
 
@@ -648,6 +649,8 @@ def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Seq
         if not names or not all(_may_specialize(model, n) for n in names):
             raise
         return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug, names)
+    except NeedsHostStep as e:   # NonZero and the like on data: two compiled stages around a host step
+        return StagedOnnxExecutable(model, e.outputs, lambda m: from_onnx(m, device, input_shapes, constant_inputs, quantize, debug))
     return compile_import(imported, device, debug)
 
 
@@ -734,6 +737,10 @@ class SpecializingOnnxExecutable:
             try:
                 imported = import_onnx(self.model, shapes, what=self.what, constant_inputs=fixed, quantize=self.quantize)
                 break
+            except NeedsHostStep as e:
+                exe = StagedOnnxExecutable(self.model, e.outputs, lambda m: from_onnx(m, self.device, shapes, fixed, self.quantize,
+                                                                                      self.debug))
+                return self._keep(key, exe)
             except NeedsConstant as e:
                 new = [n for n in e.input_names if n not in fixed and n in self.onnx_inputs]
                 if not new:
@@ -742,7 +749,9 @@ class SpecializingOnnxExecutable:
                 key = self._key(feeds)
                 if key in self.compiled:
                     return self.compiled[key]
-        exe = compile_import(imported, self.device, self.debug)
+        return self._keep(key, compile_import(imported, self.device, self.debug))
+
+    def _keep(self, key: tuple, exe):
         if len(self.compiled) >= MAX_SPECIALIZATIONS:
             del self.compiled[next(iter(self.compiled))]
         self.compiled[key] = exe

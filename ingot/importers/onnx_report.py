@@ -37,12 +37,13 @@ Flatten Floor Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalM
 GridSample GroupNormalization GRU HammingWindow HannWindow Hardmax HardSigmoid HardSwish If
 InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual LinearAttention Log LogSoftmax
 LpNormalization LpPool LRN LSTM MatMul MatMulInteger Max MaxPool MaxUnpool Mean MeanVarianceNormalization Min
-Mish Mod Mul Neg NegativeLogLikelihoodLoss Not OneHot Or Pad Pow PRelu QLinearMatMul QuantizeLinear Range
+Mish Mod Mul Neg NegativeLogLikelihoodLoss NonMaxSuppression NonZero Not OneHot Or Pad Pow PRelu QLinearConv
+QLinearMatMul QuantizeLinear Range
 Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum
 ReduceSumSquare Relu Reshape Resize ReverseSequence RMSNormalization RNN RotaryEmbedding Round Scan Scatter
 ScatterElements ScatterND Selu Shape Shrink Sigmoid Sign Sin Sinh Size Slice Softmax SoftmaxCrossEntropyLoss
 Softplus Softsign SpaceToDepth Split Sqrt Squeeze STFT Sub Sum SwiGLU Swish Tan Tanh TensorScatter
-ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample Where Xor
+ThresholdedRelu Tile TopK Transpose Trilu Unique Unsqueeze Upsample Where Xor
 """.split())
 
 

@@ -124,20 +124,23 @@ def test_integer_activation_gemv_matches_its_model(qdtype, rows, has_bias, param
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
-def test_packed_kernel_block_ranges(chunks):
+@pytest.mark.parametrize("columns", [(0, 30), (0, 12), (12, 30), (4, 6)])
+def test_packed_kernel_block_and_column_ranges(chunks, columns):
+    """A kernel call covers blocks b0..b1 of k and writes columns c0..c1 of out, nothing else."""
     k, n, block = 64, 30, 16
+    c0, c1 = columns
     q, scale, bias = kmajor_weight(k, n, dt.uint4, block)
     x = RNG.standard_normal((2, k)).astype(np.float32)
-    out = np.empty((2, n), np.float32)
+    out = np.zeros((2, n), np.float32)
     nb = k // block
     bounds = [nb * i // chunks for i in range(chunks + 1)]
-    out[...] = 0
     for b0, b1 in zip(bounds, bounds[1:]):
-        part = np.empty_like(out)
-        kernels.kmajor_packed4(x, q, scale, bias, True, np.uint32(0), b0, b1, part)
-        out += part
+        part = np.full_like(out, np.nan)
+        kernels.kmajor_packed4(x, q, scale, bias, True, np.uint32(0), b0, b1, c0, c1, part)
+        assert np.isnan(part[:, :c0]).all() and np.isnan(part[:, c1:]).all()
+        out[:, c0:c1] += part[:, c0:c1]
     w = dt.unpack_int4(q, n, signed=False).astype(np.float32) * np.repeat(scale, block, 0) + np.repeat(bias, block, 0)
-    np.testing.assert_allclose(out, x @ w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out[:, c0:c1], (x @ w)[:, c0:c1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tq,length,causal,window,softcap", [
@@ -175,15 +178,65 @@ def test_rms_norm_and_silu():
     np.testing.assert_allclose(nn_kernels.silu(x), x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
 
 
-def test_threads_split_the_reduction_axis():
-    k, n, block = 256, 64, 32
-    q, scale, bias = kmajor_weight(k, n, dt.int4, block)
-    x = RNG.standard_normal((2, k)).astype(np.float32)
-    serial, threaded = np.empty((2, n), np.float32), np.empty((2, n), np.float32)
-    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, serial, 0)
-    kernels.split_blocks(kernels.kmajor_packed4, (x, q, scale, bias, True, np.uint32(0x88)), k // block, threaded, 10**9,
-                         threads=3)
-    np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-5)
+def _kernel_cases(k, n, rows):
+    """(kernel, its leading arguments, blocks) for every GEMV kernel the team drives, on one random
+    weight each (float16 parameters for two of them)."""
+    from ingot.backends.cpu import lut_kernels
+    x = RNG.standard_normal((rows, k)).astype(np.float32)
+    q4, scale, bias = kmajor_weight(k, n, dt.int4, 32)
+    q8, _, _ = kmajor_weight(k, n, dt.int8, 32)
+    h = lambda a: a.astype(np.float16).view(np.uint16)  # noqa: E731  (the kernels' form of float16)
+    table = RNG.standard_normal(16).astype(np.float32)
+    cases = [(kernels.kmajor_packed4, (x, q4, scale, bias, True, np.uint32(0x88)), k // 32),
+             (kernels.kmajor_packed4, (x, q4, h(scale), h(bias), True, np.uint32(0)), k // 32),
+             (kernels.kmajor_int8, (x, q8, scale, bias, True), k // 32),
+             (kernels.kmajor_packed4_xq, (x, q4, scale, bias, True, np.uint8(0), np.float32(8)), k // 32),
+             (kernels.kmajor_int8_xq, (x, q8, h(scale), h(bias), True, np.int8(0), np.float32(0)), k // 32),
+             (lut_kernels.scaled_lut_gemv_packed4, (x, q4, table, scale), k // 32)]
+    if lut_kernels.SHUFFLE:
+        cases.append((lut_kernels.scaled_lut_gemv_int, (x, q4, np.arange(-8, 8, dtype=np.int8), scale), k // 32))
+    return cases
+
+
+@pytest.mark.parametrize("k,n,rows", [(256, 64, 2), (96, 4160, 3), (64, 4096 + 2050, 1)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_team_matches_one_thread(k, n, rows, threads):
+    """Every GEMV kernel split over a team (along k for narrow outputs, along columns for wide ones:
+    n >= SPLIT_COLUMNS, ragged last chunk) gives the one-thread result."""
+    for kernel, head, nb in _kernel_cases(k, n, rows):
+        serial, threaded = np.empty((rows, n), np.float32), np.full((rows, n), np.nan, np.float32)
+        kernels.split_blocks(kernel, head, nb, serial, 0)
+        kernels.split_blocks(kernel, head, nb, threaded, 10**9, threads=threads)
+        np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-4, err_msg=kernel.__name__)
+
+
+def test_team_under_contention():
+    """Many small jobs from two Python threads at once: the one that finds the team busy runs alone;
+    every result is right, and a worker that slept between jobs is woken."""
+    import threading
+    import time
+    cases = _kernel_cases(128, 96, 2)[:2]
+    want = []
+    for kernel, head, nb in cases:
+        want.append(np.empty((2, 96), np.float32))
+        kernel(*head, 0, nb, 0, 96, want[-1])
+    errors = []
+
+    def hammer(i):
+        kernel, head, nb = cases[i]
+        for j in range(300):
+            out = np.empty((2, 96), np.float32)
+            kernels.split_blocks(kernel, head, nb, out, 10**9, threads=2)
+            if not np.allclose(out, want[i], rtol=1e-5, atol=1e-4):
+                errors.append((i, j))
+            if j == 150:
+                time.sleep(0.05)  # past the workers' spin: they sleep, the next job wakes them
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
 
 
 def test_half_parameters_convert_exactly():
@@ -194,7 +247,7 @@ def test_half_parameters_convert_exactly():
     def convert(bits, out):
         buf = np.empty(bits.shape[1], np.float32)
         for b in range(bits.shape[0]):
-            out[b] = kernels.params_row(bits, b, buf)
+            out[b] = kernels.params_row(bits, b, buf, 0, buf.shape[0])
 
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     halves = halves[np.isfinite(halves)].reshape(-1, 62)  # 63488 finite values: 1024 rows of 62

@@ -16,234 +16,272 @@ from numba import njit
 from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
+from . import team
 from .nn_kernels import (_layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm, rope_rows,
                          rope_write_attend)
 
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 
 
-def params_row(p, b, buf):
+def params_row(p, b, buf, lo, hi):
     """Row b of a [nb, N] parameter array as float32: the row itself, or for float16 parameters
-    (held as their uint16 bits; numba has no float16) the row converted into buf."""
+    (held as their uint16 bits; numba has no float16) its entries lo..hi converted into buf (the
+    rest of buf is not written)."""
     return p[b]
 
 
 @numba.extending.overload(params_row, jit_options=dict(fastmath=True, nogil=True))
-def _params_row(p, b, buf):
+def _params_row(p, b, buf, lo, hi):
     if p.dtype != numba.types.uint16:
-        return lambda p, b, buf: p[b]
+        return lambda p, b, buf, lo, hi: p[b]
 
-    def half_to_float(p, b, buf):
+    def half_to_float(p, b, buf, lo, hi):
         # exact for normals, zeros and subnormals: the f16 exponent and mantissa shifted into an f32,
         # then scaled by 2**112 (the difference of the two exponent biases)
         row = p[b]
         bits = buf.view(np.uint32)
-        for i in range(row.shape[0]):
+        for i in range(lo, hi):
             h = np.uint32(row[i])
             bits[i] = ((h & np.uint32(0x7FFF)) << np.uint32(13)) | ((h & np.uint32(0x8000)) << np.uint32(16))
-        for i in range(row.shape[0]):
+        for i in range(lo, hi):
             buf[i] *= np.float32(5.192296858534828e33)
         return buf
     return half_to_float
 
 
-def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, out):
-    """out[m, :] = x[m, rows of blocks b0..b1) @ W[those rows] for a k-major 4-bit W: q [K, N/2]
-    (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset), float32
-    or float16 bits (see params_row). int4 weights are read as uint4 (flip = 0x88 turns each
-    two's-complement nibble n into n + 8) with -8 * scale folded into the offset by the caller.
-    Vectorised across output columns (8 bytes -> 8 int32 lanes -> float); a block range lets threads
-    split the reduction axis, each streaming one contiguous part of the weight. (Four rows per pass
-    over the accumulators ran 2x faster from cache but 1.6x slower streaming from memory.)"""
+COLUMN_TILE = 1 << 16  # output columns per pass of a GEMV kernel. Tiles that keep the sums in L1
+                       # (1-4K columns) were slower streaming from memory: each row's run of a tile
+                       # is a page or less, and the prefetcher stops at pages; whole rows stream.
+
+
+def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
+    """out[:, c0:c1] = x[:, rows of blocks b0..b1) @ W[those rows, c0:c1] for a k-major 4-bit W:
+    q [K, N/2] (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset),
+    float32 or float16 bits (see params_row); c0, c1 even. int4 weights are read as uint4 (flip =
+    0x88 turns each two's-complement nibble n into n + 8) with -8 * scale folded into the offset by
+    the caller. Vectorised across output columns (8 bytes -> 8 int32 lanes -> float), one row of W
+    at a time (streams best from memory); columns in tiles of COLUMN_TILE, and within a block of W
+    every row of x in turn, so that W is read once however many rows x has (a server's batch)."""
     m_rows, k = x.shape
-    half = q.shape[1]
     nb = scale.shape[0]
     bs = k // nb
+    th = max(2, min(COLUMN_TILE, c1 - c0)) // 2
     low, shift = np.uint32(15), np.uint32(4)
-    acc_e = np.empty(half, np.float32)
-    acc_o = np.empty(half, np.float32)
-    res_e = np.empty(half, np.float32)
-    res_o = np.empty(half, np.float32)
-    sbuf = np.empty(2 * half, np.float32)
-    obuf = np.empty(2 * half, np.float32)
-    for m in range(m_rows):
-        res_e[:] = 0
-        res_o[:] = 0
+    acc_e = np.empty(th, np.float32)
+    acc_o = np.empty(th, np.float32)
+    res_e = np.empty((m_rows, th), np.float32)
+    res_o = np.empty((m_rows, th), np.float32)
+    sbuf = np.empty(2 * q.shape[1], np.float32)
+    obuf = np.empty(2 * q.shape[1], np.float32)
+    for h0 in range(c0 // 2, c1 // 2, th):
+        w = min(c1 // 2 - h0, th)
+        res_e[:, :w] = 0
+        res_o[:, :w] = 0
         for b in range(b0, b1):
-            acc_e[:] = 0
-            acc_o[:] = 0
             k0 = b * bs
-            for kk in range(k0, k0 + bs):  # one row of W at a time: streams best from memory
-                xv = x[m, kk]
-                row = q[kk]
-                for i in range(half):  # int32 lanes: numba would widen uint8 arithmetic to int64
-                    v = np.uint32(row[i]) ^ flip
-                    acc_e[i] += np.float32(np.int32(v & low)) * xv
-                    acc_o[i] += np.float32(np.int32(v >> shift)) * xv
-            srow = params_row(scale, b, sbuf)
-            for i in range(half):
-                res_e[i] += acc_e[i] * srow[2 * i]
-                res_o[i] += acc_o[i] * srow[2 * i + 1]
-            if has_offset:
-                xs = np.float32(0.0)
+            srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
+            orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
+            for m in range(m_rows):
+                acc_e[:w] = 0
+                acc_o[:w] = 0
                 for kk in range(k0, k0 + bs):
-                    xs += x[m, kk]
-                orow = params_row(offset, b, obuf)
-                for i in range(half):
-                    res_e[i] += orow[2 * i] * xs
-                    res_o[i] += orow[2 * i + 1] * xs
-        for i in range(half):
-            out[m, 2 * i] = res_e[i]
-            out[m, 2 * i + 1] = res_o[i]
+                    xv = x[m, kk]
+                    row = q[kk, h0:h0 + w]   # a view: indices from 0 let LLVM vectorise (no wrap-around test)
+                    for i in range(w):  # int32 lanes: numba would widen uint8 arithmetic to int64
+                        v = np.uint32(row[i]) ^ flip
+                        acc_e[i] += np.float32(np.int32(v & low)) * xv
+                        acc_o[i] += np.float32(np.int32(v >> shift)) * xv
+                re, ro = res_e[m], res_o[m]
+                for i in range(w):
+                    re[i] += acc_e[i] * srow[2 * i]
+                    ro[i] += acc_o[i] * srow[2 * i + 1]
+                if has_offset:
+                    xs = np.float32(0.0)
+                    for kk in range(k0, k0 + bs):
+                        xs += x[m, kk]
+                    for i in range(w):
+                        re[i] += orow[2 * i] * xs
+                        ro[i] += orow[2 * i + 1] * xs
+        for m in range(m_rows):
+            om = out[m, 2 * h0:2 * (h0 + w)]
+            for i in range(w):
+                om[2 * i] = res_e[m, i]
+                om[2 * i + 1] = res_o[m, i]
 
 
-def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, out):
-    """out[m, :] = x[m, blocks b0..b1) @ W[those rows] for a k-major 8-bit W: q [K, N], scale and
-    offset [K / block, N]; int32 lanes, four rows of W per pass over the accumulators (which are
-    large here: a vocabulary-wide head's do not fit in L1; 1.4x faster than one row at a time)."""
+def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, c0, c1, out):
+    """out[:, c0:c1] = x[:, rows of blocks b0..b1) @ W[those rows, c0:c1] for a k-major 8-bit W:
+    q [K, N], scale and offset [K / block, N]; int32 lanes, four rows of W per pass over the sums
+    (1.4x faster than one row at a time); tiles of columns and rows of x as in _kmajor_packed4."""
     m_rows, k = x.shape
-    n = q.shape[1]
     nb = scale.shape[0]
     bs = k // nb
-    acc = np.empty(n, np.float32)
-    res = np.empty(n, np.float32)
-    sbuf = np.empty(n, np.float32)
-    obuf = np.empty(n, np.float32)
-    for m in range(m_rows):
-        res[:] = 0
+    tile = max(1, min(COLUMN_TILE, c1 - c0))
+    acc = np.empty(tile, np.float32)
+    res = np.empty((m_rows, tile), np.float32)
+    sbuf = np.empty(q.shape[1], np.float32)
+    obuf = np.empty(q.shape[1], np.float32)
+    for t0 in range(c0, c1, tile):
+        w = min(c1 - t0, tile)
+        res[:, :w] = 0
         for b in range(b0, b1):
-            acc[:] = 0
             k0 = b * bs
             k4 = k0 + bs // 4 * 4
-            for kk in range(k0, k4, 4):
-                x0, x1, x2, x3 = x[m, kk], x[m, kk + 1], x[m, kk + 2], x[m, kk + 3]
-                r0, r1, r2, r3 = q[kk], q[kk + 1], q[kk + 2], q[kk + 3]
-                for i in range(n):
-                    acc[i] += (np.float32(np.int32(r0[i])) * x0 + np.float32(np.int32(r1[i])) * x1
-                               + np.float32(np.int32(r2[i])) * x2 + np.float32(np.int32(r3[i])) * x3)
-            for kk in range(k4, k0 + bs):
-                xv = x[m, kk]
-                row = q[kk]
-                for i in range(n):
-                    acc[i] += np.float32(np.int32(row[i])) * xv
-            srow = params_row(scale, b, sbuf)
-            for i in range(n):
-                res[i] += acc[i] * srow[i]
-            if has_offset:
-                xs = np.float32(0.0)
-                for kk in range(k0, k0 + bs):
-                    xs += x[m, kk]
-                orow = params_row(offset, b, obuf)
-                for i in range(n):
-                    res[i] += orow[i] * xs
-        for i in range(n):
-            out[m, i] = res[i]
+            srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
+            orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
+            for m in range(m_rows):
+                acc[:w] = 0
+                for kk in range(k0, k4, 4):
+                    x0, x1, x2, x3 = x[m, kk], x[m, kk + 1], x[m, kk + 2], x[m, kk + 3]
+                    r0, r1 = q[kk, t0:t0 + w], q[kk + 1, t0:t0 + w]
+                    r2, r3 = q[kk + 2, t0:t0 + w], q[kk + 3, t0:t0 + w]
+                    for i in range(w):
+                        acc[i] += (np.float32(np.int32(r0[i])) * x0 + np.float32(np.int32(r1[i])) * x1
+                                   + np.float32(np.int32(r2[i])) * x2 + np.float32(np.int32(r3[i])) * x3)
+                for kk in range(k4, k0 + bs):
+                    xv = x[m, kk]
+                    row = q[kk, t0:t0 + w]
+                    for i in range(w):
+                        acc[i] += np.float32(np.int32(row[i])) * xv
+                r = res[m]
+                for i in range(w):
+                    r[i] += acc[i] * srow[i]
+                if has_offset:
+                    xs = np.float32(0.0)
+                    for kk in range(k0, k0 + bs):
+                        xs += x[m, kk]
+                    for i in range(w):
+                        r[i] += orow[i] * xs
+        for m in range(m_rows):
+            out[m, t0:t0 + w] = res[m, :w]
 
 
 XQ_BLOCK = 32  # activations rounded to int8 per this many k (CpuOptions.gemv_activations = "int8")
 
 
-def _round_block(x, m, k0, xb):
-    """x[m, k0:k0+32] rounded to int8 into xb as llama.cpp's Q8 blocks are (x ~ xb * d, d = max|x| / 127,
-    round half to even); returns (d, the block's exact float sum)."""
-    amax = np.float32(0.0)
-    total = np.float32(0.0)
-    for j in range(XQ_BLOCK):
-        v = x[m, k0 + j]
-        total += v
-        amax = max(amax, abs(v))
-    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-    for j in range(XQ_BLOCK):
-        xb[j] = np.int16(np.rint(x[m, k0 + j] * inv))
-    return amax / np.float32(127.0), total
+def _round_rows(x, s0, s1, xq, xd, xs):
+    """x[:, blocks s0..s1 of 32 k] rounded to int8 (held in int16) as llama.cpp's Q8 blocks are:
+    xq[m, k] * xd[m, b] ~ x[m, k], xd = max|x| / 127 over the block, round half to even; xs[m, b]
+    the block's exact float sum."""
+    for m in range(x.shape[0]):
+        for sb in range(s0, s1):
+            k0 = sb * XQ_BLOCK
+            amax = np.float32(0.0)
+            total = np.float32(0.0)
+            for j in range(XQ_BLOCK):
+                v = x[m, k0 + j]
+                total += v
+                amax = max(amax, abs(v))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for j in range(XQ_BLOCK):
+                xq[m, k0 + j] = np.int16(np.rint(x[m, k0 + j] * inv))
+            xd[m, sb] = amax / np.float32(127.0)
+            xs[m, sb] = total
 
 
-def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, out):
-    """_kmajor_packed4 with integer activations: x rounded to int8 per block of 32 k (_round_block),
+def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c1, out):
+    """_kmajor_packed4 with integer activations: x rounded to int8 per block of 32 k (_round_rows),
     each 32-row block of W multiplied as int8 x (nibble - 8) in int16 lanes (|sum| <= 32 * 127 * 8
     < 2**15), then out += scale * (d * dot + center * xsum) + offset * xsum in float32. center is 8
     for uint4 (w = (u - 8) * scale + 8 * scale + offset) and 0 for int4 read through flip = 0x88
     (u - 8 is then the signed value). s0..s1: blocks of 32 k; the weight's own block (its scale row)
-    is a multiple of 32."""
+    is a multiple of 32. Columns c0..c1 (even) in tiles, every row of x per block of W."""
     m_rows, k = x.shape
-    half = q.shape[1]
     bs = k // scale.shape[0]
-    acc_e = np.empty(half, np.int16)
-    acc_o = np.empty(half, np.int16)
-    res_e = np.empty(half, np.float32)
-    res_o = np.empty(half, np.float32)
-    sbuf = np.empty(2 * half, np.float32)
-    obuf = np.empty(2 * half, np.float32)
-    xb = np.empty(XQ_BLOCK, np.int16)
+    th = max(2, min(COLUMN_TILE, c1 - c0)) // 2
+    xq = np.empty((m_rows, k), np.int16)
+    xd = np.empty((m_rows, k // XQ_BLOCK), np.float32)
+    xs = np.empty((m_rows, k // XQ_BLOCK), np.float32)
+    _round_rows(x, s0, s1, xq, xd, xs)
+    acc_e = np.empty(th, np.int16)
+    acc_o = np.empty(th, np.int16)
+    res_e = np.empty((m_rows, th), np.float32)
+    res_o = np.empty((m_rows, th), np.float32)
+    sbuf = np.empty(2 * q.shape[1], np.float32)
+    obuf = np.empty(2 * q.shape[1], np.float32)
     low, shift, eight = np.uint8(15), np.uint8(4), np.int16(8)
-    for m in range(m_rows):
-        res_e[:] = 0
-        res_o[:] = 0
+    for h0 in range(c0 // 2, c1 // 2, th):
+        w = min(c1 // 2 - h0, th)
+        res_e[:, :w] = 0
+        res_o[:, :w] = 0
         for sb in range(s0, s1):
             k0 = sb * XQ_BLOCK
-            d, xsum = _round_block(x, m, k0, xb)
-            acc_e[:] = 0
-            acc_o[:] = 0
-            for j in range(XQ_BLOCK):
-                xv = xb[j]
-                row = q[k0 + j]
-                for i in range(half):  # int16 lanes (the np.int16 casts let LLVM narrow numba's int64)
-                    v = row[i] ^ flip
-                    acc_e[i] += np.int16(xv * (np.int16(v & low) - eight))
-                    acc_o[i] += np.int16(xv * (np.int16(v >> shift) - eight))
             b = k0 // bs
-            cx = center * xsum
-            srow = params_row(scale, b, sbuf)
-            for i in range(half):
-                res_e[i] += srow[2 * i] * (np.float32(acc_e[i]) * d + cx)
-                res_o[i] += srow[2 * i + 1] * (np.float32(acc_o[i]) * d + cx)
-            if has_offset:
-                orow = params_row(offset, b, obuf)
-                for i in range(half):
-                    res_e[i] += orow[2 * i] * xsum
-                    res_o[i] += orow[2 * i + 1] * xsum
-        for i in range(half):
-            out[m, 2 * i] = res_e[i]
-            out[m, 2 * i + 1] = res_o[i]
+            srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
+            orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
+            for m in range(m_rows):
+                acc_e[:w] = 0
+                acc_o[:w] = 0
+                for j in range(XQ_BLOCK):
+                    xv = xq[m, k0 + j]
+                    row = q[k0 + j, h0:h0 + w]
+                    for i in range(w):  # int16 lanes (the np.int16 casts let LLVM narrow numba's int64)
+                        v = row[i] ^ flip
+                        acc_e[i] += np.int16(xv * (np.int16(v & low) - eight))
+                        acc_o[i] += np.int16(xv * (np.int16(v >> shift) - eight))
+                d = xd[m, sb]
+                cx = center * xs[m, sb]
+                re, ro = res_e[m], res_o[m]
+                for i in range(w):
+                    re[i] += srow[2 * i] * (np.float32(acc_e[i]) * d + cx)
+                    ro[i] += srow[2 * i + 1] * (np.float32(acc_o[i]) * d + cx)
+                if has_offset:
+                    xsum = xs[m, sb]
+                    for i in range(w):
+                        re[i] += orow[2 * i] * xsum
+                        ro[i] += orow[2 * i + 1] * xsum
+        for m in range(m_rows):
+            om = out[m, 2 * h0:2 * (h0 + w)]
+            for i in range(w):
+                om[2 * i] = res_e[m, i]
+                om[2 * i + 1] = res_o[m, i]
 
 
-def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, out):
+def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c1, out):
     """_kmajor_int8 with integer activations: x rounded as in _kmajor_packed4_xq, int8 x int8 dot
     products per block of 32 k (two rows' products summed in int16 lanes, then int32), then
     out += scale * (d * dot + center * xsum) + offset * xsum. A uint8 W is read as int8 through
-    flip = 0x80 (u - 128) with center 128; an int8 W has flip 0, center 0."""
+    flip = 0x80 (u - 128) with center 128; an int8 W has flip 0, center 0. Columns in tiles."""
     m_rows, k = x.shape
-    n = q.shape[1]
     bs = k // scale.shape[0]
-    acc = np.empty(n, np.int32)
-    res = np.empty(n, np.float32)
-    sbuf = np.empty(n, np.float32)
-    obuf = np.empty(n, np.float32)
-    xb = np.empty(XQ_BLOCK, np.int16)
-    for m in range(m_rows):
-        res[:] = 0
+    xq = np.empty((m_rows, k), np.int16)
+    xd = np.empty((m_rows, k // XQ_BLOCK), np.float32)
+    xs = np.empty((m_rows, k // XQ_BLOCK), np.float32)
+    _round_rows(x, s0, s1, xq, xd, xs)
+    tile = max(1, min(COLUMN_TILE, c1 - c0))
+    acc = np.empty(tile, np.int32)
+    res = np.empty((m_rows, tile), np.float32)
+    sbuf = np.empty(q.shape[1], np.float32)
+    obuf = np.empty(q.shape[1], np.float32)
+    for t0 in range(c0, c1, tile):
+        w = min(c1 - t0, tile)
+        res[:, :w] = 0
         for sb in range(s0, s1):
             k0 = sb * XQ_BLOCK
-            d, xsum = _round_block(x, m, k0, xb)
-            acc[:] = 0
-            for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
-                x0, x1, x2, x3 = xb[j], xb[j + 1], xb[j + 2], xb[j + 3]
-                r0, r1, r2, r3 = q[k0 + j], q[k0 + j + 1], q[k0 + j + 2], q[k0 + j + 3]
-                for i in range(n):
-                    w0, w1 = np.int16(np.int8(r0[i] ^ flip)), np.int16(np.int8(r1[i] ^ flip))
-                    w2, w3 = np.int16(np.int8(r2[i] ^ flip)), np.int16(np.int8(r3[i] ^ flip))
-                    acc[i] += np.int32(np.int16(x0 * w0 + x1 * w1)) + np.int32(np.int16(x2 * w2 + x3 * w3))
             b = k0 // bs
-            cx = center * xsum
-            srow = params_row(scale, b, sbuf)
-            for i in range(n):
-                res[i] += srow[i] * (np.float32(acc[i]) * d + cx)
-            if has_offset:
-                orow = params_row(offset, b, obuf)
-                for i in range(n):
-                    res[i] += orow[i] * xsum
-        for i in range(n):
-            out[m, i] = res[i]
+            srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
+            orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
+            for m in range(m_rows):
+                acc[:w] = 0
+                for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
+                    x0, x1, x2, x3 = xq[m, k0 + j], xq[m, k0 + j + 1], xq[m, k0 + j + 2], xq[m, k0 + j + 3]
+                    r0, r1 = q[k0 + j, t0:t0 + w], q[k0 + j + 1, t0:t0 + w]
+                    r2, r3 = q[k0 + j + 2, t0:t0 + w], q[k0 + j + 3, t0:t0 + w]
+                    for i in range(w):
+                        w0, w1 = np.int16(np.int8(r0[i] ^ flip)), np.int16(np.int8(r1[i] ^ flip))
+                        w2, w3 = np.int16(np.int8(r2[i] ^ flip)), np.int16(np.int8(r3[i] ^ flip))
+                        acc[i] += np.int32(np.int16(x0 * w0 + x1 * w1)) + np.int32(np.int16(x2 * w2 + x3 * w3))
+                d = xd[m, sb]
+                cx = center * xs[m, sb]
+                r = res[m]
+                for i in range(w):
+                    r[i] += srow[i] * (np.float32(acc[i]) * d + cx)
+                if has_offset:
+                    xsum = xs[m, sb]
+                    for i in range(w):
+                        r[i] += orow[i] * xsum
+        for m in range(m_rows):
+            out[m, t0:t0 + w] = res[m, :w]
 
 
 def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
@@ -253,7 +291,7 @@ def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
     low, shift = np.uint32(15), np.uint32(4)
     sbuf = np.empty(2 * q.shape[1], np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
-        srow = params_row(scale, b, sbuf)
+        srow = params_row(scale, b, sbuf, 2 * i0, 2 * i1)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             row = q[k]
             for i in range(i0, i1):
@@ -266,7 +304,7 @@ def _scaled_tile_int8(q, scale, k0, k1, block, i0, i1, out):
     """out[k - k0, :] = q[k, i0:i1] * scale[k // block, i0:i1] for a k-major 8-bit weight."""
     sbuf = np.empty(q.shape[1], np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
-        srow = params_row(scale, b, sbuf)
+        srow = params_row(scale, b, sbuf, i0, i1)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             for i in range(i0, i1):
                 out[k - k0, i - i0] = np.float32(np.int32(q[k, i])) * srow[i]
@@ -278,10 +316,10 @@ scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
 GEMM_TILE_ELEMENTS = 1 << 21  # 8 MB of float32 per dequantized tile
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
-_round_block = njit(inline="always", **_serial)(_round_block)
+_round_rows = njit(inline="always", **_serial)(_round_rows)
 kmajor_packed4_xq = njit(**_serial)(_kmajor_packed4_xq)
 kmajor_int8_xq = njit(**_serial)(_kmajor_int8_xq)
-PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller matmuls are not worth waking another thread (~50 us in a VM)
+PARALLEL_MIN_WEIGHTS = 3 << 18  # smaller GEMVs ran slower on two threads than on one (576 x 960: 35 -> 45 us)
 PARALLEL_MIN_GEMM = 1 << 22     # multiply-adds from which a GEMM splits its columns over the pool
 
 
@@ -338,21 +376,96 @@ def blas_threads(n: int) -> None:
     _blas["threads"] = n
 
 
+def _chunks(kernel):
+    """The team driver of a GEMV kernel(*head, b0, b1, out) (see team.py): takes chunks of blocks,
+    each into its own partial output. One compiled function per kernel (numba caches functions,
+    not closures, so each is written out)."""
+    if not _drivers:
+        from . import lut_kernels
+        _drivers.update({kmajor_packed4: packed4_chunks, kmajor_int8: int8_chunks,
+                         kmajor_packed4_xq: packed4_xq_chunks, kmajor_int8_xq: int8_xq_chunks,
+                         lut_kernels.scaled_lut_gemv_packed4: lut_kernels.lut_packed4_chunks})
+        if lut_kernels.SHUFFLE:
+            _drivers[lut_kernels.scaled_lut_gemv_int] = lut_kernels.lut_int_chunks
+    return _drivers[kernel]
+
+
+_drivers: dict = {}
+
+
+@njit(**_serial)
+def packed4_chunks(head, plan, outs, out, ctrl, gen, lead):
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        kmajor_packed4(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)
+
+
+@njit(**_serial)
+def int8_chunks(head, plan, outs, out, ctrl, gen, lead):
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        kmajor_int8(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)
+
+
+@njit(**_serial)
+def packed4_xq_chunks(head, plan, outs, out, ctrl, gen, lead):
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        kmajor_packed4_xq(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)
+
+
+@njit(**_serial)
+def int8_xq_chunks(head, plan, outs, out, ctrl, gen, lead):
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        kmajor_int8_xq(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)
+
+
+CHUNKS_PER_THREAD = 2   # chunks a job is cut into per thread: a late worker still finds some
+SPLIT_COLUMNS = 4096    # from this many output columns a job is cut along them, else along k
+
+
 def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int, threads: int = 1) -> None:
-    """kernel(*head, b0, b1, out) over the reduction axis: `threads` contiguous ranges of blocks in
-    parallel (`CpuOptions.threads`: more were slower on the 2-core VMs measured, memory-bound), each
-    thread streaming its own part of the weight; partial results added at the end."""
-    parts = min(threads, n_blocks)
-    if parts <= 1 or work < PARALLEL_MIN_WEIGHTS:
-        kernel(*head, 0, n_blocks, out)
+    """kernel(*head, b0, b1, c0, c1, out) for all blocks and columns of out, on `threads` threads
+    (`CpuOptions.threads`) by a team (team.py) taking chunks: ranges of columns written straight into
+    out for wide outputs, else ranges of blocks (each streaming its own part of the weight) into
+    partial outputs added at the end."""
+    n = out.shape[1]
+    if threads <= 1 or work < PARALLEL_MIN_WEIGHTS or (n_blocks < 2 and n < SPLIT_COLUMNS):
+        kernel(*head, 0, n_blocks, 0, n, out)
         return
-    if parts - 1 not in _workers:
-        _workers[parts - 1] = _Workers(parts - 1)
-    bounds = [n_blocks * i // parts for i in range(parts + 1)]
-    outs = [out] + [np.empty_like(out) for _ in range(parts - 1)]
-    _workers[parts - 1].run(kernel, [head + (bounds[i], bounds[i + 1], outs[i]) for i in range(parts)])
-    for partial in outs[1:]:
-        out += partial
+    key = (n_blocks, n, threads)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(n_blocks, n, threads)
+    outs = out[None] if plan[0, 3] < n else np.empty((plan.shape[0],) + out.shape, np.float32)
+    if not team.team(threads).run(_chunks(kernel), (head, plan, outs, out)):
+        kernel(*head, 0, n_blocks, 0, n, out)   # the team is busy with another thread's job
+
+
+def _plan(n_blocks: int, n: int, threads: int) -> np.ndarray:
+    """Chunks as rows (b0, b1, c0, c1, which partial output)."""
+    if n >= SPLIT_COLUMNS:
+        parts = threads * CHUNKS_PER_THREAD
+        width = -(-(-(-n // parts)) // 64) * 64   # ceil(n / parts) rounded up to 64 columns
+        return np.array([(0, n_blocks, c, min(n, c + width), 0) for c in range(0, n, width)], np.int64)
+    parts = min(threads * CHUNKS_PER_THREAD, n_blocks)
+    return np.array([(n_blocks * i // parts, n_blocks * (i + 1) // parts, 0, n, i) for i in range(parts)], np.int64)
+
+
+_plans: dict = {}
 
 
 def _kmajor_params(params, attrs, n: int):
@@ -561,12 +674,12 @@ def _warm_up() -> None:
     weights = [_kernel_form(np.zeros((32, n), t)) for n, t in ((2, np.uint8), (4, np.int8), (4, np.uint8))]
     for params in (f32(1, 4), np.ones((1, 4), np.float16)):   # the weight, scale and offset as prepared
         s, o = _kernel_form(params), _kernel_form(params)
-        kmajor_packed4(x, weights[0], s, o, True, np.uint32(0), 0, 1, out)
-        kmajor_int8(x, weights[1], s, o, True, 0, 1, out)
-        kmajor_int8(x, weights[2], s, o, True, 0, 1, out)
-        kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, out)
-        kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, out)
-        kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, out)
+        kmajor_packed4(x, weights[0], s, o, True, np.uint32(0), 0, 1, 0, 4, out)
+        kmajor_int8(x, weights[1], s, o, True, 0, 1, 0, 4, out)
+        kmajor_int8(x, weights[2], s, o, True, 0, 1, 0, 4, out)
+        kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
+        kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
+        kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))

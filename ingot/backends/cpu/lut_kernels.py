@@ -17,6 +17,7 @@ from numba import njit
 
 from ...ir import Node
 from ...ops import quant as quant_ops
+from . import team
 
 GEMV_MAX_ROWS = 16
 TILE_ELEMENTS = 1 << 21
@@ -221,8 +222,8 @@ if SHUFFLE:
             out[2 * (i - h0) + 1] = table[byte >> np.uint8(4)]
 
     @njit(**_opts)
-    def scaled_lut_gemv_int(x, q, table, scale, b0, b1, out):
-        """out[m, :] = x[m, rows of blocks b0..b1) @ W[those rows] for a k-major scaled-table weight:
+    def scaled_lut_gemv_int(x, q, table, scale, b0, b1, c0, c1, out):
+        """out[m, c0:c1] = x[m, rows of blocks b0..b1) @ W[those rows, c0:c1] (c0, c1 even) for a k-major scaled-table weight:
         q [K, N/2] 4-bit codes (low nibble = even column), table [16] int8, scale [K / block, N]
         float32 (the table's power-of-two factor folded in). Four rows of W per pass: decoded to
         int8, then multiplied as _kmajor_int8 does; columns in chunks of COLUMN_CHUNK so that the
@@ -231,15 +232,15 @@ if SHUFFLE:
         n = 2 * q.shape[1]
         nb = scale.shape[0]
         bs = k // nb
-        width = min(n, COLUMN_CHUNK)
+        width = min(c1 - c0, COLUMN_CHUNK)
         dec = np.empty((4, width), np.int8)
         acc = np.empty(width, np.float32)
         res = np.empty(width, np.float32)
         for m in range(m_rows):
-            for c0 in range(0, n, width):
-                c1 = min(n, c0 + width)
-                w = c1 - c0
-                h0, h1 = c0 // 2, c1 // 2
+            for t0 in range(c0, c1, width):
+                t1 = min(c1, t0 + width)
+                w = t1 - t0
+                h0, h1 = t0 // 2, t1 // 2
                 res[:w] = 0
                 for b in range(b0, b1):
                     acc[:w] = 0
@@ -261,9 +262,9 @@ if SHUFFLE:
                             acc[i] += np.float32(np.int32(d0[i])) * xv
                     srow = scale[b]
                     for i in range(w):
-                        res[i] += acc[i] * srow[c0 + i]
+                        res[i] += acc[i] * srow[t0 + i]
                 for i in range(w):
-                    out[m, c0 + i] = res[i]
+                    out[m, t0 + i] = res[i]
 
     @njit(**_opts)
     def scaled_lut_tile_int(q, table, scale, k0, k1, block, out):
@@ -278,11 +279,13 @@ if SHUFFLE:
 
 
 @njit(**_opts)
-def scaled_lut_gemv_packed4(x, q, table, scale, b0, b1, out):
+def scaled_lut_gemv_packed4(x, q, table, scale, b0, b1, c0, c1, out):
     """As scaled_lut_gemv_int for any float32 table [16]: per row of W the 16 products x[k] * table,
-    then a lookup and an add per weight, four rows of W per pass over the accumulators."""
+    then a lookup and an add per weight, four rows of W per pass over the accumulators; columns
+    c0..c1 (even) of out."""
     m_rows, k = x.shape
-    half = q.shape[1]
+    h0 = c0 // 2
+    half = c1 // 2 - h0
     nb = scale.shape[0]
     bs = k // nb
     prod = np.empty((4, 16), np.float32)
@@ -307,9 +310,10 @@ def scaled_lut_gemv_packed4(x, q, table, scale, b0, b1, out):
                 p0, p1, p2, p3 = prod[0], prod[1], prod[2], prod[3]
                 r0, r1, r2, r3 = q[kk], q[kk + 1], q[kk + 2], q[kk + 3]
                 for i in range(half):
-                    c0, c1, c2, c3 = np.uint32(r0[i]), np.uint32(r1[i]), np.uint32(r2[i]), np.uint32(r3[i])
-                    acc_e[i] += (p0[c0 & low] + p1[c1 & low]) + (p2[c2 & low] + p3[c3 & low])
-                    acc_o[i] += (p0[c0 >> shift] + p1[c1 >> shift]) + (p2[c2 >> shift] + p3[c3 >> shift])
+                    j = h0 + i
+                    u0, u1, u2, u3 = np.uint32(r0[j]), np.uint32(r1[j]), np.uint32(r2[j]), np.uint32(r3[j])
+                    acc_e[i] += (p0[u0 & low] + p1[u1 & low]) + (p2[u2 & low] + p3[u3 & low])
+                    acc_o[i] += (p0[u0 >> shift] + p1[u1 >> shift]) + (p2[u2 >> shift] + p3[u3 >> shift])
             for kk in range(k4, k0 + bs):
                 xv = x[m, kk]
                 for v in range(16):
@@ -317,16 +321,16 @@ def scaled_lut_gemv_packed4(x, q, table, scale, b0, b1, out):
                 p0 = prod[0]
                 row = q[kk]
                 for i in range(half):
-                    c0 = np.uint32(row[i])
-                    acc_e[i] += p0[c0 & low]
-                    acc_o[i] += p0[c0 >> shift]
+                    u = np.uint32(row[h0 + i])
+                    acc_e[i] += p0[u & low]
+                    acc_o[i] += p0[u >> shift]
             srow = scale[b]
             for i in range(half):
-                res_e[i] += acc_e[i] * srow[2 * i]
-                res_o[i] += acc_o[i] * srow[2 * i + 1]
+                res_e[i] += acc_e[i] * srow[2 * (h0 + i)]
+                res_o[i] += acc_o[i] * srow[2 * (h0 + i) + 1]
         for i in range(half):
-            out[m, 2 * i] = res_e[i]
-            out[m, 2 * i + 1] = res_o[i]
+            out[m, 2 * (h0 + i)] = res_e[i]
+            out[m, 2 * (h0 + i) + 1] = res_o[i]
 
 
 @njit(**_opts)
@@ -340,6 +344,29 @@ def scaled_lut_tile_packed4(q, table, scale, k0, k1, block, out):
             byte = np.uint32(row[i])
             out[kk - k0, 2 * i] = table[byte & np.uint32(15)] * srow[2 * i]
             out[kk - k0, 2 * i + 1] = table[byte >> np.uint32(4)] * srow[2 * i + 1]
+
+
+@njit(**_opts)
+def lut_packed4_chunks(head, plan, outs, out, ctrl, gen, lead):
+    """scaled_lut_gemv_packed4 over a team's chunks of blocks (team.py)."""
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        scaled_lut_gemv_packed4(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)
+
+
+if SHUFFLE:
+    @njit(**_opts)
+    def lut_int_chunks(head, plan, outs, out, ctrl, gen, lead):
+        """scaled_lut_gemv_int over a team's chunks of blocks (team.py)."""
+        n = plan.shape[0]
+        c = team.begin(ctrl, gen, lead, n)
+        while c >= 0:
+            scaled_lut_gemv_int(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+            c = team.after(ctrl, gen, n)
+        return team.end(ctrl, lead, n, outs, out)
 
 
 def int8_table(table: np.ndarray) -> tuple[np.ndarray, float] | None:

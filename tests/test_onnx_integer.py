@@ -154,3 +154,29 @@ def test_qlinear_conv(x_type, w_type, per_channel, bias):
     assert_same(ours, theirs)
     lo, hi = RANGE[x_type]
     assert np.mean((ours > lo) & (ours < hi - 1)) > 0.6     # mostly not saturated: the rounding is what is compared
+
+
+@pytest.mark.parametrize("fill", [0.0, None])
+def test_dynamic_quantize_linear_then_matmul_integer(fill):
+    """quantize_dynamic's chain: x's own uint8 scale and zero point, MatMulInteger with an int8 weight, then
+    the float rescale; an all-zero x too (onnxruntime's scale 1, not the spec's 0 / 0)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 4, 21)).astype(np.float32) if fill is None else np.full((3, 4, 21), fill, np.float32)
+    w = ints(rng, (21, 13), np.int8)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "w", "xz", "wz"], ["acc"]),
+             helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["xs", "ws"], ["s"]), helper.make_node("Mul", ["accf", "s"], ["y"])]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.int8(0), "wz"),
+             numpy_helper.from_array(np.float32(0.02), "ws")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info(n, t, None) for n, t in
+                               (("y", TensorProto.FLOAT), ("xq", TensorProto.UINT8), ("xs", TensorProto.FLOAT))], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    theirs = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    exe = from_onnx(model)
+    assert op_counts(exe)["quantized_matmul"] == 1
+    for ours, want in zip(exe.run({"x": x}), theirs):
+        assert_same(ours, want)

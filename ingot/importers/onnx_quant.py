@@ -173,14 +173,15 @@ def _matmul_nbits(ctx: Context, node: OnnxNode):
 
 @converter("DynamicQuantizeLinear")
 def _dynamic_quantize_linear(ctx: Context, node: OnnxNode):
-    """uint8 quantization with the scale and zero point of x's own range (which includes 0)."""
+    """uint8 quantization with the scale and zero point of x's own range (which includes 0); an all-zero
+    x gets scale 1, as onnxruntime gives it (the spec's formula would divide 0 by 0)."""
     (x,) = node.inputs
     g = ctx.g
     need_float(ctx, node, x)
     zero = scalar(ctx, 0, x)
     lo = g.minimum(g.min(x, tuple(range(x.ndim))), zero)
     hi = g.maximum(g.max(x, tuple(range(x.ndim))), zero)
-    scale = (hi - lo) / scalar(ctx, 255, x)
+    scale = g.where(g.equal(hi, lo), scalar(ctx, 1, x), (hi - lo) / scalar(ctx, 255, x))
     zero_point = g.quantize(g.neg(lo) / scale, dt.uint8, scale=scalar(ctx, 1, x))   # saturate(round(-lo / scale))
     y = g.quantize(x, dt.uint8, scale=scale, zero_point=zero_point)
     return [y, scale, zero_point]

@@ -404,3 +404,41 @@ def test_device_min_p_and_penalty_window_equal_numpy(min_p):
     got, _ = DeviceSampler(repetition_penalty=1.3, repeat_last_n=64).penalize(torch.from_numpy(x), torch.from_numpy(prev))
     np.testing.assert_array_equal(got.numpy(), want)
     assert not np.array_equal(want, Sampler(repetition_penalty=1.3).apply_penalty(x, prev))  # the window matters
+
+
+@pytest.mark.parametrize("spread", [0.3, 1.0, 3.0, 12.0])
+def test_top_p_nucleus_is_the_full_sorts_whatever_the_spread(spread):
+    """The nucleus, looked for among the tokens near the best one, then the most likely ones, then all,
+    is the full sort's for flat and peaked logits alike."""
+    x = _logits(50000, seed=3) * spread
+    for top_p in (0.3, 0.9, 0.999):
+        ids, probs = Sampler(temperature=0.7, top_p=top_p).distribution(x)
+        scaled = (x - x.max()) * np.float32(1 / 0.7)      # the sampler's float32 order (ties among them)
+        order = np.argsort(-scaled, kind="stable")
+        p = _softmax(scaled.astype(np.float64))[order]
+        keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1
+        assert abs(ids.size - keep) <= 1, (spread, top_p)   # float32 probabilities at the edge
+        n = min(ids.size, keep)
+        assert ids[:n].tolist() == order[:n].tolist(), (spread, top_p)
+
+
+def test_sample_rows_draws_what_each_sampler_draws():
+    """sample_rows over a batch (greedy, top-p, plain, min-p, top-k, tied and one-hot rows) picks what
+    each row's Sampler picks alone, draw for draw over several steps."""
+    from ingot.llm.sampling import sample_rows
+
+    def make():
+        return [Sampler(), Sampler(temperature=0.8, top_p=0.9, seed=1), Sampler(temperature=1.3, seed=2),
+                Sampler(temperature=0.5, min_p=0.1, seed=3), Sampler(temperature=1.0, top_k=5, seed=4),
+                Sampler(temperature=2.0, top_p=0.5, seed=5), Sampler(temperature=1e-30, top_p=0.9, seed=6)]
+    batched, alone = make(), make()
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        x = (rng.standard_normal((len(batched), 3000)) * rng.choice([0.2, 2.0, 8.0])).astype(np.float32)
+        x[0, 10:13] = x[0].max() + 1          # a tie: the lowest id wins
+        got = sample_rows(batched, x)
+        assert got.tolist() == [s(row) for s, row in zip(alone, x)], step
+    with pytest.raises(IngotError, match="NaN"):
+        sample_rows(batched, np.full((len(batched), 4), np.nan, np.float32))
+    with pytest.raises(IngotError, match="vocab"):
+        sample_rows(batched, x[:2])

@@ -34,8 +34,11 @@ import numpy as np
 
 from ..errors import IngotError
 
-# top-p: the nucleus is first looked for among this many most likely tokens (a partial sort), and
-# the whole vocabulary is sorted only when they do not reach p
+# top-p: the nucleus is first looked for among the tokens whose scaled logit is within this much of
+# the best one (a comparison, no partial sort), then among this many most likely tokens (a partial
+# sort), and the whole vocabulary is sorted only when they do not reach p. Each candidate set is a
+# prefix of the sorted order, so the nucleus found in it is the full sort's.
+_NUCLEUS_MARGINS = (8.0, 16.0)
 _NUCLEUS_CANDIDATES = (256, 4096)
 # draws over long vectors find the block first, then the token inside it
 _BLOCK = 1024
@@ -149,8 +152,7 @@ class Sampler:
         ids, probs = self._distribution(logits)
         if probs.size == 1:
             return int(ids[0])
-        i = self._draw(probs)
-        return i if ids is None else int(ids[i])
+        return self._pick(ids, probs)
 
     def _draw(self, probs: np.ndarray) -> int:
         """An index drawn with the given (non-negative) weights: one uniform number, inverse CDF."""
@@ -198,12 +200,20 @@ class Sampler:
     def _distribution(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         ids, probs = self._nucleus(logits)
         if self.min_p > 0.0:
-            keep = probs >= self.min_p * probs.max()
-            if not keep.all():
-                ids = np.flatnonzero(keep) if ids is None else ids[keep]
-                probs = probs[keep]
-                probs = probs / probs.sum(dtype=np.float64)
+            ids, probs = self._min_p(ids, probs)
         return ids, probs
+
+    def _min_p(self, ids: np.ndarray | None, probs: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        keep = probs >= self.min_p * probs.max()
+        if not keep.all():
+            ids = np.flatnonzero(keep) if ids is None else ids[keep]
+            probs = probs[keep]
+            probs = probs / probs.sum(dtype=np.float64)
+        return ids, probs
+
+    def _pick(self, ids: np.ndarray | None, probs: np.ndarray) -> int:
+        i = self._draw(probs)
+        return i if ids is None else int(ids[i])
 
     def _nucleus(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         x = np.asarray(logits, dtype=np.float32)
@@ -213,7 +223,7 @@ class Sampler:
             raise IngotError(f"Sampler got logits whose maximum is {float(m)}, so no token can be drawn.")
         with np.errstate(over="ignore"):
             # shifted so the best token is at 0; a tiny temperature sends the others to -inf, never to NaN
-            scaled = (x - m) * np.float32(min(1.0 / self.temperature, 1e38))
+            scaled = (x - m) * self.scale
         if 0 < self.top_k < n:
             kth = np.partition(scaled, n - self.top_k)[n - self.top_k]
             ids = np.flatnonzero(scaled >= kth)  # ties at the k-th value stay, as in transformers
@@ -221,30 +231,90 @@ class Sampler:
             probs /= probs.sum(dtype=np.float64)
             if self.top_p >= 1.0:
                 return ids, probs
-        else:
-            p_all = np.exp(scaled)
-            p_all /= p_all.sum(dtype=np.float64)
-            if self.top_p >= 1.0:
-                return None, p_all  # None: every id, in order
-            ids = None
-            # the nucleus is usually small: look for it among the most likely tokens before sorting them all
-            for c in _NUCLEUS_CANDIDATES:
-                if c >= n:
-                    break
-                threshold = -np.partition(-scaled, c)[c]
-                cand = np.flatnonzero(scaled > threshold)
-                if p_all[cand].sum(dtype=np.float64) >= self.top_p:
-                    ids = cand
-                    break
-            if ids is None:
-                ids = np.arange(n)
-            probs = p_all[ids]
+            return self._top_p(scaled[ids], ids, probs)
+        return self._softmax_top_p(scaled, np.exp(scaled))
+
+    @property
+    def scale(self) -> np.float32:
+        """What the logits, less their maximum, are multiplied by: 1 / temperature (capped)."""
+        return np.float32(min(1.0 / self.temperature, 1e38))
+
+    def _softmax_top_p(self, scaled: np.ndarray, p_all: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(ids, probs) of the whole vocabulary's scaled logits, p_all = exp(scaled) (normalised in place)."""
+        p_all /= p_all.sum(dtype=np.float64)
+        if self.top_p >= 1.0:
+            return None, p_all  # None: every id, in order
+        n = scaled.size
+        ids = None
+        # the nucleus is usually small: look for it among the most likely tokens before sorting them all
+        for margin in _NUCLEUS_MARGINS:
+            cand = np.flatnonzero(scaled > np.float32(-margin))
+            if cand.size > _NUCLEUS_CANDIDATES[-1]:
+                break
+            if p_all[cand].sum(dtype=np.float64) >= self.top_p:
+                ids = cand
+                break
+        for c in _NUCLEUS_CANDIDATES if ids is None else ():
+            if c >= n:
+                break
+            threshold = -np.partition(-scaled, c)[c]
+            cand = np.flatnonzero(scaled > threshold)
+            if p_all[cand].sum(dtype=np.float64) >= self.top_p:
+                ids = cand
+                break
+        if ids is None:
+            ids = np.arange(n)
+        return self._top_p(scaled[ids], ids, p_all[ids])
+
+    def _top_p(self, scaled: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The nucleus of candidates ids (ascending) with these scaled logits and probabilities."""
         # ids ascend here, so a stable sort puts ties lowest id first
-        order = np.argsort(-scaled[ids], kind="stable")
+        order = np.argsort(-scaled, kind="stable")
         ids, probs = ids[order], probs[order]
         keep = int(np.searchsorted(np.cumsum(probs, dtype=np.float64), self.top_p, side="left")) + 1
         ids, probs = ids[:keep], probs[:keep]
         return ids, probs / probs.sum(dtype=np.float64)
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:
+    """Each sampler's choice from its row of logits [rows, vocab]: what `[s(row) for s, row in
+    zip(samplers, logits)]` returns, draw for draw, with the work that grows with the vocabulary done
+    for all rows at once (the greedy rows' arg-max, the sampled rows' maximum, temperature and exp).
+    No repetition penalty is applied (a sampler with one is called on its row). A row with a NaN or
+    no finite maximum raises IngotError; `ingot serve` then samples row by row to find it.
+
+        >>> sample_rows([Sampler(), Sampler()], np.array([[0, 2, 1], [3, 0, 3]], np.float32)).tolist()
+        [1, 0]
+    """
+    x = np.asarray(logits)
+    if x.ndim != 2 or x.shape[0] != len(samplers) or x.shape[1] == 0:
+        raise IngotError(f"sample_rows takes logits [{len(samplers)}, vocab], not {list(x.shape)}.")
+    if np.isnan(x).any():
+        raise IngotError("sample_rows got NaN logits.")
+    out = np.zeros(len(samplers), np.int64)
+    greedy = [i for i, s in enumerate(samplers) if s.greedy and s.repetition_penalty == 1.0]
+    if greedy:
+        rows = x if len(greedy) == len(samplers) else x[greedy]
+        out[greedy] = np.argmax(rows, axis=1)  # the first maximum: ties go to the lowest id
+    plain = [i for i, s in enumerate(samplers) if not s.greedy and s.repetition_penalty == 1.0 and s.top_k == 0]
+    for i, s in enumerate(samplers):
+        if i not in greedy and i not in plain:
+            out[i] = s(x[i])
+    if plain:
+        rows = np.asarray(x if len(plain) == len(samplers) else x[plain], np.float32)
+        m = rows.max(axis=1, keepdims=True)
+        if not np.isfinite(m).all():
+            raise IngotError("sample_rows got logits whose maximum is not finite.")
+        with np.errstate(over="ignore"):
+            scaled = (rows - m) * np.array([[samplers[i].scale] for i in plain], np.float32)
+        exp = np.exp(scaled)
+        for j, i in enumerate(plain):
+            s = samplers[i]
+            ids, probs = s._softmax_top_p(scaled[j], exp[j])
+            if s.min_p > 0.0:
+                ids, probs = s._min_p(ids, probs)
+            out[i] = (ids[0] if ids is not None else 0) if probs.size == 1 else s._pick(ids, probs)
+    return out
 
 
 class DeviceSampler(Sampler):

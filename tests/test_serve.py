@@ -285,7 +285,13 @@ def _post(url, path, body, raw=False):
     ({"model": "BASE", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
     ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
-    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),        # > 8 slots
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, 400,
+     "max_completion_tokens"),
     ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
     ({"model": "BASE", "messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
@@ -376,6 +382,79 @@ def test_prefix_of_a_running_request_is_reused_exactly(server, client, reference
     list(llm.generate(a, max_tokens=1, temperature=0.0))
     want = "".join(t.text for t in llm.generate(b, max_tokens=MAX_TOKENS, temperature=0.0, keep_cache=True))
     assert reply.choices[0].message.content == want
+
+
+def test_n_choices_are_independent_samples_each_in_its_own_slot(server, client):
+    """n = 3: three choices (index 0..2); greedy ones all equal the n = 1 answer, seeded ones are
+    reproducible, streamed or not; usage counts the prompt once and every choice's tokens."""
+    base = server[1]
+    one = _chat(client, base, PROMPTS[1])
+    greedy = _chat(client, base, PROMPTS[1], n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in greedy.choices)
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    kw = dict(model=base, messages=[{"role": "user", "content": "Invent a word."}], temperature=1.0, seed=7,
+              max_tokens=MAX_TOKENS, n=3)
+    sampled = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    assert len(set(sampled)) > 1                                  # choice i draws with seed + i
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == sampled
+
+
+def test_logit_bias_and_penalties_steer_greedy_choices(server, client, reference):
+    base = server[1]
+    prompt = "cat cat cat cat cat cat cat cat"
+    plain = client.completions.create(model=base, prompt=prompt, temperature=0, max_tokens=6, logprobs=5)
+    first = reference[None].tokenizer.encode(plain.choices[0].logprobs.tokens[0])
+    assert len(first) == 1
+    banned = client.completions.create(model=base, prompt=prompt, temperature=0, max_tokens=6,
+                                       logit_bias={str(first[0]): -100})
+    assert not banned.choices[0].text.startswith(plain.choices[0].logprobs.tokens[0])
+    forced = client.completions.create(model=base, prompt=prompt, temperature=0, max_tokens=3,
+                                       logit_bias={str(reference[None].tokenizer.encode(" dog")[0]): 100})
+    assert forced.choices[0].text == " dog" * 3
+    # frequency and presence penalties: each greedy choice is the best of the model's top 5 once the
+    # penalties of what was generated before it are taken off (logprobs are the model's own)
+    for freq, presence in ((1.5, 0.0), (0.0, 2.0)):
+        reply = client.completions.create(model=base, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, logprobs=5,
+                                          frequency_penalty=freq, presence_penalty=presence)
+        lp = reply.choices[0].logprobs
+        counts: dict[str, int] = {}
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            penalty = lambda t: freq * counts.get(t, 0) + (presence if counts.get(t) else 0.0)  # noqa: E731
+            assert value - penalty(token) >= max(v - penalty(t) for t, v in top.items()) - 1e-4, (token, top)
+            counts[token] = counts.get(token, 0) + 1
+        assert reply.choices[0].text != plain.choices[0].text      # " cat" again and again costs more and more
+
+
+def test_stop_arrays_and_max_completion_tokens_equal_generate(server, client, reference):
+    base = server[1]
+    llm = reference[None]
+    prompt = "Why is the sky blue?"
+    stops = [".", ",", "\n\n"]
+    want = "".join(t.text for t in llm.generate(prompt, max_tokens=40, temperature=0.0, stop=stops))
+    reply = client.chat.completions.create(model=base, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                           max_tokens=40, stop=stops)
+    assert reply.choices[0].message.content == want and reply.choices[0].finish_reason == "stop"
+    short = client.chat.completions.create(model=base, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                           max_completion_tokens=3)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    assert short.choices[0].message.content == _generate(llm, prompt, max_tokens=3)
+
+
+def test_response_format_other_than_text_is_refused_by_name(server, client):
+    openai = pytest.importorskip("openai")
+    base = server[1]
+    for kind in ("json_object", "json_schema"):
+        fmt = {"type": kind} if kind == "json_object" else {"type": kind, "json_schema": {"name": "x", "schema": {}}}
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(client, base, PROMPTS[0], response_format=fmt)
+        assert e.value.status_code == 400 and kind in e.value.body["message"] and e.value.body["param"] == "response_format"
+    assert _chat(client, base, PROMPTS[0], response_format={"type": "text"}).choices[0].message.content
 
 
 @pytest.mark.parametrize("args, message", [

@@ -7,10 +7,17 @@ Requests are parsed and checked here (pydantic models of the OpenAI schema); any
 4xx with OpenAI's body, {"error": {"message", "type", "param", "code"}}; a full queue is 429. The
 scheduler thread talks back through an asyncio queue per request; a client that goes away cancels
 its request, and the scheduler frees the slot before its next step.
+
+Sampling parameters served: max_tokens (max_completion_tokens), temperature, top_p, seed, stop (up
+to 4), n (independent samples, each in its own slot, choice i seeded seed + i; more than the slots
+is a 400), presence_penalty and frequency_penalty (over the tokens generated so far, as OpenAI
+describes them), logit_bias, logprobs/top_logprobs (the model's own, before biases and penalties).
+response_format other than {"type": "text"} is refused by name (no constrained decoding).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -30,6 +37,7 @@ from .engine import Engine, Event, QueueFull, Request, SamplingParams
 MAX_BODY_BYTES = 4 << 20       # a request body larger than this is refused (413)
 MAX_STOP = 4                   # OpenAI's limit on stop sequences
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300           # entries of logit_bias (OpenAI's limit)
 
 
 class _Schema(BaseModel):
@@ -55,18 +63,39 @@ class StreamOptions(_Schema):
     include_usage: bool = False
 
 
+class ResponseFormat(_Schema):
+    type: str
+
+
 class _Common(_Schema):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=128)                   # independent samples, each in its own slot
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=0, le=0)    # not implemented: only the neutral value
-    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key, bias in value.items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"keys are token ids, not {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are in -100..100, not {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -79,7 +108,6 @@ class _Common(_Schema):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -178,30 +206,51 @@ def create_app(engine: Engine, model_id: str | None = None) -> FastAPI:
         return req
 
     def sampling(req: _Common, prompt_tokens: int, max_tokens: int | None, logprobs: bool, top: int) -> SamplingParams:
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens >= engine.context:
-            raise ApiError(400, f"max_tokens is {max_tokens} but the context holds {engine.context} tokens.", "max_tokens")
+            raise ApiError(400, f"{name} is {max_tokens} but the context holds {engine.context} tokens.", name)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise ApiError(400, f"response_format {req.response_format.type!r} is not supported; this server writes "
+                                f"free text only (response_format {{\"type\": \"text\"}}).", "response_format")
+        if req.n > engine.max_batch:
+            raise ApiError(400, f"n is {req.n} but this server runs {engine.max_batch} sequences at once "
+                                f"(--max-batch); ask for at most {engine.max_batch}.", "n")
+        vocab = engine.config.vocab_size
+        bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+        if any(t >= vocab for t, _ in bias):
+            raise ApiError(400, f"logit_bias: token ids must be in 0..{vocab - 1}.", "logit_bias")
         limit = max_tokens if max_tokens is not None else engine.context - prompt_tokens
         return SamplingParams(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                              stop=tuple(req.stop or ()), logprobs=logprobs, top_logprobs=top)
+                              stop=tuple(req.stop or ()), logprobs=logprobs, top_logprobs=top,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              logit_bias=bias)
 
-    def submit(req: _Common, ids_: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue]:
+    def submit(req: _Common, ids_: list[int], params: SamplingParams) -> tuple[list[Request], asyncio.Queue]:
+        """req.n requests (choice i's seed: seed + i), their events on one queue as (i, event)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def on_event(event: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:   # the loop is gone (shutdown)
-                pass
-        request = Request(ids_, params, adapter=ids[req.model], on_event=on_event)
+        def on_event_of(index: int):
+            def on_event(event: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+                except RuntimeError:   # the loop is gone (shutdown)
+                    pass
+            return on_event
+        requests = []
         try:
-            engine.submit(request)
-        except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full", kind="rate_limit_error") from None
-        except IngotError as e:
+            for i in range(req.n):
+                choice = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                requests.append(engine.submit(Request(ids_, choice, adapter=ids[req.model], on_event=on_event_of(i))))
+        except (QueueFull, IngotError) as e:
+            for request in requests:
+                request.cancel()
+            engine.wake()
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), code="queue_full", kind="rate_limit_error") from None
             raise ApiError(400, str(e), "messages" if isinstance(req, ChatRequest) else "prompt",
                            "context_length_exceeded" if "context" in str(e) else None) from None
-        return request, queue
+        return requests, queue
 
     def encode_chat(req: ChatRequest) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
@@ -233,68 +282,87 @@ def create_app(engine: Engine, model_id: str | None = None) -> FastAPI:
         if top and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true.", "top_logprobs")
         params = sampling(req, len(ids_), req.max_completion_tokens or req.max_tokens, req.logprobs, top)
-        request, queue = submit(req, ids_, params)
-        return await respond(http, req, request, queue, chat=True)
+        requests, queue = submit(req, ids_, params)
+        return await respond(http, req, requests, queue, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         req = await parse(http, CompletionRequest)
         ids_ = encode_completion(req)
-        params = sampling(req, len(ids_), req.max_tokens if req.max_tokens is not None else 16,
-                          req.logprobs is not None, req.logprobs or 0)
-        request, queue = submit(req, ids_, params)
-        return await respond(http, req, request, queue, chat=False)
+        limit = req.max_completion_tokens or req.max_tokens
+        params = sampling(req, len(ids_), limit if limit is not None else 16, req.logprobs is not None, req.logprobs or 0)
+        requests, queue = submit(req, ids_, params)
+        return await respond(http, req, requests, queue, chat=False)
 
-    async def respond(http: HttpRequest, req: _Common, request: Request, queue: asyncio.Queue, chat: bool):
+    async def respond(http: HttpRequest, req: _Common, requests: list[Request], queue: asyncio.Queue, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
-        want_logprobs = request.params.logprobs
+        want_logprobs = requests[0].params.logprobs
         if req.stream:
             usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(engine, request, queue, rid, now, req.model, chat, want_logprobs, usage_chunk),
+            return StreamingResponse(_stream(engine, requests, queue, rid, now, req.model, chat, want_logprobs, usage_chunk),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, entries = [], []
-        while True:
+
+        def cancel():
+            for request in requests:
+                request.cancel()
+            engine.wake()
+        n = len(requests)
+        text, entries, done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        while any(d is None for d in done):
             try:
-                event = await asyncio.wait_for(queue.get(), timeout=0.5)
+                i, event = await asyncio.wait_for(queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
-                    request.cancel()
-                    engine.wake()
+                    cancel()
                     return Response(status_code=499)
                 continue
             except asyncio.CancelledError:
-                request.cancel()
-                engine.wake()
+                cancel()
                 raise
             if event.kind == "text":
-                text.append(event.text)
-                entries.extend(event.logprobs)
+                text[i].append(event.text)
+                entries[i].extend(event.logprobs)
             elif event.kind == "error":
+                cancel()
                 return error_response(event.status, event.message)
             else:
-                break
-        body = "".join(text)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": body},
-                      "logprobs": {"content": [_chat_logprob(e) for e in entries]} if want_logprobs else None,
-                      "finish_reason": event.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": body, "logprobs": _completion_logprobs(entries, 0) if want_logprobs else None,
-                      "finish_reason": event.finish_reason}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": now, "model": req.model, "choices": [choice], "usage": event.usage}
+                done[i] = event
+        choices = []
+        for i in range(n):
+            body, reason = "".join(text[i]), done[i].finish_reason
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": body},
+                                "logprobs": {"content": [_chat_logprob(e) for e in entries[i]]} if want_logprobs else None,
+                                "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": body,
+                                "logprobs": _completion_logprobs(entries[i], 0) if want_logprobs else None,
+                                "finish_reason": reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now, "model": req.model,
+                "choices": choices, "usage": _usage([d.usage for d in done])}
 
     return app
 
 
-async def _stream(engine: Engine, request: Request, queue: asyncio.Queue, rid: str, now: int, model: str, chat: bool,
-                  want_logprobs: bool, usage_chunk: bool):
-    """Server-sent events of one request; leaving early (client gone) cancels it."""
+def _usage(usages: list[dict]) -> dict:
+    """The usage of n choices of one prompt: the prompt counted once, the completions summed."""
+    first = usages[0]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
+            "total_tokens": first["prompt_tokens"] + completion,
+            "prompt_tokens_details": {"cached_tokens": max(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
+
+
+async def _stream(engine: Engine, requests: list[Request], queue: asyncio.Queue, rid: str, now: int, model: str,
+                  chat: bool, want_logprobs: bool, usage_chunk: bool):
+    """Server-sent events of one request's n choices (each chunk names its index); leaving early (client
+    gone) cancels them all."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    finished = False
-    offset = 0
+    n = len(requests)
+    usages: list[dict | None] = [None] * n
+    offsets = [0] * n
+    failed = False
 
     def chunk(choice: dict | None, **extra) -> str:
         body = {"id": rid, "object": obj, "created": now, "model": model, "choices": [choice] if choice else [], **extra}
@@ -302,34 +370,35 @@ async def _stream(engine: Engine, request: Request, queue: asyncio.Queue, rid: s
 
     try:
         if chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-        while True:
-            event = await queue.get()
+            for i in range(n):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        while any(u is None for u in usages):
+            i, event = await queue.get()
             if event.kind == "text":
                 if chat:
                     logprobs = {"content": [_chat_logprob(e) for e in event.logprobs]} if want_logprobs else None
-                    yield chunk({"index": 0, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None})
+                    yield chunk({"index": i, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None})
                 else:
-                    logprobs = _completion_logprobs(event.logprobs, offset) if want_logprobs else None
-                    yield chunk({"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None})
-                offset += len(event.text)
+                    logprobs = _completion_logprobs(event.logprobs, offsets[i]) if want_logprobs else None
+                    yield chunk({"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": None})
+                offsets[i] += len(event.text)
             elif event.kind == "error":
-                finished = True
+                failed = True
                 yield f"data: {json.dumps({'error': {'message': event.message, 'type': 'server_error' if event.status >= 500 else 'invalid_request_error', 'param': None, 'code': None}})}\n\n"
                 break
             else:
-                finished = True
+                usages[i] = event.usage
                 if chat:
-                    yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason})
+                    yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason})
                 else:
-                    yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason})
-                if usage_chunk:
-                    yield chunk(None, usage=event.usage)
-                break
+                    yield chunk({"index": i, "text": "", "logprobs": None, "finish_reason": event.finish_reason})
+        if usage_chunk and not failed:
+            yield chunk(None, usage=_usage(usages))
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:
-            request.cancel()
+        if failed or any(u is None for u in usages):
+            for request in requests:
+                request.cancel()
             engine.wake()
 
 

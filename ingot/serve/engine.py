@@ -51,6 +51,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0                # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0               # ... and this times the number of times it was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
 
 
 @dataclass
@@ -112,7 +115,6 @@ class Sequence:
         self.sampler = Sampler(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
         self.stopper = StopChecker(list(p.stop))
         self.stream = engine.tokenizer.stream_decoder()
-        self.history = list(request.ids)
         self.done = reused                       # prompt tokens whose K/V are in the slot
         self.reused = reused
         self.generated: list[int] = []
@@ -123,15 +125,27 @@ class Sequence:
         self.first_token_at = 0.0
         self.last_token_at = 0.0
         self.finished = False
+        self.counts: dict[int, int] = {}         # generated token -> times (presence and frequency penalties)
+        self.bias = (np.array([t for t, _ in p.logit_bias], np.int64), np.array([b for _, b in p.logit_bias], np.float32))
+        self.adjusts = bool(p.logit_bias) or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+    def adjust(self, logits: np.ndarray) -> None:
+        """logit_bias, then the presence and frequency penalties over the generated tokens, in place."""
+        p = self.request.params
+        if p.logit_bias:
+            logits[self.bias[0]] += self.bias[1]
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self.counts, np.int64, len(self.counts))
+            times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
+            logits[ids] -= np.float32(p.frequency_penalty) * times + np.float32(p.presence_penalty)
 
     @property
     def prefilling(self) -> bool:
         return self.done < len(self.request.ids)
 
-    def accept(self, logits: np.ndarray) -> None:
-        """Choose the next token from these logits and move the text along."""
+    def accept(self, token: int, logits: np.ndarray) -> None:
+        """Take the token chosen from these logits (the model's, for logprobs) and move the text along."""
         engine, p = self.engine, self.request.params
-        token = int(self.sampler(logits, self.history))
         now = time.perf_counter()
         if not self.first_token_at:
             self.first_token_at = now
@@ -139,12 +153,12 @@ class Sequence:
         else:
             engine.metrics.inter_token(now - self.last_token_at)
         self.last_token_at = now
-        self.history.append(token)
         if p.logprobs:
             self.pending_logprobs.append(engine.logprob_entry(logits, token, p.top_logprobs))
         if token in engine.tokenizer.eos_ids:
             return self.finish("stop")
         self.generated.append(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
         engine.metrics.tokens(1)
         piece = self.stream.push(token)
         self.starts.append(self.decoded)
@@ -384,20 +398,40 @@ class Engine:
         same = lambda s: s.adapter == request.adapter  # noqa: E731
         slot = max(free, key=lambda s: (common(s.tokens) if same(s) else 0, -s.used))
         reused = common(slot.tokens) if same(slot) else 0
-        donor = max((s for s in self.slots if s.busy and same(s)), key=lambda s: common(s.tokens), default=None)
+        slot.tokens = list(ids[:reused])
+        slot.adapter, slot.busy = request.adapter, True
+        reused = self._copy_prefix(slot, ids, reused)
+        self.metrics.admitted(len(ids), reused)
+        return Sequence(request, slot, self, reused)
+
+    def _copy_prefix(self, slot: Slot, ids: list[int], reused: int) -> int:
+        """Copy into slot the K/V rows of the running sequence (same adapter) whose tokens share more
+        than `reused` of ids (the last token excepted); returns how many the slot now holds."""
+        def common(tokens: list[int]) -> int:
+            n = 0
+            for a, b in zip(tokens, ids[:len(ids) - 1]):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        donor = max((s for s in self.slots if s.busy and s is not slot and s.adapter == slot.adapter),
+                    key=lambda s: common(s.tokens), default=None)
         if donor is not None and common(donor.tokens) > reused:   # copy the rows of a running sequence
             reused = common(donor.tokens)
             for (name, dst), (_, src) in zip(slot.arrays(self.config.n_layers), donor.arrays(self.config.n_layers)):
                 dst[:, :, :reused] = src[:, :, :reused]
-        slot.tokens = list(ids[:reused])
-        slot.adapter, slot.busy = request.adapter, True
-        self.metrics.admitted(len(ids), reused)
-        return Sequence(request, slot, self, reused)
+            slot.tokens = list(ids[:reused])
+        return reused
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         from ..llm.generate import PREFILL_BUCKETS
 
         ids = seq.request.ids
+        if seq.done == seq.reused:    # nothing computed yet: a sequence admitted with it (n > 1) may hold more now
+            before = seq.reused
+            seq.done = seq.reused = self._copy_prefix(seq.slot, ids, before)
+            self.metrics.reused(seq.reused - before)
         pos = seq.done
         busy = any(not s.prefilling and s.next_token is not None for s in self.running)
         chunk = ids[pos:pos + (min(self.prefill_chunk, BUSY_PREFILL_CHUNK) if busy else self.prefill_chunk)]
@@ -411,7 +445,7 @@ class Engine:
         seq.done += len(chunk)
         seq.slot.tokens = list(ids[:seq.done])
         if not seq.prefilling:
-            seq.accept(exe.backend.to_host(logits)[0])
+            self._accept([seq], exe.backend.to_host(logits))
 
     def _bind_prefill(self, exe, adapter: str | None, rows: int) -> None:
         from ..adapters import site_input, site_layout
@@ -470,11 +504,38 @@ class Engine:
         started = time.perf_counter()
         logits = exe.backend.to_host(exe.run({"tokens": tokens, "positions": positions}, state=self._row_state(slots))[0])
         self.metrics.step(len(decoding), time.perf_counter() - started)
-        for r, seq in enumerate(decoding):
+        for seq in decoding:
             seq.slot.tokens.append(seq.next_token)
             seq.next_token = None
+        self._accept(decoding, logits)
+
+    def _accept(self, seqs: list[Sequence], logits: np.ndarray) -> None:
+        """Choose each sequence's next token from its row of logits [>= len(seqs), vocab], all rows at
+        once (sample_rows), and move each along; a row that cannot be sampled fails its request."""
+        from ..llm.sampling import sample_rows
+
+        rows = logits[:len(seqs)]
+        chosen = rows
+        if any(s.adjusts for s in seqs):       # biases and penalties on a copy: logprobs are the model's
+            chosen = np.array(rows, np.float32, copy=True)
+            for r, seq in enumerate(seqs):
+                if seq.adjusts:
+                    seq.adjust(chosen[r])
+        try:
+            tokens = sample_rows([s.sampler for s in seqs], chosen).tolist()
+        except IngotError:                      # find the row: sample one by one
+            tokens = []
+            for r, seq in enumerate(seqs):
+                try:
+                    tokens.append(int(seq.sampler(chosen[r])))
+                except IngotError as e:
+                    tokens.append(None)
+                    self._fail(seq, 500, str(e))
+        for r, (seq, token) in enumerate(zip(seqs, tokens)):
+            if token is None or seq.finished:
+                continue
             try:
-                seq.accept(logits[r])
+                seq.accept(token, rows[r])
             except IngotError as e:
                 self._fail(seq, 500, str(e))
 

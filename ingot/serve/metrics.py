@@ -45,6 +45,10 @@ class Metrics:
         self._prompt.inc(prompt)
         self._reused.inc(reused)
 
+    def reused(self, tokens: int) -> None:
+        """Prompt tokens found cached after admission (copied from a sequence admitted with it)."""
+        self._reused.inc(tokens)
+
     def cancelled(self) -> None:
         self._cancelled.inc()
 

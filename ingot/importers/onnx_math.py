@@ -292,11 +292,19 @@ def _where(ctx: Context, node: OnnxNode):
     return [ctx.g.where(c, a, b)]
 
 
+WEIGHT_ELEMENTS = 4096   # an 8-bit constant matrix this large is a weight
+
+
 @converter("Cast")
 def _cast(ctx: Context, node: OnnxNode):
     (x,) = node.inputs
     elem = node.attr("to")
     target = onnx_to_ingot_dtype(ctx, node, elem, narrow=True)
+    if x.node.op == Op.CONSTANT and x.dtype in (dt.int8, dt.uint8) and x.ndim == 2 and x.type.size >= WEIGHT_ELEMENTS \
+            and target == dt.float32 and elem not in NARROW_TYPES and ctx.onnx_dtype(x) == x.dtype.storage:
+        # an 8-bit weight widened by hand (weight-only quantization written as Cast, then Mul by its scales): a
+        # dequantize, which the compiler keeps 8-bit under a matmul (passes/fuse_dequant.py takes the Mul in)
+        return [ctx.g.dequantize(x, scale=ctx.g.constant(np.float32(1)))]
     return [ctx.declare(_cast_to(ctx, node, x, target, NARROW_TYPES.get(elem)), elem)]
 
 

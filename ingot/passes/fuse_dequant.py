@@ -6,6 +6,8 @@
     gather(cast(w_bf16, float32), idx)        -> cast(gather(w_bf16, idx), float32)
     gather_matmul(x, dequantize(q, ...), idx) -> quantized_gather_matmul(x, idx, q, ...)   (experts)
     conv(x, dequantize(q_const, ...))         -> conv(x, w_float_const)     (dequantized at load)
+    dequantize(q, scale=1, ...) * c_const     -> dequantize(q, scale=c, ...) (a weight-only quantization
+                                                 written as cast and multiply; the same float32 products)
 
 A convolution's weight is the exception: it is dequantized once, at compile. A conv reads each weight
 once per output position (hundreds of times per run), so a kernel over int8 weights would convert
@@ -22,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import IngotError
-from ..ir import Node, Op, Program
+from ..ir import Node, Op, Program, TensorType
 from ..ops import infer_type, reference
 from . import Context, graph_rewrite
 from .fold import widens_weight
@@ -89,6 +91,27 @@ def _gather_then_cast(node: Node, ctx: Context) -> Node | None:
     return Node(Op.CAST, out, (gathered,), dict(table.attrs), node.name)
 
 
+def _scaled(node: Node, ctx: Context) -> Node | None:
+    deq, c = node.src if node.src[0].op == Op.DEQUANTIZE else node.src[::-1]
+    if deq.op != Op.DEQUANTIZE or c.op != Op.CONSTANT or deq.attrs["mode"] != "affine" or deq.attrs.get("has_bias") \
+            or node.type != deq.type or c.dtype != deq.dtype or deq.src[1].op != Op.CONSTANT:
+        return None
+    store = ctx.program.constants
+    if np.any(store[deq.src[1].attrs["key"]] != 1):   # (q * s) * c is not q * (s * c) in float32 unless s is 1
+        return None
+    value = store[c.attrs["key"]]
+    rank = deq.type.rank
+    if value.ndim > rank:
+        return None
+    value = value.reshape((1,) * (rank - value.ndim) + value.shape)
+    if any(d not in (1, q) for d, q in zip(value.shape, deq.type.shape)):   # a block-broadcast parameter
+        return None
+    key = f"scale_{node.id}"
+    store[key] = np.ascontiguousarray(value)
+    scale = Node(Op.CONSTANT, TensorType(value.shape, c.dtype), (), {"key": key}, key)
+    return Node(Op.DEQUANTIZE, deq.type, (deq.src[0], scale) + deq.src[2:], dict(deq.attrs), node.name)
+
+
 def _conv_weight(node: Node, ctx: Context) -> Node | None:
     w = node.src[1]
     if w.op != Op.DEQUANTIZE or any(s.op != Op.CONSTANT for s in w.src) or not w.type.static:
@@ -107,5 +130,6 @@ def fuse_dequantize(program: Program) -> tuple[Program, bool]:
     program = program.with_roots(program.outputs, program.assigns)
     program.constants = dict(program.constants)   # conv weights dequantized at load are added to a copy
     return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather), ((Op.GATHER,), _gather_then_cast),
-                                   ((Op.GATHER_MATMUL,), _gather_matmul), ((Op.CONV,), _conv_weight)],
+                                   ((Op.GATHER_MATMUL,), _gather_matmul), ((Op.CONV,), _conv_weight),
+                                   ((Op.MUL,), _scaled)],
                          "fuse_dequantize")

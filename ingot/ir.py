@@ -70,6 +70,8 @@ class Op(enum.IntEnum):
     RNN = enum.auto(); LSTM = enum.auto(); GRU = enum.auto()   # recurrent layers (ops/recurrent.py)
     CUMPROD = enum.auto(); BITCAST = enum.auto(); DET = enum.auto(); GRID_SAMPLE = enum.auto()
     IF = enum.auto()      # one of two bound callables, chosen by a run-time condition (ops/control.py)
+    # tensor parallelism: collectives over the ranks of a process group (ops/collective.py)
+    ALL_REDUCE = enum.auto(); ALL_GATHER = enum.auto()
 
 
 class GroupOp:
@@ -87,6 +89,8 @@ class GroupOp:
     View = frozenset({Op.RESHAPE, Op.TRANSPOSE, Op.BROADCAST_TO, Op.ARRAY_VIEW, Op.SLICE})
     Source = frozenset({Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE})
     Fft = frozenset({Op.FFT, Op.IFFT, Op.RFFT, Op.IRFFT})
+    # ops every rank must run, in the same order: never folded, merged or reordered across ranks
+    Collective = frozenset({Op.ALL_REDUCE, Op.ALL_GATHER})
 
 
 Dim = int | None  # None: dynamic, fixed when the graph is compiled

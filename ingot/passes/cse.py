@@ -4,7 +4,7 @@ Small constants with equal bytes are merged too; placeholders and variables are 
 """
 from __future__ import annotations
 
-from ..ir import Node, Op, Program, freeze
+from ..ir import GroupOp, Node, Op, Program, freeze
 from . import rebuild
 
 SMALL_CONSTANT = 4096  # bytes; bigger constants are compared by key only (hashing them costs)
@@ -22,7 +22,7 @@ def eliminate_common_subexpressions(program: Program) -> tuple[Program, bool]:
             key = ("const", node.type, value.dtype.str, value.tobytes()) if value.nbytes <= SMALL_CONSTANT else new.key()
         elif node.op in (Op.PLACEHOLDER, Op.VARIABLE):
             key = (node.op, node.name)
-        elif node.op in (Op.ASSIGN, Op.CALL, Op.IF):
+        elif node.op in (Op.ASSIGN, Op.CALL, Op.IF) or node.op in GroupOp.Collective:   # collectives run as built
             key = ("unique", node.id)
         else:
             key = new.key()

@@ -15,7 +15,7 @@ from ..ops import reference
 from . import Context, graph_rewrite
 
 NO_FOLD = frozenset({Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.QUANTIZED_GATHER_MATMUL, Op.BROADCAST_TO, Op.CALL, Op.IF, Op.GET_ITEM,
-                     Op.ASSIGN, Op.ARRAY_VIEW}) | GroupOp.Source
+                     Op.ASSIGN, Op.ARRAY_VIEW}) | GroupOp.Source | GroupOp.Collective
 MAX_ELEMENTS = 1 << 20
 
 

@@ -58,6 +58,7 @@ def _fused(node: Node, out):
 
 
 FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS
+from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: torch.distributed, gloo)
 
 
 @lowering(Op.MAX, Op.MIN)

@@ -29,6 +29,7 @@ from .device import (_DEVICE_CONSTANTS, TORCH_DTYPE, constant_tensor, device_nam
                      to_device, to_host, torch_dtype)
 from .lowerings import LOWERINGS, Lowering, StepFn, host_reference, lowering  # noqa: F401
 from . import fft  # noqa: E402,F401  (registers the FFT lowerings and the fused STFT power -> mel chain)
+from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: NCCL through torch.distributed)
 from .plan import CudaPlan
 
 

@@ -1,7 +1,7 @@
 """The `ingot` command.
 
     ingot generate [PROMPT] [--model PATH] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
-                   [--seed S] [--device cpu|cuda] [--no-chat] [--json]
+                   [--seed S] [--device cpu|cuda] [--no-chat] [--json] [--tensor-parallel N]
     ingot chat [--model PATH] ...
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
     ingot quantize IN.(gguf|ingot) -o OUT.ingot [--format FMT] [--calibration TEXT | --no-calibration] [--exclude GLOB] [--compensate RANK] [--no-awq] [--no-gptq]
@@ -123,11 +123,22 @@ def _load_llm(args):
 
 def _generate(args) -> int:
     _check_sampling_args(args)
+    if args.tensor_parallel is not None or _under_torchrun():   # N processes, rank 0 prints (ingot/distributed/run.py)
+        from .distributed.run import generate_parallel
+        return generate_parallel(args)
     prompt = _read_prompt(args)
-    llm = _load_llm(args)
+    return _generate_with(args, _load_llm(args), prompt)
+
+
+def _under_torchrun() -> bool:
+    from .distributed import under_torchrun
+    return under_torchrun()
+
+
+def _generate_with(args, llm, prompt: str, sampling: dict | None = None) -> int:
     pieces = []
     for token in llm.generate(prompt, max_tokens=args.max_tokens, stop=args.stop, chat=not args.no_chat,
-                              **_sampling(args, llm)):
+                              **(sampling or _sampling(args, llm))):
         if args.json:
             pieces.append(token.text)
         else:
@@ -321,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template (plain completion)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, speeds) instead of streaming")
+    gen.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                     help="split the model over N processes (tensor parallelism: gloo on cpu, NCCL on cuda); under "
+                          "torchrun, its number of processes (default: 1)")
     gen.set_defaults(func=_generate)
     chat = sub.add_parser("chat", help="chat with a language model (the KV cache is kept between turns)",
                           description="Chat with a language model (a GGUF file or an Ingot LLM package): one message "

@@ -75,8 +75,10 @@ class LLM:
     """A GGUF language model (or an Ingot LLM package) compiled for one device, with its tokenizer
     and chat template. lora: PEFT adapter folders as (path, scale) pairs, called beside the weights."""
 
-    def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=(), options=None):
+    def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=(), options=None,
+                 tensor_parallel: int = 1):
         from ..adapters import binder, load_peft
+        from ..distributed import rank_for
         from .. import models
         from .package import open_model
 
@@ -96,6 +98,8 @@ class LLM:
         for lora_path, scale in lora:
             self.adapters = self.adapters.merged(load_peft(lora_path, self.config, scale))
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
+        self.rank = rank_for(self.config, tensor_parallel, self.adapters)   # this process's shard (0 of 1 without TP)
+        self.tensor_parallel = tensor_parallel
         from .tokenizer import Tokenizer  # here: a file refused above never imports tokenizers
         from .chat import check_template
         try:
@@ -112,7 +116,11 @@ class LLM:
         model.metadata = {k: v for k, v in model.metadata.items()
                           if k == "tokenizer.chat_template" or not k.startswith("tokenizer.ggml.")}
         self.metadata = model.metadata
-        self.model = models.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)
+        if tensor_parallel > 1:   # this rank's heads, FFN rows and vocabulary, with its collectives
+            from ..passes.shard import build_sharded
+            self.model = build_sharded(self.config, model.tensors, tensor_parallel, self.rank, path)
+        else:
+            self.model = models.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)
         if self.adapters:
             self.model.callables_for = binder(self.config, self.adapters)
         del model
@@ -421,9 +429,13 @@ def _return_freed_memory() -> None:
         pass
 
 
-def load(path: str | None = None, device: str = "cpu", context: int | None = None, lora=(), options=None) -> LLM:
+def load(path: str | None = None, device: str = "cpu", context: int | None = None, lora=(), options=None,
+         tensor_parallel: int = 1) -> LLM:
     """Load a GGUF model or an Ingot LLM package (the default model when path is None) and compile
     it for device; lora: PEFT folders, as paths or (path, scale) pairs; options: the
-    `ingot.CompileOptions` of every compile (None: `CompileOptions.from_environment()`)."""
+    `ingot.CompileOptions` of every compile (None: `CompileOptions.from_environment()`);
+    tensor_parallel=N: this process's shard of N, in a torch.distributed group of N ranks (started by
+    ingot.distributed.launch or torchrun), every rank calling the same methods in lock step."""
     lora = [(item, 1.0) if isinstance(item, (str, os.PathLike)) else tuple(item) for item in lora]
-    return LLM(path or default_model_path(), device=device, context=context, lora=lora, options=options)
+    return LLM(path or default_model_path(), device=device, context=context, lora=lora, options=options,
+               tensor_parallel=tensor_parallel)

@@ -6,7 +6,7 @@ import pytest
 
 import ingot
 from ingot import dtypes as dt
-from ingot.backends.cpu import kernels, nn_kernels
+from ingot.backends.cpu import kernels, nn_kernels, vnni
 from ingot.ops import nn as nn_ops
 from ingot.ops.quant import quantized_matmul_reference
 
@@ -195,7 +195,36 @@ def _kernel_cases(k, n, rows):
              (lut_kernels.scaled_lut_gemv_packed4, (x, q4, table, scale), k // 32)]
     if lut_kernels.SHUFFLE:
         cases.append((lut_kernels.scaled_lut_gemv_int, (x, q4, np.arange(-8, 8, dtype=np.int8), scale), k // 32))
+    if vnni.AVAILABLE and n % vnni.GROUP == 0:
+        cases.append((vnni.gemv4, (x, vnni.repack(q4, 0x88), h(scale), h(bias), True, np.float32(0)), k // 32))
     return cases
+
+
+@pytest.mark.skipif(not vnni.AVAILABLE, reason="the CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("k,n,rows", [(32, 16, 1), (96, 48, 3), (320, 400, 16)])
+@pytest.mark.parametrize("qdtype", [dt.uint4, dt.int4], ids=lambda d: d.name)
+@pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
+def test_vnni_gemv_equals_the_portable_integer_kernel(k, n, rows, qdtype, params):
+    """Same rounding of x, same integer dot products: the VNNI kernel's output equals the portable
+    int8-activation kernel's to float rounding, block and column ranges included."""
+    q, scale, bias = kmajor_weight(k, n, qdtype, 32)
+    if params == np.float16:
+        scale, bias = scale.astype(np.float16).view(np.uint16), bias.astype(np.float16).view(np.uint16)
+    x = RNG.standard_normal((rows, k)).astype(np.float32) * 3
+    flip, center = (0, 8) if qdtype == dt.uint4 else (0x88, 0)
+    want = np.empty((rows, n), np.float32)
+    kernels.kmajor_packed4_xq(x, q, scale, bias, True, np.uint8(flip), np.float32(center), 0, k // 32, 0, n, want)
+    got = np.full((rows, n), np.nan, np.float32)
+    vnni.gemv4(x, vnni.repack(q, flip), scale, bias, True, np.float32(center), 0, k // 32, 0, n, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if n < 48:
+        return
+    part = np.full((rows, n), np.nan, np.float32)
+    vnni.gemv4(x, vnni.repack(q, flip), scale, bias, False, np.float32(center), 0, 1, 16, 32, part)
+    assert np.isnan(part[:, :16]).all() and np.isnan(part[:, 32:]).all()
+    ref = np.empty((rows, n), np.float32)
+    kernels.kmajor_packed4_xq(x, q, scale, bias, False, np.uint8(flip), np.float32(center), 0, 1, 0, n, ref)
+    np.testing.assert_allclose(part[:, 16:32], ref[:, 16:32], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("k,n,rows", [(256, 64, 2), (96, 4160, 3), (64, 4096 + 2050, 1)])

@@ -16,7 +16,7 @@ from numba import njit
 from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
-from . import team
+from . import team, vnni
 from .nn_kernels import (_layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm, rope_rows,
                          rope_write_attend)
 
@@ -382,7 +382,7 @@ def _chunks(kernel):
     not closures, so each is written out)."""
     if not _drivers:
         from . import lut_kernels
-        _drivers.update({kmajor_packed4: packed4_chunks, kmajor_int8: int8_chunks,
+        _drivers.update({vnni.gemv4: vnni.gemv4_chunks, kmajor_packed4: packed4_chunks, kmajor_int8: int8_chunks,
                          kmajor_packed4_xq: packed4_xq_chunks, kmajor_int8_xq: int8_xq_chunks,
                          lut_kernels.scaled_lut_gemv_packed4: lut_kernels.lut_packed4_chunks})
         if lut_kernels.SHUFFLE:
@@ -443,21 +443,22 @@ def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int,
     out for wide outputs, else ranges of blocks (each streaming its own part of the weight) into
     partial outputs added at the end."""
     n = out.shape[1]
-    if threads <= 1 or work < PARALLEL_MIN_WEIGHTS or (n_blocks < 2 and n < SPLIT_COLUMNS):
+    columns = n >= SPLIT_COLUMNS or kernel is vnni.gemv4   # (its layout is contiguous per 16 columns)
+    if threads <= 1 or work < PARALLEL_MIN_WEIGHTS or (n_blocks < 2 and not columns):
         kernel(*head, 0, n_blocks, 0, n, out)
         return
-    key = (n_blocks, n, threads)
+    key = (n_blocks, n, threads, columns)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _plan(n_blocks, n, threads)
-    outs = out[None] if plan[0, 3] < n else np.empty((plan.shape[0],) + out.shape, np.float32)
+        plan = _plans[key] = _plan(n_blocks, n, threads, columns)
+    outs = out[None] if columns else np.empty((plan.shape[0],) + out.shape, np.float32)
     if not team.team(threads).run(_chunks(kernel), (head, plan, outs, out)):
         kernel(*head, 0, n_blocks, 0, n, out)   # the team is busy with another thread's job
 
 
-def _plan(n_blocks: int, n: int, threads: int) -> np.ndarray:
+def _plan(n_blocks: int, n: int, threads: int, columns: bool) -> np.ndarray:
     """Chunks as rows (b0, b1, c0, c1, which partial output)."""
-    if n >= SPLIT_COLUMNS:
+    if columns:
         parts = threads * CHUNKS_PER_THREAD
         width = -(-(-(-n // parts)) // 64) * 64   # ceil(n / parts) rounded up to 64 columns
         return np.array([(0, n_blocks, c, min(n, c + width), 0) for c in range(0, n, width)], np.int64)
@@ -493,6 +494,15 @@ def _kmajor_params(params, attrs, n: int):
         shift = -np.broadcast_to(full(zero_point), (nb, n)).astype(np.float32) * scale
         offset = shift if offset is None else offset + shift
     return scale, offset, nb
+
+
+def _half_if_exact(p: np.ndarray | None) -> np.ndarray | None:
+    """p in the kernels' float16 form when float16 holds it exactly, else as _kernel_form gives it."""
+    if p is not None and p.dtype == np.float32:
+        half = p.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), p):
+            p = half
+    return _kernel_form(p)
 
 
 def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
@@ -531,14 +541,22 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             absent = no_offset if ks.dtype == np.float32 else no_offset_bits
             if activations == "int8" and k % XQ_BLOCK == 0 and (k // nb) % XQ_BLOCK == 0:
                 unsigned = qdtype.kind == "u"   # read as signed through flip, the difference in center
-                if qdtype.packed:
+                weight = _kernel_form(q)
+                if qdtype.packed and vnni.AVAILABLE and n % vnni.GROUP == 0:
+                    kernel, weight = vnni.gemv4, _kernel_form(vnni.repack(q, 0 if unsigned else 0x88))
+                    # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read
+                    vs, vo = _half_if_exact(scale), _half_if_exact(offset)
+                    gemv = (kernel, (vs, vo if offset is not None else vs, offset is not None,
+                                     np.float32(8 if unsigned else 0)), k // XQ_BLOCK, weight)
+                elif qdtype.packed:
                     kernel = kmajor_packed4_xq
                     args = (np.uint8(0 if unsigned else 0x88), np.float32(8 if unsigned else 0))
                 else:
                     kernel = kmajor_int8_xq
                     args = (np.uint8(0x80), np.float32(128)) if unsigned else (np.int8(0), np.float32(0))
-                gemv = (kernel, (ks, _kernel_form(offset if offset is not None else absent), offset is not None) + args,
-                        k // XQ_BLOCK)
+                if kernel is not vnni.gemv4:
+                    gemv = (kernel, (ks, _kernel_form(offset if offset is not None else absent), offset is not None) + args,
+                            k // XQ_BLOCK, weight)
             else:
                 gemv = None
             signed4 = qdtype.packed and qdtype.kind == "i"
@@ -548,15 +566,15 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             flip = np.uint32(0x88 if signed4 else 0)
             ko = _kernel_form(offset if offset is not None else absent)
             if gemv is None:
-                gemv = (kmajor_packed4, (ks, ko, offset is not None, flip), nb) if qdtype.packed else \
-                    (kmajor_int8, (ks, ko, offset is not None), nb)
+                gemv = (kmajor_packed4, (ks, ko, offset is not None, flip), nb, _kernel_form(q)) if qdtype.packed else \
+                    (kmajor_int8, (ks, ko, offset is not None), nb, _kernel_form(q))
             hit = prepared[key] = (gemv, scale, offset, flip, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
         return hit
 
     def step(x, q, *params):
         if not fast:
             return reference((x, q) + params, attrs)
-        (kernel, args, parts), scale, offset, flip, nb, n, q, _ = prepare(q, params)
+        (kernel, args, parts, weight), scale, offset, flip, nb, n, q, _ = prepare(q, params)
         k = x.shape[-1]
         if k % nb:
             return reference((x, q) + params, attrs)
@@ -568,7 +586,7 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        split_blocks(kernel, (x2, q) + args, parts, result, k * n, threads)
+        split_blocks(kernel, (x2, weight) + args, parts, result, k * n, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, flip, block, n):
@@ -662,7 +680,7 @@ def _cache_is_cold() -> bool:
     try:
         return any(not d._cache._cache_file._load_index() for d in
                    (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
-                    scaled_tile_int8, attention, rope_rows,
+                    scaled_tile_int8, attention, rope_rows, vnni.gemv4,
                     _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend))
     except Exception:
         return False
@@ -680,6 +698,10 @@ def _warm_up() -> None:
         kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
         kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
         kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+        if vnni.AVAILABLE:
+            wide = _kernel_form(np.ones((1, 16), params.dtype))
+            vnni.gemv4(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
+                       f32(1, 16))
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))

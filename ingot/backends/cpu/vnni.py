@@ -1,0 +1,171 @@
+"""The 4-bit GEMV with integer activations on AVX-512 VNNI: 64 multiply-adds per instruction.
+
+The portable kernel (kernels._kmajor_packed4_xq) spends its time in the unpack and the int16 adds
+of every weight, and one more row of x costs as much again: 8 rows took 7x one row, so a server's
+batch gained nothing. VPDPBUSD multiplies 64 unsigned bytes by 64 signed bytes and adds each four
+into 16 int32 lanes, as llama.cpp's Q4 x Q8 dot products do; here one such instruction per 4 k per
+16 output columns, and the weights, once in L1, serve every row of x.
+
+Layout (`repack`, once per weight, when the CPU has VNNI): for each group of 16 output columns and
+each block of 32 k, 256 bytes: four vectors of 64, vector v holding, for column l of the group, at
+bytes 4 l .. 4 l + 3, the 4-bit codes of k = 4 v .. 4 v + 3 in the low nibbles and of k = 16 + 4 v ..
+in the high nibbles (codes as the portable kernel reads them: byte ^ flip, so n - 8 is the value).
+A block's 16 dot products are then 8 VPDPBUSD: low and high nibbles against the four x values of
+their k, broadcast. The float epilogue is the portable kernel's: out += scale * (d * (dot - 8 sum
+xq) + center * xsum) + offset * xsum, per block of 32 k and row of x.
+"""
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from . import team
+
+XQ_BLOCK = 32  # kernels.XQ_BLOCK: x rounded to int8 per this many k
+
+GROUP = 16  # output columns per VNNI vector (16 int32 lanes)
+
+
+def _available() -> bool:
+    """x86-64 with AVX-512 VNNI, numba compiling for the host CPU."""
+    import numba
+    if platform.machine().lower() not in ("x86_64", "amd64") or numba.config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+        features = llvm.get_host_cpu_features()
+        return all(features.get(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
+    except Exception:
+        return False
+
+
+AVAILABLE = _available()
+
+
+@intrinsic
+def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset):
+    """res[res_at:res_at + 16] += scale * ((dot - shift) * d + cx) + offset * xsum (offset only when
+    has_offset), dot the 16 int32 dot products of one block of 32 k: the 256 bytes of w (uint8,
+    C order) at flat offset w_at against the 32 int8 of x at int32 offset x_at of xq (an int32
+    view); scale and offset at flat offset p_at, float32 or float16 bits (uint16). All in vector
+    registers: the same in numba loops of 16 cost more than the 8 VPDPBUSD themselves."""
+    sig = types.void(res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset)
+
+    def codegen(context, builder, signature, args):
+        res_v, res_at_v, w_v, w_at_v, xq_v, x_at_v, s_v, o_v, p_at_v, d_v, shift_v, cx_v, xsum_v, has_v = args
+        arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+        ra, wa, xa, sa, oa = arr(0, res_v), arr(2, w_v), arr(4, xq_v), arr(6, s_v), arr(7, o_v)
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        v16, f16x = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+        vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
+        nibbles = ir.Constant(v16, [0x0F0F0F0F] * 16)
+        four = ir.Constant(v16, [4] * 16)
+        zeros = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
+
+        def splat(value, vector_type):
+            one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), zeros)
+
+        total = ir.Constant(v16, [0] * 16)
+        for v in range(4):
+            at = builder.add(w_at_v, ir.Constant(w_at_v.type, 64 * v))
+            weights = builder.load(builder.bitcast(builder.gep(wa.data, [at]), v16.as_pointer()), align=1)
+            low = builder.and_(weights, nibbles)
+            high = builder.and_(builder.lshr(weights, four), nibbles)
+            for part, quad in ((low, v), (high, v + 4)):
+                x4 = builder.load(builder.gep(xa.data, [builder.add(x_at_v, ir.Constant(x_at_v.type, quad))]), align=4)
+                total = builder.call(vdp, [total, part, splat(x4, v16)])
+
+        def params(a, element):
+            ptr = builder.gep(a.data, [p_at_v])
+            if element == types.uint16:
+                halves = builder.load(builder.bitcast(ptr, ir.VectorType(ir.HalfType(), 16).as_pointer()), align=2)
+                return builder.fpext(halves, f16x)
+            return builder.load(builder.bitcast(ptr, f16x.as_pointer()), align=4)
+
+        dots = builder.sitofp(total, f16x)
+        inner = builder.fadd(builder.fmul(builder.fsub(dots, splat(shift_v, f16x)), splat(d_v, f16x)), splat(cx_v, f16x))
+        add = builder.fmul(params(sa, signature.args[6].dtype), inner)
+        res_ptr = builder.bitcast(builder.gep(ra.data, [res_at_v]), f16x.as_pointer())
+        acc = builder.fadd(builder.load(res_ptr, align=4), add)
+        with builder.if_then(builder.icmp_unsigned("!=", has_v, ir.Constant(has_v.type, 0))):
+            builder.store(builder.fadd(acc, builder.fmul(params(oa, signature.args[7].dtype), splat(xsum_v, f16x))),
+                          res_ptr, align=4)
+        with builder.if_then(builder.icmp_unsigned("==", has_v, ir.Constant(has_v.type, 0))):
+            builder.store(acc, res_ptr, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def repack(q: np.ndarray, flip: int) -> np.ndarray:
+    """The VNNI layout [N / 16, K / 32, 256] (uint8) of a k-major 4-bit weight q [K, N / 2]."""
+    k, half = q.shape
+    n = 2 * half
+    codes = np.empty((k, n), np.uint8)
+    flipped = q ^ np.uint8(flip)
+    codes[:, 0::2] = flipped & 15
+    codes[:, 1::2] = flipped >> 4
+    # [K/32, 2 (low/high half of the block), 4 (v), 4 (p), N/16, 16 (l)] -> [N/16, K/32, v, l, p]
+    c = codes.reshape(k // 32, 2, 4, 4, n // GROUP, GROUP)
+    packed = c[:, 0] | (c[:, 1] << 4)                         # [K/32, v, p, G, l]
+    return np.ascontiguousarray(packed.transpose(3, 0, 1, 4, 2)).reshape(n // GROUP, k // 32, 256)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def gemv4(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
+    """out[:, c0:c1] (c0, c1 multiples of 16) = x[:, blocks s0..s1 of 32 k] @ W for W in the VNNI
+    layout w (see repack) with scale and offset [K / block, N] (float32, or float16 bits: see
+    kernels.params_row); x rounded to int8 per block of 32 as kernels._round_rows does."""
+    m_rows, k = x.shape
+    bs = k // scale.shape[0]
+    nb32 = k // XQ_BLOCK
+    xq = np.empty((m_rows, k), np.int8)
+    xd = np.empty((m_rows, nb32), np.float32)
+    xs = np.empty((m_rows, nb32), np.float32)
+    xi = np.empty((m_rows, nb32), np.float32)
+    for m in range(m_rows):
+        for sb in range(s0, s1):
+            k0 = sb * XQ_BLOCK
+            amax = np.float32(0.0)
+            total = np.float32(0.0)
+            for j in range(XQ_BLOCK):
+                v = x[m, k0 + j]
+                total += v
+                amax = max(amax, abs(v))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            isum = 0
+            for j in range(XQ_BLOCK):
+                r = np.int32(np.rint(x[m, k0 + j] * inv))
+                xq[m, k0 + j] = np.int8(r)
+                isum += r
+            xd[m, sb] = amax / np.float32(127.0)
+            xs[m, sb] = total
+            xi[m, sb] = np.float32(isum)
+    x4 = xq.reshape(m_rows * k).view(np.int32)
+    res = np.zeros(m_rows * GROUP, np.float32)
+    n = scale.shape[1]
+    for g in range(c0 // GROUP, c1 // GROUP):
+        lo = g * GROUP
+        res[:] = 0
+        for sb in range(s0, s1):
+            at = (sb * XQ_BLOCK // bs) * n + lo
+            for m in range(m_rows):
+                block_fma(res, m * GROUP, w, (g * nb32 + sb) * 256, x4, (m * k + sb * XQ_BLOCK) // 4, scale, offset,
+                          at, xd[m, sb], np.float32(8.0) * xi[m, sb], center * xs[m, sb], xs[m, sb], has_offset)
+        for m in range(m_rows):
+            out[m, lo:lo + GROUP] = res[m * GROUP:(m + 1) * GROUP]
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def gemv4_chunks(head, plan, outs, out, ctrl, gen, lead):
+    """gemv4 over a team's chunks (team.py)."""
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        gemv4(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)

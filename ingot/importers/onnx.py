@@ -50,8 +50,9 @@ from ..runtime import Executable, Outputs
 from . import (onnx_attention, onnx_control, onnx_integer, onnx_math, onnx_nn, onnx_quant, onnx_recurrent, onnx_shape,  # noqa: F401
                onnx_signal, onnx_training)  # (registration)
 from .onnx_staged import NeedsHostStep, StagedOnnxExecutable
-from .onnx_ops import (CONVERTERS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph, NeedsConstant, OnnxNode,
-                       MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array, ingot_dtype)
+from .onnx_ops import (CONVERTERS, MAX_SPECIALIZED_ELEMENTS, ONNX_DTYPES, ONNX_TYPE_NAMES, Context, ImportGraph,
+                       NeedsConstant, OnnxNode, MIN_ELEMENT_BUDGET, WEIGHT_BUDGET_FACTOR, UnsupportedOnnx, as_ingot_array,
+                       ingot_dtype, named_feeds)
 
 MAX_LOCATION_CHARS = 4096  # an external data location (PATH_MAX)
 SUB_BYTE_SIZES = {21: 0.5, 22: 0.5, 23: 0.5, 25: 0.25, 26: 0.25}  # bytes per element of the packed ONNX types
@@ -401,7 +402,7 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     if unknown:
         raise IngotError(f"{what}: input_shapes or constant_inputs name {sorted(unknown)}, which are not inputs of the model "
                          f"(inputs: {list(inputs)}).")
-    ctx.import_subgraph = lambda sub, outer, inputs=(): _convert_subgraph(ctx, sub, outer, what, inputs)
+    ctx.import_subgraph = lambda sub, outer, inputs=(), into=None: _convert_subgraph(into or ctx, sub, outer, what, inputs)
     _convert_graph(ctx, graph, values, what)
     outputs: dict[str, Tensor] = {}
     output_dtypes: dict[str, np.dtype] = {}
@@ -560,19 +561,6 @@ def _settle(g: ImportGraph, t: Tensor, name: str) -> Tensor:
 
 # -- the executable --------------------------------------------------------------------------------
 
-def named_feeds(feeds, onnx_inputs: Sequence[str]) -> dict:
-    """Feeds by ONNX input name, from a mapping or a list in the model's input order; unknown names refused."""
-    if not isinstance(feeds, Mapping):
-        feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
-        if len(feeds) != len(onnx_inputs):
-            raise IngotError(f"run: expected {len(onnx_inputs)} inputs ({onnx_inputs}), got {len(feeds)}.")
-        feeds = dict(zip(onnx_inputs, feeds))
-    unknown = [k for k in feeds if k not in onnx_inputs]
-    if unknown:
-        raise IngotError(f"run: {unknown} are not inputs of this model (inputs: {onnx_inputs}).")
-    return dict(feeds)
-
-
 class OnnxExecutable(Executable):
     """An Executable compiled from ONNX: `run` takes feeds by ONNX input name and returns Outputs
     named by the ONNX graph's outputs (in its order), host arrays in the dtypes the model declares."""
@@ -654,7 +642,6 @@ def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Seq
     return compile_import(imported, device, debug)
 
 
-MAX_SPECIALIZED_ELEMENTS = 64   # an input this small (shapes, axes, scales) may be fixed per value at run
 MAX_SPECIALIZATIONS = 16        # compiled executables a SpecializingOnnxExecutable keeps (oldest dropped)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..graph import Tensor
 from ..ir import Op, Program, TensorType, toposort
 from ..ops import normalize_axis
-from .onnx_ops import Context, ImportGraph, NeedsConstant, OnnxNode, converter, placeholders_of
+from .onnx_ops import MAX_SPECIALIZED_ELEMENTS, Context, ImportGraph, NeedsConstant, OnnxNode, converter, placeholders_of
 
 
 @dataclass
@@ -32,8 +32,6 @@ class Branch:
 
 @converter("If")
 def _if(ctx: Context, node: OnnxNode):
-    from .onnx import MAX_SPECIALIZED_ELEMENTS   # (onnx.py imports this module)
-
     cond = node.input(0)
     value = ctx.value(cond)
     if value is None:
@@ -68,8 +66,6 @@ def outer_names(graph) -> list[str]:
 
 
 def _if_at_run_time(ctx: Context, node: OnnxNode, cond: Tensor) -> list[Tensor]:
-    from .onnx import _convert_subgraph
-
     if cond.type.size != 1:
         raise ctx.fail(node, f"a condition of shape {list(cond.shape)} (ONNX requires one value)")
     graphs = [node.attr("then_branch"), node.attr("else_branch")]
@@ -78,12 +74,12 @@ def _if_at_run_time(ctx: Context, node: OnnxNode, cond: Tensor) -> list[Tensor]:
     built = []
     for graph in graphs:
         sub = Context(ImportGraph(ctx.g.max_elements), ctx.what, ctx.opsets, ctx.quantize, in_branch=True)
-        sub.import_subgraph = lambda s, o, i=(), sub=sub: _convert_subgraph(sub, s, o, ctx.what, i)
+        sub.import_subgraph = lambda s, o, i=(), into=None, sub=sub: ctx.import_subgraph(s, o, i, into=into or sub)
         values = {}
         for i, (name, t) in enumerate(outer.items()):
             v = sub.g.placeholder(t.shape, t.dtype, name=f"input_{i}") if name in passed else sub.g.constant(ctx.value(t))
             values[name] = sub.declare(v, ctx.onnx_dtype(t))
-        built.append((sub, _convert_subgraph(sub, graph, values, ctx.what)))
+        built.append((sub, sub.import_subgraph(graph, values)))
     types = [[o.type for o in outs] for _, outs in built]
     if len(types[0]) != len(node.outputs) or types[0] != types[1]:
         raise ctx.fail(node, f"a condition computed at run time and branches that return {types[0]} and {types[1]} "

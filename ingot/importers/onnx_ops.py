@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -157,6 +157,22 @@ class OnnxNode:
         return f"{self.op_type} node {self.name!r}" if self.name else f"{self.op_type} node (output {self.outputs[0]!r})"
 
 
+MAX_SPECIALIZED_ELEMENTS = 64   # an input this small (shapes, axes, scales) may be fixed per value at run
+
+
+def named_feeds(feeds, onnx_inputs: Sequence[str]) -> dict:
+    """Feeds by ONNX input name, from a mapping or a list in the model's input order; unknown names refused."""
+    if not isinstance(feeds, Mapping):
+        feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
+        if len(feeds) != len(onnx_inputs):
+            raise IngotError(f"run: expected {len(onnx_inputs)} inputs ({onnx_inputs}), got {len(feeds)}.")
+        feeds = dict(zip(onnx_inputs, feeds))
+    unknown = [k for k in feeds if k not in onnx_inputs]
+    if unknown:
+        raise IngotError(f"run: {unknown} are not inputs of this model (inputs: {onnx_inputs}).")
+    return dict(feeds)
+
+
 @dataclass
 class Context:
     """What converters use: the graph, the ONNX file's label for errors, and constant reads."""
@@ -167,7 +183,8 @@ class Context:
     quantize: Any = None  # an ingot.quant Format: store matmul weights in it
     declared: dict[int, np.dtype] = field(default_factory=dict)  # node id -> its ONNX type, where Ingot holds it wider
     scope: dict[str, Tensor] | None = None      # the values the graph being converted can read, by ONNX name
-    import_subgraph: Any = None                 # (subgraph, outer values) -> its outputs, converted in place
+    import_subgraph: Any = None                 # (subgraph, outer values[, inputs, into=context]) -> its outputs,
+                                                # converted in place (into this context's graph, or `into`'s)
     branches: dict[str, Any] = field(default_factory=dict)  # If branches run at run time, by callable name
     in_branch: bool = False                     # converting such a branch (its inputs are not the model's)
 

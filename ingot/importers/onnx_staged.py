@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import IngotError
 from ..runtime import Outputs
 from .onnx_control import outer_names
-from .onnx_ops import Context, OnnxNode, UnsupportedOnnx, converter
+from .onnx_ops import Context, OnnxNode, UnsupportedOnnx, converter, named_feeds
 
 HOST_OPS = ("NonZero", "Unique", "NonMaxSuppression")
 
@@ -129,8 +129,6 @@ class StagedOnnxExecutable:
 
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs."""
-        from .onnx import named_feeds
-
         feeds = named_feeds(feeds, self.onnx_inputs)
         first = self.first.run({k: v for k, v in feeds.items() if k in self.first.onnx_inputs}, **options)
         host_feeds = {f"in{i}": first[name] for i, name in enumerate(self.host_inputs) if name}

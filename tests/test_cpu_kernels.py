@@ -171,6 +171,20 @@ def test_rope_kernel(interleaved, rd):
     np.testing.assert_allclose(got, nn_ops.rope(x, 5, None, 500.0, interleaved, rd), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tq,length,causal,window", [(64, 64, True, 0), (100, 130, True, 0), (80, 80, True, 9),
+                                                      (70, 90, False, 0)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prefill_attention_split_over_threads(tq, length, causal, window, threads, monkeypatch):
+    """Prefill attention cut into query ranges of equal work over the pool equals the reference."""
+    monkeypatch.setitem(nn_kernels.SPLIT, "threads", threads)
+    q = RNG.standard_normal((1, 6, tq, 16)).astype(np.float32)
+    k = RNG.standard_normal((1, 2, 160, 16)).astype(np.float32)
+    v = RNG.standard_normal((1, 2, 160, 12)).astype(np.float32)
+    want = nn_ops.sdpa(q, k, v, None, length, 0.25, causal, window, 0.0)
+    np.testing.assert_allclose(nn_kernels.attention_blas(q, k, v, length, np.float32(0.25), causal, window), want,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_rms_norm_and_silu():
     x = RNG.standard_normal((5, 33)).astype(np.float32) * 3
     w = RNG.standard_normal(33).astype(np.float32)

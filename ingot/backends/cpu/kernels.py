@@ -356,6 +356,14 @@ class _Workers:
 _workers: dict[int, _Workers] = {}   # by their number
 
 
+def run_parallel(fn, argsets: list) -> None:
+    """fn(*args) for each of argsets, the first here and the others on the pool's threads (nogil
+    work: BLAS, NumPy, numba kernels)."""
+    if len(argsets) - 1 not in _workers:
+        _workers[len(argsets) - 1] = _Workers(len(argsets) - 1)
+    _workers[len(argsets) - 1].run(fn, argsets)
+
+
 _blas = {"threads": None, "libraries": None}
 
 
@@ -604,14 +612,7 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
         if parts <= 1:
             gemm_columns(*argsets[0])
             return result
-        if parts - 1 not in _workers:
-            _workers[parts - 1] = _Workers(parts - 1)
-        before = _blas["threads"]
-        blas_threads(1)
-        try:
-            _workers[parts - 1].run(gemm_columns, argsets)
-        finally:
-            blas_threads(before if before is not None else usable_cores())
+        run_parallel(gemm_columns, argsets)   # BLAS on one thread in such programs (CpuPlan.blas)
         return result
 
     def gemm_columns(x2, xsum, q, scale, offset, flip, block, i0, i1, result):

@@ -121,7 +121,30 @@ def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interle
 rope_write_attend = njit(**_serial)(_rope_write_attend)
 
 
+SPLIT = {"threads": 1}   # threads attention_blas splits its queries over (CpuPlan.run sets it: its
+                        # thread setting where BLAS runs on one thread, else 1)
+
+
 def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
+    """_attention_blas, its queries split over SPLIT["threads"] threads (the GEMM's pool) in parts
+    of equal work (a causal row's work grows with its position)."""
+    threads, tq = SPLIT["threads"], q.shape[2]
+    if threads <= 1 or tq < 64:
+        return _attention_blas(q, k, v, length, scale, causal, window, softcap)
+    from . import kernels
+    work = np.cumsum(np.arange(length - tq + 1, length + 1) if causal else np.ones(tq))
+    cuts = [0] + [int(np.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)] + [tq]
+    out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
+
+    def part(r0, r1):
+        if r1 > r0:
+            keys = length - tq + r1 if causal else length   # a causal part sees keys up to its last row
+            out[:, :, r0:r1] = _attention_blas(q[:, :, r0:r1], k, v, keys, scale, causal, window, softcap)
+    kernels.run_parallel(part, list(zip(cuts, cuts[1:])))
+    return out
+
+
+def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     """Attention for many queries (prefill) with BLAS: each K/V head multiplies its whole group of
     query heads at once (no repeated K/V), causal mask aligned to `length` (within `window` keys when
     window > 0), scores capped by softcap * tanh(s / softcap) when softcap > 0, softmax in place."""

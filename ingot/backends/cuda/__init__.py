@@ -5,7 +5,7 @@ torch ops for the rest, and the whole run captured as one CUDA graph once it rep
 The folder follows the pipeline: device.py (dtypes, copies, each constant's one device copy),
 lowerings.py (the table by op), fused_lowerings.py (FUSED ops by kind: what the compiler's device
 passes fused, ingot/passes/fuse_*.py), plan.py (the step list, graph capture and replay), and one
-file per kernel family (attention, quantized_matmul, fused, fft, flash_sm90, pdl). An op with no
+file per kernel family (attention, quantized_matmul, fused, fft, flash_sm90, pdl, experts). An op with no
 device lowering runs its NumPy reference on host copies, with a warning: such a plan is not captured
 as a graph.
 
@@ -30,6 +30,7 @@ from .device import (_DEVICE_CONSTANTS, TORCH_DTYPE, constant_tensor, device_nam
 from .lowerings import LOWERINGS, Lowering, StepFn, host_reference, lowering  # noqa: F401
 from . import fft  # noqa: E402,F401  (registers the FFT lowerings and the fused STFT power -> mel chain)
 from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: NCCL through torch.distributed)
+from . import experts  # noqa: E402,F401  (registers the mixture-of-experts lowerings: top_k, quantized_gather_matmul, ...)
 from .plan import CudaPlan
 
 

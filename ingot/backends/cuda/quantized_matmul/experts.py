@@ -1,0 +1,125 @@
+"""quantized_gather_matmul on the GPU: each token's chosen experts multiplied straight from their packed
+weights (`_expert_gemv_kernel`), never a float copy of any expert.
+
+    out[t, j] = x[t, j or 0] @ W[idx[t, j]]        x [T, S, K], idx [T, J], W [E, K, N] -> [T, J, N]
+
+The experts are re-packed once at load, each as `prepare_weight` packs a quantized_matmul weight
+(k-major, unsigned, parameters per GROUP rows; lookup tables as they are), then stacked along a leading
+expert axis (`ExpertWeights`). One program multiplies one (token, choice) row by a BLOCK_N column block
+of its expert: [BLOCK_K, BLOCK_N] tiles through the same tile loader and dequantizer as the one-row
+GEMVs (`gemm._load_tile`, `gemm._dequantize_tile`), products accumulated in a 2-D register tile and
+summed over K once at the end. The expert index is read on the device (no host sync: the plan can be
+captured as a CUDA graph) and clamped into 0..E-1, where the NumPy reference raises on a bad one.
+
+A prompt of T tokens reads each chosen expert's weight once per token that chose it: correct at any T,
+weight-bandwidth-bound for long prompts (a grouped GEMM over the tokens sorted by expert would read each
+once; not written yet).
+
+    >>> w = prepare_experts(q, params, attrs, "cuda")             # doctest: +SKIP
+    >>> y = expert_matmul(x, idx, w)                                # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ....ops.moe import expert_params
+from .gemm import _dequantize_tile, _load_tile
+from .weights import prepare_weight
+
+BLOCK_N, BLOCK_K = 64, 32
+
+
+@dataclass
+class ExpertWeights:
+    """E quantized [K, N] experts in the kernels' form, stacked: q uint8 [E, Kp, NQ], scale and bias
+    [E, Kp / group, Np] (affine; bias None when zero), lut float32 [E, pK, pN, 2**bits] (lookup tables)."""
+    q: torch.Tensor
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    lut: torch.Tensor | None
+    lut_block_k: int
+    lut_block_n: int
+    bits: int
+    group: int
+    k: int
+    n: int
+
+    @property
+    def experts(self) -> int:
+        return self.q.shape[0]
+
+
+def prepare_experts(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ExpertWeights:
+    """Re-pack a quantized_gather_matmul's experts (q [E, K, N] in Ingot's layout, 4-bit packed along N;
+    parameters block-broadcast over it, a leading axis of 1 shared by all) for `_expert_gemv_kernel`."""
+    attrs = dict(attrs, transpose=False)
+    per = [prepare_weight(q[e], expert_params(params, e), attrs, device, words=False) for e in range(q.shape[0])]
+    first = per[0]
+
+    def stack(field: str) -> torch.Tensor | None:
+        parts = [getattr(w, field) for w in per]
+        if parts[0] is None:
+            return None
+        if len({p.dtype for p in parts}) > 1:     # float16 where exact for some experts, not all
+            parts = [p.float() for p in parts]
+        return torch.stack(parts).contiguous()
+    return ExpertWeights(stack("q"), stack("scale"), stack("bias"), stack("lut"), first.lut_block_k, first.lut_block_n,
+                         first.bits, first.group, first.k, first.n)
+
+
+@triton.jit
+def _expert_gemv_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
+                        N, K, NQ, E, ROW_DIV, stride_xr, stride_qe, stride_qk, stride_se, stride_sk,
+                        lut_block_k, lut_block_n, stride_le, stride_lk, stride_ln,
+                        BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[r, n0:n0+BLOCK_N] = x[r // ROW_DIV] @ W[idx[r]][:, n0:n0+BLOCK_N] for choice r = t * J + j
+    (ROW_DIV = J when every choice of a token reads its one row, 1 when choice j reads row j)."""
+    r = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    e = tl.minimum(tl.maximum(tl.load(idx_ptr + r).to(tl.int64), 0), E - 1)
+    q_e = q_ptr + e * stride_qe
+    s_e = s_ptr + e * stride_se
+    b_e = b_ptr + e * stride_se
+    lut_e = lut_ptr + e * stride_le
+    x_row = x_ptr + (r // ROW_DIV).to(tl.int64) * stride_xr
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        v = _load_tile(q_e, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+        w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_e, b_e, lut_e, stride_sk, lut_block_k, lut_block_n,
+                             stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        acc += w * x[:, None]
+    tl.store(y_ptr + r.to(tl.int64) * N + offs_n, tl.sum(acc, axis=0), mask=n_mask)
+
+
+def expert_matmul(x: torch.Tensor, idx: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """out [T, J, N] (x's dtype) = each token's chosen experts applied to x [T, S, K] (S = 1 or J)."""
+    t, s, k = x.shape
+    j = idx.shape[1]
+    if k != w.k or idx.shape[0] != t or s not in (1, j):
+        raise ValueError(f"expert_matmul: x {list(x.shape)}, choices {list(idx.shape)}, experts [{w.experts}, {w.k}, {w.n}]")
+    x = x.contiguous()
+    idx = idx.contiguous()
+    y = torch.empty((t * j, w.n), dtype=torch.float32, device=x.device)
+    if t * j:
+        lut = w.lut is not None
+        s_t = w.scale if w.scale is not None else w.q
+        b_t = w.bias if w.bias is not None else s_t
+        lut_t = w.lut if lut else w.q
+        _expert_gemv_kernel[(t * j, triton.cdiv(w.n, BLOCK_N))](
+            x, idx, w.q, s_t, b_t, lut_t, y,
+            w.n, k, w.q.shape[2], w.experts, j if s == 1 else 1, k, w.q.stride(0), w.q.stride(1),
+            s_t.stride(0) if w.scale is not None else 0, s_t.stride(1) if w.scale is not None else 0,
+            w.lut_block_k, w.lut_block_n,
+            w.lut.stride(0) if lut else 0, w.lut.stride(1) if lut else 0, w.lut.stride(2) if lut else 0,
+            BITS=w.bits, LUT=lut, GROUP=w.group, HAS_BIAS=w.bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return y.reshape(t, j, w.n).to(x.dtype)

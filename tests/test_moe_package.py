@@ -103,3 +103,17 @@ def test_a_package_s_experts_read_back_as_the_gguf_s_rows_for_requantizing(moe_g
     assert main(["quantize", str(tmp_path / "moe.ingot"), "-o", str(tmp_path / "again.ingot"), "--format", "int8",
                  "--no-calibration", "--no-eval"]) == 0
     assert isinstance(read_llm(tmp_path / "again.ingot").tensors["blk.1.ffn_down_exps.weight"], ExpertStack)
+
+
+def test_an_moe_package_s_size_and_parameters_count_its_experts(moe_gguf, tmp_path):
+    from ingot.convert import convert
+    from ingot.llm.generate import _model_info
+    from ingot.quant.formats import tensor_nbytes
+
+    convert(moe_gguf, tmp_path / "moe.ingot")
+    stored = read_llm(tmp_path / "moe.ingot")
+    joint = stored.tensors["blk.0.ffn_gate_exps.weight+blk.0.ffn_up_exps.weight"]
+    assert tensor_nbytes(joint) == joint.q.nbytes + joint.scale.nbytes > 8 * 64 * 128
+    experts = 2 * 3 * 8 * 64 * 64                                         # 2 layers of gate, up, down [8, 64, 64]
+    assert _model_info(stored)["parameters"] == _model_info(open_model(str(moe_gguf)))["parameters"] > experts
+    assert _model_info(stored)["weights"] == "mostly int8:32"          # Q8_0's gate and up experts

@@ -360,11 +360,13 @@ def _model_info(model) -> dict:
             if isinstance(t, QuantizedTensor):
                 shape = t.shape
                 kind = f"lut{t.qdtype.bits}" if t.lut is not None else f"{t.qdtype.name}:{t.block_size}"
+            elif hasattr(t, "float_rows"):   # a package's expert stack (models.moe.ExpertStack)
+                shape, kind = t.shape, f"{t.qdtype.name}:{t.block_size}" if t.qdtype else "float32"
             else:
                 shape, kind = np.shape(t), np.asarray(t).dtype.name
         count = int(np.prod(shape, dtype=np.int64))
         parameters += count
-        if len(shape) == 2:
+        if len(shape) in (2, 3):   # matrices and expert stacks
             by_kind[kind] = by_kind.get(kind, 0) + count
     kinds = sorted(by_kind, key=by_kind.get, reverse=True)
     weights = (kinds[0] if len(kinds) == 1 else f"mostly {kinds[0]}") if kinds else "no matrices"

@@ -124,5 +124,6 @@ def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
 
 
 def tensor_nbytes(t) -> int:
-    """Bytes a weight takes as stored: a QuantizedTensor's packed values and parameters, or an array's."""
-    return t.nbytes if isinstance(t, QuantizedTensor) else int(np.asarray(t).nbytes)
+    """Bytes a weight takes as stored: a QuantizedTensor's (or models.moe.ExpertStack's) packed values and
+    parameters, or an array's."""
+    return int(t.nbytes) if hasattr(t, "nbytes") else int(np.asarray(t).nbytes)   # (an ExpertStack has nbytes too)

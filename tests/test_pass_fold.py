@@ -105,3 +105,20 @@ def test_keeps_a_bfloat16_weight_bfloat16():
     assert len(casts) == 1 and casts[0].src[0].op == Op.CONSTANT and casts[0].src[0].dtype == ingot.bfloat16
     feeds = {"x": rng.standard_normal((2, 6)).astype(np.float32)}
     np.testing.assert_allclose(evaluate(after, feeds)[0], evaluate(before, feeds)[0], rtol=1e-6)
+
+
+def test_a_slice_of_a_constant_up_to_a_fixed_dim_folds_to_its_static_length():
+    """iota[:dim(x, 0)]: once compile fixes x's length, the slice's open length becomes that of a constant,
+    and what is computed from it is static again (Mistral 3's positions of a chunk)."""
+    from ingot import dtypes as dt
+    from ingot.ir import TensorType
+
+    g = ingot.Graph()
+    x = g.placeholder((None, 4), name="x")
+    iota = g.constant(np.arange(16, dtype=np.int32))
+    y = g.reshape(g.slice(iota, [0], [g.dim(x, 0)]) * 2, (-1, 1))
+    assert y.node.type.shape == (None, 1)
+    exe = g.compile(feeds={"x": TensorType((5, 4), dt.float32)}, targets=[y])
+    (out,) = exe.program.outputs
+    assert out.op == Op.CONSTANT and out.type.shape == (5, 1)
+    np.testing.assert_array_equal(exe.run({"x": np.zeros((5, 4), np.float32)})[0], np.arange(0, 10, 2)[:, None])

@@ -298,14 +298,15 @@ def yarn_magnitude(cfg: DecoderConfig) -> float:
     return mscale(1.0)
 
 
-def temperature_table(g: Graph, cfg: DecoderConfig, beta: float, length: int) -> Tensor | None:
-    """Llama 4's attention temperature (Mistral 3): q at position p times 1 + beta ln(1 + floor(p / length)),
-    a constant [1, 1, context_length, 1] the attention blocks slice at their positions; None when beta is 0."""
+def temperature_table(g: Graph, cfg: DecoderConfig, beta: float, length: int) -> tuple[Tensor, Tensor] | None:
+    """Llama 4's attention temperature (Mistral 3): q at position p times 1 + beta ln(1 + floor(p / length)).
+    (that factor for every position [context_length], the positions 0, 1, ... [context_length] int32), which
+    the attention blocks gather at their positions; None when beta is 0."""
     if not beta:
         return None
-    positions = np.arange(cfg.context_length, dtype=np.float64)
-    table = (1.0 + beta * np.log1p(np.floor(positions / length))).astype(np.float32)
-    return g.constant(table.reshape(1, 1, -1, 1), name="attn_temperature")
+    p = np.arange(cfg.context_length, dtype=np.float64)
+    return (g.constant((1.0 + beta * np.log1p(np.floor(p / length))).astype(np.float32), name="attn_temperature"),
+            g.constant(np.arange(cfg.context_length, dtype=np.int32), name="positions"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,15 +488,15 @@ def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int) -> tuple[Tens
 def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq: np.ndarray,
               batch: int = 1, *, qk_norm: bool = False, window: int = 0, softcap: float = 0.0,
               scale: float | None = None, rope_base: float | None = None, rows: int = 0,
-              q_scale: Tensor | None = None) -> Tensor:
+              q_scale: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal self-attention for one layer, writing this chunk's K/V into the cache variables.
 
     x: [B*T, dim], B sequences of T tokens (sequence-major), all at position `pos`. qk_norm: rms_norm
     of each head of q and k (weights attn_q_norm/attn_k_norm [hd]) before RoPE; window: sliding-window
     attention over the last `window` positions; softcap: scores c * tanh(s / c); scale: of the
     scores (None: 1 / sqrt(hd)); rope_base: what inv_freq was made from (None: cfg.rope_base);
-    inv_freq None: no RoPE at all (SmolLM3's NoPE layers); q_scale: float32 [1, 1, context, 1], what q at each
-    position is multiplied by (Mistral 3's attention temperature, see `temperature_table`). rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
+    inv_freq None: no RoPE at all (SmolLM3's NoPE layers); q_scale: what q at each position is
+    multiplied by (Mistral 3's attention temperature: `temperature_table`). rows > 0: x is [rows, dim], one token of each of `rows` independent sequences, and pos their
     positions [rows] (see `row_attention`); batch is 1."""
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -513,11 +514,11 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
     if qk_norm:                                                       # per head, over hd
         q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
         k = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k)
-    end = pos + (g.dim(x, 0) if batch == 1 else g.dim(q, 2))         # T tokens per sequence
+    count = g.dim(x, 0) if batch == 1 else g.dim(q, 2)                # T tokens per sequence
+    end = pos + count
     if q_scale is not None:                                           # before RoPE, which is linear per position
-        # q * [1, 1, T, 1]: written over q so the result keeps q's static T (the slice's length is a
-        # runtime one, and 1 broadcast against it would make a decode step's shapes dynamic)
-        q = g.slice_update(q, q * g.slice(q_scale, [0, 0, pos, 0], [None, None, end, None]), [0, 0, 0, 0])
+        table, iota = q_scale   # f(pos + t), t < T: iota[:T] is a constant once compile fixes T
+        q = q * g.reshape(g.gather(table, g.slice(iota, [0], [count]) + pos), (1, 1, -1, 1))
     if inv_freq is not None:
         rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved, rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
         q = g.rope(q, pos, **rope)                                    # [B, nh, T, hd]
@@ -547,7 +548,7 @@ def row_cache(g: Graph, cfg: DecoderConfig, layer: int, row: int) -> tuple[Tenso
 def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q: Tensor, k: Tensor, v: Tensor,
                   positions: Tensor, inv_freq: np.ndarray, rows: int, *, qk_norm: bool = False, window: int = 0,
                   softcap: float = 0.0, scale: float | None = None, rope_base: float | None = None,
-                  q_scale: Tensor | None = None) -> Tensor:
+                  q_scale: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Decode attention of `rows` independent sequences, one token each, every row at its own
     position and over its own cache: q [rows, nh*hd], k and v [rows, nkv*hd] -> [rows, nh*hd].
 
@@ -571,7 +572,7 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
         pos = g.reshape(g.slice(positions, [r], [r + 1]), ())
         q_r, k_r, v_r = (g.slice(t, [r], [r + 1]) for t in (q, k, v))  # [1, h, 1, hd]
         if q_scale is not None:
-            q_r = q_r * g.slice(q_scale, [0, 0, pos, 0], size=[None, None, 1, None])
+            q_r = q_r * g.reshape(g.gather(q_scale[0], g.reshape(pos, (1,))), (1, 1, 1, 1))
         if inv_freq is not None:
             q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
         k_cache, v_cache = row_cache(g, cfg, layer, r)

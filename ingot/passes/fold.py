@@ -40,17 +40,24 @@ def _fold(node: Node, ctx: Context) -> Node | None:
         return _static_dim(node, ctx)
     if node.op in NO_FOLD or not node.src or any(s.op != Op.CONSTANT for s in node.src) or widens_weight(node):
         return None
-    if not isinstance(node.type, TensorType) or not node.type.static or node.type.size > MAX_ELEMENTS:
+    if not isinstance(node.type, TensorType) or node.type.static and node.type.size > MAX_ELEMENTS:
+        return None
+    # a slice of a constant whose bounds are constants now (a dim() folded) has its length: computed,
+    # the constant gets the static type its consumers are re-inferred from (no runtime length left)
+    opened = not node.type.static and node.op == Op.SLICE and not node.type.dtype.packed
+    if not node.type.static and not opened:
         return None
     store = ctx.program.constants
     value = np.asarray(reference(node.op, [store[s.attrs["key"]] for s in node.src], node.attrs))
     # np.ascontiguousarray would turn a 0-d result into shape (1,): keep the rank the type says
     value = np.array(value, dtype=node.dtype.storage, order="C", copy=True)
-    if value.shape != dt.storage_shape(node.type.shape, node.dtype):
+    typ = TensorType(value.shape, node.dtype) if opened else node.type
+    if value.shape != dt.storage_shape(typ.shape, node.dtype) or value.size > MAX_ELEMENTS or any(
+            d is not None and d != v for d, v in zip(node.type.shape, value.shape)):
         return None  # the reference disagrees with the type rule; leave the op to the backend
     key = f"folded_{node.id}"
     store[key] = value
-    return Node(Op.CONSTANT, node.type, (), {"key": key}, node.name or key)
+    return Node(Op.CONSTANT, typ, (), {"key": key}, node.name or key)
 
 
 def fold_constants(program: Program) -> tuple[Program, bool]:

@@ -117,3 +117,24 @@ def test_an_moe_package_s_size_and_parameters_count_its_experts(moe_gguf, tmp_pa
     experts = 2 * 3 * 8 * 64 * 64                                         # 2 layers of gate, up, down [8, 64, 64]
     assert _model_info(stored)["parameters"] == _model_info(open_model(str(moe_gguf)))["parameters"] > experts
     assert _model_info(stored)["weights"] == "mostly int8:32"          # Q8_0's gate and up experts
+
+
+def test_float_expert_stacks_are_stored_and_read_back_too(tmp_path, monkeypatch):
+    """float32 gate and up experts (an F32 GGUF's): one ExpertStack each, float, beside the Q4_0 down stack."""
+    import dataclasses
+
+    import family_models
+    from ingot.convert import convert
+
+    monkeypatch.setitem(family_models.FAMILIES, "qwen3moe_f32",
+                        dataclasses.replace(family_models.FAMILIES["qwen3moe"], expert_quant="F32"))
+    write_family_gguf("qwen3moe_f32", tmp_path / "moe.gguf")
+    convert(tmp_path / "moe.gguf", tmp_path / "moe.ingot")
+    stored = read_llm(tmp_path / "moe.ingot")
+    gate = stored.tensors["blk.0.ffn_gate_exps.weight"]
+    assert gate.qdtype is None and gate.q.dtype == np.float32 and gate.shape == (8, 64, 64)
+    assert stored.tensors["blk.0.ffn_down_exps.weight"].qdtype is not None
+    model = open_model(str(tmp_path / "moe.gguf"))
+    model.config.context_length = stored.config.context_length = 64
+    source = LLM.from_graph(models.build(model.config, model.tensors, model.path), tokenizer=None)
+    assert greedy(LLM.from_graph(models.build(stored.config, stored.tensors, stored.path), tokenizer=None)) == greedy(source)

@@ -1,6 +1,6 @@
 """Mixture-of-experts routing on the CUDA backend (marker `cuda`): `_expert_gemv_kernel`
 (quantized_gather_matmul) against the NumPy reference on awkward shapes, for GGUF's Q8_0/Q4_0/Q4_1
-expert stacks, Ingot's int4 with zero points and a 4-bit lookup table; top_k, take_along_axis and
+expert stacks and its scaled tables (IQ4_XS, MXFP4), Ingot's int4 with zero points and a 4-bit lookup table; top_k, take_along_axis and
 gather_matmul as device ops, with no host sync (the whole Qwen3-MoE model: test_cuda_families.py). Skips cleanly without
 torch, triton or a GPU; `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1` runs it under Triton's interpreter.
 """
@@ -32,8 +32,12 @@ def _gguf_stack(tmp_path, qtype_name: str, e: int, rows: int, cols: int):
     gguf = pytest.importorskip("gguf")
     from ingot.importers.gguf import read_gguf
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    w = (np.random.default_rng(0).standard_normal((e, rows, cols)) / np.sqrt(cols)).astype(np.float32)
-    data = gguf.quants.quantize(w, qtype)
+    if qtype == gguf.GGMLQuantizationType.IQ4_XS:   # gguf cannot quantize it: valid random blocks
+        from test_gguf_quants import random_blocks
+        data = random_blocks(np.random.default_rng(0), qtype, e * rows, cols).reshape(e, rows, -1)
+    else:
+        w = (np.random.default_rng(0).standard_normal((e, rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        data = gguf.quants.quantize(w, qtype)
     writer = gguf.GGUFWriter(str(tmp_path / "experts.gguf"), "qwen3moe")
     writer.add_tensor("w", data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -63,10 +67,11 @@ def _routed_graph(stack, e, rows, cols, tokens, chosen, per_choice):
 
 
 # rows = N of each expert: 34 and 70 (not multiples of the 64-column block), cols = K: 96 and 160
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "int4_zero", "lut4"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "int4_zero", "lut4", "IQ4_XS", "MXFP4"])
 @pytest.mark.parametrize("tokens, per_choice", [(1, False), (5, False), (3, True)])
 def test_expert_kernel_matches_the_reference(tmp_path, kind, tokens, per_choice):
-    e, rows, cols, chosen = 5, 34 if kind != "Q4_1" else 70, 96 if kind != "Q4_0" else 160, 3
+    e, rows, chosen = 5, 34 if kind not in ("Q4_1", "MXFP4") else 70, 3
+    cols = {"Q4_0": 160, "IQ4_XS": 256}.get(kind, 96)
     stack = _ingot_stack(kind, e, rows, cols) if kind in ("int4_zero", "lut4") else _gguf_stack(tmp_path, kind, e, rows, cols)
     g, y = _routed_graph(stack, e, rows, cols, tokens, chosen, per_choice)
     exe = g.compile(targets=[y], device="cuda")

@@ -1,7 +1,8 @@
 """The CUDA lowerings of mixture-of-experts routing (ops/moe.py), so a routed feed-forward runs on the
 device with no host sync: top_k and take_along_axis as torch ops, gather_matmul over float experts as
 a batched matmul of the chosen experts, and quantized_gather_matmul through `_expert_gemv_kernel`
-(quantized_matmul/experts.py) over the experts re-packed once at load. Registered by importing this
+(quantized_matmul/experts.py) over the experts re-packed once at load (affine 4/8-bit, lookup tables,
+and GGUF's scaled tables: IQ4_NL/IQ4_XS, MXFP4). Registered by importing this
 module (backends/cuda/__init__.py)."""
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def _gather_matmul(ctx: Lowering) -> StepFn:
 def _quantized_gather_matmul(ctx: Lowering) -> StepFn:
     node = ctx.node
     arrays = [ctx.constant(i) for i in range(2, len(node.src))]
-    if any(a is None for a in arrays) or node.attrs["mode"] not in ("affine", "lut"):
-        return host_reference(ctx)   # experts computed at run time, or GGUF's IQ types ("scaled_lut"): no kernel yet
+    if any(a is None for a in arrays):
+        return host_reference(ctx)   # experts computed at run time
     attrs = node.attrs
     key = ("qexperts", str(ctx.device), attrs["mode"], attrs["qdtype"].name, bool(attrs.get("has_zero_point")),
            bool(attrs.get("has_bias"))) + tuple(id(a) for a in arrays[1:])

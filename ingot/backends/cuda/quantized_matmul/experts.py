@@ -7,7 +7,7 @@ The experts are re-packed once at load, each as `prepare_weight` packs a quantiz
 (k-major, unsigned, parameters per GROUP rows; lookup tables as they are), then stacked along a leading
 expert axis (`ExpertWeights`). One program multiplies one (token, choice) row by a BLOCK_N column block
 of its expert: [BLOCK_K, BLOCK_N] tiles through the same tile loader and dequantizer as the one-row
-GEMVs (`gemm._load_tile`, `gemm._dequantize_tile`), products accumulated in a 2-D register tile and
+GEMVs (`gemm._load_tile`, `gemm._dequantize_tile`; a scaled table's scales applied after the lookup), products accumulated in a 2-D register tile and
 summed over K once at the end. The expert index is read on the device (no host sync: the plan can be
 captured as a CUDA graph) and clamped into 0..E-1, where the NumPy reference raises on a bad one.
 
@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .... import dtypes as dt
 from ....ops.moe import expert_params
 from .gemm import _dequantize_tile, _load_tile
 from .weights import prepare_weight
@@ -37,7 +38,8 @@ BLOCK_N, BLOCK_K = 64, 32
 @dataclass
 class ExpertWeights:
     """E quantized [K, N] experts in the kernels' form, stacked: q uint8 [E, Kp, NQ], scale and bias
-    [E, Kp / group, Np] (affine; bias None when zero), lut float32 [E, pK, pN, 2**bits] (lookup tables)."""
+    [E, Kp / group, Np] (affine, and scaled tables' scales; bias None when zero), lut float32
+    [E, pK, pN, 2**bits] (lookup tables)."""
     q: torch.Tensor
     scale: torch.Tensor | None
     bias: torch.Tensor | None
@@ -48,6 +50,7 @@ class ExpertWeights:
     group: int
     k: int
     n: int
+    scaled: bool = False            # a scaled table: w = lut[v] * scale (scale per group rows, as affine)
 
     @property
     def experts(self) -> int:
@@ -56,20 +59,34 @@ class ExpertWeights:
 
 def prepare_experts(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ExpertWeights:
     """Re-pack a quantized_gather_matmul's experts (q [E, K, N] in Ingot's layout, 4-bit packed along N;
-    parameters block-broadcast over it, a leading axis of 1 shared by all) for `_expert_gemv_kernel`."""
+    parameters block-broadcast over it, a leading axis of 1 shared by all) for `_expert_gemv_kernel`.
+    A scaled table (GGUF's IQ4_NL/IQ4_XS, MXFP4: w = lut[v] * scale) is packed as its table, and its scales
+    as an affine weight's (per `group` rows; `scaled`)."""
     attrs = dict(attrs, transpose=False)
-    per = [prepare_weight(q[e], expert_params(params, e), attrs, device, words=False) for e in range(q.shape[0])]
+    experts = range(q.shape[0])
+    if attrs["mode"] == "scaled_lut":
+        tables = [prepare_weight(q[e], expert_params(params, e)[:1], dict(attrs, mode="lut"), device) for e in experts]
+        scales = [prepare_weight(q[e], expert_params(params, e)[1:], dict(attrs, mode="affine", qdtype=dt.uint4
+                                 if attrs["qdtype"].packed else dt.uint8, has_zero_point=False, has_bias=False), device)
+                  for e in experts]
+        first, s = tables[0], _stacked([w.scale for w in scales])
+        return ExpertWeights(_stacked([w.q for w in tables]), s, None, _stacked([w.lut for w in tables]),
+                             first.lut_block_k, first.lut_block_n, first.bits, scales[0].group, first.k, first.n,
+                             scaled=True)
+    per = [prepare_weight(q[e], expert_params(params, e), attrs, device, words=False) for e in experts]
     first = per[0]
 
-    def stack(field: str) -> torch.Tensor | None:
-        parts = [getattr(w, field) for w in per]
-        if parts[0] is None:
-            return None
-        if len({p.dtype for p in parts}) > 1:     # float16 where exact for some experts, not all
-            parts = [p.float() for p in parts]
-        return torch.stack(parts).contiguous()
-    return ExpertWeights(stack("q"), stack("scale"), stack("bias"), stack("lut"), first.lut_block_k, first.lut_block_n,
-                         first.bits, first.group, first.k, first.n)
+    return ExpertWeights(*(_stacked([getattr(w, f) for w in per]) for f in ("q", "scale", "bias", "lut")),
+                         first.lut_block_k, first.lut_block_n, first.bits, first.group, first.k, first.n)
+
+
+def _stacked(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The experts' tensors along a new leading axis (float32 where some are float16 and some not)."""
+    if parts[0] is None:
+        return None
+    if len({p.dtype for p in parts}) > 1:     # float16 where exact for some experts, not all
+        parts = [p.float() for p in parts]
+    return torch.stack(parts).contiguous()
 
 
 @triton.jit
@@ -77,7 +94,7 @@ def _expert_gemv_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                         N, K, NQ, E, ROW_DIV, stride_xr, stride_qe, stride_qk, stride_se, stride_sk,
                         lut_block_k, lut_block_n, stride_le, stride_lk, stride_ln,
                         BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False):
     """y[r, n0:n0+BLOCK_N] = x[r // ROW_DIV] @ W[idx[r]][:, n0:n0+BLOCK_N] for choice r = t * J + j
     (ROW_DIV = J when every choice of a token reads its one row, 1 when choice j reads row j)."""
     r = tl.program_id(0)
@@ -96,6 +113,9 @@ def _expert_gemv_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
         v = _load_tile(q_e, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
         w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_e, b_e, lut_e, stride_sk, lut_block_k, lut_block_n,
                              stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
+        if SCALED:   # a scaled table: the looked-up values times the scale of their group of rows
+            ok = (offs_k < K)[:, None] & n_mask[None, :]
+            w *= tl.load(s_e + (offs_k // GROUP)[:, None] * stride_sk + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
         x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         acc += w * x[:, None]
     tl.store(y_ptr + r.to(tl.int64) * N + offs_n, tl.sum(acc, axis=0), mask=n_mask)
@@ -121,5 +141,6 @@ def expert_matmul(x: torch.Tensor, idx: torch.Tensor, w: ExpertWeights) -> torch
             s_t.stride(0) if w.scale is not None else 0, s_t.stride(1) if w.scale is not None else 0,
             w.lut_block_k, w.lut_block_n,
             w.lut.stride(0) if lut else 0, w.lut.stride(1) if lut else 0, w.lut.stride(2) if lut else 0,
-            BITS=w.bits, LUT=lut, GROUP=w.group, HAS_BIAS=w.bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            BITS=w.bits, LUT=lut, GROUP=w.group, HAS_BIAS=w.bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            SCALED=w.scaled)
     return y.reshape(t, j, w.n).to(x.dtype)

@@ -20,7 +20,15 @@ stores it); `default` is what `ingot quantize IN -o OUT` does with no flags, and
 does with --format FMT (calibrated AWQ for affine formats, GPTQ, the output head in int8). Calibration always comes
 from Ingot's shipped corpus (ingot/data/calibration.txt), never from the scored text.
 
-    python -m benchmarks quant [--llama Q4_0,Q4_K_M,...] [--rows default,int4:64,...] [--chunks 3] [--json OUT]
+Decode tok/s (CPU): every row's file (llama.cpp's GGUF, Ingot's package) loaded by its own engine
+(benchmarks/cpu_llm.py's IngotEngine and LlamaCppEngine, --threads threads each), then decoded with
+cpu_llm's interleaved method: rounds of one prefill (--speed-prompt tokens) and 128 greedy decode
+steps per row, the first round a warm-up, medians of --speed-repeats rounds; --speed-repeats 0 skips it.
+CUDA decode: Ingot's package on the GPU (ingot.llm.load(device="cuda")), the same loop; "not run"
+without a GPU.
+
+    python -m benchmarks quant [--llama Q4_0,Q4_K_M,...] [--rows default,int4:64,...] [--chunks 3]
+                               [--speed-repeats 3] [--threads 1] [--json OUT]
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import ctypes
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -85,6 +94,68 @@ def llama_quantize(source: Path, out: Path, name: str, log: Path) -> str | None:
     return None
 
 
+class CudaEngine:
+    """Ingot on the GPU with cpu_llm's engine interface (prefill, decode), for the CUDA column."""
+
+    def __init__(self, path: str, context: int):
+        import ingot.llm
+
+        self.llm = ingot.llm.load(path, device="cuda", context=context)
+        self.vocab = self.llm.config.vocab_size
+        self.name = path
+
+    def prefill(self, ids):
+        self.llm.reset()
+        self.llm.prefill(ids)
+
+    def decode(self, prompt, n: int) -> float:
+        self.llm.reset()
+        nxt = int(np.argmax(self.llm.prefill(prompt)))
+        t = time.perf_counter()
+        for _ in range(n):
+            nxt = int(np.argmax(self.llm.step(nxt)))
+        return time.perf_counter() - t
+
+
+def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int, n_prompt: int) -> dict:
+    """{label: (cpu tok/s or None, cuda tok/s or a reason)} for (label, kind, path) rows, kind
+    "llama.cpp" or "Ingot": cpu_llm's interleaved rounds over every row's engine at once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_llm
+
+    n_decode = 128
+    context = max(n_prompt, 32 + n_decode) + 16
+    engines = []
+    for label, kind, path in files:
+        try:
+            e = (cpu_llm.LlamaCppEngine(path, context, threads, context) if kind == "llama.cpp"
+                 else cpu_llm.IngotEngine(path, context, "float32", threads))
+        except RuntimeError as err:
+            print(f"{label}: not measured ({err})", file=sys.stderr)
+            continue
+        e.name = label
+        engines.append(e)
+    cpu = cpu_llm.interleaved(engines, n_prompt, n_decode, 32, repeats) if engines else {}
+    try:
+        import torch
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    cuda = {}
+    if gpu:
+        gpu_engines = []
+        for label, kind, path in files:
+            if kind == "Ingot":
+                e = CudaEngine(path, context)
+                e.name = label
+                gpu_engines.append(e)
+        cuda = {k: v["decode_tok_s"] for k, v in cpu_llm.interleaved(gpu_engines, n_prompt, n_decode, 32, repeats).items()
+                if isinstance(v, dict)}
+    return {label: (cpu[label]["decode_tok_s"] if label in cpu else None,
+                    cuda.get(label, "not run" + ("" if gpu else " (no GPU)")))
+            for label, _, _ in files} | {"loadavg": cpu.get("loadavg", [])}
+
+
 def ingot_row(source, row: str, stats: dict):
     """quantize_model's result for an Ingot row spec (see the module docstring)."""
     from ingot.quant.pipeline import DEFAULT_FORMAT, quantize_default, quantize_model
@@ -108,6 +179,9 @@ def main() -> int:
     parser.add_argument("--workdir", help="where the F32 GGUF and llama.cpp's files go (default: a temporary folder)")
     parser.add_argument("--save-packages", action="store_true", help="write each Ingot row's package to measure it on disk")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument("--speed-repeats", type=int, default=3, help="interleaved decode rounds after the warm-up (0: no speed column)")
+    parser.add_argument("--speed-prompt", type=int, default=64, help="prefill tokens per round of the speed rounds")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of every engine in the speed rounds")
     args = parser.parse_args()
 
     from ingot.convert import disk_bytes
@@ -136,6 +210,7 @@ def main() -> int:
           f"scored; PPL {np.exp(-scored_ref.logprobs[np.arange(len(scored_ref.targets)), scored_ref.targets].mean()):.3f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     results = []
+    speed_files = []   # (label, "llama.cpp" or "Ingot", path) for the decode-speed rounds
     header = "| quantizer | format | bits/weight | disk MB | mean KLD | KLD p99 | top-1 | PPL | quantize s |"
     print(header + "\n|" + " --- |" * 2 + " ---: |" * 7, flush=True)
 
@@ -163,7 +238,10 @@ def main() -> int:
             continue
         bits, elements = gguf_weight_bits(out)
         report("llama.cpp", name, bits, elements, disk_bytes(out), open_model(str(out)), seconds)
-        out.unlink()
+        if args.speed_repeats:
+            speed_files.append((name, "llama.cpp", str(out)))
+        else:
+            out.unlink()
 
     stats = calibrate(source, tokenize(source, default_calibration_text()), context=args.context)  # ingot/data/calibration.txt
     for row in [r for r in args.rows.split(",") if r]:
@@ -174,13 +252,32 @@ def main() -> int:
         bits = 8 * (sum(tensor_nbytes(v) for _, v in matrices) + result.adapter_bytes)
         elements = sum(int(np.prod(v.shape)) for _, v in matrices)
         disk = sum(tensor_nbytes(v) for v in result.tensors.values()) + result.adapter_bytes
-        if args.save_packages:
-            out = workdir / "row.ingot"
+        if args.save_packages or args.speed_repeats:
+            out = workdir / ("ingot-" + "".join(c if c.isalnum() else "_" for c in row) + ".ingot")
             save_llm(out, source.config, result.tensors, source.metadata, result.adapters or None,
                      architecture=source.architecture)
             disk = disk_bytes(out)
+            if args.speed_repeats:
+                speed_files.append((row, "Ingot", str(out)))
         model = StoredModel(path, source.architecture, source.metadata, result.tensors, source.config, result.adapters)
         report("Ingot", row, bits, elements, disk, model, seconds, result.notes)
+    if speed_files:
+        print(f"decode speed: {len(speed_files)} rows interleaved, {args.speed_repeats} rounds after a warm-up, "
+              f"{args.threads} thread(s) each, {args.speed_prompt}-token prefill + 128 decode steps a round", flush=True)
+        speeds = decode_speeds(speed_files, args.threads, args.speed_repeats, args.speed_prompt)
+        print("| quantizer | format | mean KLD | bits/weight | CPU decode tok/s | CUDA decode tok/s |\n|" + " --- |" * 2
+              + " ---: |" * 4)
+        for entry in results:
+            label = entry["row"]
+            cpu, cuda = speeds.get(label, (None, "not run"))
+            entry["cpu_decode_tok_s"], entry["cuda_decode_tok_s"] = cpu, cuda
+            print(f"| {entry['quantizer']} | {label} | {entry['mean_kld']:.4f} | {entry['bpw']:.3f} | "
+                  f"{'not run' if cpu is None else f'{cpu:.1f}'} | {cuda if isinstance(cuda, str) else f'{cuda:.1f}'} |",
+                  flush=True)
+        print(f"load average (1 min) before, after each speed round: {speeds['loadavg']}")
+        for label, kind, path in speed_files:
+            if kind == "llama.cpp" or not args.save_packages:
+                shutil.rmtree(path) if Path(path).is_dir() else Path(path).unlink(missing_ok=True)
     print(f"[{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; total {time.perf_counter() - t0:.0f} s; files in {workdir}]")
     if args.json:

@@ -78,18 +78,19 @@ def test_block_that_does_not_divide_takes_the_largest_divisor():
     assert t.block_size == 96 and t.scale.shape == (4, 6)
 
 
-@pytest.mark.parametrize("fmt", ["int4:33", "int3", "lut5", "lut4:gx", "int8:sym:foo", "", "int4:0", "lut4:g0"])
+@pytest.mark.parametrize("fmt", ["int4:33", "int3", "lut5", "lut4:gx", "int8:sym:foo", "", "int4:0", "lut4:g0", "lut4:f16"])
 def test_bad_format_is_one_sentence(fmt):
     with pytest.raises(IngotError, match="format"):
         parse_format(fmt)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4:32", "uint4:64", "lut4", "lut4:g128", "lut8", "int4:32:asym", "uint8:tensor"])
+@pytest.mark.parametrize("fmt", ["int8", "int4:32", "uint4:64", "lut4", "lut4:g128", "lut8", "int4:32:asym", "uint8:tensor",
+                                 "uint4:32:f16", "int4:64:auto:f16"])
 def test_format_string_round_trips(fmt):
     assert str(parse_format(fmt)) == fmt
 
 
-@pytest.mark.parametrize("fmt", ["int8", "uint4:32", "int4:16:asym", "lut4", "lut4:g4", "lut8:g2"])
+@pytest.mark.parametrize("fmt", ["int8", "uint4:32", "int4:16:asym", "lut4", "lut4:g4", "lut8:g2", "uint4:32:f16", "int4:16:f16"])
 def test_quantized_matmul_in_a_graph_equals_the_dequantized_weight(fmt):
     rng = np.random.default_rng(2)
     w = rng.standard_normal((24, 64)).astype(np.float32)       # [out, in]
@@ -117,3 +118,33 @@ def test_lut_tensors_concatenate_with_a_common_group():
              for n, f in ((8, "lut4"), (4, "lut4:g2"), (4, "lut4"))]
     cat = concat_columns(parts)
     np.testing.assert_array_equal(cat.dequantize_rows(), np.concatenate([p.dequantize_rows() for p in parts], axis=1))
+
+
+@pytest.mark.parametrize("fmt", ["uint4:32:f16", "int4:64:f16", "int8:32:f16", "uint4:f16"])
+def test_f16_parameters_are_stored_as_float16_and_the_codes_fit_them(fmt):
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((16, 128)) * np.exp(rng.standard_normal((16, 1)))).astype(np.float32)
+    t, full = quantize(w, fmt), quantize(w, fmt.removesuffix(":f16"))
+    assert str(parse_format(fmt)) == fmt and t.scale.dtype == np.float16
+    assert t.bias is None or t.bias.dtype == np.float16
+    assert t.nbytes == full.nbytes - (full.scale.nbytes + (0 if full.bias is None else full.bias.nbytes)) // 2
+    # half a step, plus what rounding scale and bias to float16 (a relative 2**-11 each) moves the
+    # range's ends by: up to 2**bits steps' worth of the scale's rounding, and the bias's
+    scale = _parameter_per_value(t, t.scale.astype(np.float32))
+    bias = 0 if t.bias is None else np.abs(_parameter_per_value(t, t.bias.astype(np.float32)))
+    bound = scale * (0.5 + 2 ** t.qdtype.bits * 2.0 ** -11) + bias * 2.0 ** -11
+    assert np.all(np.abs(w - t.dequantize_rows()) <= bound * (1 + 1e-5)), fmt
+    assert np.mean(np.abs(w - t.dequantize_rows()) <= scale / 2 * (1 + 1e-5)) > 0.95
+
+
+def test_f16_asymmetric_blocks_of_32_reproduce_q4_1_weights_exactly():
+    # GGUF's Q4_1: w = q * d + m per block of 32, d and m float16: uint4:32:f16 finds the same grid
+    rng = np.random.default_rng(5)
+    d = (np.abs(rng.standard_normal((8, 4))) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (rng.standard_normal((8, 4)) * 0.05).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (8, 4, 32))
+    q[..., 0], q[..., 1] = 0, 15                       # each block spans its whole grid
+    w = (q * d[..., None] + m[..., None]).reshape(8, 128).astype(np.float32)
+    t = quantize(w, "uint4:32:f16")
+    np.testing.assert_array_equal(t.dequantize_rows(), w)
+    assert 8 * t.nbytes / w.size == 5.0                # Q4_1's bits per weight

@@ -189,3 +189,15 @@ def test_pipeline_auto_with_gptq_picks_by_the_output_error(tmp_path):
     result = quantize_default(model, "int4:32:auto", stats=calibrate(model, tokenize(model, default_calibration_text()), context=64))
     picked = {t.source for n, t in result.tensors.items() if n.startswith("blk.") and hasattr(t, "source")}
     assert picked <= {"int4:32", "uint4:64"} and any(n.startswith("auto:") for n in result.notes)
+
+
+def test_gptq_f16_parameters_are_float16_and_still_lower_the_output_error():
+    x = _correlated_inputs()
+    h = x.T @ x / len(x)
+    w = np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32)
+    t = gptq(w, "uint4:32:f16", h)
+    assert t.scale.dtype == np.float16 and t.bias.dtype == np.float16
+    np.testing.assert_allclose(t.dequantize_rows(), _reference_dequantize(t.__class__(**{
+        **t.__dict__, "scale": t.scale.astype(np.float32), "bias": t.bias.astype(np.float32)})), rtol=1e-6, atol=1e-6)
+    plain = quantize(w, "uint4:32:f16", importance=np.diag(h).astype(np.float32)).dequantize_rows()
+    assert _output_error(w, t.dequantize_rows(), h) < 0.3 * _output_error(w, plain, h)

@@ -24,7 +24,8 @@ import numpy as np
 
 from ..errors import IngotError
 from .formats import QuantizedTensor
-from .quantize import Format, _affine_params, _pack, _round_affine, _search_clip, fitting_divisor, parse_format, quantize
+from .quantize import (Format, _affine_params, _pack, _round_affine, _search_clip, fitting_divisor, parse_format, quantize,
+                       stored_params)
 
 DAMPING = 0.01       # of the mean diagonal, added to H (GPTQ's default)
 SWEEP_BLOCK = 128    # columns whose corrections are applied lazily together
@@ -105,4 +106,5 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
     if fmt.kind == "lut":
         return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, template.scale, source=str(fmt),
                                lut=template.lut)
-    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, scale, bias, source=str(fmt))
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, stored_params(scale, fmt),
+                           stored_params(bias, fmt), source=str(fmt))

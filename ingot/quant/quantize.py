@@ -11,9 +11,11 @@
 
 Formats (FMT strings, `parse_format`):
 
-    int8 | uint8 | int4 | uint4 [:BLOCK] [:sym | :asym | :auto]
+    int8 | uint8 | int4 | uint4 [:BLOCK] [:sym | :asym | :auto] [:f16]
         affine, w = q * scale (+ bias). BLOCK: 16, 32, 64, 128, 256 (parameters per block of
         columns), `channel` (one per row, the default) or `tensor` (one for the whole matrix).
+        :f16 stores scale and bias as float16 (as GGUF's block types do; uint4:32:f16 is Q4_1's
+        5 bits per weight, int4:64:f16 4.25), the codes rounded against the float16 values.
         Signed types default to symmetric (scale = max|w| / (qmax + 1/2)), unsigned ones to asymmetric
         (scale = (max - min) / (2**bits - 1), bias = min). |w - w_hat| <= scale / 2 everywhere.
         :auto (with a BLOCK) picks per tensor, by the importance-weighted error, between the
@@ -43,7 +45,7 @@ from .formats import QuantizedTensor
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 AFFINE_TYPES = {"int8": dt.int8, "uint8": dt.uint8, "int4": dt.int4, "uint4": dt.uint4}
-FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor) and :sym/:asym, "
+FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor), :sym/:asym/:auto and :f16, "
                "or lut4/lut8 with an optional :gROWS, :bBLOCK and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut8)")
 
 
@@ -56,6 +58,7 @@ class Format:
     auto: bool = False              # affine: symmetric:BLOCK or asymmetric:2*BLOCK, per tensor
     group_rows: int | None = None   # lut: rows per table; None: one table for the tensor
     uniform: bool = False           # lut: uniform table instead of k-means
+    half: bool = False              # affine: parameters stored as float16
 
     @property
     def bits(self) -> int:
@@ -67,9 +70,10 @@ class Format:
                     + (f":b{self.block_size}" if self.block_size else "") + (":uniform" if self.uniform else ""))
         block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
         default_sym = self.qdtype.kind == "i"
+        half = ":f16" if self.half else ""
         if self.auto:
-            return self.qdtype.name + block + ":auto"
-        return self.qdtype.name + block + ("" if self.symmetric == default_sym else (":sym" if self.symmetric else ":asym"))
+            return self.qdtype.name + block + ":auto" + half
+        return self.qdtype.name + block + ("" if self.symmetric == default_sym else (":sym" if self.symmetric else ":asym")) + half
 
     def candidates(self) -> list["Format"]:
         """The formats this one stands for: itself, or for :auto its symmetric and asymmetric forms."""
@@ -78,7 +82,8 @@ class Format:
         signed = AFFINE_TYPES[self.qdtype.name.lstrip("u")]
         unsigned = AFFINE_TYPES["u" + self.qdtype.name.lstrip("u")]
         wider = min(2 * self.block_size, BLOCK_SIZES[-1])
-        return [Format("affine", signed, self.block_size, True), Format("affine", unsigned, wider, False)]
+        return [Format("affine", signed, self.block_size, True, half=self.half),
+                Format("affine", unsigned, wider, False, half=self.half)]
 
 
 def parse_format(fmt: str | Format) -> Format:
@@ -91,9 +96,11 @@ def parse_format(fmt: str | Format) -> Format:
     head, *options = fmt.strip().lower().split(":")
     if head in AFFINE_TYPES:
         qdtype = AFFINE_TYPES[head]
-        block, symmetric, auto = None, qdtype.kind == "i", False
+        block, symmetric, auto, half = None, qdtype.kind == "i", False, False
         for opt in options:
-            if opt in ("sym", "asym"):
+            if opt == "f16":
+                half = True
+            elif opt in ("sym", "asym"):
                 symmetric = opt == "sym"
             elif opt == "auto":
                 auto = True
@@ -106,10 +113,10 @@ def parse_format(fmt: str | Format) -> Format:
                     raise bad(f"block size {opt} is not one of {', '.join(map(str, BLOCK_SIZES))}")
                 block = int(opt)
             else:
-                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym, asym or auto")
+                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym, asym, auto or f16")
         if auto and not block:
             raise bad(":auto needs a block size (it compares blocks of BLOCK and 2 * BLOCK)")
-        return Format("affine", qdtype, block, symmetric, auto=auto)
+        return Format("affine", qdtype, block, symmetric, auto=auto, half=half)
     m = re.fullmatch(r"lut([48])", head)
     if m:
         group, uniform, block = None, False, None
@@ -172,6 +179,9 @@ def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | Non
 # -- affine -----------------------------------------------------------------------------------
 def _affine_params(lo: np.ndarray, hi: np.ndarray, fmt: Format):
     """(scale, bias or None, offset of q) so that q = round((w - bias) / scale) + offset."""
+    if fmt.half:  # the codes are rounded against the parameters as stored
+        scale, bias, offset = _affine_params(lo, hi, Format("affine", fmt.qdtype, fmt.block_size, fmt.symmetric))
+        return half_params(scale, positive=True), half_params(bias), offset
     levels = 2 ** fmt.bits
     signed = fmt.qdtype.kind == "i"
     if fmt.symmetric:
@@ -189,6 +199,21 @@ def _affine_params(lo: np.ndarray, hi: np.ndarray, fmt: Format):
     if signed:  # q = -2**(b-1) stands for lo
         bias = (lo + (levels // 2) * scale).astype(np.float32)
     return scale, bias, 0
+
+
+def half_params(p: np.ndarray | None, positive: bool = False) -> np.ndarray | None:
+    """float32 parameters rounded to float16 values (still float32: the arithmetic stays float32), within
+    float16's range; positive: a scale that would round to zero becomes float16's smallest normal."""
+    if p is None:
+        return None
+    top = np.float32(np.finfo(np.float16).max)
+    p = np.clip(p, -top, top).astype(np.float16).astype(np.float32)
+    return np.maximum(p, np.float32(np.finfo(np.float16).tiny)) if positive else p
+
+
+def stored_params(p: np.ndarray | None, fmt: Format) -> np.ndarray | None:
+    """Block parameters as a tensor keeps them: float16 for :f16 formats (exact: already rounded), else float32."""
+    return None if p is None else p.astype(np.float16 if fmt.half else np.float32)
 
 
 def _round_affine(blocks: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, fmt: Format) -> np.ndarray:
@@ -213,8 +238,8 @@ def _quantize_affine(w: np.ndarray, fmt: Format, importance: np.ndarray | None) 
     if importance is not None and fmt.block_size != 0:
         scale, bias = _search_clip(blocks, lo, hi, fmt, importance.reshape(cols // block, block), scale, bias)
     q = _round_affine(blocks, scale, bias, fmt).reshape(rows, cols)
-    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, scale,
-                           bias, source=str(fmt))
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, stored_params(scale, fmt),
+                           stored_params(bias, fmt), source=str(fmt))
 
 
 def _search_clip(blocks, lo, hi, fmt, importance, scale, bias, ratios=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)):

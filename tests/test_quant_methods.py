@@ -201,3 +201,23 @@ def test_gptq_f16_parameters_are_float16_and_still_lower_the_output_error():
         **t.__dict__, "scale": t.scale.astype(np.float32), "bias": t.bias.astype(np.float32)})), rtol=1e-6, atol=1e-6)
     plain = quantize(w, "uint4:32:f16", importance=np.diag(h).astype(np.float32)).dequantize_rows()
     assert _output_error(w, t.dequantize_rows(), h) < 0.3 * _output_error(w, plain, h)
+
+
+def test_f16_parameter_model_saves_reads_back_float16_and_the_same_logits(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from quant_helpers import logits, save_tiny, tiny_config
+
+    from ingot.llm.package import open_model, read_llm, save_llm
+    from ingot.quant.formats import QuantizedTensor
+    from ingot.quant.pipeline import quantize_default
+
+    save_tiny(tmp_path / "tiny.ingot")
+    model = open_model(tmp_path / "tiny.ingot")
+    result = quantize_default(model, "uint4:32:f16", tensor_formats=[])
+    save_llm(tmp_path / "q.ingot", model.config, result.tensors, model.metadata)
+    back = read_llm(tmp_path / "q.ingot")
+    stored = [t for t in back.tensors.values() if isinstance(t, QuantizedTensor)]
+    assert stored and all(t.scale.dtype == np.float16 and t.bias.dtype == np.float16 for t in stored)
+    tokens = [1, 40, 41, 60, 61, 80]
+    np.testing.assert_allclose(logits(tiny_config(), back.tensors, tokens), logits(tiny_config(), result.tensors, tokens),
+                               rtol=1e-5, atol=1e-5)

@@ -12,12 +12,13 @@ the second half of each scored), against the F32 GGUF's own scoring.
 
 bits per weight: the bits of every 2-D weight as stored (packed values and block parameters, and
 for Ingot the compensation adapters) over their element count; disk MB: the GGUF file, or the
-Ingot LLM package (`--save-packages`; otherwise its tensors and adapters).
+Ingot LLM package (written for the speed column or --save-packages; otherwise its tensors and adapters).
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
 scaling), +gptq (GPTQ), +cRANK (compensation adapters), +x (the tied embedding kept as the source
-stores it); `default` is what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it
-does with --format FMT (calibrated AWQ for affine formats, GPTQ, the output head in int8). Calibration always comes
+stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8); `default` is
+what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it does with --format FMT
+(calibrated AWQ for affine formats, GPTQ, the output head in int8). Calibration always comes
 from Ingot's shipped corpus (ingot/data/calibration.txt), never from the scored text.
 
 Decode tok/s (CPU): every row's file (llama.cpp's GGUF, Ingot's package) loaded by its own engine
@@ -160,10 +161,15 @@ def ingot_row(source, row: str, stats: dict):
     """quantize_model's result for an Ingot row spec (see the module docstring)."""
     from ingot.quant.pipeline import DEFAULT_FORMAT, quantize_default, quantize_model
 
+    from ingot.quant.pipeline import DEFAULT_TENSOR_FORMATS
+
     fmt, *options = row.split("+")
     rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
+    head = next((o[5:] for o in options if o.startswith("head=")), None)
     if fmt == "default" or "default" in options:
-        return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank)
+        tensor_formats = DEFAULT_TENSOR_FORMATS if head is None else [("token_embd.weight", head), ("output.weight", head)]
+        return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
+                                tensor_formats=tensor_formats)
     exclude = ["token_embd.weight"] if "x" in options else []
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,

@@ -16,7 +16,8 @@ Ingot LLM package (written for the speed column or --save-packages; otherwise it
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
 scaling), +gptq (GPTQ), +cRANK (compensation adapters), +x (the tied embedding kept as the source
-stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8); `default` is
+stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8), +bits=BPW (the
+layer weights' formats allocated under that budget: `ingot quantize --bits`); `default` is
 what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it does with --format FMT
 (calibrated AWQ for affine formats, GPTQ, the output head in int8). Calibration always comes
 from Ingot's shipped corpus (ingot/data/calibration.txt), never from the scored text.
@@ -166,10 +167,11 @@ def ingot_row(source, row: str, stats: dict):
     fmt, *options = row.split("+")
     rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
     head = next((o[5:] for o in options if o.startswith("head=")), None)
+    bits = next((float(o[5:]) for o in options if o.startswith("bits=")), None)
     if fmt == "default" or "default" in options:
         tensor_formats = DEFAULT_TENSOR_FORMATS if head is None else [("token_embd.weight", head), ("output.weight", head)]
         return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
-                                tensor_formats=tensor_formats)
+                                tensor_formats=tensor_formats, bits=bits)
     exclude = ["token_embd.weight"] if "x" in options else []
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,

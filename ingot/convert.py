@@ -208,6 +208,9 @@ def quantize_command(args) -> int:
         if not sep or not glob:
             raise IngotError(f"quantize: --tensor-format {item!r} is not GLOB=FMT (e.g. 'token_embd.weight=int8').")
         tensor_formats.append((glob, str(parse_format(tensor_fmt))))
+    bits = getattr(args, "bits", None)
+    if bits is not None and not 0 < bits <= 32:
+        raise IngotError(f"quantize: --bits {bits} is not a budget in bits per weight (e.g. 4.5).")
     out = Path(args.output)
     if not str(out).endswith(".ingot"):
         raise IngotError(f"quantize: the output {out} should be a package directory named NAME.ingot.")
@@ -253,10 +256,10 @@ def quantize_command(args) -> int:
             advance(name, steps=1 if len(done) <= len(names) else 0)
         result = quantize_default(model, fmt, stats=stats, compensate=args.compensate, exclude=args.exclude,
                                   awq=args.awq, gptq=args.gptq, tensor_formats=tensor_formats + list(DEFAULT_TENSOR_FORMATS),
-                                  progress=step)
+                                  bits=bits, progress=step)
     methods = {"awq": any(n.startswith("AWQ") for n in result.notes), "gptq": any(n.startswith("GPTQ") for n in result.notes)}
     extra = {"quantized": {"format": str(fmt), "tensor_formats": tensor_formats + list(DEFAULT_TENSOR_FORMATS),
-                           "exclude": list(args.exclude), "compensate": args.compensate,
+                           "exclude": list(args.exclude), "compensate": args.compensate, "bits": bits,
                            **methods, "calibration": Path(calibration_name).name if calibration_name else None,
                            "source": Path(args.input).name}}
     architecture = model.architecture  # a package says what its family is

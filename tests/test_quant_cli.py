@@ -100,6 +100,8 @@ def test_awq_and_calibrated_lut_are_not_worse(tiny_package):
     (["--format", "lut4", "--awq"], "affine formats"),
     (["--tensor-format", "token_embd.weight"], "is not GLOB=FMT"),
     (["--tensor-format", "token_embd.weight=int3"], "format 'int3' is not valid"),
+    (["--bits", "0"], "is not a budget in bits per weight"),
+    (["--bits", "3.5", "--no-calibration"], "raise the budget"),
 ])
 def test_quantize_bad_input_is_one_sentence_and_writes_nothing(tiny_package, tmp_path, capsys, args, message):
     empty = tmp_path / "empty.txt"
@@ -223,3 +225,14 @@ def test_second_moments_hold_the_mean_squares_on_their_diagonal(tiny_package):
         assert m.shape == (len(squares[name]), len(squares[name]))
         np.testing.assert_allclose(np.diag(m), squares[name], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(m, m.T, rtol=1e-5, atol=1e-7)
+
+
+def test_quantize_under_a_bits_budget_stays_within_it(tiny_package, tmp_path, capsys):
+    out = tmp_path / "budget.ingot"
+    args = ["--bits", "4.9", "--tensor-format", "token_embd.weight=uint4:32:f16", "--no-eval"]
+    assert main(["quantize", str(tiny_package), "-o", str(out)] + args) == 0
+    bits = float(capsys.readouterr().out.split(" bits per weight")[0].rsplit(", ", 1)[1])
+    assert 4.5 < bits <= 4.9
+    tensors = read_llm(out).tensors
+    assert {t.source for t in tensors.values() if hasattr(t, "source")} >= {"uint4:32:f16"}
+    assert json.loads((out / "llm.json").read_text())["extra"]["quantized"]["bits"] == 4.9

@@ -221,3 +221,25 @@ def test_f16_parameter_model_saves_reads_back_float16_and_the_same_logits(tmp_pa
     tokens = [1, 40, 41, 60, 61, 80]
     np.testing.assert_allclose(logits(tiny_config(), back.tensors, tokens), logits(tiny_config(), result.tensors, tokens),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_allocation_stays_within_the_budget_and_gives_bits_where_they_lower_the_error_most():
+    from ingot.quant.pipeline import allocate_formats
+
+    rng = np.random.default_rng(0)
+    smooth = rng.standard_normal((64, 128)).astype(np.float32)
+    rough = (rng.standard_normal((64, 128)) * np.exp(2 * rng.standard_normal((64, 128)))).astype(np.float32)
+    floats = {"blk.0.attn_q.weight": smooth, "blk.0.attn_k.weight": rough, "output_norm.weight": np.ones(128, np.float32)}
+    chosen = lambda budget: {n: str(f) for n, f in allocate_formats(floats, None, budget)}  # noqa: E731
+    assert chosen(4.3) == {"blk.0.attn_q.weight": "int4:64:f16", "blk.0.attn_k.weight": "int4:64:f16"}
+    # 0.5 bits per weight over both: the heavy-tailed weight gains far more from Q4_1's form
+    assert chosen(4.75) == {"blk.0.attn_q.weight": "int4:32:auto:f16", "blk.0.attn_k.weight": "uint4:32:f16"}
+    assert set(chosen(5.0).values()) == {"uint4:32:f16"}
+    for budget in (4.3, 4.6, 4.75, 4.9):
+        bits = sum(8 * quantize(floats[n], f).nbytes for n, f in allocate_formats(floats, None, budget))
+        assert bits <= budget * 2 * 64 * 128
+    with pytest.raises(IngotError, match="4.0 bits per weight"):
+        allocate_formats(floats, None, 4.0)
+    # a fixed format counts against the budget and is not allocated
+    fixed = lambda budget: {n: str(f) for n, f in allocate_formats(floats, None, budget, fixed=[("*attn_k*", "int8")])}  # noqa: E731
+    assert fixed(6.3) == {"blk.0.attn_q.weight": "int4:64:f16"} and fixed(6.4) == {"blk.0.attn_q.weight": "int4:32:auto:f16"}

@@ -97,19 +97,78 @@ def calibrate(model, tokens: Sequence[int], context: int = 256, device: str = "c
 
 def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | None = None, compensate: int = 0,
                      exclude: Sequence[str] = (), awq: bool | None = None, gptq: bool | None = None,
-                     tensor_formats: Sequence[tuple[str, str]] | None = None,
+                     tensor_formats: Sequence[tuple[str, str]] | None = None, bits: float | None = None,
                      progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """What `ingot quantize` does: quantize_model with the methods that pay on by default. Given
     calibration stats (from calibrate), affine formats get AWQ scaling, and GPTQ rounds every format
     whose stats hold second moments; awq= / gptq= force either way. tensor_formats (GLOB, FMT)
-    pairs come before DEFAULT_TENSOR_FORMATS (the output head in int8); [] for none at all."""
+    pairs come before DEFAULT_TENSOR_FORMATS (the output head in int8); [] for none at all.
+    bits: a budget in bits per weight for all 2-D weights; the layer weights' formats then come
+    from allocate_formats (among ALLOCATION_FORMATS; fmt for the other weights tensor_formats leave)."""
     fmt = parse_format(fmt)
     tensor_formats = DEFAULT_TENSOR_FORMATS if tensor_formats is None else tuple(tensor_formats)
+    if bits is not None:
+        allocated = allocate_formats(dict(float_weights(model)), stats, bits, fixed=tensor_formats, rest=fmt)
+        tensor_formats = tuple(allocated) + tuple(tensor_formats)
     has_moments = stats is not None and any(v.ndim == 2 for v in stats.values())
     awq = (stats is not None and fmt.kind == "affine") if awq is None else awq
     gptq = has_moments if gptq is None else gptq
     return quantize_model(model, fmt, exclude=exclude, stats=stats, compensate=compensate, awq=awq, gptq=gptq,
                           tensor_formats=tensor_formats, progress=progress)
+
+
+# what allocate_formats chooses from by default: Q4_1's form (5 bits per weight), 4.5 and 4.25 bits
+ALLOCATION_FORMATS = ("uint4:32:f16", "int4:32:auto:f16", "int4:64:f16")
+
+
+def allocate_formats(floats: dict, stats: dict | None, budget: float, candidates: Sequence[str | Format] = ALLOCATION_FORMATS,
+                     fixed: Sequence[tuple[str, str | Format]] = (), rest: str | Format = "int8") -> list[tuple[str, Format]]:
+    """A format per layer weight (LAYER_WEIGHT names of floats: {name: float [out, in]}) so that all
+    2-D weights together take at most `budget` bits per weight: the tensors matching a `fixed` glob
+    keep that format (other 2-D weights that are not layer weights: `rest`); the layer weights start
+    in the candidate with the fewest bits and move to one with more, the move with the largest drop
+    of relative output error E||(W - W_hat) x||^2 / E||W x||^2 (calibrated; plain squared error
+    without stats; rounded to nearest) per bit added first, while the budget allows. Returns
+    (name, format) pairs for quantize_model's tensor_formats; IngotError when even the fewest bits
+    exceed the budget."""
+    candidates, rest = [parse_format(f) for f in candidates], parse_format(rest)
+    fixed = [(glob, parse_format(f)) for glob, f in fixed]
+    total_bits, elements = 0.0, 0
+    options = {}   # name -> [(bits, relative error, format)] per candidate, in increasing bits
+    for name, w in floats.items():
+        if w.ndim != 2:
+            continue
+        elements += w.size
+        own = next((f for glob, f in fixed if excluded(name, [glob])), None)
+        if own is not None or not LAYER_WEIGHT.match(name):   # not allocated: in its own format or `rest`
+            total_bits += 8 * quantize(w, own or rest).nbytes
+            continue
+        stat = None if stats is None else stats.get(name)
+        importance = None if stat is None else diagonal(stat)
+        tried = [quantize(w, f, importance=importance) for f in candidates]
+        reference = _output_error(w, None, stat)
+        options[name] = sorted(((8 * t.nbytes, _output_error(w, t, stat) / max(reference, 1e-30), f)
+                                for t, f in zip(tried, candidates)), key=lambda o: o[0])
+    level = {name: 0 for name in options}
+    used = total_bits + sum(o[0][0] for o in options.values())
+    if used > budget * elements:
+        raise IngotError(f"quantize: {budget} bits per weight is below what the fewest-bit formats take "
+                         f"({used / elements:.3f}); raise the budget.")
+    while True:
+        best, gain = None, 0.0
+        for name, o in options.items():
+            i = level[name]
+            for j in range(i + 1, len(o)):
+                if used + o[j][0] - o[i][0] <= budget * elements:
+                    g = (o[i][1] - o[j][1]) / max(o[j][0] - o[i][0], 1)
+                    if g > gain:
+                        best, gain = (name, j), g
+        if best is None:
+            break
+        name, j = best
+        used += options[name][j][0] - options[name][level[name]][0]
+        level[name] = j
+    return [(name, options[name][level[name]][2]) for name in options]
 
 
 def float_weights(model):
@@ -190,10 +249,10 @@ def _awq(floats: dict, stats: dict, fmt: Format, layers: int, notes: list, forma
     return stats
 
 
-def _output_error(w: np.ndarray, t: QuantizedTensor, stat: np.ndarray | None) -> float:
+def _output_error(w: np.ndarray, t: QuantizedTensor | None, stat: np.ndarray | None) -> float:
     """The error of t as the calibration inputs see it: E ||(W - W_hat) x||^2 (second moments), its
-    diagonal model (mean squares), or plain squared error without calibration."""
-    e = (w - t.dequantize_rows()).astype(np.float64)
+    diagonal model (mean squares), or plain squared error without calibration; t None: of W itself."""
+    e = (w if t is None else w - t.dequantize_rows()).astype(np.float64)
     if stat is None:
         return float((e * e).sum())
     if stat.ndim == 1:

@@ -71,9 +71,9 @@ def _pruned(model, outputs: Sequence[str], drop: Sequence[str] = (), new_inputs:
     nodes = [n for n in graph.node if not any(o in drop for o in n.output)]
     need, keep = set(outputs), set()
     changed = True
-    while changed:
+    while changed:   # (consumers first: one pass for nodes in graph order)
         changed = False
-        for i, n in enumerate(nodes):
+        for i, n in reversed(list(enumerate(nodes))):
             if i not in keep and any(o in need for o in n.output):
                 keep.add(i)
                 reads = list(n.input) + [name for a in n.attribute

@@ -6,7 +6,7 @@ import pytest
 
 import ingot
 from ingot import dtypes as dt
-from ingot.backends.cpu import kernels, nn_kernels, vnni
+from ingot.backends.cpu import kernels, nn_kernels, team, vnni
 from ingot.ops import nn as nn_ops
 from ingot.ops.quant import quantized_matmul_reference
 
@@ -248,8 +248,8 @@ def test_team_matches_one_thread(k, n, rows, threads):
     n >= SPLIT_COLUMNS, ragged last chunk) gives the one-thread result."""
     for kernel, head, nb in _kernel_cases(k, n, rows):
         serial, threaded = np.empty((rows, n), np.float32), np.full((rows, n), np.nan, np.float32)
-        kernels.split_blocks(kernel, head, nb, serial, 0)
-        kernels.split_blocks(kernel, head, nb, threaded, 10**9, threads=threads)
+        team.split_blocks(kernel, head, nb, serial, 0)
+        team.split_blocks(kernel, head, nb, threaded, 10**9, threads=threads)
         np.testing.assert_allclose(threaded, serial, rtol=1e-5, atol=1e-4, err_msg=kernel.__name__)
 
 
@@ -269,7 +269,7 @@ def test_team_under_contention():
         kernel, head, nb = cases[i]
         for j in range(300):
             out = np.empty((2, 96), np.float32)
-            kernels.split_blocks(kernel, head, nb, out, 10**9, threads=2)
+            team.split_blocks(kernel, head, nb, out, 10**9, threads=2)
             if not np.allclose(out, want[i], rtol=1e-5, atol=1e-4):
                 errors.append((i, j))
             if j == 150:

@@ -205,13 +205,13 @@ def select_rows(t: QuantizedTensor, keep) -> QuantizedTensor:
 
 def test_scaled_lut_kernel_split_over_threads(converted, monkeypatch):
     """The GEMV split along K over worker threads adds up to the one-thread result."""
-    from ingot.backends.cpu import kernels
+    from ingot.backends.cpu import team
     from ingot.options import CompileOptions, CpuOptions
     path, raws = converted
     t = read_gguf(path).tensors["IQ4_XS.b"]
     x = np.random.default_rng(0).standard_normal((2, t.shape[1])).astype(np.float32)
     one = quantized_matmul_graph(t, x, transpose=False)
-    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(team, "PARALLEL_MIN_WEIGHTS", 1)
     two = quantized_matmul_graph(t, x, transpose=False, options=CompileOptions(cpu=CpuOptions(threads=2)))
     np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6 * float(np.abs(one).max()))
     check_close(two, x, t.dequantize_rows())

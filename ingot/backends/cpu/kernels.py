@@ -6,8 +6,6 @@ against the NumPy reference of its op (tests/test_cpu_kernels.py).
 from __future__ import annotations
 
 import os
-import queue
-import threading
 
 import numba
 import numpy as np
@@ -319,49 +317,7 @@ kmajor_int8 = njit(**_serial)(_kmajor_int8)
 _round_rows = njit(inline="always", **_serial)(_round_rows)
 kmajor_packed4_xq = njit(**_serial)(_kmajor_packed4_xq)
 kmajor_int8_xq = njit(**_serial)(_kmajor_int8_xq)
-PARALLEL_MIN_WEIGHTS = 3 << 18  # smaller GEMVs ran slower on two threads than on one (576 x 960: 35 -> 45 us)
 PARALLEL_MIN_GEMM = 1 << 22     # multiply-adds from which a GEMM splits its columns over the pool
-
-
-class _Workers:
-    """Threads that run nogil kernels on column chunks beside the calling thread. A hand-off costs
-    a queue put and get (microseconds); numba's own prange scheduling cost more than it saved here."""
-
-    def __init__(self, n: int):
-        self.inbox = [queue.SimpleQueue() for _ in range(n)]
-        self.outbox = [queue.SimpleQueue() for _ in range(n)]
-        for i in range(n):
-            threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"ingot-cpu-{i}").start()
-
-    def _loop(self, i: int) -> None:
-        while True:
-            fn, args = self.inbox[i].get()
-            try:
-                fn(*args)
-                self.outbox[i].put(None)
-            except BaseException as e:  # handed back to the caller
-                self.outbox[i].put(e)
-
-    def run(self, fn, argsets) -> None:
-        """fn(*argsets[0]) here, fn(*argsets[i]) on worker i-1; returns when all are done."""
-        for i, args in enumerate(argsets[1:]):
-            self.inbox[i].put((fn, args))
-        fn(*argsets[0])
-        errors = [self.outbox[i].get() for i in range(len(argsets) - 1)]
-        for e in errors:
-            if e is not None:
-                raise e
-
-
-_workers: dict[int, _Workers] = {}   # by their number
-
-
-def run_parallel(fn, argsets: list) -> None:
-    """fn(*args) for each of argsets, the first here and the others on the pool's threads (nogil
-    work: BLAS, NumPy, numba kernels)."""
-    if len(argsets) - 1 not in _workers:
-        _workers[len(argsets) - 1] = _Workers(len(argsets) - 1)
-    _workers[len(argsets) - 1].run(fn, argsets)
 
 
 _blas = {"threads": None, "libraries": None}
@@ -382,23 +338,6 @@ def blas_threads(n: int) -> None:
     for library in _blas["libraries"]:
         library.set_num_threads(n)
     _blas["threads"] = n
-
-
-def _chunks(kernel):
-    """The team driver of a GEMV kernel(*head, b0, b1, out) (see team.py): takes chunks of blocks,
-    each into its own partial output. One compiled function per kernel (numba caches functions,
-    not closures, so each is written out)."""
-    if not _drivers:
-        from . import lut_kernels
-        _drivers.update({vnni.gemv4: vnni.gemv4_chunks, kmajor_packed4: packed4_chunks, kmajor_int8: int8_chunks,
-                         kmajor_packed4_xq: packed4_xq_chunks, kmajor_int8_xq: int8_xq_chunks,
-                         lut_kernels.scaled_lut_gemv_packed4: lut_kernels.lut_packed4_chunks})
-        if lut_kernels.SHUFFLE:
-            _drivers[lut_kernels.scaled_lut_gemv_int] = lut_kernels.lut_int_chunks
-    return _drivers[kernel]
-
-
-_drivers: dict = {}
 
 
 @njit(**_serial)
@@ -441,40 +380,11 @@ def int8_xq_chunks(head, plan, outs, out, ctrl, gen, lead):
     return team.end(ctrl, lead, n, outs, out)
 
 
-CHUNKS_PER_THREAD = 2   # chunks a job is cut into per thread: a late worker still finds some
-SPLIT_COLUMNS = 4096    # from this many output columns a job is cut along them, else along k
+team.DRIVERS.update({kmajor_packed4: (packed4_chunks, False), kmajor_int8: (int8_chunks, False),
+                     kmajor_packed4_xq: (packed4_xq_chunks, False), kmajor_int8_xq: (int8_xq_chunks, False)})
+split_blocks = team.split_blocks
 
 
-def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int, threads: int = 1) -> None:
-    """kernel(*head, b0, b1, c0, c1, out) for all blocks and columns of out, on `threads` threads
-    (`CpuOptions.threads`) by a team (team.py) taking chunks: ranges of columns written straight into
-    out for wide outputs, else ranges of blocks (each streaming its own part of the weight) into
-    partial outputs added at the end."""
-    n = out.shape[1]
-    columns = n >= SPLIT_COLUMNS or kernel is vnni.gemv4   # (its layout is contiguous per 16 columns)
-    if threads <= 1 or work < PARALLEL_MIN_WEIGHTS or (n_blocks < 2 and not columns):
-        kernel(*head, 0, n_blocks, 0, n, out)
-        return
-    key = (n_blocks, n, threads, columns)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _plan(n_blocks, n, threads, columns)
-    outs = out[None] if columns else np.empty((plan.shape[0],) + out.shape, np.float32)
-    if not team.team(threads).run(_chunks(kernel), (head, plan, outs, out)):
-        kernel(*head, 0, n_blocks, 0, n, out)   # the team is busy with another thread's job
-
-
-def _plan(n_blocks: int, n: int, threads: int, columns: bool) -> np.ndarray:
-    """Chunks as rows (b0, b1, c0, c1, which partial output)."""
-    if columns:
-        parts = threads * CHUNKS_PER_THREAD
-        width = -(-(-(-n // parts)) // 64) * 64   # ceil(n / parts) rounded up to 64 columns
-        return np.array([(0, n_blocks, c, min(n, c + width), 0) for c in range(0, n, width)], np.int64)
-    parts = min(threads * CHUNKS_PER_THREAD, n_blocks)
-    return np.array([(n_blocks * i // parts, n_blocks * (i + 1) // parts, 0, n, i) for i in range(parts)], np.int64)
-
-
-_plans: dict = {}
 
 
 def _kmajor_params(params, attrs, n: int):
@@ -612,7 +522,7 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
         if parts <= 1:
             gemm_columns(*argsets[0])
             return result
-        run_parallel(gemm_columns, argsets)   # BLAS on one thread in such programs (CpuPlan.blas)
+        team.run_parallel(gemm_columns, argsets)   # BLAS on one thread in such programs (CpuPlan.blas)
         return result
 
     def gemm_columns(x2, xsum, q, scale, offset, flip, block, i0, i1, result):

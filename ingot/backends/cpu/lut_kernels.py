@@ -383,8 +383,6 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
     """A step for a k-major scaled-table quantized_matmul (4-bit codes, one table, a scale per block
     of K rows and output column), or None (the caller then uses the reference). shuffle: use the
     PSHUFB kernels when the table allows (default: when the CPU has them); threads: `CpuOptions.threads`."""
-    from . import kernels
-
     attrs = node.attrs
     if attrs.get("mode") != "scaled_lut" or attrs.get("transpose") or node.dtype.name != "float32" \
             or attrs["qdtype"].name not in ("uint4", "int4"):
@@ -432,7 +430,7 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
         rows = x2.shape[0]
         if rows <= GEMV_MAX_ROWS:
             result = np.empty((rows, n), np.float32)
-            kernels.split_blocks(gemv, (x2, qv, table, full), nb, result, k * n, threads)
+            team.split_blocks(gemv, (x2, qv, table, full), nb, result, k * n, threads)
         else:
             block = k // nb
             tile_k = max(block, min(k, TILE_ELEMENTS // n) // block * block)
@@ -446,3 +444,8 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
                 result = part if result is None else result + part
         return result.reshape(x.shape[:-1] + (n,))
     return step
+
+
+team.DRIVERS[scaled_lut_gemv_packed4] = (lut_packed4_chunks, False)
+if SHUFFLE:
+    team.DRIVERS[scaled_lut_gemv_int] = (lut_int_chunks, False)

@@ -162,7 +162,7 @@ def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     threads, tq = SPLIT["threads"], q.shape[2]
     if threads <= 1 or tq < 64:
         return _attention_blas(q, k, v, length, scale, causal, window, softcap)
-    from . import kernels
+    from . import team
     work = np.cumsum(np.arange(length - tq + 1, length + 1) if causal else np.ones(tq))
     cuts = [0] + [int(np.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)] + [tq]
     out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
@@ -171,7 +171,7 @@ def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
         if r1 > r0:
             keys = length - tq + r1 if causal else length   # a causal part sees keys up to its last row
             out[:, :, r0:r1] = _attention_blas(q[:, :, r0:r1], k, v, keys, scale, causal, window, softcap)
-    kernels.run_parallel(part, list(zip(cuts, cuts[1:])))
+    team.run_parallel(part, list(zip(cuts, cuts[1:])))
     return out
 
 

@@ -12,20 +12,23 @@ Protocol, over one int64 array `ctrl` (slots a cache line apart):
   after its DONE count is reset; anyone takes chunk c by compare-and-swap of c -> c + 1 within the
   same generation, so a late worker can never take a chunk of a later job.
 - ctrl[DONE] counts finished chunks; the lead returns when all are done (then it adds the partial
-  outputs).
-- ctrl[SLEEP + 8 i] is 1 while worker i sleeps on its Event; the lead reads it after publishing and
-  the Python side sets the Event (a worker sets it before re-checking WORK, so no wake-up is lost).
-The job's arrays are handed over in Python (Team.job), read by a worker while the lead is inside
-its nogil driver, so the GIL is free when a worker needs it.
+  outputs); ctrl[CHUNKS] is the job's chunk count, ctrl[WAITED] how long the lead last waited.
+- ctrl[SLEEP + 8 i] is 1 while worker i sleeps on its Event; the lead reads it after its chunks and
+  the Python side sets the Event (a worker sets it before its last look at WORK: no wake-up is lost).
+A worker takes its first chunk in `wait`, without the GIL, and only then reads the job's arrays in
+Python (Team.job): the lead is inside its nogil driver waiting for that chunk, so the GIL is free,
+and a job whose chunks the lead took alone costs the worker no GIL at all (taking the GIL for jobs
+it could not help with made two threads 2x slower than one on a busy machine).
 
 A driver per kernel (kernels.py, lut_kernels.py) wraps the chunk loop around it:
-    c = begin(ctrl, gen, lead, n)
+    c = begin(ctrl, gen, lead, n)      # lead: -1 for the calling thread, else the worker's chunk
     while c >= 0: kernel(..., *plan[c, :4], outs[plan[c, 4]]); c = after(ctrl, gen, n)
     return end(ctrl, lead, n, outs, out)
 """
 from __future__ import annotations
 
 import platform
+import queue
 import threading
 
 import numpy as np
@@ -34,9 +37,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-WORK, DONE, SLEEP = 0, 8, 16
+WORK, DONE, WAITED, CHUNKS, HELPED, SLEEP = 0, 8, 16, 24, 32, 40
 SPINS = 1 << 16      # pauses a worker spins before it sleeps (~1-2 ms)
-WAIT_SPINS = 1 << 12  # pauses a worker waits for a generation that Team.job already holds
+STALL_SPINS = 1 << 14  # a lead that waited this long for a worker's chunk (~0.3 ms): a busy machine
+BACKOFF = 2000          # jobs then run by the caller alone before the team is tried again
+MISSES = 32             # jobs in a row that no worker took a chunk of: the workers are not running
 GENERATIONS = 1 << 31  # a team serves this many jobs, then a new one takes over (WORK's high half)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386", "x86")
 
@@ -107,16 +112,13 @@ def take(ctrl, gen, n):
 
 @njit(inline="always", **_opts)
 def begin(ctrl, gen, lead, n):
-    """The lead publishes generation gen; a worker waits (briefly) until it is published. Returns
-    the caller's first chunk, or -1."""
-    if lead:
-        store(ctrl, DONE, 0)
-        store(ctrl, WORK, gen << 32)
-    else:
-        for _ in range(WAIT_SPINS):
-            if (load(ctrl, WORK) >> 32) >= gen:
-                break
-            pause()
+    """lead < 0: the lead publishes generation gen of n chunks and returns its first chunk (or -1);
+    lead >= 0: a worker's chunk, already taken in `wait`."""
+    if lead >= 0:
+        return lead
+    store(ctrl, DONE, 0)
+    store(ctrl, CHUNKS, n)
+    store(ctrl, WORK, gen << 32)
     return take(ctrl, gen, n)
 
 
@@ -132,10 +134,13 @@ def end(ctrl, lead, n, outs, out):
     """The lead waits for every chunk, writes the sum of the partial outputs outs [P, M, N] into
     out [M, N] when P > 1 (P = 1: the chunks wrote out itself) and returns how many workers were
     asleep (the caller wakes them); a worker returns 0."""
-    if not lead:
+    if lead >= 0:
         return 0
+    waited = 0
     while load(ctrl, DONE) < n:
         pause()
+        waited += 1
+    store(ctrl, WAITED, waited)
     if outs.shape[0] > 1:
         for m in range(out.shape[0]):
             for i in range(out.shape[1]):
@@ -151,20 +156,26 @@ def end(ctrl, lead, n, outs, out):
 
 @njit(**_opts)
 def wait(ctrl, seen, worker):
-    """Spin until a generation after seen is published and return it; after SPINS pauses, mark
-    this worker asleep and return -1 (unless one came meanwhile)."""
+    """Spin until a generation after seen has a chunk left, take it and return gen << 32 | chunk;
+    a generation whose chunks are all taken is passed over here, without the GIL. After SPINS
+    pauses with nothing to take, mark this worker asleep and return -1 (unless work came meanwhile)."""
     slot = SLEEP + 8 * worker
     store(ctrl, slot, 0)
-    for _ in range(SPINS):
-        g = load(ctrl, WORK) >> 32
+    for i in range(SPINS + 1):
+        if i == SPINS:
+            store(ctrl, slot, 1)
+        v = load(ctrl, WORK)
+        g = v >> 32
         if g > seen:
-            return g
+            c = v & 0xFFFFFFFF
+            if c < load(ctrl, CHUNKS):
+                if swap(ctrl, WORK, v, v + 1):
+                    store(ctrl, slot, 0)
+                    add(ctrl, HELPED, 1)
+                    return v
+                continue
+            seen = g   # all taken: nothing for this worker in it
         pause()
-    store(ctrl, slot, 1)
-    g = load(ctrl, WORK) >> 32
-    if g > seen:
-        store(ctrl, slot, 0)
-        return g
     return -1
 
 
@@ -176,6 +187,8 @@ class Team:
         self.ctrl = np.zeros(SLEEP + 8 * workers, np.int64)
         self.job = (0, None, None)   # (generation, driver, arguments before the ctrl array)
         self.gen = 0
+        self.solo = 0     # jobs left to run alone (see run)
+        self.misses = 0   # jobs in a row the workers took no part in
         self.busy = threading.Lock()
         self.events = [threading.Event() for _ in range(workers)]
         for i in range(workers):
@@ -184,31 +197,39 @@ class Team:
     def _loop(self, i: int) -> None:
         seen = 0
         while True:
-            g = wait(self.ctrl, seen, i)
-            if g < 0:
+            taken = wait(self.ctrl, seen, i)
+            if taken < 0:
                 self.events[i].wait()
                 self.events[i].clear()
                 continue
+            # The lead set self.job before publishing and waits for this chunk: the job is this one.
             gen, driver, args = self.job
-            if gen >= g and driver is not None:
-                try:
-                    driver(*args, self.ctrl, gen, False)
-                except BaseException:   # a worker's chunk failing leaves it to the lead: see run
-                    pass
-            seen = max(g, gen)
+            driver(*args, self.ctrl, gen, taken & 0xFFFFFFFF)
+            seen = gen
 
     def run(self, driver, args: tuple) -> bool:
-        """driver(*args, ctrl, gen, lead) with the workers; False (nothing run) when another thread
-        holds the team."""
+        """driver(*args, ctrl, gen, lead) with the workers; False (nothing run: the caller runs the
+        job alone) when another thread holds the team, or for BACKOFF jobs after the lead waited more
+        than STALL_SPINS for a worker's chunk (a worker preempted mid-chunk stalls the lead) or after
+        MISSES jobs in a row without a worker: on a busy machine the spinning worker only took CPU
+        time from its own process (two threads decoded at 21-23 tok/s, one at 34-38, load 10); its
+        spin then runs out and it sleeps."""
+        if self.solo > 0:
+            self.solo -= 1
+            return False
         if not self.busy.acquire(blocking=False):
             return False
         try:
             self.gen += 1
             self.job = (self.gen, driver, args)
-            asleep = driver(*args, self.ctrl, self.gen, True)
+            helped = self.ctrl[HELPED]
+            asleep = driver(*args, self.ctrl, self.gen, -1)
             if asleep:
                 for event in self.events:
                     event.set()
+            self.misses = 0 if self.ctrl[HELPED] != helped else self.misses + 1
+            if self.ctrl[WAITED] > STALL_SPINS or self.misses >= MISSES:
+                self.solo, self.misses = BACKOFF, 0
             return True
         finally:
             self.busy.release()
@@ -227,3 +248,90 @@ def team(threads: int) -> Team:
             if t is None or t.gen >= GENERATIONS - 1:   # the old team's workers fall asleep for good
                 t = _teams[threads] = Team(threads - 1)
     return t
+
+
+# --- GEMV kernels over a team -------------------------------------------------------------------
+
+DRIVERS: dict = {}   # kernel -> (its team driver, whether it always splits along columns); each
+                     # kernel module registers its own
+PARALLEL_MIN_WEIGHTS = 3 << 18  # smaller GEMVs ran slower on two threads than on one (576 x 960: 35 -> 45 us)
+CHUNKS_PER_THREAD = 2   # chunks a job is cut into per thread: a late worker still finds some
+SPLIT_COLUMNS = 4096    # from this many output columns a job is cut along them, else along k
+
+
+def split_blocks(kernel, head: tuple, n_blocks: int, out: np.ndarray, work: int, threads: int = 1) -> None:
+    """kernel(*head, b0, b1, c0, c1, out) for all blocks and columns of out, on `threads` threads
+    (`CpuOptions.threads`) by a team (team.py) taking chunks: ranges of columns written straight into
+    out for wide outputs, else ranges of blocks (each streaming its own part of the weight) into
+    partial outputs added at the end."""
+    n = out.shape[1]
+    driver, always_columns = DRIVERS[kernel]
+    columns = n >= SPLIT_COLUMNS or always_columns
+    if threads <= 1 or work < PARALLEL_MIN_WEIGHTS or (n_blocks < 2 and not columns):
+        kernel(*head, 0, n_blocks, 0, n, out)
+        return
+    key = (n_blocks, n, threads, columns)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(n_blocks, n, threads, columns)
+    outs = out[None] if columns else np.empty((plan.shape[0],) + out.shape, np.float32)
+    if not team(threads).run(driver, (head, plan, outs, out)):
+        kernel(*head, 0, n_blocks, 0, n, out)   # the team is busy with another thread's job
+
+
+def _plan(n_blocks: int, n: int, threads: int, columns: bool) -> np.ndarray:
+    """Chunks as rows (b0, b1, c0, c1, which partial output)."""
+    if columns:
+        parts = threads * CHUNKS_PER_THREAD
+        width = -(-(-(-n // parts)) // 64) * 64   # ceil(n / parts) rounded up to 64 columns
+        return np.array([(0, n_blocks, c, min(n, c + width), 0) for c in range(0, n, width)], np.int64)
+    parts = min(threads * CHUNKS_PER_THREAD, n_blocks)
+    return np.array([(n_blocks * i // parts, n_blocks * (i + 1) // parts, 0, n, i) for i in range(parts)], np.int64)
+
+
+_plans: dict = {}
+
+
+# --- a blocking pool for long parallel work (the prefill GEMM's columns, attention's rows) -------
+
+class _Workers:
+    """Threads that run nogil kernels on column chunks beside the calling thread. A hand-off costs
+    a queue put and get (microseconds); numba's own prange scheduling cost more than it saved here."""
+
+    def __init__(self, n: int):
+        self.inbox = [queue.SimpleQueue() for _ in range(n)]
+        self.outbox = [queue.SimpleQueue() for _ in range(n)]
+        for i in range(n):
+            threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"ingot-cpu-{i}").start()
+
+    def _loop(self, i: int) -> None:
+        while True:
+            fn, args = self.inbox[i].get()
+            try:
+                fn(*args)
+                self.outbox[i].put(None)
+            except BaseException as e:  # handed back to the caller
+                self.outbox[i].put(e)
+
+    def run(self, fn, argsets) -> None:
+        """fn(*argsets[0]) here, fn(*argsets[i]) on worker i-1; returns when all are done."""
+        for i, args in enumerate(argsets[1:]):
+            self.inbox[i].put((fn, args))
+        fn(*argsets[0])
+        errors = [self.outbox[i].get() for i in range(len(argsets) - 1)]
+        for e in errors:
+            if e is not None:
+                raise e
+
+
+_workers: dict[int, _Workers] = {}   # by their number
+
+
+def run_parallel(fn, argsets: list) -> None:
+    """fn(*args) for each of argsets, the first here and the others on the pool's threads (nogil
+    work: BLAS, NumPy, numba kernels)."""
+    if len(argsets) - 1 not in _workers:
+        _workers[len(argsets) - 1] = _Workers(len(argsets) - 1)
+    _workers[len(argsets) - 1].run(fn, argsets)
+
+

@@ -169,3 +169,6 @@ def gemv4_chunks(head, plan, outs, out, ctrl, gen, lead):
         gemv4(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
         c = team.after(ctrl, gen, n)
     return team.end(ctrl, lead, n, outs, out)
+
+
+team.DRIVERS[gemv4] = (gemv4_chunks, True)   # the layout is contiguous per 16 columns: split along them

@@ -60,7 +60,8 @@ def free_port() -> int:
 
 
 def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
+    """NCCL for GPUs; gloo on the CPU, and for the CUDA backend run on CPU tensors (INGOT_CUDA_DEVICE=cpu)."""
+    return "nccl" if device == "cuda" and os.environ.get("INGOT_CUDA_DEVICE", "cuda") != "cpu" else "gloo"
 
 
 def init(rank: int, ranks: int, device: str = "cpu", port: int | None = None) -> None:
@@ -72,7 +73,7 @@ def init(rank: int, ranks: int, device: str = "cpu", port: int | None = None) ->
         if dist.get_world_size() != ranks:
             raise IngotError(f"tensor parallel: a process group of {dist.get_world_size()} ranks exists; {ranks} were asked for.")
         return
-    if device == "cuda":
+    if backend_for(device) == "nccl":
         import torch
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

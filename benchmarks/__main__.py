@@ -43,6 +43,8 @@ BENCHMARKS = {
     "startup": ("startup", "import ingot, ingot --help and a refused file: wall time vs import numpy", "nothing"),
     "serve": ("serve", "ingot serve under N concurrent streaming clients: tok/s, TTFT, inter-token latency vs llama.cpp's server",
               "fastapi, uvicorn, httpx (ingot[serve]); llama-server or llama-cpp-python[server] (anchor, optional)"),
+    "tp": ("tp", "tensor-parallel decode tok/s at TP 1/2 on the CPU (gloo); 8B/70B int4 at TP 1/2/4/8 on GPUs (NCCL)",
+           "torch; on cuda several NVIDIA GPUs and triton"),
 }
 
 

@@ -36,7 +36,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ingot.distributed import launch  # noqa: E402
 from ingot.models import llama  # noqa: E402
-from ingot.passes.shard import build_sharded, local_config, plan, shard_decoder  # noqa: E402
+from ingot.models.tensor_parallel import build_sharded, shard_decoder  # noqa: E402
+from ingot.passes.shard import local_config, plan  # noqa: E402
 
 SHAPES = {
     "smollm2": dict(n_layers=30, dim=576, n_heads=9, n_kv_heads=3, ffn_dim=1536, vocab_size=49152, tied_embeddings=True,
@@ -108,7 +109,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
-    del a, b
+    a = b = None   # (the memory back before the ranks start)
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)
 
@@ -153,8 +154,8 @@ def main() -> int:
         counts = [n for n in counts if n <= gpus]
     bandwidth = copy_bandwidth() if device == "cuda" and not emulated else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"tp: {device}, load average {load:.1f} at start" + (f", copy {bandwidth / 1e12:.2f} TB/s per GPU" if bandwidth else ""),
-          flush=True)
+    copy = f", copy {bandwidth / 1e12:.2f} TB/s per GPU" if bandwidth else ""
+    print(f"tp: {device}, load average {load:.1f} at start{copy}", flush=True)
     rows = []
     for name in models:
         shape = dict(SHAPES[name], **({"n_layers": args.layers} if args.layers else {}))

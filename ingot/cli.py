@@ -123,9 +123,9 @@ def _load_llm(args):
 
 def _generate(args) -> int:
     _check_sampling_args(args)
-    if args.tensor_parallel is not None or _under_torchrun():   # N processes, rank 0 prints (ingot/distributed/run.py)
+    if args.tensor_parallel not in (None, 1) or _under_torchrun():   # N processes, rank 0 prints (distributed/run.py)
         from .distributed.run import generate_parallel
-        return generate_parallel(args)
+        return generate_parallel(args, _read_prompt, _generate_rank)
     prompt = _read_prompt(args)
     return _generate_with(args, _load_llm(args), prompt)
 
@@ -133,6 +133,22 @@ def _generate(args) -> int:
 def _under_torchrun() -> bool:
     from .distributed import under_torchrun
     return under_torchrun()
+
+
+def _generate_rank(args, llm, prompt: str) -> int:
+    """One rank of `ingot generate --tensor-parallel N` (ingot/distributed/run.py): rank 0's seed, then
+    the same generation as every other rank (stdout is rank 0's alone)."""
+    from .distributed import world
+    from .distributed.run import same_seed
+
+    stderr = sys.stderr
+    if world()[1]:
+        sys.stderr = sys.stdout           # (os.devnull there: a seed drawn is printed once, by rank 0)
+    try:
+        sampling = _sampling(args, llm)
+    finally:
+        sys.stderr = stderr
+    return _generate_with(args, llm, prompt, same_seed(sampling))
 
 
 def _generate_with(args, llm, prompt: str, sampling: dict | None = None) -> int:

@@ -19,7 +19,7 @@ LAYERS = [
     ["ingot.ir", "ingot.quant.formats"],
     ["ingot.ops"],
     ["ingot.verify", "ingot.passes", "ingot.quant.quantize", "ingot.quant.compensate"],
-    ["ingot.options", "ingot.codegen"],
+    ["ingot.options", "ingot.codegen", "ingot.distributed"],   # distributed: process groups, collectives
     ["ingot.backends"],
     ["ingot.package"],
     ["ingot.runtime"],
@@ -31,7 +31,7 @@ LAYERS = [
     ["ingot.llm"],
     ["ingot.eval"],
     ["ingot.convert"],
-    ["ingot.viewer", "ingot.serve"],
+    ["ingot.viewer", "ingot.serve", "ingot.distributed.run"],   # distributed.run: `ingot generate --tensor-parallel`
     ["ingot.cli"],
     ["ingot"],                            # the package's own __init__: the public names
 ]

@@ -11,8 +11,9 @@ from ingot.ir import Op, Program
 from ingot.llm.package import storage_form
 from ingot.models import llama, qwen3
 from ingot.passes import evaluate
-from ingot.passes.shard import (build_sharded, check_tensor_parallel, collective_chain, even_parts, evaluate_ranks,
-                                insert_collectives, plan, slice_quantized, slice_weight)
+from ingot.models.tensor_parallel import build_sharded
+from ingot.passes.shard import (check_tensor_parallel, collective_chain, even_parts, evaluate_ranks, insert_collectives,
+                                plan, slice_quantized, slice_weight)
 from ingot.quant.formats import QuantizedTensor
 
 FEEDS = {"tokens": np.array([3, 250, 17, 128, 5, 0, 255], np.int32), "pos": np.int32(0), "last": np.int32(6)}
@@ -104,7 +105,8 @@ def test_a_cut_inside_a_block_is_refused_by_tensor_name():
     cfg = config(ffn_dim=96)    # 48 columns of ffn_down per rank: not a whole number of 32-blocks
     with pytest.raises(IngotError, match=r"tensor blk\.0\.ffn_down\.weight splits its .* quantization blocks"):
         build_sharded(cfg, llama.random_weights(cfg), 2, 0)
-    w = llama.random_weights(cfg, qdtype=dt.uint4, k_major=True)["blk.0.attn_q.weight"]   # [64 in, 128 out], packed along out
+    # k-major [64 in, 128 out], packed along out
+    w = llama.random_weights(cfg, qdtype=dt.uint4, k_major=True)["blk.0.attn_q.weight"]
     with pytest.raises(IngotError, match="bytes of two 4-bit values"):
         slice_quantized(w, 1, 0, 31, "blk.0.attn_q.weight")
 

@@ -35,7 +35,7 @@ def collectives(rank: int, ranks: int, device: str) -> None:
 def random_model(rank: int, ranks: int, cfg, expected_tokens: list[int], expected_logits: np.ndarray) -> None:
     """Rank `rank`'s shard of a random-weight Llama decodes the tokens one process decodes."""
     from ingot.models import llama
-    from ingot.passes.shard import build_sharded
+    from ingot.models.tensor_parallel import build_sharded
 
     tokens, logits = greedy(build_sharded(cfg, llama.random_weights(cfg, seed=5), ranks, rank), len(expected_tokens))
     assert tokens == expected_tokens, (rank, tokens, expected_tokens)

@@ -71,7 +71,8 @@ def init(rank: int, ranks: int, device: str = "cpu", port: int | None = None) ->
     dist = _dist()
     if dist.is_initialized():
         if dist.get_world_size() != ranks:
-            raise IngotError(f"tensor parallel: a process group of {dist.get_world_size()} ranks exists; {ranks} were asked for.")
+            raise IngotError(f"tensor parallel: a process group of {dist.get_world_size()} ranks exists; "
+                             f"{ranks} were asked for.")
         return
     if backend_for(device) == "nccl":
         import torch

@@ -7,12 +7,16 @@ prompt, the model's header and config (no weight is converted), and whether N sp
 (passes/shard.check_tensor_parallel). Each rank then loads its shard and runs the same greedy (or
 identically seeded) generation in lock step: the logits after all_gather are the same on every
 rank, so every rank picks the same tokens and issues the same collectives.
+
+The CLI (ingot/cli.py, which imports this module) passes in what is its own: reading the prompt and
+one rank's generation with its flags (cli._generate_rank).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import sys
+from typing import Callable
 
 from ..errors import IngotError
 from . import _dist, broadcast_int, broadcast_text, init, launch, shutdown, under_torchrun
@@ -42,39 +46,36 @@ def _check_model(args, ranks: int) -> None:
     check_tensor_parallel(open_model(args.model or default_model_path()).config, ranks)
 
 
-def generate_parallel(args) -> int:
-    """`ingot generate` over N ranks; returns the exit code (2: refused, with one sentence on stderr)."""
-    from ..cli import _read_prompt
-
+def generate_parallel(args, read_prompt: Callable, generate: Callable) -> int:
+    """`ingot generate` over N ranks; returns the exit code (2: refused, with one sentence on stderr).
+    read_prompt(args) -> the prompt; generate(args, llm, prompt) -> exit code: one rank's generation
+    (a module-level function: spawned ranks receive it pickled by name)."""
     ranks = _ranks(args)
     if under_torchrun():
         rank = int(os.environ["RANK"])
-        prompt = _read_prompt(args) if rank == 0 else None
+        prompt = read_prompt(args) if rank == 0 else None
         _check_model(args, ranks)
         init(rank, ranks, args.device)
         try:
-            return _rank_generate(rank, ranks, args, prompt)
+            return _rank_generate(rank, ranks, args, prompt, generate)
         finally:
             shutdown()
-    prompt = _read_prompt(args)
+    prompt = read_prompt(args)
     _check_model(args, ranks)
     _dist()                                        # torch is there (else one sentence, exit 2)
-    if ranks == 1:
-        from ..cli import _generate_with, _load_llm
-        return _generate_with(args, _load_llm(args), prompt)
     import torch.multiprocessing as mp
 
     try:
-        launch(_rank_main, ranks, args, prompt, device=args.device)
+        launch(_rank_main, ranks, args, prompt, generate, device=args.device)
     except mp.ProcessExitedException as e:   # a rank refused something: it printed why
         return e.exit_code if e.exit_code and e.exit_code > 0 else 1
     return 0
 
 
-def _rank_main(rank: int, ranks: int, args, prompt: str) -> None:
+def _rank_main(rank: int, ranks: int, args, prompt: str, generate: Callable) -> None:
     """A spawned rank: IngotError -> its sentence on stderr and exit code 2, as the CLI does."""
     try:
-        code = _rank_generate(rank, ranks, args, prompt)
+        code = _rank_generate(rank, ranks, args, prompt, generate)
     except IngotError as e:
         if args.debug:
             raise
@@ -85,8 +86,7 @@ def _rank_main(rank: int, ranks: int, args, prompt: str) -> None:
         os._exit(code)   # spawn's join reports the code (SystemExit would be taken for a crash)
 
 
-def _rank_generate(rank: int, ranks: int, args, prompt: str | None) -> int:
-    from ..cli import _generate_with, _loras, _sampling
+def _rank_generate(rank: int, ranks: int, args, prompt: str | None, generate: Callable) -> int:
     from ..llm import load
     from ..options import CompileOptions
 
@@ -95,16 +95,14 @@ def _rank_generate(rank: int, ranks: int, args, prompt: str | None) -> int:
     if args.device == "cpu" and options.cpu.threads is None:   # the cores shared among the ranks, not each all of them
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         options = dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, threads=max(1, cores // ranks)))
-    quiet = open(os.devnull, "w") if rank else None
-    if quiet is not None:
-        sys.stdout = quiet                                    # rank 0 alone prints
-    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args), options=options,
-               tensor_parallel=ranks)
+    if rank:
+        sys.stdout = open(os.devnull, "w")                    # rank 0 alone prints
+    llm = load(args.model, device=args.device, context=args.context, options=options, tensor_parallel=ranks)
     if rank == 0:
         print(llm.describe() + f", tensor parallel over {ranks} ranks", file=sys.stderr, flush=True)
-    stderr = sys.stderr
-    sys.stderr = quiet or stderr                              # (a seed chosen is printed once)
-    sampling = _sampling(args, llm)
-    sys.stderr = stderr
-    sampling["seed"] = broadcast_int(sampling["seed"])        # every rank draws the same numbers
-    return _generate_with(args, llm, prompt, sampling)
+    return generate(args, llm, prompt)
+
+
+def same_seed(settings: dict) -> dict:
+    """Sampling settings with rank 0's seed on every rank (each may have drawn its own)."""
+    return dict(settings, seed=broadcast_int(settings["seed"]))

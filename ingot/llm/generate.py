@@ -117,7 +117,7 @@ class LLM:
                           if k == "tokenizer.chat_template" or not k.startswith("tokenizer.ggml.")}
         self.metadata = model.metadata
         if tensor_parallel > 1:   # this rank's heads, FFN rows and vocabulary, with its collectives
-            from ..passes.shard import build_sharded
+            from ..models.tensor_parallel import build_sharded
             self.model = build_sharded(self.config, model.tensors, tensor_parallel, self.rank, path)
         else:
             self.model = models.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)

@@ -16,21 +16,21 @@ graph would have to find and change one by one:
    all_reduce of the masked embedding lookup (each rank looks up its own vocabulary rows), and
    all_gather of the head's logits along the vocabulary.
 
-`shard_decoder` runs the pass on a DecoderGraph, checks that every layer got its collectives in one
-chain (so every rank issues them in the same order, whatever order its plan runs the rest), and
-verifies the result. The KV heads are spread as evenly as they go (3 KV heads over 2 ranks: 2 and 1,
+`collective_chain` checks that the collectives form one chain of data dependences (so every rank
+issues them in the same order, whatever order its plan runs the rest); models/tensor_parallel.py
+runs the pass on a built decoder (shard_decoder, build_sharded) with these checks and the verifier. The KV heads are spread as evenly as they go (3 KV heads over 2 ranks: 2 and 1,
 each with its query heads), so SmolLM2's 9/3 heads run on 2 ranks; the FFN and the vocabulary must
 divide by the world size (all_gather takes equal parts).
 
     >>> cfg = llama.LlamaConfig(2, 64, 4, 2, 128, 256)                          # doctest: +SKIP
     >>> local_cfg, local = shard_weights(cfg, llama.random_weights(cfg), world=2, rank=1)   # doctest: +SKIP
-    >>> model = shard_decoder(llama.build(local_cfg, local), world=2, rank=1)  # doctest: +SKIP
+    >>> model = models.tensor_parallel.shard_decoder(llama.build(local_cfg, local), world=2, rank=1)  # doctest: +SKIP
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -291,48 +291,6 @@ def collective_chain(program: Program) -> list[Node]:
     return chain
 
 
-def shard_decoder(model, world: int, rank: int):
-    """The DecoderGraph `model` (built from shard_weights' config and tensors) with its collectives:
-    a new DecoderGraph whose graph is checked (one all_reduce after each layer's o and down, one for
-    the embedding, one all_gather of the logits, in one chain) and verified."""
-    from ..graph import Graph, Tensor
-    from ..verify import verify
-
-    g = model.graph
-    if any(n.op == Op.CALL for n in Program([model.logits.node], list(g.assigns)).nodes()):
-        raise IngotError("tensor parallel: adapters (LoRA, error compensation) are not supported yet.")
-    program = Program([model.logits.node], list(g.assigns), dict(g.constants), dict(g.variables))
-    program, _ = insert_collectives(program, world, rank)
-    verify(program)
-    chain = collective_chain(program)
-    reduces = sum(n.op == Op.ALL_REDUCE for n in chain)
-    gathers = sum(n.op == Op.ALL_GATHER for n in chain)
-    layers = model.config.n_layers
-    if (reduces, gathers) != (2 * layers + 1, 1):
-        raise IngotError(f"tensor parallel: the {model.config.family} graph got {reduces} all_reduce and {gathers} "
-                         f"all_gather ops; {layers} layers need {2 * layers + 1} and 1.")
-    sharded = Graph()
-    sharded.constants, sharded.variables = program.constants, program.variables
-    sharded.assigns, sharded.placeholders = list(program.assigns), dict(g.placeholders)
-    sharded.variable_nodes = dict(g.variable_nodes)
-    return dataclasses.replace(model, graph=sharded, logits=Tensor(sharded, program.outputs[0]),
-                               tokens=Tensor(sharded, model.tokens.node), pos=Tensor(sharded, model.pos.node),
-                               last=Tensor(sharded, model.last.node), inputs={})
-
-
-def build_sharded(cfg, tensors: Mapping, world: int, rank: int, path: str = "", builder: Callable | None = None, **kwargs):
-    """Rank `rank`'s decoder of `world`: its weights sliced, its graph built and given collectives.
-    world 1 is the plain decoder."""
-    from .. import models
-
-    build = builder or models.build
-    if world == 1:
-        check_tensor_parallel(cfg, world)
-        return build(cfg, tensors, path, **kwargs)
-    local_cfg, local = shard_weights(cfg, tensors, world, rank)
-    return shard_decoder(build(local_cfg, local, path, **kwargs), world, rank)
-
-
 # -- the oracle: every rank's program evaluated in lock step with the NumPy references ---------------------
 
 def evaluate_ranks(programs: list[Program], feeds: dict[str, Any], variables: list[dict] | None = None) -> list[list]:
@@ -382,6 +340,5 @@ def freeze_attrs(node: Node) -> tuple:
     return tuple(sorted(node.attrs.items()))
 
 
-__all__ = ["ShardPlan", "ShardedTensors", "build_sharded", "check_tensor_parallel", "collective_chain",
-           "evaluate_ranks", "insert_collectives", "plan", "shard_decoder", "shard_weights", "slice_quantized",
-           "slice_weight"]
+__all__ = ["ShardPlan", "ShardedTensors", "check_tensor_parallel", "collective_chain", "evaluate_ranks",
+           "insert_collectives", "plan", "shard_weights", "slice_quantized", "slice_weight"]

@@ -57,8 +57,9 @@ def _start(command: list[str], url: str, ready_seconds: float = 600) -> subproce
     while time.time() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{command[:3]} exited:\n{''.join(tail[-20:])}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+        try:   # llama-server answers /v1/models before its model is loaded; its /health waits for it
+            if httpx.get(url + "/health", timeout=2).status_code in (200, 404) and \
+                    httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return process
         except httpx.HTTPError:
             pass

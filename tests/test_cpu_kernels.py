@@ -210,8 +210,26 @@ def _kernel_cases(k, n, rows):
     if lut_kernels.SHUFFLE:
         cases.append((lut_kernels.scaled_lut_gemv_int, (x, q4, np.arange(-8, 8, dtype=np.int8), scale), k // 32))
     if vnni.AVAILABLE and n % vnni.GROUP == 0:
-        cases.append((vnni.gemv4, (x, vnni.repack(q4, 0x88), h(scale), h(bias), True, np.float32(0)), k // 32))
+        cases.append((vnni.gemv, (x, vnni.repack(q4, 0x88), h(scale), h(bias), True, np.float32(0)), k // 32))
+        cases.append((vnni.gemv, (x, vnni.repack8(q8, 0x80), scale, bias, True, np.float32(0)), k // 32))
     return cases
+
+
+@pytest.mark.skipif(not vnni.AVAILABLE, reason="the CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("k,n,rows", [(32, 16, 1), (96, 48, 3), (320, 400, 16)])
+@pytest.mark.parametrize("qdtype", [dt.uint8, dt.int8], ids=lambda d: d.name)
+def test_vnni_gemv_8bit_equals_the_portable_integer_kernel(k, n, rows, qdtype):
+    q, scale, bias = kmajor_weight(k, n, qdtype, 32)
+    scale, bias = scale.astype(np.float16).view(np.uint16), bias.astype(np.float16).view(np.uint16)
+    x = RNG.standard_normal((rows, k)).astype(np.float32) * 3
+    unsigned = qdtype == dt.uint8
+    want = np.empty((rows, n), np.float32)
+    kernels.kmajor_int8_xq(x, q, scale, bias, True, np.uint8(0x80) if unsigned else np.int8(0),
+                           np.float32(128 if unsigned else 0), 0, k // 32, 0, n, want)
+    got = np.full((rows, n), np.nan, np.float32)
+    vnni.gemv(x, vnni.repack8(q, 0 if unsigned else 0x80), scale, bias, True, np.float32(128 if unsigned else 0),
+              0, k // 32, 0, n, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.skipif(not vnni.AVAILABLE, reason="the CPU has no AVX-512 VNNI")
@@ -229,12 +247,12 @@ def test_vnni_gemv_equals_the_portable_integer_kernel(k, n, rows, qdtype, params
     want = np.empty((rows, n), np.float32)
     kernels.kmajor_packed4_xq(x, q, scale, bias, True, np.uint8(flip), np.float32(center), 0, k // 32, 0, n, want)
     got = np.full((rows, n), np.nan, np.float32)
-    vnni.gemv4(x, vnni.repack(q, flip), scale, bias, True, np.float32(center), 0, k // 32, 0, n, got)
+    vnni.gemv(x, vnni.repack(q, flip), scale, bias, True, np.float32(center), 0, k // 32, 0, n, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if n < 48:
         return
     part = np.full((rows, n), np.nan, np.float32)
-    vnni.gemv4(x, vnni.repack(q, flip), scale, bias, False, np.float32(center), 0, 1, 16, 32, part)
+    vnni.gemv(x, vnni.repack(q, flip), scale, bias, False, np.float32(center), 0, 1, 16, 32, part)
     assert np.isnan(part[:, :16]).all() and np.isnan(part[:, 32:]).all()
     ref = np.empty((rows, n), np.float32)
     kernels.kmajor_packed4_xq(x, q, scale, bias, False, np.uint8(flip), np.float32(center), 0, 1, 0, n, ref)

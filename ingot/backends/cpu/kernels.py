@@ -460,19 +460,24 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             if activations == "int8" and k % XQ_BLOCK == 0 and (k // nb) % XQ_BLOCK == 0:
                 unsigned = qdtype.kind == "u"   # read as signed through flip, the difference in center
                 weight = _kernel_form(q)
-                if qdtype.packed and vnni.AVAILABLE and n % vnni.GROUP == 0:
-                    kernel, weight = vnni.gemv4, _kernel_form(vnni.repack(q, 0 if unsigned else 0x88))
+                if vnni.AVAILABLE and n % vnni.GROUP == 0:
+                    if qdtype.packed:
+                        kernel, weight = vnni.gemv, _kernel_form(vnni.repack(q, 0 if unsigned else 0x88))
+                        center = np.float32(8 if unsigned else 0)
+                    else:   # read as unsigned: an int8 weight flipped to value + 128
+                        kernel, weight = vnni.gemv, _kernel_form(vnni.repack8(q, 0 if unsigned else 0x80))
+                        center = np.float32(128 if unsigned else 0)
                     # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read
                     vs, vo = _half_if_exact(scale), _half_if_exact(offset)
-                    gemv = (kernel, (vs, vo if offset is not None else vs, offset is not None,
-                                     np.float32(8 if unsigned else 0)), k // XQ_BLOCK, weight)
+                    gemv = (kernel, (vs, vo if offset is not None else vs, offset is not None, center), k // XQ_BLOCK,
+                            weight)
                 elif qdtype.packed:
                     kernel = kmajor_packed4_xq
                     args = (np.uint8(0 if unsigned else 0x88), np.float32(8 if unsigned else 0))
                 else:
                     kernel = kmajor_int8_xq
                     args = (np.uint8(0x80), np.float32(128)) if unsigned else (np.int8(0), np.float32(0))
-                if kernel is not vnni.gemv4:
+                if kernel is not vnni.gemv:
                     gemv = (kernel, (ks, _kernel_form(offset if offset is not None else absent), offset is not None) + args,
                             k // XQ_BLOCK, weight)
             else:
@@ -591,7 +596,7 @@ def _cache_is_cold() -> bool:
     try:
         return any(not d._cache._cache_file._load_index() for d in
                    (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
-                    scaled_tile_int8, attention, rope_rows, vnni.gemv4,
+                    scaled_tile_int8, attention, rope_rows, vnni.gemv,
                     _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend))
     except Exception:
         return False
@@ -611,7 +616,7 @@ def _warm_up() -> None:
         kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
         if vnni.AVAILABLE:
             wide = _kernel_form(np.ones((1, 16), params.dtype))
-            vnni.gemv4(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
+            vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
                        f32(1, 16))
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))

@@ -46,14 +46,21 @@ def _available() -> bool:
 AVAILABLE = _available()
 
 
-@intrinsic
-def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset):
-    """res[res_at:res_at + 16] += scale * ((dot - shift) * d + cx) + offset * xsum (offset only when
-    has_offset), dot the 16 int32 dot products of one block of 32 k: the 256 bytes of w (uint8,
-    C order) at flat offset w_at against the 32 int8 of x at int32 offset x_at of xq (an int32
-    view); scale and offset at flat offset p_at, float32 or float16 bits (uint16). All in vector
-    registers: the same in numba loops of 16 cost more than the 8 VPDPBUSD themselves."""
-    sig = types.void(res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset)
+def _block_fma(bits: int):
+    """The intrinsic block_fma for bits-wide weights (4: 256 bytes a block, 8: 512)."""
+    @intrinsic
+    def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset):
+        """res[res_at:res_at + 16] += scale * ((dot - shift) * d + cx) + offset * xsum (offset only when
+        has_offset), dot the 16 int32 dot products of one block of 32 k: the 256 (4-bit) or 512 (8-bit)
+        bytes of w (uint8, C order) at flat offset w_at against the 32 int8 of x at int32 offset x_at
+        of xq (an int32 view); scale and offset at flat offset p_at, float32 or float16 bits (uint16).
+        All in vector registers: the same in numba loops of 16 cost more than the VPDPBUSDs."""
+        sig = types.void(res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset)
+        return sig, _codegen(bits)
+    return block_fma
+
+
+def _codegen(bits: int):
 
     def codegen(context, builder, signature, args):
         res_v, res_at_v, w_v, w_at_v, xq_v, x_at_v, s_v, o_v, p_at_v, d_v, shift_v, cx_v, xsum_v, has_v = args
@@ -70,15 +77,21 @@ def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d,
             one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(i32, 0))
             return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), zeros)
 
-        total = ir.Constant(v16, [0] * 16)
-        for v in range(4):
+        def load_weights(v):
             at = builder.add(w_at_v, ir.Constant(w_at_v.type, 64 * v))
-            weights = builder.load(builder.bitcast(builder.gep(wa.data, [at]), v16.as_pointer()), align=1)
-            low = builder.and_(weights, nibbles)
-            high = builder.and_(builder.lshr(weights, four), nibbles)
-            for part, quad in ((low, v), (high, v + 4)):
-                x4 = builder.load(builder.gep(xa.data, [builder.add(x_at_v, ir.Constant(x_at_v.type, quad))]), align=4)
-                total = builder.call(vdp, [total, part, splat(x4, v16)])
+            return builder.load(builder.bitcast(builder.gep(wa.data, [at]), v16.as_pointer()), align=1)
+
+        if bits == 4:   # vector v: k 4v.. in the low nibbles, 16 + 4v.. in the high ones
+            parts = []
+            for v in range(4):
+                weights = load_weights(v)
+                parts += [(builder.and_(weights, nibbles), v), (builder.and_(builder.lshr(weights, four), nibbles), v + 4)]
+        else:           # vector v: k 4v..4v + 3
+            parts = [(load_weights(v), v) for v in range(8)]
+        total = ir.Constant(v16, [0] * 16)
+        for part, quad in parts:
+            x4 = builder.load(builder.gep(xa.data, [builder.add(x_at_v, ir.Constant(x_at_v.type, quad))]), align=4)
+            total = builder.call(vdp, [total, part, splat(x4, v16)])
 
         def params(a, element):
             ptr = builder.gep(a.data, [p_at_v])
@@ -98,7 +111,10 @@ def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d,
         with builder.if_then(builder.icmp_unsigned("==", has_v, ir.Constant(has_v.type, 0))):
             builder.store(acc, res_ptr, align=4)
         return context.get_dummy_value()
-    return sig, codegen
+    return codegen
+
+
+block_fma4, block_fma8 = _block_fma(4), _block_fma(8)
 
 
 def repack(q: np.ndarray, flip: int) -> np.ndarray:
@@ -115,11 +131,21 @@ def repack(q: np.ndarray, flip: int) -> np.ndarray:
     return np.ascontiguousarray(packed.transpose(3, 0, 1, 4, 2)).reshape(n // GROUP, k // 32, 256)
 
 
+def repack8(q: np.ndarray, flip: int) -> np.ndarray:
+    """The VNNI layout [N / 16, K / 32, 512] (uint8) of a k-major 8-bit weight q [K, N], read as
+    q ^ flip (int8 with flip 0x80: the value + 128)."""
+    k, n = q.shape
+    c = (q.view(np.uint8) ^ np.uint8(flip)).reshape(k // 32, 8, 4, n // GROUP, GROUP)   # [K/32, v, p, G, l]
+    return np.ascontiguousarray(c.transpose(3, 0, 1, 4, 2)).reshape(n // GROUP, k // 32, 512)
+
+
 @njit(fastmath=True, cache=True, nogil=True)
-def gemv4(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
-    """out[:, c0:c1] (c0, c1 multiples of 16) = x[:, blocks s0..s1 of 32 k] @ W for W in the VNNI
-    layout w (see repack) with scale and offset [K / block, N] (float32, or float16 bits: see
-    kernels.params_row); x rounded to int8 per block of 32 as kernels._round_rows does."""
+def gemv(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
+    """out[:, c0:c1] (c0, c1 multiples of 16) = x[:, blocks s0..s1 of 32 k] @ W for W in a VNNI
+    layout w (repack: 4-bit, 256 bytes a block; repack8: 8-bit, 512) with scale and offset
+    [K / block, N] (float32, or float16 bits: see kernels.params_row); x rounded to int8 per block
+    of 32 as kernels._round_rows does. The codes c read as unsigned are the value + 8 (4-bit) or
+    + 128 (8-bit): dot - that * sum(xq) is the signed product."""
     m_rows, k = x.shape
     bs = k // scale.shape[0]
     nb32 = k // XQ_BLOCK
@@ -146,6 +172,8 @@ def gemv4(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
             xs[m, sb] = total
             xi[m, sb] = np.float32(isum)
     x4 = xq.reshape(m_rows * k).view(np.int32)
+    size = w.shape[2]
+    bias = np.float32(8.0) if size == 256 else np.float32(128.0)
     res = np.zeros(m_rows * GROUP, np.float32)
     n = scale.shape[1]
     for g in range(c0 // GROUP, c1 // GROUP):
@@ -154,21 +182,26 @@ def gemv4(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
         for sb in range(s0, s1):
             at = (sb * XQ_BLOCK // bs) * n + lo
             for m in range(m_rows):
-                block_fma(res, m * GROUP, w, (g * nb32 + sb) * 256, x4, (m * k + sb * XQ_BLOCK) // 4, scale, offset,
-                          at, xd[m, sb], np.float32(8.0) * xi[m, sb], center * xs[m, sb], xs[m, sb], has_offset)
+                w_at, x_at = (g * nb32 + sb) * size, (m * k + sb * XQ_BLOCK) // 4
+                if size == 256:
+                    block_fma4(res, m * GROUP, w, w_at, x4, x_at, scale, offset, at, xd[m, sb], bias * xi[m, sb],
+                               center * xs[m, sb], xs[m, sb], has_offset)
+                else:
+                    block_fma8(res, m * GROUP, w, w_at, x4, x_at, scale, offset, at, xd[m, sb], bias * xi[m, sb],
+                               center * xs[m, sb], xs[m, sb], has_offset)
         for m in range(m_rows):
             out[m, lo:lo + GROUP] = res[m * GROUP:(m + 1) * GROUP]
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def gemv4_chunks(head, plan, outs, out, ctrl, gen, lead):
-    """gemv4 over a team's chunks (team.py)."""
+def gemv_chunks(head, plan, outs, out, ctrl, gen, lead):
+    """gemv over a team's chunks (team.py)."""
     n = plan.shape[0]
     c = team.begin(ctrl, gen, lead, n)
     while c >= 0:
-        gemv4(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        gemv(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
         c = team.after(ctrl, gen, n)
     return team.end(ctrl, lead, n, outs, out)
 
 
-team.DRIVERS[gemv4] = (gemv4_chunks, True)   # the layout is contiguous per 16 columns: split along them
+team.DRIVERS[gemv] = (gemv_chunks, True)   # the layout is contiguous per 16 columns: split along them

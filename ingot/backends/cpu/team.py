@@ -39,9 +39,10 @@ from numba.extending import intrinsic
 
 WORK, DONE, WAITED, CHUNKS, HELPED, SLEEP = 0, 8, 16, 24, 32, 40
 SPINS = 1 << 16      # pauses a worker spins before it sleeps (~1-2 ms)
-STALL_SPINS = 1 << 14  # a lead that waited this long for a worker's chunk (~0.3 ms): a busy machine
+STALL_SPINS = 1 << 17  # a lead that waited this long for a worker's chunk (~3 ms, a time slice): it was
+                       # preempted (1 << 14 also caught page faults and interrupts on a quiet machine)
 BACKOFF = 2000          # jobs then run by the caller alone before the team is tried again
-MISSES = 32             # jobs in a row that no worker took a chunk of: the workers are not running
+MISSES = 256            # jobs in a row that no worker took a chunk of: the workers are not running
 GENERATIONS = 1 << 31  # a team serves this many jobs, then a new one takes over (WORK's high half)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386", "x86")
 

@@ -15,8 +15,8 @@ from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
 from . import team, vnni
-from .nn_kernels import (_layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm, rope_rows,
-                         rope_write_attend)
+from .nn_kernels import (XQ_BLOCK, _layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm,
+                         rope_rows, rope_write_attend, round_rows)
 
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 VNNI_ROWS = 64      # rows of x per call of the VNNI kernel past GEMV_MAX_ROWS (prefill, int8 activations)
@@ -48,138 +48,105 @@ def _params_row(p, b, buf, lo, hi):
     return half_to_float
 
 
-COLUMN_TILE = 1 << 16  # output columns per pass of a GEMV kernel. Tiles that keep the sums in L1
-                       # (1-4K columns) were slower streaming from memory: each row's run of a tile
-                       # is a page or less, and the prefetcher stops at pages; whole rows stream.
-
-
 def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
     """out[:, c0:c1] = x[:, rows of blocks b0..b1) @ W[those rows, c0:c1] for a k-major 4-bit W:
     q [K, N/2] (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset),
     float32 or float16 bits (see params_row); c0, c1 even. int4 weights are read as uint4 (flip =
     0x88 turns each two's-complement nibble n into n + 8) with -8 * scale folded into the offset by
     the caller. Vectorised across output columns (8 bytes -> 8 int32 lanes -> float), one row of W
-    at a time (streams best from memory); columns in tiles of COLUMN_TILE, and within a block of W
-    every row of x in turn, so that W is read once however many rows x has (a server's batch)."""
+    at a time (streams best from memory; tiles of columns that kept the sums in L1 were slower from
+    memory: a tile's run of each row is a page or less, and the prefetcher stops at pages); within a
+    block of W every row of x in turn, so that W is read once however many rows x has (a server's batch)."""
     m_rows, k = x.shape
     nb = scale.shape[0]
     bs = k // nb
-    th = max(2, min(COLUMN_TILE, c1 - c0)) // 2
+    h0 = c0 // 2
+    w = c1 // 2 - h0
     low, shift = np.uint32(15), np.uint32(4)
-    acc_e = np.empty(th, np.float32)
-    acc_o = np.empty(th, np.float32)
-    res_e = np.empty((m_rows, th), np.float32)
-    res_o = np.empty((m_rows, th), np.float32)
+    acc_e = np.empty(w, np.float32)
+    acc_o = np.empty(w, np.float32)
+    res_e = np.zeros((m_rows, w), np.float32)
+    res_o = np.zeros((m_rows, w), np.float32)
     sbuf = np.empty(2 * q.shape[1], np.float32)
     obuf = np.empty(2 * q.shape[1], np.float32)
-    for h0 in range(c0 // 2, c1 // 2, th):
-        w = min(c1 // 2 - h0, th)
-        res_e[:, :w] = 0
-        res_o[:, :w] = 0
-        for b in range(b0, b1):
-            k0 = b * bs
-            srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
-            orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
-            for m in range(m_rows):
-                acc_e[:w] = 0
-                acc_o[:w] = 0
-                for kk in range(k0, k0 + bs):
-                    xv = x[m, kk]
-                    row = q[kk, h0:h0 + w]   # a view: indices from 0 let LLVM vectorise (no wrap-around test)
-                    for i in range(w):  # int32 lanes: numba would widen uint8 arithmetic to int64
-                        v = np.uint32(row[i]) ^ flip
-                        acc_e[i] += np.float32(np.int32(v & low)) * xv
-                        acc_o[i] += np.float32(np.int32(v >> shift)) * xv
-                re, ro = res_e[m], res_o[m]
-                for i in range(w):
-                    re[i] += acc_e[i] * srow[2 * i]
-                    ro[i] += acc_o[i] * srow[2 * i + 1]
-                if has_offset:
-                    xs = np.float32(0.0)
-                    for kk in range(k0, k0 + bs):
-                        xs += x[m, kk]
-                    for i in range(w):
-                        re[i] += orow[2 * i] * xs
-                        ro[i] += orow[2 * i + 1] * xs
+    for b in range(b0, b1):
+        k0 = b * bs
+        srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
+        orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
         for m in range(m_rows):
-            om = out[m, 2 * h0:2 * (h0 + w)]
+            acc_e[:] = 0
+            acc_o[:] = 0
+            for kk in range(k0, k0 + bs):
+                xv = x[m, kk]
+                row = q[kk, h0:h0 + w]   # a view: indices from 0 let LLVM vectorise (no wrap-around test)
+                for i in range(w):  # int32 lanes: numba would widen uint8 arithmetic to int64
+                    v = np.uint32(row[i]) ^ flip
+                    acc_e[i] += np.float32(np.int32(v & low)) * xv
+                    acc_o[i] += np.float32(np.int32(v >> shift)) * xv
+            re, ro = res_e[m], res_o[m]
             for i in range(w):
-                om[2 * i] = res_e[m, i]
-                om[2 * i + 1] = res_o[m, i]
+                re[i] += acc_e[i] * srow[2 * i]
+                ro[i] += acc_o[i] * srow[2 * i + 1]
+            if has_offset:
+                xs = np.float32(0.0)
+                for kk in range(k0, k0 + bs):
+                    xs += x[m, kk]
+                for i in range(w):
+                    re[i] += orow[2 * i] * xs
+                    ro[i] += orow[2 * i + 1] * xs
+    for m in range(m_rows):
+        om = out[m, 2 * h0:2 * (h0 + w)]
+        for i in range(w):
+            om[2 * i] = res_e[m, i]
+            om[2 * i + 1] = res_o[m, i]
 
 
 def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, c0, c1, out):
     """out[:, c0:c1] = x[:, rows of blocks b0..b1) @ W[those rows, c0:c1] for a k-major 8-bit W:
     q [K, N], scale and offset [K / block, N]; int32 lanes, four rows of W per pass over the sums
-    (1.4x faster than one row at a time); tiles of columns and rows of x as in _kmajor_packed4."""
+    (1.4x faster than one row at a time); a column range and rows of x as in _kmajor_packed4."""
     m_rows, k = x.shape
     nb = scale.shape[0]
     bs = k // nb
-    tile = max(1, min(COLUMN_TILE, c1 - c0))
-    acc = np.empty(tile, np.float32)
-    res = np.empty((m_rows, tile), np.float32)
+    t0, w = c0, c1 - c0
+    acc = np.empty(w, np.float32)
+    res = np.zeros((m_rows, w), np.float32)
     sbuf = np.empty(q.shape[1], np.float32)
     obuf = np.empty(q.shape[1], np.float32)
-    for t0 in range(c0, c1, tile):
-        w = min(c1 - t0, tile)
-        res[:, :w] = 0
-        for b in range(b0, b1):
-            k0 = b * bs
-            k4 = k0 + bs // 4 * 4
-            srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
-            orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
-            for m in range(m_rows):
-                acc[:w] = 0
-                for kk in range(k0, k4, 4):
-                    x0, x1, x2, x3 = x[m, kk], x[m, kk + 1], x[m, kk + 2], x[m, kk + 3]
-                    r0, r1 = q[kk, t0:t0 + w], q[kk + 1, t0:t0 + w]
-                    r2, r3 = q[kk + 2, t0:t0 + w], q[kk + 3, t0:t0 + w]
-                    for i in range(w):
-                        acc[i] += (np.float32(np.int32(r0[i])) * x0 + np.float32(np.int32(r1[i])) * x1
-                                   + np.float32(np.int32(r2[i])) * x2 + np.float32(np.int32(r3[i])) * x3)
-                for kk in range(k4, k0 + bs):
-                    xv = x[m, kk]
-                    row = q[kk, t0:t0 + w]
-                    for i in range(w):
-                        acc[i] += np.float32(np.int32(row[i])) * xv
-                r = res[m]
-                for i in range(w):
-                    r[i] += acc[i] * srow[i]
-                if has_offset:
-                    xs = np.float32(0.0)
-                    for kk in range(k0, k0 + bs):
-                        xs += x[m, kk]
-                    for i in range(w):
-                        r[i] += orow[i] * xs
+    for b in range(b0, b1):
+        k0 = b * bs
+        k4 = k0 + bs // 4 * 4
+        srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
+        orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
         for m in range(m_rows):
-            out[m, t0:t0 + w] = res[m, :w]
-
-
-XQ_BLOCK = 32  # activations rounded to int8 per this many k (CpuOptions.gemv_activations = "int8")
-
-
-def _round_rows(x, s0, s1, xq, xd, xs):
-    """x[:, blocks s0..s1 of 32 k] rounded to int8 (held in int16) as llama.cpp's Q8 blocks are:
-    xq[m, k] * xd[m, b] ~ x[m, k], xd = max|x| / 127 over the block, round half to even; xs[m, b]
-    the block's exact float sum."""
-    for m in range(x.shape[0]):
-        for sb in range(s0, s1):
-            k0 = sb * XQ_BLOCK
-            amax = np.float32(0.0)
-            total = np.float32(0.0)
-            for j in range(XQ_BLOCK):
-                v = x[m, k0 + j]
-                total += v
-                amax = max(amax, abs(v))
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for j in range(XQ_BLOCK):
-                xq[m, k0 + j] = np.int16(np.rint(x[m, k0 + j] * inv))
-            xd[m, sb] = amax / np.float32(127.0)
-            xs[m, sb] = total
+            acc[:] = 0
+            for kk in range(k0, k4, 4):
+                x0, x1, x2, x3 = x[m, kk], x[m, kk + 1], x[m, kk + 2], x[m, kk + 3]
+                r0, r1 = q[kk, t0:t0 + w], q[kk + 1, t0:t0 + w]
+                r2, r3 = q[kk + 2, t0:t0 + w], q[kk + 3, t0:t0 + w]
+                for i in range(w):
+                    acc[i] += (np.float32(np.int32(r0[i])) * x0 + np.float32(np.int32(r1[i])) * x1
+                               + np.float32(np.int32(r2[i])) * x2 + np.float32(np.int32(r3[i])) * x3)
+            for kk in range(k4, k0 + bs):
+                xv = x[m, kk]
+                row = q[kk, t0:t0 + w]
+                for i in range(w):
+                    acc[i] += np.float32(np.int32(row[i])) * xv
+            r = res[m]
+            for i in range(w):
+                r[i] += acc[i] * srow[i]
+            if has_offset:
+                xs = np.float32(0.0)
+                for kk in range(k0, k0 + bs):
+                    xs += x[m, kk]
+                for i in range(w):
+                    r[i] += orow[i] * xs
+    for m in range(m_rows):
+        out[m, t0:t0 + w] = res[m, :w]
 
 
 def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c1, out):
-    """_kmajor_packed4 with integer activations: x rounded to int8 per block of 32 k (_round_rows),
+    """_kmajor_packed4 with integer activations: x rounded to int8 per block of 32 k (round_rows),
     each 32-row block of W multiplied as int8 x (nibble - 8) in int16 lanes (|sum| <= 32 * 127 * 8
     < 2**15), then out += scale * (d * dot + center * xsum) + offset * xsum in float32. center is 8
     for uint4 (w = (u - 8) * scale + 8 * scale + offset) and 0 for int4 read through flip = 0x88
@@ -187,100 +154,96 @@ def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0
     is a multiple of 32. Columns c0..c1 (even) in tiles, every row of x per block of W."""
     m_rows, k = x.shape
     bs = k // scale.shape[0]
-    th = max(2, min(COLUMN_TILE, c1 - c0)) // 2
-    xq = np.empty((m_rows, k), np.int16)
+    h0 = c0 // 2
+    w = c1 // 2 - h0
+    xq = np.empty((m_rows, k), np.int16)   # int16 lanes below
     xd = np.empty((m_rows, k // XQ_BLOCK), np.float32)
     xs = np.empty((m_rows, k // XQ_BLOCK), np.float32)
-    _round_rows(x, s0, s1, xq, xd, xs)
-    acc_e = np.empty(th, np.int16)
-    acc_o = np.empty(th, np.int16)
-    res_e = np.empty((m_rows, th), np.float32)
-    res_o = np.empty((m_rows, th), np.float32)
+    xi = np.empty((m_rows, k // XQ_BLOCK), np.float32)
+    round_rows(x, s0, s1, xq, xd, xs, xi)
+    acc_e = np.empty(w, np.int16)
+    acc_o = np.empty(w, np.int16)
+    res_e = np.zeros((m_rows, w), np.float32)
+    res_o = np.zeros((m_rows, w), np.float32)
     sbuf = np.empty(2 * q.shape[1], np.float32)
     obuf = np.empty(2 * q.shape[1], np.float32)
     low, shift, eight = np.uint8(15), np.uint8(4), np.int16(8)
-    for h0 in range(c0 // 2, c1 // 2, th):
-        w = min(c1 // 2 - h0, th)
-        res_e[:, :w] = 0
-        res_o[:, :w] = 0
-        for sb in range(s0, s1):
-            k0 = sb * XQ_BLOCK
-            b = k0 // bs
-            srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
-            orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
-            for m in range(m_rows):
-                acc_e[:w] = 0
-                acc_o[:w] = 0
-                for j in range(XQ_BLOCK):
-                    xv = xq[m, k0 + j]
-                    row = q[k0 + j, h0:h0 + w]
-                    for i in range(w):  # int16 lanes (the np.int16 casts let LLVM narrow numba's int64)
-                        v = row[i] ^ flip
-                        acc_e[i] += np.int16(xv * (np.int16(v & low) - eight))
-                        acc_o[i] += np.int16(xv * (np.int16(v >> shift) - eight))
-                d = xd[m, sb]
-                cx = center * xs[m, sb]
-                re, ro = res_e[m], res_o[m]
-                for i in range(w):
-                    re[i] += srow[2 * i] * (np.float32(acc_e[i]) * d + cx)
-                    ro[i] += srow[2 * i + 1] * (np.float32(acc_o[i]) * d + cx)
-                if has_offset:
-                    xsum = xs[m, sb]
-                    for i in range(w):
-                        re[i] += orow[2 * i] * xsum
-                        ro[i] += orow[2 * i + 1] * xsum
+    for sb in range(s0, s1):
+        k0 = sb * XQ_BLOCK
+        b = k0 // bs
+        srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
+        orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
         for m in range(m_rows):
-            om = out[m, 2 * h0:2 * (h0 + w)]
+            acc_e[:] = 0
+            acc_o[:] = 0
+            for j in range(XQ_BLOCK):
+                xv = xq[m, k0 + j]
+                row = q[k0 + j, h0:h0 + w]
+                for i in range(w):  # int16 lanes (the np.int16 casts let LLVM narrow numba's int64)
+                    v = row[i] ^ flip
+                    acc_e[i] += np.int16(xv * (np.int16(v & low) - eight))
+                    acc_o[i] += np.int16(xv * (np.int16(v >> shift) - eight))
+            d = xd[m, sb]
+            cx = center * xs[m, sb]
+            re, ro = res_e[m], res_o[m]
             for i in range(w):
-                om[2 * i] = res_e[m, i]
-                om[2 * i + 1] = res_o[m, i]
+                re[i] += srow[2 * i] * (np.float32(acc_e[i]) * d + cx)
+                ro[i] += srow[2 * i + 1] * (np.float32(acc_o[i]) * d + cx)
+            if has_offset:
+                xsum = xs[m, sb]
+                for i in range(w):
+                    re[i] += orow[2 * i] * xsum
+                    ro[i] += orow[2 * i + 1] * xsum
+    for m in range(m_rows):
+        om = out[m, 2 * h0:2 * (h0 + w)]
+        for i in range(w):
+            om[2 * i] = res_e[m, i]
+            om[2 * i + 1] = res_o[m, i]
 
 
 def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c1, out):
     """_kmajor_int8 with integer activations: x rounded as in _kmajor_packed4_xq, int8 x int8 dot
     products per block of 32 k (two rows' products summed in int16 lanes, then int32), then
     out += scale * (d * dot + center * xsum) + offset * xsum. A uint8 W is read as int8 through
-    flip = 0x80 (u - 128) with center 128; an int8 W has flip 0, center 0. Columns in tiles."""
+    flip = 0x80 (u - 128) with center 128; an int8 W has flip 0, center 0. Columns c0..c1."""
     m_rows, k = x.shape
     bs = k // scale.shape[0]
-    xq = np.empty((m_rows, k), np.int16)
+    xq = np.empty((m_rows, k), np.int16)   # int16 lanes below
     xd = np.empty((m_rows, k // XQ_BLOCK), np.float32)
     xs = np.empty((m_rows, k // XQ_BLOCK), np.float32)
-    _round_rows(x, s0, s1, xq, xd, xs)
-    tile = max(1, min(COLUMN_TILE, c1 - c0))
-    acc = np.empty(tile, np.int32)
-    res = np.empty((m_rows, tile), np.float32)
+    xi = np.empty((m_rows, k // XQ_BLOCK), np.float32)
+    round_rows(x, s0, s1, xq, xd, xs, xi)
+    t0, w = c0, c1 - c0
+    acc = np.empty(w, np.int32)
+    res = np.zeros((m_rows, w), np.float32)
     sbuf = np.empty(q.shape[1], np.float32)
     obuf = np.empty(q.shape[1], np.float32)
-    for t0 in range(c0, c1, tile):
-        w = min(c1 - t0, tile)
-        res[:, :w] = 0
-        for sb in range(s0, s1):
-            k0 = sb * XQ_BLOCK
-            b = k0 // bs
-            srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
-            orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
-            for m in range(m_rows):
-                acc[:w] = 0
-                for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
-                    x0, x1, x2, x3 = xq[m, k0 + j], xq[m, k0 + j + 1], xq[m, k0 + j + 2], xq[m, k0 + j + 3]
-                    r0, r1 = q[k0 + j, t0:t0 + w], q[k0 + j + 1, t0:t0 + w]
-                    r2, r3 = q[k0 + j + 2, t0:t0 + w], q[k0 + j + 3, t0:t0 + w]
-                    for i in range(w):
-                        w0, w1 = np.int16(np.int8(r0[i] ^ flip)), np.int16(np.int8(r1[i] ^ flip))
-                        w2, w3 = np.int16(np.int8(r2[i] ^ flip)), np.int16(np.int8(r3[i] ^ flip))
-                        acc[i] += np.int32(np.int16(x0 * w0 + x1 * w1)) + np.int32(np.int16(x2 * w2 + x3 * w3))
-                d = xd[m, sb]
-                cx = center * xs[m, sb]
-                r = res[m]
-                for i in range(w):
-                    r[i] += srow[i] * (np.float32(acc[i]) * d + cx)
-                if has_offset:
-                    xsum = xs[m, sb]
-                    for i in range(w):
-                        r[i] += orow[i] * xsum
+    for sb in range(s0, s1):
+        k0 = sb * XQ_BLOCK
+        b = k0 // bs
+        srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
+        orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
         for m in range(m_rows):
-            out[m, t0:t0 + w] = res[m, :w]
+            acc[:] = 0
+            for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
+                x0, x1, x2, x3 = xq[m, k0 + j], xq[m, k0 + j + 1], xq[m, k0 + j + 2], xq[m, k0 + j + 3]
+                r0, r1 = q[k0 + j, t0:t0 + w], q[k0 + j + 1, t0:t0 + w]
+                r2, r3 = q[k0 + j + 2, t0:t0 + w], q[k0 + j + 3, t0:t0 + w]
+                for i in range(w):
+                    w0, w1 = np.int16(np.int8(r0[i] ^ flip)), np.int16(np.int8(r1[i] ^ flip))
+                    w2, w3 = np.int16(np.int8(r2[i] ^ flip)), np.int16(np.int8(r3[i] ^ flip))
+                    acc[i] += np.int32(np.int16(x0 * w0 + x1 * w1)) + np.int32(np.int16(x2 * w2 + x3 * w3))
+            d = xd[m, sb]
+            cx = center * xs[m, sb]
+            r = res[m]
+            for i in range(w):
+                r[i] += srow[i] * (np.float32(acc[i]) * d + cx)
+            if has_offset:
+                xsum = xs[m, sb]
+                for i in range(w):
+                    r[i] += orow[i] * xsum
+    for m in range(m_rows):
+        out[m, t0:t0 + w] = res[m, :w]
 
 
 def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
@@ -315,7 +278,6 @@ scaled_tile_int8 = njit(**_serial)(_scaled_tile_int8)
 GEMM_TILE_ELEMENTS = 1 << 21  # 8 MB of float32 per dequantized tile
 kmajor_packed4 = njit(**_serial)(_kmajor_packed4)
 kmajor_int8 = njit(**_serial)(_kmajor_int8)
-_round_rows = njit(inline="always", **_serial)(_round_rows)
 kmajor_packed4_xq = njit(**_serial)(_kmajor_packed4_xq)
 kmajor_int8_xq = njit(**_serial)(_kmajor_int8_xq)
 PARALLEL_MIN_GEMM = 1 << 22     # multiply-adds from which a GEMM splits its columns over the pool

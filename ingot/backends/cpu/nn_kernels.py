@@ -17,6 +17,37 @@ from ...ops import nn as nn_ops
 _serial = dict(fastmath=True, cache=True, nogil=True)
 
 
+XQ_BLOCK = 32  # activations rounded to int8 per this many k (CpuOptions.gemv_activations = "int8")
+
+
+def _round_rows(x, s0, s1, xq, xd, xs, xi):
+    """x[:, blocks s0..s1 of 32 k] rounded to int8 as llama.cpp's Q8 blocks are, into xq (int8, or
+    int16 for kernels that multiply in int16 lanes): xq[m, k] * xd[m, b] ~ x[m, k], xd = max|x| / 127
+    over the block, round half to even; xs[m, b] the block's exact float sum, xi[m, b] the sum of its
+    rounded values. Shared by the integer-activation GEMV kernels (kernels.py, vnni.py)."""
+    for m in range(x.shape[0]):
+        for sb in range(s0, s1):
+            k0 = sb * XQ_BLOCK
+            amax = np.float32(0.0)
+            total = np.float32(0.0)
+            for j in range(XQ_BLOCK):
+                v = x[m, k0 + j]
+                total += v
+                amax = max(amax, abs(v))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            isum = 0
+            for j in range(XQ_BLOCK):
+                r = np.int32(np.rint(x[m, k0 + j] * inv))
+                xq[m, k0 + j] = r
+                isum += r
+            xd[m, sb] = amax / np.float32(127.0)
+            xs[m, sb] = total
+            xi[m, sb] = np.float32(isum)
+
+
+round_rows = njit(inline="always", **_serial)(_round_rows)
+
+
 def _exp_shifted(scores, first, limit, best, bits):
     """scores[j] = exp(scores[j] - best) for j in first..limit (all <= 0 after the shift), returning
     their sum. A Cephes-style polynomial (relative error ~1e-7) with the power of two built in an

@@ -254,7 +254,9 @@ def team(threads: int) -> Team:
 # --- GEMV kernels over a team -------------------------------------------------------------------
 
 DRIVERS: dict = {}   # kernel -> (its team driver, whether it always splits along columns); each
-                     # kernel module registers its own
+                     # kernel module writes out and registers its own: numba caches module-level
+                     # functions, while one driver taking the kernel as an argument compiled anew in
+                     # every process (its cache key holds the dispatcher object)
 PARALLEL_MIN_WEIGHTS = 3 << 18  # smaller GEMVs ran slower on two threads than on one (576 x 960: 35 -> 45 us)
 CHUNKS_PER_THREAD = 2   # chunks a job is cut into per thread: a late worker still finds some
 SPLIT_COLUMNS = 4096    # from this many output columns a job is cut along them, else along k

@@ -24,8 +24,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import team
-
-XQ_BLOCK = 32  # kernels.XQ_BLOCK: x rounded to int8 per this many k
+from .nn_kernels import XQ_BLOCK, round_rows
 
 GROUP = 16  # output columns per VNNI vector (16 int32 lanes)
 
@@ -144,7 +143,7 @@ def gemv(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
     """out[:, c0:c1] (c0, c1 multiples of 16) = x[:, blocks s0..s1 of 32 k] @ W for W in a VNNI
     layout w (repack: 4-bit, 256 bytes a block; repack8: 8-bit, 512) with scale and offset
     [K / block, N] (float32, or float16 bits: see kernels.params_row); x rounded to int8 per block
-    of 32 as kernels._round_rows does. The codes c read as unsigned are the value + 8 (4-bit) or
+    of 32 by nn_kernels.round_rows. The codes c read as unsigned are the value + 8 (4-bit) or
     + 128 (8-bit): dot - that * sum(xq) is the signed product."""
     m_rows, k = x.shape
     bs = k // scale.shape[0]
@@ -153,24 +152,7 @@ def gemv(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
     xd = np.empty((m_rows, nb32), np.float32)
     xs = np.empty((m_rows, nb32), np.float32)
     xi = np.empty((m_rows, nb32), np.float32)
-    for m in range(m_rows):
-        for sb in range(s0, s1):
-            k0 = sb * XQ_BLOCK
-            amax = np.float32(0.0)
-            total = np.float32(0.0)
-            for j in range(XQ_BLOCK):
-                v = x[m, k0 + j]
-                total += v
-                amax = max(amax, abs(v))
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            isum = 0
-            for j in range(XQ_BLOCK):
-                r = np.int32(np.rint(x[m, k0 + j] * inv))
-                xq[m, k0 + j] = np.int8(r)
-                isum += r
-            xd[m, sb] = amax / np.float32(127.0)
-            xs[m, sb] = total
-            xi[m, sb] = np.float32(isum)
+    round_rows(x, s0, s1, xq, xd, xs, xi)
     x4 = xq.reshape(m_rows * k).view(np.int32)
     size = w.shape[2]
     bias = np.float32(8.0) if size == 256 else np.float32(128.0)

@@ -24,6 +24,8 @@ BENCHMARKS = {
                 "llama-cpp-python; transformers and torch (each anchor optional)"),
     "cuda-llm": ("cuda_llm", "Llama-shape decode tok/s and bandwidth on a GPU (vs torch.compile, HF with --anchors)",
                  "an NVIDIA GPU, torch, triton"),
+    "cuda-prefill": ("cuda_prefill", "Llama-3-8B-shape time to first token vs a bf16 PyTorch forward; GEMM/attention TFLOP/s",
+                     "an NVIDIA GPU, torch, triton"),
     "cuda-generate": ("cuda_real_model", "the default model through ingot.llm on CUDA vs the same call on the CPU",
                       "an NVIDIA GPU, torch, triton"),
     "kernels": ("cuda_kernels", "Ingot's GEMV, GEMM and attention kernels vs copy bandwidth, cuBLAS and torch SDPA",

@@ -59,6 +59,8 @@ class CudaOptions:
     decode_chunk_align: int = 0           # a split's keys a multiple of this (0: the key tile)
     decode_fresh_tile_bytes: int = 32 << 10   # the new key/value from registers where a K+V tile fits this
     decode_warps: int = 0                 # the decode kernel's warps (0: 8 with RoPE past fresh tiles, else 4)
+    prefill_precision: str = "tf32x3"     # the prefill's float32 GEMM and attention dots: "tf32x3" (float32-level
+                                          # accuracy) or "bf16" (operands rounded to bfloat16, float32 sums)
     prefill_hopper: str = "auto"          # the Hopper prefill kernel (flash_sm90): "auto", "always", "never"
     prefill_hopper_min_rows: int = 2048   # "auto": from this many query rows at head dim 128
     # -- audio (backends/cuda/fft) ----------------------------------------------------------------
@@ -116,7 +118,8 @@ DEVICE_TUNING: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {},
 }
 
-_CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee"), "prefill_hopper": ("auto", "always", "never"),
+_CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee"), "prefill_precision": ("tf32x3", "bf16"),
+            "prefill_hopper": ("auto", "always", "never"),
             "timeline": ("off", "end", "all")}
 
 

@@ -201,7 +201,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     p = Problem(q4, k4, v4, o4, result, tuple(batch), nb, hq, hk, group, tq, tbuf, d, dv,
                 max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv)), q.dtype == torch.float32,
                 qk_scale, len_ptr, len_const, from_ptr, length_offset, four)
-    if decodes:
+    if decodes:      # few query rows: the decode kernel, at options.decode_precision (bf16 is the prefill's)
+        precision = None if precision == "bf16" else precision
         return decode.decode_attention(p, causal, split, precision, block_n, num_warps, num_stages, merge, min_chunk,
                                        rope, xq, zero, fresh, early, chunk_align, options)
     return prefill.prefill_attention(p, causal, mask, precision, block_n, num_warps, block_m, num_stages, split_stages,

@@ -49,7 +49,9 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
     no key yet, so the maximum is guarded (m_safe)."""
     for n0 in range(start, stop, BLOCK_N):
         kt = _flash_tile(k_base, k_desc, n0, sk_t, stop, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+        if PRECISION == "bf16":   # float32 keys rounded to bfloat16 in registers (q was, once)
+            kt = kt.to(tl.bfloat16)
+        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION if PRECISION != "bf16" else None)
         if MASKED:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             s = qk * qk_scale
@@ -75,7 +77,10 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         vt = _flash_tile(v_base, v_desc, n0, sv_t, stop, DV, BLOCK_N, BLOCK_DV, MASKED, EVEN_D, USE_TMA)
-        acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=PRECISION)
+        if PRECISION == "bf16":
+            acc = tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -136,6 +141,8 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
         if not EVEN_D:
             q_ok = q_ok & (offs_d < D)[None, :]
         q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=q_ok, other=0.0)
+    if PRECISION == "bf16":
+        q = q.to(tl.bfloat16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -168,12 +175,14 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
 
 
 def _flash_config(f32: bool, block_d: int, block_m: int | None, block_n: int | None, num_warps: int | None,
-                  num_stages: int | None) -> tuple[int, int, int, int]:
+                  num_stages: int | None, bf16_dots: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) of the flash kernel; the arguments given win. 16-bit d <= 128
     (Hopper): two warpgroups of 64 query rows each. f32 (tf32x3: three dots and the split operands
     in registers) and d > 128: tiles that ptxas (sm_90a) compiles without spills (d 128 f32: 32x16;
     64x64 spilled ~370 bytes; d 256 f32 16x16 still spills ~100)."""
-    if f32:
+    if f32 and bf16_dots and block_d <= 128:   # float32 tiles loaded, bfloat16 dots: 16-bit tiles, two stages
+        bm, bn, warps, stages = 64, 64, 4, 2
+    elif f32:
         bm, bn, warps, stages = {64: (64, 32, 4, 2), 128: (32, 16, 4, 2)}.get(max(block_d, 64), (16, 16, 4, 2))
     elif block_d > 128:
         bm, bn, warps, stages = 32, 64, 4, 3
@@ -235,7 +244,10 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
             flash_sm90.flash_sm90(q4, k4, v4, o4, p.len_ptr, p.len_const, p.from_ptr, group, p.qk_scale, causal,
                                   **(gluon if isinstance(gluon, dict) else {}))
             return p.result
-    block_m, bn, warps, stages = _flash_config(f32, max(block_d, block_dv), block_m, block_n, num_warps, num_stages)
+    if precision is None:
+        precision = ("bf16" if options.prefill_precision == "bf16" else "tf32x3") if f32 else "tf32"
+    block_m, bn, warps, stages = _flash_config(f32, max(block_d, block_dv), block_m, block_n, num_warps, num_stages,
+                                               precision == "bf16")
     use_tma = tma and _tma_ok(q4, k4, v4)
     if use_tma:
         _ensure_allocator(q4.device)
@@ -246,7 +258,7 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2), *strides,
         LEN_FROM_PTR=p.from_ptr, CAUSAL=causal, HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=bn,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or ("tf32x3" if f32 else "tf32"),
+        BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision,
         SPLIT_STAGES=split_stages, HEAVY_FIRST=heavy_first, HEADS_ON_AXIS0=heads_on_axis0, USE_TMA=use_tma,
         EVEN_D=d == block_d and dv == block_dv, SCALE_NONNEG=p.qk_scale >= 0,
         num_warps=warps, num_stages=stages, **pdl_args(q4.device))

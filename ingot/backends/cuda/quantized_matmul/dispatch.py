@@ -14,7 +14,7 @@ from .weights import QuantizedWeight
 
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None,
-                     config: dict | None = None, precision: str = "tf32x3",
+                     config: dict | None = None, precision: str | None = None,
                      options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
     """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
 
@@ -78,7 +78,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         if target is not y:
             y.copy_(target)
     else:
-        cfg = {**gemm_config(m, w, x.dtype), **(config or {})}
+        precision = precision or options.prefill_precision
+        cfg = {**gemm_config(m, w, x.dtype, precision), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
         _qgemm_kernel[grid](

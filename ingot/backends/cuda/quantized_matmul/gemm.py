@@ -182,7 +182,9 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
         v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
         w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
                              stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
-        if x.dtype == tl.float32:
+        if PRECISION == "bf16":       # both operands rounded to bfloat16, float32 accumulation
+            acc = tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+        elif x.dtype == tl.float32:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
@@ -216,12 +218,15 @@ def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, wave
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, PREFETCH=True)
 
 
-def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype) -> dict:
+def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype, precision: str = "tf32x3") -> dict:
+    """Tiles of the tensor-core kernel: float32 dots (tf32x3) hold three products' operands in registers
+    (smaller K tiles, two stages); 16-bit dots take wide tiles from 128 rows."""
+    sixteen = dtype != torch.float32 or precision == "bf16"
     block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
-    block_k = 32 if dtype == torch.float32 else 64
+    block_k = 64 if sixteen else 32
     if w.lut is None and w.group >= 16:
         block_k = min(block_k, w.group)
     block_n = 64 if m <= 16 else 128
-    stages = 2 if dtype == torch.float32 else 3
+    stages = 3 if sixteen else 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m * block_n <= 64 * 128 else 8,
                 num_stages=stages)

@@ -1,0 +1,254 @@
+"""CUDA prefill: time to first token on the Llama-3-8B shape against a bf16 PyTorch forward pass.
+
+Random int4 weights (blocks of 32, f16-exact scale and bias) on Ingot's CUDA backend, prefill in
+chunks of --chunk tokens (each chunk one replay of the prefill executable, attending to the chunks
+before it in the cache), then a few greedy decode steps after the prompt. The anchor is
+benchmarks/cuda_anchors.py's gpt-fast-style decoder in bf16: one eager forward pass over the whole
+prompt (cuBLAS GEMMs, SDPA with a mask over the static bf16 cache). Both in one process, each
+prompt length timed after a warm-up pass; Ingot once per `--precisions` (CudaOptions.prefill_precision:
+tf32x3, float32-level dots; bf16, GEMM and attention operands rounded to bfloat16).
+
+--gemm prints the prefill GEMM alone per Llama-3-8B shape and row count: Ingot's int4 kernel (float32
+x with each precision; bf16 x) against cuBLAS bf16 (torch.mm) of the same shape, in TFLOP/s.
+--attention prints the flash prefill attention (a chunk of queries against a cache) likewise
+against torch SDPA in bf16.
+
+    python -m benchmarks cuda-prefill [--prompts 512,2048,8192,32768] [--chunk 512]
+                                      [--precisions tf32x3,bf16] [--gemm] [--attention] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.cuda_llm import SHAPES, fast_random_weights  # noqa: E402
+from ingot.backends.cuda.traffic import free_device  # noqa: E402
+from ingot.models import llama  # noqa: E402
+from ingot.options import CompileOptions, CudaOptions  # noqa: E402
+
+GEMM_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate+up": (4096, 28672), "down": (14336, 4096)}
+
+
+def _bench(fn, reps: int = 10) -> float:
+    """Median seconds of fn over `reps` timed calls (events), after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return float(np.median(times))
+
+
+def gemm_table(rows: list[int], configs: dict[str, dict]) -> list[dict]:
+    from ingot import dtypes as dt
+    from ingot.backends.cuda import quantized_matmul as qmm
+    from ingot.backends.cuda.quantized_matmul.weights import dequantize
+    out = []
+    rng = np.random.default_rng(0)
+    for name, (k, n) in GEMM_SHAPES.items():
+        q = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
+        scale = (rng.random((k // 32, n), dtype=np.float32) * 0.01).astype(np.float16).astype(np.float32)
+        bias = (rng.random((k // 32, n), dtype=np.float32) * -0.01).astype(np.float16).astype(np.float32)
+        attrs = {"mode": "affine", "qdtype": dt.uint4, "has_bias": True, "transpose": False}
+        weights = {layout: qmm.prepare_weight(q, [scale, bias], attrs, "cuda", words=layout == "words")
+                   for layout in ("words", "bytes")}
+        dense = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        for m in rows:
+            x32 = torch.randn(m, k, device="cuda")
+            x16 = x32.to(torch.bfloat16)
+            flop = 2.0 * m * n * k
+            row = dict(shape=name, m=m, k=k, n=n)
+            row["cublas_bf16"] = flop / _bench(lambda: torch.mm(x16, dense)) / 1e12
+            ref = torch.mm(x32.double(), dequantize(weights["bytes"]).double()).float()
+            for label, c in configs.items():
+                w = weights[c.get("layout", "words")]
+                x = x16 if c.get("x") == "bf16" else x32
+                cfg = dict(c.get("config", {}))
+                try:
+                    y = qmm.quantized_matmul(x, w, precision=c.get("precision"), config=cfg or None)
+                    row[label + "_err"] = float((y.float() - ref).norm() / ref.norm())
+                    row[label] = flop / _bench(lambda: qmm.quantized_matmul(x, w, precision=c.get("precision"),
+                                                                              config=cfg or None)) / 1e12
+                except Exception as e:  # a config that does not compile here is reported, not fatal
+                    row[label] = f"{type(e).__name__}"
+            out.append(row)
+            cells = "  ".join(f"{k2} {v:.1f}" if isinstance(v, float) and not k2.endswith("_err") else
+                              f"{k2} {v:.1e}" if isinstance(v, float) else f"{k2} {v}"
+                              for k2, v in row.items() if k2 not in ("shape", "m", "k", "n"))
+            print(f"gemm {name} m={m}: TFLOP/s {cells}", flush=True)
+    return out
+
+
+def attention_table(chunk: int, caches: list[int]) -> list[dict]:
+    from ingot.backends.cuda import attention as att
+    out = []
+    hq, hk, d = 32, 8, 128
+    for length in caches:
+        q32 = torch.randn(1, hq, chunk, d, device="cuda")
+        k32 = torch.randn(1, hk, length, d, device="cuda")
+        v32 = torch.randn(1, hk, length, d, device="cuda")
+        q16, k16, v16 = q32.bfloat16(), k32.bfloat16(), v32.bfloat16()
+        flop = 4.0 * hq * chunk * d * (length - chunk / 2)     # causal: the chunk's rows see length - chunk + i keys
+        ref = att.attention(q32, k32, v32, causal=True, precision="ieee") if length <= 8192 else None
+        row = dict(chunk=chunk, cache=length)
+        variants = {"f32_tf32x3": (q32, k32, v32, "tf32x3"), "f32_bf16": (q32, k32, v32, "bf16"),
+                    "bf16": (q16, k16, v16, None)}
+        for label, (q, k, v, prec) in variants.items():
+            y = att.attention(q, k, v, causal=True, precision=prec)
+            if ref is not None:
+                row[label + "_err"] = float((y.float() - ref).norm() / ref.norm())
+            row[label] = flop / _bench(lambda: att.attention(q, k, v, causal=True, precision=prec)) / 1e12
+        g = hq // hk
+        mask = torch.arange(length, device="cuda")[None, :] <= (length - chunk + torch.arange(chunk, device="cuda"))[:, None]
+        qg = q16.reshape(1, hk, g * chunk, d)
+        row["torch_sdpa_bf16_mask"] = flop / _bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qg, k16, v16, attn_mask=mask.repeat(g, 1))) / 1e12
+        out.append(row)
+        print("attention chunk {} cache {}: TFLOP/s ".format(chunk, length) + "  ".join(
+            f"{k2} {v:.2e}" if k2.endswith("_err") else f"{k2} {v:.1f}" for k2, v in row.items()
+            if k2 not in ("chunk", "cache")), flush=True)
+    return out
+
+
+def ingot_prefill(prompts: list[int], chunk: int, precision: str, decode_steps: int) -> list[dict]:
+    context = max(prompts) + decode_steps + chunk
+    shape = dict(SHAPES["llama8b"])
+    cfg = llama.LlamaConfig(**shape, context_length=context)
+    free_device()
+    model = llama.build(cfg, fast_random_weights(cfg))
+    options = CompileOptions(cuda=CudaOptions.for_device(torch.cuda.get_device_name(), prefill_precision=precision))
+    pre = model.compile(chunk, "cuda", options=options)
+    dec = model.compile(1, "cuda", options=options)
+    state = dec.new_state()
+    host = dec.backend.to_host
+    rng = np.random.default_rng(1)
+    rows = []
+    for n in prompts:
+        ids = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+
+        def prefill() -> np.ndarray:
+            logits = None
+            for start in range(0, n, chunk):
+                part = ids[start:start + chunk]
+                padded = np.zeros(chunk, np.int32)
+                padded[:len(part)] = part
+                logits = pre.run({"tokens": padded, "pos": np.int32(start), "last": np.int32(len(part) - 1)},
+                                 state=state)[0]
+            return host(logits)
+
+        prefill()                       # compiles, then captures the chunk's graph
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = prefill()
+        ttft = time.perf_counter() - t0
+        token = np.argmax(logits, axis=-1).astype(np.int32).reshape(1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(decode_steps):
+            logits = host(dec.run({"tokens": token, "pos": np.int32(n + i), "last": np.int32(0)}, state=state)[0])
+            token = np.argmax(logits, axis=-1).astype(np.int32).reshape(1)
+        decode = decode_steps / (time.perf_counter() - t0)
+        rows.append(dict(engine=f"ingot_int4_{precision}", prompt=n, chunk=chunk, ttft_s=ttft, prefill_tok_s=n / ttft,
+                         decode_tok_s=decode))
+        print(f"ingot int4 {precision:6s} prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
+              f"decode after it {decode:.0f} tok/s", flush=True)
+    del pre, dec, state, model
+    free_device()
+    return rows
+
+
+def anchor_prefill(prompts: list[int], decode_steps: int) -> list[dict]:
+    from benchmarks.cuda_anchors import Decoder, Shape, decode_one
+    context = max(prompts) + decode_steps
+    s = Shape.of(SHAPES["llama8b"])
+    free_device()
+    model = Decoder(s, 1, context, int4=False, device=torch.device("cuda")).eval()
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for n in prompts:
+            ids = torch.randint(0, s.vocab_size, (1, n), device="cuda", generator=gen)
+            pos = torch.arange(n, device="cuda")
+            model(ids, pos).argmax(-1)      # warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            token = model(ids, pos).argmax(-1, keepdim=True).cpu()
+            ttft = time.perf_counter() - t0
+            token = token.cuda()
+            input_pos = torch.tensor([n], device="cuda")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(decode_steps):
+                token = decode_one(model, token, input_pos)
+                input_pos += 1
+                token.cpu()
+            decode = decode_steps / (time.perf_counter() - t0)
+            rows.append(dict(engine="torch_bf16", prompt=n, ttft_s=ttft, prefill_tok_s=n / ttft, decode_tok_s=decode))
+            print(f"torch bf16 (eager)  prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
+                  f"decode after it {decode:.0f} tok/s (eager)", flush=True)
+    del model
+    free_device()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks cuda-prefill", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", default="512,2048,8192,32768")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--precisions", default="tf32x3,bf16")
+    ap.add_argument("--max-tf32x3-prompt", type=int, default=8192, help="longer prompts only with bf16 (time)")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--gemm-rows", default="16,128,512,2048,8192")
+    ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--no-e2e", action="store_true", help="only the kernel tables")
+    ap.add_argument("--no-anchor", action="store_true")
+    ap.add_argument("--max-anchor-prompt", type=int, default=16384,
+                    help="longer prompts without the anchor (its masked SDPA materialises T x context scores)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cuda-prefill: no CUDA device here.")
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    result = {}
+    if args.gemm:
+        configs = {"tf32x3": dict(precision="tf32x3"), "bf16": dict(precision="bf16"),
+                   "bf16_bytes": dict(precision="bf16", layout="bytes"), "x_bf16": dict(x="bf16", precision="bf16")}
+        result["gemm"] = gemm_table([int(r) for r in args.gemm_rows.split(",")], configs)
+    if args.attention:
+        result["attention"] = attention_table(args.chunk, [args.chunk, 2048, 8192])
+    if not args.no_e2e:
+        prompts = [int(p) for p in args.prompts.split(",")]
+        rows = []
+        for precision in args.precisions.split(","):
+            todo = [p for p in prompts if precision != "tf32x3" or p <= args.max_tf32x3_prompt]
+            rows += ingot_prefill(todo, args.chunk, precision, args.decode_steps)
+        if not args.no_anchor:
+            anchor = anchor_prefill([p for p in prompts if p <= args.max_anchor_prompt], args.decode_steps)
+            rows += anchor
+            for r in rows:
+                a = next((x for x in anchor if x["prompt"] == r["prompt"]), None)
+                if a is not None and r is not a:
+                    print(f"ratio {r['engine']} / torch_bf16 prompt {r['prompt']}: prefill "
+                          f"{r['prefill_tok_s'] / a['prefill_tok_s']:.2f}x", flush=True)
+        result["e2e"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

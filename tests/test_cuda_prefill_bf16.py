@@ -1,0 +1,104 @@
+"""`CudaOptions.prefill_precision="bf16"`: the prefill's GEMM and flash attention round their float32
+operands to bfloat16 in registers and sum in float32 (marker `cuda`).
+
+Against float64 references on awkward shapes (rows, K and N off the tiles; query and key counts off
+the blocks; GQA; a cache longer than the chunk), and a Llama graph's prefill logits and greedy ids
+against the default tf32x3 prefill. Tolerance: bf16 operands carry a relative error of 2^-9 each;
+over K random-sign products that leaves about 1e-3 relative (L2), bounded at 1e-2 (STYLE.md's bf16
+tolerance). Triton's interpreter multiplies bf16 tiles wrongly (a tl.dot of two bf16 tiles returns
+garbage there, checked 2026-12-05), so this file needs a GPU.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_env import greedy, require_cuda  # noqa: E402
+
+if require_cuda():
+    pytest.skip("Triton's interpreter computes bf16 dots wrongly; needs a GPU", allow_module_level=True)
+import torch  # noqa: E402
+
+import ingot  # noqa: E402
+from ingot import dtypes as dt  # noqa: E402
+from ingot.backends.cuda import attention as attn  # noqa: E402
+from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
+from ingot.backends.cuda.quantized_matmul.weights import dequantize  # noqa: E402
+from ingot.models import llama  # noqa: E402
+from ingot.options import CompileOptions, CudaOptions  # noqa: E402
+
+RNG = np.random.default_rng()
+SEED = int(RNG.integers(1 << 31))
+print(f"test_cuda_prefill_bf16 seed {SEED}")
+REL = 1e-2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("words", [True, False])
+@pytest.mark.parametrize("m,k,n,block", [(17, 96, 80, 32), (130, 200, 66, 8), (513, 320, 1030, 32), (40, 4096, 384, 64)])
+def test_gemm_bf16_against_float64(words, m, k, n, block):
+    rng = np.random.default_rng([SEED, m, k, n])
+    q = rng.integers(0, 256, (k, (n + 1) // 2), dtype=np.uint8)
+    scale = rng.random((k // block, n), dtype=np.float32) * 0.02
+    bias = -rng.random((k // block, n), dtype=np.float32) * 0.02
+    w = qmm.prepare_weight(q, [scale, bias], dict(mode="affine", qdtype=dt.uint4, has_bias=True), "cuda", words=words)
+    x = torch.randn(m, k, device="cuda")
+    want = x.double() @ dequantize(w).double()
+    got = qmm.quantized_matmul(x, w, precision="bf16")
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert rel(got, want) < REL
+    exact = qmm.quantized_matmul(x, w)                       # the default stays float32-level
+    assert rel(exact, want) < 1e-5
+
+
+def test_gemm_follows_the_option():
+    rng = np.random.default_rng([SEED, 1])
+    q = rng.integers(0, 256, (256, 64), dtype=np.uint8)
+    w = qmm.prepare_weight(q, [rng.random((8, 128), dtype=np.float32)], dict(mode="affine", qdtype=dt.uint4), "cuda")
+    x = torch.randn(64, 256, device="cuda")
+    want = x.double() @ dequantize(w).double()
+    bf = qmm.quantized_matmul(x, w, options=CudaOptions(prefill_precision="bf16"))
+    f32 = qmm.quantized_matmul(x, w, options=CudaOptions(prefill_precision="tf32x3"))
+    assert 1e-5 < rel(bf, want) < REL     # rounded operands: not float32-exact, within the bf16 bound
+    assert rel(f32, want) < 1e-5
+
+
+@pytest.mark.parametrize("hq,hk,tq,tk,d,causal", [(2, 2, 77, 77, 64, True), (4, 1, 130, 600, 128, True),
+                                                   (8, 2, 200, 260, 80, False), (32, 8, 512, 1536, 128, True)])
+def test_flash_bf16_against_ieee(hq, hk, tq, tk, d, causal):
+    q = torch.randn(1, hq, tq, d, device="cuda")
+    k = torch.randn(1, hk, tk, d, device="cuda")
+    v = torch.randn(1, hk, tk, d, device="cuda")
+    want = attn.attention(q, k, v, causal=causal, precision="ieee")
+    got = attn.attention(q, k, v, causal=causal, precision="bf16")
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert rel(got, want) < REL
+    by_option = attn.attention(q, k, v, causal=causal, options=CudaOptions(prefill_precision="bf16"))
+    assert torch.equal(by_option, got)
+
+
+def test_llama_prefill_bf16_logits_and_ids():
+    """A random Llama graph (dims off the tiles): bf16 prefill logits within 1e-2 of tf32x3's, and
+    greedy ids after it; prints the top-1 agreement of the decode steps."""
+    cfg = llama.LlamaConfig(n_layers=3, dim=192, n_heads=6, n_kv_heads=2, ffn_dim=544, vocab_size=1000,
+                            context_length=512, rope_base=10000.0)
+    model = llama.build(cfg, llama.random_weights(cfg, seed=SEED % 1000))
+    prompt = [int(t) for t in np.random.default_rng(SEED).integers(0, cfg.vocab_size, 300)]
+    bf16 = CompileOptions(cuda=CudaOptions(prefill_precision="bf16"))
+    ids32, logits32, _ = greedy(model, "cuda", prompt, 8)
+    ids16, logits16, _ = greedy(model, "cuda", prompt, 8, forced=ids32, options=bf16)
+    assert rel(torch.as_tensor(logits16[0]), torch.as_tensor(logits32[0])) < REL
+    agree = np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(logits16, logits32)])
+    print(f"bf16 prefill: top-1 agreement {agree:.2f} over {len(logits32)} positions")
+    assert agree >= 0.75
+    assert isinstance(ingot.CompileOptions.from_json(bf16.to_json()).cuda.prefill_precision, str)

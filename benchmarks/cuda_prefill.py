@@ -163,8 +163,6 @@ def ingot_prefill(prompts: list[int], chunk: int, precision: str, decode_steps: 
                          decode_tok_s=decode))
         print(f"ingot int4 {precision:6s} prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
               f"decode after it {decode:.0f} tok/s", flush=True)
-    del pre, dec, state, model
-    free_device()
     return rows
 
 

@@ -524,6 +524,8 @@ def _quantized_gather(ctx: Lowering) -> StepFn:
     weight = prepared_weight(arrays, dict(node.attrs, transpose=False), ctx.device)
     axis, out_dtype = node.attrs.get("axis", 0), torch_dtype(node.dtype)
     ctx.reads = (len(node.src) - 1,)
+    if getattr(weight, "scaled", False):   # a scaled table (GGUF's IQ types, MXFP4): no GEMV output zeroed ahead
+        return lambda idx: qmm.gguf_kernels.scaled_gather(weight, idx, axis, out_dtype)
     # the embedding's launch zeroes the first layer's GEMV output where that GEMV rounds its own x
     ahead = ctx.plan._zero_ahead = _ZeroAhead()
     return lambda idx: fused.quantized_gather(weight, idx, axis, out_dtype, zero=ahead.make(idx.device))
@@ -548,17 +550,18 @@ def _expand(p: torch.Tensor, shape) -> torch.Tensor:
 @lowering(Op.DEQUANTIZE)
 def _dequantize(ctx: Lowering) -> StepFn:
     a = ctx.node.attrs
-    if a["mode"] not in ("affine", "lut"):   # "scaled_lut" (GGUF's IQ types): no device kernel yet
-        return host_reference(ctx)
     qdtype, out_dtype = a["qdtype"], torch_dtype(a["dtype"])
 
     def dequantize(q, *params):
         v = _unpack(q, qdtype)
-        if a["mode"] == "lut":
+        if a["mode"] in ("lut", "scaled_lut"):   # scaled_lut: GGUF's IQ types, MXFP4 (lut[v] * scale in float32)
             lut = params[0].float()
             table = _expand(lut, tuple(v.shape) + (lut.shape[-1],)).expand(*v.shape, lut.shape[-1])
             idx = (v.long() % lut.shape[-1]).unsqueeze(-1)  # NumPy's negative indices wrap
-            return torch.gather(table, -1, idx).squeeze(-1).to(out_dtype)
+            w = torch.gather(table, -1, idx).squeeze(-1)
+            if a["mode"] == "scaled_lut":
+                w = w * _expand(params[1].float(), v.shape)
+            return w.to(out_dtype)
         it = iter(params)
         w = v.float()
         scale = next(it).float()

@@ -33,7 +33,8 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   instructions per loop).
 
 The package, along those seams: weights.py (`QuantizedWeight`, `prepare_weight`: the repacking),
-gemm.py (the k-major one-row kernels and the tensor-core GEMM), words_kernel.py and gemv.py (the word
+gemm.py (the k-major one-row kernels and the tensor-core GEMM), gguf_kernels.py (scaled lookup tables:
+GGUF's IQ types and MXFP4), words_kernel.py and gemv.py (the word
 GEMV and its wrapper), xq.py (x rounded for it), buffers.py (scratch), dispatch.py
 (`quantized_matmul`). Every function that reads a tuning number takes `options: CudaOptions`
 (default: `CudaOptions()`, the H200's numbers).
@@ -44,7 +45,7 @@ GEMV and its wrapper), xq.py (x rounded for it), buffers.py (scratch), dispatch.
 from __future__ import annotations
 
 from ....options import DEFAULT_CUDA
-from . import buffers, dispatch, gemm, gemv, weights, words_kernel, xq  # noqa: F401
+from . import buffers, dispatch, gemm, gemv, gguf_kernels, weights, words_kernel, xq  # noqa: F401
 from .buffers import _WORKSPACE, _XQ_WORKSPACE, _overlaps, _sm_count, _stream_key, _workspace, _xq_workspace  # noqa: F401,E501
 from .dispatch import quantized_matmul  # noqa: F401
 from .gemm import GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _qgemm_kernel, _qgemv_kernel, _qgemv_small_kernel  # noqa: F401

@@ -6,7 +6,7 @@ import triton
 
 from ....options import DEFAULT_CUDA, CudaOptions
 from ..pdl import pdl_args
-from . import gemv
+from . import gemv, gguf_kernels
 from .buffers import _sm_count
 from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _qgemm_kernel, _qgemv_kernel, _qgemv_small_kernel, gemm_config,
                    gemv_config, small_gemv_config)
@@ -24,6 +24,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         >>> w = prepare_weight(q, [scale, bias], attrs, "cuda", words=True)   # doctest: +SKIP
         >>> y = quantized_matmul(x, w)                                        # doctest: +SKIP
     """
+    if getattr(w, "scaled", False):   # a scaled table (GGUF's IQ types, MXFP4): gguf_kernels.py
+        return gguf_kernels.scaled_matmul(x, w, out, config, precision)
     assert x.shape[-1] == w.k, f"quantized_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)

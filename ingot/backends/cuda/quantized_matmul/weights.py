@@ -83,10 +83,9 @@ def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device,
     W[8r + b, n] in the low nibble of byte b and W[8r + 4 + b, n] in its high nibble (b = 0..3), so
     one 16-byte load is 8 k by 4 columns and the nibbles of a byte half line up with 4 consecutive k.
     """
-    if attrs["mode"] not in ("affine", "lut"):  # e.g. "scaled_lut" (GGUF's IQ types, MXFP4): no kernel yet
-        from ....errors import IngotError
-        raise IngotError(f"quantized_matmul: the CUDA backend has no kernel for mode {attrs['mode']!r} "
-                         f"({attrs['qdtype'].name} weights) yet; run this model on the CPU.")
+    if attrs["mode"] == "scaled_lut":   # GGUF's IQ types, MXFP4: gguf_kernels.py's weight and kernels
+        from .gguf_kernels import prepare_scaled
+        return prepare_scaled(q, params, attrs, device)
     qdtype = attrs["qdtype"]
     bits = 4 if qdtype.packed else 8
     signed = qdtype.kind == "i"

@@ -1,0 +1,261 @@
+"""Scaled lookup tables on the GPU (mode "scaled_lut": GGUF's IQ4_NL/IQ4_XS, the IQ2/IQ3/IQ1 grids,
+MXFP4): y = x @ W with w[k, n] = lut[v[k, n]] * scale[k // block, n], straight from the packed codes,
+never a float copy of W.
+
+The weight (`ScaledTableWeight`, made by `prepare_scaled`, which `prepare_weight` calls for this mode)
+keeps the codes as a lookup-table weight (k-major, unsigned, 4-bit packed along N or one code a byte;
+the table float32 [pK, pN, 2**bits], one [1, 1, 16] table for every GGUF type) and the scales as an
+affine weight's (per GROUP rows of K, float16 where exact). Kernels, each a tile loader
+(`_scaled_tile`: codes -> table values -> times their scales, the float32 product gguf forms) and a
+loop:
+
+- `_scaled_gemv_kernel` (one row): [BLOCK_K, BLOCK_N] tiles, BLOCK_K <= GROUP so a tile shares one
+  row of scales: the looked-up values times x summed over the tile, then times the scales; split-K
+  with atomics when N alone does not fill the chip.
+- `_scaled_gemm_kernel` (2 rows and more): the dequantized tile fed to tl.dot (tensor cores; tf32x3
+  for float32 inputs, float32-level accuracy).
+- `_scaled_gather_kernel`: rows or columns of the weight (a quantized embedding).
+
+The affine GGUF imports (Q2_K, Q3_K, the K-quants, TQ1_0/TQ2_0, Q4_0..Q8_0) need none of this: they
+are affine 4- or 8-bit weights in blocks of 16 to 256 and run `dispatch.quantized_matmul`'s kernels.
+The tile sizes are not tuned on a GPU yet (first written 2026-12-05 under Triton's interpreter).
+
+    >>> w = prepare_weight(q, [lut, scale], attrs, "cuda")       # doctest: +SKIP
+    >>> y = scaled_matmul(x, w)                                     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .... import dtypes as dt
+from .buffers import _sm_count
+from .gemm import _load_tile
+
+
+@dataclass
+class ScaledTableWeight:
+    """A scaled-table logical [K, N] weight in the kernels' form: q as a lookup-table QuantizedWeight's,
+    lut float32 [pK, pN, 2**bits], scale [Kp / group, Np] (float32, or float16 where exact). Not a
+    QuantizedWeight: code that reads those (the word GEMV, concatenation) sees `words` False and a
+    table, and leaves it to `scaled_matmul`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    lut: torch.Tensor
+    lut_block_k: int
+    lut_block_n: int
+    bits: int
+    group: int
+    k: int
+    n: int
+    words: bool = False
+    bias: None = None
+    scaled: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.lut))
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[1]
+
+
+def prepare_scaled(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ScaledTableWeight:
+    """Re-pack a scaled-table quantized_matmul/quantized_gather weight (params [lut, scale], Ingot's
+    layout; attrs' transpose as `prepare_weight`'s) for the kernels."""
+    from .weights import prepare_weight
+
+    table = prepare_weight(q, params[:1], dict(attrs, mode="lut"), device)
+    uint = dt.uint4 if attrs["qdtype"].packed else dt.uint8
+    scales = prepare_weight(q, params[1:2], dict(attrs, mode="affine", qdtype=uint, has_zero_point=False, has_bias=False),
+                            device)
+    return ScaledTableWeight(table.q, scales.scale, table.lut, table.lut_block_k, table.lut_block_n, table.bits,
+                             scales.group, table.k, table.n)
+
+
+@triton.jit
+def _scaled_tile(q_ptr, s_ptr, lut_ptr, offs_k, n0, offs_n, n_mask, K, NQ, stride_qk, stride_sk, lut_block_k,
+                 lut_block_n, stride_lk, stride_ln, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SCALE: tl.constexpr = True):
+    """float32 lut[v] (* scale with SCALE) of the [BLOCK_K, BLOCK_N] tile W[offs_k, n0:n0+BLOCK_N]; 0 past the ends."""
+    v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N)
+    ok = (offs_k < K)[:, None] & n_mask[None, :]
+    off = (offs_k // lut_block_k)[:, None] * stride_lk + (offs_n // lut_block_n)[None, :] * stride_ln
+    w = tl.load(lut_ptr + off + v.to(tl.int32), mask=ok, other=0.0)
+    if SCALE:
+        w *= tl.load(s_ptr + (offs_k // GROUP)[:, None] * stride_sk + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _scaled_gemv_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, y_ptr, N, K, NQ, k_per_split, stride_qk, stride_sk,
+                        lut_block_k, lut_block_n, stride_lk, stride_ln,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ATOMIC: tl.constexpr):
+    """y[n] (+)= sum_k x[k] * W[k, n] over BLOCK_N columns and one split of K (BLOCK_K <= GROUP, and the
+    split a multiple of BLOCK_K: a tile's rows share one row of scales)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        t = _scaled_tile(q_ptr, s_ptr, lut_ptr, offs_k, n0, offs_n, n_mask, k_stop, NQ, stride_qk, stride_sk,
+                         lut_block_k, lut_block_n, stride_lk, stride_ln, BITS, GROUP, BLOCK_K, BLOCK_N, SCALE=False)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + (k0 // GROUP) * stride_sk + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(t * x[:, None], axis=0) * s
+    if ATOMIC:
+        tl.atomic_add(y_ptr + offs_n, acc, mask=n_mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _scaled_gemm_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, y_ptr, M, N, K, NQ, stride_xm, stride_qk, stride_sk, stride_ym,
+                        lut_block_k, lut_block_n, stride_lk, stride_ln,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W's tile looked up and scaled in registers, tensor-core dot."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n                   # grouped order: neighbouring programs share W tiles in L2
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
+                    other=0.0)
+        w = _scaled_tile(q_ptr, s_ptr, lut_ptr, offs_k, n0, offs_n, n_mask, K, NQ, stride_qk, stride_sk, lut_block_k,
+                         lut_block_n, stride_lk, stride_ln, BITS, GROUP, BLOCK_K, BLOCK_N)
+        if x.dtype == tl.float32:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _table_args(w: ScaledTableWeight) -> tuple:
+    return (w.lut_block_k, w.lut_block_n, w.lut.stride(0), w.lut.stride(1))
+
+
+def gemv_config(w: ScaledTableWeight, sms: int) -> dict:
+    """One row: 4-bit tiles of 128 columns (64 bytes a row), BLOCK_K rows sharing one row of scales,
+    split-K until about 4 programs a multiprocessor."""
+    block_k = min(w.group, 32)
+    block_n = 128
+    while block_n > 32 and block_n // 2 >= w.n:
+        block_n //= 2
+    split = max(1, min((4 * sms) // triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k), 64))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=4)
+
+
+def gemm_config(m: int, dtype: torch.dtype) -> dict:
+    block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
+    block_n = 64 if m <= 16 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if dtype == torch.float32 else 64,
+                num_warps=4 if block_m * block_n <= 64 * 128 else 8, num_stages=2 if dtype == torch.float32 else 3)
+
+
+def scaled_matmul(x: torch.Tensor, w: ScaledTableWeight, out: torch.Tensor | None = None, config: dict | None = None,
+                  precision: str = "tf32x3") -> torch.Tensor:
+    """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype. One row: the GEMV;
+    more: the tensor-core GEMM (config={"BLOCK_M": ...} forces it, other keys override the tiles)."""
+    assert x.shape[-1] == w.k, f"scaled_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = out if out is not None else torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, w.n)
+    config = dict(config or {})
+    if m == 1 and "BLOCK_M" not in config:
+        cfg = {**gemv_config(w, _sm_count(x.device)), **config}
+        block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
+        assert block_k <= w.group, "a GEMV tile's rows share one row of scales"
+        k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
+        split = triton.cdiv(w.k, k_per_split)
+        target = y
+        if split > 1 and not (y.dtype == torch.float32 and y.is_contiguous()):
+            target = torch.empty((1, w.n), dtype=torch.float32, device=x.device)
+        if split > 1:
+            target.zero_()
+        _scaled_gemv_kernel[(triton.cdiv(w.n, block_n), split)](
+            x2[0], w.q, w.scale, w.lut, target, w.n, w.k, w.nq, k_per_split, w.q.stride(0), w.scale.stride(0),
+            *_table_args(w), BITS=w.bits, GROUP=w.group, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split > 1, **cfg)
+        if target is not y:
+            y.copy_(target)
+    else:
+        cfg = {**gemm_config(m, x.dtype), **config}
+        block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
+        _scaled_gemm_kernel[grid](
+            x2, w.q, w.scale, w.lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
+            *_table_args(w), BITS=w.bits, GROUP=w.group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            GROUP_M=8, PRECISION=precision, **cfg)
+    return y.reshape(*lead, w.n)
+
+
+@triton.jit
+def _scaled_gather_kernel(q_ptr, s_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMIT, stride_qk, stride_sk,
+                          lut_block_k, lut_block_n, stride_lk, stride_ln, so_j, so_t,
+                          BITS: tl.constexpr, GROUP: tl.constexpr, AXIS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.load(idx_ptr + t).to(tl.int64)
+    ok = (j < EXTENT) & (i >= 0) & (i < LIMIT)
+    zero = tl.zeros([BLOCK], tl.int64)
+    if AXIS == 1:          # column i of the logical [K, N] weight
+        k = j.to(tl.int64)
+        n = zero + i
+    else:                  # row i
+        k = zero + i
+        n = j.to(tl.int64)
+    if BITS == 4:
+        byte = tl.load(q_ptr + k * stride_qk + n // 2, mask=ok, other=0)
+        v = (byte >> ((n % 2) * 4).to(tl.uint8)) & 0xF
+    else:
+        v = tl.load(q_ptr + k * stride_qk + n, mask=ok, other=0)
+    w = tl.load(lut_ptr + (k // lut_block_k) * stride_lk + (n // lut_block_n) * stride_ln + v.to(tl.int64), mask=ok,
+                other=0.0)
+    w *= tl.load(s_ptr + (k // GROUP) * stride_sk + n, mask=ok, other=0.0).to(tl.float32)
+    w = tl.where(ok, w, 0.0)
+    tl.store(out_ptr + j * so_j + t * so_t, w.to(out_ptr.dtype.element_ty), mask=j < EXTENT)
+
+
+def scaled_gather(w: ScaledTableWeight, idx: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """Columns (axis=1) or rows (axis=0) of the logical [K, N] weight, as `fused.quantized_gather`;
+    out-of-range indices give zeros."""
+    flat = idx.reshape(-1)
+    t = flat.shape[0]
+    extent, limit = (w.k, w.n) if axis == 1 else (w.n, w.k)
+    out = torch.empty((extent, t) if axis == 1 else (t, extent), dtype=dtype, device=idx.device)
+    so_j, so_t = (out.stride(0), out.stride(1)) if axis == 1 else (out.stride(1), out.stride(0))
+    if t and extent:
+        block = min(1024, triton.next_power_of_2(extent))
+        _scaled_gather_kernel[(t, triton.cdiv(extent, block))](
+            w.q, w.scale, w.lut, flat, out, extent, limit, w.q.stride(0), w.scale.stride(0), *_table_args(w), so_j, so_t,
+            BITS=w.bits, GROUP=w.group, AXIS=axis, BLOCK=block, num_warps=4)
+    return out.view(extent, *idx.shape) if axis == 1 else out.view(*idx.shape, extent)

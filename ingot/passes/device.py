@@ -13,6 +13,7 @@ from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
 from .fuse_conv_epilogue import fuse_conv_epilogue
 from .fuse_glu import fuse_glu
+from .fuse_integer_matmul import fuse_integer_matmul
 from .fuse_mel import fuse_mel
 from .fuse_norm_gemv import fuse_norm_gemv
 from .fuse_rope_cache import fuse_rope_cache
@@ -27,6 +28,8 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
         # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True)),
+        # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)
+        ("fuse_integer_matmul", lambda p, o: fuse_integer_matmul(p)),
     ],
     "cuda": [
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
@@ -42,7 +45,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("conv_epilogue", "rope_cache"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("conv_epilogue", "rope_cache", "integer_matmul"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

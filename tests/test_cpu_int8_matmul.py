@@ -1,0 +1,64 @@
+"""The CPU's integer matmul (backends/cpu/int8_matmul.py: VPDPBUSD, or exact float32 chunks without VNNI)
+against the int64 NumPy reference, on awkward shapes and the extremes of each 8-bit type; and the
+FUSED integer_matmul op the pass makes of ONNX's DynamicQuantizeLinear -> MatMulInteger chain."""
+import numpy as np
+import pytest
+
+from ingot.backends.cpu import int8_matmul
+from ingot.backends.cpu.int8_matmul import IntegerMatmul, reference
+
+KERNELS = [False] + ([True] if int8_matmul.AVAILABLE else [])
+RANGE = {np.int8: (-128, 128), np.uint8: (0, 256)}
+
+
+def ints(rng, shape, dtype):
+    return rng.integers(*RANGE[dtype], shape).astype(dtype)
+
+
+@pytest.mark.parametrize("vnni", KERNELS)
+@pytest.mark.parametrize("x_type,w_type", [(np.uint8, np.int8), (np.int8, np.uint8), (np.int8, np.int8),
+                                           (np.uint8, np.uint8)])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 37, 19), (3, 2, 3, ), (16, 512, 48), (7, 1100, 33)])
+def test_integer_matmul_matches_reference(vnni, x_type, w_type, m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = ints(rng, (2, m, k), x_type), ints(rng, (k, n), w_type)
+    x_zero, w_zero = ints(rng, (), x_type), ints(rng, (n,), w_type)
+    got = IntegerMatmul(w, w_zero.astype(np.int64), vnni_kernel=vnni)(x, x_zero)
+    assert got.dtype == np.int32 and got.shape == (2, m, n)
+    np.testing.assert_array_equal(got, reference(x, x_zero, w, w_zero))
+
+
+@pytest.mark.parametrize("vnni", KERNELS)
+def test_integer_matmul_extremes(vnni):
+    """x all 255 against w all -128 (the largest products VPDPBUSD sums), K = 4099: sums of -1.3e8."""
+    x = np.full((3, 4099), 255, np.uint8)
+    w = np.full((4099, 17), -128, np.int8)
+    kernel = IntegerMatmul(w, np.zeros(1, np.int64), vnni_kernel=vnni)
+    np.testing.assert_array_equal(kernel(x, np.uint8(0)), reference(x, 0, w, 0))
+    out = np.empty((3, 17), np.int32)
+    assert kernel(x, np.uint8(0), out) is out and out[0, 0] == 255 * -128 * 4099
+
+
+def test_dynamic_quantize_matmul_integer_is_fused():
+    """A quantize_dynamic layer: the sum runs as one integer_matmul step, bit-equal to onnxruntime."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ingot.importers.onnx import from_onnx
+    from ingot.ir import Op
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 13, 70)).astype(np.float32)
+    w, wz = ints(rng, (70, 45), np.int8), ints(rng, (45,), np.int8)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "w", "xz", "wz"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(wz, "wz")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    (theirs,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    exe = from_onnx(model)
+    kinds = [n.attrs["kind"] for n in exe.program.nodes() if n.op == Op.FUSED]
+    assert kinds == ["integer_matmul"]
+    np.testing.assert_array_equal(exe.run({"x": x})[0], theirs)
+    del onnx

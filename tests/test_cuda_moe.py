@@ -48,12 +48,17 @@ def _gguf_stack(tmp_path, qtype_name: str, e: int, rows: int, cols: int):
 
 
 def _ingot_stack(kind: str, e: int, rows: int, cols: int) -> QuantizedTensor:
-    """Ingot's own 4-bit forms as GGUF-row stacks [E * rows, cols]: int4 with zero points, or a 16-entry table."""
+    """Ingot's own 4-bit forms as GGUF-row stacks [E * rows, cols]: int4 with zero points, a 16-entry table,
+    or a scaled one."""
     rng = np.random.default_rng(1)
     q = dt.pack_int4(rng.integers(0, 16, (e * rows, cols)))
     if kind == "lut4":
         lut = np.sort(rng.standard_normal(16)).astype(np.float32).reshape(1, 1, 16) * 0.1
         return QuantizedTensor(q, dt.uint4, (e * rows, cols), cols, None, lut=lut)
+    if kind == "scaled4":   # a scaled table as GGUF's IQ4_NL/MXFP4 imports hold it, without gguf
+        lut = np.sort(rng.standard_normal(16)).astype(np.float32).reshape(1, 1, 16)
+        scale = (rng.random((e * rows, cols // 32)) * 0.1 - 0.05).astype(np.float32)
+        return QuantizedTensor(q, dt.uint4, (e * rows, cols), 32, scale, lut=lut)
     scale = (rng.random((e * rows, cols // 16)) * 0.05 + 0.01).astype(np.float32)
     zero = rng.integers(0, 16, (e * rows, cols // 16)).astype(np.float32)
     return QuantizedTensor(q, dt.uint4, (e * rows, cols), 16, scale, zero_point=zero)
@@ -84,6 +89,52 @@ def test_expert_kernel_matches_the_reference(tmp_path, kind, tokens, per_choice)
     consts = [exe.program.constants[s.attrs["key"]] for s in node.src[2:]]
     want = reference(Op.QUANTIZED_GATHER_MATMUL, [xv, iv, *consts], node.attrs)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+# a prompt: 37 tokens x 3 choices = 111 rows (from GROUPED_MIN_ROWS on: the grouped GEMM), about 28 for each
+# of 4 experts (several BLOCK_M tiles each, padded), expert 2 idle
+@pytest.mark.parametrize("kind", ["int4_zero", "lut4", "scaled4", "Q8_0", "Q4_1", "IQ4_XS", "MXFP4"])
+@pytest.mark.parametrize("per_choice", [False, True])
+def test_grouped_expert_gemm_matches_the_reference(tmp_path, kind, per_choice):
+    from ingot.backends.cuda.quantized_matmul.experts import GROUPED_MIN_ROWS
+    e, rows, chosen, tokens = 5, 70 if kind != "Q8_0" else 34, 3, 37
+    assert tokens * chosen >= GROUPED_MIN_ROWS
+    cols = {"IQ4_XS": 256}.get(kind, 96)
+    stack = _ingot_stack(kind, e, rows, cols) if kind in ("int4_zero", "lut4", "scaled4") else \
+        _gguf_stack(tmp_path, kind, e, rows, cols)
+    g, y = _routed_graph(stack, e, rows, cols, tokens, chosen, per_choice)
+    exe = g.compile(targets=[y], device="cuda")
+    node = next(n for n in exe.program.nodes() if n.op == Op.QUANTIZED_GATHER_MATMUL)
+    assert not exe.plan.host_syncs, exe.plan.host_syncs
+    rng = np.random.default_rng(4)
+    xv = rng.standard_normal((tokens, chosen if per_choice else 1, cols)).astype(np.float32)
+    iv = np.stack([rng.choice([0, 1, 3, 4], chosen, replace=False) for _ in range(tokens)]).astype(np.int32)
+    got = exe.backend.to_host(exe.run({"x": xv, "idx": iv})[0])
+    consts = [exe.program.constants[s.attrs["key"]] for s in node.src[2:]]
+    want = reference(Op.QUANTIZED_GATHER_MATMUL, [xv, iv, *consts], node.attrs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    cpu = g.compile(targets=[y], device="cpu").run({"x": xv, "idx": iv})[0]
+    np.testing.assert_allclose(got, cpu, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_group_rows_sorts_every_row_into_its_experts_tiles():
+    """group_rows: each (token, choice) row once, in a tile of its own expert; padding R; tiles past the
+    last expert's marked E."""
+    import torch
+
+    from ingot.backends.cuda.quantized_matmul.experts import group_rows
+    rng = np.random.default_rng(6)
+    idx = rng.choice([0, 2, 3, 6], (29, 2)).astype(np.int32)      # experts 1, 4, 5 idle; one with > 16 rows
+    idx[:20, 0] = 3
+    e, bm, r = 7, 16, idx.size
+    ids, tile_e = (t.cpu().numpy() for t in group_rows(torch.as_tensor(idx), e, bm))
+    assert len(tile_e) == -(-r // bm) + min(e, r) and len(ids) == len(tile_e) * bm
+    real = ids[ids < r]
+    assert sorted(real.tolist()) == list(range(r))
+    tiles = np.repeat(tile_e, bm)
+    assert np.array_equal(tiles[ids < r], idx.reshape(-1)[real])    # each row in a tile of its expert
+    assert np.all(ids[tiles == e] == r)                             # unused tiles hold padding only
+    assert np.all(np.diff(tile_e) >= 0)
 
 
 def test_routing_ops_run_on_the_device_as_the_reference():

@@ -62,3 +62,37 @@ def test_dynamic_quantize_matmul_integer_is_fused():
     assert kinds == ["integer_matmul"]
     np.testing.assert_array_equal(exe.run({"x": x})[0], theirs)
     del onnx
+
+
+@pytest.mark.parametrize("w_type", [np.int8, np.uint8])
+@pytest.mark.parametrize("rows,k,n,per_column,bias", [(8, 16, 16, False, False), (9, 37, 19, True, True),
+                                                       (22, 384, 50, True, False), (3, 2, 2, False, True)])
+def test_float_x_by_8_bit_weight(w_type, rows, k, n, per_column, bias):
+    """The quantized_matmul lowering for float x and an 8-bit weight with a zero point and scale per column
+    (or one), bias too, against the reference; below FLOAT_MIN_ROWS the lowering declines."""
+    from ingot import dtypes as dt
+    from ingot.backends.cpu.int8_matmul import FLOAT_MIN_ROWS, float_weight_step
+    from ingot.ir import Node, Op, TensorType
+    from ingot.ops.quant import quantized_matmul_reference
+    rng = np.random.default_rng(rows + k + n)
+    width = n if per_column else 1
+    x = rng.standard_normal((1, rows, k)).astype(np.float32)
+    q = ints(rng, (k, n), w_type)
+    params = [(rng.random((1, width)) * 0.02 + 0.001).astype(np.float32),
+              ints(rng, (1, width), w_type).astype(np.float32)]
+    if bias:
+        params.append(rng.standard_normal((1, n)).astype(np.float32))
+    attrs = {"qdtype": dt.int8 if w_type == np.int8 else dt.uint8, "dtype": dt.float32, "mode": "affine",
+             "has_zero_point": True, "has_bias": bias, "transpose": False}
+    src = [Node(Op.PLACEHOLDER, TensorType(x.shape, dt.float32), name="x")] + \
+        [Node(Op.CONSTANT, TensorType(a.shape, dt.from_numpy(a.dtype)), attrs={"key": str(i)})
+         for i, a in enumerate([q] + params)]
+    node = Node(Op.QUANTIZED_MATMUL, TensorType((1, rows, n), dt.float32), tuple(src), attrs)
+    step = float_weight_step(node, None)
+    if rows < FLOAT_MIN_ROWS:
+        assert step is None
+        return
+    want = quantized_matmul_reference([x, q] + params, attrs)
+    got = step(x, q, *params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert float_weight_step(node, None, activations="int8") is None

@@ -75,11 +75,12 @@ def gemm_table(rows: list[int], configs: dict[str, dict]) -> list[dict]:
                 w = weights[c.get("layout", "words")]
                 x = x16 if c.get("x") == "bf16" else x32
                 cfg = dict(c.get("config", {}))
+                options = CudaOptions(prefill_dequant_rows=c.get("dequant_rows", 0))
                 try:
-                    y = qmm.quantized_matmul(x, w, precision=c.get("precision"), config=cfg or None)
+                    y = qmm.quantized_matmul(x, w, precision=c.get("precision"), config=cfg or None, options=options)
                     row[label + "_err"] = float((y.float() - ref).norm() / ref.norm())
-                    row[label] = flop / _bench(lambda: qmm.quantized_matmul(x, w, precision=c.get("precision"),
-                                                                              config=cfg or None)) / 1e12
+                    row[label] = flop / _bench(lambda: qmm.quantized_matmul(
+                        x, w, precision=c.get("precision"), config=cfg or None, options=options)) / 1e12
                 except Exception as e:  # a config that does not compile here is reported, not fatal
                     row[label] = f"{type(e).__name__}"
             out.append(row)
@@ -102,13 +103,19 @@ def attention_table(chunk: int, caches: list[int]) -> list[dict]:
         flop = 4.0 * hq * chunk * d * (length - chunk / 2)     # causal: the chunk's rows see length - chunk + i keys
         ref = att.attention(q32, k32, v32, causal=True, precision="ieee") if length <= 8192 else None
         row = dict(chunk=chunk, cache=length)
-        variants = {"f32_tf32x3": (q32, k32, v32, "tf32x3"), "f32_bf16": (q32, k32, v32, "bf16"),
-                    "bf16": (q16, k16, v16, None)}
-        for label, (q, k, v, prec) in variants.items():
-            y = att.attention(q, k, v, causal=True, precision=prec)
-            if ref is not None:
-                row[label + "_err"] = float((y.float() - ref).norm() / ref.norm())
-            row[label] = flop / _bench(lambda: att.attention(q, k, v, causal=True, precision=prec)) / 1e12
+        variants = {"f32_tf32x3": (q32, k32, v32, "tf32x3", {}), "f32_bf16": (q32, k32, v32, "bf16", {}),
+                    "f32_bf16_m128w8": (q32, k32, v32, "bf16", dict(block_m=128, block_n=64, num_warps=8)),
+                    "f32_bf16_m128n32": (q32, k32, v32, "bf16", dict(block_m=128, block_n=32, num_warps=8)),
+                    "f32_bf16_s3": (q32, k32, v32, "bf16", dict(num_stages=3)),
+                    "bf16": (q16, k16, v16, None, {})}
+        for label, (q, k, v, prec, kw) in variants.items():
+            try:
+                y = att.attention(q, k, v, causal=True, precision=prec, **kw)
+                if ref is not None:
+                    row[label + "_err"] = float((y.float() - ref).norm() / ref.norm())
+                row[label] = flop / _bench(lambda: att.attention(q, k, v, causal=True, precision=prec, **kw)) / 1e12
+            except Exception as e:  # a tile that does not fit here is reported, not fatal
+                print(f"attention {label}: {type(e).__name__}: {str(e)[:100]}")
         g = hq // hk
         mask = torch.arange(length, device="cuda")[None, :] <= (length - chunk + torch.arange(chunk, device="cuda"))[:, None]
         qg = q16.reshape(1, hk, g * chunk, d)
@@ -133,6 +140,8 @@ def ingot_prefill(prompts: list[int], chunk: int, precision: str, decode_steps: 
     state = dec.new_state()
     host = dec.backend.to_host
     rng = np.random.default_rng(1)
+    for i in range(3):        # the decode executable compiled and its graph captured before any timing
+        dec.run({"tokens": np.zeros(1, np.int32), "pos": np.int32(i), "last": np.int32(0)}, state=state)
     rows = []
     for n in prompts:
         ids = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
@@ -159,9 +168,9 @@ def ingot_prefill(prompts: list[int], chunk: int, precision: str, decode_steps: 
             logits = host(dec.run({"tokens": token, "pos": np.int32(n + i), "last": np.int32(0)}, state=state)[0])
             token = np.argmax(logits, axis=-1).astype(np.int32).reshape(1)
         decode = decode_steps / (time.perf_counter() - t0)
-        rows.append(dict(engine=f"ingot_int4_{precision}", prompt=n, chunk=chunk, ttft_s=ttft, prefill_tok_s=n / ttft,
+        rows.append(dict(engine=f"ingot_int4_{precision}_chunk{chunk}", prompt=n, chunk=chunk, ttft_s=ttft, prefill_tok_s=n / ttft,
                          decode_tok_s=decode))
-        print(f"ingot int4 {precision:6s} prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
+        print(f"ingot int4 {precision:6s} chunk {chunk:5d} prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
               f"decode after it {decode:.0f} tok/s", flush=True)
     return rows
 
@@ -203,7 +212,7 @@ def anchor_prefill(prompts: list[int], decode_steps: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks cuda-prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", default="512,2048,8192,32768")
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", default="512", help="prefill chunk sizes, comma-separated (each timed)")
     ap.add_argument("--precisions", default="tf32x3,bf16")
     ap.add_argument("--max-tf32x3-prompt", type=int, default=8192, help="longer prompts only with bf16 (time)")
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -222,17 +231,21 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     result = {}
     if args.gemm:
-        configs = {"tf32x3": dict(precision="tf32x3"), "bf16": dict(precision="bf16"),
-                   "bf16_bytes": dict(precision="bf16", layout="bytes"), "x_bf16": dict(x="bf16", precision="bf16")}
+        configs = {"kernel_tf32x3": dict(precision="tf32x3"), "kernel_bf16": dict(precision="bf16"),
+                   "dequant_cublas_f32": dict(precision="tf32x3", dequant_rows=1),
+                   "dequant_cublas_bf16": dict(precision="bf16", dequant_rows=1),
+                   "dequant_cublas_bf16_bytes": dict(precision="bf16", dequant_rows=1, layout="bytes")}
         result["gemm"] = gemm_table([int(r) for r in args.gemm_rows.split(",")], configs)
     if args.attention:
-        result["attention"] = attention_table(args.chunk, [args.chunk, 2048, 8192])
+        chunk = int(args.chunk.split(",")[0])
+        result["attention"] = attention_table(chunk, [chunk, 2048, 8192])
     if not args.no_e2e:
         prompts = [int(p) for p in args.prompts.split(",")]
         rows = []
         for precision in args.precisions.split(","):
             todo = [p for p in prompts if precision != "tf32x3" or p <= args.max_tf32x3_prompt]
-            rows += ingot_prefill(todo, args.chunk, precision, args.decode_steps)
+            for chunk in args.chunk.split(","):
+                rows += ingot_prefill(todo, int(chunk), precision, args.decode_steps)
         if not args.no_anchor:
             anchor = anchor_prefill([p for p in prompts if p <= args.max_anchor_prompt], args.decode_steps)
             rows += anchor

@@ -119,7 +119,7 @@ def make_weight(rng, qdtype, k, n, block, zero_point, bias, lut, transpose):
 @pytest.mark.parametrize("fmt", FORMATS, ids=[f"{f[0].name}{'-zp' if f[1] else ''}{'-bias' if f[2] else ''}{'-lut' if f[3] else ''}"
                                               for f in FORMATS])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{k}x{n}b{b}" for k, n, b in SHAPES])
-@pytest.mark.parametrize("rows", [1, 3, 16, 37])
+@pytest.mark.parametrize("rows", [1, 3, 16, 37, 131])   # 131: W dequantized for cuBLAS (prefill_dequant_rows)
 def test_quantized_matmul_matches_the_cpu_backend(fmt, shape, rows):
     qdtype, zero_point, bias, lut = fmt
     k, n, block = shape
@@ -195,6 +195,7 @@ def test_words_gemv(rows, fmt, shape):
     assert rel_err(got.cpu(), want[:1].cpu()) < 2e-6
     got = qmm.quantized_matmul(x, w, config=dict(BLOCK_M=16))
     assert rel_err(got.cpu(), want.cpu()) < 1e-5
+    assert torch.equal(qmm.dispatch.dequantize_into(w, torch.float32), qmm.dequantize(w))   # the cuBLAS path's copy
     # the gated unit in the prologue and the residual in the epilogue (split-K tickets and one split)
     gate, residual = torch.randn(rows, k, device=DEVICE), torch.randn(rows, n, device=DEVICE)
     want = ((gate * torch.sigmoid(gate)) * x).double() @ qmm.dequantize(w).double() + residual.double()

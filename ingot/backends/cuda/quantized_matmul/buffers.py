@@ -61,3 +61,20 @@ def _xq_workspace(device, words: int, blocks: int) -> tuple[torch.Tensor, torch.
         have = _XQ_WORKSPACE[key] = (torch.empty(words, dtype=torch.int32, device=device),
                                      torch.empty(floats, dtype=torch.float32, device=device))
     return have
+
+
+_DEQUANTIZED: dict = {}
+_RETIRED: list = []     # outgrown copies, kept: a captured CUDA graph may still write them
+
+
+def dequantized_workspace(device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Room for one weight dequantized for cuBLAS (`dispatch._dequantized_gemm`), per device, stream and
+    dtype; allocated at the first (eager) run of a plan and grown when too small. An outgrown buffer is
+    never freed, so a graph captured over it stays valid (at most twice the largest weight in all)."""
+    key = (*_stream_key(device), dtype)
+    have = _DEQUANTIZED.get(key)
+    if have is None or have.numel() < numel:
+        if have is not None:
+            _RETIRED.append(have)
+        have = _DEQUANTIZED[key] = torch.empty(numel, dtype=dtype, device=device)
+    return have

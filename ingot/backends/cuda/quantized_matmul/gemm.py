@@ -192,6 +192,24 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, out_ptr, N, K, NQ, stride_qk, stride_sk, stride_ok,
+                       lut_block_k, lut_block_n, stride_lk, stride_ln,
+                       BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr = False):
+    """out[K, N] = W in out's dtype, a [BLOCK_K, BLOCK_N] tile a program (the GEMM's own tile steps)."""
+    k0 = tl.program_id(0) * BLOCK_K
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    v = _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
+    w = _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
+                         stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
+    tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(offs_k < K)[:, None] & n_mask[None, :])
+
+
 def small_gemv_config(w: QuantizedWeight, sms: int) -> dict:
     block_k = min(w.group, 32)
     block_n = 256 if w.bits == 4 else 128

@@ -17,6 +17,7 @@ from .fuse_integer_matmul import fuse_integer_matmul
 from .fuse_mel import fuse_mel
 from .fuse_norm_gemv import fuse_norm_gemv
 from .fuse_rope_cache import fuse_rope_cache
+from .fuse_rows_attention import fuse_rows_attention
 from .fuse_siblings import fuse_siblings
 from .gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
 
@@ -30,6 +31,8 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True)),
         # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)
         ("fuse_integer_matmul", lambda p, o: fuse_integer_matmul(p)),
+        # a rows decoder's (ingot serve) per-row attentions of a layer: one step over all rows
+        ("fuse_rows_attention", lambda p, o: fuse_rows_attention(p)),
     ],
     "cuda": [
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
@@ -45,7 +48,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("conv_epilogue", "rope_cache", "integer_matmul"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("conv_epilogue", "rope_cache", "integer_matmul", "rows_attention"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

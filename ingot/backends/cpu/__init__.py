@@ -22,7 +22,7 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import conv, int8_matmul, kernels, nn_kernels, rope_cache
+from . import conv, int8_matmul, kernels, nn_kernels, rope_cache, rows_attention
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -57,7 +57,8 @@ def _fused(node: Node, out):
     return (rule(node, out) if rule is not None else None) or _reference(node, out)
 
 
-FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS | int8_matmul.FUSED_LOWERINGS
+FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS | int8_matmul.FUSED_LOWERINGS | \
+    rows_attention.FUSED_LOWERINGS
 from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: torch.distributed, gloo)
 
 

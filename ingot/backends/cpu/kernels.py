@@ -14,7 +14,7 @@ from numba import njit
 from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
-from . import team, vnni
+from . import rows_attention, team, vnni
 from .nn_kernels import (XQ_BLOCK, _layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm,
                          rope_rows, rope_write_attend, round_rows)
 
@@ -569,7 +569,8 @@ def _cache_is_cold() -> bool:
         return any(not d._cache._cache_file._load_index() for d in
                    (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
                     scaled_tile_int8, attention, rope_rows, vnni.gemv,
-                    _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend))
+                    _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
+                    rows_attention.rows_rope_write_attend, rows_attention.rows_chunks))
     except Exception:
         return False
 
@@ -604,3 +605,4 @@ def _warm_up() -> None:
                       np.float32(1), True, 0, np.float32(0), True, f32(1, 2, 1, 8), f32(1, 2, 1, 8))
     erf_rows(f32(4), f32(4))
     layer_norm(f32(1, 8), f32(8), f32(8), np.float32(1e-5))
+    rows_attention.warm_up()   # ingot serve's decode attention over rows

@@ -1,0 +1,124 @@
+"""fuse_rows_attention (passes/fuse_rows_attention.py) and its CPU kernel (backends/cpu/rows_attention.py):
+a rows decoder's per-row decode attentions of a layer become one step; the kernel against a NumPy
+reference on awkward lengths and bit for bit against the batch-1 kernel, the fused program against the
+per-row one."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from ingot import dtypes as dt
+from ingot.backends.cpu.nn_kernels import rope_write_attend
+from ingot.backends.cpu.rows_attention import rows_rope_write_attend
+from ingot.ir import Op, TensorType
+from ingot.models import llama
+from ingot.ops import REGISTRY
+from ingot.ops import nn as nn_ops
+from ingot.options import CompileOptions, CpuOptions
+from ingot.runtime import State
+
+sys.path.insert(0, os.path.dirname(__file__))
+from quant_helpers import tiny_config  # noqa: E402
+
+PER_ROW = frozenset({"conv_epilogue", "rope_cache", "integer_matmul"})   # every CPU fusion but this one
+
+
+def _kinds(exe) -> list[str]:
+    return [n.attrs["kind"] for n in exe.program.nodes() if n.op == Op.FUSED]
+
+
+def _compile(model, rows: int, **options):
+    return model.graph.compile(feeds={model.tokens: TensorType((rows,), dt.int32)}, targets=[model.logits],
+                               options=CompileOptions(**options) if options else None)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_one_fused_step_per_layer(rows):
+    cfg = tiny_config(n_layers=3)
+    model = llama.build(cfg, llama.random_weights(cfg, seed=1), rows=rows)
+    exe, plain = _compile(model, rows), _compile(model, rows, fusions=PER_ROW)
+    changed = dict(exe.history)["fuse_rows_attention"]
+    if rows == 1:   # one row: nothing to take together
+        assert not changed and _kinds(exe) == _kinds(plain) == ["rope_qkv_attention"] * 3
+        return
+    assert changed and _kinds(exe) == ["rows_qkv_attention"] * 3
+    assert _kinds(plain) == ["rope_qkv_attention"] * (3 * rows)
+    inner = [n.attrs["kind"] for f in exe.program.nodes() if f.op == Op.FUSED
+             for n in f.attrs["body"].nodes if n.op == Op.FUSED]
+    assert inner == ["rope_qkv_attention"] * (3 * rows)      # the body is the per-row program
+    assert not any(n.op == Op.CONCAT for n in exe.program.nodes())
+
+
+def _states(cfg, rows: int, lengths, seed: int) -> list[State]:
+    """Each row's own caches [1, nkv, context, hd], filled with noise (what earlier tokens left)."""
+    rng = np.random.default_rng(seed)
+    shape = (1, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
+    return State({f"blk.{i}.{kind}_cache.{r}": rng.standard_normal(shape).astype(np.float32)
+                  for r in range(rows) for i in range(cfg.n_layers) for kind in ("k", "v")})
+
+
+@pytest.mark.parametrize("threads, rows", [(1, 4), (2, 4), (2, 11)])
+def test_fused_program_equals_per_row_program(threads, rows):
+    """Logits and every cache bit for bit, rows at positions 0 (a first token), odd and unequal ones
+    and the last position of the cache; on two threads the rows are split over the team; 11 rows go
+    to the kernel in two calls (ROWS_PER_CALL)."""
+    cfg = tiny_config(n_layers=2, n_heads=6, n_kv_heads=2, head_dim=12, rope_dims=8, context_length=40)
+    model = llama.build(cfg, llama.random_weights(cfg, seed=4), rows=rows)
+    exe = _compile(model, rows, cpu=CpuOptions(threads=threads))
+    plain = _compile(model, rows, fusions=PER_ROW, cpu=CpuOptions(threads=threads))
+    assert "rows_qkv_attention" in _kinds(exe)
+    a, b = _states(cfg, rows, None, 5), _states(cfg, rows, None, 5)
+    for first in ([0, 7, 3, 39], [1, 8, 4, 20]):
+        positions = (first * 3)[:rows]
+        tokens = [(3 + 41 * r) % cfg.vocab_size for r in range(rows)]
+        feeds = {"tokens": np.array(tokens, np.int32), "positions": np.array(positions, np.int32)}
+        np.testing.assert_array_equal(exe.run(feeds, state=a)[0], plain.run(feeds, state=b)[0])
+    for name in a.values:
+        np.testing.assert_array_equal(a.values[name], b.values[name], err_msg=name)
+
+
+def _reference_row(q, k, v, kc, vc, pos, inv, interleaved, rd, scale, window, softcap):
+    """NumPy: rope at pos, the k/v row written, attention over positions 0..pos (the op references)."""
+    rope = lambda x: nn_ops.rope(x, pos, inv, 10000.0, interleaved, rd)   # noqa: E731
+    kc, vc = kc.copy(), vc.copy()
+    kc[:, :, pos] = rope(k)[:, :, 0]
+    vc[:, :, pos] = v[:, :, 0]
+    attrs = {"scale": scale, "causal": True, "window": window, "softcap": softcap}
+    out = REGISTRY[Op.SDPA].reference((rope(q), kc[:, :, :pos + 1], vc[:, :, :pos + 1]), attrs)
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("interleaved, window, softcap", [(True, 0, 0.0), (False, 3, 0.0), (False, 0, 5.0)])
+def test_kernel_against_numpy_and_the_batch_one_kernel(interleaved, window, softcap):
+    rows, hq, hk, d, rd, context = 5, 6, 3, 10, 6, 23
+    rng = np.random.default_rng(7)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)   # noqa: E731
+    q, k, v = f(rows, hq, 1, d), f(rows, hk, 1, d), f(rows, hk, 1, d)
+    k_caches = tuple(f(1, hk, context, d) for _ in range(rows))
+    v_caches = tuple(f(1, hk, context, d) for _ in range(rows))
+    positions = np.array([0, 1, 22, 9, 4], np.int64)   # the first, the last, odd and unequal lengths
+    inv = nn_ops.rope_inv_freq(rd, 10000.0)
+    inv.flags.writeable = False
+    scale = np.float32(1 / math.sqrt(d))
+    want = [_reference_row(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_caches[r], v_caches[r], int(positions[r]), inv,
+                           interleaved, rd, scale, window, softcap) for r in range(rows)]
+    alone = []
+    for r in range(rows):   # the batch-1 kernel, row by row on copies
+        kc, vc, q_out, out = k_caches[r].copy(), v_caches[r].copy(), np.empty((1, hq, 1, d), np.float32), \
+            np.empty((1, hq, 1, d), np.float32)
+        rope_write_attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, int(positions[r]), int(positions[r]) + 1, inv,
+                          interleaved, rd, scale, True, window, np.float32(softcap), True, q_out, out)
+        alone.append((out, kc, vc))
+    q_out, out = np.empty_like(q), np.empty((rows, hq, 1, d), np.float32)
+    rows_rope_write_attend(q, k, v, k_caches, v_caches, positions, positions + 1, inv, interleaved, rd, scale, True,
+                           window, np.float32(softcap), q_out, out, 0, rows)
+    for r in range(rows):
+        np.testing.assert_allclose(out[r:r + 1], want[r][0], rtol=1e-5, atol=1e-5, err_msg=f"row {r}")
+        np.testing.assert_allclose(k_caches[r], want[r][1], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(v_caches[r], want[r][2])
+        np.testing.assert_array_equal(out[r:r + 1], alone[r][0])      # bit for bit: the server's rows
+        np.testing.assert_array_equal(k_caches[r], alone[r][1])

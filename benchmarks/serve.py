@@ -11,7 +11,7 @@ CPU seconds over the level and output tokens per CPU second (steadier than tok/s
 machine), the load average, and Ingot's ratio to the anchor and to its own N = 1.
 
     python -m benchmarks serve [--gguf PATH] [--clients 1,4,8] [--requests 3] [--max-tokens 64] [--long-every 3]
-                               [--skip ingot,llamacpp] [--llama-server PATH]
+                               [--skip ingot,llamacpp] [--llama-server PATH] [--gemv-activations float32,int8]
 """
 from __future__ import annotations
 
@@ -182,6 +182,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
     ap.add_argument("--skip", default="", help="comma-separated: ingot, llamacpp")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: the one on PATH)")
+    ap.add_argument("--gemv-activations", default="float32",
+                    help="Ingot's `ingot serve --gemv-activations`, comma-separated for a server each (int8: llama.cpp's "
+                         "integer activations; default float32)")
     args = ap.parse_args()
     from ingot.llm.generate import default_model_path
     gguf = args.gguf or default_model_path()
@@ -192,14 +195,17 @@ def main() -> None:
     print(f"[{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
           f"{os.path.basename(gguf)}; {slots} slots; clients {clients} x {args.requests} requests of <= {args.max_tokens} "
           f"tokens]", file=sys.stderr)
-    if "ingot" not in skip:
+    activations = [a for a in args.gemv_activations.split(",") if a]
+    if any(a not in ("float32", "int8") for a in activations):
+        ap.error(f"--gemv-activations takes float32 and/or int8, not {args.gemv_activations!r}")
+    for act in activations if "ingot" not in skip else []:
         port = _free_port()
         env_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {env_root!r}); from ingot.cli import main; "
                    f"sys.exit(main())", "serve", "--model", gguf, "--port", str(port), "--max-batch", str(slots),
-                   "--context", str(args.context), "--max-queue", str(4 * slots)]
-        rows += run_engine("ingot", command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens,
-                           args.long_every)
+                   "--context", str(args.context), "--max-queue", str(4 * slots), "--gemv-activations", act]
+        rows += run_engine("ingot" if act == "float32" else f"ingot {act}", command, f"http://127.0.0.1:{port}", clients,
+                           args.requests, args.max_tokens, args.long_every)
     if "llamacpp" not in skip:
         port = _free_port()
         anchor = llamacpp_command(gguf, port, slots, args.context, args.threads, args.llama_server)
@@ -216,9 +222,9 @@ def main() -> None:
           f"{'vs N=1':>8}{'vs anchor':>10}{'tok/CPU s':>10}{'load':>6}   (latencies in ms)")
     for row in rows:
         one = next((r for r in rows if r["engine"] == row["engine"] and r["clients"] == 1), None)
-        anchor = next((r for r in rows if r["engine"] != "ingot" and r["clients"] == row["clients"]), None)
+        anchor = next((r for r in rows if not r["engine"].startswith("ingot") and r["clients"] == row["clients"]), None)
         vs_one = f"{row['tok_s'] / one['tok_s']:.2f}x" if one else "-"
-        vs_anchor = f"{row['tok_s'] / anchor['tok_s']:.2f}x" if anchor and row["engine"] == "ingot" else "-"
+        vs_anchor = f"{row['tok_s'] / anchor['tok_s']:.2f}x" if anchor and row["engine"].startswith("ingot") else "-"
         print(f"{row['engine']:<18}{row['clients']:>8}{row['tok_s']:>9.1f}{row['ttft_p50_ms']:>10.0f}{row['ttft_p99_ms']:>10.0f}"
               f"{row['itl_p50_ms']:>9.0f}{row['itl_p99_ms']:>9.0f}{vs_one:>8}{vs_anchor:>10}{row['tok_per_cpu_s']:>10.1f}"
               f"{row['load']:>6.1f}")

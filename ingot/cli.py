@@ -10,6 +10,7 @@
                   [--constant NAME=V0,V1,...]
     ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
     ingot serve [--model PATH] [--host H] [--port N] [--device cpu|cuda] [--max-batch N] [--context N] [--lora NAME=PATH]
+                [--gemv-activations float32|int8]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
 """
@@ -318,7 +319,7 @@ def _serve(args) -> int:
         if value is not None and not low <= value <= 4096 * (64 if flag == "--context" else 1):
             raise IngotError(f"{flag} must be in {low}..{4096 * (64 if flag == '--context' else 1)}, not {value}.")
     serve(args.model, host=args.host, port=args.port, device=args.device, max_batch=args.max_batch,
-          context=args.context, loras=loras, max_queue=args.max_queue)
+          context=args.context, loras=loras, max_queue=args.max_queue, gemv_activations=args.gemv_activations)
     return 0
 
 
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache length per slot in tokens (default: 2048, at most the model's)")
     srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                      help="serve a PEFT LoRA folder as model id NAME (repeatable; requests choose by `model`)")
+    srv.add_argument("--gemv-activations", choices=["float32", "int8"], default=None,
+                     help="CPU: the quantized GEMV's activations; int8 rounds them per block of 32 as llama.cpp does, "
+                          "faster, not bit-equal to float32 (default: float32, or INGOT_OPTIONS's cpu.gemv_activations)")
     srv.set_defaults(func=_serve)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
     evals = evaluate.add_subparsers(dest="what", required=True)

@@ -469,3 +469,25 @@ def test_serve_arguments_are_refused_before_loading(args, message, capsys):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_gemv_activations_is_a_server_option(monkeypatch, tmp_path, capsys):
+    """`ingot serve --gemv-activations int8` (llama.cpp's integer activations, faster) over whatever
+    INGOT_OPTIONS holds; float32 (exact) by default; anything else refused."""
+    from ingot.cli import main
+    from ingot.options import CpuOptions
+    from ingot.serve import serve_options
+
+    monkeypatch.delenv("INGOT_OPTIONS", raising=False)
+    assert serve_options().cpu.gemv_activations == "float32"
+    assert serve_options("int8").cpu.gemv_activations == "int8"
+    path = tmp_path / "options.json"
+    path.write_text('{"cpu": {"threads": 1, "gemv_activations": "int8"}}')
+    monkeypatch.setenv("INGOT_OPTIONS", str(path))
+    assert serve_options().cpu == CpuOptions(threads=1, gemv_activations="int8")
+    assert serve_options("float32").cpu == CpuOptions(threads=1, gemv_activations="float32")   # the rest kept
+    with pytest.raises(IngotError, match="--gemv-activations is 'int4'"):
+        serve_options("int4")
+    with pytest.raises(SystemExit) as e:   # argparse's choices
+        main(["serve", "--gemv-activations", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err

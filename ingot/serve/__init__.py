@@ -30,10 +30,28 @@ def parse_lora(text: str) -> tuple[str, str, float]:
     return name, path, scale
 
 
+def serve_options(gemv_activations: str | None = None):
+    """The CompileOptions a server compiles with: INGOT_OPTIONS's (else the defaults), with
+    `--gemv-activations` ("float32": exact float products, the default; "int8": x rounded to int8
+    per block of 32 as llama.cpp does, faster, BENCHMARKS.md) when given."""
+    import dataclasses
+
+    from ..options import CompileOptions
+
+    options = CompileOptions.from_environment()
+    if gemv_activations is None:
+        return options
+    if gemv_activations not in ("float32", "int8"):
+        raise IngotError(f"--gemv-activations is {gemv_activations!r}; 'float32' or 'int8'.")
+    return dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, gemv_activations=gemv_activations))
+
+
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", max_batch: int = 8,
           context: int | None = None, loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
-          announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
-    """Load the model (the default one when None), then serve it until interrupted."""
+          announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+          gemv_activations: str | None = None) -> None:
+    """Load the model (the default one when None), then serve it until interrupted. gemv_activations:
+    see serve_options (None: INGOT_OPTIONS's choice, float32 by default)."""
     import uvicorn
 
     from ..llm.generate import default_model_path
@@ -42,8 +60,9 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     if not 0 <= port <= 65535:
         raise IngotError(f"--port must be 0..65535, not {port}.")
+    options = serve_options(gemv_activations)
     engine = Engine(model or default_model_path(), device=device, max_batch=max_batch, context=context, loras=loras,
-                    max_queue=max_queue)
+                    max_queue=max_queue, options=options)
     app = create_app(engine)
     engine.start()
     engine.warm()       # every decode bucket and prefill length compiled before the first request
@@ -58,7 +77,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
             for sock in s.sockets:
                 address = sock.getsockname()
                 announce(f"ingot serve: http://{address[0]}:{address[1]}/v1 (models: {models}; {engine.max_batch} slots, "
-                         f"context {engine.context})")
+                         f"context {engine.context}; {options.cpu.gemv_activations} GEMV activations)")
     server.startup = startup
     try:
         server.run()

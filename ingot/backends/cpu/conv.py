@@ -20,6 +20,7 @@ from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
+from . import conv_kernels
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -279,6 +280,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     kh, kw = (1, w_shape[2]) if one_d else w_shape[2:]
     mg = m // groups
     depthwise = cg == 1 and mg == 1 and groups > 1
+    blocked = depthwise and conv_kernels.blocked_fits(kh, kw, oh, ow)
     pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
     k = cg * kh * kw
     rows = max(1, min(oh, TILE_ELEMENTS // max(1, (k if not pointwise else cg) * ow)))
@@ -312,7 +314,10 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                     oy1 = min(oh, oy0 + rows)
                     c0, c1 = oy0 * ow, oy1 * ow
                     tile = flat[:, c0:c1]
-                    if depthwise:
+                    if blocked:   # the whole output at once (conv_kernels.py), then the tiles' epilogues
+                        if oy0 == 0:
+                            conv_kernels.depthwise_blocked(xg, wk, sh, sw, dh, dw, ph, pw, y4[n])
+                    elif depthwise:
                         _depthwise(xg, wk, sh, sw, dh, dw, ph, pw, oy0, oy1, y4[n])
                     elif pointwise:
                         np.matmul(wk[g], xg.reshape(cg, oh * ow)[:, c0:c1], out=tile)

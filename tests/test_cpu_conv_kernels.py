@@ -1,0 +1,52 @@
+"""The blocked depthwise kernel (backends/cpu/conv_kernels.py) against the NumPy conv reference on awkward
+shapes: channels not a multiple of 16, odd sizes, strides, asymmetric padding, dilation, 1-D windows; and
+through the CPU conv step with an epilogue (bias + ReLU)."""
+import numpy as np
+import pytest
+
+from ingot.backends.cpu import conv_kernels
+from ingot.ops.conv import conv
+
+CASES = [  # channels, (H, W), (kh, kw), strides, dilations, pads ((top, bottom), (left, right))
+    (1, (1, 1), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),
+    (13, (9, 7), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),
+    (16, (14, 14), (5, 5), (1, 1), (1, 1), ((2, 2), (2, 2))),
+    (33, (11, 12), (5, 5), (2, 1), (1, 1), ((2, 1), (0, 2))),
+    (20, (10, 9), (3, 3), (1, 2), (2, 2), ((2, 2), (1, 3))),
+    (17, (5, 8), (7, 7), (1, 1), (1, 1), ((3, 3), (3, 3))),
+    (40, (1, 23), (1, 5), (1, 2), (1, 1), ((0, 0), (2, 2))),
+    (18, (6, 6), (3, 3), (1, 1), (1, 1), ((0, 0), (0, 0))),
+]
+
+
+@pytest.mark.parametrize("c,hw,k,strides,dilations,pads", CASES)
+def test_depthwise_blocked_matches_reference(c, hw, k, strides, dilations, pads):
+    rng = np.random.default_rng(c + hw[0] * 7 + k[1])
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((c,) + k).astype(np.float32)
+    want = conv(x[None], w[:, None], None, strides, dilations, pads, c)[0]
+    out = np.full(want.shape, np.nan, np.float32)
+    (sh, sw), (dh, dw), ((ph, _), (pw, _)) = strides, dilations, pads
+    assert conv_kernels.blocked_fits(k[0], k[1], *want.shape[1:])
+    conv_kernels.depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_only_for_small_outputs_and_known_windows():
+    assert not conv_kernels.blocked_fits(3, 3, 56, 56) and not conv_kernels.blocked_fits(2, 2, 7, 7)
+
+
+def test_depthwise_conv_step_with_epilogue():
+    """A depthwise conv + bias + ReLU compiled for the CPU (fusion, blocked kernel) equals the reference."""
+    import ingot
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 21, 15, 13)).astype(np.float32)
+    w = rng.standard_normal((21, 1, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(21).astype(np.float32)
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    y = g.maximum(g.conv(xi, w, b, strides=(2, 2), pads=((1, 1), (0, 1)), groups=21), 0.0)
+    exe = g.compile(targets=[y])
+    assert any(n.op.name == "FUSED" for n in exe.program.nodes())
+    want = np.maximum(conv(x, w, b, (2, 2), (1, 1), ((1, 1), (0, 1)), 21), 0)
+    np.testing.assert_allclose(exe.run({"x": x})[0], want, rtol=1e-5, atol=1e-5)

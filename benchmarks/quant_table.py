@@ -182,6 +182,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama", default=",".join(LLAMA_ROWS), help="llama.cpp file types, comma-separated ('' for none)")
     parser.add_argument("--rows", default=",".join(ROWS), help="Ingot rows, comma-separated: FMT[+cal][+awq][+gptq][+cRANK][+x], default, FMT+default[+cRANK]")
+    parser.add_argument("--model", help="the GGUF file whose weights, dequantized, are the reference (default: the default model)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=3, help="chunks of the eval text scored (at most 5)")
     parser.add_argument("--workdir", help="where the F32 GGUF and llama.cpp's files go (default: a temporary folder)")
@@ -204,7 +205,7 @@ def main() -> int:
     t0 = time.perf_counter()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ingot-quant-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    path = default_model_path()
+    path = args.model or default_model_path()
     source = open_model(path)
     float_path = workdir / "float32.gguf"
     if not float_path.is_file():
@@ -222,14 +223,18 @@ def main() -> int:
     header = "| quantizer | format | bits/weight | disk MB | mean KLD | KLD p99 | top-1 | PPL | quantize s |"
     print(header + "\n|" + " --- |" * 2 + " ---: |" * 7, flush=True)
 
-    def report(quantizer, row, bits, elements, disk, model, seconds, notes=()):
+    def report(quantizer, row, bits, elements, disk, model, seconds, notes=(), two_level_bits=None):
         r = compare(scored_ref, score(model, token_chunks))
         entry = {"quantizer": quantizer, "row": row, "bpw": bits / elements, "disk_bytes": disk, "mean_kld": r.mean_kld,
                  "kld_p99": r.kld_p99, "top1": r.top1, "ppl": r.ppl_model, "ppl_reference": r.ppl_reference,
                  "quantize_s": seconds, "notes": list(notes)}
+        if two_level_bits is not None and two_level_bits != bits:
+            entry["bpw_two_level"] = two_level_bits / elements
         results.append(entry)
         print(f"| {quantizer} | {row} | {bits / elements:.3f} | {disk / 1e6:.1f} | {r.mean_kld:.4f} | {r.kld_p99:.3f} | "
               f"{100 * r.top1:.1f}% | {r.ppl_model:.2f} | {seconds:.0f} |", flush=True)
+        if "bpw_two_level" in entry:
+            print(f"|  | (the same row in its two-level encoding: {entry['bpw_two_level']:.3f} bits/weight) |", flush=True)
 
     for name in [n for n in args.llama.split(",") if n]:
         try:
@@ -258,6 +263,7 @@ def main() -> int:
         seconds = time.perf_counter() - t
         matrices = [(n, v) for n, v in result.tensors.items() if len(getattr(v, "shape", ())) == 2]
         bits = 8 * (sum(tensor_nbytes(v) for _, v in matrices) + result.adapter_bytes)
+        two_level_bits = 8 * (sum(getattr(v, "two_level_nbytes", tensor_nbytes(v)) for _, v in matrices) + result.adapter_bytes)
         elements = sum(int(np.prod(v.shape)) for _, v in matrices)
         disk = sum(tensor_nbytes(v) for v in result.tensors.values()) + result.adapter_bytes
         if args.save_packages or args.speed_repeats:
@@ -268,7 +274,7 @@ def main() -> int:
             if args.speed_repeats:
                 speed_files.append((row, "Ingot", str(out)))
         model = StoredModel(path, source.architecture, source.metadata, result.tensors, source.config, result.adapters)
-        report("Ingot", row, bits, elements, disk, model, seconds, result.notes)
+        report("Ingot", row, bits, elements, disk, model, seconds, result.notes, two_level_bits)
     if speed_files:
         print(f"decode speed: {len(speed_files)} rows interleaved, {args.speed_repeats} rounds after a warm-up, "
               f"{args.threads} thread(s) each, {args.speed_prompt}-token prefill + 128 decode steps a round", flush=True)

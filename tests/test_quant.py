@@ -85,12 +85,13 @@ def test_bad_format_is_one_sentence(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4:32", "uint4:64", "lut4", "lut4:g128", "lut8", "int4:32:asym", "uint8:tensor",
-                                 "uint4:32:f16", "int4:64:auto:f16"])
+                                 "uint4:32:f16", "int4:64:auto:f16", "uint4:32:k", "int4:16:k8"])
 def test_format_string_round_trips(fmt):
     assert str(parse_format(fmt)) == fmt
 
 
-@pytest.mark.parametrize("fmt", ["int8", "uint4:32", "int4:16:asym", "lut4", "lut4:g4", "lut8:g2", "uint4:32:f16", "int4:16:f16"])
+@pytest.mark.parametrize("fmt", ["int8", "uint4:32", "int4:16:asym", "lut4", "lut4:g4", "lut8:g2", "uint4:32:f16", "int4:16:f16",
+                                 "uint4:16:k"])
 def test_quantized_matmul_in_a_graph_equals_the_dequantized_weight(fmt):
     rng = np.random.default_rng(2)
     w = rng.standard_normal((24, 64)).astype(np.float32)       # [out, in]

@@ -243,3 +243,73 @@ def test_allocation_stays_within_the_budget_and_gives_bits_where_they_lower_the_
     # a fixed format counts against the budget and is not allocated
     fixed = lambda budget: {n: str(f) for n, f in allocate_formats(floats, None, budget, fixed=[("*attn_k*", "int8")])}  # noqa: E731
     assert fixed(6.3) == {"blk.0.attn_q.weight": "int4:64:f16"} and fixed(6.4) == {"blk.0.attn_q.weight": "int4:32:auto:f16"}
+
+
+def _two_level_weight(rng, rows=16, cols=512):
+    """Weights whose blocks differ in spread and centre (uneven rows and columns, heavy tails)."""
+    w = rng.standard_normal((rows, cols)) * np.exp(0.5 * rng.standard_normal((rows, 1)))
+    return (w * np.exp(0.5 * rng.standard_normal((1, cols))) + 0.3 * rng.standard_normal((rows, cols // 32)).repeat(32, 1)
+            ).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, bpw", [("uint4:32:k", 4.5), ("uint4:32:k8", 4.625), ("int4:16:k", 4.4375)])
+def test_two_level_parameters_are_codes_times_a_unit_per_super_block(fmt, bpw):
+    w = _two_level_weight(np.random.default_rng(6))
+    t = quantize(w, fmt)
+    bits = parse_format(fmt).code_bits
+    assert t.two_level == (256, bits) and 8 * t.two_level_nbytes / w.size == bpw
+    params = [t.scale] + ([] if t.bias is None else [t.bias])
+    assert all(p.dtype == np.float16 for p in params)           # exact products: the kernels read float16
+    for p, sign, (unit, codes) in zip(params, (1, -1), t.two_level_codes()):
+        assert unit.shape == (2, 16) and codes.shape == (2, 256 // t.block_size, 16) and codes.max() < 2 ** bits
+        rebuilt = sign * unit.astype(np.float32)[:, None, :] * codes            # [super, block, row]
+        np.testing.assert_array_equal(rebuilt.transpose(2, 0, 1).reshape(16, -1), p.astype(np.float32))
+    np.testing.assert_allclose(t.dequantize_rows(), _reference_dequantize(t.__class__(**{
+        **t.__dict__, "scale": t.scale.astype(np.float32),
+        "bias": None if t.bias is None else t.bias.astype(np.float32)})), rtol=1e-6, atol=1e-6)
+    k = t.to_k_major()
+    assert k.two_level == t.two_level and all(np.array_equal(a[1], b[1]) for a, b in zip(k.two_level_codes(), t.two_level_codes()))
+
+
+def test_two_level_blocks_of_32_beat_blocks_of_64_at_equal_bits():
+    # uint4:32:k and uint4:64:f16 both take 4.5 bits per weight; the fitted two-level parameters
+    # keep nearly all of blocks of 32's gain (Q4_1's uint4:32:f16, 5 bits)
+    w = _two_level_weight(np.random.default_rng(7), rows=64)
+    err = {f: float(((w - quantize(w, f).dequantize_rows()) ** 2).sum()) for f in ("uint4:32:k", "uint4:64:f16", "uint4:32:f16")}
+    assert err["uint4:32:k"] < 0.85 * err["uint4:64:f16"] and err["uint4:32:k"] < 1.05 * err["uint4:32:f16"], err
+
+
+def test_gptq_two_level_keeps_the_codes_and_lowers_the_output_error():
+    x = _correlated_inputs(cols=512)
+    h = x.T @ x / len(x)
+    w = _two_level_weight(np.random.default_rng(8), rows=24)
+    t = gptq(w, "uint4:32:k", h)
+    assert t.two_level == (256, 6) and len(t.two_level_codes()) == 2
+    plain = quantize(w, "uint4:32:k", importance=np.diag(h).astype(np.float32)).dequantize_rows()
+    assert _output_error(w, t.dequantize_rows(), h) < 0.3 * _output_error(w, plain, h)
+
+
+@pytest.mark.parametrize("fmt", ["uint4:k", "uint4:32:k:f16", "int4:32:auto:k"])
+def test_two_level_formats_need_blocks_and_no_other_parameter_form(fmt):
+    with pytest.raises(IngotError, match=":k needs a block size"):
+        parse_format(fmt)
+
+
+def test_two_level_model_saves_and_reads_back_its_form_and_the_same_logits(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from quant_helpers import logits, save_tiny, tiny_config
+
+    from ingot.llm.package import open_model, read_llm, save_llm
+    from ingot.quant.formats import QuantizedTensor
+    from ingot.quant.pipeline import quantize_default
+
+    save_tiny(tmp_path / "tiny.ingot")
+    model = open_model(tmp_path / "tiny.ingot")
+    result = quantize_default(model, "uint4:16:k", tensor_formats=[])
+    save_llm(tmp_path / "q.ingot", model.config, result.tensors, model.metadata)
+    back = read_llm(tmp_path / "q.ingot")
+    stored = [t for t in back.tensors.values() if isinstance(t, QuantizedTensor)]
+    assert stored and all(t.two_level is not None and len(t.two_level_codes()) == 2 for t in stored)
+    tokens = [1, 40, 41, 60, 61, 80]
+    np.testing.assert_allclose(logits(tiny_config(), back.tensors, tokens), logits(tiny_config(), result.tensors, tokens),
+                               rtol=1e-5, atol=1e-5)

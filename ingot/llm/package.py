@@ -131,6 +131,8 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
         elif isinstance(t, QuantizedTensor):
             layout[name] = {"kind": "quantized", "qdtype": t.qdtype.name, "shape": list(t.shape), "block_size": t.block_size,
                             "params": [p for p in _PARAMS if getattr(t, p) is not None], "source": t.source}
+            if t.two_level:
+                layout[name]["two_level"] = list(t.two_level)
         elif np.ndim(t) == 2:
             layout[name] = {"kind": "matrix"}   # stored transposed ([in, out]) by the builder
         else:
@@ -190,9 +192,11 @@ def read_llm(path) -> StoredModel:
             if spec["kind"] == "quantized":
                 qdtype = dt.by_name(spec["qdtype"])
                 params = {p: np.asarray(weights[f"{name}.{p}"]) for p in spec["params"] if p in _PARAMS}
+                two_level = spec.get("two_level")
                 tensors[name] = QuantizedTensor(weights[name], qdtype, tuple(spec["shape"]), int(spec["block_size"]),
                                                 params.get("scale"), params.get("bias"), params.get("zero_point"),
-                                                str(spec.get("source", "")), block_axis=0, lut=params.get("lut"))
+                                                str(spec.get("source", "")), block_axis=0, lut=params.get("lut"),
+                                                two_level=None if two_level is None else (int(two_level[0]), int(two_level[1])))
                 _check_quantized(path, name, tensors[name])
             elif spec["kind"] == "experts":
                 qdtype = None if spec["qdtype"] is None else dt.by_name(spec["qdtype"])

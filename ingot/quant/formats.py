@@ -41,10 +41,53 @@ class QuantizedTensor:
     source: str = ""                 # e.g. "Q4_1" for a GGUF tensor
     block_axis: int = 1              # 1: blocks run along cols (GGUF's form); 0: along rows (k-major)
     lut: np.ndarray | None = None    # float32 [pR, pC, 2**bits] block-broadcast table (LUT formats)
+    two_level: tuple[int, int] | None = None   # (weights per super-block, bits per code): see two_level_nbytes
 
     @property
     def nbytes(self) -> int:
         return int(self.q.nbytes + sum(p.nbytes for p in (self.scale, self.bias, self.zero_point, self.lut) if p is not None))
+
+    @property
+    def two_level_nbytes(self) -> int:
+        """Bytes of the two-level encoding of a tensor quantized with `two_level` = (S, BITS) (the
+        `:k` formats, GGUF Q4_K's idea): each block's scale (and bias) is an unsigned BITS-bit code
+        times a float16 unit per super-block of S weights along the blocks' axis (scale = d * code,
+        bias = -dmin * code), so every parameter held here is that product, exactly; the codes and
+        units take BITS bits per block and 16 bits per super-block per parameter. Without
+        two_level: nbytes. (The kernels read the products, as float16: nbytes is what they read.)"""
+        if self.two_level is None:
+            return self.nbytes
+        per_super, bits = self.two_level
+        params = [p for p in (self.scale, self.bias) if p is not None]
+        blocks = self.scale.size
+        supers = blocks // (per_super // self.block_size)
+        return int(self.q.nbytes + len(params) * ((blocks * bits + 7) // 8 + 2 * supers))
+
+    def two_level_codes(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(units [n_super, R], codes [n_super, per_super, R]) per parameter (scale, then bias as -unit * code)
+        of a two-level tensor, superblocks along the blocks' axis and R the other: the encoding
+        two_level_nbytes counts, recovered from the products (for each super-block the largest unit
+        whose multiples, of at most BITS bits, give them all exactly). ValueError if none does."""
+        per_super, bits = self.two_level
+        n = per_super // self.block_size
+        out = []
+        for p, sign in ((self.scale, 1), (self.bias, -1)):
+            if p is None:
+                continue
+            v = sign * (p.T if self.block_axis == 0 else p).astype(np.float64)     # [rows, nb]
+            v = v.reshape(v.shape[0], -1, n).transpose(1, 2, 0)                      # [n_super, per_super, R]
+            top = v.max(axis=1)
+            unit, found = np.zeros_like(top), top <= 0
+            for c in range(1, 2 ** bits):     # the unit making the largest product code c, the largest unit first
+                u = top / c
+                codes = v / np.where(u > 0, u, 1)[:, None, :]
+                fits = ~found & np.all((codes == np.rint(codes)) & (codes >= 0), axis=1) & (u.astype(np.float16) == u)
+                unit, found = np.where(fits, u, unit), found | fits
+            if not found.all():
+                raise ValueError("parameters that are not multiples of a float16 unit per super-block")
+            codes = np.rint(v / np.where(unit > 0, unit, 1)[:, None, :])
+            out.append((unit.astype(np.float16), codes.astype(np.uint8)))
+        return out
 
     def values(self) -> np.ndarray:
         """The unpacked integers [rows, cols] (int8 or uint8)."""
@@ -94,7 +137,8 @@ class QuantizedTensor:
         t = lambda p: None if p is None else np.ascontiguousarray(p.T)  # noqa: E731
         lut = None if self.lut is None else np.ascontiguousarray(self.lut.transpose(1, 0, 2))
         return QuantizedTensor(q, qdtype, (self.shape[1], self.shape[0]), self.block_size, t(self.scale),
-                               t(self.bias), t(self.zero_point), self.source, block_axis=0, lut=lut)
+                               t(self.bias), t(self.zero_point), self.source, block_axis=0, lut=lut,
+                               two_level=self.two_level)
 
 
 def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
@@ -105,7 +149,7 @@ def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
                and (p.zero_point is None) == (first.zero_point is None)
                and (not p.qdtype.packed or p.shape[1] % 2 == 0) and (p.lut is None) == (first.lut is None)
                and (p.lut is None or p.lut.shape[0] == 1) and (p.scale is None) == (first.scale is None)
-               for p in parts)
+               and p.two_level == first.two_level for p in parts)
     if not same:
         raise ValueError("only k-major tensors of one format and K concatenate")
     lut = None
@@ -120,7 +164,8 @@ def concat_columns(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
     cat = lambda arrays: None if arrays[0] is None else np.ascontiguousarray(np.concatenate(arrays, axis=1))  # noqa: E731
     return QuantizedTensor(cat([p.q for p in parts]), first.qdtype, (first.shape[0], sum(p.shape[1] for p in parts)),
                            first.block_size, cat([p.scale for p in parts]), cat([p.bias for p in parts]),
-                           cat([p.zero_point for p in parts]), first.source, block_axis=0, lut=lut)
+                           cat([p.zero_point for p in parts]), first.source, block_axis=0, lut=lut,
+                           two_level=first.two_level)
 
 
 def tensor_nbytes(t) -> int:

@@ -24,8 +24,9 @@ import numpy as np
 
 from ..errors import IngotError
 from .formats import QuantizedTensor
-from .quantize import (Format, _affine_params, _pack, _round_affine, _search_clip, fitting_divisor, parse_format, quantize,
-                       stored_params)
+from .quantize import (Format, _affine_params, _fit_blocks, _pack, _round_affine, _search_clip, _two_level_units,
+                       fitting_divisor, parse_format, quantize, stored_params, super_block_size, two_level_block_params,
+                       two_level_stored)
 
 DAMPING = 0.01       # of the mean diagonal, added to H (GPTQ's default)
 SWEEP_BLOCK = 128    # columns whose corrections are applied lazily together
@@ -69,6 +70,7 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
         block = cols if fmt.block_size is None else fitting_divisor(cols, fmt.block_size)
         scale = np.empty((rows, cols // block), np.float32)
         bias = None if fmt.symmetric and fmt.qdtype.kind == "i" else np.empty((rows, cols // block), np.float32)
+        per_super = super_block_size(cols, block) if fmt.code_bits else 0
     q = np.empty((rows, cols), np.int16)
 
     def quantize_column(j: int, column: np.ndarray) -> np.ndarray:
@@ -90,7 +92,18 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
         stop = min(cols, start + SWEEP_BLOCK)
         errors = np.empty((rows, stop - start))
         for j in range(start, stop):
-            if fmt.kind == "affine" and j % block == 0:  # this block's parameters, from its columns as they stand now
+            if fmt.code_bits and j % block == 0:
+                if j % per_super == 0:   # the super-block's units, from its columns as they stand now
+                    cells = w[:, j:j + per_super].astype(np.float32).reshape(rows, per_super // block, block)
+                    imp = importance[j:j + per_super].reshape(1, per_super // block, block) + np.float32(1e-8)
+                    units = _two_level_units(*_fit_blocks(cells, imp, fmt), per_super // block, fmt.code_bits)
+                cells = w[:, j:j + block].astype(np.float32)[:, None, :]
+                s, bb, _ = two_level_block_params(cells, importance[None, None, j:j + block] + np.float32(1e-8), fmt, 1,
+                                                  units=units)
+                scale[:, j // block] = s[:, 0]
+                if bias is not None:
+                    bias[:, j // block] = bb[:, 0]
+            elif fmt.kind == "affine" and j % block == 0:  # this block's parameters, from its columns as they stand now
                 cells = w[:, j:j + block].astype(np.float32)[:, None, :]
                 lo, hi = cells.min(axis=2), cells.max(axis=2)
                 s, bb, _ = _affine_params(lo, hi, fmt)
@@ -106,5 +119,8 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
     if fmt.kind == "lut":
         return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, template.scale, source=str(fmt),
                                lut=template.lut)
+    if fmt.code_bits:
+        return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, two_level_stored(scale),
+                               two_level_stored(bias), source=str(fmt), two_level=(per_super, fmt.code_bits))
     return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, stored_params(scale, fmt),
                            stored_params(bias, fmt), source=str(fmt))

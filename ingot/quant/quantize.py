@@ -18,6 +18,10 @@ Formats (FMT strings, `parse_format`):
         5 bits per weight, int4:64:f16 4.25), the codes rounded against the float16 values.
         Signed types default to symmetric (scale = max|w| / (qmax + 1/2)), unsigned ones to asymmetric
         (scale = (max - min) / (2**bits - 1), bias = min). |w - w_hat| <= scale / 2 everywhere.
+        :k (:k8) stores each block's scale and bias as a 6-bit (8-bit) code times a float16 unit per
+        super-block of about 256 columns (GGUF Q4_K's idea: uint4:32:k is its 4.5 bits per weight):
+        per block a least-squares fit of scale and bias (bias <= 0), then the codes, each
+        block's codes moved by one where that lowers its error; see QuantizedTensor.two_level_nbytes.
         :auto (with a BLOCK) picks per tensor, by the importance-weighted error, between the
         symmetric form in blocks of BLOCK and the asymmetric one in blocks of 2 * BLOCK: the same bytes.
     lut4 | lut8 [:gROWS] [:bBLOCK] [:uniform]
@@ -59,6 +63,7 @@ class Format:
     group_rows: int | None = None   # lut: rows per table; None: one table for the tensor
     uniform: bool = False           # lut: uniform table instead of k-means
     half: bool = False              # affine: parameters stored as float16
+    code_bits: int = 0              # affine: 6 or 8 for the two-level :k / :k8 parameters (codes times units)
 
     @property
     def bits(self) -> int:
@@ -71,6 +76,8 @@ class Format:
         block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
         default_sym = self.qdtype.kind == "i"
         half = ":f16" if self.half else ""
+        if self.code_bits:
+            half = ":k" if self.code_bits == 6 else f":k{self.code_bits}"
         if self.auto:
             return self.qdtype.name + block + ":auto" + half
         return self.qdtype.name + block + ("" if self.symmetric == default_sym else (":sym" if self.symmetric else ":asym")) + half
@@ -96,10 +103,12 @@ def parse_format(fmt: str | Format) -> Format:
     head, *options = fmt.strip().lower().split(":")
     if head in AFFINE_TYPES:
         qdtype = AFFINE_TYPES[head]
-        block, symmetric, auto, half = None, qdtype.kind == "i", False, False
+        block, symmetric, auto, half, code_bits = None, qdtype.kind == "i", False, False, 0
         for opt in options:
             if opt == "f16":
                 half = True
+            elif opt in ("k", "k6", "k8"):
+                code_bits = 8 if opt == "k8" else 6
             elif opt in ("sym", "asym"):
                 symmetric = opt == "sym"
             elif opt == "auto":
@@ -113,10 +122,12 @@ def parse_format(fmt: str | Format) -> Format:
                     raise bad(f"block size {opt} is not one of {', '.join(map(str, BLOCK_SIZES))}")
                 block = int(opt)
             else:
-                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym, asym, auto or f16")
+                raise bad(f"option {opt!r} is not a block size, channel, tensor, sym, asym, auto, f16, k or k8")
         if auto and not block:
             raise bad(":auto needs a block size (it compares blocks of BLOCK and 2 * BLOCK)")
-        return Format("affine", qdtype, block, symmetric, auto=auto, half=half)
+        if code_bits and (not block or auto or half):
+            raise bad(":k needs a block size and goes without :auto and :f16 (its parameters are codes times float16 units)")
+        return Format("affine", qdtype, block, symmetric, auto=auto, half=half, code_bits=code_bits)
     m = re.fullmatch(r"lut([48])", head)
     if m:
         group, uniform, block = None, False, None
@@ -169,6 +180,8 @@ def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | Non
             raise IngotError(f"quantize: importance has shape {importance.shape}, expected ({w.shape[1]},).")
     if fmt.kind == "lut":
         return _quantize_scaled_lut(w, fmt, importance) if fmt.block_size else _quantize_lut(w, fmt, importance)
+    if fmt.code_bits:
+        return _quantize_two_level(w, fmt, importance)
     if fmt.auto:
         weights = np.ones(w.shape[1], np.float32) if importance is None else importance
         tried = [_quantize_affine(w, f, importance) for f in fmt.candidates()]
@@ -265,6 +278,141 @@ def _search_clip(blocks, lo, hi, fmt, importance, scale, bias, ratios=(1.0, 0.95
         if b is not None:
             best_bias = np.where(better, b, best_bias).astype(np.float32)
     return best_scale, best_bias
+
+
+# -- two-level parameters (:k) -----------------------------------------------------------------
+SUPER_BLOCK = 256    # columns per super-block (GGUF's K types), or the nearest multiple of the block dividing cols
+LSQ_ROUNDS = 4
+
+
+def super_block_size(cols: int, block: int) -> int:
+    """Columns per super-block: the multiple of block dividing cols nearest SUPER_BLOCK (the larger on a tie)."""
+    options = [m * block for m in range(1, cols // block + 1) if cols % (m * block) == 0]
+    return min(options, key=lambda s: (abs(s - SUPER_BLOCK), -s))
+
+
+def _fit_blocks(blocks: np.ndarray, weights: np.ndarray, fmt: Format):
+    """Float (scale, bias) per block [rows, nb] for blocks [rows, nb, block] under per-weight
+    weights (broadcastable): the best clipped range (_search_clip), then alternately rounding and
+    the weighted least-squares scale and bias for the codes, kept where they lower the error;
+    asymmetric forms keep bias <= 0 (the bias is -dmin * code)."""
+    lo, hi = np.minimum(blocks.min(axis=2), 0), blocks.max(axis=2)
+    plain = Format("affine", fmt.qdtype, fmt.block_size, fmt.symmetric)
+    s, b, _ = _affine_params(lo, hi, plain)
+    imp = np.broadcast_to(weights, blocks.shape)
+    s, b = _search_clip(blocks, lo, hi, plain, imp[0], s, b)
+    if b is not None:
+        b = np.minimum(b, 0)
+    err = lambda s, b: (imp * (blocks - _round_affine(blocks, s, b, plain) * s[..., None]  # noqa: E731
+                               - (0 if b is None else b[..., None])) ** 2).sum(axis=2)
+    best = err(s, b)
+    for _ in range(LSQ_ROUNDS):
+        q = _round_affine(blocks, s, b, plain)
+        a, qq = (imp * q * q).sum(axis=2), (imp * q * blocks).sum(axis=2)
+        if b is None:
+            s2, b2 = np.where(a > 0, qq / np.maximum(a, 1e-30), s), None
+        else:
+            c, bq, e = (imp * q).sum(axis=2), imp.sum(axis=2), (imp * blocks).sum(axis=2)
+            det = a * bq - c * c
+            ok = det > 1e-30 * np.maximum(a * bq, 1e-30)
+            s2 = np.where(ok, (bq * qq - c * e) / np.where(ok, det, 1), s)
+            b2 = np.where(ok, (a * e - c * qq) / np.where(ok, det, 1), b)
+            pinned = b2 > 0           # the bias bound: scale alone, bias 0
+            s2 = np.where(pinned, qq / np.maximum(a, 1e-30), s2)
+            b2 = np.where(pinned, 0, b2)
+        s2 = np.where(s2 > 0, s2, s).astype(np.float32)
+        b2 = None if b2 is None else b2.astype(np.float32)
+        e2 = err(s2, b2)
+        better = e2 < best
+        best = np.where(better, e2, best)
+        s = np.where(better, s2, s)
+        b = None if b is None else np.where(better, b2, b)
+    return s.astype(np.float32), None if b is None else b.astype(np.float32)
+
+
+def _unit(top: np.ndarray, bits: int) -> np.ndarray:
+    """The float16 unit per super-block for codes of `bits` bits whose largest is top: top / (2**bits - 1),
+    rounded up to 11 - bits significant bits, so that unit * code is exact in float16 (codes have
+    `bits` bits); zero where top is."""
+    u = np.asarray(top, np.float64) / (2 ** bits - 1)
+    m, e = np.frexp(u)
+    keep = 2.0 ** (11 - bits)
+    u = np.ldexp(np.ceil(m * keep) / keep, e)
+    tiny = float(np.finfo(np.float16).tiny) / (2 ** bits - 1)   # products stay float16 normals
+    return np.where(top > 0, np.maximum(u, tiny), 0.0).astype(np.float16).astype(np.float32)
+
+
+def _codes(p: np.ndarray, unit: np.ndarray, bits: int, low: int) -> np.ndarray:
+    return np.clip(np.rint(p / np.where(unit > 0, unit, 1)), low, 2 ** bits - 1)
+
+
+def _two_level_units(s: np.ndarray, b: np.ndarray | None, per_super: int, bits: int):
+    """(d, dmin or None) [rows, n_super] for float block parameters [rows, nb]."""
+    rows, nb = s.shape
+    d = _unit(s.reshape(rows, nb // per_super, per_super).max(axis=2), bits)
+    dmin = None if b is None else _unit((-b).reshape(rows, nb // per_super, per_super).max(axis=2), bits)
+    return d, dmin
+
+
+def _coded_params(blocks, weights, s, b, d, dmin, bits, fmt):
+    """Block parameters on the two-level grid: the nearest codes to (s, b), then per block the
+    neighbouring codes (+-1 each) with the lowest weighted error; returns float32 (scale, bias) exact
+    products d * code, -dmin * code."""
+    plain = Format("affine", fmt.qdtype, fmt.block_size, fmt.symmetric)
+    imp = np.broadcast_to(weights, blocks.shape)
+    cs = _codes(s, d, bits, 1)
+    cm = None if b is None else _codes(-b, dmin, bits, 0)
+    best, best_cs, best_cm = None, cs, cm
+    for ds in (0, -1, 1):
+        for dm in ((0,) if b is None else (0, -1, 1)):
+            ts = np.clip(cs + ds, 1, 2 ** bits - 1)
+            scale = (ts * d).astype(np.float32)
+            tm = None if b is None else np.clip(cm + dm, 0, 2 ** bits - 1)
+            bias = None if b is None else (-(tm * dmin)).astype(np.float32)
+            q = _round_affine(blocks, scale, bias, plain)
+            e = (imp * (blocks - q * scale[..., None] - (0 if bias is None else bias[..., None])) ** 2).sum(axis=2)
+            if best is None:
+                best, best_cs, best_cm = e, ts, tm
+                continue
+            better = e < best
+            best = np.where(better, e, best)
+            best_cs = np.where(better, ts, best_cs)
+            best_cm = None if b is None else np.where(better, tm, best_cm)
+    scale = (best_cs * d).astype(np.float32)
+    return scale, None if b is None else (-(best_cm * dmin)).astype(np.float32)
+
+
+def two_level_block_params(blocks, weights, fmt: Format, per_super: int, units=None):
+    """(scale, bias, (d, dmin)) for blocks [rows, nb, block] in a :k format; units: the super-blocks'
+    (d, dmin) when already fixed (GPTQ fits them on a super-block's weights before its first block)."""
+    s, b = _fit_blocks(blocks, weights, fmt)
+    if units is None:
+        units = _two_level_units(s, b, per_super, fmt.code_bits)
+    d, dmin = units
+    rep = lambda u: None if u is None else np.repeat(u, per_super, axis=1)[:, :s.shape[1]]  # noqa: E731
+    scale, bias = _coded_params(blocks, weights, s, b, rep(d), rep(dmin), fmt.code_bits, fmt)
+    return scale, bias, units
+
+
+def two_level_stored(p: np.ndarray | None) -> np.ndarray | None:
+    """Two-level products as a tensor keeps them: float16 (exact, as the units make them), else float32."""
+    if p is None:
+        return None
+    half = p.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), p) else p.astype(np.float32)
+
+
+def _quantize_two_level(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
+    rows, cols = w.shape
+    block = fitting_divisor(cols, fmt.block_size)
+    per_super = super_block_size(cols, block) // block
+    blocks = w.reshape(rows, cols // block, block)
+    weights = (np.ones((1, 1, 1), np.float32) if importance is None
+               else (np.maximum(importance, 0) + np.float32(1e-8)).reshape(1, cols // block, block))
+    scale, bias, _ = two_level_block_params(blocks, weights, fmt, per_super)
+    q = _round_affine(blocks, scale, bias, fmt).reshape(rows, cols)
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, two_level_stored(scale),
+                           two_level_stored(bias), source=str(fmt), two_level=(per_super * block, fmt.code_bits))
 
 
 # -- lookup tables ------------------------------------------------------------------------------

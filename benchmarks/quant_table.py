@@ -11,7 +11,9 @@ tests/fixtures/eval_text.txt (llama.cpp's method: chunks of --context tokens fro
 the second half of each scored), against the F32 GGUF's own scoring.
 
 bits per weight: the bits of every 2-D weight as stored (packed values and block parameters, and
-for Ingot the compensation adapters) over their element count; disk MB: the GGUF file, or the
+for Ingot the compensation adapters) over their element count (the :k formats' parameters as codes
+and units, as the package stores them; a second line gives their float16 products' bits, as the
+kernels hold them in memory); disk MB: the GGUF file, or the
 Ingot LLM package (written for the speed column or --save-packages; otherwise its tensors and adapters).
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
@@ -223,18 +225,20 @@ def main() -> int:
     header = "| quantizer | format | bits/weight | disk MB | mean KLD | KLD p99 | top-1 | PPL | quantize s |"
     print(header + "\n|" + " --- |" * 2 + " ---: |" * 7, flush=True)
 
-    def report(quantizer, row, bits, elements, disk, model, seconds, notes=(), two_level_bits=None):
+    def report(quantizer, row, bits, elements, disk, model, seconds, notes=(), memory_bits=None):
+        """memory_bits: the bits in memory where they differ from those stored."""
         r = compare(scored_ref, score(model, token_chunks))
         entry = {"quantizer": quantizer, "row": row, "bpw": bits / elements, "disk_bytes": disk, "mean_kld": r.mean_kld,
                  "kld_p99": r.kld_p99, "top1": r.top1, "ppl": r.ppl_model, "ppl_reference": r.ppl_reference,
                  "quantize_s": seconds, "notes": list(notes)}
-        if two_level_bits is not None and two_level_bits != bits:
-            entry["bpw_two_level"] = two_level_bits / elements
+        if memory_bits is not None and memory_bits != bits:   # bits: as stored; memory_bits: as the kernels hold them
+            entry["bpw_in_memory"] = memory_bits / elements
         results.append(entry)
         print(f"| {quantizer} | {row} | {bits / elements:.3f} | {disk / 1e6:.1f} | {r.mean_kld:.4f} | {r.kld_p99:.3f} | "
               f"{100 * r.top1:.1f}% | {r.ppl_model:.2f} | {seconds:.0f} |", flush=True)
-        if "bpw_two_level" in entry:
-            print(f"|  | (the same row in its two-level encoding: {entry['bpw_two_level']:.3f} bits/weight) |", flush=True)
+        if "bpw_in_memory" in entry:
+            print(f"|  | (in memory: {entry['bpw_in_memory']:.3f} bits/weight, the two-level parameters decoded to float16) |",
+                  flush=True)
 
     for name in [n for n in args.llama.split(",") if n]:
         try:
@@ -262,10 +266,11 @@ def main() -> int:
         result = ingot_row(source, row, stats)
         seconds = time.perf_counter() - t
         matrices = [(n, v) for n, v in result.tensors.items() if len(getattr(v, "shape", ())) == 2]
-        bits = 8 * (sum(tensor_nbytes(v) for _, v in matrices) + result.adapter_bytes)
-        two_level_bits = 8 * (sum(getattr(v, "two_level_nbytes", tensor_nbytes(v)) for _, v in matrices) + result.adapter_bytes)
+        stored = lambda v: getattr(v, "two_level_nbytes", tensor_nbytes(v))  # noqa: E731  (:k formats: two-level)
+        bits = 8 * (sum(stored(v) for _, v in matrices) + result.adapter_bytes)
+        memory_bits = 8 * (sum(tensor_nbytes(v) for _, v in matrices) + result.adapter_bytes)
         elements = sum(int(np.prod(v.shape)) for _, v in matrices)
-        disk = sum(tensor_nbytes(v) for v in result.tensors.values()) + result.adapter_bytes
+        disk = sum(stored(v) for v in result.tensors.values()) + result.adapter_bytes
         if args.save_packages or args.speed_repeats:
             out = workdir / ("ingot-" + "".join(c if c.isalnum() else "_" for c in row) + ".ingot")
             save_llm(out, source.config, result.tensors, source.metadata, result.adapters or None,
@@ -274,7 +279,7 @@ def main() -> int:
             if args.speed_repeats:
                 speed_files.append((row, "Ingot", str(out)))
         model = StoredModel(path, source.architecture, source.metadata, result.tensors, source.config, result.adapters)
-        report("Ingot", row, bits, elements, disk, model, seconds, result.notes, two_level_bits)
+        report("Ingot", row, bits, elements, disk, model, seconds, result.notes, memory_bits)
     if speed_files:
         print(f"decode speed: {len(speed_files)} rows interleaved, {args.speed_repeats} rounds after a warm-up, "
               f"{args.threads} thread(s) each, {args.speed_prompt}-token prefill + 128 decode steps a round", flush=True)

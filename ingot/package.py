@@ -15,7 +15,11 @@ package can be broken raises one IngotError naming the file and what is wrong.
 
 Version history: 1 stored bfloat16 as U16 and complex64 as F32 pairs with a dtype table in
 graph.json; 2 stores them as safetensors BF16 and C64 and records the input order; 3 records the
-compile options in the manifest (a version 2 package loads with the default options).
+compile options in the manifest (a version 2 package loads with the default options); 4 may store
+float16 constants two-level (graph.json "two_level": {KEY: [blocks per super-block, code bits, sign]};
+weights.safetensors "two_level:KEY:units" float16 [n_super, N] and "two_level:KEY:codes" packed
+codes, ingot.quant.formats.two_level_split), decoded to float16 on load: `save(..., two_level=)`,
+what the :k quantization formats' scales and biases take; packages without them are written as 3.
 
     >>> import numpy as np, ingot, tempfile, os
     >>> g = ingot.Graph()
@@ -50,7 +54,8 @@ from .verify import verify
 
 FORMAT = "ingot-package"
 VERSION = 3
-READS = (2, 3)   # versions this Ingot loads
+TWO_LEVEL_VERSION = 4   # written when constants are stored two-level
+READS = (2, 3, 4)   # versions this Ingot loads
 
 # safetensors dtype names -> the NumPy dtype that holds the bytes (BF16: ml_dtypes' bfloat16, made on
 # first use by ingot.dtypes, so that importing ingot does not load ml_dtypes)
@@ -144,8 +149,9 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (ascontiguousarray makes 0-d 1-d)
 
 
-def _write(executable, path: Path) -> None:
+def _write(executable, path: Path, two_level: dict | None = None) -> None:
     from safetensors.numpy import save_file
+    from .quant.formats import pack_codes, two_level_split
 
     program: Program = executable.program
     nodes = program.nodes()
@@ -165,13 +171,27 @@ def _write(executable, path: Path) -> None:
     for prefix, store in (("constant", program.constants), ("variable", program.variables)):
         for key, value in store.items():
             tensors[f"{prefix}:{key}"] = _contiguous(value)
+    encoded = {}
+    for key, (per_super, bits, sign) in (two_level or {}).items():
+        value = program.constants.get(key)
+        if value is None or value.dtype != np.float16 or value.ndim != 2:
+            continue
+        try:   # [nb, N] k-major parameters: super-blocks along axis 0
+            units, codes = two_level_split(np.asarray(value).T, per_super, bits, sign)
+        except ValueError:
+            continue   # not (or no longer) two-level: stored as it is
+        del tensors[f"constant:{key}"]
+        tensors[f"two_level:{key}:units"], tensors[f"two_level:{key}:codes"] = units, pack_codes(codes, bits)
+        encoded[key] = [int(per_super), int(bits), int(sign), list(value.shape)]
+    if encoded:
+        graph["two_level"] = encoded
     path.mkdir(parents=True)
     (path / "graph.json").write_text(json.dumps(graph))
     save_file(tensors, str(path / "weights.safetensors"))
     os.chmod(path / "weights.safetensors", default_file_mode())  # safetensors writes 0600
     for name, exe in executable.callables.items():
         _write(exe, path / "callables" / f"{name}.ingot")
-    manifest = {"format": FORMAT, "version": VERSION, "device": executable.device,
+    manifest = {"format": FORMAT, "version": TWO_LEVEL_VERSION if encoded else VERSION, "device": executable.device,
                 "callables": sorted(executable.callables), "options": executable.options.to_dict()}
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
@@ -185,18 +205,20 @@ def _is_package_or_empty(path: Path) -> bool:
         return False
 
 
-def save(executable, path) -> None:
+def save(executable, path, two_level: dict | None = None) -> None:
     """Write `executable` as a package directory at path, replacing a package already there.
 
     Atomic: the package is built under a temporary name next to path and renamed into place; if
     anything fails, path is as it was before. A path that is a file, or a directory that is not
-    an Ingot package, is refused rather than replaced.
+    an Ingot package, is refused rather than replaced. two_level: {constant key: (blocks per
+    super-block, code bits, sign)} for float16 block parameters [nb, N] to store two-level
+    (version 4); one that is not two-level is stored as it is.
     """
     path = Path(path)
     if path.exists() and not (path.is_dir() and _is_package_or_empty(path)):
         raise IngotError(f"save: {path} exists and is not an Ingot package; refusing to replace it.")
     with atomic_directory(path) as staged:
-        _write(executable, staged)
+        _write(executable, staged, two_level)
 
 
 @contextmanager
@@ -273,6 +295,34 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def read_weights(path: Path, graph: dict | None = None) -> dict[str, np.ndarray]:
+    """A package's weights.safetensors entries (memory-mapped), two-level ones decoded back to their
+    "constant:KEY" float16 arrays (graph: its graph.json, read here when not given)."""
+    from .quant.formats import two_level_join, unpack_codes
+
+    weights = read_safetensors(path / "weights.safetensors")
+    graph = _read_json(path / "graph.json") if graph is None else graph
+    encoded = graph.get("two_level", {}) if isinstance(graph, dict) else {}
+    if not isinstance(encoded, dict):
+        raise IngotError(f"package: {path}/graph.json has two_level {short(encoded)}, not an object.")
+    for key, spec in encoded.items():
+        try:
+            per_super, bits, sign, shape = spec
+            units = weights.pop(f"two_level:{key}:units")
+            data = weights.pop(f"two_level:{key}:codes")
+            nb, n = (int(d) for d in shape)
+            if (bits not in (6, 8) or sign not in (1, -1) or not _is_count(per_super) or per_super == 0 or nb % per_super
+                    or units.dtype != np.float16 or units.shape != (nb // per_super, n) or data.dtype != np.uint8
+                    or data.shape != ((nb * n if bits == 8 else -(-nb * n // 4) * 3),)):
+                raise ValueError
+            codes = unpack_codes(data, bits, nb * n).reshape(nb // per_super, per_super, n)
+        except (KeyError, TypeError, ValueError):
+            raise IngotError(f"package: {path}: two-level constant {short(key)} ({short(spec)}) does not match "
+                             f"weights.safetensors.") from None
+        weights[f"constant:{key}"] = np.ascontiguousarray(two_level_join(units, codes, sign).T)
+    return weights
+
+
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -346,7 +396,7 @@ def read_package(path: Path) -> tuple[Program, dict, dict]:
         raise IngotError(f"package: {path} has format version {manifest.get('version')!r}; this Ingot reads versions "
                          f"{', '.join(map(str, READS))}.")
     graph = _read_json(path / "graph.json")
-    weights = read_safetensors(path / "weights.safetensors")
+    weights = read_weights(path, graph)
     try:
         program, inputs = _build_program(path, graph, weights)
     except IngotError as e:

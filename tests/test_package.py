@@ -10,7 +10,7 @@ import pytest
 import ingot
 from ingot import dtypes as dt
 from ingot.ir import Op
-from ingot.package import FORMAT, VERSION
+from ingot.package import FORMAT, READS
 
 
 def adapter():
@@ -224,8 +224,8 @@ def missing_key(p):
 BREAKAGES = {
     "truncated weights": (truncate_weights, "weights.safetensors is truncated"),
     "empty weights": (lambda p: (p / "weights.safetensors").write_bytes(b"\x01\x00"), "truncated"),
-    "wrong version": (lambda p: edit_json(p / "manifest.json", lambda m: m.update(version=VERSION + 1)),
-                      f"format version {VERSION + 1}; this Ingot reads versions"),
+    "wrong version": (lambda p: edit_json(p / "manifest.json", lambda m: m.update(version=max(READS) + 1)),
+                      f"format version {max(READS) + 1}; this Ingot reads versions"),
     "wrong format": (lambda p: edit_json(p / "manifest.json", lambda m: m.update(format="mpsgraph")),
                      "not an Ingot package .*'mpsgraph'"),
     "missing manifest": (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing"),

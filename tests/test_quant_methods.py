@@ -1,6 +1,7 @@
 """GPTQ and scaled lookup tables (lut4:bBLOCK) against NumPy references: codes and parameters
 reproduce the dequantized weight, the graph's quantized matmul equals a matmul with it, and on fixed
 seeded examples the calibrated methods lower the error they are built to lower, by a wide margin."""
+import json
 import os
 import sys
 
@@ -300,6 +301,7 @@ def test_two_level_model_saves_and_reads_back_its_form_and_the_same_logits(tmp_p
     from quant_helpers import logits, save_tiny, tiny_config
 
     from ingot.llm.package import open_model, read_llm, save_llm
+    from ingot.package import read_safetensors
     from ingot.quant.formats import QuantizedTensor
     from ingot.quant.pipeline import quantize_default
 
@@ -310,6 +312,21 @@ def test_two_level_model_saves_and_reads_back_its_form_and_the_same_logits(tmp_p
     back = read_llm(tmp_path / "q.ingot")
     stored = [t for t in back.tensors.values() if isinstance(t, QuantizedTensor)]
     assert stored and all(t.two_level is not None and len(t.two_level_codes()) == 2 for t in stored)
+    # on disk: codes and units (package version 4), not the float16 products; the generic loader decodes them too
+    entries = read_safetensors(tmp_path / "q.ingot" / "weights.safetensors")
+    layout = json.loads((tmp_path / "q.ingot" / "llm.json").read_text())["tensors"]
+    names = [n for n, spec in layout.items() if spec["kind"] == "quantized"]
+    assert names and not any(f"constant:{n}.scale" in entries for n in names)
+    assert all(f"two_level:{n}.bias:codes" in entries for n in names)
+    assert json.loads((tmp_path / "q.ingot" / "manifest.json").read_text())["version"] == 4
+    program = ingot.load(tmp_path / "q.ingot").program
+    assert any(k.endswith(".scale") and v.dtype == np.float16 for k, v in program.constants.items())
+    graph = json.loads((tmp_path / "q.ingot" / "graph.json").read_text())
+    key = next(iter(graph["two_level"]))
+    graph["two_level"][key][1] = 7          # a code width the codes were not written with: one sentence
+    (tmp_path / "q.ingot" / "graph.json").write_text(json.dumps(graph))
+    with pytest.raises(IngotError, match="two-level constant .* does not match weights.safetensors"):
+        read_llm(tmp_path / "q.ingot")
     tokens = [1, 40, 41, 60, 61, 80]
     np.testing.assert_allclose(logits(tiny_config(), back.tensors, tokens), logits(tiny_config(), result.tensors, tokens),
                                rtol=1e-5, atol=1e-5)

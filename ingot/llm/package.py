@@ -9,7 +9,9 @@ constants are which weight) so `ingot generate --model X.ingot` rebuilds the gra
       llm.json                                          {"format": "ingot-llm", "version": 1, ...}
 
 Weights are stored the way the builder multiplies them (k-major, q/k/v and gate/up side by side
-under "a+b+c" names), memory-mapped on load, and never converted again.
+under "a+b+c" names), memory-mapped on load, and never converted again; the :k formats' scales
+and biases are stored two-level (codes and float16 units: package version 4) and decoded to their
+float16 products on load.
 """
 from __future__ import annotations
 
@@ -150,8 +152,14 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     factors = {n: np.asarray(tensors[n], np.float32).tolist() for n in LONGROPE_TENSORS if n in tensors}
     if factors:   # LongRoPE's (Phi-3): read when the graph is built, not graph constants
         info["rope_factors"] = factors
+    two_level = {}   # the :k formats' parameters, stored as codes and units (package version 4)
+    for name, t in stored.items():
+        if isinstance(t, QuantizedTensor) and t.two_level:
+            for p, sign in (("scale", 1), ("bias", -1)):
+                if getattr(t, p) is not None:
+                    two_level[f"{name}.{p}"] = (t.two_level[0] // t.block_size, t.two_level[1], sign)
     with package.atomic_directory(path) as staged:
-        package.save(decoder, staged)
+        package.save(decoder, staged, two_level=two_level)
         (staged / LLM_FILE).write_text(json.dumps(info, default=_json_value))
 
 
@@ -171,7 +179,7 @@ def read_llm(path) -> StoredModel:
     """Open an LLM package: weights memory-mapped, adapters read back from its callables."""
     from ..adapters import AdapterSet, factors_of, site_layout
     from ..models import config_class
-    from ..package import read_safetensors
+    from ..package import read_weights
 
     path = Path(path)
     if not is_llm_package(path):
@@ -185,7 +193,7 @@ def read_llm(path) -> StoredModel:
         config_type = config_class(info.get("architecture", "llama"), str(path))
         known = {f.name for f in fields(config_type)}
         config = config_type(**{k: v for k, v in info["config"].items() if k in known and k != "extra"})
-        weights = {k.partition(":")[2]: v for k, v in read_safetensors(path / "weights.safetensors").items()
+        weights = {k.partition(":")[2]: v for k, v in read_weights(path).items()
                    if k.startswith("constant:")}
         tensors: dict = {}
         for name, spec in info["tensors"].items():
@@ -254,7 +262,9 @@ def _check_quantized(path: Path, name: str, t: QuantizedTensor) -> None:
     params = [p for p in (t.scale, t.bias, t.zero_point) if p is not None]
     if (k < 1 or n < 1 or block < 1 or k % block or (t.qdtype.packed and n % 2) or tuple(t.q.shape) != q_shape
             or t.q.dtype != t.qdtype.storage or any(tuple(p.shape) != (k // block, n) for p in params)
-            or (t.scale is None and t.lut is None)):
+            or (t.scale is None and t.lut is None)
+            or (t.two_level is not None and (t.two_level[1] not in (6, 8) or t.two_level[0] < block
+                                             or t.two_level[0] % block or k % t.two_level[0]))):
         raise IngotError(f"tensor {short(name)} is described as {t.qdtype.name}{[k, n]} in blocks of "
                          f"{block}, which its stored arrays (q {list(t.q.shape)}) do not fit.")
 

@@ -65,29 +65,11 @@ class QuantizedTensor:
 
     def two_level_codes(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(units [n_super, R], codes [n_super, per_super, R]) per parameter (scale, then bias as -unit * code)
-        of a two-level tensor, superblocks along the blocks' axis and R the other: the encoding
-        two_level_nbytes counts, recovered from the products (for each super-block the largest unit
-        whose multiples, of at most BITS bits, give them all exactly). ValueError if none does."""
+        of a two-level tensor, super-blocks along the blocks' axis and R the other: the encoding
+        two_level_nbytes counts (see two_level_split)."""
         per_super, bits = self.two_level
-        n = per_super // self.block_size
-        out = []
-        for p, sign in ((self.scale, 1), (self.bias, -1)):
-            if p is None:
-                continue
-            v = sign * (p.T if self.block_axis == 0 else p).astype(np.float64)     # [rows, nb]
-            v = v.reshape(v.shape[0], -1, n).transpose(1, 2, 0)                      # [n_super, per_super, R]
-            top = v.max(axis=1)
-            unit, found = np.zeros_like(top), top <= 0
-            for c in range(1, 2 ** bits):     # the unit making the largest product code c, the largest unit first
-                u = top / c
-                codes = v / np.where(u > 0, u, 1)[:, None, :]
-                fits = ~found & np.all((codes == np.rint(codes)) & (codes >= 0), axis=1) & (u.astype(np.float16) == u)
-                unit, found = np.where(fits, u, unit), found | fits
-            if not found.all():
-                raise ValueError("parameters that are not multiples of a float16 unit per super-block")
-            codes = np.rint(v / np.where(unit > 0, unit, 1)[:, None, :])
-            out.append((unit.astype(np.float16), codes.astype(np.uint8)))
-        return out
+        return [two_level_split(p.T if self.block_axis == 0 else p, per_super // self.block_size, bits, sign)
+                for p, sign in ((self.scale, 1), (self.bias, -1)) if p is not None]
 
     def values(self) -> np.ndarray:
         """The unpacked integers [rows, cols] (int8 or uint8)."""
@@ -172,3 +154,50 @@ def tensor_nbytes(t) -> int:
     """Bytes a weight takes as stored: a QuantizedTensor's (or models.moe.ExpertStack's) packed values and
     parameters, or an array's."""
     return int(t.nbytes) if hasattr(t, "nbytes") else int(np.asarray(t).nbytes)   # (an ExpertStack has nbytes too)
+
+
+def two_level_split(p: np.ndarray, per_super: int, bits: int, sign: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Block parameters [R, nb] (nb blocks along axis 1, per_super of them per super-block) that are
+    sign * unit * code, as (units float16 [n_super, R], codes uint8 [n_super, per_super, R]): for
+    each super-block the largest float16 unit whose multiples, codes of at most `bits` bits, give
+    every product exactly. ValueError if there is none (the parameters are not two-level)."""
+    v = sign * np.asarray(p, np.float64)
+    if v.ndim != 2 or v.shape[1] % per_super:
+        raise ValueError(f"parameters of shape {v.shape} do not split into super-blocks of {per_super} blocks")
+    v = v.reshape(v.shape[0], -1, per_super).transpose(1, 2, 0)             # [n_super, per_super, R]
+    top = v.max(axis=1)
+    unit, found = np.zeros_like(top), top <= 0
+    for c in range(1, 2 ** bits):     # the unit that makes the largest product code c: the largest unit first
+        u = top / c
+        codes = v / np.where(u > 0, u, 1)[:, None, :]
+        fits = ~found & np.all((codes == np.rint(codes)) & (codes >= 0), axis=1) & (u.astype(np.float16) == u)
+        unit, found = np.where(fits, u, unit), found | fits
+    if not found.all():
+        raise ValueError("parameters that are not multiples of a float16 unit per super-block")
+    return unit.astype(np.float16), np.rint(v / np.where(unit > 0, unit, 1)[:, None, :]).astype(np.uint8)
+
+
+def two_level_join(units: np.ndarray, codes: np.ndarray, sign: int = 1) -> np.ndarray:
+    """two_level_split's inverse: float16 parameters [R, nb] (exact: the units keep 11 - bits significant bits)."""
+    products = sign * units.astype(np.float32)[:, None, :] * codes.astype(np.float32)
+    return np.ascontiguousarray(products.transpose(2, 0, 1).reshape(units.shape[1], -1)).astype(np.float16)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes of `bits` (6 or 8) bits as bytes: 8 as they are, 6 four to three bytes (zero-padded)."""
+    flat = codes.reshape(-1).astype(np.uint32)
+    if bits == 8:
+        return flat.astype(np.uint8)
+    flat = np.concatenate([flat, np.zeros(-len(flat) % 4, np.uint32)]).reshape(-1, 4)
+    word = flat[:, 0] | flat[:, 1] << 6 | flat[:, 2] << 12 | flat[:, 3] << 18
+    return np.stack([word & 255, word >> 8 & 255, word >> 16 & 255], axis=1).astype(np.uint8).reshape(-1)
+
+
+def unpack_codes(data: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """pack_codes's inverse: the first `count` codes (uint8)."""
+    data = np.asarray(data, np.uint8).reshape(-1)
+    if bits == 8:
+        return data[:count].copy()
+    b = data.reshape(-1, 3).astype(np.uint32)
+    word = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16
+    return np.stack([word >> s & 63 for s in (0, 6, 12, 18)], axis=1).reshape(-1)[:count].astype(np.uint8)

@@ -91,6 +91,41 @@ def gemm_table(rows: list[int], configs: dict[str, dict]) -> list[dict]:
     return out
 
 
+def dequant_table() -> list[dict]:
+    """The cuBLAS path's two parts on the gate+up shape: W dequantized to bf16 (tile variants, against a
+    device copy of as many bytes) and torch.mm with float32 out against bf16 out."""
+    from ingot import dtypes as dt
+    from ingot.backends.cuda import quantized_matmul as qmm
+    k, n = GEMM_SHAPES["gate+up"]
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    scale = rng.random((k // 32, n), dtype=np.float32).astype(np.float16).astype(np.float32)
+    attrs = {"mode": "affine", "qdtype": dt.uint4, "has_bias": True, "transpose": False}
+    out = []
+    src = torch.empty(k * n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = _bench(lambda: dst.copy_(src)) * 1e6
+    print(f"dequant gate+up: a bf16 copy of W's size {copy_us:.1f} us", flush=True)
+    for layout in ("words", "bytes"):
+        w = qmm.prepare_weight(q, [scale, -scale], attrs, "cuda", words=layout == "words")
+        for bk, bn, warps in ((32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8), (16, 256, 4)):
+            try:
+                us = _bench(lambda: qmm.dispatch.dequantize_into(w, torch.bfloat16, bk, bn, warps)) * 1e6
+            except Exception as e:
+                print(f"dequant {layout} {bk}x{bn} w{warps}: {type(e).__name__}")
+                continue
+            out.append(dict(layout=layout, block_k=bk, block_n=bn, warps=warps, us=us))
+            print(f"dequant {layout} {bk}x{bn} w{warps}: {us:.1f} us ({copy_us / us:.2f} of the copy's speed)", flush=True)
+    wd = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    for m in (512, 2048, 8192):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t16 = _bench(lambda: torch.mm(a, wd)) * 1e6
+        t32 = _bench(lambda: torch.mm(a, wd, out_dtype=torch.float32)) * 1e6
+        print(f"mm gate+up m={m}: bf16 out {t16:.1f} us, float32 out {t32:.1f} us", flush=True)
+        out.append(dict(m=m, mm_bf16_out_us=t16, mm_f32_out_us=t32))
+    return out
+
+
 def attention_table(chunk: int, caches: list[int]) -> list[dict]:
     from ingot.backends.cuda import attention as att
     out = []
@@ -219,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--gemm-rows", default="16,128,512,2048,8192")
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--dequant", action="store_true", help="the cuBLAS path's dequantization and GEMM parts")
     ap.add_argument("--no-e2e", action="store_true", help="only the kernel tables")
     ap.add_argument("--no-anchor", action="store_true")
     ap.add_argument("--max-anchor-prompt", type=int, default=16384,
@@ -236,6 +272,8 @@ def main(argv=None) -> int:
                    "dequant_cublas_bf16": dict(precision="bf16", dequant_rows=1),
                    "dequant_cublas_bf16_bytes": dict(precision="bf16", dequant_rows=1, layout="bytes")}
         result["gemm"] = gemm_table([int(r) for r in args.gemm_rows.split(",")], configs)
+    if args.dequant:
+        result["dequant"] = dequant_table()
     if args.attention:
         chunk = int(args.chunk.split(",")[0])
         result["attention"] = attention_table(chunk, [chunk, 2048, 8192])

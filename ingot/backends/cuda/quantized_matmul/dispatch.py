@@ -96,20 +96,20 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
 
 
 
-def dequantize_into(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_into(w: QuantizedWeight, dtype: torch.dtype, block_k: int = 32, block_n: int = 128,
+                    num_warps: int = 4) -> torch.Tensor:
     """W as a dense [K, N] `dtype` tensor in the device's dequantization workspace (valid until the next
-    call on this stream): one launch, at copy speed."""
+    call on this stream), one launch."""
     out = dequantized_workspace(w.q.device, w.k * w.n, dtype)[: w.k * w.n].view(w.k, w.n)
     lut = w.lut if w.lut is not None else w.q
     s = w.scale if w.scale is not None else w.q
     b = w.bias if w.bias is not None else s
     stride_lk, stride_ln = (w.lut.stride(0), w.lut.stride(1)) if w.lut is not None else (0, 0)
-    block_k, block_n = 32, 128
     _dequantize_kernel[(triton.cdiv(w.k, block_k), triton.cdiv(w.n, block_n))](
         w.q, s, b, lut, out, w.n, w.k, w.nq, w.q.stride(0), w.scale.stride(0) if w.scale is not None else 0,
         out.stride(0), w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
         BITS=w.bits, LUT=w.lut is not None, GROUP=w.group, HAS_BIAS=w.bias is not None,
-        BLOCK_K=block_k, BLOCK_N=block_n, WORDS=w.words, num_warps=4)
+        BLOCK_K=block_k, BLOCK_N=block_n, WORDS=w.words, num_warps=num_warps)
     return out
 
 

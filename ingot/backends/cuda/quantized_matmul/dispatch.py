@@ -13,6 +13,11 @@ from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _dequantize_kernel, _qgemm_k
 from .weights import QuantizedWeight
 
 
+# the largest float32 copy the cuBLAS path makes (Llama-3-8B's gate+up: 470 MB); a larger W (a 128k-vocab
+# head with every position's logits) takes the tile kernel rather than a GB-sized workspace
+DEQUANTIZED_MAX_BYTES = 512 << 20
+
+
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None,
                      config: dict | None = None, precision: str | None = None,
                      options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
@@ -80,7 +85,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         if target is not y:
             y.copy_(target)
     elif options.prefill_dequant_rows and m >= options.prefill_dequant_rows and "BLOCK_M" not in config \
-            and x.dtype == torch.float32:
+            and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
         y = _dequantized_gemm(x2, w, out, precision or options.prefill_precision)
     else:
         precision = precision or options.prefill_precision

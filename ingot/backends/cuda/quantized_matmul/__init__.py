@@ -18,7 +18,9 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   register tile and summed over K once at the end; split-K with atomics when N alone does not
   fill the chip.
 - `_qgemm_kernel` (2 rows and more; for word-layout weights, more than CudaOptions.words_max_rows): the same
-  dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy).
+  dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy, or
+  bf16 dots with CudaOptions.prefill_precision="bf16"). From CudaOptions.prefill_dequant_rows rows W is
+  instead dequantized whole by `_dequantize_kernel` into a workspace and multiplied by cuBLAS.
 - `_qgemv_words_kernel` (1-16 rows, up to 4 a program; 4-bit affine weights re-packed with
   `words=True`, the default for matmul weights): int32 words of 8 consecutive k per column, x
   rounded to integers of LIMBS bytes (CudaOptions.gemv_limbs, default 2: 16 bits with a float scale per block of 32; 3: 22

@@ -24,7 +24,9 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
 
     Word-layout weights: the dp4a GEMV up to options.words_max_rows rows; else one row: the k-major GEMV
-    kernels; more: the tensor-core kernel (config={"BLOCK_M": ...} forces it).
+    kernels; from options.prefill_dequant_rows rows (float32 x): W dequantized once and cuBLAS; else the
+    tensor-core kernel (config={"BLOCK_M": ...} forces it). precision (None: options.prefill_precision):
+    the many-row dots, "tf32x3" (float32-level) or "bf16" (operands rounded to bfloat16, float32 sums).
 
         >>> w = prepare_weight(q, [scale, bias], attrs, "cuda", words=True)   # doctest: +SKIP
         >>> y = quantized_matmul(x, w)                                        # doctest: +SKIP

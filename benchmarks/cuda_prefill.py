@@ -253,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--gemm-rows", default="16,128,512,2048,8192")
+    ap.add_argument("--gemm-tiles", default="", help="more tensor-core kernel tiles: 'BM,BN,BK,warps,stages;...'")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--dequant", action="store_true", help="the cuBLAS path's dequantization and GEMM parts")
     ap.add_argument("--no-e2e", action="store_true", help="only the kernel tables")
@@ -271,6 +272,10 @@ def main(argv=None) -> int:
                    "dequant_cublas_f32": dict(precision="tf32x3", dequant_rows=1),
                    "dequant_cublas_bf16": dict(precision="bf16", dequant_rows=1),
                    "dequant_cublas_bf16_bytes": dict(precision="bf16", dequant_rows=1, layout="bytes")}
+        for tiles in filter(None, args.gemm_tiles.split(";")):   # the tensor-core kernel at other tiles
+            bm, bn, bk, warps, stages = (int(v) for v in tiles.split(","))
+            configs[f"kernel_bf16_{bm}x{bn}x{bk}w{warps}s{stages}"] = dict(precision="bf16", config=dict(
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages))
         result["gemm"] = gemm_table([int(r) for r in args.gemm_rows.split(",")], configs)
     if args.dequant:
         result["dequant"] = dequant_table()

@@ -59,7 +59,7 @@ def test_dynamic_quantize_matmul_integer_is_fused():
     (theirs,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     exe = from_onnx(model)
     kinds = [n.attrs["kind"] for n in exe.program.nodes() if n.op == Op.FUSED]
-    assert kinds == ["integer_matmul"]
+    assert sorted(kinds) == ["dynamic_quantize", "integer_matmul"]
     np.testing.assert_array_equal(exe.run({"x": x})[0], theirs)
     del onnx
 
@@ -96,3 +96,30 @@ def test_float_x_by_8_bit_weight(w_type, rows, k, n, per_column, bias):
     got = step(x, q, *params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert float_weight_step(node, None, activations="int8") is None
+
+
+@pytest.mark.parametrize("case", ["normal", "zeros", "positive", "negative", "tiny", "one_value"])
+def test_dynamic_quantize_linear_fused(case):
+    """DynamicQuantizeLinear as one fused step: y, scale and zero point bit-equal to onnxruntime on
+    ranges that hold 0 or not, all zeros (scale 1) and a constant tensor."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from ingot.importers.onnx import from_onnx
+    from ingot.ir import Op
+    rng = np.random.default_rng(11)
+    x = {"normal": rng.standard_normal((2, 7, 33)) * 3, "zeros": np.zeros((2, 7, 33)),
+         "positive": rng.random((2, 7, 33)) + 0.5, "negative": -rng.random((2, 7, 33)) - 2,
+         "tiny": rng.standard_normal((2, 7, 33)) * 1e-30, "one_value": np.full((2, 7, 33), 0.37)}[case].astype(np.float32)
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info(n, t, None) for n, t in
+                               (("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    exe = from_onnx(model)
+    assert [n.attrs["kind"] for n in exe.program.nodes() if n.op == Op.FUSED] == ["dynamic_quantize"]
+    for ours, want in zip(exe.run({"x": x}), theirs):
+        np.testing.assert_array_equal(np.asarray(ours), want)
+        assert np.asarray(ours).dtype == want.dtype

@@ -12,6 +12,7 @@ from ..ir import Program
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
 from .fuse_conv_epilogue import fuse_conv_epilogue
+from .fuse_dynamic_quantize import fuse_dynamic_quantize
 from .fuse_glu import fuse_glu
 from .fuse_integer_matmul import fuse_integer_matmul
 from .fuse_mel import fuse_mel
@@ -31,6 +32,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True)),
         # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)
         ("fuse_integer_matmul", lambda p, o: fuse_integer_matmul(p)),
+        ("fuse_dynamic_quantize", lambda p, o: fuse_dynamic_quantize(p)),   # DynamicQuantizeLinear: one step
         # a rows decoder's (ingot serve) per-row attentions of a layer: one step over all rows
         ("fuse_rows_attention", lambda p, o: fuse_rows_attention(p)),
     ],
@@ -48,7 +50,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("conv_epilogue", "rope_cache", "integer_matmul", "rows_attention"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("conv_epilogue", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

@@ -347,3 +347,60 @@ def float_weight_step(node: Node, out, activations: str = "float32"):
             return quant_ops.quantized_matmul_reference((x, q) + params, a)
         return kernel(x, out)
     return step
+
+
+# -- DynamicQuantizeLinear: the FUSED "dynamic_quantize" op (passes/fuse_dynamic_quantize.py) -------------
+
+@njit(cache=True, nogil=True)
+def dynamic_quantize(x, y):
+    """y = saturate(round_half_even(x / scale) + zero_point) over x's range widened to hold 0, as the
+    body computes it (float32 throughout); returns (scale, zero_point as float32)."""
+    lo = np.float32(0.0)
+    hi = np.float32(0.0)
+    nan = False
+    for i in range(x.size):
+        v = x[i]
+        if v != v:
+            nan = True
+        elif v < lo:
+            lo = v
+        elif v > hi:
+            hi = v
+    if nan:
+        return np.float32(np.nan), np.float32(np.nan)
+    scale = np.float32(1.0) if hi == lo else np.float32((hi - lo) / np.float32(255.0))
+    zero = np.rint(np.float32(-lo / scale))
+    zero = np.float32(min(max(zero, np.float32(0.0)), np.float32(255.0)))
+    for i in range(x.size):
+        q = np.rint(np.float32(x[i] / scale)) + zero
+        q = min(max(q, np.float32(0.0)), np.float32(255.0))
+        y[i] = np.uint8(q)
+    return scale, zero
+
+
+def dynamic_quantize_lowering(node: Node, out):
+    """The FUSED "dynamic_quantize" op: its outputs (y, and scale and zero point where read outside) from
+    one numba kernel; where x holds NaN or infinities, the body's references (their NaN and saturation)."""
+    body = node.attrs["body"]
+    (mx,) = body.find(Op.MAX)
+    x_index = mx.src[0].attrs["param"]
+    kinds = []
+    for o in body.outputs:
+        kinds.append("y" if o.op == Op.QUANTIZE and o.type.rank else "scale" if o.op == Op.WHERE else "zero")
+    shapes = {k: tuple(o.type.shape) for k, o in zip(kinds, body.outputs)}
+
+    def step(*inputs):
+        x = np.ascontiguousarray(inputs[x_index], np.float32)
+        y = np.empty(x.shape, np.uint8)
+        scale, zero = dynamic_quantize(x.reshape(-1), y.reshape(-1))
+        if not (np.isfinite(scale) and np.isfinite(zero)):
+            outs = body.evaluate(inputs)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        values = {"y": y, "scale": np.full(shapes.get("scale", ()), scale, np.float32),
+                  "zero": np.full(shapes.get("zero", ()), zero, np.uint8)}
+        outs = tuple(values[k] for k in kinds)
+        return outs[0] if len(outs) == 1 else outs
+    return step
+
+
+FUSED_LOWERINGS["dynamic_quantize"] = dynamic_quantize_lowering

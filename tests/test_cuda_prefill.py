@@ -206,3 +206,18 @@ def test_hopper_kernel_on_strided_inputs_with_more_blocks_than_multiprocessors(v
     want = reference(*host, length, causal)
     got = cuda_backend.to_host(attn.attention(tq_, tk_, tv_, length=length, causal=causal, **VARIANTS[variant]))
     assert rel_err(got.astype(np.float64), want) < TOLERANCE["bfloat16"], rel_err(got.astype(np.float64), want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_float32_queries_over_a_bfloat16_cache(causal):
+    """A bf16 KV cache under float32 queries (the model's bf16 cache option): the keys and values are
+    widened exactly, so the result is float32-level against the same bf16 values widened."""
+    rng = np.random.default_rng(zlib.crc32(f"mixed{causal}".encode()))
+    q = torch.tensor(rng.standard_normal((1, 4, 150, 64)), dtype=torch.float32, device=DEVICE)
+    k = torch.tensor(rng.standard_normal((1, 2, 170, 64)), dtype=torch.float32, device=DEVICE).bfloat16()
+    v = torch.tensor(rng.standard_normal((1, 2, 170, 64)), dtype=torch.float32, device=DEVICE).bfloat16()
+    got = attn.attention(q, k, v, length=160, causal=causal)
+    assert got.dtype == torch.float32
+    want = reference(q.cpu().numpy(), k.float().cpu().numpy(), v.float().cpu().numpy(), 160, causal)
+    err = np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want)
+    assert err < TOLERANCE["float32"], err

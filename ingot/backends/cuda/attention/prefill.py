@@ -51,6 +51,8 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
         kt = _flash_tile(k_base, k_desc, n0, sk_t, stop, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
         if PRECISION == "bf16":   # float32 keys rounded to bfloat16 in registers (q was, once)
             kt = kt.to(tl.bfloat16)
+        else:                     # a 16-bit cache under float32 queries: widened, exactly
+            kt = kt.to(q.dtype)
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION if PRECISION != "bf16" else None)
         if MASKED:
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -80,6 +82,7 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
         if PRECISION == "bf16":
             acc = tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16), acc)
         else:
+            vt = vt.to(q.dtype)
             acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i

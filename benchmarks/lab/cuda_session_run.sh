@@ -8,9 +8,9 @@
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama:
-# end to end by default and in the variants SMOLLM_RUNS / LLAMA_RUNS list (default: each with RoPE
-# and the KV write as their own launch, and with the attention + o GEMV fusion flipped; Llama also
-# without programmatic dependent launch).
+# end to end, and in the variants SMOLLM_RUNS / LLAMA_RUNS list as tag:VAR=value,... (INGOT_OPTIONS
+# files are how a variant changes CudaOptions); prefill: time to first token against the bf16
+# PyTorch forward (`python -m benchmarks cuda-prefill`).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -44,8 +44,12 @@ llama() { tag=$1; shift; env "$@" timeout "${LLAMA_S:-60}" python3 benchmarks/cu
   --steps 64 --json "$OUT/llama_$tag.json" 2>&1 | grep "tok/s" | sed "s/^/[$tag] /"; }
 # runs as tag[:VAR=value,VAR=value] (SMOLLM_RUNS / LLAMA_RUNS override the lists)
 runs() { fn=$1; shift; for v in "$@"; do tag=${v%%:*}; envs=""; [ "$tag" != "$v" ] && envs=${v#*:}; $fn "$tag" ${envs//,/ }; done; }
-run_smollm() { runs smollm ${SMOLLM_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq-off:INGOT_CUDA_ATTENTION_XQ_BYTES=0}; }
-run_llama() { runs llama ${LLAMA_RUNS:-default rope-launch:INGOT_CUDA_ROPE_ATTENTION=0 attn-xq:INGOT_CUDA_ATTENTION_XQ_BYTES=1000000000000}; }
+run_smollm() { runs smollm ${SMOLLM_RUNS:-default}; }
+run_llama() { runs llama ${LLAMA_RUNS:-default}; }
+run_prefill() {
+  timeout "${PREFILL_S:-240}" python3 -m benchmarks cuda-prefill --prompts 512,2048,8192,32768 --chunk 512,2048 \
+    --decode-steps 32 --json "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -30
+}
 
 for part in $parts; do
   echo "== $part"

@@ -45,6 +45,33 @@ def test_greedy_tokens_and_logits_match_transformers_on_cuda(llm, reference, cas
     print(f"case {case}: logits relative L2 error {errors}")
 
 
+def test_bf16_prefill_on_the_real_model(reference):
+    """CudaOptions.prefill_precision="bf16" on real activations: prefill logits within 1e-2 (relative L2)
+    of transformers' float32 ones on every fixture prompt; prints the top-1 agreement of the greedy ids
+    (teacher-forced) with the float32 reference."""
+    import numpy as np
+
+    import ingot.llm
+    from ingot.options import CompileOptions, CudaOptions
+    from test_llm import rel_l2
+
+    llm = ingot.llm.load(model_path(), device="cuda", options=CompileOptions(cuda=CudaOptions(prefill_precision="bf16")))
+    meta, arrays = reference
+    agree, total = 0, 0
+    for case, p in enumerate(meta["prompts"]):
+        llm.reset()
+        logits = llm.prefill(p["prompt_ids"])
+        err = rel_l2(logits, arrays["logits_prefill"][case])
+        assert err < 1e-2, (case, err)
+        for i, token in enumerate(p["generated_ids"][:32]):
+            agree += int(np.argmax(logits)) == token
+            total += 1
+            logits = llm.step(token)
+        print(f"case {case}: bf16 prefill logits relative L2 {err:.2e}")
+    print(f"bf16 prefill: greedy top-1 agreement {agree}/{total} with the float32 reference")
+    assert agree >= 0.9 * total
+
+
 def test_generate_on_cuda_streams_text_and_stops_on_eos(llm, reference):
     """generate() on the device (sampling there, one sync a token): the reference's greedy answer, then EOS."""
     check_generate_stops_on_eos(llm, reference)

@@ -7,6 +7,7 @@ kind in fused_lowerings.py.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -480,9 +481,20 @@ def _rope(ctx: Lowering) -> StepFn:
 @lowering(Op.SDPA)
 def _sdpa(ctx: Lowering) -> StepFn:
     a = ctx.node.attrs
-    if a.get("window") or a.get("softcap"):   # no kernel takes a sliding window or a softcap yet
-        return host_reference(ctx)
     scale, causal, has_mask, has_length = a.get("scale"), bool(a.get("causal")), a.get("has_mask"), a.get("has_length")
+    if a.get("window") or a.get("softcap"):   # no kernel takes a sliding window or a softcap yet: torch ops
+        window, softcap = a.get("window", 0), a.get("softcap", 0.0)
+
+        def windowed(q, k, v, *rest, out=None, xq=None, zero=None):
+            y = _sdpa_torch(q, k, v, rest[0] if has_mask else None, rest[-1] if has_length else None, scale, causal,
+                            window, softcap)
+            if zero is not None:
+                zero.zero_()
+            if out is not None:
+                out.copy_(y)
+                return out
+            return y
+        return windowed
     options = ctx.cuda
 
     def sdpa(q, k, v, *rest, out=None, xq=None, zero=None):
@@ -491,6 +503,40 @@ def _sdpa(ctx: Lowering) -> StepFn:
         return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out,
                                            xq=xq, zero=zero, options=options)
     return sdpa
+
+
+def _sdpa_torch(q, k, v, mask, length, scale, causal: bool, window: int, softcap: float):
+    """ops/nn.py's `sdpa` (softcap, sliding window, GQA, rows that see no key give zeros) as torch ops in
+    float32, with no host sync: a length masks the keys from it on instead of slicing them off."""
+    tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    group = q.shape[-3] // k.shape[-3]
+    kf = k.float().repeat_interleave(group, dim=-3)
+    vf = v.float().repeat_interleave(group, dim=-3)
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * float(np.float32(scale if scale is not None else 1 / math.sqrt(d)))
+    if softcap:
+        c = float(np.float32(softcap))
+        s = c * torch.tanh(s / c)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    keys = torch.arange(tk, device=q.device)
+    allowed = None
+    if length is not None:
+        n = length.reshape(()).to(torch.int64)
+        allowed = (keys < n)[None, :]
+        end = n
+    else:
+        end = tk
+    if causal:
+        query_pos = torch.arange(tq, device=q.device)[:, None] + (end - tq)
+        seen = keys[None, :] <= query_pos
+        if window:
+            seen = seen & (keys[None, :] > query_pos - window)
+        allowed = seen if allowed is None else allowed & seen
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    dead = ~torch.isfinite(s.amax(dim=-1, keepdim=True))
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return torch.matmul(p, vf).to(q.dtype)
 
 
 # quantization

@@ -1,7 +1,10 @@
 """CUDA decode speed: the Llama graph on Ingot's CUDA backend, random weights of real shapes.
 
-SmolLM2-135M shape (30 layers, dim 576, 9/3 heads, FFN 1536, vocab 49152, tied embeddings) and
-Llama-3-8B shape (32 layers, dim 4096, 32/8 heads, FFN 14336, vocab 128256). --dtype int4: int4
+SmolLM2-135M shape (30 layers, dim 576, 9/3 heads, FFN 1536, vocab 49152, tied embeddings),
+Llama-3-8B shape (32 layers, dim 4096, 32/8 heads, FFN 14336, vocab 128256) and, through the Gemma
+family's graph, Gemma-3-270M shape (`gemma3-270m`: 18 layers, dim 640, 4/1 heads of 256, FFN 2048,
+vocab 262144, tied, QK-norm, 5 of 6 layers in a 512 sliding window; issue 33's CUDA decode figure, its
+CPU one against llama.cpp on the real file being `cpu-llm --gguf` that file). --dtype int4: int4
 weights in blocks of 32 with f16-exact scale and bias (what a GGUF Q4_1 file holds); bf16: dense
 bfloat16 weights (random_weights(dense_dtype="bfloat16")); float32 activations and KV cache either way.
 --batch B: B sequences decoded in lockstep (llama.build(batch=B), one shared position).
@@ -13,7 +16,7 @@ bandwidth measured in the same run. --anchors also times benchmarks/cuda_anchors
 anchor_decode (HF eager bf16, torch.compile bf16 and int4) for each model and batch, and prints
 Ingot/anchor ratios.
 
-    python -m benchmarks cuda-llm [--models smollm2,llama8b] [--llama-layers 32] [--steps 128]
+    python -m benchmarks cuda-llm [--models smollm2,llama8b,gemma3-270m] [--llama-layers 32] [--steps 128]
                                   [--batch 1,4,16] [--dtype int4,bf16] [--anchors] [--json out.json]
 """
 from __future__ import annotations
@@ -30,14 +33,22 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ingot.backends.cuda.traffic import free_device, weight_bytes  # noqa: E402
-from ingot.models import llama  # noqa: E402
+from ingot.models import gemma, llama  # noqa: E402
 
 SHAPES = {
     "smollm2": dict(n_layers=30, dim=576, n_heads=9, n_kv_heads=3, ffn_dim=1536, vocab_size=49152, tied_embeddings=True,
                     rope_base=100000.0),
     "llama8b": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
                     tied_embeddings=False, rope_base=500000.0),
+    "gemma3-270m": dict(n_layers=18, dim=640, n_heads=4, n_kv_heads=1, ffn_dim=2048, vocab_size=262144, head_dim=256,
+                        tied_embeddings=True, rope_base=1e6, rope_base_local=1e4, qk_norm=True, sliding_window=512,
+                        sliding_pattern=6),
 }
+FAMILIES = {"gemma3-270m": gemma}   # the models/ module that builds each shape (default: llama)
+
+
+def family(name: str):
+    return FAMILIES.get(name, llama)
 
 
 def fast_random_weights(cfg: llama.LlamaConfig, seed: int = 0, block: int = 32) -> dict:
@@ -63,6 +74,9 @@ def bf16_random_weights(cfg: llama.LlamaConfig) -> dict | None:
 
 
 def model_weights(name: str, cfg: llama.LlamaConfig, dtype: str) -> dict | None:
+    if name in FAMILIES:   # random_weights of its family (norms and all), uint4 made k-major as fast_random_weights
+        kw = dict(dense_dtype="bfloat16") if dtype == "bf16" else dict(block_size=32, k_major=True, f16_params=True)
+        return FAMILIES[name].random_weights(cfg, **kw)
     if dtype == "bf16":
         return bf16_random_weights(cfg)
     return gguf_like_random_weights(cfg) if name == "smollm2" else fast_random_weights(cfg)
@@ -102,7 +116,7 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
               bw: float) -> dict:
     free_device()
     t0 = time.perf_counter()
-    model = llama.build(cfg, weights, batch=batch)
+    model = family(name).build(cfg, weights, batch=batch)
     dec = model.compile(1, "cuda")
     pre = model.compile(prompt_len, "cuda")
     build_s = time.perf_counter() - t0
@@ -160,12 +174,14 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
                   bandwidth_tb_s=round(nbytes * best / 1e12, 3), of_copy=round(nbytes * best / bw, 3),
                   replay_of_copy=None if replay_us is None else round(nbytes * replay_steps / bw, 3),
                   kernels_per_step=kernels, same_tokens_twice=tokens == tokens2, capturable=dec.plan.capturable,
+                  host_syncs=sorted(set(map(str, dec.plan.host_syncs)))[:10],
                   fusions=sorted(set(dec.plan.fusions)),
                   breakdown=dict(sorted(breakdown.items(), key=lambda kv: -kv[1]["us"] if isinstance(kv[1], dict) else 0)[:25]))
     print(f"{name} {dtype} batch {batch} ({cfg.n_layers} layers): {best * batch:.1f} tok/s ({best:.1f} per sequence) through "
           f"exe.run + argmax; graph replay {result['replay_us']} us/step ({result['replay_tok_s']} tok/s); "
           f"{nbytes / 1e6:.1f} MB/step -> {result['of_copy']:.2f} of copy bandwidth (replay {result['replay_of_copy']}); "
-          f"{kernels} kernels/step; build {build_s:.0f} s", flush=True)
+          f"{kernels} kernels/step; build {build_s:.0f} s"
+          + (f"; host syncs: {result['host_syncs']}" if result["host_syncs"] else ""), flush=True)
     del dec, pre, model, state
     return result
 
@@ -235,7 +251,7 @@ def main() -> None:
 
     for name in args.models.split(","):
         shape = model_shape(name, args.llama_layers if name == "llama8b" else None)
-        cfg = llama.LlamaConfig(context_length=args.context, **shape)
+        cfg = family(name).Config(context_length=args.context, **shape)
         ingot_runs: dict[int, list[dict]] = {b: [] for b in batches}
         for dtype in dtypes:
             try:
@@ -262,7 +278,9 @@ def main() -> None:
                 save()
             del weights
             free_device()
-        if anchor_decode is not None:
+        if anchor_decode is not None and name in FAMILIES:
+            print(f"anchors: none for {name} (cuda_anchors.py builds Llama shapes)", flush=True)
+        elif anchor_decode is not None:
             for batch in batches:
                 if args.anchor_batches and str(batch) not in args.anchor_batches.split(","):
                     continue

@@ -142,6 +142,7 @@ def attention_table(chunk: int, caches: list[int]) -> list[dict]:
                     "f32_bf16_m128w8": (q32, k32, v32, "bf16", dict(block_m=128, block_n=64, num_warps=8)),
                     "f32_bf16_m128n32": (q32, k32, v32, "bf16", dict(block_m=128, block_n=32, num_warps=8)),
                     "f32_bf16_s3": (q32, k32, v32, "bf16", dict(num_stages=3)),
+                    "f32q_bf16kv": (q32, k16, v16, "bf16", {}),
                     "bf16": (q16, k16, v16, None, {})}
         for label, (q, k, v, prec, kw) in variants.items():
             try:

@@ -87,6 +87,19 @@ def test_flash_bf16_against_ieee(hq, hk, tq, tk, d, causal):
     assert torch.equal(by_option, got)
 
 
+@pytest.mark.parametrize("gluon", [None, True, False])
+def test_float32_queries_over_a_bf16_cache(gluon):
+    """q float32 (2,048 rows: the Hopper kernel's size by default), k/v a bf16 cache longer than the chunk."""
+    q = torch.randn(1, 32, 2048, 128, device="cuda")
+    k = torch.randn(1, 8, 3000, 128, device="cuda").bfloat16()
+    v = torch.randn(1, 8, 3000, 128, device="cuda").bfloat16()
+    want = attn.attention(q, k.float(), v.float(), length=2900, causal=True, precision="ieee")
+    got = attn.attention(q, k, v, length=2900, causal=True, precision="bf16", gluon=gluon)
+    assert got.dtype == torch.float32 and rel(got, want) < REL
+    exact = attn.attention(q, k, v, length=2900, causal=True)      # tf32x3 over the widened cache
+    assert rel(exact, want) < 1e-5
+
+
 def test_llama_prefill_bf16_logits_and_ids():
     """A random Llama graph (dims off the tiles): bf16 prefill logits within 1e-2 of tf32x3's, and
     greedy ids after it; prints the top-1 agreement of the decode steps."""

@@ -240,15 +240,22 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
     if gluon is None:
         gluon = options.prefill_hopper == "always" or (options.prefill_hopper == "auto" and d == 128
                                                        and tq >= options.prefill_hopper_min_rows)
-    if gluon and mask is None and not f32:
-        from .. import flash_sm90
-        if flash_sm90.supported(q4, k4, v4, mask, p.qk_scale):
-            _ensure_allocator(q4.device)
-            flash_sm90.flash_sm90(q4, k4, v4, o4, p.len_ptr, p.len_const, p.from_ptr, group, p.qk_scale, causal,
-                                  **(gluon if isinstance(gluon, dict) else {}))
-            return p.result
     if precision is None:
         precision = ("bf16" if options.prefill_precision == "bf16" else "tf32x3") if f32 else "tf32"
+    # float32 queries over a 16-bit cache with bf16 dots: the Hopper kernel on a 16-bit copy of q (the
+    # chunk's rows; the cache is read where it lies), its output widened into the float32 result
+    widen = f32 and precision == "bf16" and k4.dtype == v4.dtype and k4.dtype in (torch.bfloat16, torch.float16)
+    if gluon and mask is None and (not f32 or widen):
+        from .. import flash_sm90
+        q16 = q4.to(k4.dtype) if widen else q4
+        if flash_sm90.supported(q16, k4, v4, mask, p.qk_scale):
+            _ensure_allocator(q4.device)
+            o16 = torch.empty(o4.shape, dtype=k4.dtype, device=o4.device) if widen else o4
+            flash_sm90.flash_sm90(q16, k4, v4, o16, p.len_ptr, p.len_const, p.from_ptr, group, p.qk_scale, causal,
+                                  **(gluon if isinstance(gluon, dict) else {}))
+            if widen:
+                o4.copy_(o16)
+            return p.result
     block_m, bn, warps, stages = _flash_config(f32, max(block_d, block_dv), block_m, block_n, num_warps, num_stages,
                                                precision == "bf16")
     use_tma = tma and _tma_ok(q4, k4, v4)

@@ -1,6 +1,6 @@
-"""The blocked depthwise kernel (backends/cpu/conv_kernels.py) against the NumPy conv reference on awkward
-shapes: channels not a multiple of 16, odd sizes, strides, asymmetric padding, dilation, 1-D windows; and
-through the CPU conv step with an epilogue (bias + ReLU)."""
+"""The blocked depthwise and the direct conv kernels (backends/cpu/conv_kernels.py) against the NumPy conv
+reference on awkward shapes: channels not a multiple of 16, odd sizes, strides, asymmetric padding,
+dilation, 1-D windows; and a depthwise conv through the CPU conv step with an epilogue (bias + ReLU)."""
 import numpy as np
 import pytest
 
@@ -50,3 +50,28 @@ def test_depthwise_conv_step_with_epilogue():
     assert any(n.op.name == "FUSED" for n in exe.program.nodes())
     want = np.maximum(conv(x, w, b, (2, 2), (1, 1), ((1, 1), (0, 1)), 21), 0)
     np.testing.assert_allclose(exe.run({"x": x})[0], want, rtol=1e-5, atol=1e-5)
+
+
+DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
+    (1, 1, (1, 1), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),
+    (3, 16, (9, 7), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),
+    (5, 21, (11, 12), (5, 5), (2, 1), (1, 1), ((2, 1), (0, 2))),
+    (7, 33, (10, 9), (3, 3), (1, 2), (2, 2), ((2, 2), (1, 3))),
+    (4, 17, (8, 13), (7, 7), (1, 1), (1, 1), ((3, 3), (3, 3))),
+    (6, 9, (1, 23), (1, 3), (1, 2), (1, 1), ((0, 0), (1, 1))),
+    (8, 40, (9, 9), (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0))),
+    (2, 5, (6, 6), (3, 1), (1, 1), (1, 1), ((1, 0), (0, 0))),
+]
+
+
+@pytest.mark.parametrize("c,m,hw,k,strides,dilations,pads", DIRECT)
+def test_direct_conv_matches_reference(c, m, hw, k, strides, dilations, pads):
+    rng = np.random.default_rng(c * 31 + m + hw[1])
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c) + k).astype(np.float32)
+    want = conv(x[None], w, None, strides, dilations, pads, 1)[0]
+    out = np.full(want.shape, np.nan, np.float32)
+    (sh, sw), (dh, dw), ((ph, _), (pw, _)) = strides, dilations, pads
+    assert conv_kernels.direct_fits(k[0], k[1], 1) and not conv_kernels.direct_fits(k[0], k[1], 2)
+    conv_kernels.conv_direct(x, conv_kernels.direct_weights(w), k[0], k[1], sh, sw, dh, dw, ph, pw, out)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))

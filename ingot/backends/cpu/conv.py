@@ -282,6 +282,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     depthwise = cg == 1 and mg == 1 and groups > 1
     blocked = depthwise and conv_kernels.blocked_fits(kh, kw, oh, ow)
     pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
+    direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups)  # no im2col
     k = cg * kh * kw
     rows = max(1, min(oh, TILE_ELEMENTS // max(1, (k if not pointwise else cg) * ow)))
     scratch: dict = {}
@@ -298,11 +299,12 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
         # the weights as [groups, M / groups, C / groups * kh * kw] (depthwise: [C, kh, kw])
         wk = weights.get("w") if constant_w else None
         if wk is None:
-            wk = np.ascontiguousarray(w.reshape(m, kh, kw) if depthwise else w.reshape(groups, mg, k))
+            wk = conv_kernels.direct_weights(w.reshape(m, cg, kh, kw)) if direct else \
+                np.ascontiguousarray(w.reshape(m, kh, kw) if depthwise else w.reshape(groups, mg, k))
             if constant_w:
                 weights["w"] = wk
         cols = scratch.get("cols")
-        if cols is None and not (pointwise or depthwise):
+        if cols is None and not (pointwise or depthwise or direct):
             cols = scratch["cols"] = np.empty((k, rows * ow), np.float32)
         for n in range(n_img):
             for g in range(1 if depthwise else groups):
@@ -317,6 +319,9 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                     if blocked:   # the whole output at once (conv_kernels.py), then the tiles' epilogues
                         if oy0 == 0:
                             conv_kernels.depthwise_blocked(xg, wk, sh, sw, dh, dw, ph, pw, y4[n])
+                    elif direct:
+                        if oy0 == 0:
+                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n])
                     elif depthwise:
                         _depthwise(xg, wk, sh, sw, dh, dw, ph, pw, oy0, oy1, y4[n])
                     elif pointwise:

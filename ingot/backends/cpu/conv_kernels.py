@@ -1,12 +1,17 @@
-"""Depthwise convolutions with channels in blocks of 16 (NCHWc, as onnxruntime's kernels): conv.py picks
-this kernel where the output is small (MAX_OUTPUTS positions).
+"""Convolution kernels with 16 channels to a vector (NCHWc-style, as onnxruntime's), which conv.py picks:
 
-conv._depthwise vectorises along an output row, which suits wide rows; MobileNet's late layers have
-rows of 7 or 14 and hundreds of channels, where it ran at ~2 GMAC/s (576 channels, 7 x 7, 5 x 5 taps:
-0.42 ms). Here 16 channels are one AVX-512 vector: a block's input is copied once into a zero-padded
-[H', W', 16] buffer and each output position is kh * kw vector FMAs in registers (an llvmlite
-intrinsic per window size, as vnni.py emits VPDPBUSD): 0.09-0.10 ms there. Past 28 x 28 outputs the
-copies in and out cost more than they save.
+- depthwise, where the output is small (MAX_OUTPUTS positions): conv._depthwise vectorises along an
+  output row, which suits wide rows; MobileNet's late layers have rows of 7 or 14 and hundreds of
+  channels, where it ran at ~2 GMAC/s (576 channels, 7 x 7, 5 x 5 taps: 0.42 ms). Here a block of 16
+  channels is copied once into a zero-padded [H', W', 16] buffer and each output position is kh * kw
+  vector FMAs in registers: 0.09-0.10 ms there. Past 28 x 28 outputs the copies cost more than they save.
+- direct kxk (groups 1, not the BLAS pointwise case): instead of gathering windows (im2col, kh * kw
+  copies of the input) for BLAS, per block of 16 output channels and TILE output columns the
+  accumulators stay in registers over every input channel and tap (YOLO's 3 x 3 layers: 87-100
+  GFLOP/s at stride 1, against BLAS's 65-88 without counting the gather).
+
+Both are llvmlite intrinsics per window size (as vnni.py emits VPDPBUSD), called by numba kernels that
+codegen generates and caches on disk.
 """
 from __future__ import annotations
 
@@ -106,3 +111,138 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
     kh, kw = w.shape[1:]
     kernel = codegen.load(_KERNEL.format(kh=kh, kw=kw), "kernel", "cpu_depthwise")
     kernel(x, w, sh, sw, dh, dw, ph, pw, out)
+
+
+# -- direct convolution, output channels in blocks of 16 ------------------------------------------------
+#
+# A kxk convolution gathered its windows (im2col: a copy of kh * kw times the input) and multiplied them
+# by BLAS. Here, per block of 16 output channels and run of TILE output columns of one row, TILE vector
+# accumulators stay in registers over every input channel and tap: each step one weight vector (16
+# output channels) and TILE broadcast input values (llvmlite, the loop over input channels in IR).
+
+TILE = 8   # output columns per call: 8 accumulators + 1 weight vector
+
+
+def _tile_intrinsic(kh: int, kw: int):
+    """tile(acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic): acc[16 r : 16 r + 16] = sum
+    over ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * col_step + r * sw] *
+    wb[w_at + ((ic * kh + i) * kw + j) * 16 : +16], r < TILE."""
+    @intrinsic
+    def tile(typingctx, acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic):
+        sig = types.void(acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic)
+
+        def codegen(context, builder, signature, args):
+            acc_v, x_v, x_at_v, ic_v, row_v, col_v, sw_v, w_v, w_at_v, n_v = args
+            arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+            aa, xa, wa = arr(0, acc_v), arr(1, x_v), arr(7, w_v)
+            i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+            f16x = ir.VectorType(f32, 16)
+            undef = ir.Constant(f16x, ir.Undefined)
+            zeros_i = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(f16x, [f16x, f16x, f16x]))
+            cast = lambda v: builder.sext(v, i64) if v.type.width < 64 else v  # noqa: E731
+            x_at_v, ic_v, row_v, col_v, sw_v, w_at_v, n_v = map(cast, (x_at_v, ic_v, row_v, col_v, sw_v, w_at_v, n_v))
+            start = builder.block
+            loop = builder.append_basic_block("ic_loop")
+            done = builder.append_basic_block("ic_done")
+            zero_acc = ir.Constant(f16x, [0.0] * 16)
+            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            ic = builder.phi(i64)
+            ic.add_incoming(ir.Constant(i64, 0), start)
+            accs = []
+            for _ in range(TILE):
+                p = builder.phi(f16x)
+                p.add_incoming(zero_acc, start)
+                accs.append(p)
+            base = builder.add(x_at_v, builder.mul(ic, ic_v))
+            wbase = builder.add(w_at_v, builder.mul(ic, ir.Constant(i64, kh * kw * 16)))
+            new = list(accs)
+            for i in range(kh):
+                row = builder.add(base, builder.mul(row_v, ir.Constant(i64, i)))
+                for j in range(kw):
+                    at = builder.add(row, builder.mul(col_v, ir.Constant(i64, j)))
+                    wp = builder.gep(wa.data, [builder.add(wbase, ir.Constant(i64, (i * kw + j) * 16))])
+                    wv = builder.load(builder.bitcast(wp, f16x.as_pointer()), align=4)
+                    for r in range(TILE):
+                        xv = builder.load(builder.gep(xa.data, [builder.add(at, builder.mul(sw_v, ir.Constant(i64, r)))]))
+                        splat = builder.shuffle_vector(builder.insert_element(undef, xv, ir.Constant(i32, 0)), undef, zeros_i)
+                        new[r] = builder.call(fma, [splat, wv, new[r]])
+            nxt = builder.add(ic, ir.Constant(i64, 1))
+            latch = builder.block
+            ic.add_incoming(nxt, latch)
+            for p, v in zip(accs, new):
+                p.add_incoming(v, latch)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
+            builder.position_at_end(done)
+            finals = []
+            for r in range(TILE):
+                f = builder.phi(f16x)
+                f.add_incoming(zero_acc, start)
+                f.add_incoming(new[r], latch)
+                finals.append(f)
+            for r in range(TILE):
+                ptr = builder.gep(aa.data, [ir.Constant(i64, 16 * r)])
+                builder.store(finals[r], builder.bitcast(ptr, f16x.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+TILES = {(kh, kw): _tile_intrinsic(kh, kw) for kh, kw in ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1))}
+
+_DIRECT = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_kernels import TILE, TILES
+
+tile = TILES[({kh}, {kw})]
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, wb, sh, sw, dh, dw, ph, pw, out):
+    c_n, h, wd = x.shape
+    m, oh, ow = out.shape
+    kh, kw = {kh}, {kw}
+    tiles = (ow + TILE - 1) // TILE
+    hp = max(h + ph, (oh - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(wd + pw, (tiles * TILE - 1) * sw + (kw - 1) * dw + 1)
+    xp = np.zeros((c_n, hp, wp), np.float32)
+    for c in range(c_n):
+        for y in range(h):
+            for xx in range(wd):
+                xp[c, y + ph, xx + pw] = x[c, y, xx]
+    xf = xp.reshape(c_n * hp * wp)
+    acc = np.empty(TILE * 16, np.float32)
+    for b in range(wb.shape[0]):
+        wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
+        lanes = min(16, m - b * 16)
+        for oy in range(oh):
+            for t in range(tiles):
+                ox0 = t * TILE
+                tile(acc, xf, oy * sh * wp + ox0 * sw, hp * wp, dh * wp, dw, sw, wf, 0, c_n)
+                n = min(TILE, ow - ox0)
+                for l in range(lanes):
+                    orow = out[b * 16 + l, oy]
+                    for r in range(n):
+                        orow[ox0 + r] = acc[r * 16 + l]
+"""
+
+
+def direct_fits(kh: int, kw: int, groups: int) -> bool:
+    return groups == 1 and (kh, kw) in TILES
+
+
+def direct_weights(w: np.ndarray) -> np.ndarray:
+    """w [M, C, kh, kw] as [ceil(M / 16), C * kh * kw * 16]: block b, then (c, i, j), then 16 output channels."""
+    m, c, kh, kw = w.shape
+    blocks = -(-m // 16)
+    padded = np.zeros((blocks * 16, c, kh, kw), np.float32)
+    padded[:m] = w
+    return np.ascontiguousarray(padded.reshape(blocks, 16, c, kh, kw).transpose(0, 2, 3, 4, 1)).reshape(blocks, -1, 16)
+
+
+def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out) -> None:
+    """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights."""
+    kernel = codegen.load(_DIRECT.format(kh=kh, kw=kw), "kernel", "cpu_direct_conv")
+    kernel(x, wb, sh, sw, dh, dw, ph, pw, out)

@@ -324,6 +324,8 @@ def float_weight_step(node: Node, out, activations: str = "float32"):
     [K, N] with one block along k, through FloatInt8Matmul; None otherwise (and where activations are
     rounded to int8: the VNNI GEMV path is the lead's there)."""
     a = node.attrs
+    if len(node.src) < 2:   # an expert's stand-in (experts.py, no sources): the GEMV path
+        return None
     x = node.src[0]
     if a.get("mode") != "affine" or a.get("transpose") or a["qdtype"].name not in ("int8", "uint8") or \
             activations != "float32" or node.dtype.name != "float32" or x.dtype.name != "float32" or \

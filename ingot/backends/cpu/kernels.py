@@ -14,7 +14,7 @@ from numba import njit
 from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
-from . import rows_attention, team, vnni
+from . import rows_attention, rows_gemv, team, vnni
 from .nn_kernels import (XQ_BLOCK, _layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm,
                          rope_rows, rope_write_attend, round_rows)
 
@@ -481,6 +481,8 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
+        if rows > 1 and kernel is vnni.gemv:   # a server's batch: each block of W once for all rows (rows_gemv.py)
+            kernel = rows_gemv.gemv_rows
         split_blocks(kernel, (x2, weight) + args, parts, result, k * n, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
@@ -568,7 +570,7 @@ def _cache_is_cold() -> bool:
     try:
         return any(not d._cache._cache_file._load_index() for d in
                    (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
-                    scaled_tile_int8, attention, rope_rows, vnni.gemv,
+                    scaled_tile_int8, attention, rope_rows, vnni.gemv, rows_gemv.gemv_rows,
                     _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
                     rows_attention.rows_rope_write_attend, rows_attention.rows_chunks))
     except Exception:
@@ -591,6 +593,8 @@ def _warm_up() -> None:
             wide = _kernel_form(np.ones((1, 16), params.dtype))
             vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
                        f32(1, 16))
+            rows_gemv.gemv_rows(f32(2, 32), _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True,
+                                np.float32(8), 0, 1, 0, 16, f32(2, 16))
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))

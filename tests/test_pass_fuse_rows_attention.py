@@ -19,12 +19,13 @@ from ingot.models import llama
 from ingot.ops import REGISTRY
 from ingot.ops import nn as nn_ops
 from ingot.options import CompileOptions, CpuOptions
+from ingot.passes.device import FUSIONS
 from ingot.runtime import State
 
 sys.path.insert(0, os.path.dirname(__file__))
 from quant_helpers import tiny_config  # noqa: E402
 
-PER_ROW = frozenset({"conv_epilogue", "rope_cache", "integer_matmul"})   # every CPU fusion but this one
+PER_ROW = frozenset(FUSIONS["cpu"]) - {"rows_attention"}   # every CPU fusion but this one
 
 
 def _kinds(exe) -> list[str]:

@@ -29,10 +29,11 @@ def main() -> None:
     from ingot import CompileOptions
     from ingot.options import CpuOptions
     from ingot.llm.generate import default_model_path
+    from ingot.passes.device import FUSIONS
     from ingot.serve.engine import Engine
 
     options = CompileOptions(cpu=CpuOptions(gemv_activations="int8" if args.int8 else "float32", threads=args.threads),
-                             fusions=frozenset({"conv_epilogue", "rope_cache", "integer_matmul"}) if args.per_row else None)
+                             fusions=frozenset(FUSIONS["cpu"]) - {"rows_attention"} if args.per_row else None)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     engine = Engine(default_model_path(), max_batch=args.rows, context=1024, options=options)
     exe, _ = engine._rows_executable(args.rows)

@@ -59,6 +59,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (default: cpu)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV cache length in tokens (default: 2048, at most the model's)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
+
+
+KV_DTYPE_CHOICES = ["float32", "bfloat16", "float16"]   # models.blocks.KV_DTYPES (not imported to parse)
+KV_DTYPE_HELP = ("what the KV cache is stored in: bfloat16 or float16 halve its memory, keys and values rounded as "
+                 "written, attention in float32 (default: the model's own, float32)")
 
 
 def _check_sampling_args(args) -> None:
@@ -117,7 +123,8 @@ def _read_prompt(args) -> str:
 def _load_llm(args):
     from .llm import load
 
-    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args))
+    llm = load(args.model, device=args.device, context=args.context, lora=_loras(args),
+               kv_dtype=getattr(args, "kv_dtype", None))
     print(llm.describe(), file=sys.stderr, flush=True)
     return llm
 
@@ -319,7 +326,8 @@ def _serve(args) -> int:
         if value is not None and not low <= value <= 4096 * (64 if flag == "--context" else 1):
             raise IngotError(f"{flag} must be in {low}..{4096 * (64 if flag == '--context' else 1)}, not {value}.")
     serve(args.model, host=args.host, port=args.port, device=args.device, max_batch=args.max_batch,
-          context=args.context, loras=loras, max_queue=args.max_queue, gemv_activations=args.gemv_activations)
+          context=args.context, loras=loras, max_queue=args.max_queue, gemv_activations=args.gemv_activations,
+          kv_dtype=args.kv_dtype)
     return 0
 
 
@@ -429,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests that may wait for a slot; more get HTTP 429 (default 64)")
     srv.add_argument("--context", type=int, default=None, metavar="N",
                      help="KV cache length per slot in tokens (default: 2048, at most the model's)")
+    srv.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
     srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                      help="serve a PEFT LoRA folder as model id NAME (repeatable; requests choose by `model`)")
     srv.add_argument("--gemv-activations", choices=["float32", "int8"], default=None,

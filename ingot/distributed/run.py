@@ -97,7 +97,8 @@ def _rank_generate(rank: int, ranks: int, args, prompt: str | None, generate: Ca
         options = dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, threads=max(1, cores // ranks)))
     if rank:
         sys.stdout = open(os.devnull, "w")                    # rank 0 alone prints
-    llm = load(args.model, device=args.device, context=args.context, options=options, tensor_parallel=ranks)
+    llm = load(args.model, device=args.device, context=args.context, options=options, tensor_parallel=ranks,
+               kv_dtype=getattr(args, "kv_dtype", None))
     if rank == 0:
         print(llm.describe() + f", tensor parallel over {ranks} ranks", file=sys.stderr, flush=True)
     return generate(args, llm, prompt)

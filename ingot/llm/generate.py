@@ -79,7 +79,7 @@ class LLM:
     and chat template. lora: PEFT adapter folders as (path, scale) pairs, called beside the weights."""
 
     def __init__(self, path: str, device: str = "cpu", context: int | None = None, lora=(), options=None,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, kv_dtype: str | None = None):
         from ..adapters import binder, load_peft
         from ..distributed import rank_for
         from .. import models
@@ -101,6 +101,7 @@ class LLM:
         for lora_path, scale in lora:
             self.adapters = self.adapters.merged(load_peft(lora_path, self.config, scale))
         self.config.context_length = min(self.config.context_length, context or DEFAULT_CONTEXT)
+        set_kv_dtype(self.config, kv_dtype)
         self.rank = rank_for(self.config, tensor_parallel, self.adapters)   # this process's shard (0 of 1 without TP)
         self.tensor_parallel = tensor_parallel
         from .tokenizer import Tokenizer  # here: a file refused above never imports tokenizers
@@ -440,13 +441,28 @@ def _return_freed_memory() -> None:
         pass
 
 
+def set_kv_dtype(config, kv_dtype: str | None) -> None:
+    """Set the KV cache dtype a decoder is built with (models.blocks.KV_DTYPES; None: the model's own,
+    float32 unless a package stored another); one IngotError for any other value."""
+    from ..models.blocks import KV_DTYPES
+
+    if kv_dtype is None:
+        return
+    if kv_dtype not in KV_DTYPES:
+        raise IngotError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {str(kv_dtype)[:40]!r}.")
+    config.kv_dtype = kv_dtype
+
+
 def load(path: str | None = None, device: str = "cpu", context: int | None = None, lora=(), options=None,
-         tensor_parallel: int = 1) -> LLM:
+         tensor_parallel: int = 1, kv_dtype: str | None = None) -> LLM:
     """Load a GGUF model or an Ingot LLM package (the default model when path is None) and compile
     it for device; lora: PEFT folders, as paths or (path, scale) pairs; options: the
     `ingot.CompileOptions` of every compile (None: `CompileOptions.from_environment()`);
     tensor_parallel=N: this process's shard of N, in a torch.distributed group of N ranks (started by
-    ingot.distributed.launch or torchrun), every rank calling the same methods in lock step."""
+    ingot.distributed.launch or torchrun), every rank calling the same methods in lock step.
+    kv_dtype: what the KV cache is stored in, "float32", "bfloat16" or "float16" (half the bytes; keys
+    and values rounded as written, attention in float32); None: the model's own (float32, or what a
+    package was saved with)."""
     lora = [(item, 1.0) if isinstance(item, (str, os.PathLike)) else tuple(item) for item in lora]
     return LLM(path or default_model_path(), device=device, context=context, lora=lora, options=options,
-               tensor_parallel=tensor_parallel)
+               tensor_parallel=tensor_parallel, kv_dtype=kv_dtype)

@@ -29,6 +29,10 @@ from ..quant.formats import QuantizedTensor, concat_columns
 
 
 MAX_DIMENSION = 1 << 24  # any count or size a config may hold (layers, dims, vocabulary, context)
+# what the KV cache may be stored in: attention widens each key and value to float32 as it reads it
+# (bfloat16 or float16 halve the cache's bytes; the CPU's compiled kernels read float32 and bfloat16,
+# float16 runs the reference there)
+KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -56,6 +60,7 @@ class DecoderConfig:
     context_length: int = 2048
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    kv_dtype: str = "float32"           # the KV cache variables' dtype (KV_DTYPES): new rows rounded as written
     extra: dict = field(default_factory=dict)
 
     family: ClassVar[str] = ""          # the models/ module that builds it
@@ -99,6 +104,8 @@ class DecoderConfig:
             raise IngotError(f"{self.family}: YaRN needs an original context in 1..{MAX_DIMENSION}, positive betas "
                              f"and RoPE over whole heads, not {self.rope_original_context!r}, {self.yarn_beta_fast!r}, "
                              f"{self.yarn_beta_slow!r}, rope_dims {self.rope_dims}.")
+        if self.kv_dtype not in KV_DTYPES:
+            raise IngotError(f"{self.family}: kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}.")
         if self.n_heads % self.n_kv_heads:
             raise IngotError(f"{self.family}: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads.")
         if not self.head_dim and self.dim % self.n_heads:
@@ -479,10 +486,17 @@ def merge_heads(g: Graph, t: Tensor, n: int, hd: int, batch: int) -> Tensor:
 
 
 def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int) -> tuple[Tensor, Tensor]:
-    """This layer's K and V cache variables [B, nkv, context, hd], zeros at first."""
+    """This layer's K and V cache variables [B, nkv, context, hd] of cfg.kv_dtype, zeros at first."""
     shape = (batch, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
-    return (g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.k_cache"),
-            g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.v_cache"))
+    return (_cache_variable(g, cfg, shape, f"blk.{layer}.k_cache"),
+            _cache_variable(g, cfg, shape, f"blk.{layer}.v_cache"))
+
+
+def _cache_variable(g: Graph, cfg: DecoderConfig, shape: tuple, name: str) -> Tensor:
+    """A zero cache variable of cfg.kv_dtype; slice_update rounds each float32 row written into it, and
+    attention reads it widened to float32."""
+    kind = dt.by_name(getattr(cfg, "kv_dtype", "float32"))
+    return g.variable(np.zeros(shape, kind.storage), name=name)
 
 
 def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq: np.ndarray,
@@ -541,8 +555,8 @@ def row_cache(g: Graph, cfg: DecoderConfig, layer: int, row: int) -> tuple[Tenso
     """Row `row`'s own K and V cache variables [1, nkv, context, hd] (blk.L.k_cache.ROW): the
     arrays of a batch-1 decoder's state, so a server maps each row to any sequence's cache."""
     shape = (1, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
-    return (g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.k_cache.{row}"),
-            g.variable(np.zeros(shape, np.float32), name=f"blk.{layer}.v_cache.{row}"))
+    return (_cache_variable(g, cfg, shape, f"blk.{layer}.k_cache.{row}"),
+            _cache_variable(g, cfg, shape, f"blk.{layer}.v_cache.{row}"))
 
 
 def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q: Tensor, k: Tensor, v: Tensor,

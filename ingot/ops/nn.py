@@ -136,8 +136,9 @@ register(Op.ROPE, _rope_rule,
 
 def _sdpa_rule(types, attrs):
     q, k, v = types[:3]
-    expect = "q [..., Hq, Tq, D], k [..., Hkv, Tk, D], v [..., Hkv, Tk, Dv] of one float dtype, Hq a multiple of Hkv"
-    if not (q.dtype.is_float and q.dtype == k.dtype == v.dtype and q.rank == k.rank == v.rank and q.rank >= 3):
+    expect = ("q [..., Hq, Tq, D], k [..., Hkv, Tk, D], v [..., Hkv, Tk, Dv] float (k and v of one dtype: q's, or "
+              "a KV cache's narrower one), Hq a multiple of Hkv")
+    if not (q.dtype.is_float and k.dtype.is_float and k.dtype == v.dtype and q.rank == k.rank == v.rank and q.rank >= 3):
         raise fail(Op.SDPA, types, expect)
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
     known = lambda *ds: all(d is not None for d in ds)  # noqa: E731

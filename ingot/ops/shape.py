@@ -189,8 +189,9 @@ def _slice_update_rule(types, attrs):
     x, u = types[0], types[1]
     _no_packed(Op.SLICE_UPDATE, [x, u])
     start = attrs["start"]
-    if x.dtype != u.dtype or x.rank != u.rank or len(start) != x.rank:
-        raise fail(Op.SLICE_UPDATE, types, "an update of the same rank and dtype, and a start per axis")
+    # a float update into a float buffer of another dtype is rounded as it is written (a bfloat16 KV cache)
+    if (x.dtype != u.dtype and not (x.dtype.is_float and u.dtype.is_float)) or x.rank != u.rank or len(start) != x.rank:
+        raise fail(Op.SLICE_UPDATE, types, "an update of the same rank and dtype (or both float), and a start per axis")
     for d, s, n in zip(x.shape, start, u.shape):
         if isinstance(s, Ref):
             if types[s.index].rank != 0 or not types[s.index].dtype.is_int:

@@ -17,11 +17,12 @@ from .gemv_rules import plain_attention
 
 
 def writes_rows_at(update: Node, pos: Node, like: Node) -> bool:
-    """update writes `like`-shaped rows in place into a cache at [0.., pos, 0]."""
+    """update writes `like`-shaped rows in place into a cache at [0.., pos, 0] (of like's dtype, or of
+    another float dtype, a bfloat16 KV cache, the rows rounded as they are written)."""
     if update.op != Op.SLICE_UPDATE or not update.attrs.get("inplace"):
         return False
     rank, cache = like.type.rank, update.src[0]
-    if cache.dtype != like.dtype or cache.type.shape[:-2] != like.type.shape[:-2] or \
+    if (cache.dtype != like.dtype and not (cache.dtype.is_float and like.dtype.is_float)) or cache.type.shape[:-2] != like.type.shape[:-2] or \
             cache.type.shape[-1] != like.type.shape[-1] or update.src[1].type.shape != like.type.shape:
         return False
     for axis, st in enumerate(update.attrs["start"]):

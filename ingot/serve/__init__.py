@@ -49,9 +49,10 @@ def serve_options(gemv_activations: str | None = None):
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", max_batch: int = 8,
           context: int | None = None, loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
           announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
-          gemv_activations: str | None = None) -> None:
+          gemv_activations: str | None = None, kv_dtype: str | None = None) -> None:
     """Load the model (the default one when None), then serve it until interrupted. gemv_activations:
-    see serve_options (None: INGOT_OPTIONS's choice, float32 by default)."""
+    see serve_options (None: INGOT_OPTIONS's choice, float32 by default); kv_dtype: the KV slots' dtype
+    (see ingot.llm.load)."""
     import uvicorn
 
     from ..llm.generate import default_model_path
@@ -62,7 +63,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
         raise IngotError(f"--port must be 0..65535, not {port}.")
     options = serve_options(gemv_activations)
     engine = Engine(model or default_model_path(), device=device, max_batch=max_batch, context=context, loras=loras,
-                    max_queue=max_queue, options=options)
+                    max_queue=max_queue, options=options, kv_dtype=kv_dtype)
     app = create_app(engine)
     engine.start()
     engine.warm()       # every decode bucket and prefill length compiled before the first request

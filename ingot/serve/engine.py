@@ -197,11 +197,11 @@ class Engine:
 
     def __init__(self, path: str, device: str = "cpu", max_batch: int = 8, context: int | None = None,
                  loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
-                 prefill_chunk: int = PREFILL_CHUNK, options=None):
+                 prefill_chunk: int = PREFILL_CHUNK, options=None, kv_dtype: str | None = None):
         from .. import models
         from ..adapters import AdapterSet, load_peft
         from ..llm.chat import check_template
-        from ..llm.generate import DEFAULT_CONTEXT, LLM, _model_info
+        from ..llm.generate import DEFAULT_CONTEXT, LLM, _model_info, set_kv_dtype
         from ..llm.package import open_model, storage_form
         from ..llm.tokenizer import Tokenizer
         from .metrics import Metrics
@@ -222,6 +222,7 @@ class Engine:
         self.info = _model_info(model)
         self.config = cfg = model.config
         cfg.context_length = min(cfg.context_length, context or DEFAULT_CONTEXT)
+        set_kv_dtype(cfg, kv_dtype)   # every slot's and rows decoder's cache (they build from cfg)
         self.context = cfg.context_length
         try:
             self.tokenizer = Tokenizer(model.metadata, default_template=models.chat_template(model.architecture))

@@ -8,13 +8,74 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir as llvm_ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
 
 from ...errors import IngotError
 from ...ir import Node
 from ...ops import nn as nn_ops
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
+
+
+# -- a bfloat16 KV cache: the kernels take it as its uint16 bits (numba has no bfloat16) -----------
+
+@intrinsic
+def _float_of_bits(typingctx, bits):
+    """uint32 -> the float32 of the same bits."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bits_of_float(typingctx, x):
+    """float32 -> its bits as a uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+def widen(x):
+    """A cache element as float32: a float32 as it is, bfloat16 bits (uint16) shifted into the high half."""
+
+
+@overload(widen)
+def _widen(x):
+    if x == types.uint16:
+        return lambda x: _float_of_bits(np.uint32(x) << np.uint32(16))
+    return lambda x: x
+
+
+def put(a, i, x):
+    """a[i] = x for a float32 array; for bfloat16 bits (uint16), x rounded to nearest even as ml_dtypes
+    rounds it (a NaN stays a quiet NaN, overflow goes to infinity)."""
+
+
+@overload(put)
+def _put(a, i, x):
+    if a.dtype == types.uint16:
+        def bits(a, i, x):
+            b = _bits_of_float(np.float32(x))
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                a[i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+            else:
+                a[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return bits
+    def plain(a, i, x):
+        a[i] = x
+    return plain
+
+
+def kernel_cache(x: np.ndarray) -> np.ndarray | None:
+    """A K/V cache array as the compiled kernels take it: float32 as it is, bfloat16 as its uint16 bits
+    (a view, writes land in the cache); None for any other dtype (the caller runs the reference)."""
+    if x.dtype == np.float32:
+        return x
+    if x.dtype.name == "bfloat16" and x.dtype.itemsize == 2:
+        return x.view(np.uint16)
+    return None
 
 
 XQ_BLOCK = 32  # activations rounded to int8 per this many k (CpuOptions.gemv_activations = "int8")
@@ -77,8 +138,9 @@ exp_shifted = njit(inline="always", **_serial)(_exp_shifted)
 
 
 def _attention(q, k, v, length, scale, causal, window, softcap, out):
-    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D]; keys >= length ignored; causal aligned to length;
-    window > 0: each query sees its last `window` keys only; softcap > 0: s -> softcap * tanh(s / softcap)."""
+    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D] (float32, or bfloat16 as uint16 bits: `kernel_cache`); keys
+    >= length ignored; causal aligned to length; window > 0: each query sees its last `window` keys only;
+    softcap > 0: s -> softcap * tanh(s / softcap)."""
     nbatch, hq, tq, d = q.shape
     hk = k.shape[1]
     dv = v.shape[3]
@@ -107,7 +169,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
                 krow = k[b, kh, j]
                 s = np.float32(0.0)
                 for e in range(d):
-                    s += qrow[e] * krow[e]
+                    s += qrow[e] * widen(krow[e])
                 s *= scale
                 if softcap > 0:
                     s = softcap * math.tanh(s / softcap)
@@ -120,7 +182,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
                 p = scores[j]
                 vrow = v[b, kh, j]
                 for e in range(dv):
-                    acc[e] += p * vrow[e]
+                    acc[e] += p * widen(vrow[e])
             inv = np.float32(1.0) / total
             for e in range(dv):
                 out[b, h, t, e] = acc[e] * inv
@@ -132,7 +194,8 @@ attention = njit(**_serial)(_attention)
 def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
                        softcap, attend, q_out, out):
     """The fused RoPE + KV write + attention of backends/cpu/rope_cache.py:
-    k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches; q [B, Hq, T, D]
+    k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches (float32, or bfloat16 bits:
+    each value rounded as it is written); q [B, Hq, T, D]
     rotated into q_out; then, if attend, the attention of q_out over the caches' first `length` rows
     into out (kernels.attention)."""
     nbatch, hk, t, d = k.shape
@@ -148,20 +211,21 @@ def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interle
         for h in range(hk):
             for i in range(t):
                 row = k_cache[b, h, pos + i]
+                vrow = v_cache[b, h, pos + i]
                 for e in range(v.shape[3]):
-                    v_cache[b, h, pos + i, e] = v[b, h, i, e]
+                    put(vrow, e, v[b, h, i, e])
                 for j in range(half):
                     c, s = cos[i, j], sin[i, j]
                     if interleaved:
                         x0, x1 = k[b, h, i, 2 * j], k[b, h, i, 2 * j + 1]
-                        row[2 * j] = x0 * c - x1 * s
-                        row[2 * j + 1] = x1 * c + x0 * s
+                        put(row, 2 * j, x0 * c - x1 * s)
+                        put(row, 2 * j + 1, x1 * c + x0 * s)
                     else:
                         x0, x1 = k[b, h, i, j], k[b, h, i, j + half]
-                        row[j] = x0 * c - x1 * s
-                        row[j + half] = x1 * c + x0 * s
+                        put(row, j, x0 * c - x1 * s)
+                        put(row, j + half, x1 * c + x0 * s)
                 for e in range(rd, d):
-                    row[e] = k[b, h, i, e]
+                    put(row, e, k[b, h, i, e])
         for h in range(q.shape[1]):
             for i in range(t):
                 for j in range(half):
@@ -214,6 +278,9 @@ def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     hk = k.shape[1]
     group = hq // hk
     k, v = k[:, :, :length], v[:, :, :length]
+    if k.dtype != np.float32:   # a bfloat16 cache (its uint16 bits): the prefix widened once for BLAS
+        k, v = (np.left_shift(x, 16, dtype=np.uint32).view(np.float32) if x.dtype == np.uint16 else
+                x.astype(np.float32) for x in (k, v))
     s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
     s *= scale
     if softcap:
@@ -239,8 +306,11 @@ def sdpa_step(node: Node):
     window, softcap = int(attrs.get("window", 0)), np.float32(attrs.get("softcap", 0.0))
 
     def step(q, k, v, *rest):
-        if attrs.get("has_mask") or not f32 or q.shape[0] != k.shape[0]:
+        kc, vc = kernel_cache(k), kernel_cache(v)
+        if attrs.get("has_mask") or not f32 or q.shape[0] != k.shape[0] or kc is None or vc is None or \
+                q.dtype != np.float32:
             return nn_ops._sdpa((q, k, v) + rest, attrs)
+        k, v = kc, vc
         length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
         if not 0 <= length <= k.shape[2]:  # the kernels index the cache by it, unchecked
             raise IngotError(f"sdpa: attention length {length} is outside 0..{k.shape[2]} (the cache's positions).")

@@ -1,8 +1,9 @@
 """The CPU lowerings of fuse_rope_cache's fused ops (passes/fuse_rope_cache.py): RoPE of q and k, the
 new k/v rows written into their caches in place, and (rope_qkv_attention) the attention over the
 caches, as one step. At decode (up to DECODE_MAX_ROWS queries) one compiled kernel does it all; a
-prefill rotates and writes with the RoPE kernel and attends with BLAS. Anything else (not float32,
-rank other than 4, a position outside the cache) runs the fused op's body through the references.
+prefill rotates and writes with the RoPE kernel and attends with BLAS. The caches are float32 or
+bfloat16 (rows rounded as written, widened as read). Anything else (q, k, v not float32, a float16
+cache, rank other than 4, a position outside the cache) runs the fused op's body through the references.
 """
 from __future__ import annotations
 
@@ -67,11 +68,14 @@ def rope_cache_lowering(node: Node, out):
         q, k, v, kc, vc = xs[iq], xs[ik], xs[iv], xs[ikc], xs[ivc]
         pos = int(xs[ipos])
         t = k.shape[-2]
-        if not all(isinstance(y, np.ndarray) and y.dtype == np.float32 and y.ndim == 4 for y in (q, k, v, kc, vc)) \
-                or not kc.flags.writeable or not vc.flags.writeable or not 0 <= pos <= kc.shape[2] - t \
+        caches = (kc, vc)   # returned as they are; the kernels take a bfloat16 cache as its bits
+        if not all(isinstance(y, np.ndarray) and y.ndim == 4 for y in (q, k, v, kc, vc)) \
+                or not all(y.dtype == np.float32 for y in (q, k, v)) or kc.dtype != vc.dtype \
+                or nn_kernels.kernel_cache(kc) is None or not kc.flags.writeable or not vc.flags.writeable or not 0 <= pos <= kc.shape[2] - t \
                 or q.shape[0] != k.shape[0] or k.shape[:2] != kc.shape[:2] or v.shape[:2] != vc.shape[:2]:
             return body_only(*xs)
         q, k, v = (np.ascontiguousarray(y) for y in (q, k, v))   # the layouts warm_up compiles for
+        kc, vc = nn_kernels.kernel_cache(kc), nn_kernels.kernel_cache(vc)
         inv = np.ascontiguousarray(xs[inv_i], np.float32).reshape(-1).view() if inv_i is not None else default_inv
         inv.flags.writeable = False
         length = kc.shape[2]
@@ -86,10 +90,10 @@ def rope_cache_lowering(node: Node, out):
             nn_kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
                                       causal if attend else False, window if attend else 0,
                                       softcap if attend else np.float32(0), attend, q_out, result)
-            return result, kc, vc
+            return (result, *caches)
         nn_kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window,
                                   softcap, False, q_out, q_out)
-        return nn_kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), kc, vc
+        return (nn_kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), *caches)
     return step
 
 

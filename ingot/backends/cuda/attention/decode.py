@@ -44,7 +44,12 @@ def _decode_chunk(length, SPLIT: tl.constexpr, ALIGN: tl.constexpr, MIN_CHUNK: t
 @triton.jit
 def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of the online softmax: the scores of q [R, D] against kt [N, D] (keys not n_ok, or past
-    a row's causal limit, left out), then acc += p vt."""
+    a row's causal limit, left out), then acc += p vt. A cache of another dtype than q's (bfloat16 or
+    float16 K/V under float32 q) is widened here, after the load: the math is q's."""
+    if kt.dtype != q.dtype:
+        kt = kt.to(q.dtype)
+    if vt.dtype != q.dtype:
+        vt = vt.to(q.dtype)
     s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                          # [R, N], log2 units
     ok = n_ok[None, :]
     if CAUSAL:
@@ -85,6 +90,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     short cache uses one split). Each V tile is loaded with its K tile, before the softmax math.
     CHUNK_ALIGN: a split's keys are a multiple of it (the wrapper: BLOCK_N unless told). Measured and
     removed: every launched split storing partials, and the V tile loaded after the softmax.
+
+    The caches may be of a narrower float dtype than q (a bfloat16 KV cache): their tiles are widened to
+    q's dtype after the load (`_decode_tile`), the new rows rounded to theirs as they are stored.
 
     ROPE (one query row per head, TQ 1): q is rotated here by the position at pos_ptr (`_rotation`, cos/sin
     from a table), and

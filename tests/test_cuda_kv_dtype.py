@@ -109,3 +109,20 @@ def test_decoder_with_a_narrow_kv_cache_equals_the_cpu_backend(kind):
     _, wide_logits, _ = greedy(wide, "cuda", prompt, 8, forced=cpu_tokens)
     worst = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(wide_logits, gpu_logits))
     assert worst < 1e-2, worst
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton's interpreter returns garbage for a tl.dot of two bf16 tiles")
+def test_prefill_with_bf16_dots_reads_a_bfloat16_cache_as_it_is():
+    """prefill_precision "bf16" rounds q and p to bfloat16 in registers: a bfloat16 cache goes in unwidened."""
+    from ingot.options import CudaOptions
+
+    rng = np.random.default_rng(3)
+    b, hq, hk, tq, d, buffer, length = 1, 8, 2, 200, 128, 512, 450
+    q = rng.standard_normal((b, hq, tq, d)).astype(np.float32)
+    k_dev, k = _cache(rng, (b, hk, buffer, d), "bfloat16", length)
+    v_dev, v = _cache(rng, (b, hk, buffer, d), "bfloat16", length)
+    got = attn.attention(torch.from_numpy(q).to(DEVICE), k_dev, v_dev, length=torch.tensor(length, device=DEVICE),
+                         causal=True, options=CudaOptions(prefill_precision="bf16"))
+    want = nn_ops.sdpa(q, k, v, length=length, causal=True)
+    got = cuda_backend.to_host(got)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2

@@ -75,3 +75,22 @@ def test_direct_conv_matches_reference(c, m, hw, k, strides, dilations, pads):
     assert conv_kernels.direct_fits(k[0], k[1], 1) and not conv_kernels.direct_fits(k[0], k[1], 2)
     conv_kernels.conv_direct(x, conv_kernels.direct_weights(w), k[0], k[1], sh, sw, dh, dw, ph, pw, out)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def test_silu_epilogue_matches_float64():
+    """The vector SiLU (a polynomial exp) on rows not a multiple of 16, large magnitudes and NaN."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((5, 37)) * 8).astype(np.float32)
+    x[0, :6] = [np.nan, 100.0, -100.0, 0.0, 88.5, -30.0]
+    bias = rng.standard_normal(5).astype(np.float32)
+    bias[0] = 0
+    got = x.copy()
+    conv_kernels.silu_epilogue(got, bias, True)
+    v = x.astype(np.float64) + bias[:, None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = v / (1 + np.exp(-v))
+    assert np.isnan(got[0, 0])
+    np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=3e-6, atol=1e-30)
+    plain = x.copy()
+    conv_kernels.silu_epilogue(plain, bias, False)
+    np.testing.assert_allclose(plain[1:], (x / (1 + np.exp(-x.astype(np.float64))))[1:], rtol=3e-6, atol=1e-30)

@@ -143,7 +143,7 @@ class Epilogue:
                     raise AssertionError(f"conv epilogue: {s.op.name.lower()} is neither a member nor an input")
             slot[n.id] = ("step", len(self.steps))
             self.steps.append((n, refs))
-        self.kernel = _compiled(self.steps)
+        self.kernel = _compiled(self.steps) or conv_kernels.special_epilogue(self.steps)   # SiLU: a vector exp
 
     def run(self, tile: np.ndarray, inputs, n: int, m0: int, m1: int, c0: int, c1: int, scratch: dict) -> None:
         """Apply the steps to tile (out[n, m0:m1] flattened, columns c0:c1), writing the last one into it."""

@@ -157,3 +157,32 @@ def test_every_gguf_type_multiplies_on_the_device(tmp_path, gguf_types):
             want = x @ want_w
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()),
                                        err_msg=qtype.name)
+
+
+def test_a_model_of_scaled_tables_decodes_on_the_device_as_on_the_cpu():
+    """A tiny Llama whose every matrix (the tied embedding too) is a scaled table, as an IQ4_XS file's:
+    the fused decode steps (sibling, norm and GLU GEMVs) leave these weights to gguf_kernels.py; prefill
+    and 3 decode steps match the CPU backend with no host sync."""
+    from ingot.models import llama
+    from ingot.quant.formats import QuantizedTensor
+    lut = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 1, 16) ** 3
+
+    def matrix(rng, rows, cols):   # GGUF's row-major form [out, in], blocks of 32 along in
+        q = dt.pack_int4(rng.integers(0, 16, (rows, cols)))
+        scale = (rng.random((rows, cols // 32)) * 0.1 / np.sqrt(cols / 64) + 0.01).astype(np.float32)
+        return QuantizedTensor(q, dt.uint4, (rows, cols), 32, scale, lut=lut)
+    cfg = llama.LlamaConfig(2, 64, 4, 2, 96, 160, context_length=32, tied_embeddings=True)
+    model = llama.build(cfg, llama.random_weights(cfg, matrix=matrix))
+    runs = {}
+    for device in ("cuda", "cpu"):
+        pre, dec = model.compile(5, device), model.compile(1, device)
+        if device == "cuda":
+            assert not pre.plan.host_syncs and not dec.plan.host_syncs, (pre.plan.host_syncs, dec.plan.host_syncs)
+        state, host = dec.new_state(), dec.backend.to_host
+        logits = [host(pre.run({"tokens": np.arange(1, 6, dtype=np.int32), "pos": np.int32(0), "last": np.int32(4)},
+                               state=state)[0])]
+        for i in range(3):
+            logits.append(host(dec.run({"tokens": np.array([7 * i + 2], np.int32), "pos": np.int32(5 + i),
+                                        "last": np.int32(0)}, state=state)[0]))
+        runs[device] = np.stack(logits)
+    np.testing.assert_allclose(runs["cuda"], runs["cpu"], rtol=1e-4, atol=1e-4 * float(np.abs(runs["cpu"]).max()))

@@ -571,6 +571,7 @@ def _quantized_gather(ctx: Lowering) -> StepFn:
     axis, out_dtype = node.attrs.get("axis", 0), torch_dtype(node.dtype)
     ctx.reads = (len(node.src) - 1,)
     if getattr(weight, "scaled", False):   # a scaled table (GGUF's IQ types, MXFP4): no GEMV output zeroed ahead
+        ctx.plan._zero_ahead = None
         return lambda idx: qmm.gguf_kernels.scaled_gather(weight, idx, axis, out_dtype)
     # the embedding's launch zeroes the first layer's GEMV output where that GEMV rounds its own x
     ahead = ctx.plan._zero_ahead = _ZeroAhead()

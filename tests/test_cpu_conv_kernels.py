@@ -94,3 +94,15 @@ def test_silu_epilogue_matches_float64():
     plain = x.copy()
     conv_kernels.silu_epilogue(plain, bias, False)
     np.testing.assert_allclose(plain[1:], (x / (1 + np.exp(-x.astype(np.float64))))[1:], rtol=3e-6, atol=1e-30)
+
+
+def test_direct_conv_of_a_column():
+    """A kh x 1 window over an input one wide runs as the row it is in memory (Magika's 5 x 1 layer)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((6, 45, 1)).astype(np.float32)
+    w = rng.standard_normal((19, 6, 5, 1)).astype(np.float32)
+    want = conv(x[None], w, None, (2, 1), (1, 1), ((2, 1), (0, 0)), 1)[0]
+    assert conv_kernels.direct_fits(5, 1, 1, want.shape[2], 1) and not conv_kernels.direct_fits(5, 1, 1, 3, 3)
+    out = np.full(want.shape, np.nan, np.float32)
+    conv_kernels.conv_direct(x, conv_kernels.direct_weights(w), 5, 1, 2, 1, 1, 1, 2, 0, out)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -282,7 +282,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     depthwise = cg == 1 and mg == 1 and groups > 1
     blocked = depthwise and conv_kernels.blocked_fits(kh, kw, oh, ow)
     pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
-    direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups)  # no im2col
+    direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups, ow, conv.src[0].type.shape[-1] if not one_d else 0)  # no im2col
     k = cg * kh * kw
     rows = max(1, min(oh, TILE_ELEMENTS // max(1, (k if not pointwise else cg) * ow)))
     scratch: dict = {}

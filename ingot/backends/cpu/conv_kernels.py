@@ -189,7 +189,7 @@ def _tile_intrinsic(kh: int, kw: int):
     return tile
 
 
-TILES = {(kh, kw): _tile_intrinsic(kh, kw) for kh, kw in ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1))}
+TILES = {(kh, kw): _tile_intrinsic(kh, kw) for kh, kw in ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))}
 
 _DIRECT = """import numpy as np
 from numba import njit
@@ -229,7 +229,16 @@ def kernel(x, wb, sh, sw, dh, dw, ph, pw, out):
 """
 
 
-def direct_fits(kh: int, kw: int, groups: int) -> bool:
+def _columns(kh: int, kw: int, ow: int, width: int) -> bool:
+    """A column convolution (input and output one wide, window kh x 1), run as the row it is in memory."""
+    return kw == 1 and ow == 1 and width == 1
+
+
+def direct_fits(kh: int, kw: int, groups: int, ow: int = 0, width: int = 0) -> bool:
+    """The direct kernel takes groups 1 and a window in TILES (a column one as its row: Magika's 5 x 1
+    over 512 x 1, whose tiles along the output row would be 1 of 8 wide)."""
+    if _columns(kh, kw, ow, width):
+        kh, kw = kw, kh
     return groups == 1 and (kh, kw) in TILES
 
 
@@ -243,7 +252,13 @@ def direct_weights(w: np.ndarray) -> np.ndarray:
 
 
 def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out) -> None:
-    """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights."""
+    """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights (the
+    same bytes for a kh x 1 window as for 1 x kh: a column convolution runs as a row one)."""
+    if _columns(kh, kw, out.shape[2], x.shape[2]):
+        c, h, _ = x.shape
+        m, oh, _ = out.shape
+        x, out = x.reshape(c, 1, h), out.reshape(m, 1, oh)
+        kh, kw, sh, sw, dh, dw, ph, pw = kw, kh, sw, sh, dw, dh, pw, ph
     kernel = codegen.load(_DIRECT.format(kh=kh, kw=kw), "kernel", "cpu_direct_conv")
     kernel(x, wb, sh, sw, dh, dw, ph, pw, out)
 

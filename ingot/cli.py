@@ -60,8 +60,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV cache length in tokens (default: 2048, at most the model's)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
+    p.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16"], help=PREFILL_PRECISION_HELP)
 
 
+PREFILL_PRECISION_HELP = ("CUDA: the prompt's matmul and attention dots; bf16 rounds their operands to bfloat16 "
+                          "(float32 sums), about 10x faster on long prompts, logits within ~1e-2 (default: tf32x3, "
+                          "float32-level, or INGOT_OPTIONS's cuda.prefill_precision)")
 KV_DTYPE_CHOICES = ["float32", "bfloat16", "float16"]   # models.blocks.KV_DTYPES (not imported to parse)
 KV_DTYPE_HELP = ("what the KV cache is stored in: bfloat16 or float16 halve its memory, keys and values rounded as "
                  "written, attention in float32 (default: the model's own, float32)")
@@ -120,11 +124,24 @@ def _read_prompt(args) -> str:
     return prompt
 
 
+def _compile_options(args):
+    """INGOT_OPTIONS's CompileOptions (else the defaults) with the command line's choices on top."""
+    import dataclasses
+
+    from .options import CompileOptions
+
+    options = CompileOptions.from_environment()
+    precision = getattr(args, "prefill_precision", None)
+    if precision is not None:
+        options = dataclasses.replace(options, cuda=dataclasses.replace(options.cuda, prefill_precision=precision))
+    return options
+
+
 def _load_llm(args):
     from .llm import load
 
     llm = load(args.model, device=args.device, context=args.context, lora=_loras(args),
-               kv_dtype=getattr(args, "kv_dtype", None))
+               kv_dtype=getattr(args, "kv_dtype", None), options=_compile_options(args))
     print(llm.describe(), file=sys.stderr, flush=True)
     return llm
 

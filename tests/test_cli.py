@@ -186,3 +186,16 @@ def test_temperature_zero_is_exact_greedy_without_a_penalty():
     assert _sampling(args, Defaults())["repetition_penalty"] == 1.0
     args.repetition_penalty = 1.3
     assert _sampling(args, Defaults())["repetition_penalty"] == 1.3
+
+
+def test_prefill_precision_reaches_the_compile_options(capsys):
+    """`--prefill-precision bf16` becomes CudaOptions.prefill_precision; a value outside the choices exits 2."""
+    import argparse
+
+    from ingot.cli import _compile_options, main
+
+    assert _compile_options(argparse.Namespace(prefill_precision="bf16")).cuda.prefill_precision == "bf16"
+    assert _compile_options(argparse.Namespace(prefill_precision=None)).cuda.prefill_precision == "tf32x3"
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--prefill-precision", "fp8"])
+    assert e.value.code == 2 and "prefill-precision" in capsys.readouterr().err

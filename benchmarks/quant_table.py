@@ -17,7 +17,8 @@ kernels hold them in memory); disk MB: the GGUF file, or the
 Ingot LLM package (written for the speed column or --save-packages; otherwise its tensors and adapters).
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
-scaling), +gptq (GPTQ), +cRANK (compensation adapters), +x (the tied embedding kept as the source
+scaling), +gptq (GPTQ), +cRANK (compensation adapters; +cRANK@GLOB|GLOB only on those weights, @head
+the output head: `--compensate-only`), +x (the tied embedding kept as the source
 stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8), +bits=BPW (the
 layer weights' formats allocated under that budget: `ingot quantize --bits`); `default` is
 what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it does with --format FMT
@@ -167,17 +168,19 @@ def ingot_row(source, row: str, stats: dict):
     from ingot.quant.pipeline import DEFAULT_TENSOR_FORMATS
 
     fmt, *options = row.split("+")
-    rank = next((int(o[1:]) for o in options if o[:1] == "c" and o[1:].isdigit()), 0)
+    rank = next((int(o[1:].partition("@")[0]) for o in options if o[:1] == "c" and o[1:].partition("@")[0].isdigit()), 0)
+    sites = [g for o in options if o[:1] == "c" and "@" in o for g in o.partition("@")[2].split("|")]
+    sites = [s for g in sites for s in (("token_embd.weight", "output.weight") if g == "head" else (g,))]
     head = next((o[5:] for o in options if o.startswith("head=")), None)
     bits = next((float(o[5:]) for o in options if o.startswith("bits=")), None)
     if fmt == "default" or "default" in options:
         tensor_formats = DEFAULT_TENSOR_FORMATS if head is None else [("token_embd.weight", head), ("output.weight", head)]
         return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
-                                tensor_formats=tensor_formats, bits=bits)
+                                tensor_formats=tensor_formats, bits=bits, compensate_sites=sites)
     exclude = ["token_embd.weight"] if "x" in options else []
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,
-                          gptq="gptq" in options, exclude=exclude)
+                          gptq="gptq" in options, exclude=exclude, compensate_sites=sites)
 
 
 def main() -> int:

@@ -29,6 +29,8 @@ DEFAULT_FORMAT = "int4:64:auto"
 DEFAULT_TENSOR_FORMATS = (("output.weight", "int8"), ("token_embd.weight", "int8"))
 LAYER_WEIGHT = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75)
+OUTPUT_PROBABILITY = "output:probability"   # calibrate's mean next-token distribution (not a weight name)
+ROW_FLOOR = 1e-3     # the head's compensation weights rows by probability + ROW_FLOOR / vocab
 
 
 @dataclass
@@ -47,11 +49,14 @@ class QuantizeResult:
 
 
 def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: int = 1024,
-                     device: str = "cpu", second_moments: bool = False) -> dict[str, np.ndarray]:
+                     device: str = "cpu", second_moments: bool = False,
+                     output_probability: bool = False) -> dict[str, np.ndarray]:
     """Mean square of the activations each layer weight multiplies, per input column, over the
     calibration text's token ids run through `model` (a StoredModel): {weight name: float32 [in]}.
     second_moments=True keeps the whole matrix E[x x^T] instead ({name: float32 [in, in]}, what
-    GPTQ needs; its diagonal is the mean square)."""
+    GPTQ needs; its diagonal is the mean square). output_probability=True adds the model's mean
+    next-token distribution over the text (float32 [vocab]) under OUTPUT_PROBABILITY: how much
+    each row of the output head matters to the logits' KL divergence."""
     from .. import dtypes as dt
     from ..ir import TensorType
     from .. import models
@@ -62,12 +67,17 @@ def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: 
     graph = models.build(model.config, model.tensors, model.path, all_logits=True)  # the head sees every row
     sites = sorted(graph.inputs)
     sums = {s: 0.0 for s in sites}
-    count = 0
+    count, probability = 0, 0.0
     for start in range(0, len(ids), context):
         chunk = ids[start:start + context]
         exe = graph.graph.compile(feeds={graph.tokens: TensorType((len(chunk),), dt.int32)},
-                                  targets=[graph.inputs[s] for s in sites], device=device)
+                                  targets=[graph.inputs[s] for s in sites] + ([graph.logits] if output_probability else []),
+                                  device=device)
         outs = exe.run({"tokens": np.asarray(chunk, np.int32), "pos": np.int32(0)}, state=exe.new_state())
+        if output_probability:
+            logits = np.asarray(exe.backend.to_host(outs[-1]), np.float64).reshape(len(chunk), -1)
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probability = probability + (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
         for s, x in zip(sites, outs):
             x = np.asarray(exe.backend.to_host(x), np.float64)
             sums[s] = sums[s] + (x.T @ x if second_moments else (x * x).sum(axis=0))
@@ -76,6 +86,8 @@ def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: 
     for s in sites:
         for name in s.split("+"):
             stats[name] = (sums[s] / count).astype(np.float32)
+    if output_probability:
+        stats[OUTPUT_PROBABILITY] = (probability / count).astype(np.float32)
     return stats
 
 
@@ -92,13 +104,14 @@ def calibrate(model, tokens: Sequence[int], context: int = 256, device: str = "c
     default_calibration_text(), tokenized by the caller: quant sits below llm): what AWQ, GPTQ, the
     weighted quantizers and compensation all read."""
     context = min(context, model.config.context_length)
-    return activation_stats(model, list(tokens), context=context, device=device, second_moments=True)
+    return activation_stats(model, list(tokens), context=context, device=device, second_moments=True,
+                            output_probability=True)
 
 
 def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | None = None, compensate: int = 0,
                      exclude: Sequence[str] = (), awq: bool | None = None, gptq: bool | None = None,
                      tensor_formats: Sequence[tuple[str, str]] | None = None, bits: float | None = None,
-                     progress: Callable[[str], None] | None = None) -> QuantizeResult:
+                     compensate_sites: Sequence[str] = (), progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """What `ingot quantize` does: quantize_model with the methods that pay on by default. Given
     calibration stats (from calibrate), affine formats get AWQ scaling, and GPTQ rounds every format
     whose stats hold second moments; awq= / gptq= force either way. tensor_formats (GLOB, FMT)
@@ -114,7 +127,7 @@ def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | No
     awq = (stats is not None and fmt.kind == "affine") if awq is None else awq
     gptq = has_moments if gptq is None else gptq
     return quantize_model(model, fmt, exclude=exclude, stats=stats, compensate=compensate, awq=awq, gptq=gptq,
-                          tensor_formats=tensor_formats, progress=progress)
+                          tensor_formats=tensor_formats, compensate_sites=compensate_sites, progress=progress)
 
 
 # what allocate_formats chooses from by default: Q4_1's form (5 bits per weight), 4.5 and 4.25 bits
@@ -262,12 +275,15 @@ def _output_error(w: np.ndarray, t: QuantizedTensor | None, stat: np.ndarray | N
 
 def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats: dict | None = None,
                    compensate: int = 0, awq: bool = False, gptq: bool = False,
-                   tensor_formats: Sequence[tuple[str, str | Format]] = (),
+                   tensor_formats: Sequence[tuple[str, str | Format]] = (), compensate_sites: Sequence[str] = (),
                    progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize every 2-D weight of a StoredModel to fmt (tensors matching an exclude glob stay as
     they are in the input). stats (from activation_stats) weight the quantizers and the
     compensation; awq applies activation-aware scaling first (needs stats, affine formats);
-    compensate=RANK adds low-rank factors of each layer weight's error as adapters; gptq rounds
+    compensate=RANK adds low-rank factors of each layer weight's and the output head's error as
+    adapters (only those matching a compensate_sites glob, when given; the head's rows weighted by
+    the calibration's next-token probabilities when stats hold them: the rows that carry the
+    probability, and so the KL divergence, are corrected first); gptq rounds
     the 4-bit weights with GPTQ (needs stats with second moments: activation_stats(..., second_moments=True));
     tensor_formats: (GLOB, FMT) pairs, the first whose glob matches a tensor's name gives its format."""
     from ..adapters import AdapterSet
@@ -325,8 +341,15 @@ def quantize_model(model, fmt: str | Format, exclude: Sequence[str] = (), stats:
         tensors[name] = t
         approx = t.dequantize_rows()
         errors[name] = float(np.linalg.norm(w - approx) / max(np.linalg.norm(w), 1e-30))
-        if compensate and (LAYER_WEIGHT.match(name) or name == head):
-            a, b = low_rank(w - approx, compensate, stat)   # the whole second moments when calibrated
+        if (compensate and (LAYER_WEIGHT.match(name) or name == head)
+                and (not compensate_sites or excluded(name, compensate_sites))):
+            rows = None if stats is None or name != head else stats.get(OUTPUT_PROBABILITY)
+            if rows is not None and len(rows) == w.shape[0]:
+                weight = np.sqrt(rows.astype(np.float64) + ROW_FLOOR / len(rows))[:, None]
+                a, b = low_rank(weight * (w - approx), compensate, stat)
+                b = (b / weight).astype(np.float32)
+            else:
+                a, b = low_rank(w - approx, compensate, stat)   # the whole second moments when calibrated
             factors[name] = [(a, b)]
     if chosen:
         notes.append("auto: " + ", ".join(f"{n} {f}" for f, n in sorted(chosen.items())))

@@ -216,8 +216,8 @@ def main() -> None:
             try:
                 rows += run_engine(name, command, f"http://127.0.0.1:{port}", clients, args.requests, args.max_tokens,
                                    args.long_every)
-            except RuntimeError as e:
-                print(f"[{name}: {e}]", file=sys.stderr)
+            except Exception as e:   # noqa: BLE001 -- the anchor failing must not lose Ingot's rows
+                print(f"[{name}: {type(e).__name__}: {e}]", file=sys.stderr)
     print(f"{'engine':<18}{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
           f"{'vs N=1':>8}{'vs anchor':>10}{'tok/CPU s':>10}{'load':>6}   (latencies in ms)")
     for row in rows:

@@ -53,6 +53,7 @@ def _start(command: list[str], url: str, ready_seconds: float = 600) -> subproce
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tail: list[str] = []
     threading.Thread(target=lambda: [tail.append(line) for line in process.stderr], daemon=True).start()
+    process.tail = tail   # the server's stderr so far (shown when a run fails)
     deadline = time.time() + ready_seconds
     while time.time() < deadline:
         if process.poll() is not None:
@@ -101,7 +102,9 @@ async def _load(url: str, model: str, clients: int, requests: int, max_tokens: i
     import httpx
     prompts = _prompts(clients * requests, long_every)
     out: list = []
-    async with httpx.AsyncClient(timeout=600) as http:
+    # a connection per request: llama-server closes an idle keep-alive connection just as a client
+    # reuses it (RemoteProtocolError under load)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         await _client(http, url, model, [QUESTIONS[0]], 8, [])       # warm-up
         start = time.perf_counter()
         await asyncio.gather(*(_client(http, url, model, prompts[c::clients], max_tokens, out) for c in range(clients)))
@@ -149,6 +152,9 @@ def run_engine(name: str, command: list[str], url: str, clients: list[int], requ
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
         return rows
+    except Exception:
+        print("".join(process.tail[-15:]), file=sys.stderr)
+        raise
     finally:
         _stop(process)
 

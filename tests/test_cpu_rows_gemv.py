@@ -60,3 +60,18 @@ def test_rows_decoder_with_int8_activations_is_bit_exact_per_row(monkeypatch, tm
     _check_rows_bit_exact(cfg, llama.build(cfg, weights), llama.build(cfg, weights, rows=3), lengths=(5, 2, 7))
     from ingot.backends.cpu.rows_gemv import gemv_rows
     assert gemv_rows in kernels_used and vnni.gemv in kernels_used   # the rows kernel ran, and the one-row one
+
+
+def test_repacked_weights_are_shared_and_dropped_with_the_weight():
+    """Every executable over one weight array (a server's prefill lengths and row counts) shares its
+    VNNI layout, made once; it goes when the weight goes."""
+    import gc
+    q = RNG.integers(0, 256, (64, 16), dtype=np.uint8)
+    first = kernels._repacked(q, 0x88, 4)
+    assert kernels._repacked(q, 0x88, 4) is first
+    np.testing.assert_array_equal(first, vnni.repack(q, 0x88))
+    assert kernels._repacked(q, 0, 4) is not first          # another flip: another layout
+    key = (id(q), 0x88, 4)
+    del q
+    gc.collect()
+    assert key not in kernels._REPACKED

@@ -6,6 +6,7 @@ against the NumPy reference of its op (tests/test_cpu_kernels.py).
 from __future__ import annotations
 
 import os
+import weakref
 
 import numba
 import numpy as np
@@ -397,6 +398,22 @@ def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
     return p
 
 
+_REPACKED: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _repacked(q: np.ndarray, flip: int, bits: int) -> np.ndarray:
+    """vnni.repack (bits 4) or repack8 of the weight q, made once per weight array and shared by every
+    executable that multiplies by it (a server compiles ~14 over the same arrays: prefill lengths, row
+    counts; each repacked its own copy on its first run, ~2 s and the weights' size again each),
+    dropped with the array."""
+    key = (id(q), flip, bits)
+    hit = _REPACKED.get(key)
+    if hit is None:
+        hit = _REPACKED[key] = _kernel_form((vnni.repack if bits == 4 else vnni.repack8)(q, flip))
+        weakref.finalize(q, _REPACKED.pop, key, None)
+    return hit
+
+
 def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = "float32"):
     """quantized_matmul on the CPU: the packed GEMV kernels for up to GEMV_MAX_ROWS rows of a k-major
     (transpose=False) affine weight (split over `threads`), a tiled dequantize + BLAS GEMM above that;
@@ -425,10 +442,10 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                 weight = _kernel_form(q)
                 if vnni.AVAILABLE and n % vnni.GROUP == 0:
                     if qdtype.packed:
-                        kernel, weight = vnni.gemv, _kernel_form(vnni.repack(q, 0 if unsigned else 0x88))
+                        kernel, weight = vnni.gemv, _repacked(q, 0 if unsigned else 0x88, 4)
                         center = np.float32(8 if unsigned else 0)
                     else:   # read as unsigned: an int8 weight flipped to value + 128
-                        kernel, weight = vnni.gemv, _kernel_form(vnni.repack8(q, 0 if unsigned else 0x80))
+                        kernel, weight = vnni.gemv, _repacked(q, 0 if unsigned else 0x80, 8)
                         center = np.float32(128 if unsigned else 0)
                     # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read
                     vs, vo = _half_if_exact(scale), _half_if_exact(offset)

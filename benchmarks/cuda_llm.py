@@ -6,7 +6,8 @@ family's graph, Gemma-3-270M shape (`gemma3-270m`: 18 layers, dim 640, 4/1 heads
 vocab 262144, tied, QK-norm, 5 of 6 layers in a 512 sliding window; issue 33's CUDA decode figure, its
 CPU one against llama.cpp on the real file being `cpu-llm --gguf` that file). --dtype int4: int4
 weights in blocks of 32 with f16-exact scale and bias (what a GGUF Q4_1 file holds); bf16: dense
-bfloat16 weights (random_weights(dense_dtype="bfloat16")); float32 activations and KV cache either way.
+bfloat16 weights (random_weights(dense_dtype="bfloat16")); float32 activations either way, the KV cache
+float32 unless --kv-dtype says otherwise (comma-separated, each timed; bfloat16 halves its bytes).
 --batch B: B sequences decoded in lockstep (llama.build(batch=B), one shared position).
 Prefill a 32-token prompt per sequence, then time greedy decode steps through the same loop as
 ingot.llm (exe.run, logits to the host, argmax per sequence). Prints tok/s (total tokens: B * steps/s)
@@ -17,11 +18,13 @@ anchor_decode (HF eager bf16, torch.compile bf16 and int4) for each model and ba
 Ingot/anchor ratios.
 
     python -m benchmarks cuda-llm [--models smollm2,llama8b,gemma3-270m] [--llama-layers 32] [--steps 128]
-                                  [--batch 1,4,16] [--dtype int4,bf16] [--anchors] [--json out.json]
+                                  [--batch 1,4,16] [--dtype int4,bf16] [--kv-dtype float32,bfloat16]
+                                  [--prompt 32] [--context 2048] [--anchors] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -144,7 +147,8 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
     entry = next(iter(dec.plan._graphs.values()), None)
     replay_us = None if entry is None else graph_replay_us(entry["graph"])
     # bytes one step reads: every weight once, and the K and V caches of all B sequences (mean length)
-    kv_read = 2 * cfg.n_layers * cfg.n_kv_heads * (prompt_len + steps // 2) * cfg.head_dim * 4 * batch
+    kv_item = 4 if cfg.kv_dtype == "float32" else 2
+    kv_read = 2 * cfg.n_layers * cfg.n_kv_heads * (prompt_len + steps // 2) * cfg.head_dim * kv_item * batch
     weights_read = weight_bytes(dec)
     nbytes = weights_read + kv_read
     # per-kernel breakdown of one eager step (the profiler cannot see inside a graph replay)
@@ -164,7 +168,8 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
     kernels = sum(v["count"] for v in breakdown.values() if isinstance(v, dict))
     best = max(steps_s, steps_s2)                   # decode steps per second (each step: B tokens)
     replay_steps = None if replay_us is None else 1e6 / replay_us
-    result = dict(model=name, dtype=dtype, batch=batch, layers=cfg.n_layers, context=cfg.context_length,
+    result = dict(model=name, dtype=dtype, kv_dtype=cfg.kv_dtype, batch=batch, layers=cfg.n_layers,
+                  context=cfg.context_length,
                   build_s=round(build_s, 1), prompt=prompt_len, steps=steps,
                   tok_s=round(best * batch, 1), tok_s_per_seq=round(best, 1),
                   tok_s_runs=[round(steps_s * batch, 1), round(steps_s2 * batch, 1)],
@@ -177,7 +182,8 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
                   host_syncs=sorted(set(map(str, dec.plan.host_syncs)))[:10],
                   fusions=sorted(set(dec.plan.fusions)),
                   breakdown=dict(sorted(breakdown.items(), key=lambda kv: -kv[1]["us"] if isinstance(kv[1], dict) else 0)[:25]))
-    print(f"{name} {dtype} batch {batch} ({cfg.n_layers} layers): {best * batch:.1f} tok/s ({best:.1f} per sequence) through "
+    print(f"{name} {dtype} KV {cfg.kv_dtype} prompt {prompt_len} batch {batch} ({cfg.n_layers} layers): "
+          f"{best * batch:.1f} tok/s ({best:.1f} per sequence) through "
           f"exe.run + argmax; graph replay {result['replay_us']} us/step ({result['replay_tok_s']} tok/s); "
           f"{nbytes / 1e6:.1f} MB/step -> {result['of_copy']:.2f} of copy bandwidth (replay {result['replay_of_copy']}); "
           f"{kernels} kernels/step; build {build_s:.0f} s"
@@ -210,7 +216,8 @@ def run_anchors(anchor_decode, name: str, shape: dict, batch: int, args, ingot: 
             out.append(dict(kind="anchor", anchor=kind, model=name, batch=batch, error=f"{type(e).__name__}: {e}"[:500]))
             torch.cuda.empty_cache()
             continue
-        ratios = {r["dtype"]: round(r["tok_s"] / tok_s, 3) for r in ingot if "tok_s" in r and tok_s > 0}
+        ratios = {r["dtype"] + ("" if r.get("kv_dtype", "float32") == "float32" else f"/kv {r['kv_dtype']}"):
+                  round(r["tok_s"] / tok_s, 3) for r in ingot if "tok_s" in r and tok_s > 0}
         print(f"anchor {kind} {name} batch {batch}: {tok_s:.1f} tok/s; Ingot/anchor "
               + (", ".join(f"{d} {v:.2f}x" for d, v in ratios.items()) or "(no Ingot run)"), flush=True)
         out.append(dict(a, kind="anchor", anchor=kind, model=name, batch=batch, tok_s=tok_s, ingot_over_anchor=ratios))
@@ -227,6 +234,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
     ap.add_argument("--dtype", default="int4", help="comma-separated weight kinds: int4, bf16")
+    ap.add_argument("--kv-dtype", default="float32", help="comma-separated KV cache dtypes: float32, bfloat16, float16")
     ap.add_argument("--anchors", action="store_true", help="also time benchmarks/cuda_anchors.py's anchor_decode")
     ap.add_argument("--anchor-kinds", default=",".join(ANCHOR_KINDS))
     ap.add_argument("--anchor-batches", default=None, help="batch sizes the anchors run at (default: every --batch)")
@@ -234,8 +242,10 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     dtypes = args.dtype.split(",")
-    if any(b < 1 for b in batches) or any(d not in ("int4", "bf16") for d in dtypes):
-        ap.error("--batch takes whole numbers >= 1; --dtype takes int4 and/or bf16")
+    kv_dtypes = args.kv_dtype.split(",")
+    if any(b < 1 for b in batches) or any(d not in ("int4", "bf16") for d in dtypes) or \
+            any(k not in ("float32", "bfloat16", "float16") for k in kv_dtypes):
+        ap.error("--batch takes whole numbers >= 1; --dtype takes int4 and/or bf16; --kv-dtype float32, bfloat16, float16")
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     results = [dict(kind="anchors", copy_tb_s=round(bw / 1e12, 3), device=torch.cuda.get_device_name(),
@@ -267,15 +277,18 @@ def main() -> None:
                 results.append(dict(model=name, dtype=dtype, error="not available (random_weights has no dense_dtype)"))
                 continue
             for batch in batches:
-                try:
-                    r = run_model(name, cfg, weights, dtype, batch, args.steps, args.prompt, bw)
-                    ingot_runs[batch].append(r)
-                    results.append(r)
-                except Exception as e:
-                    import traceback
-                    traceback.print_exc()
-                    results.append(dict(model=name, dtype=dtype, batch=batch, error=f"{type(e).__name__}: {e}"))
-                save()
+                for kv_dtype in kv_dtypes:
+                    try:
+                        r = run_model(name, dataclasses.replace(cfg, kv_dtype=kv_dtype), weights, dtype, batch, args.steps,
+                                      args.prompt, bw)
+                        ingot_runs[batch].append(r)
+                        results.append(r)
+                    except Exception as e:
+                        import traceback
+                        traceback.print_exc()
+                        results.append(dict(model=name, dtype=dtype, kv_dtype=kv_dtype, batch=batch,
+                                            error=f"{type(e).__name__}: {e}"))
+                    save()
             del weights
             free_device()
         if anchor_decode is not None and name in FAMILIES:

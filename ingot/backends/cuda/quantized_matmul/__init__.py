@@ -34,7 +34,7 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   passes through shared memory (`scripts/sm90_compile_check.py --sass` shows barriers and
   instructions per loop).
 
-The package, along those seams: weights.py (`QuantizedWeight`, `prepare_weight`: the repacking),
+The package, along those seams: weights.py (`QuantizedWeight`, `ScaledTableWeight`, `prepare_weight`: the repacking),
 gemm.py (the k-major one-row kernels and the tensor-core GEMM), gguf_kernels.py (scaled lookup tables:
 GGUF's IQ types and MXFP4), words_kernel.py and gemv.py (the word
 GEMV and its wrapper), xq.py (x rounded for it), buffers.py (scratch), dispatch.py
@@ -54,7 +54,7 @@ from .gemm import GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _qgemm_kernel, _qgemv_kernel,
 from .gemm import gemm_config, gemv_config, small_gemv_config  # noqa: F401
 from .gemv import (DP4A, _words_gemv, gemv_takes_xq, resident_programs, rms_norm_matmul, rounds_own_x,  # noqa: F401
                    words_gemv_config)
-from .weights import QuantizedWeight, concatenate, dequantize, prepare_weight  # noqa: F401
+from .weights import QuantizedWeight, ScaledTableWeight, concatenate, dequantize, prepare_weight  # noqa: F401
 from .words_kernel import _qgemv_words_kernel  # noqa: F401
 from .xq import (NORM_BLOCK, NormPrologue, _quantize_x, _quantize_x_kernel, _zero_share, store_xq,  # noqa: F401
                  xq_buffers)

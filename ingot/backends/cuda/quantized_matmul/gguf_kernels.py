@@ -2,7 +2,7 @@
 MXFP4): y = x @ W with w[k, n] = lut[v[k, n]] * scale[k // block, n], straight from the packed codes,
 never a float copy of W.
 
-The weight (`ScaledTableWeight`, made by `prepare_scaled`, which `prepare_weight` calls for this mode)
+The weight (weights.py's `ScaledTableWeight`, made by `prepare_scaled`, which `prepare_weight` calls for this mode)
 keeps the codes as a lookup-table weight (k-major, unsigned, 4-bit packed along N or one code a byte;
 the table float32 [pK, pN, 2**bits], one [1, 1, 16] table for every GGUF type) and the scales as an
 affine weight's (per GROUP rows of K, float16 where exact). Kernels, each a tile loader
@@ -25,58 +25,13 @@ The tile sizes are not tuned on a GPU yet (first written 2026-12-05 under Triton
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from .... import dtypes as dt
 from .buffers import _sm_count
 from .gemm import _load_tile
-
-
-@dataclass
-class ScaledTableWeight:
-    """A scaled-table logical [K, N] weight in the kernels' form: q as a lookup-table QuantizedWeight's,
-    lut float32 [pK, pN, 2**bits], scale [Kp / group, Np] (float32, or float16 where exact). Not a
-    QuantizedWeight: code that reads those (the word GEMV, concatenation) sees `words` False and a
-    table, and leaves it to `scaled_matmul`."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    lut: torch.Tensor
-    lut_block_k: int
-    lut_block_n: int
-    bits: int
-    group: int
-    k: int
-    n: int
-    words: bool = False
-    bias: None = None
-    scaled: bool = True
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.lut))
-
-    @property
-    def nq(self) -> int:
-        return self.q.shape[1]
-
-
-def prepare_scaled(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ScaledTableWeight:
-    """Re-pack a scaled-table quantized_matmul/quantized_gather weight (params [lut, scale], Ingot's
-    layout; attrs' transpose as `prepare_weight`'s) for the kernels."""
-    from .weights import prepare_weight
-
-    table = prepare_weight(q, params[:1], dict(attrs, mode="lut"), device)
-    uint = dt.uint4 if attrs["qdtype"].packed else dt.uint8
-    scales = prepare_weight(q, params[1:2], dict(attrs, mode="affine", qdtype=uint, has_zero_point=False, has_bias=False),
-                            device)
-    return ScaledTableWeight(table.q, scales.scale, table.lut, table.lut_block_k, table.lut_block_n, table.bits,
-                             scales.group, table.k, table.n)
+from .weights import ScaledTableWeight, prepare_scaled  # noqa: F401  (the weight's form lives with the others)
 
 
 @triton.jit

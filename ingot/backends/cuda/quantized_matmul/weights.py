@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .... import dtypes as dt
+
 @dataclass
 class QuantizedWeight:
     """A quantized logical [K, N] weight in the kernels' k-major unsigned form (module docstring)."""
@@ -83,8 +85,7 @@ def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device,
     W[8r + b, n] in the low nibble of byte b and W[8r + 4 + b, n] in its high nibble (b = 0..3), so
     one 16-byte load is 8 k by 4 columns and the nibbles of a byte half line up with 4 consecutive k.
     """
-    if attrs["mode"] == "scaled_lut":   # GGUF's IQ types, MXFP4: gguf_kernels.py's weight and kernels
-        from .gguf_kernels import prepare_scaled
+    if attrs["mode"] == "scaled_lut":   # GGUF's IQ types, MXFP4: gguf_kernels.py's kernels
         return prepare_scaled(q, params, attrs, device)
     qdtype = attrs["qdtype"]
     bits = 4 if qdtype.packed else 8
@@ -142,6 +143,46 @@ def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device,
     packed = _words(qk) if words else _pack(qk, bits)
     return QuantizedWeight(packed, _maybe_f16(s.contiguous()), _maybe_f16(b.contiguous()) if has_bias else None,
                            None, 1, 1, bits, group, k, n, words)
+
+
+@dataclass
+class ScaledTableWeight:
+    """A scaled-table logical [K, N] weight in the kernels' form: q as a lookup-table QuantizedWeight's,
+    lut float32 [pK, pN, 2**bits], scale [Kp / group, Np] (float32, or float16 where exact). Not a
+    QuantizedWeight: code that reads those (the word GEMV, concatenation) sees `words` False and a
+    table, and leaves it to `scaled_matmul`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    lut: torch.Tensor
+    lut_block_k: int
+    lut_block_n: int
+    bits: int
+    group: int
+    k: int
+    n: int
+    words: bool = False
+    bias: None = None
+    scaled: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.lut))
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[1]
+
+
+def prepare_scaled(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ScaledTableWeight:
+    """Re-pack a scaled-table quantized_matmul/quantized_gather weight (params [lut, scale], Ingot's
+    layout; attrs' transpose as `prepare_weight`'s) for the kernels."""
+    table = prepare_weight(q, params[:1], dict(attrs, mode="lut"), device)
+    uint = dt.uint4 if attrs["qdtype"].packed else dt.uint8
+    scales = prepare_weight(q, params[1:2], dict(attrs, mode="affine", qdtype=uint, has_zero_point=False, has_bias=False),
+                            device)
+    return ScaledTableWeight(table.q, scales.scale, table.lut, table.lut_block_k, table.lut_block_n, table.bits,
+                             scales.group, table.k, table.n)
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:

@@ -206,14 +206,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         precision = None if precision == "bf16" else precision
         return decode.decode_attention(p, causal, split, precision, block_n, num_warps, num_stages, merge, min_chunk,
                                        rope, xq, zero, fresh, early, chunk_align, options)
-    bf16_dots = (precision or options.prefill_precision) == "bf16" and k4.dtype == v4.dtype == torch.bfloat16
-    if (k4.dtype != q4.dtype or v4.dtype != q4.dtype) and not bf16_dots:
-        # the flash kernel multiplies K/V of q's dtype (or rounds every tile to bfloat16: prefill_precision
-        # "bf16", which reads a bfloat16 cache as it is): a narrower cache (bfloat16 KV under float32 q) is
-        # widened first, the keys a constant length leaves out not at all
-        keys = min(tbuf, len_const) if not from_ptr else tbuf
-        p.k4, p.v4 = k4[:, :, :max(keys, 1)].to(q4.dtype), v4[:, :, :max(keys, 1)].to(q4.dtype)
-        if not from_ptr:
-            p.tbuf = p.k4.shape[2]
     return prefill.prefill_attention(p, causal, mask, precision, block_n, num_warps, block_m, num_stages, split_stages,
                                      heavy_first, heads_on_axis0, tma, gluon, options)

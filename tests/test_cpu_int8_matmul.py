@@ -123,3 +123,14 @@ def test_dynamic_quantize_linear_fused(case):
     for ours, want in zip(exe.run({"x": x}), theirs):
         np.testing.assert_array_equal(np.asarray(ours), want)
         assert np.asarray(ours).dtype == want.dtype
+
+
+def test_float_x_by_8_bit_weight_on_two_threads():
+    """Past PARALLEL_MIN multiply-adds the column groups split over the pool: the same result."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 520)).astype(np.float32)
+    q, scale = ints(rng, (520, 300), np.int8), (rng.random(300) * 0.01).astype(np.float32)
+    one = int8_matmul.FloatInt8Matmul(q, scale, None, None, threads=1)(x)
+    two = int8_matmul.FloatInt8Matmul(q, scale, None, None, threads=2)(x)
+    assert 40 * 520 * 300 >= int8_matmul.PARALLEL_MIN
+    np.testing.assert_array_equal(one, two)

@@ -176,7 +176,7 @@ def _quantized_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
         if step is not None:
             return step
     # float x of 8 rows or more by an 8-bit weight with one block along k (ONNX's int8 files)
-    step = int8_matmul.float_weight_step(node, out, options.gemv_activations)
+    step = int8_matmul.float_weight_step(node, out, options.gemv_activations, options.resolved_threads)
     if step is not None:
         return step
     return kernels.quantized_matmul_step(node, out, options.resolved_threads, options.gemv_activations)

@@ -49,7 +49,8 @@ from .formats import QuantizedTensor
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 AFFINE_TYPES = {"int8": dt.int8, "uint8": dt.uint8, "int4": dt.int4, "uint4": dt.uint4}
-FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor), :sym/:asym/:auto and :f16, "
+FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor), :sym/:asym/:auto and :f16 or :k/:k8 "
+               "(two-level parameters, uint4:32:k = Q4_K's 4.5 bits per weight), "
                "or lut4/lut8 with an optional :gROWS, :bBLOCK and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut8)")
 
 

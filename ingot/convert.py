@@ -271,7 +271,8 @@ def quantize_command(args) -> int:
     # KV cache initial values and metadata count too
     before, after = disk_bytes(args.input), disk_bytes(out)
     matrices = [t for t in result.tensors.values() if len(getattr(t, "shape", ())) == 2]
-    bits = 8 * (sum(tensor_nbytes(t) for t in matrices) + result.adapter_bytes) / max(1, sum(int(np.prod(t.shape)) for t in matrices))
+    stored = lambda t: getattr(t, "two_level_nbytes", tensor_nbytes(t))  # noqa: E731  (:k parameters as the package stores them)
+    bits = 8 * (sum(stored(t) for t in matrices) + result.adapter_bytes) / max(1, sum(int(np.prod(t.shape)) for t in matrices))
     print(f"[{args.input}: {_mb(before)} -> {out}: {_mb(after)} on disk ({after / max(before, 1):.2f}x), "
           f"{bits:.2f} bits per weight" + (f", of which adapters {_mb(result.adapter_bytes)}" if result.adapter_bytes else "")
           + f"; weight error ||W - W_hat|| / ||W|| mean {result.mean_relative_error:.4f}]")

@@ -344,7 +344,7 @@ def _serve(args) -> int:
             raise IngotError(f"{flag} must be in {low}..{4096 * (64 if flag == '--context' else 1)}, not {value}.")
     serve(args.model, host=args.host, port=args.port, device=args.device, max_batch=args.max_batch,
           context=args.context, loras=loras, max_queue=args.max_queue, gemv_activations=args.gemv_activations,
-          kv_dtype=args.kv_dtype)
+          kv_dtype=args.kv_dtype, prefill_precision=args.prefill_precision)
     return 0
 
 
@@ -463,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--gemv-activations", choices=["float32", "int8"], default=None,
                      help="CPU: the quantized GEMV's activations; int8 rounds them per block of 32 as llama.cpp does, "
                           "faster, not bit-equal to float32 (default: float32, or INGOT_OPTIONS's cpu.gemv_activations)")
+    srv.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16"], help=PREFILL_PRECISION_HELP)
     srv.set_defaults(func=_serve)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
     evals = evaluate.add_subparsers(dest="what", required=True)

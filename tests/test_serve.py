@@ -488,6 +488,10 @@ def test_gemv_activations_is_a_server_option(monkeypatch, tmp_path, capsys):
     assert serve_options("float32").cpu == CpuOptions(threads=1, gemv_activations="float32")   # the rest kept
     with pytest.raises(IngotError, match="--gemv-activations is 'int4'"):
         serve_options("int4")
+    both = serve_options("int8", "bf16")     # the CUDA prefill's dots, beside the CPU GEMV's activations
+    assert both.cuda.prefill_precision == "bf16" and both.cpu.gemv_activations == "int8"
+    with pytest.raises(IngotError, match="--prefill-precision is 'fp8'"):
+        serve_options(None, "fp8")
     with pytest.raises(SystemExit) as e:   # argparse's choices
         main(["serve", "--gemv-activations", "int4"])
     assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err

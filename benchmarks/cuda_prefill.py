@@ -278,7 +278,6 @@ def main(argv=None) -> int:
     result = {}
     if args.gemm:
         configs = {"kernel_tf32x3": dict(precision="tf32x3"), "kernel_bf16": dict(precision="bf16"),
-                   "swap_bf16": dict(precision="bf16", config=dict(KERNEL="swap")),
                    "dequant_cublas_f32": dict(precision="tf32x3", dequant_rows=1),
                    "dequant_cublas_bf16": dict(precision="bf16", dequant_rows=1),
                    "dequant_cublas_bf16_bytes": dict(precision="bf16", dequant_rows=1, layout="bytes")}

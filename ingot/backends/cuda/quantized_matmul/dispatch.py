@@ -8,8 +8,8 @@ from ....options import DEFAULT_CUDA, CudaOptions
 from ..pdl import pdl_args
 from . import gemv, gguf_kernels
 from .buffers import _sm_count, dequantized_workspace
-from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _dequantize_kernel, _qgemm_kernel, _qgemm_swap_kernel,
-                   _qgemv_kernel, _qgemv_small_kernel, gemm_config, gemv_config, small_gemv_config, swap_config)
+from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _dequantize_kernel, _qgemm_kernel, _qgemv_kernel,
+                   _qgemv_small_kernel, gemm_config, gemv_config, small_gemv_config)
 from .weights import QuantizedWeight
 
 
@@ -86,9 +86,6 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
                 **pdl_args(x.device))
         if target is not y:
             y.copy_(target)
-    elif config.get("KERNEL") == "swap":
-        config.pop("KERNEL")
-        _swap_gemm(x2, w, y, precision or options.prefill_precision, config)
     elif options.prefill_dequant_rows and m >= options.prefill_dequant_rows and "BLOCK_M" not in config \
             and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
         y = _dequantized_gemm(x2, w, out, precision or options.prefill_precision)
@@ -143,31 +140,3 @@ def _dequantized_gemm(x2: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | 
     wd = dequantize_into(w, torch.float32)
     return torch.mm(x2, wd, out=out) if out is not None else torch.mm(x2, wd)
 
-
-def _swap_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, precision: str, config: dict) -> None:
-    """`_qgemm_swap_kernel` into y (split-K: through a zeroed float32 buffer where y is not one)."""
-    m = x2.shape[0]
-    cfg = {**swap_config(m, w, _sm_count(x2.device)), **config}
-    block_m, block_n, block_k, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
-    assert block_k <= w.group or w.lut is not None, "swap GEMM: a K tile spans one parameter group"
-    k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
-    split = triton.cdiv(w.k, k_per_split)
-    target = y
-    if split > 1:
-        target = y if y.dtype == torch.float32 and y.is_contiguous() else torch.empty((m, w.n), dtype=torch.float32,
-                                                                                      device=x2.device)
-        target.zero_()
-    lut = w.lut if w.lut is not None else w.q
-    s = w.scale if w.scale is not None else w.q
-    b = w.bias if w.bias is not None else s
-    stride_lk, stride_ln = (w.lut.stride(0), w.lut.stride(1)) if w.lut is not None else (0, 0)
-    grid = (triton.cdiv(w.n, block_n), triton.cdiv(m, block_m), split)
-    _qgemm_swap_kernel[grid](
-        x2, w.q, s, b, lut, target, m, w.n, w.k, w.nq, k_per_split, x2.stride(0), w.q.stride(0),
-        w.scale.stride(0) if w.scale is not None else 0, target.stride(0),
-        w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
-        BITS=w.bits, LUT=w.lut is not None, GROUP=w.group, HAS_BIAS=w.bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, ATOMIC=split > 1, WORDS=w.words,
-        **cfg)
-    if target is not y:
-        y.copy_(target)

@@ -193,57 +193,6 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
 
 
 @triton.jit
-def _qgemm_swap_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
-                       M, N, K, NQ, k_per_split, stride_xm, stride_qk, stride_sk, stride_ym,
-                       lut_block_k, lut_block_n, stride_lk, stride_ln,
-                       BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr, ATOMIC: tl.constexpr, WORDS: tl.constexpr = False):
-    """y^T = W^T x^T for few rows (16-128): the dequantized weight tile is the tensor cores' first
-    operand (BLOCK_N of W's columns fill the MMA's 64-row side from registers), the rows of x the
-    narrow second (BLOCK_M 16-64), so a handful of rows wastes no MMA width; split-K over the third
-    grid axis, partial sums added atomically into a zeroed float32 y."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                     mask=m_mask[None, :] & (offs_k < k_stop)[:, None], other=0.0)          # [BLOCK_K, BLOCK_M]
-        v = _load_tile(q_ptr, offs_k, n0, k_stop, NQ, stride_qk, BITS, BLOCK_K, BLOCK_N, WORDS)
-        w = _dequantize_tile(v, k0, offs_k, k_stop, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k,
-                             lut_block_n, stride_lk, stride_ln, LUT, GROUP, HAS_BIAS, BLOCK_K)
-        if PRECISION == "bf16":
-            acc = tl.dot(tl.trans(w.to(tl.bfloat16)), xt.to(tl.bfloat16), acc)
-        else:
-            acc = tl.dot(tl.trans(w), xt, acc, input_precision=PRECISION)
-    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    ok = m_mask[None, :] & n_mask[:, None]
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=ok, sem="relaxed")
-    else:
-        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-def swap_config(m: int, w: QuantizedWeight, sms: int) -> dict:
-    """Tiles of `_qgemm_swap_kernel`: the rows of x in one or two tiles of at most 64, 128 columns of W
-    a program, K split until about two programs a multiprocessor."""
-    block_m = max(16, min(64, triton.next_power_of_2(m)))
-    block_k = min(w.group, 64) if w.lut is None else 32
-    tiles = triton.cdiv(w.n, 128) * triton.cdiv(m, block_m)
-    split = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(w.k, 4 * block_k)))
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, SPLIT=split, num_warps=4, num_stages=3)
-
-
-@triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, out_ptr, N, K, NQ, stride_qk, stride_sk, stride_ok,
                        lut_block_k, lut_block_n, stride_lk, stride_ln,
                        BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -31,8 +31,6 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         >>> w = prepare_weight(q, [scale, bias], attrs, "cuda", words=True)   # doctest: +SKIP
         >>> y = quantized_matmul(x, w)                                        # doctest: +SKIP
     """
-    if getattr(w, "scaled", False):   # a scaled table (GGUF's IQ types, MXFP4): gguf_kernels.py
-        return gguf_kernels.scaled_matmul(x, w, out, config, precision)
     assert x.shape[-1] == w.k, f"quantized_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
@@ -40,6 +38,11 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = out if out is not None else torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    precision = precision or options.prefill_precision
+    if getattr(w, "scaled", False):   # a scaled table (GGUF's IQ types, MXFP4): gguf_kernels.py
+        if m:
+            gguf_kernels.scaled_matmul(x2, w, y, config or {}, precision)
+        return y.reshape(*lead, w.n)
     lut = w.lut if w.lut is not None else w.q
     s = w.scale if w.scale is not None else w.q
     b = w.bias if w.bias is not None else s
@@ -88,9 +91,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             y.copy_(target)
     elif options.prefill_dequant_rows and m >= options.prefill_dequant_rows and "BLOCK_M" not in config \
             and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
-        y = _dequantized_gemm(x2, w, out, precision or options.prefill_precision)
+        y = _dequantized_gemm(x2, w, out, precision)
     else:
-        precision = precision or options.prefill_precision
         cfg = {**gemm_config(m, w, x.dtype, precision), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)

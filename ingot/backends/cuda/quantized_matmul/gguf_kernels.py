@@ -21,7 +21,7 @@ are affine 4- or 8-bit weights in blocks of 16 to 256 and run `dispatch.quantize
 The tile sizes are not tuned on a GPU yet (first written 2026-12-05 under Triton's interpreter).
 
     >>> w = prepare_weight(q, [lut, scale], attrs, "cuda")       # doctest: +SKIP
-    >>> y = scaled_matmul(x, w)                                     # doctest: +SKIP
+    >>> y = quantized_matmul(x, w)      # dispatch.py calls scaled_matmul  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .buffers import _sm_count
-from .gemm import _load_tile
+from .gemm import _load_tile, grouped_tile
 from .weights import ScaledTableWeight, prepare_scaled  # noqa: F401  (the weight's form lives with the others)
 
 
@@ -82,14 +82,7 @@ def _scaled_gemm_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, y_ptr, M, N, K, NQ, stride
                         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W's tile looked up and scaled in registers, tensor-core dot."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n                   # grouped order: neighbouring programs share W tiles in L2
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -102,7 +95,9 @@ def _scaled_gemm_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, y_ptr, M, N, K, NQ, stride
                     other=0.0)
         w = _scaled_tile(q_ptr, s_ptr, lut_ptr, offs_k, n0, offs_n, n_mask, K, NQ, stride_qk, stride_sk, lut_block_k,
                          lut_block_n, stride_lk, stride_ln, BITS, GROUP, BLOCK_K, BLOCK_N)
-        if x.dtype == tl.float32:
+        if PRECISION == "bf16":       # CudaOptions.prefill_precision, as in gemm.py's kernel
+            acc = tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+        elif x.dtype == tl.float32:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
@@ -132,29 +127,21 @@ def gemm_config(m: int, dtype: torch.dtype) -> dict:
                 num_warps=4 if block_m * block_n <= 64 * 128 else 8, num_stages=2 if dtype == torch.float32 else 3)
 
 
-def scaled_matmul(x: torch.Tensor, w: ScaledTableWeight, out: torch.Tensor | None = None, config: dict | None = None,
-                  precision: str = "tf32x3") -> torch.Tensor:
-    """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype. One row: the GEMV;
-    more: the tensor-core GEMM (config={"BLOCK_M": ...} forces it, other keys override the tiles)."""
-    assert x.shape[-1] == w.k, f"scaled_matmul: x has K={x.shape[-1]}, the weight K={w.k}"
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+def scaled_matmul(x2: torch.Tensor, w: ScaledTableWeight, y: torch.Tensor, config: dict,
+                  precision: str = "tf32x3") -> None:
+    """y [M, N] = x2 [M, K] @ W (`dispatch.quantized_matmul`'s rows, M >= 1). One row: the GEMV; more:
+    the tensor-core GEMM (config={"BLOCK_M": ...} forces it, other keys override the tiles)."""
     m = x2.shape[0]
-    y = out if out is not None else torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y.reshape(*lead, w.n)
-    config = dict(config or {})
+    config = dict(config)
     if m == 1 and "BLOCK_M" not in config:
-        cfg = {**gemv_config(w, _sm_count(x.device)), **config}
+        cfg = {**gemv_config(w, _sm_count(x2.device)), **config}
         block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT")
         assert block_k <= w.group, "a GEMV tile's rows share one row of scales"
         k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
         split = triton.cdiv(w.k, k_per_split)
         target = y
         if split > 1 and not (y.dtype == torch.float32 and y.is_contiguous()):
-            target = torch.empty((1, w.n), dtype=torch.float32, device=x.device)
+            target = torch.empty((1, w.n), dtype=torch.float32, device=x2.device)
         if split > 1:
             target.zero_()
         _scaled_gemv_kernel[(triton.cdiv(w.n, block_n), split)](
@@ -163,14 +150,13 @@ def scaled_matmul(x: torch.Tensor, w: ScaledTableWeight, out: torch.Tensor | Non
         if target is not y:
             y.copy_(target)
     else:
-        cfg = {**gemm_config(m, x.dtype), **config}
+        cfg = {**gemm_config(m, x2.dtype), **config}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
         _scaled_gemm_kernel[grid](
             x2, w.q, w.scale, w.lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
             *_table_args(w), BITS=w.bits, GROUP=w.group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             GROUP_M=8, PRECISION=precision, **cfg)
-    return y.reshape(*lead, w.n)
 
 
 @triton.jit

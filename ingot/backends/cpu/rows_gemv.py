@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 
 from . import team
 from .nn_kernels import XQ_BLOCK, round_rows
-from .vnni import GROUP
+from .vnni import GROUP, BlockIR
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
 
@@ -47,57 +47,23 @@ def _codegen(bits: int):
         arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
         ra, wa, xa, sa, oa = arr(0, res_v), arr(1, w_v), arr(3, xq_v), arr(6, s_v), arr(7, o_v)
         da, sha, cxa, xsa = arr(9, d_v), arr(10, shift_v), arr(11, cx_v), arr(12, xsum_v)
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        v16, f16x = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
-        nibbles = ir.Constant(v16, [0x0F0F0F0F] * 16)
-        four = ir.Constant(v16, [4] * 16)
-        zeros = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
-
-        def splat(value, vector_type):
-            one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), zeros)
-
-        def load_weights(v):
-            at = builder.add(w_at_v, ir.Constant(w_at_v.type, 64 * v))
-            return builder.load(builder.bitcast(builder.gep(wa.data, [at]), v16.as_pointer()), align=1)
-
-        if bits == 4:   # as vnni._codegen: vector v holds k 4v.. in the low nibbles, 16 + 4v.. in the high ones
-            parts = []
-            for v in range(4):
-                weights = load_weights(v)
-                parts += [(builder.and_(weights, nibbles), v), (builder.and_(builder.lshr(weights, four), nibbles), v + 4)]
-        else:
-            parts = [(load_weights(v), v) for v in range(8)]
-
-        def params(a, element):
-            ptr = builder.gep(a.data, [p_at_v])
-            if element == types.uint16:
-                halves = builder.load(builder.bitcast(ptr, ir.VectorType(ir.HalfType(), 16).as_pointer()), align=2)
-                return builder.fpext(halves, f16x)
-            return builder.load(builder.bitcast(ptr, f16x.as_pointer()), align=4)
-
-        scale = params(sa, signature.args[6].dtype)
-        offset = params(oa, signature.args[7].dtype)
+        block = BlockIR(builder, bits, wa, w_at_v)      # unpacked and widened once for all rows
+        f16x = block.f16x
+        scale = block.params(sa, p_at_v, signature.args[6].dtype)
+        offset = block.params(oa, p_at_v, signature.args[7].dtype)
         with cgutils.for_range(builder, rows_v) as loop:
             r = loop.index
             x_row = builder.add(x_at_v, builder.mul(r, x_stride_v))
             at = builder.add(s_at_v, builder.mul(r, s_stride_v))
             scalar = lambda a: builder.load(builder.gep(a.data, [at]))  # noqa: E731
-            total = ir.Constant(v16, [0] * 16)
-            for part, quad in parts:
-                x4 = builder.load(builder.gep(xa.data, [builder.add(x_row, ir.Constant(x_row.type, quad))]), align=4)
-                total = builder.call(vdp, [total, part, splat(x4, v16)])
-            dots = builder.sitofp(total, f16x)
-            inner = builder.fadd(builder.fmul(builder.fsub(dots, splat(scalar(sha), f16x)), splat(scalar(da), f16x)),
-                                 splat(scalar(cxa), f16x))
-            add = builder.fmul(scale, inner)
+            add = block.row(xa, x_row, scalar(sha), scalar(da), scalar(cxa), scale)
             res_at = builder.mul(r, ir.Constant(r.type, GROUP))
             res_ptr = builder.bitcast(builder.gep(ra.data, [res_at]), f16x.as_pointer())
             acc = builder.fadd(builder.load(res_ptr, align=4), add)
             with builder.if_else(builder.icmp_unsigned("!=", has_v, ir.Constant(has_v.type, 0))) as (then, otherwise):
                 with then:
-                    builder.store(builder.fadd(acc, builder.fmul(offset, splat(scalar(xsa), f16x))), res_ptr, align=4)
+                    builder.store(builder.fadd(acc, builder.fmul(offset, block.splat(scalar(xsa), f16x))), res_ptr,
+                                  align=4)
                 with otherwise:
                     builder.store(acc, res_ptr, align=4)
         return context.get_dummy_value()

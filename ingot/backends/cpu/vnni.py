@@ -59,54 +59,72 @@ def _block_fma(bits: int):
     return block_fma
 
 
+class BlockIR:
+    """The instructions of one block of W that the VNNI intrinsics share (`block_fma` here, rows_gemv's
+    `rows_block_fma`): the block's bytes at flat offset w_at of wa unpacked into VPDPBUSD operands once,
+    its float32 or float16 parameters widened, and a row's dot products with their float epilogue."""
+
+    def __init__(self, builder, bits: int, wa, w_at):
+        self.builder = b = builder
+        i32 = ir.IntType(32)
+        self.v16, self.f16x = ir.VectorType(i32, 16), ir.VectorType(ir.FloatType(), 16)
+        self.vdp = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512",
+                                              fnty=ir.FunctionType(self.v16, [self.v16] * 3))
+        self.zeros = ir.Constant(self.v16, [0] * 16)
+        nibbles, four = ir.Constant(self.v16, [0x0F0F0F0F] * 16), ir.Constant(self.v16, [4] * 16)
+
+        def load(v):
+            at = b.add(w_at, ir.Constant(w_at.type, 64 * v))
+            return b.load(b.bitcast(b.gep(wa.data, [at]), self.v16.as_pointer()), align=1)
+
+        if bits == 4:   # vector v: k 4v.. in the low nibbles, 16 + 4v.. in the high ones
+            self.parts = []
+            for v in range(4):
+                weights = load(v)
+                self.parts += [(b.and_(weights, nibbles), v), (b.and_(b.lshr(weights, four), nibbles), v + 4)]
+        else:           # vector v: k 4v..4v + 3
+            self.parts = [(load(v), v) for v in range(8)]
+
+    def splat(self, value, vector_type):
+        b = self.builder
+        one = b.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+        return b.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), self.zeros)
+
+    def params(self, a, at, element):
+        """16 parameters of array a at flat offset at, widened to float32 (float16 bits when uint16)."""
+        b = self.builder
+        ptr = b.gep(a.data, [at])
+        if element == types.uint16:
+            halves = b.load(b.bitcast(ptr, ir.VectorType(ir.HalfType(), 16).as_pointer()), align=2)
+            return b.fpext(halves, self.f16x)
+        return b.load(b.bitcast(ptr, self.f16x.as_pointer()), align=4)
+
+    def row(self, xa, x_at, shift, d, cx, scale):
+        """scale * ((dot - shift) * d + cx) for the 32 int8 of x at int32 offset x_at of xa."""
+        b, f16x = self.builder, self.f16x
+        total = self.zeros
+        for part, quad in self.parts:
+            x4 = b.load(b.gep(xa.data, [b.add(x_at, ir.Constant(x_at.type, quad))]), align=4)
+            total = b.call(self.vdp, [total, part, self.splat(x4, self.v16)])
+        dots = b.sitofp(total, f16x)
+        inner = b.fadd(b.fmul(b.fsub(dots, self.splat(shift, f16x)), self.splat(d, f16x)), self.splat(cx, f16x))
+        return b.fmul(scale, inner)
+
+
 def _codegen(bits: int):
 
     def codegen(context, builder, signature, args):
         res_v, res_at_v, w_v, w_at_v, xq_v, x_at_v, s_v, o_v, p_at_v, d_v, shift_v, cx_v, xsum_v, has_v = args
         arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
         ra, wa, xa, sa, oa = arr(0, res_v), arr(2, w_v), arr(4, xq_v), arr(6, s_v), arr(7, o_v)
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        v16, f16x = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
-        nibbles = ir.Constant(v16, [0x0F0F0F0F] * 16)
-        four = ir.Constant(v16, [4] * 16)
-        zeros = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
-
-        def splat(value, vector_type):
-            one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), zeros)
-
-        def load_weights(v):
-            at = builder.add(w_at_v, ir.Constant(w_at_v.type, 64 * v))
-            return builder.load(builder.bitcast(builder.gep(wa.data, [at]), v16.as_pointer()), align=1)
-
-        if bits == 4:   # vector v: k 4v.. in the low nibbles, 16 + 4v.. in the high ones
-            parts = []
-            for v in range(4):
-                weights = load_weights(v)
-                parts += [(builder.and_(weights, nibbles), v), (builder.and_(builder.lshr(weights, four), nibbles), v + 4)]
-        else:           # vector v: k 4v..4v + 3
-            parts = [(load_weights(v), v) for v in range(8)]
-        total = ir.Constant(v16, [0] * 16)
-        for part, quad in parts:
-            x4 = builder.load(builder.gep(xa.data, [builder.add(x_at_v, ir.Constant(x_at_v.type, quad))]), align=4)
-            total = builder.call(vdp, [total, part, splat(x4, v16)])
-
-        def params(a, element):
-            ptr = builder.gep(a.data, [p_at_v])
-            if element == types.uint16:
-                halves = builder.load(builder.bitcast(ptr, ir.VectorType(ir.HalfType(), 16).as_pointer()), align=2)
-                return builder.fpext(halves, f16x)
-            return builder.load(builder.bitcast(ptr, f16x.as_pointer()), align=4)
-
-        dots = builder.sitofp(total, f16x)
-        inner = builder.fadd(builder.fmul(builder.fsub(dots, splat(shift_v, f16x)), splat(d_v, f16x)), splat(cx_v, f16x))
-        add = builder.fmul(params(sa, signature.args[6].dtype), inner)
+        block = BlockIR(builder, bits, wa, w_at_v)
+        f16x = block.f16x
+        add = block.row(xa, x_at_v, shift_v, d_v, cx_v, block.params(sa, p_at_v, signature.args[6].dtype))
         res_ptr = builder.bitcast(builder.gep(ra.data, [res_at_v]), f16x.as_pointer())
         acc = builder.fadd(builder.load(res_ptr, align=4), add)
         with builder.if_then(builder.icmp_unsigned("!=", has_v, ir.Constant(has_v.type, 0))):
-            builder.store(builder.fadd(acc, builder.fmul(params(oa, signature.args[7].dtype), splat(xsum_v, f16x))),
-                          res_ptr, align=4)
+            offset = block.params(oa, p_at_v, signature.args[7].dtype)
+            builder.store(builder.fadd(acc, builder.fmul(offset, block.splat(xsum_v, f16x))), res_ptr, align=4)
         with builder.if_then(builder.icmp_unsigned("==", has_v, ir.Constant(has_v.type, 0))):
             builder.store(acc, res_ptr, align=4)
         return context.get_dummy_value()

@@ -23,6 +23,7 @@ from ... import codegen
 from ...ir import Node, Op
 from .pdl import pdl_args, pdl_enter
 from .quantized_matmul import _zero_share
+from .quantized_matmul.gemm import gathered_codes
 
 
 # -- RMSNorm --------------------------------------------------------------------------------------
@@ -312,22 +313,7 @@ def _qgather_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMI
     if ZERO:   # the split-K output of the GEMV after the gather (`quantized_gather`'s zero)
         _zero_share(z_ptr, Z, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                     tl.num_programs(0) * tl.num_programs(1))
-    t = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    i = tl.load(idx_ptr + t).to(tl.int64)
-    ok = (j < EXTENT) & (i >= 0) & (i < LIMIT)
-    zero = tl.zeros([BLOCK], tl.int64)
-    if AXIS == 1:          # column i of the logical [K, N] weight
-        k = j.to(tl.int64)
-        n = zero + i
-    else:                  # row i
-        k = zero + i
-        n = j.to(tl.int64)
-    if BITS == 4:
-        byte = tl.load(q_ptr + k * stride_qk + n // 2, mask=ok, other=0)
-        v = (byte >> ((n % 2) * 4).to(tl.uint8)) & 0xF
-    else:
-        v = tl.load(q_ptr + k * stride_qk + n, mask=ok, other=0)
+    t, j, k, n, v, ok = gathered_codes(q_ptr, idx_ptr, stride_qk, EXTENT, LIMIT, AXIS, BITS, BLOCK)
     if LUT:
         w = tl.load(lut_ptr + (k // lut_block_k) * stride_lk + (n // lut_block_n) * stride_ln + v.to(tl.int64),
                     mask=ok, other=0.0)

@@ -42,6 +42,31 @@ def _load_tile(q_ptr, offs_k, n0, K, NQ, stride_qk, BITS: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def gathered_codes(q_ptr, idx_ptr, stride_qk, EXTENT, LIMIT, AXIS: tl.constexpr, BITS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """A gather program's stored codes (fused.quantized_gather, gguf_kernels.scaled_gather): index t of
+    idx, entries j of column idx[t] (AXIS 1) or row idx[t] (AXIS 0) of the logical [K, N] weight, as
+    (t, j, k, n, v, ok); ok is False past EXTENT and for an index outside [0, LIMIT)."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.load(idx_ptr + t).to(tl.int64)
+    ok = (j < EXTENT) & (i >= 0) & (i < LIMIT)
+    zero = tl.zeros([BLOCK], tl.int64)
+    if AXIS == 1:          # column i of the logical [K, N] weight
+        k = j.to(tl.int64)
+        n = zero + i
+    else:                  # row i
+        k = zero + i
+        n = j.to(tl.int64)
+    if BITS == 4:
+        byte = tl.load(q_ptr + k * stride_qk + n // 2, mask=ok, other=0)
+        v = (byte >> ((n % 2) * 4).to(tl.uint8)) & 0xF
+    else:
+        v = tl.load(q_ptr + k * stride_qk + n, mask=ok, other=0)
+    return t, j, k, n, v, ok
+
+
+@triton.jit
 def _dequantize_tile(v, k0, offs_k, K, offs_n, n_mask, s_ptr, b_ptr, lut_ptr, stride_sk, lut_block_k, lut_block_n,
                      stride_lk, stride_ln, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_K: tl.constexpr):

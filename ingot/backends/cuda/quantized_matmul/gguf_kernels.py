@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .buffers import _sm_count
-from .gemm import _load_tile, grouped_tile
+from .gemm import _load_tile, gathered_codes, grouped_tile
 from .weights import ScaledTableWeight, prepare_scaled  # noqa: F401  (the weight's form lives with the others)
 
 
@@ -163,22 +163,7 @@ def scaled_matmul(x2: torch.Tensor, w: ScaledTableWeight, y: torch.Tensor, confi
 def _scaled_gather_kernel(q_ptr, s_ptr, lut_ptr, idx_ptr, out_ptr, EXTENT, LIMIT, stride_qk, stride_sk,
                           lut_block_k, lut_block_n, stride_lk, stride_ln, so_j, so_t,
                           BITS: tl.constexpr, GROUP: tl.constexpr, AXIS: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    i = tl.load(idx_ptr + t).to(tl.int64)
-    ok = (j < EXTENT) & (i >= 0) & (i < LIMIT)
-    zero = tl.zeros([BLOCK], tl.int64)
-    if AXIS == 1:          # column i of the logical [K, N] weight
-        k = j.to(tl.int64)
-        n = zero + i
-    else:                  # row i
-        k = zero + i
-        n = j.to(tl.int64)
-    if BITS == 4:
-        byte = tl.load(q_ptr + k * stride_qk + n // 2, mask=ok, other=0)
-        v = (byte >> ((n % 2) * 4).to(tl.uint8)) & 0xF
-    else:
-        v = tl.load(q_ptr + k * stride_qk + n, mask=ok, other=0)
+    t, j, k, n, v, ok = gathered_codes(q_ptr, idx_ptr, stride_qk, EXTENT, LIMIT, AXIS, BITS, BLOCK)
     w = tl.load(lut_ptr + (k // lut_block_k) * stride_lk + (n // lut_block_n) * stride_ln + v.to(tl.int64), mask=ok,
                 other=0.0)
     w *= tl.load(s_ptr + (k // GROUP) * stride_sk + n, mask=ok, other=0.0).to(tl.float32)

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class IngotEngine:
-    def __init__(self, path: str, context: int, activations: str, threads: int | None):
+    def __init__(self, path: str, context: int, activations: str, threads: int | None, device: str = "cpu"):
         import ingot.llm
         from ingot.options import CompileOptions, CpuOptions
 
@@ -37,7 +37,7 @@ class IngotEngine:
         self.key = (activations, self.cpu.resolved_threads)
         self.name = f"ingot {activations} t={self.cpu.resolved_threads}" + (" (default)" if threads is None else "")
         t = time.perf_counter()
-        self.llm = ingot.llm.load(path, context=context, options=CompileOptions(cpu=self.cpu))
+        self.llm = ingot.llm.load(path, device=device, context=context, options=CompileOptions(cpu=self.cpu))
         self.load_s = time.perf_counter() - t
         self.vocab = self.llm.config.vocab_size
 

@@ -99,29 +99,6 @@ def llama_quantize(source: Path, out: Path, name: str, log: Path) -> str | None:
     return None
 
 
-class CudaEngine:
-    """Ingot on the GPU with cpu_llm's engine interface (prefill, decode), for the CUDA column."""
-
-    def __init__(self, path: str, context: int):
-        import ingot.llm
-
-        self.llm = ingot.llm.load(path, device="cuda", context=context)
-        self.vocab = self.llm.config.vocab_size
-        self.name = path
-
-    def prefill(self, ids):
-        self.llm.reset()
-        self.llm.prefill(ids)
-
-    def decode(self, prompt, n: int) -> float:
-        self.llm.reset()
-        nxt = int(np.argmax(self.llm.prefill(prompt)))
-        t = time.perf_counter()
-        for _ in range(n):
-            nxt = int(np.argmax(self.llm.step(nxt)))
-        return time.perf_counter() - t
-
-
 def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int, n_prompt: int) -> dict:
     """{label: (cpu tok/s or None, cuda tok/s or a reason)} for (label, kind, path) rows, kind
     "llama.cpp" or "Ingot": cpu_llm's interleaved rounds over every row's engine at once."""
@@ -151,7 +128,7 @@ def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int,
         gpu_engines = []
         for label, kind, path in files:
             if kind == "Ingot":
-                e = CudaEngine(path, context)
+                e = cpu_llm.IngotEngine(path, context, "float32", None, device="cuda")
                 e.name = label
                 gpu_engines.append(e)
         cuda = {k: v["decode_tok_s"] for k, v in cpu_llm.interleaved(gpu_engines, n_prompt, n_decode, 32, repeats).items()

@@ -37,18 +37,10 @@ from ingot.options import CompileOptions, CudaOptions  # noqa: E402
 GEMM_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate+up": (4096, 28672), "down": (14336, 4096)}
 
 
-def _bench(fn, reps: int = 10) -> float:
-    """Median seconds of fn over `reps` timed calls (events), after two warm-up calls."""
-    fn(), fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return float(np.median(times))
+def _bench(fn) -> float:
+    """Median seconds of fn (triton.testing.do_bench: warm-up, L2 cleared between calls)."""
+    import triton.testing
+    return triton.testing.do_bench(fn, return_mode="median") * 1e-3
 
 
 def gemm_table(rows: list[int], configs: dict[str, dict]) -> list[dict]:

@@ -410,21 +410,6 @@ def narrow_weight(node: Node) -> Node | None:
     return w.src[0]
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}
-
-
-def _mm_out_dtype(device) -> bool:
-    """Whether torch.mm(a16, b16, out_dtype=torch.float32) runs here (CUDA in recent torch; not the CPU)."""
-    key = str(device)
-    if key not in _MM_OUT_DTYPE:
-        try:
-            a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
-            _MM_OUT_DTYPE[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[key] = False
-    return _MM_OUT_DTYPE[key]
-
-
 def _narrow_weight_matmul(ctx: Lowering) -> StepFn:
     """y = x @ W for a bf16 weight W [K, N] kept in its own dtype on the device: no float32
     copy of W is ever made (the cast node feeding it is not lowered; see CudaPlan).
@@ -437,7 +422,7 @@ def _narrow_weight_matmul(ctx: Lowering) -> StepFn:
     weight = constant_tensor(ctx.plan.program.constants[narrow_weight(ctx.node).attrs["key"]], ctx.device)
     ctx.reads = (0,)  # the step takes x only: the weight lives on the device in its own dtype
     k, n = weight.shape
-    direct = _mm_out_dtype(ctx.device)
+    direct = qmm.mm_out_dtype(ctx.device)
 
     def matmul(x):
         lead = x.shape[:-1]

@@ -49,6 +49,7 @@ from __future__ import annotations
 from ....options import DEFAULT_CUDA
 from . import buffers, dispatch, gemm, gemv, gguf_kernels, weights, words_kernel, xq  # noqa: F401
 from .buffers import _WORKSPACE, _XQ_WORKSPACE, _overlaps, _sm_count, _stream_key, _workspace, _xq_workspace  # noqa: F401,E501
+from .buffers import mm_out_dtype  # noqa: F401
 from .dispatch import quantized_matmul  # noqa: F401
 from .gemm import GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _qgemm_kernel, _qgemv_kernel, _qgemv_small_kernel  # noqa: F401
 from .gemm import gemm_config, gemv_config, small_gemv_config  # noqa: F401

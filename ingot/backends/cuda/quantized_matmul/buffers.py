@@ -21,6 +21,21 @@ def _overlaps(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return any(o is not None and o.numel() and span(o)[0] < hi and lo < span(o)[1] for o in others)
 
 
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def mm_out_dtype(device) -> bool:
+    """Whether torch.mm(a16, b16, out_dtype=torch.float32) runs here (CUDA in recent torch; not the CPU)."""
+    key = str(device)
+    if key not in _MM_OUT_DTYPE:
+        try:
+            a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
+            _MM_OUT_DTYPE[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
 _WORKSPACE: dict = {}
 
 

@@ -7,7 +7,7 @@ import triton
 from ....options import DEFAULT_CUDA, CudaOptions
 from ..pdl import pdl_args
 from . import gemv, gguf_kernels
-from .buffers import _sm_count, dequantized_workspace
+from .buffers import _sm_count, dequantized_workspace, mm_out_dtype
 from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _dequantize_kernel, _qgemm_kernel, _qgemv_kernel,
                    _qgemv_small_kernel, gemm_config, gemv_config, small_gemv_config)
 from .weights import QuantizedWeight
@@ -124,21 +124,14 @@ def dequantize_into(w: QuantizedWeight, dtype: torch.dtype, block_k: int = 32, b
 
 def _dequantized_gemm(x2: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None, precision: str) -> torch.Tensor:
     """Many rows: W dequantized once (bf16 for precision "bf16", else float32) and multiplied by cuBLAS,
-    which runs the tensor cores at their rate (H200, Llama-3-8B shapes, 2048 rows: bf16 694-769 TFLOP/s
-    against 163-207 for `_qgemm_kernel` with bf16 dots); the copy costs one pass over K x N 16- or
-    32-bit values. float32: cuBLAS SGEMM (torch's allow_tf32 flag, off by default, applies)."""
+    (H200, Llama-3-8B shapes, 2,048 rows, bf16: 377-608 TFLOP/s copy included, against 153-220 for
+    `_qgemm_kernel` with bf16 dots and 673-800 for cuBLAS on a dense bf16 W); the copy costs one pass over
+    K x N 16- or 32-bit values. float32: cuBLAS SGEMM (torch's allow_tf32 flag, off by default, applies).
+    A caller's `out` receives a copy of the bf16 path's float32 result (no caller passes one today)."""
     if precision == "bf16":
         wd = dequantize_into(w, torch.bfloat16)
         a = x2.to(torch.bfloat16)
-        if out is not None:
-            try:
-                return torch.mm(a, wd, out_dtype=torch.float32, out=out)
-            except (TypeError, RuntimeError):
-                return out.copy_(torch.mm(a, wd).float())
-        try:
-            return torch.mm(a, wd, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            return torch.mm(a, wd).float()
+        y = torch.mm(a, wd, out_dtype=torch.float32) if mm_out_dtype(x2.device) else torch.mm(a, wd).float()
+        return y if out is None else out.copy_(y)
     wd = dequantize_into(w, torch.float32)
     return torch.mm(x2, wd, out=out) if out is not None else torch.mm(x2, wd)
-

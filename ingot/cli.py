@@ -126,15 +126,9 @@ def _read_prompt(args) -> str:
 
 def _compile_options(args):
     """INGOT_OPTIONS's CompileOptions (else the defaults) with the command line's choices on top."""
-    import dataclasses
-
     from .options import CompileOptions
 
-    options = CompileOptions.from_environment()
-    precision = getattr(args, "prefill_precision", None)
-    if precision is not None:
-        options = dataclasses.replace(options, cuda=dataclasses.replace(options.cuda, prefill_precision=precision))
-    return options
+    return CompileOptions.from_command_line(prefill_precision=getattr(args, "prefill_precision", None))
 
 
 def _load_llm(args):

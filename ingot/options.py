@@ -227,6 +227,24 @@ class CompileOptions:
             raise IngotError(f"{path}: {e}") from None
 
     @classmethod
+    def from_command_line(cls, gemv_activations: str | None = None, prefill_precision: str | None = None
+                          ) -> CompileOptions:
+        """The options `ingot generate/serve` compile with: INGOT_OPTIONS's (else the defaults), with the
+        flags given on top: `--gemv-activations` ("float32": exact float products, the default; "int8":
+        x rounded to int8 per block of 32 as llama.cpp does, faster, BENCHMARKS.md) and
+        `--prefill-precision` (CUDA: "tf32x3", float32-level, the default; "bf16")."""
+        options = cls.from_environment()
+        if gemv_activations is not None:
+            if gemv_activations not in ("float32", "int8"):
+                raise IngotError(f"--gemv-activations is {gemv_activations!r}; 'float32' or 'int8'.")
+            options = dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, gemv_activations=gemv_activations))
+        if prefill_precision is not None:
+            if prefill_precision not in _CHOICES["prefill_precision"]:
+                raise IngotError(f"--prefill-precision is {prefill_precision!r}; 'tf32x3' or 'bf16'.")
+            options = dataclasses.replace(options, cuda=dataclasses.replace(options.cuda, prefill_precision=prefill_precision))
+        return options
+
+    @classmethod
     def from_environment(cls) -> CompileOptions:
         """The options in the JSON file INGOT_OPTIONS names, else the defaults."""
         path = read_env("INGOT_OPTIONS")

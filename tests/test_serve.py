@@ -475,8 +475,9 @@ def test_gemv_activations_is_a_server_option(monkeypatch, tmp_path, capsys):
     """`ingot serve --gemv-activations int8` (llama.cpp's integer activations, faster) over whatever
     INGOT_OPTIONS holds; float32 (exact) by default; anything else refused."""
     from ingot.cli import main
-    from ingot.options import CpuOptions
-    from ingot.serve import serve_options
+    from ingot.options import CompileOptions, CpuOptions
+
+    serve_options = CompileOptions.from_command_line
 
     monkeypatch.delenv("INGOT_OPTIONS", raising=False)
     assert serve_options().cpu.gemv_activations == "float32"

@@ -30,34 +30,13 @@ def parse_lora(text: str) -> tuple[str, str, float]:
     return name, path, scale
 
 
-def serve_options(gemv_activations: str | None = None, prefill_precision: str | None = None):
-    """The CompileOptions a server compiles with: INGOT_OPTIONS's (else the defaults), with
-    `--gemv-activations` ("float32": exact float products, the default; "int8": x rounded to int8
-    per block of 32 as llama.cpp does, faster, BENCHMARKS.md) and `--prefill-precision` (CUDA:
-    "tf32x3", float32-level, the default; "bf16") when given."""
-    import dataclasses
-
-    from ..options import CompileOptions
-
-    options = CompileOptions.from_environment()
-    if gemv_activations is not None:
-        if gemv_activations not in ("float32", "int8"):
-            raise IngotError(f"--gemv-activations is {gemv_activations!r}; 'float32' or 'int8'.")
-        options = dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, gemv_activations=gemv_activations))
-    if prefill_precision is not None:
-        if prefill_precision not in ("tf32x3", "bf16"):
-            raise IngotError(f"--prefill-precision is {prefill_precision!r}; 'tf32x3' or 'bf16'.")
-        options = dataclasses.replace(options, cuda=dataclasses.replace(options.cuda, prefill_precision=prefill_precision))
-    return options
-
-
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", max_batch: int = 8,
           context: int | None = None, loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
           announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
           gemv_activations: str | None = None, kv_dtype: str | None = None,
           prefill_precision: str | None = None) -> None:
     """Load the model (the default one when None), then serve it until interrupted. gemv_activations,
-    prefill_precision: see serve_options (None: INGOT_OPTIONS's choice); kv_dtype: the KV slots' dtype
+    prefill_precision: see CompileOptions.from_command_line (None: INGOT_OPTIONS's choice); kv_dtype: the KV slots' dtype
     (see ingot.llm.load)."""
     import uvicorn
 
@@ -67,7 +46,9 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     if not 0 <= port <= 65535:
         raise IngotError(f"--port must be 0..65535, not {port}.")
-    options = serve_options(gemv_activations, prefill_precision)
+    from ..options import CompileOptions
+
+    options = CompileOptions.from_command_line(gemv_activations, prefill_precision)
     engine = Engine(model or default_model_path(), device=device, max_batch=max_batch, context=context, loras=loras,
                     max_queue=max_queue, options=options, kv_dtype=kv_dtype)
     app = create_app(engine)

@@ -584,12 +584,13 @@ def release_compiler_pages() -> None:
 def _cache_is_cold() -> bool:
     """True when some kernel has no usable entry in numba's on-disk cache (numba internals: any
     surprise counts as warm, and the kernels compile here as before)."""
+    kernels = [kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4, scaled_tile_int8,
+               attention, rope_rows, _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
+               rows_attention.rows_rope_write_attend, rows_attention.rows_chunks]
+    if vnni.AVAILABLE:   # _warm_up compiles these only where the CPU has VNNI: elsewhere never cached
+        kernels += [vnni.gemv, rows_gemv.gemv_rows]
     try:
-        return any(not d._cache._cache_file._load_index() for d in
-                   (kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4,
-                    scaled_tile_int8, attention, rope_rows, vnni.gemv, rows_gemv.gemv_rows,
-                    _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
-                    rows_attention.rows_rope_write_attend, rows_attention.rows_chunks))
+        return any(not d._cache._cache_file._load_index() for d in kernels)
     except Exception:
         return False
 

@@ -132,7 +132,7 @@ def _glu_gemv(ctx: Lowering):
         return None
     n_out = m.type.shape[-1]
     ctx.reads = (param(gate), param(up))
-    ctx.plan.fusions.append("silu*mul into the GEMV" if activation == "silu" else f"{activation}*mul into the GEMV")
+    ctx.plan.fusions.append(f"{activation}*mul into the GEMV")
 
     def step(a, b):
         a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
@@ -165,7 +165,8 @@ def _glu_down(plan, weight: qmm.QuantizedWeight, eps: float, d_weight: qmm.Quant
     (`_ZeroAhead`); the down GEMV zeroes the next step's."""
     half = weight.n // 2
     ahead = plan._zero_ahead = _ZeroAhead()
-    plan.fusions += ["silu*mul into the GEMV", "the gate+up GEMV zeroes the down GEMV's output, which rounds silu*mul itself"]
+    plan.fusions += [f"{activation}*mul into the GEMV",
+                     f"the gate+up GEMV zeroes the down GEMV's output, which rounds {activation}*mul itself"]
 
     def compute(x, b, g):
         lead = x.shape[:-1]

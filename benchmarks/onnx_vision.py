@@ -1,12 +1,12 @@
-"""Convolutional ONNX models (scripts/vision_models.py: MobileNetV3-style, YOLOv8-style, DBNet-style,
-random weights, exported from PyTorch) run by Ingot (ingot.from_onnx, CPU) and onnxruntime
+"""Convolutional ONNX models (scripts/vision_models.py: MobileNetV3-style, YOLOv8-style, DBNet-style and
+a CRNN with a bidirectional LSTM (--models crnn), random weights, exported from PyTorch) run by Ingot (ingot.from_onnx, CPU) and onnxruntime
 (CPUExecutionProvider, all graph optimisations) in one process on the same input, single-threaded
 by default (both, and NumPy's BLAS). --real adds the ONNX files that PyPI packages ship, where they
 are installed (`pip install --no-deps rapidocr-onnxruntime silero-vad magika`): PP-OCRv4's text
 detector and recogniser and its direction classifier, Silero VAD (LSTM, If on the sample rate) and
 Magika's file-type classifier.
 
-    python -m benchmarks onnx-vision                      # all three, 20 interleaved runs each
+    python -m benchmarks onnx-vision                      # the three conv nets, 20 interleaved runs each
     python -m benchmarks onnx-vision --models yolo --runs 50 --threads 2
     python -m benchmarks onnx-vision --real --models none
 

@@ -1,10 +1,11 @@
 """Small convolutional networks in the shapes people export to ONNX, with random weights: a
 MobileNetV3-style classifier (depthwise convolutions, squeeze-excite, hard-swish), a YOLOv8-style
-detector (conv + BN + SiLU, C2f blocks, SPPF max pools, nearest upsampling, sigmoid heads) and a
-DBNet-style text detector (ResNet blocks, an FPN, transposed convolutions). benchmarks/onnx_vision.py
+detector (conv + BN + SiLU, C2f blocks, SPPF max pools, nearest upsampling, sigmoid heads), a
+DBNet-style text detector (ResNet blocks, an FPN, transposed convolutions) and a CRNN text recogniser
+(convolutions, then a two-layer bidirectional LSTM). benchmarks/onnx_vision.py
 times them against onnxruntime; tests/test_onnx_vision.py checks them against it.
 
-    python scripts/vision_models.py OUT_DIR      # writes mobilenet.onnx, yolo.onnx, dbnet.onnx
+    python scripts/vision_models.py OUT_DIR      # writes mobilenet.onnx, yolo.onnx, dbnet.onnx, crnn.onnx
 """
 from __future__ import annotations
 
@@ -163,7 +164,27 @@ class DBNet(nn.Module):
         return self.head(torch.cat(outs, 1))
 
 
-MODELS = {"mobilenet": (MobileNet, (1, 3, 224, 224)), "yolo": (Yolo, (1, 3, 320, 320)), "dbnet": (DBNet, (1, 3, 320, 320))}
+class CRNN(nn.Module):
+    """A CRNN text recogniser (grey line image 32 x 320): four conv + BN + ReLU blocks pooled to height 1,
+    then 80 time steps through a two-layer bidirectional LSTM (hidden 128) and a per-step classifier."""
+
+    def __init__(self, classes: int = 37, hidden: int = 128):
+        super().__init__()
+        self.features = nn.Sequential(                          # [B, 1, 32, 320] -> [B, 128, 1, 80]
+            conv_bn(1, 32, 3, act=nn.ReLU), nn.MaxPool2d(2), conv_bn(32, 64, 3, act=nn.ReLU), nn.MaxPool2d(2),
+            conv_bn(64, 128, 3, act=nn.ReLU), nn.MaxPool2d((2, 1)), conv_bn(128, 128, 3, act=nn.ReLU),
+            nn.MaxPool2d((4, 1)))
+        self.rnn = nn.LSTM(128, hidden, num_layers=2, bidirectional=True)
+        self.classifier = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x):
+        f = self.features(x).squeeze(2).permute(2, 0, 1)        # [T, B, C]
+        y, _ = self.rnn(f)
+        return self.classifier(y).log_softmax(-1)              # [T, B, classes]
+
+
+MODELS = {"mobilenet": (MobileNet, (1, 3, 224, 224)), "yolo": (Yolo, (1, 3, 320, 320)), "dbnet": (DBNet, (1, 3, 320, 320)),
+          "crnn": (CRNN, (1, 1, 32, 320))}
 
 
 def random_model(name: str, seed: int = 0) -> nn.Module:

@@ -1,5 +1,5 @@
-"""The convolutional nets of scripts/vision_models.py (MobileNetV3-, YOLOv8- and DBNet-style, random
-weights), exported from PyTorch, through ingot.from_onnx against onnxruntime at 1e-4 relative. Needs
+"""The convolutional nets of scripts/vision_models.py (MobileNetV3-, YOLOv8-, DBNet-style and a CRNN,
+random weights), exported from PyTorch, through ingot.from_onnx against onnxruntime at 1e-4 relative. Needs
 torch to export (skipped without it); benchmarks/onnx_vision.py times the same models."""
 import importlib.util
 from pathlib import Path
@@ -23,7 +23,7 @@ def vision_models():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mobilenet", "yolo", "dbnet"])
+@pytest.mark.parametrize("name", ["mobilenet", "yolo", "dbnet", "crnn"])
 def test_vision_model_equals_onnxruntime(name, tmp_path):
     models = vision_models()
     path = models.export(name, tmp_path / f"{name}.onnx")

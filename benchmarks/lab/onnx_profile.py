@@ -3,6 +3,7 @@ profiler), single-threaded, on benchmarks/onnx_vision.py's models and feeds.
 
     python benchmarks/lab/onnx_profile.py yolo            # a vision model (scripts/vision_models.py)
     python benchmarks/lab/onnx_profile.py t5-encoder-int8 # a REAL one (scripts/real_onnx_models.py)
+    python benchmarks/lab/onnx_profile.py encoder         # benchmarks/onnx_encoder.py's BERT-like encoder
 
 Prints ms per run by op kind (Ingot: FUSED ops by kind, convs split depthwise / pointwise / other),
 top 12 of each (TOP=N: more). CPU time (process_time), steadier under load. A probe, not a
@@ -50,7 +51,16 @@ def main() -> int:
     name, runs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
     with tempfile.TemporaryDirectory() as folder:
         vision = script("vision_models")
-        if name in vision.MODELS:
+        if name == "encoder":   # benchmarks/onnx_encoder.py's BERT-like encoder, 128 tokens
+            import argparse
+            from benchmarks.onnx_encoder import export
+            args = argparse.Namespace(batch=1, length=128, hidden=128, heads=4, layers=2)
+            rng = np.random.default_rng(0)
+            mask = np.ones((1, 128), np.int64)
+            mask[:, 112:] = 0
+            path = export(args, Path(folder))
+            feeds = {"input_ids": rng.integers(0, 512, (1, 128)).astype(np.int64), "attention_mask": mask}
+        elif name in vision.MODELS:
             x = np.random.default_rng(0).standard_normal(vision.MODELS[name][1]).astype(np.float32)
             path, feeds = vision.export(name, Path(folder) / f"{name}.onnx"), {"image": x}
         else:

@@ -22,7 +22,7 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import conv, int8_matmul, kernels, nn_kernels, rope_cache, rows_attention
+from . import conv, int8_matmul, kernels, nn_kernels, recurrent, rope_cache, rows_attention
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -60,6 +60,12 @@ def _fused(node: Node, out):
 FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS | int8_matmul.FUSED_LOWERINGS | \
     rows_attention.FUSED_LOWERINGS
 from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: torch.distributed, gloo)
+
+
+@lowering(Op.LSTM)
+def _lstm(node: Node, out):
+    """The whole recurrence in one compiled loop per direction (backends/cpu/recurrent.py)."""
+    return recurrent.lstm_step(node, out) or _reference(node, out)
 
 
 @lowering(Op.MAX, Op.MIN)

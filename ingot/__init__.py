@@ -10,8 +10,9 @@ from .runtime import Executable, Outputs, State, load  # noqa: F401
 __version__ = "0.1.0"
 
 
-def from_onnx(model_or_path, device: str = "cpu", input_shapes=None, constant_inputs=None, quantize=None):
-    """Import an ONNX model (a path or an onnx.ModelProto) and compile it; see ingot.importers.onnx.from_onnx."""
+def from_onnx(model_or_path, device: str = "cpu", input_shapes=None, constant_inputs=None, quantize=None, options=None):
+    """Import an ONNX model (a path or an onnx.ModelProto) and compile it with `options` (a CompileOptions;
+    None: the defaults); see ingot.importers.onnx.from_onnx."""
     from .importers.onnx import from_onnx as _from_onnx
     return _from_onnx(model_or_path, device=device, input_shapes=input_shapes, constant_inputs=constant_inputs,
-                      quantize=quantize)
+                      quantize=quantize, options=options)

@@ -66,6 +66,9 @@ class CudaOptions:
                                           # tile): a Llama-3-8B layer at 32 rows 0.74x the kernel's time, 2048 rows 0.3x
     prefill_hopper: str = "auto"          # the Hopper prefill kernel (flash_sm90): "auto", "always", "never"
     prefill_hopper_min_rows: int = 2048   # "auto": from this many query rows at head dim 128
+    # -- float models (convolutions and matmuls through cuDNN and cuBLAS: ONNX models) -------------
+    float32_precision: str = "ieee"   # their float32 products: "ieee" (exact) or "tf32" (tensor cores, operands
+                                      # rounded to 10-bit mantissas: torch eager's default for convolutions)
     # -- audio (backends/cuda/fft) ----------------------------------------------------------------
     mel_block_frames: int = 128       # frames per program of the generated mel kernel
     mel_warps: int = 4                # its warps
@@ -122,6 +125,7 @@ DEVICE_TUNING: dict[str, dict[str, Any]] = {
 }
 
 _CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee"), "prefill_precision": ("tf32x3", "bf16"),
+            "float32_precision": ("ieee", "tf32"),
             "prefill_hopper": ("auto", "always", "never"),
             "timeline": ("off", "end", "all")}
 

@@ -91,6 +91,18 @@ def test_symbolic_dimensions_compile_per_shape(batch):
     assert len(exe.compiled) == 2
 
 
+def test_options_reach_every_compiled_executable():
+    """from_onnx(options=) compiles each executable with them: a static model, each specialisation."""
+    from ingot.options import CompileOptions, CpuOptions
+    options = CompileOptions(cpu=CpuOptions(threads=1))
+    assert ingot.from_onnx(FIXTURES / "cnn.onnx", options=options).options is options
+    exe = ingot.from_onnx(FIXTURES / "encoder_dynamic.onnx", options=options)
+    assert isinstance(exe, SpecializingOnnxExecutable)
+    exe.run({"input_ids": np.ones((2, 5), np.int64), "attention_mask": np.ones((2, 5), np.int64)})
+    assert [e.options for e in exe.compiled.values()] == [options]
+    assert from_onnx(FIXTURES / "cnn.onnx").options == CompileOptions()
+
+
 def test_shape_giving_inputs_compile_per_value():
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=0)]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),

@@ -566,8 +566,9 @@ class OnnxExecutable(Executable):
     named by the ONNX graph's outputs (in its order), host arrays in the dtypes the model declares."""
 
     def __init__(self, program: Program, device: str, history, inputs, output_names: list[str],
-                 output_dtypes: list[np.dtype], onnx_inputs: list[str], constant_inputs: Mapping[str, np.ndarray] | None = None):
-        super().__init__(program, device=device, history=history, inputs=inputs, output_names=output_names)
+                 output_dtypes: list[np.dtype], onnx_inputs: list[str], constant_inputs: Mapping[str, np.ndarray] | None = None,
+                 options=None):
+        super().__init__(program, device=device, history=history, inputs=inputs, output_names=output_names, options=options)
         self.output_dtypes = list(output_dtypes)
         self.onnx_inputs = list(onnx_inputs)
         self.constant_inputs = dict(constant_inputs or {})
@@ -594,7 +595,7 @@ class OnnxExecutable(Executable):
     __call__ = run
 
 
-def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str = False) -> OnnxExecutable:
+def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str = False, options=None) -> OnnxExecutable:
     """Compile an imported graph (every shape already static) into an OnnxExecutable."""
     from ..compiler import run_pipeline
 
@@ -604,20 +605,21 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
     program, history = run_pipeline(program, debug)
     inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
     exe = OnnxExecutable(program, device, history, inputs, list(imported.outputs),
-                         list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs)
+                         list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs, options)
     onnx_control.bind_branches(exe, imported.branches, debug)
     return exe
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Sequence[int]] | None = None,
               constant_inputs: Mapping[str, np.ndarray] | None = None, quantize=None,
-              debug: bool | str = False) -> "OnnxExecutable | SpecializingOnnxExecutable":
+              debug: bool | str = False, options=None) -> "OnnxExecutable | SpecializingOnnxExecutable":
     """Import an ONNX model (path or onnx.ModelProto) and compile it for `device`.
 
     input_shapes fixes the symbolic dimensions of inputs: {"input_ids": (1, 128)}; constant_inputs
     fixes the values of inputs that must be known at import (shapes, axes). The result's `run`
     takes {ONNX input name: array} and returns Outputs by ONNX output name. quantize: an ingot.quant
     format for the matmul weights ("int8", "int4:32", "lut4"), multiplied as quantized_matmul.
+    options: the CompileOptions every executable of the model is compiled with (None: the defaults).
 
     A model whose shapes depend on what it is fed (symbolic input dimensions not fixed by
     input_shapes; small inputs that a Reshape, Resize or reduction reads as its shape, sizes or
@@ -629,17 +631,20 @@ def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Seq
     initializers = {i.name for i in model.graph.initializer}
     if any(vi.name not in input_shapes and vi.name not in constant_inputs and vi.name not in initializers
            and _has_symbolic_dims(vi) for vi in model.graph.input):
-        return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug)
+        return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug,
+                                          options=options)
     try:
         imported = import_onnx(model, input_shapes, what=what, constant_inputs=constant_inputs, quantize=quantize)
     except NeedsConstant as e:
         names = [n for n in e.input_names if n not in constant_inputs]
         if not names or not all(_may_specialize(model, n) for n in names):
             raise
-        return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug, names)
+        return SpecializingOnnxExecutable(model, what, device, input_shapes, constant_inputs, quantize, debug, names,
+                                          options=options)
     except NeedsHostStep as e:   # NonZero and the like on data: two compiled stages around a host step
-        return StagedOnnxExecutable(model, e.outputs, lambda m: from_onnx(m, device, input_shapes, constant_inputs, quantize, debug))
-    return compile_import(imported, device, debug)
+        return StagedOnnxExecutable(model, e.outputs, lambda m: from_onnx(m, device, input_shapes, constant_inputs, quantize, debug,
+                                                                          options=options))
+    return compile_import(imported, device, debug, options)
 
 
 MAX_SPECIALIZATIONS = 16        # compiled executables a SpecializingOnnxExecutable keeps (oldest dropped)
@@ -685,8 +690,9 @@ class SpecializingOnnxExecutable:
     """
 
     def __init__(self, model, what: str, device: str, input_shapes: Mapping[str, Sequence[int]],
-                 constant_inputs: Mapping[str, np.ndarray], quantize, debug, value_inputs: Sequence[str] = ()):
+                 constant_inputs: Mapping[str, np.ndarray], quantize, debug, value_inputs: Sequence[str] = (), options=None):
         self.model, self.what, self.device, self.quantize, self.debug = model, what, device, quantize, debug
+        self.options = options
         self.input_shapes, self.constant_inputs = dict(input_shapes), dict(constant_inputs)
         initializers = {i.name for i in model.graph.initializer}
         self.onnx_inputs = [vi.name for vi in model.graph.input if vi.name not in initializers]
@@ -726,7 +732,7 @@ class SpecializingOnnxExecutable:
                 break
             except NeedsHostStep as e:
                 exe = StagedOnnxExecutable(self.model, e.outputs, lambda m: from_onnx(m, self.device, shapes, fixed, self.quantize,
-                                                                                      self.debug))
+                                                                                      self.debug, options=self.options))
                 return self._keep(key, exe)
             except NeedsConstant as e:
                 new = [n for n in e.input_names if n not in fixed and n in self.onnx_inputs]
@@ -736,7 +742,7 @@ class SpecializingOnnxExecutable:
                 key = self._key(feeds)
                 if key in self.compiled:
                     return self.compiled[key]
-        return self._keep(key, compile_import(imported, self.device, self.debug))
+        return self._keep(key, compile_import(imported, self.device, self.debug, self.options))
 
     def _keep(self, key: tuple, exe):
         if len(self.compiled) >= MAX_SPECIALIZATIONS:

@@ -101,7 +101,7 @@ def bind_branches(exe, branches: dict[str, Branch], debug=False) -> None:
         if name not in exe.call_sites:   # an If the compiler dropped (its result unused)
             continue
         program, history = run_pipeline(Program([t.node for t in b.outputs], [], dict(b.graph.constants), {}), debug)
-        branch = Executable(program, exe.device, history=history, inputs=b.inputs)
+        branch = Executable(program, exe.device, history=history, inputs=b.inputs, options=exe.options)
         bind_branches(branch, b.branches, debug)
         exe.bind(name, branch)
 

@@ -31,6 +31,7 @@ from .lowerings import LOWERINGS, Lowering, StepFn, host_reference, lowering  # 
 from . import fft  # noqa: E402,F401  (registers the FFT lowerings and the fused STFT power -> mel chain)
 from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: NCCL through torch.distributed)
 from . import experts  # noqa: E402,F401  (registers the mixture-of-experts lowerings: top_k, quantized_gather_matmul, ...)
+from . import recurrent  # noqa: E402,F401  (registers the lstm lowering)
 from .plan import CudaPlan
 
 

@@ -379,9 +379,27 @@ def _dim(ctx: Lowering) -> StepFn:
 
 # linear algebra and the transformer ops
 
+def with_float32_precision(ctx: Lowering, fn: StepFn) -> StepFn:
+    """fn with torch's TF32 switches (cuDNN's and cuBLAS's, process-wide) set to the plan's
+    cuda.float32_precision for the call and put back after, so that a float32 product does not
+    depend on what else in the process set them."""
+    tf32 = ctx.cuda.float32_precision == "tf32"
+
+    def step(*xs):
+        matmul = torch.backends.cuda.matmul
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = tf32
+        try:
+            with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+                return fn(*xs)
+        finally:
+            matmul.allow_tf32 = before
+    return step
+
+
 @lowering(Op.CONV)
 def _conv(ctx: Lowering) -> StepFn:
-    """cuDNN through torch; uneven padding as a pad first."""
+    """cuDNN through torch (cuda.float32_precision); uneven padding as a pad first."""
     a = ctx.node.attrs
     fn = (None, torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[ctx.node.type.rank - 2]
     even = all(lo == hi for lo, hi in a["pads"])
@@ -390,7 +408,7 @@ def _conv(ctx: Lowering) -> StepFn:
     def conv(x, w, b=None):
         x = x if even else torch.nn.functional.pad(x, flat)
         return fn(x, w, b, a["strides"], tuple(lo for lo, _ in a["pads"]) if even else 0, a["dilations"], a["groups"])
-    return conv
+    return with_float32_precision(ctx, conv)
 
 
 @lowering(Op.MATMUL)
@@ -399,7 +417,7 @@ def _matmul(ctx: Lowering) -> StepFn:
         return host_reference(ctx)  # cuBLAS has no integer GEMM through torch
     if narrow_weight(ctx.node) is not None:
         return _narrow_weight_matmul(ctx)
-    return torch.matmul
+    return with_float32_precision(ctx, torch.matmul)
 
 
 def narrow_weight(node: Node) -> Node | None:

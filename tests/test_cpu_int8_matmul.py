@@ -134,3 +134,44 @@ def test_float_x_by_8_bit_weight_on_two_threads():
     two = int8_matmul.FloatInt8Matmul(q, scale, None, None, threads=2)(x)
     assert 40 * 520 * 300 >= int8_matmul.PARALLEL_MIN
     np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("w_scale_shape", [(), (1,)])
+def test_scaled_matmul_integer_epilogue_is_fused(w_scale_shape):
+    """quantize_dynamic's layer, DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(x_scale * w_scale):
+    the cast and both products run inside the integer_matmul step (float32 out), bit-equal to
+    onnxruntime's plain graph; a second reader of the cast keeps the epilogue out."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ingot.importers.onnx import from_onnx
+    from ingot.ir import Op
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 11, 70)).astype(np.float32)
+    w, wz = ints(rng, (70, 45), np.int8), ints(rng, (45,), np.int8)
+    ws = np.full(w_scale_shape, 0.0123, np.float32)
+
+    def model(second_reader: bool):
+        nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+                 helper.make_node("MatMulInteger", ["xq", "w", "xz", "wz"], ["acc"]),
+                 helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+                 helper.make_node("Mul", ["xs", "ws"], ["s"]),
+                 helper.make_node("Mul", ["accf", "s"], ["y"])]
+        outs = ["y"] + (["accf"] if second_reader else [])
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                                  [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+                                  [numpy_helper.from_array(a, k) for k, a in (("w", w), ("wz", wz), ("ws", ws))])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for second_reader in (False, True):
+        m = model(second_reader)
+        theirs = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        exe = from_onnx(m)
+        fused = [n for n in exe.program.nodes() if n.op == Op.FUSED and n.attrs["kind"] == "integer_matmul"]
+        assert len(fused) == 1 and fused[0].dtype.name == ("int32" if second_reader else "float32")
+        if not second_reader:
+            assert not [n for n in exe.program.nodes() if n.op in (Op.CAST, Op.MUL)]
+        for got, want in zip(exe.run({"x": x}), theirs):
+            np.testing.assert_array_equal(got, want)

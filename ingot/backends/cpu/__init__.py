@@ -126,9 +126,8 @@ def _erf(node: Node, out):
 
 @lowering(Op.GELU)
 def _gelu(node: Node, out):
-    if _is_f32(node) and node.attrs.get("approximate", "none") == "none":
-        scale = np.float32(1 / np.sqrt(2.0))
-        return lambda x: 0.5 * x * (1.0 + nn_kernels.erf(x * scale))
+    if _is_f32(node):
+        return nn_kernels.gelu_tanh if node.attrs.get("approximate", "none") == "tanh" else nn_kernels.gelu
     return _reference(node, out)
 
 

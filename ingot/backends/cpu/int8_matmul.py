@@ -95,6 +95,18 @@ def _finish(d, xu, m_rows, b, a, cw, k, n, out):
             out[m, t] = np.int32(np.int64(d[m, t]) + np.int64(b[t]) * r - a * np.int64(cw[t]) - k * a * np.int64(b[t]))
 
 
+@njit(cache=True, nogil=True)
+def _finish_scaled(d, xu, m_rows, b, a, cw, k, n, scale, out):
+    """out[m, :n] = float32(the int32 sums _finish writes) * scale: the rounding cast(sum, float32) * scale has."""
+    for m in range(m_rows):
+        r = np.int64(0)
+        for t in range(xu.shape[1]):
+            r += np.int64(xu[m, t])
+        for t in range(n):
+            total = np.int32(np.int64(d[m, t]) + np.int64(b[t]) * r - a * np.int64(cw[t]) - k * a * np.int64(b[t]))
+            out[m, t] = np.float32(total) * scale
+
+
 class IntegerMatmul:
     """sum_k (x - x_zero)(w - w_zero[n]) for a constant 8-bit weight w [K, N], x [..., K] int8 or uint8
     fed at run time with a scalar zero point. Without VNNI (vnni=False) D runs as float32 matmuls of
@@ -116,7 +128,8 @@ class IntegerMatmul:
         self.b = np.ascontiguousarray(self.b)
         self.buffers: dict = {}
 
-    def __call__(self, x: np.ndarray, x_zero, out: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, x: np.ndarray, x_zero, out: np.ndarray | None = None, scale=None) -> np.ndarray:
+        """The int32 sums, or with scale (a float32) float32(sums) * scale."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
@@ -139,8 +152,12 @@ class IntegerMatmul:
             for k0 in range(0, k, EXACT_K):
                 total += (xf[:, k0:k0 + EXACT_K] @ self.w[k0:k0 + EXACT_K]).astype(np.int64)
             d[:, :self.n] = total   # |D| < 2**31 for K < 65536
-        result = np.empty((m, self.n), np.int32) if out is None else out.reshape(m, self.n)
-        _finish(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, result)
+        dtype = np.int32 if scale is None else np.float32
+        result = np.empty((m, self.n), dtype) if out is None else out.reshape(m, self.n)
+        if scale is None:
+            _finish(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, result)
+        else:
+            _finish_scaled(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, np.float32(scale), result)
         return result.reshape(lead + (self.n,)) if out is None else out
 
 
@@ -174,11 +191,30 @@ def operands(body) -> dict | None:
             "w_zero": params[2] if mm.attrs.get("has_zero_point") else None}
 
 
+def scale_operands(body) -> tuple[int, ...] | None:
+    """The params whose product scales the float32 result: () for the int32 sums, (s,) or (a, b) for the
+    epilogue cast(sum, float32) * s [s = a * b] (passes/fuse_integer_matmul.py); None if neither."""
+    (result,) = body.outputs
+    if result.op == Op.CAST and result.dtype.name == "int32":
+        return ()
+    if result.op != Op.MUL or result.dtype.name != "float32":
+        return None
+    cast, s = result.src if result.src[0].op == Op.CAST else result.src[::-1]
+    if cast.op != Op.CAST or cast.src[0].op != Op.CAST or cast.src[0].dtype.name != "int32":
+        return None
+    if s.op == Op.PLACEHOLDER:
+        return (s.attrs["param"],)
+    if s.op == Op.MUL and all(t.op == Op.PLACEHOLDER for t in s.src):
+        return tuple(t.attrs["param"] for t in s.src)
+    return None
+
+
 def integer_matmul_lowering(node: Node, out):
     """The FUSED "integer_matmul" op (VNNI, else exact float32 chunks); None where the weight is not a constant.
     The pass checked that the scale is 1 and the zero points whole; the first run checks the values."""
     index = operands(node.attrs["body"])
-    if index is None or node.src[index["w"]].op != Op.CONSTANT:
+    scales = scale_operands(node.attrs["body"])
+    if index is None or scales is None or node.src[index["w"]].op != Op.CONSTANT:
         return None
     body = node.attrs["body"]
     state: dict = {}
@@ -194,7 +230,12 @@ def integer_matmul_lowering(node: Node, out):
         if kernel is False:
             result = body.evaluate(inputs)[0]
         else:
-            return kernel(inputs[index["x"]], inputs[index["x_zero"]] if index["x_zero"] is not None else 0, out)
+            scale = None
+            if scales:   # a float32 product, as the body's mul of two float32 scalars rounds it
+                scale = np.float32(np.asarray(inputs[scales[0]], np.float32).reshape(()))
+                if len(scales) == 2:
+                    scale = np.float32(scale * np.asarray(inputs[scales[1]], np.float32).reshape(()))
+            return kernel(inputs[index["x"]], inputs[index["x_zero"]] if index["x_zero"] is not None else 0, out, scale)
         if out is not None:
             out[...] = result
             return out
@@ -362,30 +403,23 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
 
 # -- DynamicQuantizeLinear: the FUSED "dynamic_quantize" op (passes/fuse_dynamic_quantize.py) -------------
 
-@njit(cache=True, nogil=True)
-def dynamic_quantize(x, y):
-    """y = saturate(round_half_even(x / scale) + zero_point) over x's range widened to hold 0, as the
-    body computes it (float32 throughout); returns (scale, zero_point as float32)."""
-    lo = np.float32(0.0)
-    hi = np.float32(0.0)
-    nan = False
-    for i in range(x.size):
-        v = x[i]
-        if v != v:
-            nan = True
-        elif v < lo:
-            lo = v
-        elif v > hi:
-            hi = v
-    if nan:
-        return np.float32(np.nan), np.float32(np.nan)
-    scale = np.float32(1.0) if hi == lo else np.float32((hi - lo) / np.float32(255.0))
-    zero = np.rint(np.float32(-lo / scale))
-    zero = np.float32(min(max(zero, np.float32(0.0)), np.float32(255.0)))
+@njit(cache=True, nogil=True, error_model="numpy")   # no zero-division check: the loop vectorises
+def _quantize(x, scale, zero, y):
     for i in range(x.size):
         q = np.rint(np.float32(x[i] / scale)) + zero
-        q = min(max(q, np.float32(0.0)), np.float32(255.0))
-        y[i] = np.uint8(q)
+        y[i] = np.uint8(min(max(q, np.float32(0.0)), np.float32(255.0)))
+
+
+def dynamic_quantize(x, y):
+    """y = saturate(round_half_even(x / scale) + zero_point) over x's range widened to hold 0, as the
+    body computes it (float32 throughout); returns (scale, zero_point as float32), NaN where x holds
+    NaN or an infinity (NumPy's min and max find the range: vectorised, NaN-propagating)."""
+    lo, hi = min(np.float32(x.min()), np.float32(0.0)), max(np.float32(x.max()), np.float32(0.0))
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return np.float32(np.nan), np.float32(np.nan)
+    scale = np.float32(1.0) if hi == lo else np.float32((hi - lo) / np.float32(255.0))
+    zero = np.float32(min(max(np.rint(np.float32(-lo / scale)), np.float32(0.0)), np.float32(255.0)))
+    _quantize(x, scale, zero, y)
     return scale, zero
 
 

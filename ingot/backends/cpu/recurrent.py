@@ -12,42 +12,12 @@ import numpy as np
 from numba import njit
 
 from ...ir import Node, Op
-from .nn_kernels import _float_of_bits
+from .nn_kernels import sigmoid as _sigmoid, tanh as _tanh
 
 DEFAULT = ("Sigmoid", "Tanh", "Tanh")
 
 
-@njit(inline="always", fastmath=True, cache=True)
-def _exp_negative(x):
-    """exp(x) for x <= 0 (clamped at -87): a Cephes-style polynomial, relative error ~1e-7, the power of
-    two built from its bits, so that LLVM vectorises a loop of it (numba's math.exp is a call per element)."""
-    x = max(x, np.float32(-87.0))
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    return (p * r * r + r + np.float32(1.0)) * _float_of_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
-
-
-@njit(inline="always", fastmath=True, cache=True)
-def _sigmoid(x):
-    e = _exp_negative(-abs(x))
-    return (np.float32(1.0) if x >= 0 else e) / (np.float32(1.0) + e)
-
-
-@njit(inline="always", fastmath=True, cache=True)
-def _tanh(x):
-    a = abs(x)
-    e = _exp_negative(np.float32(-2.0) * a)
-    t = (np.float32(1.0) - e) / (np.float32(1.0) + e) if a >= np.float32(0.02) else a * (np.float32(1.0) - a * a / np.float32(3.0))
-    return t if x >= 0 else -t
-
-
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")   # no zero-division check: vectorised
 def lstm_direction(projected, rt, peephole, h, c, lengths, reverse, clip, input_forget, y, direction):
     """One direction of the recurrence, in place on h and c [B, H] (the initial states in, the last out):
     projected [T, B, 4H] = x W^T + input bias + recurrent bias; rt [H, 4H] (R transposed: the GEMV as H

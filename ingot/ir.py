@@ -72,6 +72,7 @@ class Op(enum.IntEnum):
     IF = enum.auto()      # one of two bound callables, chosen by a run-time condition (ops/control.py)
     # tensor parallelism: collectives over the ranks of a process group (ops/collective.py)
     ALL_REDUCE = enum.auto(); ALL_GATHER = enum.auto()
+    POOL_ATTENTION = enum.auto()   # decode attention of independent rows over a KV pool (ops/pool.py)
 
 
 class GroupOp:

@@ -439,12 +439,27 @@ def inputs(g: Graph) -> tuple[Tensor, Tensor, Tensor]:
     return tokens, pos, last
 
 
-def row_inputs(g: Graph, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+@dataclass(frozen=True)
+class PoolFeeds:
+    """What a pool rows decoder's attention reads per row (`row_inputs` with pool > 0): each row's
+    position [rows] and the pool entry (slot) holding its sequence's K/V [rows]; `size` entries."""
+    positions: Tensor
+    slots: Tensor
+    size: int
+
+
+def row_inputs(g: Graph, rows: int, pool: int = 0) -> tuple[Tensor, Tensor | PoolFeeds, Tensor]:
     """The feeds of a decode step over `rows` independent sequences (`ingot serve`'s continuous
-    batching): one token per row [rows], each row's own position [rows] (and an unused `last`)."""
+    batching): one token per row [rows], each row's own position [rows] (and an unused `last`).
+    pool > 0: the K/V live in one pool of `pool` entries per layer (blk.L.k_pool [pool, nkv, ctx, hd]),
+    and a `slots` feed [rows] says which entry each row reads and writes (`PoolFeeds`)."""
+    if isinstance(pool, bool) or not isinstance(pool, (int, np.integer)) or pool < 0 or (pool and not rows):
+        raise IngotError(f"build: pool must be a number of KV entries >= 0 (with rows > 0), got {pool!r}.")
     tokens = g.placeholder((None,), dt.int32, name="tokens")
     positions = g.placeholder((rows,), dt.int32, name="positions")
     last = g.placeholder((), dt.int32, name="last")
+    if pool:
+        return tokens, PoolFeeds(positions, g.placeholder((rows,), dt.int32, name="slots"), int(pool)), last
     return tokens, positions, last
 
 
@@ -571,6 +586,9 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
     attention over positions 0..positions[r]), so its result is bit for bit what a batch-1 decoder
     computes and never depends on another row. (A strided q, sliced out of [1, nh, rows, hd], gave
     1e-6 differences: numba's fastmath kernels vectorise differently for non-contiguous arrays.)"""
+    if isinstance(positions, PoolFeeds):
+        return pool_row_attention(g, cfg, weights, layer, q, k, v, positions, inv_freq, rows, qk_norm=qk_norm,
+                                  window=window, softcap=softcap, scale=scale, rope_base=rope_base, q_scale=q_scale)
     p = f"blk.{layer}."
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved,
@@ -600,6 +618,39 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
         outs.append(g.scaled_dot_product_attention(q_r, k_seen, v_seen, scale=scale, causal=True, window=window,
                                                    softcap=softcap))      # [1, nh, 1, hd]
     return g.reshape(outs[0] if rows == 1 else g.concat(outs, axis=0), (rows, nh * hd))
+
+
+def pool_row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                       feeds: PoolFeeds, inv_freq: np.ndarray, rows: int, *, qk_norm: bool = False, window: int = 0,
+                       softcap: float = 0.0, scale: float | None = None, rope_base: float | None = None,
+                       q_scale: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """`row_attention` over a KV pool: one K and one V variable per layer, blk.L.k_pool / v_pool
+    [entries, nkv, context, hd] of cfg.kv_dtype, and ONE pool_attention op for all rows (row r writes
+    and reads entry slots[r] at positions[r]). The executable's buffers are the same whatever slots
+    the rows hold, so a device can capture it once per row count. q [rows, nh*hd], k and v
+    [rows, nkv*hd] -> [rows, nh*hd]. A batch-1 decoder's state of entry s is pool[s:s + 1] (views)."""
+    p = f"blk.{layer}."
+    hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    positions = feeds.positions
+    q, k, v = g.reshape(q, (rows, nh, hd)), g.reshape(k, (rows, nkv, hd)), g.reshape(v, (rows, nkv, hd))
+    if qk_norm:                                                       # per head, over hd
+        q = rms_norm(g, cfg, weights, p + "attn_q_norm.weight", q)
+        k = rms_norm(g, cfg, weights, p + "attn_k_norm.weight", k)
+    if q_scale is not None:                                           # each row's own factor
+        q = q * g.reshape(g.gather(q_scale[0], positions), (rows, 1, 1))
+    if inv_freq is not None:   # RoPE over [h, rows, hd]: the rows are the tokens, each at its own position
+        rope = dict(base=cfg.rope_base if rope_base is None else rope_base, interleaved=cfg.rope_interleaved,
+                    rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
+        q = g.transpose(g.rope(g.transpose(q, (1, 0, 2)), positions, **rope), (1, 0, 2))
+        k = g.transpose(g.rope(g.transpose(k, (1, 0, 2)), positions, **rope), (1, 0, 2))
+    shape = (feeds.size, nkv, cfg.context_length, hd)
+    k_pool = _cache_variable(g, cfg, shape, f"blk.{layer}.k_pool")
+    v_pool = _cache_variable(g, cfg, shape, f"blk.{layer}.v_pool")
+    out, k_new, v_new = g.pool_attention(q, k, v, k_pool, v_pool, feeds.slots, positions, scale=scale, window=window,
+                                         softcap=softcap)             # [rows, nh, hd]
+    g.assign(k_pool, k_new)                                           # written in place by the compiler
+    g.assign(v_pool, v_new)
+    return g.reshape(out, (rows, nh * hd))
 
 
 ACTIVATIONS: dict[str, Callable[[Graph, Tensor], Tensor]] = {

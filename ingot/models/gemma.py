@@ -123,15 +123,17 @@ Config = GemmaConfig
 
 
 def build(cfg: GemmaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False,
-          batch: int = 1, rows: int = 0) -> DecoderGraph:
+          batch: int = 1, rows: int = 0, pool: int = 0) -> DecoderGraph:
     """The Gemma 2/3 decoder graph over GGUF-named tensors; arguments as `llama.build` (rows=R: R
-    independent sequences, one token each, for `ingot serve`)."""
+    independent sequences, one token each, for `ingot serve`; pool=S: over a KV pool)."""
     batch, rows = checked_batch(batch), checked_rows(rows)
+    if pool and not rows:
+        raise IngotError(f"build: pool={pool} needs rows > 0 (a pool serves a rows decoder).")
     if rows and batch != 1:
         raise IngotError(f"build: rows={rows} decodes independent sequences; it takes batch=1, not {batch}.")
     g = Graph()
     weights = Weights(g, tensors, path, adapter_sites)
-    tokens, pos, last = row_inputs(g, rows) if rows else inputs(g)
+    tokens, pos, last = row_inputs(g, rows, pool) if rows else inputs(g)
     global_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base, cfg.rope_scale)   # scaling: global layers only
     local_freq = rope_frequencies(cfg.rope_dims, cfg.rope_base_local or cfg.rope_base)
     scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)

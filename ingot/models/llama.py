@@ -102,7 +102,7 @@ Config = LlamaConfig
 
 
 def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all_logits: bool = False,
-          batch: int = 1, rows: int = 0, ffn=feed_forward) -> DecoderGraph:
+          batch: int = 1, rows: int = 0, ffn=feed_forward, pool: int = 0) -> DecoderGraph:
     """The decoder graph over GGUF-named tensors (numpy arrays or QuantizedTensors).
 
     adapter_sites: weight names (e.g. "blk.0.attn_q.weight") whose outputs add a called adapter
@@ -111,17 +111,21 @@ def build(cfg: LlamaConfig, tensors: dict, path: str = "", adapter_sites=(), all
     caches [B, nkv, ctx, hd], logits [B, vocab] (row `last` of each sequence) or [B*T, vocab].
     rows=R (continuous batching, `ingot serve`): R independent sequences, one token each, tokens [R],
     positions [R] (each row's own), a cache per row (blk.L.k_cache.r [1, nkv, ctx, hd]), logits [R, vocab].
+    pool=S (with rows): the caches are one pool of S entries per layer and a `slots` feed [R] says
+    which entry each row uses (blocks.pool_row_attention: fixed buffers, a CUDA graph per R).
     ffn: the feed-forward block, (g, cfg, weights, layer, x) -> x's update (SwiGLU; moe.feed_forward).
 
         >>> m = build(cfg, random_weights(cfg), batch=4)                     # doctest: +SKIP
         >>> m.compile(1).run({"tokens": ids4, "pos": np.int32(p), "last": np.int32(0)})  # doctest: +SKIP
     """
     batch, rows = checked_batch(batch), checked_rows(rows)
+    if pool and not rows:
+        raise IngotError(f"build: pool={pool} needs rows > 0 (a pool serves a rows decoder).")
     if rows and batch != 1:
         raise IngotError(f"build: rows={rows} decodes independent sequences; it takes batch=1, not {batch}.")
     g = Graph()
     weights = Weights(g, tensors, path, adapter_sites)
-    tokens, pos, last = row_inputs(g, rows) if rows else inputs(g)
+    tokens, pos, last = row_inputs(g, rows, pool) if rows else inputs(g)
     inv_freq, scale = decoder_rope(cfg, tensors)                          # scale: None but for YaRN
     q_scale = temperature_table(g, cfg, getattr(cfg, "attn_temperature_scale", 0.0),
                                 getattr(cfg, "attn_temperature_length", 0))   # Mistral 3; None elsewhere

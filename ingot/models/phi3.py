@@ -127,6 +127,6 @@ def unfused(cfg: Phi3Config, tensors: Mapping, path: str = "") -> Unfused:
 
 
 def build(cfg: Phi3Config, tensors: Mapping, path: str = "", adapter_sites=(), all_logits: bool = False, batch: int = 1,
-          rows: int = 0) -> DecoderGraph:
+          rows: int = 0, pool: int = 0) -> DecoderGraph:
     """The Phi-3 decoder graph over GGUF-named tensors (fused or split); arguments as `llama.build`."""
-    return llama.build(cfg, Unfused(cfg, tensors, path), path, adapter_sites, all_logits, batch, rows)
+    return llama.build(cfg, Unfused(cfg, tensors, path), path, adapter_sites, all_logits, batch, rows, pool=pool)

@@ -63,6 +63,6 @@ Config = Qwen3MoeConfig
 
 
 def build(cfg: Qwen3MoeConfig, tensors, path: str = "", adapter_sites=(), all_logits: bool = False, batch: int = 1,
-          rows: int = 0) -> DecoderGraph:
+          rows: int = 0, pool: int = 0) -> DecoderGraph:
     """The Qwen3-MoE decoder graph: llama.build with the experts as the feed-forward; arguments as there."""
-    return llama.build(cfg, tensors, path, adapter_sites, all_logits, batch, rows, ffn=moe.feed_forward)
+    return llama.build(cfg, tensors, path, adapter_sites, all_logits, batch, rows, ffn=moe.feed_forward, pool=pool)

@@ -2,7 +2,8 @@
 
 Valid when nothing else reads v in the same run: reads see the value at the start of the run, and
 the write would change it under them. A read is any other consumer of v, or v being an output
-itself. Otherwise the slice_update keeps copy semantics.
+itself. Otherwise the slice_update keeps copy semantics. The same holds for a pool_attention whose
+two pools are variables assigned its updated pools (ops/pool.py): it is marked to write them in place.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def update_variables_in_place(program: Program) -> tuple[Program, bool]:
         if var.id in outputs or any(u is not value and u is not assign for u in users[var.id]):
             continue
         replace[value.id] = value.replace(attrs=dict(value.attrs, inplace=True))
+    for node in _pools_in_place(program, users, outputs):
+        replace[node.id] = node.replace(attrs=dict(node.attrs, inplace=True))
     if not replace:
         return program, False
     memo: dict[int, Node] = {}
@@ -32,3 +35,26 @@ def update_variables_in_place(program: Program) -> tuple[Program, bool]:
             new = new.replace(src=src)
         memo[node.id] = new
     return program.with_roots([memo[n.id] for n in program.outputs], [memo[n.id] for n in program.assigns]), True
+
+
+def _pools_in_place(program: Program, users, outputs: set[int]) -> list[Node]:
+    """The pool_attention ops whose pools (src 3 and 4) are variables that nothing else reads, each
+    assigned the op's own updated pool (its outputs 1 and 2)."""
+    assigned = {a.src[0].id: a.src[1] for a in program.assigns}
+    found = {}
+    for assign in program.assigns:
+        item = assign.src[1]
+        if item.op != Op.GET_ITEM or item.src[0].op != Op.POOL_ATTENTION or item.src[0].attrs.get("inplace"):
+            continue
+        node = item.src[0]
+        ok = True
+        for index in (1, 2):
+            var = node.src[index + 2]
+            value = assigned.get(var.id)
+            if var.op != Op.VARIABLE or var.id in outputs or value is None or value.op != Op.GET_ITEM or \
+                    value.src[0] is not node or value.attrs["index"] != index or \
+                    any(u is not node and not (u.op == Op.ASSIGN and u.src[1] is value) for u in users[var.id]):
+                ok = False
+        if ok:
+            found[node.id] = node
+    return list(found.values())

@@ -23,6 +23,7 @@ from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
 from . import conv, int8_matmul, kernels, nn_kernels, recurrent, rope_cache, rows_attention
+from .pool_attention import pool_attention_lowering
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -43,6 +44,9 @@ def _reference(node: Node, out: np.ndarray | None) -> StepFn:
 
 def _is_f32(node: Node) -> bool:
     return all(isinstance(s.type, TensorType) and s.dtype.name == "float32" for s in node.src) and node.dtype.name == "float32"
+
+
+LOWERINGS[Op.POOL_ATTENTION] = pool_attention_lowering
 
 
 @lowering(Op.CONV)

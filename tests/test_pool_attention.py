@@ -1,0 +1,167 @@
+"""pool_attention (ops/pool.py) and the pool rows decoder (`llama.build(rows=R, pool=S)`) on the CPU:
+the op against per-row SDPA on awkward shapes (odd head_dim, GQA, bf16 pools, window, softcap,
+rows outside the pool), the inplace pass keeping the pools' memory, and every row of the decoder
+equal to a batch-1 decoder whose state is that row's pool entry, whatever the other rows hold."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from ingot import Graph, IngotError
+from ingot import dtypes as dt
+from ingot.ir import Op, TensorType
+from ingot.models import llama
+from ingot.ops.nn import sdpa
+from ingot.runtime import State
+
+sys.path.insert(0, os.path.dirname(__file__))
+from quant_helpers import tiny_config  # noqa: E402
+
+
+def per_row(q, k, v, k_pool, v_pool, slots, positions, scale=None, window=0, softcap=0.0):
+    """Independent reference: each valid row's write, then its own SDPA over its entry's prefix."""
+    kp, vp = k_pool.astype(np.float32), v_pool.astype(np.float32)
+    ok = [0 <= s < kp.shape[0] and 0 <= p < kp.shape[2] for s, p in zip(slots, positions)]
+    for r in np.flatnonzero(ok):
+        kp[slots[r], :, positions[r]] = k[r].astype(k_pool.dtype).astype(np.float32)
+        vp[slots[r], :, positions[r]] = v[r].astype(v_pool.dtype).astype(np.float32)
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    for r in np.flatnonzero(ok):
+        s, n = slots[r], positions[r] + 1
+        out[r] = sdpa(q[r][None, :, None], kp[None, s, :, :n], vp[None, s, :, :n], scale=scale, causal=True,
+                      window=window, softcap=softcap)[0, :, 0]
+    return out, kp, vp
+
+
+CASES = [  # rows, Hq, Hk, D, Dv, entries, context, pool dtype, window, softcap, slots, positions
+    (3, 4, 2, 13, 13, 4, 37, "float32", 0, 0.0, [2, 0, 3], [0, 36, 17]),          # odd D, lengths 1 and 37
+    (4, 6, 1, 16, 8, 5, 20, "bfloat16", 0, 0.0, [4, 4, 1, 0], [3, 5, 19, 0]),      # MQA, Dv != D, a slot twice
+    (2, 2, 2, 24, 24, 3, 33, "float16", 5, 30.0, [1, 2], [32, 6]),                 # window, softcap
+    (3, 4, 2, 8, 8, 2, 9, "float32", 0, 0.0, [0, 7, -1], [4, 1, 2]),               # slots outside the pool
+    (2, 4, 4, 8, 8, 2, 9, "float32", 0, 0.0, [0, 1], [9, -3]),                     # positions outside
+]
+
+
+def _case_arrays(case, seed=0):
+    rows, hq, hk, d, dv, entries, context, kind, window, softcap, slots, positions = case
+    rng = np.random.default_rng(seed)
+    storage = dt.by_name(kind).storage
+    q = rng.standard_normal((rows, hq, d)).astype(np.float32)
+    k = rng.standard_normal((rows, hk, d)).astype(np.float32)
+    v = rng.standard_normal((rows, hk, dv)).astype(np.float32)
+    k_pool = rng.standard_normal((entries, hk, context, d)).astype(storage)
+    v_pool = rng.standard_normal((entries, hk, context, dv)).astype(storage)
+    return q, k, v, k_pool, v_pool, np.array(slots, np.int32), np.array(positions, np.int32)
+
+
+def _graph(case, arrays):
+    window, softcap = case[8], case[9]
+    g = Graph()
+    q, k, v = (g.placeholder(a.shape, dt.float32, name=n) for n, a in zip("qkv", arrays[:3]))
+    kind = dt.by_name(case[7])
+    k_pool = g.variable(arrays[3], name="k_pool")
+    v_pool = g.variable(arrays[4], name="v_pool")
+    slots = g.placeholder((case[0],), dt.int32, name="slots")
+    positions = g.placeholder((case[0],), dt.int32, name="positions")
+    out, kn, vn = g.pool_attention(q, k, v, k_pool, v_pool, slots, positions, window=window, softcap=softcap)
+    g.assign(k_pool, kn)
+    g.assign(v_pool, vn)
+    assert k_pool.dtype == kind
+    return g, out
+
+
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+def test_pool_attention_equals_per_row_attention_in_place(case):
+    arrays = _case_arrays(case)
+    g, out = _graph(case, arrays)
+    exe = g.compile(targets=[out])
+    assert [n.attrs.get("inplace") for n in exe.program.nodes() if n.op == Op.POOL_ATTENTION] == [True]
+    state = exe.new_state()
+    k_pool, v_pool = state["k_pool"], state["v_pool"]
+    got = exe.run({"q": arrays[0], "k": arrays[1], "v": arrays[2], "slots": arrays[5], "positions": arrays[6]},
+                  state=state)[0]
+    want, kp, vp = per_row(*arrays, window=case[8], softcap=case[9])
+    assert got.shape == want.shape and got.dtype == np.float32
+    tolerance = 1e-5 if case[7] == "float32" else 1e-3   # the reference widens the same rounded pool values
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+    assert state["k_pool"] is k_pool and state["v_pool"] is v_pool          # written in place, same memory
+    np.testing.assert_array_equal(k_pool.astype(np.float32), kp)
+    np.testing.assert_array_equal(v_pool.astype(np.float32), vp)
+
+
+def test_pool_attention_type_rule_refuses_bad_shapes():
+    g = Graph()
+    q = g.placeholder((2, 4, 8), dt.float32)
+    k = g.placeholder((2, 3, 8), dt.float32)                     # 4 query heads over 3 KV heads
+    pool = g.variable(np.zeros((2, 3, 5, 8), np.float32), name="pool")
+    ids = g.placeholder((2,), dt.int32)
+    with pytest.raises(IngotError, match="pool_attention"):
+        g.pool_attention(q, k, k, pool, pool, ids, ids)
+    with pytest.raises(IngotError, match="pool_attention"):
+        g.pool_attention(q, q, q, pool, pool, g.placeholder((2,), dt.float32), ids)
+
+
+def _prefill(model, prompt, state):
+    n = len(prompt)
+    return model.compile(n).run({"tokens": np.array(prompt, np.int32), "pos": np.int32(0), "last": np.int32(n - 1)},
+                                state=state)[0][0]
+
+
+def entry_state(cfg, pool: State, s: int) -> State:
+    """A batch-1 decoder's state whose caches are entry s of the pool (views, no copy)."""
+    return State({f"blk.{i}.{kind}_cache": pool.values[f"blk.{i}.{kind}_pool"][s:s + 1]
+                  for i in range(cfg.n_layers) for kind in ("k", "v")})
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_pool_rows_decoder_rows_equal_batch_one_whatever_the_batch(kv_dtype):
+    cfg = tiny_config(qk_norm=True, kv_dtype=kv_dtype)
+    weights = llama.random_weights(cfg, seed=3)
+    single = llama.build(cfg, weights)
+    rows, entries = 4, 6
+    model = llama.build(cfg, weights, rows=rows, pool=entries)
+    exe = model.graph.compile(feeds={model.tokens: TensorType((rows,), dt.int32)}, targets=[model.logits])
+    assert exe.feed_order == ["tokens", "positions", "slots"]
+    pool = exe.new_state()
+    decoder = single.compile(1)
+    rng = np.random.default_rng(1)
+    slots = [4, 1, 3]                                  # rows 0..2; row 3 pads into entry 5 (scratch)
+    refs, last, positions = [], [], []
+    for s, n in zip(slots, (5, 2, 9)):
+        prompt = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+        logits = _prefill(single, prompt, entry_state(cfg, pool, s))   # prefill straight into the entry
+        ref = decoder.new_state()
+        np.testing.assert_array_equal(_prefill(single, prompt, ref), logits)
+        refs.append(ref)
+        last.append(int(np.argmax(logits)))
+        positions.append(n)
+    for step in range(3):
+        feeds = {"tokens": np.array(last + [7], np.int32), "positions": np.array(positions + [0], np.int32),
+                 "slots": np.array(slots + [5], np.int32)}
+        got = exe.run(feeds, state=pool)[0]
+        # the same rows with other company: row 1 alone among noise rows, in another order
+        other = {"tokens": np.array([3, last[1], 9, 11], np.int32), "positions": np.array([2, positions[1], 0, 1], np.int32),
+                 "slots": np.array([0, slots[1], 5, 2], np.int32)}
+        k_saved = {name: a.copy() for name, a in pool.values.items()}
+        alone = exe.run(other, state=pool)[0]
+        np.testing.assert_array_equal(alone[1], got[1])    # a row's logits do not depend on the others
+        for name, a in pool.values.items():                # undo the noise rows' writes (entries 0 and 2, 5)
+            a[...] = k_saved[name]
+        for r in range(3):
+            want = decoder.run({"tokens": np.array([last[r]], np.int32), "pos": np.int32(positions[r]),
+                                "last": np.int32(0)}, state=refs[r])[0][0]
+            np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}, row {r}")
+            np.testing.assert_allclose(   # the row's K went into its own entry (to the rounding of rows GEMMs)
+                entry_state(cfg, pool, slots[r])["blk.1.k_cache"][:, :, :positions[r] + 1].astype(np.float32),
+                refs[r]["blk.1.k_cache"][:, :, :positions[r] + 1].astype(np.float32), rtol=1e-2, atol=1e-2)
+        last = [int(np.argmax(row)) for row in got[:3]]
+        positions = [p + 1 for p in positions]
+
+
+def test_pool_needs_rows():
+    cfg = tiny_config()
+    with pytest.raises(IngotError, match="pool"):
+        llama.build(cfg, llama.random_weights(cfg), pool=3)

@@ -32,6 +32,7 @@ from . import fft  # noqa: E402,F401  (registers the FFT lowerings and the fused
 from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: NCCL through torch.distributed)
 from . import experts  # noqa: E402,F401  (registers the mixture-of-experts lowerings: top_k, quantized_gather_matmul, ...)
 from . import recurrent  # noqa: E402,F401  (registers the lstm lowering)
+from . import pool_attention  # noqa: E402,F401  (registers pool_attention: a rows decoder's KV pool, ops/pool.py)
 from .plan import CudaPlan
 
 

@@ -451,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests that may wait for a slot; more get HTTP 429 (default 64)")
     srv.add_argument("--context", type=int, default=None, metavar="N",
                      help="KV cache length per slot in tokens (default: 2048, at most the model's)")
-    srv.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
+    srv.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES,
+                     help=KV_DTYPE_HELP.replace("default: the model's own, float32", "default: bfloat16 with --device "
+                                                "cuda, else the model's own, float32"))
     srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                      help="serve a PEFT LoRA folder as model id NAME (repeatable; requests choose by `model`)")
     srv.add_argument("--gemv-activations", choices=["float32", "int8"], default=None,

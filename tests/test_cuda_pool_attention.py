@@ -30,7 +30,7 @@ from ingot.models import llama  # noqa: E402
 from ingot.runtime import State  # noqa: E402
 
 from quant_helpers import tiny_config  # noqa: E402
-from test_pool_attention import CASES, _case_arrays, per_row  # noqa: E402
+from test_pool_attention import CASES, _case_arrays, check_pool_engine, per_row  # noqa: E402
 
 DEVICE = torch.device(device_name())
 
@@ -114,3 +114,14 @@ def test_pool_rows_decoder_on_cuda_rows_equal_batch_one_whatever_the_batch():
             assert int(np.argmax(got[r])) == int(np.argmax(want))
         last = [int(np.argmax(row)) for row in got[:2]]
         positions = [p + 1 for p in positions]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float32"])   # None: the CUDA default, bfloat16
+def test_pool_engine_on_cuda_equals_alone_and_generate(tmp_path, kv_dtype):
+    """`ingot serve --device cuda`'s engine: concurrent greedy answers equal each alone and generate's."""
+    if _INTERPRET and kv_dtype is None:
+        pytest.skip("Triton's interpreter mishandles bfloat16 (the GPU run checks it)")
+    from quant_helpers import save_tiny
+
+    save_tiny(tmp_path / "tiny.llm")
+    check_pool_engine(str(tmp_path / "tiny.llm"), "cuda", kv_dtype)

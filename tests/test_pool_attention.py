@@ -165,3 +165,78 @@ def test_pool_needs_rows():
     cfg = tiny_config()
     with pytest.raises(IngotError, match="pool"):
         llama.build(cfg, llama.random_weights(cfg), pool=3)
+
+
+# --------------------------------------------------------------------------------------------
+# The serving engine over a KV pool (what `ingot serve --device cuda` runs), here on the CPU.
+
+PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [8], [20, 21, 22]]
+
+
+def served(engine, prompts, max_tokens: int = 6) -> list[list[int]]:
+    """Greedy token ids of each prompt, all submitted at once to a started engine."""
+    import threading
+
+    from ingot.serve.engine import Request, SamplingParams
+
+    results, finished = {}, threading.Event()
+    for i, prompt in enumerate(prompts):
+        ids: list[int] = []
+
+        def on_event(event, i=i, ids=ids):
+            ids.extend(entry["id"] for entry in event.logprobs)
+            if event.kind != "text":
+                results[i] = ids if event.kind == "done" else event.message
+                if len(results) == len(prompts):
+                    finished.set()
+        engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True),
+                              on_event=on_event))
+    assert finished.wait(900)
+    return [results[i] for i in range(len(prompts))]
+
+
+def check_pool_engine(path, device: str, kv_dtype: str | None, max_batch: int = 4) -> None:
+    """Concurrent greedy answers (more prompts than slots: some wait, then reuse freed entries) equal
+    each prompt served alone and `LLM.generate` on the same device."""
+    from ingot.serve.engine import Engine
+
+    engine = Engine(path, device=device, max_batch=max_batch, context=64, pool=True, kv_dtype=kv_dtype)
+    assert engine.pooled and engine.scratch.index == max_batch
+    engine.warm(rows=(2,))            # runs the bucket on the scratch entry only: every slot still zeros
+    for array in engine.pool.values.values():
+        assert not array[:max_batch].any() and array[max_batch:].any()
+    engine.start()
+    try:
+        together = served(engine, PROMPTS)
+        alone = [served(engine, [p])[0] for p in PROMPTS]
+    finally:
+        engine.stop()
+    assert together == alone
+    for prompt, ids in zip(PROMPTS, alone):
+        ids = ids[:-1] if ids and ids[-1] in engine.tokenizer.eos_ids else ids   # (its logprob is served)
+        list(engine.llm.generate(prompt, max_tokens=6))
+        assert ids == engine.llm.stats.tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_package(tmp_path_factory):
+    from quant_helpers import save_tiny
+
+    path = tmp_path_factory.mktemp("pool") / "tiny.llm"
+    save_tiny(path)
+    return str(path)
+
+
+def test_pool_engine_on_the_cpu_equals_alone_and_generate(tiny_package):
+    check_pool_engine(tiny_package, "cpu", None)
+
+
+def test_kv_pool_too_big_for_the_device_is_refused_before_allocating():
+    from ingot.serve.engine import check_kv_fits, kv_bytes
+
+    cfg = llama.LlamaConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                            context_length=4096, kv_dtype="bfloat16")
+    assert kv_bytes(cfg, 64) == 64 * 4096 * 32 * 2 * 8 * 128 * 2          # 64 sequences of 4k: 32 GiB in bf16
+    check_kv_fits(cfg, 65, "cuda", 5 << 30, free=139 << 30)               # fits an H200
+    with pytest.raises(IngotError, match=r"KV cache of 64 slots x context 4096 x 32 layers in bfloat16 needs 32\.5 GiB"):
+        check_kv_fits(cfg, 65, "cuda", 5 << 30, free=30 << 30)

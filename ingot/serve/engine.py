@@ -4,10 +4,18 @@ per-request adapters.
 Every sequence owns a KV slot: the state of a batch-1 decoder (one [1, nkv, context, hd] K and V
 variable per layer). Prefill runs through the batch-1 executables `ingot generate` uses (the same
 chunks, the same buckets), straight into the slot. Decode runs all sequences in decode together
-through a rows decoder (`llama.build(rows=R)`, R the smallest power of two that holds them): row r
-reads and writes slot arrays mapped by name (a State whose variables are the slots' own arrays, no
-copy), at its own position. Each row computes exactly what a batch-1 decode step computes, so no
-answer depends on what else is in the batch.
+through a rows decoder (`llama.build(rows=R)`, R the smallest power of two that holds them), in one
+of two layouts:
+
+- per-row caches (the CPU's): row r reads and writes slot arrays mapped by name (a State whose
+  variables are the slots' own arrays, no copy), at its own position, with the batch-1 step's
+  kernels, so each row computes exactly what a batch-1 decode step computes.
+- a KV pool (CUDA's; `pool=True`): one K and one V variable per layer of max_batch + 1 entries
+  (`llama.build(rows=R, pool=S)`), slot i's batch-1 state the views pool[i:i + 1] and the last entry
+  the scratch that padding rows write; the rows executable takes each row's slot as a feed, so its
+  buffers never change and the device captures it once per bucket (a CUDA graph) and replays it.
+
+Either way a row's result never depends on what else is in the batch.
 
 Between decode steps the scheduler admits waiting requests (up to max_batch running), runs one
 prefill chunk, and retires finished or cancelled sequences at once, their slots free for the next
@@ -197,7 +205,8 @@ class Engine:
 
     def __init__(self, path: str, device: str = "cpu", max_batch: int = 8, context: int | None = None,
                  loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
-                 prefill_chunk: int = PREFILL_CHUNK, options=None, kv_dtype: str | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, options=None, kv_dtype: str | None = None,
+                 pool: bool | None = None):
         from .. import models
         from ..adapters import AdapterSet, load_peft
         from ..llm.chat import check_template
@@ -219,9 +228,15 @@ class Engine:
             raise IngotError(f"{path}: architecture {model.architecture!r} has no rows decoder (continuous batching) "
                              f"yet, so ingot serve cannot batch it.")
         self.path, self.device, self.options = str(path), device, options
+        self.pooled = device != "cpu" if pool is None else bool(pool)   # the KV pool layout (CUDA graphs)
+        if self.pooled and "pool" not in parameters and not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            raise IngotError(f"{path}: architecture {model.architecture!r} has no KV pool rows decoder yet, so ingot "
+                             f"serve cannot batch it on {device}.")
         self.info = _model_info(model)
         self.config = cfg = model.config
         cfg.context_length = min(cfg.context_length, context or DEFAULT_CONTEXT)
+        if kv_dtype is None and device != "cpu" and cfg.kv_dtype == "float32":
+            kv_dtype = "bfloat16"     # a GPU server holds many sequences: half the bytes, attention in float32
         set_kv_dtype(cfg, kv_dtype)   # every slot's and rows decoder's cache (they build from cfg)
         self.context = cfg.context_length
         try:
@@ -246,10 +261,17 @@ class Engine:
         self.llm = LLM.from_graph(self.model, self.tokenizer, device, options)   # the batch-1 decoder and prefill
         self.llm.path, self.llm.metadata = self.path, self.metadata
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self.slots = [Slot(i, self.llm.decoder.new_state()) for i in range(max_batch)]
-        self.scratch = Slot(-1, self.llm.decoder.new_state())  # rows that pad a bucket write here
         self._rows: dict[int, tuple] = {}                      # R -> (executable, adapter row ids)
         self._row_states: dict[tuple, object] = {}
+        if self.pooled:
+            check_kv_fits(cfg, max_batch + 1, device, sum(int(getattr(t, "nbytes", 0)) for t in self.tensors.values()))
+            self.pool = self._new_pool()
+            self.slots = [Slot(i, self._entry_state(i)) for i in range(max_batch)]
+            self.scratch = Slot(max_batch, self._entry_state(max_batch))   # rows that pad a bucket write here
+        else:
+            self.pool = None
+            self.slots = [Slot(i, self.llm.decoder.new_state()) for i in range(max_batch)]
+            self.scratch = Slot(-1, self.llm.decoder.new_state())  # rows that pad a bucket write here
         self.metrics = Metrics()
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
@@ -302,7 +324,12 @@ class Engine:
         from ..llm.generate import PREFILL_BUCKETS
 
         for r in rows or self.buckets():
-            self._rows_executable(r)
+            exe, _ = self._rows_executable(r)
+            if self.pooled:   # run twice on the scratch entry: kernels compiled, then the CUDA graph captured
+                feeds = {"tokens": np.zeros(r, np.int32), "positions": np.zeros(r, np.int32),
+                         "slots": np.full(r, self.scratch.index, np.int32)}
+                for _ in range(2):
+                    exe.run(feeds, state=self.pool)
         for size in PREFILL_BUCKETS:
             if size <= self.context:
                 self.model.compile(size, self.device, self.options)
@@ -467,7 +494,8 @@ class Engine:
             from ..ir import TensorType
             from .adapters import gathered_callables
 
-            model = models.build(self.config, self.tensors, self.path, adapter_sites=self.sites, rows=rows)
+            pool = {"pool": self.max_batch + 1} if self.pooled else {}
+            model = models.build(self.config, self.tensors, self.path, adapter_sites=self.sites, rows=rows, **pool)
             exe = model.graph.compile(feeds={model.tokens: TensorType((rows,), dt.int32)}, targets=[model.logits],
                                       device=self.device, options=self.options)
             row_adapters = np.zeros(rows, np.int32)
@@ -478,6 +506,32 @@ class Engine:
                     exe.bind(site, callee)
             hit = self._rows[rows] = (exe, row_adapters)
         return hit
+
+    def _new_pool(self):
+        """The KV pool: every pool variable of the rows decoders, zeros on the device (allocated here,
+        never scanned: the graph's initial values are lazily mapped zeros)."""
+        from ..runtime import State
+
+        exe, _ = self._rows_executable(1)
+        values = {}
+        for name, initial in exe.program.variables.items():
+            if self.device == "cpu":
+                values[name] = np.zeros(initial.shape, initial.dtype)
+            else:
+                import torch
+
+                from .. import dtypes as dt
+                from ..backends.cuda import torch_dtype
+                values[name] = torch.zeros(initial.shape, dtype=torch_dtype(dt.from_numpy(initial.dtype)),
+                                           device=exe.backend.device)
+        return State(values)
+
+    def _entry_state(self, index: int):
+        """Pool entry `index` as a batch-1 decoder's state: its caches are views of the pool (no copy)."""
+        from ..runtime import State
+
+        return State({f"blk.{i}.{kind}_cache": self.pool.values[f"blk.{i}.{kind}_pool"][index:index + 1]
+                      for i in range(self.config.n_layers) for kind in ("k", "v")})
 
     def _row_state(self, slots: tuple[Slot, ...]):
         from ..runtime import State
@@ -503,7 +557,11 @@ class Engine:
             order = list(self.adapters)
             row_adapters[:] = [order.index(s.request.adapter) for s in decoding] + [0] * pad
         started = time.perf_counter()
-        logits = exe.backend.to_host(exe.run({"tokens": tokens, "positions": positions}, state=self._row_state(slots))[0])
+        if self.pooled:
+            feeds = {"tokens": tokens, "positions": positions, "slots": np.array([s.index for s in slots], np.int32)}
+            logits = exe.backend.to_host(exe.run(feeds, state=self.pool)[0])
+        else:
+            logits = exe.backend.to_host(exe.run({"tokens": tokens, "positions": positions}, state=self._row_state(slots))[0])
         self.metrics.step(len(decoding), time.perf_counter() - started)
         for seq in decoding:
             seq.slot.tokens.append(seq.next_token)
@@ -558,3 +616,34 @@ class Engine:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def kv_bytes(cfg, entries: int) -> int:
+    """Bytes of a KV pool of `entries` sequences of cfg.context_length (K and V, every layer, cfg.kv_dtype)."""
+    from .. import dtypes as dt
+
+    size = dt.by_name(cfg.kv_dtype).storage.itemsize
+    return 2 * cfg.n_layers * entries * cfg.n_kv_heads * cfg.context_length * cfg.head_dim * size
+
+
+def check_kv_fits(cfg, entries: int, device: str, weight_bytes: int, free: int | None = None) -> None:
+    """One IngotError, before anything is allocated, when the KV pool of `entries` sequences and the
+    weights cannot fit the device's free memory (free None: asked of the device; a CPU is not checked)."""
+    if free is None:
+        if device == "cpu":
+            return
+        import torch
+
+        from ..backends.cuda import device_name
+        where = torch.device(device_name())
+        if where.type != "cuda":       # the interpreter's stand-in device (INGOT_CUDA_DEVICE=cpu)
+            return
+        free = torch.cuda.mem_get_info(where)[0]
+    need = kv_bytes(cfg, entries)
+    margin = 1 << 30                   # activations, workspaces, CUDA graphs, the allocator's slack
+    if need + weight_bytes + margin > free:
+        gib = lambda n: f"{n / (1 << 30):.1f} GiB"   # noqa: E731
+        raise IngotError(f"serve: the KV cache of {entries - 1} slots x context {cfg.context_length} x "
+                         f"{cfg.n_layers} layers in {cfg.kv_dtype} needs {gib(need)} (weights {gib(weight_bytes)}), "
+                         f"but {device} has {gib(free)} free; lower --max-batch or --context, or use "
+                         f"--kv-dtype bfloat16.")

@@ -5,10 +5,12 @@ onnxruntime (CPUExecutionProvider, all graph optimisations) in one process, same
     python -m benchmarks onnx --length 32 --threads 1
     python -m benchmarks onnx --model tests/fixtures/onnx/encoder.onnx --length 16
 
-Prints the median time per forward pass of each (over --repeats runs, the two interleaved after a
-warm-up), the ratio onnxruntime / Ingot (> 1: Ingot is faster), and the largest difference between
+Prints the median wall and CPU time per forward pass of each (over --repeats runs, the two interleaved
+after a warm-up; CPU time is the steadier figure on a shared machine), the ratios onnxruntime / Ingot
+(> 1: Ingot is faster), and the largest difference between
 their outputs. onnxruntime runs with --threads intra-op threads (default 2, this machine's cores);
-Ingot's matmuls run in NumPy's BLAS with --blas-threads threads (default the same). Needs torch and onnxscript
+Ingot's matmuls run in NumPy's BLAS with --blas-threads threads (default the same; Ingot's thread
+setting INGOT_CPU_THREADS follows it unless set). Needs torch and onnxscript
 to export the model unless --model names an .onnx file.
 """
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> int:
     blas = str(args.blas_threads or args.threads)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when NumPy loads its BLAS
         os.environ[var] = blas
+    os.environ.setdefault("INGOT_CPU_THREADS", blas)   # Ingot's own thread setting, which sets BLAS's at run
     global np
     import numpy as np
 
@@ -89,22 +92,23 @@ def main() -> int:
         for _ in range(10):
             exe.run(feeds)
             session.run(None, feeds)
-        t_ingot, t_ort = [], []
+        t_ingot, t_ort, c_ingot, c_ort = [], [], [], []
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            exe.run(feeds)
-            t_ingot.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            session.run(None, feeds)
-            t_ort.append(time.perf_counter() - t)
+            for fn, wall, cpu in ((lambda: exe.run(feeds), t_ingot, c_ingot), (lambda: session.run(None, feeds), t_ort, c_ort)):
+                t, c = time.perf_counter(), time.process_time()
+                fn()
+                wall.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
         counts = op_counts(exe)
         ms_ingot, ms_ort = statistics.median(t_ingot) * 1e3, statistics.median(t_ort) * 1e3
+        cpu_ingot, cpu_ort = statistics.median(c_ingot) * 1e3, statistics.median(c_ort) * 1e3
         print(f"model: {path.name if args.model else f'BERT-like, hidden {args.hidden}, {args.heads} heads, {args.layers} layers'}, "
               f"batch {args.batch} x {args.length} tokens; Ingot compiled {len(exe.program.nodes())} ops "
               f"({counts['sdpa']} sdpa, {counts['matmul']} matmul) in {compile_s:.2f} s")
-        print(f"ingot        {ms_ingot:8.3f} ms  (CPU, BLAS threads: {blas_threads()})")
-        print(f"onnxruntime  {ms_ort:8.3f} ms  ({ort.__version__}, {args.threads} intra-op threads)")
-        print(f"ratio onnxruntime/ingot: {ms_ort / ms_ingot:.2f}x  (medians of {args.repeats}; max |diff| {diff:.2e})")
+        print(f"ingot        {ms_ingot:8.3f} ms wall {cpu_ingot:8.3f} ms CPU  (BLAS threads: {blas_threads()})")
+        print(f"onnxruntime  {ms_ort:8.3f} ms wall {cpu_ort:8.3f} ms CPU  ({ort.__version__}, {args.threads} intra-op threads)")
+        print(f"ratio onnxruntime/ingot: {ms_ort / ms_ingot:.2f}x wall, {cpu_ort / cpu_ingot:.2f}x CPU time  (medians of "
+              f"{args.repeats}; max |diff| {diff:.2e}; load average {os.getloadavg()[0]:.1f})")
     return 0
 
 

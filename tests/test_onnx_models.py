@@ -210,11 +210,12 @@ def test_encoder_exported_from_pytorch(tmp_path):
     assert_matches(exe, path, encoder_feeds(batch=2, length=24))
 
 
-@pytest.mark.parametrize("mask_kind", ["float", "bool", "bool_dead_rows"])
+@pytest.mark.parametrize("mask_kind", ["float", "float_dead_rows", "bool", "bool_dead_rows"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_masked_sdpa_cpu_lowering_matches_reference(mask_kind, heads, causal):
-    """The CPU lowering of masked attention (imported encoders' padding masks) against the NumPy reference."""
+    """The CPU lowering of masked attention (imported encoders' padding masks) against the NumPy reference
+    (a float mask through nn_kernels.masked_softmax, rows of -inf only included)."""
     from ingot.ir import Program
     from ingot.passes import evaluate
 
@@ -226,11 +227,14 @@ def test_masked_sdpa_cpu_lowering_matches_reference(mask_kind, heads, causal):
     v = g.placeholder((2, hk, 7, 6), name="v")
     if mask_kind == "float":
         mask_value = np.where(rng.random((2, 1, 1, 7)) < 0.3, -10000.0, 0.0).astype(np.float32)
+    elif mask_kind == "float_dead_rows":
+        mask_value = np.where(rng.random((2, 1, 5, 7)) < 0.3, -np.inf, 0.0).astype(np.float32)
+        mask_value[1, 0, 2] = -np.inf
     else:
         mask_value = rng.random((2, 1, 5, 7)) < 0.7
         if mask_kind == "bool_dead_rows":
             mask_value[0, 0, 1] = False
-    mask = g.placeholder(mask_value.shape, ingot.float32 if mask_kind == "float" else ingot.bool_, name="mask")
+    mask = g.placeholder(mask_value.shape, ingot.float32 if mask_value.dtype == np.float32 else ingot.bool_, name="mask")
     y = g.scaled_dot_product_attention(q, k, v, mask=mask, scale=0.3, causal=causal)
     feeds = {"q": rng.standard_normal((2, hq, 5, 8)).astype(np.float32), "k": rng.standard_normal((2, hk, 7, 8)).astype(np.float32),
              "v": rng.standard_normal((2, hk, 7, 6)).astype(np.float32), "mask": mask_value}

@@ -224,9 +224,13 @@ def _masked_attention_step(node: Node) -> StepFn:
         group = hq // hk
         scale = np.float32(attrs["scale"] if attrs.get("scale") is not None else 1.0 / np.sqrt(d))
         s = np.matmul(q.reshape(b, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, Tk]
+        m4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if mask.dtype == np.float32 and m4.shape[-1] == tk:   # scale, mask, softmax: one compiled pass per row
+            nn_kernels.masked_softmax(s.reshape(b, hq, tq, tk), np.ascontiguousarray(m4), scale, bool(attrs.get("causal")))
+            return np.matmul(s, v).reshape(b, hq, tq, v.shape[3])
         s *= scale
         s5 = s.reshape(b, hk, group, tq, tk)
-        m = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (b, hq, tq, tk)).reshape(b, hk, group, tq, tk)
+        m = np.broadcast_to(m4, (b, hq, tq, tk)).reshape(b, hk, group, tq, tk)
         if mask.dtype == np.bool_:
             s5[~m] = -np.inf
         else:

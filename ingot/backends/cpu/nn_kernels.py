@@ -191,6 +191,36 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
 attention = njit(**_serial)(_attention)
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "arcp", "nsz", "reassoc", "afn", "nnan"})
+def masked_softmax(s, mask, scale, causal):   # (no "ninf": a mask holds -inf)
+    """In place over scores s [B, H, Tq, Tk] (contiguous): softmax(s * scale + mask) along Tk, mask a
+    contiguous [B|1, H|1, Tq|1, Tk] (broadcast along its 1s); causal: key j seen by query t if j <= t + Tk - Tq.
+    A row that sees no key (every score -inf) becomes zeros, as the reference gives. One pass per row where
+    NumPy takes ten."""
+    nbatch, heads, tq, tk = s.shape
+    mb, mh, mt = mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1
+    bits = np.empty(tk, np.int32)
+    for b in range(nbatch):
+        for h in range(heads):
+            for t in range(tq):
+                row = s[b, h, t]
+                mrow = mask[b if mb else 0, h if mh else 0, t if mt else 0]
+                limit = min(tk, t + 1 + tk - tq) if causal else tk
+                best = np.float32(-np.inf)   # (a float64 best made exp_shifted's polynomial float64)
+                for j in range(limit):
+                    x = row[j] * scale + mrow[j]
+                    row[j] = x
+                    best = max(best, x)
+                if limit <= 0 or best == -np.inf:
+                    row[:] = 0.0
+                    continue
+                inv = np.float32(1.0) / exp_shifted(row, 0, limit, best, bits)
+                for j in range(limit):
+                    row[j] *= inv
+                for j in range(limit, tk):
+                    row[j] = 0.0
+
+
 def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
                        softcap, attend, q_out, out):
     """The fused RoPE + KV write + attention of backends/cpu/rope_cache.py:

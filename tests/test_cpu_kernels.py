@@ -304,15 +304,21 @@ def test_team_under_contention():
     assert not errors
 
 
-def test_half_parameters_convert_exactly():
-    """Every finite float16 (zeros and subnormals included) as the kernels read it equals numpy's."""
+@pytest.mark.parametrize("hardware", [True, False], ids=["fpext", "shifts"])
+def test_half_parameters_convert_exactly(hardware, monkeypatch):
+    """Every finite float16 (zeros and subnormals included) as the kernels read it equals numpy's,
+    widened by the hardware (F16C's VCVTPH2PS) or by shifting the bits where it has none."""
     import numba
+    if hardware and not kernels.F16C:
+        pytest.skip("the host has no float16 conversion instructions")
+    monkeypatch.setattr(kernels, "F16C", hardware)   # read when a caller compiles: a fresh one below
 
-    @numba.njit
+    @numba.njit(fastmath=True)
     def convert(bits, out):
-        buf = np.empty(bits.shape[1], np.float32)
         for b in range(bits.shape[0]):
-            out[b] = kernels.params_row(bits, b, buf, 0, buf.shape[0])
+            row = bits[b]
+            for i in range(row.shape[0]):
+                out[b, i] = kernels.param(row, i)
 
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     halves = halves[np.isfinite(halves)].reshape(-1, 62)  # 63488 finite values: 1024 rows of 62

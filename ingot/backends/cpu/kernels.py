@@ -6,11 +6,14 @@ against the NumPy reference of its op (tests/test_cpu_kernels.py).
 from __future__ import annotations
 
 import os
+import platform
 import weakref
 
 import numba
 import numpy as np
-from numba import njit
+from llvmlite import ir as llvm_ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from ...ir import Node
 from ...ops import quant as quant_ops
@@ -23,36 +26,64 @@ GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, t
 VNNI_ROWS = 64      # rows of x per call of the VNNI kernel past GEMV_MAX_ROWS (prefill, int8 activations)
 
 
-def params_row(p, b, buf, lo, hi):
-    """Row b of a [nb, N] parameter array as float32: the row itself, or for float16 parameters
-    (held as their uint16 bits; numba has no float16) its entries lo..hi converted into buf (the
-    rest of buf is not written)."""
-    return p[b]
+def _host_has_f16c() -> bool:
+    """True where LLVM widens float16 in hardware for the host numba compiles for (x86 with F16C:
+    VCVTPH2PS, 16 a instruction; ARM64 natively); elsewhere half_to_float shifts the bits."""
+    try:
+        import llvmlite.binding as llvm
+        machine = platform.machine().lower()
+        if machine in ("aarch64", "arm64"):
+            return True
+        return machine in ("x86_64", "amd64") and numba.config.CPU_NAME in (None, "host") \
+            and bool(llvm.get_host_cpu_features().get("f16c"))
+    except Exception:
+        return False
 
 
-@numba.extending.overload(params_row, jit_options=dict(fastmath=True, nogil=True))
-def _params_row(p, b, buf, lo, hi):
-    if p.dtype != numba.types.uint16:
-        return lambda p, b, buf, lo, hi: p[b]
+F16C = _host_has_f16c()
+_TWO_POW_112 = 5.192296858534828e33   # 2**112, the difference of the float32 and float16 exponent biases
 
-    def half_to_float(p, b, buf, lo, hi):
-        # exact for normals, zeros and subnormals: the f16 exponent and mantissa shifted into an f32,
-        # then scaled by 2**112 (the difference of the two exponent biases)
-        row = p[b]
-        bits = buf.view(np.uint32)
-        for i in range(lo, hi):
-            h = np.uint32(row[i])
-            bits[i] = ((h & np.uint32(0x7FFF)) << np.uint32(13)) | ((h & np.uint32(0x8000)) << np.uint32(16))
-        for i in range(lo, hi):
-            buf[i] *= np.float32(5.192296858534828e33)
-        return buf
-    return half_to_float
+
+@intrinsic
+def half_to_float(typingctx, h):
+    """The float32 value of float16 bits h (uint16; numba has no float16): `fpext half` where the
+    host widens in hardware (in a loop LLVM vectorises it to VCVTPH2PS), else the float16 exponent
+    and mantissa shifted into a float32 and scaled by 2**112. Exact for every finite value, zeros and
+    subnormals included."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        (bits,) = args
+        if F16C:
+            return builder.fpext(builder.bitcast(bits, llvm_ir.HalfType()), llvm_ir.FloatType())
+        i32 = llvm_ir.IntType(32)
+        wide = builder.zext(bits, i32)
+        magnitude = builder.shl(builder.and_(wide, llvm_ir.Constant(i32, 0x7FFF)), llvm_ir.Constant(i32, 13))
+        sign = builder.shl(builder.and_(wide, llvm_ir.Constant(i32, 0x8000)), llvm_ir.Constant(i32, 16))
+        shifted = builder.bitcast(builder.or_(magnitude, sign), llvm_ir.FloatType())
+        return builder.fmul(shifted, llvm_ir.Constant(llvm_ir.FloatType(), _TWO_POW_112))
+    return types.float32(types.uint16), codegen
+
+
+def param(row, i):
+    """Entry i of a row of block parameters as float32: float32 parameters as they are, float16 ones
+    (held as their uint16 bits) widened where the kernel reads them, so that a loop over a block's
+    parameters vectorises with the widening inside it."""
+    return row[i]
+
+
+@numba.extending.overload(param, inline="always", jit_options=dict(fastmath=True, nogil=True))
+def _param(row, i):
+    if row.dtype == types.uint16:
+        return lambda row, i: half_to_float(row[i])
+    return lambda row, i: row[i]
 
 
 def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
     """out[:, c0:c1] = x[:, rows of blocks b0..b1) @ W[those rows, c0:c1] for a k-major 4-bit W:
     q [K, N/2] (low nibble = even column), scale and offset [K / block, N] (w = q * scale + offset),
-    float32 or float16 bits (see params_row); c0, c1 even. int4 weights are read as uint4 (flip =
+    float32 or float16 bits (see param); c0, c1 even. int4 weights are read as uint4 (flip =
     0x88 turns each two's-complement nibble n into n + 8) with -8 * scale folded into the offset by
     the caller. Vectorised across output columns (8 bytes -> 8 int32 lanes -> float), one row of W
     at a time (streams best from memory; tiles of columns that kept the sums in L1 were slower from
@@ -68,12 +99,10 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
     acc_o = np.empty(w, np.float32)
     res_e = np.zeros((m_rows, w), np.float32)
     res_o = np.zeros((m_rows, w), np.float32)
-    sbuf = np.empty(2 * q.shape[1], np.float32)
-    obuf = np.empty(2 * q.shape[1], np.float32)
     for b in range(b0, b1):
         k0 = b * bs
-        srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
-        orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
+        srow = scale[b, 2 * h0:2 * (h0 + w)]
+        orow = offset[b if has_offset else 0, 2 * h0:2 * (h0 + w)]   # (read only when has_offset)
         for m in range(m_rows):
             acc_e[:] = 0
             acc_o[:] = 0
@@ -86,15 +115,15 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
                     acc_o[i] += np.float32(np.int32(v >> shift)) * xv
             re, ro = res_e[m], res_o[m]
             for i in range(w):
-                re[i] += acc_e[i] * srow[2 * i]
-                ro[i] += acc_o[i] * srow[2 * i + 1]
+                re[i] += acc_e[i] * param(srow, 2 * i)
+                ro[i] += acc_o[i] * param(srow, 2 * i + 1)
             if has_offset:
                 xs = np.float32(0.0)
                 for kk in range(k0, k0 + bs):
                     xs += x[m, kk]
                 for i in range(w):
-                    re[i] += orow[2 * i] * xs
-                    ro[i] += orow[2 * i + 1] * xs
+                    re[i] += param(orow, 2 * i) * xs
+                    ro[i] += param(orow, 2 * i + 1) * xs
     for m in range(m_rows):
         om = out[m, 2 * h0:2 * (h0 + w)]
         for i in range(w):
@@ -112,13 +141,11 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, c0, c1, out):
     t0, w = c0, c1 - c0
     acc = np.empty(w, np.float32)
     res = np.zeros((m_rows, w), np.float32)
-    sbuf = np.empty(q.shape[1], np.float32)
-    obuf = np.empty(q.shape[1], np.float32)
     for b in range(b0, b1):
         k0 = b * bs
         k4 = k0 + bs // 4 * 4
-        srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
-        orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
+        srow = scale[b, t0:t0 + w]
+        orow = offset[b if has_offset else 0, t0:t0 + w]   # (read only when has_offset)
         for m in range(m_rows):
             acc[:] = 0
             for kk in range(k0, k4, 4):
@@ -135,13 +162,13 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, c0, c1, out):
                     acc[i] += np.float32(np.int32(row[i])) * xv
             r = res[m]
             for i in range(w):
-                r[i] += acc[i] * srow[i]
+                r[i] += acc[i] * param(srow, i)
             if has_offset:
                 xs = np.float32(0.0)
                 for kk in range(k0, k0 + bs):
                     xs += x[m, kk]
                 for i in range(w):
-                    r[i] += orow[i] * xs
+                    r[i] += param(orow, i) * xs
     for m in range(m_rows):
         out[m, t0:t0 + w] = res[m, :w]
 
@@ -166,14 +193,12 @@ def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0
     acc_o = np.empty(w, np.int16)
     res_e = np.zeros((m_rows, w), np.float32)
     res_o = np.zeros((m_rows, w), np.float32)
-    sbuf = np.empty(2 * q.shape[1], np.float32)
-    obuf = np.empty(2 * q.shape[1], np.float32)
     low, shift, eight = np.uint8(15), np.uint8(4), np.int16(8)
     for sb in range(s0, s1):
         k0 = sb * XQ_BLOCK
         b = k0 // bs
-        srow = params_row(scale, b, sbuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)]
-        orow = params_row(offset, b, obuf, 2 * h0, 2 * (h0 + w))[2 * h0:2 * (h0 + w)] if has_offset else srow
+        srow = scale[b, 2 * h0:2 * (h0 + w)]
+        orow = offset[b if has_offset else 0, 2 * h0:2 * (h0 + w)]   # (read only when has_offset)
         for m in range(m_rows):
             acc_e[:] = 0
             acc_o[:] = 0
@@ -188,13 +213,13 @@ def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0
             cx = center * xs[m, sb]
             re, ro = res_e[m], res_o[m]
             for i in range(w):
-                re[i] += srow[2 * i] * (np.float32(acc_e[i]) * d + cx)
-                ro[i] += srow[2 * i + 1] * (np.float32(acc_o[i]) * d + cx)
+                re[i] += param(srow, 2 * i) * (np.float32(acc_e[i]) * d + cx)
+                ro[i] += param(srow, 2 * i + 1) * (np.float32(acc_o[i]) * d + cx)
             if has_offset:
                 xsum = xs[m, sb]
                 for i in range(w):
-                    re[i] += orow[2 * i] * xsum
-                    ro[i] += orow[2 * i + 1] * xsum
+                    re[i] += param(orow, 2 * i) * xsum
+                    ro[i] += param(orow, 2 * i + 1) * xsum
     for m in range(m_rows):
         om = out[m, 2 * h0:2 * (h0 + w)]
         for i in range(w):
@@ -217,13 +242,11 @@ def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c
     t0, w = c0, c1 - c0
     acc = np.empty(w, np.int32)
     res = np.zeros((m_rows, w), np.float32)
-    sbuf = np.empty(q.shape[1], np.float32)
-    obuf = np.empty(q.shape[1], np.float32)
     for sb in range(s0, s1):
         k0 = sb * XQ_BLOCK
         b = k0 // bs
-        srow = params_row(scale, b, sbuf, t0, t0 + w)[t0:t0 + w]
-        orow = params_row(offset, b, obuf, t0, t0 + w)[t0:t0 + w] if has_offset else srow
+        srow = scale[b, t0:t0 + w]
+        orow = offset[b if has_offset else 0, t0:t0 + w]   # (read only when has_offset)
         for m in range(m_rows):
             acc[:] = 0
             for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
@@ -238,11 +261,11 @@ def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c
             cx = center * xs[m, sb]
             r = res[m]
             for i in range(w):
-                r[i] += srow[i] * (np.float32(acc[i]) * d + cx)
+                r[i] += param(srow, i) * (np.float32(acc[i]) * d + cx)
             if has_offset:
                 xsum = xs[m, sb]
                 for i in range(w):
-                    r[i] += orow[i] * xsum
+                    r[i] += param(orow, i) * xsum
     for m in range(m_rows):
         out[m, t0:t0 + w] = res[m, :w]
 
@@ -252,25 +275,25 @@ def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
     weight (byte columns i0..i1: output columns 2 * i0..2 * i1), read as _kmajor_packed4 reads it
     (the offset is added by the caller)."""
     low, shift = np.uint32(15), np.uint32(4)
-    sbuf = np.empty(2 * q.shape[1], np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
-        srow = params_row(scale, b, sbuf, 2 * i0, 2 * i1)
+        srow = scale[b, 2 * i0:2 * i1]
         for k in range(max(k0, b * block), min(k1, b * block + block)):
-            row = q[k]
-            for i in range(i0, i1):
+            row = q[k, i0:i1]
+            o = out[k - k0]
+            for i in range(i1 - i0):
                 v = np.uint32(row[i]) ^ flip
-                out[k - k0, 2 * (i - i0)] = np.float32(np.int32(v & low)) * srow[2 * i]
-                out[k - k0, 2 * (i - i0) + 1] = np.float32(np.int32(v >> shift)) * srow[2 * i + 1]
+                o[2 * i] = np.float32(np.int32(v & low)) * param(srow, 2 * i)
+                o[2 * i + 1] = np.float32(np.int32(v >> shift)) * param(srow, 2 * i + 1)
 
 
 def _scaled_tile_int8(q, scale, k0, k1, block, i0, i1, out):
     """out[k - k0, :] = q[k, i0:i1] * scale[k // block, i0:i1] for a k-major 8-bit weight."""
-    sbuf = np.empty(q.shape[1], np.float32)
     for b in range(k0 // block, (k1 + block - 1) // block):
-        srow = params_row(scale, b, sbuf, i0, i1)
+        srow = scale[b, i0:i1]
         for k in range(max(k0, b * block), min(k1, b * block + block)):
-            for i in range(i0, i1):
-                out[k - k0, i - i0] = np.float32(np.int32(q[k, i])) * srow[i]
+            row, o = q[k, i0:i1], out[k - k0]
+            for i in range(i1 - i0):
+                o[i] = np.float32(np.int32(row[i])) * param(srow, i)
 
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
@@ -388,7 +411,7 @@ def _half_if_exact(p: np.ndarray | None) -> np.ndarray | None:
 
 
 def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
-    """What the kernels take: float32, or float16 as its uint16 bits (see params_row); always as a
+    """What the kernels take: float32, or float16 as its uint16 bits (see param); always as a
     read-only view, so that constants from a package's memory map (read-only) and built ones share
     one compiled specialisation, the one warm_up compiles."""
     if p is None:

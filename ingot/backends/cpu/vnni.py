@@ -160,7 +160,7 @@ def repack8(q: np.ndarray, flip: int) -> np.ndarray:
 def gemv(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
     """out[:, c0:c1] (c0, c1 multiples of 16) = x[:, blocks s0..s1 of 32 k] @ W for W in a VNNI
     layout w (repack: 4-bit, 256 bytes a block; repack8: 8-bit, 512) with scale and offset
-    [K / block, N] (float32, or float16 bits: see kernels.params_row); x rounded to int8 per block
+    [K / block, N] (float32, or float16 bits: see kernels.param); x rounded to int8 per block
     of 32 by nn_kernels.round_rows. The codes c read as unsigned are the value + 8 (4-bit) or
     + 128 (8-bit): dot - that * sum(xq) is the signed product."""
     m_rows, k = x.shape

@@ -37,7 +37,32 @@ def param_count(attrs) -> int:
         return 1
     if mode == "scaled_lut":
         return 2
-    return 1 + bool(attrs.get("has_zero_point")) + bool(attrs.get("has_bias"))
+    return (1 + bool(attrs.get("has_zero_point")) + bool(attrs.get("has_bias"))) * (2 if attrs.get("two_level") else 1)
+
+
+def two_level_products(params, attrs) -> list:
+    """A quantized op's block parameters as arrays: as they are, or with attrs["two_level"] = S (the
+    :k formats as stored, fused by passes/fuse_two_level.py) from their (codes, units) pairs: codes
+    uint8 [nb, N] times units [nb / S, N], one unit per S blocks along axis 0, in float32 (exact:
+    the products of 8-bit codes and float16 units)."""
+    if not attrs.get("two_level"):
+        return list(params)
+    per_super = attrs["two_level"]
+    return [codes.astype(np.float32) * np.repeat(units.astype(np.float32), per_super, axis=0)
+            for codes, units in zip(params[0::2], params[1::2])]
+
+
+def _check_two_level(op, types, params, attrs):
+    """The (codes, units) pairs of a two-level op; returns the codes, whose shapes are the parameters'."""
+    per_super = attrs["two_level"]
+    if attrs["mode"] != "affine" or attrs.get("has_zero_point") or not isinstance(per_super, int) or per_super < 1:
+        raise fail(op, types, "two-level parameters only for affine weights without zero points")
+    codes, units = params[0::2], params[1::2]
+    for c, u in zip(codes, units):
+        if (c.dtype != dt.uint8 or not u.dtype.is_float or c.rank != 2 or u.rank != 2 or not c.static or not u.static
+                or c.shape[0] % per_super or u.shape != (c.shape[0] // per_super, c.shape[1])):
+            raise fail(op, types, f"two-level parameters: uint8 codes [nb, N] and float units [nb / {per_super}, N]")
+    return codes
 
 
 def _check_params(op, types, q_shape, params, mode, qdtype):
@@ -59,7 +84,11 @@ def _dequantize_rule(types, attrs):
         raise fail(Op.DEQUANTIZE, types, "an even last axis for a packed 4-bit tensor")
     if attrs["mode"] not in MODES:
         raise fail(Op.DEQUANTIZE, types, f"a mode among {', '.join(MODES)}, not {attrs['mode']!r}")
-    if len(params) != param_count(attrs) or any(not p.dtype.is_float for p in params):
+    if len(params) != param_count(attrs):
+        raise fail(Op.DEQUANTIZE, types, "float scale (and zero point, bias) or a float lookup table")
+    if attrs.get("two_level"):
+        params = _check_two_level(Op.DEQUANTIZE, types, params, attrs)
+    elif any(not p.dtype.is_float for p in params):
         raise fail(Op.DEQUANTIZE, types, "float scale (and zero point, bias) or a float lookup table")
     _check_params(Op.DEQUANTIZE, types, q.shape, params, attrs["mode"], qdtype)
     return TensorType(q.shape, attrs["dtype"])
@@ -163,7 +192,7 @@ def _quantized_matmul_rule(types, attrs):
 
 def quantized_matmul_reference(xs, attrs, rows_per_tile: int = 1024):
     """x @ W (or x @ W.T) dequantizing W one tile of rows at a time: never a float copy of all of W."""
-    x, q, params = xs[0], xs[1], xs[2:]
+    x, q, params = xs[0], xs[1], two_level_products(xs[2:], attrs)
     qdtype = attrs["qdtype"]
     transpose = attrs.get("transpose", False)
     row_blocks = [q.shape[0] // p.shape[0] for p in params if p.shape[0] not in (1, q.shape[0])]
@@ -226,6 +255,12 @@ def quantized_gather_reference(xs, attrs):
     if flat.size and (flat.min() < 0 or flat.max() >= n):
         from ..errors import IngotError
         raise IngotError(f"quantized_gather: indices span {flat.min()}..{flat.max()} but axis {axis} of the table has {n} entries.")
+    if attrs.get("two_level"):   # the columns' codes and units first (a tied embedding's rows of a k-major table)
+        params = two_level_products([p[:, flat // (n // p.shape[1])] for p in params] if axis == 1 else params, attrs)
+        if axis == 1:
+            values = unpack(q, qdtype)[:, flat] if not qdtype.packed else _unpacked_columns(q, flat, qdtype)
+            out = dequantize_values(values, params, attrs)
+            return out.reshape(out.shape[:1] + idx.shape)
     if axis == 0:
         sub = [p if p.shape[0] == 1 else p[flat // (n // p.shape[0])] for p in params]
         out = dequantize_values(unpack(q[flat], qdtype), sub, attrs)

@@ -54,7 +54,8 @@ class QuantizedTensor:
         times a float16 unit per super-block of S weights along the blocks' axis (scale = d * code,
         bias = -dmin * code), so every parameter held here is that product, exactly; the codes and
         units take BITS bits per block and 16 bits per super-block per parameter. Without
-        two_level: nbytes. (The kernels read the products, as float16: nbytes is what they read.)"""
+        two_level: nbytes. (The CPU kernels read codes and units: two_level_memory_nbytes; others the
+        float16 products: nbytes.)"""
         if self.two_level is None:
             return self.nbytes
         per_super, bits = self.two_level
@@ -62,6 +63,17 @@ class QuantizedTensor:
         blocks = self.scale.size
         supers = blocks // (per_super // self.block_size)
         return int(self.q.nbytes + len(params) * ((blocks * bits + 7) // 8 + 2 * supers))
+
+    @property
+    def two_level_memory_nbytes(self) -> int:
+        """Bytes a two-level tensor takes in the CPU backend's memory: its codes a byte each and its
+        units (TwoLevelParams, what the GEMV reads); other tensors: nbytes."""
+        if self.two_level is None:
+            return self.nbytes
+        params = [p for p in (self.scale, self.bias) if p is not None]
+        blocks = self.scale.size
+        supers = blocks // (self.two_level[0] // self.block_size)
+        return int(self.q.nbytes + len(params) * (blocks + 2 * supers))
 
     def two_level_codes(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(units [n_super, R], codes [n_super, per_super, R]) per parameter (scale, then bias as -unit * code)
@@ -154,6 +166,48 @@ def tensor_nbytes(t) -> int:
     """Bytes a weight takes as stored: a QuantizedTensor's (or models.moe.ExpertStack's) packed values and
     parameters, or an array's."""
     return int(t.nbytes) if hasattr(t, "nbytes") else int(np.asarray(t).nbytes)   # (an ExpertStack has nbytes too)
+
+
+class TwoLevelParams:
+    """Block parameters [nb, N] (k-major) held as the :k formats store them: unsigned codes [nb, N]
+    (uint8) times a float16 unit per super-block of `per_super` blocks along axis 0 (units
+    [nb / per_super, N], negative for a bias: the product is the parameter). What a QuantizedTensor's
+    scale or bias is when read from a package for the CPU backend (read_llm(two_level_codes=True)),
+    whose GEMV multiplies codes by units as it reads them; np.asarray gives the float16 products.
+
+        >>> p = TwoLevelParams(np.array([[1, 2], [3, 4]], np.uint8), np.array([[0.5, -1]], np.float16))
+        >>> np.asarray(p).tolist(), p.shape, p.nbytes
+        ([[0.5, -2.0], [1.5, -4.0]], (2, 2), 8)
+    """
+    dtype = np.dtype(np.float16)
+    ndim = 2
+
+    def __init__(self, codes: np.ndarray, units: np.ndarray):
+        if (codes.ndim != 2 or units.ndim != 2 or codes.dtype != np.uint8 or units.dtype != np.float16
+                or units.shape[1] != codes.shape[1] or units.shape[0] == 0 or codes.shape[0] % units.shape[0]):
+            raise ValueError(f"two-level parameters: codes {codes.dtype}{list(codes.shape)} and units "
+                             f"{units.dtype}{list(units.shape)} do not fit")
+        self.codes, self.units = codes, units
+        self.per_super = codes.shape[0] // units.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def size(self) -> int:
+        return int(self.codes.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes + self.units.nbytes)
+
+    def __getitem__(self, index):   # a slice (a split of side-by-side weights): of the products
+        return np.asarray(self)[index]
+
+    def __array__(self, dtype=None, copy=None):
+        products = (self.codes.astype(np.float32) * np.repeat(self.units.astype(np.float32), self.per_super, axis=0))
+        return products.astype(dtype or np.float16)
 
 
 def two_level_split(p: np.ndarray, per_super: int, bits: int, sign: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -66,15 +66,49 @@ def half_to_float(typingctx, h):
     return types.float32(types.uint16), codegen
 
 
+# Block parameters [nb, N] as the GEMV kernels take them: an array (float32, or float16 as its uint16
+# bits: numba has no float16), or two-level (the :k formats as stored: passes/fuse_two_level.py) a
+# tuple (codes uint8 [nb, N], units [nb / S, N] as float16 bits, S), the parameter code * unit. A
+# kernel takes a block's row with param_rows and reads entry i with param, where it uses it.
+
+def param_blocks(p):
+    """nb, the blocks of k that parameters p cover."""
+    return p.shape[0]
+
+
+def param_rows(p, b, lo, hi):
+    """Block b's parameters for columns lo..hi (views; the units' row for a two-level p)."""
+    return p[b, lo:hi]
+
+
 def param(row, i):
-    """Entry i of a row of block parameters as float32: float32 parameters as they are, float16 ones
-    (held as their uint16 bits) widened where the kernel reads them, so that a loop over a block's
-    parameters vectorises with the widening inside it."""
+    """Entry i of a param_rows row as float32: float32 parameters as they are, float16 ones widened
+    where the kernel reads them (a loop over a block's parameters vectorises with the widening
+    inside it), two-level ones as the code times the widened unit."""
     return row[i]
 
 
-@numba.extending.overload(param, inline="always", jit_options=dict(fastmath=True, nogil=True))
+_inline = dict(inline="always", jit_options=dict(fastmath=True, nogil=True))
+
+
+@numba.extending.overload(param_blocks, **_inline)
+def _param_blocks(p):
+    if isinstance(p, types.BaseTuple):
+        return lambda p: p[0].shape[0]
+    return lambda p: p.shape[0]
+
+
+@numba.extending.overload(param_rows, **_inline)
+def _param_rows(p, b, lo, hi):
+    if isinstance(p, types.BaseTuple):
+        return lambda p, b, lo, hi: (p[0][b, lo:hi], p[1][b // p[2], lo:hi])
+    return lambda p, b, lo, hi: p[b, lo:hi]
+
+
+@numba.extending.overload(param, **_inline)
 def _param(row, i):
+    if isinstance(row, types.BaseTuple):
+        return lambda row, i: np.float32(row[0][i]) * half_to_float(row[1][i])
     if row.dtype == types.uint16:
         return lambda row, i: half_to_float(row[i])
     return lambda row, i: row[i]
@@ -90,7 +124,7 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
     memory: a tile's run of each row is a page or less, and the prefetcher stops at pages); within a
     block of W every row of x in turn, so that W is read once however many rows x has (a server's batch)."""
     m_rows, k = x.shape
-    nb = scale.shape[0]
+    nb = param_blocks(scale)
     bs = k // nb
     h0 = c0 // 2
     w = c1 // 2 - h0
@@ -101,8 +135,8 @@ def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
     res_o = np.zeros((m_rows, w), np.float32)
     for b in range(b0, b1):
         k0 = b * bs
-        srow = scale[b, 2 * h0:2 * (h0 + w)]
-        orow = offset[b if has_offset else 0, 2 * h0:2 * (h0 + w)]   # (read only when has_offset)
+        srow = param_rows(scale, b, 2 * h0, 2 * (h0 + w))
+        orow = param_rows(offset, b if has_offset else 0, 2 * h0, 2 * (h0 + w))   # (read only when has_offset)
         for m in range(m_rows):
             acc_e[:] = 0
             acc_o[:] = 0
@@ -136,7 +170,7 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, c0, c1, out):
     q [K, N], scale and offset [K / block, N]; int32 lanes, four rows of W per pass over the sums
     (1.4x faster than one row at a time); a column range and rows of x as in _kmajor_packed4."""
     m_rows, k = x.shape
-    nb = scale.shape[0]
+    nb = param_blocks(scale)
     bs = k // nb
     t0, w = c0, c1 - c0
     acc = np.empty(w, np.float32)
@@ -144,8 +178,8 @@ def _kmajor_int8(x, q, scale, offset, has_offset, b0, b1, c0, c1, out):
     for b in range(b0, b1):
         k0 = b * bs
         k4 = k0 + bs // 4 * 4
-        srow = scale[b, t0:t0 + w]
-        orow = offset[b if has_offset else 0, t0:t0 + w]   # (read only when has_offset)
+        srow = param_rows(scale, b, t0, t0 + w)
+        orow = param_rows(offset, b if has_offset else 0, t0, t0 + w)   # (read only when has_offset)
         for m in range(m_rows):
             acc[:] = 0
             for kk in range(k0, k4, 4):
@@ -181,7 +215,7 @@ def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0
     (u - 8 is then the signed value). s0..s1: blocks of 32 k; the weight's own block (its scale row)
     is a multiple of 32. Columns c0..c1 (even) in tiles, every row of x per block of W."""
     m_rows, k = x.shape
-    bs = k // scale.shape[0]
+    bs = k // param_blocks(scale)
     h0 = c0 // 2
     w = c1 // 2 - h0
     xq = np.empty((m_rows, k), np.int16)   # int16 lanes below
@@ -197,8 +231,8 @@ def _kmajor_packed4_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0
     for sb in range(s0, s1):
         k0 = sb * XQ_BLOCK
         b = k0 // bs
-        srow = scale[b, 2 * h0:2 * (h0 + w)]
-        orow = offset[b if has_offset else 0, 2 * h0:2 * (h0 + w)]   # (read only when has_offset)
+        srow = param_rows(scale, b, 2 * h0, 2 * (h0 + w))
+        orow = param_rows(offset, b if has_offset else 0, 2 * h0, 2 * (h0 + w))   # (read only when has_offset)
         for m in range(m_rows):
             acc_e[:] = 0
             acc_o[:] = 0
@@ -233,7 +267,7 @@ def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c
     out += scale * (d * dot + center * xsum) + offset * xsum. A uint8 W is read as int8 through
     flip = 0x80 (u - 128) with center 128; an int8 W has flip 0, center 0. Columns c0..c1."""
     m_rows, k = x.shape
-    bs = k // scale.shape[0]
+    bs = k // param_blocks(scale)
     xq = np.empty((m_rows, k), np.int16)   # int16 lanes below
     xd = np.empty((m_rows, k // XQ_BLOCK), np.float32)
     xs = np.empty((m_rows, k // XQ_BLOCK), np.float32)
@@ -245,8 +279,8 @@ def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c
     for sb in range(s0, s1):
         k0 = sb * XQ_BLOCK
         b = k0 // bs
-        srow = scale[b, t0:t0 + w]
-        orow = offset[b if has_offset else 0, t0:t0 + w]   # (read only when has_offset)
+        srow = param_rows(scale, b, t0, t0 + w)
+        orow = param_rows(offset, b if has_offset else 0, t0, t0 + w)   # (read only when has_offset)
         for m in range(m_rows):
             acc[:] = 0
             for j in range(0, XQ_BLOCK, 4):  # products of two rows fit int16: |2 * 127 * 128| < 2**15
@@ -276,7 +310,7 @@ def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
     (the offset is added by the caller)."""
     low, shift = np.uint32(15), np.uint32(4)
     for b in range(k0 // block, (k1 + block - 1) // block):
-        srow = scale[b, 2 * i0:2 * i1]
+        srow = param_rows(scale, b, 2 * i0, 2 * i1)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             row = q[k, i0:i1]
             o = out[k - k0]
@@ -289,7 +323,7 @@ def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
 def _scaled_tile_int8(q, scale, k0, k1, block, i0, i1, out):
     """out[k - k0, :] = q[k, i0:i1] * scale[k // block, i0:i1] for a k-major 8-bit weight."""
     for b in range(k0 // block, (k1 + block - 1) // block):
-        srow = scale[b, i0:i1]
+        srow = param_rows(scale, b, i0, i1)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
             row, o = q[k, i0:i1], out[k - k0]
             for i in range(i1 - i0):
@@ -410,6 +444,11 @@ def _half_if_exact(p: np.ndarray | None) -> np.ndarray | None:
     return _kernel_form(p)
 
 
+def _kernel_param(p):
+    """Parameters as the kernels take them: two-level ones (a tuple) as they are, arrays in _kernel_form."""
+    return p if isinstance(p, tuple) else _kernel_form(p)
+
+
 def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
     """What the kernels take: float32, or float16 as its uint16 bits (see param); always as a
     read-only view, so that constants from a package's memory map (read-only) and built ones share
@@ -419,6 +458,28 @@ def _kernel_form(p: np.ndarray | None) -> np.ndarray | None:
     p = p.view(np.uint16) if p.dtype == np.float16 else p.view()
     p.flags.writeable = False
     return p
+
+
+def _two_level_form(codes: np.ndarray, units: np.ndarray, per_super: int) -> tuple:
+    """The kernels' form of two-level parameters (see param_rows): read-only views of the codes and
+    of the float16 units' bits, and S."""
+    return (_kernel_form(codes), _kernel_form(np.asarray(units, np.float16)), np.int64(per_super))
+
+
+def _products(p):
+    """Parameters as an array: two-level ones' float32 products, others as they are (None stays None)."""
+    if isinstance(p, tuple):
+        return _param_columns(p, 0, p[0].shape[1])
+    return p
+
+
+def _param_columns(p, c0: int, c1: int) -> np.ndarray:
+    """Columns c0..c1 of parameters [nb, N] as an array (two-level ones multiplied out, float32)."""
+    if isinstance(p, tuple):
+        codes, units, per_super = p
+        return codes[:, c0:c1].astype(np.float32) * np.repeat(units[:, c0:c1].view(np.float16).astype(np.float32),
+                                                               per_super, axis=0)
+    return p[:, c0:c1]
 
 
 _REPACKED: dict[tuple[int, int, int], np.ndarray] = {}
@@ -456,10 +517,17 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
         hit = prepared.get(key)
         if hit is None:
             n = q.shape[1] * (2 if qdtype.packed else 1)
-            scale, offset, nb = _kmajor_params(params, attrs, n)
+            per_super = attrs.get("two_level")
+            if per_super and all(p.shape[1] == n for p in params):   # codes x units, read as they are
+                scale = _two_level_form(params[0], params[1], per_super)
+                offset = _two_level_form(params[2], params[3], per_super) if attrs.get("has_bias") else None
+                nb = params[0].shape[0]
+                ks = scale
+            else:
+                scale, offset, nb = _kmajor_params(quant_ops.two_level_products(params, attrs), attrs, n)
+                ks = _kernel_form(scale)
             k = q.shape[0]
-            ks = _kernel_form(scale)
-            absent = no_offset if ks.dtype == np.float32 else no_offset_bits
+            absent = no_offset if isinstance(ks, tuple) or ks.dtype == np.float32 else no_offset_bits
             if activations == "int8" and k % XQ_BLOCK == 0 and (k // nb) % XQ_BLOCK == 0:
                 unsigned = qdtype.kind == "u"   # read as signed through flip, the difference in center
                 weight = _kernel_form(q)
@@ -471,7 +539,7 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                         kernel, weight = vnni.gemv, _repacked(q, 0 if unsigned else 0x80, 8)
                         center = np.float32(128 if unsigned else 0)
                     # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read
-                    vs, vo = _half_if_exact(scale), _half_if_exact(offset)
+                    vs, vo = _half_if_exact(_products(scale)), _half_if_exact(_products(offset))
                     gemv = (kernel, (vs, vo if offset is not None else vs, offset is not None, center), k // XQ_BLOCK,
                             weight)
                 elif qdtype.packed:
@@ -481,16 +549,19 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                     kernel = kmajor_int8_xq
                     args = (np.uint8(0x80), np.float32(128)) if unsigned else (np.int8(0), np.float32(0))
                 if kernel is not vnni.gemv:
-                    gemv = (kernel, (ks, _kernel_form(offset if offset is not None else absent), offset is not None) + args,
-                            k // XQ_BLOCK, weight)
+                    gemv = (kernel, (ks, _kernel_param(offset if offset is not None else absent), offset is not None)
+                            + args, k // XQ_BLOCK, weight)
             else:
                 gemv = None
             signed4 = qdtype.packed and qdtype.kind == "i"
             if signed4:  # read as uint4 n ^ 8 = value + 8: the -8 goes into the offset
-                shift = np.float32(-8) * scale.astype(np.float32)
-                offset = shift if offset is None else offset.astype(np.float32) + shift
+                if isinstance(scale, tuple) and offset is None:   # -8 * unit: a float16 exactly
+                    offset = _two_level_form(scale[0], np.float32(-8) * scale[1].view(np.float16), per_super)
+                else:
+                    shift = np.float32(-8) * _products(scale).astype(np.float32)
+                    offset = shift if offset is None else _products(offset).astype(np.float32) + shift
             flip = np.uint32(0x88 if signed4 else 0)
-            ko = _kernel_form(offset if offset is not None else absent)
+            ko = _kernel_param(offset if offset is not None else absent)
             if gemv is None:
                 gemv = (kmajor_packed4, (ks, ko, offset is not None, flip), nb, _kernel_form(q)) if qdtype.packed else \
                     (kmajor_int8, (ks, ko, offset is not None), nb, _kernel_form(q))
@@ -555,16 +626,16 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             k1 = min(k, k0 + tile_k)
             t = tile[: k1 - k0]
             if qdtype.packed:
-                scaled_tile_packed4(q, _kernel_form(scale), k0, k1, block, flip, i0, i1, t)
+                scaled_tile_packed4(q, _kernel_param(scale), k0, k1, block, flip, i0, i1, t)
             else:
-                scaled_tile_int8(q, _kernel_form(scale), k0, k1, block, i0, i1, t)
+                scaled_tile_int8(q, _kernel_param(scale), k0, k1, block, i0, i1, t)
             part = x2[:, k0:k1] @ t  # (matmul with out= is slower in NumPy for these shapes)
             if acc is None:
                 acc = part
             else:
                 acc += part
         if offset is not None:
-            acc += xsum @ offset[:, c0:c1]
+            acc += xsum @ _param_columns(offset, c0, c1)
         result[:, c0:c1] = acc
     return step
 
@@ -639,6 +710,20 @@ def _warm_up() -> None:
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))
+    # two-level parameters (the :k formats read as stored), with their absent offset (float32)
+    codes = _kernel_form(np.ones((1, 4), np.uint8))
+    two = (codes, _kernel_form(np.ones((1, 4), np.float16)), np.int64(1))
+    absent = _kernel_form(f32(1, 1))
+    for o, has in ((two, True), (absent, False)):
+        kmajor_packed4(x, weights[0], two, o, has, np.uint32(0), 0, 1, 0, 4, out)
+        kmajor_int8(x, weights[1], two, o, has, 0, 1, 0, 4, out)
+        kmajor_int8(x, weights[2], two, o, has, 0, 1, 0, 4, out)
+        kmajor_packed4_xq(x, weights[0], two, o, has, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
+        kmajor_int8_xq(x, weights[1], two, o, has, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
+        kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+    scaled_tile_packed4(weights[0], two, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
+    scaled_tile_int8(weights[1], two, 0, 32, 32, 0, 4, f32(32, 4))
+    scaled_tile_int8(weights[2], two, 0, 32, 32, 0, 4, f32(32, 4))
     q = f32(1, 2, 1, 8)
     attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, 0, np.float32(0), f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))

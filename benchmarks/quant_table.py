@@ -12,8 +12,8 @@ the second half of each scored), against the F32 GGUF's own scoring.
 
 bits per weight: the bits of every 2-D weight as stored (packed values and block parameters, and
 for Ingot the compensation adapters) over their element count (the :k formats' parameters as codes
-and units, as the package stores them; a second line gives their float16 products' bits, as the
-kernels hold them in memory); disk MB: the GGUF file, or the
+and units, as the package stores them; a second line gives the bits the CPU backend holds in
+memory, codes a byte each); disk MB: the GGUF file, or the
 Ingot LLM package (written for the speed column or --save-packages; otherwise its tensors and adapters).
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
@@ -217,7 +217,7 @@ def main() -> int:
         print(f"| {quantizer} | {row} | {bits / elements:.3f} | {disk / 1e6:.1f} | {r.mean_kld:.4f} | {r.kld_p99:.3f} | "
               f"{100 * r.top1:.1f}% | {r.ppl_model:.2f} | {seconds:.0f} |", flush=True)
         if "bpw_in_memory" in entry:
-            print(f"|  | (in memory: {entry['bpw_in_memory']:.3f} bits/weight, the two-level parameters decoded to float16) |",
+            print(f"|  | (in CPU memory: {entry['bpw_in_memory']:.3f} bits/weight, the two-level codes a byte each) |",
                   flush=True)
 
     for name in [n for n in args.llama.split(",") if n]:
@@ -248,7 +248,8 @@ def main() -> int:
         matrices = [(n, v) for n, v in result.tensors.items() if len(getattr(v, "shape", ())) == 2]
         stored = lambda v: getattr(v, "two_level_nbytes", tensor_nbytes(v))  # noqa: E731  (:k formats: two-level)
         bits = 8 * (sum(stored(v) for _, v in matrices) + result.adapter_bytes)
-        memory_bits = 8 * (sum(tensor_nbytes(v) for _, v in matrices) + result.adapter_bytes)
+        in_memory = lambda v: getattr(v, "two_level_memory_nbytes", tensor_nbytes(v))  # noqa: E731  (on the CPU)
+        memory_bits = 8 * (sum(in_memory(v) for _, v in matrices) + result.adapter_bytes)
         elements = sum(int(np.prod(v.shape)) for _, v in matrices)
         disk = sum(stored(v) for v in result.tensors.values()) + result.adapter_bytes
         if args.save_packages or args.speed_repeats:

@@ -295,10 +295,11 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def read_weights(path: Path, graph: dict | None = None) -> dict[str, np.ndarray]:
+def read_weights(path: Path, graph: dict | None = None, two_level_codes: bool = False) -> dict[str, np.ndarray]:
     """A package's weights.safetensors entries (memory-mapped), two-level ones decoded back to their
-    "constant:KEY" float16 arrays (graph: its graph.json, read here when not given)."""
-    from .quant.formats import two_level_join, unpack_codes
+    "constant:KEY" float16 arrays (graph: its graph.json, read here when not given), or with
+    two_level_codes=True kept as codes and units (ingot.quant.formats.TwoLevelParams, k-major [nb, N])."""
+    from .quant.formats import TwoLevelParams, two_level_join, unpack_codes
 
     weights = read_safetensors(path / "weights.safetensors")
     graph = _read_json(path / "graph.json") if graph is None else graph
@@ -319,7 +320,10 @@ def read_weights(path: Path, graph: dict | None = None) -> dict[str, np.ndarray]
         except (KeyError, TypeError, ValueError):
             raise IngotError(f"package: {path}: two-level constant {short(key)} ({short(spec)}) does not match "
                              f"weights.safetensors.") from None
-        weights[f"constant:{key}"] = np.ascontiguousarray(two_level_join(units, codes, sign).T)
+        if two_level_codes:
+            weights[f"constant:{key}"] = TwoLevelParams(codes.reshape(nb, n), units if sign > 0 else -units)
+        else:
+            weights[f"constant:{key}"] = np.ascontiguousarray(two_level_join(units, codes, sign).T)
     return weights
 
 

@@ -332,6 +332,39 @@ def test_two_level_model_saves_and_reads_back_its_form_and_the_same_logits(tmp_p
                                rtol=1e-5, atol=1e-5)
 
 
+def test_two_level_model_read_for_the_cpu_keeps_codes_and_units_and_the_same_logits(tmp_path):
+    """read_llm(two_level_codes=True) (what ingot.llm.load does on the CPU): scale and bias stay codes and
+    float16 units in memory (the package's bytes, codes a byte each), and the CPU kernels multiply them
+    as they read them (no float16 products in the program) to the logits of the products."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from quant_helpers import logits, save_tiny, tiny_config
+
+    from ingot.ir import Op
+    from ingot.llm.package import open_model, read_llm, save_llm
+    from ingot.models import llama
+    from ingot.quant.formats import QuantizedTensor, TwoLevelParams
+    from ingot.quant.pipeline import quantize_default
+
+    save_tiny(tmp_path / "tiny.ingot")
+    model = open_model(tmp_path / "tiny.ingot")
+    result = quantize_default(model, "uint4:16:k", tensor_formats=[])
+    save_llm(tmp_path / "q.ingot", model.config, result.tensors, model.metadata)
+    products, codes = read_llm(tmp_path / "q.ingot"), open_model(tmp_path / "q.ingot", two_level_codes=True)
+    stored = {n: t for n, t in codes.tensors.items() if isinstance(t, QuantizedTensor)}
+    assert stored and all(isinstance(t.scale, TwoLevelParams) and isinstance(t.bias, TwoLevelParams) for t in stored.values())
+    for name, t in stored.items():
+        other = products.tensors[name]
+        assert t.nbytes == t.q.nbytes + 2 * (t.scale.codes.size + 2 * t.scale.units.size) < other.nbytes
+        np.testing.assert_array_equal(np.asarray(t.scale), other.scale)
+        np.testing.assert_array_equal(np.asarray(t.bias), other.bias)
+    exe = llama.build(tiny_config(), codes.tensors).compile(1)
+    assert not any(n.op == Op.DEQUANTIZE for n in exe.program.nodes())
+    assert not any(v.dtype == np.float16 and k.endswith((".scale", ".bias")) for k, v in exe.program.constants.items())
+    tokens = [1, 40, 41, 60, 61, 80]
+    np.testing.assert_allclose(logits(tiny_config(), codes.tensors, tokens), logits(tiny_config(), products.tensors, tokens),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_head_compensation_weights_rows_by_the_calibrated_next_token_probability(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from quant_helpers import save_tiny

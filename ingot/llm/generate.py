@@ -93,8 +93,9 @@ class LLM:
         # the cheap checks first (header, metadata, config, tokenizer: no weight is converted yet), so
         # a file that is not a model is refused before any kernel compiles. A GGUF's weights are
         # converted once each, straight into the graph; on a GPU its BF16 tensors stay bf16
-        # (multiplied as they are), on the CPU they widen to float32 once
-        model = open_model(path, bfloat16=device != "cpu")
+        # (multiplied as they are), on the CPU they widen to float32 once; there a package's :k
+        # parameters stay codes and units (the GEMV multiplies them as it reads them)
+        model = open_model(path, bfloat16=device != "cpu", two_level_codes=device == "cpu" and tensor_parallel == 1)
         self.info = _model_info(model)
         self.config = model.config
         self.adapters = model.adapters

@@ -25,7 +25,7 @@ import numpy as np
 from .. import dtypes as dt
 from ..errors import IngotError
 from ..untrusted import checked_path, clip, inside, read_json, short
-from ..quant.formats import QuantizedTensor, concat_columns
+from ..quant.formats import QuantizedTensor, TwoLevelParams, concat_columns
 from ..models.moe import ExpertStack
 
 LLM_FORMAT = "ingot-llm"
@@ -175,8 +175,11 @@ class StoredModel:
         return self.metadata.get(key, default)
 
 
-def read_llm(path) -> StoredModel:
-    """Open an LLM package: weights memory-mapped, adapters read back from its callables."""
+def read_llm(path, two_level_codes: bool = False) -> StoredModel:
+    """Open an LLM package: weights memory-mapped, adapters read back from its callables; the :k
+    formats' parameters as their float16 products, or with two_level_codes=True as they are stored
+    (codes and units: QuantizedTensor scale and bias of type TwoLevelParams, which the CPU backend's
+    GEMV reads as they are)."""
     from ..adapters import AdapterSet, factors_of, site_layout
     from ..models import config_class
     from ..package import read_weights
@@ -193,13 +196,13 @@ def read_llm(path) -> StoredModel:
         config_type = config_class(info.get("architecture", "llama"), str(path))
         known = {f.name for f in fields(config_type)}
         config = config_type(**{k: v for k, v in info["config"].items() if k in known and k != "extra"})
-        weights = {k.partition(":")[2]: v for k, v in read_weights(path).items()
+        weights = {k.partition(":")[2]: v for k, v in read_weights(path, two_level_codes=two_level_codes).items()
                    if k.startswith("constant:")}
         tensors: dict = {}
         for name, spec in info["tensors"].items():
             if spec["kind"] == "quantized":
                 qdtype = dt.by_name(spec["qdtype"])
-                params = {p: np.asarray(weights[f"{name}.{p}"]) for p in spec["params"] if p in _PARAMS}
+                params = {p: _array_or_two_level(weights[f"{name}.{p}"]) for p in spec["params"] if p in _PARAMS}
                 two_level = spec.get("two_level")
                 tensors[name] = QuantizedTensor(weights[name], qdtype, tuple(spec["shape"]), int(spec["block_size"]),
                                                 params.get("scale"), params.get("bias"), params.get("zero_point"),
@@ -254,6 +257,10 @@ def read_llm(path) -> StoredModel:
     return StoredModel(str(path), architecture, metadata, tensors, config, AdapterSet(factors, int8=int8))
 
 
+def _array_or_two_level(value):
+    return value if isinstance(value, TwoLevelParams) else np.asarray(value)
+
+
 def _check_quantized(path: Path, name: str, t: QuantizedTensor) -> None:
     """A k-major tensor read from a package: logical shape [K, N], q [K, N // 2 or N], params [K // block, N]."""
     k, n = (int(d) for d in t.shape)
@@ -269,17 +276,18 @@ def _check_quantized(path: Path, name: str, t: QuantizedTensor) -> None:
                          f"{block}, which its stored arrays (q {list(t.q.shape)}) do not fit.")
 
 
-def open_model(path, bfloat16: bool = False):
+def open_model(path, bfloat16: bool = False, two_level_codes: bool = False):
     """A GGUF file (lazily converted) or an Ingot LLM package, as a StoredModel.
 
     bfloat16=True keeps a GGUF file's BF16 tensors bfloat16 (the CUDA backend multiplies them as they
-    are; the CPU backend widens each once at load) instead of widening them to float32 here."""
+    are; the CPU backend widens each once at load) instead of widening them to float32 here.
+    two_level_codes: a package's :k parameters as stored (read_llm), for the CPU backend."""
     from ..adapters import AdapterSet
     from ..importers.gguf import read_gguf
     from ..models import config_from_gguf
 
     if Path(checked_path(path, "model")).is_dir():
-        return read_llm(path)
+        return read_llm(path, two_level_codes=two_level_codes)
     model = read_gguf(path, lazy=True, bfloat16=bfloat16)
     return StoredModel(model.path, model.architecture, model.metadata, model.tensors, config_from_gguf(model),
                        AdapterSet())

@@ -25,7 +25,7 @@ from ..errors import IngotError
 from ..graph import Graph, Tensor
 from ..ir import TensorType
 from ..ops.nn import rope_inv_freq
-from ..quant.formats import QuantizedTensor, concat_columns
+from ..quant.formats import QuantizedTensor, TwoLevelParams, concat_columns
 
 
 MAX_DIMENSION = 1 << 24  # any count or size a config may hold (layers, dims, vocabulary, context)
@@ -353,6 +353,16 @@ class Weights:
             w = w.to_k_major()
         return w
 
+    def _param(self, p, name: str) -> Tensor:
+        """A k-major weight's block parameters: a constant, or for two-level ones (the :k formats as
+        stored) codes times a unit per super-block, dequantized in the graph (the CPU backend's GEMV
+        reads codes and units as they are: passes/fuse_two_level.py)."""
+        g = self.g
+        if isinstance(p, TwoLevelParams):
+            return g.dequantize(g.constant(p.codes, name=f"{name}.codes"), axis=0, block_size=p.per_super,
+                                scale=g.constant(p.units, name=f"{name}.units"))
+        return g.constant(p, name=name)
+
     def _constant(self, w, name: str) -> Tensor:
         g = self.g
         if isinstance(w, QuantizedTensor):
@@ -362,11 +372,11 @@ class Weights:
                                     scale=g.constant(w.scale, name=f"{name}.scale"))
             if w.lut is not None:
                 return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"))
-            params = {"scale": g.constant(w.scale, name=f"{name}.scale")}
+            params = {"scale": self._param(w.scale, f"{name}.scale")}
             if w.zero_point is not None:
                 params["zero_point"] = g.constant(w.zero_point, name=f"{name}.zero_point")
             if w.bias is not None:
-                params["bias"] = g.constant(w.bias, name=f"{name}.bias")
+                params["bias"] = self._param(w.bias, f"{name}.bias")
             return g.dequantize(q, axis=0, block_size=w.block_size, **params)
         if _is_bfloat16(w):  # stays bf16 [in, out]; consumers see float32 (backends multiply the bf16 directly)
             return g.cast(g.constant(np.ascontiguousarray(np.asarray(w).T), name=name), dt.float32)

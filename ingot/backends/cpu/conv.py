@@ -20,7 +20,7 @@ from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
-from . import conv_kernels
+from . import conv_kernels, conv_spatial
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -126,6 +126,7 @@ class Epilogue:
     def __init__(self, body: Body | None, conv: Node | None):
         self.steps: list[tuple[Node, list[tuple[str, int]]]] = []
         self.kernel = None   # the steps as one generated numba loop, where they have no transcendental op
+        self.spatial_ok = True   # conv_spatial can apply the steps in its store
         if body is None:
             return
         slot = {conv.id: ("value", 0)}
@@ -144,6 +145,9 @@ class Epilogue:
             slot[n.id] = ("step", len(self.steps))
             self.steps.append((n, refs))
         self.kernel = _compiled(self.steps) or conv_kernels.special_epilogue(self.steps)   # SiLU: a vector exp
+        params = {n.attrs["param"]: n for n in body.nodes if n.op == Op.PLACEHOLDER}
+        self.spatial_ok = conv_spatial.supported(self.steps, self.operands) and all(
+            params[i].dtype.name == "float32" for _, i in self.operands)
 
     def run(self, tile: np.ndarray, inputs, n: int, m0: int, m1: int, c0: int, c1: int, scratch: dict) -> None:
         """Apply the steps to tile (out[n, m0:m1] flattened, columns c0:c1), writing the last one into it."""
@@ -262,7 +266,7 @@ def fast(conv: Node) -> bool:
 
 
 def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int = 0, w_index: int = 1,
-              b_index: int | None = None, constant_w: bool = False):
+              b_index: int | None = None, constant_w: bool = False, constant_b: bool = False):
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
     the conv's own); constant_w: the weights are a constant, arranged for the kernels once."""
     a = conv.attrs
@@ -283,6 +287,11 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     blocked = depthwise and conv_kernels.blocked_fits(kh, kw, oh, ow)
     pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
     direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups, ow, conv.src[0].type.shape[-1] if not one_d else 0)  # no im2col
+    constant = constant_w and (b_index is None or constant_b)
+    if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None)
+    if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw))
     k = cg * kh * kw
     rows = max(1, min(oh, TILE_ELEMENTS // max(1, (k if not pointwise else cg) * ow)))
     scratch: dict = {}
@@ -342,11 +351,60 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     return step
 
 
+def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
+                  b_index: int | None, constant: bool, depthwise: tuple | None):
+    """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1),
+    or a depthwise one (depthwise: its (stride, dh, dw, ph, pw))."""
+    out_shape = tuple(conv.type.shape)
+    n_img, m = out_shape[:2]
+    spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
+    c = conv.src[0].type.shape[1]
+    in_spatial = conv.src[0].type.shape[2:] if len(out_shape) == 4 else (1,) + conv.src[0].type.shape[2:]
+    operands = epilogue.operands
+    w_shape = conv.src[1].type.shape
+    window = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
+    kernel = conv_spatial.driver(*window, epilogue.steps, operands, depthwise[0] if depthwise else 0)
+    arranged: dict = {}
+
+    def step(*inputs):
+        x, w = inputs[x_index], inputs[w_index]
+        bias = inputs[b_index] if b_index is not None else None
+        wk = arranged.get("w") if constant else None
+        if wk is None:
+            if depthwise:
+                wk = (np.ascontiguousarray(w, dtype=np.float32).reshape(m, -1),
+                      np.zeros(m, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32))
+            else:
+                wk = conv_spatial.arrange_weights(w, bias)
+            if constant:
+                arranged["w"] = wk
+        x = np.ascontiguousarray(x)
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        for n in range(n_img):
+            ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
+            if depthwise:
+                _, dh, dw, ph, pw = depthwise
+                kernel(x[n].reshape(c, *in_spatial), wk[0], wk[1], dh, dw, ph, pw, y[n].reshape(m, *spatial), ops)
+            else:
+                kernel(x[n].reshape(c, -1), wk[0], wk[1], y[n].reshape(m, -1), ops)
+        return y
+    return step
+
+
+def _operand(a: np.ndarray, form: str, n: int) -> np.ndarray:
+    """An epilogue operand as conv_spatial reads it: a 1-D float32 array (scalar: [1]; channel: [M]; full:
+    image n's values)."""
+    if form == "full":
+        a = a[n]
+    return np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+
+
 def conv_lowering(node: Node, out):
     if not fast(node):
         return None
     return conv_step(node, out, Epilogue(None, None), b_index=2 if len(node.src) > 2 else None,
-                     constant_w=node.src[1].op == Op.CONSTANT)
+                     constant_w=node.src[1].op == Op.CONSTANT,
+                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT)
 
 
 def conv_epilogue_lowering(node: Node, out):
@@ -357,7 +415,8 @@ def conv_epilogue_lowering(node: Node, out):
         return None
     index = [s.attrs["param"] for s in conv.src]
     return conv_step(conv, out, Epilogue(body, conv), index[0], index[1], index[2] if len(index) > 2 else None,
-                     constant_w=node.src[index[1]].op == Op.CONSTANT)
+                     constant_w=node.src[index[1]].op == Op.CONSTANT,
+                     constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT)
 
 
 FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

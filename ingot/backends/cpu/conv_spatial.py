@@ -1,0 +1,473 @@
+"""Convolutions vectorised along the output's positions, with the epilogue applied before the store.
+
+conv.py's kernels vectorise along channels (16 output channels a vector), which leaves NCHW outputs to
+be scattered lane by lane, lanes idle where the channels are not a multiple of 16, and the epilogue
+(bias, folded batch norm, activation, residual add) to a second pass over the whole output. Here:
+
+- a pointwise (1x1, stride 1) convolution is out [M, P] = w [M, C] @ x [C, P]: per call, 4 output
+  channels x 64 positions (16 vector accumulators) over every input channel, each step 4 vector loads
+  of x and 4 broadcast weights (`_tile`); the output stays NCHW, written once.
+- a kxk convolution with stride 1 runs the same tile over the input copied once into a zero-padded
+  [C, H', W'] plane, on the padded grid (positions oy * W' + ox), where each tap is an offset: the
+  columns past the output's width are computed and dropped.
+- the epilogue's ops are emitted as vector IR (`_epilogue_intrinsic`, generated per epilogue), applied to
+  each 16 positions while they are in L1 (pointwise: in place; kxk: on the way from the padded grid to
+  the output). exp, sigmoid, SiLU and tanh use a degree-6 polynomial exp (relative error ~2e-7).
+
+Both are llvmlite intrinsics called by numba drivers that codegen generates and caches on disk.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ... import codegen
+from ...ir import Op
+
+ROWS = 4        # output channels per tile
+VECTORS = 4     # 16-position vectors per tile (the last tile of a row fewer)
+TILE = 16 * VECTORS
+
+_F32, _I1, _I32, _I64 = ir.FloatType(), ir.IntType(1), ir.IntType(32), ir.IntType(64)
+_V = ir.VectorType(_F32, 16)
+_M = ir.VectorType(_I1, 16)
+
+
+def _masked(builder):
+    """(load, store) of <16 x float> under a <16 x i1> mask."""
+    mod = builder.module
+    ptr = _V.as_pointer()
+    load = mod.globals.get("llvm.masked.load.v16f32.p0") or \
+        ir.Function(mod, ir.FunctionType(_V, [ptr, _I32, _M, _V]), name="llvm.masked.load.v16f32.p0")
+    store = mod.globals.get("llvm.masked.store.v16f32.p0") or \
+        ir.Function(mod, ir.FunctionType(ir.VoidType(), [_V, ptr, _I32, _M]), name="llvm.masked.store.v16f32.p0")
+    return (lambda p, mask: builder.call(load, [p, ir.Constant(_I32, 4), mask, ir.Constant(_V, [0.0] * 16)]),
+            lambda v, p, mask: builder.call(store, [v, p, ir.Constant(_I32, 4), mask]))
+
+
+def _lane_mask(builder, valid, first: int):
+    """Lanes first + l < valid, as a <16 x i1> (valid: i64)."""
+    lanes = ir.Constant(ir.VectorType(_I64, 16), list(range(first, first + 16)))
+    return builder.icmp_signed("<", lanes, _splat(builder, valid, ir.VectorType(_I64, 16)))
+
+
+def _splat(builder, value, vtype=_V):
+    undef = ir.Constant(vtype, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+
+
+def _i64(builder, v):
+    return builder.sext(v, _I64) if v.type.width < 64 else v
+
+
+def _vptr(builder, data, at):
+    return builder.bitcast(builder.gep(data, [at]), _V.as_pointer())
+
+
+# -- the tile: ROWS output channels x VECTORS * 16 positions ----------------------------------------------
+
+def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int, stride: int):
+    """tile(out, out_at, out_step, x, x_at, c_step, row_step, col_step, w, w_at, w_step, n_c, bias, b_at,
+    valid, rows): for r < min(rows, n_rows), q < min(valid, 16 * vectors):
+    out[out_at + r * out_step + q] = bias[b_at + r] + sum over c < n_c, taps (i, j) of
+    w[w_at + r * w_step + (c * kh + i) * kw + j] * x[x_at + c * c_step + i * row_step + j * col_step + stride * q]
+    (stride 2: two loads and the even lanes)."""
+    @intrinsic
+    def tile(typingctx, out, out_at, out_step, x, x_at, c_step, row_step, col_step, w, w_at, w_step, n_c, bias,
+             b_at, valid, rows):
+        sig = types.void(out, out_at, out_step, x, x_at, c_step, row_step, col_step, w, w_at, w_step, n_c, bias,
+                         b_at, valid, rows)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, xa, wa, ba = arr(0), arr(3), arr(8), arr(12)
+            out_at_v, out_step_v, x_at_v, c_step_v, row_v, col_v, w_at_v, w_step_v, n_v, b_at_v, valid_v, rows_v = (
+                _i64(builder, args[i]) for i in (1, 2, 4, 5, 6, 7, 9, 10, 11, 13, 14, 15))
+            load, store = _masked(builder)
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+            masks = [_lane_mask(builder, valid_v, 16 * v) for v in range(vectors)]
+            init = [_splat(builder, builder.load(builder.gep(ba.data, [builder.add(b_at_v, ir.Constant(_I64, r))])))
+                    for r in range(n_rows)]
+            w_rows = [builder.add(w_at_v, builder.mul(w_step_v, ir.Constant(_I64, r))) for r in range(n_rows)]
+            taps = kh * kw
+            start = builder.block
+            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
+            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
+            builder.position_at_end(loop)
+            c = builder.phi(_I64)
+            c.add_incoming(ir.Constant(_I64, 0), start)
+            accs = []
+            for r in range(n_rows):
+                for v in range(vectors):
+                    p = builder.phi(_V)
+                    p.add_incoming(init[r], start)
+                    accs.append(p)
+            new = list(accs)
+            x_c = builder.add(x_at_v, builder.mul(c, c_step_v))
+            w_c = builder.mul(c, ir.Constant(_I64, taps))
+            for i in range(kh):
+                x_i = builder.add(x_c, builder.mul(row_v, ir.Constant(_I64, i)))
+                for j in range(kw):
+                    x_ij = builder.add(x_i, builder.mul(col_v, ir.Constant(_I64, j)))
+                    ptrs = [_vptr(builder, xa.data, builder.add(x_ij, ir.Constant(_I64, 16 * stride * v + 16 * h)))
+                            for v in range(vectors) for h in range(stride)]
+                    if masked_x:
+                        xs = [load(p, masks[v]) for v, p in enumerate(ptrs)]
+                    elif stride == 1:
+                        xs = [builder.load(p, align=4) for p in ptrs]
+                    else:
+                        xs = [builder.shuffle_vector(builder.load(ptrs[2 * v], align=4), builder.load(ptrs[2 * v + 1], align=4),
+                                                     ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2))))
+                              for v in range(vectors)]
+                    for r in range(n_rows):
+                        at = builder.add(w_rows[r], builder.add(w_c, ir.Constant(_I64, i * kw + j)))
+                        wv = _splat(builder, builder.load(builder.gep(wa.data, [at])))
+                        for v in range(vectors):
+                            new[r * vectors + v] = builder.call(fma, [wv, xs[v], new[r * vectors + v]])
+            nxt = builder.add(c, ir.Constant(_I64, 1))
+            latch = builder.block
+            c.add_incoming(nxt, latch)
+            for p, val in zip(accs, new):
+                p.add_incoming(val, latch)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
+            builder.position_at_end(done)
+            finals = []
+            for k in range(n_rows * vectors):
+                f = builder.phi(_V)
+                f.add_incoming(init[k // vectors], start)
+                f.add_incoming(new[k], latch)
+                finals.append(f)
+            for r in range(n_rows):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(_I64, r), rows_v)):
+                    row_at = builder.add(out_at_v, builder.mul(out_step_v, ir.Constant(_I64, r)))
+                    for v in range(vectors):
+                        store(finals[r * vectors + v], _vptr(builder, oa.data, builder.add(row_at, ir.Constant(_I64, 16 * v))),
+                              masks[v])
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+TILES = {}
+
+
+def tile_for(kh: int, kw: int, rows: int = ROWS, vectors: int = VECTORS, stride: int = 1):
+    """The tile intrinsic of a kh x kw window (made once per process); 1x1 (pointwise) masks its loads of
+    x at the end of the positions, a window reads a padded copy with slack past the last tile."""
+    key = kh, kw, rows, vectors, stride
+    if key not in TILES:
+        TILES[key] = _tile_intrinsic(kh, kw, (kh, kw) == (1, 1), rows, vectors, stride)
+    return TILES[key]
+
+
+# -- the epilogue as vector IR ----------------------------------------------------------------------------
+
+_EXP_POLY = (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)
+
+
+def _const(c: float):
+    return ir.Constant(_V, [float(np.float32(c))] * 16)
+
+
+def _exp(builder, x):
+    """exp(x) for <16 x float>: 2^n * p(r), |r| <= ln 2 / 2, x clamped to [-88, 88]."""
+    x = builder.select(builder.fcmp_ordered(">", x, _const(88.0)), _const(88.0), x)
+    x = builder.select(builder.fcmp_ordered("<", x, _const(-88.0)), _const(-88.0), x)
+    rint = builder.module.declare_intrinsic("llvm.rint.v16f32", fnty=ir.FunctionType(_V, [_V]))
+    n = builder.call(rint, [builder.fmul(x, _const(1.4426950408889634))])
+    r = builder.fsub(builder.fsub(x, builder.fmul(n, _const(0.693145751953125))), builder.fmul(n, _const(1.428606765330187e-06)))
+    p = _const(_EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        p = builder.fadd(builder.fmul(p, r), _const(c))
+    i16 = ir.VectorType(_I32, 16)
+    scale = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, i16), ir.Constant(i16, [127] * 16)),
+                                        ir.Constant(i16, [23] * 16)), _V)
+    return builder.fmul(p, scale)
+
+
+def _nan_kept(builder, x, y):
+    """y, except x where x is NaN."""
+    return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
+
+
+def _sigmoid(builder, x):
+    return _nan_kept(builder, x, builder.fdiv(_const(1.0), builder.fadd(_const(1.0), _exp(builder, builder.fneg(x)))))
+
+
+def _pick(builder, a, b, cmp: str):
+    """np.maximum / np.minimum: a NaN in either propagates."""
+    keep_a = builder.or_(builder.fcmp_ordered(cmp, a, b), builder.fcmp_unordered("uno", a, a))
+    return builder.select(keep_a, a, b)
+
+
+def _unary(name):
+    return lambda b, x: b.call(b.module.declare_intrinsic(name, fnty=ir.FunctionType(_V, [_V])), [x])
+
+
+EMIT = {
+    Op.ADD: lambda b, x, y: b.fadd(x, y), Op.SUB: lambda b, x, y: b.fsub(x, y), Op.MUL: lambda b, x, y: b.fmul(x, y),
+    Op.DIV: lambda b, x, y: b.fdiv(x, y), Op.MAXIMUM: lambda b, x, y: _pick(b, x, y, ">"),
+    Op.MINIMUM: lambda b, x, y: _pick(b, x, y, "<"), Op.NEG: lambda b, x: b.fneg(x),
+    Op.ABS: _unary("llvm.fabs.v16f32"), Op.SQRT: _unary("llvm.sqrt.v16f32"),
+    Op.EXP: lambda b, x: _nan_kept(b, x, _exp(b, x)), Op.SIGMOID: _sigmoid,
+    Op.SILU: lambda b, x: b.fmul(x, _sigmoid(b, x)),
+    Op.TANH: lambda b, x: _nan_kept(b, x, b.fsub(b.fmul(_const(2.0), _sigmoid(b, b.fmul(_const(2.0), x))), _const(1.0))),
+    Op.LESS: lambda b, x, y: b.fcmp_ordered("<", x, y), Op.LESS_EQUAL: lambda b, x, y: b.fcmp_ordered("<=", x, y),
+    Op.GREATER: lambda b, x, y: b.fcmp_ordered(">", x, y), Op.GREATER_EQUAL: lambda b, x, y: b.fcmp_ordered(">=", x, y),
+    Op.EQUAL: lambda b, x, y: b.fcmp_ordered("==", x, y), Op.NOT_EQUAL: lambda b, x, y: b.fcmp_unordered("!=", x, y),
+    Op.WHERE: lambda b, c, x, y: b.select(c, x, y),
+}
+_BOOL_OUT = {Op.LESS, Op.LESS_EQUAL, Op.GREATER, Op.GREATER_EQUAL, Op.EQUAL, Op.NOT_EQUAL}
+
+
+def supported(steps, operands) -> bool:
+    """Whether _epilogue_intrinsic can emit these steps (conv.Epilogue's), reading float32 operands."""
+    for node, refs in steps:
+        if node.op not in EMIT:
+            return False
+        want = "bool" if node.op in _BOOL_OUT else "float32"
+        if node.dtype.name != want or (node.op in _BOOL_OUT and len(refs) != 2):
+            return False
+    return all(form in ("scalar", "channel", "full") for form, _ in operands)
+
+
+def _epilogue_intrinsic(steps, operands):
+    """epilogue(dst, dst_at, src, src_at, valid, m, full_at, ops): for q < min(valid, 16),
+    dst[dst_at + q] = the steps applied to src[src_at + q], reading operand k of `operands` (ops[k], a 1-D
+    float32 array) as ops[k][0] (scalar), ops[k][m] (channel) or ops[k][full_at + q] (full)."""
+    slot = {i: k for k, (_, i) in enumerate(operands)}
+
+    @intrinsic
+    def epilogue(typingctx, dst, dst_at, src, src_at, valid, m, full_at, ops):
+        sig = types.void(dst, dst_at, src, src_at, valid, m, full_at, ops)
+
+        def codegen(context, builder, signature, args):
+            da = context.make_array(signature.args[0])(context, builder, args[0])
+            sa = context.make_array(signature.args[2])(context, builder, args[2])
+            dst_at_v, src_at_v, valid_v, m_v, full_v = (_i64(builder, args[i]) for i in (1, 3, 4, 5, 6))
+            load, store = _masked(builder)
+            mask = _lane_mask(builder, valid_v, 0)
+            value = load(_vptr(builder, sa.data, src_at_v), mask)
+            op_types = signature.args[7]
+            read = {}
+            for k, (form, _) in enumerate(operands):
+                oa = context.make_array(op_types[k])(context, builder, builder.extract_value(args[7], k))
+                if form == "scalar":
+                    read[k] = _splat(builder, builder.load(oa.data))
+                elif form == "channel":
+                    read[k] = _splat(builder, builder.load(builder.gep(oa.data, [m_v])))
+                else:
+                    read[k] = load(_vptr(builder, oa.data, full_v), mask)
+            vals = []
+            for node, refs in steps:
+                xs = [value if form == "value" else vals[i] if form == "step" else read[slot[i]] for form, i in refs]
+                vals.append(EMIT[node.op](builder, *xs))
+            store(vals[-1] if vals else value, _vptr(builder, da.data, dst_at_v), mask)
+            return context.get_dummy_value()
+        return sig, codegen
+    return epilogue
+
+
+EPILOGUES: dict = {}
+
+
+def epilogue_for(key: str, steps, operands):
+    """The epilogue intrinsic of these steps, made once per process per key (the steps' text)."""
+    if key not in EPILOGUES:
+        EPILOGUES[key] = _epilogue_intrinsic(steps, operands)
+    return EPILOGUES[key]
+
+
+def steps_key(steps, operands) -> str:
+    """A text naming the steps and operand forms: equal texts, equal epilogues."""
+    return ";".join(f"{node.op.name}:{','.join(f'{f}{i}' for f, i in refs)}" for node, refs in steps) + \
+        "|" + ",".join(f"{f}{i}" for f, i in operands)
+
+
+# -- the drivers (numba, generated per window and epilogue) ------------------------------------------------
+
+_POINTWISE = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_spatial import EPILOGUES, ROWS, TILE, tile_for
+
+tile4, tile3, tile2, tile1 = (tile_for(1, 1, ROWS, v) for v in (4, 3, 2, 1))
+epilogue = EPILOGUES[{key!r}]
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, w, bias, out, ops):
+    # x [C, P], w [M rounded up to ROWS, C], bias [M rounded up], out [M, P], all C-contiguous
+    c_n, p_n = x.shape
+    m_n = out.shape[0]
+    xf = x.reshape(c_n * p_n)
+    of = out.reshape(m_n * p_n)
+    w_step = w.shape[1]
+    wf = w.reshape(w.shape[0] * w_step)
+    for q in range(0, p_n, TILE):
+        left = p_n - q
+        for m0 in range(0, m_n, ROWS):
+            rows = min(ROWS, m_n - m0)
+            if left > 48:
+                tile4(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+            elif left > 32:
+                tile3(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+            elif left > 16:
+                tile2(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+            else:
+                tile1(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+            if {has_epilogue}:
+                for m in range(m0, m0 + rows):
+                    at = m * p_n + q
+                    for t in range(0, min(TILE, left), 16):
+                        epilogue(of, at + t, of, at + t, left - t, m, at + t, ops)
+"""
+
+_DEPTHWISE = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_spatial import EPILOGUES, TILE, tile_for
+
+tile4, tile3, tile2, tile1 = (tile_for({kh}, {kw}, 1, v, {stride}) for v in (4, 3, 2, 1))
+epilogue = EPILOGUES[{key!r}]
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
+    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; stride s. Each channel is copied into a
+    # zero-padded plane of row width wp. Stride 1: output (oy, ox) is grid position q = oy * wp + ox,
+    # which reads the plane at q + i * dh * wp + j * dw (the columns past ow are computed and dropped).
+    # Stride 2: a row at a time, grid q = oy * ow + ox reading 2 * (oy * wp + ox) + i * dh * wp + j * dw.
+    c_n, h, wd = x.shape
+    _, oh, ow = out.shape
+    kh, kw, s = {kh}, {kw}, {stride}
+    wp = max(wd + pw, s * (ow - 1) + (kw - 1) * dw + 1)
+    hp = max(h + ph, s * (oh - 1) + (kh - 1) * dh + 1)
+    xp = np.zeros(hp * wp + 2 * s * TILE + wp, np.float32)   # borders stay zero; slack for dropped lanes
+    wq = wp if s == 1 else ow
+    n = (oh - 1) * wq + ow
+    grid = np.empty(n + TILE, np.float32)
+    of = out.reshape(c_n * oh * ow)
+    taps = kh * kw
+    wf = w.reshape(c_n * taps)
+    for c in range(c_n):
+        for y in range(h):
+            at = (y + ph) * wp + pw
+            xp[at:at + wd] = x[c, y]
+        if s == 1:
+            for q in range(0, n, TILE):
+                left = n - q
+                if left > 48:
+                    tile4(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                elif left > 32:
+                    tile3(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                elif left > 16:
+                    tile2(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                else:
+                    tile1(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+        else:
+            for oy in range(oh):
+                for ox in range(0, ow, TILE):
+                    left = ow - ox
+                    q, src = oy * ow + ox, s * (oy * wp + ox)
+                    if left > 48:
+                        tile4(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    elif left > 32:
+                        tile3(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    elif left > 16:
+                        tile2(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    else:
+                        tile1(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+        for oy in range(oh):
+            at = (c * oh + oy) * ow
+            for t in range(0, ow, 16):
+                epilogue(of, at + t, grid, oy * wq + t, ow - t, c, at + t, ops)
+"""
+
+_WINDOW = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_spatial import EPILOGUES, ROWS, TILE, tile_for
+
+tile = tile_for({kh}, {kw})
+epilogue = EPILOGUES[{key!r}]
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
+    # x [C, H, W], w [M rounded up to ROWS, C * kh * kw], bias [M rounded up], out [M, OH, OW]; stride 1
+    c_n, h, wd = x.shape
+    m_n, oh, ow = out.shape
+    kh, kw = {kh}, {kw}
+    hp = max(h + ph, oh + (kh - 1) * dh)
+    wp = max(wd + pw, ow + (kw - 1) * dw)
+    plane = hp * wp
+    xp = np.zeros(c_n * plane + wp + TILE, np.float32)   # slack: the last tile's dropped columns read past it
+    for c in range(c_n):
+        for y in range(h):
+            at = c * plane + (y + ph) * wp + pw
+            xp[at:at + wd] = x[c, y]
+    of = out.reshape(m_n * oh * ow)
+    w_step = w.shape[1]
+    wf = w.reshape(w.shape[0] * w_step)
+    chunk = max(1, 256 // wp)                            # output rows per pass: the grid's tile stays in L1
+    span = chunk * wp
+    buf = np.empty(ROWS * span, np.float32)
+    for oy0 in range(0, oh, chunk):
+        oy1 = min(oh, oy0 + chunk)
+        q0 = oy0 * wp
+        n = (oy1 - oy0 - 1) * wp + ow                   # grid positions up to the last row's last output
+        for m0 in range(0, m_n, ROWS):
+            rows = min(ROWS, m_n - m0)
+            for t in range(0, n, TILE):
+                tile(buf, t, span, xp, q0 + t, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, n - t, rows)
+            for r in range(rows):
+                m = m0 + r
+                for oy in range(oy0, oy1):
+                    at = (m * oh + oy) * ow
+                    src = r * span + (oy - oy0) * wp
+                    for t in range(0, ow, 16):
+                        epilogue(of, at + t, buf, src + t, ow - t, m, at + t, ops)
+"""
+
+
+def pointwise_fits(kh: int, kw: int, groups: int, strides, pads) -> bool:
+    return groups == 1 and kh == kw == 1 and all(s == 1 for s in strides) and not any(a or b for a, b in pads)
+
+
+def window_fits(kh: int, kw: int, groups: int, strides) -> bool:
+    """kxk (not 1x1) with groups 1 and stride 1, a window of at most 7 x 7."""
+    return groups == 1 and (kh, kw) != (1, 1) and all(s == 1 for s in strides) and kh <= 7 and kw <= 7
+
+
+def arrange_weights(w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """w [M, C, kh, kw] as [M rounded up to ROWS, C * kh * kw] and the bias as [M rounded up] (zeros)."""
+    m = w.shape[0]
+    rows = -(-m // ROWS) * ROWS
+    wk = np.zeros((rows, int(np.prod(w.shape[1:]))), np.float32)
+    wk[:m] = w.reshape(m, -1)
+    b = np.zeros(rows, np.float32)
+    if bias is not None:
+        b[:m] = bias.reshape(-1)
+    return wk, b
+
+
+def depthwise_fits(kh: int, kw: int, strides) -> bool:
+    return kh <= 7 and kw <= 7 and strides[0] == strides[1] and strides[0] in (1, 2)
+
+
+def driver(kh: int, kw: int, steps, operands, depthwise_stride: int = 0):
+    """The numba kernel of a kh x kw window (1x1: pointwise) with this epilogue (steps may be empty);
+    depthwise_stride: the depthwise kernel of that stride."""
+    key = steps_key(steps, operands)
+    epilogue_for(key, steps, operands)
+    if depthwise_stride:
+        source = _DEPTHWISE.format(key=key, kh=kh, kw=kw, stride=depthwise_stride)
+    elif (kh, kw) == (1, 1):
+        source = _POINTWISE.format(key=key, has_epilogue=bool(steps))
+    else:
+        source = _WINDOW.format(key=key, kh=kh, kw=kw)
+    return codegen.load(source, "kernel", "cpu_conv_spatial")

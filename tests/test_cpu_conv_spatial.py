@@ -1,0 +1,101 @@
+"""conv_spatial's kernels (pointwise, depthwise, kxk stride 1; the epilogue as vector IR) against the NumPy
+conv reference on awkward shapes: channels not a multiple of 4 or 16, positions not a multiple of 16,
+one-pixel outputs, strides, padding, dilation; and through the compiler with each epilogue op kind."""
+import numpy as np
+import pytest
+
+import ingot
+from ingot.backends.cpu import conv_spatial
+from ingot.ops.conv import conv
+
+POINTWISE = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (9, 13)), (33, 6, (8, 8)), (3, 130, (1, 67))]   # C, M, (H, W)
+
+
+@pytest.mark.parametrize("c,m,hw", POINTWISE)
+def test_pointwise_matches_reference(c, m, hw):
+    rng = np.random.default_rng(c * 7 + m)
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    want = conv(x[None], w, b, (1, 1), (1, 1), ((0, 0), (0, 0)), 1)[0]
+    wk, bk = conv_spatial.arrange_weights(w, b)
+    out = np.full(want.shape, np.nan, np.float32)
+    conv_spatial.driver(1, 1, [], [])(x.reshape(c, -1), wk, bk, out.reshape(m, -1), ())
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+DEPTHWISE = [  # C, (H, W), (kh, kw), stride, dilation, pads ((top, bottom), (left, right)); few windows:
+    (1, (1, 1), (3, 3), 2, 1, ((1, 1), (1, 1))),             # each window and stride compiles a kernel
+    (13, (9, 7), (3, 3), 2, 1, ((1, 1), (1, 1))),
+    (5, (20, 37), (3, 3), 1, 1, ((1, 1), (1, 1))),
+    (7, (11, 12), (5, 5), 2, 1, ((2, 1), (0, 2))),
+    (4, (10, 9), (3, 3), 1, 2, ((2, 2), (1, 3))),
+    (6, (40, 90), (3, 3), 2, 1, ((0, 1), (0, 1))),
+]
+
+
+@pytest.mark.parametrize("c,hw,k,stride,dilation,pads", DEPTHWISE)
+def test_depthwise_matches_reference(c, hw, k, stride, dilation, pads):
+    rng = np.random.default_rng(c + hw[0] * 7 + k[1])
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((c, 1) + k).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    want = conv(x[None], w, b, (stride, stride), (dilation, dilation), pads, c)[0]
+    assert conv_spatial.depthwise_fits(k[0], k[1], (stride, stride))
+    out = np.full(want.shape, np.nan, np.float32)
+    kernel = conv_spatial.driver(k[0], k[1], [], [], depthwise_stride=stride)
+    kernel(x, w.reshape(c, -1), b, dilation, dilation, pads[0][0], pads[1][0], out, ())
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def _epilogues(g, y, r):
+    """Each epilogue form the fusion pass makes, on conv output y (r: a tensor of y's shape)."""
+    six = g.constant(np.float32(6.0))
+    return {
+        "silu+residual": g.add(g.mul(y, g.sigmoid(y)), r),
+        "hardswish": g.div(g.mul(y, g.minimum(g.maximum(g.add(y, 3.0), 0.0), six)), six),
+        "leaky": g.where(g.less(y, 0.0), g.mul(y, 0.1), y),
+        "tanh,exp": g.add(g.tanh(y), g.exp(g.minimum(y, 1.0))),
+        "silu op": g.silu(y),
+    }
+
+
+@pytest.mark.parametrize("kind,form", [("pointwise", f) for f in ("silu+residual", "hardswish", "leaky", "tanh,exp", "silu op")]
+                         + [("depthwise", "hardswish")])
+def test_fused_epilogue_through_the_compiler(kind, form):
+    rng = np.random.default_rng(3)
+    c, m = (6, 11) if kind == "pointwise" else (9, 9)
+    x = rng.standard_normal((2, c, 7, 9)).astype(np.float32)
+    w = rng.standard_normal((m, 1 if kind == "depthwise" else c, *((1, 1) if kind == "pointwise" else (3, 3)))).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    strides, pads, groups = ((1, 1), ((0, 0), (0, 0)), 1) if kind == "pointwise" else ((2, 2), ((1, 1), (1, 0)), m)
+    ref = conv(x, w, b, strides, (1, 1), pads, groups)
+    r = rng.standard_normal(ref.shape).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = _epilogues(g, g.conv(xi, w, b, strides=strides, pads=pads, groups=groups), ri)[form]
+    exe = g.compile(targets=[y])
+    fused = [n for n in exe.program.nodes() if n.op.name == "FUSED"]
+    assert len(fused) == 1 and fused[0].attrs["kind"] == "conv_epilogue"
+    want = {"silu+residual": ref / (1 + np.exp(-ref)) + r, "hardswish": ref * np.clip(ref + 3, 0, 6) / 6,
+            "leaky": np.where(ref < 0, ref * 0.1, ref), "tanh,exp": np.tanh(ref) + np.exp(np.minimum(ref, 1)),
+            "silu op": ref / (1 + np.exp(-ref))}[form]
+    feeds = {"x": x, "r": r} if form == "silu+residual" else {"x": x}
+    np.testing.assert_allclose(exe.run(feeds)[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_epilogue_keeps_nan_and_extremes():
+    """sigmoid / exp / maximum / minimum in the vector epilogue: NaN propagates, +-100 saturate."""
+    x = np.array([np.nan, 100.0, -100.0, 0.0, 88.5, -30.0, 2.0, -2.0, 5e-3, -5e-3, 1.0, 3.0, 7.0, -7.0, 0.5, 9.0, -1.0],
+                 np.float32).reshape(1, 17, 1, 1)
+    g = ingot.Graph()
+    xi = g.placeholder((1, 17, 1, 1), name="x")
+    y = g.conv(xi, np.ones((17, 1, 1, 1), np.float32), None, groups=17)   # depthwise, weights 1: x itself
+    out = g.maximum(g.add(g.mul(y, g.sigmoid(y)), g.exp(g.minimum(y, 0.0))), -1.0)
+    exe = g.compile(targets=[out])
+    v = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.maximum(v / (1 + np.exp(-v)) + np.exp(np.minimum(v, 0)), -1)
+    got = exe.run({"x": x})[0]
+    assert any(n.op.name == "FUSED" for n in exe.program.nodes()) and np.isnan(got.ravel()[0])
+    np.testing.assert_allclose(got.ravel()[1:], want.ravel()[1:], rtol=3e-6, atol=1e-30)

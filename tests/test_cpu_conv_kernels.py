@@ -106,3 +106,34 @@ def test_direct_conv_of_a_column():
     out = np.full(want.shape, np.nan, np.float32)
     conv_kernels.conv_direct(x, conv_kernels.direct_weights(w), 5, 1, 2, 1, 1, 1, 2, 0, out)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("m,ow", [(24, 20), (8, 7), (40, 13)])
+def test_direct_conv_narrow_tiles_and_half_blocks(m, ow):
+    """A row's last columns fewer than 8 (narrow tiles) and a last block of at most 8 output channels
+    (8-lane vectors), with a bias and an epilogue (leaky ReLU + residual) applied in the kernel."""
+    import ingot
+    from ingot.backends.cpu import conv_spatial
+    rng = np.random.default_rng(m + ow)
+    x = rng.standard_normal((1, 5, 9, ow)).astype(np.float32)
+    w = rng.standard_normal((m, 5, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    ref = conv(x, w, b, (1, 1), (1, 1), ((1, 1), (1, 1)), 1)
+    r = rng.standard_normal(ref.shape).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = g.conv(xi, w, b, pads=((1, 1), (1, 1)))
+    exe = g.compile(targets=[g.add(g.where(g.less(y, 0.0), g.mul(y, 0.1), y), ri)])
+    want = np.where(ref < 0, ref * 0.1, ref) + r
+    assert conv_kernels.direct_fits(3, 3, 1) and conv_spatial.supported(*_steps_of(exe))
+    np.testing.assert_allclose(exe.run({"x": x, "r": r})[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def _steps_of(exe):
+    """(steps, operands) of the executable's one fused conv epilogue, as conv.Epilogue reads them."""
+    from ingot.backends.cpu.conv import Epilogue
+    from ingot.ir import Op
+    (fused,) = [n for n in exe.program.nodes() if n.op == Op.FUSED]
+    body = fused.attrs["body"]
+    epilogue = Epilogue(body, body.find(Op.CONV)[0])
+    return epilogue.steps, epilogue.operands

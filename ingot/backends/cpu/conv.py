@@ -329,6 +329,11 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                         if oy0 == 0:
                             conv_kernels.depthwise_blocked(xg, wk, sh, sw, dh, dw, ph, pw, y4[n])
                     elif direct:
+                        if oy0 == 0 and epilogue.spatial_ok:   # bias and epilogue in the kernel
+                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], bias,
+                                                     epilogue.steps, epilogue.operands,
+                                                     tuple(_operand(inputs[i], f, n) for f, i in epilogue.operands))
+                            break
                         if oy0 == 0:
                             conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n])
                     elif depthwise:

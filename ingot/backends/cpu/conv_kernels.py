@@ -123,10 +123,10 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
 TILE = 8   # output columns per call: 8 accumulators + 1 weight vector
 
 
-def _tile_intrinsic(kh: int, kw: int):
+def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
     """tile(acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic): acc[16 r : 16 r + 16] = sum
     over ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * col_step + r * sw] *
-    wb[w_at + ((ic * kh + i) * kw + j) * 16 : +16], r < TILE."""
+    wb[w_at + ((ic * kh + i) * kw + j) * 16 : +16], r < width (lanes 8: the first 8 of each 16)."""
     @intrinsic
     def tile(typingctx, acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic):
         sig = types.void(acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic)
@@ -136,22 +136,22 @@ def _tile_intrinsic(kh: int, kw: int):
             arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
             aa, xa, wa = arr(0, acc_v), arr(1, x_v), arr(7, w_v)
             i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
-            f16x = ir.VectorType(f32, 16)
+            f16x = ir.VectorType(f32, lanes)
             undef = ir.Constant(f16x, ir.Undefined)
-            zeros_i = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
-            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(f16x, [f16x, f16x, f16x]))
+            zeros_i = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+            fma = builder.module.declare_intrinsic(f"llvm.fma.v{lanes}f32", fnty=ir.FunctionType(f16x, [f16x, f16x, f16x]))
             cast = lambda v: builder.sext(v, i64) if v.type.width < 64 else v  # noqa: E731
             x_at_v, ic_v, row_v, col_v, sw_v, w_at_v, n_v = map(cast, (x_at_v, ic_v, row_v, col_v, sw_v, w_at_v, n_v))
             start = builder.block
             loop = builder.append_basic_block("ic_loop")
             done = builder.append_basic_block("ic_done")
-            zero_acc = ir.Constant(f16x, [0.0] * 16)
+            zero_acc = ir.Constant(f16x, [0.0] * lanes)
             builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(i64, 0)), loop, done)
             builder.position_at_end(loop)
             ic = builder.phi(i64)
             ic.add_incoming(ir.Constant(i64, 0), start)
             accs = []
-            for _ in range(TILE):
+            for _ in range(width):
                 p = builder.phi(f16x)
                 p.add_incoming(zero_acc, start)
                 accs.append(p)
@@ -164,7 +164,7 @@ def _tile_intrinsic(kh: int, kw: int):
                     at = builder.add(row, builder.mul(col_v, ir.Constant(i64, j)))
                     wp = builder.gep(wa.data, [builder.add(wbase, ir.Constant(i64, (i * kw + j) * 16))])
                     wv = builder.load(builder.bitcast(wp, f16x.as_pointer()), align=4)
-                    for r in range(TILE):
+                    for r in range(width):
                         xv = builder.load(builder.gep(xa.data, [builder.add(at, builder.mul(sw_v, ir.Constant(i64, r)))]))
                         splat = builder.shuffle_vector(builder.insert_element(undef, xv, ir.Constant(i32, 0)), undef, zeros_i)
                         new[r] = builder.call(fma, [splat, wv, new[r]])
@@ -176,12 +176,12 @@ def _tile_intrinsic(kh: int, kw: int):
             builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
             builder.position_at_end(done)
             finals = []
-            for r in range(TILE):
+            for r in range(width):
                 f = builder.phi(f16x)
                 f.add_incoming(zero_acc, start)
                 f.add_incoming(new[r], latch)
                 finals.append(f)
-            for r in range(TILE):
+            for r in range(width):
                 ptr = builder.gep(aa.data, [ir.Constant(i64, 16 * r)])
                 builder.store(finals[r], builder.bitcast(ptr, f16x.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -190,17 +190,39 @@ def _tile_intrinsic(kh: int, kw: int):
 
 
 TILES = {(kh, kw): _tile_intrinsic(kh, kw) for kh, kw in ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))}
+_NARROW: dict = {}
+
+
+def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16):
+    """The tile of a row's last width < TILE columns (20 wide: 8 + 8 + 4, not 24 computed); lanes 8: of
+    a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed)."""
+    if (kh, kw, width, lanes) not in _NARROW:
+        _NARROW[kh, kw, width, lanes] = _tile_intrinsic(kh, kw, width, lanes)
+    return _NARROW[kh, kw, width, lanes]
+
+
+def _dispatch(prefix: str, indent: str) -> str:
+    """Generated source: the call of the tile of width n (1..8) named prefix + n."""
+    lines = []
+    for k, n in enumerate((8, 4, 2, 6, 1, 3, 5, 7)):
+        head = "if" if k == 0 else "elif" if n != 7 else "else"
+        lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
+        lines.append(f"{indent}    {prefix}{n}(acc, xf, at, hp * wp, dh * wp, dw, sw, wf, 0, c_n)")
+    return "\n".join(lines)
 
 _DIRECT = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_kernels import TILE, TILES
+from ingot.backends.cpu.conv_kernels import TILE, TILES, narrow_tile
+from ingot.backends.cpu.conv_spatial import EPILOGUES
 
-tile = TILES[({kh}, {kw})]
+tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w) for w in range(1, 9))
+half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8) for w in range(1, 9))
+epilogue = EPILOGUES[{key!r}]
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, wb, sh, sw, dh, dw, ph, pw, out):
+def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops):
     c_n, h, wd = x.shape
     m, oh, ow = out.shape
     kh, kw = {kh}, {kw}
@@ -210,9 +232,9 @@ def kernel(x, wb, sh, sw, dh, dw, ph, pw, out):
     xp = np.zeros((c_n, hp, wp), np.float32)
     for c in range(c_n):
         for y in range(h):
-            for xx in range(wd):
-                xp[c, y + ph, xx + pw] = x[c, y, xx]
+            xp[c, y + ph, pw:pw + wd] = x[c, y]
     xf = xp.reshape(c_n * hp * wp)
+    of = out.reshape(m * oh * ow)
     acc = np.empty(TILE * 16, np.float32)
     for b in range(wb.shape[0]):
         wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
@@ -220,12 +242,22 @@ def kernel(x, wb, sh, sw, dh, dw, ph, pw, out):
         for oy in range(oh):
             for t in range(tiles):
                 ox0 = t * TILE
-                tile(acc, xf, oy * sh * wp + ox0 * sw, hp * wp, dh * wp, dw, sw, wf, 0, c_n)
                 n = min(TILE, ow - ox0)
+                at = oy * sh * wp + ox0 * sw
+                if lanes > 8:
+{full}
+                else:
+{half}
                 for l in range(lanes):
                     orow = out[b * 16 + l, oy]
+                    bl = bias[b * 16 + l]
                     for r in range(n):
-                        orow[ox0 + r] = acc[r * 16 + l]
+                        orow[ox0 + r] = acc[r * 16 + l] + bl
+            if {has_epilogue}:   # the block's 16 rows just written, in L1
+                for l in range(lanes):
+                    at = ((b * 16 + l) * oh + oy) * ow
+                    for t0 in range(0, ow, 16):
+                        epilogue(of, at + t0, of, at + t0, ow - t0, b * 16 + l, at + t0, ops)
 """
 
 
@@ -251,16 +283,30 @@ def direct_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(blocks, 16, c, kh, kw).transpose(0, 2, 3, 4, 1)).reshape(blocks, -1, 16)
 
 
-def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out) -> None:
+_NO_BIAS: dict = {}
+
+
+def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, steps=(), operands=(), ops=()) -> None:
     """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights (the
-    same bytes for a kh x 1 window as for 1 x kh: a column convolution runs as a row one)."""
+    same bytes for a kh x 1 window as for 1 x kh: a column convolution runs as a row one), + bias [M],
+    then conv.Epilogue's steps (conv_spatial's vector epilogue, reading ops: conv_spatial's operands)
+    on each block of rows while they are in cache."""
     if _columns(kh, kw, out.shape[2], x.shape[2]):
         c, h, _ = x.shape
         m, oh, _ = out.shape
         x, out = x.reshape(c, 1, h), out.reshape(m, 1, oh)
         kh, kw, sh, sw, dh, dw, ph, pw = kw, kh, sw, sh, dw, dh, pw, ph
-    kernel = codegen.load(_DIRECT.format(kh=kh, kw=kw), "kernel", "cpu_direct_conv")
-    kernel(x, wb, sh, sw, dh, dw, ph, pw, out)
+    from . import conv_spatial
+    key = conv_spatial.steps_key(steps, operands)
+    conv_spatial.epilogue_for(key, steps, operands)
+    source = _DIRECT.format(kh=kh, kw=kw, key=key, has_epilogue=bool(steps), full=_dispatch("tile", " " * 20),
+                            half=_dispatch("half", " " * 20))
+    kernel = codegen.load(source, "kernel", "cpu_direct_conv")
+    if bias is None:
+        bias = _NO_BIAS.get(wb.shape[0])
+        if bias is None:
+            bias = _NO_BIAS[wb.shape[0]] = np.zeros(wb.shape[0] * 16, np.float32)
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops)
 
 
 # -- the SiLU epilogue: x * sigmoid(x) with a vector exp -------------------------------------------------

@@ -7,12 +7,14 @@ be scattered lane by lane, lanes idle where the channels are not a multiple of 1
 - a pointwise (1x1, stride 1) convolution is out [M, P] = w [M, C] @ x [C, P]: per call, 4 output
   channels x 64 positions (16 vector accumulators) over every input channel, each step 4 vector loads
   of x and 4 broadcast weights (`_tile`); the output stays NCHW, written once.
-- a kxk convolution with stride 1 runs the same tile over the input copied once into a zero-padded
-  [C, H', W'] plane, on the padded grid (positions oy * W' + ox), where each tap is an offset: the
-  columns past the output's width are computed and dropped.
+- a depthwise one runs the same tile (one channel, every tap) over each channel copied into a
+  zero-padded plane: stride 1 on the padded grid (positions oy * W' + ox, each tap an offset; the
+  columns past the output's width computed and dropped), stride 2 a row at a time (even lanes).
 - the epilogue's ops are emitted as vector IR (`_epilogue_intrinsic`, generated per epilogue), applied to
-  each 16 positions while they are in L1 (pointwise: in place; kxk: on the way from the padded grid to
-  the output). exp, sigmoid, SiLU and tanh use a degree-6 polynomial exp (relative error ~2e-7).
+  each 16 positions while they are in L1 (pointwise: in place; depthwise: on the way from the grid to
+  the output; conv_kernels.conv_direct calls it too). exp, sigmoid, SiLU and tanh use a degree-6
+  polynomial exp (relative error ~2e-7).
+(The same tile over a kxk window with groups 1 ran at 60-78 GFLOP/s against conv_direct's 80-100.)
 
 Both are llvmlite intrinsics called by numba drivers that codegen generates and caches on disk.
 """
@@ -387,60 +389,8 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
                 epilogue(of, at + t, grid, oy * wq + t, ow - t, c, at + t, ops)
 """
 
-_WINDOW = """import numpy as np
-from numba import njit
-
-from ingot.backends.cpu.conv_spatial import EPILOGUES, ROWS, TILE, tile_for
-
-tile = tile_for({kh}, {kw})
-epilogue = EPILOGUES[{key!r}]
-
-
-@njit(cache=True, nogil=True)
-def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
-    # x [C, H, W], w [M rounded up to ROWS, C * kh * kw], bias [M rounded up], out [M, OH, OW]; stride 1
-    c_n, h, wd = x.shape
-    m_n, oh, ow = out.shape
-    kh, kw = {kh}, {kw}
-    hp = max(h + ph, oh + (kh - 1) * dh)
-    wp = max(wd + pw, ow + (kw - 1) * dw)
-    plane = hp * wp
-    xp = np.zeros(c_n * plane + wp + TILE, np.float32)   # slack: the last tile's dropped columns read past it
-    for c in range(c_n):
-        for y in range(h):
-            at = c * plane + (y + ph) * wp + pw
-            xp[at:at + wd] = x[c, y]
-    of = out.reshape(m_n * oh * ow)
-    w_step = w.shape[1]
-    wf = w.reshape(w.shape[0] * w_step)
-    chunk = max(1, 256 // wp)                            # output rows per pass: the grid's tile stays in L1
-    span = chunk * wp
-    buf = np.empty(ROWS * span, np.float32)
-    for oy0 in range(0, oh, chunk):
-        oy1 = min(oh, oy0 + chunk)
-        q0 = oy0 * wp
-        n = (oy1 - oy0 - 1) * wp + ow                   # grid positions up to the last row's last output
-        for m0 in range(0, m_n, ROWS):
-            rows = min(ROWS, m_n - m0)
-            for t in range(0, n, TILE):
-                tile(buf, t, span, xp, q0 + t, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, n - t, rows)
-            for r in range(rows):
-                m = m0 + r
-                for oy in range(oy0, oy1):
-                    at = (m * oh + oy) * ow
-                    src = r * span + (oy - oy0) * wp
-                    for t in range(0, ow, 16):
-                        epilogue(of, at + t, buf, src + t, ow - t, m, at + t, ops)
-"""
-
-
 def pointwise_fits(kh: int, kw: int, groups: int, strides, pads) -> bool:
     return groups == 1 and kh == kw == 1 and all(s == 1 for s in strides) and not any(a or b for a, b in pads)
-
-
-def window_fits(kh: int, kw: int, groups: int, strides) -> bool:
-    """kxk (not 1x1) with groups 1 and stride 1, a window of at most 7 x 7."""
-    return groups == 1 and (kh, kw) != (1, 1) and all(s == 1 for s in strides) and kh <= 7 and kw <= 7
 
 
 def arrange_weights(w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -466,8 +416,7 @@ def driver(kh: int, kw: int, steps, operands, depthwise_stride: int = 0):
     epilogue_for(key, steps, operands)
     if depthwise_stride:
         source = _DEPTHWISE.format(key=key, kh=kh, kw=kw, stride=depthwise_stride)
-    elif (kh, kw) == (1, 1):
-        source = _POINTWISE.format(key=key, has_epilogue=bool(steps))
     else:
-        source = _WINDOW.format(key=key, kh=kh, kw=kw)
+        assert (kh, kw) == (1, 1), "conv_spatial: a kxk window with groups 1 runs conv_kernels.conv_direct"
+        source = _POINTWISE.format(key=key, has_epilogue=bool(steps))
     return codegen.load(source, "kernel", "cpu_conv_spatial")

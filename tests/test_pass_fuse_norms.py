@@ -41,7 +41,9 @@ def test_rms_norm_forms_become_one_op(form, weight):
     out, changed = fuse_norms(program)
     assert changed
     assert ops_of(out).count(Op.RMS_NORM) == 1 and Op.SQRT not in ops_of(out) and Op.RSQRT not in ops_of(out)
-    assert Op.MEAN not in ops_of(out)
+    assert Op.MEAN not in ops_of(out) and Op.MUL not in ops_of(out)
+    (norm,) = [n for n in out.nodes() if n.op == Op.RMS_NORM]
+    assert len(norm.src) == (1 if w is None else 2)
     got = evaluate(out, {"x": x})[0]
     xd = x.astype(np.float64)
     want = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6) * (1 if w is None else w)

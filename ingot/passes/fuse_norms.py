@@ -88,9 +88,10 @@ def _rms_norm(node: Node, ctx: Context) -> Node | None:
     if node.dtype.name != "float32" or not node.type.static or node.type.rank < 1:
         return None
     found, weight = _normalized(node, ctx), None
-    if found is None:
+    if found is None:   # (the rewrite runs sources first: the normalisation may be an rms_norm already)
         for inner, w in _operands(node, Op.MUL):
-            found = _normalized(inner, ctx)
+            found = (inner.src[0], inner.attrs["eps"]) if inner.op == Op.RMS_NORM and len(inner.src) == 1 \
+                else _normalized(inner, ctx)
             if found is not None and w.op == Op.CONSTANT and w.dtype.name == "float32" and \
                     all(d == 1 for d in w.type.shape[:-1]) and w.type.shape[-1:] == node.type.shape[-1:]:
                 weight = w

@@ -63,6 +63,61 @@ def _dot_rows(typingctx, acc, acc_at, w, w_at, x4, x_at, x_stride):
     return sig, codegen
 
 
+WIDE = 8                 # rows of x per weight block in _dot_block (8 int32 accumulators in registers)
+
+
+@intrinsic
+def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
+    """acc[16 r : 16 r + 16] = the 16 dot products over nb weight blocks (int8, vnni.repack8 layout, 512 bytes
+    each, the first at w_at) with row r of x (uint8 as an int32 view: x4[x_at + r * x_stride ..], 8 int32 per
+    block) for r in 0..WIDE-1. The loop over k runs inside: the WIDE accumulators stay in registers (phi
+    nodes) and each weight block is read once for WIDE rows; nb >= 1."""
+    sig = types.void(acc, w, w_at, nb, x4, x_at, x_stride)
+
+    def codegen(context, builder, signature, args):
+        acc_v, w_v, w_at_v, nb_v, x_v, x_at_v, stride_v = args
+        arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+        aa, wa, xa = arr(0, acc_v), arr(1, w_v), arr(4, x_v)
+        i32, index = ir.IntType(32), w_at_v.type
+        v16 = ir.VectorType(i32, 16)
+        vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
+        zeros = ir.Constant(v16, [0] * 16)
+        const = lambda v: ir.Constant(index, v)  # noqa: E731
+        entry = builder.block
+        loop = builder.append_basic_block("k_blocks")
+        done = builder.append_basic_block("k_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        b = builder.phi(index)
+        sums = [builder.phi(v16) for _ in range(WIDE)]
+        b.add_incoming(const(0), entry)
+        for phi in sums:
+            phi.add_incoming(zeros, entry)
+        w_base = builder.add(w_at_v, builder.mul(b, const(512)))
+        x_base = builder.add(x_at_v, builder.mul(b, const(8)))
+        rows = [builder.add(x_base, builder.mul(stride_v, const(r))) for r in range(WIDE)]
+        new = list(sums)
+        for v in range(8):
+            weight = builder.load(builder.bitcast(builder.gep(wa.data, [builder.add(w_base, const(64 * v))]),
+                                                  v16.as_pointer()), align=1)
+            for r in range(WIDE):
+                x4 = builder.load(builder.gep(xa.data, [builder.add(rows[r], const(v))]), align=4)
+                one = builder.insert_element(ir.Constant(v16, ir.Undefined), x4, ir.Constant(i32, 0))
+                splat = builder.shuffle_vector(one, ir.Constant(v16, ir.Undefined), zeros)
+                new[r] = builder.call(vdp, [new[r], splat, weight])   # unsigned x, signed w
+        following = builder.add(b, const(1))
+        b.add_incoming(following, builder.block)
+        for phi, value in zip(sums, new):
+            phi.add_incoming(value, builder.block)
+        builder.cbranch(builder.icmp_signed("<", following, nb_v), loop, done)
+        builder.position_at_end(done)
+        for r in range(WIDE):
+            ptr = builder.bitcast(builder.gep(aa.data, [ir.Constant(ir.IntType(64), 16 * r)]), v16.as_pointer())
+            builder.store(new[r], ptr, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def vnni_gemm(xu, w, out):
     """out[m, n] (int32) = sum_k xu[m, k] * w[k, n]: xu [M, K] uint8 with M a multiple of ROWS and K of
@@ -71,10 +126,16 @@ def vnni_gemm(xu, w, out):
     nb = k // BLOCK
     x4 = xu.reshape(m_rows * k).view(np.int32)
     stride = k // 4
-    acc = np.zeros(ROWS * 16, np.int32)
+    acc = np.zeros(WIDE * 16, np.int32)
+    wide = m_rows - m_rows % WIDE
     for g in range(w.shape[0]):
         lo = g * 16
-        for r0 in range(0, m_rows, ROWS):
+        for r0 in range(0, wide, WIDE):      # WIDE rows at a time, the sums in registers
+            _dot_block(acc, w, g * nb * 512, nb, x4, r0 * stride, stride)
+            for r in range(WIDE):
+                for t in range(16):
+                    out[r0 + r, lo + t] = acc[r * 16 + t]
+        for r0 in range(wide, m_rows, ROWS):   # the last ROWS (4)
             acc[:] = 0
             for b in range(nb):
                 _dot_rows(acc, 0, w, (g * nb + b) * 512, x4, r0 * stride + b * 8, stride)

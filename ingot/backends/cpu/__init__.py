@@ -154,6 +154,32 @@ def _reshape(node: Node, out):
     return _reference(node, out)
 
 
+@lowering(Op.PAD)
+def _pad(node: Node, out):
+    """A pad of a static shape without np.pad's per-call planning (~25 us on a [1, 512] input): constant
+    pads fill a new array and copy x in; reflect, symmetric and edge take precomputed indices per axis."""
+    src, pads = node.src[0].type, [tuple(p) for p in node.attrs["pads"]]
+    mode = node.attrs.get("mode", "constant")
+    if not src.static or node.dtype.packed or not node.type.static:
+        return _reference(node, out)
+    if mode == "constant":
+        value, shape = node.attrs.get("value", 0), node.type.shape
+        inner = tuple(slice(lo, lo + d) for (lo, _), d in zip(pads, src.shape))
+
+        def constant(x):
+            y = np.full(shape, value, x.dtype)
+            y[inner] = x
+            return y
+        return constant
+    taken = [(axis, np.pad(np.arange(d), p, mode=mode)) for axis, (d, p) in enumerate(zip(src.shape, pads)) if p != (0, 0)]
+
+    def indexed(x):
+        for axis, index in taken:
+            x = np.take(x, index, axis=axis)
+        return x if taken else x.copy()
+    return indexed
+
+
 @lowering(Op.SLICE)
 def _slice(node: Node, out):
     """A slice whose starts and ends are constants is one precomputed NumPy index (a view)."""

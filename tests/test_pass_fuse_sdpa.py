@@ -149,3 +149,36 @@ def test_second_run_changes_nothing():
     once, _ = fuse_attention(program_of(g, out))
     twice, changed = fuse_attention(once)
     assert not changed and twice.outputs[0] is once.outputs[0]
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_hf_export_form_split_scale_merged_transpose_nan_guard(guard):
+    """HF's exported attention (MiniLM): q * c and k^T * c (c^2 = 1/sqrt(D)), k^T made as reshape to
+    [B*H, T, D], transpose, reshape back, and the probabilities NaN-guarded: one SDPA, same numbers
+    (a row masked whole gives zeros either way)."""
+    rng = np.random.default_rng(9)
+    b, h, t, d = 2, 3, 5, 6
+    g = ingot.Graph()
+    q, k, v = (g.placeholder((b, h, t, d), name=n) for n in "qkv")
+    m = g.placeholder((b, 1, t, t), name="mask")
+    c = float(1 / math.sqrt(math.sqrt(d)))
+    kt = g.reshape(g.transpose(g.reshape(k, (b * h, t, d)), (0, 2, 1)), (b, h, d, t))
+    p = g.softmax(g.matmul(q * c, kt * c) + m, axis=-1)
+    if guard:
+        p = g.where(g.not_equal(p, p), g.constant(np.float32(0)), p)
+    out = g.matmul(p, v)
+    mask = np.where(rng.random((b, 1, t, t)) < 0.3, -np.inf, 0).astype(np.float32)
+    mask[1, 0, 2] = -np.inf        # a row that sees no key
+    feeds = {n: rng.standard_normal((b, h, t, d)).astype(np.float32) for n in "qkv"} | {"mask": mask}
+    before = program_of(g, out)
+    after, changed = fuse_attention(before)
+    assert changed and ops_of(after).count(Op.SDPA) == 1 and Op.SOFTMAX not in ops_of(after)
+    assert after.outputs[0].attrs["scale"] == pytest.approx(c * c)
+    (fused,) = Executable(after).run(feeds)
+    with np.errstate(invalid="ignore"):   # the row that sees no key: NaN in the written-out form
+        want = reference_attention(feeds["q"], feeds["k"], feeds["v"], c * c, mask)
+        unfused = evaluate(before, feeds)[0]
+    want[1, :, 2] = 0
+    np.testing.assert_allclose(fused, want, rtol=1e-4, atol=1e-5)
+    if guard:
+        np.testing.assert_allclose(unfused, want, rtol=1e-4, atol=1e-5)

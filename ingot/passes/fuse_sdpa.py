@@ -3,8 +3,10 @@
     matmul(softmax(cap(matmul(q, swap(k)) [* c | / c]) [+ mask | where(mask, ., -inf)], axis=-1), v)
         -> sdpa(q, k, v, mask, scale, softcap)
 
-`swap` is a transpose of the last two axes, c a constant scalar (either side of the multiply), the
-additive mask either side of the add; `cap` is optional: tanh(s / m) * m (or tanh(s * (1 / m)), the
+`swap` is a transpose of the last two axes (or a reshape to [N, T, D], a transpose and a reshape back),
+c a constant scalar (either side of the multiply; or one on q and one on swap(k), whose product is the
+scale), the additive mask either side of the add, and the probabilities may be NaN-guarded
+(where(p != p, 0, p), HF's export); `cap` is optional: tanh(s / m) * m (or tanh(s * (1 / m)), the
 product either way round) with one constant m, the logit softcap of Gemma 2. A sliding window written
 by hand is a mask like any other. A missing scale means scale 1. The fused node must have the
 type the matmul had, or nothing is rewritten.
@@ -44,9 +46,39 @@ def _scaled_scores(node: Node, ctx: Context) -> tuple[Node, Node, float] | None:
             return None
         scale = c if node.op == Op.MUL else 1.0 / c
         node = a
-    if node.op != Op.MATMUL or not _is_swap(node.src[1]):
+    if node.op != Op.MATMUL:
         return None
-    return node.src[0], node.src[1].src[0], scale
+    q, kt = node.src
+    for side in ("q", "k"):   # the scale split over q and k^T (c each, c^2 = 1/sqrt(D): HF's export)
+        operand = q if side == "q" else kt
+        if operand.op != Op.MUL:
+            continue
+        for a, b in (operand.src, operand.src[::-1]):
+            c = _scalar(b, ctx)
+            if c is not None and c != 0 and math.isfinite(c):
+                scale *= c
+                q, kt = (a, kt) if side == "q" else (q, a)
+                break
+    k = _swapped(kt)
+    if k is None:
+        return None
+    return q, k, scale
+
+
+def _swapped(node: Node) -> Node | None:
+    """k if node is k with its last two axes swapped: a transpose, or k [..., T, D] reshaped to [N, T, D],
+    transposed to [N, D, T] and reshaped to [..., D, T]."""
+    if _is_swap(node):
+        return node.src[0]
+    inner = node.src[0] if node.op == Op.RESHAPE else None
+    if inner is None or inner.op != Op.TRANSPOSE or tuple(inner.attrs["perm"]) != (0, 2, 1) or inner.src[0].op != Op.RESHAPE:
+        return None
+    k = inner.src[0].src[0]
+    ks, merged, out = k.type.shape, inner.src[0].type.shape, node.type.shape
+    if k.type.rank < 2 or not k.type.static or not node.type.static or len(out) != len(ks) or \
+            tuple(out) != tuple(ks[:-2]) + (ks[-1], ks[-2]) or tuple(merged[1:]) != tuple(ks[-2:]):
+        return None
+    return k
 
 
 def _capped_scores(node: Node, ctx: Context) -> tuple[Node, Node, float, float] | None:
@@ -90,8 +122,18 @@ def _candidates(scores: Node, ctx: Context):
             yield found + (scores.src[0],)
 
 
+def _nan_guarded(node: Node, ctx: Context) -> Node:
+    """p for where(p != p, 0, p) (a NaN row, from a row masked whole, zeroed: SDPA gives such rows zeros)."""
+    if node.op == Op.WHERE and _scalar(node.src[1], ctx) == 0.0 and node.src[0].op == Op.NOT_EQUAL:
+        p = node.src[2]
+        if node.src[0].src[0] is p and node.src[0].src[1] is p:
+            return p
+    return node
+
+
 def _fuse(node: Node, ctx: Context) -> Node | None:
     probs, v = node.src
+    probs = _nan_guarded(probs, ctx)
     if probs.op != Op.SOFTMAX or probs.type.rank < 3 or probs.attrs["axis"] != probs.type.rank - 1:
         return None
     for q, k, scale, softcap, mask in _candidates(probs.src[0], ctx):

@@ -313,43 +313,65 @@ FUSED_LOWERINGS = {"integer_matmul": integer_matmul_lowering}
 # tensor or channel) reach quantized_matmul with one block along k. Past 16 rows the generic path
 # dequantizes tiles of W on every run and multiplies them with BLAS (22 x 384 x 1536: 0.38 ms); here the
 # weight's 16 bytes of each k widen to 16 floats in registers (less the column's zero point, exact) and
-# serve FROWS rows of x by fused multiply-adds; the scale and bias apply once per output.
+# serve 12 (or 8, 4) rows of x by fused multiply-adds, the sums in registers over the whole k loop; the
+# scale and bias apply once per output.
 
-FROWS = 8     # rows of x per pass over a weight block (8 accumulators, 16 columns each)
-FK = 16       # k per call of the intrinsic
+FROWS = 8     # x's rows are padded to a multiple of this (passes of 12, 8 or 4 rows: _fma_block)
+FK = 16       # x's k is padded to a multiple of this
 
 
-@intrinsic
-def _fma_rows(typingctx, acc, w, w_at, zero, zero_at, x, x_at, x_stride):
-    """acc[16 r : 16 r + 16] += sum over FK k of x[x_at + r * x_stride + k] * (w[w_at + 16 k : + 16] - zero[zero_at : + 16])
-    for r < FROWS: w int8 (16 columns a k), zero int32, x and acc float32."""
-    sig = types.void(acc, w, w_at, zero, zero_at, x, x_at, x_stride)
+def _fma_block_of(rows: int):
+    """_fma_block for `rows` rows: the whole k loop inside one intrinsic, the rows' sums in registers."""
+    @intrinsic
+    def _fma_block(typingctx, acc, w, kp, zero, zero_at, x, x_at, x_stride):
+        """acc[16 r : 16 r + 16] = sum over k < kp of x[x_at + r * x_stride + k] * (w[16 k : + 16] - zero[zero_at :
+        + 16]) for r < rows: w int8 (one group of 16 columns, k-major), zero int32, x and acc float32. Each k's
+        16 weights are widened once for all rows; the same sums, in the same order, as one multiply-add a k would make."""
+        sig = types.void(acc, w, kp, zero, zero_at, x, x_at, x_stride)
 
-    def codegen(context, builder, signature, args):
-        acc_v, w_v, w_at_v, z_v, z_at_v, x_v, x_at_v, stride_v = args
-        arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
-        aa, wa, za, xa = arr(0, acc_v), arr(1, w_v), arr(3, z_v), arr(5, x_v)
-        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        b16, v16, f16x = ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        zeros = ir.Constant(v16, [0] * 16)
-        zero_point = builder.load(builder.bitcast(builder.gep(za.data, [z_at_v]), v16.as_pointer()), align=4)
-        weights = []
-        for k in range(FK):
-            at = builder.add(w_at_v, ir.Constant(w_at_v.type, 16 * k))
-            raw = builder.load(builder.bitcast(builder.gep(wa.data, [at]), b16.as_pointer()), align=1)
-            weights.append(builder.sitofp(builder.sub(builder.sext(raw, v16), zero_point), f16x))
-        for r in range(FROWS):
-            row_at = builder.add(x_at_v, builder.mul(stride_v, ir.Constant(stride_v.type, r)))
-            ptr = builder.bitcast(builder.gep(aa.data, [ir.Constant(ir.IntType(64), 16 * r)]), f16x.as_pointer())
-            total = builder.load(ptr, align=4)
-            for k in range(FK):
-                xv = builder.load(builder.gep(xa.data, [builder.add(row_at, ir.Constant(row_at.type, k))]), align=4)
+        def codegen(context, builder, signature, args):
+            acc_v, w_v, kp_v, z_v, z_at_v, x_v, x_at_v, stride_v = args
+            arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+            aa, wa, za, xa = arr(0, acc_v), arr(1, w_v), arr(3, z_v), arr(5, x_v)
+            i8, i32, f32, index = ir.IntType(8), ir.IntType(32), ir.FloatType(), kp_v.type
+            b16, v16, f16x = ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+            const = lambda v: ir.Constant(index, v)  # noqa: E731
+            zeros = ir.Constant(v16, [0] * 16)
+            zero_point = builder.load(builder.bitcast(builder.gep(za.data, [z_at_v]), v16.as_pointer()), align=4)
+            row_at = [builder.add(x_at_v, builder.mul(stride_v, const(r))) for r in range(rows)]
+            entry = builder.block
+            loop = builder.append_basic_block("k_loop")
+            done = builder.append_basic_block("k_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            k = builder.phi(index)
+            sums = [builder.phi(f16x) for _ in range(rows)]
+            k.add_incoming(const(0), entry)
+            for phi in sums:
+                phi.add_incoming(ir.Constant(f16x, [0.0] * 16), entry)
+            raw = builder.load(builder.bitcast(builder.gep(wa.data, [builder.mul(k, const(16))]), b16.as_pointer()), align=1)
+            weight = builder.sitofp(builder.sub(builder.sext(raw, v16), zero_point), f16x)
+            new = []
+            for r in range(rows):
+                xv = builder.load(builder.gep(xa.data, [builder.add(row_at[r], k)]), align=4)
                 one = builder.insert_element(ir.Constant(f16x, ir.Undefined), xv, ir.Constant(i32, 0))
                 splat = builder.shuffle_vector(one, ir.Constant(f16x, ir.Undefined), zeros)
-                total = builder.fadd(total, builder.fmul(splat, weights[k], flags=("contract",)), flags=("contract",))
-            builder.store(total, ptr, align=4)
-        return context.get_dummy_value()
-    return sig, codegen
+                new.append(builder.fadd(sums[r], builder.fmul(splat, weight, flags=("contract",)), flags=("contract",)))
+            following = builder.add(k, const(1))
+            k.add_incoming(following, builder.block)
+            for phi, value in zip(sums, new):
+                phi.add_incoming(value, builder.block)
+            builder.cbranch(builder.icmp_signed("<", following, kp_v), loop, done)
+            builder.position_at_end(done)
+            for r in range(rows):
+                ptr = builder.bitcast(builder.gep(aa.data, [ir.Constant(ir.IntType(64), 16 * r)]), f16x.as_pointer())
+                builder.store(new[r], ptr, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return _fma_block
+
+
+_fma_block12, _fma_block8, _fma_block4 = _fma_block_of(12), _fma_block_of(8), _fma_block_of(4)
 
 
 @njit(cache=True, nogil=True)
@@ -363,20 +385,26 @@ def float_gemm(x, w, zero, scale, bias, has_bias, m_rows, n, g0, g1, out):
     if has_bias:
         for m in range(m_rows):
             sums[m] = x[m].sum()
-    acc = np.zeros(FROWS * 16, np.float32)
+    acc = np.zeros(12 * 16, np.float32)
     for g in range(g0, g1):
         lo = g * 16
         wg = w[g].reshape(kp * 16)
-        for r0 in range(0, mp, FROWS):
-            acc[:] = 0
-            for k0 in range(0, kp, FK):
-                _fma_rows(acc, wg, k0 * 16, zero, lo, xf, r0 * kp + k0, kp)
-            for r in range(FROWS):
+        r0 = 0
+        while r0 < mp:   # 12 rows a pass while 12 remain, then 8 or 4 (Mp is a multiple of 8)
+            rows = 12 if mp - r0 >= 12 else (8 if mp - r0 >= 8 else 4)
+            if rows == 12:
+                _fma_block12(acc, wg, kp, zero, lo, xf, r0 * kp, kp)
+            elif rows == 8:
+                _fma_block8(acc, wg, kp, zero, lo, xf, r0 * kp, kp)
+            else:
+                _fma_block4(acc, wg, kp, zero, lo, xf, r0 * kp, kp)
+            for r in range(rows):
                 m = r0 + r
                 if m < m_rows:
                     for t in range(min(16, n - lo)):
                         v = acc[r * 16 + t] * scale[lo + t]
                         out[m, lo + t] = v + bias[lo + t] * sums[m] if has_bias else v
+            r0 += rows
 
 
 class FloatInt8Matmul:

@@ -99,3 +99,32 @@ def test_epilogue_keeps_nan_and_extremes():
     got = exe.run({"x": x})[0]
     assert any(n.op.name == "FUSED" for n in exe.program.nodes()) and np.isnan(got.ravel()[0])
     np.testing.assert_allclose(got.ravel()[1:], want.ravel()[1:], rtol=3e-6, atol=1e-30)
+
+
+ROWS_WINDOW = [  # C, M, (H, W), (kh, kw), stride, dilation, pads
+    (3, 16, (17, 70), (3, 3), 2, 1, ((1, 1), (1, 1))),
+    (1, 5, (1, 1), (3, 3), 2, 1, ((1, 1), (1, 1))),   # narrower than 16: conv_direct in the compiler
+    (5, 7, (9, 11), (3, 3), 1, 2, ((2, 1), (2, 0))),
+    (4, 9, (12, 13), (5, 5), 2, 1, ((2, 2), (1, 2))),
+    (16, 6, (6, 67), (3, 3), 1, 1, ((1, 1), (1, 1))),
+]
+
+
+@pytest.mark.parametrize("c,m,hw,k,stride,dilation,pads", ROWS_WINDOW)
+def test_rows_window_matches_reference(c, m, hw, k, stride, dilation, pads):
+    rng = np.random.default_rng(c * 5 + m + hw[1])
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c) + k).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    want = conv(x[None], w, b, (stride, stride), (dilation, dilation), pads, 1)[0]
+    assert conv_spatial.rows_window_fits(k[0], k[1], 1, (stride, stride), c)   # the kernel takes any width
+    wk, bk = conv_spatial.arrange_weights(w, b)
+    out = np.full(want.shape, np.nan, np.float32)
+    kernel = conv_spatial.driver(k[0], k[1], [], [], window_stride=stride)
+    kernel(x, wk, bk, dilation, dilation, pads[0][0], pads[1][0], out, ())
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def test_rows_window_only_for_few_channels():
+    assert not conv_spatial.rows_window_fits(3, 3, 1, (2, 2), 32) and not conv_spatial.rows_window_fits(3, 3, 1, (2, 1), 3)
+    assert not conv_spatial.rows_window_fits(5, 1, 1, (1, 1), 8, width=1)

@@ -292,6 +292,12 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None)
     if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw))
+    if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow):
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows")
+    if direct:   # a column window runs as a row one (conv_kernels._columns)
+        window = (kw, kh) if conv_kernels._columns(kh, kw, ow, conv.src[0].type.shape[-1] if not one_d else 0) else (kh, kw)
+        direct_kernel = conv_kernels.direct_kernel(*window, *((epilogue.steps, epilogue.operands) if epilogue.spatial_ok
+                                                              else ((), ())))
     k = cg * kh * kw
     rows = max(1, min(oh, TILE_ELEMENTS // max(1, (k if not pointwise else cg) * ow)))
     scratch: dict = {}
@@ -330,12 +336,11 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                             conv_kernels.depthwise_blocked(xg, wk, sh, sw, dh, dw, ph, pw, y4[n])
                     elif direct:
                         if oy0 == 0 and epilogue.spatial_ok:   # bias and epilogue in the kernel
-                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], bias,
-                                                     epilogue.steps, epilogue.operands,
+                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], bias, direct_kernel,
                                                      tuple(_operand(inputs[i], f, n) for f, i in epilogue.operands))
                             break
                         if oy0 == 0:
-                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n])
+                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], None, direct_kernel)
                     elif depthwise:
                         _depthwise(xg, wk, sh, sw, dh, dw, ph, pw, oy0, oy1, y4[n])
                     elif pointwise:
@@ -357,9 +362,10 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
 
 
 def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
-                  b_index: int | None, constant: bool, depthwise: tuple | None):
-    """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1),
-    or a depthwise one (depthwise: its (stride, dh, dw, ph, pw))."""
+                  b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise"):
+    """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1,
+    window None), else a depthwise one or (kind "rows") a kxk one of few channels, window (stride, dh, dw,
+    ph, pw)."""
     out_shape = tuple(conv.type.shape)
     n_img, m = out_shape[:2]
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
@@ -367,8 +373,10 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     in_spatial = conv.src[0].type.shape[2:] if len(out_shape) == 4 else (1,) + conv.src[0].type.shape[2:]
     operands = epilogue.operands
     w_shape = conv.src[1].type.shape
-    window = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
-    kernel = conv_spatial.driver(*window, epilogue.steps, operands, depthwise[0] if depthwise else 0)
+    size = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
+    depthwise = window if kind == "depthwise" else None
+    kernel = conv_spatial.driver(*size, epilogue.steps, operands, depthwise[0] if depthwise else 0,
+                                 window[0] if window and kind == "rows" else 0)
     arranged: dict = {}
 
     def step(*inputs):
@@ -387,8 +395,8 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         y = out if out is not None else np.empty(out_shape, np.float32)
         for n in range(n_img):
             ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
-            if depthwise:
-                _, dh, dw, ph, pw = depthwise
+            if window:
+                _, dh, dw, ph, pw = window
                 kernel(x[n].reshape(c, *in_spatial), wk[0], wk[1], dh, dw, ph, pw, y[n].reshape(m, *spatial), ops)
             else:
                 kernel(x[n].reshape(c, -1), wk[0], wk[1], y[n].reshape(m, -1), ops)

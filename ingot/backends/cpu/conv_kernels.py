@@ -232,7 +232,9 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops):
     xp = np.zeros((c_n, hp, wp), np.float32)
     for c in range(c_n):
         for y in range(h):
-            xp[c, y + ph, pw:pw + wd] = x[c, y]
+            row, dst = x[c, y], xp[c, y + ph]
+            for t in range(np.uintp(wd)):
+                dst[np.uintp(pw) + t] = row[t]
     xf = xp.reshape(c_n * hp * wp)
     of = out.reshape(m * oh * ow)
     acc = np.empty(TILE * 16, np.float32)
@@ -286,22 +288,28 @@ def direct_weights(w: np.ndarray) -> np.ndarray:
 _NO_BIAS: dict = {}
 
 
-def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, steps=(), operands=(), ops=()) -> None:
-    """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights (the
-    same bytes for a kh x 1 window as for 1 x kh: a column convolution runs as a row one), + bias [M],
-    then conv.Epilogue's steps (conv_spatial's vector epilogue, reading ops: conv_spatial's operands)
-    on each block of rows while they are in cache."""
-    if _columns(kh, kw, out.shape[2], x.shape[2]):
-        c, h, _ = x.shape
-        m, oh, _ = out.shape
-        x, out = x.reshape(c, 1, h), out.reshape(m, 1, oh)
-        kh, kw, sh, sw, dh, dw, ph, pw = kw, kh, sw, sh, dw, dh, pw, ph
+def direct_kernel(kh: int, kw: int, steps=(), operands=()):
+    """The numba kernel of a kh x kw window with this epilogue (conv.Epilogue's steps and operands):
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops), generated and cached once per process."""
     from . import conv_spatial
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
     source = _DIRECT.format(kh=kh, kw=kw, key=key, has_epilogue=bool(steps), full=_dispatch("tile", " " * 20),
                             half=_dispatch("half", " " * 20))
-    kernel = codegen.load(source, "kernel", "cpu_direct_conv")
+    return codegen.load(source, "kernel", "cpu_direct_conv")
+
+
+def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, kernel=None, ops=()) -> None:
+    """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights (the
+    same bytes for a kh x 1 window as for 1 x kh: a column convolution runs as a row one), + bias [M],
+    then the epilogue of kernel (direct_kernel's; default none) on each block of rows while in cache."""
+    if _columns(kh, kw, out.shape[2], x.shape[2]):
+        c, h, _ = x.shape
+        m, oh, _ = out.shape
+        x, out = x.reshape(c, 1, h), out.reshape(m, 1, oh)
+        kh, kw, sh, sw, dh, dw, ph, pw = kw, kh, sw, sh, dw, dh, pw, ph
+    if kernel is None:
+        kernel = direct_kernel(kh, kw)
     if bias is None:
         bias = _NO_BIAS.get(wb.shape[0])
         if bias is None:

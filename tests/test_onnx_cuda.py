@@ -1,7 +1,7 @@
 """ONNX models on device="cuda" (marker `cuda`) against onnxruntime on the CPU, to 1e-4 relative, with
-nothing run on the host (each plan can be captured as a CUDA graph): the lstm lowering
-(backends/cuda/recurrent.py) on every direction, sequence lengths, initial states, peepholes, clip
-and input_forget at awkward sizes, and the issue's model classes exported from PyTorch with random
+nothing run on the host (each plan can be captured as a CUDA graph): the rnn, lstm and gru
+lowering (backends/cuda/recurrent.py) on directions, sequence lengths, initial states, peepholes,
+clip, input_forget and linear_before_reset at awkward sizes, and the issue's model classes exported from PyTorch with random
 weights (MobileNet, YOLO, DBNet, a CRNN with a bidirectional LSTM, an LSTM voice-activity model with
 If on its sample rate, a BERT-like encoder). Float32 products exact (cuda.float32_precision "ieee",
 the default); "tf32" is checked to reach cuDNN. `INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1` runs it
@@ -54,12 +54,16 @@ def check(exe, model, feeds, rtol=1e-4):
         assert not plan_exe.plan.host_syncs, plan_exe.plan.host_syncs
 
 
-def lstm_model(seq, batch, size, hidden, direction, lengths, initial, peephole, attrs=None, seed=0):
+GATES = {"RNN": 1, "LSTM": 4, "GRU": 3}
+
+
+def recurrent_model(op, seq, batch, size, hidden, direction, lengths, initial, peephole=False, attrs=None, seed=0):
+    """A one-node ONNX model of op (RNN, LSTM or GRU) and its feeds; weights as initializers."""
     rng = np.random.default_rng(seed)
-    d = 2 if direction == "bidirectional" else 1
-    params = {"W": rng.standard_normal((d, 4 * hidden, size)) * 0.5,
-              "R": rng.standard_normal((d, 4 * hidden, hidden)) * (0.5 / np.sqrt(hidden / 6)),
-              "B": rng.standard_normal((d, 8 * hidden)) * 0.3}
+    d, g = 2 if direction == "bidirectional" else 1, GATES[op]
+    params = {"W": rng.standard_normal((d, g * hidden, size)) * 0.5,
+              "R": rng.standard_normal((d, g * hidden, hidden)) * (0.5 / np.sqrt(hidden / 6)),
+              "B": rng.standard_normal((d, 2 * g * hidden)) * 0.3}
     feeds = {"X": rng.standard_normal((seq, batch, size)).astype(np.float32)}
     inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, [seq, batch, size])]
     names = ["X", "W", "R", "B", ""]
@@ -68,7 +72,7 @@ def lstm_model(seq, batch, size, hidden, direction, lengths, initial, peephole, 
         feeds["L"][0] = seq
         inputs.append(helper.make_tensor_value_info("L", TensorProto.INT32, [batch]))
         names[-1] = "L"
-    for state in ("H0", "C0"):
+    for state in ("H0", "C0") if op == "LSTM" else ("H0",):
         if initial:
             feeds[state] = rng.standard_normal((d, batch, hidden)).astype(np.float32)
             inputs.append(helper.make_tensor_value_info(state, TensorProto.FLOAT, [d, batch, hidden]))
@@ -78,9 +82,10 @@ def lstm_model(seq, batch, size, hidden, direction, lengths, initial, peephole, 
         names.append("P")
     while names[-1] == "":
         names.pop()
-    node = helper.make_node("LSTM", names, ["Y", "Y_h", "Y_c"], hidden_size=hidden, direction=direction, **(attrs or {}))
-    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("Y", "Y_h", "Y_c")]
-    graph = helper.make_graph([node], "lstm", inputs, outs,
+    outputs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    node = helper.make_node(op, names, outputs, hidden_size=hidden, direction=direction, **(attrs or {}))
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs]
+    graph = helper.make_graph([node], "recurrent", inputs, outs,
                               [numpy_helper.from_array(v.astype(np.float32), k) for k, v in params.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)]), feeds
 
@@ -88,7 +93,7 @@ def lstm_model(seq, batch, size, hidden, direction, lengths, initial, peephole, 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("seq, batch, size, hidden", [(7, 3, 5, 6), (5, 17, 9, 40)])
 def test_lstm_on_the_device(direction, seq, batch, size, hidden):
-    model, feeds = lstm_model(seq, batch, size, hidden, direction, lengths=True, initial=True, peephole=True)
+    model, feeds = recurrent_model("LSTM", seq, batch, size, hidden, direction, lengths=True, initial=True, peephole=True)
     exe = ingot.from_onnx(model, device="cuda")
     assert any(n.op.name == "LSTM" for n in exe.program.nodes())
     check(exe, model, feeds)
@@ -96,13 +101,23 @@ def test_lstm_on_the_device(direction, seq, batch, size, hidden):
 
 @pytest.mark.parametrize("attrs", [{"clip": 0.7}, {"input_forget": 1}])
 def test_lstm_clip_and_input_forget(attrs):
-    model, feeds = lstm_model(6, 2, 4, 5, "bidirectional", lengths=False, initial=False, peephole=True, attrs=attrs, seed=3)
+    model, feeds = recurrent_model("LSTM", 6, 2, 4, 5, "bidirectional", lengths=False, initial=False, peephole=True,
+                                   attrs=attrs, seed=3)
     check(ingot.from_onnx(model, device="cuda"), model, feeds)
 
 
-def test_lstm_with_other_activations_runs_the_reference_on_the_host():
-    model, feeds = lstm_model(4, 2, 3, 5, "forward", lengths=False, initial=False, peephole=False,
-                              attrs={"activations": ["HardSigmoid", "Tanh", "Tanh"]})
+@pytest.mark.parametrize("op, attrs", [("RNN", {}), ("RNN", {"clip": 0.5}), ("GRU", {}), ("GRU", {"linear_before_reset": 1}),
+                                       ("GRU", {"clip": 0.6})])
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+@pytest.mark.parametrize("seq, batch, size, hidden", [(7, 3, 5, 6), (4, 17, 9, 40)])
+def test_rnn_and_gru_on_the_device(op, attrs, direction, seq, batch, size, hidden):
+    model, feeds = recurrent_model(op, seq, batch, size, hidden, direction, lengths=True, initial=True, attrs=attrs, seed=5)
+    check(ingot.from_onnx(model, device="cuda"), model, feeds)
+
+
+def test_other_activations_run_the_reference_on_the_host():
+    model, feeds = recurrent_model("LSTM", 4, 2, 3, 5, "forward", lengths=False, initial=False,
+                                   attrs={"activations": ["HardSigmoid", "Tanh", "Tanh"]})
     exe = ingot.from_onnx(model, device="cuda")
     assert exe.plan.host_syncs            # said, not hidden
     got = exe.run(feeds)

@@ -1,8 +1,9 @@
-"""The VNNI GEMV for a few rows (backends/cpu/rows_gemv.py): each row bit for bit what vnni.gemv
-gives it alone (a server's rows never depend on their batch), on awkward row counts, 4- and 8-bit
-weights, float32 and float16 parameters, with and without offsets; and a rows decoder with integer
-activations equal to its batch-1 decoder. (Against the NumPy model of integer activations through
-quantized_matmul: tests/test_cpu_kernels.py, rows 3 and 16.)"""
+"""The GEMVs for a few rows (backends/cpu/rows_gemv.py): the VNNI one, each row bit for bit what
+vnni.gemv gives it alone (a server's rows never depend on their batch), on awkward row counts, 4- and
+8-bit weights, float32 and float16 parameters, with and without offsets; the float32-activation one
+for 4-bit weights against a float64 NumPy product and each row bit for bit what it gives the row
+alone; and rows decoders with either activations equal to their batch-1 decoders. (Against the NumPy
+model of integer activations through quantized_matmul: tests/test_cpu_kernels.py, rows 3 and 16.)"""
 from __future__ import annotations
 
 import os
@@ -75,3 +76,53 @@ def test_repacked_weights_are_shared_and_dropped_with_the_weight():
     del q
     gc.collect()
     assert key not in kernels._REPACKED
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16])
+@pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("has_offset", [True, False])
+@pytest.mark.parametrize("flip", [0, 0x88])
+def test_float_rows_kernel_against_numpy_and_each_row_alone(rows, params, has_offset, flip):
+    from ingot.backends.cpu.rows_gemv import gemv_rows_float4
+    k, n, block = 192, 96, 64   # 3 blocks of 64 k (two runs of 32 each), 3 tiles of 32 columns
+    q = RNG.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    scale = (RNG.random((k // block, n)) + 0.1).astype(params)
+    offset = RNG.standard_normal((k // block, n)).astype(params)
+    x = RNG.standard_normal((rows, k)).astype(np.float32)
+    x[0, 40] = 50.0
+    codes = np.empty((k, n), np.float64)
+    flipped = q ^ np.uint8(flip)
+    codes[:, 0::2], codes[:, 1::2] = flipped & 15, flipped >> 4
+    w = codes * np.repeat(scale.astype(np.float64), block, axis=0)
+    if has_offset:
+        w += np.repeat(offset.astype(np.float64), block, axis=0)
+    want = x.astype(np.float64) @ w
+    form = kernels._kernel_form
+    args = (form(q), form(scale), form(offset) if has_offset else form(scale), has_offset, np.uint32(flip))
+    got = np.full((rows, n), np.nan, np.float32)
+    gemv_rows_float4(x, *args, 1, k // block, 32, n, got)          # blocks 1.., columns 32..
+    partial = x[:, block:].astype(np.float64) @ w[block:, 32:]
+    np.testing.assert_allclose(got[:, 32:], partial, rtol=1e-5, atol=1e-4 * np.abs(partial).max())
+    assert np.isnan(got[:, :32]).all()   # only its columns written
+    whole = np.empty((rows, n), np.float32)
+    gemv_rows_float4(x, *args, 0, k // block, 0, n, whole)
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    for m in range(rows):
+        alone = np.empty((1, n), np.float32)
+        gemv_rows_float4(x[m:m + 1], *args, 0, k // block, 0, n, alone)
+        np.testing.assert_array_equal(alone[0], whole[m])
+
+
+def test_rows_decoder_with_float_activations_is_bit_exact_per_row(monkeypatch):
+    from ingot.models import llama
+    from quant_helpers import tiny_config
+    from test_serve import _check_rows_bit_exact
+    from ingot.backends.cpu.rows_gemv import gemv_rows_float4
+
+    cfg = tiny_config(dim=64, ffn_dim=128, vocab_size=320)   # every 4-bit matrix's columns a multiple of 32
+    weights = llama.random_weights(cfg, seed=4)
+    kernels_used = []
+    split_blocks = kernels.split_blocks
+    monkeypatch.setattr(kernels, "split_blocks", lambda kernel, *a: (kernels_used.append(kernel), split_blocks(kernel, *a)))
+    _check_rows_bit_exact(cfg, llama.build(cfg, weights), llama.build(cfg, weights, rows=3), lengths=(5, 2, 7))
+    assert gemv_rows_float4 in kernels_used and kernels.kmajor_packed4 not in kernels_used

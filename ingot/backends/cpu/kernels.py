@@ -565,6 +565,10 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             if gemv is None:
                 gemv = (kmajor_packed4, (ks, ko, offset is not None, flip), nb, _kernel_form(q)) if qdtype.packed else \
                     (kmajor_int8, (ks, ko, offset is not None), nb, _kernel_form(q))
+                if qdtype.packed and vnni.AVAILABLE and n % rows_gemv.TILE_COLUMNS == 0 and (k // nb) % XQ_BLOCK == 0 \
+                        and not isinstance(ks, tuple) and not isinstance(ko, tuple):
+                    # AVX-512, parameters as arrays: W unpacked once for all rows, any row count alike (rows_gemv.py)
+                    gemv = (rows_gemv.gemv_rows_float4,) + gemv[1:]
             hit = prepared[key] = (gemv, scale, offset, flip, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
         return hit
 
@@ -682,7 +686,7 @@ def _cache_is_cold() -> bool:
                attention, rope_rows, _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
                rows_attention.rows_rope_write_attend, rows_attention.rows_chunks]
     if vnni.AVAILABLE:   # _warm_up compiles these only where the CPU has VNNI: elsewhere never cached
-        kernels += [vnni.gemv, rows_gemv.gemv_rows]
+        kernels += [vnni.gemv, rows_gemv.gemv_rows, rows_gemv.gemv_rows_float4]
     try:
         return any(not d._cache._cache_file._load_index() for d in kernels)
     except Exception:
@@ -736,3 +740,5 @@ def _warm_up() -> None:
     erf_rows(f32(4), f32(4))
     layer_norm(f32(1, 8), f32(8), f32(8), np.float32(1e-5))
     rows_attention.warm_up()   # ingot serve's decode attention over rows
+    if vnni.AVAILABLE:
+        rows_gemv.warm_up()    # the float32-activation GEMV of 4-bit weights on AVX-512

@@ -123,3 +123,198 @@ def gemv_rows_chunks(head, plan, outs, out, ctrl, gen, lead):
 
 
 team.DRIVERS[gemv_rows] = (gemv_rows_chunks, True)   # as vnni.gemv: split along columns
+
+
+# -- float32 activations: 4-bit W unpacked once for up to ROW_TILE rows ----------------------------
+#
+# kernels._kmajor_packed4 (the float32-activation GEMV of 4-bit weights) unpacks W again for every row
+# of x: 8 rows cost ~6x one. Here a tile of 32 output columns and 32 k (one block) is unpacked and
+# converted to float into two vectors of 16 columns (even, odd) per k once, and each of up to ROW_TILE
+# rows adds code * x with one FMA per vector, its sums in registers; at the block's end a row's sums
+# are scaled and its offset term added (sum * scale + offset * sum(x), the kmajor kernel's epilogue).
+# A row's result is the same chain of FMAs whatever the rows beside it, so it is bit for bit the same
+# in a batch of 1 or 16: kernels.quantized_matmul_step takes it for every row count on AVX-512 CPUs,
+# the batch-1 decoder included (generate and a server's lone request agree). One row costs what
+# _kmajor_packed4 costs; 8 rows half of it. (The same for 8-bit weights lost to _kmajor_int8 at one
+# row on the 49152-column LM head: 3.5 ms against 2.0.)
+
+ROW_TILE = 8          # rows of x per pass over a tile of W: 2 x 8 sums + the converted codes in 32 registers
+TILE_COLUMNS = 32     # output columns per tile: 16 bytes of a row of W
+SPAN_BYTES = 2048     # at most this much of a row of W per span: a block's part (64 KB) is what each k's
+                      # line fetches ahead (its 32 runs of W are too many streams for the hardware)
+SPAN_SUMS = 1 << 14   # float32 results of a span of columns (64 KB: rows x columns): wide spans read long runs of W
+
+
+def _float_fma(tile: int):
+    """The intrinsic for `tile` rows of x."""
+    @intrinsic
+    def rows_block_fma_float(typingctx, acc, acc_at, w, w_at, w_stride, x, x_at, x_stride, xsum, xs_at, xs_stride,
+                             scale, offset, p_at, has_offset, flip):
+        """One block of 32 k: codes c_k (the 32 columns of W's row k, 16 bytes at flat offset w_at +
+        k w_stride, each byte ^ flip, low nibble the even column) and for each row t < tile:
+        acc[acc_at + 32 t:... + 32] += (sum over k of c_k * x[x_at + t x_stride + k]) * scale + offset *
+        xsum[xs_at + t xs_stride] (offset when has_offset), the sum FMAs in k's order from zero; scale
+        and offset the 32 parameters at flat offset p_at (float32 or float16 bits). acc holds a row's
+        32 columns as two vectors of 16: the even columns, then the odd."""
+        sig = types.void(acc, acc_at, w, w_at, w_stride, x, x_at, x_stride, xsum, xs_at, xs_stride, scale, offset,
+                         p_at, has_offset, flip)
+        return sig, _float_codegen(tile)
+    return rows_block_fma_float
+
+
+def _float_codegen(tile: int):
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        (acc_v, acc_at, w_v, w_at, w_stride, x_v, x_at, x_stride, xs_v, xs_at, xs_stride, s_v, o_v, p_at, has_v,
+         flip_v) = args
+        arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+        aa, wa, xa, xsa, sa, oa = (arr(0, acc_v), arr(2, w_v), arr(5, x_v), arr(8, xs_v), arr(11, s_v),
+                                   arr(12, o_v))
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        v16i8, v16i32, f16x = ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+        index = lambda v: ir.Constant(w_at.type, v)  # noqa: E731
+        fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(f16x, [f16x] * 3))
+        prefetch = b.module.declare_intrinsic("llvm.prefetch.p0i8", fnty=ir.FunctionType(
+            ir.VoidType(), [i8.as_pointer(), i32, i32, i32]))
+        zeros = ir.Constant(f16x, [0.0] * 16)
+        lanes = ir.Constant(v16i32, [0] * 16)
+        parts = (ir.Constant(v16i32, list(range(0, 32, 2))), ir.Constant(v16i32, list(range(1, 32, 2))))
+
+        def splat(value):
+            one = b.insert_element(ir.Constant(f16x, ir.Undefined), value, ir.Constant(i32, 0))
+            return b.shuffle_vector(one, ir.Constant(f16x, ir.Undefined), lanes)
+
+        def params(a, element):
+            """The 32 parameters at p_at as float32: the even columns' and the odd ones'."""
+            ptr = b.gep(a.data, [p_at])
+            if element == types.uint16:
+                halves = b.load(b.bitcast(ptr, ir.VectorType(ir.HalfType(), 32).as_pointer()), align=2)
+                wide = b.fpext(halves, ir.VectorType(f32, 32))
+            else:
+                wide = b.load(b.bitcast(ptr, ir.VectorType(f32, 32).as_pointer()), align=4)
+            return [b.shuffle_vector(wide, ir.Constant(ir.VectorType(f32, 32), ir.Undefined), p) for p in parts]
+
+        width = flip_v.type.width
+        flip32 = flip_v if width == 32 else b.zext(flip_v, i32) if width < 32 else b.trunc(flip_v, i32)
+        flip = b.shuffle_vector(b.insert_element(ir.Constant(v16i32, ir.Undefined), flip32, ir.Constant(i32, 0)),
+                                ir.Constant(v16i32, ir.Undefined), lanes)
+        nibble, four = ir.Constant(v16i32, [15] * 16), ir.Constant(v16i32, [4] * 16)
+        ahead = b.mul(index(32), w_stride)   # the same columns of the next block's rows of W
+        sums = [zeros] * (2 * tile)
+        for k in range(32):
+            ptr = b.gep(wa.data, [b.add(w_at, b.mul(index(k), w_stride))])
+            b.call(prefetch, [b.bitcast(b.gep(ptr, [ahead]), i8.as_pointer()), ir.Constant(i32, 0),
+                              ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            codes = b.xor(b.zext(b.load(b.bitcast(ptr, v16i8.as_pointer()), align=1), v16i32), flip)
+            floats = [b.sitofp(c, f16x) for c in (b.and_(codes, nibble), b.lshr(codes, four))]
+            for t in range(tile):
+                xk = splat(b.load(b.gep(xa.data, [b.add(x_at, b.add(b.mul(index(t), x_stride), index(k)))])))
+                for h in range(2):
+                    sums[2 * t + h] = b.call(fma, [floats[h], xk, sums[2 * t + h]])
+        scale = params(sa, signature.args[11].dtype)
+        acc_ptrs = [b.bitcast(b.gep(aa.data, [b.add(acc_at, index(32 * t + 16 * h))]), f16x.as_pointer())
+                    for t in range(tile) for h in range(2)]
+        results = [b.call(fma, [sums[i], scale[i % 2], b.load(p, align=4)]) for i, p in enumerate(acc_ptrs)]
+        with b.if_else(b.icmp_unsigned("!=", has_v, ir.Constant(has_v.type, 0))) as (then, otherwise):
+            with then:
+                offset = params(oa, signature.args[12].dtype)
+                for t in range(tile):
+                    xs = splat(b.load(b.gep(xsa.data, [b.add(xs_at, b.mul(index(t), xs_stride))])))
+                    for h in range(2):
+                        b.store(b.call(fma, [offset[h], xs, results[2 * t + h]]), acc_ptrs[2 * t + h], align=4)
+            with otherwise:
+                for p, r in zip(acc_ptrs, results):
+                    b.store(r, p, align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+fma8, fma4, fma2, fma1 = (_float_fma(t) for t in (8, 4, 2, 1))
+_exact = dict(cache=True, nogil=True)   # no fastmath: a row's arithmetic is the intrinsics' FMAs, in order
+
+
+@njit(**_exact)
+def gemv_rows_float4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
+    """kernels._kmajor_packed4's arguments and result (within float rounding), c0 and c1 multiples
+    of TILE_COLUMNS, the block size a multiple of 32; each row the same whatever the rows beside it.
+    Rows of x go in tiles of 8, 4, 2, 1; for each, the columns in spans whose results fill SPAN_SUMS,
+    each span block by block (32 runs of a row of W each), tile by tile within a block."""
+    m_rows, k = x.shape
+    bs = k // scale.shape[0]
+    n = scale.shape[1]
+    stride = q.shape[1]
+    nb32 = k // 32
+    xsum = np.zeros((m_rows, nb32), np.float32)
+    if has_offset:
+        for m in range(m_rows):          # each block's sum of x, in order (the same for any rows beside it)
+            for j in range(nb32):
+                total = np.float32(0.0)
+                for i in range(32 * j, 32 * j + 32):
+                    total += x[m, i]
+                xsum[m, j] = total
+    acc = np.empty(SPAN_SUMS, np.float32)
+    r = 0
+    while r < m_rows:
+        left = m_rows - r
+        t = 8 if left >= 8 else 4 if left >= 4 else 2 if left >= 2 else 1
+        span = min(SPAN_SUMS // (t * TILE_COLUMNS) * TILE_COLUMNS, 2 * SPAN_BYTES)
+        for s0 in range(c0, c1, span):
+            s1 = min(c1, s0 + span)
+            tiles = (s1 - s0) // TILE_COLUMNS
+            acc[:tiles * t * TILE_COLUMNS] = 0
+            for blk in range(b0, b1):
+                for k0 in range(blk * bs, (blk + 1) * bs, 32):
+                    x_at, xs_at = r * k + k0, r * nb32 + k0 // 32
+                    for i in range(tiles):
+                        c = s0 + i * TILE_COLUMNS
+                        a_at, w_at, p_at = i * t * TILE_COLUMNS, k0 * stride + c // 2, blk * n + c
+                        if t == 8:
+                            fma8(acc, a_at, q, w_at, stride, x, x_at, k, xsum, xs_at, nb32, scale, offset, p_at,
+                                 has_offset, flip)
+                        elif t == 4:
+                            fma4(acc, a_at, q, w_at, stride, x, x_at, k, xsum, xs_at, nb32, scale, offset, p_at,
+                                 has_offset, flip)
+                        elif t == 2:
+                            fma2(acc, a_at, q, w_at, stride, x, x_at, k, xsum, xs_at, nb32, scale, offset, p_at,
+                                 has_offset, flip)
+                        else:
+                            fma1(acc, a_at, q, w_at, stride, x, x_at, k, xsum, xs_at, nb32, scale, offset, p_at,
+                                 has_offset, flip)
+            for i in range(tiles):
+                c = s0 + i * TILE_COLUMNS
+                for j in range(t):
+                    row, at = out[r + j], (i * t + j) * TILE_COLUMNS
+                    for lane in range(16):
+                        row[c + 2 * lane] = acc[at + lane]
+                        row[c + 2 * lane + 1] = acc[at + 16 + lane]
+        r += t
+
+
+@njit(**_exact)
+def float4_chunks(head, plan, outs, out, ctrl, gen, lead):
+    """gemv_rows_float4 over a team's chunks (team.py)."""
+    n = plan.shape[0]
+    c = team.begin(ctrl, gen, lead, n)
+    while c >= 0:
+        gemv_rows_float4(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+        c = team.after(ctrl, gen, n)
+    return team.end(ctrl, lead, n, outs, out)
+
+
+# split along columns only: a row's sum then never depends on the split (its blocks added in order)
+team.DRIVERS[gemv_rows_float4] = (float4_chunks, True)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the float32-activation kernel and its team driver for the
+    types quantized_matmul_step gives them (kernels.warm_up calls this)."""
+    from .kernels import _kernel_form
+    x, out = np.ones((2, 32), np.float32), np.zeros((2, 32), np.float32)
+    q = _kernel_form(np.zeros((32, 16), np.uint8))
+    ctrl = np.zeros(team.SLEEP + 8, np.int64)
+    for params in (np.ones((1, 32), np.float32), np.ones((1, 32), np.float16)):
+        p = _kernel_form(params)
+        head = (x, q, p, p, True, np.uint32(0))
+        gemv_rows_float4(*head, 0, 1, 0, 32, out)
+        float4_chunks(head, np.array([[0, 1, 0, 32, 0]], np.int64), out[None], out, ctrl, 1, -1)

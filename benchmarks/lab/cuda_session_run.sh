@@ -5,12 +5,15 @@
 #                                                                 # 385 s on a fresh machine (twentieth session)
 #   bash benchmarks/lab/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
 #   bash benchmarks/lab/cuda_session_run.sh attention audio           # 150 + 200 s at most
+#   bash benchmarks/lab/cuda_session_run.sh serve onnx                # 300 + 200 s at most
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama:
 # end to end, and in the variants SMOLLM_RUNS / LLAMA_RUNS list as tag:VAR=value,... (INGOT_OPTIONS
 # files are how a variant changes CudaOptions); prefill: time to first token against the bf16
-# PyTorch forward (`python -m benchmarks cuda-prefill`).
+# PyTorch forward (`python -m benchmarks cuda-prefill`); serve: `ingot serve --device cuda` under 1-64
+# streaming clients, Llama-3-8B-shape int4 random weights, bf16 KV (issue 34's H200 goals); onnx:
+# the ONNX model classes on the GPU against torch eager (issue 36).
 # Compact lines on stdout,
 # JSON under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -24,7 +27,7 @@ run_audio() {
 run_tests() {
   # every cuda-marked file (TESTS narrows it: a cold machine compiles the audio kernels for minutes,
   # so a first call may take TESTS="tests/test_audio_cuda.py" and a second the rest)
-  timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py} \
+  timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py tests/test_onnx_cuda.py} \
     --maxfail=30 -rf 2>&1 \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }
@@ -49,6 +52,13 @@ run_llama() { runs llama ${LLAMA_RUNS:-default}; }
 run_prefill() {
   timeout "${PREFILL_S:-240}" python3 -m benchmarks cuda-prefill --prompts 512,2048,8192,32768 --chunk 512,2048 \
     --decode-steps 32 --json "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -30
+}
+run_serve() {
+  timeout "${SERVE_S:-300}" python3 -m benchmarks serve --random llama8b --clients "${SERVE_CLIENTS:-1,4,16,32,64}" \
+    --requests 2 --max-tokens 128 2>&1 | grep -v Warn | tail -25
+}
+run_onnx() {
+  timeout "${ONNX_S:-200}" python3 -m benchmarks onnx-cuda --runs 50 2>&1 | grep -v "Warn\|torch.onnx" | tail -14
 }
 
 for part in $parts; do

@@ -82,6 +82,30 @@ def test_fused_program_equals_per_row_program(threads, rows):
         np.testing.assert_array_equal(a.values[name], b.values[name], err_msg=name)
 
 
+
+def test_caches_that_do_not_fit_the_kernel_go_to_the_reference():
+    """The step remembers the caches it last found fit (a server passes the same ones every step);
+    other arrays are checked again: a non-contiguous cache, passed after fitting ones, runs the
+    fused op's body through the references (which write it as the view it is), and every result
+    still equals the per-row program's within float32 rounding."""
+    rows = 2
+    cfg = tiny_config(n_layers=2, n_heads=6, n_kv_heads=2, head_dim=12, rope_dims=8, context_length=40)
+    model = llama.build(cfg, llama.random_weights(cfg, seed=4), rows=rows)
+    exe, plain = _compile(model, rows), _compile(model, rows, fusions=PER_ROW)
+    feeds = {"tokens": np.array([5, 9], np.int32), "positions": np.array([3, 11], np.int32)}
+    a, b = _states(cfg, rows, None, 5), _states(cfg, rows, None, 5)
+    np.testing.assert_array_equal(exe.run(feeds, state=a)[0], plain.run(feeds, state=b)[0])
+    c, d = _states(cfg, rows, None, 6), _states(cfg, rows, None, 6)
+    name = "blk.1.k_cache.1"
+    wide = np.zeros(c.values[name].shape[:3] + (2 * cfg.head_dim,), np.float32)
+    strided = wide[..., ::2]                 # the same values, every other float of a wider array
+    strided[...] = c.values[name]
+    c.values[name] = strided
+    np.testing.assert_allclose(exe.run(feeds, state=c)[0], plain.run(feeds, state=d)[0], rtol=1e-5, atol=1e-5)
+    for key in c.values:   # (the references round differently from the kernels: not bit for bit)
+        np.testing.assert_allclose(c.values[key], d.values[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    assert not wide[..., 1::2].any()         # nothing written between the view's floats
+
 def _reference_row(q, k, v, kc, vc, pos, inv, interleaved, rd, scale, window, softcap):
     """NumPy: rope at pos, the k/v row written, attention over positions 0..pos (the op references)."""
     rope = lambda x: nn_ops.rope(x, pos, inv, 10000.0, interleaved, rd)   # noqa: E731

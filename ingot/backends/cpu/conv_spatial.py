@@ -71,17 +71,18 @@ def _vptr(builder, data, at):
 
 # -- the tile: ROWS output channels x VECTORS * 16 positions ----------------------------------------------
 
-def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int, stride: int):
+def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int, stride: int, steps=(), operands=()):
     """tile(out, out_at, out_step, x, x_at, c_step, row_step, col_step, w, w_at, w_step, n_c, bias, b_at,
     valid, rows): for r < min(rows, n_rows), q < min(valid, 16 * vectors):
     out[out_at + r * out_step + q] = bias[b_at + r] + sum over c < n_c, taps (i, j) of
     w[w_at + r * w_step + (c * kh + i) * kw + j] * x[x_at + c * c_step + i * row_step + j * col_step + stride * q]
-    (stride 2: two loads and the even lanes)."""
+    (stride 2: two loads and the even lanes), then the epilogue's steps on the registers (_emit_epilogue:
+    channel b_at + r, full operands laid out as out)."""
     @intrinsic
     def tile(typingctx, out, out_at, out_step, x, x_at, c_step, row_step, col_step, w, w_at, w_step, n_c, bias,
-             b_at, valid, rows):
+             b_at, valid, rows, ops):
         sig = types.void(out, out_at, out_step, x, x_at, c_step, row_step, col_step, w, w_at, w_step, n_c, bias,
-                         b_at, valid, rows)
+                         b_at, valid, rows, ops)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
@@ -145,9 +146,12 @@ def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int,
             for r in range(n_rows):
                 with builder.if_then(builder.icmp_signed("<", ir.Constant(_I64, r), rows_v)):
                     row_at = builder.add(out_at_v, builder.mul(out_step_v, ir.Constant(_I64, r)))
+                    m_v = builder.add(b_at_v, ir.Constant(_I64, r))
                     for v in range(vectors):
-                        store(finals[r * vectors + v], _vptr(builder, oa.data, builder.add(row_at, ir.Constant(_I64, 16 * v))),
-                              masks[v])
+                        at = builder.add(row_at, ir.Constant(_I64, 16 * v))
+                        value = _emit_epilogue(context, builder, steps, operands, signature.args[16], args[16],
+                                               finals[r * vectors + v], m_v, at, masks[v])
+                        store(value, _vptr(builder, oa.data, at), masks[v])
             return context.get_dummy_value()
         return sig, codegen
     return tile
@@ -156,13 +160,15 @@ def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int,
 TILES = {}
 
 
-def tile_for(kh: int, kw: int, rows: int = ROWS, vectors: int = VECTORS, stride: int = 1):
-    """The tile intrinsic of a kh x kw window (made once per process); 1x1 (pointwise) masks its loads of
-    x at the end of the positions, a window reads a padded copy with slack past the last tile."""
-    key = kh, kw, rows, vectors, stride
-    if key not in TILES:
-        TILES[key] = _tile_intrinsic(kh, kw, (kh, kw) == (1, 1), rows, vectors, stride)
-    return TILES[key]
+def tile_for(kh: int, kw: int, rows: int = ROWS, vectors: int = VECTORS, stride: int = 1, key: str = ""):
+    """The tile intrinsic of a kh x kw window (made once per process) with the epilogue of key (epilogue_for's;
+    "" none); 1x1 (pointwise) masks its loads of x at the end of the positions, a window reads a padded
+    copy with slack past the last tile."""
+    spec = (kh, kw, rows, vectors, stride, key)
+    if spec not in TILES:
+        steps, operands = SPECS[key] if key else ((), ())
+        TILES[spec] = _tile_intrinsic(kh, kw, (kh, kw) == (1, 1), rows, vectors, stride, steps, operands)
+    return TILES[spec]
 
 
 # -- the epilogue as vector IR ----------------------------------------------------------------------------
@@ -236,12 +242,32 @@ def supported(steps, operands) -> bool:
     return all(form in ("scalar", "channel", "full") for form, _ in operands)
 
 
+def _emit_epilogue(context, builder, steps, operands, op_types, ops, value, m_v, full_v, mask):
+    """The steps applied to value (<16 x float>), reading operand k of `operands` (ops[k], a 1-D float32
+    array) as ops[k][0] (scalar), ops[k][m] (channel) or ops[k][full_at : +16] (full, under mask)."""
+    if not steps:
+        return value
+    load, _ = _masked(builder)
+    slot = {i: k for k, (_, i) in enumerate(operands)}
+    read = {}
+    for k, (form, _) in enumerate(operands):
+        oa = context.make_array(op_types[k])(context, builder, builder.extract_value(ops, k))
+        if form == "scalar":
+            read[k] = _splat(builder, builder.load(oa.data))
+        elif form == "channel":
+            read[k] = _splat(builder, builder.load(builder.gep(oa.data, [m_v])))
+        else:
+            read[k] = load(_vptr(builder, oa.data, full_v), mask)
+    vals = []
+    for node, refs in steps:
+        xs = [value if form == "value" else vals[i] if form == "step" else read[slot[i]] for form, i in refs]
+        vals.append(EMIT[node.op](builder, *xs))
+    return vals[-1]
+
+
 def _epilogue_intrinsic(steps, operands):
     """epilogue(dst, dst_at, src, src_at, valid, m, full_at, ops): for q < min(valid, 16),
-    dst[dst_at + q] = the steps applied to src[src_at + q], reading operand k of `operands` (ops[k], a 1-D
-    float32 array) as ops[k][0] (scalar), ops[k][m] (channel) or ops[k][full_at + q] (full)."""
-    slot = {i: k for k, (_, i) in enumerate(operands)}
-
+    dst[dst_at + q] = the steps applied to src[src_at + q] (_emit_epilogue; full operands at full_at)."""
     @intrinsic
     def epilogue(typingctx, dst, dst_at, src, src_at, valid, m, full_at, ops):
         sig = types.void(dst, dst_at, src, src_at, valid, m, full_at, ops)
@@ -253,33 +279,22 @@ def _epilogue_intrinsic(steps, operands):
             load, store = _masked(builder)
             mask = _lane_mask(builder, valid_v, 0)
             value = load(_vptr(builder, sa.data, src_at_v), mask)
-            op_types = signature.args[7]
-            read = {}
-            for k, (form, _) in enumerate(operands):
-                oa = context.make_array(op_types[k])(context, builder, builder.extract_value(args[7], k))
-                if form == "scalar":
-                    read[k] = _splat(builder, builder.load(oa.data))
-                elif form == "channel":
-                    read[k] = _splat(builder, builder.load(builder.gep(oa.data, [m_v])))
-                else:
-                    read[k] = load(_vptr(builder, oa.data, full_v), mask)
-            vals = []
-            for node, refs in steps:
-                xs = [value if form == "value" else vals[i] if form == "step" else read[slot[i]] for form, i in refs]
-                vals.append(EMIT[node.op](builder, *xs))
-            store(vals[-1] if vals else value, _vptr(builder, da.data, dst_at_v), mask)
+            value = _emit_epilogue(context, builder, steps, operands, signature.args[7], args[7], value, m_v, full_v, mask)
+            store(value, _vptr(builder, da.data, dst_at_v), mask)
             return context.get_dummy_value()
         return sig, codegen
     return epilogue
 
 
 EPILOGUES: dict = {}
+SPECS: dict = {}
 
 
 def epilogue_for(key: str, steps, operands):
     """The epilogue intrinsic of these steps, made once per process per key (the steps' text)."""
     if key not in EPILOGUES:
         EPILOGUES[key] = _epilogue_intrinsic(steps, operands)
+        SPECS[key] = (list(steps), list(operands))
     return EPILOGUES[key]
 
 
@@ -294,10 +309,9 @@ def steps_key(steps, operands) -> str:
 _POINTWISE = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_spatial import EPILOGUES, ROWS, TILE, tile_for
+from ingot.backends.cpu.conv_spatial import ROWS, TILE, tile_for
 
-tile4, tile3, tile2, tile1 = (tile_for(1, 1, ROWS, v) for v in (4, 3, 2, 1))
-epilogue = EPILOGUES[{key!r}]
+tile4, tile3, tile2, tile1 = (tile_for(1, 1, ROWS, v, 1, {key!r}) for v in (4, 3, 2, 1))
 
 
 @njit(cache=True, nogil=True)
@@ -314,18 +328,13 @@ def kernel(x, w, bias, out, ops):
         for m0 in range(0, m_n, ROWS):
             rows = min(ROWS, m_n - m0)
             if left > 48:
-                tile4(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+                tile4(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
             elif left > 32:
-                tile3(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+                tile3(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
             elif left > 16:
-                tile2(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+                tile2(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
             else:
-                tile1(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
-            if {has_epilogue}:
-                for m in range(m0, m0 + rows):
-                    at = m * p_n + q
-                    for t in range(0, min(TILE, left), 16):
-                        epilogue(of, at + t, of, at + t, left - t, m, at + t, ops)
+                tile1(of, m0 * p_n + q, p_n, xf, q, p_n, 0, 0, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
 """
 
 _DEPTHWISE = """import numpy as np
@@ -366,26 +375,26 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
             for q in range(0, n, TILE):
                 left = n - q
                 if left > 48:
-                    tile4(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    tile4(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                 elif left > 32:
-                    tile3(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    tile3(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                 elif left > 16:
-                    tile2(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    tile2(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                 else:
-                    tile1(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                    tile1(grid, q, 0, xp, q, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
         else:
             for oy in range(oh):
                 for ox in range(0, ow, TILE):
                     left = ow - ox
                     q, src = oy * ow + ox, s * (oy * wp + ox)
                     if left > 48:
-                        tile4(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                        tile4(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                     elif left > 32:
-                        tile3(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                        tile3(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                     elif left > 16:
-                        tile2(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                        tile2(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                     else:
-                        tile1(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1)
+                        tile1(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
         for oy in range(oh):
             at = (c * oh + oy) * ow
             for t in range(0, ow, 16):
@@ -395,10 +404,9 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
 _ROWS_WINDOW = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_spatial import EPILOGUES, ROWS, TILE, tile_for
+from ingot.backends.cpu.conv_spatial import ROWS, TILE, tile_for
 
-tile4, tile3, tile2, tile1 = (tile_for({kh}, {kw}, ROWS, v, {stride}) for v in (4, 3, 2, 1))
-epilogue = EPILOGUES[{key!r}]
+tile4, tile3, tile2, tile1 = (tile_for({kh}, {kw}, ROWS, v, {stride}, {key!r}) for v in (4, 3, 2, 1))
 
 
 @njit(cache=True, nogil=True)
@@ -431,18 +439,13 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
                 rows = min(ROWS, m_n - m0)
                 at = (m0 * oh + oy) * ow + ox
                 if left > 48:
-                    tile4(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+                    tile4(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
                 elif left > 32:
-                    tile3(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+                    tile3(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
                 elif left > 16:
-                    tile2(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
+                    tile2(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
                 else:
-                    tile1(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows)
-                if {has_epilogue}:
-                    for m in range(m0, m0 + rows):
-                        at = (m * oh + oy) * ow + ox
-                        for t in range(0, min(TILE, left), 16):
-                            epilogue(of, at + t, of, at + t, left - t, m, at + t, ops)
+                    tile1(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)
 """
 
 
@@ -483,10 +486,10 @@ def driver(kh: int, kw: int, steps, operands, depthwise_stride: int = 0, window_
     key = steps_key(steps, operands)
     epilogue_for(key, steps, operands)
     if window_stride:
-        source = _ROWS_WINDOW.format(key=key, kh=kh, kw=kw, stride=window_stride, has_epilogue=bool(steps))
+        source = _ROWS_WINDOW.format(key=key, kh=kh, kw=kw, stride=window_stride)
     elif depthwise_stride:
         source = _DEPTHWISE.format(key=key, kh=kh, kw=kw, stride=depthwise_stride)
     else:
         assert (kh, kw) == (1, 1), "conv_spatial: a kxk window with groups 1 runs conv_kernels.conv_direct"
-        source = _POINTWISE.format(key=key, has_epilogue=bool(steps))
+        source = _POINTWISE.format(key=key)
     return codegen.load(source, "kernel", "cpu_conv_spatial")

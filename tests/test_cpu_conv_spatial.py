@@ -128,3 +128,19 @@ def test_rows_window_matches_reference(c, m, hw, k, stride, dilation, pads):
 def test_rows_window_only_for_few_channels():
     assert not conv_spatial.rows_window_fits(3, 3, 1, (2, 2), 32) and not conv_spatial.rows_window_fits(3, 3, 1, (2, 1), 3)
     assert not conv_spatial.rows_window_fits(5, 1, 1, (1, 1), 8, width=1)
+
+
+@pytest.mark.parametrize("shape,axes,keepdims", [((2, 5, 7, 9), (2, 3), True), ((1, 576, 1, 1), (2, 3), False),
+                                                  ((3, 4, 1000), (2,), True), ((2, 3, 4), (0, 1, 2), False),
+                                                  ((2, 3, 4), (1,), True)])
+def test_mean_of_trailing_axes(shape, axes, keepdims):
+    """MEAN on the CPU (a squeeze-excite's global average pool) against float64 NumPy; a non-trailing axis
+    takes the reference."""
+    x = (np.random.default_rng(len(shape)).standard_normal(shape) * 3 + 1).astype(np.float32)
+    g = ingot.Graph()
+    xi = g.placeholder(shape, name="x")
+    exe = g.compile(targets=[g.mean(xi, axis=list(axes), keepdims=keepdims)])
+    want = x.astype(np.float64).mean(axis=axes, keepdims=keepdims)
+    got = exe.run({"x": x})[0]
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -72,6 +72,20 @@ def _lstm(node: Node, out):
     return recurrent.lstm_step(node, out) or _reference(node, out)
 
 
+@lowering(Op.MEAN)
+def _mean(node: Node, out):
+    """float32 mean over the trailing axes (a squeeze-excite's global average pool): one compiled pass."""
+    src = node.src[0].type
+    axes = tuple(sorted(node.attrs["axes"]))
+    if not _is_f32(node) or not src.static or not axes or axes != tuple(range(src.rank - len(axes), src.rank)):
+        return _reference(node, out)
+    inner = int(np.prod([src.shape[a] for a in axes]))
+    shape = tuple(node.type.shape)
+    if inner == 0:
+        return _reference(node, out)
+    return lambda x: nn_kernels.mean_of_trailing_axes(x, inner, out if out is not None else np.empty(shape, np.float32))
+
+
 @lowering(Op.MAX, Op.MIN)
 def _extreme(node: Node, out):
     """max/min of float32 without the reference's copy of the input; a small window of axes (pooling

@@ -567,3 +567,23 @@ def rope_step(node: Node):
         rope_rows(x3, positions, inv_freq, interleaved, rd, out)
         return out.reshape(x.shape)
     return step
+
+
+@njit(fastmath={"reassoc", "contract"}, cache=True, nogil=True)
+def _row_means(x, out):
+    """out[r] = the mean of x[r] (float32 rows, float64 partial sums: as exact as NumPy's pairwise sum)."""
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        row = x[r]
+        total = 0.0
+        for i in range(np.uintp(n)):
+            total += np.float64(row[i])
+        out[r] = np.float32(total / n)
+
+
+def mean_of_trailing_axes(x: np.ndarray, inner: int, out: np.ndarray) -> np.ndarray:
+    """The mean over x's trailing axes (inner values a row) into out (x's leading shape, any keepdims);
+    ReduceMean / GlobalAveragePool of a conv model's squeeze-excite block: one pass, no reference copy."""
+    x2 = np.ascontiguousarray(x).reshape(-1, inner)
+    _row_means(x2, out.reshape(-1))
+    return out

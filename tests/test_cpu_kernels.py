@@ -213,10 +213,48 @@ def _kernel_cases(k, n, rows):
              (lut_kernels.scaled_lut_gemv_packed4, (x, q4, table, scale), k // 32)]
     if lut_kernels.SHUFFLE:
         cases.append((lut_kernels.scaled_lut_gemv_int, (x, q4, np.arange(-8, 8, dtype=np.int8), scale), k // 32))
+    two = two_level_params(k // 32, n, 1)   # the :k formats as stored: codes x units (block_params.py)
+    cases.append((kernels.kmajor_packed4, (x, q4, two, two_level_params(k // 32, n, 1, -1), True, np.uint32(0)), k // 32))
     if vnni.AVAILABLE and n % vnni.GROUP == 0:
         cases.append((vnni.gemv, (x, vnni.repack(q4, 0x88), h(scale), h(bias), True, np.float32(0)), k // 32))
+        cases.append((vnni.gemv, (x, vnni.repack(q4, 0), two, two, False, np.float32(8)), k // 32))
         cases.append((vnni.gemv, (x, vnni.repack8(q8, 0x80), scale, bias, True, np.float32(0)), k // 32))
     return cases
+
+
+def two_level_params(nb, n, per_super, sign=1):
+    """Two-level parameters as the kernels take them (codes, units' float16 bits, S), every product a
+    float16 (5 significant bits in the units, codes of 6 bits), and those products' float16 bits."""
+    codes = RNG.integers(0, 64, (nb, n)).astype(np.uint8)
+    units = ((RNG.random((-(-nb // per_super), n)) * 0.1 + 0.01).astype(np.float16).view(np.uint16) & np.uint16(0xFFC0))
+    units = (sign * units.view(np.float16)).astype(np.float16)
+    return codes, units.view(np.uint16), np.int64(per_super)
+
+
+def two_level_products(p):
+    codes, units, per_super = p
+    return (codes * np.repeat(units.view(np.float16).astype(np.float32), per_super, axis=0)[:codes.shape[0]]
+            ).astype(np.float16).view(np.uint16)
+
+
+@pytest.mark.skipif(not vnni.AVAILABLE, reason="the CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("k,n,rows", [(96, 48, 3), (288, 400, 16)])
+@pytest.mark.parametrize("qdtype", [dt.uint4, dt.int8], ids=lambda d: d.name)
+@pytest.mark.parametrize("per_super", [1, 3])
+def test_vnni_gemv_reads_two_level_parameters_as_their_products(k, n, rows, qdtype, per_super):
+    """Codes times units read 16 at a time (BlockIR.two_level_params) give the float16 products'
+    result, super-blocks of 1 and 3 blocks: bit for bit without the offset; with it, to float32
+    rounding (the compiler may fold code * unit * xsum in another order under fastmath)."""
+    q, _, _ = kmajor_weight(k, n, qdtype, 32)
+    w = vnni.repack(q, 0) if qdtype.packed else vnni.repack8(q, 0x80)
+    center = np.float32(8 if qdtype.packed else 0)
+    scale, bias = two_level_params(k // 32, n, per_super), two_level_params(k // 32, n, per_super, -1)
+    x = RNG.standard_normal((rows, k)).astype(np.float32) * 3
+    for has_offset in (True, False):
+        want, got = np.empty((rows, n), np.float32), np.full((rows, n), np.nan, np.float32)
+        vnni.gemv(x, w, two_level_products(scale), two_level_products(bias), has_offset, center, 0, k // 32, 0, n, want)
+        vnni.gemv(x, w, scale, bias, has_offset, center, 0, k // 32, 0, n, got)
+        np.testing.assert_allclose(got, want, rtol=1e-6 * has_offset, atol=1e-6 * has_offset * np.abs(want).max())
 
 
 @pytest.mark.skipif(not vnni.AVAILABLE, reason="the CPU has no AVX-512 VNNI")
@@ -309,9 +347,10 @@ def test_half_parameters_convert_exactly(hardware, monkeypatch):
     """Every finite float16 (zeros and subnormals included) as the kernels read it equals numpy's,
     widened by the hardware (F16C's VCVTPH2PS) or by shifting the bits where it has none."""
     import numba
-    if hardware and not kernels.F16C:
+    from ingot.backends.cpu import block_params
+    if hardware and not block_params.F16C:
         pytest.skip("the host has no float16 conversion instructions")
-    monkeypatch.setattr(kernels, "F16C", hardware)   # read when a caller compiles: a fresh one below
+    monkeypatch.setattr(block_params, "F16C", hardware)   # read when a caller compiles: a fresh one below
 
     @numba.njit(fastmath=True)
     def convert(bits, out):

@@ -6,112 +6,21 @@ against the NumPy reference of its op (tests/test_cpu_kernels.py).
 from __future__ import annotations
 
 import os
-import platform
 import weakref
 
-import numba
 import numpy as np
-from llvmlite import ir as llvm_ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
 from . import rows_attention, rows_gemv, team, vnni
+from .block_params import F16C, half_to_float, param, param_blocks, param_rows  # noqa: F401  (the kernels' reads)
 from .nn_kernels import (XQ_BLOCK, _layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm,
                          rope_rows, rope_write_attend, round_rows)
 
 GEMV_MAX_ROWS = 16  # up to this many rows of x the packed kernel runs; above, tiles of W go through BLAS
 VNNI_ROWS = 64      # rows of x per call of the VNNI kernel past GEMV_MAX_ROWS (prefill, int8 activations)
-
-
-def _host_has_f16c() -> bool:
-    """True where LLVM widens float16 in hardware for the host numba compiles for (x86 with F16C:
-    VCVTPH2PS, 16 a instruction; ARM64 natively); elsewhere half_to_float shifts the bits."""
-    try:
-        import llvmlite.binding as llvm
-        machine = platform.machine().lower()
-        if machine in ("aarch64", "arm64"):
-            return True
-        return machine in ("x86_64", "amd64") and numba.config.CPU_NAME in (None, "host") \
-            and bool(llvm.get_host_cpu_features().get("f16c"))
-    except Exception:
-        return False
-
-
-F16C = _host_has_f16c()
-_TWO_POW_112 = 5.192296858534828e33   # 2**112, the difference of the float32 and float16 exponent biases
-
-
-@intrinsic
-def half_to_float(typingctx, h):
-    """The float32 value of float16 bits h (uint16; numba has no float16): `fpext half` where the
-    host widens in hardware (in a loop LLVM vectorises it to VCVTPH2PS), else the float16 exponent
-    and mantissa shifted into a float32 and scaled by 2**112. Exact for every finite value, zeros and
-    subnormals included."""
-    if h != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        (bits,) = args
-        if F16C:
-            return builder.fpext(builder.bitcast(bits, llvm_ir.HalfType()), llvm_ir.FloatType())
-        i32 = llvm_ir.IntType(32)
-        wide = builder.zext(bits, i32)
-        magnitude = builder.shl(builder.and_(wide, llvm_ir.Constant(i32, 0x7FFF)), llvm_ir.Constant(i32, 13))
-        sign = builder.shl(builder.and_(wide, llvm_ir.Constant(i32, 0x8000)), llvm_ir.Constant(i32, 16))
-        shifted = builder.bitcast(builder.or_(magnitude, sign), llvm_ir.FloatType())
-        return builder.fmul(shifted, llvm_ir.Constant(llvm_ir.FloatType(), _TWO_POW_112))
-    return types.float32(types.uint16), codegen
-
-
-# Block parameters [nb, N] as the GEMV kernels take them: an array (float32, or float16 as its uint16
-# bits: numba has no float16), or two-level (the :k formats as stored: passes/fuse_two_level.py) a
-# tuple (codes uint8 [nb, N], units [nb / S, N] as float16 bits, S), the parameter code * unit. A
-# kernel takes a block's row with param_rows and reads entry i with param, where it uses it.
-
-def param_blocks(p):
-    """nb, the blocks of k that parameters p cover."""
-    return p.shape[0]
-
-
-def param_rows(p, b, lo, hi):
-    """Block b's parameters for columns lo..hi (views; the units' row for a two-level p)."""
-    return p[b, lo:hi]
-
-
-def param(row, i):
-    """Entry i of a param_rows row as float32: float32 parameters as they are, float16 ones widened
-    where the kernel reads them (a loop over a block's parameters vectorises with the widening
-    inside it), two-level ones as the code times the widened unit."""
-    return row[i]
-
-
-_inline = dict(inline="always", jit_options=dict(fastmath=True, nogil=True))
-
-
-@numba.extending.overload(param_blocks, **_inline)
-def _param_blocks(p):
-    if isinstance(p, types.BaseTuple):
-        return lambda p: p[0].shape[0]
-    return lambda p: p.shape[0]
-
-
-@numba.extending.overload(param_rows, **_inline)
-def _param_rows(p, b, lo, hi):
-    if isinstance(p, types.BaseTuple):
-        return lambda p, b, lo, hi: (p[0][b, lo:hi], p[1][b // p[2], lo:hi])
-    return lambda p, b, lo, hi: p[b, lo:hi]
-
-
-@numba.extending.overload(param, **_inline)
-def _param(row, i):
-    if isinstance(row, types.BaseTuple):
-        return lambda row, i: np.float32(row[0][i]) * half_to_float(row[1][i])
-    if row.dtype == types.uint16:
-        return lambda row, i: half_to_float(row[i])
-    return lambda row, i: row[i]
 
 
 def _kmajor_packed4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out):
@@ -538,8 +447,12 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                     else:   # read as unsigned: an int8 weight flipped to value + 128
                         kernel, weight = vnni.gemv, _repacked(q, 0 if unsigned else 0x80, 8)
                         center = np.float32(128 if unsigned else 0)
-                    # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read
-                    vs, vo = _half_if_exact(_products(scale)), _half_if_exact(_products(offset))
+                    # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read;
+                    # two-level ones stay codes and units
+                    if isinstance(scale, tuple):
+                        vs, vo = scale, offset
+                    else:
+                        vs, vo = _half_if_exact(scale), _half_if_exact(offset)
                     gemv = (kernel, (vs, vo if offset is not None else vs, offset is not None, center), k // XQ_BLOCK,
                             weight)
                 elif qdtype.packed:
@@ -596,7 +509,8 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        if rows > 1 and kernel is vnni.gemv:   # a server's batch: each block of W once for all rows (rows_gemv.py)
+        if rows > 1 and kernel is vnni.gemv and not isinstance(args[0], tuple):
+            # a server's batch: each block of W once for all rows (rows_gemv.py: parameters as arrays)
             kernel = rows_gemv.gemv_rows
         split_blocks(kernel, (x2, weight) + args, parts, result, k * n, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
@@ -725,6 +639,10 @@ def _warm_up() -> None:
         kmajor_packed4_xq(x, weights[0], two, o, has, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
         kmajor_int8_xq(x, weights[1], two, o, has, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
         kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+    if vnni.AVAILABLE:
+        wide = (_kernel_form(np.ones((1, 16), np.uint8)), _kernel_form(np.ones((1, 16), np.float16)), np.int64(1))
+        vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
+                  f32(1, 16))
     scaled_tile_packed4(weights[0], two, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
     scaled_tile_int8(weights[1], two, 0, 32, 32, 0, 4, f32(32, 4))
     scaled_tile_int8(weights[2], two, 0, 32, 32, 0, 4, f32(32, 4))

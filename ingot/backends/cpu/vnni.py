@@ -21,9 +21,11 @@ import platform
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import team
+from .block_params import param_blocks, param_columns, unit_row
 from .nn_kernels import XQ_BLOCK, round_rows
 
 GROUP = 16  # output columns per VNNI vector (16 int32 lanes)
@@ -48,13 +50,14 @@ AVAILABLE = _available()
 def _block_fma(bits: int):
     """The intrinsic block_fma for bits-wide weights (4: 256 bytes a block, 8: 512)."""
     @intrinsic
-    def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset):
+    def block_fma(typingctx, res, res_at, w, w_at, xq, x_at, scale, offset, p_at, u_at, d, shift, cx, xsum, has_offset):
         """res[res_at:res_at + 16] += scale * ((dot - shift) * d + cx) + offset * xsum (offset only when
         has_offset), dot the 16 int32 dot products of one block of 32 k: the 256 (4-bit) or 512 (8-bit)
         bytes of w (uint8, C order) at flat offset w_at against the 32 int8 of x at int32 offset x_at
-        of xq (an int32 view); scale and offset at flat offset p_at, float32 or float16 bits (uint16).
+        of xq (an int32 view); scale and offset at flat offset p_at, float32 or float16 bits (uint16),
+        or two-level (block_params.py: codes at p_at, units at u_at).
         All in vector registers: the same in numba loops of 16 cost more than the VPDPBUSDs."""
-        sig = types.void(res, res_at, w, w_at, xq, x_at, scale, offset, p_at, d, shift, cx, xsum, has_offset)
+        sig = types.void(res, res_at, w, w_at, xq, x_at, scale, offset, p_at, u_at, d, shift, cx, xsum, has_offset)
         return sig, _codegen(bits)
     return block_fma
 
@@ -99,6 +102,13 @@ class BlockIR:
             return b.fpext(halves, self.f16x)
         return b.load(b.bitcast(ptr, self.f16x.as_pointer()), align=4)
 
+    def two_level_params(self, codes, at, units, unit_at):
+        """16 two-level parameters (block_params.py): the uint8 codes of array codes at flat offset at
+        times the float16 units (uint16 bits) of array units at flat offset unit_at, in float32."""
+        b = self.builder
+        ptr = b.bitcast(b.gep(codes.data, [at]), ir.VectorType(ir.IntType(8), 16).as_pointer())
+        return b.fmul(b.uitofp(b.load(ptr, align=1), self.f16x), self.params(units, unit_at, types.uint16))
+
     def row(self, xa, x_at, shift, d, cx, scale):
         """scale * ((dot - shift) * d + cx) for the 32 int8 of x at int32 offset x_at of xa."""
         b, f16x = self.builder, self.f16x
@@ -111,19 +121,29 @@ class BlockIR:
         return b.fmul(scale, inner)
 
 
+def param_vector(context, block: BlockIR, ty, value, at, unit_at):
+    """16 parameters of a block, float32 lanes, from an array (BlockIR.params) or a two-level tuple."""
+    if isinstance(ty, types.BaseTuple):
+        codes, units, _ = cgutils.unpack_tuple(block.builder, value, len(ty))
+        make = lambda t, v: context.make_array(t)(context, block.builder, v)  # noqa: E731
+        return block.two_level_params(make(ty.types[0], codes), at, make(ty.types[1], units), unit_at)
+    return block.params(context.make_array(ty)(context, block.builder, value), at, ty.dtype)
+
+
 def _codegen(bits: int):
 
     def codegen(context, builder, signature, args):
-        res_v, res_at_v, w_v, w_at_v, xq_v, x_at_v, s_v, o_v, p_at_v, d_v, shift_v, cx_v, xsum_v, has_v = args
+        res_v, res_at_v, w_v, w_at_v, xq_v, x_at_v, s_v, o_v, p_at_v, u_at_v, d_v, shift_v, cx_v, xsum_v, has_v = args
         arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
-        ra, wa, xa, sa, oa = arr(0, res_v), arr(2, w_v), arr(4, xq_v), arr(6, s_v), arr(7, o_v)
+        ra, wa, xa = arr(0, res_v), arr(2, w_v), arr(4, xq_v)
         block = BlockIR(builder, bits, wa, w_at_v)
         f16x = block.f16x
-        add = block.row(xa, x_at_v, shift_v, d_v, cx_v, block.params(sa, p_at_v, signature.args[6].dtype))
+        scale = param_vector(context, block, signature.args[6], s_v, p_at_v, u_at_v)
+        add = block.row(xa, x_at_v, shift_v, d_v, cx_v, scale)
         res_ptr = builder.bitcast(builder.gep(ra.data, [res_at_v]), f16x.as_pointer())
         acc = builder.fadd(builder.load(res_ptr, align=4), add)
         with builder.if_then(builder.icmp_unsigned("!=", has_v, ir.Constant(has_v.type, 0))):
-            offset = block.params(oa, p_at_v, signature.args[7].dtype)
+            offset = param_vector(context, block, signature.args[7], o_v, p_at_v, u_at_v)
             builder.store(builder.fadd(acc, builder.fmul(offset, block.splat(xsum_v, f16x))), res_ptr, align=4)
         with builder.if_then(builder.icmp_unsigned("==", has_v, ir.Constant(has_v.type, 0))):
             builder.store(acc, res_ptr, align=4)
@@ -160,11 +180,11 @@ def repack8(q: np.ndarray, flip: int) -> np.ndarray:
 def gemv(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
     """out[:, c0:c1] (c0, c1 multiples of 16) = x[:, blocks s0..s1 of 32 k] @ W for W in a VNNI
     layout w (repack: 4-bit, 256 bytes a block; repack8: 8-bit, 512) with scale and offset
-    [K / block, N] (float32, or float16 bits: see kernels.param); x rounded to int8 per block
+    [K / block, N] (float32, float16 bits or two-level: block_params.py); x rounded to int8 per block
     of 32 by nn_kernels.round_rows. The codes c read as unsigned are the value + 8 (4-bit) or
     + 128 (8-bit): dot - that * sum(xq) is the signed product."""
     m_rows, k = x.shape
-    bs = k // scale.shape[0]
+    bs = k // param_blocks(scale)
     nb32 = k // XQ_BLOCK
     xq = np.empty((m_rows, k), np.int8)
     xd = np.empty((m_rows, nb32), np.float32)
@@ -175,19 +195,20 @@ def gemv(x, w, scale, offset, has_offset, center, s0, s1, c0, c1, out):
     size = w.shape[2]
     bias = np.float32(8.0) if size == 256 else np.float32(128.0)
     res = np.zeros(m_rows * GROUP, np.float32)
-    n = scale.shape[1]
+    n = param_columns(scale)
     for g in range(c0 // GROUP, c1 // GROUP):
         lo = g * GROUP
         res[:] = 0
         for sb in range(s0, s1):
-            at = (sb * XQ_BLOCK // bs) * n + lo
+            b = sb * XQ_BLOCK // bs
+            at, u_at = b * n + lo, unit_row(scale, b) * n + lo
             for m in range(m_rows):
                 w_at, x_at = (g * nb32 + sb) * size, (m * k + sb * XQ_BLOCK) // 4
                 if size == 256:
-                    block_fma4(res, m * GROUP, w, w_at, x4, x_at, scale, offset, at, xd[m, sb], bias * xi[m, sb],
+                    block_fma4(res, m * GROUP, w, w_at, x4, x_at, scale, offset, at, u_at, xd[m, sb], bias * xi[m, sb],
                                center * xs[m, sb], xs[m, sb], has_offset)
                 else:
-                    block_fma8(res, m * GROUP, w, w_at, x4, x_at, scale, offset, at, xd[m, sb], bias * xi[m, sb],
+                    block_fma8(res, m * GROUP, w, w_at, x4, x_at, scale, offset, at, u_at, xd[m, sb], bias * xi[m, sb],
                                center * xs[m, sb], xs[m, sb], has_offset)
         for m in range(m_rows):
             out[m, lo:lo + GROUP] = res[m * GROUP:(m + 1) * GROUP]

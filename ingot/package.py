@@ -18,7 +18,8 @@ graph.json; 2 stores them as safetensors BF16 and C64 and records the input orde
 compile options in the manifest (a version 2 package loads with the default options); 4 may store
 float16 constants two-level (graph.json "two_level": {KEY: [blocks per super-block, code bits, sign]};
 weights.safetensors "two_level:KEY:units" float16 [n_super, N] and "two_level:KEY:codes" packed
-codes, ingot.quant.formats.two_level_split), decoded to float16 on load: `save(..., two_level=)`,
+codes, ingot.quant.formats.two_level_split), decoded to float16 on load (read_weights can keep them
+as they are, as the CPU's LLM loading does): `save(..., two_level=)`,
 what the :k quantization formats' scales and biases take; packages without them are written as 3.
 
     >>> import numpy as np, ingot, tempfile, os

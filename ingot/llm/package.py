@@ -10,8 +10,9 @@ constants are which weight) so `ingot generate --model X.ingot` rebuilds the gra
 
 Weights are stored the way the builder multiplies them (k-major, q/k/v and gate/up side by side
 under "a+b+c" names), memory-mapped on load, and never converted again; the :k formats' scales
-and biases are stored two-level (codes and float16 units: package version 4) and decoded to their
-float16 products on load.
+and biases are stored two-level (codes and float16 units: package version 4), kept so in memory when
+loaded for the CPU (its GEMV multiplies code by unit as it reads them) and decoded to their float16
+products otherwise.
 """
 from __future__ import annotations
 

@@ -123,5 +123,14 @@ def test_pool_engine_on_cuda_equals_alone_and_generate(tmp_path, kv_dtype):
         pytest.skip("Triton's interpreter mishandles bfloat16 (the GPU run checks it)")
     from quant_helpers import save_tiny
 
+    from ingot.llm.generate import PREFILL_BUCKETS
+
     save_tiny(tmp_path / "tiny.llm")
-    check_pool_engine(str(tmp_path / "tiny.llm"), "cuda", kv_dtype)
+    engine = check_pool_engine(str(tmp_path / "tiny.llm"), "cuda", kv_dtype)
+    rows, _ = engine._rows[2]
+    assert rows.plan.capturable == (not _INTERPRET)
+    # the warmed bucket: one CUDA graph over the pool, whatever slots it served; prefill into slots: none
+    assert len(rows.plan._graphs) == (0 if _INTERPRET else 1)
+    slot_states = {id(slot.state.values) for slot in engine.slots}
+    assert all(key[0] not in slot_states for size in PREFILL_BUCKETS if size <= engine.context
+               for key in engine.model.compile(size, "cuda").plan._graphs)

@@ -195,7 +195,7 @@ def served(engine, prompts, max_tokens: int = 6, logprobs: bool = True) -> list:
     return [results[i] for i in range(len(prompts))]
 
 
-def check_pool_engine(path, device: str, kv_dtype: str | None, max_batch: int = 4) -> None:
+def check_pool_engine(path, device: str, kv_dtype: str | None, max_batch: int = 4):
     """Concurrent greedy answers (more prompts than slots: some wait, then reuse freed entries) equal
     each prompt served alone and `LLM.generate` on the same device."""
     from ingot.serve.engine import Engine
@@ -218,6 +218,7 @@ def check_pool_engine(path, device: str, kv_dtype: str | None, max_batch: int = 
         ids = ids[:-1] if ids and ids[-1] in engine.tokenizer.eos_ids else ids   # (its logprob is served)
         list(engine.llm.generate(prompt, max_tokens=6))
         assert ids == engine.llm.stats.tokens
+    return engine
 
 
 @pytest.fixture(scope="module")

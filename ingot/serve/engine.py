@@ -471,8 +471,9 @@ class Engine:
         self._bind_prefill(exe, seq.request.adapter, size)
         padded = np.zeros(size, np.int32)
         padded[:len(chunk)] = chunk
+        eager = {"graph": False} if self.pooled and self.device != "cpu" else {}   # a captured graph per slot: too many
         logits = exe.run({"tokens": padded, "pos": np.int32(pos), "last": np.int32(len(chunk) - 1)},
-                         state=seq.slot.state)[0]
+                         state=seq.slot.state, **eager)[0]
         seq.done += len(chunk)
         seq.slot.tokens = list(ids[:seq.done])
         if not seq.prefilling:

@@ -221,7 +221,7 @@ class CudaPlan:
         return isinstance(value, torch.Tensor) and value.device.type == self.device.type and value.is_contiguous() and \
             (self.device.index is None or value.device.index == self.device.index)
 
-    def run(self, feeds: dict[str, Any], state: dict[str, torch.Tensor], stream=None, outputs=None,
+    def run(self, feeds: dict[str, Any], state: dict[str, torch.Tensor], stream=None, outputs=None, graph: bool = True,
             **options) -> list[torch.Tensor]:
         """stream: the caller's CUDA stream (torch, or any object with a `ptr`/`cuda_stream`, or a raw
         handle): every copy, kernel and graph replay of this run is queued on it, after the caller's
@@ -230,14 +230,16 @@ class CudaPlan:
 
         Device feeds are read in place, never copied: the CUDA graph of a state is captured over the
         feeds' addresses, so a caller that refills the same buffers replays it with no copy; new
-        addresses run eagerly once, then get a graph of their own (four kept)."""
+        addresses run eagerly once, then get a graph of their own (four kept). graph=False: always eager,
+        nothing captured (a caller whose states change from run to run: `ingot serve`'s prefill into any of
+        its slots would capture, and evict, a graph per slot)."""
         if stream is not None:
             with torch.cuda.stream(_torch_stream(stream, self.device)):
-                return self.run(feeds, state, outputs=outputs, **options)
+                return self.run(feeds, state, outputs=outputs, graph=graph, **options)
         direct = {name: v for name, v in feeds.items() if self._in_place(v)}
         staged = {name: v for name, v in feeds.items() if name not in direct}
         self.last_feed_pointers = {name: v.data_ptr() for name, v in direct.items()}
-        if not self.capturable:
+        if not self.capturable or not graph:
             values = self._device_feeds(staged)
             values.update(direct)
             return _deliver(self._execute(values, state), outputs, fresh=True)

@@ -243,3 +243,50 @@ def test_kv_pool_too_big_for_the_device_is_refused_before_allocating():
     check_kv_fits(cfg, 65, "cuda", 5 << 30, free=139 << 30)               # fits an H200
     with pytest.raises(IngotError, match=r"KV cache of 64 slots x context 4096 x 32 layers in bfloat16 needs 32\.5 GiB"):
         check_kv_fits(cfg, 65, "cuda", 5 << 30, free=30 << 30)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3", "phi3", "qwen3moe", "gemma2", "gemma3",
+                                    "mistral3"])
+def test_pool_rows_decoder_of_every_family_equals_batch_one(family, tmp_path, monkeypatch):
+    """Each family's pool rows decoder (what `ingot serve --device cuda` runs) against its batch-1
+    decoder, on the CPU: Gemma's softcaps and sliding windows (prompts past the window of 8), SmolLM3's
+    NoPE layer, Phi-3's LongRoPE, Qwen3-MoE's experts, Mistral 3's attention temperature."""
+    import dataclasses
+
+    import family_models
+    from family_models import write_family_gguf
+
+    from ingot import models
+    from ingot.llm.package import open_model, storage_form
+
+    monkeypatch.setitem(family_models.FAMILIES, family, dataclasses.replace(family_models.FAMILIES[family], quant="Q8_0"))
+    path = tmp_path / f"{family}.gguf"
+    write_family_gguf(family, path)
+    stored = open_model(path)
+    cfg = stored.config
+    tensors = storage_form(cfg, {name: stored.tensors[name] for name in stored.tensors})
+    single = models.build(cfg, tensors, str(path))
+    rows, entries = 3, 4
+    model = models.build(cfg, tensors, str(path), rows=rows, pool=entries)
+    exe = model.graph.compile(feeds={model.tokens: TensorType((rows,), dt.int32)}, targets=[model.logits])
+    pool = exe.new_state()
+    decoder = single.compile(1)
+    rng = np.random.default_rng(4)
+    slots, refs, last, positions = [2, 0, 3], [], [], []
+    for s, n in zip(slots, (11, 2, 19)):
+        prompt = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+        logits = _prefill(single, prompt, entry_state(cfg, pool, s))
+        ref = decoder.new_state()
+        _prefill(single, prompt, ref)
+        refs.append(ref)
+        last.append(int(np.argmax(logits)))
+        positions.append(n)
+    for step in range(3):
+        got = exe.run({"tokens": np.array(last, np.int32), "positions": np.array(positions, np.int32),
+                       "slots": np.array(slots, np.int32)}, state=pool)[0]
+        for r in range(rows):
+            want = decoder.run({"tokens": np.array([last[r]], np.int32), "pos": np.int32(positions[r]),
+                                "last": np.int32(0)}, state=refs[r])[0][0]
+            np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}, row {r}")
+        last = [int(np.argmax(row)) for row in got]
+        positions = [p + 1 for p in positions]

@@ -286,6 +286,11 @@ class Engine:
 
     # -- the public side (any thread) -------------------------------------------------------------
     def start(self) -> None:
+        if self.device != "cpu":
+            # the scheduler waits on the GPU with the GIL released; the HTTP thread streaming to many
+            # clients then holds it until CPython's switch interval (5 ms) before the next step can launch
+            import sys
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._thread = threading.Thread(target=self._loop, name="ingot-scheduler", daemon=True)
         self._thread.start()
 

@@ -113,6 +113,46 @@ def test_rope_write_attend_rounds_the_new_rows_into_a_bfloat16_cache(interleaved
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("interleaved,rd,t", [(True, 16, 3), (False, 12, 1), (False, 16, 20)])
+def test_kernels_take_a_float16_cache_as_its_bits(interleaved, rd, t):
+    """The same kernels over a float16 cache (int16 bits, where the CPU converts float16 in hardware):
+    the new rows are the float32 kernel's rounded as NumPy rounds them (overflow to infinity included),
+    the attention the reference over the rounded cache; a prefill past DECODE_MAX_ROWS attends by BLAS."""
+    from ingot.backends.cpu.kernels import F16C
+    if not F16C:
+        pytest.skip("this CPU converts float16 in software: float16 caches run the reference")
+    rng = np.random.default_rng(rd + t)
+    b, hq, hk, d, ctx, pos = 1, 6, 2, 16, 40, 5
+    q = rng.standard_normal((b, hq, t, d)).astype(np.float32)
+    k = rng.standard_normal((b, hk, t, d)).astype(np.float32)
+    v = rng.standard_normal((b, hk, t, d)).astype(np.float32) * 100
+    v[0, 0, 0, 0] = 1e6     # past float16's range: infinity, as NumPy rounds it
+    old_k, old_v = (rng.standard_normal((b, hk, ctx, d)).astype(np.float16) for _ in range(2))
+    inv = nn_ops.rope_inv_freq(rd, 10000.0)
+    scale = np.float32(0.25)
+    kc32, vc32 = old_k.astype(np.float32), old_v.astype(np.float32)
+    q_out = np.empty_like(q)
+    nn_kernels.rope_write_attend(q, k, v, kc32, vc32, pos, pos + t, inv, interleaved, rd, scale, True, 0, np.float32(0),
+                                 False, q_out, q_out)
+    kc, vc = old_k.copy(), old_v.copy()
+    assert nn_kernels.kernel_cache(kc).dtype == np.int16
+    q16, out = np.empty_like(q), np.empty((b, hq, t, d), np.float32)
+    nn_kernels.rope_write_attend(q, k, v, nn_kernels.kernel_cache(kc), nn_kernels.kernel_cache(vc), pos, pos + t, inv,
+                                 interleaved, rd, scale, True, 0, np.float32(0), False, q16, q16)
+    assert np.array_equal(kc.view(np.int16), kc32.astype(np.float16).view(np.int16))
+    assert np.array_equal(vc.view(np.int16), vc32.astype(np.float16).view(np.int16))
+    assert np.isinf(vc[0, 0, pos, 0])
+    vc[0, 0, pos, 0] = 1.0   # (an infinite value would make the attention NaN: the comparison below needs finite)
+    want = nn_ops.sdpa(q16, kc, vc, length=pos + t, scale=float(scale), causal=True)
+    out = np.empty((b, hq, t, d), np.float32)
+    nn_kernels.attention(q16, nn_kernels.kernel_cache(kc), nn_kernels.kernel_cache(vc), pos + t, scale, True, 0,
+                         np.float32(0), out)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    blas = nn_kernels.attention_blas(q16, nn_kernels.kernel_cache(kc), nn_kernels.kernel_cache(vc), pos + t, scale, True,
+                                     0, np.float32(0))
+    np.testing.assert_allclose(blas, want, rtol=2e-5, atol=2e-5)
+
+
 # -- the models --------------------------------------------------------------------------------
 
 def _run(model, prompt, forced):

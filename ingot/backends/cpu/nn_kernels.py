@@ -19,7 +19,8 @@ from ...ops import nn as nn_ops
 _serial = dict(fastmath=True, cache=True, nogil=True)
 
 
-# -- a bfloat16 KV cache: the kernels take it as its uint16 bits (numba has no bfloat16) -----------
+# -- a bfloat16 or float16 KV cache: the kernels take it as its bits (numba has neither type), bfloat16
+# as uint16 and float16 as int16 (so that the two are told apart when the kernels are typed) ---------
 
 @intrinsic
 def _float_of_bits(typingctx, bits):
@@ -37,24 +38,47 @@ def _bits_of_float(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
+@intrinsic
+def _float_of_half(typingctx, bits):
+    """float16 bits (int16) -> their float32 value (`fpext half`: VCVTPH2PS with F16C, see kernel_cache)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], llvm_ir.HalfType()), llvm_ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _half_of_float(typingctx, x):
+    """float32 -> float16 bits (int16), rounded to nearest even as NumPy rounds it (`fptrunc`)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], llvm_ir.HalfType()), llvm_ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
 def widen(x):
-    """A cache element as float32: a float32 as it is, bfloat16 bits (uint16) shifted into the high half."""
+    """A cache element as float32: a float32 as it is, bfloat16 bits (uint16) shifted into the high half,
+    float16 bits (int16) widened."""
 
 
 @overload(widen)
 def _widen(x):
     if x == types.uint16:
         return lambda x: _float_of_bits(np.uint32(x) << np.uint32(16))
+    if x == types.int16:
+        return lambda x: _float_of_half(x)
     return lambda x: x
 
 
 def put(a, i, x):
     """a[i] = x for a float32 array; for bfloat16 bits (uint16), x rounded to nearest even as ml_dtypes
-    rounds it (a NaN stays a quiet NaN, overflow goes to infinity)."""
+    rounds it (a NaN stays a quiet NaN, overflow goes to infinity); for float16 bits (int16) as NumPy does."""
 
 
 @overload(put)
 def _put(a, i, x):
+    if a.dtype == types.int16:
+        def half(a, i, x):
+            a[i] = _half_of_float(np.float32(x))
+        return half
     if a.dtype == types.uint16:
         def bits(a, i, x):
             b = _bits_of_float(np.float32(x))
@@ -69,12 +93,16 @@ def _put(a, i, x):
 
 
 def kernel_cache(x: np.ndarray) -> np.ndarray | None:
-    """A K/V cache array as the compiled kernels take it: float32 as it is, bfloat16 as its uint16 bits
-    (a view, writes land in the cache); None for any other dtype (the caller runs the reference)."""
+    """A K/V cache array as the compiled kernels take it: float32 as it is, bfloat16 as its uint16 bits,
+    float16 as its int16 bits where the CPU converts float16 in hardware (kernels.F16C) (views: writes
+    land in the cache); None for any other dtype (the caller runs the reference)."""
     if x.dtype == np.float32:
         return x
     if x.dtype.name == "bfloat16" and x.dtype.itemsize == 2:
         return x.view(np.uint16)
+    if x.dtype == np.float16:
+        from .kernels import F16C   # (kernels imports this module)
+        return x.view(np.int16) if F16C else None
     return None
 
 
@@ -308,9 +336,9 @@ def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     hk = k.shape[1]
     group = hq // hk
     k, v = k[:, :, :length], v[:, :, :length]
-    if k.dtype != np.float32:   # a bfloat16 cache (its uint16 bits): the prefix widened once for BLAS
+    if k.dtype != np.float32:   # a bfloat16 or float16 cache (its bits): the prefix widened once for BLAS
         k, v = (np.left_shift(x, 16, dtype=np.uint32).view(np.float32) if x.dtype == np.uint16 else
-                x.astype(np.float32) for x in (k, v))
+                x.view(np.float16).astype(np.float32) if x.dtype == np.int16 else x.astype(np.float32) for x in (k, v))
     s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
     s *= scale
     if softcap:

@@ -1,9 +1,10 @@
 """The CPU lowerings of fuse_rope_cache's fused ops (passes/fuse_rope_cache.py): RoPE of q and k, the
 new k/v rows written into their caches in place, and (rope_qkv_attention) the attention over the
 caches, as one step. At decode (up to DECODE_MAX_ROWS queries) one compiled kernel does it all; a
-prefill rotates and writes with the RoPE kernel and attends with BLAS. The caches are float32 or
-bfloat16 (rows rounded as written, widened as read). Anything else (q, k, v not float32, a float16
-cache, rank other than 4, a position outside the cache) runs the fused op's body through the references.
+prefill rotates and writes with the RoPE kernel and attends with BLAS. The caches are float32, bfloat16
+or float16 (rows rounded as written, widened as read; float16 where the CPU converts it in hardware).
+Anything else (q, k, v not float32, rank other than 4, a position outside the cache) runs the fused
+op's body through the references.
 """
 from __future__ import annotations
 

@@ -22,10 +22,13 @@ MEMORY = re.compile(r"tl\.(load|store|atomic_\w+)\(|_load\w*\(|_row_rms\(|_row_d
 
 
 def kernels():
-    """The JIT kernels (not helpers: those read tl.program_id) of the modules on the decode path."""
+    """The JIT kernels of the modules on the decode path: what reads tl.program_id and is defined in the
+    module (or its package). Not helpers: those read no program id, or come from another module
+    (gemm.gathered_codes, which the gather kernels call after their wait)."""
     for module in (attention, fused, quantized_matmul):
         for name, fn in vars(module).items():
-            if isinstance(fn, JIT_TYPES) and "tl.program_id" in inspect.getsource(fn.fn):
+            if isinstance(fn, JIT_TYPES) and fn.fn.__module__.startswith(module.__name__) and \
+                    "tl.program_id" in inspect.getsource(fn.fn):
                 yield f"{module.__name__.rsplit('.', 1)[-1]}.{name}", fn
 
 

@@ -73,14 +73,17 @@ def ingot_dtype(elem_type: int, what: str) -> dt.DType:
     return ONNX_DTYPES[elem_type][0]
 
 
+_WIDER = {np.dtype(np.float64): np.float32, np.dtype(np.int16): np.int32, np.dtype(np.uint16): np.int32,
+          np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64, np.dtype(np.complex128): np.complex64}
+
+
 def as_ingot_array(array: np.ndarray) -> np.ndarray:
-    """A NumPy array in the storage dtype Ingot computes its ONNX type in."""
+    """A NumPy array in the storage dtype Ingot computes its ONNX type in (run on every feed of every run)."""
     a = np.asarray(array)
-    kind = {np.dtype(np.float64): np.float32, np.dtype(np.int16): np.int32, np.dtype(np.uint16): np.int32,
-            np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64, np.dtype(np.complex128): np.complex64}
-    if a.dtype in kind:
-        return a.astype(kind[a.dtype])
-    if a.dtype.name in NARROW_FORMATS:
+    wider = _WIDER.get(a.dtype)
+    if wider is not None:
+        return a.astype(wider)
+    if a.dtype.kind == "V" and a.dtype.name in NARROW_FORMATS:   # ml_dtypes' narrow formats
         return a.astype(NARROW_FORMATS[a.dtype.name].numpy)
     return a
 

@@ -263,7 +263,10 @@ def run_random(args, clients: list[int]) -> None:
         long_row = None
         if args.long_prompt:
             prompt = ("notes " * (args.long_prompt // 6 + 1))[:args.long_prompt]   # one byte, one token
-            long_row = asyncio.run(_long(url, model, prompt, args.max_tokens))
+            try:
+                long_row = asyncio.run(_long(url, model, prompt, args.max_tokens))
+            except Exception as e:   # noqa: BLE001 -- the long check failing must not lose the table
+                print(f"[long prompt: {type(e).__name__}: {e}]", file=sys.stderr, flush=True)
     except Exception:
         print("".join(process.tail[-15:]), file=sys.stderr)
         raise

@@ -84,7 +84,7 @@ def main() -> int:
                 ours.append(timed(lambda: exe.run(feeds)))
                 theirs.append(timed(lambda: session.run(None, feeds)))
             (iw, ic), (ow, oc) = [tuple(statistics.median(t[i] for t in runs) * 1e3 for i in (0, 1)) for runs in (ours, theirs)]
-            print(f"{name:<10} {iw:>10.1f} {ow:>9.1f} {ow / iw:>6.2f} {ic:>10.1f} {oc:>8.1f} {oc / ic:>6.2f} {diff:>9.1e}")
+            print(f"{name:<10} {iw:>10.2f} {ow:>9.2f} {ow / iw:>6.2f} {ic:>10.2f} {oc:>8.2f} {oc / ic:>6.2f} {diff:>9.1e}")
     return 0
 
 

@@ -144,3 +144,23 @@ def test_mean_of_trailing_axes(shape, axes, keepdims):
     got = exe.run({"x": x})[0]
     assert got.shape == want.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("c,hw,k,stride,pad", [(6, (20, 17), 5, 1, 2), (3, (9, 11), 3, 1, 1), (2, (12, 12), 4, 2, 1),
+                                              (1, (1, 1), 3, 1, 1)])
+def test_max_pool_separable_matches_reference(c, hw, k, stride, pad):
+    """ONNX MaxPool (pad, a window view, max over its axes) on the CPU, where overlapping windows take the
+    columns' pass then the rows', against a NumPy loop over the windows: exactly equal."""
+    from onnx import TensorProto, helper
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[k, k], strides=[stride] * 2, pads=[pad] * 4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, *hw])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.random.default_rng(c + k).standard_normal((1, c, *hw)).astype(np.float32)
+    padded = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=-np.inf)
+    oh, ow = [(d + 2 * pad - k) // stride + 1 for d in hw]
+    want = np.empty((1, c, oh, ow), np.float32)
+    for i in range(oh):
+        for j in range(ow):
+            want[:, :, i, j] = padded[:, :, i * stride:i * stride + k, j * stride:j * stride + k].max(axis=(2, 3))
+    np.testing.assert_array_equal(np.asarray(ingot.from_onnx(model).run({"x": x})[0]), want)

@@ -164,3 +164,18 @@ def test_max_pool_separable_matches_reference(c, hw, k, stride, pad):
         for j in range(ow):
             want[:, :, i, j] = padded[:, :, i * stride:i * stride + k, j * stride:j * stride + k].max(axis=(2, 3))
     np.testing.assert_array_equal(np.asarray(ingot.from_onnx(model).run({"x": x})[0]), want)
+
+
+def test_sigmoid_vector_pass_matches_reference():
+    """SIGMOID on the CPU (one vector pass) against the reference's stable form in float64: subnormal
+    results (x near -100) and 0 past -104 as NumPy's, NaN kept, a length not a multiple of 16."""
+    x = np.concatenate([np.array([np.nan, -120.0, -100.0, -90.0, -88.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0], np.float32),
+                        np.random.default_rng(4).standard_normal(30).astype(np.float32) * 6])
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    got = g.compile(targets=[g.sigmoid(xi)]).run({"x": x})[0]
+    v = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.where(v >= 0, 1 / (1 + np.exp(-np.abs(v))), np.exp(-np.abs(v)) / (1 + np.exp(-np.abs(v))))
+    assert np.isnan(got[0]) and got[1] == 0
+    np.testing.assert_allclose(got[2:], want[2:], rtol=2e-6, atol=1e-44)   # atol: float32 subnormals' spacing

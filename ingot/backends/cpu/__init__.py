@@ -160,6 +160,21 @@ def _unary(node: Node, out):
     return _reference(node, out)
 
 
+@lowering(Op.SIGMOID)
+def _sigmoid(node: Node, out):
+    """float32 sigmoid in one vector pass (conv_spatial's epilogue IR): a detector's last layer, alone."""
+    if not _is_f32(node) or not node.type.static:
+        return _reference(node, out)
+    kernel = conv.conv_spatial.elementwise(node)
+    shape = tuple(node.type.shape)
+
+    def step(x):
+        y = out if out is not None else np.empty(shape, np.float32)
+        kernel(np.ascontiguousarray(x).reshape(-1), y.reshape(-1))
+        return y
+    return step
+
+
 @lowering(Op.SILU)
 def _silu(node: Node, out):
     if _is_f32(node):

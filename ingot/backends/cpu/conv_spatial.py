@@ -181,9 +181,10 @@ def _const(c: float):
 
 
 def _exp(builder, x):
-    """exp(x) for <16 x float>: 2^n * p(r), |r| <= ln 2 / 2, x clamped to [-88, 88]."""
+    """exp(x) for <16 x float>: 2^n * p(r), |r| <= ln 2 / 2, x clamped to [-104, 88] (2^n as two factors,
+    so results below 2^-126 come out subnormal, as NumPy's, and 0 past -104)."""
     x = builder.select(builder.fcmp_ordered(">", x, _const(88.0)), _const(88.0), x)
-    x = builder.select(builder.fcmp_ordered("<", x, _const(-88.0)), _const(-88.0), x)
+    x = builder.select(builder.fcmp_ordered("<", x, _const(-104.0)), _const(-104.0), x)
     rint = builder.module.declare_intrinsic("llvm.rint.v16f32", fnty=ir.FunctionType(_V, [_V]))
     n = builder.call(rint, [builder.fmul(x, _const(1.4426950408889634))])
     r = builder.fsub(builder.fsub(x, builder.fmul(n, _const(0.693145751953125))), builder.fmul(n, _const(1.428606765330187e-06)))
@@ -191,9 +192,12 @@ def _exp(builder, x):
     for c in _EXP_POLY[1:]:
         p = builder.fadd(builder.fmul(p, r), _const(c))
     i16 = ir.VectorType(_I32, 16)
-    scale = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, i16), ir.Constant(i16, [127] * 16)),
-                                        ir.Constant(i16, [23] * 16)), _V)
-    return builder.fmul(p, scale)
+    ni = builder.fptosi(n, i16)
+    half = builder.ashr(ni, ir.Constant(i16, [1] * 16))
+
+    def power(k):   # 2^k for -127 < k < 128
+        return builder.bitcast(builder.shl(builder.add(k, ir.Constant(i16, [127] * 16)), ir.Constant(i16, [23] * 16)), _V)
+    return builder.fmul(builder.fmul(p, power(half)), power(builder.sub(ni, half)))
 
 
 def _nan_kept(builder, x, y):
@@ -202,7 +206,11 @@ def _nan_kept(builder, x, y):
 
 
 def _sigmoid(builder, x):
-    return _nan_kept(builder, x, builder.fdiv(_const(1.0), builder.fadd(_const(1.0), _exp(builder, builder.fneg(x)))))
+    """The reference's stable form: e = exp(-|x|), then 1 / (1 + e) or e / (1 + e)."""
+    fabs = builder.module.declare_intrinsic("llvm.fabs.v16f32", fnty=ir.FunctionType(_V, [_V]))
+    e = _exp(builder, builder.fneg(builder.call(fabs, [x])))
+    inv = builder.fdiv(_const(1.0), builder.fadd(_const(1.0), e))
+    return _nan_kept(builder, x, builder.select(builder.fcmp_ordered(">=", x, _const(0.0)), inv, builder.fmul(e, inv)))
 
 
 def _pick(builder, a, b, cmp: str):
@@ -474,6 +482,31 @@ def arrange_weights(w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray,
     if bias is not None:
         b[:m] = bias.reshape(-1)
     return wk, b
+
+
+_FLAT = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_spatial import EPILOGUES
+
+epilogue = EPILOGUES[{key!r}]
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, out):
+    # out = the steps on x, both flat float32, 16 at a time
+    n = x.shape[0]
+    for t in range(0, n, 16):
+        epilogue(out, t, x, t, n - t, 0, t, ())
+"""
+
+
+def elementwise(node) -> object:
+    """A unary float32 op of EMIT (sigmoid) as one vector pass: fn(x, out) over flat arrays."""
+    steps = [(node, [("value", 0)])]
+    key = steps_key(steps, [])
+    epilogue_for(key, steps, [])
+    return codegen.load(_FLAT.format(key=key), "kernel", "cpu_conv_spatial")
 
 
 def depthwise_fits(kh: int, kw: int, strides) -> bool:

@@ -128,6 +128,7 @@ def test_rows_window_matches_reference(c, m, hw, k, stride, dilation, pads):
 def test_rows_window_only_for_few_channels():
     assert not conv_spatial.rows_window_fits(3, 3, 1, (2, 2), 32) and not conv_spatial.rows_window_fits(3, 3, 1, (2, 1), 3)
     assert not conv_spatial.rows_window_fits(5, 1, 1, (1, 1), 8, width=1)
+    assert conv_spatial.rows_window_fits(3, 3, 1, (1, 1), 32, outputs=8) and not conv_spatial.rows_window_fits(3, 3, 1, (1, 1), 32)
 
 
 @pytest.mark.parametrize("shape,axes,keepdims", [((2, 5, 7, 9), (2, 3), True), ((1, 576, 1, 1), (2, 3), False),

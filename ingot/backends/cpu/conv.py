@@ -292,7 +292,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None)
     if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw))
-    if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow):
+    if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow, m):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows")
     if direct:   # a column window runs as a row one (conv_kernels._columns)
         window = (kw, kh) if conv_kernels._columns(kh, kw, ow, conv.src[0].type.shape[-1] if not one_d else 0) else (kh, kw)

@@ -458,14 +458,19 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
 
 
 SMALL_REDUCTION = 144   # C * kh * kw up to which a kxk conv runs here, not in conv_kernels.conv_direct
+FEW_OUTPUTS = (8, 576)  # and up to 576 where it has at most 8 output channels (half of conv_direct's lanes)
 
 
-def rows_window_fits(kh: int, kw: int, groups: int, strides, channels: int, width: int = 16) -> bool:
+def rows_window_fits(kh: int, kw: int, groups: int, strides, channels: int, width: int = 16, outputs: int = 16) -> bool:
     """A kxk window (not 1x1, at most 7 x 7) with groups 1, stride 1 or 2 in both axes, over few input
-    channels, with output rows at least 16 wide (a tile is one row's): per tile conv_direct's lane-by-lane stores cost as much as its FMAs there (3 -> 16 channels,
-    3 x 3, stride 2 at 320 x 320: 0.54 ms there, 0.30 here; 64 -> 128: 0.60 there, 1.08 here)."""
+    channels or to few output channels, with output rows at least 16 wide (a tile is one row's): there
+    conv_direct's lane-by-lane stores cost as much as its FMAs (3 -> 16 channels, 3 x 3, stride 2 at
+    320 x 320: 0.54 ms there, 0.30 here; 32 -> 8 at 80 x 80: 0.38 there, 0.28 here; 64 -> 128: 0.60
+    there, 1.08 here)."""
+    reduction = channels * kh * kw
+    small = reduction <= SMALL_REDUCTION or (outputs <= FEW_OUTPUTS[0] and reduction <= FEW_OUTPUTS[1])
     return groups == 1 and (kh, kw) != (1, 1) and kh <= 7 and kw <= 7 and strides[0] == strides[1] and \
-        strides[0] in (1, 2) and channels * kh * kw <= SMALL_REDUCTION and width >= 16
+        strides[0] in (1, 2) and small and width >= 16
 
 
 def pointwise_fits(kh: int, kw: int, groups: int, strides, pads) -> bool:

@@ -266,7 +266,8 @@ def fast(conv: Node) -> bool:
 
 
 def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int = 0, w_index: int = 1,
-              b_index: int | None = None, constant_w: bool = False, constant_b: bool = False):
+              b_index: int | None = None, constant_w: bool = False, constant_b: bool = False,
+              constants: frozenset = frozenset()):
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
     the conv's own); constant_w: the weights are a constant, arranged for the kernels once."""
     a = conv.attrs
@@ -289,11 +290,13 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups, ow, conv.src[0].type.shape[-1] if not one_d else 0)  # no im2col
     constant = constant_w and (b_index is None or constant_b)
     if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
-        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None)
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, constants=constants)
     if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
-        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw))
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw),
+                             constants=constants)
     if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow, m):
-        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows")
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows",
+                             constants)
     if direct:   # a column window runs as a row one (conv_kernels._columns)
         window = (kw, kh) if conv_kernels._columns(kh, kw, ow, conv.src[0].type.shape[-1] if not one_d else 0) else (kh, kw)
         direct_kernel = conv_kernels.direct_kernel(*window, *((epilogue.steps, epilogue.operands) if epilogue.spatial_ok
@@ -362,7 +365,8 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
 
 
 def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
-                  b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise"):
+                  b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise",
+                  constants: frozenset = frozenset()):
     """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1,
     window None), else a depthwise one or (kind "rows") a kxk one of few channels, window (stride, dh, dw,
     ph, pw)."""
@@ -378,6 +382,11 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     kernel = conv_spatial.driver(*size, epilogue.steps, operands, depthwise[0] if depthwise else 0,
                                  window[0] if window and kind == "rows" else 0)
     arranged: dict = {}
+    x_shape = (n_img, c, *in_spatial) if window else (n_img, c, int(np.prod(in_spatial)))
+    y_shape = (n_img, m, *spatial) if window else (n_img, m, int(np.prod(spatial)))
+    tail = tuple(window[1:]) if window else ()
+    # operands that are constants (a folded batch norm's scale, an activation's bounds) are read once
+    fixed_ops = all(form != "full" and i in constants for form, i in operands)
 
     def step(*inputs):
         x, w = inputs[x_index], inputs[w_index]
@@ -391,15 +400,16 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                 wk = conv_spatial.arrange_weights(w, bias)
             if constant:
                 arranged["w"] = wk
-        x = np.ascontiguousarray(x)
+        xs = np.ascontiguousarray(x).reshape(x_shape)
         y = out if out is not None else np.empty(out_shape, np.float32)
+        ys = y.reshape(y_shape)
+        ops = arranged.get("ops")
         for n in range(n_img):
-            ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
-            if window:
-                _, dh, dw, ph, pw = window
-                kernel(x[n].reshape(c, *in_spatial), wk[0], wk[1], dh, dw, ph, pw, y[n].reshape(m, *spatial), ops)
-            else:
-                kernel(x[n].reshape(c, -1), wk[0], wk[1], y[n].reshape(m, -1), ops)
+            if ops is None or not fixed_ops:
+                ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
+                if fixed_ops:
+                    arranged["ops"] = ops
+            kernel(xs[n], wk[0], wk[1], *tail, ys[n], ops)
         return y
     return step
 
@@ -429,7 +439,8 @@ def conv_epilogue_lowering(node: Node, out):
     index = [s.attrs["param"] for s in conv.src]
     return conv_step(conv, out, Epilogue(body, conv), index[0], index[1], index[2] if len(index) > 2 else None,
                      constant_w=node.src[index[1]].op == Op.CONSTANT,
-                     constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT)
+                     constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT,
+                     constants=frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT))
 
 
 FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

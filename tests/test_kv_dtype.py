@@ -118,7 +118,7 @@ def test_kernels_take_a_float16_cache_as_its_bits(interleaved, rd, t):
     """The same kernels over a float16 cache (int16 bits, where the CPU converts float16 in hardware):
     the new rows are the float32 kernel's rounded as NumPy rounds them (overflow to infinity included),
     the attention the reference over the rounded cache; a prefill past DECODE_MAX_ROWS attends by BLAS."""
-    from ingot.backends.cpu.kernels import F16C
+    from ingot.backends.cpu.block_params import F16C
     if not F16C:
         pytest.skip("this CPU converts float16 in software: float16 caches run the reference")
     rng = np.random.default_rng(rd + t)

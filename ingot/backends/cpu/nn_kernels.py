@@ -15,6 +15,7 @@ from numba.extending import intrinsic, overload
 from ...errors import IngotError
 from ...ir import Node
 from ...ops import nn as nn_ops
+from .block_params import F16C
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
 
@@ -94,14 +95,13 @@ def _put(a, i, x):
 
 def kernel_cache(x: np.ndarray) -> np.ndarray | None:
     """A K/V cache array as the compiled kernels take it: float32 as it is, bfloat16 as its uint16 bits,
-    float16 as its int16 bits where the CPU converts float16 in hardware (kernels.F16C) (views: writes
+    float16 as its int16 bits where the CPU converts float16 in hardware (block_params.F16C) (views: writes
     land in the cache); None for any other dtype (the caller runs the reference)."""
     if x.dtype == np.float32:
         return x
     if x.dtype.name == "bfloat16" and x.dtype.itemsize == 2:
         return x.view(np.uint16)
     if x.dtype == np.float16:
-        from .kernels import F16C   # (kernels imports this module)
         return x.view(np.int16) if F16C else None
     return None
 

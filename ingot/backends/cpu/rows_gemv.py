@@ -253,7 +253,7 @@ def gemv_rows_float4(x, q, scale, offset, has_offset, flip, b0, b1, c0, c1, out)
                 for i in range(32 * j, 32 * j + 32):
                     total += x[m, i]
                 xsum[m, j] = total
-    acc = np.empty(SPAN_SUMS, np.float32)
+    acc = np.empty(min(SPAN_SUMS, min(m_rows, ROW_TILE) * (c1 - c0)), np.float32)
     r = 0
     while r < m_rows:
         left = m_rows - r

@@ -309,12 +309,16 @@ team.DRIVERS[gemv_rows_float4] = (float4_chunks, True)
 def warm_up() -> None:
     """Compile (or load from numba's cache) the float32-activation kernel and its team driver for the
     types quantized_matmul_step gives them (kernels.warm_up calls this)."""
-    from .kernels import _kernel_form
+    def read_only(a: np.ndarray) -> np.ndarray:   # as kernels._kernel_form gives them (float16 as its bits)
+        view = a.view(np.uint16) if a.dtype == np.float16 else a.view()
+        view.flags.writeable = False
+        return view
+
     x, out = np.ones((2, 32), np.float32), np.zeros((2, 32), np.float32)
-    q = _kernel_form(np.zeros((32, 16), np.uint8))
+    q = read_only(np.zeros((32, 16), np.uint8))
     ctrl = np.zeros(team.SLEEP + 8, np.int64)
     for params in (np.ones((1, 32), np.float32), np.ones((1, 32), np.float16)):
-        p = _kernel_form(params)
+        p = read_only(params)
         head = (x, q, p, p, True, np.uint32(0))
         gemv_rows_float4(*head, 0, 1, 0, 32, out)
         float4_chunks(head, np.array([[0, 1, 0, 32, 0]], np.int64), out[None], out, ctrl, 1, -1)

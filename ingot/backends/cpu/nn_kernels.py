@@ -192,7 +192,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
                     out[b, h, t, e] = 0.0
                 continue
             qrow = q[b, h, t]
-            best = -np.inf
+            best = np.float32(-np.inf)   # (a float64 best made exp_shifted's polynomial float64)
             for j in range(first, limit):
                 krow = k[b, kh, j]
                 s = np.float32(0.0)
@@ -200,7 +200,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
                     s += qrow[e] * widen(krow[e])
                 s *= scale
                 if softcap > 0:
-                    s = softcap * math.tanh(s / softcap)
+                    s = np.float32(softcap * math.tanh(s / softcap))
                 scores[j] = s
                 if s > best:
                     best = s

@@ -18,23 +18,15 @@ largest value where that exceeds 1). Needs an NVIDIA GPU, torch, triton and onnx
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.onnx_vision import script   # a module of scripts/
+
 MODELS = ("mobilenet", "yolo", "dbnet", "crnn", "vad", "encoder")
-
-
-def script(name: str):
-    """A module of scripts/ (shared with the tests, which import no benchmark)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def case(name: str, folder: Path):

@@ -50,6 +50,19 @@ def _gate(h_rows, row_ok, r_gate, units, unit_ok, H, BB: tl.constexpr, BH: tl.co
 
 
 @triton.jit
+def _step_tile(s, T, B, H, FIRST_REVERSE: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr):
+    """This program's direction d, time step t of step s, batch rows and hidden units (and their masks)."""
+    d = tl.program_id(0)
+    rows = tl.program_id(1) * BB + tl.arange(0, BB)
+    units = tl.program_id(2) * BH + tl.arange(0, BH)
+    t = s
+    if FIRST_REVERSE or d == 1:
+        t = T - 1 - s
+    row_ok, unit_ok = rows < B, units < H
+    return d, t, rows, units, row_ok, unit_ok, row_ok[:, None] & unit_ok[None, :]
+
+
+@triton.jit
 def _step_kernel(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, len_ptr, s, T, B, H, clip,
                  KIND: tl.constexpr, G: tl.constexpr, FIRST_REVERSE: tl.constexpr, HAS_CLIP: tl.constexpr,
                  INPUT_FORGET: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
@@ -58,15 +71,8 @@ def _step_kernel(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, 
     # contiguous. KIND 0 rnn (gate h), 1 lstm (gates i, o, f, c; extra = peepholes [D, 3H]), 2 gru
     # with linear_before_reset (gates z, r, h; extra = the recurrent bias of h [D, H]), 3 the second
     # launch of a gru without it (h_in = r * h, c = z: _gru_reset_kernel's outputs). G: the op's gates.
-    d = tl.program_id(0)
-    rows = tl.program_id(1) * BB + tl.arange(0, BB)
-    units = tl.program_id(2) * BH + tl.arange(0, BH)
+    d, t, rows, units, row_ok, unit_ok, ok = _step_tile(s, T, B, H, FIRST_REVERSE, BB, BH)
     n_dirs = tl.num_programs(0)
-    t = s
-    if FIRST_REVERSE or d == 1:
-        t = T - 1 - s
-    row_ok, unit_ok = rows < B, units < H
-    ok = row_ok[:, None] & unit_ok[None, :]
     h_rows = h_in_ptr + (d * B + rows) * H
     r_dir = r_ptr + d * G * H * H
     p_at = proj_ptr + ((d * T + t) * B + rows[:, None]) * G * H + units[None, :]
@@ -124,14 +130,7 @@ def _step_kernel(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, 
 def _gru_reset_kernel(proj_ptr, r_ptr, h_in_ptr, z_ptr, rh_ptr, s, T, B, H, clip, FIRST_REVERSE: tl.constexpr,
                       HAS_CLIP: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
     # The first launch of a gru step without linear_before_reset: z and r * h for _step_kernel's KIND 3.
-    d = tl.program_id(0)
-    rows = tl.program_id(1) * BB + tl.arange(0, BB)
-    units = tl.program_id(2) * BH + tl.arange(0, BH)
-    t = s
-    if FIRST_REVERSE or d == 1:
-        t = T - 1 - s
-    row_ok, unit_ok = rows < B, units < H
-    ok = row_ok[:, None] & unit_ok[None, :]
+    d, t, rows, units, row_ok, unit_ok, ok = _step_tile(s, T, B, H, FIRST_REVERSE, BB, BH)
     h_rows = h_in_ptr + (d * B + rows) * H
     r_dir = r_ptr + d * 3 * H * H
     p_at = proj_ptr + ((d * T + t) * B + rows[:, None]) * 3 * H + units[None, :]

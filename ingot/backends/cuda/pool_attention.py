@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ...ir import Op
 from ...options import DEFAULT_CUDA, CudaOptions
-from .attention.decode import _dot, _sm_count
+from .attention.decode import _dot, _merge_part, _sm_count
 from .lowerings import Lowering, StepFn, lowering
 
 LOG2E = 1.4426950408889634
@@ -134,13 +134,7 @@ def _pool_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, HK, G, DV, so_r, so_h
         m_s = tl.load(ml_part_ptr + part * 2)
         l_s = tl.load(ml_part_ptr + part * 2 + 1)
         o_s = tl.load(o_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :])
-        m_new = tl.maximum(m_all, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a_old = tl.exp2(m_all - m_safe)
-        a_s = tl.exp2(m_s - m_safe)
-        l_all = l_all * a_old + l_s * a_s
-        o_all = o_all * a_old[:, None] + o_s * a_s[:, None]
-        m_all = m_new
+        m_all, l_all, o_all = _merge_part(m_all, l_all, o_all, m_s, l_s, o_s)
     o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
     tl.store(out_ptr + r * so_r + (hk * G + heads)[:, None] * so_h + offs_dv[None, :], o.to(out_ptr.dtype.element_ty),
              mask=(heads < G)[:, None] & (offs_dv < DV)[None, :])

@@ -32,6 +32,17 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _merge_part(m_all, l_all, o_all, m_s, l_s, o_s):
+    """Online-softmax merge of one split's (running max m_s, sum l_s, unnormalised output o_s) into the
+    running (m_all, l_all, o_all), base-2 exponents; rows with no keys yet (max -inf) add nothing."""
+    m_new = tl.maximum(m_all, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a_old = tl.exp2(m_all - m_safe)
+    a_s = tl.exp2(m_s - m_safe)
+    return m_new, l_all * a_old + l_s * a_s, o_all * a_old[:, None] + o_s * a_s[:, None]
+
+
+@triton.jit
 def _decode_chunk(length, SPLIT: tl.constexpr, ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr):
     """Keys per split from the runtime length: ceil(length / SPLIT), at least MIN_CHUNK (0: none), a
     multiple of ALIGN keys; and `active`, the splits that see at least one key (0 when length is 0)."""
@@ -232,13 +243,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                 m_s = tl.load(ml_part_ptr + ps * 2, cache_modifier=".cg")
                 l_s = tl.load(ml_part_ptr + ps * 2 + 1, cache_modifier=".cg")
                 o_s = tl.load(o_part_ptr + ps[:, None] * BLOCK_DV + offs_dv[None, :], cache_modifier=".cg")
-                m_new = tl.maximum(m_all, m_s)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a_old = tl.exp2(m_all - m_safe)
-                a_s = tl.exp2(m_s - m_safe)
-                l_all = l_all * a_old + l_s * a_s
-                o_all = o_all * a_old[:, None] + o_s * a_s[:, None]
-                m_all = m_new
+                m_all, l_all, o_all = _merge_part(m_all, l_all, o_all, m_s, l_s, o_s)
             o = tl.where(l_all[:, None] > 0, o_all / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
             tl.store(out_offs, o.to(out_ptr.dtype.element_ty), mask=out_ok)
             if XQ_LIMBS > 0:

@@ -53,9 +53,7 @@ def _dot_rows(typingctx, acc, acc_at, w, w_at, x4, x_at, x_stride):
             halves = [zeros, zeros]
             for v in range(8):
                 x4 = builder.load(builder.gep(xa.data, [builder.add(row_at, ir.Constant(row_at.type, v))]), align=4)
-                one = builder.insert_element(ir.Constant(v16, ir.Undefined), x4, ir.Constant(i32, 0))
-                splat = builder.shuffle_vector(one, ir.Constant(v16, ir.Undefined), zeros)
-                halves[v % 2] = builder.call(vdp, [halves[v % 2], splat, weights[v]])   # unsigned x, signed w
+                halves[v % 2] = builder.call(vdp, [halves[v % 2], vnni.splat(builder, x4, v16), weights[v]])   # unsigned x, signed w
             at = builder.add(acc_at_v, ir.Constant(acc_at_v.type, 16 * r))
             ptr = builder.bitcast(builder.gep(aa.data, [at]), v16.as_pointer())
             builder.store(builder.add(builder.load(ptr, align=4), builder.add(halves[0], halves[1])), ptr, align=4)
@@ -102,9 +100,7 @@ def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
                                                   v16.as_pointer()), align=1)
             for r in range(WIDE):
                 x4 = builder.load(builder.gep(xa.data, [builder.add(rows[r], const(v))]), align=4)
-                one = builder.insert_element(ir.Constant(v16, ir.Undefined), x4, ir.Constant(i32, 0))
-                splat = builder.shuffle_vector(one, ir.Constant(v16, ir.Undefined), zeros)
-                new[r] = builder.call(vdp, [new[r], splat, weight])   # unsigned x, signed w
+                new[r] = builder.call(vdp, [new[r], vnni.splat(builder, x4, v16), weight])   # unsigned x, signed w
         following = builder.add(b, const(1))
         b.add_incoming(following, builder.block)
         for phi, value in zip(sums, new):
@@ -336,7 +332,6 @@ def _fma_block_of(rows: int):
             i8, i32, f32, index = ir.IntType(8), ir.IntType(32), ir.FloatType(), kp_v.type
             b16, v16, f16x = ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
             const = lambda v: ir.Constant(index, v)  # noqa: E731
-            zeros = ir.Constant(v16, [0] * 16)
             zero_point = builder.load(builder.bitcast(builder.gep(za.data, [z_at_v]), v16.as_pointer()), align=4)
             row_at = [builder.add(x_at_v, builder.mul(stride_v, const(r))) for r in range(rows)]
             entry = builder.block
@@ -354,9 +349,8 @@ def _fma_block_of(rows: int):
             new = []
             for r in range(rows):
                 xv = builder.load(builder.gep(xa.data, [builder.add(row_at[r], k)]), align=4)
-                one = builder.insert_element(ir.Constant(f16x, ir.Undefined), xv, ir.Constant(i32, 0))
-                splat = builder.shuffle_vector(one, ir.Constant(f16x, ir.Undefined), zeros)
-                new.append(builder.fadd(sums[r], builder.fmul(splat, weight, flags=("contract",)), flags=("contract",)))
+                new.append(builder.fadd(sums[r], builder.fmul(vnni.splat(builder, xv, f16x), weight, flags=("contract",)),
+                                        flags=("contract",)))
             following = builder.add(k, const(1))
             k.add_incoming(following, builder.block)
             for phi, value in zip(sums, new):

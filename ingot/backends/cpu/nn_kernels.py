@@ -137,27 +137,12 @@ def _round_rows(x, s0, s1, xq, xd, xs, xi):
 round_rows = njit(inline="always", **_serial)(_round_rows)
 
 
-def _exp_shifted(scores, first, limit, best, bits):
+def _exp_shifted(scores, first, limit, best):
     """scores[j] = exp(scores[j] - best) for j in first..limit (all <= 0 after the shift), returning
-    their sum. A Cephes-style polynomial (relative error ~1e-7) with the power of two built in an
-    int32 buffer `bits` (then read as float32): LLVM vectorises this where a call to exp per element
-    (numba has no vector exp here) cost ~15 ns, a third of a decode step's attention."""
-    scale = bits.view(np.float32)
-    for j in range(first, limit):
-        x = max(scores[j] - best, np.float32(-87.0))
-        n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        scores[j] = p * r * r + r + np.float32(1.0)
-        bits[j] = (np.int32(n) + np.int32(127)) << np.int32(23)
+    their sum (exp_negative: a polynomial LLVM vectorises, where numba's exp is a call per element)."""
     total = np.float32(0.0)
     for j in range(first, limit):
-        scores[j] *= scale[j]
+        scores[j] = exp_negative(scores[j] - best)
         total += scores[j]
     return total
 
@@ -178,7 +163,6 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
         h = job % hq
         kh = h // group
         scores = np.empty(length, np.float32)
-        bits = np.empty(length, np.int32)
         acc = np.empty(dv, np.float32)
         for t in range(tq):
             limit = length
@@ -204,7 +188,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
                 scores[j] = s
                 if s > best:
                     best = s
-            total = exp_shifted(scores, first, limit, best, bits)
+            total = exp_shifted(scores, first, limit, best)
             acc[:] = 0.0
             for j in range(first, limit):
                 p = scores[j]
@@ -227,7 +211,6 @@ def masked_softmax(s, mask, scale, causal):   # (no "ninf": a mask holds -inf)
     NumPy takes ten."""
     nbatch, heads, tq, tk = s.shape
     mb, mh, mt = mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1
-    bits = np.empty(tk, np.int32)
     for b in range(nbatch):
         for h in range(heads):
             for t in range(tq):
@@ -242,7 +225,7 @@ def masked_softmax(s, mask, scale, causal):   # (no "ninf": a mask holds -inf)
                 if limit <= 0 or best == -np.inf:
                     row[:] = 0.0
                     continue
-                inv = np.float32(1.0) / exp_shifted(row, 0, limit, best, bits)
+                inv = np.float32(1.0) / exp_shifted(row, 0, limit, best)
                 for j in range(limit):
                     row[j] *= inv
                 for j in range(limit, tk):

@@ -62,6 +62,13 @@ def _block_fma(bits: int):
     return block_fma
 
 
+def splat(builder, value, vector_type):
+    """value in every lane of a 16-lane vector_type (insert into lane 0, then broadcast)."""
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+
 class BlockIR:
     """The instructions of one block of W that the VNNI intrinsics share (`block_fma` here, rows_gemv's
     `rows_block_fma`): the block's bytes at flat offset w_at of wa unpacked into VPDPBUSD operands once,
@@ -89,9 +96,7 @@ class BlockIR:
             self.parts = [(load(v), v) for v in range(8)]
 
     def splat(self, value, vector_type):
-        b = self.builder
-        one = b.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-        return b.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined), self.zeros)
+        return splat(self.builder, value, vector_type)
 
     def params(self, a, at, element):
         """16 parameters of array a at flat offset at, widened to float32 (float16 bits when uint16)."""

@@ -10,7 +10,7 @@
                   [--constant NAME=V0,V1,...]
     ingot view PATH [--port N] [--no-browser] [--html OUT.html] [--device cpu|cuda] [--profile] [--reference REF]
     ingot serve [--model PATH] [--host H] [--port N] [--device cpu|cuda] [--max-batch N] [--context N] [--lora NAME=PATH]
-                [--gemv-activations float32|int8]
+                [--gemv-activations float32|int8] [--threads N]
 
 Bad input prints one sentence and exits with code 2 (a traceback only with --debug).
 """
@@ -61,6 +61,17 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache length in tokens (default: 2048, at most the model's)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
     p.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16"], help=PREFILL_PRECISION_HELP)
+    _cpu_args(p)
+
+
+def _cpu_args(p: argparse.ArgumentParser) -> None:
+    """--threads and --gemv-activations: the CPU choices every command that runs an LLM takes."""
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: INGOT_OPTIONS's cpu.threads, else INGOT_CPU_THREADS, else every core "
+                        "this process may use)")
+    p.add_argument("--gemv-activations", choices=["float32", "int8"], default=None,
+                   help="CPU: the quantized GEMV's activations; int8 rounds them per block of 32 as llama.cpp does, "
+                        "faster, not bit-equal to float32 (default: float32, or INGOT_OPTIONS's cpu.gemv_activations)")
 
 
 PREFILL_PRECISION_HELP = ("CUDA: the prompt's matmul and attention dots; bf16 rounds their operands to bfloat16 "
@@ -128,7 +139,8 @@ def _compile_options(args):
     """INGOT_OPTIONS's CompileOptions (else the defaults) with the command line's choices on top."""
     from .options import CompileOptions
 
-    return CompileOptions.from_command_line(prefill_precision=getattr(args, "prefill_precision", None))
+    return CompileOptions.from_command_line(getattr(args, "gemv_activations", None),
+                                            getattr(args, "prefill_precision", None), getattr(args, "threads", None))
 
 
 def _load_llm(args):
@@ -254,7 +266,8 @@ def _eval_kld(args) -> int:
     from .eval import kld, read_text
 
     text = read_text(args.text)
-    result = kld(args.reference, args.model, text, context=args.context, device=args.device)
+    result = kld(args.reference, args.model, text, context=args.context, device=args.device,
+                 options=_compile_options(args))
     if args.json:
         print(json.dumps({"mean_kld": result.mean_kld, "top1": result.top1, "ppl_reference": result.ppl_reference,
                           "ppl_model": result.ppl_model, "tokens": result.tokens, "kld_p99": result.kld_p99}))
@@ -338,7 +351,7 @@ def _serve(args) -> int:
             raise IngotError(f"{flag} must be in {low}..{4096 * (64 if flag == '--context' else 1)}, not {value}.")
     serve(args.model, host=args.host, port=args.port, device=args.device, max_batch=args.max_batch,
           context=args.context, loras=loras, max_queue=args.max_queue, gemv_activations=args.gemv_activations,
-          kv_dtype=args.kv_dtype, prefill_precision=args.prefill_precision)
+          kv_dtype=args.kv_dtype, prefill_precision=args.prefill_precision, threads=args.threads)
     return 0
 
 
@@ -456,9 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "cuda, else the model's own, float32"))
     srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                      help="serve a PEFT LoRA folder as model id NAME (repeatable; requests choose by `model`)")
-    srv.add_argument("--gemv-activations", choices=["float32", "int8"], default=None,
-                     help="CPU: the quantized GEMV's activations; int8 rounds them per block of 32 as llama.cpp does, "
-                          "faster, not bit-equal to float32 (default: float32, or INGOT_OPTIONS's cpu.gemv_activations)")
+    _cpu_args(srv)
     srv.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16"], help=PREFILL_PRECISION_HELP)
     srv.set_defaults(func=_serve)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
@@ -470,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     kld.add_argument("--context", type=int, default=256, help="tokens per chunk; the second half of each is scored")
     kld.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     kld.add_argument("--json", action="store_true", help="print one JSON object")
+    _cpu_args(kld)
     kld.set_defaults(func=_eval_kld)
     return parser
 

@@ -75,9 +75,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def score(model, token_chunks: list[list[int]], device: str = "cpu", progress=None) -> Scored:
+def score(model, token_chunks: list[list[int]], device: str = "cpu", progress=None, options=None) -> Scored:
     """Run a StoredModel (ingot.llm.package) over each chunk from an empty cache and keep the
-    log-probabilities of the second half of each chunk's positions; progress() is called after each chunk."""
+    log-probabilities of the second half of each chunk's positions; progress() is called after each chunk;
+    options: the `ingot.CompileOptions` (None: INGOT_OPTIONS's, else the defaults)."""
     from .adapters import binder
     from . import models
 
@@ -90,7 +91,7 @@ def score(model, token_chunks: list[list[int]], device: str = "cpu", progress=No
         graph.callables_for = binder(cfg, model.adapters)
     logprobs, targets = [], []
     for chunk in token_chunks:
-        exe = graph.compile(len(chunk), device)
+        exe = graph.compile(len(chunk), device, options)
         state = exe.new_state()  # an empty cache per chunk
         (logits,) = exe.run({"tokens": np.asarray(chunk, np.int32), "pos": np.int32(0)}, state=state)
         logits = exe.backend.to_host(logits)
@@ -117,9 +118,10 @@ def compare(reference: Scored, model: Scored) -> KLDResult:
     return KLDResult(float(kld.mean()), top1, ppl_ref, ppl, len(rows), float(np.percentile(kld, 99)))
 
 
-def kld(reference_path, model_path, text: str, context: int = DEFAULT_CONTEXT, device: str = "cpu") -> KLDResult:
+def kld(reference_path, model_path, text: str, context: int = DEFAULT_CONTEXT, device: str = "cpu",
+        options=None) -> KLDResult:
     """`ingot eval kld`: the model at model_path against the one at reference_path (GGUF files or
-    Ingot LLM packages) over text."""
+    Ingot LLM packages) over text, both compiled with options (an `ingot.CompileOptions`)."""
     from .llm.package import open_model
     from .llm.tokenizer import tokenize
     from .progress import progress_bar
@@ -131,6 +133,6 @@ def kld(reference_path, model_path, text: str, context: int = DEFAULT_CONTEXT, d
                          f"the reference {reference.config.vocab_size}.")
     token_chunks = chunks(tokenize(reference, text), context)
     with progress_bar("eval kld", total=2 * len(token_chunks)) as advance:
-        scored_ref = score(reference, token_chunks, device, progress=lambda: advance("reference"))
+        scored_ref = score(reference, token_chunks, device, lambda: advance("reference"), options)
         del reference
-        return compare(scored_ref, score(model, token_chunks, device, progress=lambda: advance("model")))
+        return compare(scored_ref, score(model, token_chunks, device, lambda: advance("model"), options))

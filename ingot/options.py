@@ -231,13 +231,17 @@ class CompileOptions:
             raise IngotError(f"{path}: {e}") from None
 
     @classmethod
-    def from_command_line(cls, gemv_activations: str | None = None, prefill_precision: str | None = None
-                          ) -> CompileOptions:
-        """The options `ingot generate/serve` compile with: INGOT_OPTIONS's (else the defaults), with the
-        flags given on top: `--gemv-activations` ("float32": exact float products, the default; "int8":
-        x rounded to int8 per block of 32 as llama.cpp does, faster, BENCHMARKS.md) and
-        `--prefill-precision` (CUDA: "tf32x3", float32-level, the default; "bf16")."""
+    def from_command_line(cls, gemv_activations: str | None = None, prefill_precision: str | None = None,
+                          threads: int | None = None) -> CompileOptions:
+        """The options `ingot generate/chat/serve/eval` compile with: INGOT_OPTIONS's (else the defaults), with
+        the flags given on top: `--gemv-activations` ("float32": exact float products, the default; "int8":
+        x rounded to int8 per block of 32 as llama.cpp does, faster, BENCHMARKS.md), `--prefill-precision`
+        (CUDA: "tf32x3", float32-level, the default; "bf16") and `--threads` (the CPU threads)."""
         options = cls.from_environment()
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+                raise IngotError(f"--threads must be in 1..1024, not {threads}.")
+            options = dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, threads=threads))
         if gemv_activations is not None:
             if gemv_activations not in ("float32", "int8"):
                 raise IngotError(f"--gemv-activations is {gemv_activations!r}; 'float32' or 'int8'.")

@@ -199,3 +199,22 @@ def test_prefill_precision_reaches_the_compile_options(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "hi", "--prefill-precision", "fp8"])
     assert e.value.code == 2 and "prefill-precision" in capsys.readouterr().err
+
+
+def test_cpu_flags_reach_the_compile_options(capsys):
+    """--threads and --gemv-activations become CpuOptions on generate, chat, serve and eval kld; a thread
+    count out of range is refused in one sentence before any model loads."""
+    import argparse
+
+    from ingot.cli import _compile_options, build_parser
+
+    opts = _compile_options(argparse.Namespace(prefill_precision=None, threads=1, gemv_activations="int8"))
+    assert (opts.cpu.threads, opts.cpu.gemv_activations) == (1, "int8")
+    for argv in (["generate", "hi"], ["chat"], ["serve"], ["eval", "kld", "--reference", "a", "--model", "b", "--text", "t"]):
+        args = build_parser().parse_args(argv + ["--threads", "3", "--gemv-activations", "int8"])
+        assert (args.threads, args.gemv_activations) == (3, "int8"), argv
+    for bad in ("0", "5000"):
+        assert_one_sentence_error(run_cli("generate", "hi", "--model", "nope.gguf", "--threads", bad), "--threads", bad)
+    assert main(["generate", "What is the capital of Australia?", "--max-tokens", "4", "--temperature", "0", "--json",
+                 "--threads", "1", "--gemv-activations", "int8"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 4

@@ -34,9 +34,9 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           context: int | None = None, loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
           announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
           gemv_activations: str | None = None, kv_dtype: str | None = None,
-          prefill_precision: str | None = None) -> None:
+          prefill_precision: str | None = None, threads: int | None = None) -> None:
     """Load the model (the default one when None), then serve it until interrupted. gemv_activations,
-    prefill_precision: see CompileOptions.from_command_line (None: INGOT_OPTIONS's choice); kv_dtype: the KV slots' dtype
+    prefill_precision, threads: see CompileOptions.from_command_line (None: INGOT_OPTIONS's choice); kv_dtype: the KV slots' dtype
     (see ingot.llm.load)."""
     import uvicorn
 
@@ -48,7 +48,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
         raise IngotError(f"--port must be 0..65535, not {port}.")
     from ..options import CompileOptions
 
-    options = CompileOptions.from_command_line(gemv_activations, prefill_precision)
+    options = CompileOptions.from_command_line(gemv_activations, prefill_precision, threads)
     engine = Engine(model or default_model_path(), device=device, max_batch=max_batch, context=context, loras=loras,
                     max_queue=max_queue, options=options, kv_dtype=kv_dtype)
     app = create_app(engine)

@@ -173,8 +173,9 @@ def test_pool_needs_rows():
 PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [8], [20, 21, 22]]
 
 
-def served(engine, prompts, max_tokens: int = 6, logprobs: bool = True) -> list:
-    """Greedy token ids of each prompt (its text without logprobs), all submitted at once to a started engine."""
+def served(engine, prompts, max_tokens: int = 6, logprobs: bool = True, adapters=None) -> list:
+    """Greedy token ids of each prompt (its text without logprobs), all submitted at once to a started
+    engine; adapters: each prompt's adapter name (None: the base model)."""
     import threading
 
     from ingot.serve.engine import Request, SamplingParams
@@ -190,7 +191,7 @@ def served(engine, prompts, max_tokens: int = 6, logprobs: bool = True) -> list:
                 if len(results) == len(prompts):
                     finished.set()
         engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs),
-                              on_event=on_event))
+                              adapter=adapters[i] if adapters else None, on_event=on_event))
     assert finished.wait(900)
     return [results[i] for i in range(len(prompts))]
 

@@ -330,6 +330,9 @@ class Weights:
     def __init__(self, g: Graph, tensors: dict, path: str = "", adapter_sites=()):
         self.g, self.tensors, self.path = g, tensors, path
         self.adapter_sites = frozenset(adapter_sites)  # weight names whose output gets a called adapter
+        # or, for `ingot serve`'s rows decoders, every served adapter inline, chosen per row by a feed
+        # (serve/adapters.RowAdapters: its `delta` builds a site's gathered matmuls instead of a call)
+        self.row_adapters = adapter_sites if hasattr(adapter_sites, "delta") else None
         self.inputs: dict[str, Tensor] = {}            # "+".join(weight names) -> the tensor they multiply
 
     def get(self, name: str):
@@ -412,6 +415,8 @@ def adapted(g: Graph, weights: Weights, names: list[str], x: Tensor, y: Tensor) 
     weights.inputs["+".join(names)] = x  # calibration reads these (activation statistics per weight)
     if not weights.adapter_sites.intersection(names):
         return y
+    if weights.row_adapters is not None:
+        return y + weights.row_adapters.delta(g, names, x)
     (delta,) = g.call("+".join(names), [x], [TensorType(y.shape, y.dtype)])
     # y + delta, typed as y: a call's declared output keeps the build-time dynamic length, and
     # [1, n] + [?, n] would leave every later shape (and the next call's input) dynamic at decode

@@ -209,18 +209,17 @@ class Engine:
                  prefill_chunk: int = PREFILL_CHUNK, options=None, kv_dtype: str | None = None,
                  pool: bool | None = None):
         from .. import models
-        from ..adapters import AdapterSet, load_peft
+        from ..adapters import AdapterSet, binder, load_peft
         from ..llm.chat import check_template
         from ..llm.generate import DEFAULT_CONTEXT, LLM, _model_info, set_kv_dtype
         from ..llm.package import StoredModel, open_model, storage_form
         from ..llm.tokenizer import Tokenizer
+        from .adapters import RowAdapters
         from .metrics import Metrics
 
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise IngotError(f"serve: {name} must be an integer in 1..4096, not {value!r}.")
-        if loras and device != "cpu":   # the gathered adapters' row ids live in a host array (adapters.py)
-            raise IngotError(f"serve: --lora runs on the CPU only for now, not on {device}.")
         started = time.perf_counter()
         # a path, or a model already in memory (benchmarks/serve.py's random weights of real shapes)
         model = path if isinstance(path, StoredModel) else open_model(path, bfloat16=device != "cpu")
@@ -252,6 +251,8 @@ class Engine:
         for name, (lora_path, scale) in (loras or {}).items():
             self.adapters[name] = base.merged(load_peft(lora_path, cfg, scale))
         self.sites = frozenset().union(*(a.names for a in self.adapters.values()))
+        # the rows decoders compute every adapter's delta inline, each row's chosen by the adapter_rows feed
+        self.gathered = RowAdapters(cfg, list(self.adapters.values())) if self.sites else None
         if device == "cpu":
             from ..backends.cpu.kernels import warm_up
             warm_up()
@@ -261,10 +262,12 @@ class Engine:
         self.metadata = {k: v for k, v in model.metadata.items() if not k.startswith("tokenizer.ggml.")}
         del model
         self.model = models.build(cfg, self.tensors, self.path, adapter_sites=self.sites)
+        if self.sites:   # the base model's (entry 0) until a prefill binds its request's (_bind_prefill)
+            self.model.callables_for = binder(cfg, base)
         self.llm = LLM.from_graph(self.model, self.tokenizer, device, options)   # the batch-1 decoder and prefill
         self.llm.path, self.llm.metadata = self.path, self.metadata
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self._rows: dict[int, tuple] = {}                      # R -> (executable, adapter row ids)
+        self._rows: dict[int, tuple] = {}                      # R -> (executable, its adapter_rows feed)
         self._row_states: dict[tuple, object] = {}
         if self.pooled:
             check_kv_fits(cfg, max_batch + 1, device, sum(int(getattr(t, "nbytes", 0)) for t in self.tensors.values()))
@@ -332,10 +335,12 @@ class Engine:
         from ..llm.generate import PREFILL_BUCKETS
 
         for r in rows or self.buckets():
-            exe, _ = self._rows_executable(r)
+            exe, adapter_rows = self._rows_executable(r)
             if self.pooled:   # run twice on the scratch entry: kernels compiled, then the CUDA graph captured
                 feeds = {"tokens": np.zeros(r, np.int32), "positions": np.zeros(r, np.int32),
                          "slots": np.full(r, self.scratch.index, np.int32)}
+                if adapter_rows is not None:
+                    feeds["adapter_rows"] = np.zeros(r, np.int32)
                 for _ in range(2):
                     exe.run(feeds, state=self.pool)
         for size in PREFILL_BUCKETS:
@@ -501,19 +506,13 @@ class Engine:
             from .. import models
             from .. import dtypes as dt
             from ..ir import TensorType
-            from .adapters import gathered_callables
 
             pool = {"pool": self.max_batch + 1} if self.pooled else {}
-            model = models.build(self.config, self.tensors, self.path, adapter_sites=self.sites, rows=rows, **pool)
+            sites = self.gathered.for_rows(rows) if self.gathered is not None else ()
+            model = models.build(self.config, self.tensors, self.path, adapter_sites=sites, rows=rows, **pool)
             exe = model.graph.compile(feeds={model.tokens: TensorType((rows,), dt.int32)}, targets=[model.logits],
                                       device=self.device, options=self.options)
-            row_adapters = np.zeros(rows, np.int32)
-            if exe.call_sites:
-                order = list(self.adapters)
-                for site, callee in gathered_callables(self.config, [self.adapters[a] for a in order], exe.call_sites,
-                                                       rows, self.device, row_adapters).items():
-                    exe.bind(site, callee)
-            hit = self._rows[rows] = (exe, row_adapters)
+            hit = self._rows[rows] = (exe, np.zeros(rows, np.int32) if sites else None)
         return hit
 
     def _new_pool(self):
@@ -562,15 +561,17 @@ class Engine:
         slots = tuple(s.slot for s in decoding) + (self.scratch,) * pad
         tokens = np.array([s.next_token for s in decoding] + [0] * pad, np.int32)
         positions = np.array([len(s.slot.tokens) for s in decoding] + [0] * pad, np.int32)
-        if exe.call_sites:
+        feeds = {"tokens": tokens, "positions": positions}
+        if row_adapters is not None:    # each row's adapter: its index among the served ones (0: the base model)
             order = list(self.adapters)
             row_adapters[:] = [order.index(s.request.adapter) for s in decoding] + [0] * pad
+            feeds["adapter_rows"] = row_adapters
         started = time.perf_counter()
         if self.pooled:
-            feeds = {"tokens": tokens, "positions": positions, "slots": np.array([s.index for s in slots], np.int32)}
+            feeds["slots"] = np.array([s.index for s in slots], np.int32)
             out = exe.run(feeds, state=self.pool)[0]
         else:
-            out = exe.run({"tokens": tokens, "positions": positions}, state=self._row_state(slots))[0]
+            out = exe.run(feeds, state=self._row_state(slots))[0]
         chosen = self._device_greedy(decoding, out)
         logits = exe.backend.to_host(out) if chosen is None else None
         self.metrics.step(len(decoding), time.perf_counter() - started)

@@ -294,14 +294,14 @@ def test_llama_with_iq_and_k_quant_weights_generates_like_f32(tmp_path):
     np.testing.assert_array_equal(logits[2], logits[0])
 
 
-@pytest.mark.parametrize("shuffle", [True, False], ids=["pshufb", "lookup"])
+@pytest.mark.parametrize("kernel", ["permute", "pshufb", "lookup"])
 @pytest.mark.parametrize("table_kind", ["int8", "eighths", "float"])
-@pytest.mark.parametrize("n,k,block", [(40, 96, 6), (10, 64, 32), (66, 48, 16)])
+@pytest.mark.parametrize("n,k,block", [(40, 96, 6), (10, 64, 32), (66, 48, 16), (98, 99, 33)])
 @pytest.mark.parametrize("m", [1, 3, 20])
-def test_scaled_lut_kernels_match_reference(shuffle, table_kind, n, k, block, m):
-    """Both CPU kernels (PSHUFB decode to int8 where the CPU and table allow, per-row product
-    lookups otherwise) and the tiled GEMM: row tails of under 16 bytes, blocks not a multiple of 4
-    rows, tables of integers, of eighths (IQ1) and of arbitrary floats (the lookup kernel)."""
+def test_scaled_lut_kernels_match_reference(kernel, table_kind, n, k, block, m):
+    """The three CPU kernels (AVX-512 permutes of any table; PSHUFB decode to int8 where the CPU and
+    table allow; per-row product lookups) and the tiled GEMM: row tails of under 16 bytes, blocks not
+    a multiple of 4 rows and of odd length, tables of integers, of eighths (IQ1) and of arbitrary floats."""
     from ingot.backends.cpu import lut_kernels
     from ingot.ir import Node, TensorType
     from ingot.ops.quant import quantized_matmul_reference
@@ -314,7 +314,10 @@ def test_scaled_lut_kernels_match_reference(shuffle, table_kind, n, k, block, m)
     x = rng.standard_normal((m, k)).astype(np.float32)
     attrs = {"qdtype": dt.uint4, "dtype": dt.float32, "mode": "scaled_lut", "transpose": False}
     node = Node(Op.QUANTIZED_MATMUL, TensorType((m, n), dt.float32), (), attrs)
-    got = lut_kernels.scaled_lut_matmul_step(node, None, shuffle=shuffle)(x, q, table, scale)
+    if kernel == "permute" and not lut_kernels.PERMUTE:
+        pytest.skip("no AVX-512 on this CPU")
+    got = lut_kernels.scaled_lut_matmul_step(node, None, shuffle=kernel == "pshufb",
+                                             permute=kernel == "permute")(x, q, table, scale)
     want = quantized_matmul_reference((x, q, table, scale), attrs)
     w = dequantize_values(unpack(q, dt.uint4), [table, scale], attrs)
     check_close(got, x, w.T)

@@ -279,7 +279,7 @@ def _slice_update(node: Node, out):
 def _quantized_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     if node.attrs.get("mode") == "lut":  # lookup-table weights: ingot/backends/cpu/lut_kernels.py
         from . import lut_kernels
-        step = lut_kernels.lut_matmul_step(node, out)
+        step = lut_kernels.lut_matmul_step(node, out, threads=options.resolved_threads)
         if step is not None:
             return step
     if node.attrs.get("mode") == "scaled_lut":  # GGUF's IQ types and MXFP4: the same file

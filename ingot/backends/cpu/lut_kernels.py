@@ -101,17 +101,21 @@ def lut_tile(q, tables, packed, k0, k1, out):
             out[kk - k0, i] = tables[i // width, v]
 
 
-def lut_matmul_step(node: Node, out):
+def lut_matmul_step(node: Node, out, threads: int = 1, permute: bool | None = None):
     """A step for a k-major LUT quantized_matmul with one table per column group, or None (the
-    caller then uses the reference)."""
+    caller then uses the reference). threads: `CpuOptions.threads` (the permute GEMV's team);
+    permute: the AVX-512 permute GEMV for 4-bit codes where the groups allow (default: when the CPU
+    has it)."""
     attrs = node.attrs
     if attrs.get("mode") != "lut" or attrs.get("transpose") or node.dtype.name != "float32":
         return None
     if attrs["qdtype"].name not in ("uint4", "uint8"):
         return None
     packed = attrs["qdtype"].packed
+    permute = PERMUTE if permute is None else permute and PERMUTE
     reference = quant_ops.quantized_matmul_reference
     prepared: dict = {}
+    ones = np.ones((1, 1), np.float32)
 
     def step(x, q, lut):
         if lut.ndim != 3 or lut.shape[0] != 1:
@@ -126,7 +130,13 @@ def lut_matmul_step(node: Node, out):
         if not x2.flags.c_contiguous or x2.dtype != np.float32:
             x2 = np.ascontiguousarray(x2, dtype=np.float32)
         rows = x2.shape[0]
-        if rows <= GEMV_MAX_ROWS:
+        groups = tables.shape[0]
+        if rows <= GEMV_MAX_ROWS and packed and permute and (groups == 1 or (n // groups) % 32 == 0) \
+                and q.flags.c_contiguous:
+            result = np.empty((rows, n), np.float32)
+            team.split_blocks(lut_gemv_perm, (x2, q, tables, ones, ones, False, PERM_BLOCK), -(-k // PERM_BLOCK),
+                              result, k * n, threads)
+        elif rows <= GEMV_MAX_ROWS:
             result = np.empty((rows, n), np.float32)
             (lut_gemv_packed4 if packed else lut_gemv_int8)(x2, q, tables, result)
         else:
@@ -141,6 +151,156 @@ def lut_matmul_step(node: Node, out):
                 result = part if result is None else result + part
         return result.reshape(x.shape[:-1] + (n,))
     return step
+
+
+# -- 4-bit tables by vector permutes (AVX-512) -----------------------------------------------------
+#
+# VPERMPS looks 16 lanes up in a 16-float register in one instruction: with the table in a register,
+# 16 bytes of codes give 32 weights (low and high nibbles) in two permutes, each then a fused
+# multiply-add with x[k], instead of 32 scalar loads. `lut_rows` does a block of k rows for 32
+# columns with its sums in registers; `lut_gemv_perm` serves both modes: one table per group of
+# columns (mode "lut", blocks of PERM_BLOCK rows, no scale) and a scaled table (mode "scaled_lut",
+# the weight's own blocks, a float32 scale per block and column).
+
+
+def _permute_available() -> bool:
+    """VPERMPS on 512-bit vectors through an LLVM intrinsic: x86-64 with AVX-512F, numba compiling
+    for the host CPU."""
+    import platform
+
+    import numba
+    if platform.machine().lower() not in ("x86_64", "amd64") or numba.config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+        return bool(llvm.get_host_cpu_features().get("avx512f"))
+    except Exception:
+        return False
+
+
+PERMUTE = _permute_available()
+PERM_BLOCK = 64   # rows of k a block of the unscaled ("lut") kernel: its products table stays in L1
+
+
+def _make_lut_rows():
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from .vnni import splat
+
+    @intrinsic
+    def lut_rows(typingctx, res_e, res_o, r_at, q, q_at, stride, rows, x, x_at, tables, t_at, scale_e, scale_o, s_at,
+                 scaled):
+        """For the 16 bytes of codes at flat offset q_at + r stride of q (uint8, C order), r < rows:
+        sum_e += table[low nibble] * x[x_at + r], sum_o the same of the high nibble (16 lanes each, in
+        registers; table: the 16 floats at flat offset t_at of tables); then res_e[r_at:r_at + 16] +=
+        sum_e (times scale_e[s_at:s_at + 16] when scaled), res_o likewise."""
+        sig = types.void(res_e, res_o, r_at, q, q_at, stride, rows, x, x_at, tables, t_at, scale_e, scale_o, s_at,
+                         scaled)
+
+        def codegen(context, builder, signature, args):
+            re_v, ro_v, r_at_v, q_v, q_at_v, stride_v, rows_v, x_v, x_at_v, t_v, t_at_v, se_v, so_v, s_at_v, scaled_v = args
+            arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+            qa, xa = arr(3, q_v), arr(7, x_v)
+            v16f, v16b = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(8), 16)
+            v16i = ir.VectorType(ir.IntType(32), 16)
+            perm = builder.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512",
+                                                    fnty=ir.FunctionType(v16f, [v16f, v16i]))
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(v16f, [v16f] * 3))
+            vector_at = lambda a, at, ty: builder.bitcast(builder.gep(a.data, [at]), ty.as_pointer())  # noqa: E731
+            table = builder.load(vector_at(arr(9, t_v), t_at_v, v16f), align=4)
+            zero = ir.Constant(v16f, [0.0] * 16)
+            # two sums per nibble, even and odd rows: one chain's multiply-adds wait on each other (4 cycles
+            # on Intel, where a permute takes one; Zen 4's two-cycle 512-bit permutes bound it either way)
+            sums = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+            fifteen, four = ir.Constant(v16b, [15] * 16), ir.Constant(v16b, [4] * 16)
+            one = ir.Constant(rows_v.type, 1)
+
+            def row(r, sum_e, sum_o):
+                codes = builder.load(vector_at(qa, builder.add(q_at_v, builder.mul(r, stride_v)), v16b), align=1)
+                xr = splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_at_v, r)])), v16f)
+                for total, nibbles in ((sum_e, builder.and_(codes, fifteen)), (sum_o, builder.lshr(codes, four))):
+                    looked_up = builder.call(perm, [table, builder.zext(nibbles, v16i)])
+                    builder.store(builder.call(fma, [looked_up, xr, builder.load(total)]), total)
+
+            with cgutils.for_range(builder, builder.lshr(rows_v, one)) as loop:
+                r = builder.shl(loop.index, one)
+                row(r, sums[0], sums[1])
+                row(builder.add(r, one), sums[2], sums[3])
+            with builder.if_then(builder.icmp_unsigned("!=", builder.and_(rows_v, one), ir.Constant(rows_v.type, 0))):
+                row(builder.sub(rows_v, one), sums[0], sums[1])
+            sum_e = builder.fadd(builder.load(sums[0]), builder.load(sums[2]))
+            sum_o = builder.fadd(builder.load(sums[1]), builder.load(sums[3]))
+            for i, add, scale_v in ((0, sum_e, se_v), (1, sum_o, so_v)):
+                ptr = vector_at(arr(i, (re_v, ro_v)[i]), r_at_v, v16f)
+                with builder.if_then(builder.icmp_unsigned("!=", scaled_v, ir.Constant(scaled_v.type, 0))):
+                    s = builder.load(vector_at(arr(11 + i, scale_v), s_at_v, v16f), align=4)
+                    builder.store(builder.fadd(builder.load(ptr, align=4), builder.fmul(add, s)), ptr, align=4)
+                with builder.if_then(builder.icmp_unsigned("==", scaled_v, ir.Constant(scaled_v.type, 0))):
+                    builder.store(builder.fadd(builder.load(ptr, align=4), add), ptr, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return lut_rows
+
+
+if PERMUTE:
+    lut_rows = _make_lut_rows()
+
+    @njit(**_opts)
+    def lut_gemv_perm(x, q, tables, scale_e, scale_o, scaled, block, b0, b1, c0, c1, out):
+        """out[m, c0:c1] (c0, c1 even) = x[m, rows of blocks b0..b1) @ W[those rows, c0:c1] for a k-major
+        4-bit LUT weight q [K, N/2] (low nibble = even column): W[k, n] = tables[n // (N / G), code]
+        [G, 16], times scale_e/scale_o[k // block, n // 2] (even/odd columns) when scaled. Blocks of
+        `block` rows (the last may be shorter); each group of 32 columns within one table (N / G a
+        multiple of 32, or G = 1: the step checks)."""
+        m_rows, k = x.shape
+        half = q.shape[1]
+        groups = tables.shape[0]
+        width = 2 * half // groups
+        h0, h1 = c0 // 2, c1 // 2
+        whole = h0 + (h1 - h0) // 16 * 16
+        res_e = np.empty(h1 - h0, np.float32)
+        res_o = np.empty(h1 - h0, np.float32)
+        for m in range(m_rows):
+            res_e[:] = 0
+            res_o[:] = 0
+            for b in range(b0, b1):
+                k0 = b * block
+                rows = min(block, k - k0)
+                srow = b if scaled else 0
+                for c in range(h0, whole, 16):
+                    lut_rows(res_e, res_o, c - h0, q, k0 * half + c, half, rows, x, m * k + k0, tables,
+                             2 * c // width * 16, scale_e, scale_o, srow * half + c, scaled)
+                for i in range(whole, h1):         # the last columns, under 32 (one table: G = 1)
+                    te = np.float32(0.0)
+                    to = np.float32(0.0)
+                    for r in range(rows):
+                        byte = q[k0 + r, i]
+                        te += tables[0, byte & np.uint8(15)] * x[m, k0 + r]
+                        to += tables[0, byte >> np.uint8(4)] * x[m, k0 + r]
+                    res_e[i - h0] += te * (scale_e[srow, i] if scaled else np.float32(1.0))
+                    res_o[i - h0] += to * (scale_o[srow, i] if scaled else np.float32(1.0))
+            for i in range(h1 - h0):
+                out[m, 2 * (h0 + i)] = res_e[i]
+                out[m, 2 * (h0 + i) + 1] = res_o[i]
+
+    @njit(**_opts)
+    def lut_perm_chunks(head, plan, outs, out, ctrl, gen, lead):
+        """lut_gemv_perm over a team's chunks (team.py)."""
+        n = plan.shape[0]
+        c = team.begin(ctrl, gen, lead, n)
+        while c >= 0:
+            lut_gemv_perm(*head, plan[c, 0], plan[c, 1], plan[c, 2], plan[c, 3], outs[plan[c, 4]])
+            c = team.after(ctrl, gen, n)
+        return team.end(ctrl, lead, n, outs, out)
+
+
+def split_scale(scale: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A scale [blocks, 1 or N] as its even and odd columns [blocks, N / 2], float32, C order."""
+    full = np.broadcast_to(scale.astype(np.float32, copy=False), (scale.shape[0], n))
+    return np.ascontiguousarray(full[:, 0::2]), np.ascontiguousarray(full[:, 1::2])
 
 
 # -- scaled lookup tables (GGUF's IQ types, MXFP4): w = table[q] * scale[block] ----------------------
@@ -379,15 +539,18 @@ def int8_table(table: np.ndarray) -> tuple[np.ndarray, float] | None:
     return None
 
 
-def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads: int = 1):
+def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads: int = 1,
+                           permute: bool | None = None):
     """A step for a k-major scaled-table quantized_matmul (4-bit codes, one table, a scale per block
     of K rows and output column), or None (the caller then uses the reference). shuffle: use the
-    PSHUFB kernels when the table allows (default: when the CPU has them); threads: `CpuOptions.threads`."""
+    PSHUFB kernels when the table allows (default: when the CPU has them); permute: the AVX-512 permute
+    GEMV, any table (default: when the CPU has it; faster than both); threads: `CpuOptions.threads`."""
     attrs = node.attrs
     if attrs.get("mode") != "scaled_lut" or attrs.get("transpose") or node.dtype.name != "float32" \
             or attrs["qdtype"].name not in ("uint4", "int4"):
         return None
     shuffle = SHUFFLE if shuffle is None else shuffle and SHUFFLE
+    permute = PERMUTE if permute is None else permute and PERMUTE
     reference = quant_ops.quantized_matmul_reference
     prepared: dict = {}
 
@@ -402,6 +565,10 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
                 # table[-1] = table[15] in the reference too)
                 table = np.ascontiguousarray(lut.reshape(16), dtype=np.float32)
                 full = np.broadcast_to(scale.astype(np.float32, copy=False), (scale.shape[0], n))
+                qv = np.ascontiguousarray(q.view(np.uint8))
+                perm_args = None
+                if permute:
+                    perm_args = (table.reshape(1, 16),) + split_scale(scale, n) + (True, q.shape[0] // scale.shape[0])
                 small = int8_table(table) if shuffle else None
                 if small is not None:
                     table, factor = small
@@ -410,19 +577,19 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
                 else:
                     gemv, tile = scaled_lut_gemv_packed4, scaled_lut_tile_packed4
                 full = np.ascontiguousarray(full)
-                qv = np.ascontiguousarray(q.view(np.uint8))
                 for a in (table, full, qv):
                     a.flags.writeable = False
-                ready = (gemv, tile, table, full, qv)
+                gemv_args = (table, full) if perm_args is None else perm_args
+                ready = (lut_gemv_perm if perm_args else gemv, gemv_args, tile, table, full, qv)
             hit = prepared[key] = (ready, (q, lut, scale))  # the arrays kept: ids stay valid
         return hit[0]
 
     def step(x, q, lut, scale):
         ready = prepare(q, lut, scale)
         k = x.shape[-1]
-        if ready is None or k % ready[3].shape[0]:
+        if ready is None or k % ready[4].shape[0] or k != q.shape[0]:
             return reference((x, q, lut, scale), attrs)
-        gemv, tile_fn, table, full, qv = ready
+        gemv, gemv_args, tile_fn, table, full, qv = ready
         nb, n = full.shape
         x2 = x.reshape(-1, k)
         if not x2.flags.c_contiguous or x2.dtype != np.float32:
@@ -430,7 +597,7 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
         rows = x2.shape[0]
         if rows <= GEMV_MAX_ROWS:
             result = np.empty((rows, n), np.float32)
-            team.split_blocks(gemv, (x2, qv, table, full), nb, result, k * n, threads)
+            team.split_blocks(gemv, (x2, qv) + gemv_args, nb, result, k * n, threads)
         else:
             block = k // nb
             tile_k = max(block, min(k, TILE_ELEMENTS // n) // block * block)
@@ -449,3 +616,5 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
 team.DRIVERS[scaled_lut_gemv_packed4] = (lut_packed4_chunks, False)
 if SHUFFLE:
     team.DRIVERS[scaled_lut_gemv_int] = (lut_int_chunks, False)
+if PERMUTE:
+    team.DRIVERS[lut_gemv_perm] = (lut_perm_chunks, False)

@@ -20,6 +20,7 @@ from .fuse_norm_gemv import fuse_norm_gemv
 from .fuse_rope_cache import fuse_rope_cache
 from .fuse_rows_attention import fuse_rows_attention
 from .fuse_siblings import fuse_siblings
+from .fuse_spatial import fuse_spatial
 from .fuse_two_level import fuse_two_level
 from .gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
 
@@ -30,6 +31,8 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
     "cpu": [
         # the :k formats' parameters as stored (codes x units): the GEMV multiplies them as it reads
         ("fuse_two_level", lambda p, o: fuse_two_level(p)),
+        # max pool, nearest upsampling, depth-to-space: one step each (backends/cpu/spatial.py)
+        ("fuse_spatial", lambda p, o: fuse_spatial(p)),
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
         # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True)),
@@ -53,7 +56,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("two_level", "conv_epilogue", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("two_level", "spatial", "conv_epilogue", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

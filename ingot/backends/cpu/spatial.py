@@ -1,0 +1,204 @@
+"""The FUSED ops of passes/fuse_spatial.py: max pooling, nearest upsampling and the depth-to-space
+shuffle, each one compiled pass over [N, C, H, W] float32 planes.
+
+- max_pool: each plane copied into a buffer holding the padding (the pad's value), then 16 outputs of
+  a row at a time, their maximum kept in a register over the window's taps (at most 7 x 7, column stride
+  1 or 2: generated per window). NaN propagates, as np.max.
+- upsample: out[n, c, i, j] = x[n, c, rows[i], cols[j]]; an output row equal to the one before (nearest
+  upsampling repeats each row) is copied whole.
+- depth_to_space: out[n, m, y * kh + i, x * kw + j] = x[n, (m * kh + i) * kw + j, y, x].
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from ... import codegen
+from ...ir import Node, Op
+from ...ops import REGISTRY
+from ...ops.fused import Body
+from ...passes.fuse_spatial import pool_window, shuffle_of
+from . import conv_spatial as cs
+
+
+def _window_max_intrinsic(kh: int, kw: int, sw: int):
+    """window_max(out, o_at, buf, b_at, row_step, dh, dw, n): for lanes t < min(n, 16), out[o_at + t] = max
+    over i < kh, j < kw of buf[b_at + i * dh * row_step + j * dw + sw * t] (NaN kept, as np.maximum), the
+    maximum kept in a register over the taps; buf is read unmasked (16 * sw lanes past each tap)."""
+    @intrinsic
+    def window_max(typingctx, out, o_at, buf, b_at, row_step, dh, dw, n):
+        sig = types.void(out, o_at, buf, b_at, row_step, dh, dw, n)
+
+        def codegen(context, builder, signature, args):
+            oa = context.make_array(signature.args[0])(context, builder, args[0])
+            ba = context.make_array(signature.args[2])(context, builder, args[2])
+            o_at_v, b_at_v, row_v, dh_v, dw_v, n_v = (cs._i64(builder, args[i]) for i in (1, 3, 4, 5, 6, 7))
+            _, store = cs._masked(builder)
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            even = ir.Constant(ir.VectorType(i32, 16), list(range(0, 32, 2)))
+            row_v = builder.mul(row_v, dh_v)
+            acc = None
+            for i in range(kh):
+                for j in range(kw):
+                    at = builder.add(builder.add(b_at_v, builder.mul(row_v, ir.Constant(i64, i))),
+                                     builder.mul(dw_v, ir.Constant(i64, j)))
+                    v = builder.load(cs._vptr(builder, ba.data, at), align=4)
+                    if sw == 2:
+                        hi = builder.load(cs._vptr(builder, ba.data, builder.add(at, ir.Constant(i64, 16))), align=4)
+                        v = builder.shuffle_vector(v, hi, even)
+                    acc = v if acc is None else cs._pick(builder, acc, v, ">")
+            store(acc, cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
+            return context.get_dummy_value()
+        return sig, codegen
+    return window_max
+
+
+WINDOW_MAX: dict = {}
+
+
+def window_max_for(kh: int, kw: int, sw: int):
+    """The window_max intrinsic of a kh x kw window at column stride sw (1 or 2), made once per process."""
+    if (kh, kw, sw) not in WINDOW_MAX:
+        WINDOW_MAX[kh, kw, sw] = _window_max_intrinsic(kh, kw, sw)
+    return WINDOW_MAX[kh, kw, sw]
+
+
+def pool_fits(kh: int, kw: int, sw: int) -> bool:
+    return kh * kw <= 49 and sw in (1, 2)
+
+
+_POOL = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.spatial import window_max_for
+
+window_max = window_max_for({kh}, {kw}, {sw})
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, sh, dh, dw, top, left, value, out):
+    # each plane of x [P, H, W] copied into a buffer padded with value, then 16 outputs of a row at a time
+    p_n, h, w = x.shape
+    _, oh, ow = out.shape
+    kh, kw, sw = {kh}, {kw}, {sw}
+    hp = max(h + top, (oh - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(w + left, (ow - 1) * sw + (kw - 1) * dw + 1)
+    buf = np.full(hp * wp + 32 * sw, value, np.float32)   # slack: the lanes past the row's end read it
+    of = out.reshape(p_n * oh * ow)
+    for p in range(p_n):
+        plane = x[p]
+        for y in range(h):
+            src, at = plane[y], np.uintp((y + top) * wp + left)
+            for t in range(np.uintp(w)):
+                buf[at + t] = src[t]
+        for oy in range(oh):
+            for ox in range(0, ow, 16):
+                window_max(of, (p * oh + oy) * ow + ox, buf, oy * sh * wp + ox * sw, wp, dh, dw, ow - ox)
+"""
+
+
+def max_pool(x, kh, kw, sh, sw, dh, dw, top, left, value, out) -> None:
+    """out [P, OH, OW] = max over the kh x kw window (stride, dilation) of each plane of x [P, H, W] padded
+    by top rows and left columns (and as many after as the windows reach) of value; sw 1 or 2."""
+    kernel = codegen.load(_POOL.format(kh=kh, kw=kw, sw=sw), "kernel", "cpu_pool")
+    kernel(x, sh, dh, dw, top, left, np.float32(value), out)
+
+
+@njit(cache=True, nogil=True)
+def upsample(x, rows, cols, out):
+    """out [P, OH, OW] = x [P, H, W] at rows[i], cols[j] (indices already in range)."""
+    p_n = x.shape[0]
+    _, oh, ow = out.shape
+    for p in range(p_n):
+        for i in range(oh):
+            dst = out[p, i]
+            if i > 0 and rows[i] == rows[i - 1]:
+                prev = out[p, i - 1]
+                for t in range(np.uintp(ow)):
+                    dst[t] = prev[t]
+                continue
+            src = x[p, rows[i]]
+            for t in range(np.uintp(ow)):
+                dst[t] = src[cols[t]]
+
+
+@njit(cache=True, nogil=True)
+def depth_to_space(x, kh, kw, out):
+    """out [N, M, H * kh, W * kw] from x [N, M * kh * kw, H, W]: channel (m * kh + i) * kw + j lands at rows
+    y * kh + i, columns x * kw + j of channel m."""
+    n_n, _, h, w = x.shape
+    m_n = out.shape[1]
+    for n in range(n_n):
+        for m in range(m_n):
+            for i in range(kh):
+                for j in range(kw):
+                    plane = x[n, (m * kh + i) * kw + j]
+                    for y in range(h):
+                        src, dst = plane[y], out[n, m, y * kh + i]
+                        for t in range(np.uintp(w)):
+                            dst[t * np.uintp(kw) + np.uintp(j)] = src[t]
+
+
+def _planes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1])
+
+
+def max_pool_lowering(node: Node, out):
+    body: Body = node.attrs["body"]
+    (view,) = body.find(Op.ARRAY_VIEW)
+    pads = body.find(Op.PAD)
+    kh, kw, sh, sw, dh, dw = pool_window(view)
+    if not pool_fits(kh, kw, sw):
+        return None
+    (top, _), (left, _) = pads[0].attrs["pads"][2:] if pads else ((0, 0), (0, 0))
+    value = np.float32(pads[0].attrs.get("value", 0.0)) if pads else np.float32(0.0)
+    shape = tuple(node.type.shape)
+
+    def step(x):
+        y = out if out is not None else np.empty(shape, np.float32)
+        max_pool(np.ascontiguousarray(x).reshape(-1, *x.shape[-2:]), kh, kw, sh, sw, dh, dw, top, left, value, y.reshape(-1, *shape[2:]))
+        return y
+    return step
+
+
+def upsample_lowering(node: Node, out):
+    body: Body = node.attrs["body"]
+    gathers = body.find(Op.GATHER)
+    x_shape = tuple(next(g for g in gathers if g.src[0].op == Op.PLACEHOLDER).src[0].type.shape)
+    shape = tuple(node.type.shape)
+    index = {}   # axis -> the fused op's input holding its indices
+    for gth in gathers:
+        index[gth.attrs["axis"]] = gth.src[1].attrs["param"]
+    if any(node.src[i].op != Op.CONSTANT for i in index.values()):
+        return None
+    arranged: dict = {}
+
+    def step(*inputs):
+        if not arranged:   # constant indices: checked and converted once
+            for axis, size in ((2, x_shape[2]), (3, x_shape[3])):
+                idx = np.asarray(inputs[index[axis]]).astype(np.int64) if axis in index else np.arange(size)
+                arranged[axis] = np.where(idx < 0, idx + size, idx)
+                arranged["valid"] = arranged.get("valid", True) and bool(np.all((idx >= -size) & (idx < size)))
+        if not arranged["valid"]:   # the reference says what is wrong
+            return REGISTRY[Op.FUSED].reference(inputs, node.attrs)
+        y = out if out is not None else np.empty(shape, np.float32)
+        upsample(_planes(inputs[0]), arranged[2], arranged[3], y.reshape(-1, *shape[2:]))
+        return y
+    return step
+
+
+def depth_to_space_lowering(node: Node, out):
+    body: Body = node.attrs["body"]
+    _, kh, kw = shuffle_of(body.outputs[0])
+    shape = tuple(node.type.shape)
+
+    def step(x):
+        y = out if out is not None else np.empty(shape, np.float32)
+        depth_to_space(np.ascontiguousarray(x), kh, kw, y)
+        return y
+    return step
+
+
+FUSED_LOWERINGS = {"max_pool": max_pool_lowering, "upsample": upsample_lowering, "depth_to_space": depth_to_space_lowering}

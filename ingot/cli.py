@@ -77,9 +77,10 @@ def _cpu_args(p: argparse.ArgumentParser) -> None:
 PREFILL_PRECISION_HELP = ("CUDA: the prompt's matmul and attention dots; bf16 rounds their operands to bfloat16 "
                           "(float32 sums), about 10x faster on long prompts, logits within ~1e-2 (default: tf32x3, "
                           "float32-level, or INGOT_OPTIONS's cuda.prefill_precision)")
-KV_DTYPE_CHOICES = ["float32", "bfloat16", "float16"]   # models.blocks.KV_DTYPES (not imported to parse)
+KV_DTYPE_CHOICES = ["float32", "bfloat16", "float16", "int8"]   # models.blocks.KV_DTYPES (not imported to parse)
 KV_DTYPE_HELP = ("what the KV cache is stored in: bfloat16 or float16 halve its memory, keys and values rounded as "
-                 "written, attention in float32 (default: the model's own, float32)")
+                 "written; int8 quarters it, each key and value row as int8 codes and one scale; attention in "
+                 "float32 (default: the model's own, float32)")
 
 
 def _check_sampling_args(args) -> None:

@@ -508,19 +508,19 @@ class Graph:
     sdpa = scaled_dot_product_attention
 
     def pool_attention(self, q, k, v, k_pool, v_pool, slots, positions, scale: float | None = None, window: int = 0,
-                       softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                       softcap: float = 0.0, scales: tuple | None = None) -> tuple[Tensor, ...]:
         """Decode attention of R independent sequences over a KV pool (ops/pool.py): row r's k [R, Hk, D]
         and v written at positions[r] of pool entry slots[r], then q [R, Hq, D] attending over that
         entry's first positions[r] + 1 keys. Returns (out [R, Hq, Dv], k_pool', v_pool'); assign the
-        pools back to their variables (written in place by the compiler)."""
+        pools back to their variables (written in place by the compiler). scales: an int8 pool's
+        (k_scales, v_scales) [S, Hk, C, 1] float32, returned updated after the pools."""
         attrs: dict[str, Any] = {"scale": None if scale is None else float(scale)}
         if window:
             attrs["window"] = int(window)
         if softcap:
             attrs["softcap"] = float(softcap)
-        node = self._op(Op.POOL_ATTENTION, [q, k, v, k_pool, v_pool, slots, positions], attrs)
-        out, kp, vp = (self._op(Op.GET_ITEM, [node], {"index": i}) for i in range(3))
-        return out, kp, vp
+        node = self._op(Op.POOL_ATTENTION, [q, k, v, k_pool, v_pool, slots, positions] + list(scales or ()), attrs)
+        return tuple(self._op(Op.GET_ITEM, [node], {"index": i}) for i in range(5 if scales else 3))
 
     # -- quantization ---------------------------------------------------------------------------
     def _block_param(self, p: TensorLike, q: Tensor, axis: int | None, block_size: int | None, what: str, extra: int = 0) -> Tensor:

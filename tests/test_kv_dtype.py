@@ -206,9 +206,9 @@ def test_rows_decoder_reads_bfloat16_slots():
 
 def test_config_and_load_refuse_an_unknown_kv_dtype():
     with pytest.raises(IngotError, match="kv_dtype"):
-        llama.LlamaConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200, kv_dtype="int8")
+        llama.LlamaConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200, kv_dtype="int4")
     from ingot.llm.generate import set_kv_dtype
-    with pytest.raises(IngotError, match="kv_dtype must be one of float32, bfloat16, float16"):
+    with pytest.raises(IngotError, match="kv_dtype must be one of float32, bfloat16, float16, int8"):
         set_kv_dtype(tiny_config(), "bf16")
 
 
@@ -227,7 +227,7 @@ def test_a_package_keeps_its_kv_dtype(tmp_path):
 
 def test_cli_refuses_an_unknown_kv_dtype():
     code = "import sys; from ingot.cli import main; sys.exit(main())"
-    out = subprocess.run([sys.executable, "-c", code, "generate", "hi", "--kv-dtype", "int8"], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, "generate", "hi", "--kv-dtype", "int4"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "--kv-dtype" in out.stderr
 

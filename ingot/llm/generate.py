@@ -462,7 +462,8 @@ def load(path: str | None = None, device: str = "cpu", context: int | None = Non
     tensor_parallel=N: this process's shard of N, in a torch.distributed group of N ranks (started by
     ingot.distributed.launch or torchrun), every rank calling the same methods in lock step.
     kv_dtype: what the KV cache is stored in, "float32", "bfloat16" or "float16" (half the bytes; keys
-    and values rounded as written, attention in float32); None: the model's own (float32, or what a
+    and values rounded as written, attention in float32), "int8" (a quarter: each key and value row
+    as int8 codes and one float32 scale, max|x| / 127); None: the model's own (float32, or what a
     package was saved with)."""
     lora = [(item, 1.0) if isinstance(item, (str, os.PathLike)) else tuple(item) for item in lora]
     return LLM(path or default_model_path(), device=device, context=context, lora=lora, options=options,

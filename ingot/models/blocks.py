@@ -30,9 +30,9 @@ from ..quant.formats import QuantizedTensor, TwoLevelParams, concat_columns
 
 MAX_DIMENSION = 1 << 24  # any count or size a config may hold (layers, dims, vocabulary, context)
 # what the KV cache may be stored in: attention widens each key and value to float32 as it reads it
-# (bfloat16 or float16 halve the cache's bytes; the CPU's compiled kernels read float32 and bfloat16,
-# float16 runs the reference there)
-KV_DTYPES = ("float32", "bfloat16", "float16")
+# (bfloat16 or float16 halve the cache's bytes; int8 quarters them: each row of hd values as int8 codes
+# and one float32 scale, `kv_cache`)
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 @dataclass
@@ -515,18 +515,66 @@ def merge_heads(g: Graph, t: Tensor, n: int, hd: int, batch: int) -> Tensor:
     return g.reshape(g.transpose(t, (0, 2, 1, 3)), (-1, n * hd))
 
 
-def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int) -> tuple[Tensor, Tensor]:
-    """This layer's K and V cache variables [B, nkv, context, hd] of cfg.kv_dtype, zeros at first."""
+@dataclass(frozen=True)
+class Cache:
+    """One K or V cache: `values` [..., context, hd] of cfg.kv_dtype, and for an int8 cache `scales`
+    [..., context, 1] float32, one per row (the variable named like values with "_scale" after k/v)."""
+    values: Tensor
+    scales: Tensor | None = None
+
+
+def cache_kinds(cfg) -> tuple[str, ...]:
+    """The kinds of cache variable a layer holds (blk.L.{kind}_cache, _pool): k and v, and an int8
+    cache's row scales."""
+    return ("k", "v", "k_scale", "v_scale") if getattr(cfg, "kv_dtype", "float32") == "int8" else ("k", "v")
+
+
+def kv_cache(g: Graph, cfg: DecoderConfig, layer: int, batch: int, kind: str = "cache",
+             suffix: str = "") -> tuple[Cache, Cache]:
+    """This layer's K and V caches [B, nkv, context, hd] of cfg.kv_dtype, zeros at first
+    (blk.L.k_{kind}{suffix}, v_...; an int8 cache's scales blk.L.k_scale_{kind}{suffix}, ...)."""
     shape = (batch, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
-    return (_cache_variable(g, cfg, shape, f"blk.{layer}.k_cache"),
-            _cache_variable(g, cfg, shape, f"blk.{layer}.v_cache"))
+    return tuple(_cache_variable(g, cfg, shape, f"blk.{layer}.{kv}_{kind}{suffix}", f"blk.{layer}.{kv}_scale_{kind}{suffix}")
+                 for kv in ("k", "v"))
 
 
-def _cache_variable(g: Graph, cfg: DecoderConfig, shape: tuple, name: str) -> Tensor:
-    """A zero cache variable of cfg.kv_dtype; slice_update rounds each float32 row written into it, and
-    attention reads it widened to float32."""
+def _cache_variable(g: Graph, cfg: DecoderConfig, shape: tuple, name: str, scale_name: str = "") -> Cache:
+    """A zero cache of cfg.kv_dtype; slice_update rounds each float32 row written into it, and
+    attention reads it widened to float32. int8: codes and their row scales (`write_rows`)."""
     kind = dt.by_name(getattr(cfg, "kv_dtype", "float32"))
-    return g.variable(np.zeros(shape, kind.storage), name=name)
+    values = g.variable(np.zeros(shape, kind.storage), name=name)
+    if kind != dt.int8:
+        return Cache(values)
+    return Cache(values, g.variable(np.zeros(shape[:-1] + (1,), np.float32), name=scale_name))
+
+
+ROW_SCALE_MIN = np.float32(2.0 ** -126)   # ops.nn.ROW_SCALE_MIN (a row of zeros: codes 0, no division by 0)
+
+
+def write_rows(g: Graph, cache: Cache, rows: Tensor, start: list) -> Cache:
+    """The cache with float32 rows [..., T, hd] written at `start` (slice_update, in place after the
+    compiler's inplace pass) and assigned back; an int8 cache stores each row as codes round(x / s)
+    and its scale s = max(max|x| / 127, ROW_SCALE_MIN) (ops.nn.quantized_rows)."""
+    if cache.scales is None:
+        values = g.slice_update(cache.values, rows, start)
+        g.assign(cache.values, values)
+        return Cache(values)
+    scale = g.maximum(g.max(g.abs(rows), axis=-1, keepdims=True) / np.float32(127), ROW_SCALE_MIN)
+    codes = g.quantize(rows, dt.int8, scale)
+    values, scales = g.slice_update(cache.values, codes, start), g.slice_update(cache.scales, scale, start)
+    g.assign(cache.values, values)
+    g.assign(cache.scales, scales)
+    return Cache(values, scales)
+
+
+def read_prefix(g: Graph, cache: Cache, end: Tensor) -> Tensor:
+    """The cache's first `end` rows [..., end, hd] as attention reads them (an int8 cache dequantized:
+    the fuse_dequantize pass hands the codes and scales to the attention, no float copy is made)."""
+    def prefix(t):
+        return g.slice(t, [0] * t.ndim, [None] * (t.ndim - 2) + [end, None])
+    if cache.scales is None:
+        return prefix(cache.values)
+    return g.dequantize(prefix(cache.values), scale=prefix(cache.scales))
 
 
 def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Tensor, pos: Tensor, inv_freq: np.ndarray,
@@ -568,12 +616,10 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
         q = g.rope(q, pos, **rope)                                    # [B, nh, T, hd]
         k = g.rope(k, pos, **rope)                                    # [B, nkv, T, hd]
     k_cache, v_cache = kv_cache(g, cfg, layer, batch)
-    k_all = g.slice_update(k_cache, k, [0, 0, pos, 0])                # written in place by the compiler
-    v_all = g.slice_update(v_cache, v, [0, 0, pos, 0])
-    g.assign(k_cache, k_all)
-    g.assign(v_cache, v_all)
-    k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])  # attention over the valid prefix
-    v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
+    k_all = write_rows(g, k_cache, k, [0, 0, pos, 0])                # written in place by the compiler
+    v_all = write_rows(g, v_cache, v, [0, 0, pos, 0])
+    k_seen = read_prefix(g, k_all, end)                               # attention over the valid prefix
+    v_seen = read_prefix(g, v_all, end)
     out = g.scaled_dot_product_attention(q, k_seen, v_seen, scale=scale, causal=True, window=window,
                                          softcap=softcap)             # [B, nh, T, hd]
     out = merge_heads(g, out, nh, hd, batch)                          # [B*T, nh*hd]
@@ -581,12 +627,10 @@ def attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, x: Ten
                    linear(g, out, weights.matrix(p + "attn_output.weight", (cfg.dim, nh * hd))))
 
 
-def row_cache(g: Graph, cfg: DecoderConfig, layer: int, row: int) -> tuple[Tensor, Tensor]:
-    """Row `row`'s own K and V cache variables [1, nkv, context, hd] (blk.L.k_cache.ROW): the
+def row_cache(g: Graph, cfg: DecoderConfig, layer: int, row: int) -> tuple[Cache, Cache]:
+    """Row `row`'s own K and V caches [1, nkv, context, hd] (blk.L.k_cache.ROW): the
     arrays of a batch-1 decoder's state, so a server maps each row to any sequence's cache."""
-    shape = (1, cfg.n_kv_heads, cfg.context_length, cfg.head_dim)
-    return (_cache_variable(g, cfg, shape, f"blk.{layer}.k_cache.{row}"),
-            _cache_variable(g, cfg, shape, f"blk.{layer}.v_cache.{row}"))
+    return kv_cache(g, cfg, layer, 1, suffix=f".{row}")
 
 
 def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q: Tensor, k: Tensor, v: Tensor,
@@ -623,13 +667,11 @@ def row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: int, q:
         if inv_freq is not None:
             q_r, k_r = g.rope(q_r, pos, **rope), g.rope(k_r, pos, **rope)
         k_cache, v_cache = row_cache(g, cfg, layer, r)
-        k_all = g.slice_update(k_cache, k_r, [0, 0, pos, 0])          # written in place by the compiler
-        v_all = g.slice_update(v_cache, v_r, [0, 0, pos, 0])
-        g.assign(k_cache, k_all)
-        g.assign(v_cache, v_all)
+        k_all = write_rows(g, k_cache, k_r, [0, 0, pos, 0])           # written in place by the compiler
+        v_all = write_rows(g, v_cache, v_r, [0, 0, pos, 0])
         end = pos + 1
-        k_seen = g.slice(k_all, [0, 0, 0, 0], [None, None, end, None])   # attention over the valid prefix
-        v_seen = g.slice(v_all, [0, 0, 0, 0], [None, None, end, None])
+        k_seen = read_prefix(g, k_all, end)                           # attention over the valid prefix
+        v_seen = read_prefix(g, v_all, end)
         outs.append(g.scaled_dot_product_attention(q_r, k_seen, v_seen, scale=scale, causal=True, window=window,
                                                    softcap=softcap))      # [1, nh, 1, hd]
     return g.reshape(outs[0] if rows == 1 else g.concat(outs, axis=0), (rows, nh * hd))
@@ -658,13 +700,12 @@ def pool_row_attention(g: Graph, cfg: DecoderConfig, weights: Weights, layer: in
                     rotary_dims=cfg.rope_dims, inv_freq=inv_freq)
         q = g.transpose(g.rope(g.transpose(q, (1, 0, 2)), positions, **rope), (1, 0, 2))
         k = g.transpose(g.rope(g.transpose(k, (1, 0, 2)), positions, **rope), (1, 0, 2))
-    shape = (feeds.size, nkv, cfg.context_length, hd)
-    k_pool = _cache_variable(g, cfg, shape, f"blk.{layer}.k_pool")
-    v_pool = _cache_variable(g, cfg, shape, f"blk.{layer}.v_pool")
-    out, k_new, v_new = g.pool_attention(q, k, v, k_pool, v_pool, feeds.slots, positions, scale=scale, window=window,
-                                         softcap=softcap)             # [rows, nh, hd]
-    g.assign(k_pool, k_new)                                           # written in place by the compiler
-    g.assign(v_pool, v_new)
+    k_pool, v_pool = kv_cache(g, cfg, layer, feeds.size, kind="pool")
+    scales = (k_pool.scales, v_pool.scales) if k_pool.scales is not None else None
+    out, *pools = g.pool_attention(q, k, v, k_pool.values, v_pool.values, feeds.slots, positions, scale=scale,
+                                   window=window, softcap=softcap, scales=scales)   # [rows, nh, hd]
+    for variable, new in zip((k_pool.values, v_pool.values) + (scales or ()), pools):
+        g.assign(variable, new)                                       # written in place by the compiler
     return g.reshape(out, (rows, nh * hd))
 
 

@@ -137,9 +137,15 @@ register(Op.ROPE, _rope_rule,
 def _sdpa_rule(types, attrs):
     q, k, v = types[:3]
     expect = ("q [..., Hq, Tq, D], k [..., Hkv, Tk, D], v [..., Hkv, Tk, Dv] float (k and v of one dtype: q's, or "
-              "a KV cache's narrower one), Hq a multiple of Hkv")
-    if not (q.dtype.is_float and k.dtype.is_float and k.dtype == v.dtype and q.rank == k.rank == v.rank and q.rank >= 3):
+              "a KV cache's narrower one; int8 codes with kv_scales), Hq a multiple of Hkv")
+    codes = bool(attrs.get("kv_scales"))
+    if not (q.dtype.is_float and (k.dtype == dt.int8 if codes else k.dtype.is_float) and k.dtype == v.dtype
+            and q.rank == k.rank == v.rank and q.rank >= 3):
         raise fail(Op.SDPA, types, expect)
+    if codes:   # one float32 scale per K row and per V row, the last two sources: [..., Hkv, Tk, 1]
+        if len(types) != 5 + bool(attrs.get("has_mask")) + bool(attrs.get("has_length")) or \
+                any(s.dtype != dt.float32 or s.shape != c.shape[:-1] + (1,) for s, c in zip(types[-2:], (k, v))):
+            raise fail(Op.SDPA, types, "int8 K/V codes with float32 scales [..., Hkv, Tk, 1] per row (kv_scales)")
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
     known = lambda *ds: all(d is not None for d in ds)  # noqa: E731
     if (known(hk, hv) and hk != hv) or (known(hq, hk) and hq % hk) or (known(q.shape[-1], k.shape[-1]) and q.shape[-1] != k.shape[-1]) \
@@ -207,6 +213,28 @@ def sdpa(q, k, v, mask=None, length=None, scale=None, causal=False, window=0, so
     return np.matmul(p, vf).astype(q.dtype)
 
 
+def dequantized_rows(codes, scales, length=None):
+    """int8 K/V codes [..., T, D] times their row scales [..., T, 1], in float32: the first `length`
+    rows only (an int8 KV cache as attention reads it)."""
+    if length is not None:
+        codes, scales = codes[..., :int(length), :], scales[..., :int(length), :]
+    return codes.astype(np.float32) * scales.astype(np.float32)
+
+
+def quantized_rows(x):
+    """(int8 codes, float32 scales [..., 1]) of float rows x [..., D], symmetric per row: scale =
+    max(max|x| / 127, ROW_SCALE_MIN), codes x / scale rounded to nearest even: how an int8 KV cache
+    stores each key and value row (llama.cpp's q8_0 with one block per row). The floor keeps a row of
+    zeros at codes 0 with no division by zero."""
+    xf = np.asarray(x, np.float32)
+    amax = np.max(np.abs(xf), axis=-1, keepdims=True)
+    scale = np.maximum(amax / np.float32(127), ROW_SCALE_MIN).astype(np.float32)
+    return np.clip(np.round(xf / scale), -127, 127).astype(np.int8), scale
+
+
+ROW_SCALE_MIN = np.float32(2.0 ** -126)   # the smallest normal float32: an int8 KV row's least scale
+
+
 def _sdpa(xs, a):
     i = 3
     mask = length = None
@@ -214,7 +242,10 @@ def _sdpa(xs, a):
         mask = xs[i]; i += 1
     if a.get("has_length"):
         length = xs[i]
-    return sdpa(xs[0], xs[1], xs[2], mask, length, a.get("scale"), a.get("causal", False), a.get("window", 0),
+    k, v = xs[1], xs[2]
+    if a.get("kv_scales"):   # widened here for the reference only (its length's rows); kernels read the codes
+        k, v = dequantized_rows(k, xs[-2], length), dequantized_rows(v, xs[-1], length)
+    return sdpa(xs[0], k, v, mask, length, a.get("scale"), a.get("causal", False), a.get("window", 0),
                 a.get("softcap", 0.0))
 
 

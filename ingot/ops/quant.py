@@ -69,7 +69,9 @@ def _check_params(op, types, q_shape, params, mode, qdtype):
     for i, p in enumerate(params):
         table = mode == "lut" or (mode == "scaled_lut" and i == 0)
         p_shape = p.shape[:-1] if table else p.shape
-        if len(p_shape) != len(q_shape) or any(pd is None or (qd is not None and (pd == 0 or qd % pd)) for pd, qd in zip(p_shape, q_shape)):
+        # (a dynamic dimension: one parameter per element, the same dynamic dimension as q's)
+        if len(p_shape) != len(q_shape) or any((pd is None) != (qd is None) if pd is None else (qd is not None and (pd == 0 or qd % pd))
+                                               for pd, qd in zip(p_shape, q_shape)):
             raise fail(op, types, f"parameters whose dims divide {q_shape} (block-broadcast), not {p.shape}")
         if table and p.shape[-1] != 2 ** qdtype.bits:
             raise fail(op, types, f"a table of {2 ** qdtype.bits} entries for {qdtype.name}")

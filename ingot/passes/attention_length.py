@@ -1,4 +1,4 @@
-"""sdpa(q, slice(K, end=L), slice(V, end=L)) -> sdpa(q, K, V, length=L).
+"""sdpa(q, slice(K, end=L), slice(V, end=L)) -> sdpa(q, K, V, length=L) (an int8 cache's scales too).
 
 Attention over the valid part of a cache buffer, with a runtime length instead of a runtime
 shape: every shape stays static (CUDA graphs need that) and the cache is read where it lies.
@@ -52,6 +52,11 @@ def _rewrite(node: Node, ctx: Context) -> Node | None:
         return None
     attrs = dict(node.attrs, has_length=True)
     src = (node.src[0], k[0], v[0], k[1])
+    if node.attrs.get("kv_scales"):   # an int8 cache: its row scales are prefixes of the same length
+        scales = [_prefix(s) for s in node.src[-2:]]
+        if any(s is None or not _same_value(s[1], k[1], ctx.program.constants) for s in scales):
+            return None
+        src += tuple(s[0] for s in scales)
     out = infer_type(Op.SDPA, [s.type for s in src], attrs)
     if out.shape != tuple(d if d is not None else o for d, o in zip(node.type.shape, out.shape)) or out.dtype != node.dtype:
         return None

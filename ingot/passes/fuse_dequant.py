@@ -6,6 +6,8 @@
     gather(cast(w_bf16, float32), idx)        -> cast(gather(w_bf16, idx), float32)
     gather_matmul(x, dequantize(q, ...), idx) -> quantized_gather_matmul(x, idx, q, ...)   (experts)
     conv(x, dequantize(q_const, ...))         -> conv(x, w_float_const)     (dequantized at load)
+    sdpa(q, dequantize(kc, ks), dequantize(vc, vs), ...) -> sdpa(q, kc, vc, ..., ks, vs, kv_scales=True)
+                                                (an int8 KV cache: codes and a float32 scale per row)
     dequantize(q, scale=1, ...) * c_const     -> dequantize(q, scale=c, ...) (a weight-only quantization
                                                  written as cast and multiply; the same float32 products)
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import dtypes as dt
 from ..errors import IngotError
 from ..ir import Node, Op, Program, TensorType
 from ..ops import infer_type, reference
@@ -125,11 +128,37 @@ def _conv_weight(node: Node, ctx: Context) -> Node | None:
     return node.replace(src=(node.src[0], weight) + node.src[2:])
 
 
+def _row_codes(node: Node) -> tuple[Node, Node] | None:
+    """(codes, scales) when node dequantizes int8 rows [..., T, D] by one float32 scale a row [..., T, 1]
+    into float32, else None."""
+    a = node.attrs
+    if node.op != Op.DEQUANTIZE or a["mode"] != "affine" or a.get("has_zero_point") or a.get("has_bias") or \
+            a.get("two_level") or node.src[0].dtype != dt.int8 or node.dtype != dt.float32 or node.type.rank < 3:
+        return None
+    codes, scales = node.src
+    if scales.dtype != dt.float32 or scales.type.shape != codes.type.shape[:-1] + (1,):
+        return None
+    return codes, scales
+
+
+def _attention(node: Node, ctx: Context) -> Node | None:
+    if node.attrs.get("kv_scales"):
+        return None
+    k, v = _row_codes(node.src[1]), _row_codes(node.src[2])
+    if k is None or v is None:
+        return None
+    src = (node.src[0], k[0], v[0]) + node.src[3:] + (k[1], v[1])
+    attrs = dict(node.attrs, kv_scales=True)
+    if _typed(Op.SDPA, src, attrs) != node.type:
+        return None
+    return Node(Op.SDPA, node.type, src, attrs, node.name)
+
+
 def fuse_dequantize(program: Program) -> tuple[Program, bool]:
     """Fuse every dequantize into the matmul or gather that reads it; returns (program, changed)."""
     program = program.with_roots(program.outputs, program.assigns)
     program.constants = dict(program.constants)   # conv weights dequantized at load are added to a copy
     return graph_rewrite(program, [((Op.MATMUL,), _matmul), ((Op.GATHER,), _gather), ((Op.GATHER,), _gather_then_cast),
                                    ((Op.GATHER_MATMUL,), _gather_matmul), ((Op.CONV,), _conv_weight),
-                                   ((Op.MUL,), _scaled)],
+                                   ((Op.MUL,), _scaled), ((Op.SDPA,), _attention)],
                          "fuse_dequantize")

@@ -38,8 +38,8 @@ def update_variables_in_place(program: Program) -> tuple[Program, bool]:
 
 
 def _pools_in_place(program: Program, users, outputs: set[int]) -> list[Node]:
-    """The pool_attention ops whose pools (src 3 and 4) are variables that nothing else reads, each
-    assigned the op's own updated pool (its outputs 1 and 2)."""
+    """The pool_attention ops whose pools (src 3 and 4, and an int8 pool's scales 7 and 8) are variables
+    that nothing else reads, each assigned the op's own updated pool (its outputs 1 and 2; 3 and 4)."""
     assigned = {a.src[0].id: a.src[1] for a in program.assigns}
     found = {}
     for assign in program.assigns:
@@ -48,8 +48,8 @@ def _pools_in_place(program: Program, users, outputs: set[int]) -> list[Node]:
             continue
         node = item.src[0]
         ok = True
-        for index in (1, 2):
-            var = node.src[index + 2]
+        for index in (1, 2, 3, 4)[:len(node.src) - 5]:
+            var = node.src[index + 2 if index < 3 else index + 4]
             value = assigned.get(var.id)
             if var.op != Op.VARIABLE or var.id in outputs or value is None or value.op != Op.GET_ITEM or \
                     value.src[0] is not node or value.attrs["index"] != index or \

@@ -107,8 +107,10 @@ class Slot:
         self.used = 0.0
 
     def arrays(self, n_layers: int) -> list[tuple[str, np.ndarray]]:
-        return [(f"blk.{i}.{kind}_cache", self.state.values[f"blk.{i}.{kind}_cache"])
-                for i in range(n_layers) for kind in ("k", "v")]
+        """Every cache array of the slot: K and V of each layer (and an int8 cache's row scales)."""
+        values = self.state.values
+        return [(f"blk.{i}.{kind}_cache", values[f"blk.{i}.{kind}_cache"]) for i in range(n_layers)
+                for kind in ("k", "v", "k_scale", "v_scale") if f"blk.{i}.{kind}_cache" in values]
 
 
 class Sequence:
@@ -538,8 +540,9 @@ class Engine:
         """Pool entry `index` as a batch-1 decoder's state: its caches are views of the pool (no copy)."""
         from ..runtime import State
 
+        from ..models.blocks import cache_kinds
         return State({f"blk.{i}.{kind}_cache": self.pool.values[f"blk.{i}.{kind}_pool"][index:index + 1]
-                      for i in range(self.config.n_layers) for kind in ("k", "v")})
+                      for i in range(self.config.n_layers) for kind in cache_kinds(self.config)})
 
     def _row_state(self, slots: tuple[Slot, ...]):
         from ..runtime import State
@@ -658,7 +661,8 @@ def kv_bytes(cfg, entries: int) -> int:
     from .. import dtypes as dt
 
     size = dt.by_name(cfg.kv_dtype).storage.itemsize
-    return 2 * cfg.n_layers * entries * cfg.n_kv_heads * cfg.context_length * cfg.head_dim * size
+    scales = 4 if cfg.kv_dtype == "int8" else 0   # an int8 cache's float32 scale per row
+    return 2 * cfg.n_layers * entries * cfg.n_kv_heads * cfg.context_length * (cfg.head_dim * size + scales)
 
 
 def check_kv_fits(cfg, entries: int, device: str, weight_bytes: int, free: int | None = None) -> None:

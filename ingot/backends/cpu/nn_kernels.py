@@ -66,7 +66,21 @@ def _widen(x):
         return lambda x: _float_of_bits(np.uint32(x) << np.uint32(16))
     if x == types.int16:
         return lambda x: _float_of_half(x)
+    if x == types.int8:   # an int8 cache's code (times its row's scale: `row_scale`)
+        return lambda x: np.float32(x)
     return lambda x: x
+
+
+def row_scale(scales, b, h, j):
+    """The scale of row j of an int8 cache's head (b, h): scales[b, h, j, 0]; 1 where there are none
+    (None: a float cache, its values as they are)."""
+
+
+@overload(row_scale)
+def _row_scale(scales, b, h, j):
+    if isinstance(scales, (types.NoneType, types.Omitted)):
+        return lambda scales, b, h, j: np.float32(1.0)
+    return lambda scales, b, h, j: scales[b, h, j, 0]
 
 
 def put(a, i, x):
@@ -150,8 +164,10 @@ def _exp_shifted(scores, first, limit, best):
 exp_shifted = njit(inline="always", **_serial)(_exp_shifted)
 
 
-def _attention(q, k, v, length, scale, causal, window, softcap, out):
-    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D] (float32, or bfloat16 as uint16 bits: `kernel_cache`); keys
+def _attention(q, k, v, length, scale, causal, window, softcap, out, k_scales=None, v_scales=None):
+    """q: [B, Hq, Tq, D]; k, v: [B, Hk, Tk, D] (float32, or bfloat16 as uint16 bits: `kernel_cache`; or
+    int8 codes with their row scales k_scales, v_scales [B, Hk, Tk, 1], each key's dot product and
+    each value's weight multiplied by its row's scale, so no float row is formed); keys
     >= length ignored; causal aligned to length; window > 0: each query sees its last `window` keys only;
     softcap > 0: s -> softcap * tanh(s / softcap)."""
     nbatch, hq, tq, d = q.shape
@@ -182,7 +198,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
                 s = np.float32(0.0)
                 for e in range(d):
                     s += qrow[e] * widen(krow[e])
-                s *= scale
+                s *= scale * row_scale(k_scales, b, kh, j)
                 if softcap > 0:
                     s = np.float32(softcap * math.tanh(s / softcap))
                 scores[j] = s
@@ -191,7 +207,7 @@ def _attention(q, k, v, length, scale, causal, window, softcap, out):
             total = exp_shifted(scores, first, limit, best)
             acc[:] = 0.0
             for j in range(first, limit):
-                p = scores[j]
+                p = scores[j] * row_scale(v_scales, b, kh, j)
                 vrow = v[b, kh, j]
                 for e in range(dv):
                     acc[e] += p * widen(vrow[e])
@@ -292,12 +308,12 @@ SPLIT = {"threads": 1}   # threads attention_blas splits its queries over (CpuPl
                         # thread setting where BLAS runs on one thread, else 1)
 
 
-def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
+def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0, scales=None):
     """_attention_blas, its queries split over SPLIT["threads"] threads (the GEMM's pool) in parts
     of equal work (a causal row's work grows with its position)."""
     threads, tq = SPLIT["threads"], q.shape[2]
     if threads <= 1 or tq < 64:
-        return _attention_blas(q, k, v, length, scale, causal, window, softcap)
+        return _attention_blas(q, k, v, length, scale, causal, window, softcap, scales)
     from . import team
     work = np.cumsum(np.arange(length - tq + 1, length + 1) if causal else np.ones(tq))
     cuts = [0] + [int(np.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)] + [tq]
@@ -306,23 +322,53 @@ def attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     def part(r0, r1):
         if r1 > r0:
             keys = length - tq + r1 if causal else length   # a causal part sees keys up to its last row
-            out[:, :, r0:r1] = _attention_blas(q[:, :, r0:r1], k, v, keys, scale, causal, window, softcap)
+            out[:, :, r0:r1] = _attention_blas(q[:, :, r0:r1], k, v, keys, scale, causal, window, softcap, scales)
     team.run_parallel(part, list(zip(cuts, cuts[1:])))
     return out
 
 
-def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
+CODES_TILE = 1024   # keys of an int8 cache widened at a time for BLAS (prefill)
+
+
+def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0, scales=None):
     """Attention for many queries (prefill) with BLAS: each K/V head multiplies its whole group of
     query heads at once (no repeated K/V), causal mask aligned to `length` (within `window` keys when
-    window > 0), scores capped by softcap * tanh(s / softcap) when softcap > 0, softmax in place."""
+    window > 0), scores capped by softcap * tanh(s / softcap) when softcap > 0, softmax in place.
+    scales: an int8 cache's (k_scales, v_scales) [B, Hk, T, 1]: its codes widened CODES_TILE keys at
+    a time, each tile's scores and weights multiplied by the rows' scales (no float copy of the cache)."""
     nbatch, hq, tq, d = q.shape
     hk = k.shape[1]
     group = hq // hk
     k, v = k[:, :, :length], v[:, :, :length]
+    if scales is not None:
+        return _attention_codes(q, k, v, scales[0][:, :, :length, 0], scales[1][:, :, :length, 0], length, scale,
+                                causal, window, softcap)
     if k.dtype != np.float32:   # a bfloat16 or float16 cache (its bits): the prefix widened once for BLAS
         k, v = (np.left_shift(x, 16, dtype=np.uint32).view(np.float32) if x.dtype == np.uint16 else
                 x.view(np.float16).astype(np.float32) if x.dtype == np.int16 else x.astype(np.float32) for x in (k, v))
     s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
+    return _softmax_times_v(s, v, nbatch, hq, tq, length, scale, causal, window, softcap)
+
+
+def _attention_codes(q, k, v, k_scales, v_scales, length, scale, causal, window, softcap):
+    """_attention_blas over int8 codes k, v [B, Hk, L, D] and row scales [B, Hk, L]."""
+    nbatch, hq, tq, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    qg = q.reshape(nbatch, hk, group * tq, d)
+    s = np.empty((nbatch, hk, group * tq, length), np.float32)
+    for j0 in range(0, length, CODES_TILE):
+        j1 = min(length, j0 + CODES_TILE)
+        np.matmul(qg, k[:, :, j0:j1].astype(np.float32).transpose(0, 1, 3, 2), out=s[..., j0:j1])
+        s[..., j0:j1] *= k_scales[:, :, None, j0:j1]
+    return _softmax_times_v(s, (v, v_scales), nbatch, hq, tq, length, scale, causal, window, softcap)
+
+
+def _softmax_times_v(s, v, nbatch, hq, tq, length, scale, causal, window, softcap):
+    """softmax(cap(s * scale), causal, window) v, in place over the scores s [B, Hk, G*Tq, L]; v float
+    [B, Hk, L, Dv], or (int8 codes, row scales [B, Hk, L]) widened CODES_TILE keys at a time."""
+    hk = s.shape[1]
+    group = hq // hk
     s *= scale
     if softcap:
         s /= np.float32(softcap)
@@ -337,7 +383,14 @@ def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0):
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
-    return np.matmul(s, v).reshape(nbatch, hq, tq, v.shape[3])
+    if not isinstance(v, tuple):
+        return np.matmul(s, v).reshape(nbatch, hq, tq, v.shape[3])
+    codes, v_scales = v
+    out = np.zeros(s.shape[:3] + (codes.shape[3],), np.float32)
+    for j0 in range(0, length, CODES_TILE):
+        j1 = min(length, j0 + CODES_TILE)
+        out += np.matmul(s[..., j0:j1] * v_scales[:, :, None, j0:j1], codes[:, :, j0:j1].astype(np.float32))
+    return out.reshape(nbatch, hq, tq, codes.shape[3])
 
 
 def sdpa_step(node: Node):
@@ -346,10 +399,13 @@ def sdpa_step(node: Node):
     f32 = node.dtype.name == "float32" and node.type.rank == 4
     window, softcap = int(attrs.get("window", 0)), np.float32(attrs.get("softcap", 0.0))
 
+    codes = bool(attrs.get("kv_scales"))   # an int8 cache: its row scales are the last two sources
+
     def step(q, k, v, *rest):
-        kc, vc = kernel_cache(k), kernel_cache(v)
+        scales = tuple(np.ascontiguousarray(x, np.float32) for x in rest[-2:]) if codes else None
+        kc, vc = (k, v) if codes else (kernel_cache(k), kernel_cache(v))
         if attrs.get("has_mask") or not f32 or q.shape[0] != k.shape[0] or kc is None or vc is None or \
-                q.dtype != np.float32:
+                q.dtype != np.float32 or (codes and (k.dtype != np.int8 or scales[0].shape[:2] != k.shape[:2])):
             return nn_ops._sdpa((q, k, v) + rest, attrs)
         k, v = kc, vc
         length = int(rest[0]) if attrs.get("has_length") else k.shape[2]
@@ -358,9 +414,12 @@ def sdpa_step(node: Node):
         scale = np.float32(scale_attr if scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
         causal = attrs.get("causal", False)
         if q.shape[2] > 16 and length >= q.shape[2]:  # prefill: BLAS
-            return attention_blas(q, k, v, length, scale, causal, window, softcap)
+            return attention_blas(q, k, v, length, scale, causal, window, softcap, scales)
         out = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
-        attention(q, k, v, length, scale, causal, window, softcap, out)
+        if codes:
+            attention(q, k, v, length, scale, causal, window, softcap, out, scales[0], scales[1])
+        else:
+            attention(q, k, v, length, scale, causal, window, softcap, out)
         return out
     return step
 

@@ -14,8 +14,9 @@ from ...ops.pool import pool_attention
 def pool_attention_lowering(node: Node, out):
     a = node.attrs
     scale, window, softcap = a.get("scale"), a.get("window", 0), a.get("softcap", 0.0)
-    if not a.get("inplace"):
-        return lambda *xs: pool_attention(*xs, scale=scale, window=window, softcap=softcap)
+    if not a.get("inplace") or len(node.src) == 9:   # (an int8 pool: quantized and read by the reference, in place)
+        inplace = bool(a.get("inplace"))
+        return lambda *xs: pool_attention(*xs, scale=scale, window=window, softcap=softcap, inplace=inplace)
 
     def step(q, k, v, k_pool, v_pool, slots, positions):
         n_slots, context = k_pool.shape[0], k_pool.shape[2]

@@ -485,6 +485,8 @@ def _rope(ctx: Lowering) -> StepFn:
 def _sdpa(ctx: Lowering) -> StepFn:
     a = ctx.node.attrs
     scale, causal, has_mask, has_length = a.get("scale"), bool(a.get("causal")), a.get("has_mask"), a.get("has_length")
+    if a.get("kv_scales"):   # an int8 cache: codes and row scales, the last two sources
+        return _sdpa_codes(ctx)
     if a.get("window") or a.get("softcap"):   # no kernel takes a sliding window or a softcap yet: torch ops
         window, softcap = a.get("window", 0), a.get("softcap", 0.0)
 
@@ -506,6 +508,34 @@ def _sdpa(ctx: Lowering) -> StepFn:
         return attention_kernels.attention(q, k, v, length=length, scale=scale, causal=causal, mask=mask, out=out,
                                            xq=xq, zero=zero, options=options)
     return sdpa
+
+
+def _sdpa_codes(ctx: Lowering) -> StepFn:
+    """Attention over an int8 cache (codes, row scales): the decode and flash kernels read the codes and
+    scales tile by tile; a sliding window, a softcap or a mask (no kernel takes them yet) as torch ops."""
+    a = ctx.node.attrs
+    has_mask, has_length = a.get("has_mask"), a.get("has_length")
+    if not (has_mask or a.get("window") or a.get("softcap")):
+        options = ctx.cuda
+
+        def kernel(q, k, v, *rest, out=None, xq=None, zero=None):
+            return attention_kernels.attention(q, k, v, length=rest[0] if has_length else None, scale=a.get("scale"),
+                                               causal=bool(a.get("causal")), out=out, xq=xq, zero=zero,
+                                               scales=tuple(rest[-2:]), options=options)
+        return kernel
+
+    def step(q, k, v, *rest, out=None, xq=None, zero=None):
+        k_scales, v_scales = rest[-2:]
+        y = _sdpa_torch(q, k.float() * k_scales, v.float() * v_scales, rest[0] if has_mask else None,
+                        rest[-3] if has_length else None, a.get("scale"), bool(a.get("causal")), a.get("window", 0),
+                        a.get("softcap", 0.0))
+        if zero is not None:
+            zero.zero_()
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+    return step
 
 
 def _sdpa_torch(q, k, v, mask, length, scale, causal: bool, window: int, softcap: float):

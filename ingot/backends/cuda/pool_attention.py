@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ...ir import Op
 from ...options import DEFAULT_CUDA, CudaOptions
-from .attention.decode import _dot, _merge_part, _sm_count
+from .attention.decode import _dot, _merge_part, _sm_count, quantize_row
 from .lowerings import Lowering, StepFn, lowering
 
 LOG2E = 1.4426950408889634
@@ -32,24 +32,35 @@ MAX_SPLIT = 32
 
 
 @triton.jit
+def _pool_write_row(x_ptr, pool_ptr, scale_ptr, WIDTH, BLOCK_W: tl.constexpr, CODES: tl.constexpr):
+    """One new row into its place: rounded to the pool's dtype, or (CODES) an int8 pool's codes and row scale."""
+    offs = tl.arange(0, BLOCK_W)
+    x = tl.load(x_ptr + offs, mask=offs < WIDTH, other=0.0)
+    if CODES:
+        codes, row_scale = quantize_row(x.to(tl.float32), offs < WIDTH)
+        tl.store(pool_ptr + offs, codes, mask=offs < WIDTH)
+        tl.store(scale_ptr, row_scale)
+    else:
+        tl.store(pool_ptr + offs, x.to(pool_ptr.dtype.element_ty), mask=offs < WIDTH)
+
+
+@triton.jit
 def _pool_write_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, pos_ptr, S, C, D, DV,
                        sk_r, sk_h, sv_r, sv_h, skp_s, skp_h, skp_c, svp_s, svp_h, svp_c,
-                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """pool[slots[r], h, positions[r], :] = new row r's k / v (rows outside the pool write nothing)."""
+                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ksp_ptr=None, vsp_ptr=None,
+                       sksp_s=0, sksp_h=0, sksp_c=0, svsp_s=0, svsp_h=0, svsp_c=0, CODES: tl.constexpr = False):
+    """pool[slots[r], h, positions[r], :] = new row r's k / v (rows outside the pool write nothing); CODES:
+    int8 pools, each row's codes and scale (ksp/vsp [S, Hk, C, 1]) as ops.nn.quantized_rows makes them."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + r)
     pos = tl.load(pos_ptr + r)
     if (slot >= 0) & (slot < S) & (pos >= 0) & (pos < C):
         slot64 = slot.to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_D)
-        kv = tl.load(k_ptr + r * sk_r + h * sk_h + offs_d, mask=offs_d < D, other=0.0)
-        tl.store(kp_ptr + slot64 * skp_s + h * skp_h + pos * skp_c + offs_d, kv.to(kp_ptr.dtype.element_ty),
-                 mask=offs_d < D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        vv = tl.load(v_ptr + r * sv_r + h * sv_h + offs_dv, mask=offs_dv < DV, other=0.0)
-        tl.store(vp_ptr + slot64 * svp_s + h * svp_h + pos * svp_c + offs_dv, vv.to(vp_ptr.dtype.element_ty),
-                 mask=offs_dv < DV)
+        _pool_write_row(k_ptr + r * sk_r + h * sk_h, kp_ptr + slot64 * skp_s + h * skp_h + pos * skp_c,
+                        ksp_ptr + slot64 * sksp_s + h * sksp_h + pos * sksp_c, D, BLOCK_D, CODES)
+        _pool_write_row(v_ptr + r * sv_r + h * sv_h, vp_ptr + slot64 * svp_s + h * svp_h + pos * svp_c,
+                        vsp_ptr + slot64 * svsp_s + h * svsp_h + pos * svsp_c, DV, BLOCK_DV, CODES)
 
 
 @triton.jit
@@ -58,9 +69,11 @@ def _pool_decode_kernel(q_ptr, kp_ptr, vp_ptr, slot_ptr, pos_ptr, out_ptr, o_par
                         sq_r, sq_h, skp_s, skp_h, skp_c, svp_s, svp_h, svp_c, so_r, so_h,
                         SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, ksp_ptr=None, vsp_ptr=None, sksp_s=0, sksp_h=0, sksp_c=0,
+                        svsp_s=0, svsp_h=0, svsp_c=0, CODES: tl.constexpr = False):
     """Row r's G query heads of KV head hk over the keys of split sp of its entry's first positions[r] + 1
-    (the last `window` of them with WINDOW), scores scale * q.k (softcap * tanh(s / softcap) with SOFTCAP)."""
+    (the last `window` of them with WINDOW), scores scale * q.k (softcap * tanh(s / softcap) with SOFTCAP).
+    CODES: int8 pools; each key's dot product and each value's weight times its row's scale."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     r = pid // HK
@@ -94,7 +107,11 @@ def _pool_decode_kernel(q_ptr, kp_ptr, vp_ptr, slot_ptr, pos_ptr, out_ptr, o_par
                      other=0.0).to(tl.float32)
         vt = tl.load(v_base + offs_n[:, None] * svp_c + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
                      other=0.0).to(tl.float32)
-        s = _dot(q, tl.trans(kt), PRECISION) * scale                       # [G, N]
+        if CODES:
+            ks = tl.load(ksp_ptr + slot64 * sksp_s + hk * sksp_h + offs_n * sksp_c, mask=n_ok, other=0.0)
+            s = _dot(q, tl.trans(kt), PRECISION, True) * (ks * scale)[None, :]   # [G, N]
+        else:
+            s = _dot(q, tl.trans(kt), PRECISION) * scale                   # [G, N]
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         s = tl.where(n_ok[None, :], s * 1.4426950408889634, float("-inf"))
@@ -103,7 +120,9 @@ def _pool_decode_kernel(q_ptr, kp_ptr, vp_ptr, slot_ptr, pos_ptr, out_ptr, o_par
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p, vt, PRECISION)
+        if CODES:
+            p = p * tl.load(vsp_ptr + slot64 * svsp_s + hk * svsp_h + offs_n * svsp_c, mask=n_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + _dot(p, vt, PRECISION, CODES)   # (codes: exact in tf32)
         m_i = m_new
     if SPLIT == 1:
         o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
@@ -150,9 +169,11 @@ def pool_split(rows: int, kv_heads: int, context: int, device, block_n: int = 64
 def pool_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    slots: torch.Tensor, positions: torch.Tensor, scale: float | None = None, window: int = 0,
                    softcap: float = 0.0, split: int | None = None, block_n: int = 64, out: torch.Tensor | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                    options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
     """ops/pool.py's pool_attention with the pools written in place: q [R, Hq, D], k [R, Hk, D],
-    v [R, Hk, Dv], k_pool [S, Hk, C, D], v_pool [S, Hk, C, Dv] (float32, bfloat16 or float16), slots and
+    v [R, Hk, Dv], k_pool [S, Hk, C, D], v_pool [S, Hk, C, Dv] (float32, bfloat16 or float16; or int8
+    with `scales`, their row scales [S, Hk, C, 1] float32, written in place too), slots and
     positions int32 [R] on the device -> out [R, Hq, Dv] (q's dtype)."""
     rows, hq, d = q.shape
     hk, dv = k.shape[1], v.shape[2]
@@ -166,10 +187,17 @@ def pool_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: to
     if rows == 0:
         return out
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    codes = dict(ksp_ptr=k_pool, vsp_ptr=v_pool)   # (stand-ins the write kernel never stores through)
+    if scales is not None:
+        ksp, vsp = scales
+        assert k_pool.dtype == v_pool.dtype == torch.int8 and ksp.shape == (n_slots, hk, context, 1) and \
+            vsp.shape == ksp.shape and ksp.dtype == vsp.dtype == torch.float32, "pool_attention: int8 pools' scales"
+        codes = dict(ksp_ptr=ksp, vsp_ptr=vsp, sksp_s=ksp.stride(0), sksp_h=ksp.stride(1), sksp_c=ksp.stride(2),
+                     svsp_s=vsp.stride(0), svsp_h=vsp.stride(1), svsp_c=vsp.stride(2), CODES=True)
     _pool_write_kernel[(rows, hk)](
         k, v, k_pool, v_pool, slots, positions, n_slots, context, d, dv, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1),
-        v_pool.stride(2), BLOCK_D=block_d, BLOCK_DV=block_dv)
+        v_pool.stride(2), BLOCK_D=block_d, BLOCK_DV=block_dv, **codes)
     group = hq // hk
     block_g = max(16, triton.next_power_of_2(group))
     split = split or pool_split(rows, hk, context if not window else min(context, window), q.device, block_n)
@@ -185,7 +213,7 @@ def pool_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: to
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0),
         v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
         SPLIT=split, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, SOFTCAP=bool(softcap),
-        WINDOW=bool(window), PRECISION=precision, num_warps=4)
+        WINDOW=bool(window), PRECISION=precision, num_warps=4, **codes)
     if split > 1:
         _pool_combine_kernel[(rows * hk,)](o_part, ml_part, out, hk, group, dv, out.stride(0), out.stride(1),
                                            SPLIT=split, BLOCK_G=block_g, BLOCK_DV=block_dv, num_warps=4)
@@ -200,10 +228,11 @@ def _pool_attention(ctx: Lowering) -> StepFn:
     options = ctx.cuda
     ctx.plan.fusions.append("pool write + rows decode attention")
 
-    def step(q, k, v, k_pool, v_pool, slots, positions):
+    def step(q, k, v, k_pool, v_pool, slots, positions, *scales):
+        pools = (k_pool, v_pool) + scales   # an int8 pool's row scales after the pools
         if not inplace:   # copy semantics: a variable something else reads keeps its value
-            k_pool, v_pool = k_pool.clone(), v_pool.clone()
-        out = pool_attention(q, k, v, k_pool, v_pool, slots, positions, scale=scale, window=window, softcap=softcap,
-                             options=options)
-        return out, k_pool, v_pool
+            pools = tuple(x.clone() for x in pools)
+        out = pool_attention(q, k, v, pools[0], pools[1], slots, positions, scale=scale, window=window, softcap=softcap,
+                             scales=pools[2:] or None, options=options)
+        return (out, *pools)
     return step

@@ -111,6 +111,7 @@ class Problem:
     from_ptr: bool
     length_offset: int
     four: Callable[[torch.Tensor], torch.Tensor]
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None   # an int8 cache's row scales [nb, Hk, TBUF, 1]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | torch.Tensor | None = None,
@@ -123,6 +124,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
               rope: RopeWrite | None = None, xq: XQTarget | None = None,
               zero: torch.Tensor | None = None, length_offset: int = 0, fresh: bool | None = None,
               early: bool = False, chunk_align: int | None = None, gluon: bool | dict | None = None,
+              scales: tuple[torch.Tensor, torch.Tensor] | None = None,
               options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
     """softmax(q k^T * scale (+ mask), causal) v over the first `length` (+ `length_offset`) keys; GQA by
     head groups.
@@ -155,6 +157,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     first key tile and the RoPE table are read while the kernel ahead on the stream still runs; only
     for a caller that knows that kernel writes none of them (the executor's decode step: the caches
     are written by this launch alone).
+
+    `scales`: k and v are an int8 cache's codes and these their row scales (k_scales [..., Hk, Tk, 1],
+    v_scales likewise, float32): the kernels multiply each key's score and each value's weight by its
+    row's scale as they read the tiles (no float copy of the cache; not with `rope` or a mask).
 
     `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
     decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`
@@ -198,9 +204,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
         zero = None
     if nb == 0 or tq == 0:
         return result
+    if scales is not None:
+        assert rope is None and mask is None and k.dtype == v.dtype == torch.int8 and \
+            all(s.dtype == torch.float32 and s.shape[-3:] == x.shape[-3:-1] + (1,) for s, x in zip(scales, (k, v))), \
+            "attention: int8 K/V codes with float32 row scales [..., Hk, Tk, 1]"
+        scales = tuple(four(s) for s in scales)
     p = Problem(q4, k4, v4, o4, result, tuple(batch), nb, hq, hk, group, tq, tbuf, d, dv,
                 max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv)), q.dtype == torch.float32,
-                qk_scale, len_ptr, len_const, from_ptr, length_offset, four)
+                qk_scale, len_ptr, len_const, from_ptr, length_offset, four, scales)
     if decodes:      # few query rows: the decode kernel, at options.decode_precision (bf16 is the prefill's)
         # a narrower cache (bfloat16 KV under float32 q) is widened tile by tile in the kernel
         precision = None if precision == "bf16" else precision

@@ -15,14 +15,17 @@ from ..timeline import now, stamp
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr):
+def _dot(a, b, PRECISION: tl.constexpr, B_EXACT: tl.constexpr = False):
     """a @ b on tensor cores. PRECISION "tf32x3p": float32 inputs to float32-level accuracy as "tf32x3"
     (a = a_hi + a_lo, a_hi the top 10 mantissa bits; a_hi b_hi + a_lo b_hi + a_hi b_lo, a_lo b_lo
     dropped), but the three products are independent dots summed at the end, where Triton's tf32x3
     chains them through one accumulator (H200: 0.05-0.1 us less a short-cache decode launch, of the
-    ~0.7 us single tf32 would save; see CudaOptions.decode_precision). Anything else: tl.dot with that input
-    precision."""
-    if PRECISION == "tf32x3p":
+    ~0.7 us single tf32 would save; see CudaOptions.decode_precision). B_EXACT: b has no low part (int8
+    codes): two products. Anything else: tl.dot with that input precision."""
+    if PRECISION == "tf32x3p" and B_EXACT:   # b exact in tf32 (an int8 cache's codes): a_hi b + a_lo b
+        a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(a_hi, b, input_precision="tf32") + tl.dot(a - a_hi, b, input_precision="tf32")
+    elif PRECISION == "tf32x3p":
         a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
         b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
         lo = tl.dot(a - a_hi, b_hi, input_precision="tf32") + tl.dot(a_hi, b - b_hi, input_precision="tf32")
@@ -53,15 +56,33 @@ def _decode_chunk(length, SPLIT: tl.constexpr, ALIGN: tl.constexpr, MIN_CHUNK: t
 
 
 @triton.jit
-def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+def quantize_row(x, ok):
+    """An int8 KV cache's row as ops.nn.quantized_rows stores it: (codes int8, scale) of the float32 row x
+    (entries not ok ignored), scale = max(max|x| / 127, 2**-126), codes x / scale rounded to nearest even
+    (1.5 * 2**23 added and taken away: |x / scale| <= 127, so the float32 sum rounds at the units)."""
+    amax = tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, 127.0), 1.1754943508222875e-38)
+    y = tl.math.div_rn(x, scale)
+    codes = (y + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
+def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                 ks=1.0, vs=1.0, CODES: tl.constexpr = False):
     """One key tile of the online softmax: the scores of q [R, D] against kt [N, D] (keys not n_ok, or past
     a row's causal limit, left out), then acc += p vt. A cache of another dtype than q's (bfloat16 or
-    float16 K/V under float32 q) is widened here, after the load: the math is q's."""
+    float16 K/V under float32 q) is widened here, after the load: the math is q's. CODES: kt and vt are an
+    int8 cache's codes and ks, vs [N] their rows' scales: each key's score times its scale, each value's
+    weight times its scale (the codes are exact in any float dtype, so the dots stay exact in them)."""
     if kt.dtype != q.dtype:
         kt = kt.to(q.dtype)
     if vt.dtype != q.dtype:
         vt = vt.to(q.dtype)
-    s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                          # [R, N], log2 units
+    if CODES:
+        s = _dot(q, tl.trans(kt), PRECISION, True) * (ks * qk_scale)[None, :]   # [R, N], log2 units
+    else:
+        s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                      # [R, N], log2 units
     ok = n_ok[None, :]
     if CAUSAL:
         ok = ok & (offs_n[None, :] <= limit[:, None])
@@ -71,7 +92,10 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
+    if CODES:
+        acc = acc * alpha[:, None] + _dot((p * vs[None, :]).to(vt.dtype), vt, PRECISION, True)
+    else:
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
     return m_new, l_i, acc
 
 
@@ -89,7 +113,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    xq_ptr=None, xd_ptr=None, xs_ptr=None, stride_xqm=0, stride_xdm=0, XQ_LIMBS: tl.constexpr = 0,
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
                    EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64, stamp_ptr=None,
-                   STAMP: tl.constexpr = 0):
+                   STAMP: tl.constexpr = 0, ks_ptr=None, vs_ptr=None, sks_b=0, sks_h=0, sks_t=0, svs_b=0, svs_h=0,
+                   svs_t=0, CODES: tl.constexpr = False):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -122,7 +147,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     EARLY (with PDL): the length, the position, the first tile and the RoPE table are read before
     `pdl_enter`, while the kernel ahead still runs: the caller promises that kernel writes none of
     them (the caches' rows other than the position, which FRESH never loads, included). STAMP: timeline.py
-    (the splits that write the output or merge; the others leave their stamps at zero)."""
+    (the splits that write the output or merge; the others leave their stamps at zero).
+
+    CODES (not with ROPE): the caches are an int8 cache's codes, ks/vs [B, Hk, TBUF, 1] their row scales,
+    read tile by tile with them (`_decode_tile`): no float copy of the cache is made."""
     t0 = now(STAMP)
     if not EARLY:
         pdl_enter(PDL)
@@ -207,7 +235,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
         kt = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
         # independent of p: both loads in flight together
         vt = tl.load(v_base + offs_n[:, None] * sv_t + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION)
+        if CODES:
+            ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_n * sks_t, mask=n_ok, other=0.0)
+            vs = tl.load(vs_ptr + b * svs_b + hk * svs_h + offs_n * svs_t, mask=n_ok, other=0.0)
+            m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
+                                         ks, vs, True)
+        else:
+            m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION)
     if FRESH:
         if (skip >= start) & (skip < stop):   # the new token's key: its score in float32 from registers
             s_new = tl.sum(q.to(tl.float32) * kn_rot[None, :], axis=1) * qk_scale
@@ -369,7 +403,8 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
            num_stages: int | None, merge: bool | None, min_chunk: int | None,
            rope, xq, zero: torch.Tensor | None, fresh: bool | None, early: bool,
            chunk_align: int | None, options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
-    """The split-KV kernel for `attention` (its arguments; p: the `Problem` it built)."""
+    """The split-KV kernel for `attention` (its arguments; p: the `Problem` it built; an int8 cache's row
+    scales in p.scales)."""
     q4, k4, v4, o4, nb, hk, group, tq, tbuf, d, dv = p.q4, p.k4, p.v4, p.o4, p.nb, p.hk, p.group, p.tq, p.tbuf, p.d, p.dv
     block_d, block_dv, device = p.block_d, p.block_dv, q4.device
     block_r = max(16, triton.next_power_of_2(group * tq))
@@ -396,9 +431,15 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         merge = merge_split <= options.decode_merge_max_splits
     tickets = _workspace(device, 0, nb * hk)[1] if merge else ml_part
     extra = {}
+    if p.scales is not None:   # an int8 cache: its codes and their row scales [nb, Hk, TBUF, 1]
+        assert rope is None, "attention: the int8 cache's rows are written ahead of the decode kernel"
+        ks4, vs4 = p.scales
+        extra.update(ks_ptr=ks4, vs_ptr=vs4, sks_b=ks4.stride(0), sks_h=ks4.stride(1), sks_t=ks4.stride(2),
+                     svs_b=vs4.stride(0), svs_h=vs4.stride(1), svs_t=vs4.stride(2), CODES=True)
     tile_bytes = bn * (block_d + block_dv) * k4.element_size()   # one K + V tile
-    warps = num_warps or options.decode_warps or (8 if rope is not None and tile_bytes > options.decode_fresh_tile_bytes
-                                                  else 4)
+    # (an int8 cache at d 128: its widened tiles and the split q held at 4 warps spilled, sm_90a 255 registers)
+    warps = num_warps or options.decode_warps or (8 if (rope is not None and tile_bytes > options.decode_fresh_tile_bytes)
+                                                  or (p.scales is not None and block_d >= 128) else 4)
     if rope is not None:
         kn4, vn4 = p.four(rope.k), p.four(rope.v)
         assert kn4.shape[1:] == (hk, 1, d) and vn4.shape[1:] == (hk, 1, dv), "attention: rope's k/v rows [..., Hk, 1, D]"

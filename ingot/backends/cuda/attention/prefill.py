@@ -39,8 +39,12 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
                 offs_m, m_ok, limit, start, stop, D, DV, sk_t, sv_t, sm_t, sm_n,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SCALE_NONNEG: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                USE_TMA: tl.constexpr, PRECISION: tl.constexpr, ks_base=None, vs_base=None, sks_t=0, svs_t=0,
+                CODES: tl.constexpr = False):
     """The online softmax over key tiles start, start + BLOCK_N, .. < stop (log2 units).
+
+    CODES: K and V are an int8 cache's codes (exact in any float dtype), ks/vs_base their rows' scales:
+    each key's score and each value's weight multiplied by its row's scale, tile by tile.
 
     MASKED=False: every row of the block sees every key of every tile (tiles below the causal
     diagonal, inside the length, no mask): no score masking, no bounds on the key rows, and no
@@ -54,6 +58,11 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
         else:                     # a 16-bit cache under float32 queries: widened, exactly
             kt = kt.to(q.dtype)
         qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION if PRECISION != "bf16" else None)
+        if CODES:
+            offs_c = n0 + tl.arange(0, BLOCK_N)
+            ks = tl.load(ks_base + offs_c * sks_t, mask=offs_c < stop, other=0.0)
+            vs = tl.load(vs_base + offs_c * svs_t, mask=offs_c < stop, other=0.0)
+            qk = qk * ks[None, :]
         if MASKED:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             s = qk * qk_scale
@@ -69,6 +78,11 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
+        elif CODES:   # the rows' scales already in qk: no sign to fold
+            s = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
         else:
             if SCALE_NONNEG:   # the scaled maximum from the raw one: the scale folds into one FMA below
                 m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
@@ -79,6 +93,8 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         vt = _flash_tile(v_base, v_desc, n0, sv_t, stop, DV, BLOCK_N, BLOCK_DV, MASKED, EVEN_D, USE_TMA)
+        if CODES:
+            p = p * vs[None, :]
         if PRECISION == "bf16":
             acc = tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16), acc)
         else:
@@ -97,14 +113,17 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PRECISION: tl.constexpr, SPLIT_STAGES: tl.constexpr = True, HEAVY_FIRST: tl.constexpr = True,
                   HEADS_ON_AXIS0: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True, PDL: tl.constexpr = False):
+                  EVEN_D: tl.constexpr = False, SCALE_NONNEG: tl.constexpr = True, PDL: tl.constexpr = False,
+                  ks_ptr=None, vs_ptr=None, sks_b=0, sks_h=0, sks_t=0, svs_b=0, svs_h=0, svs_t=0,
+                  CODES: tl.constexpr = False):
     """One BLOCK_M block of query rows of one (batch, query head) against the keys it may see.
 
     SPLIT_STAGES: the key tiles every row sees run unmasked, then the diagonal / tail tiles masked
     (a mask keeps all tiles masked). HEAVY_FIRST (causal): the blocks with the most keys start first
     so the short ones fill the last wave. HEADS_ON_AXIS0: grid (B*Hq, blocks) instead of (blocks, B*Hq).
     USE_TMA: Q/K/V tiles through on-device tensor descriptors (16-byte aligned rows; the wrapper checks).
-    EVEN_D: D == BLOCK_D and DV == BLOCK_DV (no column masks)."""
+    EVEN_D: D == BLOCK_D and DV == BLOCK_DV (no column masks). CODES: an int8 cache, its row scales
+    ks/vs [B, Hk, TBUF, 1] (`_flash_keys`)."""
     pdl_enter(PDL)
     if HEADS_ON_AXIS0:
         pid_bh = tl.program_id(0)
@@ -161,14 +180,16 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
     else:
         lo = hi * 0
     mask_base = mask_ptr + b * sm_b + h * sm_h
+    ks_base = ks_ptr + b * sks_b + hk * sks_h if CODES else ks_ptr
+    vs_base = vs_ptr + b * svs_b + hk * svs_h if CODES else vs_ptr
     acc, l_i, m_i = _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
                                 offs_m, m_ok, limit, 0, lo, D, DV, sk_t, sv_t, sm_t, sm_n,
                                 False, CAUSAL, HAS_MASK, SCALE_NONNEG, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D,
-                                USE_TMA, PRECISION)
+                                USE_TMA, PRECISION, ks_base, vs_base, sks_t, svs_t, CODES)
     acc, l_i, m_i = _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_scale,
                                 offs_m, m_ok, limit, lo, hi, D, DV, sk_t, sv_t, sm_t, sm_n,
                                 True, CAUSAL, HAS_MASK, SCALE_NONNEG, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D,
-                                USE_TMA, PRECISION)
+                                USE_TMA, PRECISION, ks_base, vs_base, sks_t, svs_t, CODES)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     o_ok = m_ok[:, None]
     if not EVEN_D:
@@ -245,6 +266,12 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
     # float32 queries over a 16-bit cache with bf16 dots: the Hopper kernel on a 16-bit copy of q (the
     # chunk's rows; the cache is read where it lies), its output widened into the float32 result
     widen = f32 and precision == "bf16" and k4.dtype == v4.dtype and k4.dtype in (torch.bfloat16, torch.float16)
+    codes = {}
+    if p.scales is not None:   # an int8 cache: the Triton kernel reads its codes and row scales
+        ks4, vs4 = p.scales
+        gluon, tma = False, False
+        codes = dict(ks_ptr=ks4, vs_ptr=vs4, sks_b=ks4.stride(0), sks_h=ks4.stride(1), sks_t=ks4.stride(2),
+                     svs_b=vs4.stride(0), svs_h=vs4.stride(1), svs_t=vs4.stride(2), CODES=True)
     if gluon and mask is None and (not f32 or widen):
         from .. import flash_sm90
         q16 = q4.to(k4.dtype) if widen else q4
@@ -271,5 +298,5 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision,
         SPLIT_STAGES=split_stages, HEAVY_FIRST=heavy_first, HEADS_ON_AXIS0=heads_on_axis0, USE_TMA=use_tma,
         EVEN_D=d == block_d and dv == block_dv, SCALE_NONNEG=p.qk_scale >= 0,
-        num_warps=warps, num_stages=stages, **pdl_args(q4.device))
+        num_warps=warps, num_stages=stages, **codes, **pdl_args(q4.device))
     return p.result

@@ -13,6 +13,7 @@ from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
 from .fuse_conv_epilogue import fuse_conv_epilogue
 from .fuse_dynamic_quantize import fuse_dynamic_quantize
+from .fuse_gathered_lora import fuse_gathered_lora
 from .fuse_glu import fuse_glu
 from .fuse_integer_matmul import fuse_integer_matmul
 from .fuse_mel import fuse_mel
@@ -51,6 +52,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_norm_gemv", lambda p, o: fuse_norm_gemv(p, o["words_max_rows"], o["self_xq_bytes"])),  # norm in the GEMV
         ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
         ("fuse_mel", lambda p, o: fuse_mel(p, o["mel_epilogue"])),     # STFT power -> mel (-> dB): one kernel
+        ("fuse_gathered_lora", lambda p, o: fuse_gathered_lora(p)),   # per-row adapters (ingot serve): 2 kernels
     ],
 }
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers

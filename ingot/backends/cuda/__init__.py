@@ -33,6 +33,7 @@ from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: 
 from . import experts  # noqa: E402,F401  (registers the mixture-of-experts lowerings: top_k, quantized_gather_matmul, ...)
 from . import recurrent  # noqa: E402,F401  (registers the lstm lowering)
 from . import pool_attention  # noqa: E402,F401  (registers pool_attention: a rows decoder's KV pool, ops/pool.py)
+from . import gathered_lora  # noqa: E402,F401  (registers the fused gathered_lora: ingot serve's per-row adapters)
 from .plan import CudaPlan
 
 

@@ -24,6 +24,11 @@ device it holds) before it answers. The anchor is Ingot's own batch-1 decode (th
 
     python -m benchmarks serve --random llama8b [--clients 1,4,16,32,64] [--requests 2] [--max-tokens 128]
                                [--context 4096] [--kv-dtype bfloat16] [--llama-layers N] [--device cuda]
+                               [--lora N [--lora-rank 16]]
+
+--lora N serves N random LoRAs (rank --lora-rank on every projection of every layer) beside the base
+model, client c asking for model c mod (N + 1): each decode step mixes the base model and the
+adapters (per-row gathered LoRA); the anchor stays the base model's batch-1 decode.
 """
 from __future__ import annotations
 
@@ -112,16 +117,20 @@ async def _client(http, url: str, model: str, prompts: list[str], max_tokens: in
                     "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens})
 
 
-async def _load(url: str, model: str, clients: int, requests: int, max_tokens: int, long_every: int) -> dict:
+async def _load(url: str, model: str | list[str], clients: int, requests: int, max_tokens: int, long_every: int) -> dict:
+    """model: one model id, or a list from which client c takes entry c mod its length (mixed adapters)."""
     import httpx
+    models = [model] if isinstance(model, str) else model
     prompts = _prompts(clients * requests, long_every)
     out: list = []
     # a connection per request: llama-server closes an idle keep-alive connection just as a client
     # reuses it (RemoteProtocolError under load)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
-        await _client(http, url, model, [QUESTIONS[0]], 8, [])       # warm-up
+        for m in models:                                                # warm-up
+            await _client(http, url, m, [QUESTIONS[0]], 8, [])
         start = time.perf_counter()
-        await asyncio.gather(*(_client(http, url, model, prompts[c::clients], max_tokens, out) for c in range(clients)))
+        await asyncio.gather(*(_client(http, url, models[c % len(models)], prompts[c::clients], max_tokens, out)
+                               for c in range(clients)))
         wall = time.perf_counter() - start
     ttft = sorted(r["ttft"] for r in out)
     gaps = sorted(g for r in out for g in r["gaps"])
@@ -188,10 +197,30 @@ def byte_tokenizer(vocab: int) -> dict:
             "tokenizer.ggml.bos_token_id": vocab - 2, "tokenizer.ggml.eos_token_id": vocab - 1}
 
 
+def random_adapters(cfg, count: int, rank: int, seed: int = 0) -> dict:
+    """{"lora<i>": AdapterSet} of `count` random LoRAs of `rank` on q/k/v/o and gate/up/down of every layer
+    (small deltas: a random model's answers stay finite)."""
+    from ingot.adapters import AdapterSet, site_input, site_layout
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(count):
+        factors = {}
+        for layer in range(cfg.n_layers):
+            for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+                name = f"blk.{layer}.{kind}.weight"
+                k, n = site_input(cfg, name), site_layout(cfg, [name])[0]
+                a = (rng.standard_normal((rank, k), np.float32) / np.sqrt(k)).astype(np.float32)
+                factors[name] = [(a, (0.01 * rng.standard_normal((n, rank), np.float32)).astype(np.float32))]
+        out[f"lora{i}"] = AdapterSet(factors)
+    return out
+
+
 def random_worker(shape: str, layers: int, port: int, max_batch: int, context: int, kv_dtype: str, device: str,
-                  anchor_tokens: int = 128) -> None:
-    """The server process of the GPU run: random int4 weights of `shape`, the engine over a KV pool, Ingot's
-    batch-1 decode timed on the same weights (a line "[bench] {...}" on stderr), then the HTTP app."""
+                  anchor_tokens: int = 128, loras: int = 0, lora_rank: int = 16) -> None:
+    """The server process of the GPU run: random int4 weights of `shape` (and `loras` random adapters of
+    `lora_rank`), the engine over a KV pool, Ingot's batch-1 decode timed on the same weights (a line
+    "[bench] {...}" on stderr), then the HTTP app."""
     import tempfile
 
     import uvicorn
@@ -209,8 +238,8 @@ def random_worker(shape: str, layers: int, port: int, max_batch: int, context: i
     stored = StoredModel(tempfile.mkdtemp(prefix="ingot-random-"), "llama", metadata, fast_random_weights(cfg), cfg,
                          AdapterSet())
     engine = Engine(stored, device=device, max_batch=max_batch, context=context, max_queue=4 * max_batch,
-                    kv_dtype=kv_dtype)
-    report = {"load_s": round(time.perf_counter() - t0, 1), "pooled": engine.pooled,
+                    kv_dtype=kv_dtype, loras=random_adapters(cfg, loras, lora_rank) if loras else None)
+    report = {"load_s": round(time.perf_counter() - t0, 1), "pooled": engine.pooled, "loras": loras,
               "kv_pool_gib": round(kv_bytes(engine.config, max_batch + 1) / (1 << 30), 2)}
     rng = np.random.default_rng(0)
     long = [int(i) for i in rng.integers(256, cfg.vocab_size - 2, min(600, context - 16))]
@@ -244,10 +273,12 @@ def run_random(args, clients: list[int]) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); from benchmarks.serve import "
                f"random_worker; random_worker({args.random!r}, {args.llama_layers or 0}, {port}, {slots}, "
-               f"{args.context}, {args.kv_dtype!r}, {args.device!r})"]
+               f"{args.context}, {args.kv_dtype!r}, {args.device!r}, loras={args.lora}, lora_rank={args.lora_rank})"]
     print(f"[{args.random} int4 random weights{f', {args.llama_layers} layers' if args.llama_layers else ''}; "
           f"{slots} slots x context {args.context} in {args.kv_dtype} on {args.device}; clients {clients} x "
-          f"{args.requests} requests of <= {args.max_tokens} tokens]", file=sys.stderr, flush=True)
+          f"{args.requests} requests of <= {args.max_tokens} tokens"
+          f"{f'; {args.lora} random LoRAs of rank {args.lora_rank}, client c on model c mod {args.lora + 1}' if args.lora else ''}]",
+          file=sys.stderr, flush=True)
     url = f"http://127.0.0.1:{port}"
     t = time.perf_counter()
     process = _start(command, url, ready_seconds=900)
@@ -256,8 +287,9 @@ def run_random(args, clients: list[int]) -> None:
     rows = []
     try:
         model = _model_id(url)
+        models = [model] + [f"lora{i}" for i in range(args.lora)]   # the base model and each adapter in turn
         for n in clients:
-            row = {"engine": "ingot", **asyncio.run(_load(url, model, n, args.requests, args.max_tokens, args.long_every))}
+            row = {"engine": "ingot", **asyncio.run(_load(url, models, n, args.requests, args.max_tokens, args.long_every))}
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
         long_row = None
@@ -346,6 +378,10 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=0, help="--random: slots (default: the most clients)")
     ap.add_argument("--long-prompt", type=int, default=4000, help="--random: a last request's prompt tokens (0: none)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="--random: where the server runs")
+    ap.add_argument("--lora", type=int, default=0,
+                    help="--random: serve this many random LoRA adapters; client c asks for the base model (c = 0 mod "
+                         "N + 1) or adapter c mod (N + 1), so every step mixes them (default 0)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="--random --lora: the adapters' rank (default 16)")
     args = ap.parse_args()
     if args.random:
         if "--clients" not in sys.argv:

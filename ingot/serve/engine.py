@@ -204,10 +204,11 @@ class Sequence:
 
 class Engine:
     """A model loaded for serving: `submit` requests from any thread; the scheduler thread runs them.
-    path: a GGUF file or an LLM package, or a `StoredModel` already in memory."""
+    path: a GGUF file or an LLM package, or a `StoredModel` already in memory; loras: {name: (PEFT
+    folder, scale) or an `AdapterSet` already in memory}."""
 
     def __init__(self, path, device: str = "cpu", max_batch: int = 8, context: int | None = None,
-                 loras: dict[str, tuple[str, float]] | None = None, max_queue: int = 64,
+                 loras: dict | None = None, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, options=None, kv_dtype: str | None = None,
                  pool: bool | None = None):
         from .. import models
@@ -250,8 +251,8 @@ class Engine:
             raise IngotError(f"{path}: {e}") from None
         base = model.adapters if model.adapters else AdapterSet()
         self.adapters: dict[str | None, AdapterSet] = {None: base}
-        for name, (lora_path, scale) in (loras or {}).items():
-            self.adapters[name] = base.merged(load_peft(lora_path, cfg, scale))
+        for name, lora in (loras or {}).items():   # (PEFT folder, scale), or an AdapterSet already in memory
+            self.adapters[name] = base.merged(lora if isinstance(lora, AdapterSet) else load_peft(lora[0], cfg, lora[1]))
         self.sites = frozenset().union(*(a.names for a in self.adapters.values()))
         # the rows decoders compute every adapter's delta inline, each row's chosen by the adapter_rows feed
         self.gathered = RowAdapters(cfg, list(self.adapters.values())) if self.sites else None
@@ -333,7 +334,8 @@ class Engine:
 
     def warm(self, rows=()) -> None:
         """Compile the rows decoders for these row counts (default: every bucket) and the prefill
-        executables of every bucket length the context allows, before the first request needs them."""
+        executables of every bucket length the context allows (with every adapter's callables), before
+        the first request needs them."""
         from ..llm.generate import PREFILL_BUCKETS
 
         for r in rows or self.buckets():
@@ -347,7 +349,9 @@ class Engine:
                     exe.run(feeds, state=self.pool)
         for size in PREFILL_BUCKETS:
             if size <= self.context:
-                self.model.compile(size, self.device, self.options)
+                exe = self.model.compile(size, self.device, self.options)
+                for name in [*self.adapters][::-1] if self.sites else ():   # each adapter's callables, compiled;
+                    self._bind_prefill(exe, name, size)                      # the base model's bound last
 
     def buckets(self) -> list[int]:
         out, r = [], 1

@@ -121,27 +121,67 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
 # output channels) and TILE broadcast input values (llvmlite, the loop over input channels in IR).
 
 TILE = 8   # output columns per call: 8 accumulators + 1 weight vector
+_V8 = ir.VectorType(ir.FloatType(), 8)
+
+
+def _transposed(builder, accs):
+    """8 <16 x float> vectors (position r: 16 channels) as 8 vectors of 2 channels x 8 positions each
+    (vector k: channel 2k's positions 0..7, then channel 2k + 1's): three rounds of two-source shuffles."""
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, mask):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 16), mask))
+    # round 1: positions (2p, 2p + 1), channels 0-7 | 8-15, as (channel, position) pairs
+    r1 = {}
+    for p in range(4):
+        a, b = accs[2 * p], accs[2 * p + 1]
+        for h in range(2):
+            r1[p, h] = shuffle(a, b, [x for c in range(8 * h, 8 * h + 8) for x in (c, 16 + c)])
+    # round 2: positions 4q..4q+3 of 4 channels; lane 2c + e of r1 holds channel c (of 8), position e
+    r2 = {}
+    for q in range(2):
+        for h in range(2):
+            a, b = r1[2 * q, h], r1[2 * q + 1, h]
+            for g in range(2):
+                r2[q, h, g] = shuffle(a, b, [x for c in range(4 * g, 4 * g + 4) for x in (2 * c, 2 * c + 1, 16 + 2 * c, 17 + 2 * c)])
+    # round 3: positions 0..7 of 2 channels; lane 4c + e of r2 holds channel c (of 4), position e
+    out = []
+    for h in range(2):
+        for g in range(2):
+            a, b = r2[0, h, g], r2[1, h, g]
+            for e in range(2):
+                out.append(shuffle(a, b, [x for c in range(2 * e, 2 * e + 2) for x in
+                                          (4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3, 16 + 4 * c, 17 + 4 * c, 18 + 4 * c, 19 + 4 * c)]))
+    return out
 
 
 def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
-    """tile(acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic): acc[16 r : 16 r + 16] = sum
-    over ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * col_step + r * sw] *
-    wb[w_at + ((ic * kh + i) * kw + j) * 16 : +16], r < width (lanes 8: the first 8 of each 16)."""
+    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw): for positions
+    r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
+    ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
+    wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. At width TILE the accumulators (one vector of 16 channels
+    per position) are transposed in registers and stored as rows of 8 positions (lanes 8: the first 8 of
+    each 16); narrower, position r's vector is stored at out[o_at + 16 * r] (a scratch row the caller
+    scatters: fewer shuffles to compile for the rarer tiles)."""
     @intrinsic
-    def tile(typingctx, acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic):
-        sig = types.void(acc, xp, x_at, ic_step, row_step, col_step, sw, wb, w_at, n_ic)
+    def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw):
+        sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw)
 
         def codegen(context, builder, signature, args):
-            acc_v, x_v, x_at_v, ic_v, row_v, col_v, sw_v, w_v, w_at_v, n_v = args
-            arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
-            aa, xa, wa = arr(0, acc_v), arr(1, x_v), arr(7, w_v)
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, xa, wa, ba = arr(0), arr(3), arr(7), arr(10)
             i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
             f16x = ir.VectorType(f32, lanes)
             undef = ir.Constant(f16x, ir.Undefined)
             zeros_i = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
             fma = builder.module.declare_intrinsic(f"llvm.fma.v{lanes}f32", fnty=ir.FunctionType(f16x, [f16x, f16x, f16x]))
             cast = lambda v: builder.sext(v, i64) if v.type.width < 64 else v  # noqa: E731
-            x_at_v, ic_v, row_v, col_v, sw_v, w_at_v, n_v = map(cast, (x_at_v, ic_v, row_v, col_v, sw_v, w_at_v, n_v))
+            o_at_v, o_step_v, x_at_v, ic_v, row_v, w_at_v, n_v, b_at_v, n_ch_v, sw_v, dw_v = (
+                cast(args[i]) for i in (1, 2, 4, 5, 6, 8, 9, 11, 12, 13, 14))
+            offs = {(j, r): builder.add(builder.mul(dw_v, ir.Constant(i64, j)), builder.mul(sw_v, ir.Constant(i64, r)))
+                    for j in range(kw) for r in range(width)}
+            x0 = builder.gep(xa.data, [x_at_v])
+            w0 = builder.gep(wa.data, [w_at_v])
             start = builder.block
             loop = builder.append_basic_block("ic_loop")
             done = builder.append_basic_block("ic_done")
@@ -155,17 +195,16 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
                 p = builder.phi(f16x)
                 p.add_incoming(zero_acc, start)
                 accs.append(p)
-            base = builder.add(x_at_v, builder.mul(ic, ic_v))
-            wbase = builder.add(w_at_v, builder.mul(ic, ir.Constant(i64, kh * kw * 16)))
             new = list(accs)
+            xptr = builder.gep(x0, [builder.mul(ic, ic_v)])
+            wptr = builder.gep(w0, [builder.mul(ic, ir.Constant(i64, kh * kw * 16))])
             for i in range(kh):
-                row = builder.add(base, builder.mul(row_v, ir.Constant(i64, i)))
+                row = builder.gep(xptr, [builder.mul(row_v, ir.Constant(i64, i))])
                 for j in range(kw):
-                    at = builder.add(row, builder.mul(col_v, ir.Constant(i64, j)))
-                    wp = builder.gep(wa.data, [builder.add(wbase, ir.Constant(i64, (i * kw + j) * 16))])
+                    wp = builder.gep(wptr, [ir.Constant(i64, (i * kw + j) * 16)])
                     wv = builder.load(builder.bitcast(wp, f16x.as_pointer()), align=4)
                     for r in range(width):
-                        xv = builder.load(builder.gep(xa.data, [builder.add(at, builder.mul(sw_v, ir.Constant(i64, r)))]))
+                        xv = builder.load(builder.gep(row, [offs[j, r]]))
                         splat = builder.shuffle_vector(builder.insert_element(undef, xv, ir.Constant(i32, 0)), undef, zeros_i)
                         new[r] = builder.call(fma, [splat, wv, new[r]])
             nxt = builder.add(ic, ir.Constant(i64, 1))
@@ -181,39 +220,59 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
                 f.add_incoming(zero_acc, start)
                 f.add_incoming(new[r], latch)
                 finals.append(f)
-            for r in range(width):
-                ptr = builder.gep(aa.data, [ir.Constant(i64, 16 * r)])
-                builder.store(finals[r], builder.bitcast(ptr, f16x.as_pointer()), align=4)
+            b = builder.load(builder.bitcast(builder.gep(ba.data, [b_at_v]), f16x.as_pointer()), align=4)
+            finals = [builder.fadd(f, b) for f in finals]
+            if width < TILE:   # a row's last columns: the vectors as they are, at out[o_at + 16 * r]
+                for r, f in enumerate(finals):
+                    ptr = builder.gep(oa.data, [builder.add(o_at_v, ir.Constant(i64, 16 * r))])
+                    builder.store(f, builder.bitcast(ptr, f16x.as_pointer()), align=4)
+                return context.get_dummy_value()
+            if lanes == 8:   # as 16 lanes, the upper 8 never stored
+                widen = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
+                finals = [builder.shuffle_vector(f, undef, widen) for f in finals]
+            v16 = ir.VectorType(f32, 16)
+            rows = _transposed(builder, finals)
+            for c in range(lanes):
+                half = builder.shuffle_vector(rows[c // 2], ir.Constant(v16, ir.Undefined),
+                                              ir.Constant(ir.VectorType(i32, 8), list(range(8 * (c % 2), 8 * (c % 2) + 8))))
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, c), n_ch_v)):
+                    at = builder.add(o_at_v, builder.mul(o_step_v, ir.Constant(i64, c)))
+                    builder.store(half, builder.bitcast(builder.gep(oa.data, [at]), _V8.as_pointer()), align=4)
             return context.get_dummy_value()
         return sig, codegen
     return tile
 
 
-TILES = {(kh, kw): _tile_intrinsic(kh, kw) for kh, kw in ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))}
-_NARROW: dict = {}
+_TILES: dict = {}
 
 
 def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16):
-    """The tile of a row's last width < TILE columns (20 wide: 8 + 8 + 4, not 24 computed); lanes 8: of
-    a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed)."""
-    if (kh, kw, width, lanes) not in _NARROW:
-        _NARROW[kh, kw, width, lanes] = _tile_intrinsic(kh, kw, width, lanes)
-    return _NARROW[kh, kw, width, lanes]
+    """The tile of width <= TILE columns (a row's last: 20 wide is 8 + 8 + 4, not 24 computed); lanes 8: of
+    a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); made once per process."""
+    key = (kh, kw, width, lanes)
+    if key not in _TILES:
+        _TILES[key] = _tile_intrinsic(*key)
+    return _TILES[key]
+
+
+WINDOW_SIZES = ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))
 
 
 def _dispatch(prefix: str, indent: str) -> str:
-    """Generated source: the call of the tile of width n (1..8) named prefix + n."""
+    """Generated source: the call of the tile of width n (1..8) named prefix + n (narrower than TILE: into
+    acc, which the caller scatters)."""
     lines = []
     for k, n in enumerate((8, 4, 2, 6, 1, 3, 5, 7)):
         head = "if" if k == 0 else "elif" if n != 7 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
-        lines.append(f"{indent}    {prefix}{n}(acc, xf, at, hp * wp, dh * wp, dw, sw, wf, 0, c_n)")
+        target = "of, (b * 16 * oh + oy) * ow + ox0" if n == 8 else "acc, 0"
+        lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, hp * wp, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw)")
     return "\n".join(lines)
 
 _DIRECT = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_kernels import TILE, TILES, narrow_tile
+from ingot.backends.cpu.conv_kernels import TILE, narrow_tile
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w) for w in range(1, 9))
@@ -237,6 +296,9 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops):
                 dst[np.uintp(pw) + t] = row[t]
     xf = xp.reshape(c_n * hp * wp)
     of = out.reshape(m * oh * ow)
+    bp = np.zeros(wb.shape[0] * 16, np.float32)   # the bias in whole blocks of 16
+    for l in range(m):
+        bp[l] = bias[l]
     acc = np.empty(TILE * 16, np.float32)
     for b in range(wb.shape[0]):
         wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
@@ -250,11 +312,11 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops):
 {full}
                 else:
 {half}
-                for l in range(lanes):
-                    orow = out[b * 16 + l, oy]
-                    bl = bias[b * 16 + l]
-                    for r in range(n):
-                        orow[ox0 + r] = acc[r * 16 + l] + bl
+                if n < TILE:
+                    for l in range(lanes):
+                        orow = out[b * 16 + l, oy]
+                        for r in range(n):
+                            orow[ox0 + r] = acc[r * 16 + l]
             if {has_epilogue}:   # the block's 16 rows just written, in L1
                 for l in range(lanes):
                     at = ((b * 16 + l) * oh + oy) * ow
@@ -273,7 +335,7 @@ def direct_fits(kh: int, kw: int, groups: int, ow: int = 0, width: int = 0) -> b
     over 512 x 1, whose tiles along the output row would be 1 of 8 wide)."""
     if _columns(kh, kw, ow, width):
         kh, kw = kw, kh
-    return groups == 1 and (kh, kw) in TILES
+    return groups == 1 and (kh, kw) in WINDOW_SIZES
 
 
 def direct_weights(w: np.ndarray) -> np.ndarray:
@@ -294,8 +356,8 @@ def direct_kernel(kh: int, kw: int, steps=(), operands=()):
     from . import conv_spatial
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    source = _DIRECT.format(kh=kh, kw=kw, key=key, has_epilogue=bool(steps), full=_dispatch("tile", " " * 20),
-                            half=_dispatch("half", " " * 20))
+    source = _DIRECT.format(kh=kh, kw=kw, key=key, has_epilogue=bool(steps),
+                            full=_dispatch("tile", " " * 20), half=_dispatch("half", " " * 20))
     return codegen.load(source, "kernel", "cpu_direct_conv")
 
 

@@ -340,10 +340,11 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                     elif direct:
                         if oy0 == 0 and epilogue.spatial_ok:   # bias and epilogue in the kernel
                             conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], bias, direct_kernel,
-                                                     tuple(_operand(inputs[i], f, n) for f, i in epilogue.operands))
+                                                     tuple(_operand(inputs[i], f, n) for f, i in epilogue.operands), scratch)
                             break
                         if oy0 == 0:
-                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], None, direct_kernel)
+                            conv_kernels.conv_direct(xg, wk, kh, kw, sh, sw, dh, dw, ph, pw, y4[n], None, direct_kernel,
+                                                     scratch=scratch)
                     elif depthwise:
                         _depthwise(xg, wk, sh, sw, dh, dw, ph, pw, oy0, oy1, y4[n])
                     elif pointwise:

@@ -281,14 +281,14 @@ epilogue = EPILOGUES[{key!r}]
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops):
+def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
     c_n, h, wd = x.shape
     m, oh, ow = out.shape
     kh, kw = {kh}, {kw}
     tiles = (ow + TILE - 1) // TILE
     hp = max(h + ph, (oh - 1) * sh + (kh - 1) * dh + 1)
     wp = max(wd + pw, (tiles * TILE - 1) * sw + (kw - 1) * dw + 1)
-    xp = np.zeros((c_n, hp, wp), np.float32)
+    xp = padded[:c_n * hp * wp].reshape(c_n, hp, wp)   # zeros outside the input, kept between calls
     for c in range(c_n):
         for y in range(h):
             row, dst = x[c, y], xp[c, y + ph]
@@ -352,7 +352,13 @@ _NO_BIAS: dict = {}
 
 def direct_kernel(kh: int, kw: int, steps=(), operands=()):
     """The numba kernel of a kh x kw window with this epilogue (conv.Epilogue's steps and operands):
-    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops), generated and cached once per process."""
+    size = padded_size(*x.shape, *out.shape[1:], kh, kw, sh, sw, dh, dw, ph, pw)
+    padded = scratch.get("padded") if scratch is not None else None
+    if padded is None or padded.size < size:
+        padded = np.zeros(size, np.float32)
+        if scratch is not None:
+            scratch["padded"] = padded
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded), generated and cached once per process."""
     from . import conv_spatial
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
@@ -361,10 +367,21 @@ def direct_kernel(kh: int, kw: int, steps=(), operands=()):
     return codegen.load(source, "kernel", "cpu_direct_conv")
 
 
-def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, kernel=None, ops=()) -> None:
+def padded_size(c: int, h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,
+                ph: int, pw: int) -> int:
+    """Floats of the direct kernel's zero-padded copy of the input (its rows reach past the last tile)."""
+    tiles = -(-ow // TILE)
+    hp = max(h + ph, (oh - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(w + pw, (tiles * TILE - 1) * sw + (kw - 1) * dw + 1)
+    return c * hp * wp
+
+
+def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, kernel=None, ops=(), scratch=None) -> None:
     """out [M, OH, OW] = the convolution of x [C, H, W] by the weights arranged by direct_weights (the
     same bytes for a kh x 1 window as for 1 x kh: a column convolution runs as a row one), + bias [M],
-    then the epilogue of kernel (direct_kernel's; default none) on each block of rows while in cache."""
+    then the epilogue of kernel (direct_kernel's; default none) on each block of rows while in cache.
+    scratch: a dict kept between calls of the same convolution, where the zero-padded copy of the input
+    stays (only its interior is written again: no zeroing per call)."""
     if _columns(kh, kw, out.shape[2], x.shape[2]):
         c, h, _ = x.shape
         m, oh, _ = out.shape
@@ -376,7 +393,13 @@ def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, kernel=No
         bias = _NO_BIAS.get(wb.shape[0])
         if bias is None:
             bias = _NO_BIAS[wb.shape[0]] = np.zeros(wb.shape[0] * 16, np.float32)
-    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops)
+    size = padded_size(*x.shape, *out.shape[1:], kh, kw, sh, sw, dh, dw, ph, pw)
+    padded = scratch.get("padded") if scratch is not None else None
+    if padded is None or padded.size < size:
+        padded = np.zeros(size, np.float32)
+        if scratch is not None:
+            scratch["padded"] = padded
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded)
 
 
 # -- the SiLU epilogue: x * sigmoid(x) with a vector exp -------------------------------------------------

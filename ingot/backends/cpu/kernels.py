@@ -395,16 +395,56 @@ _REPACKED: dict[tuple[int, int, int], np.ndarray] = {}
 
 
 def _repacked(q: np.ndarray, flip: int, bits: int) -> np.ndarray:
-    """vnni.repack (bits 4) or repack8 of the weight q, made once per weight array and shared by every
-    executable that multiplies by it (a server compiles ~14 over the same arrays: prefill lengths, row
-    counts; each repacked its own copy on its first run, ~2 s and the weights' size again each),
-    dropped with the array."""
+    """The VNNI layout of the weight q, made once per weight array and shared by every executable that
+    multiplies by it (a server compiles ~14 over the same arrays: prefill lengths, row counts; each
+    repacked its own copy on its first run, ~2 s and the weights' size again each), dropped with the
+    array: vnni.repack (bits 4, packed q read as q ^ flip), repack8 (bits 8, q ^ flip), repack_bits
+    (bits 5 and 6: an 8-bit q whose values fit, as the codes q + flip)."""
     key = (id(q), flip, bits)
     hit = _REPACKED.get(key)
     if hit is None:
-        hit = _REPACKED[key] = _kernel_form((vnni.repack if bits == 4 else vnni.repack8)(q, flip))
+        if bits in (5, 6):
+            layout = vnni.repack_bits((q.astype(np.int16) + flip).astype(np.uint8), bits)
+        else:
+            layout = (vnni.repack if bits == 4 else vnni.repack8)(q, flip)
+        hit = _REPACKED[key] = _kernel_form(layout)
         weakref.finalize(q, _REPACKED.pop, key, None)
     return hit
+
+
+def _vnni_weight(q: np.ndarray, qdtype) -> tuple[np.ndarray, np.float32, int]:
+    """(layout, center, bits) of a k-major weight for vnni.gemv in the fewest bits that hold it: 4
+    for packed weights; an 8-bit one whose values fit 5 or 6 bits (GGUF's Q5 and Q6_K types, which
+    import as 8-bit integers) in that many, else 8. Codes are the value + 2**(bits - 1) for a signed
+    weight (center 0), the value for an unsigned one (center 2**(bits - 1))."""
+    unsigned = qdtype.kind == "u"
+    if qdtype.packed:
+        return _repacked(q, 0 if unsigned else 0x88, 4), np.float32(8 if unsigned else 0), 4
+    lo, hi = _value_range(q)
+    for bits in (5, 6):
+        half = 1 << (bits - 1)
+        if (0 <= lo and hi < 2 * half) if unsigned else (-half <= lo and hi < half):
+            return _repacked(q, 0 if unsigned else half, bits), np.float32(half if unsigned else 0), bits
+    return _repacked(q, 0 if unsigned else 0x80, 8), np.float32(128 if unsigned else 0), 8
+
+
+_RANGES: dict[int, tuple[int, int]] = {}
+
+
+def _value_range(q: np.ndarray) -> tuple[int, int]:
+    """(min, max) of an integer weight array, once per array."""
+    hit = _RANGES.get(id(q))
+    if hit is None:
+        hit = _RANGES[id(q)] = (int(q.min()), int(q.max())) if q.size else (0, 0)
+        weakref.finalize(q, _RANGES.pop, id(q), None)
+    return hit
+
+
+def _grouped(p):
+    """Parameters in the kernels' form, grouped as vnni.gemv reads them fastest (vnni.group_params)."""
+    if isinstance(p, tuple):
+        return tuple(_kernel_form(a) for a in vnni.group_params(p)[:2]) + (p[2],)
+    return _kernel_form(vnni.group_params(p))
 
 
 def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = "float32"):
@@ -437,33 +477,32 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                 ks = _kernel_form(scale)
             k = q.shape[0]
             absent = no_offset if isinstance(ks, tuple) or ks.dtype == np.float32 else no_offset_bits
-            if activations == "int8" and k % XQ_BLOCK == 0 and (k // nb) % XQ_BLOCK == 0:
+            block = k // nb
+            rows_args = None   # rows_gemv's arguments (2..GEMV_MAX_ROWS rows), where it takes the weight
+            if activations == "int8" and k % XQ_BLOCK == 0 and (block == 16 or block % XQ_BLOCK == 0) \
+                    and vnni.AVAILABLE and n % vnni.GROUP == 0:
+                weight, center, bits = _vnni_weight(q, qdtype)
+                # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read;
+                # two-level ones stay codes and units
+                if isinstance(scale, tuple):
+                    vs, vo = scale, offset
+                else:
+                    vs, vo = _half_if_exact(scale), _half_if_exact(offset)
+                vo = vo if offset is not None else vs
+                gemv = (vnni.gemv, (_grouped(vs), _grouped(vo), offset is not None, center), k // XQ_BLOCK, weight)
+                if bits in (4, 8) and block % XQ_BLOCK == 0 and not isinstance(vs, tuple):
+                    rows_args = (vs, vo, offset is not None, center)
+            elif activations == "int8" and k % XQ_BLOCK == 0 and block % XQ_BLOCK == 0:
                 unsigned = qdtype.kind == "u"   # read as signed through flip, the difference in center
                 weight = _kernel_form(q)
-                if vnni.AVAILABLE and n % vnni.GROUP == 0:
-                    if qdtype.packed:
-                        kernel, weight = vnni.gemv, _repacked(q, 0 if unsigned else 0x88, 4)
-                        center = np.float32(8 if unsigned else 0)
-                    else:   # read as unsigned: an int8 weight flipped to value + 128
-                        kernel, weight = vnni.gemv, _repacked(q, 0 if unsigned else 0x80, 8)
-                        center = np.float32(128 if unsigned else 0)
-                    # parameters that came from float16 (GGUF's) go back to it: a third of the bytes read;
-                    # two-level ones stay codes and units
-                    if isinstance(scale, tuple):
-                        vs, vo = scale, offset
-                    else:
-                        vs, vo = _half_if_exact(scale), _half_if_exact(offset)
-                    gemv = (kernel, (vs, vo if offset is not None else vs, offset is not None, center), k // XQ_BLOCK,
-                            weight)
-                elif qdtype.packed:
+                if qdtype.packed:
                     kernel = kmajor_packed4_xq
                     args = (np.uint8(0 if unsigned else 0x88), np.float32(8 if unsigned else 0))
                 else:
                     kernel = kmajor_int8_xq
                     args = (np.uint8(0x80), np.float32(128)) if unsigned else (np.int8(0), np.float32(0))
-                if kernel is not vnni.gemv:
-                    gemv = (kernel, (ks, _kernel_param(offset if offset is not None else absent), offset is not None)
-                            + args, k // XQ_BLOCK, weight)
+                gemv = (kernel, (ks, _kernel_param(offset if offset is not None else absent), offset is not None)
+                        + args, k // XQ_BLOCK, weight)
             else:
                 gemv = None
             signed4 = qdtype.packed and qdtype.kind == "i"
@@ -482,13 +521,14 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                         and not isinstance(ks, tuple) and not isinstance(ko, tuple):
                     # AVX-512, parameters as arrays: W unpacked once for all rows, any row count alike (rows_gemv.py)
                     gemv = (rows_gemv.gemv_rows_float4,) + gemv[1:]
-            hit = prepared[key] = (gemv, scale, offset, flip, nb, n, _kernel_form(q), (q, params))  # kept: ids stay valid
+            hit = prepared[key] = (gemv, scale, offset, flip, nb, n, _kernel_form(q), rows_args,
+                                   (q, params))  # kept: ids stay valid
         return hit
 
     def step(x, q, *params):
         if not fast:
             return reference((x, q) + params, attrs)
-        (kernel, args, parts, weight), scale, offset, flip, nb, n, q, _ = prepare(q, params)
+        (kernel, args, parts, weight), scale, offset, flip, nb, n, q, rows_args, _ = prepare(q, params)
         k = x.shape[-1]
         if k % nb:
             return reference((x, q) + params, attrs)
@@ -509,9 +549,10 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             xsum = x2.reshape(rows, nb, k // nb).sum(axis=2)
             return gemm(x2, xsum, q, scale, offset, flip, k // nb, n).reshape(x.shape[:-1] + (n,))
         result = np.empty((rows, n), np.float32)
-        if rows > 1 and kernel is vnni.gemv and not isinstance(args[0], tuple):
-            # a server's batch: each block of W once for all rows (rows_gemv.py: parameters as arrays)
-            kernel = rows_gemv.gemv_rows
+        if rows > 1 and rows_args is not None:
+            # a server's batch: each block of W once for all rows (rows_gemv.py: 4- and 8-bit weights,
+            # parameters as arrays; vnni.gemv takes the others' rows itself)
+            kernel, args = rows_gemv.gemv_rows, rows_args
         split_blocks(kernel, (x2, weight) + args, parts, result, k * n, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
@@ -623,6 +664,9 @@ def _warm_up() -> None:
             wide = _kernel_form(np.ones((1, 16), params.dtype))
             vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
                        f32(1, 16))
+            grouped = _grouped(wide)   # as quantized_matmul_step hands them to it
+            vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), grouped, grouped, True, np.float32(8), 0, 1,
+                      0, 16, f32(1, 16))
             rows_gemv.gemv_rows(f32(2, 32), _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True,
                                 np.float32(8), 0, 1, 0, 16, f32(2, 16))
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
@@ -641,8 +685,9 @@ def _warm_up() -> None:
         kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
     if vnni.AVAILABLE:
         wide = (_kernel_form(np.ones((1, 16), np.uint8)), _kernel_form(np.ones((1, 16), np.float16)), np.int64(1))
-        vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
-                  f32(1, 16))
+        for p in (wide, _grouped(wide)):
+            vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), p, p, True, np.float32(8), 0, 1, 0, 16,
+                      f32(1, 16))
     scaled_tile_packed4(weights[0], two, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
     scaled_tile_int8(weights[1], two, 0, 32, 32, 0, 4, f32(32, 4))
     scaled_tile_int8(weights[2], two, 0, 32, 32, 0, 4, f32(32, 4))

@@ -130,6 +130,7 @@ class LLM:
             self.model.callables_for = binder(self.config, self.adapters)
         del model
         _return_freed_memory()
+        _keep_activation_pages()
         self._compile_decoder()
         self.info.update(context=self.config.context_length, load_seconds=time.perf_counter() - started)
 
@@ -429,6 +430,20 @@ def _allocate_big_arrays_with_mmap() -> None:
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _keep_activation_pages() -> None:
+    """Once the weights are converted, serve allocations up to 32 MB from the heap again and keep
+    freed pages (glibc), so that a run's activations reuse memory instead of mapping fresh pages
+    each time: a Gemma 3 270M prefill of 512 tokens spent a third of its time in page faults (its
+    [512, 2048] GELU 12.7 ms, 1.3 ms after), the decode head's logits 0.2 ms a token."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
 

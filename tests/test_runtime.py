@@ -220,6 +220,12 @@ def test_run_time_errors_are_ingot_errors():
     with pytest.raises(ingot.IngotError, match="gather"):
         exe.run({"i": np.array([9], np.int32)})
     assert [n.op for n in exe.program.nodes()].count(Op.GATHER) == 1
+    j = g.placeholder((), ingot.int64, name="j")   # one index: its own check
+    exe = g.compile(targets=[g.gather(table, j)])
+    np.testing.assert_array_equal(exe.run({"j": np.array(-4)})[0], np.ones(2, np.float32))
+    for bad in (4, -5):
+        with pytest.raises(ingot.IngotError, match="gather: index"):
+            exe.run({"j": np.array(bad)})
 
 
 # == one return convention: Outputs, from g.compile, ingot.load and from_onnx alike =================

@@ -127,6 +127,11 @@ def _gather(xs, attrs):
     x, idx = xs
     axis = attrs["axis"]
     n = x.shape[axis]
+    if idx.ndim == 0:   # one index (a state's direction, say): no reductions over it (3.3 us against 1.4)
+        i = int(idx)
+        if not -n <= i < n:
+            raise IngotError(f"gather: index {i} but axis {axis} has {n} entries.")
+        return np.take(x, i, axis=axis)
     if idx.size and (idx.min() < -n or idx.max() >= n):
         raise IngotError(f"gather: indices span {idx.min()}..{idx.max()} but axis {axis} has {n} entries.")
     return np.take(x, idx, axis=axis)

@@ -383,3 +383,41 @@ def test_layer_norm_kernel(has_w, has_b):
     b = RNG.standard_normal(37).astype(np.float32) if has_b else None
     got = nn_kernels.layer_norm(x, w, b, np.float32(1e-5))
     np.testing.assert_allclose(got, nn_ops.layer_norm(x, w, b, 1e-5), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape", [(80, 1, 37), (1, 1), (3, 129), (2, 3, 5, 64)])
+def test_softmax_lowering_matches_reference(op, shape):
+    """(log_)softmax along the last axis through the CPU lowering: wide ranges, -inf, one-element rows."""
+    from ingot.backends.cpu import LOWERINGS
+    from ingot.ir import Node, Op, TensorType
+    from ingot.ops import reference
+    which = Op.SOFTMAX if op == "softmax" else Op.LOG_SOFTMAX
+    x = (RNG.standard_normal(shape) * 20).astype(np.float32)
+    x.reshape(-1, shape[-1])[0, 0] = -np.inf      # a masked entry: exactly 0 (log: -inf)
+    x.reshape(-1, shape[-1])[-1, -1] = 80.0       # far above the rest of its row
+    attrs = {"axis": len(shape) - 1}
+    node = Node(which, TensorType(shape), (Node(Op.PLACEHOLDER, TensorType(shape), (), {}, name="x"),), attrs)
+    got = LOWERINGS[which](node, None)(x)
+    want = reference(which, [x], attrs)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert x.size == 1 or got.reshape(-1)[0] == (0.0 if op == "softmax" else -np.inf)
+    assert np.isnan(LOWERINGS[which](node, None)(np.full(shape, np.nan, np.float32))).all()
+
+
+@pytest.mark.parametrize("shape,k,n", [((80, 1), 256, 37), ((3, 5), 7, 1), ((2, 1, 4), 33, 65)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_stacked_matmul_by_a_matrix(shape, k, n, transposed):
+    """[..., K] @ [K, N] on the CPU: the stack as one GEMM, from a contiguous input or a transposed view."""
+    g = ingot.Graph()
+    full = shape + (k,)
+    x = g.placeholder(full[::-1] if transposed else full, name="x")
+    w = RNG.standard_normal((k, n)).astype(np.float32)
+    a = g.transpose(x, list(range(len(full)))[::-1]) if transposed else x
+    exe = g.compile(targets=[g.matmul(a * 1.0, g.constant(w)) + 0.0])
+    feed = RNG.standard_normal(full[::-1] if transposed else full).astype(np.float32)
+    got = exe.run({"x": feed})[0]
+    want = (feed.transpose(list(range(len(full)))[::-1]) if transposed else feed).astype(np.float64) @ w
+    assert got.shape == shape + (n,)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)   # sums of up to 256 products near 1: float32 rounding

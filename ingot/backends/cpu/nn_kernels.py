@@ -657,3 +657,38 @@ def mean_of_trailing_axes(x: np.ndarray, inner: int, out: np.ndarray) -> np.ndar
     x2 = np.ascontiguousarray(x).reshape(-1, inner)
     _row_means(x2, out.reshape(-1))
     return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
+def _softmax_rows(x, out, log):
+    """out[r] = softmax(x[r]) (log: log_softmax) over float32 rows: the max, exp(x - max) by
+    exp_negative (vectorised), summed in float64 (log_softmax's log(1 + small) keeps its digits), one
+    log per row; NaN stays NaN (no nnan flag)."""
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        row, dst = x[r], out[r]
+        best = row[0]
+        for i in range(1, n):
+            best = max(best, row[i])
+        total = 0.0
+        for i in range(n):
+            d = row[i] - best
+            e = exp_negative(d) if d >= np.float32(-87.0) else np.float32(0.0)   # -inf (a mask): exactly 0
+            total += np.float64(e)
+            if not log:
+                dst[i] = e
+        if log:
+            shift = np.float64(best) + math.log(total)
+            for i in range(n):
+                dst[i] = np.float32(row[i] - shift)
+        else:
+            inverse = np.float32(1.0 / total)
+            for i in range(n):
+                dst[i] *= inverse
+
+
+def softmax_last_axis(x: np.ndarray, out: np.ndarray, log: bool) -> np.ndarray:
+    """Softmax (log: log_softmax) of float32 x along its last axis into out (x's shape, not empty)."""
+    n = x.shape[-1]
+    _softmax_rows(np.ascontiguousarray(x).reshape(-1, n), out.reshape(-1, n), log)
+    return out

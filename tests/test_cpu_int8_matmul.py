@@ -175,3 +175,23 @@ def test_scaled_matmul_integer_epilogue_is_fused(w_scale_shape):
             assert not [n for n in exe.program.nodes() if n.op in (Op.CAST, Op.MUL)]
         for got, want in zip(exe.run({"x": x}), theirs):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 1000])
+def test_dynamic_quantize_kernel(size):
+    """The kernel's range (16 lanes, then the tail) and rounding against NumPy's, on sizes around the
+    lanes; NaN or an infinity anywhere gives NaN (the caller then runs the body)."""
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * 3 + 1).astype(np.float32)
+    x[-1] = -7.5   # the minimum in the tail where there is one
+    y = np.empty(size, np.uint8)
+    scale, zero = int8_matmul.dynamic_quantize(x, y)
+    lo, hi = min(np.float32(x.min()), np.float32(0)), max(np.float32(x.max()), np.float32(0))
+    want_scale = np.float32((hi - lo) / np.float32(255))
+    want_zero = np.float32(np.clip(np.rint(-lo / want_scale), 0, 255))
+    assert scale == want_scale and zero == want_zero
+    np.testing.assert_array_equal(y, np.clip(np.rint(x / want_scale) + want_zero, 0, 255).astype(np.uint8))
+    for bad in (np.nan, np.inf, -np.inf):
+        z = x.copy()
+        z[size // 2] = bad
+        assert np.isnan(int8_matmul.dynamic_quantize(z, y)[0])

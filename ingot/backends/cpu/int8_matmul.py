@@ -486,23 +486,80 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
 
 # -- DynamicQuantizeLinear: the FUSED "dynamic_quantize" op (passes/fuse_dynamic_quantize.py) -------------
 
-@njit(cache=True, nogil=True, error_model="numpy")   # no zero-division check: the loop vectorises
-def _quantize(x, scale, zero, y):
+@intrinsic
+def _range_lanes(typingctx, x, n, out):
+    """out[:16] = the lane-wise minimum of 0 and x[16 i + lane] over i < n // 16, out[16:32] the maximum
+    (x flat float32; minnum / maxnum skip NaN, which the caller checks apart): numba's scalar min and max
+    do not vectorise (8192 values: 12 us against ~1)."""
+    sig = types.void(x, n, out)
+
+    def codegen(context, builder, signature, args):
+        x_v, n_v, out_v = args
+        xa = context.make_array(signature.args[0])(context, builder, x_v)
+        oa = context.make_array(signature.args[2])(context, builder, out_v)
+        f16x, index = ir.VectorType(ir.FloatType(), 16), n_v.type
+        fmin, fmax = (builder.module.declare_intrinsic(f"llvm.{f}.v16f32", fnty=ir.FunctionType(f16x, [f16x, f16x]))
+                      for f in ("minnum", "maxnum"))
+        zero = ir.Constant(f16x, [0.0] * 16)
+        count = builder.udiv(n_v, ir.Constant(index, 16))
+        entry = builder.block
+        loop = builder.append_basic_block("lanes")
+        done = builder.append_basic_block("lanes_done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(index, 0)), loop, done)
+        builder.position_at_end(loop)
+        i, lo, hi = builder.phi(index), builder.phi(f16x), builder.phi(f16x)
+        i.add_incoming(ir.Constant(index, 0), entry)
+        lo.add_incoming(zero, entry)
+        hi.add_incoming(zero, entry)
+        v = builder.load(builder.bitcast(builder.gep(xa.data, [builder.mul(i, ir.Constant(index, 16))]), f16x.as_pointer()),
+                         align=4)
+        new_lo, new_hi = builder.call(fmin, [lo, v]), builder.call(fmax, [hi, v])
+        following = builder.add(i, ir.Constant(index, 1))
+        i.add_incoming(following, loop)
+        lo.add_incoming(new_lo, loop)
+        hi.add_incoming(new_hi, loop)
+        builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
+        builder.position_at_end(done)
+        last_lo, last_hi = builder.phi(f16x), builder.phi(f16x)
+        for phi, value in ((last_lo, new_lo), (last_hi, new_hi)):
+            phi.add_incoming(zero, entry)
+            phi.add_incoming(value, loop)
+        builder.store(last_lo, builder.bitcast(oa.data, f16x.as_pointer()), align=4)
+        builder.store(last_hi, builder.bitcast(builder.gep(oa.data, [ir.Constant(index, 16)]), f16x.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})   # (reassociated: the sum vectorises)
+def _not_finite(x):
+    """Whether x holds NaN or an infinity (x * 0 summed is NaN then)."""
+    bad = np.float32(0.0)
     for i in range(x.size):
-        q = np.rint(np.float32(x[i] / scale)) + zero
-        y[i] = np.uint8(min(max(q, np.float32(0.0)), np.float32(255.0)))
+        bad += x[i] * np.float32(0.0)
+    return bad != np.float32(0.0)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")   # no zero-division check: the loop vectorises
 def dynamic_quantize(x, y):
     """y = saturate(round_half_even(x / scale) + zero_point) over x's range widened to hold 0, as the
     body computes it (float32 throughout); returns (scale, zero_point as float32), NaN where x holds
-    NaN or an infinity (NumPy's min and max find the range: vectorised, NaN-propagating)."""
-    lo, hi = min(np.float32(x.min()), np.float32(0.0)), max(np.float32(x.max()), np.float32(0.0))
-    if not (np.isfinite(lo) and np.isfinite(hi)):
+    NaN or an infinity. One pass for the range (vector min and max), one for NaN and infinities, one to
+    quantize (x / scale: a reciprocal would round otherwise)."""
+    lanes = np.empty(32, np.float32)
+    whole = x.size - x.size % 16
+    _range_lanes(x, whole, lanes)
+    lo, hi = np.float32(0.0), np.float32(0.0)
+    for j in range(16):
+        lo, hi = min(lo, lanes[j]), max(hi, lanes[16 + j])
+    for i in range(whole, x.size):
+        lo, hi = min(lo, x[i]), max(hi, x[i])
+    if _not_finite(x) or not (np.isfinite(lo) and np.isfinite(hi)):
         return np.float32(np.nan), np.float32(np.nan)
     scale = np.float32(1.0) if hi == lo else np.float32((hi - lo) / np.float32(255.0))
     zero = np.float32(min(max(np.rint(np.float32(-lo / scale)), np.float32(0.0)), np.float32(255.0)))
-    _quantize(x, scale, zero, y)
+    for i in range(x.size):
+        q = np.rint(np.float32(x[i] / scale)) + zero
+        y[i] = np.uint8(min(max(q, np.float32(0.0)), np.float32(255.0)))
     return scale, zero
 
 
@@ -517,15 +574,16 @@ def dynamic_quantize_lowering(node: Node, out):
         kinds.append("y" if o.op == Op.QUANTIZE and o.type.rank else "scale" if o.op == Op.WHERE else "zero")
     shapes = {k: tuple(o.type.shape) for k, o in zip(kinds, body.outputs)}
 
+    scale_shape, zero_shape = shapes.get("scale", ()), shapes.get("zero", ())
+
     def step(*inputs):
         x = np.ascontiguousarray(inputs[x_index], np.float32)
         y = np.empty(x.shape, np.uint8)
         scale, zero = dynamic_quantize(x.reshape(-1), y.reshape(-1))
-        if not (np.isfinite(scale) and np.isfinite(zero)):
+        if scale != scale:   # NaN: x holds NaN or an infinity
             outs = body.evaluate(inputs)
             return outs[0] if len(outs) == 1 else tuple(outs)
-        values = {"y": y, "scale": np.full(shapes.get("scale", ()), scale, np.float32),
-                  "zero": np.full(shapes.get("zero", ()), zero, np.uint8)}
+        values = {"y": y, "scale": np.full(scale_shape, scale, np.float32), "zero": np.full(zero_shape, zero, np.uint8)}
         outs = tuple(values[k] for k in kinds)
         return outs[0] if len(outs) == 1 else outs
     return step

@@ -23,9 +23,14 @@ def test_integer_matmul_matches_reference(vnni, x_type, w_type, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = ints(rng, (2, m, k), x_type), ints(rng, (k, n), w_type)
     x_zero, w_zero = ints(rng, (), x_type), ints(rng, (n,), w_type)
-    got = IntegerMatmul(w, w_zero.astype(np.int64), vnni_kernel=vnni)(x, x_zero)
+    kernel = IntegerMatmul(w, w_zero.astype(np.int64), vnni_kernel=vnni)
+    got = kernel(x, x_zero)
     assert got.dtype == np.int32 and got.shape == (2, m, n)
-    np.testing.assert_array_equal(got, reference(x, x_zero, w, w_zero))
+    want = reference(x, x_zero, w, w_zero)
+    np.testing.assert_array_equal(got, want)
+    scaled = kernel(x, x_zero, scale=np.float32(0.37))   # the epilogue cast(sum, float32) * scale, bit for bit
+    assert scaled.dtype == np.float32 and scaled.shape == (2, m, n)
+    np.testing.assert_array_equal(scaled, want.astype(np.float32) * np.float32(0.37))
 
 
 @pytest.mark.parametrize("vnni", KERNELS)

@@ -62,6 +62,8 @@ def _dot_rows(typingctx, acc, acc_at, w, w_at, x4, x_at, x_stride):
 
 
 WIDE = 8                 # rows of x per weight block in _dot_block (8 int32 accumulators in registers)
+PREFETCH = 8192          # bytes of weight ahead that _dot_block asks for (T5's GEMMs stream theirs from L3:
+                         # 16 x 512 x 1024 over 40 weights, 70 -> 63 us; 16 rows of registers instead: 85)
 
 
 @intrinsic
@@ -69,7 +71,7 @@ def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
     """acc[16 r : 16 r + 16] = the 16 dot products over nb weight blocks (int8, vnni.repack8 layout, 512 bytes
     each, the first at w_at) with row r of x (uint8 as an int32 view: x4[x_at + r * x_stride ..], 8 int32 per
     block) for r in 0..WIDE-1. The loop over k runs inside: the WIDE accumulators stay in registers (phi
-    nodes) and each weight block is read once for WIDE rows; nb >= 1."""
+    nodes) and each weight block is read once for WIDE rows, the bytes PREFETCH ahead asked for; nb >= 1."""
     sig = types.void(acc, w, w_at, nb, x4, x_at, x_stride)
 
     def codegen(context, builder, signature, args):
@@ -79,6 +81,8 @@ def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
         i32, index = ir.IntType(32), w_at_v.type
         v16 = ir.VectorType(i32, 16)
         vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
+        byte_ptr = ir.IntType(8).as_pointer()
+        prefetch = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
         zeros = ir.Constant(v16, [0] * 16)
         const = lambda v: ir.Constant(index, v)  # noqa: E731
         entry = builder.block
@@ -94,6 +98,9 @@ def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
         w_base = builder.add(w_at_v, builder.mul(b, const(512)))
         x_base = builder.add(x_at_v, builder.mul(b, const(8)))
         rows = [builder.add(x_base, builder.mul(stride_v, const(r))) for r in range(WIDE)]
+        for line in range(8):   # (read, keep in all levels, data: no fault past the end)
+            ahead = builder.gep(wa.data, [builder.add(w_base, const(PREFETCH + 64 * line))])
+            builder.call(prefetch, [builder.bitcast(ahead, byte_ptr), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         new = list(sums)
         for v in range(8):
             weight = builder.load(builder.bitcast(builder.gep(wa.data, [builder.add(w_base, const(64 * v))]),
@@ -115,53 +122,68 @@ def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
 
 
 @njit(cache=True, nogil=True)
-def vnni_gemm(xu, w, out):
-    """out[m, n] (int32) = sum_k xu[m, k] * w[k, n]: xu [M, K] uint8 with M a multiple of ROWS and K of
-    BLOCK; w [N / 16, K / 32, 512] int8 bytes (vnni.repack8 with flip 0); out [M, N]."""
-    m_rows, k = xu.shape
-    nb = k // BLOCK
-    x4 = xu.reshape(m_rows * k).view(np.int32)
-    stride = k // 4
+def _store(acc, r0, rows, m_rows, lo, n, rx, b, col, scale, scaled, out_f, out_i):
+    """The finished sums of acc's rows r < rows (16 columns each) to rows r0 + r < m_rows, columns lo..n:
+    d + b * rx[m] + col (int64, wrapped to int32 as the sums are), times scale into out_f where scaled."""
+    width = min(16, n - lo)
+    for r in range(rows):
+        m = r0 + r
+        if m >= m_rows:
+            break
+        row_term = rx[m]
+        if scaled:
+            for t in range(width):
+                total = np.int32(np.int64(acc[r * 16 + t]) + b[lo + t] * row_term + col[lo + t])
+                out_f[m, lo + t] = np.float32(total) * scale
+        else:
+            for t in range(width):
+                out_i[m, lo + t] = np.int32(np.int64(acc[r * 16 + t]) + b[lo + t] * row_term + col[lo + t])
+
+
+@njit(cache=True, nogil=True)
+def vnni_gemm(xu, w, m_rows, n, b, a, cw, k, scale, scaled, out_f, out_i):
+    """out[m, t] = D[m, t] + b[t] * Rx[m] - a * Cw[t] - k * a * b[t] for m < m_rows, t < n (the module
+    docstring's terms; D = xu @ w by VPDPBUSD, Rx the rows' sums of xu), wrapped to int32 into out_i,
+    or float32(that) * scale into out_f where scaled (the other out unused). xu [Mp, Kp] uint8, Mp a
+    multiple of ROWS and Kp of BLOCK, padding zero; w [Np / 16, Kp / 32, 512] int8 bytes (vnni.repack8
+    with flip 0). The terms join each group's sums as they leave the registers: no int32 D in memory."""
+    mp, kp = xu.shape
+    nb = kp // BLOCK
+    rx = np.zeros(mp, np.int64)
+    for m in range(m_rows):
+        total = np.int64(0)
+        for t in range(kp):
+            total += np.int64(xu[m, t])
+        rx[m] = total
+    col = np.empty(w.shape[0] * 16, np.int64)
+    for t in range(n):
+        col[t] = -a * cw[t] - k * a * b[t]
+    x4 = xu.reshape(mp * kp).view(np.int32)
+    stride = kp // 4
     acc = np.zeros(WIDE * 16, np.int32)
-    wide = m_rows - m_rows % WIDE
+    wide = mp - mp % WIDE
     for g in range(w.shape[0]):
         lo = g * 16
         for r0 in range(0, wide, WIDE):      # WIDE rows at a time, the sums in registers
             _dot_block(acc, w, g * nb * 512, nb, x4, r0 * stride, stride)
-            for r in range(WIDE):
-                for t in range(16):
-                    out[r0 + r, lo + t] = acc[r * 16 + t]
-        for r0 in range(wide, m_rows, ROWS):   # the last ROWS (4)
+            _store(acc, r0, WIDE, m_rows, lo, n, rx, b, col, scale, scaled, out_f, out_i)
+        for r0 in range(wide, mp, ROWS):   # the last ROWS (4)
             acc[:] = 0
-            for b in range(nb):
-                _dot_rows(acc, 0, w, (g * nb + b) * 512, x4, r0 * stride + b * 8, stride)
-            for r in range(ROWS):
-                for t in range(16):
-                    out[r0 + r, lo + t] = acc[r * 16 + t]
+            for blk in range(nb):
+                _dot_rows(acc, 0, w, (g * nb + blk) * 512, x4, r0 * stride + blk * 8, stride)
+            _store(acc, r0, ROWS, m_rows, lo, n, rx, b, col, scale, scaled, out_f, out_i)
 
 
 @njit(cache=True, nogil=True)
 def _finish(d, xu, m_rows, b, a, cw, k, n, out):
     """out[m, :n] = d + b * rx[m] - a * cw - k * a * b, rx[m] the sum of row m of xu; in int64, wrapped
-    to int32 as the sums are."""
+    to int32 as the sums are (the exact float32 path's finish)."""
     for m in range(m_rows):
         r = np.int64(0)
         for t in range(xu.shape[1]):
             r += np.int64(xu[m, t])
         for t in range(n):
             out[m, t] = np.int32(np.int64(d[m, t]) + np.int64(b[t]) * r - a * np.int64(cw[t]) - k * a * np.int64(b[t]))
-
-
-@njit(cache=True, nogil=True)
-def _finish_scaled(d, xu, m_rows, b, a, cw, k, n, scale, out):
-    """out[m, :n] = float32(the int32 sums _finish writes) * scale: the rounding cast(sum, float32) * scale has."""
-    for m in range(m_rows):
-        r = np.int64(0)
-        for t in range(xu.shape[1]):
-            r += np.int64(xu[m, t])
-        for t in range(n):
-            total = np.int32(np.int64(d[m, t]) + np.int64(b[t]) * r - a * np.int64(cw[t]) - k * a * np.int64(b[t]))
-            out[m, t] = np.float32(total) * scale
 
 
 class IntegerMatmul:
@@ -184,6 +206,7 @@ class IntegerMatmul:
         self.b = (128 if w.dtype == np.uint8 else 0) - np.broadcast_to(w_zero.astype(np.int64).reshape(-1), (n,))
         self.b = np.ascontiguousarray(self.b)
         self.buffers: dict = {}
+        self.unused = (np.empty((1, 1), np.float32), np.empty((1, 1), np.int32))   # vnni_gemm's other output
 
     def __call__(self, x: np.ndarray, x_zero, out: np.ndarray | None = None, scale=None) -> np.ndarray:
         """The int32 sums, or with scale (a float32) float32(sums) * scale."""
@@ -201,20 +224,22 @@ class IntegerMatmul:
         else:
             xu[:m, :k] = x2
             a = int(np.asarray(x_zero).reshape(-1)[0])
-        if self.vnni:
-            vnni_gemm(xu, self.w, d)
-        else:
-            xf = xu[:, :k].astype(np.float32)
-            total = np.zeros((mp, self.n), np.int64)
-            for k0 in range(0, k, EXACT_K):
-                total += (xf[:, k0:k0 + EXACT_K] @ self.w[k0:k0 + EXACT_K]).astype(np.int64)
-            d[:, :self.n] = total   # |D| < 2**31 for K < 65536
         dtype = np.int32 if scale is None else np.float32
         result = np.empty((m, self.n), dtype) if out is None else out.reshape(m, self.n)
-        if scale is None:
-            _finish(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, result)
-        else:
-            _finish_scaled(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, np.float32(scale), result)
+        if self.vnni:
+            other = self.unused[dtype == np.float32]
+            vnni_gemm(xu, self.w, m, self.n, self.b, np.int64(a), self.cw, np.int64(k), np.float32(scale or 0.0),
+                      scale is not None, result if scale is not None else other, result if scale is None else other)
+            return result.reshape(lead + (self.n,)) if out is None else out
+        xf = xu[:, :k].astype(np.float32)
+        total = np.zeros((mp, self.n), np.int64)
+        for k0 in range(0, k, EXACT_K):
+            total += (xf[:, k0:k0 + EXACT_K] @ self.w[k0:k0 + EXACT_K]).astype(np.int64)
+        d[:, :self.n] = total   # |D| < 2**31 for K < 65536
+        sums = np.empty((m, self.n), np.int32) if scale is not None else result
+        _finish(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, sums)
+        if scale is not None:   # the rounding cast(sum, float32) * scale has
+            np.multiply(sums.astype(np.float32), np.float32(scale), out=result)
         return result.reshape(lead + (self.n,)) if out is None else out
 
 

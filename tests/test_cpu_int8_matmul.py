@@ -31,6 +31,9 @@ def test_integer_matmul_matches_reference(vnni, x_type, w_type, m, k, n):
     scaled = kernel(x, x_zero, scale=np.float32(0.37))   # the epilogue cast(sum, float32) * scale, bit for bit
     assert scaled.dtype == np.float32 and scaled.shape == (2, m, n)
     np.testing.assert_array_equal(scaled, want.astype(np.float32) * np.float32(0.37))
+    s0, s1 = np.array(0.37, np.float32), np.array([1.9e-3], np.float32)   # the fused op's two scales, one call
+    fused = kernel.scaled(x, np.asarray(x_zero), s0, s1)
+    np.testing.assert_array_equal(fused, want.astype(np.float32) * (s0 * s1[0]))
 
 
 @pytest.mark.parametrize("vnni", KERNELS)

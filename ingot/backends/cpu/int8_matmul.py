@@ -175,6 +175,22 @@ def vnni_gemm(xu, w, m_rows, n, b, a, cw, k, scale, scaled, out_f, out_i):
 
 
 @njit(cache=True, nogil=True)
+def vnni_matmul(x, flip, x_zero, s0, s1, scaled, xu, w, n, b, cw, out_f, out_i):
+    """IntegerMatmul's VNNI path in one call (a T5 runs 56 of them: the Python around vnni_gemm cost
+    ~8 us each): x [M, K] uint8 bytes (int8 x as its bytes, flip set: x + 128) into the zero-padded
+    buffer xu, a = x_zero (+ 128 with flip), scale = float32(s0 * s1) (the body's product of two
+    float32 scalars), then vnni_gemm into out_f (scaled) or out_i."""
+    m_rows, k = x.shape
+    bits = np.uint8(0x80) if flip else np.uint8(0)
+    for r in range(m_rows):
+        for t in range(k):
+            xu[r, t] = x[r, t] ^ bits
+    a = np.int64(x_zero.flat[0]) + (128 if flip else 0)
+    scale = np.float32(s0.flat[0]) * np.float32(s1.flat[0])
+    vnni_gemm(xu, w, m_rows, n, b, a, cw, np.int64(k), scale, scaled, out_f, out_i)
+
+
+@njit(cache=True, nogil=True)
 def _finish(d, xu, m_rows, b, a, cw, k, n, out):
     """out[m, :n] = d + b * rx[m] - a * cw - k * a * b, rx[m] the sum of row m of xu; in int64, wrapped
     to int32 as the sums are (the exact float32 path's finish)."""
@@ -208,16 +224,35 @@ class IntegerMatmul:
         self.buffers: dict = {}
         self.unused = (np.empty((1, 1), np.float32), np.empty((1, 1), np.int32))   # vnni_gemm's other output
 
+    def _buffer(self, m: int) -> np.ndarray:
+        """x's rows as uint8, zero-padded to [a multiple of ROWS, Kp] (the padding stays zero)."""
+        mp = -(-m // ROWS) * ROWS
+        xu = self.buffers.get(mp)
+        if xu is None:
+            xu = self.buffers[mp] = np.zeros((mp, self.kp), np.uint8)
+        return xu
+
+    def scaled(self, x: np.ndarray, x_zero: np.ndarray, s0: np.ndarray, s1: np.ndarray, out: np.ndarray | None = None):
+        """float32(sums) * float32(s0 * s1), x_zero, s0 and s1 one-value arrays: the fused op's epilogue
+        (VNNI: one kernel call)."""
+        if not self.vnni:
+            scale = np.float32(np.float32(np.asarray(s0).reshape(-1)[0]) * np.float32(np.asarray(s1).reshape(-1)[0]))
+            return self(x, x_zero, out, scale)
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        result = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
+        vnni_matmul(x2.view(np.uint8), x2.dtype == np.int8, x_zero, s0, s1, True, self._buffer(m), self.w, self.n,
+                    self.b, self.cw, result, self.unused[1])
+        return result.reshape(lead + (self.n,)) if out is None else out
+
     def __call__(self, x: np.ndarray, x_zero, out: np.ndarray | None = None, scale=None) -> np.ndarray:
         """The int32 sums, or with scale (a float32) float32(sums) * scale."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        mp = -(-m // ROWS) * ROWS
-        bufs = self.buffers.get(mp)
-        if bufs is None:
-            bufs = self.buffers[mp] = (np.zeros((mp, self.kp), np.uint8), np.empty((mp, self.np_), np.int32))
-        xu, d = bufs
+        xu = self._buffer(m)
+        mp = xu.shape[0]
         if x2.dtype == np.int8:
             np.bitwise_xor(x2.view(np.uint8), np.uint8(0x80), out=xu[:m, :k])  # x + 128
             a = 128 + int(np.asarray(x_zero).reshape(-1)[0])
@@ -235,7 +270,7 @@ class IntegerMatmul:
         total = np.zeros((mp, self.n), np.int64)
         for k0 in range(0, k, EXACT_K):
             total += (xf[:, k0:k0 + EXACT_K] @ self.w[k0:k0 + EXACT_K]).astype(np.int64)
-        d[:, :self.n] = total   # |D| < 2**31 for K < 65536
+        d = total.astype(np.int32)   # |D| < 2**31 for K < 65536
         sums = np.empty((m, self.n), np.int32) if scale is not None else result
         _finish(d, xu, m, self.b, np.int64(a), self.cw, np.int64(k), self.n, sums)
         if scale is not None:   # the rounding cast(sum, float32) * scale has
@@ -312,12 +347,12 @@ def integer_matmul_lowering(node: Node, out):
         if kernel is False:
             result = body.evaluate(inputs)[0]
         else:
-            scale = None
-            if scales:   # a float32 product, as the body's mul of two float32 scalars rounds it
-                scale = np.float32(np.asarray(inputs[scales[0]], np.float32).reshape(()))
-                if len(scales) == 2:
-                    scale = np.float32(scale * np.asarray(inputs[scales[1]], np.float32).reshape(()))
-            return kernel(inputs[index["x"]], inputs[index["x_zero"]] if index["x_zero"] is not None else 0, out, scale)
+            x_zero = inputs[index["x_zero"]] if index["x_zero"] is not None else NO_ZERO
+            if not scales:
+                return kernel(inputs[index["x"]], x_zero, out)
+            # a float32 product, as the body's mul of two float32 scalars rounds it
+            return kernel.scaled(inputs[index["x"]], np.asarray(x_zero), np.asarray(inputs[scales[0]], np.float32),
+                                 np.asarray(inputs[scales[1]], np.float32) if len(scales) == 2 else ONE, out)
         if out is not None:
             out[...] = result
             return out
@@ -325,6 +360,7 @@ def integer_matmul_lowering(node: Node, out):
     return step
 
 
+NO_ZERO, ONE = np.zeros(1, np.uint8), np.ones(1, np.float32)
 FUSED_LOWERINGS = {"integer_matmul": integer_matmul_lowering}
 
 

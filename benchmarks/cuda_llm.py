@@ -7,7 +7,8 @@ vocab 262144, tied, QK-norm, 5 of 6 layers in a 512 sliding window; issue 33's C
 CPU one against llama.cpp on the real file being `cpu-llm --gguf` that file). --dtype int4: int4
 weights in blocks of 32 with f16-exact scale and bias (what a GGUF Q4_1 file holds); bf16: dense
 bfloat16 weights (random_weights(dense_dtype="bfloat16")); float32 activations either way, the KV cache
-float32 unless --kv-dtype says otherwise (comma-separated, each timed; bfloat16 halves its bytes).
+float32 unless --kv-dtype says otherwise (comma-separated, each timed; bfloat16 halves its bytes, int8
+quarters them: codes and a float32 scale per row).
 --batch B: B sequences decoded in lockstep (llama.build(batch=B), one shared position).
 Prefill a 32-token prompt per sequence, then time greedy decode steps through the same loop as
 ingot.llm (exe.run, logits to the host, argmax per sequence). Prints tok/s (total tokens: B * steps/s)
@@ -18,7 +19,7 @@ anchor_decode (HF eager bf16, torch.compile bf16 and int4) for each model and ba
 Ingot/anchor ratios.
 
     python -m benchmarks cuda-llm [--models smollm2,llama8b,gemma3-270m] [--llama-layers 32] [--steps 128]
-                                  [--batch 1,4,16] [--dtype int4,bf16] [--kv-dtype float32,bfloat16]
+                                  [--batch 1,4,16] [--dtype int4,bf16] [--kv-dtype float32,bfloat16,int8]
                                   [--prompt 32] [--context 2048] [--anchors] [--json out.json]
 """
 from __future__ import annotations
@@ -147,8 +148,8 @@ def run_model(name: str, cfg: llama.LlamaConfig, weights: dict, dtype: str, batc
     entry = next(iter(dec.plan._graphs.values()), None)
     replay_us = None if entry is None else graph_replay_us(entry["graph"])
     # bytes one step reads: every weight once, and the K and V caches of all B sequences (mean length)
-    kv_item = 4 if cfg.kv_dtype == "float32" else 2
-    kv_read = 2 * cfg.n_layers * cfg.n_kv_heads * (prompt_len + steps // 2) * cfg.head_dim * kv_item * batch
+    kv_item = {"float32": 4, "int8": 1 + 4 / cfg.head_dim}.get(cfg.kv_dtype, 2)   # (int8: a float32 scale a row)
+    kv_read = int(2 * cfg.n_layers * cfg.n_kv_heads * (prompt_len + steps // 2) * cfg.head_dim * kv_item * batch)
     weights_read = weight_bytes(dec)
     nbytes = weights_read + kv_read
     # per-kernel breakdown of one eager step (the profiler cannot see inside a graph replay)
@@ -234,7 +235,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
     ap.add_argument("--dtype", default="int4", help="comma-separated weight kinds: int4, bf16")
-    ap.add_argument("--kv-dtype", default="float32", help="comma-separated KV cache dtypes: float32, bfloat16, float16")
+    ap.add_argument("--kv-dtype", default="float32", help="comma-separated KV cache dtypes: float32, bfloat16, float16, int8")
     ap.add_argument("--anchors", action="store_true", help="also time benchmarks/cuda_anchors.py's anchor_decode")
     ap.add_argument("--anchor-kinds", default=",".join(ANCHOR_KINDS))
     ap.add_argument("--anchor-batches", default=None, help="batch sizes the anchors run at (default: every --batch)")
@@ -244,8 +245,9 @@ def main() -> None:
     dtypes = args.dtype.split(",")
     kv_dtypes = args.kv_dtype.split(",")
     if any(b < 1 for b in batches) or any(d not in ("int4", "bf16") for d in dtypes) or \
-            any(k not in ("float32", "bfloat16", "float16") for k in kv_dtypes):
-        ap.error("--batch takes whole numbers >= 1; --dtype takes int4 and/or bf16; --kv-dtype float32, bfloat16, float16")
+            any(k not in ("float32", "bfloat16", "float16", "int8") for k in kv_dtypes):
+        ap.error("--batch takes whole numbers >= 1; --dtype takes int4 and/or bf16; --kv-dtype float32, bfloat16, "
+                 "float16, int8")
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     results = [dict(kind="anchors", copy_tb_s=round(bw / 1e12, 3), device=torch.cuda.get_device_name(),

@@ -14,7 +14,7 @@ x with each precision; bf16 x) against cuBLAS bf16 (torch.mm) of the same shape,
 against torch SDPA in bf16.
 
     python -m benchmarks cuda-prefill [--prompts 512,2048,8192,32768] [--chunk 512]
-                                      [--precisions tf32x3,bf16] [--kv-dtypes float32,bfloat16]
+                                      [--precisions tf32x3,bf16] [--kv-dtypes float32,bfloat16,int8]
                                       [--gemm] [--attention] [--dequant] [--json out.json]
 """
 from __future__ import annotations
@@ -244,12 +244,22 @@ def anchor_prefill(prompts: list[int], decode_steps: int) -> list[dict]:
     return rows
 
 
+def decode_ratios(rows: list[dict]) -> None:
+    """Issue 38's decode goal per engine (KV dtype, precision): decode tok/s after the longest prompt over
+    decode tok/s after the shortest (goal >= 0.9 at 8k against 512)."""
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["prompt"])
+        if len(mine) > 1 and mine[0]["decode_tok_s"] > 0:
+            print(f"decode ratio {engine}: {mine[-1]['decode_tok_s'] / mine[0]['decode_tok_s']:.2f} "
+                  f"(after {mine[-1]['prompt']} tokens against {mine[0]['prompt']})", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks cuda-prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", default="512,2048,8192,32768")
     ap.add_argument("--chunk", default="512", help="prefill chunk sizes, comma-separated (each timed)")
     ap.add_argument("--precisions", default="tf32x3,bf16")
-    ap.add_argument("--kv-dtypes", default="float32", help="KV cache dtypes, comma-separated (float32, bfloat16)")
+    ap.add_argument("--kv-dtypes", default="float32", help="KV cache dtypes, comma-separated (float32, bfloat16, int8)")
     ap.add_argument("--max-tf32x3-prompt", type=int, default=8192, help="longer prompts only with bf16 (time)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--gemm", action="store_true")
@@ -299,6 +309,7 @@ def main(argv=None) -> int:
                 if a is not None and r is not a:
                     print(f"ratio {r['engine']} / torch_bf16 prompt {r['prompt']}: prefill "
                           f"{r['prefill_tok_s'] / a['prefill_tok_s']:.2f}x", flush=True)
+        decode_ratios(rows)
         result["e2e"] = rows
     if args.json:
         with open(args.json, "w") as f:

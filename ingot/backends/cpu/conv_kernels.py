@@ -20,7 +20,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ... import codegen
 
 LANES = 16   # channels per block: one AVX-512 vector of float32
 
@@ -109,7 +108,8 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
     buffer, each output position one window of vector FMAs, each row written back channel by channel.
     The kernel for w's size is generated once and cached on disk (codegen)."""
     kh, kw = w.shape[1:]
-    kernel = codegen.load(_KERNEL.format(kh=kh, kw=kw), "kernel", "cpu_depthwise")
+    from .conv_spatial import load
+    kernel = load(_KERNEL.format(kh=kh, kw=kw), "kernel", "cpu_depthwise")
     kernel(x, w, sh, sw, dh, dw, ph, pw, out)
 
 
@@ -364,7 +364,7 @@ def direct_kernel(kh: int, kw: int, steps=(), operands=()):
     conv_spatial.epilogue_for(key, steps, operands)
     source = _DIRECT.format(kh=kh, kw=kw, key=key, has_epilogue=bool(steps),
                             full=_dispatch("tile", " " * 20), half=_dispatch("half", " " * 20))
-    return codegen.load(source, "kernel", "cpu_direct_conv")
+    return conv_spatial.load(source, "kernel", "cpu_direct_conv")
 
 
 def padded_size(c: int, h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,

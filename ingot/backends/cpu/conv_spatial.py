@@ -20,6 +20,9 @@ Both are llvmlite intrinsics called by numba drivers that codegen generates and 
 """
 from __future__ import annotations
 
+import hashlib
+import os
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -27,6 +30,26 @@ from numba.extending import intrinsic
 
 from ... import codegen
 from ...ir import Op
+
+def _revision() -> str:
+    """A hash of the files whose llvmlite intrinsics the generated kernels call. Each generated source
+    carries it, so that numba's on-disk cache of a kernel (found by the kernel's own source) is not
+    reused after an intrinsic changed."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in ("conv_spatial.py", "conv_kernels.py", "spatial.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+REVISION = _revision()
+
+
+def load(source: str, name: str, where: str):
+    """codegen.load of a generated kernel that calls the intrinsics here (REVISION in its source)."""
+    return codegen.load(f"# intrinsics {REVISION}\n{source}", name, where)
+
 
 ROWS = 4        # output channels per tile
 VECTORS = 4     # 16-position vectors per tile (the last tile of a row fewer)
@@ -183,14 +206,18 @@ def _const(c: float):
 def _exp(builder, x):
     """exp(x) for <16 x float>: 2^n * p(r), |r| <= ln 2 / 2, x clamped to [-104, 88] (2^n as two factors,
     so results below 2^-126 come out subnormal, as NumPy's, and 0 past -104)."""
-    x = builder.select(builder.fcmp_ordered(">", x, _const(88.0)), _const(88.0), x)
-    x = builder.select(builder.fcmp_ordered("<", x, _const(-104.0)), _const(-104.0), x)
-    rint = builder.module.declare_intrinsic("llvm.rint.v16f32", fnty=ir.FunctionType(_V, [_V]))
+    mod = builder.module
+    fma = mod.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+    lo = mod.declare_intrinsic("llvm.minnum.v16f32", fnty=ir.FunctionType(_V, [_V, _V]))
+    hi = mod.declare_intrinsic("llvm.maxnum.v16f32", fnty=ir.FunctionType(_V, [_V, _V]))
+    x = builder.call(hi, [builder.call(lo, [x, _const(88.0)]), _const(-104.0)])   # NaN: the callers keep it
+    rint = mod.declare_intrinsic("llvm.rint.v16f32", fnty=ir.FunctionType(_V, [_V]))
     n = builder.call(rint, [builder.fmul(x, _const(1.4426950408889634))])
-    r = builder.fsub(builder.fsub(x, builder.fmul(n, _const(0.693145751953125))), builder.fmul(n, _const(1.428606765330187e-06)))
+    r = builder.call(fma, [n, _const(-0.693145751953125), x])
+    r = builder.call(fma, [n, _const(-1.428606765330187e-06), r])
     p = _const(_EXP_POLY[0])
-    for c in _EXP_POLY[1:]:
-        p = builder.fadd(builder.fmul(p, r), _const(c))
+    for c in _EXP_POLY[1:]:   # fused multiply-adds: half the vector ops of the polynomial
+        p = builder.call(fma, [p, r, _const(c)])
     i16 = ir.VectorType(_I32, 16)
     ni = builder.fptosi(n, i16)
     half = builder.ashr(ni, ir.Constant(i16, [1] * 16))
@@ -511,7 +538,7 @@ def elementwise(node) -> object:
     steps = [(node, [("value", 0)])]
     key = steps_key(steps, [])
     epilogue_for(key, steps, [])
-    return codegen.load(_FLAT.format(key=key), "kernel", "cpu_conv_spatial")
+    return load(_FLAT.format(key=key), "kernel", "cpu_conv_spatial")
 
 
 def depthwise_fits(kh: int, kw: int, strides) -> bool:
@@ -530,4 +557,4 @@ def driver(kh: int, kw: int, steps, operands, depthwise_stride: int = 0, window_
     else:
         assert (kh, kw) == (1, 1), "conv_spatial: a kxk window with groups 1 runs conv_kernels.conv_direct"
         source = _POINTWISE.format(key=key)
-    return codegen.load(source, "kernel", "cpu_conv_spatial")
+    return load(source, "kernel", "cpu_conv_spatial")

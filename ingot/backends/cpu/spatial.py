@@ -15,7 +15,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ... import codegen
 from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
@@ -102,7 +101,7 @@ def kernel(x, sh, dh, dw, top, left, value, out):
 def max_pool(x, kh, kw, sh, sw, dh, dw, top, left, value, out) -> None:
     """out [P, OH, OW] = max over the kh x kw window (stride, dilation) of each plane of x [P, H, W] padded
     by top rows and left columns (and as many after as the windows reach) of value; sw 1 or 2."""
-    kernel = codegen.load(_POOL.format(kh=kh, kw=kw, sw=sw), "kernel", "cpu_pool")
+    kernel = cs.load(_POOL.format(kh=kh, kw=kw, sw=sw), "kernel", "cpu_pool")
     kernel(x, sh, dh, dw, top, left, np.float32(value), out)
 
 

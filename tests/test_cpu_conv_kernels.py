@@ -139,3 +139,31 @@ def _steps_of(exe):
     body = fused.attrs["body"]
     epilogue = Epilogue(body, body.find(Op.CONV)[0])
     return epilogue.steps, epilogue.operands
+
+
+@pytest.mark.parametrize("m,hw,stride,residual", [(21, (7, 19), 1, False), (9, (6, 35), 2, False), (40, (5, 17), 1, True)])
+def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual):
+    """A conv + batch norm (scale, shift per channel) + hard-swish (+ a residual) compiled for the CPU runs
+    the direct kernel, the epilogue in its tiles' registers (a residual: after each row), and equals the
+    reference; channels not a multiple of 16, rows of 8 + 8 + a few columns."""
+    import ingot
+    rng = np.random.default_rng(m + hw[1])
+    c = 20   # C * 9 > conv_spatial.SMALL_REDUCTION: the direct kernel, not the position-vectorised one
+    x = rng.standard_normal((1, c) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 3, 3)).astype(np.float32) * 0.2
+    b, scale, shift = (rng.standard_normal(m).astype(np.float32) for _ in range(3))
+    y_ref = conv(x, w, b, (stride, stride), (1, 1), ((1, 1), (1, 1)), 1)
+    r = rng.standard_normal(y_ref.shape).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = g.conv(xi, w, b, strides=(stride, stride), pads=((1, 1), (1, 1)))
+    y = g.add(g.mul(y, scale.reshape(m, 1, 1)), shift.reshape(m, 1, 1))
+    y = g.mul(y, g.div(g.minimum(g.maximum(g.add(y, 3.0), 0.0), 6.0), 6.0))
+    if residual:
+        y = g.add(y, ri)
+    exe = g.compile(targets=[y])
+    assert [n.attrs.get("kind") for n in exe.program.nodes() if n.op.name == "FUSED"] == ["conv_epilogue"]
+    t = y_ref * scale.reshape(m, 1, 1) + shift.reshape(m, 1, 1)
+    want = t * np.clip(t + 3, 0, 6) / 6 + (r if residual else 0)
+    got = exe.run({"x": x, "r": r} if residual else {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

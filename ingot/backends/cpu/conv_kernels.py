@@ -155,17 +155,19 @@ def _transposed(builder, accs):
     return out
 
 
-def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
-    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw): for positions
+def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = ""):
+    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops): for positions
     r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
     ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
     wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. At width TILE the accumulators (one vector of 16 channels
     per position) are transposed in registers and stored as rows of 8 positions (lanes 8: the first 8 of
     each 16); narrower, position r's vector is stored at out[o_at + 16 * r] (a scratch row the caller
-    scatters: fewer shuffles to compile for the rarer tiles)."""
+    scatters: fewer shuffles to compile for the rarer tiles). key: at width TILE, conv_spatial's epilogue of
+    that key (without full operands) applied to the accumulators before the transpose, its channel operands
+    read 16 at a time from b_at (ops as conv_spatial's)."""
     @intrinsic
-    def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw):
-        sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw)
+    def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops):
+        sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
@@ -230,6 +232,12 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
             if lanes == 8:   # as 16 lanes, the upper 8 never stored
                 widen = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
                 finals = [builder.shuffle_vector(f, undef, widen) for f in finals]
+            if key:   # the epilogue on registers whose lanes are channels
+                from . import conv_spatial as cs
+                steps, operands = cs.SPECS[key]
+                read = cs.epilogue_reads(context, builder, operands, signature.args[15], args[15], b_at_v,
+                                         channels=cs._lane_mask(builder, n_ch_v, 0))
+                finals = [cs.apply_steps(builder, steps, operands, read, f) for f in finals]
             v16 = ir.VectorType(f32, 16)
             rows = _transposed(builder, finals)
             for c in range(lanes):
@@ -246,13 +254,14 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16):
 _TILES: dict = {}
 
 
-def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16):
+def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = ""):
     """The tile of width <= TILE columns (a row's last: 20 wide is 8 + 8 + 4, not 24 computed); lanes 8: of
-    a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); made once per process."""
-    key = (kh, kw, width, lanes)
-    if key not in _TILES:
-        _TILES[key] = _tile_intrinsic(*key)
-    return _TILES[key]
+    a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); key: the epilogue in
+    registers (width TILE only); made once per process."""
+    spec = (kh, kw, width, lanes, key if width == TILE else "")
+    if spec not in _TILES:
+        _TILES[spec] = _tile_intrinsic(*spec)
+    return _TILES[spec]
 
 
 WINDOW_SIZES = ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))
@@ -266,7 +275,7 @@ def _dispatch(prefix: str, indent: str) -> str:
         head = "if" if k == 0 else "elif" if n != 7 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
         target = "of, (b * 16 * oh + oy) * ow + ox0" if n == 8 else "acc, 0"
-        lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, hp * wp, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw)")
+        lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, hp * wp, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw, ops)")
     return "\n".join(lines)
 
 _DIRECT = """import numpy as np
@@ -275,8 +284,8 @@ from numba import njit
 from ingot.backends.cpu.conv_kernels import TILE, narrow_tile
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
-tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w) for w in range(1, 9))
-half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8) for w in range(1, 9))
+tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}) for w in range(1, 9))
+half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}) for w in range(1, 9))
 epilogue = EPILOGUES[{key!r}]
 
 
@@ -317,10 +326,10 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
                         orow = out[b * 16 + l, oy]
                         for r in range(n):
                             orow[ox0 + r] = acc[r * 16 + l]
-            if {has_epilogue}:   # the block's 16 rows just written, in L1
+            if {has_epilogue}:   # the block's 16 rows just written, in L1 (the full tiles' own: in registers)
                 for l in range(lanes):
                     at = ((b * 16 + l) * oh + oy) * ow
-                    for t0 in range(0, ow, 16):
+                    for t0 in range({first}, ow, 16):
                         epilogue(of, at + t0, of, at + t0, ow - t0, b * 16 + l, at + t0, ops)
 """
 
@@ -352,17 +361,15 @@ _NO_BIAS: dict = {}
 
 def direct_kernel(kh: int, kw: int, steps=(), operands=()):
     """The numba kernel of a kh x kw window with this epilogue (conv.Epilogue's steps and operands):
-    size = padded_size(*x.shape, *out.shape[1:], kh, kw, sh, sw, dh, dw, ph, pw)
-    padded = scratch.get("padded") if scratch is not None else None
-    if padded is None or padded.size < size:
-        padded = np.zeros(size, np.float32)
-        if scratch is not None:
-            scratch["padded"] = padded
-    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded), generated and cached once per process."""
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded), generated and cached once per process.
+    Without full operands (a residual) the full tiles apply the epilogue in registers, before their
+    transpose; the rest of each row after it is written."""
     from . import conv_spatial
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    source = _DIRECT.format(kh=kh, kw=kw, key=key, has_epilogue=bool(steps),
+    in_tile = bool(steps) and all(form != "full" for form, _ in operands)   # full operands: lanes are channels
+    source = _DIRECT.format(kh=kh, kw=kw, key=key, tile_key=key if in_tile else "", has_epilogue=bool(steps),
+                            first="ow // TILE * TILE" if in_tile else "0",
                             full=_dispatch("tile", " " * 20), half=_dispatch("half", " " * 20))
     return conv_spatial.load(source, "kernel", "cpu_direct_conv")
 

@@ -282,22 +282,37 @@ def _emit_epilogue(context, builder, steps, operands, op_types, ops, value, m_v,
     array) as ops[k][0] (scalar), ops[k][m] (channel) or ops[k][full_at : +16] (full, under mask)."""
     if not steps:
         return value
+    return apply_steps(builder, steps, operands, epilogue_reads(context, builder, operands, op_types, ops, m_v, full_v, mask),
+                       value)
+
+
+def epilogue_reads(context, builder, operands, op_types, ops, m_v, full_v=None, mask=None, channels=None):
+    """The operands' vectors for apply_steps: a scalar splat; a channel's value m_v splat, or with channels
+    (a <16 x i1> mask) the 16 channels from m_v, one a lane (lanes are channels: conv_kernels' tiles);
+    full: 16 values from full_v under mask."""
     load, _ = _masked(builder)
-    slot = {i: k for k, (_, i) in enumerate(operands)}
     read = {}
     for k, (form, _) in enumerate(operands):
         oa = context.make_array(op_types[k])(context, builder, builder.extract_value(ops, k))
         if form == "scalar":
             read[k] = _splat(builder, builder.load(oa.data))
+        elif form == "channel" and channels is not None:
+            read[k] = load(_vptr(builder, oa.data, m_v), channels)
         elif form == "channel":
             read[k] = _splat(builder, builder.load(builder.gep(oa.data, [m_v])))
         else:
             read[k] = load(_vptr(builder, oa.data, full_v), mask)
+    return read
+
+
+def apply_steps(builder, steps, operands, read, value):
+    """The steps on value (<16 x float>) with the operands' vectors of epilogue_reads."""
+    slot = {i: k for k, (_, i) in enumerate(operands)}
     vals = []
     for node, refs in steps:
         xs = [value if form == "value" else vals[i] if form == "step" else read[slot[i]] for form, i in refs]
         vals.append(EMIT[node.op](builder, *xs))
-    return vals[-1]
+    return vals[-1] if vals else value
 
 
 def _epilogue_intrinsic(steps, operands):

@@ -3,7 +3,8 @@ shuffle, each one compiled pass over [N, C, H, W] float32 planes.
 
 - max_pool: each plane copied into a buffer holding the padding (the pad's value), then 16 outputs of
   a row at a time, their maximum kept in a register over the window's taps (at most 7 x 7, column stride
-  1 or 2: generated per window). NaN propagates, as np.max.
+  1 or 2: generated per window); at stride 1 over the window's columns, then its rows (5 x 5: 10 maxima
+  an output, not 25). NaN propagates, as np.max.
 - upsample: out[n, c, i, j] = x[n, c, rows[i], cols[j]]; an output row equal to the one before (nearest
   upsampling repeats each row) is copied whole.
 - depth_to_space: out[n, m, y * kh + i, x * kw + j] = x[n, (m * kh + i) * kw + j, y, x].
@@ -74,17 +75,22 @@ from numba import njit
 from ingot.backends.cpu.spatial import window_max_for
 
 window_max = window_max_for({kh}, {kw}, {sw})
+along_rows = window_max_for(1, {kw}, 1)
+along_columns = window_max_for({kh}, 1, 1)
 
 
 @njit(cache=True, nogil=True)
 def kernel(x, sh, dh, dw, top, left, value, out):
-    # each plane of x [P, H, W] copied into a buffer padded with value, then 16 outputs of a row at a time
+    # each plane of x [P, H, W] copied into a buffer padded with value, then 16 outputs of a row at a time;
+    # at stride 1 separable: the maxima over the window's columns for every row, then over its rows
     p_n, h, w = x.shape
     _, oh, ow = out.shape
     kh, kw, sw = {kh}, {kw}, {sw}
     hp = max(h + top, (oh - 1) * sh + (kh - 1) * dh + 1)
     wp = max(w + left, (ow - 1) * sw + (kw - 1) * dw + 1)
     buf = np.full(hp * wp + 32 * sw, value, np.float32)   # slack: the lanes past the row's end read it
+    separable = sh == 1 and sw == 1 and kh > 1 and kw > 1
+    cols = np.empty(hp * ow + 16 if separable else 0, np.float32)
     of = out.reshape(p_n * oh * ow)
     for p in range(p_n):
         plane = x[p]
@@ -92,6 +98,14 @@ def kernel(x, sh, dh, dw, top, left, value, out):
             src, at = plane[y], np.uintp((y + top) * wp + left)
             for t in range(np.uintp(w)):
                 buf[at + t] = src[t]
+        if separable:
+            for y in range(hp):
+                for ox in range(0, ow, 16):
+                    along_rows(cols, y * ow + ox, buf, y * wp + ox, wp, dh, dw, ow - ox)
+            for oy in range(oh):
+                for ox in range(0, ow, 16):
+                    along_columns(of, (p * oh + oy) * ow + ox, cols, oy * ow + ox, ow, dh, 1, ow - ox)
+            continue
         for oy in range(oh):
             for ox in range(0, ow, 16):
                 window_max(of, (p * oh + oy) * ow + ox, buf, oy * sh * wp + ox * sw, wp, dh, dw, ow - ox)

@@ -101,3 +101,38 @@ def test_decoder_with_an_int8_kv_cache_equals_the_cpu_backend():
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
     state = dec.new_state()
     assert state.values["blk.0.k_cache"].dtype == torch.int8 and state.values["blk.0.k_scale_cache"].dtype == torch.float32
+    assert "rope q + rope k + v write into the caches + attention" in dec.plan.fusions   # the int8 write inside
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_decode_with_rope_quantizes_the_new_rows_into_an_int8_cache(interleaved):
+    """attention(..., rope=, scales=): the decode kernel rotates q, writes the rotated k row and the v row
+    as their codes and scales (ops.nn.quantized_rows of what the CPU's RoPE gives, codes within one
+    step where RoPE's float32 rounding differs) and attends over the cache as written; a prefill chunk
+    (rope_qkv_into) likewise."""
+    from test_cuda_decode_attention import rotate
+
+    b, hq, hk, d, half, buffer = 1, 8, 2, 64, 32, 120
+    rng = np.random.default_rng(11)
+    for pos, t in ((50, 1), (30, 5)):
+        kc, ks, k, k_scales = _codes(rng, (b, hk, buffer, d))
+        vc, vs, v, v_scales = _codes(rng, (b, hk, buffer, d))
+        q_raw = rng.standard_normal((b, hq, t, d)).astype(np.float32)
+        kn, vn = (rng.standard_normal((b, hk, t, d)).astype(np.float32) * 2 for _ in range(2))
+        inv = rotate(q_raw, pos, half, interleaved)[1]
+        q_rot, k_rot = (nn_ops.rope(x, np.int32(pos), inv, 10000.0, interleaved, d) for x in (q_raw, kn))
+        rope = attn.RopeWrite(torch.tensor(pos, dtype=torch.int32, device=DEVICE), torch.from_numpy(inv).to(DEVICE),
+                              torch.from_numpy(kn).to(DEVICE), torch.from_numpy(vn).to(DEVICE), interleaved,
+                              attn.rope_table(inv, buffer, DEVICE))
+        got = attn.attention(torch.from_numpy(q_raw).to(DEVICE), kc, vc, length=torch.tensor(pos + t - 1, device=DEVICE),
+                             length_offset=1, causal=True, rope=rope, scales=(ks, vs))
+        codes, scales = nn_ops.quantized_rows(vn)
+        host = cuda_backend.to_host
+        np.testing.assert_array_equal(host(vc)[:, :, pos:pos + t], codes)
+        np.testing.assert_array_equal(host(vs)[:, :, pos:pos + t], scales)
+        codes, scales = nn_ops.quantized_rows(k_rot)
+        np.testing.assert_allclose(host(kc)[:, :, pos:pos + t], codes, atol=1)
+        np.testing.assert_allclose(host(ks)[:, :, pos:pos + t], scales, rtol=1e-6)
+        keys = nn_ops.dequantized_rows(host(kc), host(ks), pos + t)
+        values = nn_ops.dequantized_rows(host(vc), host(vs), pos + t)
+        np.testing.assert_allclose(host(got), nn_ops.sdpa(q_rot, keys, values, causal=True), rtol=2e-5, atol=2e-5)

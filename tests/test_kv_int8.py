@@ -160,7 +160,7 @@ def test_an_int8_kv_cache_quarters_its_bytes_and_keeps_the_logits():
     assert state.values["blk.0.k_cache"].dtype == np.int8 and state.values["blk.0.v_scale_cache"].shape == (1, 2, 48, 1)
     cache_bytes = lambda s: sum(a.nbytes for n, a in s.values.items() if "_cache" in n)  # noqa: E731
     assert cache_bytes(state) * 4 == cache_bytes(wide_state) * (16 + 4) // 16   # hd 16: codes + a float32 scale a row
-    sdpas = [n for n in dec.program.nodes() if n.op == Op.SDPA]
+    sdpas = [n for f in dec.program.nodes() if f.op == Op.FUSED for n in f.attrs["body"].find(Op.SDPA)]
     assert len(sdpas) == 2 and all(n.attrs.get("kv_scales") for n in sdpas)
     assert 1e-4 < _relative(wide, narrow) < 2e-2
 
@@ -212,3 +212,59 @@ def test_default_model_with_an_int8_cache_keeps_its_greedy_tokens():
     print(f"int8 KV against f32 KV: max |dlogits| / max |logits| {worst:.4f}, top-1 agreement {agree}/{steps}")
     assert 1e-3 < worst < 0.1 and agree >= steps - 3
     assert narrow.state.values["blk.0.k_cache"].dtype == np.int8
+
+
+def test_rope_cache_fusion_takes_the_int8_writes_into_one_step():
+    """fuse_rope_cache (codes=True on the CPU) takes rope(q), rope(k), both rows' quantization and the four
+    cache writes with the decode attention into one rope_qkv_attention op (outputs: the attention, the
+    codes caches, the scale caches); its kernel quantizes as ops.nn.quantized_rows: the first layer's V cache equals an
+    unfused run's bit for bit (K's rows come out of the fused RoPE, whose float32 rounding may differ
+    in the last place, and later layers' inputs with them), and the logits agree."""
+    cfg = dataclasses.replace(CFG, kv_dtype="int8")
+    weights = llama.random_weights(cfg)
+    prompt, forced = list(range(3, 23)), [7, 99, 4, 250, 31]
+    fused, state, dec = _run(llama.build(cfg, weights), prompt, forced)
+    kinds = [n.attrs["kind"] for n in dec.program.nodes() if n.op == Op.FUSED]
+    assert kinds.count("rope_qkv_attention") == 2
+    assert not any(n.op in (Op.QUANTIZE, Op.SDPA, Op.SLICE_UPDATE) for n in dec.program.nodes())
+    plain = llama.build(cfg, weights)
+    unfused = ingot.CompileOptions(fusions=())
+    pre, dec2 = plain.compile(len(prompt), options=unfused), plain.compile(1, options=unfused)
+    state2 = dec2.new_state()
+    logits = [pre.run({"tokens": np.array(prompt, np.int32), "pos": np.int32(0), "last": np.int32(len(prompt) - 1)},
+                      state=state2)[0]]
+    for i, tok in enumerate(forced):
+        logits.append(dec2.run({"tokens": np.array([tok], np.int32), "pos": np.int32(len(prompt) + i),
+                                "last": np.int32(0)}, state=state2)[0])
+    assert not any(n.op == Op.FUSED for n in dec2.program.nodes())
+    for name, array in state.values.items():   # the first layer's v bit for bit; the rest as close as its inputs
+        if name.startswith("blk.0.v_"):
+            np.testing.assert_array_equal(array, state2.values[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(array.astype(np.float32), state2.values[name], rtol=1e-5, atol=1, err_msg=name)
+    np.testing.assert_allclose(fused, np.concatenate(logits), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_write_attend_quantizes_rows_as_quantized_rows_ties_to_even():
+    """The fused CPU decode kernel's int8 write: the v row (not rotated) with ties x / scale = n + 1/2 and
+    a row of zeros; codes and scales exactly ops.nn.quantized_rows'."""
+    d, hk, ctx, pos = 8, 2, 6, 3
+    v = np.zeros((1, hk, 1, d), np.float32)
+    v[0, 0, 0] = [127, 0.5, 1.5, 2.5, -0.5, -1.5, -126.5, 3.25]
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((1, 4, 1, d)).astype(np.float32), rng.standard_normal((1, hk, 1, d)).astype(np.float32)
+    caches = [np.zeros((1, hk, ctx, d), np.int8) for _ in range(2)] + [np.zeros((1, hk, ctx, 1), np.float32) for _ in range(2)]
+    out, q_out = np.empty((1, 4, 1, d), np.float32), np.empty((1, 4, 1, d), np.float32)
+    inv = nn_ops.rope_inv_freq(d, 10000.0)
+    nn_kernels.rope_write_attend(q, k, v, caches[0], caches[1], pos, pos + 1, inv, False, d, np.float32(0.3), True, 0,
+                                 np.float32(0), True, q_out, out, caches[2], caches[3])
+    codes, scales = nn_ops.quantized_rows(v[0, :, 0])
+    np.testing.assert_array_equal(caches[1][0, :, pos], codes)
+    np.testing.assert_array_equal(caches[3][0, :, pos], scales)
+    assert list(codes[0]) == [127, 0, 2, 2, 0, -2, -126, 3] and not codes[1].any()
+    k_rot = nn_ops.rope(k, np.int32(pos), inv, 10000.0, False, d)
+    k_codes, k_scales = nn_ops.quantized_rows(k_rot[0, :, 0])
+    np.testing.assert_allclose(caches[0][0, :, pos], k_codes, atol=1)
+    keys = nn_ops.dequantized_rows(caches[0], caches[2], pos + 1)
+    values = nn_ops.dequantized_rows(caches[1], caches[3], pos + 1)
+    np.testing.assert_allclose(out, nn_ops.sdpa(q_out, keys, values, scale=0.3, causal=True), rtol=1e-5, atol=1e-6)

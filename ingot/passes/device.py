@@ -36,7 +36,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_spatial", lambda p, o: fuse_spatial(p)),
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
         # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
-        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True)),
+        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True, codes=True)),
         # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)
         ("fuse_integer_matmul", lambda p, o: fuse_integer_matmul(p)),
         ("fuse_dynamic_quantize", lambda p, o: fuse_dynamic_quantize(p)),   # DynamicQuantizeLinear: one step
@@ -45,7 +45,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
     ],
     "cuda": [
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
-        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True))),
+        ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True), codes=True)),
         ("fuse_siblings", lambda p, o: fuse_siblings(p)),            # q/k/v, gate/up: one GEMV
         ("fuse_attention_gemv", lambda p, o: fuse_attention_gemv(p)),  # attention rounds x for the o GEMV
         ("fuse_glu", lambda p, o: fuse_glu(p, o["words_max_rows"])),   # silu(gate) * up in the down GEMV

@@ -107,6 +107,38 @@ def _put(a, i, x):
     return plain
 
 
+@njit(cache=True, nogil=True)
+def exact_quotient(a, b):
+    """a / b correctly rounded (no fastmath: the kernels' reciprocal multiply rounds differently)."""
+    return a / b
+
+
+def store_row(cache, scales, b, h, p, row):
+    """cache[b, h, p, :] = the float32 row (rounded to the cache's dtype, `put`); with an int8 cache's
+    scales (not None): the row's codes and scales[b, h, p, 0] as ops.nn.quantized_rows makes them."""
+
+
+@overload(store_row)
+def _store_row(cache, scales, b, h, p, row):
+    if isinstance(scales, (types.NoneType, types.Omitted)):
+        def plain(cache, scales, b, h, p, row):
+            dst = cache[b, h, p]
+            for e in range(row.shape[0]):
+                put(dst, e, row[e])
+        return plain
+
+    def codes(cache, scales, b, h, p, row):
+        amax = np.float32(0.0)
+        for e in range(row.shape[0]):
+            amax = max(amax, abs(row[e]))
+        scale = max(exact_quotient(amax, np.float32(127.0)), np.float32(1.1754943508222875e-38))
+        scales[b, h, p, 0] = scale
+        dst = cache[b, h, p]
+        for e in range(row.shape[0]):
+            dst[e] = np.int8(min(max(np.rint(exact_quotient(row[e], scale)), np.float32(-127.0)), np.float32(127.0)))
+    return codes
+
+
 def kernel_cache(x: np.ndarray) -> np.ndarray | None:
     """A K/V cache array as the compiled kernels take it: float32 as it is, bfloat16 as its uint16 bits,
     float16 as its int16 bits where the CPU converts float16 in hardware (block_params.F16C) (views: writes
@@ -249,10 +281,11 @@ def masked_softmax(s, mask, scale, causal):   # (no "ninf": a mask holds -inf)
 
 
 def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interleaved, rd, scale, causal, window,
-                       softcap, attend, q_out, out):
+                       softcap, attend, q_out, out, k_scales=None, v_scales=None):
     """The fused RoPE + KV write + attention of backends/cpu/rope_cache.py:
     k, v [B, Hk, T, D] rotated (k) and written at rows pos.. of the caches (float32, or bfloat16 bits:
-    each value rounded as it is written); q [B, Hq, T, D]
+    each value rounded as it is written; or int8 codes with their row scales k_scales, v_scales
+    [B, Hk, C, 1], each row quantized as written, `store_row`); q [B, Hq, T, D]
     rotated into q_out; then, if attend, the attention of q_out over the caches' first `length` rows
     into out (kernels.attention)."""
     nbatch, hk, t, d = k.shape
@@ -264,25 +297,24 @@ def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interle
             angle = np.float64(pos + i) * np.float64(inv_freq[j])
             cos[i, j] = math.cos(angle)
             sin[i, j] = math.sin(angle)
+    row = np.empty(d, np.float32)
     for b in range(nbatch):
         for h in range(hk):
             for i in range(t):
-                row = k_cache[b, h, pos + i]
-                vrow = v_cache[b, h, pos + i]
-                for e in range(v.shape[3]):
-                    put(vrow, e, v[b, h, i, e])
+                store_row(v_cache, v_scales, b, h, pos + i, v[b, h, i])
                 for j in range(half):
                     c, s = cos[i, j], sin[i, j]
                     if interleaved:
                         x0, x1 = k[b, h, i, 2 * j], k[b, h, i, 2 * j + 1]
-                        put(row, 2 * j, x0 * c - x1 * s)
-                        put(row, 2 * j + 1, x1 * c + x0 * s)
+                        row[2 * j] = x0 * c - x1 * s
+                        row[2 * j + 1] = x1 * c + x0 * s
                     else:
                         x0, x1 = k[b, h, i, j], k[b, h, i, j + half]
-                        put(row, j, x0 * c - x1 * s)
-                        put(row, j + half, x1 * c + x0 * s)
+                        row[j] = x0 * c - x1 * s
+                        row[j + half] = x1 * c + x0 * s
                 for e in range(rd, d):
-                    put(row, e, k[b, h, i, e])
+                    row[e] = k[b, h, i, e]
+                store_row(k_cache, k_scales, b, h, pos + i, row)
         for h in range(q.shape[1]):
             for i in range(t):
                 for j in range(half):
@@ -298,7 +330,7 @@ def _rope_write_attend(q, k, v, k_cache, v_cache, pos, length, inv_freq, interle
                 for e in range(rd, q.shape[3]):
                     q_out[b, h, i, e] = q[b, h, i, e]
     if attend:
-        attention(q_out, k_cache, v_cache, length, scale, causal, window, softcap, out)
+        attention(q_out, k_cache, v_cache, length, scale, causal, window, softcap, out, k_scales, v_scales)
 
 
 rope_write_attend = njit(**_serial)(_rope_write_attend)

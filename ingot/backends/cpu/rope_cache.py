@@ -2,7 +2,8 @@
 new k/v rows written into their caches in place, and (rope_qkv_attention) the attention over the
 caches, as one step. At decode (up to DECODE_MAX_ROWS queries) one compiled kernel does it all; a
 prefill rotates and writes with the RoPE kernel and attends with BLAS. The caches are float32, bfloat16
-or float16 (rows rounded as written, widened as read; float16 where the CPU converts it in hardware).
+or float16 (rows rounded as written, widened as read; float16 where the CPU converts it in hardware),
+or int8 codes with their row scales (each row quantized as written, `nn_kernels.store_row`).
 Anything else (q, k, v not float32, rank other than 4, a position outside the cache) runs the fused
 op's body through the references.
 """
@@ -31,13 +32,25 @@ def rope_cache_lowering(node: Node, out):
     kind, body = node.attrs["kind"], node.attrs["body"]
     updates = body.find(Op.SLICE_UPDATE)
     ropes = body.find(Op.ROPE)
-    ku = next((u for u in updates if u.src[1].op == Op.ROPE), None)
-    vu = next((u for u in updates if u is not ku), None)
-    if ku is None or vu is None or len(ropes) != 2:
+    # an int8 cache's writes: the codes (of quantize(rope(k)) and quantize(v)) and the row scales
+    row_of = lambda u: u.src[1].src[0] if u.src[1].op == Op.QUANTIZE else u.src[1]   # noqa: E731
+    ku = next((u for u in updates if row_of(u).op == Op.ROPE), None)
+    vu = next((u for u in updates if u is not ku and u.src[1].op != Op.MAXIMUM), None)
+    scale_updates = [u for u in updates if u.src[1].op == Op.MAXIMUM]
+    if ku is None or vu is None or len(ropes) != 2 or len(scale_updates) not in (0, 2):
         return None
-    kr = ku.src[1]
+    kr = row_of(ku)
     qr = next(r for r in ropes if r is not kr)
-    reads = [_param(x) for x in (qr.src[0], kr.src[0], vu.src[1], ku.src[0], vu.src[0], kr.src[1])]
+    scale_reads = None
+    if scale_updates:   # (the pass checked the chain: quantized_rows' scale and codes)
+        ksu = next((u for u in scale_updates if u.src[1] is ku.src[1].src[1]), None)
+        vsu = next((u for u in scale_updates if u is not ksu), None)
+        if ksu is None or vu.src[1].op != Op.QUANTIZE or vsu.src[1] is not vu.src[1].src[1]:
+            return None
+        scale_reads = (_param(ksu.src[0]), _param(vsu.src[0]))
+        if None in scale_reads:
+            return None
+    reads = [_param(x) for x in (qr.src[0], kr.src[0], row_of(vu), ku.src[0], vu.src[0], kr.src[1])]
     inv_i = _param(kr.src[2]) if len(kr.src) > 2 else None
     if None in reads or (len(kr.src) > 2 and inv_i is None) or (len(qr.src) > 2 and qr.src[2] is not kr.src[2]):
         return None
@@ -57,7 +70,7 @@ def rope_cache_lowering(node: Node, out):
         causal, window, softcap = bool(sa.get("causal")), int(sa.get("window", 0)), np.float32(sa.get("softcap", 0.0))
         scale_attr = sa.get("scale")
         if sa.get("has_length"):
-            ln = att.src[-1]
+            ln = att.src[3]
             parts = [_param(s) for s in ln.src] if ln.op == Op.ADD else [_param(ln)]
             if None in parts:
                 return None
@@ -69,14 +82,18 @@ def rope_cache_lowering(node: Node, out):
         q, k, v, kc, vc = xs[iq], xs[ik], xs[iv], xs[ikc], xs[ivc]
         pos = int(xs[ipos])
         t = k.shape[-2]
-        caches = (kc, vc)   # returned as they are; the kernels take a bfloat16 cache as its bits
-        if not all(isinstance(y, np.ndarray) and y.ndim == 4 for y in (q, k, v, kc, vc)) \
-                or not all(y.dtype == np.float32 for y in (q, k, v)) or kc.dtype != vc.dtype \
-                or nn_kernels.kernel_cache(kc) is None or not kc.flags.writeable or not vc.flags.writeable or not 0 <= pos <= kc.shape[2] - t \
+        scales = () if scale_reads is None else tuple(xs[i] for i in scale_reads)
+        caches = (kc, vc) + scales   # returned as they are; the kernels take a bfloat16 cache as its bits
+        if not all(isinstance(y, np.ndarray) and y.ndim == 4 for y in (q, k, v, kc, vc) + scales) \
+                or not all(y.dtype == np.float32 for y in (q, k, v) + scales) or kc.dtype != vc.dtype \
+                or (nn_kernels.kernel_cache(kc) is None if not scales else kc.dtype != np.int8) \
+                or not all(y.flags.writeable and y.flags.c_contiguous for y in scales) \
+                or not kc.flags.writeable or not vc.flags.writeable or not 0 <= pos <= kc.shape[2] - t \
                 or q.shape[0] != k.shape[0] or k.shape[:2] != kc.shape[:2] or v.shape[:2] != vc.shape[:2]:
             return body_only(*xs)
         q, k, v = (np.ascontiguousarray(y) for y in (q, k, v))   # the layouts warm_up compiles for
-        kc, vc = nn_kernels.kernel_cache(kc), nn_kernels.kernel_cache(vc)
+        if not scales:
+            kc, vc = nn_kernels.kernel_cache(kc), nn_kernels.kernel_cache(vc)
         inv = np.ascontiguousarray(xs[inv_i], np.float32).reshape(-1).view() if inv_i is not None else default_inv
         inv.flags.writeable = False
         length = kc.shape[2]
@@ -90,11 +107,11 @@ def rope_cache_lowering(node: Node, out):
             result = np.empty(q.shape[:3] + (vc.shape[3],), np.float32) if attend else q_out
             nn_kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale,
                                       causal if attend else False, window if attend else 0,
-                                      softcap if attend else np.float32(0), attend, q_out, result)
+                                      softcap if attend else np.float32(0), attend, q_out, result, *scales)
             return (result, *caches)
         nn_kernels.rope_write_attend(q, k, v, kc, vc, pos, length, inv, interleaved, rd, scale, causal, window,
-                                  softcap, False, q_out, q_out)
-        return (nn_kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap), *caches)
+                                  softcap, False, q_out, q_out, *scales)
+        return (nn_kernels.attention_blas(q_out, kc, vc, length, scale, causal, window, softcap, scales or None), *caches)
     return step
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ... import codegen
 from ...ir import Node, Op
+from .attention.decode import quantize_row
 from .pdl import pdl_args, pdl_enter
 from .quantized_matmul import _zero_share
 from .quantized_matmul.gemm import gathered_codes
@@ -163,10 +164,12 @@ def rope_into(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, inv_freq:
 @triton.jit
 def _rope_qkv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_ptr, Q_ROWS, KV_ROWS, T, D, HALF,
                      sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, sqo_r, sqo_t, skc_r, skc_t, svc_r, svc_t, C,
-                     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                     ks_ptr=None, vs_ptr=None, sks_r=0, sks_t=0, svs_r=0, svs_t=0, CODES: tl.constexpr = False):
     """A decoder layer's q/k/v glue in one launch: programs [0, Q_ROWS) rotate q into qo; the next
     KV_ROWS rotate k into the k cache at row pos + t; the last KV_ROWS copy v into the v cache there
-    (rows past the cache are dropped, as slice_write drops them)."""
+    (rows past the cache are dropped, as slice_write drops them). CODES: int8 caches, each row stored
+    as its codes and its scale (ks/vs [rows, C, 1]) as ops.nn.quantized_rows makes them."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     if row < Q_ROWS:
@@ -179,16 +182,54 @@ def _rope_qkv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_ptr, qo_ptr, kc_ptr, vc_p
         r = (row - Q_ROWS) // T
         t = (row - Q_ROWS) % T
         p = tl.load(pos_ptr).to(tl.int64) + t
-        _rope_row(k_ptr + r * sk_r + t * sk_t, kc_ptr + r * skc_r + p * skc_t, (p >= 0) & (p < C), p, inv_ptr, D, HALF,
-                  INTERLEAVED, BLOCK_H, BLOCK_D)
+        if CODES:
+            _rope_row_codes(k_ptr + r * sk_r + t * sk_t, kc_ptr + r * skc_r + p * skc_t, ks_ptr + r * sks_r + p * sks_t,
+                            (p >= 0) & (p < C), p, inv_ptr, D, HALF, INTERLEAVED, BLOCK_D)
+        else:
+            _rope_row(k_ptr + r * sk_r + t * sk_t, kc_ptr + r * skc_r + p * skc_t, (p >= 0) & (p < C), p, inv_ptr, D,
+                      HALF, INTERLEAVED, BLOCK_H, BLOCK_D)
     else:
         r = (row - Q_ROWS - KV_ROWS) // T
         t = (row - Q_ROWS - KV_ROWS) % T
         p = tl.load(pos_ptr).to(tl.int64) + t
         d = tl.arange(0, BLOCK_D)
         ok = (d < D) & (p >= 0) & (p < C)
-        tl.store(vc_ptr + r * svc_r + p * svc_t + d, tl.load(v_ptr + r * sv_r + t * sv_t + d, mask=d < D, other=0.0)
-                 .to(vc_ptr.dtype.element_ty), mask=ok)
+        x = tl.load(v_ptr + r * sv_r + t * sv_t + d, mask=d < D, other=0.0)
+        if CODES:
+            codes, row_scale = quantize_row(x.to(tl.float32), d < D)
+            tl.store(vc_ptr + r * svc_r + p * svc_t + d, codes, mask=ok)
+            tl.store(vs_ptr + r * svs_r + p * svs_t, row_scale, mask=(p >= 0) & (p < C))
+        else:
+            tl.store(vc_ptr + r * svc_r + p * svc_t + d, x.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_row_codes(base, out, scale_out, inside, p, inv_ptr, D, HALF, INTERLEAVED: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """`_rope_row` into an int8 cache: the whole rotated row (each dim with its partner), then its codes
+    and scale (`quantize_row`)."""
+    d = tl.arange(0, BLOCK_D)
+    rot = d < 2 * HALF
+    if INTERLEAVED:
+        partner = d ^ 1
+        j = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    else:
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        j = tl.where(d < HALF, d, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+    f = tl.load(inv_ptr + j, mask=rot, other=0.0)
+    angle = p.to(tl.float64) * f.to(tl.float64)
+    c = tl.cos(angle).to(tl.float32)
+    s = tl.sin(angle).to(tl.float32)
+    x = tl.load(base + d, mask=d < D, other=0.0).to(tl.float32)
+    y = tl.load(base + tl.where(rot, partner, d), mask=d < D, other=0.0).to(tl.float32)
+    # a * c - b * s for the first of a pair, b * c + a * s for the second (as _rope_row computes them)
+    first = tl.where(sign < 0, x * c - y * s, x * c + y * s)
+    row = tl.where(rot, first, x)
+    codes, row_scale = quantize_row(row, d < D)
+    tl.store(out + d, codes, mask=(d < D) & inside)
+    tl.store(scale_out, row_scale, mask=inside)
 
 
 @triton.jit
@@ -217,13 +258,20 @@ def _rope_row(base, out, inside, p, inv_ptr, D, HALF, INTERLEAVED: tl.constexpr,
 
 
 def rope_qkv_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, interleaved: bool,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """rope(q), and k_cache[..., pos + t, :] = rope(k), v_cache[..., pos + t, :] = v, in one launch.
-    q [..., T, D], k and v [..., T, D] with the caches' leading shape; returns rope(q)."""
+    q [..., T, D], k and v [..., T, D] with the caches' leading shape; returns rope(q). scales: int8
+    caches' row scales [..., C, 1] (each row written as its codes and scale)."""
     assert k.shape == v.shape and k_cache.shape == v_cache.shape and pos.dim() == 0
     q3, k3, v3 = _rows3(q), _rows3(k), _rows3(v)
     kc3 = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
     vc3 = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    codes = {}
+    if scales is not None:
+        ks3, vs3 = (x.view(-1, x.shape[-2], 1) for x in scales)
+        codes = dict(ks_ptr=ks3, vs_ptr=vs3, sks_r=ks3.stride(0), sks_t=ks3.stride(1), svs_r=vs3.stride(0),
+                     svs_t=vs3.stride(1), CODES=True)
     out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     t, d = q3.shape[1], q3.shape[2]
     half = inv_freq.shape[0]
@@ -233,7 +281,7 @@ def rope_qkv_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.
         k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), out.stride(0), out.stride(1), kc3.stride(0),
         kc3.stride(1), vc3.stride(0), vc3.stride(1), kc3.shape[1], INTERLEAVED=interleaved,
         BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4,
-        **pdl_args(q.device))
+        **codes, **pdl_args(q.device))
     return out.view(q.shape)
 
 

@@ -278,14 +278,24 @@ def _add_rms_norm(ctx: Lowering):
 
 # -- RoPE, the KV-cache writes, the decode attention ---------------------------------------------------------
 
-def _rope_parts(body: Body) -> tuple[Node | None, Node, Node, Node | None]:
-    """(rope(q) or None, rope(k), k's cache write, v's cache write or None) of a rope_* body."""
+def _row_written(update: Node) -> Node:
+    """The float row a cache write stores (an int8 cache's: what its codes quantize)."""
+    return update.src[1].src[0] if update.src[1].op == Op.QUANTIZE else update.src[1]
+
+
+def _rope_parts(body: Body) -> tuple[Node | None, Node, Node, Node | None, tuple[Node, Node] | None]:
+    """(rope(q) or None, rope(k), k's cache write, v's cache write or None, an int8 cache's scale writes
+    (k's, v's) or None) of a rope_* body (passes/fuse_rope_cache.py)."""
     updates = body.find(Op.SLICE_UPDATE)
-    ku = next(u for u in updates if u.src[1].op == Op.ROPE)
-    vu = next((u for u in updates if u is not ku), None)
-    kr = ku.src[1]
+    scales = [u for u in updates if u.src[1].op == Op.MAXIMUM]
+    ku = next(u for u in updates if _row_written(u).op == Op.ROPE)
+    vu = next((u for u in updates if u is not ku and u not in scales), None)
+    kr = _row_written(ku)
     qr = next((r for r in body.find(Op.ROPE) if r is not kr), None)
-    return qr, kr, ku, vu
+    if not scales:
+        return qr, kr, ku, vu, None
+    ksu = next(u for u in scales if u.src[1] is ku.src[1].src[1])
+    return qr, kr, ku, vu, (ksu, next(u for u in scales if u is not ksu))
 
 
 def _inverse_frequencies(ctx: Lowering, rope: Node) -> tuple[np.ndarray | None, torch.Tensor]:
@@ -310,7 +320,7 @@ def _rope_reads(ctx: Lowering, kr: Node, *inputs: Node):
 @fused_lowering("rope_kv_write")
 def _rope_kv_write(ctx: Lowering):
     """rope(k) written into the cache at its position, in place (the KV-cache update of a layer)."""
-    _, kr, ku, _ = _rope_parts(ctx.node.attrs["body"])
+    _, kr, ku, _, _ = _rope_parts(ctx.node.attrs["body"])
     interleaved, table = _rope_reads(ctx, kr, kr.src[0], kr.src[1], ku.src[0])
     ctx.plan.fusions.append("rope+kv write")
 
@@ -322,13 +332,17 @@ def _rope_kv_write(ctx: Lowering):
 @fused_lowering("rope_qkv_write")
 def _rope_qkv_write(ctx: Lowering):
     """rope(q), rope(k) written into the k cache and v into the v cache at one runtime position: one kernel."""
-    qr, kr, ku, vu = _rope_parts(ctx.node.attrs["body"])
-    interleaved, table = _rope_reads(ctx, kr, qr.src[0], kr.src[1], kr.src[0], ku.src[0], vu.src[1], vu.src[0])
-    ctx.plan.fusions.append("rope q + rope k + v write into the caches")
+    qr, kr, ku, vu, scales = _rope_parts(ctx.node.attrs["body"])
+    interleaved, table = _rope_reads(ctx, kr, qr.src[0], kr.src[1], kr.src[0], ku.src[0], _row_written(vu), vu.src[0],
+                                     *(u.src[0] for u in scales or ()))
+    ctx.plan.fusions.append("rope q + rope k + v write into the caches" + (" (int8 rows)" if scales else ""))
+    codes = 2 if scales else 0
 
-    def step(q, position, k, k_cache, v, v_cache, *inv):
-        q_out = fused.rope_qkv_into(q, k, v, position, inv[0] if inv else table, k_cache, v_cache, interleaved)
-        return q_out, k_cache, v_cache
+    def step(q, position, k, k_cache, v, v_cache, *rest):
+        inv = rest[codes:]
+        q_out = fused.rope_qkv_into(q, k, v, position, inv[0] if inv else table, k_cache, v_cache, interleaved,
+                                    rest[:2] if codes else None)
+        return (q_out, k_cache, v_cache, *rest[:codes])
     return step, "rope_qkv_into_cache"
 
 
@@ -337,7 +351,7 @@ def _rope_qkv_attention(ctx: Lowering):
     """The decode attention rotating q, writing the new k/v rows into the caches and attending, one kernel.
     Returns (output, k cache, v cache); takes out=, xq=, zero= as the SDPA step does (attention_gemv)."""
     plan, body = ctx.plan, ctx.node.attrs["body"]
-    qr, kr, ku, vu = _rope_parts(body)
+    qr, kr, ku, vu, scales = _rope_parts(body)
     att = body.find(Op.SDPA)[0]
     inv_host, _ = _inverse_frequencies(ctx, kr)
     if inv_host is None:
@@ -346,12 +360,14 @@ def _rope_qkv_attention(ctx: Lowering):
     sdpa = att.attrs
     has_length, scale, causal = bool(sdpa.get("has_length")), sdpa.get("scale"), bool(sdpa.get("causal"))
     pos_i = param(kr.src[1])
-    reads = [param(x) for x in (qr.src[0], kr.src[1], kr.src[0], ku.src[0], vu.src[1], vu.src[0])]
+    reads = [param(x) for x in (qr.src[0], kr.src[1], kr.src[0], ku.src[0], _row_written(vu), vu.src[0])]
+    codes = 2 if scales else 0   # an int8 cache's scale caches, read after the caches
+    reads += [param(u.src[0]) for u in scales or ()]
     if len(kr.src) > 2:
         reads.append(param(kr.src[2]))
     offset, length_i = 0, None
     if has_length:
-        length = att.src[-1]
+        length = att.src[3]
         if length.op == Op.ADD:      # position + c: the kernel adds c (the pass made this sum the body's own)
             x, c = (length.src[0], length.src[1]) if ctx.constant(param(length.src[1])) is not None else length.src[::-1]
             offset = int(np.asarray(ctx.constant(param(c))))
@@ -381,8 +397,9 @@ def _rope_qkv_attention(ctx: Lowering):
         rope = attention_kernels.RopeWrite(position, inv_dev, k, v, interleaved, cos_sin)
         out = attention_kernels.attention(q, k_cache, v_cache, length=rest[-1] if has_length else None,
                                           scale=scale, causal=causal, rope=rope, out=out, xq=xq, zero=zero,
-                                          length_offset=offset, early=early, options=options)
-        return out, k_cache, v_cache
+                                          length_offset=offset, early=early, scales=rest[:2] if codes else None,
+                                          options=options)
+        return (out, k_cache, v_cache, *rest[:codes])
     return step, "rope_qkv_attention"
 
 

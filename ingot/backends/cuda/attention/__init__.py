@@ -160,7 +160,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
 
     `scales`: k and v are an int8 cache's codes and these their row scales (k_scales [..., Hk, Tk, 1],
     v_scales likewise, float32): the kernels multiply each key's score and each value's weight by its
-    row's scale as they read the tiles (no float copy of the cache; not with `rope` or a mask).
+    row's scale as they read the tiles (no float copy of the cache; not with a mask); with `rope` the
+    new rows are quantized as they are written.
 
     `xq`: the output is also stored rounded for the word GEMV that reads it next (`XQTarget`), where the
     decode kernel writes each head's output itself (one query row, no combine launch); `xq.written`
@@ -174,7 +175,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     if rope is not None and not (mask is None and q.shape[-2] == 1 and q.shape[-3] // k.shape[-3] <= DECODE_MAX_ROWS
                                  and k.shape[:-3] == v.shape[:-3] == batch and q.shape[-1] == k.shape[-1]):
         from ..fused import rope_qkv_into
-        q = rope_qkv_into(q, rope.k, rope.v, rope.pos, rope.inv_freq, k, v, rope.interleaved)
+        q = rope_qkv_into(q, rope.k, rope.v, rope.pos, rope.inv_freq, k, v, rope.interleaved, scales)
         rope = None
     hq, tq, d = q.shape[-3:]
     hk, tbuf, _ = k.shape[-3:]
@@ -205,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
     if nb == 0 or tq == 0:
         return result
     if scales is not None:
-        assert rope is None and mask is None and k.dtype == v.dtype == torch.int8 and \
+        assert mask is None and k.dtype == v.dtype == torch.int8 and \
             all(s.dtype == torch.float32 and s.shape[-3:] == x.shape[-3:-1] + (1,) for s, x in zip(scales, (k, v))), \
             "attention: int8 K/V codes with float32 row scales [..., Hk, Tk, 1]"
         scales = tuple(four(s) for s in scales)

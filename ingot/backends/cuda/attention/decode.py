@@ -149,8 +149,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     them (the caches' rows other than the position, which FRESH never loads, included). STAMP: timeline.py
     (the splits that write the output or merge; the others leave their stamps at zero).
 
-    CODES (not with ROPE): the caches are an int8 cache's codes, ks/vs [B, Hk, TBUF, 1] their row scales,
-    read tile by tile with them (`_decode_tile`): no float copy of the cache is made."""
+    CODES (not with FRESH): the caches are an int8 cache's codes, ks/vs [B, Hk, TBUF, 1] their row scales,
+    read tile by tile with them (`_decode_tile`): no float copy of the cache is made; with ROPE the new
+    rows are quantized as they are written (`quantize_row`)."""
     t0 = now(STAMP)
     if not EARLY:
         pdl_enter(PDL)
@@ -209,10 +210,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                 kn_row = kn_ptr + b * skn_b + hk * skn_h
                 kn = tl.load(kn_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
                 kn_pair = tl.load(kn_row + partner, mask=offs_d < D, other=0.0).to(tl.float32)
-                kn_st = (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty)
-                tl.store(k_base + pos * sk_t + offs_d, kn_st, mask=offs_d < D)
                 vn = tl.load(vn_ptr + b * svn_b + hk * svn_h + offs_dv, mask=offs_dv < DV, other=0.0)
-                vn_st = vn.to(v_ptr.dtype.element_ty)
+                if CODES:   # an int8 cache: the rows' codes and scales (not with FRESH)
+                    kn_st, k_row_scale = quantize_row(kn * c + kn_pair * sn, offs_d < D)
+                    vn_st, v_row_scale = quantize_row(vn.to(tl.float32), offs_dv < DV)
+                    tl.store(ks_ptr + b * sks_b + hk * sks_h + pos * sks_t, k_row_scale)
+                    tl.store(vs_ptr + b * svs_b + hk * svs_h + pos * svs_t, v_row_scale)
+                else:
+                    kn_st = (kn * c + kn_pair * sn).to(k_ptr.dtype.element_ty)
+                    vn_st = vn.to(v_ptr.dtype.element_ty)
+                tl.store(k_base + pos * sk_t + offs_d, kn_st, mask=offs_d < D)
                 tl.store(v_base + pos * sv_t + offs_dv, vn_st, mask=offs_dv < DV)
                 if FRESH:   # as stored, so later steps read what this one used
                     kn_rot = kn_st.to(tl.float32)
@@ -432,7 +439,7 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
     tickets = _workspace(device, 0, nb * hk)[1] if merge else ml_part
     extra = {}
     if p.scales is not None:   # an int8 cache: its codes and their row scales [nb, Hk, TBUF, 1]
-        assert rope is None, "attention: the int8 cache's rows are written ahead of the decode kernel"
+        fresh = False   # the new rows are read back as stored (codes), after the write
         ks4, vs4 = p.scales
         extra.update(ks_ptr=ks4, vs_ptr=vs4, sks_b=ks4.stride(0), sks_h=ks4.stride(1), sks_t=ks4.stride(2),
                      svs_b=vs4.stride(0), svs_h=vs4.stride(1), svs_t=vs4.stride(2), CODES=True)

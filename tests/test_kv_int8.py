@@ -120,7 +120,7 @@ def test_decode_kernel_reads_int8_codes_and_scales_as_the_reference(hq, hk, tq, 
 def test_prefill_reads_int8_codes_by_tiles_as_the_reference(monkeypatch, tile, hq, hk, d, window, softcap):
     monkeypatch.setattr(nn_kernels, "CODES_TILE", tile)
     rng = np.random.default_rng(d + tile)
-    tq, pos, buffer = 20, 9, 40
+    tq, pos, buffer = 150, 9, 170   # more than CAUSAL_CHUNK queries: chunks of them
     q = rng.standard_normal((1, hq, tq, d)).astype(np.float32)
     (k, ks), (v, vs) = codes_and_scales(rng, (1, hk, buffer, d)), codes_and_scales(rng, (1, hk, buffer, d))
     attrs = dict(scale=None, causal=True, window=window, softcap=softcap, has_length=True, has_mask=False, kv_scales=True)

@@ -373,10 +373,7 @@ def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0, scale
     hk = k.shape[1]
     group = hq // hk
     k, v = k[:, :, :length], v[:, :, :length]
-    if scales is not None:
-        return _attention_codes(q, k, v, scales[0][:, :, :length, 0], scales[1][:, :, :length, 0], length, scale,
-                                causal, window, softcap)
-    if k.dtype != np.float32:   # a bfloat16 or float16 cache (its bits): the prefix widened once for BLAS
+    if k.dtype != np.float32 and scales is None:   # a bfloat16 or float16 cache (its bits): the prefix widened once for BLAS
         k, v = (np.left_shift(x, 16, dtype=np.uint32).view(np.float32) if x.dtype == np.uint16 else
                 x.view(np.float16).astype(np.float32) if x.dtype == np.int16 else x.astype(np.float32) for x in (k, v))
     if causal and tq > CAUSAL_CHUNK:   # each chunk of queries against the keys it sees: ~60 % of the products
@@ -386,8 +383,11 @@ def _attention_blas(q, k, v, length, scale, causal, window=0, softcap=0.0, scale
             hi = length - tq + r1                                    # past the chunk's last query: unseen
             lo = max(0, length - tq + r0 - window + 1) if window else 0   # before its first query's window
             out[:, :, r0:r1] = _attention_blas(q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi], hi - lo, scale, causal,
-                                               window, softcap)
+                                               window, softcap, scales and tuple(x[:, :, lo:hi] for x in scales))
         return out
+    if scales is not None:
+        return _attention_codes(q, k, v, scales[0][:, :, :length, 0], scales[1][:, :, :length, 0], length, scale,
+                                causal, window, softcap)
     s = np.matmul(q.reshape(nbatch, hk, group * tq, d), k.transpose(0, 1, 3, 2))  # [B, Hk, G*Tq, L]
     return _softmax_times_v(s, v, nbatch, hq, tq, length, scale, causal, window, softcap)
 

@@ -35,15 +35,21 @@ SWEEP_BLOCK = 128    # columns whose corrections are applied lazily together
 def inverse_cholesky(hessian: np.ndarray) -> np.ndarray:
     """The upper Cholesky factor U of H^-1 (H^-1 = U^T U), H damped to be positive definite: with
     P the reversal, P H P = L L^T gives H^-1 = (P L^-T P)(P L^-1 P), one factorisation and one
-    triangular solve. Weights that read one input share it (compute once, pass as factor=)."""
-    from scipy.linalg import cholesky, solve_triangular
+    triangular inverse (LAPACK trtri: a third of the work of solving against the identity; 1536 x 1536
+    on one thread 40 ms against 136-266). Weights that read one input share it (compute once, pass as
+    factor=)."""
+    from scipy.linalg import cholesky
+    from scipy.linalg.lapack import dtrtri
 
     h = np.array(hessian, np.float64)
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
     h += DAMPING * np.mean(np.diag(h)) * np.eye(len(h))
     lower = cholesky(h[::-1, ::-1], lower=True)
-    return np.ascontiguousarray(solve_triangular(lower, np.eye(len(h)), lower=True)[::-1, ::-1])
+    inverse, info = dtrtri(lower, lower=1)
+    if info != 0:   # a zero pivot: cholesky succeeded, so only a non-finite statistic gets here
+        raise IngotError(f"gptq: the damped second moments are singular (LAPACK trtri info {info}).")
+    return np.ascontiguousarray(np.tril(inverse)[::-1, ::-1])
 
 
 def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.ndarray | None = None) -> QuantizedTensor:

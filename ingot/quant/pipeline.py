@@ -87,8 +87,9 @@ def activation_stats(model, ids: Sequence[int], context: int = 256, max_tokens: 
         count += len(chunk)
     stats = {}
     for s in sites:
-        for name in s.split("+"):
-            stats[name] = (sums[s] / count).astype(np.float32)
+        stat = (sums[s] / count).astype(np.float32)
+        for name in s.split("+"):   # one array per input: GPTQ factorises it once for all its weights
+            stats[name] = stat
     if output_probability:
         stats[OUTPUT_PROBABILITY] = (probability / count).astype(np.float32)
     return stats

@@ -1,10 +1,8 @@
 """fuse_rows_attention (passes/fuse_rows_attention.py) and its CPU kernel (backends/cpu/rows_attention.py):
-a rows decoder's per-row decode attentions of a layer become one step; the kernel against a NumPy
-reference on awkward lengths and bit for bit against the batch-1 kernel, the fused program against the
-per-row one."""
+a rows decoder's per-row decode attentions of a layer become one step, the fused program bit for bit
+the per-row one (the kernel itself: tests/test_cpu_decode_attention.py)."""
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -12,12 +10,8 @@ import numpy as np
 import pytest
 
 from ingot import dtypes as dt
-from ingot.backends.cpu.nn_kernels import rope_write_attend
-from ingot.backends.cpu.rows_attention import rows_rope_write_attend
 from ingot.ir import Op, TensorType
 from ingot.models import llama
-from ingot.ops import REGISTRY
-from ingot.ops import nn as nn_ops
 from ingot.options import CompileOptions, CpuOptions
 from ingot.passes.device import FUSIONS
 from ingot.runtime import State
@@ -105,45 +99,3 @@ def test_caches_that_do_not_fit_the_kernel_go_to_the_reference():
     for key in c.values:   # (the references round differently from the kernels: not bit for bit)
         np.testing.assert_allclose(c.values[key], d.values[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert not wide[..., 1::2].any()         # nothing written between the view's floats
-
-def _reference_row(q, k, v, kc, vc, pos, inv, interleaved, rd, scale, window, softcap):
-    """NumPy: rope at pos, the k/v row written, attention over positions 0..pos (the op references)."""
-    rope = lambda x: nn_ops.rope(x, pos, inv, 10000.0, interleaved, rd)   # noqa: E731
-    kc, vc = kc.copy(), vc.copy()
-    kc[:, :, pos] = rope(k)[:, :, 0]
-    vc[:, :, pos] = v[:, :, 0]
-    attrs = {"scale": scale, "causal": True, "window": window, "softcap": softcap}
-    out = REGISTRY[Op.SDPA].reference((rope(q), kc[:, :, :pos + 1], vc[:, :, :pos + 1]), attrs)
-    return out, kc, vc
-
-
-@pytest.mark.parametrize("interleaved, window, softcap", [(True, 0, 0.0), (False, 3, 0.0), (False, 0, 5.0)])
-def test_kernel_against_numpy_and_the_batch_one_kernel(interleaved, window, softcap):
-    rows, hq, hk, d, rd, context = 5, 6, 3, 10, 6, 23
-    rng = np.random.default_rng(7)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)   # noqa: E731
-    q, k, v = f(rows, hq, 1, d), f(rows, hk, 1, d), f(rows, hk, 1, d)
-    k_caches = tuple(f(1, hk, context, d) for _ in range(rows))
-    v_caches = tuple(f(1, hk, context, d) for _ in range(rows))
-    positions = np.array([0, 1, 22, 9, 4], np.int64)   # the first, the last, odd and unequal lengths
-    inv = nn_ops.rope_inv_freq(rd, 10000.0)
-    inv.flags.writeable = False
-    scale = np.float32(1 / math.sqrt(d))
-    want = [_reference_row(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_caches[r], v_caches[r], int(positions[r]), inv,
-                           interleaved, rd, scale, window, softcap) for r in range(rows)]
-    alone = []
-    for r in range(rows):   # the batch-1 kernel, row by row on copies
-        kc, vc, q_out, out = k_caches[r].copy(), v_caches[r].copy(), np.empty((1, hq, 1, d), np.float32), \
-            np.empty((1, hq, 1, d), np.float32)
-        rope_write_attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, int(positions[r]), int(positions[r]) + 1, inv,
-                          interleaved, rd, scale, True, window, np.float32(softcap), True, q_out, out)
-        alone.append((out, kc, vc))
-    q_out, out = np.empty_like(q), np.empty((rows, hq, 1, d), np.float32)
-    rows_rope_write_attend(q, k, v, k_caches, v_caches, positions, positions + 1, inv, interleaved, rd, scale, True,
-                           window, np.float32(softcap), q_out, out, 0, rows)
-    for r in range(rows):
-        np.testing.assert_allclose(out[r:r + 1], want[r][0], rtol=1e-5, atol=1e-5, err_msg=f"row {r}")
-        np.testing.assert_allclose(k_caches[r], want[r][1], rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(v_caches[r], want[r][2])
-        np.testing.assert_array_equal(out[r:r + 1], alone[r][0])      # bit for bit: the server's rows
-        np.testing.assert_array_equal(k_caches[r], alone[r][1])

@@ -14,7 +14,7 @@ from numba import njit
 from ...ir import Node
 from ...ops import quant as quant_ops
 from ...options import usable_cores
-from . import rows_attention, rows_gemv, team, vnni
+from . import decode_attention, rows_gemv, team, vnni
 from .block_params import F16C, half_to_float, param, param_blocks, param_rows  # noqa: F401  (the kernels' reads)
 from .nn_kernels import (XQ_BLOCK, _layer_norm_rows, _rms_norm_rows, attention, erf_rows, layer_norm, rms_norm,
                          rope_rows, rope_write_attend, round_rows)
@@ -639,7 +639,7 @@ def _cache_is_cold() -> bool:
     surprise counts as warm, and the kernels compile here as before)."""
     kernels = [kmajor_packed4, kmajor_int8, kmajor_packed4_xq, kmajor_int8_xq, scaled_tile_packed4, scaled_tile_int8,
                attention, rope_rows, _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
-               rows_attention.rows_rope_write_attend, rows_attention.rows_chunks]
+               decode_attention.decode_attention, decode_attention.decode_chunks]
     if vnni.AVAILABLE:   # _warm_up compiles these only where the CPU has VNNI: elsewhere never cached
         kernels += [vnni.gemv, rows_gemv.gemv_rows, rows_gemv.gemv_rows_float4]
     try:
@@ -702,6 +702,6 @@ def _warm_up() -> None:
                       np.float32(1), True, 0, np.float32(0), True, f32(1, 2, 1, 8), f32(1, 2, 1, 8))
     erf_rows(f32(4), f32(4))
     layer_norm(f32(1, 8), f32(8), f32(8), np.float32(1e-5))
-    rows_attention.warm_up()   # ingot serve's decode attention over rows
+    decode_attention.warm_up()   # the decode step's attention (batch-1 and ingot serve's rows)
     if vnni.AVAILABLE:
         rows_gemv.warm_up()    # the float32-activation GEMV of 4-bit weights on AVX-512

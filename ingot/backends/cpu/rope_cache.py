@@ -1,6 +1,7 @@
 """The CPU lowerings of fuse_rope_cache's fused ops (passes/fuse_rope_cache.py): RoPE of q and k, the
 new k/v rows written into their caches in place, and (rope_qkv_attention) the attention over the
-caches, as one step. At decode (up to DECODE_MAX_ROWS queries) one compiled kernel does it all; a
+caches, as one step. The decode step of one sequence runs decode_attention.py's kernel (the one `ingot
+serve`'s rows step runs); up to DECODE_MAX_ROWS queries one compiled kernel does it all; a longer
 prefill rotates and writes with the RoPE kernel and attends with BLAS. The caches are float32, bfloat16
 or float16 (rows rounded as written, widened as read; float16 where the CPU converts it in hardware),
 or int8 codes with their row scales (each row quantized as written, `nn_kernels.store_row`).
@@ -17,7 +18,7 @@ from ...errors import IngotError
 from ...ir import Node, Op
 from ...ops import nn as nn_ops
 from ...ops.fused import _fused_reference
-from . import nn_kernels
+from . import decode_attention, nn_kernels
 
 DECODE_MAX_ROWS = 16   # queries up to which the compiled decode kernel attends (above: BLAS)
 
@@ -102,6 +103,13 @@ def rope_cache_lowering(node: Node, out):
             if not 0 <= length <= kc.shape[2]:
                 raise IngotError(f"sdpa: attention length {length} is outside 0..{kc.shape[2]} (the cache's positions).")
         scale = np.float32(scale_attr if attend and scale_attr is not None else 1.0 / math.sqrt(q.shape[-1]))
+        if attend and not scales and q.shape[0] == 1 and t == 1 and q.shape[2] == 1 and 0 <= pos < length \
+                and kc.flags.c_contiguous and vc.flags.c_contiguous:
+            # the decode step: decode_attention.py's kernel, which `ingot serve`'s rows step runs too
+            result = np.empty(q.shape[:3] + (vc.shape[3],), np.float32)
+            decode_attention.run(q, k, v, [kc], [vc], np.array([pos], np.int64), np.array([length], np.int64), inv,
+                                 interleaved, rd, scale, causal, window, softcap, result, nn_kernels.SPLIT["threads"])
+            return (result, *caches)
         q_out = np.empty(q.shape, np.float32)
         if not attend or q.shape[2] <= DECODE_MAX_ROWS or length < q.shape[2]:
             result = np.empty(q.shape[:3] + (vc.shape[3],), np.float32) if attend else q_out

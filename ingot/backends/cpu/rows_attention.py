@@ -1,56 +1,24 @@
 """The CPU lowering of fuse_rows_attention's "rows_qkv_attention" (passes/fuse_rows_attention.py):
 one decode step of R independent sequences (`ingot serve`), each row rotating its q and k at its own
 position, writing its k/v row into its own caches and attending over its own prefix, as one kernel
-call over all rows instead of R plan steps.
+call over all rows and heads instead of R plan steps.
 
-Each row runs nn_kernels.rope_write_attend on arrays of the batch-1 decode step's layout ([1, h, 1,
-hd] row views, the row's own [1, hkv, context, hd] caches), so a row's result is bit for bit what the
-batch-1 decoder computes. Rows are split over the GEMV team (team.py) in chunks when the plan runs
-on several threads. Anything the kernel does not take (not float32, a position outside the cache,
-a body of another form) runs the fused op's body through the references.
+The kernel is decode_attention.py's, which the batch-1 decode step runs too (backends/cpu/rope_cache.py),
+and a row's result in it never depends on the other rows: so a row computes bit for bit what the
+batch-1 decoder computes. Anything the kernel does not take (q, k, v not float32, caches of another
+dtype or layout, a position outside the cache, a body of another form) runs the fused op's body
+through the references.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
 
 from ...ir import Node, Op
 from ...ops import nn as nn_ops
 from ...ops.fused import _fused_reference
-from . import nn_kernels, team
-from .nn_kernels import rope_write_attend
-
-_serial = dict(fastmath=True, cache=True, nogil=True)
-CHUNKS_PER_THREAD = 2   # chunks of rows per thread: a late worker still finds some
-ROWS_PER_CALL = 8       # the caches go to the kernel as tuples of this many arrays (padded): one compiled
-                        # specialisation for every row count (a tuple's length is part of its type)
-
-
-@njit(**_serial)
-def rows_rope_write_attend(q, k, v, k_caches, v_caches, positions, lengths, inv_freq, interleaved, rd, scale, causal,
-                           window, softcap, q_out, out, r0, r1):
-    """Rows r0..r1 of q [R, Hq, 1, D], k, v [R, Hk, 1, D] (R <= ROWS_PER_CALL): row r rotated at
-    positions[r], its k/v written into k_caches[r] / v_caches[r] ([1, Hk, context, D] each; tuples of
-    ROWS_PER_CALL, the rest unused) and its attention over their first lengths[r] rows into out[r]
-    (rope_write_attend on row r's views)."""
-    for r in range(r0, r1):
-        rope_write_attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_caches[r], v_caches[r], positions[r], lengths[r],
-                          inv_freq, interleaved, rd, scale, causal, window, softcap, True, q_out[r:r + 1],
-                          out[r:r + 1])
-
-
-@njit(**_serial)
-def rows_chunks(head, plan, outs, out, ctrl, gen, lead):
-    """team.py's driver: chunks of rows (plan [chunks, 2]: r0, r1) taken by whoever runs."""
-    n = plan.shape[0]
-    c = team.begin(ctrl, gen, lead, n)
-    while c >= 0:
-        rows_rope_write_attend(*head, plan[c, 0], plan[c, 1])
-        c = team.after(ctrl, gen, n)
-    return team.end(ctrl, lead, n, outs, out)
-
+from . import decode_attention, nn_kernels
 
 def _param(node: Node) -> int | None:
     return node.attrs["param"] if node.op == Op.PLACEHOLDER else None
@@ -128,31 +96,33 @@ def rows_attention_lowering(node: Node, out):
                 or (k_item.attrs["index"], v_item.attrs["index"]) != (1, 2):
             return None
     inv_index = invs.pop()
-    default_inv = nn_ops.rope_inv_freq(form["rd"], form["base"]).view()
-    default_inv.flags.writeable = False
+    default_inv = nn_ops.rope_inv_freq(form["rd"], form["base"])
+    form_inv, form_scale = form["inv"], form["scale"]
     interleaved, rd, causal, window, softcap = form["interleaved"], form["rd"], form["causal"], form["window"], form["softcap"]
     iq, ik, iv = where["q"], where["k"], where["v"]
-    dummy = np.zeros((1, 1), np.float32)
 
     checked: list = [None, None]   # the caches last found fit (kept: their ids stay theirs), their ids
 
-    def caches_fit(q, k, v, k_caches, v_caches) -> bool:
-        """The caches are float32 [1, hkv, context, hd], writeable and contiguous, and match q, k, v.
-        A server passes the same slots' arrays step after step: those found fit last are not checked
-        again (their identities, not their contents, are what is checked)."""
+    def caches_fit(k, v, k_caches, v_caches) -> list | None:
+        """The caches in the kernel's form (nn_kernels.kernel_cache), or None unless all are [1, hkv,
+        context, hd] of one dtype, writeable and contiguous, and match k and v. A server passes the
+        same slots' arrays step after step: those found fit last are not checked again (their
+        identities, not their contents, are what is checked)."""
         ids = tuple(map(id, k_caches)) + tuple(map(id, v_caches))
         if ids == checked[1]:
-            return True
+            return checked[0]
         first, first_v = k_caches[0], v_caches[0]
-        if not all(isinstance(c, np.ndarray) and c.dtype == np.float32 and c.ndim == 4 and c.flags.writeable
+        if not all(isinstance(c, np.ndarray) and c.dtype == first.dtype and c.ndim == 4 and c.flags.writeable
                    and c.flags.c_contiguous for c in k_caches + v_caches) \
+                or nn_kernels.kernel_cache(first) is None \
                 or not all(c.shape == first.shape for c in k_caches) \
                 or not all(c.shape[:3] == first.shape[:3] and c.shape == first_v.shape for c in v_caches) \
                 or first.shape[0] != 1 or k.shape[1:] != (first.shape[1], 1, first.shape[3]) \
                 or v.shape[1:] != (first_v.shape[1], 1, first_v.shape[3]):
-            return False
-        checked[:] = [k_caches + v_caches, ids]
-        return True
+            return None
+        taken = [nn_kernels.kernel_cache(c) for c in k_caches + v_caches]
+        checked[:] = [taken, ids]
+        return taken
 
     def step(*xs):
         q, k, v = xs[iq], xs[ik], xs[iv]
@@ -161,59 +131,26 @@ def rows_attention_lowering(node: Node, out):
         at = [int(xs[i]) for i in positions]
         lengths_now = [sum(int(xs[i]) for i in parts) for parts in lengths]
         context = k_caches[0].shape[2] if isinstance(k_caches[0], np.ndarray) and k_caches[0].ndim == 4 else 0
-        if not all(isinstance(y, np.ndarray) and y.dtype == np.float32 and y.ndim == 4 for y in (q, k, v)) \
-                or q.shape[0] != rows or k.shape[0] != rows or v.shape[0] != rows or q.shape[2] != 1 or k.shape[2] != 1 \
-                or not (min(at) >= 0 and max(at) < context and min(lengths_now) >= 0 and max(lengths_now) <= context) \
-                or not caches_fit(q, k, v, k_caches, v_caches):
+        kernel_caches = None
+        if all(isinstance(y, np.ndarray) and y.dtype == np.float32 and y.ndim == 4 for y in (q, k, v)) \
+                and q.shape[0] == rows and k.shape[0] == rows and v.shape[0] == rows and q.shape[2] == 1 \
+                and k.shape[2] == 1 and min(at) >= 0 and max(at) < context and min(lengths_now) >= 0 \
+                and max(lengths_now) <= context:
+            kernel_caches = caches_fit(k, v, k_caches, v_caches)
+        if kernel_caches is None:
             return _fused_reference(xs, node.attrs)
-        pos, length = np.array(at, np.int64), np.array(lengths_now, np.int64)
         q, k, v = (np.ascontiguousarray(y) for y in (q, k, v))
-        if form["inv"] is not None:
-            inv = np.ascontiguousarray(xs[inv_index], np.float32).reshape(-1).view()
-            inv.flags.writeable = False
+        if form_inv is not None:
+            inv = np.ascontiguousarray(xs[inv_index], np.float32).reshape(-1)
         else:
             inv = default_inv
-        scale = np.float32(form["scale"] if form["scale"] is not None else 1.0 / math.sqrt(q.shape[-1]))
-        q_out = np.empty(q.shape, np.float32)
+        scale = np.float32(form_scale if form_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
         result = np.empty(q.shape[:3] + (v.shape[3],), np.float32)
-        threads = nn_kernels.SPLIT["threads"]
-        for g in range(0, rows, ROWS_PER_CALL):
-            n = min(ROWS_PER_CALL, rows - g)
-            pad = [padding] * (ROWS_PER_CALL - n)
-            head = (q[g:g + n], k[g:g + n], v[g:g + n], tuple(k_caches[g:g + n] + pad), tuple(v_caches[g:g + n] + pad),
-                    pos[g:g + n], length[g:g + n], inv, interleaved, rd, scale, causal, window, softcap,
-                    q_out[g:g + n], result[g:g + n])
-            if threads <= 1 or n < 2 or not team.team(threads).run(rows_chunks, (head, plan(n, threads), dummy[None], dummy)):
-                rows_rope_write_attend(*head, 0, n)
+        decode_attention.run(q, k, v, kernel_caches[:rows], kernel_caches[rows:], np.array(at, np.int64),
+                             np.array(lengths_now, np.int64), inv, interleaved, rd, scale, causal, window, softcap, result,
+                             nn_kernels.SPLIT["threads"])
         return (result,) + tuple(c for pair in zip(k_caches, v_caches) for c in pair)
     return step
-
-
-def plan(rows: int, threads: int) -> np.ndarray:
-    """The team's chunks of `rows` rows: [chunks, 2] (r0, r1)."""
-    hit = _plans.get((rows, threads))
-    if hit is None:
-        parts = min(rows, threads * CHUNKS_PER_THREAD)
-        hit = _plans[(rows, threads)] = np.array([(rows * i // parts, rows * (i + 1) // parts) for i in range(parts)],
-                                                 np.int64)
-    return hit
-
-
-_plans: dict[tuple[int, int], np.ndarray] = {}
-padding = np.zeros((1, 1, 1, 1), np.float32)   # the unused entries of a cache tuple
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel and its team driver (kernels.warm_up calls this)."""
-    f32 = lambda *shape: np.ones(shape, np.float32)   # noqa: E731
-    inv = f32(4)
-    inv.flags.writeable = False
-    caches = (f32(1, 1, 4, 8),) * ROWS_PER_CALL
-    head = (f32(1, 2, 1, 8), f32(1, 1, 1, 8), f32(1, 1, 1, 8), caches, caches, np.zeros(1, np.int64),
-            np.ones(1, np.int64), inv, True, 8, np.float32(1), True, 0, np.float32(0), f32(1, 2, 1, 8), f32(1, 2, 1, 8))
-    rows_rope_write_attend(*head, 0, 1)
-    ctrl, out = np.zeros(team.SLEEP + 8, np.int64), f32(1, 1)
-    rows_chunks(head, plan(1, 1), out[None], out, ctrl, 1, -1)   # the lead alone: takes the one chunk
 
 
 FUSED_LOWERINGS = {"rows_qkv_attention": rows_attention_lowering}

@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="cpu.threads (1: steps timed in thread CPU time, "
                     "steady on a busy machine)")
+    ap.add_argument("--kv-dtype", default=None, help="the slots' dtype (float32, bfloat16, float16)")
     ap.add_argument("--per-row", action="store_true", help="without fuse_rows_attention (each row's attention a step)")
     args = ap.parse_args()
     from ingot import CompileOptions
@@ -35,7 +36,7 @@ def main() -> None:
     options = CompileOptions(cpu=CpuOptions(gemv_activations="int8" if args.int8 else "float32", threads=args.threads),
                              fusions=frozenset(FUSIONS["cpu"]) - {"rows_attention"} if args.per_row else None)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    engine = Engine(default_model_path(), max_batch=args.rows, context=1024, options=options)
+    engine = Engine(default_model_path(), max_batch=args.rows, context=1024, options=options, kv_dtype=args.kv_dtype)
     exe, _ = engine._rows_executable(args.rows)
     slots = tuple(engine.slots[:args.rows])
     positions = np.array([int(p) for p in args.positions.split(",")] if args.positions else
@@ -43,7 +44,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for slot in slots:       # K/V of some earlier tokens (their values do not change the cost)
         for _, a in slot.arrays(engine.config.n_layers):
-            a[...] = rng.standard_normal(a.shape, np.float32) * 0.1
+            a[...] = (rng.standard_normal(a.shape, np.float32) * 0.1).astype(a.dtype)
     state = engine._row_state(slots)
     tokens = np.arange(args.rows, dtype=np.int32) + 100
     plan = exe.plan

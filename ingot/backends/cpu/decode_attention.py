@@ -39,7 +39,7 @@ _serial = dict(fastmath=True, cache=True, nogil=True)
 BLOCK = 128             # keys per online-softmax block (a block's scores stay in L1)
 ROWS_PER_CALL = 8       # rows per kernel call (the caches' tuples)
 CHUNKS_PER_THREAD = 4   # chunks of jobs per thread: rows differ in length, a late worker still finds some
-PARALLEL_MIN_WORK = 1 << 15   # query heads x keys under which the team costs more than it saves
+PARALLEL_MIN_WORK = 1 << 11   # query heads x keys under which the team costs more than it saves
 AHEAD = 16              # key rows fetched ahead: a server's caches come from memory, each (row, head) a
                         # stream of a few pages the hardware prefetcher barely ramps up on
 

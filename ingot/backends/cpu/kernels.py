@@ -553,7 +553,11 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
             # a server's batch: each block of W once for all rows (rows_gemv.py: 4- and 8-bit weights,
             # parameters as arrays; vnni.gemv takes the others' rows itself)
             kernel, args = rows_gemv.gemv_rows, rows_args
-        split_blocks(kernel, (x2, weight) + args, parts, result, k * n, threads)
+        # a column-split kernel's rows are work of their own (a server's batch: 8 rows of 576 x 960 are worth
+        # the team where one is not), and its split changes no result; a split along k does (partial sums), so
+        # there the rows do not count and a row's result never depends on how many came with it
+        work = k * n * (rows if team.DRIVERS[kernel][1] else 1)
+        split_blocks(kernel, (x2, weight) + args, parts, result, work, threads)
         return result.reshape(x.shape[:-1] + (n,)) if x.ndim != 2 else result
 
     def gemm(x2, xsum, q, scale, offset, flip, block, n):

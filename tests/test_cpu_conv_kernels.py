@@ -36,8 +36,10 @@ def test_blocked_only_for_small_outputs_and_known_windows():
     assert not conv_kernels.blocked_fits(3, 3, 56, 56) and not conv_kernels.blocked_fits(2, 2, 7, 7)
 
 
-def test_depthwise_conv_step_with_epilogue():
-    """A depthwise conv + bias + ReLU compiled for the CPU (fusion, blocked kernel) equals the reference."""
+@pytest.mark.parametrize("strides", [(2, 2), (2, 1)])
+def test_depthwise_conv_step_with_epilogue(strides):
+    """A depthwise conv + bias + ReLU compiled for the CPU (fusion, the vector kernel) equals the reference;
+    strides (2, 1) as PP-OCR's backbone has them."""
     import ingot
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 21, 15, 13)).astype(np.float32)
@@ -45,10 +47,10 @@ def test_depthwise_conv_step_with_epilogue():
     b = rng.standard_normal(21).astype(np.float32)
     g = ingot.Graph()
     xi = g.placeholder(x.shape, name="x")
-    y = g.maximum(g.conv(xi, w, b, strides=(2, 2), pads=((1, 1), (0, 1)), groups=21), 0.0)
+    y = g.maximum(g.conv(xi, w, b, strides=strides, pads=((1, 1), (0, 1)), groups=21), 0.0)
     exe = g.compile(targets=[y])
     assert any(n.op.name == "FUSED" for n in exe.program.nodes())
-    want = np.maximum(conv(x, w, b, (2, 2), (1, 1), ((1, 1), (0, 1)), 21), 0)
+    want = np.maximum(conv(x, w, b, strides, (1, 1), ((1, 1), (0, 1)), 21), 0)
     np.testing.assert_allclose(exe.run({"x": x})[0], want, rtol=1e-5, atol=1e-5)
 
 

@@ -31,6 +31,9 @@ DEPTHWISE = [  # C, (H, W), (kh, kw), stride, dilation, pads ((top, bottom), (le
     (7, (11, 12), (5, 5), 2, 1, ((2, 1), (0, 2))),
     (4, (10, 9), (3, 3), 1, 2, ((2, 2), (1, 3))),
     (6, (40, 90), (3, 3), 2, 1, ((0, 1), (0, 1))),
+    (24, (12, 37), (3, 3), (2, 1), 1, ((1, 1), (1, 1))),      # PP-OCR's row-only stride
+    (9, (7, 33), (5, 5), (2, 1), 1, ((2, 2), (2, 2))),
+    (3, (13, 21), (3, 5), (3, 2), 2, ((1, 2), (4, 0))),
 ]
 
 
@@ -40,11 +43,12 @@ def test_depthwise_matches_reference(c, hw, k, stride, dilation, pads):
     x = rng.standard_normal((c,) + hw).astype(np.float32)
     w = rng.standard_normal((c, 1) + k).astype(np.float32)
     b = rng.standard_normal(c).astype(np.float32)
-    want = conv(x[None], w, b, (stride, stride), (dilation, dilation), pads, c)[0]
-    assert conv_spatial.depthwise_fits(k[0], k[1], (stride, stride))
+    strides = stride if isinstance(stride, tuple) else (stride, stride)
+    want = conv(x[None], w, b, strides, (dilation, dilation), pads, c)[0]
+    assert conv_spatial.depthwise_fits(k[0], k[1], strides)
     out = np.full(want.shape, np.nan, np.float32)
-    kernel = conv_spatial.driver(k[0], k[1], [], [], depthwise_stride=stride)
-    kernel(x, w.reshape(c, -1), b, dilation, dilation, pads[0][0], pads[1][0], out, ())
+    kernel = conv_spatial.driver(k[0], k[1], [], [], depthwise_stride=strides[1])
+    kernel(x, w.reshape(c, -1), b, strides[0], dilation, dilation, pads[0][0], pads[1][0], out, ())
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 
 

@@ -292,7 +292,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, constants=constants)
     if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
-        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw),
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sw, sh, dh, dw, ph, pw),
                              constants=constants)
     if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow, m):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows",
@@ -369,8 +369,8 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                   b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise",
                   constants: frozenset = frozenset()):
     """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1,
-    window None), else a depthwise one or (kind "rows") a kxk one of few channels, window (stride, dh, dw,
-    ph, pw)."""
+    window None), else a depthwise one, window (column stride, row stride, dh, dw, ph, pw), or (kind
+    "rows") a kxk one of few channels, window (stride, dh, dw, ph, pw)."""
     out_shape = tuple(conv.type.shape)
     n_img, m = out_shape[:2]
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]

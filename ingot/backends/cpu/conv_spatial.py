@@ -397,18 +397,20 @@ epilogue = EPILOGUES[{key!r}]
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
-    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; stride s. Each channel is copied into a
-    # zero-padded plane of row width wp. Stride 1: output (oy, ox) is grid position q = oy * wp + ox,
-    # which reads the plane at q + i * dh * wp + j * dw (the columns past ow are computed and dropped).
-    # Stride 2: a row at a time, grid q = oy * ow + ox reading 2 * (oy * wp + ox) + i * dh * wp + j * dw.
+def kernel(x, w, bias, sh, dh, dw, ph, pw, out, ops):
+    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; column stride s, row stride sh. Each channel
+    # is copied into a zero-padded plane of row width wp. Strides 1: output (oy, ox) is grid position
+    # q = oy * wp + ox, which reads the plane at q + i * dh * wp + j * dw (the columns past ow are computed
+    # and dropped). Else a row at a time, grid q = oy * ow + ox reading sh * oy * wp + s * ox + i * dh * wp
+    # + j * dw (s 2: two loads, the even lanes).
     c_n, h, wd = x.shape
     _, oh, ow = out.shape
     kh, kw, s = {kh}, {kw}, {stride}
     wp = max(wd + pw, s * (ow - 1) + (kw - 1) * dw + 1)
-    hp = max(h + ph, s * (oh - 1) + (kh - 1) * dh + 1)
+    hp = max(h + ph, sh * (oh - 1) + (kh - 1) * dh + 1)
     xp = np.zeros(hp * wp + 2 * s * TILE + wp, np.float32)   # borders stay zero; slack for dropped lanes
-    wq = wp if s == 1 else ow
+    grid_path = s == 1 and sh == 1
+    wq = wp if grid_path else ow
     n = (oh - 1) * wq + ow
     grid = np.empty(n + TILE, np.float32)
     of = out.reshape(c_n * oh * ow)
@@ -421,7 +423,7 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
             row = xc[y]
             for t in range(np.uintp(wd)):
                 xp[at + t] = row[t]
-        if s == 1:
+        if grid_path:
             for q in range(0, n, TILE):
                 left = n - q
                 if left > 48:
@@ -436,7 +438,7 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
             for oy in range(oh):
                 for ox in range(0, ow, TILE):
                     left = ow - ox
-                    q, src = oy * ow + ox, s * (oy * wp + ox)
+                    q, src = oy * ow + ox, sh * oy * wp + s * ox
                     if left > 48:
                         tile4(grid, q, 0, xp, src, 0, dh * wp, dw, wf, c * taps, 0, 1, bias, c, left, 1, ops)
                     elif left > 32:
@@ -557,7 +559,8 @@ def elementwise(node) -> object:
 
 
 def depthwise_fits(kh: int, kw: int, strides) -> bool:
-    return kh <= 7 and kw <= 7 and strides[0] == strides[1] and strides[0] in (1, 2)
+    """A depthwise window up to 7 x 7 with column stride 1 or 2 (any row stride: PP-OCR's (2, 1))."""
+    return kh <= 7 and kw <= 7 and strides[1] in (1, 2) and strides[0] >= 1
 
 
 def driver(kh: int, kw: int, steps, operands, depthwise_stride: int = 0, window_stride: int = 0):

@@ -38,6 +38,10 @@ def test_if_on_a_constant_input_is_folded():
     assert not any(n.op.name == "ADD" for n in exe.program.nodes())   # the other branch is never built
     exe = from_onnx(SAMPLE_RATE, constant_inputs={"sr": np.array(8000)})
     np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(8000)})["y"], X + 1)
+    np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(8000, np.int32)})["y"], X + 1)   # same value
+    for other in (np.array(16000), 16000, np.array([8000])):
+        with pytest.raises(ingot.IngotError, match="fixed to 8000"):
+            exe.run({"x": X, "sr": other})
 
 
 def test_if_on_a_small_input_compiles_per_value():

@@ -572,23 +572,32 @@ class OnnxExecutable(Executable):
         self.output_dtypes = list(output_dtypes)
         self.onnx_inputs = list(onnx_inputs)
         self.constant_inputs = dict(constant_inputs or {})
+        # each fixed input's dtype, shape and bytes: a feed of the same dtype and shape compares as bytes
+        self._fixed = [(name, np.asarray(v).dtype, np.asarray(v).shape, np.asarray(v).tobytes())
+                       for name, v in self.constant_inputs.items()]
 
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs
         (`out["logits"]` by ONNX output name, or `(logits,) = out` in the graph's output order)."""
-        feeds = named_feeds(feeds, self.onnx_inputs)
-        missing = [k for k in self.onnx_inputs if k not in feeds]
-        if missing:
-            raise IngotError(f"run: missing feeds {missing}.")
-        for name, fixed in self.constant_inputs.items():
-            if not np.array_equal(np.asarray(feeds[name]), fixed):
-                raise IngotError(f"run: input {name!r} was fixed to {np.asarray(fixed).tolist()} at import; "
-                                 f"it cannot take other values ({np.asarray(feeds[name]).tolist()}).")
+        return self.run_named(named_feeds(feeds, self.onnx_inputs), state, **options)
+
+    def run_named(self, feeds: dict, state=None, **options) -> Outputs:
+        """run, for feeds already by ONNX input name (named_feeds' dict; SpecializingOnnxExecutable's)."""
+        if len(feeds) != len(self.onnx_inputs):   # (named_feeds refused unknown names)
+            raise IngotError(f"run: missing feeds {[k for k in self.onnx_inputs if k not in feeds]}.")
+        for name, dtype, shape, data in self._fixed:
+            value = feeds[name]
+            if isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == shape and value.tobytes() == data:
+                continue
+            if not np.array_equal(np.asarray(value), self.constant_inputs[name]):
+                raise IngotError(f"run: input {name!r} was fixed to {np.asarray(self.constant_inputs[name]).tolist()} at "
+                                 f"import; it cannot take other values ({np.asarray(value).tolist()}).")
         outs = super().run({k: as_ingot_array(v) if isinstance(v, np.ndarray) else v
                             for k, v in feeds.items() if k in self.feed_types}, state, **options)
         result = []
         for dtype, value in zip(self.output_dtypes, outs):
-            value = np.asarray(self.backend.to_host(value))
+            if type(value) is not np.ndarray:
+                value = np.asarray(self.backend.to_host(value))
             result.append(value.astype(dtype) if value.dtype != dtype else value)
         return Outputs(self.output_names, result)
 
@@ -753,7 +762,8 @@ class SpecializingOnnxExecutable:
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs."""
         feeds = named_feeds(feeds, self.onnx_inputs)
-        return self.executable(feeds).run(feeds, state, **options)
+        exe = self.executable(feeds)
+        return exe.run_named(feeds, state, **options) if type(exe) is OnnxExecutable else exe.run(feeds, state, **options)
 
     __call__ = run
 

@@ -13,6 +13,7 @@ express raises `ctx.fail(node, why)` (UnsupportedOnnx).
 from __future__ import annotations
 
 import math
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -165,7 +166,7 @@ MAX_SPECIALIZED_ELEMENTS = 64   # an input this small (shapes, axes, scales) may
 
 def named_feeds(feeds, onnx_inputs: Sequence[str]) -> dict:
     """Feeds by ONNX input name, from a mapping or a list in the model's input order; unknown names refused."""
-    if not isinstance(feeds, Mapping):
+    if type(feeds) is not dict and not isinstance(feeds, abc.Mapping):   # (typing's isinstance: ~1.5 us a call)
         feeds = [feeds] if isinstance(feeds, np.ndarray) else list(feeds)
         if len(feeds) != len(onnx_inputs):
             raise IngotError(f"run: expected {len(onnx_inputs)} inputs ({onnx_inputs}), got {len(feeds)}.")

@@ -1,4 +1,4 @@
-"""fuse_norms: written-out RMSNorm and tanh-GELU (as ONNX exporters write T5) become rms_norm and gelu."""
+"""fuse_norms: written-out RMSNorm and GELU (as ONNX exporters write T5 and BERT) become rms_norm and gelu."""
 import math
 
 import numpy as np
@@ -84,6 +84,35 @@ def test_tanh_gelu_forms_become_one_op(form):
     xd = xv.astype(np.float64)
     want = 0.5 * xd * (1 + np.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd ** 3)))
     np.testing.assert_allclose(evaluate(out, {"x": xv})[0], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["bert", "times", "right", "inner"])
+def test_erf_gelu_forms_become_one_op(form):
+    """0.5 x (1 + erf(x / sqrt 2)) as torch.onnx writes nn.GELU (div, erf, add, mul, mul), or with x * (1 / sqrt 2)."""
+    g = ingot.Graph()
+    x = g.placeholder(SHAPE, name="x")
+    scaled = x * g.constant(np.float32(1 / math.sqrt(2))) if form == "times" else x / g.constant(np.float32(math.sqrt(2)))
+    tail = g.erf(scaled) + g.constant(np.float32(1))
+    half = g.constant(np.float32(0.5))
+    y = {"bert": half * (tail * x), "times": (x * half) * tail, "right": (x * tail) * half, "inner": x * (half * tail)}[form]
+    out, changed = fuse_norms(Program([y.node], [], dict(g.constants)))
+    assert changed and ops_of(out).count(Op.GELU) == 1 and Op.ERF not in ops_of(out)
+    (gelu,) = [n for n in out.nodes() if n.op == Op.GELU]
+    assert gelu.attrs["approximate"] == "none"
+    xv = np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32) * 3
+    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in xv.astype(np.float64).reshape(-1)]).reshape(SHAPE)
+    np.testing.assert_allclose(evaluate(out, {"x": xv})[0], want, rtol=1e-5, atol=1e-6)
+    exe = g.compile(targets=[y])   # the CPU's gelu kernel, in the default pipeline
+    assert Op.ERF not in [n.op for n in exe.program.nodes()]
+    np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_erf_gelu_of_another_scale_is_left_alone():
+    g = ingot.Graph()
+    x = g.placeholder(SHAPE, name="x")
+    y = (x * (g.erf(x / g.constant(np.float32(1.3))) + g.constant(np.float32(1)))) * g.constant(np.float32(0.5))
+    out, changed = fuse_norms(Program([y.node], [], dict(g.constants)))
+    assert not changed and Op.GELU not in ops_of(out)
 
 
 def test_a_gelu_with_another_constant_is_left_alone():

@@ -1,10 +1,11 @@
-"""Recognise RMSNorm and tanh-GELU written out op by op (as ONNX exporters write T5's layers) and replace
-each by its one op, so that every backend runs one kernel where the export had seven to ten steps.
+"""Recognise RMSNorm and GELU written out op by op (as ONNX exporters write T5's and BERT's layers) and
+replace each by its one op, so that every backend runs one kernel where the export had five to ten steps.
 
     x * (1 / sqrt(mean(x * x | x ^ 2, axis=-1) + eps)) [* w]     -> rms_norm(x, w, eps)
     x / sqrt(mean(x * x | x ^ 2, axis=-1) + eps) [* w]           -> rms_norm(x, w, eps)
     x * rsqrt(mean(...) + eps) [* w]                              -> rms_norm(x, w, eps)
     0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))     -> gelu(x, approximate="tanh")
+    0.5 * x * (1 + erf(x / sqrt(2) | x * (1 / sqrt(2))))          -> gelu(x)
 
 Products in either order, eps and w constants (w of shape [D] or broadcast to it), the mean over the
 last axis with kept dims, x float32. The fused node must have the type of the node it replaces, or
@@ -21,6 +22,7 @@ from ..ops import infer_type
 from . import Context, graph_rewrite
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+SQRT_2 = math.sqrt(2.0)
 
 
 def _scalar(node: Node, ctx: Context) -> float | None:
@@ -119,10 +121,19 @@ def _cube_of(node: Node, x: Node, ctx: Context) -> bool:
     return any(a is x and _is_square_of(b, x, ctx) for a, b in _operands(node, Op.MUL))
 
 
-def _tanh_gelu_tail(node: Node, x: Node, ctx: Context) -> bool:
-    """node is 1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))."""
+def _gelu_tail(node: Node, x: Node, ctx: Context) -> str | None:
+    """"tanh" if node is 1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)), "none" if it is 1 + erf(x / sqrt(2))
+    (or x * (1 / sqrt(2))): gelu's approximate attribute; else None."""
     for one, t in _operands(node, Op.ADD):
-        if _scalar(one, ctx) != 1.0 or t.op != Op.TANH:
+        if _scalar(one, ctx) != 1.0:
+            continue
+        if t.op == Op.ERF:
+            inner = t.src[0]
+            if inner.op == Op.DIV and inner.src[0] is x and _close(_scalar(inner.src[1], ctx), SQRT_2):
+                return "none"
+            if any(a is x and _close(_scalar(c, ctx), 1 / SQRT_2) for a, c in _operands(inner, Op.MUL)):
+                return "none"
+        if t.op != Op.TANH:
             continue
         for c, inner in _operands(t.src[0], Op.MUL):
             if not _close(_scalar(c, ctx), SQRT_2_OVER_PI):
@@ -130,8 +141,8 @@ def _tanh_gelu_tail(node: Node, x: Node, ctx: Context) -> bool:
             for a, cubic in _operands(inner, Op.ADD):
                 if a is x and any(_close(_scalar(k, ctx), 0.044715) and _cube_of(cube, x, ctx)
                                   for k, cube in _operands(cubic, Op.MUL)):
-                    return True
-    return False
+                    return "tanh"
+    return None
 
 
 def _gelu(node: Node, ctx: Context) -> Node | None:
@@ -140,26 +151,26 @@ def _gelu(node: Node, ctx: Context) -> Node | None:
         return None
     for a, b in _operands(node, Op.MUL):
         for x, half in _operands(a, Op.MUL):        # (x * 0.5) * tail
-            if _scalar(half, ctx) == 0.5 and _tanh_gelu_tail(b, x, ctx):
-                return _gelu_node(node, x)
+            if _scalar(half, ctx) == 0.5 and (form := _gelu_tail(b, x, ctx)):
+                return _gelu_node(node, x, form)
         if _scalar(b, ctx) == 0.5:                   # (x * tail) * 0.5
             for x, tail in _operands(a, Op.MUL):
-                if _tanh_gelu_tail(tail, x, ctx):
-                    return _gelu_node(node, x)
+                if form := _gelu_tail(tail, x, ctx):
+                    return _gelu_node(node, x, form)
         for half, tail in _operands(b, Op.MUL):      # x * (0.5 * tail)
-            if _scalar(half, ctx) == 0.5 and _tanh_gelu_tail(tail, a, ctx):
-                return _gelu_node(node, a)
+            if _scalar(half, ctx) == 0.5 and (form := _gelu_tail(tail, a, ctx)):
+                return _gelu_node(node, a, form)
     return None
 
 
-def _gelu_node(node: Node, x: Node) -> Node | None:
+def _gelu_node(node: Node, x: Node, approximate: str) -> Node | None:
     if x.type != node.type:
         return None
-    return Node(Op.GELU, node.type, (x,), {"approximate": "tanh"}, node.name)
+    return Node(Op.GELU, node.type, (x,), {"approximate": approximate}, node.name)
 
 
 def fuse_norms(program: Program) -> tuple[Program, bool]:
-    """Replace written-out RMSNorms and tanh-GELUs by their ops; returns (program, changed)."""
+    """Replace written-out RMSNorms and GELUs by their ops; returns (program, changed)."""
     program = program.with_roots(program.outputs, program.assigns)
     program.constants = dict(program.constants)
     return graph_rewrite(program, [((Op.MUL, Op.DIV), _rms_norm), ((Op.MUL,), _gelu)], "fuse_norms")

@@ -23,6 +23,7 @@ from .passes.device import DEVICE_PIPELINES, FUSIONS, device_steps  # noqa: F401
 from .passes.fold import fold_constants
 from .passes.fuse_dequant import fuse_dequantize
 from .passes.fuse_norms import fuse_norms
+from .passes.fuse_one_hot import fuse_one_hot
 from .passes.fuse_sdpa import fuse_attention
 from .passes.inplace import update_variables_in_place
 from .passes.memory_plan import plan_memory
@@ -38,6 +39,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("cse", eliminate_common_subexpressions),       # one node per distinct computation
     ("fuse_attention", fuse_attention),             # hand-written attention -> one SDPA
     ("fuse_norms", fuse_norms),                     # written-out RMSNorm, tanh-GELU -> one op each
+    ("fuse_one_hot", fuse_one_hot),                 # one-hot @ table -> a row gather
     ("fuse_dequantize", fuse_dequantize),           # dequantize -> matmul/gather: no float weights
     ("simplify_views", simplify_views),             # chains of reshapes/transposes -> one view (after the
                                                     # fusions, whose patterns name transposes)

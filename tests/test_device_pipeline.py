@@ -97,7 +97,7 @@ def test_options_choose_fusions():
     program = Program([logits.node], list(g.assigns), dict(g.constants), dict(g.variables))
     out, history = compiler.run_pipeline(program, feed_types={"tokens": TensorType((1,), ingot.int32)},
                                          device="cuda", options=Options())
-    assert [n for n, _ in history if n.startswith("fuse_")] == ["fuse_attention", "fuse_norms", "fuse_dequantize", "fuse_siblings"]
+    assert [n for n, _ in history if n.startswith("fuse_")] == ["fuse_attention", "fuse_norms", "fuse_one_hot", "fuse_dequantize", "fuse_siblings"]
     Options.fusions = frozenset({"everything"})
     with pytest.raises(IngotError, match="not cuda fusions"):
         compiler.run_pipeline(program, device="cuda", options=Options())

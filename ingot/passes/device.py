@@ -46,13 +46,14 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
     "cuda": [
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True), codes=True)),
+        # per-row adapters (ingot serve): shrink + expand kernels, x recomputed so the GEMV fusions below stay
+        ("fuse_gathered_lora", lambda p, o: fuse_gathered_lora(p)),
         ("fuse_siblings", lambda p, o: fuse_siblings(p)),            # q/k/v, gate/up: one GEMV
         ("fuse_attention_gemv", lambda p, o: fuse_attention_gemv(p)),  # attention rounds x for the o GEMV
         ("fuse_glu", lambda p, o: fuse_glu(p, o["words_max_rows"])),   # silu(gate) * up in the down GEMV
         ("fuse_norm_gemv", lambda p, o: fuse_norm_gemv(p, o["words_max_rows"], o["self_xq_bytes"])),  # norm in the GEMV
         ("fuse_add_rms_norm", lambda p, o: fuse_add_rms_norm(p)),     # the rest: add + rms_norm, one kernel
         ("fuse_mel", lambda p, o: fuse_mel(p, o["mel_epilogue"])),     # STFT power -> mel (-> dB): one kernel
-        ("fuse_gathered_lora", lambda p, o: fuse_gathered_lora(p)),   # per-row adapters (ingot serve): 2 kernels
     ],
 }
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers

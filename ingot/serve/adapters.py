@@ -11,8 +11,8 @@ and multiplies:
 Every site of the decoder reads the same feed, which the scheduler sets each step: one small feed
 however many sites and adapters there are. Being a feed (like the KV pool's `slots`), it lives in
 the executable's fixed device buffer on CUDA, so the step stays one captured CUDA graph; the CUDA
-device pipeline runs each site's two gathered matmuls as one Triton step
-(passes/fuse_gathered_lora.py, backends/cuda/gathered_lora.py). A row whose entry has zero factors
+device pipeline runs each site's two gathered matmuls and the add of the delta as one step of two
+Triton launches (passes/fuse_gathered_lora.py, backends/cuda/gathered_lora.py). A row whose entry has zero factors
 gets a delta of exactly zero (0 * x summed), so exactly the base model's result, and each row's
 delta is its own: no row depends on which adapters the others use.
 

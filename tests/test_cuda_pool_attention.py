@@ -116,7 +116,7 @@ def test_pool_rows_decoder_on_cuda_rows_equal_batch_one_whatever_the_batch():
         positions = [p + 1 for p in positions]
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "float32"])   # None: the CUDA default, bfloat16
+@pytest.mark.parametrize("kv_dtype", [None, "float32", "int8"])   # None: the CUDA default, bfloat16
 def test_pool_engine_on_cuda_equals_alone_and_generate(tmp_path, kv_dtype):
     """`ingot serve --device cuda`'s engine: concurrent greedy answers equal each alone and generate's."""
     if _INTERPRET and kv_dtype is None:

@@ -268,3 +268,17 @@ def test_rope_write_attend_quantizes_rows_as_quantized_rows_ties_to_even():
     keys = nn_ops.dequantized_rows(caches[0], caches[2], pos + 1)
     values = nn_ops.dequantized_rows(caches[1], caches[3], pos + 1)
     np.testing.assert_allclose(out, nn_ops.sdpa(q_out, keys, values, scale=0.3, causal=True), rtol=1e-5, atol=1e-6)
+
+
+def test_a_package_keeps_its_int8_kv_cache(tmp_path):
+    from ingot.llm.package import read_llm, save_llm
+    from quant_helpers import tiny_config, tiny_tensors, tokenizer_metadata
+
+    cfg = tiny_config(kv_dtype="int8")
+    save_llm(tmp_path / "m.ingot", cfg, tiny_tensors(cfg), tokenizer_metadata())
+    values = ingot.load(tmp_path / "m.ingot").new_state().values   # the stored decode executable's caches
+    assert values["blk.0.k_cache"].dtype == np.int8 and values["blk.0.k_scale_cache"].dtype == np.float32
+    assert read_llm(tmp_path / "m.ingot").config.kv_dtype == "int8"
+    llm = ingot.llm.load(str(tmp_path / "m.ingot"))
+    llm.prefill([1, 2, 3])
+    assert llm.state.values["blk.1.v_cache"].dtype == np.int8 and llm.state.values["blk.1.v_scale_cache"][0, :, :3].all()

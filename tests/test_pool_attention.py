@@ -231,8 +231,11 @@ def tiny_package(tmp_path_factory):
     return str(path)
 
 
-def test_pool_engine_on_the_cpu_equals_alone_and_generate(tiny_package):
-    check_pool_engine(tiny_package, "cpu", None)
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])   # int8: the pool's codes and row scales, as slots
+def test_pool_engine_on_the_cpu_equals_alone_and_generate(tiny_package, kv_dtype):
+    engine = check_pool_engine(tiny_package, "cpu", kv_dtype)
+    if kv_dtype == "int8":
+        assert engine.pool.values["blk.0.k_pool"].dtype == np.int8 and "blk.0.v_scale_pool" in engine.pool.values
 
 
 def test_kv_pool_too_big_for_the_device_is_refused_before_allocating():

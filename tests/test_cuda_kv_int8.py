@@ -136,3 +136,21 @@ def test_decode_with_rope_quantizes_the_new_rows_into_an_int8_cache(interleaved)
         keys = nn_ops.dequantized_rows(host(kc), host(ks), pos + t)
         values = nn_ops.dequantized_rows(host(vc), host(vs), pos + t)
         np.testing.assert_allclose(host(got), nn_ops.sdpa(q_rot, keys, values, causal=True), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton's interpreter returns garbage for a tl.dot of two bf16 tiles")
+def test_prefill_with_bf16_dots_reads_int8_codes():
+    """prefill_precision "bf16": the codes (exact in bfloat16) and q, p rounded to bfloat16 in registers."""
+    from ingot.options import CudaOptions
+
+    rng = np.random.default_rng(4)
+    b, hq, hk, tq, d, buffer, length = 1, 8, 2, 200, 128, 512, 450
+    q = rng.standard_normal((b, hq, tq, d)).astype(np.float32)
+    kc, ks, k, k_scales = _codes(rng, (b, hk, buffer, d), length)
+    vc, vs, v, v_scales = _codes(rng, (b, hk, buffer, d), length)
+    got = attn.attention(torch.from_numpy(q).to(DEVICE), kc, vc, length=torch.tensor(length, device=DEVICE),
+                         causal=True, scales=(ks, vs), options=CudaOptions(prefill_precision="bf16"))
+    want = nn_ops.sdpa(q, nn_ops.dequantized_rows(k, k_scales, length), nn_ops.dequantized_rows(v, v_scales, length),
+                       causal=True)
+    got = cuda_backend.to_host(got)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2

@@ -666,9 +666,7 @@ def _warm_up() -> None:
         kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
         if vnni.AVAILABLE:
             wide = _kernel_form(np.ones((1, 16), params.dtype))
-            vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True, np.float32(8), 0, 1, 0, 16,
-                       f32(1, 16))
-            grouped = _grouped(wide)   # as quantized_matmul_step hands them to it
+            grouped = _grouped(wide)   # as quantized_matmul_step hands them to it ([blocks, N] ones: rows_gemv)
             vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), grouped, grouped, True, np.float32(8), 0, 1,
                       0, 16, f32(1, 16))
             rows_gemv.gemv_rows(f32(2, 32), _kernel_form(np.zeros((1, 1, 256), np.uint8)), wide, wide, True,
@@ -689,9 +687,9 @@ def _warm_up() -> None:
         kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
     if vnni.AVAILABLE:
         wide = (_kernel_form(np.ones((1, 16), np.uint8)), _kernel_form(np.ones((1, 16), np.float16)), np.int64(1))
-        for p in (wide, _grouped(wide)):
-            vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), p, p, True, np.float32(8), 0, 1, 0, 16,
-                      f32(1, 16))
+        grouped = _grouped(wide)
+        vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), grouped, grouped, True, np.float32(8), 0, 1, 0, 16,
+                  f32(1, 16))
     scaled_tile_packed4(weights[0], two, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
     scaled_tile_int8(weights[1], two, 0, 32, 32, 0, 4, f32(32, 4))
     scaled_tile_int8(weights[2], two, 0, 32, 32, 0, 4, f32(32, 4))

@@ -28,8 +28,6 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="cpu.gemv_activations = int8")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--heap", action="store_true", help="after the load, serve allocations up to 32 MB from the heap "
-                    "and keep freed pages (glibc mallopt), as an experiment")
     args = ap.parse_args()
     import ingot.llm
     from ingot.options import CompileOptions, CpuOptions
@@ -37,11 +35,6 @@ def main() -> None:
     options = CompileOptions(cpu=CpuOptions(gemv_activations="int8" if args.int8 else "float32", threads=args.threads))
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     llm = ingot.llm.load(args.gguf, context=1024, options=options)
-    if args.heap:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)    # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)   # M_TRIM_THRESHOLD
     exe = llm.decoder if args.size == 1 else llm.model.compile(args.size, "cpu", options)
     pos = args.pos if args.size == 1 else 0
     feeds = {"tokens": (np.arange(args.size, dtype=np.int32) * 7919 + 100) % llm.config.vocab_size,

@@ -6,6 +6,8 @@
 #   bash benchmarks/lab/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
 #   bash benchmarks/lab/cuda_session_run.sh attention audio           # 150 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh serve onnx                # 300 + 200 s at most
+#   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (bf16 / tf32x3, float32 / bf16 / int8 KV)
+#   SERVE_LORA=3 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # adapters per request
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
 # gemv: the GEMV variants (limbs2: x rounded inside the GEMV, no quantize launch); smollm / llama:
@@ -50,12 +52,15 @@ runs() { fn=$1; shift; for v in "$@"; do tag=${v%%:*}; envs=""; [ "$tag" != "$v"
 run_smollm() { runs smollm ${SMOLLM_RUNS:-default}; }
 run_llama() { runs llama ${LLAMA_RUNS:-default}; }
 run_prefill() {
-  timeout "${PREFILL_S:-240}" python3 -m benchmarks cuda-prefill --prompts 512,2048,8192,32768 --chunk 512,2048 \
-    --decode-steps 32 --json "$OUT/prefill.json" 2>&1 | grep -v Warn | tail -30
+  # issue 38: TTFT per prompt against the bf16 anchor, and the decode ratio (8k over 512) per KV dtype
+  timeout "${PREFILL_S:-240}" python3 -m benchmarks cuda-prefill --prompts "${PREFILL_PROMPTS:-512,2048,8192,32768}" \
+    --chunk 512,2048 --kv-dtypes "${PREFILL_KV:-float32,bfloat16,int8}" --decode-steps 32 --json "$OUT/prefill.json" \
+    2>&1 | grep -v Warn | tail -30
 }
 run_serve() {
+  # SERVE_LORA=3: three random rank-16 adapters on every projection, client c asking for model c mod 4
   timeout "${SERVE_S:-300}" python3 -m benchmarks serve --random llama8b --clients "${SERVE_CLIENTS:-1,4,16,32,64}" \
-    --requests 2 --max-tokens 128 2>&1 | grep -v Warn | tail -25
+    --requests 2 --max-tokens 128 ${SERVE_LORA:+--lora $SERVE_LORA --long-prompt 0} 2>&1 | grep -v Warn | tail -25
 }
 run_onnx() {
   timeout "${ONNX_S:-200}" python3 -m benchmarks onnx-cuda --runs 50 2>&1 | grep -v "Warn\|torch.onnx" | tail -14

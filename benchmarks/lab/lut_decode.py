@@ -30,18 +30,19 @@ def main() -> None:
     from ingot.options import CompileOptions, CpuOptions
 
     options = CompileOptions(cpu=CpuOptions(threads=args.threads))
+    available = lut_kernels.PERMUTE   # the CPU has the permute kernel; the flag is read as each step is made
     engines = {}
     with tempfile.TemporaryDirectory() as folder:
         for fmt in args.formats.split(","):
             out = os.path.join(folder, fmt.replace(":", "_") + ".ingot")
             subprocess.run([sys.executable, "-m", "ingot.cli", "quantize", default_model_path(), "-o", out, "--format", fmt,
                             "--no-calibration", "--no-awq", "--no-gptq", "--no-eval"], check=True, capture_output=True)
-            kernels = [True, False] if fmt.startswith("lut") and lut_kernels._permute_available() else [None]
+            kernels = [True, False] if fmt.startswith("lut") and available else [None]
             for permute in kernels:
-                lut_kernels.PERMUTE = lut_kernels._permute_available() if permute is None else permute  # read per step made
+                lut_kernels.PERMUTE = available if permute is None else permute
                 tag = fmt + {True: " permute", False: " portable", None: ""}[permute]
                 engines[tag] = ingot.llm.load(out, options=options)
-        lut_kernels.PERMUTE = lut_kernels._permute_available()
+        lut_kernels.PERMUTE = available
         speeds = {tag: [] for tag in engines}
         for r in range(args.rounds + 1):   # round 0 warms up
             for tag, llm in engines.items():

@@ -18,6 +18,7 @@ from numba import njit
 from ...ir import Node
 from ...ops import quant as quant_ops
 from . import team
+from .vnni import host_has
 
 GEMV_MAX_ROWS = 16
 TILE_ELEMENTS = 1 << 21
@@ -163,22 +164,7 @@ def lut_matmul_step(node: Node, out, threads: int = 1, permute: bool | None = No
 # the weight's own blocks, a float32 scale per block and column).
 
 
-def _permute_available() -> bool:
-    """VPERMPS on 512-bit vectors through an LLVM intrinsic: x86-64 with AVX-512F, numba compiling
-    for the host CPU."""
-    import platform
-
-    import numba
-    if platform.machine().lower() not in ("x86_64", "amd64") or numba.config.CPU_NAME not in (None, "host"):
-        return False
-    try:
-        import llvmlite.binding as llvm
-        return bool(llvm.get_host_cpu_features().get("avx512f"))
-    except Exception:
-        return False
-
-
-PERMUTE = _permute_available()
+PERMUTE = host_has("avx512f")   # VPERMPS on 512-bit vectors
 PERM_BLOCK = 64   # rows of k a block of the unscaled ("lut") kernel: its products table stays in L1
 
 
@@ -313,21 +299,7 @@ def split_scale(scale: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 # affine kernels do. Otherwise a kernel that looks each code up in a per-row table of 16 products.
 
 
-def _shuffle_available() -> bool:
-    """PSHUFB through an LLVM intrinsic: x86-64 with SSSE3, numba compiling for the host CPU."""
-    import platform
-
-    import numba
-    if platform.machine().lower() not in ("x86_64", "amd64") or numba.config.CPU_NAME not in (None, "host"):
-        return False
-    try:
-        import llvmlite.binding as llvm
-        return bool(llvm.get_host_cpu_features().get("ssse3"))
-    except Exception:
-        return False
-
-
-SHUFFLE = _shuffle_available()
+SHUFFLE = host_has("ssse3")   # PSHUFB
 COLUMN_CHUNK = 4096  # output columns per pass of the int8 scaled-table GEMV (an even number)
 
 

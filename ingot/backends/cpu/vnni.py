@@ -41,20 +41,21 @@ GROUP = 16  # output columns per VNNI vector (16 int32 lanes)
 BLOCK_BYTES = {4: 256, 5: 320, 6: 384, 8: 512}   # bytes of one block (16 columns x 32 k) per weight width
 
 
-def _available() -> bool:
-    """x86-64 with AVX-512 VNNI, numba compiling for the host CPU."""
+def host_has(*features: str) -> bool:
+    """Whether x86 intrinsics needing these LLVM CPU features (e.g. "avx512f") may be emitted: an x86-64
+    host that has them all, numba compiling for the host CPU."""
     import numba
     if platform.machine().lower() not in ("x86_64", "amd64") or numba.config.CPU_NAME not in (None, "host"):
         return False
     try:
         import llvmlite.binding as llvm
-        features = llvm.get_host_cpu_features()
-        return all(features.get(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
+        found = llvm.get_host_cpu_features()
+        return all(found.get(f) for f in features)
     except Exception:
         return False
 
 
-AVAILABLE = _available()
+AVAILABLE = host_has("avx512f", "avx512bw", "avx512vnni")
 
 
 def _block_rows(bits: int, halves: bool):

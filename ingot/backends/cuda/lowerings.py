@@ -491,14 +491,8 @@ def _sdpa(ctx: Lowering) -> StepFn:
         window, softcap = a.get("window", 0), a.get("softcap", 0.0)
 
         def windowed(q, k, v, *rest, out=None, xq=None, zero=None):
-            y = _sdpa_torch(q, k, v, rest[0] if has_mask else None, rest[-1] if has_length else None, scale, causal,
-                            window, softcap)
-            if zero is not None:
-                zero.zero_()
-            if out is not None:
-                out.copy_(y)
-                return out
-            return y
+            return _into(_sdpa_torch(q, k, v, rest[0] if has_mask else None, rest[-1] if has_length else None, scale,
+                                     causal, window, softcap), out, zero)
         return windowed
     options = ctx.cuda
 
@@ -526,16 +520,22 @@ def _sdpa_codes(ctx: Lowering) -> StepFn:
 
     def step(q, k, v, *rest, out=None, xq=None, zero=None):
         k_scales, v_scales = rest[-2:]
-        y = _sdpa_torch(q, k.float() * k_scales, v.float() * v_scales, rest[0] if has_mask else None,
-                        rest[-3] if has_length else None, a.get("scale"), bool(a.get("causal")), a.get("window", 0),
-                        a.get("softcap", 0.0))
-        if zero is not None:
-            zero.zero_()
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
+        return _into(_sdpa_torch(q, k.float() * k_scales, v.float() * v_scales, rest[0] if has_mask else None,
+                                 rest[-3] if has_length else None, a.get("scale"), bool(a.get("causal")),
+                                 a.get("window", 0), a.get("softcap", 0.0)), out, zero)
     return step
+
+
+def _into(y, out, zero):
+    """A torch-op attention step's result y, handed on as the kernels hand theirs: zero (the split-K
+    output of the GEMV after the attention, which the decode kernel clears in its own launch) cleared,
+    y copied into out when given."""
+    if zero is not None:
+        zero.zero_()
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
 
 
 def _sdpa_torch(q, k, v, mask, length, scale, causal: bool, window: int, softcap: float):

@@ -762,8 +762,7 @@ class SpecializingOnnxExecutable:
     def run(self, feeds: Mapping[str, Any] | Sequence[Any] = (), state=None, **options) -> Outputs:
         """Run once: feeds by ONNX input name (or a list in the model's input order); returns Outputs."""
         feeds = named_feeds(feeds, self.onnx_inputs)
-        exe = self.executable(feeds)
-        return exe.run_named(feeds, state, **options) if type(exe) is OnnxExecutable else exe.run(feeds, state, **options)
+        return self.executable(feeds).run_named(feeds, state, **options)
 
     __call__ = run
 

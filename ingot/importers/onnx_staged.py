@@ -139,7 +139,7 @@ class StagedOnnxExecutable:
         second_feeds = {**{k: v for k, v in feeds.items() if k in self.second.onnx_inputs}, **produced}
         return self.second.run({k: v for k, v in second_feeds.items() if k in self.second.onnx_inputs}, **options)
 
-    __call__ = run
+    __call__ = run_named = run   # run_named: feeds already by name (SpecializingOnnxExecutable's), which run takes too
 
     def __repr__(self) -> str:
         return f"<StagedOnnxExecutable inputs={self.onnx_inputs} host step {self.node.op_type} {list(self.node.output)}>"

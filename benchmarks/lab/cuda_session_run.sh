@@ -18,7 +18,7 @@
 # the ONNX model classes on the GPU against torch eager (issue 36).
 # Compact lines on stdout,
 # JSON under $OUT.
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ingot-cuda}; mkdir -p "$OUT"
 parts=${*:-audio attention gemv tests smollm llama}
 
@@ -30,7 +30,7 @@ run_tests() {
   # every cuda-marked file (TESTS narrows it: a cold machine compiles the audio kernels for minutes,
   # so a first call may take TESTS="tests/test_audio_cuda.py" and a second the rest)
   timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py tests/test_onnx_cuda.py} \
-    --maxfail=30 -rf 2>&1 \
+    --maxfail=30 -rf 2>&1 | tee "$OUT/tests.log" \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }
 run_attention() {
@@ -54,7 +54,8 @@ run_llama() { runs llama ${LLAMA_RUNS:-default}; }
 run_prefill() {
   # issue 38: TTFT per prompt against the bf16 anchor, and the decode ratio (8k over 512) per KV dtype
   timeout "${PREFILL_S:-240}" python3 -m benchmarks cuda-prefill --prompts "${PREFILL_PROMPTS:-512,2048,8192,32768}" \
-    --chunk 512,2048 --kv-dtypes "${PREFILL_KV:-float32,bfloat16,int8}" --decode-steps 32 --json "$OUT/prefill.json" \
+    --chunk "${PREFILL_CHUNK:-512,2048}" --kv-dtypes "${PREFILL_KV:-float32,bfloat16,int8}" --decode-steps 32 \
+    --precisions "${PREFILL_PRECISIONS:-tf32x3,bf16}" ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     2>&1 | grep -v Warn | tail -30
 }
 run_serve() {

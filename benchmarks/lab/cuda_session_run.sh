@@ -29,7 +29,7 @@ run_audio() {
 run_tests() {
   # every cuda-marked file (TESTS narrows it: a cold machine compiles the audio kernels for minutes,
   # so a first call may take TESTS="tests/test_audio_cuda.py" and a second the rest)
-  timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n 16 ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py tests/test_onnx_cuda.py} \
+  PYTHONPATH=benchmarks/lab:$PYTHONPATH timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -p failure_log -n 16 ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py tests/test_onnx_cuda.py} \
     --maxfail=30 -rf 2>&1 | tee "$OUT/tests.log" \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }

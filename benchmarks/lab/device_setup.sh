@@ -31,6 +31,7 @@ add xdist pytest_xdist
 add anyio anyio
 add httpx httpx httpcore
 add pydantic pydantic pydantic_core annotated_types typing_inspection
+add opentelemetry opentelemetry_api importlib_metadata zipp
 add fastapi fastapi starlette annotated_doc
 add uvicorn uvicorn
 echo "device_setup: installed${installed:- nothing}"

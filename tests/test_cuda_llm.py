@@ -46,9 +46,12 @@ def test_greedy_tokens_and_logits_match_transformers_on_cuda(llm, reference, cas
 
 
 def test_bf16_prefill_on_the_real_model(reference):
-    """CudaOptions.prefill_precision="bf16" on real activations: prefill logits within 1e-2 (relative L2)
-    of transformers' float32 ones on every fixture prompt; prints the top-1 agreement of the greedy ids
-    (teacher-forced) with the float32 reference."""
+    """CudaOptions.prefill_precision="bf16" on real activations: prefill logits within 1.5e-2 (relative
+    L2) of transformers' float32 ones on every fixture prompt; prints the top-1 agreement of the greedy
+    ids (teacher-forced) with the float32 reference. The bound: on the H100 (2026-12-05) four prompts
+    gave 1.9e-3 to 4.0e-3 and the 57-token one 1.16e-2, where transformers itself under bf16 autocast
+    gives 3.4e-3 to 1.31e-2 (1.31e-2 on that prompt; 2.4e-2 with bf16 weights too): bf16 rounding on
+    this model, not a kernel fault."""
     import numpy as np
 
     import ingot.llm
@@ -62,7 +65,7 @@ def test_bf16_prefill_on_the_real_model(reference):
         llm.reset()
         logits = llm.prefill(p["prompt_ids"])
         err = rel_l2(logits, arrays["logits_prefill"][case])
-        assert err < 1e-2, (case, err)
+        assert err < 1.5e-2, (case, err)
         for i, token in enumerate(p["generated_ids"][:32]):
             agree += int(np.argmax(logits)) == token
             total += 1

@@ -9,6 +9,7 @@ Magika's file-type classifier.
     python -m benchmarks onnx-vision                      # the three conv nets, 20 interleaved runs each
     python -m benchmarks onnx-vision --models yolo --runs 50 --threads 2
     python -m benchmarks onnx-vision --real --models none
+    python -m benchmarks onnx-vision --models mobilenet,ppocr-cls,orientation   # REAL ones by name
 
 Prints per model the median wall time and the median CPU time of one run of each (CPU time is the
 steadier figure on a shared machine), the ratio onnxruntime / Ingot (> 1: Ingot is faster) and the
@@ -63,14 +64,18 @@ def main() -> int:
           f"{'max diff':>9}")
     with tempfile.TemporaryDirectory() as folder:
         cases = []
+        real = script("real_onnx_models").real_models()
         for name in [m for m in args.models.split(",") if m and m != "none"]:
+            if name in real and not args.real:   # one REAL model by its name
+                cases.append((name, *real[name]))
+                continue
             if name not in models.MODELS:
-                print(f"no model {name!r} (have {', '.join(models.MODELS)})", file=sys.stderr)
+                print(f"no model {name!r} (have {', '.join([*models.MODELS, *real])})", file=sys.stderr)
                 return 2
             x = np.random.default_rng(0).standard_normal(models.MODELS[name][1]).astype(np.float32)
             cases.append((name, models.export(name, Path(folder) / f"{name}.onnx"), {"image": x}))
         if args.real:
-            cases += [(name, path, feeds) for name, (path, feeds) in script("real_onnx_models").real_models().items()]
+            cases += [(name, path, feeds) for name, (path, feeds) in real.items()]
         for name, path, feeds in cases:
             options = ort.SessionOptions()
             options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1

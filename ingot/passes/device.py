@@ -22,6 +22,7 @@ from .fuse_rope_cache import fuse_rope_cache
 from .fuse_rows_attention import fuse_rows_attention
 from .fuse_siblings import fuse_siblings
 from .fuse_spatial import fuse_spatial
+from .fuse_squeeze_excite import fuse_squeeze_excite
 from .fuse_two_level import fuse_two_level
 from .gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
 
@@ -35,6 +36,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         # max pool, nearest upsampling, depth-to-space: one step each (backends/cpu/spatial.py)
         ("fuse_spatial", lambda p, o: fuse_spatial(p)),
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
+        ("fuse_squeeze_excite", lambda p, o: fuse_squeeze_excite(p)),   # pool, 2 tiny convs, scale: one step
         # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True, codes=True)),
         # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)
@@ -59,7 +61,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("two_level", "spatial", "conv_epilogue", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("two_level", "spatial", "conv_epilogue", "squeeze_excite", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

@@ -18,7 +18,8 @@ def ints(rng, shape, dtype):
 @pytest.mark.parametrize("vnni", KERNELS)
 @pytest.mark.parametrize("x_type,w_type", [(np.uint8, np.int8), (np.int8, np.uint8), (np.int8, np.int8),
                                            (np.uint8, np.uint8)])
-@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 37, 19), (3, 2, 3, ), (16, 512, 48), (7, 1100, 33)])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 37, 19), (3, 2, 3, ), (16, 512, 48), (7, 1100, 33), (10, 64, 35),
+                                   (21, 96, 16)])
 def test_integer_matmul_matches_reference(vnni, x_type, w_type, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = ints(rng, (2, m, k), x_type), ints(rng, (k, n), w_type)

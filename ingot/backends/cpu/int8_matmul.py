@@ -23,155 +23,162 @@ from ...ir import Node, Op
 from ...ops import quant as quant_ops
 from . import team, vnni
 
-ROWS = 4                 # rows of x per weight block read from L1 (4 x 2 int32 accumulators in registers)
+ROWS = 4                 # x's rows are padded to a multiple of this (the last pass of _tile)
 BLOCK = 32               # k per weight block (vnni.repack8)
 AVAILABLE = vnni.AVAILABLE
 EXACT_K = 512           # k per float32 matmul without VNNI: 255 * 128 * 512 < 2**24, every sum exact
 
 
-@intrinsic
-def _dot_rows(typingctx, acc, acc_at, w, w_at, x4, x_at, x_stride):
-    """acc[acc_at + 16 r : + 16] += the 16 dot products of the 512-byte weight block of w at w_at (int8,
-    vnni.repack8 layout) with the 32 uint8 of row r of x (an int32 view: x4[x_at + r * x_stride ..]),
-    for r in 0..ROWS-1; two accumulators a row (even and odd quads of k) keep 8 VPDPBUSD chains apart."""
-    sig = types.void(acc, acc_at, w, w_at, x4, x_at, x_stride)
+WIDE = 8                 # rows of x per pass of _tile (8 int32 accumulators in registers; then ROWS)
+PREFETCH = 8192          # bytes of weight ahead that _tile asks for (T5's GEMMs stream theirs from L3)
 
-    def codegen(context, builder, signature, args):
-        acc_v, acc_at_v, w_v, w_at_v, x_v, x_at_v, stride_v = args
-        arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
-        aa, wa, xa = arr(0, acc_v), arr(2, w_v), arr(4, x_v)
-        i32 = ir.IntType(32)
-        v16 = ir.VectorType(i32, 16)
-        vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
-        zeros = ir.Constant(v16, [0] * 16)
-        weights = []
-        for v in range(8):
-            at = builder.add(w_at_v, ir.Constant(w_at_v.type, 64 * v))
-            weights.append(builder.load(builder.bitcast(builder.gep(wa.data, [at]), v16.as_pointer()), align=1))
-        for r in range(ROWS):
-            row_at = builder.add(x_at_v, builder.mul(stride_v, ir.Constant(stride_v.type, r)))
-            halves = [zeros, zeros]
+
+def _tile_of(rows: int):
+    """_tile for `rows` rows of x and one group of 16 output columns."""
+    @intrinsic
+    def _tile(typingctx, out, out_at, out_stride, w, w_at, nb, x4, x_at, x_stride, rx, rx_at, b, col, col_at, scale,
+              valid):
+        """For r < min(rows, valid), t < 16: out[out_at + r * out_stride + t] = D + b[col_at + t] * rx[rx_at + r] +
+        col[col_at + t] in int32 (wrapping, as the int64 sum cast to int32 does), times scale where out is
+        float32 (float32(total) * scale); D the dot product over nb weight blocks (int8, vnni.repack8 layout,
+        512 bytes each, the first at w_at) with row r of x (uint8 as an int32 view: x4[x_at + r * x_stride ..],
+        8 int32 a block). The k loop runs inside: the accumulators stay in registers, each weight block is
+        read once for all rows, PREFETCH bytes ahead asked for; the module docstring's terms join them
+        there and the row leaves as its final values (an int32 D in memory and a scalar epilogue took 37 %
+        of a 16 x 512 x 1024 product); nb >= 1."""
+        sig = types.void(out, out_at, out_stride, w, w_at, nb, x4, x_at, x_stride, rx, rx_at, b, col, col_at, scale, valid)
+        scaled = isinstance(out.dtype, types.Float)
+
+        def codegen(context, builder, signature, args):
+            (out_v, out_at_v, out_stride_v, w_v, w_at_v, nb_v, x_v, x_at_v, stride_v, rx_v, rx_at_v, b_v, col_v,
+             col_at_v, scale_v, valid_v) = args
+            arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
+            oa, wa, xa, rxa, ba, ca = arr(0, out_v), arr(3, w_v), arr(6, x_v), arr(9, rx_v), arr(11, b_v), arr(12, col_v)
+            i32, index = ir.IntType(32), w_at_v.type
+            v16, f16x = ir.VectorType(i32, 16), ir.VectorType(ir.FloatType(), 16)
+            vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
+            byte_ptr = ir.IntType(8).as_pointer()
+            prefetch = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
+            zeros = ir.Constant(v16, [0] * 16)
+            const = lambda v: ir.Constant(index, v)  # noqa: E731
+            entry = builder.block
+            loop = builder.append_basic_block("k_blocks")
+            done = builder.append_basic_block("k_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            blk = builder.phi(index)
+            sums = [builder.phi(v16) for _ in range(rows)]
+            blk.add_incoming(const(0), entry)
+            for phi in sums:
+                phi.add_incoming(zeros, entry)
+            w_base = builder.add(w_at_v, builder.mul(blk, const(512)))
+            x_base = builder.add(x_at_v, builder.mul(blk, const(8)))
+            row_at = [builder.add(x_base, builder.mul(stride_v, const(r))) for r in range(rows)]
+            for line in range(8):   # (read, into L2 (prefetcht1: 5-10 % faster from memory than t0), data)
+                ahead = builder.gep(wa.data, [builder.add(w_base, const(PREFETCH + 64 * line))])
+                builder.call(prefetch, [builder.bitcast(ahead, byte_ptr), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+            new = list(sums)
             for v in range(8):
-                x4 = builder.load(builder.gep(xa.data, [builder.add(row_at, ir.Constant(row_at.type, v))]), align=4)
-                halves[v % 2] = builder.call(vdp, [halves[v % 2], vnni.splat(builder, x4, v16), weights[v]])   # unsigned x, signed w
-            at = builder.add(acc_at_v, ir.Constant(acc_at_v.type, 16 * r))
-            ptr = builder.bitcast(builder.gep(aa.data, [at]), v16.as_pointer())
-            builder.store(builder.add(builder.load(ptr, align=4), builder.add(halves[0], halves[1])), ptr, align=4)
-        return context.get_dummy_value()
-    return sig, codegen
+                weight = builder.load(builder.bitcast(builder.gep(wa.data, [builder.add(w_base, const(64 * v))]),
+                                                      v16.as_pointer()), align=1)
+                for r in range(rows):
+                    x4 = builder.load(builder.gep(xa.data, [builder.add(row_at[r], const(v))]), align=4)
+                    new[r] = builder.call(vdp, [new[r], vnni.splat(builder, x4, v16), weight])   # unsigned x, signed w
+            following = builder.add(blk, const(1))
+            blk.add_incoming(following, builder.block)
+            for phi, value in zip(sums, new):
+                phi.add_incoming(value, builder.block)
+            builder.cbranch(builder.icmp_signed("<", following, nb_v), loop, done)
+            builder.position_at_end(done)
+            vector = lambda a, at, ty: builder.load(builder.bitcast(builder.gep(a.data, [at]), ty.as_pointer()), align=4)  # noqa: E731
+            b_vec, col_vec = vector(ba, col_at_v, v16), vector(ca, col_at_v, v16)
+            scale_vec = vnni.splat(builder, scale_v, f16x) if scaled else None
+            for r in range(rows):
+                if r:   # rows past valid are padding: not stored
+                    store = builder.append_basic_block(f"row_{r}")
+                    after = builder.append_basic_block(f"after_{r}")
+                    builder.cbranch(builder.icmp_signed("<", const(r), valid_v), store, after)
+                    builder.position_at_end(store)
+                rx_vec = vnni.splat(builder, builder.load(builder.gep(rxa.data, [builder.add(rx_at_v, const(r))]), align=4), v16)
+                total = builder.add(builder.add(new[r], builder.mul(b_vec, rx_vec)), col_vec)
+                value = builder.fmul(builder.sitofp(total, f16x), scale_vec) if scaled else total
+                at = builder.add(out_at_v, builder.mul(out_stride_v, const(r)))
+                builder.store(value, builder.bitcast(builder.gep(oa.data, [at]), value.type.as_pointer()), align=4)
+                if r:
+                    builder.branch(after)
+                    builder.position_at_end(after)
+            return context.get_dummy_value()
+        return sig, codegen
+    return _tile
 
 
-WIDE = 8                 # rows of x per weight block in _dot_block (8 int32 accumulators in registers)
-PREFETCH = 8192          # bytes of weight ahead that _dot_block asks for (T5's GEMMs stream theirs from L3:
-                         # 16 x 512 x 1024 over 40 weights, 70 -> 63 us; 16 rows of registers instead: 85)
-
-
-@intrinsic
-def _dot_block(typingctx, acc, w, w_at, nb, x4, x_at, x_stride):
-    """acc[16 r : 16 r + 16] = the 16 dot products over nb weight blocks (int8, vnni.repack8 layout, 512 bytes
-    each, the first at w_at) with row r of x (uint8 as an int32 view: x4[x_at + r * x_stride ..], 8 int32 per
-    block) for r in 0..WIDE-1. The loop over k runs inside: the WIDE accumulators stay in registers (phi
-    nodes) and each weight block is read once for WIDE rows, the bytes PREFETCH ahead asked for; nb >= 1."""
-    sig = types.void(acc, w, w_at, nb, x4, x_at, x_stride)
-
-    def codegen(context, builder, signature, args):
-        acc_v, w_v, w_at_v, nb_v, x_v, x_at_v, stride_v = args
-        arr = lambda i, v: context.make_array(signature.args[i])(context, builder, v)  # noqa: E731
-        aa, wa, xa = arr(0, acc_v), arr(1, w_v), arr(4, x_v)
-        i32, index = ir.IntType(32), w_at_v.type
-        v16 = ir.VectorType(i32, 16)
-        vdp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
-        byte_ptr = ir.IntType(8).as_pointer()
-        prefetch = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
-        zeros = ir.Constant(v16, [0] * 16)
-        const = lambda v: ir.Constant(index, v)  # noqa: E731
-        entry = builder.block
-        loop = builder.append_basic_block("k_blocks")
-        done = builder.append_basic_block("k_done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        b = builder.phi(index)
-        sums = [builder.phi(v16) for _ in range(WIDE)]
-        b.add_incoming(const(0), entry)
-        for phi in sums:
-            phi.add_incoming(zeros, entry)
-        w_base = builder.add(w_at_v, builder.mul(b, const(512)))
-        x_base = builder.add(x_at_v, builder.mul(b, const(8)))
-        rows = [builder.add(x_base, builder.mul(stride_v, const(r))) for r in range(WIDE)]
-        for line in range(8):   # (read, keep in all levels, data: no fault past the end)
-            ahead = builder.gep(wa.data, [builder.add(w_base, const(PREFETCH + 64 * line))])
-            builder.call(prefetch, [builder.bitcast(ahead, byte_ptr), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        new = list(sums)
-        for v in range(8):
-            weight = builder.load(builder.bitcast(builder.gep(wa.data, [builder.add(w_base, const(64 * v))]),
-                                                  v16.as_pointer()), align=1)
-            for r in range(WIDE):
-                x4 = builder.load(builder.gep(xa.data, [builder.add(rows[r], const(v))]), align=4)
-                new[r] = builder.call(vdp, [new[r], vnni.splat(builder, x4, v16), weight])   # unsigned x, signed w
-        following = builder.add(b, const(1))
-        b.add_incoming(following, builder.block)
-        for phi, value in zip(sums, new):
-            phi.add_incoming(value, builder.block)
-        builder.cbranch(builder.icmp_signed("<", following, nb_v), loop, done)
-        builder.position_at_end(done)
-        for r in range(WIDE):
-            ptr = builder.bitcast(builder.gep(aa.data, [ir.Constant(ir.IntType(64), 16 * r)]), v16.as_pointer())
-            builder.store(new[r], ptr, align=4)
-        return context.get_dummy_value()
-    return sig, codegen
+_tile_wide, _tile_rows = _tile_of(WIDE), _tile_of(ROWS)
 
 
 @njit(cache=True, nogil=True)
-def _store(acc, r0, rows, m_rows, lo, n, rx, b, col, scale, scaled, out_f, out_i):
-    """The finished sums of acc's rows r < rows (16 columns each) to rows r0 + r < m_rows, columns lo..n:
-    d + b * rx[m] + col (int64, wrapped to int32 as the sums are), times scale into out_f where scaled."""
-    width = min(16, n - lo)
-    for r in range(rows):
-        m = r0 + r
-        if m >= m_rows:
-            break
-        row_term = rx[m]
-        if scaled:
-            for t in range(width):
-                total = np.int32(np.int64(acc[r * 16 + t]) + b[lo + t] * row_term + col[lo + t])
-                out_f[m, lo + t] = np.float32(total) * scale
-        else:
-            for t in range(width):
-                out_i[m, lo + t] = np.int32(np.int64(acc[r * 16 + t]) + b[lo + t] * row_term + col[lo + t])
+def _tiles(out, w, g, nb, x4, stride, mp, m_rows, rx, b, col, scale):
+    """Group g's 16 columns of every row into out (flat, 16 columns a row), WIDE rows a pass, then ROWS."""
+    wide = mp - mp % WIDE
+    for r0 in range(0, wide, WIDE):
+        _tile_wide(out, r0 * 16, 16, w, g * nb * 512, nb, x4, r0 * stride, stride, rx, r0, b, col, g * 16, scale, m_rows - r0)
+    for r0 in range(wide, mp, ROWS):
+        _tile_rows(out, r0 * 16, 16, w, g * nb * 512, nb, x4, r0 * stride, stride, rx, r0, b, col, g * 16, scale, m_rows - r0)
 
 
 @njit(cache=True, nogil=True)
 def vnni_gemm(xu, w, m_rows, n, b, a, cw, k, scale, scaled, out_f, out_i):
     """out[m, t] = D[m, t] + b[t] * Rx[m] - a * Cw[t] - k * a * b[t] for m < m_rows, t < n (the module
     docstring's terms; D = xu @ w by VPDPBUSD, Rx the rows' sums of xu), wrapped to int32 into out_i,
-    or float32(that) * scale into out_f where scaled (the other out unused). xu [Mp, Kp] uint8, Mp a
-    multiple of ROWS and Kp of BLOCK, padding zero; w [Np / 16, Kp / 32, 512] int8 bytes (vnni.repack8
-    with flip 0). The terms join each group's sums as they leave the registers: no int32 D in memory."""
+    or float32(that) * scale into out_f where scaled (the other out unused; both C-contiguous [m_rows,
+    n]). xu [Mp, Kp] uint8, Mp a multiple of ROWS and Kp of BLOCK, padding zero; w [Np / 16, Kp / 32,
+    512] int8 bytes (vnni.repack8 with flip 0); b [Np] int32 (zero past n), cw [n] int64. The terms
+    join each tile's sums in registers (_tile): no int32 D in memory."""
     mp, kp = xu.shape
     nb = kp // BLOCK
-    rx = np.zeros(mp, np.int64)
+    groups = w.shape[0]
+    rx = np.zeros(mp, np.int32)      # (int32 arithmetic wraps as the int64 sums cast to int32 do)
     for m in range(m_rows):
-        total = np.int64(0)
+        total = np.int32(0)
         for t in range(kp):
-            total += np.int64(xu[m, t])
+            total += np.int32(xu[m, t])
         rx[m] = total
-    col = np.empty(w.shape[0] * 16, np.int64)
+    col = np.zeros(groups * 16, np.int32)
     for t in range(n):
-        col[t] = -a * cw[t] - k * a * b[t]
+        col[t] = np.int32(-a * cw[t] - k * a * np.int64(b[t]))
     x4 = xu.reshape(mp * kp).view(np.int32)
     stride = kp // 4
-    acc = np.zeros(WIDE * 16, np.int32)
+    whole = n // 16
     wide = mp - mp % WIDE
-    for g in range(w.shape[0]):
-        lo = g * 16
-        for r0 in range(0, wide, WIDE):      # WIDE rows at a time, the sums in registers
-            _dot_block(acc, w, g * nb * 512, nb, x4, r0 * stride, stride)
-            _store(acc, r0, WIDE, m_rows, lo, n, rx, b, col, scale, scaled, out_f, out_i)
-        for r0 in range(wide, mp, ROWS):   # the last ROWS (4)
-            acc[:] = 0
-            for blk in range(nb):
-                _dot_rows(acc, 0, w, (g * nb + blk) * 512, x4, r0 * stride + blk * 8, stride)
-            _store(acc, r0, ROWS, m_rows, lo, n, rx, b, col, scale, scaled, out_f, out_i)
+    if scaled:
+        of = out_f.reshape(out_f.size)
+        for g in range(whole):
+            for r0 in range(0, wide, WIDE):
+                _tile_wide(of, r0 * n + g * 16, n, w, g * nb * 512, nb, x4, r0 * stride, stride, rx, r0, b, col, g * 16,
+                           scale, m_rows - r0)
+            for r0 in range(wide, mp, ROWS):
+                _tile_rows(of, r0 * n + g * 16, n, w, g * nb * 512, nb, x4, r0 * stride, stride, rx, r0, b, col, g * 16,
+                           scale, m_rows - r0)
+        if whole < groups:   # the last columns through a [Mp, 16] scratch
+            part = np.empty(mp * 16, np.float32)
+            _tiles(part, w, whole, nb, x4, stride, mp, m_rows, rx, b, col, scale)
+            for m in range(m_rows):
+                for t in range(whole * 16, n):
+                    out_f[m, t] = part[m * 16 + t - whole * 16]
+    else:
+        oi = out_i.reshape(out_i.size)
+        for g in range(whole):
+            for r0 in range(0, wide, WIDE):
+                _tile_wide(oi, r0 * n + g * 16, n, w, g * nb * 512, nb, x4, r0 * stride, stride, rx, r0, b, col, g * 16,
+                           scale, m_rows - r0)
+            for r0 in range(wide, mp, ROWS):
+                _tile_rows(oi, r0 * n + g * 16, n, w, g * nb * 512, nb, x4, r0 * stride, stride, rx, r0, b, col, g * 16,
+                           scale, m_rows - r0)
+        if whole < groups:
+            part_i = np.empty(mp * 16, np.int32)
+            _tiles(part_i, w, whole, nb, x4, stride, mp, m_rows, rx, b, col, scale)
+            for m in range(m_rows):
+                for t in range(whole * 16, n):
+                    out_i[m, t] = part_i[m * 16 + t - whole * 16]
 
 
 @njit(cache=True, nogil=True)
@@ -221,6 +228,8 @@ class IntegerMatmul:
         self.cw = ws.astype(np.int64).sum(axis=0)                               # Cw
         self.b = (128 if w.dtype == np.uint8 else 0) - np.broadcast_to(w_zero.astype(np.int64).reshape(-1), (n,))
         self.b = np.ascontiguousarray(self.b)
+        self.b32 = np.zeros(self.np_, np.int32)                                 # vnni_gemm's b: int32, padded
+        self.b32[:n] = self.b
         self.buffers: dict = {}
         self.unused = (np.empty((1, 1), np.float32), np.empty((1, 1), np.int32))   # vnni_gemm's other output
 
@@ -243,7 +252,7 @@ class IntegerMatmul:
         m = x2.shape[0]
         result = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
         vnni_matmul(x2.view(np.uint8), x2.dtype == np.int8, x_zero, s0, s1, True, self._buffer(m), self.w, self.n,
-                    self.b, self.cw, result, self.unused[1])
+                    self.b32, self.cw, result, self.unused[1])
         return result.reshape(lead + (self.n,)) if out is None else out
 
     def __call__(self, x: np.ndarray, x_zero, out: np.ndarray | None = None, scale=None) -> np.ndarray:
@@ -263,7 +272,7 @@ class IntegerMatmul:
         result = np.empty((m, self.n), dtype) if out is None else out.reshape(m, self.n)
         if self.vnni:
             other = self.unused[dtype == np.float32]
-            vnni_gemm(xu, self.w, m, self.n, self.b, np.int64(a), self.cw, np.int64(k), np.float32(scale or 0.0),
+            vnni_gemm(xu, self.w, m, self.n, self.b32, np.int64(a), self.cw, np.int64(k), np.float32(scale or 0.0),
                       scale is not None, result if scale is not None else other, result if scale is None else other)
             return result.reshape(lead + (self.n,)) if out is None else out
         xf = xu[:, :k].astype(np.float32)

@@ -20,7 +20,7 @@ from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
-from . import conv_kernels, conv_spatial
+from . import conv_depthwise, conv_kernels, conv_spatial
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -291,6 +291,9 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     constant = constant_w and (b_index is None or constant_b)
     if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, constants=constants)
+    if epilogue.spatial_ok and depthwise and conv_depthwise.fits(kh, kw, (sh, sw), (dh, dw), epilogue.operands):
+        return conv_depthwise.depthwise_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, sw, ph, pw),
+                                             constants, _operand)
     if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sw, sh, dh, dw, ph, pw),
                              constants=constants)

@@ -1,0 +1,240 @@
+"""Depthwise convolutions with 16 channels to a vector, the epilogue applied in registers.
+
+conv_spatial's depthwise kernel vectorises along an output row: each channel is copied into its own
+padded plane, every tap is a load per 16 positions, rows of 7 or 14 leave lanes idle, and the epilogue
+is a second pass. MobileNet's depthwise layers (3 x 3 and 5 x 5, stride 1 and 2, 7 x 7 to 56 x 56
+outputs, 16 to 576 channels) ran there at 7-28 GFLOP/s. Here, per block of 16 channels:
+
+- the block is transposed into a zero-padded [H', W', 16] buffer, 16 x 16 at a time in registers
+  (`_transpose_in`: 64 two-source shuffles per 256 values);
+- a tile of R output positions of one row (`_tile`) keeps R accumulators; per kernel row it loads each
+  input column the tile reads once (s * (R - 1) + kw vectors) and each tap's 16 weights once, then
+  kw * R FMAs; bias and epilogue (conv_spatial.apply_steps, channel operands read 16 at a time) are
+  applied before the store into an [OH * OW, 16] buffer;
+- that buffer is transposed back into the NCHW output (`_transpose_out`, masked at the ends).
+
+Column stride 1 or 2 (any row stride), dilation 1, windows up to 7 x 7.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import conv_spatial
+from .conv_spatial import _I32, _I64, _V, _i64, _lane_mask, _masked, _splat, _vptr, apply_steps, epilogue_reads
+
+with open(os.path.abspath(__file__), "rb") as _f:
+    REVISION = hashlib.sha256(_f.read()).hexdigest()[:16]
+
+
+def _transpose16(builder, vs):
+    """16 <16 x float> rows as 16 columns: 4 stages, stage s swapping bit s of row and column."""
+    vs = list(vs)
+    for s in (8, 4, 2, 1):
+        lo = ir.Constant(ir.VectorType(_I32, 16), [k if not k & s else 16 + (k ^ s) for k in range(16)])
+        hi = ir.Constant(ir.VectorType(_I32, 16), [k ^ s if not k & s else 16 + k for k in range(16)])
+        out = list(vs)
+        for i in range(16):
+            if not i & s:
+                out[i] = builder.shuffle_vector(vs[i], vs[i + s], lo)
+                out[i + s] = builder.shuffle_vector(vs[i], vs[i + s], hi)
+        vs = out
+    return vs
+
+
+def _row_masks(builder, cols_v, rows_v):
+    """Per row l < 16: the lanes < cols, or none where l >= rows."""
+    cols = _lane_mask(builder, _i64(builder, cols_v), 0)
+    none = ir.Constant(cols.type, [0] * 16)
+    rows = _i64(builder, rows_v)
+    return [builder.select(builder.icmp_signed("<", ir.Constant(_I64, l), rows), cols, none) for l in range(16)]
+
+
+@intrinsic
+def _transpose_in(typingctx, dst, dst_at, src, src_at, src_step, rows, cols):
+    """dst[dst_at + p * 16 + l] = src[src_at + l * src_step + p] for p < 16, l < 16, zero where l >= rows
+    or p >= cols (all 16 positions are written)."""
+    sig = types.void(dst, dst_at, src, src_at, src_step, rows, cols)
+
+    def codegen(context, builder, signature, args):
+        da = context.make_array(signature.args[0])(context, builder, args[0])
+        sa = context.make_array(signature.args[2])(context, builder, args[2])
+        dst_at_v, src_at_v, step_v = (_i64(builder, args[i]) for i in (1, 3, 4))
+        load, _ = _masked(builder)
+        masks = _row_masks(builder, args[6], args[5])
+        vs = [load(_vptr(builder, sa.data, builder.add(src_at_v, builder.mul(step_v, ir.Constant(_I64, l)))), masks[l])
+              for l in range(16)]
+        for p, v in enumerate(_transpose16(builder, vs)):
+            builder.store(v, _vptr(builder, da.data, builder.add(dst_at_v, ir.Constant(_I64, 16 * p))), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _transpose_out(typingctx, dst, dst_at, dst_step, src, src_at, rows, cols):
+    """dst[dst_at + l * dst_step + p] = src[src_at + p * 16 + l] for l < rows, p < cols (reads 256 values)."""
+    sig = types.void(dst, dst_at, dst_step, src, src_at, rows, cols)
+
+    def codegen(context, builder, signature, args):
+        da = context.make_array(signature.args[0])(context, builder, args[0])
+        sa = context.make_array(signature.args[3])(context, builder, args[3])
+        dst_at_v, step_v, src_at_v = (_i64(builder, args[i]) for i in (1, 2, 4))
+        _, store = _masked(builder)
+        masks = _row_masks(builder, args[6], args[5])
+        vs = [builder.load(_vptr(builder, sa.data, builder.add(src_at_v, ir.Constant(_I64, 16 * p))), align=4)
+              for p in range(16)]
+        for l, v in enumerate(_transpose16(builder, vs)):
+            store(v, _vptr(builder, da.data, builder.add(dst_at_v, builder.mul(step_v, ir.Constant(_I64, l)))), masks[l])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _tile_intrinsic(kh: int, kw: int, stride: int, r_n: int, steps, operands):
+    """tile(out, out_at, x, x_at, row_step, w, bias, c0, lanes, ops): for r < r_n, out[out_at + 16 r : +16] =
+    the epilogue of bias[0:16] + sum over taps (i, j) of w[(i * kw + j) * 16 : +16] *
+    x[x_at + i * row_step + (stride * r + j) * 16 : +16] (channels c0 + lane, lanes < `lanes` real)."""
+    @intrinsic
+    def tile(typingctx, out, out_at, x, x_at, row_step, w, bias, c0, lanes, ops):
+        sig = types.void(out, out_at, x, x_at, row_step, w, bias, c0, lanes, ops)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, xa, wa, ba = arr(0), arr(2), arr(5), arr(6)
+            out_at_v, x_at_v, row_v, c0_v, lanes_v = (_i64(builder, args[i]) for i in (1, 3, 4, 7, 8))
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+            vload = lambda data, at: builder.load(_vptr(builder, data, at), align=4)  # noqa: E731
+            bias_v = vload(ba.data, ir.Constant(_I64, 0))
+            acc = [bias_v] * r_n
+            for i in range(kh):
+                base = builder.add(x_at_v, builder.mul(row_v, ir.Constant(_I64, i)))
+                cols = {}
+                for j in range(kw):
+                    wv = vload(wa.data, ir.Constant(_I64, (i * kw + j) * 16))
+                    for r in range(r_n):
+                        c = stride * r + j
+                        if c not in cols:
+                            cols[c] = vload(xa.data, builder.add(base, ir.Constant(_I64, 16 * c)))
+                        acc[r] = builder.call(fma, [wv, cols[c], acc[r]])
+            channels = _lane_mask(builder, lanes_v, 0)
+            read = epilogue_reads(context, builder, operands, signature.args[9], args[9], c0_v, channels=channels) \
+                if steps else {}
+            for r in range(r_n):
+                value = apply_steps(builder, steps, operands, read, acc[r]) if steps else acc[r]
+                builder.store(value, _vptr(builder, oa.data, builder.add(out_at_v, ir.Constant(_I64, 16 * r))), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+TILES: dict = {}
+
+
+def tile_for(kh: int, kw: int, stride: int, r_n: int, key: str):
+    spec = (kh, kw, stride, r_n, key)
+    if spec not in TILES:
+        steps, operands = conv_spatial.SPECS[key]
+        TILES[spec] = _tile_intrinsic(kh, kw, stride, r_n, steps, operands)
+    return TILES[spec]
+
+
+_DRIVER = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_depthwise import _transpose_in, _transpose_out, tile_for
+
+tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key!r})
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, w, bias, sh, ph, pw, out, ops):
+    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; column stride s, row stride sh
+    c_n, h, wd = x.shape
+    _, oh, ow = out.shape
+    kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
+    taps = kh * kw
+    wp = max(wd + pw, s * (ow - 1) + kw)
+    hp = max(h + ph, sh * (oh - 1) + kh)
+    xp = np.zeros((hp * wp + s * r_n + kw + 32) * 16, np.float32)   # borders stay zero; slack for the tails
+    p_n = oh * ow
+    ot = np.empty((p_n + r_n + 32) * 16, np.float32)
+    wt = np.zeros(taps * 16, np.float32)
+    bt = np.zeros(16, np.float32)
+    xf = x.reshape(c_n * h * wd)
+    of = out.reshape(c_n * p_n)
+    for c0 in range(0, c_n, 16):
+        lanes = min(16, c_n - c0)
+        for l in range(16):
+            real = l < lanes
+            for t in range(taps):
+                wt[t * 16 + l] = w[c0 + l, t] if real else np.float32(0.0)
+            bt[l] = bias[c0 + l] if real else np.float32(0.0)
+        for y in range(h):
+            for x0 in range(0, wd, 16):
+                _transpose_in(xp, ((y + ph) * wp + pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)
+        for oy in range(oh):
+            for ox in range(0, ow, r_n):
+                tile(ot, (oy * ow + ox) * 16, xp, (oy * sh * wp + ox * s) * 16, wp * 16, wt, bt, c0, lanes, ops)
+        for p0 in range(0, p_n, 16):
+            _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, p_n - p0)
+"""
+
+
+def fits(kh: int, kw: int, strides, dilations, operands) -> bool:
+    """Windows up to 7 x 7, column stride 1 or 2, dilation 1, epilogue operands scalars or per channel."""
+    return kh <= 7 and kw <= 7 and strides[1] in (1, 2) and strides[0] >= 1 and tuple(dilations) == (1, 1) and \
+        all(form in ("scalar", "channel") for form, _ in operands)
+
+
+def positions(ow: int) -> int:
+    """Output positions per tile: 4 to 8, the fewest computed and dropped at the row's end (ties: more)."""
+    return min(range(8, 3, -1), key=lambda r: -(-ow // r) * r - ow)
+
+
+def driver(kh: int, kw: int, stride: int, ow: int, steps, operands):
+    key = conv_spatial.steps_key(steps, operands)
+    conv_spatial.epilogue_for(key, steps, operands)
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=positions(ow), key=key)
+    return conv_spatial.load(f"# depthwise {REVISION}\n{source}", "kernel", "cpu_conv_depthwise")
+
+
+def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, constant: bool,
+                   window: tuple, constants: frozenset, operand):
+    """conv.py's step for a depthwise conv here: window (row stride, column stride, ph, pw); operand:
+    conv._operand (an epilogue operand as the kernels read it)."""
+    import numpy as np
+    out_shape = tuple(conv.type.shape)
+    n_img, c = out_shape[:2]
+    spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
+    in_spatial = conv.src[0].type.shape[2:] if len(out_shape) == 4 else (1,) + conv.src[0].type.shape[2:]
+    w_shape = conv.src[1].type.shape
+    kh, kw = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
+    sh, sw, ph, pw = window
+    operands = epilogue.operands
+    kernel = driver(kh, kw, sw, spatial[1], epilogue.steps, operands)
+    fixed_ops = all(i in constants for _, i in operands)
+    arranged: dict = {}
+
+    def step(*inputs):
+        wk = arranged.get("w") if constant else None
+        if wk is None:
+            bias = inputs[b_index] if b_index is not None else None
+            wk = (np.ascontiguousarray(inputs[w_index], dtype=np.float32).reshape(c, kh * kw),
+                  np.zeros(c, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(c))
+            if constant:
+                arranged["w"] = wk
+        ops = arranged.get("ops") if fixed_ops else None
+        if ops is None:
+            ops = tuple(operand(inputs[i], form, 0) for form, i in operands)
+            if fixed_ops:
+                arranged["ops"] = ops
+        xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, *in_spatial)
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        ys = y.reshape(n_img, c, *spatial)
+        for n in range(n_img):
+            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops)
+        return y
+    return step

@@ -6,6 +6,11 @@ median of do_bench_cudagraph (the launch repeated in a CUDA graph, programmatic 
 the model runs it); "empty" is a kernel that only waits and exits, the floor of a launch.
 
     python benchmarks/lab/cuda_decode_probe.py [--lengths 33,100,160,1000] [--json out.json]
+
+Long contexts as a model compiled for a long context runs them (issue 38's decode at 8k against 512):
+`--shape 32,8,128 --buffer 34848 --lengths 512,8192 --kv-dtypes bfloat16,int8` (an int8 cache: codes
+and float32 row scales, as `kv_dtype="int8"` stores them; its new row quantized by the kernel).
+`--dry` runs each variant once, untimed (Triton's interpreter: INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1).
 """
 import argparse
 import json
@@ -41,14 +46,19 @@ def main():
     ap.add_argument("--lengths", default="33,100,160,1000")
     ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     ap.add_argument("--shape", default="9,3,64")
+    ap.add_argument("--buffer", type=int, default=2048, help="cache rows (the compiled context)")
+    ap.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, bfloat16, float16, int8")
+    ap.add_argument("--dry", action="store_true", help="each variant once, untimed (the interpreter)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    import os
+    dev = torch.device(os.environ.get("INGOT_CUDA_DEVICE", "cuda"))
+    timed = (lambda fn: (fn(), 0.0)[1]) if a.dry else bench
     hq, hk, d = (int(v) for v in a.shape.split(","))
-    buf = 2048
+    buf = a.buffer
     x = torch.zeros(1, device=dev)
-    rows = [dict(variant="empty", us=round(bench(lambda: _empty[(hk,)](x, **pdl_args(dev))), 2))]
-    print(f"empty kernel (3 programs): {rows[0]['us']} us", flush=True)
+    rows = [dict(variant="empty", us=round(timed(lambda: _empty[(hk,)](x, **pdl_args(dev))), 2))]
+    print(f"empty kernel ({hk} programs): {rows[0]['us']} us", flush=True)
     inv = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
     table = attn.rope_table(inv, buf, dev)
     inv_dev = torch.from_numpy(inv).to(dev)
@@ -86,10 +96,14 @@ def main():
     }
     if a.variants:
         variants = {name: variants[name] for name in a.variants.split(",")}
-    for length in (int(v) for v in a.lengths.split(",")):
+    for kv_dtype, length in ((t, int(n)) for t in a.kv_dtypes.split(",") for n in a.lengths.split(",")):
         q = torch.randn(1, hq, 1, d, device=dev)
-        k = torch.randn(1, hk, buf, d, device=dev)
-        v = torch.randn(1, hk, buf, d, device=dev)
+        scales = None
+        if kv_dtype == "int8":   # codes and float32 row scales, as kv_dtype="int8" stores them
+            k, v = (torch.randint(-127, 128, (1, hk, buf, d), dtype=torch.int8, device=dev) for _ in range(2))
+            scales = tuple(torch.rand(1, hk, buf, 1, device=dev) * 0.02 for _ in range(2))
+        else:
+            k, v = (torch.randn(1, hk, buf, d, device=dev).to(getattr(torch, kv_dtype)) for _ in range(2))
         kn, vn = torch.randn(1, hk, 1, d, device=dev), torch.randn(1, hk, 1, d, device=dev)
         pos = torch.tensor(length - 1, dtype=torch.int32, device=dev)
         ln = torch.tensor(length, dtype=torch.int32, device=dev)
@@ -105,14 +119,14 @@ def main():
                 extra = dict(kw)
                 if cfg.get("xq"):
                     extra["xq"] = attn.XQTarget(xq["xq_ptr"], xq["xd_ptr"], xq["xs_ptr"], limbs)
-                return attn.attention(q, k, v, length=ln, causal=True, **extra)
+                return attn.attention(q, k, v, length=ln, causal=True, scales=scales, **extra)
             try:
-                us = round(bench(call), 2)
+                us = round(timed(call), 2)
             except Exception as e:   # a variant that does not compile is reported, not fatal
                 us = f"error: {type(e).__name__}: {str(e)[:100]}"
-            rows.append(dict(variant=name, length=length, us=us))
+            rows.append(dict(variant=name, kv_dtype=kv_dtype, buffer=buf, length=length, us=us))
             line.append(f"{name} {us}")
-        print(f"L={length}: " + ", ".join(line), flush=True)
+        print(f"{kv_dtype} L={length} (buffer {buf}): " + ", ".join(line), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

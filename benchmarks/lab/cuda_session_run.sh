@@ -63,6 +63,13 @@ run_serve() {
   timeout "${SERVE_S:-300}" python3 -m benchmarks serve --random llama8b --clients "${SERVE_CLIENTS:-1,4,16,32,64}" \
     --requests 2 --max-tokens 128 ${SERVE_LORA:+--lora $SERVE_LORA --long-prompt 0} 2>&1 | grep -v Warn | tail -25
 }
+run_decodeprobe() {
+  # issue 38: the decode attention at 512 and 8k keys in a cache compiled for 34k, per KV dtype and variant
+  timeout "${PROBE_S:-120}" python3 benchmarks/lab/cuda_decode_probe.py --shape 32,8,128 --buffer 34848 \
+    --lengths 512,8192 --kv-dtypes bfloat16,int8 \
+    --variants "${PROBE_VARIANTS:-plain,exec,exec-w8,exec-bn128,exec-chunk256-bn128,exec-s1,exec-split16}" \
+    --json "$OUT/decodeprobe.json" 2>&1 | grep "L=\|empty"
+}
 run_onnx() {
   timeout "${ONNX_S:-200}" python3 -m benchmarks onnx-cuda --runs 50 2>&1 | grep -v "Warn\|torch.onnx" | tail -14
 }

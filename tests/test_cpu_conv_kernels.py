@@ -171,3 +171,28 @@ def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual):
     want = t * np.clip(t + 3, 0, 6) / 6 + (r if residual else 0)
     got = exe.run({"x": x, "r": r} if residual else {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k,m", [(3, 21), (1, 19)])
+def test_silu_epilogue_in_registers_extremes(k, m):
+    """Conv + x * sigmoid(x) compiled for the CPU (direct kxk kernel, or the pointwise one): the SiLU emitted
+    whole (conv_spatial._silu) equals float64's on outputs from -300 to 300, a NaN propagating, and lanes
+    past the channels and columns."""
+    import ingot
+    rng = np.random.default_rng(k + m)
+    x = (rng.standard_normal((1, 20, 9, 21)) * 12).astype(np.float32)
+    x[0, 3, 4, 10] = np.nan
+    w = rng.standard_normal((m, 20, k, k)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    y = g.conv(xi, w, b, pads=((k // 2,) * 2, (k // 2,) * 2))
+    got = g.compile(targets=[g.mul(y, g.sigmoid(y))]).run({"x": x})[0]
+    v = conv(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), (1, 1), (1, 1),
+             ((k // 2,) * 2, (k // 2,) * 2), 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = v / (1 + np.exp(-v))
+    assert np.abs(v[np.isfinite(v)]).max() > 100 and np.isnan(want).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=3e-5, atol=1e-4)

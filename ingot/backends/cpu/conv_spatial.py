@@ -263,6 +263,49 @@ def _sigmoid(builder, x):
     return _nan_kept(builder, x, builder.select(builder.fcmp_ordered(">=", x, _const(0.0)), inv, builder.fmul(e, inv)))
 
 
+def _silu(builder, x):
+    """x * sigmoid(x) as x / (1 + exp(-x)), with AVX-512 (else x times the stable sigmoid): exp(-x) of x
+    clamped to [-88, 88] (x's NaN comes out of the product), its reduction r = x + n ln 2 = -(-x - n ln 2)
+    into the polynomial's odd terms negated, 2^n by VSCALEFPS, 1 / (1 + e) by VRCP14PS and a Newton step
+    (1 + e up to e^88: past ~e^87 the estimate is 0, and silu of x < -87 comes out -0 for ~-1e-36).
+    18 vector ops against the stable form's 24 (YOLO's 2.5 M SiLU outputs a run)."""
+    if not AVX512:
+        return builder.fmul(x, _sigmoid(builder, x))
+    mod = builder.module
+    fma = mod.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+    lo = mod.declare_intrinsic("llvm.minnum.v16f32", fnty=ir.FunctionType(_V, [_V, _V]))
+    hi = mod.declare_intrinsic("llvm.maxnum.v16f32", fnty=ir.FunctionType(_V, [_V, _V]))
+    rint = mod.declare_intrinsic("llvm.rint.v16f32", fnty=ir.FunctionType(_V, [_V]))
+    xc = builder.call(hi, [builder.call(lo, [x, _const(88.0)]), _const(-88.0)])
+    n = builder.call(rint, [builder.fmul(xc, _const(-1.4426950408889634))])
+    r = builder.call(fma, [n, _const(0.693145751953125), xc])
+    r = builder.call(fma, [n, _const(1.428606765330187e-06), r])
+    p = _const(_EXP_POLY[0])   # degree 6: the coefficient of r^k times (-1)^k
+    for k, c in zip(range(5, -1, -1), _EXP_POLY[1:]):
+        p = builder.call(fma, [p, r, _const(-c if k % 2 else c)])
+    scalef = mod.declare_intrinsic("llvm.x86.avx512.mask.scalef.ps.512", fnty=ir.FunctionType(
+        _V, [_V, _V, _V, ir.IntType(16), _I32]))
+    e = builder.call(scalef, [p, n, ir.Constant(_V, ir.Undefined), ir.Constant(ir.IntType(16), -1), ir.Constant(_I32, 4)])
+    return builder.fmul(x, _reciprocal(builder, builder.fadd(_const(1.0), e)))
+
+
+def _silu_steps(steps) -> set[int]:
+    """The indices k of SIGMOID steps whose one reader is step k + 1, a MUL of the sigmoid's own input by
+    it: apply_steps emits the pair as one _silu."""
+    users: dict[int, int] = {}
+    for j, (_, refs) in enumerate(steps):
+        for form, i in refs:
+            if form == "step":
+                users[i] = users.get(i, 0) + 1
+    pairs = set()
+    for k in range(len(steps) - 1):
+        (sig, sig_refs), (mul, mul_refs) = steps[k], steps[k + 1]
+        if sig.op == Op.SIGMOID and mul.op == Op.MUL and users.get(k) == 1 and len(sig_refs) == 1 and \
+                sorted(mul_refs) == sorted([sig_refs[0], ("step", k)]):
+            pairs.add(k)
+    return pairs
+
+
 def _pick(builder, a, b, cmp: str):
     """np.maximum / np.minimum: a NaN in either propagates."""
     keep_a = builder.or_(builder.fcmp_ordered(cmp, a, b), builder.fcmp_unordered("uno", a, a))
@@ -279,7 +322,7 @@ EMIT = {
     Op.MINIMUM: lambda b, x, y: _pick(b, x, y, "<"), Op.NEG: lambda b, x: b.fneg(x),
     Op.ABS: _unary("llvm.fabs.v16f32"), Op.SQRT: _unary("llvm.sqrt.v16f32"),
     Op.EXP: lambda b, x: _nan_kept(b, x, _exp(b, x)), Op.SIGMOID: _sigmoid,
-    Op.SILU: lambda b, x: b.fmul(x, _sigmoid(b, x)),
+    Op.SILU: lambda b, x: _silu(b, x),
     Op.TANH: lambda b, x: _nan_kept(b, x, b.fsub(b.fmul(_const(2.0), _sigmoid(b, b.fmul(_const(2.0), x))), _const(1.0))),
     Op.LESS: lambda b, x, y: b.fcmp_ordered("<", x, y), Op.LESS_EQUAL: lambda b, x, y: b.fcmp_ordered("<=", x, y),
     Op.GREATER: lambda b, x, y: b.fcmp_ordered(">", x, y), Op.GREATER_EQUAL: lambda b, x, y: b.fcmp_ordered(">=", x, y),
@@ -331,9 +374,16 @@ def epilogue_reads(context, builder, operands, op_types, ops, m_v, full_v=None, 
 def apply_steps(builder, steps, operands, read, value):
     """The steps on value (<16 x float>) with the operands' vectors of epilogue_reads."""
     slot = {i: k for k, (_, i) in enumerate(operands)}
+    silu = _silu_steps(steps)
     vals = []
-    for node, refs in steps:
+    for k, (node, refs) in enumerate(steps):
+        if k in silu:   # x * sigmoid(x): the next step emits it whole
+            vals.append(None)
+            continue
         xs = [value if form == "value" else vals[i] if form == "step" else read[slot[i]] for form, i in refs]
+        if k - 1 in silu:
+            vals.append(_silu(builder, next(x for (form, i), x in zip(refs, xs) if (form, i) != ("step", k - 1))))
+            continue
         vals.append(EMIT[node.op](builder, *xs))
     return vals[-1] if vals else value
 

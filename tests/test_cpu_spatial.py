@@ -37,6 +37,7 @@ def test_max_pool_kernel_matches_reference(planes, hw, k, s, d, pads):
     rng = np.random.default_rng(planes * 13 + hw[1])
     x = rng.standard_normal((planes,) + hw).astype(np.float32)
     x.reshape(-1)[::17] = np.nan if planes % 2 else -np.inf
+    x.reshape(-1)[5::23] = np.inf   # next to -inf (and the -inf padding): the kernel's exact path
     top, left, bottom, right = pads
     oh = (hw[0] + top + bottom - (k[0] - 1) * d[0] - 1) // s[0] + 1
     ow = (hw[1] + left + right - (k[1] - 1) * d[1] - 1) // s[1] + 1

@@ -4,7 +4,8 @@ shuffle, each one compiled pass over [N, C, H, W] float32 planes.
 - max_pool: each plane copied into a buffer holding the padding (the pad's value), then 16 outputs of
   a row at a time, their maximum kept in a register over the window's taps (at most 7 x 7, column stride
   1 or 2: generated per window); at stride 1 over the window's columns, then its rows (5 x 5: 10 maxima
-  an output, not 25). NaN propagates, as np.max.
+  an output, not 25). NaN propagates, as np.max: VMAXPS and a sum of the taps per vector, the few
+  vectors whose sum is NaN taken again with a NaN-keeping compare.
 - upsample: out[n, c, i, j] = x[n, c, rows[i], cols[j]]; an output row equal to the one before (nearest
   upsampling repeats each row) is copied whole.
 - depth_to_space: out[n, m, y * kh + i, x * kw + j] = x[n, (m * kh + i) * kw + j, y, x].
@@ -39,17 +40,34 @@ def _window_max_intrinsic(kh: int, kw: int, sw: int):
             i64, i32 = ir.IntType(64), ir.IntType(32)
             even = ir.Constant(ir.VectorType(i32, 16), list(range(0, 32, 2)))
             row_v = builder.mul(row_v, dh_v)
-            acc = None
-            for i in range(kh):
-                for j in range(kw):
-                    at = builder.add(builder.add(b_at_v, builder.mul(row_v, ir.Constant(i64, i))),
-                                     builder.mul(dw_v, ir.Constant(i64, j)))
-                    v = builder.load(cs._vptr(builder, ba.data, at), align=4)
-                    if sw == 2:
-                        hi = builder.load(cs._vptr(builder, ba.data, builder.add(at, ir.Constant(i64, 16))), align=4)
-                        v = builder.shuffle_vector(v, hi, even)
-                    acc = v if acc is None else cs._pick(builder, acc, v, ">")
-            store(acc, cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
+
+            def taps():
+                for i in range(kh):
+                    for j in range(kw):
+                        at = builder.add(builder.add(b_at_v, builder.mul(row_v, ir.Constant(i64, i))),
+                                         builder.mul(dw_v, ir.Constant(i64, j)))
+                        v = builder.load(cs._vptr(builder, ba.data, at), align=4)
+                        if sw == 2:
+                            hi = builder.load(cs._vptr(builder, ba.data, builder.add(at, ir.Constant(i64, 16))), align=4)
+                            v = builder.shuffle_vector(v, hi, even)
+                        yield v
+            # VMAXPS (a > b ? a : b) drops a NaN in a; the taps' sum is NaN where any tap is (or +inf meets
+            # -inf): those vectors are taken again with the NaN-keeping compare-and-select
+            acc = total = None
+            for v in taps():
+                acc, total = (v, v) if acc is None else \
+                    (builder.select(builder.fcmp_ordered(">", acc, v), acc, v), builder.fadd(total, v))
+            nan = builder.bitcast(builder.fcmp_unordered("uno", total, total), ir.IntType(16))
+            fast = builder.block
+            with builder.if_then(builder.icmp_unsigned("!=", nan, ir.Constant(ir.IntType(16), 0)), likely=False):
+                exact = None
+                for v in taps():
+                    exact = v if exact is None else cs._pick(builder, exact, v, ">")
+                slow = builder.block
+            result = builder.phi(acc.type)
+            result.add_incoming(acc, fast)
+            result.add_incoming(exact, slow)
+            store(result, cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
             return context.get_dummy_value()
         return sig, codegen
     return window_max

@@ -20,7 +20,7 @@ from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
-from . import conv_depthwise, conv_kernels, conv_spatial
+from . import conv_depthwise, conv_kernels, conv_pointwise, conv_spatial
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -289,6 +289,8 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
     direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups, ow, conv.src[0].type.shape[-1] if not one_d else 0)  # no im2col
     constant = constant_w and (b_index is None or constant_b)
+    if epilogue.spatial_ok and pointwise and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, "channels", constants)
     if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, constants=constants)
     if epilogue.spatial_ok and depthwise and conv_depthwise.fits(kh, kw, (sh, sw), (dh, dw), epilogue.operands):
@@ -372,8 +374,8 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                   b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise",
                   constants: frozenset = frozenset()):
     """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1,
-    window None), else a depthwise one, window (column stride, row stride, dh, dw, ph, pw), or (kind
-    "rows") a kxk one of few channels, window (stride, dh, dw, ph, pw)."""
+    window None; kind "channels": conv_pointwise's kernel), else a depthwise one, window (column stride,
+    row stride, dh, dw, ph, pw), or (kind "rows") a kxk one of few channels, window (stride, dh, dw, ph, pw)."""
     out_shape = tuple(conv.type.shape)
     n_img, m = out_shape[:2]
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
@@ -383,8 +385,12 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     w_shape = conv.src[1].type.shape
     size = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
     depthwise = window if kind == "depthwise" else None
-    kernel = conv_spatial.driver(*size, epilogue.steps, operands, depthwise[0] if depthwise else 0,
-                                 window[0] if window and kind == "rows" else 0)
+    if kind == "channels":   # conv_pointwise: 16 output channels a vector
+        kernel = conv_pointwise.driver(epilogue.steps, operands)
+    else:
+        kernel = conv_spatial.driver(*size, epilogue.steps, operands, depthwise[0] if depthwise else 0,
+                                     window[0] if window and kind == "rows" else 0)
+    arrange = conv_pointwise.arrange_weights if kind == "channels" else conv_spatial.arrange_weights
     arranged: dict = {}
     x_shape = (n_img, c, *in_spatial) if window else (n_img, c, int(np.prod(in_spatial)))
     y_shape = (n_img, m, *spatial) if window else (n_img, m, int(np.prod(spatial)))
@@ -401,7 +407,7 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                 wk = (np.ascontiguousarray(w, dtype=np.float32).reshape(m, -1),
                       np.zeros(m, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32))
             else:
-                wk = conv_spatial.arrange_weights(w, bias)
+                wk = arrange(w, bias)
             if constant:
                 arranged["w"] = wk
         xs = np.ascontiguousarray(x).reshape(x_shape)

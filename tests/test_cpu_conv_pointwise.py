@@ -1,0 +1,49 @@
+"""conv_pointwise's kernel (16 output channels a vector, positions in tiles of 16/8/4/2/1, transposed in
+registers, the epilogue per channel row) against the NumPy conv reference on awkward shapes, and through
+the compiler with a residual (a full operand) and per-channel operands."""
+import numpy as np
+import pytest
+
+import ingot
+from ingot.backends.cpu import conv_pointwise
+from ingot.ops.conv import conv
+
+CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (96, 48, (7, 7)), (3, 130, (2, 3)),
+         (8, 16, (14, 14))]   # C, M, (H, W)
+
+
+@pytest.mark.parametrize("c,m,hw", CASES)
+def test_pointwise_matches_reference(c, m, hw):
+    rng = np.random.default_rng(c * 7 + m)
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    want = conv(x[None], w, b, (1, 1), (1, 1), ((0, 0), (0, 0)), 1)[0]
+    wk, bk = conv_pointwise.arrange_weights(w, b)
+    out = np.full(want.shape, np.nan, np.float32)
+    conv_pointwise.driver([], [])(x.reshape(c, -1), wk, bk, out.reshape(m, -1), ())
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def test_chosen_where_positions_waste_more():
+    assert conv_pointwise.better_than_positions(576, 49) and conv_pointwise.better_than_positions(96, 49)
+    assert not conv_pointwise.better_than_positions(72, 56 * 56) and not conv_pointwise.better_than_positions(24, 784)
+
+
+@pytest.mark.parametrize("n,c,m,hw", [(2, 24, 48, (7, 7)), (1, 40, 32, (3, 3)), (1, 20, 64, (1, 1))])
+def test_residual_and_channel_operands_through_the_compiler(n, c, m, hw):
+    """A folded batch norm, hard-swish and a residual add after the conv, as ONNX exports them."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, c) + hw).astype(np.float32)
+    r = rng.standard_normal((n, m) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, (1, m, 1, 1)).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = g.conv(xi, w) * g.constant(scale) + 0.5
+    z = y * g.minimum(g.maximum(y + 3.0, 0.0), 6.0) * (1 / 6) + ri
+    exe = g.compile(targets=[z])
+    assert [n.attrs["kind"] for n in exe.program.nodes() if n.op.name == "FUSED"] == ["conv_epilogue"]
+    ref = conv(x, w, None, (1, 1), (1, 1), ((0, 0), (0, 0)), 1) * scale + 0.5
+    want = ref * np.clip(ref + 3, 0, 6) / 6 + r
+    np.testing.assert_allclose(exe.run({"x": x, "r": r})[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -10,6 +10,8 @@ from ingot.backends.cpu import conv_depthwise
 from ingot.ops.conv import conv
 
 CASES = [  # C, (H, W), (kh, kw), (row stride, column stride), pads ((top, bottom), (left, right))
+    (20, (150, 140), (3, 3), (1, 1), ((1, 1), (1, 1))),   # rows wider than a band (2048 floats)
+    (3, (130, 131), (5, 5), (2, 2), ((2, 2), (2, 2))),
     (1, (1, 1), (3, 3), (2, 2), ((1, 1), (1, 1))),
     (13, (9, 7), (3, 3), (2, 2), ((1, 1), (1, 1))),
     (17, (7, 7), (5, 5), (1, 1), ((2, 2), (2, 2))),
@@ -33,8 +35,12 @@ def test_depthwise_matches_reference(c, hw, k, strides, pads):
     assert conv_depthwise.fits(k[0], k[1], strides, (1, 1), [])
     out = np.full(want.shape, np.nan, np.float32)
     kernel = conv_depthwise.driver(k[0], k[1], strides[1], want.shape[2], [], [])
-    kernel(x, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, ())
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+    xp_n, ot_n = conv_depthwise.scratch_sizes(k[0], k[1], strides[1], hw, want.shape[1:], strides[0], pads[0][0], pads[1][0])
+    xp, ot = np.zeros(xp_n, np.float32), np.full(ot_n, np.nan, np.float32)
+    for _ in range(2):   # the second call reuses the scratch
+        kernel(x, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, (), xp, ot)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+        out[:] = np.nan
 
 
 def test_fits_only_what_it_runs():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -150,17 +151,18 @@ tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key!r})
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, w, bias, sh, ph, pw, out, ops):
-    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; column stride s, row stride sh
+def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
+    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; column stride s, row stride sh; xp, ot: scratch
+    # of scratch_sizes (xp zeros: only its interior is written). Per block of 16 channels, a band of output
+    # rows at a time: the input rows it reads transposed (once each), its tiles, its positions transposed
+    # back, so that what a band touches stays in cache.
     c_n, h, wd = x.shape
     _, oh, ow = out.shape
     kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
     taps = kh * kw
     wp = max(wd + pw, s * (ow - 1) + kw)
-    hp = max(h + ph, sh * (oh - 1) + kh)
-    xp = np.zeros((hp * wp + s * r_n + kw + 32) * 16, np.float32)   # borders stay zero; slack for the tails
     p_n = oh * ow
-    ot = np.empty((p_n + r_n + 32) * 16, np.float32)
+    band = max(1, 2048 // wp)
     wt = np.zeros(taps * 16, np.float32)
     bt = np.zeros(16, np.float32)
     xf = x.reshape(c_n * h * wd)
@@ -172,14 +174,21 @@ def kernel(x, w, bias, sh, ph, pw, out, ops):
             for t in range(taps):
                 wt[t * 16 + l] = w[c0 + l, t] if real else np.float32(0.0)
             bt[l] = bias[c0 + l] if real else np.float32(0.0)
-        for y in range(h):
-            for x0 in range(0, wd, 16):
-                _transpose_in(xp, ((y + ph) * wp + pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)
-        for oy in range(oh):
-            for ox in range(0, ow, r_n):
-                tile(ot, (oy * ow + ox) * 16, xp, (oy * sh * wp + ox * s) * 16, wp * 16, wt, bt, c0, lanes, ops)
-        for p0 in range(0, p_n, 16):
-            _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, p_n - p0)
+        y_in = 0
+        for oy0 in range(0, oh, band):
+            oy1 = min(oh, oy0 + band)
+            need = min(h, (oy1 - 1) * sh - ph + kh)
+            while y_in < need:
+                for x0 in range(0, wd, 16):
+                    _transpose_in(xp, ((y_in + ph) * wp + pw + x0) * 16, xf, (c0 * h + y_in) * wd + x0, h * wd, lanes,
+                                  wd - x0)
+                y_in += 1
+            for oy in range(oy0, oy1):
+                for ox in range(0, ow, r_n):
+                    tile(ot, (oy * ow + ox) * 16, xp, (oy * sh * wp + ox * s) * 16, wp * 16, wt, bt, c0, lanes, ops)
+            end = oy1 * ow
+            for p0 in range(oy0 * ow, end, 16):
+                _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
 """
 
 
@@ -194,6 +203,14 @@ def positions(ow: int) -> int:
     return min(range(8, 3, -1), key=lambda r: -(-ow // r) * r - ow)
 
 
+def scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph: int, pw: int) -> tuple[int, int]:
+    """Floats of the kernel's xp (the padded [H', W', 16] block, slack past it for the tails) and ot."""
+    (h, wd), (oh, ow) = in_hw, out_hw
+    wp = max(wd + pw, stride * (ow - 1) + kw)
+    hp = max(h + ph, sh * (oh - 1) + kh)
+    return (hp * wp + stride * positions(ow) + kw + 32) * 16, (oh * ow + positions(ow) + 32) * 16
+
+
 def driver(kh: int, kw: int, stride: int, ow: int, steps, operands):
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
@@ -205,7 +222,6 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
                    window: tuple, constants: frozenset, operand):
     """conv.py's step for a depthwise conv here: window (row stride, column stride, ph, pw); operand:
     conv._operand (an epilogue operand as the kernels read it)."""
-    import numpy as np
     out_shape = tuple(conv.type.shape)
     n_img, c = out_shape[:2]
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
@@ -215,6 +231,8 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
     sh, sw, ph, pw = window
     operands = epilogue.operands
     kernel = driver(kh, kw, sw, spatial[1], epilogue.steps, operands)
+    xp_n, ot_n = scratch_sizes(kh, kw, sw, in_spatial, spatial, sh, ph, pw)
+    xp, ot = np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)   # reused: their pages stay mapped
     fixed_ops = all(i in constants for _, i in operands)
     arranged: dict = {}
 
@@ -235,6 +253,6 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
         y = out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(n_img, c, *spatial)
         for n in range(n_img):
-            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops)
+            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot)
         return y
     return step

@@ -195,6 +195,12 @@ def lstm_step(node: Node, out):
         out[:, :4 * hidden] = bias[:, :4 * hidden] + bias[:, 4 * hidden:]
         return out
 
+    def contiguous(a):
+        return np.ascontiguousarray(a, np.float32)
+
+    def steps(lengths):
+        return np.asarray(lengths).astype(np.int64)
+
     def step(x, w, r, bias, lengths, h0, c0, peephole):
         x2 = np.ascontiguousarray(x, np.float32).reshape(seq * batch, size)
         y = np.empty((seq, d, batch, hidden), np.float32)
@@ -204,7 +210,7 @@ def lstm_step(node: Node, out):
         if gates is None:
             gates = cache["gates"] = np.empty((seq * batch, panels * WIDTH), np.float32)
         lstm_layer(x2, made("w", 1, packed, w), made("bias", 3, biases, bias), made("r", 2, packed, r),
-                   np.ascontiguousarray(peephole, np.float32), h_last, c_last, np.asarray(lengths).astype(np.int64),
+                   made("peephole", 7, contiguous, peephole), h_last, c_last, made("lengths", 4, steps, lengths),
                    reverse_first, clip, input_forget, gates, y)
         return y, h_last, c_last
     return step

@@ -171,8 +171,9 @@ class Executable:
         self.feed_order: list[str] = list(declared)
         self.feed_types: dict[str, TensorType] = declared
         self._used_inputs = frozenset(found)
+        self._host_feeds = getattr(self.backend, "name", None) == "cpu"   # from_host is the identity there
         # a feed of exactly this storage dtype and shape needs no check_feed (small models run in ~0.1 ms)
-        self._exact_feeds = {name: (t.dtype.storage, dt.storage_shape(t.shape, t.dtype)) for name, t in declared.items()
+        self._exact_feeds = {name: (np.dtype(t.dtype.storage), dt.storage_shape(t.shape, t.dtype)) for name, t in declared.items()
                              if t.static}
         self.output_types = [n.type for n in program.outputs]
         self.call_sites: dict[str, Node] = {n.attrs["name"]: n for n in nodes if n.op == Op.CALL}
@@ -245,21 +246,37 @@ class Executable:
         feeds: {name or placeholder tensor: array}, or a list in the order the placeholders were
         declared. state: the variables to read and update (default: `self.state`).
         """
+        return Outputs(self.output_names, self.run_values(feeds, state, **options))
+
+    __call__ = run
+
+    def run_values(self, feeds: Mapping[Any, Any] | Sequence[Any] = (), state: State | None = None, **options):
+        """run's outputs as the backend returns them (a list in target order), not wrapped as Outputs:
+        for wrappers that convert them (OnnxExecutable) and build their own."""
         if state is None:
             state = self.state
         else:
             self._check_state(state)
         values = self._feeds(feeds)
         try:
-            return Outputs(self.output_names, self.plan.run(values, state.values, **options))
+            return self.plan.run(values, state.values, **options)
         except IngotError:
             raise
         except (ValueError, IndexError, TypeError, ArithmeticError, AssertionError) as e:
             raise IngotError(f"run: {type(e).__name__}: {e}") from e
 
-    __call__ = run
-
     def _feeds(self, feeds) -> dict[str, Any]:
+        if type(feeds) is dict and self._host_feeds:   # the common case in one pass (~1 us a run less)
+            out = {}
+            for name, value in feeds.items():
+                exact = self._exact_feeds.get(name) if type(name) is str else None
+                if exact is None or type(value) is not np.ndarray or value.dtype != exact[0] or value.shape != exact[1]:
+                    break
+                if name in self._used_inputs:
+                    out[name] = value
+            else:
+                if len(feeds) == len(self.feed_order):   # (the names are distinct, all inputs: none missing)
+                    return out
         if isinstance(feeds, Mapping):
             named = {}
             for key, value in feeds.items():

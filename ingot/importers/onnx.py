@@ -592,8 +592,8 @@ class OnnxExecutable(Executable):
             if not np.array_equal(np.asarray(value), self.constant_inputs[name]):
                 raise IngotError(f"run: input {name!r} was fixed to {np.asarray(self.constant_inputs[name]).tolist()} at "
                                  f"import; it cannot take other values ({np.asarray(value).tolist()}).")
-        outs = super().run({k: as_ingot_array(v) if isinstance(v, np.ndarray) else v
-                            for k, v in feeds.items() if k in self.feed_types}, state, **options)
+        outs = self.run_values({k: as_ingot_array(v) if isinstance(v, np.ndarray) else v
+                                for k, v in feeds.items() if k in self.feed_types}, state, **options)
         result = []
         for dtype, value in zip(self.output_dtypes, outs):
             if type(value) is not np.ndarray:

@@ -13,6 +13,7 @@ from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
 from .fuse_conv_epilogue import fuse_conv_epilogue
 from .fuse_dynamic_quantize import fuse_dynamic_quantize
+from .fuse_expand_depthwise import fuse_expand_depthwise
 from .fuse_gathered_lora import fuse_gathered_lora
 from .fuse_glu import fuse_glu
 from .fuse_integer_matmul import fuse_integer_matmul
@@ -37,6 +38,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_spatial", lambda p, o: fuse_spatial(p)),
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
         ("fuse_squeeze_excite", lambda p, o: fuse_squeeze_excite(p)),   # pool, 2 tiny convs, scale: one step
+        ("fuse_expand_depthwise", lambda p, o: fuse_expand_depthwise(p)),   # 1x1 -> depthwise: no NCHW between
         # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True, codes=True)),
         # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)
@@ -61,7 +63,7 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("two_level", "spatial", "conv_epilogue", "squeeze_excite", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": ("two_level", "spatial", "conv_epilogue", "squeeze_excite", "expand_depthwise", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

@@ -1,0 +1,238 @@
+"""The FUSED "expand_depthwise" op (passes/fuse_expand_depthwise.py): a pointwise conv (+ epilogue) whose
+output only a depthwise conv (+ epilogue) reads, as one kernel.
+
+conv_depthwise transposes its NCHW input into a padded [H', W', 16] buffer per block of 16 channels.
+Here the pointwise conv computes that buffer itself, the rows the depthwise bands need as they need them:
+16 output channels x R consecutive input positions per tile (R = 16, 8, 4, 2, 1; conv_pointwise's
+arithmetic, lanes are channels), bias and epilogue in registers, each position stored straight into its
+place in the padded buffer (a table of offsets: a tile may span rows). The expanded tensor is never
+written as NCHW nor read back (MobileNet's expand layers are its largest tensors).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ...ir import Node, Op
+from ...passes.fuse_conv_epilogue import operand_form
+from ...passes.fuse_squeeze_excite import conv_of
+from . import conv_depthwise, conv_pointwise, conv_spatial
+from .conv_spatial import _I64, _V, _i64, _lane_mask, _splat, _vptr, apply_steps, epilogue_reads
+
+
+with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cache key: the intrinsics here
+    REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_pointwise.REVISION
+
+
+def _row_tile_intrinsic(r_n: int, steps, operands):
+    """tile(xp, offs, x, x_at, p_n, w, w_at, n_c, bias, c0, lanes, ops): for r < r_n, xp[offs[x_at + r] : +16] =
+    epilogue(bias[c0 : +16] + sum over c < n_c of w[w_at + 16 c : +16] * x[x_at + c * p_n + r]) (lanes:
+    channels c0 + l, those < lanes real; offs: each input position's place in the padded buffer)."""
+    @intrinsic
+    def tile(typingctx, xp, offs, x, x_at, p_n, w, w_at, n_c, bias, c0, lanes, ops):
+        sig = types.void(xp, offs, x, x_at, p_n, w, w_at, n_c, bias, c0, lanes, ops)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, fa, xa, wa, ba = arr(0), arr(1), arr(2), arr(5), arr(8)
+            x_at_v, p_v, w_at_v, n_v, c0_v, lanes_v = (_i64(builder, args[i]) for i in (3, 4, 6, 7, 9, 10))
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+            zero = ir.Constant(_V, [0.0] * 16)
+            start = builder.block
+            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
+            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
+            builder.position_at_end(loop)
+            c = builder.phi(_I64)
+            c.add_incoming(ir.Constant(_I64, 0), start)
+            accs = []
+            for _ in range(r_n):
+                p = builder.phi(_V)
+                p.add_incoming(zero, start)
+                accs.append(p)
+            wv = builder.load(_vptr(builder, wa.data, builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
+            x_c = builder.add(x_at_v, builder.mul(c, p_v))
+            new = [builder.call(fma, [wv, _splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))]))),
+                                      accs[r]]) for r in range(r_n)]
+            nxt = builder.add(c, ir.Constant(_I64, 1))
+            latch = builder.block
+            c.add_incoming(nxt, latch)
+            for p, val in zip(accs, new):
+                p.add_incoming(val, latch)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
+            builder.position_at_end(done)
+            finals = []
+            for r in range(r_n):
+                f = builder.phi(_V)
+                f.add_incoming(zero, start)
+                f.add_incoming(new[r], latch)
+                finals.append(f)
+            bias_v = builder.load(_vptr(builder, ba.data, c0_v), align=4)
+            read = epilogue_reads(context, builder, operands, signature.args[11], args[11], c0_v,
+                                  channels=_lane_mask(builder, lanes_v, 0)) if steps else {}
+            for r, f in enumerate(finals):
+                value = builder.fadd(f, bias_v)
+                if steps:
+                    value = apply_steps(builder, steps, operands, read, value)
+                at = _i64(builder, builder.load(builder.gep(fa.data, [builder.add(x_at_v, ir.Constant(_I64, r))])))
+                builder.store(value, _vptr(builder, oa.data, at), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+TILES: dict = {}
+
+
+def row_tile_for(r_n: int, key: str):
+    if (r_n, key) not in TILES:
+        steps, operands = conv_spatial.SPECS[key]
+        TILES[r_n, key] = _row_tile_intrinsic(r_n, steps, operands)
+    return TILES[r_n, key]
+
+
+_DRIVER = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_depthwise import _transpose_out, tile_for
+from ingot.backends.cpu.expand_depthwise import row_tile_for
+
+tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key_b!r})
+row16, row8, row4, row2, row1 = (row_tile_for(r, {key_a!r}) for r in (16, 8, 4, 2, 1))
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
+    # x [C, H, W]: the pointwise conv's input; wa [M rounded up to 16 / 16, C, 16], ba [M rounded up];
+    # w [M, kh * kw], bias [M]: the depthwise conv's; out [M, OH, OW]; xp, ot: conv_depthwise's scratch;
+    # offs [H * W]: input position y * W + x's offset in xp, ((y + ph) * wp + pw + x) * 16
+    c_n, h, wd = x.shape
+    m_n, oh, ow = out.shape
+    kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
+    taps = kh * kw
+    wp = max(wd + pw, s * (ow - 1) + kw)
+    p_n = oh * ow
+    hw = h * wd
+    band = max(1, 2048 // wp)
+    wt = np.zeros(taps * 16, np.float32)
+    bt = np.zeros(16, np.float32)
+    xf = x.reshape(c_n * hw)
+    of = out.reshape(m_n * p_n)
+    waf = wa.reshape(wa.shape[0] * c_n * 16)
+    for blk in range(wa.shape[0]):
+        c0 = blk * 16
+        lanes = min(16, m_n - c0)
+        w_at = blk * c_n * 16
+        for l in range(16):
+            real = l < lanes
+            for t in range(taps):
+                wt[t * 16 + l] = w[c0 + l, t] if real else np.float32(0.0)
+            bt[l] = bias[c0 + l] if real else np.float32(0.0)
+        y_in = 0
+        for oy0 in range(0, oh, band):
+            oy1 = min(oh, oy0 + band)
+            need = min(h, (oy1 - 1) * sh - ph + kh)
+            q, q_end = y_in * wd, need * wd   # the pointwise conv's positions of rows y_in..need, into xp
+            while q + 16 <= q_end:
+                row16(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                q += 16
+            if q + 8 <= q_end:
+                row8(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                q += 8
+            if q + 4 <= q_end:
+                row4(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                q += 4
+            if q + 2 <= q_end:
+                row2(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                q += 2
+            if q < q_end:
+                row1(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+            y_in = max(y_in, need)
+            for oy in range(oy0, oy1):
+                for ox in range(0, ow, r_n):
+                    tile(ot, (oy * ow + ox) * 16, xp, (oy * sh * wp + ox * s) * 16, wp * 16, wt, bt, c0, lanes, ops)
+            end = oy1 * ow
+            for p0 in range(oy0 * ow, end, 16):
+                _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
+"""
+
+
+def driver(kh: int, kw: int, stride: int, ow: int, steps_a, steps_b, operands):
+    """The kernel for this window and these epilogues (steps over the shared operand list)."""
+    key_a, key_b = conv_spatial.steps_key(steps_a, operands), conv_spatial.steps_key(steps_b, operands)
+    conv_spatial.epilogue_for(key_a, steps_a, operands)
+    conv_spatial.epilogue_for(key_b, steps_b, operands)
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=conv_depthwise.positions(ow), key_a=key_a, key_b=key_b)
+    return conv_spatial.load(f"# expand_depthwise {REVISION}\n{source}", "kernel", "cpu_expand_depthwise")
+
+
+def _parts(node: Node):
+    """(conv, input index of its weights, of its bias or None, steps [(node, [(form, i)])]) of one of the
+    two convs in the fused body, inputs numbered as the fused op's."""
+    conv, epilogue = conv_of(node)
+
+    def outer(s: Node) -> int:
+        if node.op == Op.FUSED:
+            s = node.src[s.attrs["param"]]
+        return s.attrs["param"]
+    slot = {conv.id: ("value", 0)}
+    steps = []
+    out_shape = tuple(conv.type.shape)
+    for k, n in enumerate(epilogue):
+        refs = []
+        for s in n.src:
+            refs.append(slot[s.id] if s.id in slot else (operand_form(tuple(s.type.shape), out_shape), outer(s)))
+        slot[n.id] = ("step", k)
+        steps.append((n, refs))
+    return conv, outer(conv.src[1]), outer(conv.src[2]) if len(conv.src) > 2 else None, steps
+
+
+def expand_depthwise_lowering(node: Node, out):
+    body = node.attrs["body"]
+    members = [n for n in body.nodes if n.op in (Op.CONV, Op.FUSED)]
+    if len(members) != 2 or any(conv_of(m) is None for m in members):
+        return None
+    (conv_a, wa_i, ba_i, steps_a), (conv_b, wb_i, bb_i, steps_b) = _parts(members[0]), _parts(members[1])
+    operands = list(dict.fromkeys((form, i) for _, refs in steps_a + steps_b for form, i in refs
+                                  if form in ("scalar", "channel")))
+    if not conv_spatial.supported(steps_a, operands) or not conv_spatial.supported(steps_b, operands):
+        return None
+    x_src = members[0].src[0]
+    x_index = x_src.attrs["param"]
+    n_img, c = conv_a.src[0].type.shape[:2]
+    m = conv_a.type.shape[1]
+    in_hw, out_hw = tuple(conv_a.type.shape[2:]), tuple(conv_b.type.shape[2:])
+    kh, kw = conv_b.src[1].type.shape[2:]
+    (sh, sw), ((ph, _), (pw, _)) = conv_b.attrs["strides"], conv_b.attrs["pads"]
+    kernel = driver(kh, kw, sw, out_hw[1], steps_a, steps_b, operands)
+    xp_n, ot_n = conv_depthwise.scratch_sizes(kh, kw, sw, in_hw, out_hw, sh, ph, pw)
+    xp, ot = np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)   # reused across runs
+    wp = max(in_hw[1] + pw, sw * (out_hw[1] - 1) + kw)   # as the kernel's
+    ys, xs_ = np.divmod(np.arange(in_hw[0] * in_hw[1], dtype=np.int64), in_hw[1])
+    offs = ((ys + ph) * wp + pw + xs_) * 16
+    out_shape = tuple(node.type.shape)
+    arranged: dict = {}
+
+    def step(*inputs):
+        fixed = arranged.get("fixed")
+        if fixed is None:   # weights and operands are constants (the pass's condition): arranged once
+            wa, ba = conv_pointwise.arrange_weights(np.asarray(inputs[wa_i], np.float32),
+                                                    None if ba_i is None else np.asarray(inputs[ba_i], np.float32))
+            wb = np.ascontiguousarray(inputs[wb_i], dtype=np.float32).reshape(m, kh * kw)
+            bb = np.zeros(m, np.float32) if bb_i is None else np.ascontiguousarray(inputs[bb_i], dtype=np.float32).reshape(m)
+            ops = tuple(np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1) for _, i in operands)
+            fixed = arranged["fixed"] = (wa, ba, wb, bb, ops)
+        wa, ba, wb, bb, ops = fixed
+        xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, *in_hw)
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        for n in range(n_img):
+            kernel(xs[n], wa, ba, wb, bb, sh, ph, pw, y[n], ops, xp, ot, offs)
+        return y
+    return step
+
+
+FUSED_LOWERINGS = {"expand_depthwise": expand_depthwise_lowering}

@@ -49,11 +49,14 @@ def test_max_pool_kernel_matches_reference(planes, hw, k, s, d, pads):
     np.testing.assert_array_equal(out, want)
 
 
-def test_upsample_kernel_matches_take():
+@pytest.mark.parametrize("cols", [[6, 0, 0, 3, 3], list(range(7)), [j // 2 for j in range(14)], [j // 2 for j in range(12)],
+                                  [j // 2 for j in range(13)] + [5]])
+def test_upsample_kernel_matches_take(cols):
+    """Any gather; nearest 2x along the row (stored twice, no gather); and near misses of it."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 5, 7)).astype(np.float32)
-    rows, cols = np.array([0, 0, 1, 1, 4, 4, 4, 2]), np.array([6, 0, 0, 3, 3])
-    out = np.empty((6, 8, 5), np.float32)
+    rows, cols = np.array([0, 0, 1, 1, 4, 4, 4, 2]), np.array(cols)
+    out = np.empty((6, 8, len(cols)), np.float32)
     spatial.upsample(x, rows, cols, out)
     np.testing.assert_array_equal(out, x[:, rows][:, :, cols])
 

@@ -20,7 +20,7 @@ from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
-from . import conv_depthwise, conv_kernels, conv_pointwise, conv_spatial
+from . import conv1d_small, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -289,6 +289,9 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     pointwise = kh == kw == 1 and sh == sw == 1 and ph == pw == 0 and pads[0][1] == pads[1][1] == 0
     direct = not depthwise and not pointwise and conv_kernels.direct_fits(kh, kw, groups, ow, conv.src[0].type.shape[-1] if not one_d else 0)  # no im2col
     constant = constant_w and (b_index is None or constant_b)
+    small = conv1d_small.small_step(conv, out, epilogue, x_index, w_index, b_index, constant, constants) if one_d else None
+    if small is not None:   # a short 1-D output: one compiled call (conv1d_small.py)
+        return small
     if epilogue.spatial_ok and pointwise and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, "channels", constants)
     if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins

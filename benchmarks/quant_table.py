@@ -18,7 +18,8 @@ Ingot LLM package (written for the speed column or --save-packages; otherwise it
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
 scaling), +gptq (GPTQ), +cRANK (compensation adapters; +cRANK@GLOB|GLOB only on those weights, @head
-the output head: `--compensate-only`), +x (the tied embedding kept as the source
+the output head: `--compensate-only`; the head's bytes go to low-rank factors or residual rows, whichever
+leaves the lower weighted error; +lowrank or +rows forces one: `--compensate-form`), +x (the tied embedding kept as the source
 stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8), +bits=BPW (the
 layer weights' formats allocated under that budget: `ingot quantize --bits`); `default` is
 what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it does with --format FMT
@@ -150,14 +151,15 @@ def ingot_row(source, row: str, stats: dict):
     sites = [s for g in sites for s in (("token_embd.weight", "output.weight") if g == "head" else (g,))]
     head = next((o[5:] for o in options if o.startswith("head=")), None)
     bits = next((float(o[5:]) for o in options if o.startswith("bits=")), None)
+    form = "low_rank" if "lowrank" in options else "rows" if "rows" in options else "auto"
     if fmt == "default" or "default" in options:
         tensor_formats = DEFAULT_TENSOR_FORMATS if head is None else [("token_embd.weight", head), ("output.weight", head)]
         return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
-                                tensor_formats=tensor_formats, bits=bits, compensate_sites=sites)
+                                tensor_formats=tensor_formats, bits=bits, compensate_sites=sites, compensate_form=form)
     exclude = ["token_embd.weight"] if "x" in options else []
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,
-                          gptq="gptq" in options, exclude=exclude, compensate_sites=sites)
+                          gptq="gptq" in options, exclude=exclude, compensate_sites=sites, compensate_form=form)
 
 
 def main() -> int:

@@ -6,6 +6,10 @@ graph holds a `call` per adapted weight (or per group of weights multiplied side
 q/k/v); each call is bound to a small executable compiled separately, so adapters are attached,
 swapped or removed with `Executable.bind`, never by recompiling the model.
 
+Error compensation can also keep residual rows: R [k, in] for k chosen rows of W (indices idx), so
+the layer computes x @ (W + S R).T with S the [out, k] selection: at run time x @ R.T, a small
+matmul, gathered into the output's columns (an index map of length out, 0 = no row) and added.
+
     >>> import numpy as np
     >>> a, b = np.ones((2, 8), np.float32), np.ones((4, 2), np.float32)
     >>> adapters = AdapterSet({"blk.0.attn_q.weight": [(a, 0.5 * b)]})
@@ -43,32 +47,68 @@ class AdapterSet:
     Several pairs on one weight add up (two LoRAs, or a LoRA over an error compensation)."""
     factors: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     int8: bool = False   # store the factors as int8 with a scale per rank / output column (error compensation)
+    rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name -> (idx [k], R [k, in])
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def names(self) -> frozenset[str]:
-        return frozenset(self.factors)
+        return frozenset(self.factors) | frozenset(self.rows)
 
     def __bool__(self) -> bool:
-        return bool(self.factors)
+        return bool(self.factors) or bool(self.rows)
 
     def merged(self, other: "AdapterSet") -> "AdapterSet":
         out = {k: list(v) for k, v in self.factors.items()}
         for k, v in other.factors.items():
             out.setdefault(k, []).extend(v)
+        both = set(self.rows) & set(other.rows)
+        if both:
+            raise IngotError(f"adapters: two sets of residual rows on {sorted(both)[0]}; one weight keeps one.")
         int8 = (self.int8 or not self) and (other.int8 or not other)
-        return AdapterSet(out, int8=int8)
+        return AdapterSet(out, int8=int8, rows={**self.rows, **other.rows})
 
     @property
     def stored_nbytes(self) -> int:
-        """Bytes of the factors as stored: float32, or int8 plus a float32 scale per row of A and of B."""
+        """Bytes of the factors as stored: float32, or int8 plus a float32 scale per row of A and of B;
+        residual rows: int8 with a float32 scale per row, and an int32 index map over the outputs."""
+        rows = sum(r.size + 4 * len(r) + 4 * out for out, (_, r) in ((self._outs(n), v) for n, v in self.rows.items()))
         if not self.int8:
-            return sum(a.nbytes + b.nbytes for pairs in self.factors.values() for a, b in pairs)
-        return sum(a.size + b.size + 4 * (a.shape[0] + b.shape[0]) for pairs in self.factors.values() for a, b in pairs)
+            return rows + sum(a.nbytes + b.nbytes for pairs in self.factors.values() for a, b in pairs)
+        return rows + sum(a.size + b.size + 4 * (a.shape[0] + b.shape[0]) for pairs in self.factors.values() for a, b in pairs)
 
-    def delta(self, name: str) -> np.ndarray:
-        """scale * B @ A summed over the pairs of one weight, [out, in] (for tests and small weights)."""
-        return sum(b.astype(np.float64) @ a.astype(np.float64) for a, b in self.factors[name]).astype(np.float32)
+    def _outs(self, name: str) -> int:
+        """The output width of a weight with residual rows (its low-rank B's rows, else 1 + the largest index)."""
+        pairs = self.factors.get(name)
+        return pairs[0][1].shape[0] if pairs else int(np.max(self.rows[name][0], initial=-1)) + 1
+
+    def delta(self, name: str, out: int | None = None) -> np.ndarray:
+        """scale * B @ A summed over the pairs of one weight plus its residual rows, [out, in] (for
+        tests and small weights; out: the weight's rows, needed when it has residual rows only)."""
+        total = sum(b.astype(np.float64) @ a.astype(np.float64) for a, b in self.factors.get(name, []))
+        if name in self.rows:
+            idx, r = self.rows[name]
+            full = np.zeros((out or self._outs(name), r.shape[1]))
+            full[idx] = r
+            total = total + full
+        return np.asarray(total, np.float32)
+
+    def site_rows(self, names: list[str], outs: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(map [sum(outs)] int32, R [k, in]) for the residual rows of weights multiplied side by side:
+        map[j] = 1 + the row of R that output j adds, 0 where none; None when these weights have none."""
+        parts = [(i, idx, r) for i, n in enumerate(names) if n in self.rows for idx, r in [self.rows[n]]]
+        if not parts:
+            return None
+        starts = np.concatenate([[0], np.cumsum(outs)])
+        index = np.zeros(int(starts[-1]), np.int32)
+        at = 0
+        for i, idx, r in parts:
+            idx = np.asarray(idx, np.int64)
+            if len(idx) != len(r) or (len(idx) and (idx.min() < 0 or idx.max() >= outs[i])) or len(np.unique(idx)) != len(idx):
+                raise IngotError(f"adapters: the residual rows of {names[i]} do not fit its {outs[i]} outputs "
+                                 f"({len(idx)} distinct indices in range needed for {len(r)} rows).")
+            index[starts[i] + idx] = at + 1 + np.arange(len(idx), dtype=np.int32)
+            at += len(idx)
+        return index, np.concatenate([np.asarray(r, np.float32) for _, _, r in parts], axis=0)
 
     def site_factors(self, names: list[str], outs: list[int], in_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(A [R, in], B [sum(outs), R]) for weights multiplied side by side: each weight's pairs
@@ -96,7 +136,10 @@ class AdapterSet:
         key = (tuple(names), tuple(outs), length, device)
         exe = self._cache.get(key)
         if exe is None:
-            exe = self._cache[key] = low_rank_executable(*self.site_factors(names, outs, in_width), length, device, self.int8)
+            low = (self.site_factors(names, outs, in_width) if any(n in self.factors for n in names) or not
+                   any(n in self.rows for n in names) else None)
+            exe = self._cache[key] = low_rank_executable(*(low or (None, None)), length, device, self.int8,
+                                                         rows=self.site_rows(names, outs), in_width=in_width)
         return exe
 
 
@@ -107,14 +150,18 @@ def _int8_columns(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(m / scale), -127, 127).astype(np.int8), scale
 
 
-def low_rank_executable(a: np.ndarray, b: np.ndarray, length: int, device: str = "cpu", int8: bool = False):
+def low_rank_executable(a: np.ndarray | None, b: np.ndarray | None, length: int, device: str = "cpu", int8: bool = False,
+                        rows: tuple[np.ndarray, np.ndarray] | None = None, in_width: int | None = None):
     """x [length, in] -> (x @ a.T) @ b.T as a compiled executable (rank-R bottleneck, two matmuls);
-    int8: the factors stored as int8 with a scale per column (quantized matmuls)."""
+    int8: the factors stored as int8 with a scale per column (quantized matmuls). rows (map, R):
+    plus the residual rows, gather(pad(x @ R.T, one zero column in front), map) (R always int8,
+    a scale per row); a and b None: the rows alone."""
     from .graph import Graph
     from .ir import TensorType
 
     g = Graph()
-    x = g.placeholder((length, a.shape[1]), dt.float32, name="x")
+    width = a.shape[1] if a is not None else rows[1].shape[1] if rows is not None else in_width
+    x = g.placeholder((length, width), dt.float32, name="x")
 
     def weight(m: np.ndarray, name: str):
         m = np.ascontiguousarray(m, np.float32)
@@ -122,19 +169,54 @@ def low_rank_executable(a: np.ndarray, b: np.ndarray, length: int, device: str =
             return g.constant(m, name=name)
         q, scale = _int8_columns(m)
         return g.dequantize(g.constant(q, name=name), scale=g.constant(scale, name=f"{name}.scale"))
-    down = g.matmul(x, weight(a.T, "A_t"))        # [length, R]
-    up = g.matmul(down, weight(b.T, "B_t"))       # [length, out]
-    return g.compile(feeds={x: TensorType((length, a.shape[1]), dt.float32)}, targets=[up], device=device)
+    out = None
+    if a is not None:
+        down = g.matmul(x, weight(a.T, "A_t"))        # [length, R]
+        out = g.matmul(down, weight(b.T, "B_t"))      # [length, out]
+    if rows is not None:
+        added = rows_delta(g, x, *rows)
+        out = added if out is None else out + added
+    return g.compile(feeds={x: TensorType((length, width), dt.float32)}, targets=[out], device=device)
+
+
+def rows_delta(g, x, index: np.ndarray, r: np.ndarray, prefix: str = ""):
+    """x [T, in] -> [T, out]: x @ R.T (R int8, a scale per row) gathered to the outputs by the map
+    (1 + the row of R, 0: a zero column padded in front)."""
+    q, scale = _int8_columns(np.ascontiguousarray(np.asarray(r, np.float32).T))
+    picked = g.matmul(x, g.dequantize(g.constant(q, name=f"{prefix}R_t"), scale=g.constant(scale, name=f"{prefix}R_t.scale")))
+    return g.gather(g.pad(picked, [(0, 0), (1, 0)]), g.constant(np.asarray(index, np.int32), name=f"{prefix}R_map"), axis=1)
 
 
 def factors_of(exe) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(A, B, int8) back from an executable made by low_rank_executable (e.g. loaded from a package)."""
+    """(A, B, int8) back from an executable made by low_rank_executable (e.g. loaded from a package);
+    A [0, in] and B [out, 0] when it holds residual rows only."""
     consts = exe.program.constants
     if "A_t" not in consts or "B_t" not in consts:
+        if "R_t" in consts and "R_map" in consts:
+            r = np.asarray(consts["R_t"])
+            return np.zeros((0, r.shape[0]), np.float32), np.zeros((len(consts["R_map"]), 0), np.float32), True
         raise IngotError("adapters: this callable is not a low-rank adapter (no A_t and B_t constants).")
     int8 = "A_t.scale" in consts
     value = lambda k: (np.asarray(consts[k], np.float32) * consts[f"{k}.scale"]) if int8 else np.asarray(consts[k])  # noqa: E731
     return value("A_t").T, value("B_t").T, int8
+
+
+def rows_of(exe, outs: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(map [outs] int32, R [k, width] float32) of an executable's residual rows, None without them;
+    read from a file, so checked: an int8 R_t [width, k] with a float32 scale [1, k], an integer
+    map of length outs whose non-zero entries are 1..k, each once; IngotError otherwise."""
+    consts = exe.program.constants
+    if "R_t" not in consts and "R_map" not in consts:
+        return None
+    q, scale, index = (np.asarray(consts.get(k)) for k in ("R_t", "R_t.scale", "R_map"))
+    k = q.shape[1] if q.ndim == 2 else -1
+    used = index[index != 0] if index.ndim == 1 and index.dtype.kind in "iu" else None
+    if (q.dtype != np.int8 or q.ndim != 2 or q.shape[0] != width or scale.dtype != np.float32 or scale.shape != (1, k)
+            or not np.all(np.isfinite(scale)) or used is None or index.shape != (outs,) or len(used) != k
+            or (k and (used.min() < 1 or used.max() > k or len(np.unique(used)) != k))):
+        raise IngotError(f"adapters: the residual rows (R_t {list(q.shape)} {q.dtype}, R_map {list(index.shape)} "
+                         f"{index.dtype}) do not fit a weight of {outs} outputs and {width} inputs.")
+    return index.astype(np.int32), (q.astype(np.float32) * scale).T
 
 
 # -- sites in a Llama graph -----------------------------------------------------------------------

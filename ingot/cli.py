@@ -4,7 +4,7 @@
                    [--seed S] [--device cpu|cuda] [--no-chat] [--json] [--tensor-parallel N]
     ingot chat [--model PATH] ...
     ingot spectrogram IN.(wav|flac|ogg) -o OUT.png [--npy OUT.npy] [--mels 80] [--whisper] [--device cpu|cuda]
-    ingot quantize IN.(gguf|ingot) -o OUT.ingot [--format FMT] [--calibration TEXT | --no-calibration] [--exclude GLOB] [--bits BPW] [--compensate RANK] [--compensate-only GLOB] [--no-awq] [--no-gptq]
+    ingot quantize IN.(gguf|ingot) -o OUT.ingot [--format FMT] [--calibration TEXT | --no-calibration] [--exclude GLOB] [--bits BPW] [--compensate RANK] [--compensate-only GLOB] [--compensate-form auto|low_rank|rows] [--no-awq] [--no-gptq]
     ingot eval kld --reference A --model B --text FILE [--context N]
     ingot convert IN.(onnx|gguf) -o OUT.ingot [--quantize FMT] [--device cpu|cuda] [--input-shape NAME=D0,D1,...]
                   [--constant NAME=V0,V1,...]
@@ -432,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--compensate-only", action="append", default=[], metavar="GLOB",
                        help="compensate only the weights matching GLOB (e.g. token_embd.weight: the output head, whose "
                             "rows are weighted by the calibration's next-token probabilities)")
+    quant.add_argument("--compensate-form", choices=("auto", "low_rank", "rows"), default="auto",
+                       help="how the output head spends rank RANK's bytes: low-rank factors, or the error of its rows "
+                            "likeliest under the calibration as int8 residual rows (auto: whichever leaves the lower "
+                            "probability-weighted error)")
     quant.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
                        help="activation-aware scaling (default: on for affine formats when calibrated)")
     quant.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,

@@ -256,12 +256,13 @@ def quantize_command(args) -> int:
             advance(name, steps=1 if len(done) <= len(names) else 0)
         result = quantize_default(model, fmt, stats=stats, compensate=args.compensate, exclude=args.exclude,
                                   compensate_sites=getattr(args, "compensate_only", []),
-                                  awq=args.awq, gptq=args.gptq, tensor_formats=tensor_formats + list(DEFAULT_TENSOR_FORMATS),
+                                  compensate_form=getattr(args, "compensate_form", "auto"), awq=args.awq, gptq=args.gptq, tensor_formats=tensor_formats + list(DEFAULT_TENSOR_FORMATS),
                                   bits=bits, progress=step)
     methods = {"awq": any(n.startswith("AWQ") for n in result.notes), "gptq": any(n.startswith("GPTQ") for n in result.notes)}
     extra = {"quantized": {"format": str(fmt), "tensor_formats": tensor_formats + list(DEFAULT_TENSOR_FORMATS),
                            "exclude": list(args.exclude), "compensate": args.compensate, "bits": bits,
                            "compensate_only": list(getattr(args, "compensate_only", [])),
+                           "compensate_form": getattr(args, "compensate_form", "auto"),
                            **methods, "calibration": Path(calibration_name).name if calibration_name else None,
                            "source": Path(args.input).name}}
     architecture = model.architecture  # a package says what its family is

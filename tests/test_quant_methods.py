@@ -379,7 +379,8 @@ def test_head_compensation_weights_rows_by_the_calibrated_next_token_probability
     stats = calibrate(model, tokenize(model, default_calibration_text()), context=64)
     p = stats[OUTPUT_PROBABILITY]
     assert p.shape == (296,) and abs(float(p.sum()) - 1) < 1e-4 and p.min() >= 0
-    result = quantize_model(model, "uint4:16:k", stats=stats, compensate=4, compensate_sites=["token_embd.weight"])
+    result = quantize_model(model, "uint4:16:k", stats=stats, compensate=4, compensate_sites=["token_embd.weight"],
+                            compensate_form="low_rank")
     assert set(result.adapters.names) == {"token_embd.weight"}       # only the head: --compensate-only
     w = dict(float_weights(model))["token_embd.weight"]
     e = (w - result.tensors["token_embd.weight"].dequantize_rows()).astype(np.float64)

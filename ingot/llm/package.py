@@ -181,7 +181,7 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
     formats' parameters as their float16 products, or with two_level_codes=True as they are stored
     (codes and units: QuantizedTensor scale and bias of type TwoLevelParams, which the CPU backend's
     GEMV reads as they are)."""
-    from ..adapters import AdapterSet, factors_of, site_layout
+    from ..adapters import AdapterSet, factors_of, rows_of, site_input, site_layout
     from ..models import config_class
     from ..package import read_weights
 
@@ -231,6 +231,7 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise IngotError(f"{path}: {LLM_FILE} does not match weights.safetensors ({type(e).__name__}: {clip(e)}).") from None
     factors: dict = {}
+    residual_rows: dict = {}
     int8 = False
     sites = info.get("adapter_sites", [])
     if not isinstance(sites, list):
@@ -241,21 +242,28 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
             raise IngotError(f"{path}: {LLM_FILE} names an adapter site {short(site)}, which is not a plain name.")
         folder = inside(path, f"callables/{site}.ingot", f"{path}: {LLM_FILE} adapter site")
         try:
-            a, b, int8 = factors_of(load(folder))
+            exe = load(folder)
+            a, b, int8 = factors_of(exe)
             names = site.split("+")
-            starts = np.concatenate([[0], np.cumsum(site_layout(config, names))])
+            outs = site_layout(config, names)
+            starts = np.concatenate([[0], np.cumsum(outs)])
+            rows = rows_of(exe, int(starts[-1]), site_input(config, names[0]))
             for i, n in enumerate(names):
                 part = b[starts[i]:starts[i + 1]]
                 ranks = np.any(part != 0, axis=0)  # this weight's own rank columns of the stacked factors
                 if np.any(ranks):
                     factors.setdefault(n, []).append((np.ascontiguousarray(a[ranks]), np.ascontiguousarray(part[:, ranks])))
+                own = rows[0][starts[i]:starts[i + 1]] if rows is not None else np.zeros(0, np.int32)
+                if np.any(own):   # this weight's residual rows: its outputs whose map entry is non-zero
+                    idx = np.flatnonzero(own)
+                    residual_rows[n] = (idx.astype(np.int32), np.ascontiguousarray(rows[1][own[idx] - 1]))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise IngotError(f"{path}: adapter site {short(site)} does not fit the model ({type(e).__name__}: {clip(e)}).") from None
     metadata = info.get("metadata", {})
     architecture = info.get("architecture", "llama")
     if not isinstance(metadata, dict) or not isinstance(architecture, str):
         raise IngotError(f"{path}: {LLM_FILE} has metadata or architecture of the wrong type.")
-    return StoredModel(str(path), architecture, metadata, tensors, config, AdapterSet(factors, int8=int8))
+    return StoredModel(str(path), architecture, metadata, tensors, config, AdapterSet(factors, int8=int8, rows=residual_rows))
 
 
 def _array_or_two_level(value):

@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as dt
-from ..adapters import AdapterSet, site_input, site_layout
+from ..adapters import AdapterSet, rows_delta, site_input, site_layout
+from ..errors import IngotError
 from ..graph import Graph, Tensor
 
 
@@ -78,4 +79,18 @@ class RowAdapters:
         a_rows = g.gather(g.constant(a_all, name=f"{site}.lora_A"), which, axis=0)     # [rows, in, R]
         b_rows = g.gather(g.constant(b_all, name=f"{site}.lora_B"), which, axis=0)     # [rows, R, out]
         down = g.matmul(g.reshape(x, (self.rows, 1, a_all.shape[1])), a_rows)          # [rows, 1, R]
-        return g.reshape(g.matmul(down, b_rows), (self.rows, b_all.shape[2]))
+        delta = g.reshape(g.matmul(down, b_rows), (self.rows, b_all.shape[2]))
+        residual = self._residual_rows(names)
+        return delta if residual is None else delta + rows_delta(g, x, *residual, prefix=f"{site}.")
+
+    def _residual_rows(self, names: list[str]):
+        """The site's residual rows (a quantized model's compensation, ingot.adapters), the same in
+        every served set (each is the base's merged with a LoRA); None without them."""
+        found = [s.site_rows(names, site_layout(self.cfg, names)) for s in self.sets]
+        first = found[0]
+        if all(f is None for f in found):
+            return None
+        if any(f is None or not (np.array_equal(f[0], first[0]) and np.array_equal(f[1], first[1])) for f in found):
+            raise IngotError(f"serve: the adapter sets differ in residual rows at {'+'.join(names)}; only the base "
+                             "model's own (from ingot quantize --compensate) are supported.")
+        return first

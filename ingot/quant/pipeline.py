@@ -37,7 +37,7 @@ ROW_FLOOR = 1e-3     # the head's compensation weights rows by probability + ROW
 # how --compensate spends its bytes on the output head: low-rank factors, residual rows (the error of the
 # rows the calibration's next-token probability ranks first, int8, as many as rank N's bytes buy), or
 # "auto": whichever leaves the lower probability-weighted output error. On the default model rank 70's
-# bytes buy 5,600 int8 rows, which leave 0.09 of the head's weighted error where rank 70 leaves 0.47:
+# bytes buy 6,000 int8 rows, which leave 0.09 of the head's weighted error where rank 70 leaves 0.47:
 # its GPTQ error is spread over directions but concentrated, for the KLD, in the likely tokens' rows.
 COMPENSATE_FORMS = ("auto", "low_rank", "rows")
 
@@ -288,7 +288,8 @@ def _output_error(w: np.ndarray, t: QuantizedTensor | None, stat: np.ndarray | N
 def _choose_rows(error: np.ndarray, row_weight: np.ndarray, stat: np.ndarray | None, budget: int,
                  a: np.ndarray | None, b: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | None, str]:
     """Residual rows for a weight's error [out, in] within budget bytes (int8 with a float32 scale per
-    row, and an int32 map over the outputs): the rows of largest row_weight. Returns (idx, R, note),
+    row, and an int32 map over the outputs): the rows of largest weighted error row_weight_v e_v^T H e_v
+    (on SmolLM2's head 0.091 of it left by 6,000 rows, 0.095 ranked by probability alone). Returns (idx, R, note),
     or (None, None, note) when the low-rank factors (a, b), given, leave the lower weighted error
     sum_v row_weight_v e_v^T H e_v (H the inputs' second moments, or their diagonal, or 1)."""
     from ..adapters import _int8_columns
@@ -303,10 +304,10 @@ def _choose_rows(error: np.ndarray, row_weight: np.ndarray, stat: np.ndarray | N
         if stat is None:
             return (m * m).sum(axis=1)
         return (m * m * stat).sum(axis=1) if stat.ndim == 1 else ((m @ stat) * m).sum(axis=1)
-    idx = np.sort(np.argsort(-row_weight, kind="stable")[:k]).astype(np.int32)
+    before = per_row(e) * row_weight
+    idx = np.sort(np.argsort(-before, kind="stable")[:k]).astype(np.int32)   # the rows that hold the most of it
     q, scale = _int8_columns(e[idx].T)
     r = (q.astype(np.float32) * scale).T                        # the rows as the int8 store gives them back
-    before = per_row(e) * row_weight
     left = before.copy()
     left[idx] = per_row(e[idx] - r) * row_weight[idx]
     note = (f"residual rows: {k} int8 rows leave {left.sum() / before.sum():.3f} of the weighted error")

@@ -35,7 +35,7 @@ AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75)
 OUTPUT_PROBABILITY = "output:probability"   # calibrate's mean next-token distribution (not a weight name)
 ROW_FLOOR = 1e-3     # the head's compensation weights rows by probability + ROW_FLOOR / vocab
 # how --compensate spends its bytes on the output head: low-rank factors, residual rows (the error of the
-# rows the calibration's next-token probability ranks first, int8, as many as rank N's bytes buy), or
+# rows of largest calibration-probability-weighted error, int8, as many as rank N's bytes buy), or
 # "auto": whichever leaves the lower probability-weighted output error. On the default model rank 70's
 # bytes buy 6,000 int8 rows, which leave 0.09 of the head's weighted error where rank 70 leaves 0.47:
 # its GPTQ error is spread over directions but concentrated, for the KLD, in the likely tokens' rows.

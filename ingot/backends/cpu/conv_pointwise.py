@@ -29,6 +29,43 @@ with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cac
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_depthwise.REVISION
 
 
+def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
+    """The channel loop of a tile of 16 output channels and `rows` positions (LLVM IR): for c < n,
+    acc[r] += w[w_at + 16 c : + 16] * x[x_at + c p_n + r]; the accumulators after the loop, zero where
+    n <= 0. Shared by the 1x1 conv tile and the 1x1 -> depthwise pair (expand_depthwise.py)."""
+    fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+    zero = ir.Constant(_V, [0.0] * 16)
+    start = builder.block
+    loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    c = builder.phi(_I64)
+    c.add_incoming(ir.Constant(_I64, 0), start)
+    accs = []
+    for _ in range(rows):
+        acc = builder.phi(_V)
+        acc.add_incoming(zero, start)
+        accs.append(acc)
+    wv = builder.load(_vptr(builder, w_data, builder.add(w_at, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
+    x_c = builder.add(x_at, builder.mul(c, p_n))
+    new = [builder.call(fma, [wv, _splat(builder, builder.load(builder.gep(x_data, [builder.add(x_c, ir.Constant(_I64, r))]))),
+                              accs[r]]) for r in range(rows)]
+    nxt = builder.add(c, ir.Constant(_I64, 1))
+    latch = builder.block
+    c.add_incoming(nxt, latch)
+    for acc, val in zip(accs, new):
+        acc.add_incoming(val, latch)
+    builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+    builder.position_at_end(done)
+    finals = []
+    for r in range(rows):
+        f = builder.phi(_V)
+        f.add_incoming(zero, start)
+        f.add_incoming(new[r], latch)
+        finals.append(f)
+    return finals
+
+
 def _tile_intrinsic(r_n: int, steps, operands):
     """tile(out, out_at, p_n, x, x_at, w, w_at, n_c, bias, m0, rows, ops): for l < rows, r < r_n:
     out[out_at + l * p_n + r] = epilogue(bias[m0 + l] + sum over c < n_c of w[w_at + c * 16 + l] *
@@ -42,36 +79,8 @@ def _tile_intrinsic(r_n: int, steps, operands):
             oa, xa, wa, ba = arr(0), arr(3), arr(5), arr(8)
             out_at_v, p_v, x_at_v, w_at_v, n_v, m0_v, rows_v = (_i64(builder, args[i]) for i in (1, 2, 4, 6, 7, 9, 10))
             _, store = _masked(builder)
-            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
             zero = ir.Constant(_V, [0.0] * 16)
-            start = builder.block
-            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
-            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
-            builder.position_at_end(loop)
-            c = builder.phi(_I64)
-            c.add_incoming(ir.Constant(_I64, 0), start)
-            accs = []
-            for _ in range(r_n):
-                p = builder.phi(_V)
-                p.add_incoming(zero, start)
-                accs.append(p)
-            wv = builder.load(_vptr(builder, wa.data, builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
-            x_c = builder.add(x_at_v, builder.mul(c, p_v))
-            new = [builder.call(fma, [wv, _splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))]))),
-                                      accs[r]]) for r in range(r_n)]
-            nxt = builder.add(c, ir.Constant(_I64, 1))
-            latch = builder.block
-            c.add_incoming(nxt, latch)
-            for p, val in zip(accs, new):
-                p.add_incoming(val, latch)
-            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
-            builder.position_at_end(done)
-            finals = []
-            for r in range(r_n):
-                f = builder.phi(_V)
-                f.add_incoming(zero, start)
-                f.add_incoming(new[r], latch)
-                finals.append(f)
+            finals = fma_rows(builder, xa.data, wa.data, x_at_v, p_v, w_at_v, n_v, r_n)
             rows_of = _transpose16(builder, finals + [zero] * (16 - r_n))
             mask = _lane_mask(builder, ir.Constant(_I64, r_n), 0)
             for l in range(16):

@@ -22,7 +22,7 @@ from ...ir import Node, Op
 from ...passes.fuse_conv_epilogue import operand_form
 from ...passes.fuse_squeeze_excite import conv_of
 from . import conv_depthwise, conv_pointwise, conv_spatial
-from .conv_spatial import _I64, _V, _i64, _lane_mask, _splat, _vptr, apply_steps, epilogue_reads
+from .conv_spatial import _I64, _i64, _lane_mask, _vptr, apply_steps, epilogue_reads
 
 
 with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cache key: the intrinsics here
@@ -41,36 +41,7 @@ def _row_tile_intrinsic(r_n: int, steps, operands):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
             oa, fa, xa, wa, ba = arr(0), arr(1), arr(2), arr(5), arr(8)
             x_at_v, p_v, w_at_v, n_v, c0_v, lanes_v = (_i64(builder, args[i]) for i in (3, 4, 6, 7, 9, 10))
-            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
-            zero = ir.Constant(_V, [0.0] * 16)
-            start = builder.block
-            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
-            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
-            builder.position_at_end(loop)
-            c = builder.phi(_I64)
-            c.add_incoming(ir.Constant(_I64, 0), start)
-            accs = []
-            for _ in range(r_n):
-                p = builder.phi(_V)
-                p.add_incoming(zero, start)
-                accs.append(p)
-            wv = builder.load(_vptr(builder, wa.data, builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
-            x_c = builder.add(x_at_v, builder.mul(c, p_v))
-            new = [builder.call(fma, [wv, _splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))]))),
-                                      accs[r]]) for r in range(r_n)]
-            nxt = builder.add(c, ir.Constant(_I64, 1))
-            latch = builder.block
-            c.add_incoming(nxt, latch)
-            for p, val in zip(accs, new):
-                p.add_incoming(val, latch)
-            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
-            builder.position_at_end(done)
-            finals = []
-            for r in range(r_n):
-                f = builder.phi(_V)
-                f.add_incoming(zero, start)
-                f.add_incoming(new[r], latch)
-                finals.append(f)
+            finals = conv_pointwise.fma_rows(builder, xa.data, wa.data, x_at_v, p_v, w_at_v, n_v, r_n)
             bias_v = builder.load(_vptr(builder, ba.data, c0_v), align=4)
             read = epilogue_reads(context, builder, operands, signature.args[11], args[11], c0_v,
                                   channels=_lane_mask(builder, lanes_v, 0)) if steps else {}

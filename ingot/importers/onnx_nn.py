@@ -415,7 +415,7 @@ def _global_pool(ctx: Context, node: OnnxNode):
     return [fn(x, axes, keepdims=True)]
 
 
-RESIZE_BLOCK_ELEMENTS = 1 << 22   # float64s of the reference's temporaries while Resize weights are computed
+RESIZE_BLOCK_ELEMENTS = 1 << 20   # float64s of the reference's temporaries while Resize weights are computed
 
 
 def _resize_matrix(n_in: int, n_out: int, scale: float, roi, fct, **kwargs) -> tuple[np.ndarray, np.ndarray]:

@@ -48,7 +48,8 @@ def _target(what: str) -> None:
 def test_each_outcome_is_blamed_on_its_case(monkeypatch):
     plan = {"fake": Loader("fake", None, _target, lambda: None)}
     monkeypatch.setattr(worker, "draw_case", lambda loader, seed, index: PLAN[index])
-    pool = worker.Pool(plan, ["fake"], seed=0, jobs=1, timeout=0.5, wall_timeout=1.5, recycle=4)
+    # budgets with room for a loaded machine: at 0.5 s CPU / 1.5 s wall a 200 MB touch ("peak") read "hang"
+    pool = worker.Pool(plan, ["fake"], seed=0, jobs=1, timeout=1.0, wall_timeout=3.0, recycle=4)
     results = {}
     for r in pool.events(lambda: len(results) >= len(PLAN)):
         results[r.index] = r
@@ -59,7 +60,7 @@ def test_each_outcome_is_blamed_on_its_case(monkeypatch):
     assert "status 7" in results[4].detail and "SIGSEGV" in results[6].detail
     assert "Segmentation fault" in results[6].detail   # (faulthandler's report, Python stack included)
     assert "still running" in results[8].detail                                 # spun (over its CPU or wall budget)
-    assert results[10].seconds >= 1.5 and results[10].cpu_seconds < 0.5         # slept: over its wall budget
+    assert results[10].seconds >= 3.0 and results[10].cpu_seconds < 0.5         # slept: over its wall budget
     assert "MemoryError" in results[12].detail and "peak RSS" in results[14].detail
     assert all(results[i].peak_rss > 0 for i in range(len(PLAN)) if PLAN[i] in ("ok", "refused"))
     assert not pool.slots   # every worker ended
@@ -68,7 +69,7 @@ def test_each_outcome_is_blamed_on_its_case(monkeypatch):
 def test_the_ci_runner_blames_each_case_and_goes_on():
     """worker.Runner (CI: cases made by hypothesis in the parent, sent to a persistent worker) gives the same
     outcomes, each case's own, whatever the cases before it did; it also carries bytes, dicts and tuples."""
-    runner = worker.Runner(_target, timeout=1.5, recycle=4)
+    runner = worker.Runner(_target, timeout=3.0, recycle=4)
     try:
         kinds = [runner.run(what).kind for what in PLAN]
         assert kinds == ["ok", "refused", "crash", "ok", "crash", "ok", "crash", "ok", "hang", "ok", "hang", "ok", "memory",

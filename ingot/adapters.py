@@ -136,10 +136,10 @@ class AdapterSet:
         key = (tuple(names), tuple(outs), length, device)
         exe = self._cache.get(key)
         if exe is None:
-            low = (self.site_factors(names, outs, in_width) if any(n in self.factors for n in names) or not
-                   any(n in self.rows for n in names) else None)
-            exe = self._cache[key] = low_rank_executable(*(low or (None, None)), length, device, self.int8,
-                                                         rows=self.site_rows(names, outs), in_width=in_width)
+            rows = self.site_rows(names, outs)
+            low = self.site_factors(names, outs, in_width) if rows is None or any(n in self.factors for n in names) \
+                else (None, None)
+            exe = self._cache[key] = low_rank_executable(*low, length, device, self.int8, rows=rows, in_width=in_width)
         return exe
 
 

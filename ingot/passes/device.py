@@ -63,7 +63,8 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
 # every name options.fusions may hold: the passes, and choices the backend makes as it lowers
 # (rope_attention: the RoPE/KV kernel inside the decode attention; regions: elementwise kernels;
 # mel_epilogue: fuse_mel takes the dB scale after the mel too)
-FUSIONS = {"cpu": ("two_level", "spatial", "conv_epilogue", "squeeze_excite", "expand_depthwise", "rope_cache", "integer_matmul", "rows_attention", "dynamic_quantize"), "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
+FUSIONS = {"cpu": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cpu"]),
+           "cuda": tuple(name.removeprefix("fuse_") for name, _ in DEVICE_PIPELINES["cuda"]) +
            ("rope_attention", "regions", "mel_epilogue")}
 
 

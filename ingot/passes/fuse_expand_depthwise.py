@@ -13,28 +13,8 @@ a read only by b; each epilogue's operands scalars or per-channel constants.
 from __future__ import annotations
 
 from ..ir import Node, Op, Program, consumers
-from .fuse_conv_epilogue import operand_form
-from .fuse_squeeze_excite import conv_of
+from .fuse_squeeze_excite import plain_conv
 from .fusion import Match, fuse_matches
-
-
-def _plain(node: Node) -> tuple[Node, list[Node]] | None:
-    """(conv, epilogue) of a float32 4-D CONV / conv_epilogue with constant weights and epilogue operands
-    scalars or per-channel constants, the conv's input the node's first source."""
-    found = conv_of(node)
-    if found is None or node.dtype.name != "float32" or not node.type.static or node.type.rank != 4:
-        return None
-    conv, epilogue = found
-    if node.op == Op.FUSED and conv.src[0].attrs.get("param") != 0:
-        return None
-    if not all(s.op == Op.CONSTANT for s in node.src[1:]) or tuple(node.type.shape) != tuple(conv.type.shape):
-        return None
-    out = tuple(conv.type.shape)
-    for n in epilogue:
-        for s in n.src:
-            if s.op == Op.PLACEHOLDER and operand_form(tuple(s.type.shape), out) not in ("scalar", "channel"):
-                return None
-    return conv, epilogue
 
 
 def _pointwise(conv: Node) -> bool:
@@ -58,11 +38,11 @@ def fuse_expand_depthwise(program: Program) -> tuple[Program, bool]:
     roots = {n.id for n in program.roots}
     matches = []
     for b in nodes:
-        found_b = _plain(b) if b.op in (Op.CONV, Op.FUSED) else None
+        found_b = plain_conv(b) if b.op in (Op.CONV, Op.FUSED) else None
         if found_b is None or not _depthwise(found_b[0]) or not b.src:
             continue
         a = b.src[0]
-        found_a = _plain(a) if a.op in (Op.CONV, Op.FUSED) else None
+        found_a = plain_conv(a) if a.op in (Op.CONV, Op.FUSED) else None
         if found_a is None or not _pointwise(found_a[0]) or len(users[a.id]) != 1 or a.id in roots:
             continue
         matches.append(Match("expand_depthwise", [a, b], [b]))

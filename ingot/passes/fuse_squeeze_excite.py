@@ -35,27 +35,38 @@ def conv_of(node: Node) -> tuple[Node, list[Node]] | None:
     return None
 
 
-def _vector_conv(node: Node, channels_in: int) -> bool:
-    """A float32 1x1 conv (groups 1, no padding) on a [N, channels_in, 1, 1] value, epilogue of SCALAR_OPS
-    on scalar or per-channel operands, the conv's input its own first source."""
+def plain_conv(node: Node) -> tuple[Node, list[Node]] | None:
+    """(conv, epilogue) of a float32 4-D CONV / conv_epilogue with constant weights and epilogue operands
+    scalars or per-channel constants, the conv's input the node's first source."""
     found = conv_of(node)
-    if found is None or node.dtype.name != "float32" or not node.type.static:
+    if found is None or node.dtype.name != "float32" or not node.type.static or node.type.rank != 4:
+        return None
+    conv, epilogue = found
+    if node.op == Op.FUSED and conv.src[0].attrs.get("param") != 0:
+        return None
+    if not all(s.op == Op.CONSTANT for s in node.src[1:]) or tuple(node.type.shape) != tuple(conv.type.shape):
+        return None
+    out = tuple(conv.type.shape)
+    for n in epilogue:
+        for s in n.src:
+            if s.op == Op.PLACEHOLDER and operand_form(tuple(s.type.shape), out) not in ("scalar", "channel"):
+                return None
+    return conv, epilogue
+
+
+def _vector_conv(node: Node, channels_in: int) -> bool:
+    """A plain_conv that is a 1x1 conv (groups 1, no padding) on a [N, channels_in, 1, 1] value, its
+    epilogue of float32 SCALAR_OPS."""
+    found = plain_conv(node)
+    if found is None:
         return False
     conv, epilogue = found
     w = conv.src[1].type.shape
     if conv.attrs["groups"] != 1 or len(w) != 4 or tuple(w[1:]) != (channels_in, 1, 1) or \
             any(a or b for a, b in conv.attrs["pads"]) or tuple(node.type.shape[2:]) != (1, 1):
         return False
-    if node.op == Op.FUSED and conv.src[0].attrs.get("param") != 0:
-        return False
     out = tuple(conv.type.shape)
-    for n in epilogue:
-        if n.op not in SCALAR_OPS or n.dtype.name != "float32" or tuple(n.type.shape) != out:
-            return False
-        for s in n.src:
-            if s.op == Op.PLACEHOLDER and operand_form(tuple(s.type.shape), out) not in ("scalar", "channel"):
-                return False
-    return all(s.op == Op.CONSTANT or i == 0 for i, s in enumerate(node.src))
+    return all(n.op in SCALAR_OPS and n.dtype.name == "float32" and tuple(n.type.shape) == out for n in epilogue)
 
 
 def fuse_squeeze_excite(program: Program) -> tuple[Program, bool]:

@@ -6,6 +6,7 @@
 #   bash benchmarks/lab/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
 #   bash benchmarks/lab/cuda_session_run.sh attention audio           # 150 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh serve onnx                # 300 + 200 s at most
+#   bash benchmarks/lab/cuda_session_run.sh recurrent onnx            # 120 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (bf16 / tf32x3, float32 / bf16 / int8 KV)
 #   SERVE_LORA=3 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # adapters per request
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
@@ -69,6 +70,10 @@ run_decodeprobe() {
     --lengths 512,8192 --kv-dtypes bfloat16,int8 \
     --variants "${PROBE_VARIANTS:-plain,exec,exec-w8,exec-bn128,exec-chunk256-bn128,exec-s1,exec-split16}" \
     --json "$OUT/decodeprobe.json" 2>&1 | grep "L=\|empty"
+}
+run_recurrent() {
+  # issue 36: the recurrence in one launch against a launch a step (CRNN's BiLSTM, hidden 128 and up)
+  timeout "${RECURRENT_S:-120}" python3 benchmarks/lab/cuda_recurrent_probe.py 2>&1 | grep " us"
 }
 run_onnx() {
   timeout "${ONNX_S:-200}" python3 -m benchmarks onnx-cuda --runs 50 2>&1 | grep -v "Warn\|torch.onnx" | tail -14

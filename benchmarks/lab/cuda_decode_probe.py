@@ -87,6 +87,13 @@ def main():
         "exec-chunk256": dict(rope=True, xq=True, zero=True, min_chunk=256),
         "exec-chunk256-bn128": dict(rope=True, xq=True, zero=True, min_chunk=256, block_n=128),
         "exec-split16": dict(rope=True, xq=True, zero=True, split=16),
+        # one CTA an SM fits (8 warps x 212 registers at int8, 122 KB of shared memory at bf16, sm_90a):
+        # 33 splits x 8 heads run in two waves; these fit two an SM or run in one wave
+        "exec-s2": dict(rope=True, xq=True, zero=True, num_stages=2),
+        "exec-split16-s2": dict(rope=True, xq=True, zero=True, split=16, num_stages=2),
+        "exec-bn32-w4": dict(rope=True, xq=True, zero=True, block_n=32, num_warps=4),
+        "exec-bn32-w4-s2": dict(rope=True, xq=True, zero=True, block_n=32, num_warps=4, num_stages=2),
+        "exec-split24": dict(rope=True, xq=True, zero=True, split=24),
         "exec-split8": dict(rope=True, xq=True, zero=True, split=8),
         "exec-split4": dict(rope=True, xq=True, zero=True, split=4),
         "exec-early-w4": dict(rope=True, xq=True, zero=True, early=True, num_warps=4),

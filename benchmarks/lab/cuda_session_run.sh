@@ -68,7 +68,7 @@ run_decodeprobe() {
   # issue 38: the decode attention at 512 and 8k keys in a cache compiled for 34k, per KV dtype and variant
   timeout "${PROBE_S:-120}" python3 benchmarks/lab/cuda_decode_probe.py --shape 32,8,128 --buffer 34848 \
     --lengths 512,8192 --kv-dtypes bfloat16,int8 \
-    --variants "${PROBE_VARIANTS:-plain,exec,exec-w8,exec-bn128,exec-chunk256-bn128,exec-s1,exec-split16}" \
+    --variants "${PROBE_VARIANTS:-plain,exec,exec-w8,exec-s1,exec-s2,exec-split16,exec-split16-s2,exec-split24,exec-bn32-w4,exec-bn32-w4-s2,exec-tf32}" \
     --json "$OUT/decodeprobe.json" 2>&1 | grep "L=\|empty"
 }
 run_recurrent() {

@@ -56,6 +56,22 @@ def test_binding_the_wrong_types_is_refused():
     np.testing.assert_allclose(exe.run({"x": np.zeros((2, 4), np.float32)})[0], 3.0)  # still the first one
 
 
+def test_a_calls_dynamic_output_length_is_its_fed_inputs():
+    """A call declared [?] -> [?, 4] takes the length its input got when fed: added to a [1, 4]
+    tensor it stays [1, 4] (broadcasting 1 against a dynamic length would leave it dynamic)."""
+    g = ingot.Graph()
+    tokens = g.placeholder((None,), ingot.int32, name="tokens")
+    rows = g.gather(g.constant(np.arange(12, dtype=np.float32).reshape(3, 4)), tokens, axis=0)   # [?, 4]
+    (delta,) = g.call("lookup", [tokens], [F32((None, 4))])
+    other = g.placeholder((None, 2), name="other")
+    (mixed,) = g.call("mixed", [tokens, other], [F32((None, 4))])
+    exe = g.compile(feeds={tokens: F32((1,), ingot.int32), other: F32((3, 2))}, targets=[rows + delta, mixed])
+    (site,) = [n for n in exe.program.nodes() if n.op == Op.CALL and n.attrs["name"] == "lookup"]
+    assert site.type == (F32((1, 4)),) and exe.program.outputs[0].type == F32((1, 4))
+    (site,) = [n for n in exe.program.nodes() if n.op == Op.CALL and n.attrs["name"] == "mixed"]
+    assert site.type == (F32((None, 4)),)   # inputs of two lengths: it stays dynamic
+
+
 def test_an_unbound_call_fails_clearly_at_run():
     exe = main_with_call()
     with pytest.raises(ingot.IngotError, match="no executable is bound to 'adapter'"):

@@ -31,7 +31,15 @@ register(Op.ASSIGN, _assign_rule, _no_reference(Op.ASSIGN))
 
 
 def _call_rule(types, attrs):
-    return tuple(attrs["output_types"])
+    """The declared output types; their dynamic dimensions take the length that the inputs' dynamic
+    dimensions all got once fed (an adapter's rows: x [T, in] -> [T, out]), else stay dynamic."""
+    outputs = tuple(attrs["output_types"])
+    declared = attrs.get("input_types", ())
+    got = {t.shape[i] for d, t in zip(declared, types) if d.rank == t.rank for i, n in enumerate(d.shape) if n is None}
+    if len(got) != 1 or None in got:
+        return outputs
+    (n,) = got
+    return tuple(TensorType(tuple(n if d is None else d for d in o.shape), o.dtype) for o in outputs)
 
 
 register(Op.CALL, _call_rule, _no_reference(Op.CALL))

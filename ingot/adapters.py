@@ -10,6 +10,11 @@ Error compensation can also keep residual rows: R [k, in] for k chosen rows of W
 the layer computes x @ (W + S R).T with S the [out, k] selection: at run time x @ R.T, a small
 matmul, gathered into the output's columns (an index map of length out, 0 = no row) and added.
 
+An adapter on token_embd.weight (a tied output head's compensation) corrects the embedding lookup
+too, so that both uses of the one matrix read W + delta: the graph calls LOOKUP, tokens [T] ->
+the rows delta[tokens] [T, dim] (gather(pad(R), map[tokens]) and B[tokens] @ A), bound from the
+same AdapterSet; a package stores the adapter once, at the head's site.
+
     >>> import numpy as np
     >>> a, b = np.ones((2, 8), np.float32), np.ones((4, 2), np.float32)
     >>> adapters = AdapterSet({"blk.0.attn_q.weight": [(a, 0.5 * b)]})
@@ -38,6 +43,7 @@ from .untrusted import read_json, short
 # PEFT module name -> the GGUF tensor it adapts (per layer)
 PEFT_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+LOOKUP = "token_embd.weight@lookup"   # the call site of the embedding lookup's share of token_embd's adapter
 _PEFT_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -142,6 +148,60 @@ class AdapterSet:
             exe = self._cache[key] = low_rank_executable(*low, length, device, self.int8, rows=rows, in_width=in_width)
         return exe
 
+    def lookup_executable(self, name: str, outs: int, width: int, length: int, device: str = "cpu"):
+        """The executable of the embedding lookup's share of weight `name`'s adapter: tokens [length]
+        int32 -> delta[tokens] [length, width] (zeros when this set has none); cached."""
+        key = (LOOKUP, name, outs, length, device)
+        exe = self._cache.get(key)
+        if exe is None:
+            from .graph import Graph
+            from .ir import TensorType
+
+            g = Graph()
+            tokens = g.placeholder((length,), dt.int32, name="tokens")
+            out = lookup_delta(g, tokens, self.lookup_parts(name, outs), width, self.int8)
+            exe = self._cache[key] = g.compile(feeds={tokens: TensorType((length,), dt.int32)}, targets=[out], device=device)
+        return exe
+
+    def lookup_parts(self, name: str, outs: int):
+        """(A [R, in], B [outs, R]) or None, and (map, R) or None: what lookup_delta reads for `name`."""
+        pairs = self.factors.get(name)
+        low = (np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs], axis=1)) if pairs else None
+        return low, self.site_rows([name], [outs])
+
+
+def lookup_delta(g, tokens, parts, width: int, int8: bool, prefix: str = ""):
+    """tokens [T] -> [T, width]: rows `tokens` of B @ A + S R (parts from AdapterSet.lookup_parts),
+    stored as the head's executable stores them (int8 with the same scales), so both uses add one delta."""
+    low, rows = parts
+
+    def table(m: np.ndarray, name: str):   # m [rows, cols] whose rows are gathered: int8 with a scale per row
+        m = np.ascontiguousarray(m, np.float32)
+        if not int8:
+            return g.constant(m, name=prefix + name)
+        q, scale = _int8_columns(m.T)
+        return g.dequantize(g.constant(np.ascontiguousarray(q.T), name=prefix + name),
+                            scale=g.constant(np.ascontiguousarray(scale.T), name=f"{prefix}{name}.scale"))
+    out = None
+    if low is not None:
+        a, b = low
+        if int8:   # A as the head's executable holds it: int8 with a scale per rank
+            q, scale = _int8_columns(np.ascontiguousarray(a.T, np.float32))
+            a = (q.astype(np.float32) * scale).T
+        out = g.matmul(g.gather(table(b, "B_rows"), tokens, axis=0), g.constant(np.ascontiguousarray(a, np.float32),
+                                                                                name=prefix + "A_rows"))
+    if rows is not None:
+        index, r = rows
+        q, scale = _int8_columns(np.ascontiguousarray(np.asarray(r, np.float32).T))   # R always int8, a scale per row
+        stored = g.dequantize(g.constant(np.ascontiguousarray(q.T), name=prefix + "R"),
+                              scale=g.constant(np.ascontiguousarray(scale.T), name=prefix + "R.scale"))
+        at = g.gather(g.constant(np.asarray(index, np.int32), name=prefix + "R_map"), tokens, axis=0)
+        picked = g.gather(g.pad(stored, [(1, 0), (0, 0)]), at, axis=0)
+        out = picked if out is None else out + picked
+    if out is None:   # a site built for an adapter this set lacks: a zero delta keeps the graph's shape
+        out = g.gather(g.constant(np.zeros((1, width), np.float32), name=prefix + "zero"), tokens * np.int32(0), axis=0)
+    return out
+
 
 def _int8_columns(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 with one scale per column: (q [K, N] int8, scale [1, N] float32)."""
@@ -240,6 +300,10 @@ def binder(cfg, adapters: AdapterSet):
     def callables_for(sites: dict[str, int], device: str) -> dict:
         out = {}
         for site, rows in sites.items():
+            if site == LOOKUP:
+                name = LOOKUP.partition("@")[0]
+                out[site] = adapters.lookup_executable(name, site_layout(cfg, [name])[0], cfg.dim, rows, device)
+                continue
             weights = site.split("+")
             out[site] = adapters.executable(weights, site_layout(cfg, weights), rows, device, site_input(cfg, weights[0]))
         return out

@@ -47,6 +47,7 @@ def test_rows_executable_on_cuda_equals_numpy_and_the_cpu(length):
 
 
 def test_tiny_model_with_head_rows_equals_the_cpu():
+    """The tied head's rows on both uses: the head's columns and the embedding lookup (ingot.adapters.LOOKUP)."""
     from quant_helpers import tiny_config, tiny_tensors
 
     from ingot.adapters import binder
@@ -56,14 +57,18 @@ def test_tiny_model_with_head_rows_equals_the_cpu():
     rng = np.random.default_rng(3)
     rows = AdapterSet(rows={"token_embd.weight": (np.array([3, 40, 41, 295], np.int32),
                                                   rng.standard_normal((4, cfg.dim)).astype(np.float32))})
-    tokens = np.array([1, 40, 41, 60], np.int32)
     out = {}
-    for device, adapters in (("cpu", rows), ("cuda", rows), ("plain", AdapterSet())):
-        graph = llama.build(cfg, tiny_tensors(cfg), adapter_sites=adapters.names, all_logits=True)
-        graph.callables_for = binder(cfg, adapters)
-        exe = graph.compile(len(tokens), "cpu" if device == "plain" else device)
-        out[device] = exe.backend.to_host(exe.run({"tokens": tokens, "pos": np.int32(0)}, state=exe.new_state())[0])
-    np.testing.assert_allclose(out["cuda"], out["cpu"], rtol=2e-3, atol=2e-3)
-    assert np.abs(out["cpu"][:, [3, 40, 41, 295]] - out["plain"][:, [3, 40, 41, 295]]).min() > 1e-3   # the rows act
-    np.testing.assert_allclose(np.delete(out["cpu"], [3, 40, 41, 295], axis=1),
-                               np.delete(out["plain"], [3, 40, 41, 295], axis=1), rtol=1e-5, atol=1e-5)
+    for tokens in ([1, 40, 41, 60], [1, 7, 8, 60]):   # looked-up tokens with rows, and without
+        for device, adapters in (("cpu", rows), ("cuda", rows), ("plain", AdapterSet())):
+            graph = llama.build(cfg, tiny_tensors(cfg), adapter_sites=adapters.names, all_logits=True)
+            graph.callables_for = binder(cfg, adapters)
+            exe = graph.compile(len(tokens), "cpu" if device == "plain" else device)
+            out[device, tokens[1]] = exe.backend.to_host(exe.run({"tokens": np.array(tokens, np.int32), "pos": np.int32(0)},
+                                                                 state=exe.new_state())[0])
+    for t in (40, 7):
+        np.testing.assert_allclose(out["cuda", t], out["cpu", t], rtol=2e-3, atol=2e-3)
+    assert np.abs(out["cpu", 7][:, [3, 40, 41, 295]] - out["plain", 7][:, [3, 40, 41, 295]]).min() > 1e-3   # the rows act
+    np.testing.assert_allclose(np.delete(out["cpu", 7], [3, 40, 41, 295], axis=1),
+                               np.delete(out["plain", 7], [3, 40, 41, 295], axis=1), rtol=1e-5, atol=1e-5)
+    # tokens 40 and 41 look up corrected embeddings: every logit from position 1 on moves
+    assert np.abs(np.delete(out["cpu", 40] - out["plain", 40], [3, 40, 41, 295], axis=1)[1:]).max() > 1e-3

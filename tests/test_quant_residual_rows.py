@@ -48,6 +48,36 @@ def test_rows_executable_equals_numpy_beside_low_rank_on_a_side_by_side_site(len
     assert np.allclose(AdapterSet(rows={"n1": (np.array([2, 9]), r0[:2])}).delta("n1", 11)[[2, 9]], r0[:2])
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_lookup_executable_equals_numpy_rows_of_the_delta(int8):
+    """The embedding lookup's share of a tied head's adapter: tokens -> rows of B @ A + S R, stored
+    as the head's executable stores them (int8 factors: the head's int8 values)."""
+    from ingot.adapters import _int8_columns
+
+    rng = np.random.default_rng(5)
+    vocab, width = 53, 24
+    idx = np.array([52, 0, 7, 20, 3], np.int32)
+    r = rng.standard_normal((5, width)).astype(np.float32)
+    a, b = rng.standard_normal((3, width)).astype(np.float32), rng.standard_normal((vocab, 3)).astype(np.float32)
+    tokens = np.array([7, 1, 52, 52, 0, 19, 3], np.int32)
+    if int8:
+        qa, sa = _int8_columns(a.T)
+        qb, sb = _int8_columns(b.T)
+        low = (qb.astype(np.float32) * sb).T @ (qa.astype(np.float32) * sa).T
+    else:
+        low = b @ a
+    for adapters, want in ((AdapterSet({"token_embd.weight": [(a, b)]}, int8=int8, rows={"token_embd.weight": (idx, r)}),
+                            None),
+                           (AdapterSet(rows={"token_embd.weight": (idx, r)}, int8=int8), 0 * low),
+                           (AdapterSet({"token_embd.weight": [(a, b)]}, int8=int8), low),
+                           (AdapterSet({"other": [(a, b)]}, int8=int8), 0 * low)):
+        full = np.array(low if want is None else want, np.float64)
+        if "token_embd.weight" in adapters.rows:
+            full[idx] += _int8_rows(r)
+        got = adapters.lookup_executable("token_embd.weight", vocab, width, len(tokens)).run([tokens])[0]
+        np.testing.assert_allclose(got, full[tokens], rtol=1e-4, atol=1e-4)
+
+
 def test_rows_that_do_not_fit_are_one_sentence():
     r = np.ones((2, 8), np.float32)
     for idx in ([0, 0], [0, 11], [-1, 2]):
@@ -113,15 +143,19 @@ def test_rows_survive_save_and_load_and_equal_the_dense_head(quantized, tmp_path
     np.testing.assert_allclose(got_r, r, rtol=1e-6, atol=1e-7)
     tokens = [1, 40, 41, 60, 61, 80, 200]
     got = logits(loaded.config, loaded.tensors, tokens, loaded.adapters)
-    # reference: untied, the output head a dense float W_hat + S R, the embedding W_hat
+    # reference: the tied matrix a dense float W_hat + S R, read by the embedding lookup and the head alike
     head = dict(float_weights(loaded))["token_embd.weight"].astype(np.float64)
     dense = dict(loaded.tensors)
-    dense["token_embd.weight"] = head.astype(np.float32)
-    dense["output.weight"] = (head + loaded.adapters.delta("token_embd.weight", head.shape[0])).astype(np.float32)
-    want = logits(dataclasses.replace(loaded.config, tied_embeddings=False), dense, tokens)
+    dense["token_embd.weight"] = (head + loaded.adapters.delta("token_embd.weight", head.shape[0])).astype(np.float32)
+    want = logits(loaded.config, dense, tokens)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
     without = logits(loaded.config, loaded.tensors, tokens)
     assert np.abs(got - without).max() > 100 * np.abs(got - want).max()   # the rows do change the logits
+    # the head alone corrected (the embedding W_hat) differs: the lookup of a corrected token reads the rows too
+    assert set(tokens) & set(idx.tolist())
+    untied = dict(dense, **{"token_embd.weight": head.astype(np.float32), "output.weight": dense["token_embd.weight"]})
+    head_only = logits(dataclasses.replace(loaded.config, tied_embeddings=False), untied, tokens)
+    assert np.abs(head_only - want).max() > 100 * np.abs(got - want).max()
 
 
 @pytest.mark.parametrize("corrupt", ["index out of range", "index twice", "float rows", "short map"])

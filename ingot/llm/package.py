@@ -125,6 +125,8 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     if adapters:
         model.callables_for = binder(cfg, adapters)
     decoder = model.compile(1, "cpu")
+    from ..adapters import LOOKUP
+    decoder.callables.pop(LOOKUP, None)   # made from the head's adapter when the graph is built: stored once, there
     layout = {}
     for name, t in stored.items():
         if isinstance(t, ExpertStack):
@@ -146,7 +148,7 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
         layout.pop(name)
     info = {"format": LLM_FORMAT, "version": LLM_VERSION, "architecture": architecture,
             "config": asdict(cfg), "metadata": dict(metadata), "tensors": layout,
-            "adapter_sites": sorted(decoder.call_sites), "extra": dict(extra or {})}
+            "adapter_sites": sorted(set(decoder.call_sites) - {LOOKUP}), "extra": dict(extra or {})}
     if "rope_freqs.weight" in tensors:
         info["rope_freqs"] = np.asarray(tensors["rope_freqs.weight"], np.float32).tolist()
         layout.pop("rope_freqs.weight", None)

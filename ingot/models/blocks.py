@@ -493,7 +493,15 @@ def checked_batch(batch) -> int:
 def embedding(g: Graph, cfg: DecoderConfig, weights: Weights, tokens: Tensor) -> tuple[Tensor, Tensor]:
     """(x [B*T, dim], the embedding matrix [dim, vocab]); only the looked-up columns are dequantized."""
     embed = weights.matrix("token_embd.weight", (cfg.vocab_size, cfg.dim))   # [dim, vocab]
-    return g.transpose(g.gather(embed, tokens, axis=1), (1, 0)), embed
+    x = g.transpose(g.gather(embed, tokens, axis=1), (1, 0))
+    if "token_embd.weight" in weights.adapter_sites:   # a tied head's compensation: the lookup reads W + delta too
+        from ..adapters import LOOKUP
+
+        if weights.row_adapters is not None:
+            return x + weights.row_adapters.lookup(g, "token_embd.weight", tokens, cfg.dim), embed
+        (delta,) = g.call(LOOKUP, [tokens], [TensorType(x.shape, x.dtype)])
+        x = x + delta
+    return x, embed
 
 
 def rms_norm(g: Graph, cfg: DecoderConfig, weights: Weights, name: str, x: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as dt
-from ..adapters import AdapterSet, rows_delta, site_input, site_layout
+from ..adapters import AdapterSet, lookup_delta, rows_delta, site_input, site_layout
 from ..errors import IngotError
 from ..graph import Graph, Tensor
 
@@ -94,3 +94,17 @@ class RowAdapters:
             raise IngotError(f"serve: the adapter sets differ in residual rows at {'+'.join(names)}; only the base "
                              "model's own (from ingot quantize --compensate) are supported.")
         return first
+
+    def lookup(self, g: Graph, name: str, tokens: Tensor, width: int) -> Tensor:
+        """tokens [rows] -> the embedding lookup's share of `name`'s adapter (ingot.adapters.LOOKUP),
+        the same in every served set (the base model's compensation of a tied head)."""
+        outs = site_layout(self.cfg, [name])[0]
+        found = [s.lookup_parts(name, outs) for s in self.sets]
+
+        def same(x, y):
+            return (x is None) == (y is None) and (x is None or all(np.array_equal(u, v) for u, v in zip(x, y)))
+        if any(not (same(f[0], found[0][0]) and same(f[1], found[0][1])) for f in found) or \
+                any(s.int8 != self.sets[0].int8 for s in self.sets if s.factors.get(name)):
+            raise IngotError(f"serve: the adapter sets differ at {name}, whose adapter the embedding lookup reads too; "
+                             "only the base model's own (from ingot quantize --compensate) is supported.")
+        return lookup_delta(g, tokens, found[0], width, self.sets[0].int8, prefix=f"{name}.lookup.")

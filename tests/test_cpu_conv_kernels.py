@@ -67,6 +67,13 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
     (3, 36, (5, 33), (3, 3), (1, 2), (1, 1), ((1, 1), (1, 0))),    # stride 2: 8 + 8 columns; 16 + 16 + 4
     (2, 40, (30, 37), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),   # input > weights: rows first; 8 + 6 + 5 columns
     (3, 20, (4, 10), (3, 3), (1, 1), (2, 1), ((2, 2), (1, 1))),    # 5 + 5 columns, dilated rows
+    # edge rows whose window has its first or last row in the padding only (trimmed tiles)
+    (20, 17, (7, 16), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),   # stride 2: top and bottom trimmed
+    (3, 16, (6, 8), (5, 5), (1, 1), (1, 1), ((2, 2), (2, 2))),     # 5 x 5: two rows out (whole), one (trimmed)
+    (4, 16, (5, 8), (3, 3), (1, 1), (2, 1), ((2, 2), (1, 1))),     # dilated rows
+    (4, 32, (2, 8), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),     # two rows: one trimmed each side
+    (3, 16, (1, 8), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),     # one row: both sides out, not trimmed
+    (5, 16, (4, 8), (3, 3), (1, 1), (1, 1), ((0, 2), (1, 1))),     # bottom padding only, two rows of it
 ]
 
 

@@ -158,7 +158,7 @@ def _transposed(builder, accs):
     return out
 
 
-def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = ""):
+def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = "", taps: tuple | None = None):
     """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops): for positions
     r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
     ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
@@ -167,7 +167,8 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
     each 16); narrower, position r's vector is stored at out[o_at + 16 * r] (a scratch row the caller
     scatters: fewer shuffles to compile for the rarer tiles). key: at width TILE, conv_spatial's epilogue of
     that key (without full operands) applied to the accumulators before the transpose, its channel operands
-    read 16 at a time from b_at (ops as conv_spatial's)."""
+    read 16 at a time from b_at (ops as conv_spatial's). taps (i0, n): only the window's rows i0..i0 + n - 1
+    (the others read the padding's zeros: an output row at the top or bottom edge)."""
     @intrinsic
     def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops):
         sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops)
@@ -203,7 +204,7 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
             new = list(accs)
             xptr = builder.gep(x0, [builder.mul(ic, ic_v)])
             wptr = builder.gep(w0, [builder.mul(ic, ir.Constant(i64, kh * kw * 16))])
-            for i in range(kh):
+            for i in range(*((taps[0], taps[0] + taps[1]) if taps else (0, kh))):
                 row = builder.gep(xptr, [builder.mul(row_v, ir.Constant(i64, i))])
                 for j in range(kw):
                     wp = builder.gep(wptr, [ir.Constant(i64, (i * kw + j) * 16)])
@@ -257,11 +258,11 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
 _TILES: dict = {}
 
 
-def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = ""):
+def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = "", taps: tuple | None = None):
     """The tile of width <= TILE columns (a row's last: 20 wide is 8 + 8 + 4, not 24 computed); lanes 8: of
     a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); key: the epilogue in
-    registers (width TILE only); made once per process."""
-    spec = (kh, kw, width, lanes, key if width == TILE else "")
+    registers (width TILE only); taps: the window's rows (_tile_intrinsic); made once per process."""
+    spec = (kh, kw, width, lanes, key if width == TILE else "", taps)
     if spec not in _TILES:
         _TILES[spec] = _tile_intrinsic(*spec)
     return _TILES[spec]
@@ -278,7 +279,12 @@ def _dispatch(prefix: str, indent: str) -> str:
         head = "if" if k == 0 else "elif" if n != 7 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
         target = "of, (b * 16 * oh + oy) * ow + ox0" if n == 8 else "acc, 0"
-        lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, hp * wp, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw, ops)")
+        call = f"({target}, oh * ow, xf, at, hp * wp, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw, ops)"
+        if n == 8 and prefix == "tile":   # an edge row: the window's rows inside the input only
+            lines += [f"{indent}    if trim == 1:", f"{indent}        top{call}", f"{indent}    elif trim == 2:",
+                      f"{indent}        bottom{call}", f"{indent}    else:", f"{indent}        {prefix}{n}{call}"]
+        else:
+            lines.append(f"{indent}    {prefix}{n}{call}")
     return "\n".join(lines)
 
 _DIRECT = """import numpy as np
@@ -289,6 +295,7 @@ from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}) for w in range(1, 9))
 half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}) for w in range(1, 9))
+top, bottom = (narrow_tile({kh}, {kw}, TILE, 16, {tile_key!r}, rows) for rows in ((1, {kh} - 1), (0, {kh} - 1))) if {kh} > 1 else (tile8, tile8)
 epilogue = EPILOGUES[{key!r}]
 
 
@@ -327,6 +334,9 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
                 copied += 1
             wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
             lanes = min(16, m - b * 16)
+            iy0 = oy * sh - ph   # the input row of the window's first: 1 where only it is padding, 2 where only the last
+            trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \
+                2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
             for t in range(row_tiles):
                 if t < full:
                     ox0, n = t * TILE, TILE

@@ -203,3 +203,33 @@ def test_silu_epilogue_in_registers_extremes(k, m):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want)
     np.testing.assert_allclose(got[ok], want[ok], rtol=3e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("c,m,hw,strides", [
+    (16, 32, (21, 17), (2, 2)),     # odd sizes: the last row and column taken
+    (5, 40, (9, 13), (2, 3)),       # channels not a multiple of 16, unequal strides
+    (7, 3, (6, 8), (3, 1)),         # few outputs: the positions kernel
+    (12, 20, (1, 37), (1, 2)),      # one row
+])
+def test_strided_pointwise_conv_with_epilogue(c, m, hw, strides):
+    """A 1 x 1 convolution with stride > 1 (a ResNet shortcut) runs as a pointwise one on the strided
+    positions, with its bias, ReLU and a residual of the output's shape applied in the kernel."""
+    import ingot
+    from ingot.backends.cpu import conv as cpu_conv
+    rng = np.random.default_rng(c * 7 + m)
+    x = rng.standard_normal((1, c) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    ref = conv(x, w, b, strides, (1, 1), ((0, 0), (0, 0)), 1)
+    r = rng.standard_normal(ref.shape).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = g.conv(xi, w, b, strides=strides)
+    exe = g.compile(targets=[g.maximum(g.add(y, ri), 0.0)])
+    assert cpu_conv._strided_pointwise(1, 1, strides, ((0, 0), (0, 0)), 1)
+    want = np.maximum(ref + r, 0)
+    np.testing.assert_allclose(exe.run({"x": x, "r": r})[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    one_d = g.conv(g.placeholder((1, c, hw[1]), name="x1"), w[:, :, 0], b, strides=strides[1:])
+    got = g.compile(targets=[one_d]).run({"x1": x[:, :, 0]})[0]
+    np.testing.assert_allclose(got, conv(x[:, :, :1], w, b, (1, strides[1]), (1, 1), ((0, 0), (0, 0)), 1)[:, :, 0],
+                               rtol=1e-5, atol=1e-4)

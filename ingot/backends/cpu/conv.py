@@ -292,17 +292,22 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     small = conv1d_small.small_step(conv, out, epilogue, x_index, w_index, b_index, constant, constants) if one_d else None
     if small is not None:   # a short 1-D output: one compiled call (conv1d_small.py)
         return small
-    if epilogue.spatial_ok and pointwise and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
-        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, "channels", constants)
-    if epilogue.spatial_ok and pointwise and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
-        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, constants=constants)
+    strided = _strided_pointwise(kh, kw, (sh, sw), pads, groups)   # its strided positions gathered, then as stride 1
+    subsample = (sh, sw) if strided else None
+    if epilogue.spatial_ok and (pointwise or strided) and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, "channels", constants,
+                             subsample)
+    if epilogue.spatial_ok and (pointwise or strided) and groups == 1 and oh * ow >= 16:   # narrower: BLAS's GEMV wins
+        return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, None, constants=constants,
+                             subsample=subsample)
     if epilogue.spatial_ok and depthwise and conv_depthwise.fits(kh, kw, (sh, sw), (dh, dw), epilogue.operands):
         return conv_depthwise.depthwise_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, sw, ph, pw),
                                              constants, _operand)
     if epilogue.spatial_ok and depthwise and conv_spatial.depthwise_fits(kh, kw, (sh, sw)):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sw, sh, dh, dw, ph, pw),
                              constants=constants)
-    if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow, m):
+    if epilogue.spatial_ok and conv_spatial.rows_window_fits(kh, kw, groups, (sh, sw), cg, ow, m) and \
+            not (direct and _direct_better(cg * kh * kw, m, sh, ow)):
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows",
                              constants)
     if direct:   # a column window runs as a row one (conv_kernels._columns)
@@ -373,17 +378,36 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     return step
 
 
+def _strided_pointwise(kh: int, kw: int, strides, pads, groups: int) -> bool:
+    """A 1 x 1 convolution with a stride above 1 and no padding (a ResNet block's shortcut): the input's
+    strided positions copied out, then the pointwise kernel (DBNet's 16 x 80 x 80 -> 32 x 40 x 40: 0.11 ms
+    through conv_direct, which copies all the input and stores tiles of 8 columns for 16 taps)."""
+    return kh == kw == 1 and groups == 1 and any(s > 1 for s in strides) and not any(a or b for a, b in pads)
+
+
+def _direct_better(reduction: int, m: int, stride: int, ow: int) -> bool:
+    """Where conv_spatial's row kernel would take a kxk conv at the edge of its range (C * kh * kw =
+    SMALL_REDUCTION, 16 channels of 3 x 3) to 16 or more outputs: conv_direct wins at stride 2 and on rows
+    narrower than the row kernel's tile (CPU ms in the model, rows -> direct: 16 x 160 x 160 -> 32 stride 2
+    0.80 -> 0.75, 16 x 80 x 80 -> 32 stride 2 0.235 -> 0.186, 16 x 40 x 40 -> 32 0.188 -> 0.171; 16 x 80 x 80
+    -> 16 stride 1 stays: 0.311 there, 0.335 direct)."""
+    return reduction >= conv_spatial.SMALL_REDUCTION and m >= 16 and (stride == 2 or ow < conv_spatial.TILE)
+
+
 def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
                   b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise",
-                  constants: frozenset = frozenset()):
+                  constants: frozenset = frozenset(), subsample: tuple | None = None):
     """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1,
     window None; kind "channels": conv_pointwise's kernel), else a depthwise one, window (column stride,
-    row stride, dh, dw, ph, pw), or (kind "rows") a kxk one of few channels, window (stride, dh, dw, ph, pw)."""
+    row stride, dh, dw, ph, pw), or (kind "rows") a kxk one of few channels, window (stride, dh, dw, ph, pw).
+    subsample (sh, sw): a pointwise conv with these strides, run on the input's strided positions."""
     out_shape = tuple(conv.type.shape)
     n_img, m = out_shape[:2]
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
     c = conv.src[0].type.shape[1]
     in_spatial = conv.src[0].type.shape[2:] if len(out_shape) == 4 else (1,) + conv.src[0].type.shape[2:]
+    if subsample:
+        in_spatial = spatial
     operands = epilogue.operands
     w_shape = conv.src[1].type.shape
     size = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
@@ -413,6 +437,8 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                 wk = arrange(w, bias)
             if constant:
                 arranged["w"] = wk
+        if subsample:
+            x = x[:, :, ::subsample[0], ::subsample[1]] if x.ndim == 4 else x[:, :, ::subsample[-1]]
         xs = np.ascontiguousarray(x).reshape(x_shape)
         y = out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(y_shape)

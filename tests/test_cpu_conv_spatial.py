@@ -111,6 +111,13 @@ ROWS_WINDOW = [  # C, M, (H, W), (kh, kw), stride, dilation, pads
     (5, 7, (9, 11), (3, 3), 1, 2, ((2, 1), (2, 0))),
     (4, 9, (12, 13), (5, 5), 2, 1, ((2, 2), (1, 2))),
     (16, 6, (6, 67), (3, 3), 1, 1, ((1, 1), (1, 1))),
+    # stride 2 runs on even / odd column phases, a band of rows at a time: odd and even widths, no left
+    # pad, even windows, rows longer than a tile, many bands, and a dilated window (the strided kernel)
+    (3, 16, (150, 41), (3, 3), 2, 1, ((1, 1), (1, 1))),
+    (2, 6, (9, 161), (4, 4), 2, 1, ((0, 2), (0, 1))),
+    (2, 5, (23, 30), (7, 7), 2, 1, ((3, 3), (3, 2))),
+    (6, 3, (13, 16), (2, 2), 2, 1, ((0, 0), (0, 0))),
+    (3, 4, (15, 34), (3, 3), 2, 2, ((2, 2), (2, 2))),
 ]
 
 

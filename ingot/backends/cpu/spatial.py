@@ -27,7 +27,8 @@ from . import conv_spatial as cs
 def _window_max_intrinsic(kh: int, kw: int, sw: int):
     """window_max(out, o_at, buf, b_at, row_step, dh, dw, n): for lanes t < min(n, 16), out[o_at + t] = max
     over i < kh, j < kw of buf[b_at + i * dh * row_step + j * dw + sw * t] (NaN kept, as np.maximum), the
-    maximum kept in a register over the taps; buf is read unmasked (16 * sw lanes past each tap)."""
+    maximum kept in a register over the taps; buf is read only where a lane is used (masked loads: the
+    kernel reads an unpadded input in place)."""
     @intrinsic
     def window_max(typingctx, out, o_at, buf, b_at, row_step, dh, dw, n):
         sig = types.void(out, o_at, buf, b_at, row_step, dh, dw, n)
@@ -36,19 +37,22 @@ def _window_max_intrinsic(kh: int, kw: int, sw: int):
             oa = context.make_array(signature.args[0])(context, builder, args[0])
             ba = context.make_array(signature.args[2])(context, builder, args[2])
             o_at_v, b_at_v, row_v, dh_v, dw_v, n_v = (cs._i64(builder, args[i]) for i in (1, 3, 4, 5, 6, 7))
-            _, store = cs._masked(builder)
+            load, store = cs._masked(builder)
             i64, i32 = ir.IntType(64), ir.IntType(32)
             even = ir.Constant(ir.VectorType(i32, 16), list(range(0, 32, 2)))
             row_v = builder.mul(row_v, dh_v)
+            used = builder.add(builder.mul(builder.sub(n_v, ir.Constant(i64, 1)), ir.Constant(i64, sw)), ir.Constant(i64, 1))
+            masks = [cs._bits_mask(builder, ir.Constant(i64, 0), _clamp(builder, builder.sub(used, ir.Constant(i64, 16 * h))))
+                     for h in range(sw)]   # the lanes read: (n - 1) * sw + 1 values
 
             def taps():
                 for i in range(kh):
                     for j in range(kw):
                         at = builder.add(builder.add(b_at_v, builder.mul(row_v, ir.Constant(i64, i))),
                                          builder.mul(dw_v, ir.Constant(i64, j)))
-                        v = builder.load(cs._vptr(builder, ba.data, at), align=4)
+                        v = load(cs._vptr(builder, ba.data, at), masks[0])
                         if sw == 2:
-                            hi = builder.load(cs._vptr(builder, ba.data, builder.add(at, ir.Constant(i64, 16))), align=4)
+                            hi = load(cs._vptr(builder, ba.data, builder.add(at, ir.Constant(i64, 16))), masks[1])
                             v = builder.shuffle_vector(v, hi, even)
                         yield v
             # VMAXPS (a > b ? a : b) drops a NaN in a; the taps' sum is NaN where any tap is (or +inf meets
@@ -71,6 +75,13 @@ def _window_max_intrinsic(kh: int, kw: int, sw: int):
             return context.get_dummy_value()
         return sig, codegen
     return window_max
+
+
+def _clamp(builder, v):
+    """v (i64) clamped to 0..16."""
+    zero, full = ir.Constant(ir.IntType(64), 0), ir.Constant(ir.IntType(64), 16)
+    v = builder.select(builder.icmp_signed("<", v, zero), zero, v)
+    return builder.select(builder.icmp_signed(">", v, full), full, v)
 
 
 WINDOW_MAX: dict = {}
@@ -100,16 +111,24 @@ along_columns = window_max_for({kh}, 1, 1)
 @njit(cache=True, nogil=True)
 def kernel(x, sh, dh, dw, top, left, value, out):
     # each plane of x [P, H, W] copied into a buffer padded with value, then 16 outputs of a row at a time;
-    # at stride 1 separable: the maxima over the window's columns for every row, then over its rows
+    # at stride 1 separable: the maxima over the window's columns for every row, then over its rows.
+    # Windows that need no padding read x in place (CRNN's 2 x 2 and 2 x 1 pools: no copy).
     p_n, h, w = x.shape
     _, oh, ow = out.shape
     kh, kw, sw = {kh}, {kw}, {sw}
     hp = max(h + top, (oh - 1) * sh + (kh - 1) * dh + 1)
     wp = max(w + left, (ow - 1) * sw + (kw - 1) * dw + 1)
-    buf = np.full(hp * wp + 32 * sw, value, np.float32)   # slack: the lanes past the row's end read it
     separable = sh == 1 and sw == 1 and kh > 1 and kw > 1
-    cols = np.empty(hp * ow + 16 if separable else 0, np.float32)
     of = out.reshape(p_n * oh * ow)
+    if top == 0 and left == 0 and hp == h and wp == w and not separable:
+        xf = x.reshape(p_n * h * w)
+        for p in range(p_n):
+            for oy in range(oh):
+                for ox in range(0, ow, 16):
+                    window_max(of, (p * oh + oy) * ow + ox, xf, (p * h + oy * sh) * w + ox * sw, w, dh, dw, ow - ox)
+        return
+    buf = np.full(hp * wp + 32 * sw, value, np.float32)   # slack: the lanes past the row's end read it
+    cols = np.empty(hp * ow + 16 if separable else 0, np.float32)
     for p in range(p_n):
         plane = x[p]
         for y in range(h):
@@ -130,11 +149,16 @@ def kernel(x, sh, dh, dw, top, left, value, out):
 """
 
 
+def pool_kernel(kh: int, kw: int, sw: int):
+    """kernel(x, sh, dh, dw, top, left, value, out): out [P, OH, OW] = max over the kh x kw window (stride,
+    dilation) of each plane of x [P, H, W] padded by top rows and left columns (and as many after as the
+    windows reach) of value (a float32); sw 1 or 2."""
+    return cs.load(_POOL.format(kh=kh, kw=kw, sw=sw), "kernel", "cpu_pool")
+
+
 def max_pool(x, kh, kw, sh, sw, dh, dw, top, left, value, out) -> None:
-    """out [P, OH, OW] = max over the kh x kw window (stride, dilation) of each plane of x [P, H, W] padded
-    by top rows and left columns (and as many after as the windows reach) of value; sw 1 or 2."""
-    kernel = cs.load(_POOL.format(kh=kh, kw=kw, sw=sw), "kernel", "cpu_pool")
-    kernel(x, sh, dh, dw, top, left, np.float32(value), out)
+    """pool_kernel's kernel, found per call."""
+    pool_kernel(kh, kw, sw)(x, sh, dh, dw, top, left, np.float32(value), out)
 
 
 @njit(cache=True, nogil=True)
@@ -195,10 +219,11 @@ def max_pool_lowering(node: Node, out):
     (top, _), (left, _) = pads[0].attrs["pads"][2:] if pads else ((0, 0), (0, 0))
     value = np.float32(pads[0].attrs.get("value", 0.0)) if pads else np.float32(0.0)
     shape = tuple(node.type.shape)
+    kernel = pool_kernel(kh, kw, sw)   # (found once: its source's hash took a few us a run)
 
     def step(x):
         y = out if out is not None else np.empty(shape, np.float32)
-        max_pool(np.ascontiguousarray(x).reshape(-1, *x.shape[-2:]), kh, kw, sh, sw, dh, dw, top, left, value, y.reshape(-1, *shape[2:]))
+        kernel(np.ascontiguousarray(x).reshape(-1, *x.shape[-2:]), sh, dh, dw, top, left, value, y.reshape(-1, *shape[2:]))
         return y
     return step
 

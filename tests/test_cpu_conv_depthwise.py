@@ -22,6 +22,8 @@ CASES = [  # C, (H, W), (kh, kw), (row stride, column stride), pads ((top, botto
     (3, (13, 21), (3, 5), (3, 2), ((1, 2), (4, 0))),
     (40, (3, 50), (7, 7), (1, 1), ((3, 3), (3, 3))),
     (2, (6, 5), (1, 3), (1, 2), ((0, 0), (0, 0))),
+    (4, (45, 150), (5, 5), (2, 2), ((2, 2), (2, 2))),   # two bands, the last one reading the bottom padding
+    (7, (50, 200), (3, 3), (3, 1), ((0, 2), (1, 1))),
 ]
 
 
@@ -35,8 +37,9 @@ def test_depthwise_matches_reference(c, hw, k, strides, pads):
     assert conv_depthwise.fits(k[0], k[1], strides, (1, 1), [])
     out = np.full(want.shape, np.nan, np.float32)
     kernel = conv_depthwise.driver(k[0], k[1], strides[1], want.shape[2], [], [])
-    xp_n, ot_n = conv_depthwise.scratch_sizes(k[0], k[1], strides[1], hw, want.shape[1:], strides[0], pads[0][0], pads[1][0])
-    xp, ot = np.zeros(xp_n, np.float32), np.full(ot_n, np.nan, np.float32)
+    xp_n, ot_n = conv_depthwise.band_scratch_sizes(k[0], k[1], strides[1], hw, want.shape[1:], strides[0], pads[0][0],
+                                                   pads[1][0])
+    xp, ot = np.full(xp_n, np.nan, np.float32), np.full(ot_n, np.nan, np.float32)   # the kernel writes the padding
     for _ in range(2):   # the second call reuses the scratch
         kernel(x, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, (), xp, ot)
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))

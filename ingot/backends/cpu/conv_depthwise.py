@@ -153,9 +153,10 @@ tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key!r})
 @njit(cache=True, nogil=True)
 def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
     # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; column stride s, row stride sh; xp, ot: scratch
-    # of scratch_sizes (xp zeros: only its interior is written). Per block of 16 channels, a band of output
-    # rows at a time: the input rows it reads transposed (once each), its tiles, its positions transposed
-    # back, so that what a band touches stays in cache.
+    # of band_scratch_sizes. Per block of 16 channels, a band of output rows at a time: the padded input
+    # rows it reads transposed into xp (band-relative: rows r0.. of the padded plane; the rows two bands
+    # share are transposed again), its tiles into ot, ot transposed back: the scratch stays in L2 (full
+    # planes of it, 0.8 MB each at 16 x 112 x 112, went to memory and back between two runs).
     c_n, h, wd = x.shape
     _, oh, ow = out.shape
     kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
@@ -167,6 +168,7 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
     bt = np.zeros(16, np.float32)
     xf = x.reshape(c_n * h * wd)
     of = out.reshape(c_n * p_n)
+    filled = pw + (wd + 15) // 16 * 16   # columns the transposes write (zeros past wd)
     for c0 in range(0, c_n, 16):
         lanes = min(16, c_n - c0)
         for l in range(16):
@@ -174,21 +176,27 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
             for t in range(taps):
                 wt[t * 16 + l] = w[c0 + l, t] if real else np.float32(0.0)
             bt[l] = bias[c0 + l] if real else np.float32(0.0)
-        y_in = 0
         for oy0 in range(0, oh, band):
             oy1 = min(oh, oy0 + band)
-            need = min(h, (oy1 - 1) * sh - ph + kh)
-            while y_in < need:
+            r0 = oy0 * sh
+            for r in range(r0, (oy1 - 1) * sh + kh):
+                at = (r - r0) * wp * 16
+                y = r - ph
+                if y < 0 or y >= h:
+                    xp[at:at + wp * 16] = 0.0
+                    continue
+                xp[at:at + pw * 16] = 0.0
+                if filled < wp:
+                    xp[at + filled * 16:at + wp * 16] = 0.0
                 for x0 in range(0, wd, 16):
-                    _transpose_in(xp, ((y_in + ph) * wp + pw + x0) * 16, xf, (c0 * h + y_in) * wd + x0, h * wd, lanes,
-                                  wd - x0)
-                y_in += 1
+                    _transpose_in(xp, at + (pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)
             for oy in range(oy0, oy1):
                 for ox in range(0, ow, r_n):
-                    tile(ot, (oy * ow + ox) * 16, xp, (oy * sh * wp + ox * s) * 16, wp * 16, wt, bt, c0, lanes, ops)
-            end = oy1 * ow
-            for p0 in range(oy0 * ow, end, 16):
-                _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
+                    tile(ot, ((oy - oy0) * ow + ox) * 16, xp, ((oy - oy0) * sh * wp + ox * s) * 16, wp * 16, wt, bt,
+                         c0, lanes, ops)
+            n = (oy1 - oy0) * ow
+            for p0 in range(0, n, 16):
+                _transpose_out(of, c0 * p_n + oy0 * ow + p0, p_n, ot, p0 * 16, lanes, min(16, n - p0))
 """
 
 
@@ -211,6 +219,16 @@ def scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph: int
     return (hp * wp + stride * positions(ow) + kw + 32) * 16, (oh * ow + positions(ow) + 32) * 16
 
 
+def band_scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph: int, pw: int) -> tuple[int, int]:
+    """Floats of the kernel's xp (a band's padded [rows, W', 16], slack past it for the tails) and ot (the
+    band's outputs)."""
+    (h, wd), (oh, ow) = in_hw, out_hw
+    wp = max(wd + pw, stride * (ow - 1) + kw)
+    band = max(1, 2048 // wp)
+    rows = (min(band, oh) - 1) * sh + kh
+    return (rows * wp + stride * positions(ow) + kw + 32) * 16, (min(band, oh) * ow + positions(ow) + 32) * 16
+
+
 def driver(kh: int, kw: int, stride: int, ow: int, steps, operands):
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
@@ -231,7 +249,7 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
     sh, sw, ph, pw = window
     operands = epilogue.operands
     kernel = driver(kh, kw, sw, spatial[1], epilogue.steps, operands)
-    xp_n, ot_n = scratch_sizes(kh, kw, sw, in_spatial, spatial, sh, ph, pw)
+    xp_n, ot_n = band_scratch_sizes(kh, kw, sw, in_spatial, spatial, sh, ph, pw)
     xp, ot = np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)   # reused: their pages stay mapped
     fixed_ops = all(i in constants for _, i in operands)
     arranged: dict = {}

@@ -45,6 +45,11 @@ def graph(shape, m, k, strides, pads, extra_reader=False, bias=True):
     ((1, 3, 12, 23), 17, (3, 3), (2, 1), ((1, 1), (1, 1))),     # PP-OCR's row-only stride
     ((1, 24, 1, 1), 40, (3, 3), (1, 1), ((1, 1), (1, 1))),      # a one-pixel image
     ((1, 9, 7, 7), 16, (5, 5), (1, 1), ((2, 2), (2, 2))),
+    # rows wider than a band's 2048 floats / 16: several bands, the rows two share kept, skipped (1 x 3 at
+    # row stride 2) or reaching into the bottom padding
+    ((1, 6, 30, 150), 20, (3, 3), (1, 1), ((1, 1), (1, 1))),
+    ((1, 5, 40, 210), 18, (5, 5), (2, 2), ((2, 2), (2, 2))),
+    ((1, 4, 30, 300), 16, (1, 3), (2, 1), ((0, 0), (1, 1))),
 ])
 def test_one_kernel_matches_numpy(shape, m, k, strides, pads):
     exe, reference = graph(shape, m, k, strides, pads, bias=m % 2 == 0)

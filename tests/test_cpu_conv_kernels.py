@@ -156,15 +156,21 @@ def _steps_of(exe):
     return epilogue.steps, epilogue.operands
 
 
-@pytest.mark.parametrize("m,hw,stride,residual", [(21, (7, 19), 1, False), (9, (6, 35), 2, False), (40, (5, 17), 1, True)])
-def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual):
+@pytest.mark.parametrize("m,hw,stride,residual,batch", [(21, (7, 19), 1, False, 1), (9, (6, 35), 2, False, 1),
+                                                         (40, (5, 17), 1, True, 1), (18, (4, 13), 1, True, 3)])
+def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual, batch, monkeypatch):
     """A conv + batch norm (scale, shift per channel) + hard-swish (+ a residual) compiled for the CPU runs
-    the direct kernel, the epilogue in its tiles' registers (a residual: after each row), and equals the
-    reference; channels not a multiple of 16, rows of 8 + 8 + a few columns."""
+    the direct kernel from its own step (conv._direct_step), the epilogue in its tiles' registers (a
+    residual: after each row), and equals the reference; channels not a multiple of 16, rows of 8 + 8 + a
+    few columns, images of a batch one at a time."""
     import ingot
+    from ingot.backends.cpu import conv as cpu_conv
+    steps = []
+    real = cpu_conv._direct_step
+    monkeypatch.setattr(cpu_conv, "_direct_step", lambda *a, **k: steps.append(1) or real(*a, **k))
     rng = np.random.default_rng(m + hw[1])
     c = 20   # C * 9 > conv_spatial.SMALL_REDUCTION: the direct kernel, not the position-vectorised one
-    x = rng.standard_normal((1, c) + hw).astype(np.float32)
+    x = rng.standard_normal((batch, c) + hw).astype(np.float32)
     w = rng.standard_normal((m, c, 3, 3)).astype(np.float32) * 0.2
     b, scale, shift = (rng.standard_normal(m).astype(np.float32) for _ in range(3))
     y_ref = conv(x, w, b, (stride, stride), (1, 1), ((1, 1), (1, 1)), 1)
@@ -182,6 +188,26 @@ def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual):
     want = t * np.clip(t + 3, 0, 6) / 6 + (r if residual else 0)
     got = exe.run({"x": x, "r": r} if residual else {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert steps == [1]
+
+
+def test_direct_conv_step_one_d(monkeypatch):
+    """A 1-D conv (batch 2, dilation 2, stride 2, uneven padding) + ReLU through conv._direct_step."""
+    import ingot
+    from ingot.backends.cpu import conv as cpu_conv
+    steps = []
+    real = cpu_conv._direct_step
+    monkeypatch.setattr(cpu_conv, "_direct_step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 24, 301)).astype(np.float32)
+    w = rng.standard_normal((19, 24, 3)).astype(np.float32)
+    b = rng.standard_normal(19).astype(np.float32)
+    g = ingot.Graph()
+    y = g.conv(g.placeholder(x.shape, name="x"), w, b, strides=(2,), dilations=(2,), pads=((2, 1),))
+    exe = g.compile(targets=[g.maximum(y, 0.0)])
+    want = np.maximum(conv(x[:, :, None], w[:, :, None], b, (1, 2), (1, 2), ((0, 0), (2, 1)), 1)[:, :, 0], 0)
+    np.testing.assert_allclose(exe.run({"x": x})[0], want, rtol=1e-5, atol=1e-4)
+    assert steps == [1]
 
 
 @pytest.mark.parametrize("k,m", [(3, 21), (1, 19)])

@@ -164,7 +164,8 @@ def test_rows_decoder_with_adapters_keeps_the_gemv_fusions_and_equals_the_cpu():
     np.testing.assert_allclose(logits["cuda", True], logits["cpu", True], rtol=2e-3, atol=2e-3)
     # the base entry: the adapters add exactly 0 (the kernels' tests), but the gate/up GEMV's output now
     # takes its delta before silu*mul, so the feed-forward runs as two GEMV steps, not one: to rounding
-    np.testing.assert_allclose(logits["cuda", True][[0, 3]], logits["cuda", False][[0, 3]], rtol=1e-5, atol=1e-5)
+    # (H100, 2026-12-05: 3.0e-5 at most on logits of about 1, where 1e-5 had passed the interpreter)
+    np.testing.assert_allclose(logits["cuda", True][[0, 3]], logits["cuda", False][[0, 3]], rtol=1e-5, atol=1e-4)
     assert np.abs(logits["cuda", True][1] - logits["cuda", False][1]).max() > 1e-2
 
 

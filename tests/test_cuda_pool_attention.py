@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from ingot import dtypes as dt  # noqa: E402
 from ingot.backends.cuda import device_name, to_host  # noqa: E402
+from ingot.backends.cuda.device import to_device  # noqa: E402
 from ingot.backends.cuda.pool_attention import pool_attention  # noqa: E402
 from ingot.ir import TensorType  # noqa: E402
 from ingot.models import llama  # noqa: E402
@@ -53,7 +54,7 @@ def test_pool_attention_kernels_equal_the_reference(case, split):
     if _INTERPRET and case[7] == "bfloat16":
         pytest.skip("Triton's interpreter mishandles bfloat16 (the GPU run checks it)")
     arrays = _nan_past_use(case, _case_arrays(case, seed=5))
-    q, k, v, k_pool, v_pool, slots, positions = (torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE) for a in arrays)
+    q, k, v, k_pool, v_pool, slots, positions = (to_device(a, DEVICE) for a in arrays)   # (bfloat16 pools too)
     got = pool_attention(q, k, v, k_pool, v_pool, slots, positions, window=case[8], softcap=case[9], split=split,
                          block_n=16)
     want, kp, vp = per_row(*arrays, window=case[8], softcap=case[9])

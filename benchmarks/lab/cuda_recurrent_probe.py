@@ -1,9 +1,12 @@
-"""The CUDA recurrence (backends/cuda/recurrent.py) both ways, each replayed as a CUDA graph: every
-step in one launch (`sequence`, at several warp counts) against a launch a step, on a CRNN's
-bidirectional LSTM (T 80, batch 1, hidden 128) and larger hidden sizes, to set SEQUENCE_MAX_R_BYTES.
-Checks the two paths agree first.
+"""The CUDA recurrence (backends/cuda/recurrent.py, a launch a time step), replayed as a CUDA graph, at
+several tiles (BB batch rows, BH units, BK columns of R a load; BK >= H: the whole row in one load,
+no loop), on a CRNN's bidirectional LSTM (T 80, batch 1, hidden 128) and other sizes. Each tile's
+result is checked against step_tiles' first.
 
-    python benchmarks/lab/cuda_recurrent_probe.py [--hidden 128,256,512] [--seq 80] [--batch 1]
+    python benchmarks/lab/cuda_recurrent_probe.py [--hidden 128,256] [--seq 80] [--batch 1,16]
+
+Measured and removed (H100, 2026-12-05): every step in one launch, a program per direction owning all
+units with a barrier between steps: 2,064 us against 659 at hidden 128 (R read by one SM a step).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ingot.backends.cuda.recurrent import recurrent  # noqa: E402
+from ingot.backends.cuda.recurrent import recurrent, step_tiles  # noqa: E402
 from ingot.ir import Op  # noqa: E402
 
 
@@ -44,9 +47,9 @@ def graph_us(fn, reps=50):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", default="128,256,512")
+    ap.add_argument("--hidden", default="128,256")
     ap.add_argument("--seq", type=int, default=80)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", default="1")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--ops", default="LSTM,GRU")
     args = ap.parse_args()
@@ -55,25 +58,30 @@ def main():
     for opname in args.ops.split(","):
         op, gates = Op[opname], {"LSTM": 4, "GRU": 3, "RNN": 1}[opname]
         for hidden in map(int, args.hidden.split(",")):
-            d, t, b = 2, args.seq, args.batch
-            x = torch.randn(t, b, args.size, device=dev, generator=g)
-            w = torch.randn(d, gates * hidden, args.size, device=dev, generator=g) * 0.1
-            r = torch.randn(d, gates * hidden, hidden, device=dev, generator=g) * (0.5 / hidden ** 0.5)
-            bias = torch.randn(d, 2 * gates * hidden, device=dev, generator=g) * 0.1
-            lens = torch.full((b,), t, dtype=torch.int32, device=dev)
-            h0 = torch.zeros(d, b, hidden, device=dev)
-            extra = (h0, torch.zeros_like(h0), torch.zeros(d, 3 * hidden, device=dev)) if op == Op.LSTM else (h0,)
-            kw = dict(first_reverse=False, clip=None)
-            ref = recurrent(op, x, w, r, bias, lens, *extra, sequence=False, **kw)
-            got = recurrent(op, x, w, r, bias, lens, *extra, sequence=True, **kw)
-            err = max(float((a - c).abs().max()) for a, c in zip(got, ref))
-            row = {"step": graph_us(lambda: recurrent(op, x, w, r, bias, lens, *extra, sequence=False, **kw))}
-            for warps in (4, 8, 16):
-                row[f"seq-w{warps}"] = graph_us(lambda: recurrent(op, x, w, r, bias, lens, *extra, sequence=True,
-                                                                  num_warps=warps, **kw))
-            kb = gates * hidden * hidden * 4 >> 10
-            print(f"{opname} T{t} B{b} H{hidden} (R {kb} KB/dir) max|diff| {err:.1e}: "
-                  + "  ".join(f"{k} {v:.1f} us" for k, v in row.items()), flush=True)
+            for b in map(int, args.batch.split(",")):
+                d, t = 2, args.seq
+                x = torch.randn(t, b, args.size, device=dev, generator=g)
+                w = torch.randn(d, gates * hidden, args.size, device=dev, generator=g) * 0.1
+                r = torch.randn(d, gates * hidden, hidden, device=dev, generator=g) * (0.5 / hidden ** 0.5)
+                bias = torch.randn(d, 2 * gates * hidden, device=dev, generator=g) * 0.1
+                lens = torch.full((b,), t, dtype=torch.int32, device=dev)
+                h0 = torch.zeros(d, b, hidden, device=dev)
+                extra = (h0, torch.zeros_like(h0), torch.zeros(d, 3 * hidden, device=dev)) if op == Op.LSTM else (h0,)
+                kw = dict(first_reverse=False, clip=None)
+                bb = step_tiles(b, hidden)[0]
+                tiles = {"default": None}
+                for bh in (8, 16, 32):
+                    for warps in (2, 4):
+                        if bb * bh * hidden <= 64 * 32 * warps:   # the product at most 64 registers a thread
+                            tiles[f"{bb}x{bh}x{hidden}-w{warps}"] = (bb, bh, hidden, warps)
+                ref = recurrent(op, x, w, r, bias, lens, *extra, **kw)
+                row = {}
+                for name, tile in tiles.items():
+                    got = recurrent(op, x, w, r, bias, lens, *extra, tiles=tile, **kw)
+                    err = max(float((a - c).abs().max()) for a, c in zip(got, ref))
+                    us = graph_us(lambda tile=tile: recurrent(op, x, w, r, bias, lens, *extra, tiles=tile, **kw))
+                    row[name] = f"{us:.1f} us" + (f" (diff {err:.1e})" if err > 1e-5 else "")
+                print(f"{opname} T{t} B{b} H{hidden}: " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
 
 
 if __name__ == "__main__":

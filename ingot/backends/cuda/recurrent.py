@@ -3,17 +3,13 @@ model with recurrent layers (a CRNN recogniser, Silero-style voice activity) is 
 graph.
 
 Every step's input projection is one cuBLAS matmul (cuda.float32_precision) over all T steps and
-both directions, before the recurrence. A small recurrence (R at most SEQUENCE_MAX_R_BYTES a
-direction: a CRNN's or a voice-activity model's hidden 128) then runs every step in one launch: a
-program per (direction, tile of batch rows) owns all hidden units of its rows and steps through time
-with a barrier between steps, reading R from L2 at each. A larger one runs one launch per time step:
-a program per (direction, tile of batch rows, tile of hidden units) computes its units' gates from
-the whole previous hidden state (h @ R^T for its rows of R), the gates' pointwise math and the
-masking by sequence length, and writes its slice of the new h, c and y. Either way the hidden state
-ping-pongs between two buffers (every unit reads all of the old h while the new one is written); c is
-updated in place (each unit owns its elements). A GRU whose reset gate applies before the recurrent
-product (linear_before_reset = 0, ONNX's default) needs every unit's reset gate first: two halves a
-step (two launches, or two passes over the units with a barrier between).
+both directions, before the recurrence. The recurrence then runs one launch per time step: a
+program per (direction, tile of batch rows, tile of hidden units) computes its units' four gates
+from the whole previous hidden state (h @ R^T for its rows of R), the gates' pointwise math and the
+masking by sequence length, and writes its slice of the new h, c and y. The hidden state ping-pongs between two buffers (every
+program reads all of the old h while others write the new one); c is updated in place (each program
+owns its elements). A GRU whose reset gate applies before the recurrent product
+(linear_before_reset = 0, ONNX's default) needs every unit's reset gate first: two launches a step.
 Float32 throughout; the default activations of each op, with clip, and lstm's input_forget and
 peepholes. Other activations keep the host reference.
 """
@@ -42,14 +38,22 @@ def _tanh(x):
 
 @triton.jit
 def _gate(h_rows, row_ok, r_gate, units, unit_ok, H, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    """[BB, BH]: h[rows] @ R_gate[units]^T, R_gate [H, H] row-major (one gate's rows of R)."""
-    acc = tl.zeros((BB, BH), tl.float32)
-    for k0 in range(0, H, BK):
-        ks = k0 + tl.arange(0, BK)
+    """[BB, BH]: h[rows] @ R_gate[units]^T, R_gate [H, H] row-major (one gate's rows of R). With BK >= H
+    one load and no loop, so a step's gates load together (a loop's trip count is not known here)."""
+    if BK >= H:
+        ks = tl.arange(0, BK)
         k_ok = ks < H
         hk = tl.load(h_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         rk = tl.load(r_gate + units[:, None] * H + ks[None, :], mask=unit_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(hk[:, None, :] * rk[None, :, :], axis=2)
+        acc = tl.sum(hk[:, None, :] * rk[None, :, :], axis=2)
+    else:
+        acc = tl.zeros((BB, BH), tl.float32)
+        for k0 in range(0, H, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < H
+            hk = tl.load(h_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            rk = tl.load(r_gate + units[:, None] * H + ks[None, :], mask=unit_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(hk[:, None, :] * rk[None, :, :], axis=2)
     return acc
 
 
@@ -67,15 +71,16 @@ def _step_tile(s, T, B, H, FIRST_REVERSE: tl.constexpr, BB: tl.constexpr, BH: tl
 
 
 @triton.jit
-def _step(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, len_ptr, d, t, rows, units, row_ok, unit_ok,
-          ok, n_dirs, T, B, H, clip, KIND: tl.constexpr, G: tl.constexpr, HAS_CLIP: tl.constexpr,
-          INPUT_FORGET: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    # One time step t of direction d for these batch rows and hidden units. proj [D, T, B, G*H]: the
-    # input projection and the biases outside the recurrent product; r [D, G*H, H]; h/c [D, B, H]; y [T,
-    # D, B, H]; len [B] int32; all contiguous. KIND 0 rnn (gate h), 1 lstm (gates i, o, f, c; extra =
-    # peepholes [D, 3H]), 2 gru with linear_before_reset (gates z, r, h; extra = the recurrent bias of h
-    # [D, H]), 3 the second half of a gru step without it (h_in = r * h, c = z: _gru_reset's outputs,
-    # extra = the old h). G: the op's gates.
+def _step_kernel(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, len_ptr, s, T, B, H, clip,
+                 KIND: tl.constexpr, G: tl.constexpr, FIRST_REVERSE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                 INPUT_FORGET: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    # One time step of every direction. proj [D, T, B, G*H]: the input projection and the biases
+    # outside the recurrent product; r [D, G*H, H]; h/c [D, B, H]; y [T, D, B, H]; len [B] int32; all
+    # contiguous. KIND 0 rnn (gate h), 1 lstm (gates i, o, f, c; extra = peepholes [D, 3H]), 2 gru
+    # with linear_before_reset (gates z, r, h; extra = the recurrent bias of h [D, H]), 3 the second
+    # launch of a gru without it (h_in = r * h, c = z: _gru_reset_kernel's outputs). G: the op's gates.
+    d, t, rows, units, row_ok, unit_ok, ok = _step_tile(s, T, B, H, FIRST_REVERSE, BB, BH)
+    n_dirs = tl.num_programs(0)
     h_rows = h_in_ptr + (d * B + rows) * H
     r_dir = r_ptr + d * G * H * H
     p_at = proj_ptr + ((d * T + t) * B + rows[:, None]) * G * H + units[None, :]
@@ -130,9 +135,10 @@ def _step(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, len_ptr
 
 
 @triton.jit
-def _gru_reset(proj_ptr, r_ptr, h_in_ptr, z_ptr, rh_ptr, d, t, rows, units, row_ok, unit_ok, ok, T, B, H, clip,
-               HAS_CLIP: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    # The first half of a gru step without linear_before_reset: z and r * h for _step's KIND 3.
+def _gru_reset_kernel(proj_ptr, r_ptr, h_in_ptr, z_ptr, rh_ptr, s, T, B, H, clip, FIRST_REVERSE: tl.constexpr,
+                      HAS_CLIP: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    # The first launch of a gru step without linear_before_reset: z and r * h for _step_kernel's KIND 3.
+    d, t, rows, units, row_ok, unit_ok, ok = _step_tile(s, T, B, H, FIRST_REVERSE, BB, BH)
     h_rows = h_in_ptr + (d * B + rows) * H
     r_dir = r_ptr + d * 3 * H * H
     p_at = proj_ptr + ((d * T + t) * B + rows[:, None]) * 3 * H + units[None, :]
@@ -145,80 +151,22 @@ def _gru_reset(proj_ptr, r_ptr, h_in_ptr, z_ptr, rh_ptr, d, t, rows, units, row_
     tl.store(rh_ptr + state_at, r * tl.load(h_in_ptr + state_at, mask=ok, other=0.0), mask=ok)
 
 
-@triton.jit
-def _step_kernel(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, len_ptr, s, T, B, H, clip,
-                 KIND: tl.constexpr, G: tl.constexpr, FIRST_REVERSE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                 INPUT_FORGET: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    # Time step s of every direction: a program per (direction, tile of batch rows, tile of units).
-    d, t, rows, units, row_ok, unit_ok, ok = _step_tile(s, T, B, H, FIRST_REVERSE, BB, BH)
-    _step(proj_ptr, r_ptr, extra_ptr, h_in_ptr, h_out_ptr, c_ptr, y_ptr, len_ptr, d, t, rows, units, row_ok, unit_ok,
-          ok, tl.num_programs(0), T, B, H, clip, KIND, G, HAS_CLIP, INPUT_FORGET, BB, BH, BK)
-
-
-@triton.jit
-def _gru_reset_kernel(proj_ptr, r_ptr, h_in_ptr, z_ptr, rh_ptr, s, T, B, H, clip, FIRST_REVERSE: tl.constexpr,
-                      HAS_CLIP: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    d, t, rows, units, row_ok, unit_ok, ok = _step_tile(s, T, B, H, FIRST_REVERSE, BB, BH)
-    _gru_reset(proj_ptr, r_ptr, h_in_ptr, z_ptr, rh_ptr, d, t, rows, units, row_ok, unit_ok, ok, T, B, H, clip,
-               HAS_CLIP, BB, BH, BK)
-
-
-@triton.jit
-def _sequence_kernel(proj_ptr, r_ptr, extra_ptr, h_ptr, c_ptr, y_ptr, len_ptr, z_ptr, rh_ptr, T, B, H, clip,
-                     KIND: tl.constexpr, G: tl.constexpr, FIRST_REVERSE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                     INPUT_FORGET: tl.constexpr, TWO_HALVES: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr,
-                     BK: tl.constexpr):
-    # Every time step in one launch: a program per (direction, tile of batch rows) owns all the hidden
-    # units of its rows, so no other program reads what it writes and a barrier between steps is the
-    # only synchronisation. h [2, D, B, H]: step s reads half s % 2 and writes the other. TWO_HALVES: a
-    # gru without linear_before_reset (z and r * h of every unit before any candidate).
-    d = tl.program_id(0)
-    n_dirs = tl.num_programs(0)
-    rows = tl.program_id(1) * BB + tl.arange(0, BB)
-    row_ok = rows < B
-    half = n_dirs * B * H
-    for s in range(0, T):
-        t = s
-        if FIRST_REVERSE or d == 1:
-            t = T - 1 - s
-        h_in = h_ptr + (s % 2) * half
-        h_out = h_ptr + ((s + 1) % 2) * half
-        if TWO_HALVES:
-            for u0 in range(0, H, BH):
-                units = u0 + tl.arange(0, BH)
-                unit_ok = units < H
-                ok = row_ok[:, None] & unit_ok[None, :]
-                _gru_reset(proj_ptr, r_ptr, h_in, z_ptr, rh_ptr, d, t, rows, units, row_ok, unit_ok, ok, T, B, H,
-                           clip, HAS_CLIP, BB, BH, BK)
-            tl.debug_barrier()   # every unit's r * h written before any candidate reads them
-        for u0 in range(0, H, BH):
-            units = u0 + tl.arange(0, BH)
-            unit_ok = units < H
-            ok = row_ok[:, None] & unit_ok[None, :]
-            if TWO_HALVES:
-                _step(proj_ptr, r_ptr, h_in, rh_ptr, h_out, z_ptr, y_ptr, len_ptr, d, t, rows, units, row_ok,
-                      unit_ok, ok, n_dirs, T, B, H, clip, 3, G, HAS_CLIP, False, BB, BH, BK)
-            else:
-                _step(proj_ptr, r_ptr, extra_ptr, h_in, h_out, c_ptr, y_ptr, len_ptr, d, t, rows, units, row_ok,
-                      unit_ok, ok, n_dirs, T, B, H, clip, KIND, G, HAS_CLIP, INPUT_FORGET, BB, BH, BK)
-        tl.debug_barrier()   # this step's h written before the next step's programs read it
-
-
 KINDS = {Op.RNN: 0, Op.LSTM: 1, Op.GRU: 2}
 
 
-# The largest recurrent weight (G * H * H float32 bytes a direction) run as one launch for every step:
-# its single program a direction reads all of R from L2 at each step, which beats a launch a step
-# while R is small (see `recurrent`'s `sequence`).
-SEQUENCE_MAX_R_BYTES = 512 << 10
+def step_tiles(batch: int, hidden: int) -> tuple[int, int, int]:
+    """(BB, BH, BK): batch rows, hidden units and K columns of a program's tile."""
+    bb = min(16, triton.next_power_of_2(max(batch, 1)))
+    bh = min(32, triton.next_power_of_2(max(hidden, 1)))
+    bk = min(32 if bb <= 4 else 16, bh)     # the [BB, BH, BK] product in registers: 168 of them at 16 x 32 x 32
+    return bb, bh, bk
 
 
 def recurrent(op: Op, x, w, r, bias, lengths, h0, c0=None, peep=None, *, first_reverse: bool, clip: float | None,
-              input_forget: bool = False, linear_before_reset: bool = False, sequence: bool | None = None,
-              num_warps: int | None = None):
+              input_forget: bool = False, linear_before_reset: bool = False,
+              tiles: tuple[int, int, int, int] | None = None):
     """ops/recurrent.py's rnn, lstm or gru (default activations) on the device: (y [T, D, B, H], h [D, B, H])
-    and for lstm c [D, B, H]. sequence: every step in one launch (`_sequence_kernel`), or a launch a step
-    (`_step_kernel`); None: one launch when R is at most SEQUENCE_MAX_R_BYTES a direction."""
+    and for lstm c [D, B, H]. tiles: (BB, BH, BK, warps) instead of step_tiles' and 4 warps."""
     seq, batch, size = x.shape
     dirs, hidden = r.shape[0], r.shape[-1]
     g = GATES[op]
@@ -233,37 +181,25 @@ def recurrent(op: Op, x, w, r, bias, lengths, h0, c0=None, peep=None, *, first_r
     proj = (proj + outside[:, None, :]).contiguous()
     r = r.to(f32).contiguous()
     extra = extra.to(f32).contiguous()
-    hs = torch.empty((2, dirs, batch, hidden), dtype=f32, device=device)   # step s reads hs[s % 2]
-    hs[0] = h0.to(f32)
+    hs = [h0.to(f32).contiguous().clone(), torch.empty((dirs, batch, hidden), dtype=f32, device=device)]
     c = c0.to(f32).contiguous().clone() if op == Op.LSTM else hs[1]
     y = torch.zeros((seq, dirs, batch, hidden), dtype=f32, device=device)
     lens = torch.clamp(lengths, max=seq).to(torch.int32).contiguous()
-    bb = min(16, triton.next_power_of_2(max(batch, 1)))
-    bh = min(32, triton.next_power_of_2(max(hidden, 1)))
-    bk = min(32 if bb <= 4 else 16, bh)     # the [BB, BH, BK] product in registers: 168 of them at 16 x 32 x 32
-    kw = dict(FIRST_REVERSE=first_reverse, HAS_CLIP=clip is not None, BB=bb, BH=bh, BK=bk)
+    bb, bh, bk, warps = tiles or (step_tiles(batch, hidden) + (4,))
+    grid = (dirs, triton.cdiv(batch, bb), triton.cdiv(hidden, bh))
+    kw = dict(FIRST_REVERSE=first_reverse, HAS_CLIP=clip is not None, BB=bb, BH=bh, BK=bk, num_warps=warps)
     two_launches = op == Op.GRU and not linear_before_reset
-    z = rh = hs[1]
     if two_launches:
         z, rh = (torch.empty((dirs, batch, hidden), dtype=f32, device=device) for _ in range(2))
-    if sequence is None:
-        sequence = g * hidden * hidden * 4 <= SEQUENCE_MAX_R_BYTES
-    if seq and batch and hidden and sequence:
-        _sequence_kernel[(dirs, triton.cdiv(batch, bb))](
-            proj, r, extra, hs, c, y, lens, z, rh, seq, batch, hidden, float(clip or 0.0), KIND=KINDS[op], G=g,
-            INPUT_FORGET=bool(input_forget), TWO_HALVES=two_launches, num_warps=num_warps or 8, **kw)
-    else:
-        grid = (dirs, triton.cdiv(batch, bb), triton.cdiv(hidden, bh))
-        kw["num_warps"] = num_warps or 4
-        for s in range(seq if batch and hidden else 0):
-            h_in, h_out = hs[s % 2], hs[(s + 1) % 2]
-            if two_launches:
-                _gru_reset_kernel[grid](proj, r, h_in, z, rh, s, seq, batch, hidden, float(clip or 0.0), **kw)
-                _step_kernel[grid](proj, r, h_in, rh, h_out, z, y, lens, s, seq, batch, hidden, float(clip or 0.0),
-                                   KIND=3, G=g, INPUT_FORGET=False, **kw)
-            else:
-                _step_kernel[grid](proj, r, extra, h_in, h_out, c, y, lens, s, seq, batch, hidden, float(clip or 0.0),
-                                   KIND=KINDS[op], G=g, INPUT_FORGET=bool(input_forget), **kw)
+    for s in range(seq if batch and hidden else 0):
+        h_in, h_out = hs[s % 2], hs[(s + 1) % 2]
+        if two_launches:
+            _gru_reset_kernel[grid](proj, r, h_in, z, rh, s, seq, batch, hidden, float(clip or 0.0), **kw)
+            _step_kernel[grid](proj, r, h_in, rh, h_out, z, y, lens, s, seq, batch, hidden, float(clip or 0.0), KIND=3,
+                               G=g, INPUT_FORGET=False, **kw)
+        else:
+            _step_kernel[grid](proj, r, extra, h_in, h_out, c, y, lens, s, seq, batch, hidden, float(clip or 0.0),
+                               KIND=KINDS[op], G=g, INPUT_FORGET=bool(input_forget), **kw)
     h_last = hs[seq % 2] if batch and hidden else hs[0]
     out = (y, h_last) + ((c,) if op == Op.LSTM else ())
     return tuple(o.to(x.dtype) for o in out)

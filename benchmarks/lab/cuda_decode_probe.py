@@ -80,6 +80,7 @@ def main():
         "plain-tf32x3p": dict(precision="tf32x3p"),
         "exec-w1": dict(rope=True, xq=True, zero=True, num_warps=1),
         "exec-w2": dict(rope=True, xq=True, zero=True, num_warps=2),
+        "exec-w4": dict(rope=True, xq=True, zero=True, num_warps=4),
         "exec-w8": dict(rope=True, xq=True, zero=True, num_warps=8),
         "exec-s1": dict(rope=True, xq=True, zero=True, num_stages=1),
         "exec-bn32": dict(rope=True, xq=True, zero=True, block_n=32),

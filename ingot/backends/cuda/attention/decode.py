@@ -3,6 +3,8 @@ partial softmaxes merged by the last split (a ticket) or `_combine_kernel`; opti
 token's K/V write inside (`RopeWrite`), and the output stored rounded for the word GEMV after it."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,8 @@ from ..pdl import pdl_args, pdl_enter
 from ..quantized_matmul import _workspace, _zero_share, store_xq
 from ..timeline import now, stamp
 
+DOT16 = os.environ.get("TRITON_INTERPRET") != "1"   # the interpreter's bfloat16 dots are wrong (triton 3.6)
+
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, B_EXACT: tl.constexpr = False):
@@ -21,8 +25,9 @@ def _dot(a, b, PRECISION: tl.constexpr, B_EXACT: tl.constexpr = False):
     dropped), but the three products are independent dots summed at the end, where Triton's tf32x3
     chains them through one accumulator (H200: 0.05-0.1 us less a short-cache decode launch, of the
     ~0.7 us single tf32 would save; see CudaOptions.decode_precision). B_EXACT: b has no low part (int8
-    codes): two products. Anything else: tl.dot with that input precision."""
-    if PRECISION == "tf32x3p" and B_EXACT:   # b exact in tf32 (an int8 cache's codes): a_hi b + a_lo b
+    codes, a bfloat16 or float16 cache widened): two products. Anything else: tl.dot with that input
+    precision."""
+    if PRECISION == "tf32x3p" and B_EXACT:   # b exact in tf32 (codes, 16-bit values): a_hi b + a_lo b
         a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
         return tl.dot(a_hi, b, input_precision="tf32") + tl.dot(a - a_hi, b, input_precision="tf32")
     elif PRECISION == "tf32x3p":
@@ -32,6 +37,18 @@ def _dot(a, b, PRECISION: tl.constexpr, B_EXACT: tl.constexpr = False):
         return tl.dot(a_hi, b_hi, input_precision="tf32") + lo
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_bf16x3(a, b):
+    """a [float32] @ b [bfloat16] to float32-level accuracy: a = hi + mid + lo, three bfloat16 parts (8
+    bits of mantissa each, 24 in all), each product exact in the float32 accumulator; b's tile stays
+    16-bit, half the shared memory of a widened one, and bfloat16 MMAs run at twice tf32's rate."""
+    hi = a.to(tl.bfloat16)
+    rest = a - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(hi, b) + tl.dot(mid, b) + tl.dot(lo, b)
 
 
 @triton.jit
@@ -69,20 +86,37 @@ def quantize_row(x, ok):
 
 @triton.jit
 def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                 ks=1.0, vs=1.0, CODES: tl.constexpr = False):
+                 ks=1.0, vs=1.0, CODES: tl.constexpr = False, DOT16: tl.constexpr = True):
     """One key tile of the online softmax: the scores of q [R, D] against kt [N, D] (keys not n_ok, or past
     a row's causal limit, left out), then acc += p vt. A cache of another dtype than q's (bfloat16 or
-    float16 K/V under float32 q) is widened here, after the load: the math is q's. CODES: kt and vt are an
-    int8 cache's codes and ks, vs [N] their rows' scales: each key's score times its scale, each value's
-    weight times its scale (the codes are exact in any float dtype, so the dots stay exact in them)."""
-    if kt.dtype != q.dtype:
-        kt = kt.to(q.dtype)
-    if vt.dtype != q.dtype:
-        vt = vt.to(q.dtype)
-    if CODES:
-        s = _dot(q, tl.trans(kt), PRECISION, True) * (ks * qk_scale)[None, :]   # [R, N], log2 units
+    float16 K/V under float32 q) is widened here, after the load, or (DOT16) multiplied as bfloat16 tiles
+    by q in three bfloat16 parts: the math is q's. CODES: kt and vt are an int8 cache's codes and ks, vs
+    [N] their rows' scales: each key's score times its scale, each value's weight times its scale (the
+    codes are exact in any float dtype, so the dots stay exact in them)."""
+    # float32 q at "tf32x3p" over a bfloat16 cache or int8 codes (exact in bfloat16): three bfloat16
+    # products of 16-bit tiles (`_dot_bf16x3`; H100 at 8k keys, Llama's 32/8 heads d 128, bf16: 27.0 us
+    # a launch with the tiles widened to float32 and three tf32 products)
+    BF16X3: tl.constexpr = DOT16 and PRECISION == "tf32x3p" and (
+        CODES or (kt.dtype == tl.bfloat16 and vt.dtype == tl.bfloat16))
+    # a float16 cache widened to float32 is exact in tf32: the dots skip its low part
+    K_EXACT: tl.constexpr = kt.dtype == tl.float16
+    V_EXACT: tl.constexpr = vt.dtype == tl.float16
+    if BF16X3:
+        kt = kt.to(tl.bfloat16)   # (codes: |c| <= 127, exact)
+        vt = vt.to(tl.bfloat16)
     else:
-        s = _dot(q, tl.trans(kt), PRECISION) * qk_scale                      # [R, N], log2 units
+        if kt.dtype != q.dtype:
+            kt = kt.to(q.dtype)
+        if vt.dtype != q.dtype:
+            vt = vt.to(q.dtype)
+    if BF16X3:
+        s = _dot_bf16x3(q, tl.trans(kt))
+    else:
+        s = _dot(q, tl.trans(kt), PRECISION, CODES or K_EXACT)
+    if CODES:
+        s = s * (ks * qk_scale)[None, :]   # [R, N], log2 units
+    else:
+        s = s * qk_scale
     ok = n_ok[None, :]
     if CAUSAL:
         ok = ok & (offs_n[None, :] <= limit[:, None])
@@ -93,9 +127,11 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if CODES:
-        acc = acc * alpha[:, None] + _dot((p * vs[None, :]).to(vt.dtype), vt, PRECISION, True)
+        p = p * vs[None, :]
+    if BF16X3:
+        acc = acc * alpha[:, None] + _dot_bf16x3(p, vt)
     else:
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION, CODES or V_EXACT)
     return m_new, l_i, acc
 
 
@@ -114,7 +150,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
                    z_ptr=None, Z=0, ZERO: tl.constexpr = False, len_add=0, FRESH: tl.constexpr = False,
                    EARLY: tl.constexpr = False, CHUNK_ALIGN: tl.constexpr = 64, stamp_ptr=None,
                    STAMP: tl.constexpr = 0, ks_ptr=None, vs_ptr=None, sks_b=0, sks_h=0, sks_t=0, svs_b=0, svs_h=0,
-                   svs_t=0, CODES: tl.constexpr = False):
+                   svs_t=0, CODES: tl.constexpr = False, DOT16: tl.constexpr = True):
     """One split of the keys for the G * TQ query rows of a KV head. MERGE: the last split to finish (a
     ticket per head, reset behind it) merges the partial softmax of every split that saw keys (a
     short cache: a few, however many splits were launched for the buffer) and writes the output, so
@@ -232,7 +268,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
     limit = t + length - TQ                      # causal: the last key each row may see
     first = start
     if FRESH:   # the first tile's K and V were loaded before the rotation; the new key comes from registers
-        m_i, l_i, acc = _decode_tile(q, kt0, vt0, n0_offs, n0_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION)
+        m_i, l_i, acc = _decode_tile(q, kt0, vt0, n0_offs, n0_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
+                                     DOT16=DOT16)
         first = start + BLOCK_N
     for n0 in range(first, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -246,9 +283,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, ml_part_ptr, out_pt
             ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_n * sks_t, mask=n_ok, other=0.0)
             vs = tl.load(vs_ptr + b * svs_b + hk * svs_h + offs_n * svs_t, mask=n_ok, other=0.0)
             m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
-                                         ks, vs, True)
+                                         ks, vs, True, DOT16)
         else:
-            m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION)
+            m_i, l_i, acc = _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL, PRECISION,
+                                         DOT16=DOT16)
     if FRESH:
         if (skip >= start) & (skip < stop):   # the new token's key: its score in float32 from registers
             s_new = tl.sum(q.to(tl.float32) * kn_rot[None, :], axis=1) * qk_scale
@@ -476,7 +514,7 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         LEN_FROM_PTR=p.from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
         BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (options.decode_precision if p.f32 else "tf32"),
-        MERGE=merge, MIN_CHUNK=max(min_chunk, 0),
+        MERGE=merge, MIN_CHUNK=max(min_chunk, 0), DOT16=DOT16,
         len_add=p.length_offset, CHUNK_ALIGN=align, num_warps=warps, **({"num_stages": num_stages} if num_stages else {}),
         **extra, **pdl_args(device), **timeline.args(f"attention {hk}x{group} d{d}", nb * hk * split, device,
                                                      options.timeline))

@@ -19,7 +19,8 @@ Ingot LLM package (written for the speed column or --save-packages; otherwise it
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
 scaling), +gptq (GPTQ), +cRANK (compensation adapters; +cRANK@GLOB|GLOB only on those weights, @head
 the output head: `--compensate-only`; the head's bytes go to low-rank factors or residual rows, whichever
-leaves the lower weighted error; +lowrank or +rows forces one: `--compensate-form`), +x (the tied embedding kept as the source
+leaves the lower weighted error, and a tied head's correct the embedding lookup too; +lowrank or +rows forces one:
+`--compensate-form`), +x (the tied embedding kept as the source
 stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8), +bits=BPW (the
 layer weights' formats allocated under that budget: `ingot quantize --bits`); `default` is
 what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it does with --format FMT

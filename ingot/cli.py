@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--compensate-form", choices=("auto", "low_rank", "rows"), default="auto",
                        help="how the output head spends rank RANK's bytes: low-rank factors, or the error of its rows "
                             "likeliest under the calibration as int8 residual rows (auto: whichever leaves the lower "
-                            "probability-weighted error)")
+                            "probability-weighted error; a tied head's correct the embedding lookup too)")
     quant.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
                        help="activation-aware scaling (default: on for affine formats when calibrated)")
     quant.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,

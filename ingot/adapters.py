@@ -193,10 +193,14 @@ def lookup_delta(g, tokens, parts, width: int, int8: bool, prefix: str = ""):
     if rows is not None:
         index, r = rows
         q, scale = _int8_columns(np.ascontiguousarray(np.asarray(r, np.float32).T))   # R always int8, a scale per row
+        # a zero row in front (map entry 0) kept in the constant: gather(dequantize) runs as one quantized
+        # gather of the looked-up rows (with a pad between, every call dequantized all of R: 3.8 ms for 6,002 rows)
+        q = np.concatenate([np.zeros((q.shape[0], 1), np.int8), q], axis=1)
+        scale = np.concatenate([np.ones((1, 1), np.float32), scale], axis=1)
         stored = g.dequantize(g.constant(np.ascontiguousarray(q.T), name=prefix + "R"),
                               scale=g.constant(np.ascontiguousarray(scale.T), name=prefix + "R.scale"))
         at = g.gather(g.constant(np.asarray(index, np.int32), name=prefix + "R_map"), tokens, axis=0)
-        picked = g.gather(g.pad(stored, [(1, 0), (0, 0)]), at, axis=0)
+        picked = g.gather(stored, at, axis=0)
         out = picked if out is None else out + picked
     if out is None:   # a site built for an adapter this set lacks: a zero delta keeps the graph's shape
         out = g.gather(g.constant(np.zeros((1, width), np.float32), name=prefix + "zero"), tokens * np.int32(0), axis=0)

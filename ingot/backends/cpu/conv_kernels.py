@@ -161,8 +161,8 @@ def _transposed(builder, accs):
     return out
 
 
-def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = "", taps: tuple | None = None):
-    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops): for positions
+def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = ""):
+    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops, trim): for positions
     r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
     ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
     wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. At width TILE the accumulators (one vector of 16 channels
@@ -170,11 +170,14 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
     each 16); narrower, position r's vector is stored at out[o_at + 16 * r] (a scratch row the caller
     scatters: fewer shuffles to compile for the rarer tiles). key: at width TILE, conv_spatial's epilogue of
     that key (without full operands) applied to the accumulators before the transpose, its channel operands
-    read 16 at a time from b_at (ops as conv_spatial's). taps (i0, n): only the window's rows i0..i0 + n - 1
-    (the others read the padding's zeros: an output row at the top or bottom edge)."""
+    read 16 at a time from b_at (ops as conv_spatial's). trim 1 (2): the window's first (last) row left out,
+    as it lies in the padding (an output row at the top or bottom edge); tested inside the loop over input
+    channels (a predicted branch per kh * kw * width FMAs: one tile for all rows, not three to compile)."""
     @intrinsic
-    def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops):
-        sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops)
+    def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops,
+             trim):
+        sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops,
+                         trim)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
@@ -207,7 +210,9 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
             new = list(accs)
             xptr = builder.gep(x0, [builder.mul(ic, ic_v)])
             wptr = builder.gep(w0, [builder.mul(ic, ir.Constant(i64, kh * kw * 16))])
-            for i in range(*((taps[0], taps[0] + taps[1]) if taps else (0, kh))):
+            trim_v = cast(args[16])
+
+            def window_row(i, sums):
                 row = builder.gep(xptr, [builder.mul(row_v, ir.Constant(i64, i))])
                 for j in range(kw):
                     wp = builder.gep(wptr, [ir.Constant(i64, (i * kw + j) * 16)])
@@ -215,7 +220,29 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
                     for r in range(width):
                         xv = builder.load(builder.gep(row, [offs[j, r]]))
                         splat = builder.shuffle_vector(builder.insert_element(undef, xv, ir.Constant(i32, 0)), undef, zeros_i)
-                        new[r] = builder.call(fma, [splat, wv, new[r]])
+                        sums[r] = builder.call(fma, [splat, wv, sums[r]])
+                return sums
+            for i in range(kh):
+                edge = 1 if i == 0 and kh > 1 else 2 if i == kh - 1 and kh > 1 else 0
+                if not edge:
+                    new = window_row(i, new)
+                    continue
+                before = builder.block
+                then = builder.append_basic_block(f"row{i}")
+                merge = builder.append_basic_block(f"row{i}_done")
+                builder.cbranch(builder.icmp_signed("!=", trim_v, ir.Constant(i64, edge)), then, merge)
+                builder.position_at_end(then)
+                summed = window_row(i, list(new))
+                then_end = builder.block
+                builder.branch(merge)
+                builder.position_at_end(merge)
+                merged = []
+                for a, b in zip(new, summed):
+                    phi = builder.phi(f16x)
+                    phi.add_incoming(a, before)
+                    phi.add_incoming(b, then_end)
+                    merged.append(phi)
+                new = merged
             nxt = builder.add(ic, ir.Constant(i64, 1))
             latch = builder.block
             ic.add_incoming(nxt, latch)
@@ -261,11 +288,11 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
 _TILES: dict = {}
 
 
-def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = "", taps: tuple | None = None):
+def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = ""):
     """The tile of width <= TILE columns (a row's last: 20 wide is 8 + 8 + 4, not 24 computed); lanes 8: of
     a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); key: the epilogue in
-    registers (width TILE only); taps: the window's rows (_tile_intrinsic); made once per process."""
-    spec = (kh, kw, width, lanes, key if width == TILE else "", taps)
+    registers (width TILE only); made once per process."""
+    spec = (kh, kw, width, lanes, key if width == TILE else "")
     if spec not in _TILES:
         _TILES[spec] = _tile_intrinsic(*spec)
     return _TILES[spec]
@@ -282,12 +309,8 @@ def _dispatch(prefix: str, indent: str) -> str:
         head = "if" if k == 0 else "elif" if n != 7 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
         target = "of, (b * 16 * oh + oy) * ow + ox0" if n == 8 else "acc, 0"
-        call = f"({target}, oh * ow, xf, at, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw, ops)"
-        if n == 8 and prefix == "tile":   # an edge row: the window's rows inside the input only
-            lines += [f"{indent}    if trim == 1:", f"{indent}        top{call}", f"{indent}    elif trim == 2:",
-                      f"{indent}        bottom{call}", f"{indent}    else:", f"{indent}        {prefix}{n}{call}"]
-        else:
-            lines.append(f"{indent}    {prefix}{n}{call}")
+        lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, "
+                     "dw, ops, trim)")
     return "\n".join(lines)
 
 _DIRECT = """import numpy as np
@@ -298,7 +321,6 @@ from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}) for w in range(1, 9))
 half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}) for w in range(1, 9))
-top, bottom = (narrow_tile({kh}, {kw}, TILE, 16, {tile_key!r}, rows) for rows in ((1, {kh} - 1), (0, {kh} - 1))) if {kh} > 1 else (tile8, tile8)
 epilogue = EPILOGUES[{key!r}]
 
 

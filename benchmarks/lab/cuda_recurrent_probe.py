@@ -18,10 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ingot.backends.cuda.recurrent import recurrent, step_tiles  # noqa: E402
+from benchmarks.cuda_llm import graph_replay_us  # noqa: E402
 from ingot.ir import Op  # noqa: E402
 
 
-def graph_us(fn, reps=50):
+def graph_us(fn) -> float:
+    """fn captured as a CUDA graph (after a warm-up on a side stream): microseconds a replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -30,19 +32,7 @@ def graph_us(fn, reps=50):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    return sorted(graph_replay_us(g, warmup=5) for _ in range(5))[2]
 
 
 def main():

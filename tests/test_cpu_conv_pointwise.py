@@ -9,7 +9,8 @@ from ingot.backends.cpu import conv_pointwise
 from ingot.ops.conv import conv
 
 CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (96, 48, (7, 7)), (3, 130, (2, 3)),
-         (8, 16, (14, 14))]   # C, M, (H, W)
+         (8, 16, (14, 14)),
+         (37, 70, (1, 1)), (3, 100, (1, 1)), (130, 1280, (1, 1))]   # C, M, (H, W); one position: blocks side by side
 
 
 @pytest.mark.parametrize("c,m,hw", CASES)
@@ -30,7 +31,8 @@ def test_chosen_where_positions_waste_more():
     assert not conv_pointwise.better_than_positions(72, 56 * 56) and not conv_pointwise.better_than_positions(24, 784)
 
 
-@pytest.mark.parametrize("n,c,m,hw", [(2, 24, 48, (7, 7)), (1, 40, 32, (3, 3)), (1, 20, 64, (1, 1))])
+@pytest.mark.parametrize("n,c,m,hw", [(2, 24, 48, (7, 7)), (1, 40, 32, (3, 3)), (1, 20, 64, (1, 1)),
+                                         (2, 9, 83, (1, 1))])
 def test_residual_and_channel_operands_through_the_compiler(n, c, m, hw):
     """A folded batch norm, hard-swish and a residual add after the conv, as ONNX exports them."""
     rng = np.random.default_rng(5)

@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 from . import conv_spatial
 from . import conv_depthwise
 from .conv_depthwise import _transpose16
-from .conv_spatial import _I64, _V, _emit_epilogue, _i64, _lane_mask, _masked, _splat, _vptr
+from .conv_spatial import _I64, _V, _emit_epilogue, _i64, _lane_mask, _masked, _splat, _vptr, apply_steps, epilogue_reads
 
 with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cache key: the intrinsics here
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_depthwise.REVISION
@@ -64,6 +64,74 @@ def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
         f.add_incoming(new[r], latch)
         finals.append(f)
     return finals
+
+
+def _column_intrinsic(blocks: int, steps, operands):
+    """column(out, x, w, w_at, w_step, n_c, bias, m0, m_n, ops): a one-position image (P = 1: a classifier's
+    1x1 conv after the global pool, a GEMV) for `blocks` blocks of 16 output channels side by side: for
+    b < blocks, lanes l with m = m0 + 16 b + l < m_n: out[m] = epilogue(bias[m] + sum over c < n_c of
+    w[w_at + b * w_step + 16 c + l] * x[c]). The blocks' sums are independent chains of multiply-adds (one
+    block alone waits on each FMA), and its 16 channels are 16 consecutive outputs: no transpose."""
+    @intrinsic
+    def column(typingctx, out, x, w, w_at, w_step, n_c, bias, m0, m_n, ops):
+        sig = types.void(out, x, w, w_at, w_step, n_c, bias, m0, m_n, ops)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, xa, wa, ba = arr(0), arr(1), arr(2), arr(6)
+            w_at_v, w_step_v, n_v, m0_v, m_n_v = (_i64(builder, args[i]) for i in (3, 4, 5, 7, 8))
+            _, store = _masked(builder)
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+            zero = ir.Constant(_V, [0.0] * 16)
+            start = builder.block
+            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
+            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
+            builder.position_at_end(loop)
+            c = builder.phi(_I64)
+            c.add_incoming(ir.Constant(_I64, 0), start)
+            accs = []
+            for _ in range(blocks):
+                acc = builder.phi(_V)
+                acc.add_incoming(zero, start)
+                accs.append(acc)
+            xv = _splat(builder, builder.load(builder.gep(xa.data, [c])))
+            w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
+            new = [builder.call(fma, [builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
+                                                   align=4), xv, accs[b]]) for b in range(blocks)]
+            nxt = builder.add(c, ir.Constant(_I64, 1))
+            latch = builder.block
+            c.add_incoming(nxt, latch)
+            for acc, val in zip(accs, new):
+                acc.add_incoming(val, latch)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
+            builder.position_at_end(done)
+            finals = []
+            for b in range(blocks):
+                f = builder.phi(_V)
+                f.add_incoming(zero, start)
+                f.add_incoming(new[b], latch)
+                finals.append(f)
+            for b, f in enumerate(finals):
+                m_v = builder.add(m0_v, ir.Constant(_I64, 16 * b))
+                mask = _lane_mask(builder, builder.sub(m_n_v, m_v), 0)
+                value = builder.fadd(f, builder.load(_vptr(builder, ba.data, m_v), align=4))
+                if steps:   # lanes are channels: per-channel operands 16 at a time, full ones at the same place
+                    value = apply_steps(builder, steps, operands, epilogue_reads(
+                        context, builder, operands, signature.args[9], args[9], m_v, m_v, mask, channels=mask), value)
+                store(value, _vptr(builder, oa.data, m_v), mask)
+            return context.get_dummy_value()
+        return sig, codegen
+    return column
+
+
+COLUMNS: dict = {}
+
+
+def column_for(blocks: int, key: str):
+    if (blocks, key) not in COLUMNS:
+        steps, operands = conv_spatial.SPECS[key]
+        COLUMNS[blocks, key] = _column_intrinsic(blocks, steps, operands)
+    return COLUMNS[blocks, key]
 
 
 def _tile_intrinsic(r_n: int, steps, operands):
@@ -108,9 +176,10 @@ def tile_for(r_n: int, key: str):
 _DRIVER = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_pointwise import tile_for
+from ingot.backends.cpu.conv_pointwise import column_for, tile_for
 
 tile16, tile8, tile4, tile2, tile1 = (tile_for(r, {key!r}) for r in (16, 8, 4, 2, 1))
+column4, column1 = column_for(4, {key!r}), column_for(1, {key!r})
 
 
 @njit(cache=True, nogil=True)
@@ -121,6 +190,15 @@ def kernel(x, w, bias, out, ops):
     xf = x.reshape(c_n * p_n)
     of = out.reshape(m_n * p_n)
     wf = w.reshape(w.shape[0] * c_n * 16)
+    if p_n == 1:   # a GEMV: four blocks of 16 channels a pass, stored as they are (lanes: consecutive outputs)
+        b = 0
+        while b + 4 <= w.shape[0]:
+            column4(of, xf, wf, b * c_n * 16, c_n * 16, c_n, bias, b * 16, m_n, ops)
+            b += 4
+        while b < w.shape[0]:
+            column1(of, xf, wf, b * c_n * 16, c_n * 16, c_n, bias, b * 16, m_n, ops)
+            b += 1
+        return
     for b in range(w.shape[0]):
         m0 = b * 16
         rows = min(16, m_n - m0)

@@ -10,7 +10,9 @@ from ingot.ops.conv import conv
 
 CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (96, 48, (7, 7)), (3, 130, (2, 3)),
          (8, 16, (14, 14)),
-         (37, 70, (1, 1)), (3, 100, (1, 1)), (130, 1280, (1, 1))]   # C, M, (H, W); one position: blocks side by side
+         (37, 70, (1, 1)), (3, 100, (1, 1)), (130, 1280, (1, 1)),   # one position: blocks side by side
+         (24, 80, (7, 7)), (20, 40, (1, 7)), (9, 64, (1, 2)), (576, 96, (7, 7))]   # C, M, (H, W); tails of 1-3
+                                                                                    # positions, groups of blocks
 
 
 @pytest.mark.parametrize("c,m,hw", CASES)

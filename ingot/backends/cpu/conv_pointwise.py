@@ -163,6 +163,83 @@ def _tile_intrinsic(r_n: int, steps, operands):
     return tile
 
 
+def _blocks_tile_intrinsic(r_n: int, blocks: int, steps, operands):
+    """tile(out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops): the last r_n (< 4) positions of
+    every row, for `blocks` blocks of 16 channels side by side: for b < blocks, m = m0 + 16 b + l < m_n,
+    r < r_n: out[m * p_n + x_at + r] = epilogue(bias[m] + sum over c < n_c of w[w_at + b * w_step + c * 16 + l]
+    * x[x_at + c * p_n + r]). One block's 1-3 chains of multiply-adds waited on each FMA (a 7 x 7 image's
+    49th position cost as much as 4 others); blocks * r_n chains keep the FMA units busy."""
+    @intrinsic
+    def tile(typingctx, out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops):
+        sig = types.void(out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, xa, wa, ba = arr(0), arr(2), arr(4), arr(8)
+            p_v, x_at_v, w_at_v, w_step_v, n_v, m0_v, m_n_v = (_i64(builder, args[i]) for i in (1, 3, 5, 6, 7, 9, 10))
+            _, store = _masked(builder)
+            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+            zero = ir.Constant(_V, [0.0] * 16)
+            start = builder.block
+            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
+            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
+            builder.position_at_end(loop)
+            c = builder.phi(_I64)
+            c.add_incoming(ir.Constant(_I64, 0), start)
+            accs = []
+            for _ in range(blocks * r_n):
+                acc = builder.phi(_V)
+                acc.add_incoming(zero, start)
+                accs.append(acc)
+            x_c = builder.add(x_at_v, builder.mul(c, p_v))
+            xs = [_splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))])))
+                  for r in range(r_n)]
+            w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
+            new = []
+            for b in range(blocks):
+                wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
+                                  align=4)
+                new += [builder.call(fma, [wv, xs[r], accs[b * r_n + r]]) for r in range(r_n)]
+            nxt = builder.add(c, ir.Constant(_I64, 1))
+            latch = builder.block
+            c.add_incoming(nxt, latch)
+            for acc, val in zip(accs, new):
+                acc.add_incoming(val, latch)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
+            builder.position_at_end(done)
+            finals = []
+            for k in range(blocks * r_n):
+                f = builder.phi(_V)
+                f.add_incoming(zero, start)
+                f.add_incoming(new[k], latch)
+                finals.append(f)
+            mask = _lane_mask(builder, ir.Constant(_I64, r_n), 0)
+            for b in range(blocks):
+                rows_of = _transpose16(builder, finals[b * r_n:(b + 1) * r_n] + [zero] * (16 - r_n))
+                for l in range(16):
+                    m_v = builder.add(m0_v, ir.Constant(_I64, 16 * b + l))
+                    with builder.if_then(builder.icmp_signed("<", m_v, m_n_v)):
+                        at = builder.add(builder.mul(p_v, m_v), x_at_v)
+                        value = builder.fadd(rows_of[l], _splat(builder, builder.load(builder.gep(ba.data, [m_v]))))
+                        value = _emit_epilogue(context, builder, steps, operands, signature.args[11], args[11], value, m_v, at,
+                                               mask)
+                        store(value, _vptr(builder, oa.data, at), mask)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+BLOCK_TILES: dict = {}
+TAIL_BLOCKS = {1: 4, 2: 2, 3: 2}   # blocks side by side for a tail of 1, 2, 3 positions: 4-6 chains (2 and 3 alike)
+
+
+def blocks_tile_for(r_n: int, key: str):
+    if (r_n, key) not in BLOCK_TILES:
+        steps, operands = conv_spatial.SPECS[key]
+        BLOCK_TILES[r_n, key] = _blocks_tile_intrinsic(r_n, TAIL_BLOCKS[r_n], steps, operands)
+    return BLOCK_TILES[r_n, key]
+
+
 TILES: dict = {}
 
 
@@ -176,10 +253,11 @@ def tile_for(r_n: int, key: str):
 _DRIVER = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_pointwise import column_for, tile_for
+from ingot.backends.cpu.conv_pointwise import blocks_tile_for, column_for, tile_for
 
 tile16, tile8, tile4, tile2, tile1 = (tile_for(r, {key!r}) for r in (16, 8, 4, 2, 1))
 column4, column1 = column_for(4, {key!r}), column_for(1, {key!r})
+tail1, tail2, tail3 = (blocks_tile_for(r, {key!r}) for r in (1, 2, 3))
 
 
 @njit(cache=True, nogil=True)
@@ -199,25 +277,37 @@ def kernel(x, w, bias, out, ops):
             column1(of, xf, wf, b * c_n * 16, c_n * 16, c_n, bias, b * 16, m_n, ops)
             b += 1
         return
-    for b in range(w.shape[0]):
-        m0 = b * 16
-        rows = min(16, m_n - m0)
-        w_at = b * c_n * 16
-        p = 0
-        while p + 16 <= p_n:
-            tile16(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
-            p += 16
-        if p + 8 <= p_n:
-            tile8(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
-            p += 8
-        if p + 4 <= p_n:
-            tile4(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
-            p += 4
-        if p + 2 <= p_n:
-            tile2(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
-            p += 2
-        if p < p_n:
-            tile1(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+    tail = p_n % 4   # the last 1-3 positions: `group` blocks a pass, after the group's other tiles
+    group = {tail_1} if tail == 1 else {tail_2} if tail else 1   # TAIL_BLOCKS
+    step = c_n * 16
+    for g in range(0, w.shape[0], group):
+        for b in range(g, min(w.shape[0], g + group)):
+            m0 = b * 16
+            rows = min(16, m_n - m0)
+            w_at = b * step
+            p = 0
+            while p + 16 <= p_n:
+                tile16(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+                p += 16
+            if p + 8 <= p_n:
+                tile8(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+                p += 8
+            if p + 4 <= p_n:
+                tile4(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+                p += 4
+            if tail and g + group > w.shape[0]:   # a group short of blocks: one block at a time
+                if p + 2 <= p_n:
+                    tile2(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+                    p += 2
+                if p < p_n:
+                    tile1(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+        if tail and g + group <= w.shape[0]:
+            if tail == 1:
+                tail1(of, p_n, xf, p_n - 1, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
+            elif tail == 2:
+                tail2(of, p_n, xf, p_n - 2, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
+            else:
+                tail3(of, p_n, xf, p_n - 3, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
 """
 
 
@@ -225,7 +315,8 @@ def driver(steps, operands):
     """The numba kernel(x, w, bias, out, ops) with this epilogue (steps may be empty)."""
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    return conv_spatial.load(f"# pointwise {REVISION}\n{_DRIVER.format(key=key)}", "kernel", "cpu_conv_pointwise")
+    return conv_spatial.load(f"# pointwise {REVISION}\n{_DRIVER.format(key=key, tail_1=TAIL_BLOCKS[1], tail_2=TAIL_BLOCKS[2])}",
+                             "kernel", "cpu_conv_pointwise")
 
 
 def arrange_weights(w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

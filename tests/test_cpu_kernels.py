@@ -404,6 +404,10 @@ def test_softmax_lowering_matches_reference(op, shape):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert x.size == 1 or got.reshape(-1)[0] == (0.0 if op == "softmax" else -np.inf)
     assert np.isnan(LOWERINGS[which](node, None)(np.full(shape, np.nan, np.float32))).all()
+    one = x.copy()   # one NaN (past the four running maxima's first values): its row NaN, the others kept
+    one.reshape(-1, shape[-1])[0, -1] = np.nan
+    got = LOWERINGS[which](node, None)(one).reshape(-1, shape[-1])
+    assert np.isnan(got[0]).all() and not np.isnan(got[1:]).any()
 
 
 @pytest.mark.parametrize("shape,k,n", [((80, 1), 256, 37), ((3, 5), 7, 1), ((2, 1, 4), 33, 65)])

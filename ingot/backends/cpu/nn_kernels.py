@@ -719,24 +719,45 @@ def mean_of_trailing_axes(x: np.ndarray, inner: int, out: np.ndarray) -> np.ndar
     return out
 
 
+@njit(inline="always")
+def _nan_max(a, v):
+    """max(a, v), a NaN in either kept (as np.max)."""
+    return v if v > a or v != v else a
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 def _softmax_rows(x, out, log):
-    """out[r] = softmax(x[r]) (log: log_softmax) over float32 rows: the max, exp(x - max) by
-    exp_negative (vectorised), summed in float64 (log_softmax's log(1 + small) keeps its digits), one
-    log per row; NaN stays NaN (no nnan flag)."""
+    """out[r] = softmax(x[r]) (log: log_softmax) over float32 rows: the max (four running maxima),
+    exp(x - max) by exp_negative into out (a vectorised loop: no sum in it), summed in float64 by four
+    partial sums (log_softmax's log(1 + small) keeps its digits), one log per row; NaN in a row makes it
+    NaN. (Summing inside the exp loop kept LLVM from vectorising it: 80 x 37 logits 13.7 -> 6.7 us.)"""
     n = x.shape[1]
     for r in range(x.shape[0]):
         row, dst = x[r], out[r]
-        best = row[0]
-        for i in range(1, n):
-            best = max(best, row[i])
-        total = 0.0
+        b0 = b1 = b2 = b3 = row[0]
+        i = 0
+        while i + 4 <= n:
+            b0, b1, b2, b3 = _nan_max(b0, row[i]), _nan_max(b1, row[i + 1]), _nan_max(b2, row[i + 2]), _nan_max(b3, row[i + 3])
+            i += 4
+        while i < n:
+            b0 = _nan_max(b0, row[i])
+            i += 1
+        best = _nan_max(_nan_max(b0, b1), _nan_max(b2, b3))
         for i in range(n):
             d = row[i] - best
-            e = exp_negative(d) if d >= np.float32(-87.0) else np.float32(0.0)   # -inf (a mask): exactly 0
-            total += np.float64(e)
-            if not log:
-                dst[i] = e
+            dst[i] = exp_negative(d) if d >= np.float32(-87.0) else np.float32(0.0)   # -inf (a mask): exactly 0
+        t0 = t1 = t2 = t3 = 0.0
+        i = 0
+        while i + 4 <= n:
+            t0 += np.float64(dst[i])
+            t1 += np.float64(dst[i + 1])
+            t2 += np.float64(dst[i + 2])
+            t3 += np.float64(dst[i + 3])
+            i += 4
+        while i < n:
+            t0 += np.float64(dst[i])
+            i += 1
+        total = (t0 + t1) + (t2 + t3)
         if log:
             shift = np.float64(best) + math.log(total)
             for i in range(n):

@@ -7,6 +7,7 @@
 #   bash benchmarks/lab/cuda_session_run.sh attention audio           # 150 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh serve onnx                # 300 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh recurrent onnx            # 120 + 200 s at most
+#   bash benchmarks/lab/cuda_session_run.sh quant                     # 400 s at most (the real GGUF joined first)
 #   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (bf16 / tf32x3, float32 / bf16 / int8 KV)
 #   SERVE_LORA=3 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # adapters per request
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
@@ -74,6 +75,13 @@ run_decodeprobe() {
 run_recurrent() {
   # issue 36: the recurrence in one launch against a launch a step (CRNN's BiLSTM, hidden 128 and up)
   timeout "${RECURRENT_S:-120}" python3 benchmarks/lab/cuda_recurrent_probe.py 2>&1 | grep " us"
+}
+run_quant() {
+  # issue 39: the quantization table's CUDA decode column (needs /tmp/real/m.gguf: both GGUF halves carried);
+  # quantizing and scoring run on the device's CPUs (~1 min a calibrated row here on 2 cores)
+  timeout "${QUANT_S:-400}" python3 -m benchmarks quant --llama '' --model /tmp/real/m.gguf --chunks 1 --speed-repeats 2 \
+    --rows "${QUANT_ROWS:-uint4:32:k+default+head=uint4:32:k,uint4:32:k+default+head=uint4:32:k+c70@head,lut4:b64+default,default}" \
+    --json "$OUT/quant.json" 2>&1 | grep "^|\|decode speed\|load average"
 }
 run_onnx() {
   timeout "${ONNX_S:-200}" python3 -m benchmarks onnx-cuda --runs 50 2>&1 | grep -v "Warn\|torch.onnx" | tail -14

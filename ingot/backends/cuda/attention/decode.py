@@ -98,9 +98,9 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
     # a launch with the tiles widened to float32 and three tf32 products)
     BF16X3: tl.constexpr = DOT16 and PRECISION == "tf32x3p" and (
         CODES or (kt.dtype == tl.bfloat16 and vt.dtype == tl.bfloat16))
-    # a float16 cache widened to float32 is exact in tf32: the dots skip its low part
-    K_EXACT: tl.constexpr = kt.dtype == tl.float16
-    V_EXACT: tl.constexpr = vt.dtype == tl.float16
+    # a 16-bit cache widened to float32 is exact in tf32: the dots skip its low part
+    K_EXACT: tl.constexpr = kt.dtype == tl.float16 or kt.dtype == tl.bfloat16
+    V_EXACT: tl.constexpr = vt.dtype == tl.float16 or vt.dtype == tl.bfloat16
     if BF16X3:
         kt = kt.to(tl.bfloat16)   # (codes: |c| <= 127, exact)
         vt = vt.to(tl.bfloat16)

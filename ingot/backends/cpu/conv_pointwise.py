@@ -29,10 +29,10 @@ with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cac
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_depthwise.REVISION
 
 
-def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
-    """The channel loop of a tile of 16 output channels and `rows` positions (LLVM IR): for c < n,
-    acc[r] += w[w_at + 16 c : + 16] * x[x_at + c p_n + r]; the accumulators after the loop, zero where
-    n <= 0. Shared by the 1x1 conv tile and the 1x1 -> depthwise pair (expand_depthwise.py)."""
+def fma_loop(builder, n, count: int, products) -> list:
+    """A counted loop over c < n (LLVM IR) of `count` vector multiply-adds: acc[i] += a_i * b_i for the
+    [(a_i, b_i)] that products(c) emits in the loop body; the accumulators after the loop, zero where
+    n <= 0."""
     fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
     zero = ir.Constant(_V, [0.0] * 16)
     start = builder.block
@@ -42,14 +42,11 @@ def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
     c = builder.phi(_I64)
     c.add_incoming(ir.Constant(_I64, 0), start)
     accs = []
-    for _ in range(rows):
+    for _ in range(count):
         acc = builder.phi(_V)
         acc.add_incoming(zero, start)
         accs.append(acc)
-    wv = builder.load(_vptr(builder, w_data, builder.add(w_at, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
-    x_c = builder.add(x_at, builder.mul(c, p_n))
-    new = [builder.call(fma, [wv, _splat(builder, builder.load(builder.gep(x_data, [builder.add(x_c, ir.Constant(_I64, r))]))),
-                              accs[r]]) for r in range(rows)]
+    new = [builder.call(fma, [a, b, acc]) for (a, b), acc in zip(products(c), accs)]
     nxt = builder.add(c, ir.Constant(_I64, 1))
     latch = builder.block
     c.add_incoming(nxt, latch)
@@ -58,12 +55,24 @@ def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
     builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
     builder.position_at_end(done)
     finals = []
-    for r in range(rows):
+    for val in new:
         f = builder.phi(_V)
         f.add_incoming(zero, start)
-        f.add_incoming(new[r], latch)
+        f.add_incoming(val, latch)
         finals.append(f)
     return finals
+
+
+def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
+    """The channel loop of a tile of 16 output channels and `rows` positions (LLVM IR): for c < n,
+    acc[r] += w[w_at + 16 c : + 16] * x[x_at + c p_n + r]; the accumulators after the loop, zero where
+    n <= 0. Shared by the 1x1 conv tile and the 1x1 -> depthwise pair (expand_depthwise.py)."""
+    def products(c):
+        wv = builder.load(_vptr(builder, w_data, builder.add(w_at, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
+        x_c = builder.add(x_at, builder.mul(c, p_n))
+        return [(wv, _splat(builder, builder.load(builder.gep(x_data, [builder.add(x_c, ir.Constant(_I64, r))]))))
+                for r in range(rows)]
+    return fma_loop(builder, n, rows, products)
 
 
 def _column_intrinsic(blocks: int, steps, operands):
@@ -81,36 +90,13 @@ def _column_intrinsic(blocks: int, steps, operands):
             oa, xa, wa, ba = arr(0), arr(1), arr(2), arr(6)
             w_at_v, w_step_v, n_v, m0_v, m_n_v = (_i64(builder, args[i]) for i in (3, 4, 5, 7, 8))
             _, store = _masked(builder)
-            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
-            zero = ir.Constant(_V, [0.0] * 16)
-            start = builder.block
-            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
-            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
-            builder.position_at_end(loop)
-            c = builder.phi(_I64)
-            c.add_incoming(ir.Constant(_I64, 0), start)
-            accs = []
-            for _ in range(blocks):
-                acc = builder.phi(_V)
-                acc.add_incoming(zero, start)
-                accs.append(acc)
-            xv = _splat(builder, builder.load(builder.gep(xa.data, [c])))
-            w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
-            new = [builder.call(fma, [builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
-                                                   align=4), xv, accs[b]]) for b in range(blocks)]
-            nxt = builder.add(c, ir.Constant(_I64, 1))
-            latch = builder.block
-            c.add_incoming(nxt, latch)
-            for acc, val in zip(accs, new):
-                acc.add_incoming(val, latch)
-            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
-            builder.position_at_end(done)
-            finals = []
-            for b in range(blocks):
-                f = builder.phi(_V)
-                f.add_incoming(zero, start)
-                f.add_incoming(new[b], latch)
-                finals.append(f)
+
+            def products(c):
+                xv = _splat(builder, builder.load(builder.gep(xa.data, [c])))
+                w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
+                return [(builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
+                                      align=4), xv) for b in range(blocks)]
+            finals = fma_loop(builder, n_v, blocks, products)
             for b, f in enumerate(finals):
                 m_v = builder.add(m0_v, ir.Constant(_I64, 16 * b))
                 mask = _lane_mask(builder, builder.sub(m_n_v, m_v), 0)

@@ -164,41 +164,20 @@ def _blocks_tile_intrinsic(r_n: int, blocks: int, steps, operands):
             oa, xa, wa, ba = arr(0), arr(2), arr(4), arr(8)
             p_v, x_at_v, w_at_v, w_step_v, n_v, m0_v, m_n_v = (_i64(builder, args[i]) for i in (1, 3, 5, 6, 7, 9, 10))
             _, store = _masked(builder)
-            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
             zero = ir.Constant(_V, [0.0] * 16)
-            start = builder.block
-            loop, done = builder.append_basic_block("c_loop"), builder.append_basic_block("c_done")
-            builder.cbranch(builder.icmp_signed(">", n_v, ir.Constant(_I64, 0)), loop, done)
-            builder.position_at_end(loop)
-            c = builder.phi(_I64)
-            c.add_incoming(ir.Constant(_I64, 0), start)
-            accs = []
-            for _ in range(blocks * r_n):
-                acc = builder.phi(_V)
-                acc.add_incoming(zero, start)
-                accs.append(acc)
-            x_c = builder.add(x_at_v, builder.mul(c, p_v))
-            xs = [_splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))])))
-                  for r in range(r_n)]
-            w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
-            new = []
-            for b in range(blocks):
-                wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
-                                  align=4)
-                new += [builder.call(fma, [wv, xs[r], accs[b * r_n + r]]) for r in range(r_n)]
-            nxt = builder.add(c, ir.Constant(_I64, 1))
-            latch = builder.block
-            c.add_incoming(nxt, latch)
-            for acc, val in zip(accs, new):
-                acc.add_incoming(val, latch)
-            builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
-            builder.position_at_end(done)
-            finals = []
-            for k in range(blocks * r_n):
-                f = builder.phi(_V)
-                f.add_incoming(zero, start)
-                f.add_incoming(new[k], latch)
-                finals.append(f)
+
+            def products(c):   # block b's weights times each position's x, [b * r_n + r]
+                x_c = builder.add(x_at_v, builder.mul(c, p_v))
+                xs = [_splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))])))
+                      for r in range(r_n)]
+                w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
+                pairs = []
+                for b in range(blocks):
+                    wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
+                                      align=4)
+                    pairs += [(wv, xs[r]) for r in range(r_n)]
+                return pairs
+            finals = fma_loop(builder, n_v, blocks * r_n, products)
             mask = _lane_mask(builder, ir.Constant(_I64, r_n), 0)
             for b in range(blocks):
                 rows_of = _transpose16(builder, finals[b * r_n:(b + 1) * r_n] + [zero] * (16 - r_n))

@@ -17,6 +17,7 @@ Column stride 1 or 2 (any row stride), dilation 1, windows up to 7 x 7.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -131,15 +132,9 @@ def _tile_intrinsic(kh: int, kw: int, stride: int, r_n: int, steps, operands):
     return tile
 
 
-TILES: dict = {}
-
-
+@functools.cache
 def tile_for(kh: int, kw: int, stride: int, r_n: int, key: str):
-    spec = (kh, kw, stride, r_n, key)
-    if spec not in TILES:
-        steps, operands = conv_spatial.SPECS[key]
-        TILES[spec] = _tile_intrinsic(kh, kw, stride, r_n, steps, operands)
-    return TILES[spec]
+    return _tile_intrinsic(kh, kw, stride, r_n, *conv_spatial.SPECS[key])
 
 
 _DRIVER = """import numpy as np

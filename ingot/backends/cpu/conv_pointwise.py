@@ -12,6 +12,7 @@ mask) and stored NCHW under the mask. Chosen where it drops fewer lanes than con
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -110,14 +111,9 @@ def _column_intrinsic(blocks: int, steps, operands):
     return column
 
 
-COLUMNS: dict = {}
-
-
+@functools.cache
 def column_for(blocks: int, key: str):
-    if (blocks, key) not in COLUMNS:
-        steps, operands = conv_spatial.SPECS[key]
-        COLUMNS[blocks, key] = _column_intrinsic(blocks, steps, operands)
-    return COLUMNS[blocks, key]
+    return _column_intrinsic(blocks, *conv_spatial.SPECS[key])
 
 
 def _tile_intrinsic(r_n: int, steps, operands):
@@ -194,25 +190,17 @@ def _blocks_tile_intrinsic(r_n: int, blocks: int, steps, operands):
     return tile
 
 
-BLOCK_TILES: dict = {}
 TAIL_BLOCKS = {1: 4, 2: 2, 3: 2}   # blocks side by side for a tail of 1, 2, 3 positions: 4-6 chains (2 and 3 alike)
 
 
+@functools.cache
 def blocks_tile_for(r_n: int, key: str):
-    if (r_n, key) not in BLOCK_TILES:
-        steps, operands = conv_spatial.SPECS[key]
-        BLOCK_TILES[r_n, key] = _blocks_tile_intrinsic(r_n, TAIL_BLOCKS[r_n], steps, operands)
-    return BLOCK_TILES[r_n, key]
+    return _blocks_tile_intrinsic(r_n, TAIL_BLOCKS[r_n], *conv_spatial.SPECS[key])
 
 
-TILES: dict = {}
-
-
+@functools.cache
 def tile_for(r_n: int, key: str):
-    if (r_n, key) not in TILES:
-        steps, operands = conv_spatial.SPECS[key]
-        TILES[r_n, key] = _tile_intrinsic(r_n, steps, operands)
-    return TILES[r_n, key]
+    return _tile_intrinsic(r_n, *conv_spatial.SPECS[key])
 
 
 _DRIVER = """import numpy as np

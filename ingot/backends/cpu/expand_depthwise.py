@@ -10,6 +10,7 @@ written as NCHW nor read back (MobileNet's expand layers are its largest tensors
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -56,14 +57,9 @@ def _row_tile_intrinsic(r_n: int, steps, operands):
     return tile
 
 
-TILES: dict = {}
-
-
+@functools.cache
 def row_tile_for(r_n: int, key: str):
-    if (r_n, key) not in TILES:
-        steps, operands = conv_spatial.SPECS[key]
-        TILES[r_n, key] = _row_tile_intrinsic(r_n, steps, operands)
-    return TILES[r_n, key]
+    return _row_tile_intrinsic(r_n, *conv_spatial.SPECS[key])
 
 
 _DRIVER = """import numpy as np

@@ -8,6 +8,8 @@ import ingot
 from ingot.backends.cpu import conv_pointwise
 from ingot.ops.conv import conv
 
+from test_cpu_conv_spatial import check_pointwise
+
 CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (96, 48, (7, 7)), (3, 130, (2, 3)),
          (8, 16, (14, 14)),
          (37, 70, (1, 1)), (3, 100, (1, 1)), (130, 1280, (1, 1)),   # one position: blocks side by side
@@ -17,15 +19,8 @@ CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (9
 
 @pytest.mark.parametrize("c,m,hw", CASES)
 def test_pointwise_matches_reference(c, m, hw):
-    rng = np.random.default_rng(c * 7 + m)
-    x = rng.standard_normal((c,) + hw).astype(np.float32)
-    w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
-    b = rng.standard_normal(m).astype(np.float32)
-    want = conv(x[None], w, b, (1, 1), (1, 1), ((0, 0), (0, 0)), 1)[0]
-    wk, bk = conv_pointwise.arrange_weights(w, b)
-    out = np.full(want.shape, np.nan, np.float32)
-    conv_pointwise.driver([], [])(x.reshape(c, -1), wk, bk, out.reshape(m, -1), ())
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+    check_pointwise(c, m, hw, conv_pointwise.arrange_weights,
+                    lambda x, wk, bk, out: conv_pointwise.driver([], [])(x, wk, bk, out, ()))
 
 
 def test_chosen_where_positions_waste_more():

@@ -11,17 +11,24 @@ from ingot.ops.conv import conv
 POINTWISE = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (9, 13)), (33, 6, (8, 8)), (3, 130, (1, 67))]   # C, M, (H, W)
 
 
-@pytest.mark.parametrize("c,m,hw", POINTWISE)
-def test_pointwise_matches_reference(c, m, hw):
+def check_pointwise(c, m, hw, arrange, run):
+    """A 1x1 conv kernel (arrange(w, b) -> its weights and bias; run(x, wk, bk, out) on [C, P] / [M, P])
+    against the NumPy reference; out starts as NaN, so a position it misses fails."""
     rng = np.random.default_rng(c * 7 + m)
     x = rng.standard_normal((c,) + hw).astype(np.float32)
     w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
     b = rng.standard_normal(m).astype(np.float32)
     want = conv(x[None], w, b, (1, 1), (1, 1), ((0, 0), (0, 0)), 1)[0]
-    wk, bk = conv_spatial.arrange_weights(w, b)
+    wk, bk = arrange(w, b)
     out = np.full(want.shape, np.nan, np.float32)
-    conv_spatial.driver(1, 1, [], [])(x.reshape(c, -1), wk, bk, out.reshape(m, -1), ())
+    run(x.reshape(c, -1), wk, bk, out.reshape(m, -1))
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("c,m,hw", POINTWISE)
+def test_pointwise_matches_reference(c, m, hw):
+    check_pointwise(c, m, hw, conv_spatial.arrange_weights,
+                    lambda x, wk, bk, out: conv_spatial.driver(1, 1, [], [])(x, wk, bk, out, ()))
 
 
 DEPTHWISE = [  # C, (H, W), (kh, kw), stride, dilation, pads ((top, bottom), (left, right)); few windows:

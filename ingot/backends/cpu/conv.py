@@ -409,13 +409,8 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
         x = np.ascontiguousarray(inputs[x_index]).reshape(n_img, c, *in_spatial)
         y = out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, *spatial)
-        ops = cache.get("ops")
         for n in range(n_img):
-            if ops is None or not fixed_ops:
-                ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
-                if fixed_ops:
-                    cache["ops"] = ops
-            kernel(x[n], wk, bias, *window, y4[n], ops, padded)
+            kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), padded)
         return y
     return step
 
@@ -484,15 +479,21 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         xs = np.ascontiguousarray(x).reshape(x_shape)
         y = out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(y_shape)
-        ops = arranged.get("ops")
         for n in range(n_img):
-            if ops is None or not fixed_ops:
-                ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
-                if fixed_ops:
-                    arranged["ops"] = ops
-            kernel(xs[n], wk[0], wk[1], *tail, ys[n], ops)
+            kernel(xs[n], wk[0], wk[1], *tail, ys[n], _image_operands(arranged, inputs, operands, n, fixed_ops))
         return y
     return step
+
+
+def _image_operands(cache: dict, inputs, operands, n: int, fixed: bool) -> tuple:
+    """Image n's epilogue operands (`_operand` of each); fixed (every operand a constant, none per image):
+    made once and kept in cache["ops"]."""
+    ops = cache.get("ops") if fixed else None
+    if ops is None:
+        ops = tuple(_operand(inputs[i], form, n) for form, i in operands)
+        if fixed:
+            cache["ops"] = ops
+    return ops
 
 
 def _operand(a: np.ndarray, form: str, n: int) -> np.ndarray:

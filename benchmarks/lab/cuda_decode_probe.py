@@ -10,6 +10,9 @@ the model runs it); "empty" is a kernel that only waits and exits, the floor of 
 Long contexts as a model compiled for a long context runs them (issue 38's decode at 8k against 512):
 `--shape 32,8,128 --buffer 34848 --lengths 512,8192 --kv-dtypes bfloat16,int8` (an int8 cache: codes
 and float32 row scales, as `kv_dtype="int8"` stores them; its new row quantized by the kernel).
+`--caches N`: N caches of their own, one launch on each in turn (a layer after another, as a model's step
+reads them), so the keys come from memory, not from the L2 a repeated launch leaves them in; the figure is
+a launch's share, and GB/s the cache bytes it reads over that.
 `--dry` runs each variant once, untimed (Triton's interpreter: INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1).
 """
 import argparse
@@ -48,6 +51,7 @@ def main():
     ap.add_argument("--shape", default="9,3,64")
     ap.add_argument("--buffer", type=int, default=2048, help="cache rows (the compiled context)")
     ap.add_argument("--kv-dtypes", default="float32", help="comma-separated: float32, bfloat16, float16, int8")
+    ap.add_argument("--caches", type=int, default=1, help="caches of their own, a launch on each in turn")
     ap.add_argument("--dry", action="store_true", help="each variant once, untimed (the interpreter)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -106,12 +110,14 @@ def main():
         variants = {name: variants[name] for name in a.variants.split(",")}
     for kv_dtype, length in ((t, int(n)) for t in a.kv_dtypes.split(",") for n in a.lengths.split(",")):
         q = torch.randn(1, hq, 1, d, device=dev)
-        scales = None
-        if kv_dtype == "int8":   # codes and float32 row scales, as kv_dtype="int8" stores them
-            k, v = (torch.randint(-127, 128, (1, hk, buf, d), dtype=torch.int8, device=dev) for _ in range(2))
-            scales = tuple(torch.rand(1, hk, buf, 1, device=dev) * 0.02 for _ in range(2))
-        else:
-            k, v = (torch.randn(1, hk, buf, d, device=dev).to(getattr(torch, kv_dtype)) for _ in range(2))
+        caches = []
+        for _ in range(a.caches):
+            if kv_dtype == "int8":   # codes and float32 row scales, as kv_dtype="int8" stores them
+                kv = tuple(torch.randint(-127, 128, (1, hk, buf, d), dtype=torch.int8, device=dev) for _ in range(2))
+                caches.append((*kv, tuple(torch.rand(1, hk, buf, 1, device=dev) * 0.02 for _ in range(2))))
+            else:
+                caches.append((*(torch.randn(1, hk, buf, d, device=dev).to(getattr(torch, kv_dtype)) for _ in range(2)), None))
+        row_bytes = hk * d * caches[0][0].element_size() * 2 + (hk * 8 if kv_dtype == "int8" else 0)
         kn, vn = torch.randn(1, hk, 1, d, device=dev), torch.randn(1, hk, 1, d, device=dev)
         pos = torch.tensor(length - 1, dtype=torch.int32, device=dev)
         ln = torch.tensor(length, dtype=torch.int32, device=dev)
@@ -127,14 +133,16 @@ def main():
                 extra = dict(kw)
                 if cfg.get("xq"):
                     extra["xq"] = attn.XQTarget(xq["xq_ptr"], xq["xd_ptr"], xq["xs_ptr"], limbs)
-                return attn.attention(q, k, v, length=ln, causal=True, scales=scales, **extra)
+                for k, v, scales in caches:
+                    out = attn.attention(q, k, v, length=ln, causal=True, scales=scales, **extra)
+                return out
             try:
-                us = round(timed(call), 2)
+                us = round(timed(call) / len(caches), 2)
             except Exception as e:   # a variant that does not compile is reported, not fatal
                 us = f"error: {type(e).__name__}: {str(e)[:100]}"
-            rows.append(dict(variant=name, kv_dtype=kv_dtype, buffer=buf, length=length, us=us))
-            line.append(f"{name} {us}")
-        print(f"{kv_dtype} L={length} (buffer {buf}): " + ", ".join(line), flush=True)
+            rows.append(dict(variant=name, kv_dtype=kv_dtype, buffer=buf, length=length, caches=a.caches, us=us))
+            line.append(f"{name} {us}" + (f" ({length * row_bytes / us / 1e3:.0f} GB/s)" if isinstance(us, float) and us > 0 else ""))
+        print(f"{kv_dtype} L={length} (buffer {buf}, {a.caches} caches): " + ", ".join(line), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -111,8 +111,14 @@ def main() -> None:
     ap.add_argument("--npz", default=None, help="save every launch's raw stamps here")
     ap.add_argument("--ends", action="store_true", help="stamp only each program's end (timeline=\"end\")")
     ap.add_argument("--detail", default=None, help="kernel names (comma-separated): their programs a multiprocessor and end times")
+    ap.add_argument("--context", type=int, default=2048, help="the compiled context (cache rows)")
+    ap.add_argument("--kv-dtype", default="float32", help="the cache's dtype (float32, bfloat16, int8)")
+    ap.add_argument("--positions", default=None,
+                    help="comma-separated decode positions: the step replayed and stamped at each in turn "
+                         "(issue 38: 512,8192 with --context 8736 --kv-dtype bfloat16); the tables per position")
     args = ap.parse_args()
-    cfg = llama.LlamaConfig(**model_shape(args.model, args.layers), context_length=2048)
+    cfg = llama.LlamaConfig(**model_shape(args.model, args.layers), context_length=args.context,
+                            kv_dtype=args.kv_dtype)
     weights = gguf_like_random_weights(cfg) if args.model == "smollm2" else fast_random_weights(cfg)
     model = llama.build(cfg, weights)
     options = CompileOptions(cuda=CudaOptions(timeline="end" if args.ends else "all"))
@@ -126,12 +132,22 @@ def main() -> None:
     graphs = list(dec.plan._graphs.values())
     assert graphs, "the decode step was not captured (INGOT_CUDA_GRAPHS=0?)"
     g = graphs[0]["graph"]
-    replay_us = graph_replay_us(g, warmup=20)
-    g.replay()
-    torch.cuda.synchronize()
-    launches = timeline.read()
-    if not launches:
-        sys.exit("no stamped launch: was the step captured?")
+    positions = [int(p) for p in args.positions.split(",")] if args.positions else [args.prompt + 3]
+    for position in positions:
+        # the captured step's feeds are staged in place: a run at this position, then the same graph replayed
+        dec.run({"tokens": np.array([1], np.int32), "pos": np.int32(position), "last": np.int32(0)}, state=state)
+        replay_us = graph_replay_us(g, warmup=20)
+        g.replay()
+        torch.cuda.synchronize()
+        launches = timeline.read()
+        if not launches:
+            sys.exit("no stamped launch: was the step captured?")
+        if len(positions) > 1:
+            print(f"\n=== decode at position {position} (context {cfg.context_length}, KV {args.kv_dtype})")
+        report(args, cfg, launches, replay_us)
+
+
+def report(args, cfg, launches: list[dict], replay_us: float) -> None:
     nbytes = {}
     for v in getattr(__import__("ingot.backends.cuda", fromlist=["_DEVICE_CONSTANTS"]), "_DEVICE_CONSTANTS").values():
         if isinstance(v, qmm.QuantizedWeight) and v.words:

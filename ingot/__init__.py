@@ -5,9 +5,24 @@ from .errors import IngotError  # noqa: F401
 from .graph import Graph, Tensor  # noqa: F401
 from .ir import TensorType  # noqa: F401
 from .options import CompileOptions  # noqa: F401
-from .runtime import Executable, Outputs, State, load  # noqa: F401
+from .runtime import Executable, Outputs, State  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def load(path, device: str | None = None, options=None) -> Executable:
+    """Load a package written by Executable.save (ingot.runtime.load: weights memory-mapped; options: a
+    CompileOptions instead of the stored ones). A tied LLM head's embedding lookup, which an LLM package
+    stores once at the head's adapter, is bound from it (ingot.adapters.bind_lookups)."""
+    from .adapters import bind_lookups
+    from .runtime import load as _load
+
+    exe = _load(path, device, options)
+    try:
+        bind_lookups(exe)
+    except IngotError as e:
+        raise IngotError(f"package: {path} cannot be loaded: {e}") from None
+    return exe
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes=None, constant_inputs=None, quantize=None, options=None):

@@ -13,7 +13,8 @@ matmul, gathered into the output's columns (an index map of length out, 0 = no r
 An adapter on token_embd.weight (a tied output head's compensation) corrects the embedding lookup
 too, so that both uses of the one matrix read W + delta: the graph calls LOOKUP, tokens [T] ->
 the rows delta[tokens] [T, dim] (gather(pad(R), map[tokens]) and B[tokens] @ A), bound from the
-same AdapterSet; a package stores the adapter once, at the head's site.
+same AdapterSet; a package stores the adapter once, at the head's site, and `ingot.load` binds
+LOOKUP from it (bind_lookups).
 
     >>> import numpy as np
     >>> a, b = np.ones((2, 8), np.float32), np.ones((4, 2), np.float32)
@@ -38,6 +39,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .errors import IngotError
+from .ir import Op
 from .untrusted import read_json, short
 
 # PEFT module name -> the GGUF tensor it adapts (per layer)
@@ -263,6 +265,58 @@ def factors_of(exe) -> tuple[np.ndarray, np.ndarray, bool]:
     int8 = "A_t.scale" in consts
     value = lambda k: (np.asarray(consts[k], np.float32) * consts[f"{k}.scale"]) if int8 else np.asarray(consts[k])  # noqa: E731
     return value("A_t").T, value("B_t").T, int8
+
+
+def site_adapters(exe, names: list[str], outs: list[int], width: int) -> tuple[dict, dict, bool]:
+    """(factors, rows, int8), an AdapterSet's fields, held by one call site's executable (made by
+    low_rank_executable, e.g. a package's callable) for weights `names` of `outs` outputs side by
+    side and `width` inputs: each weight its own rank columns of the stacked B and its own residual
+    rows (the outputs whose map entry is non-zero); IngotError where the rows do not fit."""
+    a, b, int8 = factors_of(exe)
+    starts = np.concatenate([[0], np.cumsum(outs)])
+    rows = rows_of(exe, int(starts[-1]), width)
+    factors: dict = {}
+    residual: dict = {}
+    for i, n in enumerate(names):
+        part = b[starts[i]:starts[i + 1]]
+        ranks = np.any(part != 0, axis=0)  # this weight's own rank columns of the stacked factors
+        if np.any(ranks):
+            factors[n] = [(np.ascontiguousarray(a[ranks]), np.ascontiguousarray(part[:, ranks]))]
+        own = rows[0][starts[i]:starts[i + 1]] if rows is not None else np.zeros(0, np.int32)
+        if np.any(own):
+            idx = np.flatnonzero(own)
+            residual[n] = (idx.astype(np.int32), np.ascontiguousarray(rows[1][own[idx] - 1]))
+    return factors, residual, int8
+
+
+def bind_lookups(exe) -> None:
+    """Bind every unbound LOOKUP-style call site `W@lookup` of exe whose head site W is bound: the
+    embedding lookup's share of W's adapter, made from what W's executable holds (a package stores
+    the adapter once, at the head's site; `ingot.load` calls this). IngotError naming the head's
+    callable where its factors or rows do not fit."""
+    for site, node in exe.call_sites.items():
+        name, _, kind = site.partition("@")
+        if kind != LOOKUP.partition("@")[2] or site in exe.callables or name not in exe.callables or node.op != Op.CALL:
+            continue
+        head = exe.callables[name]
+        ins, outs_types = [s.type for s in node.src], list(node.type)   # as compiled (the attrs may hold dynamic dims)
+        if len(ins) != 1 or len(outs_types) != 1:
+            raise IngotError(f"the call {site!r} takes {ins} and returns {outs_types}, not an embedding lookup's rows.")
+        (tokens,), (out,) = ins, outs_types
+        if tokens.rank != 1 or out.rank != 2 or not head.output_types or head.output_types[0].rank != 2:
+            raise IngotError(f"callables/{name}.ingot: the call {site!r} takes {tokens} and returns {out}, not the rows "
+                             f"of an embedding lookup, or {name!r} is not a head's adapter.")
+        width, outs = out.shape[1], head.output_types[0].shape[1]
+        try:
+            factors, rows, int8 = site_adapters(head, [name], [outs], width)
+            lookup = AdapterSet(factors, int8=int8, rows=rows).lookup_executable(name, outs, width, tokens.shape[0],
+                                                                                  exe.device)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise IngotError(f"callables/{name}.ingot holds an adapter the embedding lookup cannot read "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:160]}).") from None
+        except IngotError as e:
+            raise IngotError(f"callables/{name}.ingot: {e}") from None
+        exe.bind(site, lookup)
 
 
 def rows_of(exe, outs: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:

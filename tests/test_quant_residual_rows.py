@@ -238,3 +238,68 @@ def test_quantize_cli_compensate_form_rows(tmp_path, capsys):
     assert json.loads((out / "llm.json").read_text())["extra"]["quantized"]["compensate_form"] == "rows"
     model = read_llm(out)
     assert set(model.adapters.rows) == {"token_embd.weight"} and not model.adapters.factors
+
+
+@pytest.fixture(scope="module", params=["rows", "low_rank"])
+def compensated_package(quantized, tmp_path_factory, request):
+    """A package quantized with compensation on every weight, its tied head's by `form`."""
+    from ingot.llm.package import save_llm
+    from ingot.quant.pipeline import quantize_model
+
+    model, stats = quantized
+    result = quantize_model(model, "uint4:16:k", stats=stats, compensate=4, compensate_form=request.param)
+    assert ("token_embd.weight" in result.adapters.rows) == (request.param == "rows")
+    assert "token_embd.weight" in result.adapters.names and len(result.adapters.factors) > 1
+    path = tmp_path_factory.mktemp("compensated") / "q.ingot"
+    save_llm(path, model.config, result.tensors, model.metadata, result.adapters)
+    return path, result.adapters
+
+
+def test_loaded_package_runs_its_decoder_as_generate_does(compensated_package):
+    """`ingot.load(package).run` binds the tied head's embedding lookup (which the package does not
+    store) from the head's adapter: the stored decoder's logits are `ingot generate`'s."""
+    import ingot
+    from ingot.adapters import LOOKUP
+    from ingot.llm.generate import LLM
+
+    path, adapters = compensated_package
+    assert not (path / "callables" / f"{LOOKUP}.ingot").exists()   # stored once, at the head's site
+    exe = ingot.load(path)
+    llm = LLM(str(path))
+    state = exe.new_state()
+    idx = adapters.rows["token_embd.weight"][0] if "token_embd.weight" in adapters.rows else np.arange(3)
+    tokens = [int(idx[0]), 40, int(idx[-1]), 61, int(idx[1])]   # corrected rows read by the lookup
+    for pos, token in enumerate(tokens):
+        got = exe.run({"tokens": np.array([token], np.int32), "pos": np.int32(pos), "last": np.int32(0)}, state=state)[0][0]
+        np.testing.assert_allclose(got, llm.step(token), rtol=1e-5, atol=1e-5)
+    # the lookup's delta is the head adapter's rows
+    lookup = exe.callables[LOOKUP].run([np.array([tokens[0]], np.int32)])[0]
+    np.testing.assert_allclose(lookup[0], adapters.delta("token_embd.weight", 296)[tokens[0]], atol=0.02)
+    assert np.abs(lookup).max() > 0
+
+
+@pytest.mark.parametrize("compensated_package", ["rows"], indirect=True)
+@pytest.mark.parametrize("corrupt", ["index out of range", "no map"])
+def test_loaded_package_whose_head_rows_do_not_fit_is_refused(compensated_package, tmp_path, corrupt):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    import ingot
+
+    path, _ = compensated_package
+    copy = tmp_path / "q.ingot"
+    shutil.copytree(path, copy)
+    (weights,) = (copy / "callables" / "token_embd.weight.ingot").glob("*.safetensors")
+    arrays = load_file(weights)
+    key = next(k for k in arrays if k.endswith("R_map"))
+    if corrupt == "no map":
+        del arrays[key]
+    else:
+        arrays[key][np.flatnonzero(arrays[key])[0]] = arrays[key].max() + 5
+    save_file(arrays, weights)
+    with pytest.raises(IngotError) as err:
+        ingot.load(copy)
+    message = str(err.value)
+    assert "\n" not in message and "token_embd.weight.ingot" in message
+    assert ("residual rows" if "index" in corrupt else "R_map") in message

@@ -183,7 +183,7 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
     formats' parameters as their float16 products, or with two_level_codes=True as they are stored
     (codes and units: QuantizedTensor scale and bias of type TwoLevelParams, which the CPU backend's
     GEMV reads as they are)."""
-    from ..adapters import AdapterSet, factors_of, rows_of, site_input, site_layout
+    from ..adapters import AdapterSet, site_adapters, site_input, site_layout
     from ..models import config_class
     from ..package import read_weights
 
@@ -245,20 +245,11 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
         folder = inside(path, f"callables/{site}.ingot", f"{path}: {LLM_FILE} adapter site")
         try:
             exe = load(folder)
-            a, b, int8 = factors_of(exe)
             names = site.split("+")
-            outs = site_layout(config, names)
-            starts = np.concatenate([[0], np.cumsum(outs)])
-            rows = rows_of(exe, int(starts[-1]), site_input(config, names[0]))
-            for i, n in enumerate(names):
-                part = b[starts[i]:starts[i + 1]]
-                ranks = np.any(part != 0, axis=0)  # this weight's own rank columns of the stacked factors
-                if np.any(ranks):
-                    factors.setdefault(n, []).append((np.ascontiguousarray(a[ranks]), np.ascontiguousarray(part[:, ranks])))
-                own = rows[0][starts[i]:starts[i + 1]] if rows is not None else np.zeros(0, np.int32)
-                if np.any(own):   # this weight's residual rows: its outputs whose map entry is non-zero
-                    idx = np.flatnonzero(own)
-                    residual_rows[n] = (idx.astype(np.int32), np.ascontiguousarray(rows[1][own[idx] - 1]))
+            own, rows, int8 = site_adapters(exe, names, site_layout(config, names), site_input(config, names[0]))
+            for n, pairs in own.items():
+                factors.setdefault(n, []).extend(pairs)
+            residual_rows.update(rows)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise IngotError(f"{path}: adapter site {short(site)} does not fit the model ({type(e).__name__}: {clip(e)}).") from None
     metadata = info.get("metadata", {})

@@ -24,6 +24,7 @@ _INTERPRET = require_cuda()
 from ingot.backends.cuda import attention as attention_kernels  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.models import llama  # noqa: E402
+from ingot.options import CudaOptions  # noqa: E402
 from ingot.options import CompileOptions, CudaOptions  # noqa: E402
 
 PROMPT, STEPS = 3, 3
@@ -106,9 +107,16 @@ def test_batched_greedy_decode_equals_the_cpu_backend(batch, kind, monkeypatch):
         # row `last` (a whole-axis slice)
         launches = [name for name in plan.step_names if name not in ("slice", "reshape", "transpose")]   # views after it
         assert launches[-1] == "add_rms_norm_gemv" and "add" not in launches, plan.step_names
-    if kind == "uint4":   # B rows (decode), B * PROMPT (prefill): the word-layout GEMV up to 4, the tensor-core kernel above
+    if kind == "uint4":   # B rows (decode), B * PROMPT (prefill): the word-layout GEMV up to words_max_rows, the
+        # tensor-core kernel above, and from prefill_dequant_rows a dequantized copy through cuBLAS (neither)
+        opts = CudaOptions()
         for m in (batch, batch * PROMPT):
-            assert m in (rows.words if m <= qmm.WORDS_MAX_ROWS else rows.tensor_core), (m, rows.words, rows.tensor_core)
+            if m <= opts.words_max_rows:
+                assert m in rows.words, (m, rows.words)
+            elif m >= opts.prefill_dequant_rows:
+                assert m not in rows.words | rows.tensor_core, (m, rows.words, rows.tensor_core)
+            else:
+                assert m in rows.tensor_core, (m, rows.tensor_core)
     assert gpu_logits[0].shape == (batch, cfg.vocab_size)
     for step, (got, want) in enumerate(zip(gpu_logits, cpu_logits)):
         # 1e-4, not 1e-5: the GPU sums the K=96/160 reductions in another order (as test_cuda.py's decode test)

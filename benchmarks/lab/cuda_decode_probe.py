@@ -106,8 +106,17 @@ def main():
         "rope-early": dict(rope=True, early=True),
         "rope+zero-early": dict(rope=True, zero=True, early=True),
     }
-    if a.variants:
-        variants = {name: variants[name] for name in a.variants.split(",")}
+    if a.variants:   # a name above, or the executor's launch with settings: "exec:split=16+block_n=32+num_warps=4"
+        def parse(name):
+            if name in variants:
+                return variants[name]
+            base, _, settings = name.partition(":")
+            cfg = dict(variants[base])
+            for item in filter(None, settings.split("+")):
+                key, _, value = item.partition("=")
+                cfg[key] = value if key == "precision" else int(value)
+            return cfg
+        variants = {name: parse(name) for name in a.variants.split(",")}
     for kv_dtype, length in ((t, int(n)) for t in a.kv_dtypes.split(",") for n in a.lengths.split(",")):
         q = torch.randn(1, hq, 1, d, device=dev)
         caches = []

@@ -147,6 +147,32 @@ def test_quantized_matmul_matches_the_cpu_backend(fmt, shape, rows):
         assert rel_err(got, want) < tol, f"transpose={transpose}: relative error {rel_err(got, want)}"
 
 
+@pytest.mark.parametrize("rows", [17, 40, 100])
+@pytest.mark.parametrize("words", [False, True])
+def test_tensor_core_gemm_splits_k_for_few_rows(rows, words):
+    """Up to 128 rows the tensor-core kernel splits K (partial tiles added into a zeroed float32 y) so a
+    batched decode step streams W from every multiprocessor; the sums equal the unsplit kernel's to
+    float32 rounding and the float64 product of the dequantized weight, for the default split and forced
+    ones (uneven: the last split shorter), and into a float16 output (a float32 staging tile)."""
+    k, n = 992, 200   # 31 groups of 32
+    rng = rng_for(f"splitk{rows}{words}")
+    q = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    scale = rng.random((k // 32, n), dtype=np.float32) * 0.02
+    bias = rng.random((k // 32, n), dtype=np.float32) * -0.02
+    attrs = {"mode": "affine", "qdtype": dt.uint4, "has_bias": True, "transpose": False}
+    w = qmm.prepare_weight(q, [scale, bias], attrs, DEVICE, words=words)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(DEVICE)
+    want = (x.double().cpu() @ qmm.dequantize(w).double().cpu())
+    assert qmm.gemm_config(rows, w, torch.float32, "tf32x3", sms=132)["SPLIT_K"] > 1
+    opts = CudaOptions(prefill_dequant_rows=0, words_max_rows=1)
+    for config in (None, dict(BLOCK_M=32 if rows <= 32 else 64, SPLIT_K=1), dict(BLOCK_M=64, SPLIT_K=3)):
+        got = qmm.quantized_matmul(x, w, config=config, options=opts)
+        assert rel_err(got.double().cpu(), want) < 1e-5, (config, rel_err(got.double().cpu(), want))
+    half = torch.empty(rows, n, dtype=torch.float16, device=DEVICE)
+    qmm.quantized_matmul(x, w, out=half, config=dict(BLOCK_M=64, SPLIT_K=5), options=opts)
+    assert rel_err(half.double().cpu(), want) < 2e-3
+
+
 @pytest.mark.parametrize("kernel", ["small", "stream"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=[str(i) for i in range(len(FORMATS))])
 @pytest.mark.parametrize("shape", [(96, 50, 32), (1000, 66, 40), (130, 34, 10), (512, 2100, 128)])

@@ -93,14 +93,24 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
         y = _dequantized_gemm(x2, w, out, precision)
     else:
-        cfg = {**gemm_config(m, w, x.dtype, precision), **(config or {})}
+        cfg = {**gemm_config(m, w, x.dtype, precision, _sm_count(x.device)), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
+        split = cfg.pop("SPLIT_K", 1)
+        k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
+        split = triton.cdiv(w.k, k_per_split)
+        target = y
+        if split > 1:   # partial tiles added into a zeroed float32 y
+            if not (y.dtype == torch.float32 and y.stride(1) == 1):
+                target = torch.empty((m, w.n), dtype=torch.float32, device=x.device)
+            target.zero_()
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n), split)
         _qgemm_kernel[grid](
-            x2, w.q, s, b, lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, y.stride(0),
+            x2, w.q, s, b, lut, target, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, target.stride(0),
             w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision,
-            WORDS=w.words, **common, **cfg, **pdl_args(x.device))
+            WORDS=w.words, k_per_split=k_per_split, SPLIT_K=split, **common, **cfg, **pdl_args(x.device))
+        if target is not y:
+            y.copy_(target)
     return y.reshape(*lead, w.n)
 
 

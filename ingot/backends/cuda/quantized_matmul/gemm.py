@@ -193,8 +193,11 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                   lut_block_k, lut_block_n, stride_lk, stride_ln,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  PRECISION: tl.constexpr, WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
-    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot."""
+                  PRECISION: tl.constexpr, WORDS: tl.constexpr = False, PDL: tl.constexpr = False,
+                  k_per_split=0, SPLIT_K: tl.constexpr = 1):
+    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot.
+    SPLIT_K > 1: program axis 1 takes k_per_split rows of W (a multiple of BLOCK_K) and adds its partial
+    tile into y (float32, zeroed), so few rows still put every multiprocessor to streaming W."""
     pdl_enter(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,7 +206,11 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start, k_stop = 0, K
+    if SPLIT_K > 1:
+        k_start = tl.program_id(1) * k_per_split
+        k_stop = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
@@ -217,7 +224,10 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SPLIT_K > 1:
+        tl.atomic_add(ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -264,15 +274,22 @@ def gemv_config(w: QuantizedWeight, sms: int, num_warps: int | None = None, wave
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, PREFETCH=True)
 
 
-def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype, precision: str = "tf32x3") -> dict:
+def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype, precision: str = "tf32x3", sms: int = 0) -> dict:
     """Tiles of the tensor-core kernel: float32 dots (tf32x3) hold three products' operands in registers
-    (smaller K tiles, two stages); 16-bit dots take wide tiles from 128 rows."""
+    (smaller K tiles, two stages); 16-bit dots take wide tiles from 128 rows. Up to 128 rows (a batched
+    decode step, a short prompt) with `sms` multiprocessors: K split so that about two programs an SM
+    stream W (Llama-3-8B's 4096 x 4096 at 32 rows has 32 tiles; without splits a quarter of an H100 reads
+    it), each split at least four K tiles."""
     sixteen = dtype != torch.float32 or precision == "bf16"
-    block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 128 else 128))
     block_k = 64 if sixteen else 32
     if w.lut is None and w.group >= 16:
         block_k = min(block_k, w.group)
     block_n = 64 if m <= 16 else 128
     stages = 3 if sixteen else 2
+    split = 1
+    if sms and m <= 128:
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n)
+        split = max(1, min((2 * sms) // tiles, w.k // (4 * block_k)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m * block_n <= 64 * 128 else 8,
-                num_stages=stages)
+                num_stages=stages, SPLIT_K=split)

@@ -73,6 +73,7 @@ class Op(enum.IntEnum):
     # tensor parallelism: collectives over the ranks of a process group (ops/collective.py)
     ALL_REDUCE = enum.auto(); ALL_GATHER = enum.auto()
     POOL_ATTENTION = enum.auto()   # decode attention of independent rows over a KV pool (ops/pool.py)
+    BLOCK_CHANNELS = enum.auto(); UNBLOCK_CHANNELS = enum.auto()   # [N, C, ...] <-> [N, C/16, ..., 16] (ops/layout.py)
 
 
 class GroupOp:

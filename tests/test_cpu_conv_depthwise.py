@@ -8,6 +8,7 @@ import pytest
 import ingot
 from ingot.backends.cpu import conv_depthwise
 from ingot.ops.conv import conv
+from ingot.ops.layout import block_channels
 
 CASES = [  # C, (H, W), (kh, kw), (row stride, column stride), pads ((top, bottom), (left, right))
     (20, (150, 140), (3, 3), (1, 1), ((1, 1), (1, 1))),   # rows wider than a band (2048 floats)
@@ -44,6 +45,27 @@ def test_depthwise_matches_reference(c, hw, k, strides, pads):
         kernel(x, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, (), xp, ot)
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
         out[:] = np.nan
+
+
+@pytest.mark.parametrize("blocked_in,blocked_out", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("c,hw,k,strides,pads", [CASES[i] for i in (0, 2, 3, 4, 7, 9, 12)] + [
+    (40, (1, 1), (3, 3), (1, 1), ((1, 1), (1, 1)))])   # a one-pixel image: the row's tile past three blocks
+def test_depthwise_blocked_layouts(c, hw, k, strides, pads, blocked_in, blocked_out):
+    """Input and output in the channel-blocked layout (ops/layout.py), the padding lanes stored as zeros."""
+    rng = np.random.default_rng(c + hw[1])
+    x = rng.standard_normal((c,) + hw).astype(np.float32)
+    w = rng.standard_normal((c, 1) + k).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    want = conv(x[None], w, b, strides, (1, 1), pads, c)
+    (oh, ow), blocks = want.shape[2:], -(-c // 16)
+    xin = block_channels(x[None])[0].reshape(blocks, hw[0], hw[1] * 16) if blocked_in else x
+    out = np.full((blocks, oh, ow * 16) if blocked_out else want.shape[1:], np.nan, np.float32)
+    kernel = conv_depthwise.driver(k[0], k[1], strides[1], ow, [], [], blocked_in, blocked_out)
+    xp_n, ot_n = conv_depthwise.band_scratch_sizes(k[0], k[1], strides[1], hw, (oh, ow), strides[0], pads[0][0], pads[1][0])
+    xp, ot = np.full(xp_n, np.nan, np.float32), np.full(ot_n, np.nan, np.float32)
+    kernel(xin, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, (), xp, ot)
+    expect = block_channels(want)[0].reshape(out.shape) if blocked_out else want[0]
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 
 
 def test_fits_only_what_it_runs():

@@ -7,6 +7,7 @@ import pytest
 import ingot
 from ingot.backends.cpu import conv_pointwise
 from ingot.ops.conv import conv
+from ingot.ops.layout import block_channels
 
 from test_cpu_conv_spatial import check_pointwise
 
@@ -21,6 +22,25 @@ CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (9
 def test_pointwise_matches_reference(c, m, hw):
     check_pointwise(c, m, hw, conv_pointwise.arrange_weights,
                     lambda x, wk, bk, out: conv_pointwise.driver([], [])(x, wk, bk, out, ()))
+
+
+@pytest.mark.parametrize("blocked_in,blocked_out", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("c,m,hw", [CASES[i] for i in (0, 1, 3, 5, 7, 9, 10, 11, 12, 13)])
+def test_pointwise_blocked_layouts(c, m, hw, blocked_in, blocked_out):
+    """Input and output in the channel-blocked layout (ops/layout.py), the padding lanes stored as zeros."""
+    rng = np.random.default_rng(c * 7 + m)
+    x = rng.standard_normal((1, c) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    want = conv(x, w, b, (1, 1), (1, 1), ((0, 0), (0, 0)), 1)
+    p = hw[0] * hw[1]
+    xin = block_channels(x)[0].reshape(-1, p * 16) if blocked_in else x[0].reshape(c, p)
+    out = np.full((-(-m // 16), p * 16) if blocked_out else (m, p), np.nan, np.float32)
+    wk, bk = conv_pointwise.arrange_weights(w, b)
+    kernel = conv_pointwise.driver([], [], blocked_in, blocked_out)
+    kernel(xin, wk, bk, out, (), m) if blocked_out else kernel(xin, wk, bk, out, ())
+    expect = block_channels(want)[0].reshape(out.shape) if blocked_out else want[0].reshape(m, p)
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 
 
 def test_chosen_where_positions_waste_more():

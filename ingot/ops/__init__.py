@@ -96,4 +96,4 @@ def compute_dtype(x: np.ndarray) -> np.dtype:
     return np.dtype(np.float32) if x.dtype.kind == "V" or x.dtype in (np.float16,) or x.dtype.name == "bfloat16" else x.dtype
 
 
-from . import elementwise, reduce, shape, nn, quant, fft, control, meta, fused, conv, moe, recurrent, image, collective, pool  # noqa: E402,F401  (registration)
+from . import elementwise, reduce, shape, nn, quant, fft, control, meta, fused, conv, moe, recurrent, image, collective, pool, layout  # noqa: E402,F401  (registration)

@@ -9,6 +9,7 @@ from typing import Callable
 
 from ..errors import IngotError
 from ..ir import Program
+from .block_channels import block_channels
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_gemv import fuse_attention_gemv
 from .fuse_conv_epilogue import fuse_conv_epilogue
@@ -39,6 +40,8 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_conv_epilogue", lambda p, o: fuse_conv_epilogue(p)),   # activation, residual: per output tile
         ("fuse_squeeze_excite", lambda p, o: fuse_squeeze_excite(p)),   # pool, 2 tiny convs, scale: one step
         ("fuse_expand_depthwise", lambda p, o: fuse_expand_depthwise(p)),   # 1x1 -> depthwise: no NCHW between
+        # chains of 1x1 and depthwise convs read and write blocks of 16 channels: no transposes between
+        ("block_channels", lambda p, o: block_channels(p)),
         # rope(q), rope(k), the k/v cache writes and the attention: one step (backends/cpu/rope_cache.py)
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=True, codes=True)),
         # ONNX's MatMulInteger sums on 8-bit x in int32 (backends/cpu/int8_matmul.py: VNNI)

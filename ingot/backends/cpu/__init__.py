@@ -22,7 +22,7 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import (conv, expand_depthwise, int8_matmul, kernels, nn_kernels, recurrent, rope_cache, rows_attention, spatial,
+from . import (blocked, conv, expand_depthwise, int8_matmul, kernels, nn_kernels, recurrent, rope_cache, rows_attention, spatial,
                squeeze_excite)
 from .pool_attention import pool_attention_lowering
 
@@ -64,7 +64,7 @@ def _fused(node: Node, out):
 
 FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS | int8_matmul.FUSED_LOWERINGS | \
     rows_attention.FUSED_LOWERINGS | spatial.FUSED_LOWERINGS | squeeze_excite.FUSED_LOWERINGS | \
-    expand_depthwise.FUSED_LOWERINGS
+    expand_depthwise.FUSED_LOWERINGS | blocked.FUSED_LOWERINGS
 from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: torch.distributed, gloo)
 
 

@@ -95,10 +95,11 @@ def _transpose_out(typingctx, dst, dst_at, dst_step, src, src_at, rows, cols):
     return sig, codegen
 
 
-def _tile_intrinsic(kh: int, kw: int, stride: int, r_n: int, steps, operands):
+def _tile_intrinsic(kh: int, kw: int, stride: int, r_n: int, zero_lanes: bool, steps, operands):
     """tile(out, out_at, x, x_at, row_step, w, bias, c0, lanes, ops): for r < r_n, out[out_at + 16 r : +16] =
     the epilogue of bias[0:16] + sum over taps (i, j) of w[(i * kw + j) * 16 : +16] *
-    x[x_at + i * row_step + (stride * r + j) * 16 : +16] (channels c0 + lane, lanes < `lanes` real)."""
+    x[x_at + i * row_step + (stride * r + j) * 16 : +16] (channels c0 + lane, lanes < `lanes` real; zero_lanes:
+    the others stored as zeros, as the blocked layout has them)."""
     @intrinsic
     def tile(typingctx, out, out_at, x, x_at, row_step, w, bias, c0, lanes, ops):
         sig = types.void(out, out_at, x, x_at, row_step, w, bias, c0, lanes, ops)
@@ -126,6 +127,8 @@ def _tile_intrinsic(kh: int, kw: int, stride: int, r_n: int, steps, operands):
                 if steps else {}
             for r in range(r_n):
                 value = apply_steps(builder, steps, operands, read, acc[r]) if steps else acc[r]
+                if zero_lanes:
+                    value = builder.select(channels, value, ir.Constant(_V, [0.0] * 16))
                 builder.store(value, _vptr(builder, oa.data, builder.add(out_at_v, ir.Constant(_I64, 16 * r))), align=4)
             return context.get_dummy_value()
         return sig, codegen
@@ -133,8 +136,8 @@ def _tile_intrinsic(kh: int, kw: int, stride: int, r_n: int, steps, operands):
 
 
 @functools.cache
-def tile_for(kh: int, kw: int, stride: int, r_n: int, key: str):
-    return _tile_intrinsic(kh, kw, stride, r_n, *conv_spatial.SPECS[key])
+def tile_for(kh: int, kw: int, stride: int, r_n: int, key: str, zero_lanes: bool = False):
+    return _tile_intrinsic(kh, kw, stride, r_n, zero_lanes, *conv_spatial.SPECS[key])
 
 
 _DRIVER = """import numpy as np
@@ -142,18 +145,24 @@ from numba import njit
 
 from ingot.backends.cpu.conv_depthwise import _transpose_in, _transpose_out, tile_for
 
-tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key!r})
+tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key!r}, {blocked_out})
+BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 
 
 @njit(cache=True, nogil=True)
 def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
-    # x [C, H, W], w [C, kh * kw], bias [C], out [C, OH, OW]; column stride s, row stride sh; xp, ot: scratch
-    # of band_scratch_sizes. Per block of 16 channels, a band of output rows at a time: the padded input
-    # rows it reads transposed into xp (band-relative: rows r0.. of the padded plane; the rows two bands
-    # share are transposed again), its tiles into ot, ot transposed back: the scratch stays in L2 (full
-    # planes of it, 0.8 MB each at 16 x 112 x 112, went to memory and back between two runs).
-    c_n, h, wd = x.shape
-    _, oh, ow = out.shape
+    # x [C, H, W] (blocked: [C / 16, H, W * 16]), w [C, kh * kw], bias [C], out [C, OH, OW] (blocked:
+    # [C / 16, OH, OW * 16]); column stride s, row stride sh; xp, ot: scratch of band_scratch_sizes. Per block
+    # of 16 channels, a band of output rows at a time: the padded input rows it reads transposed (blocked:
+    # copied) into xp (band-relative: rows r0.. of the padded plane; the rows two bands share are
+    # transposed again), its tiles into ot, ot transposed back (blocked: the tiles stored in place, the
+    # last one past the output's end through ot): the scratch stays in L2 (full planes of it, 0.8 MB each
+    # at 16 x 112 x 112, went to memory and back between two runs).
+    c_n = w.shape[0]
+    h = x.shape[1]
+    wd = x.shape[2] // 16 if BLOCKED_IN else x.shape[2]
+    oh = out.shape[1]
+    ow = out.shape[2] // 16 if BLOCKED_OUT else out.shape[2]
     kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
     taps = kh * kw
     wp = max(wd + pw, s * (ow - 1) + kw)
@@ -161,9 +170,9 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
     band = max(1, 2048 // wp)
     wt = np.zeros(taps * 16, np.float32)
     bt = np.zeros(16, np.float32)
-    xf = x.reshape(c_n * h * wd)
-    of = out.reshape(c_n * p_n)
-    filled = pw + (wd + 15) // 16 * 16   # columns the transposes write (zeros past wd)
+    xf = x.reshape(x.size)
+    of = out.reshape(out.size)
+    filled = pw + wd if BLOCKED_IN else pw + (wd + 15) // 16 * 16   # columns the copies write (zeros past wd)
     for c0 in range(0, c_n, 16):
         lanes = min(16, c_n - c0)
         for l in range(16):
@@ -183,15 +192,27 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
                 xp[at:at + pw * 16] = 0.0
                 if filled < wp:
                     xp[at + filled * 16:at + wp * 16] = 0.0
-                for x0 in range(0, wd, 16):
-                    _transpose_in(xp, at + (pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)
+                if BLOCKED_IN:
+                    src = (c0 * h + y * 16) * wd
+                    xp[at + pw * 16:at + (pw + wd) * 16] = xf[src:src + wd * 16]
+                else:
+                    for x0 in range(0, wd, 16):
+                        _transpose_in(xp, at + (pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)
             for oy in range(oy0, oy1):
                 for ox in range(0, ow, r_n):
-                    tile(ot, ((oy - oy0) * ow + ox) * 16, xp, ((oy - oy0) * sh * wp + ox * s) * 16, wp * 16, wt, bt,
-                         c0, lanes, ops)
-            n = (oy1 - oy0) * ow
-            for p0 in range(0, n, 16):
-                _transpose_out(of, c0 * p_n + oy0 * ow + p0, p_n, ot, p0 * 16, lanes, min(16, n - p0))
+                    x_at = ((oy - oy0) * sh * wp + ox * s) * 16
+                    if not BLOCKED_OUT:
+                        tile(ot, ((oy - oy0) * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
+                        tile(of, c0 * p_n + (oy * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    else:   # past the output's end: through ot
+                        tile(ot, 0, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                        at = c0 * p_n + (oy * ow + ox) * 16
+                        of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
+            if not BLOCKED_OUT:
+                n = (oy1 - oy0) * ow
+                for p0 in range(0, n, 16):
+                    _transpose_out(of, c0 * p_n + oy0 * ow + p0, p_n, ot, p0 * 16, lanes, min(16, n - p0))
 """
 
 
@@ -224,27 +245,36 @@ def band_scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph
     return (rows * wp + stride * positions(ow) + kw + 32) * 16, (min(band, oh) * ow + positions(ow) + 32) * 16
 
 
-def driver(kh: int, kw: int, stride: int, ow: int, steps, operands):
+def driver(kh: int, kw: int, stride: int, ow: int, steps, operands, blocked_in: bool = False, blocked_out: bool = False):
+    """The kernel for this window and epilogue, its input and output NCHW or channel-blocked (ops/layout.py)."""
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=positions(ow), key=key)
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=positions(ow), key=key, blocked_in=blocked_in,
+                            blocked_out=blocked_out)
     return conv_spatial.load(f"# depthwise {REVISION}\n{source}", "kernel", "cpu_conv_depthwise")
 
 
 def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, constant: bool,
-                   window: tuple, constants: frozenset, operand):
+                   window: tuple, constants: frozenset, operand, blocked_in: bool = False, blocked_out: bool = False):
     """conv.py's step for a depthwise conv here: window (row stride, column stride, ph, pw); operand:
-    conv._operand (an epilogue operand as the kernels read it)."""
+    conv._operand (an epilogue operand as the kernels read it); blocked_in, blocked_out: the input, the
+    output in the channel-blocked layout (ops/layout.py)."""
     out_shape = tuple(conv.type.shape)
     n_img, c = out_shape[:2]
+    blocks = -(-c // 16)
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
     in_spatial = conv.src[0].type.shape[2:] if len(out_shape) == 4 else (1,) + conv.src[0].type.shape[2:]
     w_shape = conv.src[1].type.shape
     kh, kw = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
     sh, sw, ph, pw = window
     operands = epilogue.operands
-    kernel = driver(kh, kw, sw, spatial[1], epilogue.steps, operands)
+    kernel = driver(kh, kw, sw, spatial[1], epilogue.steps, operands, blocked_in, blocked_out)
     xp_n, ot_n = band_scratch_sizes(kh, kw, sw, in_spatial, spatial, sh, ph, pw)
+    if blocked_out:   # the output's last tile only
+        ot_n = (positions(spatial[1]) + 32) * 16
+    x_shape = (n_img, blocks, in_spatial[0], in_spatial[1] * 16) if blocked_in else (n_img, c, *in_spatial)
+    y_shape = (n_img, blocks, spatial[0], spatial[1] * 16) if blocked_out else (n_img, c, *spatial)
+    result_shape = (n_img, blocks, *spatial, 16) if blocked_out else out_shape
     xp, ot = np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)   # reused: their pages stay mapped
     fixed_ops = all(i in constants for _, i in operands)
     arranged: dict = {}
@@ -262,9 +292,9 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
             ops = tuple(operand(inputs[i], form, 0) for form, i in operands)
             if fixed_ops:
                 arranged["ops"] = ops
-        xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, *in_spatial)
-        y = out if out is not None else np.empty(out_shape, np.float32)
-        ys = y.reshape(n_img, c, *spatial)
+        xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(x_shape)
+        y = out if out is not None else np.empty(result_shape, np.float32)
+        ys = y.reshape(y_shape)
         for n in range(n_img):
             kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot)
         return y

@@ -64,16 +64,26 @@ def fma_loop(builder, n, count: int, products) -> list:
     return finals
 
 
-def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int) -> list:
+def fma_rows(builder, x_data, w_data, x_at, p_n, w_at, n, rows: int, blocked: bool = False) -> list:
     """The channel loop of a tile of 16 output channels and `rows` positions (LLVM IR): for c < n,
-    acc[r] += w[w_at + 16 c : + 16] * x[x_at + c p_n + r]; the accumulators after the loop, zero where
-    n <= 0. Shared by the 1x1 conv tile and the 1x1 -> depthwise pair (expand_depthwise.py)."""
+    acc[r] += w[w_at + 16 c : + 16] * x[x_at + c p_n + r] (blocked: x [C / 16, p_n, 16], channel c of
+    position q at (c // 16) * 16 p_n + 16 q + c % 16); the accumulators after the loop, zero where n <= 0.
+    Shared by the 1x1 conv tile and the 1x1 -> depthwise pair (expand_depthwise.py)."""
     def products(c):
         wv = builder.load(_vptr(builder, w_data, builder.add(w_at, builder.mul(c, ir.Constant(_I64, 16)))), align=4)
-        x_c = builder.add(x_at, builder.mul(c, p_n))
-        return [(wv, _splat(builder, builder.load(builder.gep(x_data, [builder.add(x_c, ir.Constant(_I64, r))]))))
+        return [(wv, _splat(builder, builder.load(builder.gep(x_data, [_x_at(builder, c, x_at, p_n, r, blocked)]))))
                 for r in range(rows)]
     return fma_loop(builder, n, rows, products)
+
+
+def _x_at(builder, c, x_at, p_n, r: int, blocked: bool):
+    """The index of channel c at position x_at + r of an input of p_n positions (LLVM IR): NCHW c * p_n +
+    x_at + r; blocked [C / 16, p_n, 16] (c // 16) * 16 p_n + 16 (x_at + r) + c % 16."""
+    if not blocked:
+        return builder.add(builder.add(x_at, builder.mul(c, p_n)), ir.Constant(_I64, r))
+    block = builder.mul(builder.ashr(c, ir.Constant(_I64, 4)), builder.mul(p_n, ir.Constant(_I64, 16)))
+    lane = builder.add(block, builder.and_(c, ir.Constant(_I64, 15)))
+    return builder.add(lane, builder.mul(builder.add(x_at, ir.Constant(_I64, r)), ir.Constant(_I64, 16)))
 
 
 def _column_intrinsic(blocks: int, steps, operands):
@@ -116,10 +126,10 @@ def column_for(blocks: int, key: str):
     return _column_intrinsic(blocks, *conv_spatial.SPECS[key])
 
 
-def _tile_intrinsic(r_n: int, steps, operands):
+def _tile_intrinsic(r_n: int, blocked_in: bool, steps, operands):
     """tile(out, out_at, p_n, x, x_at, w, w_at, n_c, bias, m0, rows, ops): for l < rows, r < r_n:
     out[out_at + l * p_n + r] = epilogue(bias[m0 + l] + sum over c < n_c of w[w_at + c * 16 + l] *
-    x[x_at + c * p_n + r]) (channel m0 + l; full operands laid out as out)."""
+    x[x_at + c * p_n + r]) (channel m0 + l; full operands laid out as out; blocked_in: x channel-blocked)."""
     @intrinsic
     def tile(typingctx, out, out_at, p_n, x, x_at, w, w_at, n_c, bias, m0, rows, ops):
         sig = types.void(out, out_at, p_n, x, x_at, w, w_at, n_c, bias, m0, rows, ops)
@@ -130,7 +140,7 @@ def _tile_intrinsic(r_n: int, steps, operands):
             out_at_v, p_v, x_at_v, w_at_v, n_v, m0_v, rows_v = (_i64(builder, args[i]) for i in (1, 2, 4, 6, 7, 9, 10))
             _, store = _masked(builder)
             zero = ir.Constant(_V, [0.0] * 16)
-            finals = fma_rows(builder, xa.data, wa.data, x_at_v, p_v, w_at_v, n_v, r_n)
+            finals = fma_rows(builder, xa.data, wa.data, x_at_v, p_v, w_at_v, n_v, r_n, blocked_in)
             rows_of = _transpose16(builder, finals + [zero] * (16 - r_n))
             mask = _lane_mask(builder, ir.Constant(_I64, r_n), 0)
             for l in range(16):
@@ -145,12 +155,13 @@ def _tile_intrinsic(r_n: int, steps, operands):
     return tile
 
 
-def _blocks_tile_intrinsic(r_n: int, blocks: int, steps, operands):
+def _blocks_tile_intrinsic(r_n: int, blocks: int, blocked_in: bool, steps, operands):
     """tile(out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops): the last r_n (< 4) positions of
     every row, for `blocks` blocks of 16 channels side by side: for b < blocks, m = m0 + 16 b + l < m_n,
     r < r_n: out[m * p_n + x_at + r] = epilogue(bias[m] + sum over c < n_c of w[w_at + b * w_step + c * 16 + l]
     * x[x_at + c * p_n + r]). One block's 1-3 chains of multiply-adds waited on each FMA (a 7 x 7 image's
-    49th position cost as much as 4 others); blocks * r_n chains keep the FMA units busy."""
+    49th position cost as much as 4 others); blocks * r_n chains keep the FMA units busy. blocked_in: x
+    channel-blocked (_x_at)."""
     @intrinsic
     def tile(typingctx, out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops):
         sig = types.void(out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops)
@@ -163,8 +174,7 @@ def _blocks_tile_intrinsic(r_n: int, blocks: int, steps, operands):
             zero = ir.Constant(_V, [0.0] * 16)
 
             def products(c):   # block b's weights times each position's x, [b * r_n + r]
-                x_c = builder.add(x_at_v, builder.mul(c, p_v))
-                xs = [_splat(builder, builder.load(builder.gep(xa.data, [builder.add(x_c, ir.Constant(_I64, r))])))
+                xs = [_splat(builder, builder.load(builder.gep(xa.data, [_x_at(builder, c, x_at_v, p_v, r, blocked_in)])))
                       for r in range(r_n)]
                 w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
                 pairs = []
@@ -190,17 +200,68 @@ def _blocks_tile_intrinsic(r_n: int, blocks: int, steps, operands):
     return tile
 
 
+def _blocked_tile_intrinsic(r_n: int, blocks: int, blocked_in: bool, steps, operands):
+    """tile(out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops): the output channel-blocked
+    ([M / 16, p_n, 16], ops/layout.py): for b < blocks, r < r_n, lanes l (channel m = m0 + 16 b + l):
+    out[(m0 + 16 b) * p_n + 16 (x_at + r) + l] = epilogue(bias[m] + sum over c < n_c of
+    w[w_at + b * w_step + 16 c + l] * x[c, x_at + r]), zero where m >= m_n. Lanes are channels, as the
+    accumulators have them: stored with no transpose; full operands (a residual) blocked as out."""
+    @intrinsic
+    def tile(typingctx, out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops):
+        sig = types.void(out, p_n, x, x_at, w, w_at, w_step, n_c, bias, m0, m_n, ops)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, xa, wa, ba = arr(0), arr(2), arr(4), arr(8)
+            p_v, x_at_v, w_at_v, w_step_v, n_v, m0_v, m_n_v = (_i64(builder, args[i]) for i in (1, 3, 5, 6, 7, 9, 10))
+            zero = ir.Constant(_V, [0.0] * 16)
+
+            def products(c):   # block b's weights times each position's x, [b * r_n + r]
+                xs = [_splat(builder, builder.load(builder.gep(xa.data, [_x_at(builder, c, x_at_v, p_v, r, blocked_in)])))
+                      for r in range(r_n)]
+                w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
+                pairs = []
+                for b in range(blocks):
+                    wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
+                                      align=4)
+                    pairs += [(wv, xs[r]) for r in range(r_n)]
+                return pairs
+            finals = fma_loop(builder, n_v, blocks * r_n, products)
+            for b in range(blocks):
+                m_v = builder.add(m0_v, ir.Constant(_I64, 16 * b))
+                channels = _lane_mask(builder, builder.sub(m_n_v, m_v), 0)
+                bias_v = builder.load(_vptr(builder, ba.data, m_v), align=4)
+                for r in range(r_n):
+                    at = builder.add(builder.mul(m_v, p_v), builder.mul(builder.add(x_at_v, ir.Constant(_I64, r)),
+                                                                        ir.Constant(_I64, 16)))
+                    value = builder.fadd(finals[b * r_n + r], bias_v)
+                    if steps:
+                        value = apply_steps(builder, steps, operands, epilogue_reads(
+                            context, builder, operands, signature.args[11], args[11], m_v, at, channels, channels=channels),
+                            value)
+                    value = builder.select(channels, value, zero)
+                    builder.store(value, _vptr(builder, oa.data, at), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+@functools.cache
+def blocked_tile_for(r_n: int, blocks: int, key: str, blocked_in: bool):
+    return _blocked_tile_intrinsic(r_n, blocks, blocked_in, *conv_spatial.SPECS[key])
+
+
 TAIL_BLOCKS = {1: 4, 2: 2, 3: 2}   # blocks side by side for a tail of 1, 2, 3 positions: 4-6 chains (2 and 3 alike)
 
 
 @functools.cache
-def blocks_tile_for(r_n: int, key: str):
-    return _blocks_tile_intrinsic(r_n, TAIL_BLOCKS[r_n], *conv_spatial.SPECS[key])
+def blocks_tile_for(r_n: int, key: str, blocked_in: bool = False):
+    return _blocks_tile_intrinsic(r_n, TAIL_BLOCKS[r_n], blocked_in, *conv_spatial.SPECS[key])
 
 
 @functools.cache
-def tile_for(r_n: int, key: str):
-    return _tile_intrinsic(r_n, *conv_spatial.SPECS[key])
+def tile_for(r_n: int, key: str, blocked_in: bool = False):
+    return _tile_intrinsic(r_n, blocked_in, *conv_spatial.SPECS[key])
 
 
 _DRIVER = """import numpy as np
@@ -208,19 +269,20 @@ from numba import njit
 
 from ingot.backends.cpu.conv_pointwise import blocks_tile_for, column_for, tile_for
 
-tile16, tile8, tile4, tile2, tile1 = (tile_for(r, {key!r}) for r in (16, 8, 4, 2, 1))
-column4, column1 = column_for(4, {key!r}), column_for(1, {key!r})
-tail1, tail2, tail3 = (blocks_tile_for(r, {key!r}) for r in (1, 2, 3))
+tile16, tile8, tile4, tile2, tile1 = (tile_for(r, {key!r}, {blocked_in}) for r in (16, 8, 4, 2, 1))
+column4, column1 = column_for(4, {key!r}), column_for(1, {key!r})   # one position: blocked or not alike
+tail1, tail2, tail3 = (blocks_tile_for(r, {key!r}, {blocked_in}) for r in (1, 2, 3))
 
 
 @njit(cache=True, nogil=True)
 def kernel(x, w, bias, out, ops):
-    # x [C, P], w [M rounded up to 16 / 16, C, 16], bias [M rounded up], out [M, P], all C-contiguous
-    c_n, p_n = x.shape
-    m_n = out.shape[0]
-    xf = x.reshape(c_n * p_n)
-    of = out.reshape(m_n * p_n)
-    wf = w.reshape(w.shape[0] * c_n * 16)
+    # x [C, P] (blocked: [C / 16, P * 16]), w [M rounded up to 16 / 16, C, 16], bias [M rounded up],
+    # out [M, P], all C-contiguous
+    c_n = w.shape[1]
+    m_n, p_n = out.shape
+    xf = x.reshape(x.size)
+    of = out.reshape(out.size)
+    wf = w.reshape(w.size)
     if p_n == 1:   # a GEMV: four blocks of 16 channels a pass, stored as they are (lanes: consecutive outputs)
         b = 0
         while b + 4 <= w.shape[0]:
@@ -264,12 +326,71 @@ def kernel(x, w, bias, out, ops):
 """
 
 
-def driver(steps, operands):
-    """The numba kernel(x, w, bias, out, ops) with this epilogue (steps may be empty)."""
+_BLOCKED_DRIVER = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_pointwise import blocked_tile_for
+
+tile16, tile8, tile4, tile3, tile2, tile1 = (blocked_tile_for(r, 1, {key!r}, {blocked_in}) for r in (16, 8, 4, 3, 2, 1))
+tail1, tail2, tail3 = (blocked_tile_for(r, b, {key!r}, {blocked_in}) for r, b in ((1, {tail_1}), (2, {tail_2}), (3, {tail_3})))
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, w, bias, out, ops, m_n):
+    # x [C, P] (blocked_in: [C / 16, P * 16]), w [M rounded up to 16 / 16, C, 16], bias [M rounded up],
+    # out [M / 16, P * 16] blocked; m_n: M
+    p_n = out.shape[1] // 16
+    c_n, blocks = w.shape[1], w.shape[0]
+    xf = x.reshape(x.size)
+    of = out.reshape(out.size)
+    wf = w.reshape(w.size)
+    step = c_n * 16
+    tail = p_n % 4
+    main = p_n - tail
+    for b in range(blocks):   # 16 channels x 16, 8, 4 positions a tile
+        p = 0
+        while p + 16 <= main:
+            tile16(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            p += 16
+        if p + 8 <= main:
+            tile8(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            p += 8
+        if p + 4 <= main:
+            tile4(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+    if tail:   # the last 1-3 positions: several blocks a pass (TAIL_BLOCKS), then one at a time
+        group = {tail_1} if tail == 1 else {tail_2} if tail == 2 else {tail_3}
+        b = 0
+        while b + group <= blocks:
+            if tail == 1:
+                tail1(of, p_n, xf, main, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            elif tail == 2:
+                tail2(of, p_n, xf, main, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            else:
+                tail3(of, p_n, xf, main, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            b += group
+        while b < blocks:
+            if tail == 1:
+                tile1(of, p_n, xf, main, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            elif tail == 2:
+                tile2(of, p_n, xf, main, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            else:
+                tile3(of, p_n, xf, main, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            b += 1
+"""
+
+
+def driver(steps, operands, blocked_in: bool = False, blocked_out: bool = False):
+    """The numba kernel(x, w, bias, out, ops) with this epilogue (steps may be empty), its input and
+    output NCHW or channel-blocked (ops/layout.py; blocked_out: kernel(x, w, bias, out, ops, m), m the
+    output channels)."""
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    return conv_spatial.load(f"# pointwise {REVISION}\n{_DRIVER.format(key=key, tail_1=TAIL_BLOCKS[1], tail_2=TAIL_BLOCKS[2])}",
-                             "kernel", "cpu_conv_pointwise")
+    if blocked_out:
+        source = _BLOCKED_DRIVER.format(key=key, blocked_in=blocked_in, tail_1=TAIL_BLOCKS[1], tail_2=TAIL_BLOCKS[2],
+                                        tail_3=TAIL_BLOCKS[3])
+    else:
+        source = _DRIVER.format(key=key, tail_1=TAIL_BLOCKS[1], tail_2=TAIL_BLOCKS[2], blocked_in=blocked_in)
+    return conv_spatial.load(f"# pointwise {REVISION}\n{source}", "kernel", "cpu_conv_pointwise")
 
 
 def arrange_weights(w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

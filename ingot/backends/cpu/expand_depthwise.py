@@ -30,10 +30,11 @@ with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cac
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_pointwise.REVISION
 
 
-def _row_tile_intrinsic(r_n: int, steps, operands):
+def _row_tile_intrinsic(r_n: int, blocked: bool, steps, operands):
     """tile(xp, offs, x, x_at, p_n, w, w_at, n_c, bias, c0, lanes, ops): for r < r_n, xp[offs[x_at + r] : +16] =
     epilogue(bias[c0 : +16] + sum over c < n_c of w[w_at + 16 c : +16] * x[x_at + c * p_n + r]) (lanes:
-    channels c0 + l, those < lanes real; offs: each input position's place in the padded buffer)."""
+    channels c0 + l, those < lanes real; offs: each input position's place in the padded buffer; blocked:
+    x channel-blocked, conv_pointwise.fma_rows)."""
     @intrinsic
     def tile(typingctx, xp, offs, x, x_at, p_n, w, w_at, n_c, bias, c0, lanes, ops):
         sig = types.void(xp, offs, x, x_at, p_n, w, w_at, n_c, bias, c0, lanes, ops)
@@ -42,7 +43,7 @@ def _row_tile_intrinsic(r_n: int, steps, operands):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
             oa, fa, xa, wa, ba = arr(0), arr(1), arr(2), arr(5), arr(8)
             x_at_v, p_v, w_at_v, n_v, c0_v, lanes_v = (_i64(builder, args[i]) for i in (3, 4, 6, 7, 9, 10))
-            finals = conv_pointwise.fma_rows(builder, xa.data, wa.data, x_at_v, p_v, w_at_v, n_v, r_n)
+            finals = conv_pointwise.fma_rows(builder, xa.data, wa.data, x_at_v, p_v, w_at_v, n_v, r_n, blocked)
             bias_v = builder.load(_vptr(builder, ba.data, c0_v), align=4)
             read = epilogue_reads(context, builder, operands, signature.args[11], args[11], c0_v,
                                   channels=_lane_mask(builder, lanes_v, 0)) if steps else {}
@@ -58,8 +59,8 @@ def _row_tile_intrinsic(r_n: int, steps, operands):
 
 
 @functools.cache
-def row_tile_for(r_n: int, key: str):
-    return _row_tile_intrinsic(r_n, *conv_spatial.SPECS[key])
+def row_tile_for(r_n: int, key: str, blocked: bool = False):
+    return _row_tile_intrinsic(r_n, blocked, *conv_spatial.SPECS[key])
 
 
 _DRIVER = """import numpy as np
@@ -68,17 +69,22 @@ from numba import njit
 from ingot.backends.cpu.conv_depthwise import _transpose_out, tile_for
 from ingot.backends.cpu.expand_depthwise import row_tile_for
 
-tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key_b!r})
-row16, row8, row4, row2, row1 = (row_tile_for(r, {key_a!r}) for r in (16, 8, 4, 2, 1))
+tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key_b!r}, {blocked_out})
+row16, row8, row4, row2, row1 = (row_tile_for(r, {key_a!r}, {blocked_in}) for r in (16, 8, 4, 2, 1))
+BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 
 
 @njit(cache=True, nogil=True)
 def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
-    # x [C, H, W]: the pointwise conv's input; wa [M rounded up to 16 / 16, C, 16], ba [M rounded up];
-    # w [M, kh * kw], bias [M]: the depthwise conv's; out [M, OH, OW]; xp, ot: conv_depthwise's scratch;
-    # offs [H * W]: input position y * W + x's offset in xp, ((y + ph) * wp + pw + x) * 16
-    c_n, h, wd = x.shape
-    m_n, oh, ow = out.shape
+    # x [C, H, W] (blocked: [C / 16, H, W * 16]): the pointwise conv's input; wa [M rounded up to 16 / 16, C,
+    # 16], ba [M rounded up]; w [M, kh * kw], bias [M]: the depthwise conv's; out [M, OH, OW] (blocked:
+    # [M / 16, OH, OW * 16]); xp, ot: conv_depthwise's scratch; offs [H * W]: input position y * W + x's
+    # offset in xp, ((y + ph) * wp + pw + x) * 16
+    c_n, m_n = wa.shape[1], w.shape[0]
+    h = x.shape[1]
+    wd = x.shape[2] // 16 if BLOCKED_IN else x.shape[2]
+    oh = out.shape[1]
+    ow = out.shape[2] // 16 if BLOCKED_OUT else out.shape[2]
     kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
     taps = kh * kw
     wp = max(wd + pw, s * (ow - 1) + kw)
@@ -87,9 +93,9 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
     band = max(1, 2048 // wp)
     wt = np.zeros(taps * 16, np.float32)
     bt = np.zeros(16, np.float32)
-    xf = x.reshape(c_n * hw)
-    of = out.reshape(m_n * p_n)
-    waf = wa.reshape(wa.shape[0] * c_n * 16)
+    xf = x.reshape(x.size)
+    of = out.reshape(out.size)
+    waf = wa.reshape(wa.size)
     for blk in range(wa.shape[0]):
         c0 = blk * 16
         lanes = min(16, m_n - c0)
@@ -121,19 +127,31 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
             y_in = max(y_in, need)
             for oy in range(oy0, oy1):
                 for ox in range(0, ow, r_n):
-                    tile(ot, (oy * ow + ox) * 16, xp, (oy * sh * wp + ox * s) * 16, wp * 16, wt, bt, c0, lanes, ops)
-            end = oy1 * ow
-            for p0 in range(oy0 * ow, end, 16):
-                _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
+                    x_at = (oy * sh * wp + ox * s) * 16
+                    if not BLOCKED_OUT:
+                        tile(ot, (oy * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
+                        tile(of, c0 * p_n + (oy * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    else:   # past the output's end: through ot
+                        tile(ot, 0, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                        at = c0 * p_n + (oy * ow + ox) * 16
+                        of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
+            if not BLOCKED_OUT:
+                end = oy1 * ow
+                for p0 in range(oy0 * ow, end, 16):
+                    _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
 """
 
 
-def driver(kh: int, kw: int, stride: int, ow: int, steps_a, steps_b, operands):
-    """The kernel for this window and these epilogues (steps over the shared operand list)."""
+def driver(kh: int, kw: int, stride: int, ow: int, steps_a, steps_b, operands, blocked_in: bool = False,
+           blocked_out: bool = False):
+    """The kernel for this window and these epilogues (steps over the shared operand list), its input and
+    output NCHW or channel-blocked (ops/layout.py)."""
     key_a, key_b = conv_spatial.steps_key(steps_a, operands), conv_spatial.steps_key(steps_b, operands)
     conv_spatial.epilogue_for(key_a, steps_a, operands)
     conv_spatial.epilogue_for(key_b, steps_b, operands)
-    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=conv_depthwise.positions(ow), key_a=key_a, key_b=key_b)
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=conv_depthwise.positions(ow), key_a=key_a, key_b=key_b,
+                            blocked_in=blocked_in, blocked_out=blocked_out)
     return conv_spatial.load(f"# expand_depthwise {REVISION}\n{source}", "kernel", "cpu_expand_depthwise")
 
 
@@ -158,7 +176,9 @@ def _parts(node: Node):
     return conv, outer(conv.src[1]), outer(conv.src[2]) if len(conv.src) > 2 else None, steps
 
 
-def expand_depthwise_lowering(node: Node, out):
+def expand_depthwise_lowering(node: Node, out, blocked_in: bool = False, blocked_out: bool = False):
+    """The step; blocked_in, blocked_out: the image read, the output written channel-blocked (ops/layout.py,
+    the FUSED "blocked" op of backends/cpu/blocked.py)."""
     body = node.attrs["body"]
     members = [n for n in body.nodes if n.op in (Op.CONV, Op.FUSED)]
     if len(members) != 2 or any(conv_of(m) is None for m in members):
@@ -175,13 +195,17 @@ def expand_depthwise_lowering(node: Node, out):
     in_hw, out_hw = tuple(conv_a.type.shape[2:]), tuple(conv_b.type.shape[2:])
     kh, kw = conv_b.src[1].type.shape[2:]
     (sh, sw), ((ph, _), (pw, _)) = conv_b.attrs["strides"], conv_b.attrs["pads"]
-    kernel = driver(kh, kw, sw, out_hw[1], steps_a, steps_b, operands)
+    kernel = driver(kh, kw, sw, out_hw[1], steps_a, steps_b, operands, blocked_in, blocked_out)
     xp_n, ot_n = conv_depthwise.scratch_sizes(kh, kw, sw, in_hw, out_hw, sh, ph, pw)
+    if blocked_out:   # the output's last tile only
+        ot_n = (conv_depthwise.positions(out_hw[1]) + 32) * 16
     xp, ot = np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)   # reused across runs
     wp = max(in_hw[1] + pw, sw * (out_hw[1] - 1) + kw)   # as the kernel's
     ys, xs_ = np.divmod(np.arange(in_hw[0] * in_hw[1], dtype=np.int64), in_hw[1])
     offs = ((ys + ph) * wp + pw + xs_) * 16
-    out_shape = tuple(node.type.shape)
+    x_shape = (n_img, -(-c // 16), in_hw[0], in_hw[1] * 16) if blocked_in else (n_img, c, *in_hw)
+    y_shape = (n_img, -(-m // 16), out_hw[0], out_hw[1] * 16) if blocked_out else (n_img, m, *out_hw)
+    out_shape = (n_img, -(-m // 16), *out_hw, 16) if blocked_out else tuple(node.type.shape)
     arranged: dict = {}
 
     def step(*inputs):
@@ -194,10 +218,11 @@ def expand_depthwise_lowering(node: Node, out):
             ops = tuple(np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1) for _, i in operands)
             fixed = arranged["fixed"] = (wa, ba, wb, bb, ops)
         wa, ba, wb, bb, ops = fixed
-        xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, *in_hw)
+        xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(x_shape)
         y = out if out is not None else np.empty(out_shape, np.float32)
+        ys = y.reshape(y_shape)
         for n in range(n_img):
-            kernel(xs[n], wa, ba, wb, bb, sh, ph, pw, y[n], ops, xp, ot, offs)
+            kernel(xs[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs)
         return y
     return step
 

@@ -1,0 +1,100 @@
+"""The FUSED "blocked" op (passes/block_channels.py): a conv of a chain kept in the channel-blocked layout
+(ops/layout.py, [N, C/16, H, W, 16]), its body block_channels(conv(unblock_channels(x), ...)) with either
+conversion absent where that side is NCHW. It runs as its conv's own kernel told which side is blocked:
+
+- expand_depthwise.py: the pointwise conv reads 16 channels' blocks ([P, 16] a block) as it reads NCHW
+  rows, a scalar per channel and position; the depthwise tiles store their 16-channel vectors straight into
+  the output's block instead of a scratch transposed back into NCHW;
+- conv_depthwise.py: a blocked input's rows are copied into the padded [H', W', 16] buffer (no transpose
+  in); a blocked output is stored as the tiles compute it (no transpose out);
+- conv_pointwise.py: a tile's accumulators (lanes: 16 output channels) stored as they are, the epilogue's
+  residual read from a blocked operand the same way; a blocked input read per channel and position.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...ir import Node, Op
+from ...passes.fuse_squeeze_excite import conv_of
+from . import conv as conv_module
+from . import conv_depthwise, conv_pointwise
+from .expand_depthwise import expand_depthwise_lowering
+
+
+def blocked_lowering(node: Node, out):
+    body = node.attrs["body"]
+    (result,) = body.outputs
+    blocked_out = result.op == Op.BLOCK_CHANNELS
+    inner = result.src[0] if blocked_out else result
+    blocked_in = {k for k, s in enumerate(inner.src) if s.op == Op.UNBLOCK_CHANNELS}
+    if inner.op == Op.FUSED and inner.attrs.get("kind") == "expand_depthwise":
+        first = [n for n in inner.attrs["body"].nodes if n.op in (Op.CONV, Op.FUSED)][0]
+        image = first.src[0].attrs["param"]
+        if blocked_in - {image}:
+            return None
+        return expand_depthwise_lowering(inner, out, image in blocked_in, blocked_out)
+    found = conv_of(inner)
+    if found is None or not conv_module.fast(found[0]):
+        return None
+    conv = found[0]
+    if inner.op == Op.FUSED:
+        epilogue = conv_module.Epilogue(inner.attrs["body"], conv)
+        index = [s.attrs["param"] for s in conv.src]
+    else:
+        epilogue = conv_module.Epilogue(None, None)
+        index = list(range(len(conv.src)))
+    if not epilogue.spatial_ok or conv.type.rank != 4:
+        return None
+    x_i, w_i, b_i = index[0], index[1], index[2] if len(index) > 2 else None
+    constants = frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT)
+    constant = w_i in constants and (b_i is None or b_i in constants)
+    residuals = {i for form, i in epilogue.operands if form == "full"}
+    if blocked_in - {x_i} - residuals or any((i in blocked_in) != blocked_out for i in residuals):
+        return None
+    w = conv.src[1].type.shape
+    a = conv.attrs
+    (sh, sw), ((ph, _), (pw, _)) = a["strides"], a["pads"]
+    if a["groups"] == conv.src[0].type.shape[1] == w[0] and w[1] == 1 and \
+            conv_depthwise.fits(w[2], w[3], a["strides"], a["dilations"], epilogue.operands):
+        return conv_depthwise.depthwise_step(conv, out, epilogue, x_i, w_i, b_i, constant, (sh, sw, ph, pw), constants,
+                                             conv_module._operand, x_i in blocked_in, blocked_out)
+    if a["groups"] == 1 and tuple(w[2:]) == (1, 1) and (sh, sw) == (1, 1) and not any(p or q for p, q in a["pads"]):
+        return pointwise_step(conv, out, epilogue, x_i, w_i, b_i, constant, constants, x_i in blocked_in, blocked_out)
+    return None
+
+
+def pointwise_step(conv: Node, out, epilogue, x_i: int, w_i: int, b_i: int | None, constant: bool, constants: frozenset,
+                   blocked_in: bool, blocked_out: bool):
+    """conv_pointwise's kernel on a 1x1 conv, its input and output NCHW or blocked."""
+    n_img, m, h, wd = conv.type.shape
+    c = conv.src[0].type.shape[1]
+    p = h * wd
+    operands = epilogue.operands
+    kernel = conv_pointwise.driver(epilogue.steps, operands, blocked_in, blocked_out)
+    x_shape = (n_img, -(-c // 16), p * 16) if blocked_in else (n_img, c, p)
+    y_shape = (n_img, -(-m // 16), p * 16) if blocked_out else (n_img, m, p)
+    result_shape = (n_img, -(-m // 16), h, wd, 16) if blocked_out else tuple(conv.type.shape)
+    fixed_ops = all(form != "full" and i in constants for form, i in operands)
+    arranged: dict = {}
+
+    def step(*inputs):
+        wk = arranged.get("w") if constant else None
+        if wk is None:
+            wk = conv_pointwise.arrange_weights(np.asarray(inputs[w_i], np.float32),
+                                                None if b_i is None else np.asarray(inputs[b_i], np.float32))
+            if constant:
+                arranged["w"] = wk
+        xs = np.ascontiguousarray(inputs[x_i], dtype=np.float32).reshape(x_shape)
+        y = out if out is not None else np.empty(result_shape, np.float32)
+        ys = y.reshape(y_shape)
+        for n in range(n_img):
+            ops = conv_module._image_operands(arranged, inputs, operands, n, fixed_ops)
+            if blocked_out:
+                kernel(xs[n], wk[0], wk[1], ys[n], ops, m)
+            else:
+                kernel(xs[n], wk[0], wk[1], ys[n], ops)
+        return y
+    return step
+
+
+FUSED_LOWERINGS = {"blocked": blocked_lowering}

@@ -61,10 +61,12 @@ class CudaOptions:
     decode_warps: int = 0                 # the decode kernel's warps (0: 8 with RoPE past fresh tiles, else 4)
     prefill_precision: str = "tf32x3"     # the prefill's float32 GEMM and attention dots: "tf32x3" (float32-level
                                           # accuracy) or "bf16" (operands rounded to bfloat16, float32 sums)
-    prefill_dequant_rows: int = 128       # from this many rows of x the prefill GEMM multiplies a dequantized copy of
+    prefill_dequant_rows: int = 64        # from this many rows of x the prefill GEMM multiplies a dequantized copy of
                                           # W with cuBLAS (0: never; else the tensor-core kernel dequantizes tile by
-                                          # tile, K split up to 128 rows): 2048 rows 0.3x the kernel's time; a
-                                          # batched decode step of 32 rows took 33 ms a token through the copy
+                                          # tile, K split up to 128 rows). H100, Llama-3-8B shapes (cuda-prefill
+                                          # --gemm): 32 rows, the kernel 21-24 TFLOP/s (tf32x3) / 35-43 (bf16)
+                                          # against the copy's 13-18 / 27-35; 64 rows 17-20 / 62-78 against
+                                          # 24-28 / 39-72; 128 rows 14-20 / 61-84 against 34-38 / 103-139
     prefill_hopper: str = "auto"          # the Hopper prefill kernel (flash_sm90): "auto", "always", "never"
     prefill_hopper_min_rows: int = 2048   # "auto": from this many query rows at head dim 128
     # -- float models (convolutions and matmuls through cuDNN and cuBLAS: ONNX models) -------------

@@ -575,6 +575,30 @@ def test_dlpack_with_jax():
     np.testing.assert_allclose(np.asarray(back), 2 * np.arange(36, dtype=np.float32).reshape(4, 9) + 1)
 
 
+def test_a_call_is_captured_with_the_step_and_a_rebind_captures_anew():
+    """A call's executable runs inside the caller's step, so the step stays one CUDA graph (adapters on a
+    decode step); the graphs are keyed by the executables bound, so after a re-bind the new one runs,
+    and binding the old one back replays its graph."""
+    def adapter(scale):
+        g = ingot.Graph()
+        return g.compile(targets=[g.placeholder((2, 4), name="h") * scale], device="cuda")
+
+    g = ingot.Graph()
+    x = g.placeholder((2, 4), name="x")
+    h = g.exp(x)
+    (a,) = g.call("adapter", [h], [ingot.TensorType((2, 4))])
+    first, other = adapter(2.0), adapter(10.0)
+    exe = g.compile(targets=[a + h], device="cuda", callables={"adapter": first})
+    assert not exe.plan.host_syncs, exe.plan.host_syncs
+    xv = np.zeros((2, 4), np.float32)
+    for bound, want in ((first, 3.0), (other, 11.0), (first, 3.0)):
+        exe.bind("adapter", bound)
+        for _ in range(4):   # eager, captured, replayed
+            np.testing.assert_allclose(cuda_backend.to_host(exe.run({"x": xv})[0]), np.full((2, 4), want))
+    if DEVICE.type == "cuda":
+        assert [e["callees"] for e in exe.plan._graphs.values()] == [(first,), (other,)]
+
+
 @pytest.mark.skipif(os.environ.get("INGOT_CUDA_DEVICE") == "cpu", reason="needs a GPU")
 def test_run_on_the_callers_stream_is_ordered_with_its_work():
     """The caller writes the feed on its stream after a long spin, without a sync; Ingot runs on that

@@ -30,6 +30,8 @@ class CudaPlan:
         self.device = device
         self.options = options if isinstance(options, CompileOptions) else CompileOptions()
         self.host_syncs: list[str] = []
+        self.call_names: list[str] = []   # the call sites whose bound executables run inside a step
+        self._executable = executable
         nodes = program.nodes()
         self.nodes = nodes
         self.slot = {n.id: i for i, n in enumerate(nodes)}
@@ -243,9 +245,14 @@ class CudaPlan:
             values = self._device_feeds(staged)
             values.update(direct)
             return _deliver(self._execute(values, state), outputs, fresh=True)
-        key = (id(state),) + tuple(sorted((name, v.data_ptr()) for name, v in direct.items()))
+        callees = self.bound_callees()
+        if callees is None:   # a call site unbound (the eager run says so) or bound to one that cannot be captured
+            values = self._device_feeds(staged)
+            values.update(direct)
+            return _deliver(self._execute(values, state), outputs, fresh=True)
+        key = (id(state), tuple(id(c) for c in callees)) + tuple(sorted((name, v.data_ptr()) for name, v in direct.items()))
         entry = self._graphs.get(key)
-        if entry is not None and entry["state"] is state:
+        if entry is not None and entry["state"] is state and all(a is b for a, b in zip(entry["callees"], callees)):
             self._stage_feeds(staged)
             entry["graph"].replay()
             return _deliver(entry["outputs"], outputs, fresh=False)
@@ -263,8 +270,19 @@ class CudaPlan:
         graph.replay()
         if len(self._graphs) >= 4:
             self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[key] = dict(graph=graph, outputs=captured, state=state)
+        self._graphs[key] = dict(graph=graph, outputs=captured, state=state, callees=callees)   # (held: ids stay theirs)
         return _deliver(captured, outputs, fresh=False)
+
+    def bound_callees(self) -> tuple | None:
+        """The executables bound to this plan's call sites now, in site order, where each of them (and
+        theirs, in turn) can be captured into this plan's graph; None where one is unbound or cannot."""
+        bound = tuple(self._executable.callables.get(name) for name in self.call_names)
+        for exe in bound:
+            plan = getattr(exe, "plan", None)
+            if not isinstance(plan, CudaPlan) or plan.device != self.device or not plan.capturable or \
+                    plan.bound_callees() is None:
+                return None
+        return bound
 
 
 def _static(t) -> bool:

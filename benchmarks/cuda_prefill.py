@@ -266,7 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--gemm-rows", default="16,128,512,2048,8192")
-    ap.add_argument("--gemm-tiles", default="", help="more tensor-core kernel tiles: 'BM,BN,BK,warps,stages;...'")
+    ap.add_argument("--gemm-tiles", default="",
+                    help="more tensor-core kernel tiles: 'BM,BN,BK,warps,stages[,split[,precision]];...' (split 0: the default)")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--dequant", action="store_true", help="the cuBLAS path's dequantization and GEMM parts")
     ap.add_argument("--no-e2e", action="store_true", help="only the kernel tables")
@@ -286,9 +287,15 @@ def main(argv=None) -> int:
                    "dequant_cublas_bf16": dict(precision="bf16", dequant_rows=1),
                    "dequant_cublas_bf16_bytes": dict(precision="bf16", dequant_rows=1, layout="bytes")}
         for tiles in filter(None, args.gemm_tiles.split(";")):   # the tensor-core kernel at other tiles
-            bm, bn, bk, warps, stages = (int(v) for v in tiles.split(","))
-            configs[f"kernel_bf16_{bm}x{bn}x{bk}w{warps}s{stages}"] = dict(precision="bf16", config=dict(
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages))
+            # BM,BN,BK,warps,stages[,split[,precision]]: split 0 (or none) = gemm_config's K split
+            bm, bn, bk, warps, stages, *rest = tiles.split(",")
+            split = int(rest[0]) if rest and int(rest[0]) else None
+            prec = rest[1] if len(rest) > 1 else "bf16"
+            config = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), num_warps=int(warps), num_stages=int(stages))
+            if split:
+                config["SPLIT_K"] = split
+            configs[f"kernel_{prec}_{bm}x{bn}x{bk}w{warps}s{stages}" + (f"k{split}" if split else "")] = dict(
+                precision=prec, config=config)
         result["gemm"] = gemm_table([int(r) for r in args.gemm_rows.split(",")], configs)
     if args.dequant:
         result["dequant"] = dequant_table()

@@ -8,6 +8,8 @@
 #   bash benchmarks/lab/cuda_session_run.sh serve onnx                # 300 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh recurrent onnx            # 120 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh quant                     # 400 s at most (the real GGUF joined first)
+#   bash benchmarks/lab/cuda_session_run.sh smallgemm                 # 150 s: tiles at 32/64 rows (batched decode)
+#   SERVE_PRECISION=bf16 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # bf16 GEMMs above 16 rows
 #   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (bf16 / tf32x3, float32 / bf16 / int8 KV)
 #   SERVE_LORA=3 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # adapters per request
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
@@ -61,9 +63,22 @@ run_prefill() {
     2>&1 | grep -v Warn | tail -30
 }
 run_serve() {
-  # SERVE_LORA=3: three random rank-16 adapters on every projection, client c asking for model c mod 4
+  # SERVE_LORA=3: three random rank-16 adapters on every projection, client c asking for model c mod 4;
+  # SERVE_PRECISION=bf16: the server's GEMMs of more than 16 rows (batched decode, prefill) in bf16 (INGOT_OPTIONS)
+  if [ -n "${SERVE_PRECISION:-}" ]; then
+    echo "{\"cuda\": {\"prefill_precision\": \"$SERVE_PRECISION\"}}" > "$OUT/serve_options.json"
+    export INGOT_OPTIONS="$OUT/serve_options.json"
+  fi
   timeout "${SERVE_S:-300}" python3 -m benchmarks serve --random llama8b --clients "${SERVE_CLIENTS:-1,4,16,32,64}" \
-    --requests 2 --max-tokens 128 ${SERVE_LORA:+--lora $SERVE_LORA --long-prompt 0} 2>&1 | grep -v Warn | tail -25
+    --requests 2 --max-tokens 128 ${SERVE_LORA:+--lora $SERVE_LORA --long-prompt 0} 2>&1 | grep -v "Warn\|^{" | tail -25
+  unset INGOT_OPTIONS
+}
+run_smallgemm() {
+  # issues 34/38: the tensor-core kernel's tiles at 32 and 64 rows (a batched decode step), K split by
+  # gemm_config unless the sixth number says; BM,BN,BK,warps,stages[,split[,precision]]
+  timeout "${SMALLGEMM_S:-150}" python3 -m benchmarks cuda-prefill --gemm --no-e2e --gemm-rows "${SMALLGEMM_ROWS:-32,64}" \
+    --gemm-tiles "${SMALLGEMM_TILES:-32,64,64,4,4;32,128,64,4,4;32,64,128,4,3;64,64,64,4,4;64,128,64,8,4;32,64,32,4,4,0,tf32x3;32,64,64,4,3,0,tf32x3;64,64,32,4,4,0,tf32x3}" \
+    2>&1 | grep "^gemm" | sed 's/ [a-z0-9_]*_err [0-9.e+-]*//g'
 }
 run_decodeprobe() {
   # issue 38: the decode attention at 512 and 8k keys in a cache compiled for 34k, per KV dtype and variant
@@ -78,9 +93,10 @@ run_recurrent() {
 }
 run_quant() {
   # issue 39: the quantization table's CUDA decode column (needs /tmp/real/m.gguf: both GGUF halves carried);
-  # quantizing and scoring run on the device's CPUs (~1 min a calibrated row here on 2 cores)
+  # quantizing and scoring run on the device's CPUs: a calibrated row took 150-185 s there (H100 host,
+  # 2026-12-05), so the default rows are uncalibrated: the same formats, bytes and kernels (about 280 s in all)
   timeout "${QUANT_S:-400}" python3 -m benchmarks quant --llama '' --model /tmp/real/m.gguf --chunks 1 --speed-repeats 2 \
-    --rows "${QUANT_ROWS:-uint4:32:k+default+head=uint4:32:k,uint4:32:k+default+head=uint4:32:k+c70@head,lut4:b64+default,default}" \
+    --rows "${QUANT_ROWS:-uint4:32:k+head=uint4:32:k,uint4:32:k+head=uint4:32:k+c70@head,lut4:b64,uint4:32:f16+head=uint4:32:f16}" \
     --json "$OUT/quant.json" 2>&1 | grep "^|\|decode speed\|load average"
 }
 run_onnx() {

@@ -118,6 +118,11 @@ ROWS_WINDOW = [  # C, M, (H, W), (kh, kw), stride, dilation, pads
     (5, 7, (9, 11), (3, 3), 1, 2, ((2, 1), (2, 0))),
     (4, 9, (12, 13), (5, 5), 2, 1, ((2, 2), (1, 2))),
     (16, 6, (6, 67), (3, 3), 1, 1, ((1, 1), (1, 1))),
+    # stride 1 runs each tile of ROWS channels over every row: channels not a multiple of ROWS over many rows,
+    # many input channels on wide rows (to at most 8 outputs), and a first layer's 1 -> 32
+    (8, 7, (40, 70), (3, 3), 1, 1, ((1, 1), (1, 1))),
+    (32, 5, (7, 520), (3, 3), 1, 1, ((1, 1), (1, 1))),
+    (1, 32, (32, 100), (3, 3), 1, 1, ((1, 1), (1, 1))),
     # stride 2 runs on even / odd column phases, a band of rows at a time: odd and even widths, no left
     # pad, even windows, rows longer than a tile, many bands, and a dilated window (the strided kernel)
     (3, 16, (150, 41), (3, 3), 2, 1, ((1, 1), (1, 1))),
@@ -135,7 +140,7 @@ def test_rows_window_matches_reference(c, m, hw, k, stride, dilation, pads):
     w = rng.standard_normal((m, c) + k).astype(np.float32)
     b = rng.standard_normal(m).astype(np.float32)
     want = conv(x[None], w, b, (stride, stride), (dilation, dilation), pads, 1)[0]
-    assert conv_spatial.rows_window_fits(k[0], k[1], 1, (stride, stride), c)   # the kernel takes any width
+    assert conv_spatial.rows_window_fits(k[0], k[1], 1, (stride, stride), c, outputs=m)   # the kernel takes any width
     wk, bk = conv_spatial.arrange_weights(w, b)
     out = np.full(want.shape, np.nan, np.float32)
     kernel = conv_spatial.driver(k[0], k[1], [], [], window_stride=stride)

@@ -122,7 +122,7 @@ def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int,
                 _i64(builder, args[i]) for i in (1, 2, 4, 5, 6, 7, 9, 10, 11, 13, 14, 15))
             load, store = _masked(builder)
             fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
-            masks = [_lane_mask(builder, valid_v, 16 * v) for v in range(vectors)]
+            masks = [_tail_mask(builder, valid_v, 16 * v) for v in range(vectors)]
             init = [_splat(builder, builder.load(builder.gep(ba.data, [builder.add(b_at_v, ir.Constant(_I64, r))])))
                     for r in range(n_rows)]
             w_rows = [builder.add(w_at_v, builder.mul(w_step_v, ir.Constant(_I64, r))) for r in range(n_rows)]
@@ -187,6 +187,16 @@ def _tile_intrinsic(kh: int, kw: int, masked_x: bool, n_rows: int, vectors: int,
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+def _tail_mask(builder, valid, first: int):
+    """_lane_mask by scalar arithmetic, (1 << clamp(valid - first, 0, 16)) - 1 as 16 bits: a shift and a
+    move to a mask register where the vector compare loads two constants and joins two halves (the tile's
+    stores with the compare's masks: 73 against 62 us on CRNN's first conv, all in cache)."""
+    n = builder.sub(valid, ir.Constant(_I64, first))
+    n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+    n = builder.select(builder.icmp_signed(">", n, ir.Constant(_I64, 16)), ir.Constant(_I64, 16), n)
+    return _bits_mask(builder, ir.Constant(_I64, 0), n)
 
 
 def _bits_mask(builder, lo, hi):
@@ -580,8 +590,11 @@ tile4, tile3, tile2, tile1 = (tile_for({kh}, {kw}, ROWS, v, {stride}, {key!r}) f
 @njit(cache=True, nogil=True)
 def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
     # x [C, H, W], w [M rounded up to ROWS, C * kh * kw], bias [M rounded up], out [M, OH, OW]; stride s.
-    # A row of outputs at a time: x copied once into zero-padded planes of row width wp, output (oy, ox)
-    # reads them at s * (oy * wp + ox) + i * dh * wp + j * dw (stride 2: two loads, the even lanes).
+    # ROWS output channels at a time over every output row, a row's tiles in turn: x copied once into
+    # zero-padded planes of row width wp, output (oy, ox) reads them at s * (oy * wp + ox) + i * dh * wp +
+    # j * dw (stride 2: two loads, the even lanes). The channels outermost, so that the stores run down
+    # ROWS planes at a time, not M: a first layer's output is written where the cache holds none of it,
+    # and the prefetcher follows 4 streams (CRNN's 1 -> 32, 3 x 3 at 32 x 320: 1.3 MB, 150 -> 95 us cold).
     c_n, h, wd = x.shape
     m_n, oh, ow = out.shape
     kh, kw, s = {kh}, {kw}, {stride}
@@ -599,12 +612,12 @@ def kernel(x, w, bias, dh, dw, ph, pw, out, ops):
     of = out.reshape(m_n * oh * ow)
     w_step = w.shape[1]
     wf = w.reshape(w.shape[0] * w_step)
-    for oy in range(oh):
-        for ox in range(0, ow, TILE):
-            left = ow - ox
-            src = s * (oy * wp + ox)
-            for m0 in range(0, m_n, ROWS):
-                rows = min(ROWS, m_n - m0)
+    for m0 in range(0, m_n, ROWS):
+        rows = min(ROWS, m_n - m0)
+        for oy in range(oh):
+            for ox in range(0, ow, TILE):
+                left = ow - ox
+                src = s * (oy * wp + ox)
                 at = (m0 * oh + oy) * ow + ox
                 if left > 48:
                     tile4(of, at, oh * ow, xp, src, plane, dh * wp, dw, wf, m0 * w_step, w_step, c_n, bias, m0, left, rows, ops)

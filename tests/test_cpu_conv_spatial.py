@@ -112,6 +112,37 @@ def test_epilogue_keeps_nan_and_extremes():
     np.testing.assert_allclose(got.ravel()[1:], want.ravel()[1:], rtol=3e-6, atol=1e-30)
 
 
+
+@pytest.mark.parametrize("scalar", [0.0, -0.0, np.nan, np.inf])
+@pytest.mark.parametrize("first", ["maximum", "minimum"])
+def test_epilogue_maximum_minimum_as_numpy(first, scalar):
+    """maximum / minimum in the vector epilogue (the stores of conv_spatial's tiles: a 1 -> 5 channel 3 x 3
+    conv whose weights copy the input) equal NumPy's on the conv's own output bit for bit: a NaN on either
+    side propagates, and of two equal values (+0 and -0) the second is kept; a tensor operand, then a scalar."""
+    rng = np.random.default_rng(7)
+    specials = np.array([np.nan, 0.0, -0.0, np.inf, -np.inf, 1.5, -1.5, 3e-39], np.float32)
+    x = rng.choice(specials[1:3].tolist() + [1.5, -1.5, 2.0], (1, 1, 3, 70)).astype(np.float32)  # finite: 0 * x = 0
+    r = rng.choice(specials, (1, 5, 3, 70)).astype(np.float32)
+    w = np.zeros((5, 1, 3, 3), np.float32)
+    w[:, 0, 1, 1] = 1.0
+    fns = (np.maximum, np.minimum) if first == "maximum" else (np.minimum, np.maximum)
+    outs = []
+    for epilogue in (False, True):
+        g = ingot.Graph()
+        xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+        y = g.conv(xi, w, None, pads=((1, 1), (1, 1)))
+        if epilogue:
+            y = getattr(g, fns[1].__name__)(getattr(g, fns[0].__name__)(y, ri), np.float32(scalar))
+        exe = g.compile(targets=[y])
+        assert any(n.op.name == "FUSED" for n in exe.program.nodes()) == epilogue
+        outs.append(exe.run({"x": x, "r": r} if epilogue else {"x": x})[0])
+    plain, got = outs
+    with np.errstate(invalid="ignore"):
+        want = fns[1](fns[0](plain, r), np.float32(scalar))
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
 ROWS_WINDOW = [  # C, M, (H, W), (kh, kw), stride, dilation, pads
     (3, 16, (17, 70), (3, 3), 2, 1, ((1, 1), (1, 1))),
     (1, 5, (1, 1), (3, 3), 2, 1, ((1, 1), (1, 1))),   # narrower than 16: conv_direct in the compiler

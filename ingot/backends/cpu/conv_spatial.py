@@ -360,7 +360,13 @@ def _silu_steps(steps) -> set[int]:
 
 
 def _pick(builder, a, b, cmp: str):
-    """np.maximum / np.minimum: a NaN in either propagates."""
+    """np.maximum / np.minimum: a NaN in either propagates, of equal values (+0, -0) b. With AVX-512:
+    VMAXPS / VMINPS (b where either is NaN or they are equal), then a where a is NaN: 3 vector ops where
+    two compares, their OR and a blend are 4 (a ReLU in a tile's stores: 14 -> 5 us of CRNN's 63 us conv)."""
+    if AVX512:
+        name = "max" if cmp == ">" else "min"
+        f = builder.module.declare_intrinsic(f"llvm.x86.avx512.{name}.ps.512", fnty=ir.FunctionType(_V, [_V, _V, _I32]))
+        return _nan_kept(builder, a, builder.call(f, [a, b, ir.Constant(_I32, 4)]))
     keep_a = builder.or_(builder.fcmp_ordered(cmp, a, b), builder.fcmp_unordered("uno", a, a))
     return builder.select(keep_a, a, b)
 

@@ -132,6 +132,10 @@ def test_pool_engine_on_cuda_equals_alone_and_generate(tmp_path, kv_dtype):
     assert rows.plan.capturable == (not _INTERPRET)
     # the warmed bucket: one CUDA graph over the pool, whatever slots it served; prefill into slots: none
     assert len(rows.plan._graphs) == (0 if _INTERPRET else 1)
+    # warm() ran every prefill length on the scratch entry (its kernels compiled before a request): the
+    # first 16 positions of its K rows are written, where the rows decoder wrote position 0 only
+    k = engine.pool.values["blk.0.k_pool"]
+    assert np.asarray(to_host(k[engine.scratch.index, :, 1:16])).astype(np.float32).any()
     slot_states = {id(slot.state.values) for slot in engine.slots}
     assert all(key[0] not in slot_states for size in PREFILL_BUCKETS if size <= engine.context
                for key in engine.model.compile(size, "cuda").plan._graphs)

@@ -335,7 +335,9 @@ class Engine:
     def warm(self, rows=()) -> None:
         """Compile the rows decoders for these row counts (default: every bucket) and the prefill
         executables of every bucket length the context allows (with every adapter's callables), before
-        the first request needs them."""
+        the first request needs them. On a GPU each prefill length also runs once on the scratch entry:
+        its kernels are compiled at their first launch (an H100 server's first requests waited 2.3 s for
+        their first token when they came first)."""
         from ..llm.generate import PREFILL_BUCKETS
 
         for r in rows or self.buckets():
@@ -352,6 +354,9 @@ class Engine:
                 exe = self.model.compile(size, self.device, self.options)
                 for name in [*self.adapters][::-1] if self.sites else ():   # each adapter's callables, compiled;
                     self._bind_prefill(exe, name, size)                      # the base model's bound last
+                if self.pooled and self.device != "cpu":
+                    exe.run({"tokens": np.zeros(size, np.int32), "pos": np.int32(0), "last": np.int32(size - 1)},
+                            state=self.scratch.state, graph=False)
 
     def buckets(self) -> list[int]:
         out, r = [], 1

@@ -13,8 +13,9 @@ __version__ = "0.1.0"
 def load(path, device: str | None = None, options=None) -> Executable:
     """Load a package written by Executable.save (ingot.runtime.load: weights memory-mapped; options: a
     CompileOptions instead of the stored ones). A tied LLM head's embedding lookup, which an LLM package
-    stores once at the head's adapter, is bound from it (ingot.adapters.bind_lookups)."""
-    from .adapters import bind_lookups
+    stores once at the head's adapter, is bound from it (ingot.adapters.bind_lookups), and rebuilt when
+    the head is re-bound (rebind_lookup)."""
+    from .adapters import bind_lookups, rebind_lookup
     from .runtime import load as _load
 
     exe = _load(path, device, options)
@@ -22,6 +23,7 @@ def load(path, device: str | None = None, options=None) -> Executable:
         bind_lookups(exe)
     except IngotError as e:
         raise IngotError(f"package: {path} cannot be loaded: {e}") from None
+    exe.bind_hooks.append(rebind_lookup)   # a head re-bound later takes its lookup along
     return exe
 
 

@@ -319,6 +319,22 @@ def bind_lookups(exe) -> None:
         exe.bind(site, lookup)
 
 
+def rebind_lookup(exe, name: str) -> None:
+    """A bind hook (`Executable.bind_hooks`, set by `ingot.load`): when a head site `name` is re-bound,
+    its embedding lookup `name@lookup` is rebuilt from the new executable, so both uses of the tied
+    matrix read the same adapter (this compiles the lookup: a re-bind of such a head is not just a
+    dictionary update). Where the new executable holds no adapter the lookup can read, the lookup is
+    left unbound, so a run says so rather than using the old one; the caller may bind it."""
+    site = f"{name}@lookup"
+    if site not in exe.call_sites:
+        return
+    exe.callables.pop(site, None)
+    try:
+        bind_lookups(exe)
+    except IngotError:
+        exe.callables.pop(site, None)
+
+
 def rows_of(exe, outs: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(map [outs] int32, R [k, width] float32) of an executable's residual rows, None without them;
     read from a file, so checked: an int8 R_t [width, k] with a float32 scale [1, k], an integer

@@ -179,6 +179,9 @@ class Executable:
         self.call_sites: dict[str, Node] = {n.attrs["name"]: n for n in nodes if n.op == Op.CALL}
         self.call_sites.update({n.attrs[b]: n for n in nodes if n.op == Op.IF for b in ("then", "else")})
         self.callables: dict[str, Executable] = {}
+        # called as hook(self, name) after each bind: keeps sites derived from another site's executable
+        # in step with it (ingot.load: a tied head's embedding lookup, adapters.bind_lookups)
+        self.bind_hooks: list = []
         for name, exe in (callables or {}).items():
             self.bind(name, exe)
         self.plan = self.backend.prepare(program, self)
@@ -238,6 +241,8 @@ class Executable:
             raise IngotError(f"bind: {name!r} takes {want_in} and returns {want_out}, "
                              f"but the executable takes {have_in} and returns {have_out}.")
         self.callables[name] = executable
+        for hook in self.bind_hooks:
+            hook(self, name)
 
     # -- running --------------------------------------------------------------------------------
     def run(self, feeds: Mapping[Any, Any] | Sequence[Any] = (), state: State | None = None, **options) -> Outputs:

@@ -303,3 +303,33 @@ def test_loaded_package_whose_head_rows_do_not_fit_is_refused(compensated_packag
     message = str(err.value)
     assert "\n" not in message and "token_embd.weight.ingot" in message
     assert ("residual rows" if "index" in corrupt else "R_map") in message
+
+
+@pytest.mark.parametrize("compensated_package", ["rows"], indirect=True)
+def test_rebinding_a_loaded_head_rebuilds_its_lookup(compensated_package):
+    """After `ingot.load`, binding another adapter to the tied head rebuilds the embedding lookup from
+    it (both uses read the same matrix); binding an executable that holds no adapter leaves the lookup
+    unbound, so a run says so instead of using the old one."""
+    import ingot
+    from ingot.adapters import LOOKUP, AdapterSet
+
+    path, adapters = compensated_package
+    exe = ingot.load(path)
+    head = exe.callables["token_embd.weight"]
+    length, width = head.feed_types[head.feed_order[0]].shape
+    vocab = head.output_types[0].shape[1]
+    idx, r = adapters.rows["token_embd.weight"]
+    doubled = AdapterSet(rows={"token_embd.weight": (idx, r * 2)})
+    exe.bind("token_embd.weight", doubled.executable(["token_embd.weight"], [vocab], length, "cpu", width))
+    token = np.array([int(idx[0])], np.int32)
+    got = exe.callables[LOOKUP].run([token])[0][0]
+    np.testing.assert_allclose(got, doubled.delta("token_embd.weight", vocab)[idx[0]], atol=0.04)
+    np.testing.assert_allclose(got, 2 * adapters.delta("token_embd.weight", vocab)[idx[0]], atol=0.04)
+
+    g = ingot.Graph()
+    x = g.placeholder((length, width), name="x")
+    plain = g.compile(targets=[g.matmul(x, g.constant(np.zeros((width, vocab), np.float32)))])
+    exe.bind("token_embd.weight", plain)
+    assert LOOKUP not in exe.callables
+    with pytest.raises(ingot.IngotError, match="no executable is bound"):
+        exe.run({"tokens": token, "pos": np.int32(0), "last": np.int32(0)}, state=exe.new_state())

@@ -192,9 +192,10 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
                 xp[at:at + pw * 16] = 0.0
                 if filled < wp:
                     xp[at + filled * 16:at + wp * 16] = 0.0
-                if BLOCKED_IN:
-                    src = (c0 * h + y * 16) * wd
-                    xp[at + pw * 16:at + (pw + wd) * 16] = xf[src:src + wd * 16]
+                if BLOCKED_IN:   # a loop: a slice assignment copies through a temporary (may they overlap?)
+                    src, dst = np.uintp((c0 * h + y * 16) * wd), np.uintp(at + pw * 16)
+                    for t in range(np.uintp(wd * 16)):
+                        xp[dst + t] = xf[src + t]
                 else:
                     for x0 in range(0, wd, 16):
                         _transpose_in(xp, at + (pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)

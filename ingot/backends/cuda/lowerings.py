@@ -684,12 +684,13 @@ def _get_item(ctx: Lowering) -> StepFn:
 def _call(ctx: Lowering, executable) -> StepFn:
     """A call, or an if: its condition (src 0) read on the host picks which bound executable runs.
 
-    A call's executable runs eagerly inside the caller's step, so a captured CUDA graph of the caller
-    records its launches too (an adapter on a decode step no longer makes the step eager: a compensated
+    A call's executable runs eagerly inside the caller's step while the caller is captured, so the
+    caller's CUDA graph records its launches too (an adapter on a decode step no longer makes the step eager: a compensated
     SmolLM2 head decoded at 28.9 tok/s on an H100 against 1,597 without it). The caller's plan keys its
     graphs by the executables bound when they were captured (`CudaPlan.bound_callees`), so a re-bind
     captures anew; an if reads its condition on the host, and stays eager."""
     node = ctx.node
+    on_gpu = ctx.plan.device.type == "cuda"
     if node.op == Op.IF:
         ctx.syncs("an if (its condition is read on the host)")
     else:
@@ -699,7 +700,8 @@ def _call(ctx: Lowering, executable) -> StepFn:
         target = executable.callables.get(name)
         if target is None:
             raise IngotError(f"call: no executable is bound to {name!r}; pass callables={{{name!r}: exe}} or exe.bind().")
-        outs = target.run_values(list(xs), graph=False)
+        # inside the caller's capture: eagerly, recorded into its graph; else as it runs alone (its own graph)
+        outs = target.run_values(list(xs), graph=not (on_gpu and torch.cuda.is_current_stream_capturing()))
         return tuple(o.clone() if any(_shares(o, x) for x in xs) else o for o in outs)
 
     if node.op == Op.IF:

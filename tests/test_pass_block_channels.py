@@ -147,3 +147,25 @@ def test_a_lone_conv_is_left_alone():
 def test_a_1x1_conv_wasting_more_lanes_in_blocks_stays_nchw():
     assert not _few_lanes_wasted(24, 28 * 28)   # 24 of 32 lanes; 784 positions fill 49 vectors
     assert _few_lanes_wasted(16, 56 * 56) and _few_lanes_wasted(96, 49) and _few_lanes_wasted(24, 1)
+
+
+def test_a_depthwise_conv_alone_in_the_chain():
+    """expand_depthwise -> a depthwise conv of its own (blocked in and out) -> 1x1 -> 1x1, batch 2."""
+    rng = np.random.default_rng(6)
+    ws = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in
+          ((33, 20, 1, 1), (33, 1, 3, 3), (33, 1, 5, 5), (32, 33, 1, 1), (16, 32, 1, 1))]
+    b = rng.standard_normal(33).astype(np.float32)
+    g = ingot.Graph()
+    x = g.placeholder((2, 20, 11, 9), name="x")
+    a = g.conv(g.conv(x, ws[0]), ws[1], strides=(2, 2), pads=((1, 1), (1, 1)), groups=33)
+    d = g.maximum(g.conv(a, ws[2], b, pads=((2, 2), (2, 2)), groups=33), 0.0)
+    y = g.conv(g.conv(d, ws[3]), ws[4])
+    exe = g.compile(targets=[y])
+    sides = [_blocked_sides(n) for n in exe.program.nodes() if n.op == Op.FUSED and n.attrs["kind"] == "blocked"]
+    assert sides == [(False, True), (True, True), (True, True), (True, False)]
+    xv = rng.standard_normal((2, 20, 11, 9)).astype(np.float32)
+    none = ((0, 0), (0, 0))
+    av = conv(conv(xv, ws[0], None, (1, 1), (1, 1), none, 1), ws[1], None, (2, 2), (1, 1), ((1, 1), (1, 1)), 33)
+    dv = np.maximum(conv(av, ws[2], b, (1, 1), (1, 1), ((2, 2), (2, 2)), 33), 0.0)
+    want = conv(conv(dv, ws[3], None, (1, 1), (1, 1), none, 1), ws[4], None, (1, 1), (1, 1), none, 1)
+    np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

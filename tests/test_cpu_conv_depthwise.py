@@ -48,7 +48,7 @@ def test_depthwise_matches_reference(c, hw, k, strides, pads):
 
 
 @pytest.mark.parametrize("blocked_in,blocked_out", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("c,hw,k,strides,pads", [CASES[i] for i in (0, 2, 3, 4, 7, 9, 12)] + [
+@pytest.mark.parametrize("c,hw,k,strides,pads", [CASES[i] for i in (0, 2, 3, 7, 9, 12)] + [
     (40, (1, 1), (3, 3), (1, 1), ((1, 1), (1, 1)))])   # a one-pixel image: the row's tile past three blocks
 def test_depthwise_blocked_layouts(c, hw, k, strides, pads, blocked_in, blocked_out):
     """Input and output in the channel-blocked layout (ops/layout.py), the padding lanes stored as zeros."""

@@ -42,7 +42,7 @@ def test_depthwise_matches_reference(c, hw, k, strides, pads):
                                                    pads[1][0])
     xp, ot = np.full(xp_n, np.nan, np.float32), np.full(ot_n, np.nan, np.float32)   # the kernel writes the padding
     for _ in range(2):   # the second call reuses the scratch
-        kernel(x, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, (), xp, ot)
+        kernel(x, *conv_depthwise.arrange_weights(w.reshape(c, -1), b), strides[0], pads[0][0], pads[1][0], out, (), xp, ot, c)
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
         out[:] = np.nan
 
@@ -63,7 +63,7 @@ def test_depthwise_blocked_layouts(c, hw, k, strides, pads, blocked_in, blocked_
     kernel = conv_depthwise.driver(k[0], k[1], strides[1], ow, [], [], blocked_in, blocked_out)
     xp_n, ot_n = conv_depthwise.band_scratch_sizes(k[0], k[1], strides[1], hw, (oh, ow), strides[0], pads[0][0], pads[1][0])
     xp, ot = np.full(xp_n, np.nan, np.float32), np.full(ot_n, np.nan, np.float32)
-    kernel(xin, w.reshape(c, -1), b, strides[0], pads[0][0], pads[1][0], out, (), xp, ot)
+    kernel(xin, *conv_depthwise.arrange_weights(w.reshape(c, -1), b), strides[0], pads[0][0], pads[1][0], out, (), xp, ot, c)
     expect = block_channels(want)[0].reshape(out.shape) if blocked_out else want[0]
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 

@@ -150,15 +150,15 @@ BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
-    # x [C, H, W] (blocked: [C / 16, H, W * 16]), w [C, kh * kw], bias [C], out [C, OH, OW] (blocked:
+def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n):
+    # x [C, H, W] (blocked: [C / 16, H, W * 16]), w [C / 16, kh * kw * 16], bias [C / 16, 16] (arrange_weights),
+    # c_n: C, out [C, OH, OW] (blocked:
     # [C / 16, OH, OW * 16]); column stride s, row stride sh; xp, ot: scratch of band_scratch_sizes. Per block
     # of 16 channels, a band of output rows at a time: the padded input rows it reads transposed (blocked:
     # copied) into xp (band-relative: rows r0.. of the padded plane; the rows two bands share are
     # transposed again), its tiles into ot, ot transposed back (blocked: the tiles stored in place, the
     # last one past the output's end through ot): the scratch stays in L2 (full planes of it, 0.8 MB each
     # at 16 x 112 x 112, went to memory and back between two runs).
-    c_n = w.shape[0]
     h = x.shape[1]
     wd = x.shape[2] // 16 if BLOCKED_IN else x.shape[2]
     oh = out.shape[1]
@@ -168,18 +168,12 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
     wp = max(wd + pw, s * (ow - 1) + kw)
     p_n = oh * ow
     band = max(1, 2048 // wp)
-    wt = np.zeros(taps * 16, np.float32)
-    bt = np.zeros(16, np.float32)
     xf = x.reshape(x.size)
     of = out.reshape(out.size)
     filled = pw + wd if BLOCKED_IN else pw + (wd + 15) // 16 * 16   # columns the copies write (zeros past wd)
     for c0 in range(0, c_n, 16):
         lanes = min(16, c_n - c0)
-        for l in range(16):
-            real = l < lanes
-            for t in range(taps):
-                wt[t * 16 + l] = w[c0 + l, t] if real else np.float32(0.0)
-            bt[l] = bias[c0 + l] if real else np.float32(0.0)
+        wt, bt = w[c0 // 16], bias[c0 // 16]
         for oy0 in range(0, oh, band):
             oy1 = min(oh, oy0 + band)
             r0 = oy0 * sh
@@ -215,6 +209,20 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot):
                 for p0 in range(0, n, 16):
                     _transpose_out(of, c0 * p_n + oy0 * ow + p0, p_n, ot, p0 * 16, lanes, min(16, n - p0))
 """
+
+
+def arrange_weights(w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """w [C, taps] as [C / 16, taps * 16] (tap t of channel 16 b + l at [b, 16 t + l]) and the bias as
+    [C / 16, 16], zeros past C: a block's taps as the tiles load them."""
+    c, taps = w.shape
+    blocks = -(-c // 16)
+    wk = np.zeros((blocks * 16, taps), np.float32)
+    wk[:c] = w
+    b = np.zeros(blocks * 16, np.float32)
+    if bias is not None:
+        b[:c] = bias.reshape(-1)
+    return np.ascontiguousarray(wk.reshape(blocks, 16, taps).transpose(0, 2, 1).reshape(blocks, taps * 16)), \
+        b.reshape(blocks, 16)
 
 
 def fits(kh: int, kw: int, strides, dilations, operands) -> bool:
@@ -284,8 +292,8 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
         wk = arranged.get("w") if constant else None
         if wk is None:
             bias = inputs[b_index] if b_index is not None else None
-            wk = (np.ascontiguousarray(inputs[w_index], dtype=np.float32).reshape(c, kh * kw),
-                  np.zeros(c, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(c))
+            wk = arrange_weights(np.asarray(inputs[w_index], dtype=np.float32).reshape(c, kh * kw),
+                                 None if bias is None else np.asarray(bias, dtype=np.float32))
             if constant:
                 arranged["w"] = wk
         ops = arranged.get("ops") if fixed_ops else None
@@ -297,6 +305,6 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
         y = out if out is not None else np.empty(result_shape, np.float32)
         ys = y.reshape(y_shape)
         for n in range(n_img):
-            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot)
+            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot, c)
         return y
     return step

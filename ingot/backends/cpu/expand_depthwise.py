@@ -75,12 +75,13 @@ BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
+def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n):
     # x [C, H, W] (blocked: [C / 16, H, W * 16]): the pointwise conv's input; wa [M rounded up to 16 / 16, C,
-    # 16], ba [M rounded up]; w [M, kh * kw], bias [M]: the depthwise conv's; out [M, OH, OW] (blocked:
+    # 16], ba [M rounded up]; w [M / 16, kh * kw * 16], bias [M / 16, 16]: the depthwise conv's
+    # (conv_depthwise.arrange_weights), m_n: M; out [M, OH, OW] (blocked:
     # [M / 16, OH, OW * 16]); xp, ot: conv_depthwise's scratch; offs [H * W]: input position y * W + x's
     # offset in xp, ((y + ph) * wp + pw + x) * 16
-    c_n, m_n = wa.shape[1], w.shape[0]
+    c_n = wa.shape[1]
     h = x.shape[1]
     wd = x.shape[2] // 16 if BLOCKED_IN else x.shape[2]
     oh = out.shape[1]
@@ -91,8 +92,6 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
     p_n = oh * ow
     hw = h * wd
     band = max(1, 2048 // wp)
-    wt = np.zeros(taps * 16, np.float32)
-    bt = np.zeros(16, np.float32)
     xf = x.reshape(x.size)
     of = out.reshape(out.size)
     waf = wa.reshape(wa.size)
@@ -100,11 +99,7 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs):
         c0 = blk * 16
         lanes = min(16, m_n - c0)
         w_at = blk * c_n * 16
-        for l in range(16):
-            real = l < lanes
-            for t in range(taps):
-                wt[t * 16 + l] = w[c0 + l, t] if real else np.float32(0.0)
-            bt[l] = bias[c0 + l] if real else np.float32(0.0)
+        wt, bt = w[c0 // 16], bias[c0 // 16]
         y_in = 0
         for oy0 in range(0, oh, band):
             oy1 = min(oh, oy0 + band)
@@ -213,8 +208,8 @@ def expand_depthwise_lowering(node: Node, out, blocked_in: bool = False, blocked
         if fixed is None:   # weights and operands are constants (the pass's condition): arranged once
             wa, ba = conv_pointwise.arrange_weights(np.asarray(inputs[wa_i], np.float32),
                                                     None if ba_i is None else np.asarray(inputs[ba_i], np.float32))
-            wb = np.ascontiguousarray(inputs[wb_i], dtype=np.float32).reshape(m, kh * kw)
-            bb = np.zeros(m, np.float32) if bb_i is None else np.ascontiguousarray(inputs[bb_i], dtype=np.float32).reshape(m)
+            wb, bb = conv_depthwise.arrange_weights(np.asarray(inputs[wb_i], dtype=np.float32).reshape(m, kh * kw),
+                                                    None if bb_i is None else np.asarray(inputs[bb_i], dtype=np.float32))
             ops = tuple(np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1) for _, i in operands)
             fixed = arranged["fixed"] = (wa, ba, wb, bb, ops)
         wa, ba, wb, bb, ops = fixed
@@ -222,7 +217,7 @@ def expand_depthwise_lowering(node: Node, out, blocked_in: bool = False, blocked
         y = out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(y_shape)
         for n in range(n_img):
-            kernel(xs[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs)
+            kernel(xs[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs, m)
         return y
     return step
 

@@ -173,17 +173,7 @@ def _blocks_tile_intrinsic(r_n: int, blocks: int, blocked_in: bool, steps, opera
             _, store = _masked(builder)
             zero = ir.Constant(_V, [0.0] * 16)
 
-            def products(c):   # block b's weights times each position's x, [b * r_n + r]
-                xs = [_splat(builder, builder.load(builder.gep(xa.data, [_x_at(builder, c, x_at_v, p_v, r, blocked_in)])))
-                      for r in range(r_n)]
-                w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
-                pairs = []
-                for b in range(blocks):
-                    wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
-                                      align=4)
-                    pairs += [(wv, xs[r]) for r in range(r_n)]
-                return pairs
-            finals = fma_loop(builder, n_v, blocks * r_n, products)
+            finals = _tile_sums(builder, xa, wa, x_at_v, p_v, w_at_v, w_step_v, n_v, r_n, blocks, blocked_in)
             mask = _lane_mask(builder, ir.Constant(_I64, r_n), 0)
             for b in range(blocks):
                 rows_of = _transpose16(builder, finals[b * r_n:(b + 1) * r_n] + [zero] * (16 - r_n))
@@ -198,6 +188,22 @@ def _blocks_tile_intrinsic(r_n: int, blocks: int, blocked_in: bool, steps, opera
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+def _tile_sums(builder, xa, wa, x_at_v, p_v, w_at_v, w_step_v, n_v, r_n: int, blocks: int, blocked_in: bool) -> list:
+    """The accumulators [b * r_n + r] of a tile (both tile intrinsics): for c < n_v, block b's 16 weights
+    w[w_at + b * w_step + 16 c:...] times position r's x[c, x_at + r] (NCHW or channel-blocked x)."""
+    def products(c):
+        xs = [_splat(builder, builder.load(builder.gep(xa.data, [_x_at(builder, c, x_at_v, p_v, r, blocked_in)])))
+              for r in range(r_n)]
+        w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
+        pairs = []
+        for b in range(blocks):
+            wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
+                              align=4)
+            pairs += [(wv, xs[r]) for r in range(r_n)]
+        return pairs
+    return fma_loop(builder, n_v, blocks * r_n, products)
 
 
 def _blocked_tile_intrinsic(r_n: int, blocks: int, blocked_in: bool, steps, operands):
@@ -216,17 +222,7 @@ def _blocked_tile_intrinsic(r_n: int, blocks: int, blocked_in: bool, steps, oper
             p_v, x_at_v, w_at_v, w_step_v, n_v, m0_v, m_n_v = (_i64(builder, args[i]) for i in (1, 3, 5, 6, 7, 9, 10))
             zero = ir.Constant(_V, [0.0] * 16)
 
-            def products(c):   # block b's weights times each position's x, [b * r_n + r]
-                xs = [_splat(builder, builder.load(builder.gep(xa.data, [_x_at(builder, c, x_at_v, p_v, r, blocked_in)])))
-                      for r in range(r_n)]
-                w_c = builder.add(w_at_v, builder.mul(c, ir.Constant(_I64, 16)))
-                pairs = []
-                for b in range(blocks):
-                    wv = builder.load(_vptr(builder, wa.data, builder.add(w_c, builder.mul(w_step_v, ir.Constant(_I64, b)))),
-                                      align=4)
-                    pairs += [(wv, xs[r]) for r in range(r_n)]
-                return pairs
-            finals = fma_loop(builder, n_v, blocks * r_n, products)
+            finals = _tile_sums(builder, xa, wa, x_at_v, p_v, w_at_v, w_step_v, n_v, r_n, blocks, blocked_in)
             for b in range(blocks):
                 m_v = builder.add(m0_v, ir.Constant(_I64, 16 * b))
                 channels = _lane_mask(builder, builder.sub(m_n_v, m_v), 0)

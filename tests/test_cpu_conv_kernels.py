@@ -78,6 +78,10 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
     (2, 16, (23, 29), (5, 5), (2, 2), (1, 1), ((2, 1), (2, 2))),   # stride 2 through a ring of 5
     (3, 8, (20, 24), (3, 3), (1, 1), (2, 2), ((2, 2), (2, 2))),    # dilated rows: a ring of 5
     (4, 16, (17, 9), (3, 1), (3, 1), (1, 1), ((1, 1), (0, 0))),    # a row stride past the window
+    # weights larger than the input, rows not a multiple of 8: tiles of 8 positions running across rows
+    (40, 20, (5, 6), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # 3 x 3 outputs: a tile over 3 rows, the last overlapping
+    (24, 40, (10, 10), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),  # 10 x 10: 16 + 16 + 8 channels
+    (16, 18, (7, 6), (5, 5), (1, 1), (1, 1), ((2, 2), (2, 2))),    # 5 x 5 over rows of 6
 ]
 
 

@@ -15,6 +15,10 @@
   the buffer is a ring of the window's rows (twice: a window is always contiguous), which stays in L1/L2
   where a whole padded copy of a large input did not (YOLO's 16 x 160 x 160 -> 32, stride 2: 0.87 -> 0.74
   ms in the model). An output row whose window has its first or last row in the padding skips that row.
+  Where the weights are the larger and rows are not a multiple of TILE wide (DBNet's 128 x 10 x 10), a
+  block's positions run as one sequence, a tile crossing from one row into the next (each position's
+  input offset read from a small array): 10 columns were tiles of 5 and 5, too few FMA chains (3 x 3,
+  128 -> 128 at 10 x 10: 0.28-0.31 -> 0.265-0.27 ms hot).
 
 Both are llvmlite intrinsics per window size (as vnni.py emits VPDPBUSD), called by numba kernels that
 codegen generates and caches on disk.
@@ -161,8 +165,8 @@ def _transposed(builder, accs):
     return out
 
 
-def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = ""):
-    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops, trim): for positions
+def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = "", gather: bool = False):
+    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops, trim, pos): for positions
     r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
     ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
     wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. At width TILE the accumulators (one vector of 16 channels
@@ -172,12 +176,14 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
     that key (without full operands) applied to the accumulators before the transpose, its channel operands
     read 16 at a time from b_at (ops as conv_spatial's). trim 1 (2): the window's first (last) row left out,
     as it lies in the padding (an output row at the top or bottom edge); tested inside the loop over input
-    channels (a predicted branch per kh * kw * width FMAs: one tile for all rows, not three to compile)."""
+    channels (a predicted branch per kh * kw * width FMAs: one tile for all rows, not three to compile).
+    gather: position r reads x_at + pos[r] (an int64 array) instead of x_at + r * sw, so that a tile's
+    positions may run on from one output row into the next (pos is read once a call)."""
     @intrinsic
     def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops,
-             trim):
+             trim, pos):
         sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops,
-                         trim)
+                         trim, pos)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
@@ -190,8 +196,12 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
             cast = lambda v: builder.sext(v, i64) if v.type.width < 64 else v  # noqa: E731
             o_at_v, o_step_v, x_at_v, ic_v, row_v, w_at_v, n_v, b_at_v, n_ch_v, sw_v, dw_v = (
                 cast(args[i]) for i in (1, 2, 4, 5, 6, 8, 9, 11, 12, 13, 14))
-            offs = {(j, r): builder.add(builder.mul(dw_v, ir.Constant(i64, j)), builder.mul(sw_v, ir.Constant(i64, r)))
-                    for j in range(kw) for r in range(width)}
+            if gather:
+                pa = arr(17)
+                at_r = [builder.load(builder.gep(pa.data, [ir.Constant(i64, r)])) for r in range(width)]
+            else:
+                at_r = [builder.mul(sw_v, ir.Constant(i64, r)) for r in range(width)]
+            offs = {(j, r): builder.add(builder.mul(dw_v, ir.Constant(i64, j)), at_r[r]) for j in range(kw) for r in range(width)}
             x0 = builder.gep(xa.data, [x_at_v])
             w0 = builder.gep(wa.data, [w_at_v])
             start = builder.block
@@ -288,11 +298,11 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
 _TILES: dict = {}
 
 
-def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = ""):
+def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = "", gather: bool = False):
     """The tile of width <= TILE columns (a row's last: 20 wide is 8 + 8 + 4, not 24 computed); lanes 8: of
     a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); key: the epilogue in
-    registers (width TILE only); made once per process."""
-    spec = (kh, kw, width, lanes, key if width == TILE else "")
+    registers (width TILE only); gather: positions at offsets read from pos; made once per process."""
+    spec = (kh, kw, width, lanes, key if width == TILE else "", gather)
     if spec not in _TILES:
         _TILES[spec] = _tile_intrinsic(*spec)
     return _TILES[spec]
@@ -310,7 +320,7 @@ def _dispatch(prefix: str, indent: str) -> str:
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
         target = "of, (b * 16 * oh + oy) * ow + ox0" if n == 8 else "acc, 0"
         lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, "
-                     "dw, ops, trim)")
+                     "dw, ops, trim, pos)")
     return "\n".join(lines)
 
 _DIRECT = """import numpy as np
@@ -321,6 +331,7 @@ from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}) for w in range(1, 9))
 half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}) for w in range(1, 9))
+gather16, gather8 = (narrow_tile({kh}, {kw}, TILE, lanes, {tile_key!r}, True) for lanes in (16, 8))
 epilogue = EPILOGUES[{key!r}]
 
 
@@ -352,6 +363,44 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
     row_tiles = full + (2 if split else 1 if rem > 0 else 0)
     copied = 0   # input rows copied into xp, each just before the first output row that reads it (in cache after)
     filled = 0   # with the ring: padded rows written into it
+    pos = np.zeros(TILE, np.int64)
+    positions = oh * ow
+    if not rows_first and rem > 0 and positions >= TILE:
+        # rows whose width is not a multiple of TILE: each block's positions as one run, TILE at a time, a
+        # tile running on from one row into the next (x at pos[r]); the last tile ends at the last position
+        # (overlapping the one before it: its outputs computed twice, the same)
+        while copied < h:
+            for c in range(c_n):
+                row, dst = x[c, copied], xp[c, copied + ph]
+                for t in range(np.uintp(wd)):
+                    dst[np.uintp(pw) + t] = row[t]
+            copied += 1
+        for b in range(blocks):
+            wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
+            lanes = min(16, m - b * 16)
+            for k in range(0, positions, TILE):
+                p0 = min(k, positions - TILE)
+                for r in range(TILE):
+                    oy = (p0 + r) // ow
+                    pos[r] = oy * sh * wp + (p0 + r - oy * ow) * sw
+                oy = p0 // ow
+                trim = 0
+                if oy == (p0 + TILE - 1) // ow:   # one row: its window's padding rows left out
+                    iy0 = oy * sh - ph
+                    trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \
+                        2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
+                if lanes > 8:
+                    gather16(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw,
+                             ops, trim, pos)
+                else:
+                    gather8(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw,
+                            ops, trim, pos)
+            if {has_epilogue} and not {in_tile}:   # full operands: the block's planes after them
+                for l in range(lanes):
+                    at = (b * 16 + l) * positions
+                    for t0 in range(0, positions, 16):
+                        epilogue(of, at + t0, of, at + t0, positions - t0, b * 16 + l, at + t0, ops)
+        return
     for outer in range(oh if rows_first else blocks):
         for inner in range(blocks if rows_first else oh):
             oy, b = (outer, inner) if rows_first else (inner, outer)
@@ -442,7 +491,7 @@ def direct_kernel(kh: int, kw: int, steps=(), operands=()):
     conv_spatial.epilogue_for(key, steps, operands)
     in_tile = bool(steps) and all(form != "full" for form, _ in operands)   # full operands: lanes are channels
     source = _DIRECT.format(kh=kh, kw=kw, key=key,
-                            tile_key=key if in_tile else "", has_epilogue=bool(steps),
+                            tile_key=key if in_tile else "", has_epilogue=bool(steps), in_tile=in_tile,
                             first="full * TILE" if in_tile else "0",
                             full=_dispatch("tile", " " * 24), half=_dispatch("half", " " * 24))
     return conv_spatial.load(source, "kernel", "cpu_direct_conv")

@@ -685,10 +685,11 @@ def _call(ctx: Lowering, executable) -> StepFn:
     """A call, or an if: its condition (src 0) read on the host picks which bound executable runs.
 
     A call's executable runs eagerly inside the caller's step while the caller is captured, so the
-    caller's CUDA graph records its launches too (an adapter on a decode step no longer makes the step eager: a compensated
-    SmolLM2 head decoded at 28.9 tok/s on an H100 against 1,597 without it). The caller's plan keys its
-    graphs by the executables bound when they were captured (`CudaPlan.bound_callees`), so a re-bind
-    captures anew; an if reads its condition on the host, and stays eager."""
+    caller's CUDA graph records its launches too (an adapter on a decode step no longer makes the step
+    eager: a compensated SmolLM2 head decoded at 28.9 tok/s on an H100 against 1,597 without it). The
+    caller's plan keys its graphs by the executables bound when they were captured
+    (`CudaPlan.bound_callees`), so a re-bind captures anew; an if reads its condition on the host, and
+    stays eager."""
     node = ctx.node
     on_gpu = ctx.plan.device.type == "cuda"
     if node.op == Op.IF:

@@ -241,12 +241,9 @@ class CudaPlan:
         direct = {name: v for name, v in feeds.items() if self._in_place(v)}
         staged = {name: v for name, v in feeds.items() if name not in direct}
         self.last_feed_pointers = {name: v.data_ptr() for name, v in direct.items()}
-        if not self.capturable or not graph:
-            values = self._device_feeds(staged)
-            values.update(direct)
-            return _deliver(self._execute(values, state), outputs, fresh=True)
-        callees = self.bound_callees()
-        if callees is None:   # a call site unbound (the eager run says so) or bound to one that cannot be captured
+        # callees None: a call site unbound (the eager run says so) or bound to one that cannot be captured
+        callees = self.bound_callees() if self.capturable and graph else None
+        if callees is None:
             values = self._device_feeds(staged)
             values.update(direct)
             return _deliver(self._execute(values, state), outputs, fresh=True)

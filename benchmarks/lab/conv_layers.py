@@ -23,9 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
-import ingot  # noqa: E402
-from benchmarks.lab.onnx_profile import kind  # noqa: E402
-from benchmarks.onnx_vision import script  # noqa: E402
+from benchmarks.lab.onnx_profile import imported  # noqa: E402
 from ingot.ir import Op  # noqa: E402
 
 
@@ -53,15 +51,7 @@ def describe(node) -> tuple[str, float]:
 def main() -> int:
     name, runs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
     with tempfile.TemporaryDirectory() as folder:
-        vision = script("vision_models")
-        if name in vision.MODELS:
-            x = np.random.default_rng(0).standard_normal(vision.MODELS[name][1]).astype(np.float32)
-            path, feeds = vision.export(name, Path(folder) / f"{name}.onnx"), {"image": x}
-        else:
-            path, feeds = script("real_onnx_models").real_models()[name]
-        exe = ingot.from_onnx(str(path))
-        exe.run(feeds)
-        inner = exe.executable(feeds) if hasattr(exe, "executable") else exe
+        path, feeds, exe, inner = imported(name, folder)
         plan = inner.plan
         nodes = {n.id: n for n in inner.program.nodes()}
         times = defaultdict(list)

@@ -47,27 +47,36 @@ def kind(node) -> str:
     return node.op.name.lower()
 
 
+def imported(name: str, folder: str):
+    """(path, feeds, exe, inner) of a model by name (the lab scripts share it): "encoder"
+    (benchmarks/onnx_encoder.py's BERT-like encoder, 128 tokens), one of scripts/vision_models.py
+    (exported into folder) or of real_onnx_models.py; exe imported and run once, inner the executable
+    its feeds' shapes specialize to."""
+    vision = script("vision_models")
+    if name == "encoder":
+        import argparse
+        from benchmarks.onnx_encoder import export
+        args = argparse.Namespace(batch=1, length=128, hidden=128, heads=4, layers=2)
+        rng = np.random.default_rng(0)
+        mask = np.ones((1, 128), np.int64)
+        mask[:, 112:] = 0
+        path = export(args, Path(folder))
+        feeds = {"input_ids": rng.integers(0, 512, (1, 128)).astype(np.int64), "attention_mask": mask}
+    elif name in vision.MODELS:
+        x = np.random.default_rng(0).standard_normal(vision.MODELS[name][1]).astype(np.float32)
+        path, feeds = vision.export(name, Path(folder) / f"{name}.onnx"), {"image": x}
+    else:
+        path, feeds = script("real_onnx_models").real_models()[name]
+    exe = ingot.from_onnx(str(path))
+    exe.run(feeds)
+    inner = exe.executable(feeds) if hasattr(exe, "executable") else exe   # specializing: this shape's
+    return path, feeds, exe, inner
+
+
 def main() -> int:
     name, runs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
     with tempfile.TemporaryDirectory() as folder:
-        vision = script("vision_models")
-        if name == "encoder":   # benchmarks/onnx_encoder.py's BERT-like encoder, 128 tokens
-            import argparse
-            from benchmarks.onnx_encoder import export
-            args = argparse.Namespace(batch=1, length=128, hidden=128, heads=4, layers=2)
-            rng = np.random.default_rng(0)
-            mask = np.ones((1, 128), np.int64)
-            mask[:, 112:] = 0
-            path = export(args, Path(folder))
-            feeds = {"input_ids": rng.integers(0, 512, (1, 128)).astype(np.int64), "attention_mask": mask}
-        elif name in vision.MODELS:
-            x = np.random.default_rng(0).standard_normal(vision.MODELS[name][1]).astype(np.float32)
-            path, feeds = vision.export(name, Path(folder) / f"{name}.onnx"), {"image": x}
-        else:
-            path, feeds = script("real_onnx_models").real_models()[name]
-        exe = ingot.from_onnx(str(path))
-        exe.run(feeds)
-        inner = exe.executable(feeds) if hasattr(exe, "executable") else exe   # specializing: this shape's
+        path, feeds, exe, inner = imported(name, folder)
         plan = inner.plan
         nodes = {n.id: n for n in inner.program.nodes()}
         elapsed = defaultdict(float)

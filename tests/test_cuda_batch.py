@@ -24,7 +24,6 @@ _INTERPRET = require_cuda()
 from ingot.backends.cuda import attention as attention_kernels  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.models import llama  # noqa: E402
-from ingot.options import CudaOptions  # noqa: E402
 from ingot.options import CompileOptions, CudaOptions  # noqa: E402
 
 PROMPT, STEPS = 3, 3

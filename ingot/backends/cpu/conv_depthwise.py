@@ -27,7 +27,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import conv_spatial
-from .conv_spatial import _I32, _I64, _V, _i64, _lane_mask, _masked, _splat, _vptr, apply_steps, epilogue_reads
+from .conv_spatial import _I32, _I64, _V, _i64, _lane_mask, _masked, _vptr, apply_steps, epilogue_reads
 
 with open(os.path.abspath(__file__), "rb") as _f:
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16]
@@ -247,7 +247,7 @@ def scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph: int
 def band_scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph: int, pw: int) -> tuple[int, int]:
     """Floats of the kernel's xp (a band's padded [rows, W', 16], slack past it for the tails) and ot (the
     band's outputs)."""
-    (h, wd), (oh, ow) = in_hw, out_hw
+    (_, wd), (oh, ow) = in_hw, out_hw
     wp = max(wd + pw, stride * (ow - 1) + kw)
     band = max(1, 2048 // wp)
     rows = (min(band, oh) - 1) * sh + kh

@@ -12,12 +12,11 @@ conversion absent where that side is NCHW. It runs as its conv's own kernel told
 """
 from __future__ import annotations
 
-import numpy as np
 
 from ...ir import Node, Op
 from ...passes.fuse_squeeze_excite import conv_of
 from . import conv as conv_module
-from . import conv_depthwise, conv_pointwise
+from . import conv_depthwise
 from .expand_depthwise import expand_depthwise_lowering
 
 
@@ -59,42 +58,9 @@ def blocked_lowering(node: Node, out):
         return conv_depthwise.depthwise_step(conv, out, epilogue, x_i, w_i, b_i, constant, (sh, sw, ph, pw), constants,
                                              conv_module._operand, x_i in blocked_in, blocked_out)
     if a["groups"] == 1 and tuple(w[2:]) == (1, 1) and (sh, sw) == (1, 1) and not any(p or q for p, q in a["pads"]):
-        return pointwise_step(conv, out, epilogue, x_i, w_i, b_i, constant, constants, x_i in blocked_in, blocked_out)
+        return conv_module._spatial_step(conv, out, epilogue, x_i, w_i, b_i, constant, None, "channels", constants,
+                                         blocked_in=x_i in blocked_in, blocked_out=blocked_out)
     return None
-
-
-def pointwise_step(conv: Node, out, epilogue, x_i: int, w_i: int, b_i: int | None, constant: bool, constants: frozenset,
-                   blocked_in: bool, blocked_out: bool):
-    """conv_pointwise's kernel on a 1x1 conv, its input and output NCHW or blocked."""
-    n_img, m, h, wd = conv.type.shape
-    c = conv.src[0].type.shape[1]
-    p = h * wd
-    operands = epilogue.operands
-    kernel = conv_pointwise.driver(epilogue.steps, operands, blocked_in, blocked_out)
-    x_shape = (n_img, -(-c // 16), p * 16) if blocked_in else (n_img, c, p)
-    y_shape = (n_img, -(-m // 16), p * 16) if blocked_out else (n_img, m, p)
-    result_shape = (n_img, -(-m // 16), h, wd, 16) if blocked_out else tuple(conv.type.shape)
-    fixed_ops = all(form != "full" and i in constants for form, i in operands)
-    arranged: dict = {}
-
-    def step(*inputs):
-        wk = arranged.get("w") if constant else None
-        if wk is None:
-            wk = conv_pointwise.arrange_weights(np.asarray(inputs[w_i], np.float32),
-                                                None if b_i is None else np.asarray(inputs[b_i], np.float32))
-            if constant:
-                arranged["w"] = wk
-        xs = np.ascontiguousarray(inputs[x_i], dtype=np.float32).reshape(x_shape)
-        y = out if out is not None else np.empty(result_shape, np.float32)
-        ys = y.reshape(y_shape)
-        for n in range(n_img):
-            ops = conv_module._image_operands(arranged, inputs, operands, n, fixed_ops)
-            if blocked_out:
-                kernel(xs[n], wk[0], wk[1], ys[n], ops, m)
-            else:
-                kernel(xs[n], wk[0], wk[1], ys[n], ops)
-        return y
-    return step
 
 
 FUSED_LOWERINGS = {"blocked": blocked_lowering}

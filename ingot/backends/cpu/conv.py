@@ -433,11 +433,14 @@ def _direct_better(reduction: int, m: int, stride: int, ow: int) -> bool:
 
 def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
                   b_index: int | None, constant: bool, window: tuple | None, kind: str = "depthwise",
-                  constants: frozenset = frozenset(), subsample: tuple | None = None):
+                  constants: frozenset = frozenset(), subsample: tuple | None = None, blocked_in: bool = False,
+                  blocked_out: bool = False):
     """conv_spatial's kernel, the bias and epilogue applied before the store: a pointwise conv (groups 1,
     window None; kind "channels": conv_pointwise's kernel), else a depthwise one, window (column stride,
     row stride, dh, dw, ph, pw), or (kind "rows") a kxk one of few channels, window (stride, dh, dw, ph, pw).
-    subsample (sh, sw): a pointwise conv with these strides, run on the input's strided positions."""
+    subsample (sh, sw): a pointwise conv with these strides, run on the input's strided positions.
+    blocked_in, blocked_out (kind "channels"): the input, the output channel-blocked (ops/layout.py)."""
+    assert kind == "channels" or not (blocked_in or blocked_out)
     out_shape = tuple(conv.type.shape)
     n_img, m = out_shape[:2]
     spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
@@ -450,7 +453,7 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     size = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
     depthwise = window if kind == "depthwise" else None
     if kind == "channels":   # conv_pointwise: 16 output channels a vector
-        kernel = conv_pointwise.driver(epilogue.steps, operands)
+        kernel = conv_pointwise.driver(epilogue.steps, operands, blocked_in, blocked_out)
     else:
         kernel = conv_spatial.driver(*size, epilogue.steps, operands, depthwise[0] if depthwise else 0,
                                      window[0] if window and kind == "rows" else 0)
@@ -458,7 +461,13 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     arranged: dict = {}
     x_shape = (n_img, c, *in_spatial) if window else (n_img, c, int(np.prod(in_spatial)))
     y_shape = (n_img, m, *spatial) if window else (n_img, m, int(np.prod(spatial)))
+    if blocked_in:
+        x_shape = (n_img, -(-c // 16), int(np.prod(in_spatial)) * 16)
+    if blocked_out:
+        y_shape = (n_img, -(-m // 16), int(np.prod(spatial)) * 16)
+        out_shape = (n_img, -(-m // 16), *conv.type.shape[2:], 16)
     tail = tuple(window[1:]) if window else ()
+    after = (m,) if blocked_out else ()   # the blocked kernel takes the output channels last
     # operands that are constants (a folded batch norm's scale, an activation's bounds) are read once
     fixed_ops = all(form != "full" and i in constants for form, i in operands)
 
@@ -476,11 +485,11 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                 arranged["w"] = wk
         if subsample:
             x = x[:, :, ::subsample[0], ::subsample[1]] if x.ndim == 4 else x[:, :, ::subsample[-1]]
-        xs = np.ascontiguousarray(x).reshape(x_shape)
+        xs = np.ascontiguousarray(x, dtype=np.float32).reshape(x_shape)
         y = out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(y_shape)
         for n in range(n_img):
-            kernel(xs[n], wk[0], wk[1], *tail, ys[n], _image_operands(arranged, inputs, operands, n, fixed_ops))
+            kernel(xs[n], wk[0], wk[1], *tail, ys[n], _image_operands(arranged, inputs, operands, n, fixed_ops), *after)
         return y
     return step
 

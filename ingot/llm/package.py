@@ -111,7 +111,7 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     JSON for llm.json (e.g. how the weights were quantized).
     """
     from .. import package
-    from ..adapters import binder
+    from ..adapters import LOOKUP, binder
     from .. import models
 
     path = Path(path)
@@ -125,7 +125,6 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     if adapters:
         model.callables_for = binder(cfg, adapters)
     decoder = model.compile(1, "cpu")
-    from ..adapters import LOOKUP
     decoder.callables.pop(LOOKUP, None)   # made from the head's adapter when the graph is built: stored once, there
     layout = {}
     for name, t in stored.items():

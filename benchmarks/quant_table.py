@@ -128,13 +128,16 @@ def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int,
     cuda = {}
     if gpu:
         gpu_engines = []
-        for label, kind, path in files:
-            if kind == "Ingot":
+        for label, kind, path in files:   # llama.cpp's files too: Ingot's CUDA backend reads the GGUF types
+            try:
                 e = cpu_llm.IngotEngine(path, context, "float32", None, device="cuda")
-                e.name = label
-                gpu_engines.append(e)
-        cuda = {k: v["decode_tok_s"] for k, v in cpu_llm.interleaved(gpu_engines, n_prompt, n_decode, 32, repeats).items()
-                if isinstance(v, dict)}
+            except Exception as err:   # a type Ingot's CUDA backend refuses is reported in the cell
+                cuda[label] = f"not run ({type(err).__name__}: {str(err)[:80]})"
+                continue
+            e.name = label
+            gpu_engines.append(e)
+        cuda |= {k: v["decode_tok_s"] for k, v in cpu_llm.interleaved(gpu_engines, n_prompt, n_decode, 32, repeats).items()
+                 if isinstance(v, dict)}
     return {label: (cpu[label]["decode_tok_s"] if label in cpu else None,
                     cuda.get(label, "not run" + ("" if gpu else " (no GPU)")))
             for label, _, _ in files} | {"loadavg": cpu.get("loadavg", [])}
@@ -159,8 +162,10 @@ def ingot_row(source, row: str, stats: dict):
                                 tensor_formats=tensor_formats, bits=bits, compensate_sites=sites, compensate_form=form)
     exclude = ["token_embd.weight"] if "x" in options else []
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
+    heads = [("token_embd.weight", head), ("output.weight", head)] if head else []
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,
-                          gptq="gptq" in options, exclude=exclude, compensate_sites=sites, compensate_form=form)
+                          gptq="gptq" in options, exclude=exclude, compensate_sites=sites, compensate_form=form,
+                          tensor_formats=heads)
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 # Source this first in a lent-GPU call: installs, from the wheels carried in .whl/ and .whlx/ (see
 # docs/cuda.md), only the packages the device image lacks, into /tmp/site (kept while the machine
 # stays warm), and joins the default model's GGUF from halves carried in .gguf1/ and .gguf2/ into
-# /tmp/real/m.gguf. Prints what it installed.
+# /tmp/real/m.gguf. Prints what it installed. A carried .llamacpp/llama_cpp (llama-cpp-python's package,
+# its lib/ files copied without symlinks: ~9 MB) goes on PYTHONPATH, for llama.cpp's quantizer.
 #   source benchmarks/lab/device_setup.sh
 SITE=/tmp/site
 mkdir -p "$SITE" /tmp/real
@@ -34,6 +35,10 @@ add pydantic pydantic pydantic_core annotated_types typing_inspection
 add opentelemetry opentelemetry_api importlib_metadata zipp
 add fastapi fastapi starlette annotated_doc
 add uvicorn uvicorn
+if [ -d .llamacpp/llama_cpp ]; then   # llama-cpp-python's package copied from here (its quantizer, issue 39's table)
+  add diskcache diskcache
+  export PYTHONPATH=$PYTHONPATH:$PWD/.llamacpp
+fi
 echo "device_setup: installed${installed:- nothing}"
 if [ -f .gguf1/a ]; then cp .gguf1/a /tmp/real/a; fi
 if [ -f .gguf2/b ] && [ -f /tmp/real/a ]; then cat /tmp/real/a .gguf2/b > /tmp/real/m.gguf && echo "device_setup: /tmp/real/m.gguf $(stat -c %s /tmp/real/m.gguf) bytes"; fi

@@ -101,16 +101,17 @@ def llama_quantize(source: Path, out: Path, name: str, log: Path) -> str | None:
     return None
 
 
-def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int, n_prompt: int) -> dict:
+def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int, n_prompt: int,
+                  devices: tuple[str, ...] = ("cpu", "cuda")) -> dict:
     """{label: (cpu tok/s or None, cuda tok/s or a reason)} for (label, kind, path) rows, kind
-    "llama.cpp" or "Ingot": cpu_llm's interleaved rounds over every row's engine at once."""
+    "llama.cpp" or "Ingot": cpu_llm's interleaved rounds over every row's engine at once, on `devices`."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import cpu_llm
 
     n_decode = 128
     context = max(n_prompt, 32 + n_decode) + 16
     engines = []
-    for label, kind, path in files:
+    for label, kind, path in files if "cpu" in devices else ():
         try:
             e = (cpu_llm.LlamaCppEngine(path, context, threads, context) if kind == "llama.cpp"
                  else cpu_llm.IngotEngine(path, context, "float32", threads))
@@ -122,7 +123,7 @@ def decode_speeds(files: list[tuple[str, str, str]], threads: int, repeats: int,
     cpu = cpu_llm.interleaved(engines, n_prompt, n_decode, 32, repeats) if engines else {}
     try:
         import torch
-        gpu = torch.cuda.is_available()
+        gpu = torch.cuda.is_available() and "cuda" in devices
     except ImportError:
         gpu = False
     cuda = {}
@@ -181,6 +182,7 @@ def main() -> int:
     parser.add_argument("--speed-repeats", type=int, default=3, help="interleaved decode rounds after the warm-up (0: no speed column)")
     parser.add_argument("--speed-prompt", type=int, default=64, help="prefill tokens per round of the speed rounds")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of every engine in the speed rounds")
+    parser.add_argument("--devices", default="cpu,cuda", help="where the speed rounds run (cuda: where a GPU is)")
     args = parser.parse_args()
 
     from ingot.convert import disk_bytes
@@ -272,7 +274,8 @@ def main() -> int:
     if speed_files:
         print(f"decode speed: {len(speed_files)} rows interleaved, {args.speed_repeats} rounds after a warm-up, "
               f"{args.threads} thread(s) each, {args.speed_prompt}-token prefill + 128 decode steps a round", flush=True)
-        speeds = decode_speeds(speed_files, args.threads, args.speed_repeats, args.speed_prompt)
+        speeds = decode_speeds(speed_files, args.threads, args.speed_repeats, args.speed_prompt,
+                               tuple(args.devices.split(",")))
         print("| quantizer | format | mean KLD | bits/weight | CPU decode tok/s | CUDA decode tok/s |\n|" + " --- |" * 2
               + " ---: |" * 4)
         for entry in results:

@@ -95,8 +95,11 @@ run_quant() {
   # issue 39: the quantization table's CUDA decode column (needs /tmp/real/m.gguf: both GGUF halves carried);
   # quantizing and scoring run on the device's CPUs: a calibrated row took 150-185 s there (H100 host,
   # 2026-12-05), so the default rows are uncalibrated: the same formats, bytes and kernels (about 280 s in all)
-  timeout "${QUANT_S:-400}" python3 -m benchmarks quant --llama '' --model /tmp/real/m.gguf --chunks 1 --speed-repeats 2 \
-    --rows "${QUANT_ROWS:-uint4:32:k+head=uint4:32:k,uint4:32:k+head=uint4:32:k+c70@head,lut4:b64,uint4:32:f16+head=uint4:32:f16}" \
+  # (uint4:32:k+head=int8: the default's format without its calibration). llama.cpp's rows need a carried
+  # .llamacpp/ (device_setup.sh); their CUDA cells are Ingot's CUDA backend on llama.cpp's files
+  timeout "${QUANT_S:-400}" python3 -m benchmarks quant --llama "${QUANT_LLAMA:-Q4_0,Q4_K_M,IQ4_XS,Q3_K_M}" --model /tmp/real/m.gguf \
+    --chunks 1 --speed-repeats 2 --devices cuda \
+    --rows "${QUANT_ROWS:-uint4:32:k+head=uint4:32:k,uint4:32:k+head=uint4:32:k+c70@head,lut4:b64,uint4:32:f16+head=uint4:32:f16,uint4:32:k+head=int8}" \
     --json "$OUT/quant.json" 2>&1 | grep "^|\|decode speed\|load average"
 }
 run_onnx() {

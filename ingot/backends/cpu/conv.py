@@ -311,9 +311,10 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
         return _spatial_step(conv, out, epilogue, x_index, w_index, b_index, constant, (sh, dh, dw, ph, pw), "rows",
                              constants)
     if direct:   # a column window runs as a row one (conv_kernels._columns)
-        window = (kw, kh) if conv_kernels._columns(kh, kw, ow, conv.src[0].type.shape[-1] if not one_d else 0) else (kh, kw)
-        direct_kernel = conv_kernels.direct_kernel(*window, *((epilogue.steps, epilogue.operands) if epilogue.spatial_ok
-                                                              else ((), ())))
+        columns = conv_kernels._columns(kh, kw, ow, conv.src[0].type.shape[-1] if not one_d else 0)
+        window = (kw, kh) if columns else (kh, kw)
+        direct_kernel = conv_kernels.direct_kernel(*window, *((sh, dh) if columns else (sw, dw)),
+                                                   *((epilogue.steps, epilogue.operands) if epilogue.spatial_ok else ((), ())))
         if epilogue.spatial_ok and window == (kh, kw) and groups == 1:
             return _direct_step(conv, out, epilogue, x_index, w_index, b_index, constant_w, constants, direct_kernel,
                                 (sh, sw, dh, dw, ph, pw))

@@ -82,6 +82,11 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
     (40, 20, (5, 6), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # 3 x 3 outputs: a tile over 3 rows, the last overlapping
     (24, 40, (10, 10), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),  # 10 x 10: 16 + 16 + 8 channels
     (16, 18, (7, 6), (5, 5), (1, 1), (1, 1), ((2, 2), (2, 2))),    # 5 x 5 over rows of 6
+    # rows as tiles of up to 14 columns, stored 8 at a time (the last 8 under a mask)
+    (6, 20, (7, 27), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),    # 14 + 13 columns
+    (5, 33, (9, 29), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # stride 2: 8 + 7 columns
+    (4, 18, (6, 16), (5, 5), (1, 1), (1, 2), ((2, 2), (4, 4))),    # dilated columns: 2 x 8
+    (12, 40, (3, 11), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),   # weights the larger: rows of 11, one tile
 ]
 
 
@@ -129,7 +134,7 @@ def test_direct_conv_of_a_column():
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("m,ow", [(24, 20), (8, 7), (40, 13)])
+@pytest.mark.parametrize("m,ow", [(24, 20), (8, 7), (40, 13), (17, 14), (9, 31)])
 def test_direct_conv_narrow_tiles_and_half_blocks(m, ow):
     """A row's last columns fewer than 8 (narrow tiles) and a last block of at most 8 output channels
     (8-lane vectors), with a bias and an epilogue (leaky ReLU + residual) applied in the kernel."""

@@ -130,7 +130,8 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
 # accumulators stay in registers over every input channel and tap: each step one weight vector (16
 # output channels) and TILE broadcast input values (llvmlite, the loop over input channels in IR).
 
-TILE = 8   # output columns per call: 8 accumulators + 1 weight vector
+TILE = 8   # output columns a transpose stores (and a gather tile's positions)
+WIDEST = 14   # output columns a tile computes at most (14 accumulators: 12 and 16 ran 0-5 % slower)
 _V8 = ir.VectorType(ir.FloatType(), 8)
 
 
@@ -170,12 +171,11 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
     """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops, trim, pos): for positions
     r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
     ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
-    wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. At width TILE the accumulators (one vector of 16 channels
-    per position) are transposed in registers and stored as rows of 8 positions (lanes 8: the first 8 of
-    each 16); narrower, position r's vector is stored at out[o_at + 16 * r] (a scratch row the caller
-    scatters: fewer shuffles to compile for the rarer tiles). key: at width TILE, conv_spatial's epilogue of
-    that key (without full operands) applied to the accumulators before the transpose, its channel operands
-    read 16 at a time from b_at (ops as conv_spatial's). trim 1 (2): the window's first (last) row left out,
+    wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. The accumulators (one vector of 16 channels per position)
+    are transposed in registers 8 positions at a time and stored as rows of 8 (the last group under a mask;
+    lanes 8: the first 8 of each 16). key: conv_spatial's epilogue of that key (without full operands)
+    applied to the accumulators before the transpose, its channel operands read 16 at a time from b_at (ops
+    as conv_spatial's). trim 1 (2): the window's first (last) row left out,
     as it lies in the padding (an output row at the top or bottom edge); tested inside the loop over input
     channels (a predicted branch per kh * kw * width FMAs: one tile for all rows, not three to compile).
     gather: position r reads x_at + pos[r] (an int64 array) instead of x_at + r * sw, so that a tile's
@@ -272,11 +272,6 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
                 finals.append(f)
             b = builder.load(builder.bitcast(builder.gep(ba.data, [b_at_v]), f16x.as_pointer()), align=4)
             finals = [builder.fadd(f, b) for f in finals]
-            if width < TILE:   # a row's last columns: the vectors as they are, at out[o_at + 16 * r]
-                for r, f in enumerate(finals):
-                    ptr = builder.gep(oa.data, [builder.add(o_at_v, ir.Constant(i64, 16 * r))])
-                    builder.store(f, builder.bitcast(ptr, f16x.as_pointer()), align=4)
-                return context.get_dummy_value()
             if lanes == 8:   # as 16 lanes, the upper 8 never stored
                 widen = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
                 finals = [builder.shuffle_vector(f, undef, widen) for f in finals]
@@ -287,13 +282,25 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
                                          channels=cs._lane_mask(builder, n_ch_v, 0))
                 finals = [cs.apply_steps(builder, steps, operands, read, f) for f in finals]
             v16 = ir.VectorType(f32, 16)
-            rows = _transposed(builder, finals)
-            for c in range(lanes):
-                half = builder.shuffle_vector(rows[c // 2], ir.Constant(v16, ir.Undefined),
-                                              ir.Constant(ir.VectorType(i32, 8), list(range(8 * (c % 2), 8 * (c % 2) + 8))))
-                with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, c), n_ch_v)):
-                    at = builder.add(o_at_v, builder.mul(o_step_v, ir.Constant(i64, c)))
-                    builder.store(half, builder.bitcast(builder.gep(oa.data, [at]), _V8.as_pointer()), align=4)
+            ptr8 = _V8.as_pointer()
+            masked_store = builder.module.globals.get("llvm.masked.store.v8f32.p0") or ir.Function(
+                builder.module, ir.FunctionType(ir.VoidType(), [_V8, ptr8, i32, ir.VectorType(ir.IntType(1), 8)]),
+                name="llvm.masked.store.v8f32.p0")
+            for g0 in range(0, width, TILE):   # 8 positions at a time, transposed; the last group's under a mask
+                n_g = min(TILE, width - g0)
+                group = finals[g0:g0 + n_g] + [ir.Constant(v16, [0.0] * 16)] * (TILE - n_g)
+                rows = _transposed(builder, group)
+                for c in range(lanes):
+                    half = builder.shuffle_vector(rows[c // 2], ir.Constant(v16, ir.Undefined),
+                                                  ir.Constant(ir.VectorType(i32, 8), list(range(8 * (c % 2), 8 * (c % 2) + 8))))
+                    with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, c), n_ch_v)):
+                        at = builder.add(o_at_v, builder.add(builder.mul(o_step_v, ir.Constant(i64, c)), ir.Constant(i64, g0)))
+                        ptr = builder.bitcast(builder.gep(oa.data, [at]), ptr8)
+                        if n_g == TILE:
+                            builder.store(half, ptr, align=4)
+                        else:
+                            builder.call(masked_store, [half, ptr, ir.Constant(i32, 4), ir.Constant(
+                                ir.VectorType(ir.IntType(1), 8), [1] * n_g + [0] * (TILE - n_g))])
             return context.get_dummy_value()
         return sig, codegen
     return tile
@@ -304,11 +311,11 @@ _TILES: dict = {}
 
 def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = "", gather: bool = False, sw: int = 1,
                 dw: int = 1):
-    """The tile of width <= TILE columns (a row's last: 20 wide is 8 + 8 + 4, not 24 computed); lanes 8: of
+    """The tile of width <= WIDEST columns (a row of 20: two of 10, not 8 + 8 + 4); lanes 8: of
     a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); key: the epilogue in
-    registers (width TILE only); gather: positions at offsets read from pos; sw, dw: the column stride and
+    registers; gather: positions at offsets read from pos; sw, dw: the column stride and
     dilation; made once per process."""
-    spec = (kh, kw, width, lanes, key if width == TILE else "", gather, sw, dw)
+    spec = (kh, kw, width, lanes, key, gather, sw, dw)
     if spec not in _TILES:
         _TILES[spec] = _tile_intrinsic(*spec)
     return _TILES[spec]
@@ -318,16 +325,15 @@ WINDOW_SIZES = ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))
 
 
 def _dispatch(prefix: str, indent: str) -> str:
-    """Generated source: the call of the tile of width n (1..8) named prefix + n (narrower than TILE: into
-    acc, which the caller scatters)."""
+    """Generated source: the call of the tile of width n (1..WIDEST) named prefix + n."""
     lines = []
-    for k, n in enumerate((8, 4, 2, 6, 1, 3, 5, 7)):
-        head = "if" if k == 0 else "elif" if n != 7 else "else"
+    for k, n in enumerate(range(WIDEST, 0, -1)):
+        head = "if" if k == 0 else "elif" if n != 1 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
-        target = "of, (b * 16 * oh + oy) * ow + ox0" if n == 8 else "acc, 0"
-        lines.append(f"{indent}    {prefix}{n}({target}, oh * ow, xf, at, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, "
-                     "dw, ops, trim, pos)")
+        lines.append(f"{indent}    {prefix}{n}(of, (b * 16 * oh + oy) * ow + ox0, oh * ow, xf, at, plane, dh * wp, wf, 0, c_n, bp, "
+                     "b * 16, lanes, sw, dw, ops, trim, pos)")
     return "\n".join(lines)
+
 
 _DIRECT = """import numpy as np
 from numba import njit
@@ -335,10 +341,8 @@ from numba import njit
 from ingot.backends.cpu.conv_kernels import TILE, narrow_tile
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
-tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8 = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}, False, {sw}, {dw})
-                                                          for w in range(1, 9))
-half1, half2, half3, half4, half5, half6, half7, half8 = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}, False, {sw}, {dw})
-                                                          for w in range(1, 9))
+{tiles} = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}, False, {sw}, {dw}) for w in range(1, {widest} + 1))
+{halves} = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}, False, {sw}, {dw}) for w in range(1, {widest} + 1))
 gather16, gather8 = (narrow_tile({kh}, {kw}, TILE, lanes, {tile_key!r}, True, {sw}, {dw}) for lanes in (16, 8))
 epilogue = EPILOGUES[{key!r}]
 
@@ -365,20 +369,17 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
     bp = np.zeros(blocks * 16, np.float32)   # the bias in whole blocks of 16
     for l in range(m):
         bp[l] = bias[l]
-    acc = np.empty(TILE * 16, np.float32)
-    rem = ow % TILE
-    split = ow > TILE and 0 < rem < 4   # the last 8 + rem columns as two tiles of 4 to 6 (a tile of rem: < 4 FMA chains)
-    full = ow // TILE - (1 if split else 0)
-    n1 = (TILE + rem + 1) // 2
-    row_tiles = full + (2 if split else 1 if rem > 0 else 0)
+    # a row as few tiles of at most WIDEST columns as even as they go (20: 10 + 10; 40: 4 x 10)
+    row_tiles = (ow + {widest} - 1) // {widest}
+    narrowest, wider = ow // row_tiles, ow % row_tiles   # the first `wider` tiles a column wider
     copied = 0   # input rows copied into xp, each just before the first output row that reads it (in cache after)
     filled = 0   # with the ring: padded rows written into it
     pos = np.zeros(TILE, np.int64)
     positions = oh * ow
-    if not rows_first and rem > 0 and positions >= TILE:
-        # rows whose width is not a multiple of TILE: each block's positions as one run, TILE at a time, a
-        # tile running on from one row into the next (x at pos[r]); the last tile ends at the last position
-        # (overlapping the one before it: its outputs computed twice, the same)
+    if not rows_first and ow < TILE <= positions:
+        # rows narrower than a tile: each block's positions as one run, TILE at a time, a tile running on
+        # from one row into the next (x at pos[r]); the last tile ends at the last position (overlapping
+        # the one before it: its outputs computed twice, the same)
         while copied < h:
             for c in range(c_n):
                 row, dst = x[c, copied], xp[c, copied + ph]
@@ -397,7 +398,7 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
                 trim = 0
                 if oy == (p0 + TILE - 1) // ow:   # one row: its window's padding rows left out
                     iy0 = oy * sh - ph
-                    trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \
+                    trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
                         2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
                 if lanes > 8:
                     gather16(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw,
@@ -439,29 +440,21 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
             wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
             lanes = min(16, m - b * 16)
             iy0 = oy * sh - ph   # the input row of the window's first: 1 where only it is padding, 2 where only the last
-            trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \
+            trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
                 2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
+            ox0 = 0
             for t in range(row_tiles):
-                if t < full:
-                    ox0, n = t * TILE, TILE
-                elif split:
-                    ox0, n = (full * TILE, n1) if t == full else (full * TILE + n1, TILE + rem - n1)
-                else:
-                    ox0, n = full * TILE, rem
+                n = narrowest + (1 if t < wider else 0)
                 at = slot0 * wp + ox0 * sw
                 if lanes > 8:
 {full}
                 else:
 {half}
-                if n < TILE:
-                    for l in range(lanes):
-                        orow = out[b * 16 + l, oy]
-                        for r in range(n):
-                            orow[ox0 + r] = acc[r * 16 + l]
-            if {has_epilogue}:   # the block's 16 rows just written, in L1 (the full tiles' own: in registers)
+                ox0 += n
+            if {has_epilogue} and not {in_tile}:   # the block's 16 rows just written, in L1
                 for l in range(lanes):
                     at = ((b * 16 + l) * oh + oy) * ow
-                    for t0 in range({first}, ow, 16):
+                    for t0 in range(0, ow, 16):
                         epilogue(of, at + t0, of, at + t0, ow - t0, b * 16 + l, at + t0, ops)
 """
 
@@ -501,10 +494,11 @@ def direct_kernel(kh: int, kw: int, sw: int, dw: int, steps=(), operands=()):
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
     in_tile = bool(steps) and all(form != "full" for form, _ in operands)   # full operands: lanes are channels
-    source = _DIRECT.format(kh=kh, kw=kw, sw=sw, dw=dw, key=key,
+    source = _DIRECT.format(kh=kh, kw=kw, sw=sw, dw=dw, key=key, widest=WIDEST,
                             tile_key=key if in_tile else "", has_epilogue=bool(steps), in_tile=in_tile,
-                            first="full * TILE" if in_tile else "0",
-                            full=_dispatch("tile", " " * 24), half=_dispatch("half", " " * 24))
+                            full=_dispatch("tile", " " * 24), half=_dispatch("half", " " * 24),
+                            tiles=", ".join(f"tile{n}" for n in range(1, WIDEST + 1)),
+                            halves=", ".join(f"half{n}" for n in range(1, WIDEST + 1)))
     return conv_spatial.load(source, "kernel", "cpu_direct_conv")
 
 

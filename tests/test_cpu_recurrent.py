@@ -63,9 +63,10 @@ def test_compiled_lstm_panels(sizes):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (4, 3, 64), (7, 129, 65), (13, 40, 200), (2, 17, 330)])
+@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (4, 3, 64), (7, 129, 65), (13, 40, 200), (2, 17, 330), (20, 300, 70)])
 def test_panel_accumulate(rows, k, n):
-    """accumulate adds x W^T into a strided accumulator (rows in fours then ones, padded columns zero)."""
+    """accumulate adds x W^T into a strided accumulator (rows in sixes then ones, k in chunks of 128, padded
+    columns zero)."""
     from ingot.backends.cpu.recurrent import WIDTH, accumulate, pack
     rng = np.random.default_rng(rows * 1000 + k)
     w = rng.standard_normal((n, k)).astype(np.float32)

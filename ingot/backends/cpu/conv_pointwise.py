@@ -328,6 +328,7 @@ from numba import njit
 from ingot.backends.cpu.conv_pointwise import blocked_tile_for
 
 tile16, tile8, tile4, tile3, tile2, tile1 = (blocked_tile_for(r, 1, {key!r}, {blocked_in}) for r in (16, 8, 4, 3, 2, 1))
+pair8, pair4 = (blocked_tile_for(r, 2, {key!r}, {blocked_in}) for r in (8, 4))
 tail1, tail2, tail3 = (blocked_tile_for(r, b, {key!r}, {blocked_in}) for r, b in ((1, {tail_1}), (2, {tail_2}), (3, {tail_3})))
 
 
@@ -343,7 +344,16 @@ def kernel(x, w, bias, out, ops, m_n):
     step = c_n * 16
     tail = p_n % 4
     main = p_n - tail
-    for b in range(blocks):   # 16 channels x 16, 8, 4 positions a tile
+    b = 0
+    while b + 2 <= blocks:   # 32 channels x 8 positions a tile: 2 weight loads and 8 broadcasts for 16 FMAs
+        p = 0
+        while p + 8 <= main:
+            pair8(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            p += 8
+        if p + 4 <= main:
+            pair4(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+        b += 2
+    for b in range(b, blocks):   # 16 channels x 16, 8, 4 positions a tile
         p = 0
         while p + 16 <= main:
             tile16(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)

@@ -66,7 +66,11 @@ def test_gemm_splits_columns_over_threads(qdtype, threads):
     a = RNG.standard_normal((rows, k)).astype(np.float32)
     node = next(nd for nd in exe.program.nodes() if nd.op.name == "QUANTIZED_MATMUL")
     want = quantized_matmul_reference([a] + [exe.program.constants[s.attrs["key"]] for s in node.src[1:]], node.attrs)
-    np.testing.assert_allclose(exe.run({"x": a})[0], want, rtol=1e-4, atol=1e-3)
+    # float32 sums of k products in another order: the error scales with sum |x| |w|, not with the result (int8
+    # weights reach ~140, so a result near 0 cancels terms of ~1000: seed-dependent 1.2e-3 misses at atol 1e-3)
+    values = dt.unpack_int4(q, n, signed=False) if qdtype.packed else q
+    w_abs = np.abs(values * np.repeat(scale, block, axis=0) + np.repeat(bias, block, axis=0))
+    np.testing.assert_array_less(np.abs(exe.run({"x": a})[0] - want), 1e-4 * np.abs(want) + 1e-6 * (np.abs(a) @ w_abs))
 
 
 def integer_activation_model(x, values, scale, offset, center, block):

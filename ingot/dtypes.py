@@ -122,3 +122,52 @@ def storage_shape(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
             raise IngotError(f"a {dtype.name} tensor needs at least one axis to pack along.")
         return tuple(shape[:-1]) + ((shape[-1] + 1) // 2,)
     return tuple(shape)
+
+
+TILE = 32   # k and columns per tile of a TiledPacked4
+
+
+class TiledPacked4:
+    """A k-major packed 4-bit weight (storage [K, N / 2] uint8, two columns a byte, low nibble the even
+    one) held tile by tile: `tiles` [K / 32, N / 32, 512] uint8, tile (a, b) the 16 bytes of columns
+    32 b..32 b + 31 of rows 32 a, 32 a + 1, ..., 32 a + 31 in turn. The CPU's 4-bit GEMV reads a tile
+    as one run of 512 bytes where the k-major array spreads it over 32 runs of 16 (backends/cpu/kernels.py
+    converts a weight into this form at load: only one of the two forms is ever kept). It stands for
+    the k-major array everywhere else: `shape`, `dtype` and `nbytes` are that array's, and
+    np.asarray(t) makes it (a copy).
+
+        >>> q = np.arange(64 * 32, dtype=np.uint16).astype(np.uint8).reshape(64, 32)
+        >>> t = TiledPacked4.from_k_major(q)
+        >>> t.shape, t.tiles.shape, bool((np.asarray(t) == q).all())
+        ((64, 32), (2, 2, 512), True)
+    """
+
+    def __init__(self, tiles: np.ndarray):
+        if tiles.dtype != np.uint8 or tiles.ndim != 3 or tiles.shape[2] != TILE * TILE // 2:
+            raise IngotError(f"TiledPacked4: tiles must be uint8 [K / 32, N / 32, 512], not {tiles.dtype}{list(tiles.shape)}.")
+        self.tiles = tiles
+        self.shape = (tiles.shape[0] * TILE, tiles.shape[1] * TILE // 2)
+        self.dtype = np.dtype(np.uint8)
+        self.ndim, self.size, self.nbytes = 2, self.shape[0] * self.shape[1], int(tiles.nbytes)
+
+    @staticmethod
+    def fits(q: np.ndarray) -> bool:
+        """Whether a k-major packed array [K, N / 2] tiles: K and N multiples of 32."""
+        return q.ndim == 2 and q.dtype == np.uint8 and q.shape[0] % TILE == 0 and q.shape[1] % (TILE // 2) == 0
+
+    @classmethod
+    def from_k_major(cls, q: np.ndarray) -> "TiledPacked4":
+        k, half = q.shape
+        tiles = np.ascontiguousarray(q.reshape(k // TILE, TILE, half // 16, 16).transpose(0, 2, 1, 3))
+        return cls(tiles.reshape(k // TILE, half // 16, TILE * 16))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a, b, _ = self.tiles.shape
+        q = self.tiles.reshape(a, b, TILE, 16).transpose(0, 2, 1, 3).reshape(self.shape)
+        return q if dtype is None else q.astype(dtype)
+
+    def tobytes(self) -> bytes:
+        return np.asarray(self).tobytes()
+
+    def __repr__(self) -> str:
+        return f"TiledPacked4(k-major uint8{list(self.shape)}, tiles {list(self.tiles.shape)})"

@@ -151,8 +151,9 @@ class Graph:
         return Tensor(self, node)
 
     def constant(self, value, dtype: dt.DType | None = None, name: str | None = None) -> Tensor:
-        """A constant. For int4/uint4 pass the packed bytes (two values per byte, low nibble first)."""
-        array = np.asarray(value)
+        """A constant. For int4/uint4 pass the packed bytes (two values per byte, low nibble first), or
+        a dt.TiledPacked4 of them (kept as it is: the CPU's storage form of a 4-bit weight)."""
+        array = value if isinstance(value, dt.TiledPacked4) else np.asarray(value)
         if array.dtype == np.float64:
             array = array.astype(np.float32)
         elif array.dtype == np.complex128:

@@ -125,7 +125,13 @@ class LLM:
             from ..models.tensor_parallel import build_sharded
             self.model = build_sharded(self.config, model.tensors, tensor_parallel, self.rank, path)
         else:
-            self.model = models.build(self.config, model.tensors, path, adapter_sites=self.adapters.names)
+            tensors = model.tensors
+            if device == "cpu":   # converted once, as a package stores them, 4-bit ones tiled for the GEMV
+                from ..backends.cpu.kernels import tile_weights
+                from .package import storage_form
+                tensors = tile_weights(storage_form(self.config, tensors))
+            self.model = models.build(self.config, tensors, path, adapter_sites=self.adapters.names)
+            del tensors
         if self.adapters:
             self.model.callables_for = binder(self.config, self.adapters)
         del model

@@ -262,6 +262,9 @@ class Engine:
         # converted once, k-major and q/k/v, gate/up side by side (as a package stores them): every graph
         # built from them (batch-1, rows decoders) shares these arrays, none converts or copies its own
         self.tensors = storage_form(cfg, {name: model.tensors[name] for name in model.tensors})
+        if device == "cpu":   # 4-bit ones tiled for the GEMV (kernels.tile_weights), held once
+            from ..backends.cpu.kernels import tile_weights
+            tile_weights(self.tensors)
         self.metadata = {k: v for k, v in model.metadata.items() if not k.startswith("tokenizer.ggml.")}
         del model
         self.model = models.build(cfg, self.tensors, self.path, adapter_sites=self.sites)

@@ -124,50 +124,75 @@ def storage_shape(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
     return tuple(shape)
 
 
-TILE = 32   # k and columns per tile of a TiledPacked4
+
+TILE = 32   # k and columns per tile of a TiledWeight
 
 
-class TiledPacked4:
-    """A k-major packed 4-bit weight (storage [K, N / 2] uint8, two columns a byte, low nibble the even
-    one) held tile by tile: `tiles` [K / 32, N / 32, 512] uint8, tile (a, b) the 16 bytes of columns
-    32 b..32 b + 31 of rows 32 a, 32 a + 1, ..., 32 a + 31 in turn. The CPU's 4-bit GEMV reads a tile
-    as one run of 512 bytes where the k-major array spreads it over 32 runs of 16 (backends/cpu/kernels.py
-    converts a weight into this form at load: only one of the two forms is ever kept). It stands for
-    the k-major array everywhere else: `shape`, `dtype` and `nbytes` are that array's, and
-    np.asarray(t) makes it (a copy).
+class TiledWeight:
+    """A k-major quantized weight's storage (DESIGN.md "Quantized storage": 4-bit packed [K, N / 2]
+    uint8, two columns a byte, low nibble the even one; 8-bit [K, N] int8 or uint8) held tile by
+    tile: `tiles` [K / 32, N / 32, 32 * W], tile (a, b) the W bytes (16 for 4 bits, 32 for 8) of
+    columns 32 b..32 b + 31 of rows 32 a, 32 a + 1, ..., 32 a + 31 in turn. The CPU's GEMVs read a
+    tile as one run of 512 or 1024 bytes where the k-major array spreads it over 32 runs of W
+    (backends/cpu/kernels.py converts a weight into this form at load: only one of the two forms is
+    ever kept). It stands for the k-major array everywhere else: `shape`, `dtype` and `nbytes` are
+    that array's, indexing rows (t[rows]) or columns (t[:, columns]) reads only those, and
+    np.asarray(t) makes the whole array (a copy).
 
         >>> q = np.arange(64 * 32, dtype=np.uint16).astype(np.uint8).reshape(64, 32)
-        >>> t = TiledPacked4.from_k_major(q)
-        >>> t.shape, t.tiles.shape, bool((np.asarray(t) == q).all())
-        ((64, 32), (2, 2, 512), True)
+        >>> t = TiledWeight.from_k_major(q, bits=4)
+        >>> t.shape, t.tiles.shape, bool((np.asarray(t) == q).all()), bool((t[:, [3, 17]] == q[:, [3, 17]]).all())
+        ((64, 32), (2, 2, 512), True, True)
     """
 
     def __init__(self, tiles: np.ndarray):
-        if tiles.dtype != np.uint8 or tiles.ndim != 3 or tiles.shape[2] != TILE * TILE // 2:
-            raise IngotError(f"TiledPacked4: tiles must be uint8 [K / 32, N / 32, 512], not {tiles.dtype}{list(tiles.shape)}.")
+        if tiles.dtype not in (np.uint8, np.int8) or tiles.ndim != 3 or tiles.shape[2] not in (16 * TILE, 32 * TILE) \
+                or (tiles.shape[2] == 16 * TILE and tiles.dtype != np.uint8):
+            raise IngotError(f"TiledWeight: tiles must be [K / 32, N / 32, 512] uint8 or [.., .., 1024] int8 or uint8, "
+                             f"not {tiles.dtype}{list(tiles.shape)}.")
         self.tiles = tiles
-        self.shape = (tiles.shape[0] * TILE, tiles.shape[1] * TILE // 2)
-        self.dtype = np.dtype(np.uint8)
+        self.width = tiles.shape[2] // TILE        # bytes of a tile's row
+        self.bits = 4 if self.width == 16 else 8
+        self.shape = (tiles.shape[0] * TILE, tiles.shape[1] * self.width)
+        self.dtype = tiles.dtype
         self.ndim, self.size, self.nbytes = 2, self.shape[0] * self.shape[1], int(tiles.nbytes)
 
     @staticmethod
-    def fits(q: np.ndarray) -> bool:
-        """Whether a k-major packed array [K, N / 2] tiles: K and N multiples of 32."""
-        return q.ndim == 2 and q.dtype == np.uint8 and q.shape[0] % TILE == 0 and q.shape[1] % (TILE // 2) == 0
+    def fits(q: np.ndarray, bits: int) -> bool:
+        """Whether a k-major array of `bits`-wide values tiles: K and N multiples of 32."""
+        width = 16 if bits == 4 else 32
+        return q.ndim == 2 and q.dtype in ((np.uint8,) if bits == 4 else (np.uint8, np.int8)) \
+            and q.shape[0] % TILE == 0 and q.shape[1] % width == 0
 
     @classmethod
-    def from_k_major(cls, q: np.ndarray) -> "TiledPacked4":
-        k, half = q.shape
-        tiles = np.ascontiguousarray(q.reshape(k // TILE, TILE, half // 16, 16).transpose(0, 2, 1, 3))
-        return cls(tiles.reshape(k // TILE, half // 16, TILE * 16))
+    def from_k_major(cls, q: np.ndarray, bits: int) -> "TiledWeight":
+        k, stored = q.shape
+        width = 16 if bits == 4 else 32
+        tiles = np.ascontiguousarray(q.reshape(k // TILE, TILE, stored // width, width).transpose(0, 2, 1, 3))
+        return cls(tiles.reshape(k // TILE, stored // width, TILE * width))
+
+    def _blocks(self) -> np.ndarray:
+        a, b, _ = self.tiles.shape
+        return self.tiles.reshape(a, b, TILE, self.width)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        a, b, _ = self.tiles.shape
-        q = self.tiles.reshape(a, b, TILE, 16).transpose(0, 2, 1, 3).reshape(self.shape)
+        q = self._blocks().transpose(0, 2, 1, 3).reshape(self.shape)
         return q if dtype is None else q.astype(dtype)
+
+    def __getitem__(self, key) -> np.ndarray:
+        """Rows t[rows] or columns t[:, columns] (integer arrays) of the k-major array, read from their tiles."""
+        blocks = self._blocks()
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and np.ndim(key[1]) == 1 \
+                and np.asarray(key[1]).dtype.kind in "iu":
+            cols = np.asarray(key[1], np.intp)
+            return blocks[:, cols // self.width, :, cols % self.width].transpose(1, 2, 0).reshape(self.shape[0], -1)
+        if not isinstance(key, tuple) and np.ndim(key) == 1 and np.asarray(key).dtype.kind in "iu":
+            rows = np.asarray(key, np.intp)
+            return blocks[rows // TILE, :, rows % TILE, :].reshape(len(rows), self.shape[1])
+        return np.asarray(self)[key]
 
     def tobytes(self) -> bytes:
         return np.asarray(self).tobytes()
 
     def __repr__(self) -> str:
-        return f"TiledPacked4(k-major uint8{list(self.shape)}, tiles {list(self.tiles.shape)})"
+        return f"TiledWeight(k-major {self.dtype}{list(self.shape)}, {self.bits}-bit tiles {list(self.tiles.shape)})"

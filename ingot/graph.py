@@ -152,8 +152,8 @@ class Graph:
 
     def constant(self, value, dtype: dt.DType | None = None, name: str | None = None) -> Tensor:
         """A constant. For int4/uint4 pass the packed bytes (two values per byte, low nibble first), or
-        a dt.TiledPacked4 of them (kept as it is: the CPU's storage form of a 4-bit weight)."""
-        array = value if isinstance(value, dt.TiledPacked4) else np.asarray(value)
+        a dt.TiledWeight of them (kept as it is: the CPU's storage form of a 4-bit weight)."""
+        array = value if isinstance(value, dt.TiledWeight) else np.asarray(value)
         if array.dtype == np.float64:
             array = array.astype(np.float32)
         elif array.dtype == np.complex128:

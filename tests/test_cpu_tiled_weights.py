@@ -1,4 +1,4 @@
-"""4-bit weights held tile by tile (dt.TiledPacked4, the CPU LLM loaders' form): the same array as its
+"""4-bit weights held tile by tile (dt.TiledWeight, the CPU LLM loaders' form): the same array as its
 k-major form wherever it is read (np.asarray), and every CPU reader of the tiles (the rows GEMV, the
 prefill GEMM's dequantized tiles, the VNNI repack, other ops' fallbacks) gives bit for bit what the
 k-major array gives, on awkward row counts, column ranges and thread splits; a package saved from it
@@ -18,29 +18,46 @@ from ingot.quant.formats import QuantizedTensor
 RNG = np.random.default_rng(7)
 
 
-def test_tiles_stand_for_the_k_major_array():
-    q = RNG.integers(0, 256, (96, 48), dtype=np.uint8)      # K = 96, N = 96: 3 x 3 tiles
-    t = dt.TiledPacked4.from_k_major(q)
-    assert t.tiles.shape == (3, 3, 512) and t.shape == q.shape and t.dtype == np.uint8 and t.nbytes == q.nbytes
-    np.testing.assert_array_equal(t.tiles[1, 2].reshape(32, 16), q[32:64, 32:48])   # tile (1, 2): one run
+@pytest.mark.parametrize("bits,dtype", [(4, np.uint8), (8, np.int8), (8, np.uint8)])
+def test_tiles_stand_for_the_k_major_array(bits, dtype):
+    width = 16 if bits == 4 else 32                        # bytes of 32 columns
+    q = RNG.integers(-128 if dtype == np.int8 else 0, 128 if dtype == np.int8 else 256, (96, 3 * width)).astype(dtype)
+    t = dt.TiledWeight.from_k_major(q, bits)                # K = 96, N = 96: 3 x 3 tiles
+    assert t.tiles.shape == (3, 3, 32 * width) and t.shape == q.shape and t.dtype == dtype and t.nbytes == q.nbytes
+    assert t.bits == bits
+    np.testing.assert_array_equal(t.tiles[1, 2].reshape(32, width), q[32:64, 2 * width:])   # tile (1, 2): one run
     np.testing.assert_array_equal(np.asarray(t), q)
     assert t.tobytes() == q.tobytes()
-    assert dt.TiledPacked4.fits(q) and dt.TiledPacked4.fits(np.zeros((0, 16), np.uint8))
-    for shape in ((80, 48), (96, 40), (96, 8)):            # K or N not a multiple of 32: stays k-major
-        assert not dt.TiledPacked4.fits(np.zeros(shape, np.uint8))
+    columns, rows = np.array([5, 0, 3 * width - 1, 5]), np.array([95, 0, 33])
+    np.testing.assert_array_equal(t[:, columns], q[:, columns])
+    np.testing.assert_array_equal(t[rows], q[rows])
+    np.testing.assert_array_equal(t[3:7, 1], q[3:7, 1])    # anything else: through the whole array
+    assert dt.TiledWeight.fits(q, bits) and dt.TiledWeight.fits(np.zeros((0, width), dtype), bits)
+    for shape in ((80, 3 * width), (96, 3 * width - 8), (96, 8)):   # K or N not a multiple of 32: stays k-major
+        assert not dt.TiledWeight.fits(np.zeros(shape, dtype), bits)
     with pytest.raises(ingot.IngotError):
-        dt.TiledPacked4(np.zeros((2, 2, 256), np.uint8))
+        dt.TiledWeight(np.zeros((2, 2, 256), np.uint8))
+    with pytest.raises(ingot.IngotError):
+        dt.TiledWeight(np.zeros((2, 2, 512), np.int8))     # 4-bit tiles are bytes of two nibbles
 
 
 def graph(q, qdtype, scale, bias, block, rows, gather=False):
     g = ingot.Graph()
     x = g.placeholder((rows, q.shape[0]), name="x")
-    w = g.dequantize(g.constant(q, dtype=qdtype), axis=0, block_size=block, scale=g.constant(scale),
-                     bias=g.constant(bias) if bias is not None else None)
+    w = g.dequantize(g.constant(q, dtype=qdtype if qdtype.packed else None), axis=0, block_size=block,
+                     scale=g.constant(scale), bias=g.constant(bias) if bias is not None else None)
     targets = [x @ w]
-    if gather:   # another reader of the same weight (a tied embedding's lookup)
+    if gather:   # other readers of the same weight (a tied embedding's lookup: columns; rows)
         targets.append(g.gather(w, g.constant(np.array([3, 0, 95], np.int32)), axis=1))
+        targets.append(g.gather(w, g.constant(np.array([2, 40], np.int32)), axis=0))
     return g, targets
+
+
+def weight(k, n, qdtype):
+    if qdtype.packed:
+        return RNG.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    low, high = (-128, 128) if qdtype.kind == "i" else (0, 256)
+    return RNG.integers(low, high, (k, n)).astype(qdtype.numpy)
 
 
 @pytest.mark.parametrize("qdtype", [dt.uint4, dt.int4], ids=lambda d: d.name)
@@ -48,14 +65,14 @@ def graph(q, qdtype, scale, bias, block, rows, gather=False):
 @pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("has_bias", [True, False])
 @pytest.mark.parametrize("k,n,block", [(96, 96, 32), (192, 160, 64)])
-def test_tiled_weight_gives_the_k_major_results(qdtype, rows, params, has_bias, k, n, block):
-    q = RNG.integers(0, 256, (k, n // 2), dtype=np.uint8)
+def test_tiled_4bit_weight_gives_the_k_major_results(qdtype, rows, params, has_bias, k, n, block):
+    q = weight(k, n, qdtype)
     scale = (RNG.random((k // block, n)) + 0.1).astype(params)
     bias = RNG.standard_normal((k // block, n)).astype(params) if has_bias else None
     a = RNG.standard_normal((rows, k)).astype(np.float32)
     results = []
-    for weight in (q, dt.TiledPacked4.from_k_major(q)):
-        g, targets = graph(weight, qdtype, scale, bias, block, rows)
+    for w in (q, dt.TiledWeight.from_k_major(q, 4)):
+        g, targets = graph(w, qdtype, scale, bias, block, rows)
         exe = g.compile(targets=targets)
         results.append(exe.run({"x": a})[0])
     np.testing.assert_array_equal(results[1], results[0])
@@ -65,30 +82,73 @@ def test_tiled_weight_gives_the_k_major_results(qdtype, rows, params, has_bias, 
     np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("qdtype", [dt.int8, dt.uint8], ids=lambda d: d.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 40])         # 40: the prefill GEMM
+@pytest.mark.parametrize("params", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("k,n,block", [(96, 96, 32), (192, 160, 64), (96, 64, 96)])   # one block: int8_matmul's
+def test_tiled_8bit_weight_against_numpy_and_each_row_alone(qdtype, rows, params, has_bias, k, n, block):
+    """On AVX-512 the 8-bit tiles go through rows_gemv.gemv_rows_float8 (other sums than the k-major
+    kernel's, within float rounding; each row bit for bit what it gives that row alone); elsewhere
+    through the k-major kernel (np.asarray); past 16 rows the GEMM (or, one block along k, int8_matmul's
+    kernel) gives the k-major results exactly."""
+    q = weight(k, n, qdtype)
+    scale = (RNG.random((k // block, n)) + 0.1).astype(params)
+    bias = RNG.standard_normal((k // block, n)).astype(params) if has_bias else None
+    a = RNG.standard_normal((rows, k)).astype(np.float32)
+    a[0, 40] = 50.0
+    g, targets = graph(dt.TiledWeight.from_k_major(q, 8), qdtype, scale, bias, block, rows)
+    got = g.compile(targets=targets).run({"x": a})[0]
+    w = q.astype(np.float64) * np.repeat(scale.astype(np.float64), block, axis=0)
+    if has_bias:
+        w += np.repeat(bias.astype(np.float64), block, axis=0)
+    want = a.astype(np.float64) @ w
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    g1, targets1 = graph(dt.TiledWeight.from_k_major(q, 8), qdtype, scale, bias, block, 1)
+    one = g1.compile(targets=targets1)
+    from ingot.backends.cpu.int8_matmul import FLOAT_MIN_ROWS
+    if rows <= kernels.GEMV_MAX_ROWS and not (block == k and rows >= FLOAT_MIN_ROWS):
+        for m in range(rows):
+            np.testing.assert_array_equal(one.run({"x": a[m:m + 1]})[0][0], got[m])
+    else:
+        g2, targets2 = graph(q, qdtype, scale, bias, block, rows)
+        np.testing.assert_array_equal(got, g2.compile(targets=targets2).run({"x": a})[0])
+
+
+@pytest.mark.parametrize("qdtype", [dt.uint4, dt.int8], ids=lambda d: d.name)
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_tiled_weight_over_threads_and_activations(rows, threads, activations):
-    """Column splits of the team and of the GEMM's pool (3 parts of 272 byte columns: not whole tiles),
-    and int8 activations (the VNNI layout made from the tiles)."""
+def test_tiled_weight_over_threads_and_activations(qdtype, rows, threads, activations):
+    """Column splits of the team and of the GEMM's pool (3 parts of 272 or 544 byte columns: not whole
+    tiles), int8 activations (the VNNI layout made from the tiles), and gathers of the weight's
+    columns and rows (the NumPy reference reading only those from the tiles): the k-major results,
+    bit for bit (8-bit float32 GEMVs: each row the one-thread result)."""
     k, n, block = 256, 544, 32
-    q = RNG.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    q = weight(k, n, qdtype)
     scale = (RNG.random((k // block, n)) + 0.1).astype(np.float16)
     bias = RNG.standard_normal((k // block, n)).astype(np.float16)
     a = RNG.standard_normal((rows, k)).astype(np.float32)
-    options = CompileOptions(cpu=CpuOptions(threads=threads, gemv_activations=activations))
     results = []
-    for weight in (q, dt.TiledPacked4.from_k_major(q)):
-        g, targets = graph(weight, dt.uint4, scale, bias, block, rows, gather=True)
+    for w, t in ((q, threads), (dt.TiledWeight.from_k_major(q, qdtype.bits), threads),
+                 (dt.TiledWeight.from_k_major(q, qdtype.bits), 1)):
+        options = CompileOptions(cpu=CpuOptions(threads=t, gemv_activations=activations))
+        g, targets = graph(w, qdtype, scale, bias, block, rows, gather=True)
         results.append(g.compile(targets=targets, options=options).run({"x": a}))
-    for got, want in zip(results[1], results[0]):
-        np.testing.assert_array_equal(got, want)
+    exact = qdtype.packed or activations == "int8" or rows > kernels.GEMV_MAX_ROWS or not vnni.AVAILABLE
+    for i, (kmajor, tiled, alone) in enumerate(zip(*results)):
+        if i > 0 or (rows <= kernels.GEMV_MAX_ROWS and vnni.AVAILABLE):   # the GEMVs split columns only
+            np.testing.assert_array_equal(tiled, alone)
+        if exact or i > 0:
+            np.testing.assert_array_equal(tiled, kmajor)
+        else:
+            np.testing.assert_allclose(tiled, kmajor, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.skipif(not vnni.AVAILABLE, reason="the CPU has no AVX-512 VNNI: the weights stay k-major")
 def test_the_rows_gemv_reads_the_tiles(monkeypatch):
     k, n = 64, 96
-    t = dt.TiledPacked4.from_k_major(RNG.integers(0, 256, (k, n // 2), dtype=np.uint8))
+    t = dt.TiledWeight.from_k_major(RNG.integers(0, 256, (k, n // 2), dtype=np.uint8), 4)
     g, targets = graph(t, dt.uint4, RNG.random((2, n)).astype(np.float32), None, 32, 4)
     read = []
     split_blocks = kernels.split_blocks
@@ -102,7 +162,7 @@ def test_the_rows_gemv_reads_the_tiles(monkeypatch):
 def test_a_package_stores_the_k_major_array(tmp_path):
     q = RNG.integers(0, 256, (64, 48), dtype=np.uint8)
     scale = RNG.random((2, 96)).astype(np.float32)
-    g, targets = graph(dt.TiledPacked4.from_k_major(q), dt.uint4, scale, None, 32, 2)
+    g, targets = graph(dt.TiledWeight.from_k_major(q, 4), dt.uint4, scale, None, 32, 2)
     exe = g.compile(targets=targets)
     exe.save(str(tmp_path / "m.ingot"))
     loaded = ingot.load(str(tmp_path / "m.ingot"))
@@ -128,10 +188,10 @@ def test_tile_weights_converts_what_the_tiled_gemv_multiplies(monkeypatch):
                                             RNG.random((96, 2)).astype(np.float32))}
     kept = {name: t.q for name, t in tensors.items() if isinstance(t, QuantizedTensor)}
     assert kernels.tile_weights(tensors) is tensors
-    tiled = {name for name, t in tensors.items() if isinstance(t, QuantizedTensor) and isinstance(t.q, dt.TiledPacked4)}
-    assert tiled == {"a", "signed", "wide_blocks"}
+    tiled = {name for name, t in tensors.items() if isinstance(t, QuantizedTensor) and isinstance(t.q, dt.TiledWeight)}
+    assert tiled == {"a", "signed", "wide_blocks", "int8"}
     for name in tiled:
         np.testing.assert_array_equal(np.asarray(tensors[name].q), kept[name])
     monkeypatch.setattr(vnni, "AVAILABLE", False)
     plain = {"a": weight(64, 96)}
-    assert not isinstance(kernels.tile_weights(plain)["a"].q, dt.TiledPacked4)
+    assert not isinstance(kernels.tile_weights(plain)["a"].q, dt.TiledWeight)

@@ -458,19 +458,21 @@ class CpuPlan:
         self._compiled: Callable | None = None
         buffers = [np.empty(n, np.uint8) for n in program.buffer_sizes]
         last_use: dict[int, int] = {}
-        tile_readers: set[int] = set()   # constants read by a quantized_matmul that reads dt.TiledPacked4 as it is
+        # constants that only readers of a dt.TiledWeight as it is read: an affine quantized_matmul's
+        # kernels (its weight), a quantized_gather's reference (only the rows or columns it takes)
         others: set[int] = set()
         for i, n in enumerate(nodes):
             for j, s in enumerate(n.src):
                 last_use[self.slot[s.id]] = i
-                (tile_readers if n.op == Op.QUANTIZED_MATMUL and j == 1 and n.attrs.get("mode") == "affine"
-                 else others).add(s.id)
+                if not ((n.op == Op.QUANTIZED_MATMUL and j == 1 and n.attrs.get("mode") == "affine")
+                        or (n.op == Op.QUANTIZED_GATHER and j == 0)):
+                    others.add(s.id)
         keep = {self.slot[n.id] for n in program.roots} | {self.slot[a.src[1].id] for a in program.assigns}
         for i, node in enumerate(nodes):
             s = self.slot[node.id]
             if node.op == Op.CONSTANT:
                 value = program.constants[node.attrs["key"]]
-                if isinstance(value, dt.TiledPacked4) and node.id in others:   # read as the array it stands for
+                if isinstance(value, dt.TiledWeight) and node.id in others:   # read as the array it stands for
                     value = _untiled(value)
                 self.initial[s] = value
                 keep.add(s)
@@ -588,8 +590,8 @@ def _widened(array: np.ndarray) -> np.ndarray:
 _UNTILED: dict[int, np.ndarray] = {}
 
 
-def _untiled(tiled: dt.TiledPacked4) -> np.ndarray:
-    """The k-major array of a dt.TiledPacked4 for readers other than quantized_matmul's kernels (a
+def _untiled(tiled: dt.TiledWeight) -> np.ndarray:
+    """The k-major array of a dt.TiledWeight for readers other than quantized_matmul's kernels (a
     gather from a tied 4-bit embedding, say), made once per weight and dropped with it."""
     hit = _UNTILED.get(id(tiled))
     if hit is None:

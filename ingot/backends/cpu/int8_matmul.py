@@ -542,6 +542,7 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
     def step(x, q, *params):
         kernel = state.get("kernel")
         if kernel is None:
+            q = np.asarray(q)   # (a dt.TiledWeight: the k-major array it stands for; the kernel packs its own)
             it = iter(params)
             scale = next(it)
             zero = next(it) if a.get("has_zero_point") else None
@@ -549,7 +550,7 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
             exact_zero = zero is None or np.all(np.asarray(zero, np.float64) == np.round(np.asarray(zero, np.float64)))
             kernel = state["kernel"] = FloatInt8Matmul(q, scale, zero, bias, threads) if exact_zero else False
         if kernel is False:
-            return quant_ops.quantized_matmul_reference((x, q) + params, a)
+            return quant_ops.quantized_matmul_reference((x, np.asarray(q)) + params, a)
         return kernel(x, out)
     return step
 

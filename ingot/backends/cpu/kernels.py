@@ -218,10 +218,10 @@ def _kmajor_int8_xq(x, q, scale, offset, has_offset, flip, center, s0, s1, c0, c
 def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
     """out[k - k0, :] = (q[k, i0:i1] ^ flip) * scale[k // block, 2 * i0:2 * i1] for a k-major 4-bit
     weight (byte columns i0..i1: output columns 2 * i0..2 * i1), read as _kmajor_packed4 reads it
-    (the offset is added by the caller); q the k-major array or a dt.TiledPacked4's tiles (the same
+    (the offset is added by the caller); q the k-major array or a dt.TiledWeight's tiles (the same
     values), read in runs of at most 16 bytes (a tile's row)."""
     low, shift = np.uint32(15), np.uint32(4)
-    k_step, c_step, r_step = rows_gemv.tile_strides(q)
+    k_step, c_step, r_step = rows_gemv.tile_strides(q, 16)
     flat = q.reshape(q.size)
     for b in range(k0 // block, (k1 + block - 1) // block):
         srow = param_rows(scale, b, 2 * i0, 2 * i1)
@@ -239,13 +239,20 @@ def _scaled_tile_packed4(q, scale, k0, k1, block, flip, i0, i1, out):
 
 
 def _scaled_tile_int8(q, scale, k0, k1, block, i0, i1, out):
-    """out[k - k0, :] = q[k, i0:i1] * scale[k // block, i0:i1] for a k-major 8-bit weight."""
+    """out[k - k0, :] = q[k, i0:i1] * scale[k // block, i0:i1] for a k-major 8-bit weight: the array,
+    or a dt.TiledWeight's tiles (the same values), read in runs of at most 32 bytes (a tile's row)."""
+    k_step, c_step, r_step = rows_gemv.tile_strides(q, 32)
+    flat = q.reshape(q.size)
     for b in range(k0 // block, (k1 + block - 1) // block):
         srow = param_rows(scale, b, i0, i1)
         for k in range(max(k0, b * block), min(k1, b * block + block)):
-            row, o = q[k, i0:i1], out[k - k0]
-            for i in range(i1 - i0):
-                o[i] = np.float32(np.int32(row[i])) * param(srow, i)
+            o = out[k - k0]
+            at = k // 32 * k_step + k % 32 * r_step
+            for g in range(i0 // 32, (i1 + 31) // 32):
+                lo, hi = max(i0, 32 * g), min(i1, 32 * g + 32)
+                row = flat[at + g * c_step + lo - 32 * g:at + g * c_step + hi - 32 * g]
+                for j in range(hi - lo):
+                    o[lo - i0 + j] = np.float32(np.int32(row[j])) * param(srow, lo - i0 + j)
 
 
 _serial = dict(fastmath=True, cache=True, nogil=True)
@@ -355,11 +362,11 @@ def _kmajor_params(params, attrs, n: int):
 
 def tile_weights(tensors: dict) -> dict:
     """Convert, in place and one weight at a time (the k-major array goes as its tiles come), each k-major
-    4-bit affine weight of a loader's tensors ({name: QuantizedTensor or array}, k-major, as
-    llm.package.storage_form gives them) that rows_gemv.gemv_rows_float4 multiplies (an AVX-512 CPU,
-    K and N multiples of 32, blocks of 32 k or a multiple, parameters as arrays) into a
-    dt.TiledPacked4: that kernel reads a tile of W as one run (SmolLM2's decode step 13.3 -> 10.5 ms),
-    the prefill GEMM's dequantized tiles read it too, and the weight is held once. Returns tensors.
+    4- or 8-bit affine weight of a loader's tensors ({name: QuantizedTensor or array}, k-major, as
+    llm.package.storage_form gives them) that rows_gemv's float32 GEMVs multiply (an AVX-512 CPU, K
+    and N multiples of 32, blocks of 32 k or a multiple, parameters as arrays) into a dt.TiledWeight:
+    they read a tile of W as one run (SmolLM2's decode step 13.3 -> 10.5 ms), the prefill GEMM's
+    dequantized tiles and gathers (a tied embedding) read it too, and the weight is held once.
 
         >>> tensors = tile_weights(storage_form(cfg, model.tensors))   # doctest: +SKIP
     """
@@ -368,11 +375,11 @@ def tile_weights(tensors: dict) -> dict:
         return tensors
     for name in list(tensors):
         t = tensors[name]
-        if isinstance(t, QuantizedTensor) and t.block_axis == 0 and t.qdtype.packed and t.lut is None \
-                and isinstance(t.q, np.ndarray) and dt.TiledPacked4.fits(t.q) and t.block_size % XQ_BLOCK == 0 \
-                and all(p is None or isinstance(p, np.ndarray) for p in (t.scale, t.bias, t.zero_point)) \
-                and t.scale is not None:
-            tensors[name] = dataclasses.replace(t, q=dt.TiledPacked4.from_k_major(t.q))
+        if isinstance(t, QuantizedTensor) and t.block_axis == 0 and t.qdtype.bits in (4, 8) and t.lut is None \
+                and isinstance(t.q, np.ndarray) and dt.TiledWeight.fits(t.q, t.qdtype.bits) \
+                and t.block_size % XQ_BLOCK == 0 and t.scale is not None \
+                and all(p is None or isinstance(p, np.ndarray) for p in (t.scale, t.bias, t.zero_point)):
+            tensors[name] = dataclasses.replace(t, q=dt.TiledWeight.from_k_major(t.q, t.qdtype.bits))
             del t
     return tensors
 
@@ -437,9 +444,9 @@ def _repacked(q: np.ndarray, flip: int, bits: int) -> np.ndarray:
     hit = _REPACKED.get(key)
     if hit is None:
         if bits in (5, 6):
-            layout = vnni.repack_bits((q.astype(np.int16) + flip).astype(np.uint8), bits)
+            layout = vnni.repack_bits((np.asarray(q).astype(np.int16) + flip).astype(np.uint8), bits)
         else:
-            layout = (vnni.repack if bits == 4 else vnni.repack8)(np.asarray(q), flip)   # (a TiledPacked4: k-major)
+            layout = (vnni.repack if bits == 4 else vnni.repack8)(np.asarray(q), flip)   # (a TiledWeight: k-major)
         hit = _REPACKED[key] = _kernel_form(layout)
         weakref.finalize(q, _REPACKED.pop, key, None)
     return hit
@@ -468,7 +475,8 @@ def _value_range(q: np.ndarray) -> tuple[int, int]:
     """(min, max) of an integer weight array, once per array."""
     hit = _RANGES.get(id(q))
     if hit is None:
-        hit = _RANGES[id(q)] = (int(q.min()), int(q.max())) if q.size else (0, 0)
+        values = q.tiles if isinstance(q, dt.TiledWeight) else q
+        hit = _RANGES[id(q)] = (int(values.min()), int(values.max())) if q.size else (0, 0)
         weakref.finalize(q, _RANGES.pop, id(q), None)
     return hit
 
@@ -498,9 +506,9 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
         key = (id(q),) + tuple(id(p) for p in params)
         hit = prepared.get(key)
         if hit is None:
-            # a dt.TiledPacked4 (the LLM loaders' form on AVX-512): its tiles for the readers of tiles,
+            # a dt.TiledWeight (the LLM loaders' form on AVX-512): its tiles for the readers of tiles,
             # the k-major array (a copy) for the others, which its loader's tests never choose
-            tiles = _kernel_form(q.tiles) if isinstance(q, dt.TiledPacked4) else None
+            tiles = _kernel_form(q.tiles) if isinstance(q, dt.TiledWeight) else None
             k_major = lambda: _kernel_form(np.asarray(q))  # noqa: E731
             n = q.shape[1] * (2 if qdtype.packed else 1)
             per_super = attrs.get("two_level")
@@ -559,6 +567,10 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
                             k_major() if tiles is None else tiles)
                 elif qdtype.packed:
                     gemv = (kmajor_packed4, (ks, ko, offset is not None, flip), nb, k_major())
+                elif tiles is not None and vnni.AVAILABLE and (k // nb) % XQ_BLOCK == 0 \
+                        and not isinstance(ks, tuple) and not isinstance(ko, tuple):
+                    # 8-bit tiles: one read of W for up to 8 rows, any row count alike (rows_gemv.py)
+                    gemv = (rows_gemv.gemv_rows_float8, (ks, ko, offset is not None), nb, tiles)
                 else:
                     gemv = (kmajor_int8, (ks, ko, offset is not None), nb, k_major())
             hit = prepared[key] = (gemv, scale, offset, flip, nb, n, k_major() if tiles is None else tiles, rows_args,
@@ -685,7 +697,7 @@ def _cache_is_cold() -> bool:
                attention, rope_rows, _rms_norm_rows, _layer_norm_rows, erf_rows, rope_write_attend,
                decode_attention.decode_attention, decode_attention.decode_chunks]
     if vnni.AVAILABLE:   # _warm_up compiles these only where the CPU has VNNI: elsewhere never cached
-        kernels += [vnni.gemv, rows_gemv.gemv_rows, rows_gemv.gemv_rows_float4]
+        kernels += [vnni.gemv, rows_gemv.gemv_rows, rows_gemv.gemv_rows_float4, rows_gemv.gemv_rows_float8]
     try:
         return any(not d._cache._cache_file._load_index() for d in kernels)
     except Exception:
@@ -713,7 +725,7 @@ def _warm_up() -> None:
                                 np.float32(8), 0, 1, 0, 16, f32(2, 16))
         scaled_tile_packed4(weights[0], s, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
         scaled_tile_packed4(_kernel_form(np.zeros((1, 1, 512), np.uint8)), _kernel_form(np.ones((1, 32), params.dtype)),
-                            0, 32, 32, np.uint32(0), 0, 16, f32(32, 32))   # a TiledPacked4's tiles
+                            0, 32, 32, np.uint32(0), 0, 16, f32(32, 32))   # a TiledWeight's tiles
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))
     # two-level parameters (the :k formats read as stored), with their absent offset (float32)

@@ -19,9 +19,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ... import dtypes as dt
 from ...ir import Node, Op
 from ...ops import quant as quant_ops
-from . import team, vnni
+from . import kernels, team, vnni
 
 ROWS = 4                 # x's rows are padded to a multiple of this (the last pass of _tile)
 BLOCK = 32               # k per weight block (vnni.repack8)
@@ -540,6 +541,12 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
     state: dict = {}
 
     def step(x, q, *params):
+        if isinstance(q, dt.TiledWeight) and x.shape[0] <= kernels.GEMV_MAX_ROWS:
+            # the LLM loaders' tiles (an int8 head with one block): rows_gemv's kernel, as for fewer rows,
+            # so a served sequence's logits do not depend on how many sequences decode beside it
+            gemv = state.get("gemv") or state.setdefault(
+                "gemv", kernels.quantized_matmul_step(node, out, threads, activations))
+            return gemv(x, q, *params)
         kernel = state.get("kernel")
         if kernel is None:
             q = np.asarray(q)   # (a dt.TiledWeight: the k-major array it stands for; the kernel packs its own)

@@ -124,7 +124,6 @@ def storage_shape(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
     return tuple(shape)
 
 
-
 TILE = 32   # k and columns per tile of a TiledWeight
 
 

@@ -458,8 +458,8 @@ class CpuPlan:
         self._compiled: Callable | None = None
         buffers = [np.empty(n, np.uint8) for n in program.buffer_sizes]
         last_use: dict[int, int] = {}
-        # constants that only readers of a dt.TiledWeight as it is read: an affine quantized_matmul's
-        # kernels (its weight), a quantized_gather's reference (only the rows or columns it takes)
+        # constants some other node reads than those that take a dt.TiledWeight as it is (an affine
+        # quantized_matmul's weight; a quantized_gather's, which reads only the rows or columns it takes)
         others: set[int] = set()
         for i, n in enumerate(nodes):
             for j, s in enumerate(n.src):

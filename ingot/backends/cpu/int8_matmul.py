@@ -544,9 +544,9 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
         if isinstance(q, dt.TiledWeight) and x.shape[0] <= kernels.GEMV_MAX_ROWS:
             # the LLM loaders' tiles (an int8 head with one block): rows_gemv's kernel, as for fewer rows,
             # so a served sequence's logits do not depend on how many sequences decode beside it
-            gemv = state.get("gemv") or state.setdefault(
-                "gemv", kernels.quantized_matmul_step(node, out, threads, activations))
-            return gemv(x, q, *params)
+            if "gemv" not in state:
+                state["gemv"] = kernels.quantized_matmul_step(node, out, threads, activations)
+            return state["gemv"](x, q, *params)
         kernel = state.get("kernel")
         if kernel is None:
             q = np.asarray(q)   # (a dt.TiledWeight: the k-major array it stands for; the kernel packs its own)

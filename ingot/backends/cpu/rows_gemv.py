@@ -221,7 +221,6 @@ def _float_codegen(tile: int, bits: int, group: int):
                 if bits == 4:
                     b.call(prefetch, [b.bitcast(b.gep(ptr, [ahead]), i8.as_pointer()), ir.Constant(i32, 0),
                                       ir.Constant(i32, 3), ir.Constant(i32, 1)])
-                if bits == 4:
                     codes = b.xor(b.zext(b.load(b.bitcast(ptr, v16i8.as_pointer()), align=1), v16i32), flip)
                     floats = [b.sitofp(c, f16x) for c in (b.and_(codes, nibble), b.lshr(codes, four))]
                 else:

@@ -51,15 +51,18 @@ LOWERINGS[Op.POOL_ATTENTION] = pool_attention_lowering
 
 
 @lowering(Op.CONV)
-def _conv(node: Node, out):
-    return conv.conv_lowering(node, out) or _reference(node, out)
+def _conv(node: Node, out, options: CpuOptions = DEFAULT_CPU):
+    return conv.conv_lowering(node, out, options) or _reference(node, out)
 
 
 @lowering(Op.FUSED)
-def _fused(node: Node, out):
+def _fused(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     """A fused op by kind where a kernel here runs it, else its body through the references."""
-    rule = FUSED_LOWERINGS.get(node.attrs["kind"])
-    return (rule(node, out) if rule is not None else None) or _reference(node, out)
+    kind = node.attrs["kind"]
+    rule = FUSED_LOWERINGS.get(kind)
+    if rule is None:
+        return _reference(node, out)
+    return (rule(node, out, options) if kind in conv.FUSED_LOWERINGS else rule(node, out)) or _reference(node, out)
 
 
 FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS | int8_matmul.FUSED_LOWERINGS | \
@@ -328,7 +331,7 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
-WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL}
+WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED}
 
 
 @lowering(Op.SDPA)

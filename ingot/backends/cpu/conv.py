@@ -20,7 +20,8 @@ from ...ir import Node, Op
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
-from . import conv1d_small, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial
+from ...options import DEFAULT_CPU, CpuOptions
+from . import conv1d_small, conv_amx, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -267,9 +268,10 @@ def fast(conv: Node) -> bool:
 
 def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int = 0, w_index: int = 1,
               b_index: int | None = None, constant_w: bool = False, constant_b: bool = False,
-              constants: frozenset = frozenset()):
+              constants: frozenset = frozenset(), precision: str = "float32"):
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
-    the conv's own); constant_w: the weights are a constant, arranged for the kernels once."""
+    the conv's own); constant_w: the weights are a constant, arranged for the kernels once. precision:
+    CpuOptions.conv_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py)."""
     a = conv.attrs
     one_d = conv.type.rank == 3
     strides, dilations, pads = a["strides"], a["dilations"], a["pads"]
@@ -292,6 +294,10 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     small = conv1d_small.small_step(conv, out, epilogue, x_index, w_index, b_index, constant, constants) if one_d else None
     if small is not None:   # a short 1-D output: one compiled call (conv1d_small.py)
         return small
+    if precision != "float32" and epilogue.spatial_ok and not depthwise and kh * kw > 1 and \
+            conv_amx.fits(kh, kw, groups, cg, m, ow) and conv_amx.available():
+        return conv_amx.step(conv, out, epilogue, x_index, w_index, b_index, constant, constants, precision,
+                             _image_operands)
     strided = _strided_pointwise(kh, kw, (sh, sw), pads, groups)   # its strided positions gathered, then as stride 1
     subsample = (sh, sw) if strided else None
     if epilogue.spatial_ok and (pointwise or strided) and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
@@ -514,15 +520,15 @@ def _operand(a: np.ndarray, form: str, n: int) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
 
 
-def conv_lowering(node: Node, out):
+def conv_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     if not fast(node):
         return None
     return conv_step(node, out, Epilogue(None, None), b_index=2 if len(node.src) > 2 else None,
                      constant_w=node.src[1].op == Op.CONSTANT,
-                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT)
+                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT, precision=options.conv_precision)
 
 
-def conv_epilogue_lowering(node: Node, out):
+def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     """The FUSED "conv_epilogue" op: its body's conv, then the rest of the body per tile."""
     body: Body = node.attrs["body"]
     (conv,) = body.find(Op.CONV)
@@ -532,7 +538,8 @@ def conv_epilogue_lowering(node: Node, out):
     return conv_step(conv, out, Epilogue(body, conv), index[0], index[1], index[2] if len(index) > 2 else None,
                      constant_w=node.src[index[1]].op == Op.CONSTANT,
                      constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT,
-                     constants=frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT))
+                     constants=frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT),
+                     precision=options.conv_precision)
 
 
 FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

@@ -1,0 +1,415 @@
+"""Convolutions on Intel AMX tiles, each float32 product taken as three bfloat16 ones.
+
+A float32 v is split into bfloat16 parts, hi = round(v) and lo = round(v - hi) (v = hi + lo to 2^-17 of
+|v|); x * w is taken as hi_x hi_w + hi_x lo_w + lo_x hi_w (CpuOptions.conv_precision "bf16x3"), each
+product exact and summed in AMX's float32 accumulators (TDPBF16PS). What is dropped (lo_x lo_w and the
+splits' rounding) is ~2^-16 of |x w|: ~1e-5 of a layer's output. "bf16x6" splits into three parts and
+adds the products of order 2^-16 too, for float32's own error at twice the cost.
+
+- The input is split and copied into zero-padded planes of channel pairs, [S*S phases][C'/2][PL][2]
+  (AMX's pair layout for its B operand), one set a part. A stride-s conv reads phase
+  (i*dh % s, j*dw % s) at (oy + i*dh // s, ox + j*dw // s): consecutive outputs are consecutive positions,
+  one tile row (64 bytes) a channel pair.
+- The weights are [taps * chunks][M'/16][16][KC] a part: KC input channels a chunk (C' = chunks * KC,
+  KC <= 32 even, the chunks equal), M' = M rounded up to 32.
+- A block is 32 output channels x two tiles of 16 outputs of a row (of one row or two): four float32
+  accumulator tiles started from the bias; over every tap and chunk, 12 TDPBF16PS from 10 tile loads
+  (x3); then each accumulator row (16 outputs of a channel) gets the epilogue's vector IR (conv_spatial)
+  and a masked store into the NCHW output. Bands of output rows keep the input they read in L2 while
+  every 32 channels pass over it.
+AMX needs the kernel's permission for its tile state (arch_prctl ARCH_REQ_XCOMP_PERM): `available()`
+asks once.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from . import conv_spatial
+from .vnni import host_has
+
+with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cache key: the intrinsics here
+    REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_spatial.REVISION
+
+PRODUCTS = {"bf16x3": ((0, 0), (0, 1), (1, 0)),   # (weight part, input part) pairs summed
+            "bf16x6": ((0, 0), (0, 1), (0, 2), (1, 1), (1, 0), (2, 0))}
+BAND_BYTES = 512 << 10   # the split input a band of output rows reads: L2-sized
+
+_I8, _I16, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+_P8 = _I8.as_pointer()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this process may use AMX's bfloat16 tiles: an x86-64 Linux host with AMX-TILE and
+    AMX-BF16 whose kernel grants the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA))."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if not host_has("amx-tile", "amx-bf16"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0   # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
+def fits(kh: int, kw: int, groups: int, c: int, m: int, ow: int) -> bool:
+    """Convolutions worth the tiles: groups 1, at least 8 input channels and 16 output ones, and a reduction
+    (C * kh * kw) of at least 64; rows of at least 8 outputs (a tile is 16 of a row)."""
+    return groups == 1 and c >= 8 and m >= 16 and c * kh * kw >= 64 and ow >= 8
+
+
+def chunking(c: int) -> tuple[int, int]:
+    """(chunks, KC): input channels in equal even chunks of at most 32."""
+    chunks = -(-c // 32)
+    kc = -(-c // chunks)
+    return chunks, kc + (kc & 1)
+
+
+# -- the splits -------------------------------------------------------------------------------------------
+
+def split(a: np.ndarray, parts: int) -> list[np.ndarray]:
+    """float32 a as `parts` bfloat16 bit patterns (uint16), rounded to nearest even, each the rest of the
+    ones before."""
+    rest = np.ascontiguousarray(a, dtype=np.float32)
+    out = []
+    for _ in range(parts):
+        u = rest.view(np.uint32)
+        hi = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).astype(np.uint32)
+        out.append((hi >> np.uint32(16)).astype(np.uint16))
+        rest = rest - hi.view(np.float32)
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bf16(v):
+    """float32 v rounded to the nearest bfloat16 (ties to even): its bits (upper half) and its value."""
+    u = np.float32(v).view(np.uint32)
+    hi = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return np.uint16(hi >> np.uint32(16)), np.uint32(hi).view(np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _split_pairs(xf, s0, s1, n, stride, planes, at, parts, part_size):
+    """For q < n: channels' values xf[s0 + q * stride] and xf[s1 + q * stride] (s1 < 0: zero) split into
+    parts, written as pairs at planes[at + 2 q (+ k * part_size)]."""
+    d = np.uintp(at)
+    ps = np.uintp(part_size)
+    st = np.uintp(stride)
+    a0 = np.uintp(s0)
+    if s1 >= 0:
+        a1 = np.uintp(s1)
+        if parts == 2:
+            for q in range(np.uintp(n)):
+                v0, v1 = xf[a0 + q * st], xf[a1 + q * st]
+                h0, f0 = _bf16(v0)
+                h1, f1 = _bf16(v1)
+                l0, _ = _bf16(v0 - f0)
+                l1, _ = _bf16(v1 - f1)
+                o = d + np.uintp(2) * q
+                planes[o], planes[o + np.uintp(1)], planes[ps + o], planes[ps + o + np.uintp(1)] = h0, h1, l0, l1
+        else:
+            for q in range(np.uintp(n)):
+                o = d + np.uintp(2) * q
+                for e in range(2):
+                    v = xf[(a0 if e == 0 else a1) + q * st]
+                    for k in range(parts):
+                        h, f = _bf16(v)
+                        planes[np.uintp(k) * ps + o + np.uintp(e)] = h
+                        v = v - f
+    else:
+        for q in range(np.uintp(n)):
+            o = d + np.uintp(2) * q
+            v = xf[a0 + q * st]
+            for k in range(parts):
+                h, f = _bf16(v)
+                planes[np.uintp(k) * ps + o] = h
+                v = v - f
+
+
+@njit(cache=True, nogil=True)
+def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs):
+    """x [C, H, W] float32 split into `parts` bfloat16 parts, written into planes (uint16, part k at
+    k * part_size): [sh * sw phases][pairs][pl][2], padded (y + ph, x + pw) at phase (y % sh, x % sw),
+    position (y // sh) * wq + x // sw. What is not written here stays as it is (the zero border)."""
+    c_n, h, w = x.shape
+    xf = x.reshape(c_n * h * w)
+    for p in range((c_n + 1) // 2):
+        for y in range(h):
+            yy = y + ph
+            row_at = (yy % sh) * sw * pairs * pl * 2 + p * pl * 2 + (yy // sh) * wq * 2
+            s0 = (2 * p * h + y) * w
+            for b in range(sw):
+                q0 = (pw - b + sw - 1) // sw        # the first column xq * sw + b >= pw
+                q1 = (pw + w - 1 - b) // sw + 1     # past the last <= pw + w - 1
+                if q1 <= q0:
+                    continue
+                first = s0 + q0 * sw + b - pw
+                _split_pairs(xf, first, first + h * w if 2 * p + 1 < c_n else -1, q1 - q0, sw, planes,
+                             row_at + b * pairs * pl * 2 + q0 * 2, parts, part_size)
+
+
+class Geometry:
+    """The planes, taps and chunks of one convolution (shapes fixed at compile time)."""
+
+    def __init__(self, c: int, h: int, w: int, m: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,
+                 ph: int, pw: int, oh: int, ow: int, precision: str):
+        self.c, self.m, self.kh, self.kw = c, m, kh, kw
+        self.sh, self.sw, self.dh, self.dw, self.ph, self.pw = sh, sw, dh, dw, ph, pw
+        self.oh, self.ow = oh, ow
+        self.products = PRODUCTS[precision]
+        self.parts = 1 + max(max(p) for p in self.products)
+        self.chunks, self.kc = chunking(c)
+        self.pairs = self.chunks * self.kc // 2
+        self.m_pad = -(-m // 32) * 32
+        self.hq = max(oh - 1 + (kh - 1) * dh // sh, (ph + h - 1) // sh) + 1
+        self.wq = max(ow - 1 + (kw - 1) * dw // sw, (pw + w - 1) // sw) + 1
+        # positions a pair plane: slack (a row's last tile reads up to 15 past it), and an odd number of
+        # 64-byte lines, so that a tile's 16 pair rows fall in 16 different L1 sets
+        self.pl = -(-(self.hq * self.wq + 32) // 16) * 16
+        self.pl += 16 * (1 - (self.pl // 16) % 2)
+        self.part_size = sh * sw * self.pairs * self.pl * 2
+        offs = []   # pair units, per chunk and tap: a chunk's taps read the same lines, from L1
+        for k in range(self.chunks):
+            for i in range(kh):
+                for j in range(kw):
+                    phase = ((i * dh) % sh) * sw + (j * dw) % sw
+                    offs.append(phase * self.pairs * self.pl + ((i * dh) // sh) * self.wq + (j * dw) // sw +
+                                k * (self.kc // 2) * self.pl)
+        self.offs = np.array(offs, np.int64)
+        tiles = [(oy, ox, oy * self.wq + ox) for oy in range(oh) for ox in range(0, ow, 16)]
+        self.tiles = np.array(tiles, np.int64).reshape(-1, 3)
+        per_row = -(-ow // 16)
+        rows = max(1, BAND_BYTES // max(1, self.pairs * 4 * self.parts * self.wq * sh))
+        self.band = max(2, rows * per_row + (rows * per_row) % 2)   # tiles a band, even
+
+    def planes(self) -> np.ndarray:
+        """The split input's planes, zero (their borders stay so)."""
+        return np.zeros(self.parts * self.part_size, np.uint16)
+
+    def weights(self, w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """w [M, C, kh, kw] as [M' / 32][taps * chunks][parts][32][KC] bfloat16 (flat: a block's weights one
+        stream) and the bias as
+        [M' / 16][16][16] float32 tiles (row m: bias[m] 16 times)."""
+        m, c, kh, kw = self.m, self.c, self.kh, self.kw
+        wp = np.zeros((self.m_pad, self.chunks * self.kc, kh, kw), np.float32)
+        wp[:m, :c] = np.asarray(w, np.float32).reshape(m, c, kh, kw)
+        arranged = wp.reshape(self.m_pad, self.chunks, self.kc, kh, kw).transpose(1, 3, 4, 0, 2)
+        tc = kh * kw * self.chunks   # [part][tc][M' / 32][2][16][KC] -> [M' / 32][tc][part][2][16][KC]
+        parts = np.stack(split(arranged, self.parts)).reshape(self.parts, tc, self.m_pad // 32, 2, 16, self.kc)
+        flat = np.ascontiguousarray(parts.transpose(2, 1, 0, 3, 4, 5)).reshape(-1)
+        b = np.zeros(self.m_pad, np.float32)
+        if bias is not None:
+            b[:m] = np.asarray(bias, np.float32).reshape(-1)
+        return flat, np.ascontiguousarray(np.repeat(b[:, None], 16, axis=1))
+
+
+# -- the tile intrinsics ----------------------------------------------------------------------------------
+
+def _declare(mod, name: str, ret, args):
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name=name)
+
+
+def _config_intrinsic(kc: int):
+    """config(): ldtilecfg for KC: tiles 0-3 accumulators (16 x 16 float32), 4-5 weights (16 x KC bf16),
+    6-7 inputs (KC / 2 pair rows of 16 x 2 bf16)."""
+    raw = [0] * 64
+    raw[0] = 1   # palette 1
+    for t in range(8):
+        rows, colsb = (16, 64) if t < 4 else (16, 2 * kc) if t < 6 else (kc // 2, 64)
+        raw[16 + 2 * t], raw[17 + 2 * t], raw[48 + t] = colsb & 0xFF, colsb >> 8, rows
+
+    @intrinsic
+    def config(typingctx):
+        def codegen(context, builder, signature, args):
+            cfg_t = ir.ArrayType(_I8, 64)
+            cfg = builder.alloca(cfg_t)
+            builder.store(ir.Constant(cfg_t, raw), cfg)
+            builder.call(_declare(builder.module, "llvm.x86.ldtilecfg", ir.VoidType(), [_P8]), [builder.bitcast(cfg, _P8)])
+            return context.get_dummy_value()
+        return types.void(), codegen
+    return config
+
+
+@intrinsic
+def release(typingctx):
+    """tilerelease(): the tile state back to its initial one."""
+    def codegen(context, builder, signature, args):
+        builder.call(_declare(builder.module, "llvm.x86.tilerelease", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+def _block_intrinsic(kc: int, products):
+    """block(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, w_at, w_tc, plane_bytes, scratch):
+    accumulator (mk, pk) (tile 2 mk + pk) = bias tile b_at + 256 mk, plus over t < len(offs) and the
+    products (a, b): weights part a [w_at + t * w_tc + 16 KC mk] (16 x KC) times input part b at pair
+    offs[t] + p_pk (KC / 2 rows plane_bytes apart); stored to scratch[256 (2 mk + pk):]."""
+    @intrinsic
+    def block(typingctx, x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, w_at, w_tc, plane_bytes, scratch):
+        sig = types.void(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, w_at, w_tc, plane_bytes, scratch)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            xa, wa, ba, oa, sa = arr(0), arr(2), arr(4), arr(6), arr(12)
+            x_part_v, w_part_v, b_at_v, p0_v, p1_v, w_at_v, w_tc_v, stride_v = (
+                args[i] for i in (1, 3, 5, 7, 8, 9, 10, 11))
+            mod = builder.module
+            load = _declare(mod, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
+            dp = _declare(mod, "llvm.x86.tdpbf16ps", ir.VoidType(), [_I8, _I8, _I8])
+            store = _declare(mod, "llvm.x86.tilestored64", ir.VoidType(), [_I8, _P8, _I64])
+            i8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
+            i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            f32p = lambda a, at: builder.bitcast(builder.gep(a.data, [at]), _P8)  # noqa: E731
+            for mk in range(2):
+                bias_p = f32p(ba, builder.add(b_at_v, i64(256 * mk)))
+                for pk in range(2):
+                    builder.call(load, [i8(2 * mk + pk), bias_p, i64(64)])
+            n_tc = builder.extract_value(oa.shape, 0)
+            start = builder.block
+            loop, done = builder.append_basic_block("tc_loop"), builder.append_basic_block("tc_done")
+            builder.cbranch(builder.icmp_signed(">", n_tc, i64(0)), loop, done)
+            builder.position_at_end(loop)
+            t = builder.phi(_I64)
+            t.add_incoming(i64(0), start)
+            off = builder.load(builder.gep(oa.data, [t]))
+            w_base = builder.add(w_at_v, builder.mul(t, w_tc_v))
+            held = {}   # tile slot -> the part it holds this iteration
+            for a, b in products:
+                for mk in range(2):
+                    if held.get(4 + mk) != a:
+                        at = builder.add(builder.add(builder.mul(i64(a), w_part_v), w_base), i64(16 * kc * mk))
+                        builder.call(load, [i8(4 + mk), builder.bitcast(builder.gep(wa.data, [at]), _P8), i64(2 * kc)])
+                        held[4 + mk] = a
+                for pk, p in enumerate((p0_v, p1_v)):
+                    if held.get(6 + pk) != b:
+                        at = builder.add(builder.mul(i64(b), x_part_v), builder.mul(builder.add(off, p), i64(2)))
+                        builder.call(load, [i8(6 + pk), builder.bitcast(builder.gep(xa.data, [at]), _P8), stride_v])
+                        held[6 + pk] = b
+                for mk in range(2):
+                    for pk in range(2):
+                        builder.call(dp, [i8(2 * mk + pk), i8(4 + mk), i8(6 + pk)])
+            nxt = builder.add(t, i64(1))
+            t.add_incoming(nxt, builder.block)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_tc), loop, done)
+            builder.position_at_end(done)
+            for k in range(4):
+                builder.call(store, [i8(k), f32p(sa, i64(256 * k)), i64(64)])
+            return context.get_dummy_value()
+        return sig, codegen
+    return block
+
+
+CONFIGS: dict = {}
+BLOCKS: dict = {}
+
+
+def block_for(kc: int, precision: str):
+    """The config and block intrinsics for KC and a precision, made once per process."""
+    if (kc, precision) not in BLOCKS:
+        CONFIGS[kc] = CONFIGS.get(kc) or _config_intrinsic(kc)
+        BLOCKS[kc, precision] = _block_intrinsic(kc, PRODUCTS[precision])
+    return CONFIGS[kc], BLOCKS[kc, precision]
+
+
+_DRIVER = """import numpy as np
+from numba import njit
+
+from ingot.backends.cpu.conv_amx import block_for, prepare, release
+from ingot.backends.cpu.conv_spatial import EPILOGUES
+
+config, block = block_for({kc}, {precision!r})
+epilogue = EPILOGUES[{key!r}]
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, w, bias_t, offs, tiles, band, out,
+           scratch, ops):
+    # x [C, H, W] float32 -> planes (conv_amx.prepare); w, bias_t: Geometry.weights; offs: the taps' and
+    # chunks' pair offsets; tiles [T, 3]: (oy, ox, position); out [M, OH, OW]. A band of tiles at a time,
+    # 32 output channels over it, two tiles a block.
+    prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs)
+    m_n, oh, ow = out.shape
+    p_n = oh * ow
+    of = out.reshape(m_n * p_n)
+    m_tiles = bias_t.shape[0] // 16
+    w_tc = parts * 32 * {kc}
+    n_tc = offs.shape[0]
+    n_t = tiles.shape[0]
+    config()
+    for b0 in range(0, n_t, band):
+        b1 = min(n_t, b0 + band)
+        for mb in range(0, m_tiles, 2):
+            for t in range(b0, b1, 2):
+                t2 = t + 1 if t + 1 < b1 else t
+                block(planes, part_size, w, 32 * {kc}, bias_t, mb * 256, offs, tiles[t, 2], tiles[t2, 2],
+                      (mb // 2) * n_tc * w_tc, w_tc, pl * 4, scratch)
+                for mk in range(2):
+                    m0 = (mb + mk) * 16
+                    for pk in range(2 if t2 != t else 1):
+                        tt = t + pk
+                        oy, ox = tiles[tt, 0], tiles[tt, 1]
+                        valid = min(16, ow - ox)
+                        for r in range(min(16, m_n - m0)):
+                            at = (m0 + r) * p_n + oy * ow + ox
+                            epilogue(of, at, scratch, (2 * mk + pk) * 256 + 16 * r, valid, m0 + r, at, ops)
+    release()
+"""
+
+
+def driver(kc: int, precision: str, steps, operands):
+    """The numba kernel of KC, a precision and an epilogue (generated, cached on disk)."""
+    key = conv_spatial.steps_key(steps, operands)
+    conv_spatial.epilogue_for(key, steps, operands)
+    return conv_spatial.load(f"# amx {REVISION}\n" + _DRIVER.format(kc=kc, precision=precision, key=key), "kernel",
+                             "conv_amx")
+
+
+def step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, constant: bool,
+         constants: frozenset, precision: str, image_operands):
+    """A step computing conv (+ bias, + epilogue) on the tiles; constant: the weights (and bias) are
+    constants, split once. image_operands: conv._image_operands."""
+    a = conv.attrs
+    one_d = conv.type.rank == 3
+    strides, dilations, pads = a["strides"], a["dilations"], a["pads"]
+    if one_d:
+        strides, dilations, pads = (1,) + tuple(strides), (1,) + tuple(dilations), ((0, 0),) + tuple(pads)
+    (sh, sw), (dh, dw), ((ph, _), (pw, _)) = strides, dilations, pads
+    out_shape = tuple(conv.type.shape)
+    n_img, m = out_shape[:2]
+    oh, ow = (1, out_shape[2]) if one_d else out_shape[2:]
+    x_shape = conv.src[0].type.shape
+    c = x_shape[1]
+    h, w = (1, x_shape[2]) if one_d else x_shape[2:]
+    w_shape = conv.src[1].type.shape
+    kh, kw = (1, w_shape[2]) if one_d else w_shape[2:]
+    g = Geometry(c, h, w, m, kh, kw, sh, sw, dh, dw, ph, pw, oh, ow, precision)
+    kernel = driver(g.kc, precision, epilogue.steps, epilogue.operands)
+    planes = g.planes()
+    scratch = np.empty(1024, np.float32)
+    operands = epilogue.operands
+    fixed_ops = all(form != "full" and i in constants for form, i in operands)
+    cache: dict = {}
+
+    def run(*inputs):
+        arranged = cache.get("w") if constant else None
+        if arranged is None:
+            arranged = g.weights(inputs[w_index], inputs[b_index] if b_index is not None else None)
+            if constant:
+                cache["w"] = arranged
+        x = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, h, w)
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        y4 = y.reshape(n_img, m, oh, ow)
+        for n in range(n_img):
+            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.pairs, arranged[0], arranged[1], g.offs, g.tiles, g.band, y4[n], scratch, image_operands(cache, inputs, operands, n, fixed_ops))
+        return y
+    return run

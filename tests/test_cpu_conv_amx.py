@@ -1,0 +1,125 @@
+"""conv_amx (float32 convolutions as three or six bfloat16 products on AMX tiles) against the NumPy conv
+reference on awkward shapes: strides 1-3, dilation, asymmetric pads, odd channel counts, output channels
+and rows that fill no tile, 1-D; the epilogue (per-channel operands, a residual) through the compiler;
+and the option that keeps the AVX-512 kernels. Skipped where the host has no AMX."""
+import numpy as np
+import pytest
+
+import ingot
+from ingot.backends.cpu import conv_amx
+from ingot.errors import IngotError
+from ingot.ops.conv import conv
+from ingot.options import CompileOptions, CpuOptions
+
+amx = pytest.mark.skipif(not conv_amx.available(), reason="no AMX tiles on this host")
+
+# C, M, (H, W), (kh, kw), strides, dilations, pads ((top, bottom), (left, right))
+CASES = [
+    (16, 32, (20, 20), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),
+    (9, 17, (9, 17), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),
+    (33, 50, (11, 23), (5, 5), (2, 2), (1, 1), ((2, 2), (2, 2))),
+    (40, 48, (17, 19), (3, 3), (1, 1), (2, 2), ((2, 2), (2, 2))),
+    (64, 70, (31, 37), (3, 3), (2, 2), (1, 1), ((0, 1), (1, 0))),   # asymmetric, as TF-style exports pad
+    (71, 33, (12, 40), (2, 4), (1, 3), (1, 1), ((0, 0), (1, 2))),
+    (24, 16, (8, 9), (3, 1), (3, 1), (2, 1), ((1, 2), (0, 0))),
+    (96, 130, (9, 11), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),   # several chunks, M past 128
+    (10, 64, (5, 40), (1, 7), (1, 1), (1, 3), ((0, 0), (9, 9))),
+]
+
+
+def _tolerance(want: np.ndarray, precision: str) -> float:
+    """bf16x3 drops ~2^-16 of each product (the splits' rounding and lo*lo), bf16x6 ~2^-24: bounds on the
+    error against the largest output, with room for float32's own summation error."""
+    return (4e-5 if precision == "bf16x3" else 2e-6) * float(np.abs(want).max())
+
+
+def _graph_conv(x, w, b, strides, dilations, pads, precision, one_d=False):
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    y = g.conv(xi, w, b, strides=strides, dilations=dilations, pads=pads)
+    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(conv_precision=precision)))
+    return exe.run({"x": x})[0]
+
+
+@amx
+@pytest.mark.parametrize("precision", ["bf16x3", "bf16x6"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-s{c[4]}-d{c[5]}" for c in CASES])
+def test_matches_reference(case, precision):
+    c, m, hw, k, strides, dilations, pads = case
+    rng = np.random.default_rng(sum(hw) * 31 + c + m)
+    x = rng.standard_normal((2, c) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c) + k).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    want = conv(x, w, b, strides, dilations, pads, 1)
+    got = _graph_conv(x, w, b, strides, dilations, pads, precision)
+    assert conv_amx.fits(k[0], k[1], 1, c, m, want.shape[-1])
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want, precision))
+
+
+@amx
+def test_tiles_run_and_drop_no_more_than_bf16x3_allows():
+    """The kernel is the one that ran (its result differs from float32's in the bits bf16x3 drops), and
+    bf16x6 is within float32's error of the float32 kernels."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 48, 15, 21)).astype(np.float32)
+    w = rng.standard_normal((40, 48, 3, 3)).astype(np.float32)
+    args = (x, w, None, (1, 1), (1, 1), ((1, 1), (1, 1)))
+    exact = _graph_conv(*args, "float32")
+    x3, x6 = _graph_conv(*args, "bf16x3"), _graph_conv(*args, "bf16x6")
+    scale = float(np.abs(exact).max())
+    assert np.abs(x3 - exact).max() > 1e-7 * scale   # not the float32 kernels
+    assert np.abs(x3 - exact).max() < 4e-5 * scale
+    assert np.abs(x6 - exact).max() < 2e-6 * scale < np.abs(x3 - exact).max()
+
+
+@amx
+def test_one_d():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 20, 77)).astype(np.float32)
+    w = rng.standard_normal((36, 20, 5)).astype(np.float32)
+    want = conv(x, w, None, (2,), (1,), ((2, 1),), 1)
+    got = _graph_conv(x, w, None, (2,), (1,), ((2, 1),), "bf16x3")
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want, "bf16x3"))
+
+
+@amx
+@pytest.mark.parametrize("n,c,m,hw,stride", [(2, 24, 48, (13, 17), 1), (1, 40, 35, (9, 9), 2)])
+def test_epilogue_with_channel_operands_and_a_residual(n, c, m, hw, stride):
+    """A folded batch norm, SiLU and a residual add after the conv, as a YOLO's blocks export them."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, c) + hw).astype(np.float32)
+    w = (rng.standard_normal((m, c, 3, 3)) * 0.2).astype(np.float32)
+    ref = conv(x, w, None, (stride, stride), (1, 1), ((1, 1), (1, 1)), 1)
+    r = rng.standard_normal(ref.shape).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, (1, m, 1, 1)).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = g.conv(xi, w, strides=(stride, stride), pads=((1, 1), (1, 1))) * g.constant(scale) + 0.5
+    z = y * g.sigmoid(y) + ri
+    exe = g.compile(targets=[z])
+    assert [n.attrs["kind"] for n in exe.program.nodes() if n.op.name == "FUSED"] == ["conv_epilogue"]
+    y_ref = ref * scale + 0.5
+    want = y_ref / (1 + np.exp(-y_ref)) + r
+    np.testing.assert_allclose(exe.run({"x": x, "r": r})[0], want, rtol=0, atol=_tolerance(want, "bf16x3"))
+
+
+def test_the_option_is_checked():
+    with pytest.raises(IngotError, match="conv_precision"):
+        CpuOptions(conv_precision="bf16")
+    assert CompileOptions.from_json(CompileOptions(cpu=CpuOptions(conv_precision="float32")).to_json()).cpu.conv_precision \
+        == "float32"
+
+
+def test_chunks_are_equal_and_even():
+    for c in range(1, 300):
+        chunks, kc = conv_amx.chunking(c)
+        assert kc % 2 == 0 and kc <= 32 and chunks * kc >= c and chunks == -(-c // 32)
+
+
+def test_split_parts_sum_back():
+    """The bfloat16 parts of float32 values add back to them within 2^-17 (two parts) and 2^-25 (three)."""
+    rng = np.random.default_rng(6)
+    a = (rng.standard_normal(4096) * np.exp(rng.uniform(-20, 20, 4096))).astype(np.float32)
+    for parts, bound in ((2, 2.0 ** -17), (3, 2.0 ** -25)):
+        got = sum(((p.astype(np.uint32) << 16).view(np.float32).astype(np.float64)) for p in conv_amx.split(a, parts))
+        assert np.all(np.abs(got - a) <= bound * np.abs(a.astype(np.float64)))

@@ -90,50 +90,81 @@ def split(a: np.ndarray, parts: int) -> list[np.ndarray]:
     return out
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _bf16(v):
-    """float32 v rounded to the nearest bfloat16 (ties to even): its bits (upper half) and its value."""
-    u = np.float32(v).view(np.uint32)
-    hi = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return np.uint16(hi >> np.uint32(16)), np.uint32(hi).view(np.float32)
+def _split_intrinsic(stride: int):
+    """split16(planes, at, part_size, parts, xf, s0, s1, pair, n): for q < min(n, 16), the values
+    xf[s0 + stride q] and (pair) xf[s1 + stride q] (else 0), split into `parts` bfloat16 parts (part k:
+    round to nearest even of what the parts before left), written as pairs at planes[k part_size + at + 2 q]."""
+    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+    v16, i16x16, i16x32 = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i16, 32)
+    m16, m32 = ir.VectorType(ir.IntType(1), 16), ir.VectorType(ir.IntType(1), 32)
+    v32 = ir.VectorType(f32, 32)
+
+    @intrinsic
+    def split16(typingctx, planes, at, part_size, parts, xf, s0, s1, pair, n):
+        sig = types.void(planes, at, part_size, parts, xf, s0, s1, pair, n)
+
+        def codegen(context, builder, signature, args):
+            pa = context.make_array(signature.args[0])(context, builder, args[0])
+            xa = context.make_array(signature.args[4])(context, builder, args[4])
+            at_v, ps_v, parts_v, s0_v, s1_v, pair_v, n_v = (args[i] for i in (1, 2, 3, 5, 6, 7, 8))
+            mod = builder.module
+            i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            lanes = lambda k: ir.Constant(ir.VectorType(_I64, k), list(range(k)))  # noqa: E731
+            splat = lambda v, k: builder.shuffle_vector(  # noqa: E731
+                builder.insert_element(ir.Constant(ir.VectorType(_I64, k), ir.Undefined), v, ir.Constant(i32, 0)),
+                ir.Constant(ir.VectorType(_I64, k), ir.Undefined), ir.Constant(ir.VectorType(i32, k), [0] * k))
+            if stride == 1:
+                ld = _declare(mod, "llvm.masked.load.v16f32.p0", v16, [v16.as_pointer(), i32, m16, v16])
+                mask = builder.icmp_signed("<", lanes(16), splat(n_v, 16))
+
+                def read(start):
+                    ptr = builder.bitcast(builder.gep(xa.data, [start]), v16.as_pointer())
+                    return builder.call(ld, [ptr, ir.Constant(i32, 4), mask, ir.Constant(v16, [0.0] * 16)])
+            else:   # stride 2: 32 values, the even ones (the odd past the last even one masked off)
+                ld = _declare(mod, "llvm.masked.load.v32f32.p0", v32, [v32.as_pointer(), i32, m32, v32])
+                last = builder.mul(builder.sub(n_v, i64(1)), i64(2))
+                mask = builder.icmp_signed("<=", lanes(32), splat(last, 32))
+
+                def read(start):
+                    ptr = builder.bitcast(builder.gep(xa.data, [start]), v32.as_pointer())
+                    wide = builder.call(ld, [ptr, ir.Constant(i32, 4), mask, ir.Constant(v32, [0.0] * 32)])
+                    return builder.shuffle_vector(wide, ir.Constant(v32, ir.Undefined),
+                                                  ir.Constant(ir.VectorType(i32, 16), list(range(0, 32, 2))))
+            v0 = read(s0_v)
+            one = builder.icmp_signed("!=", pair_v, ir.Constant(pair_v.type, 0))
+            v1 = builder.select(one, read(builder.select(one, s1_v, s0_v)), ir.Constant(v16, [0.0] * 16))
+            st = _declare(mod, "llvm.masked.store.v32i16.p0", ir.VoidType(), [i16x32, i16x32.as_pointer(), i32, m32])
+            out_mask = builder.icmp_signed("<", lanes(32), splat(builder.mul(n_v, i64(2)), 32))
+            c = lambda v: ir.Constant(i16x16, [v] * 16)  # noqa: E731
+
+            def part(v):
+                u = builder.bitcast(v, i16x16)
+                odd = builder.and_(builder.lshr(u, c(16)), c(1))
+                hi = builder.and_(builder.add(builder.add(u, c(0x7FFF)), odd), c(0xFFFF0000 - (1 << 32)))
+                return builder.trunc(builder.lshr(hi, c(16)), ir.VectorType(i16, 16)), builder.fsub(v, builder.bitcast(hi, v16))
+
+            rests = (v0, v1)
+            end = builder.append_basic_block("parts_done")
+            for k in range(3):   # parts <= 3, each part's block after the one before
+                if k:
+                    go = builder.append_basic_block(f"part{k}")
+                    builder.cbranch(builder.icmp_signed(">", parts_v, i64(k)), go, end)
+                    builder.position_at_end(go)
+                (h0, r0), (h1, r1) = part(rests[0]), part(rests[1])
+                both = builder.shuffle_vector(h0, h1, ir.Constant(ir.VectorType(i32, 32),
+                                                                  [i // 2 + 16 * (i % 2) for i in range(32)]))
+                dst = builder.add(at_v, builder.mul(ps_v, i64(k)))
+                ptr = builder.bitcast(builder.gep(pa.data, [dst]), i16x32.as_pointer())
+                builder.call(st, [both, ptr, ir.Constant(i32, 2), out_mask])
+                rests = (r0, r1)
+            builder.branch(end)
+            builder.position_at_end(end)
+            return context.get_dummy_value()
+        return sig, codegen
+    return split16
 
 
-@njit(cache=True, nogil=True)
-def _split_pairs(xf, s0, s1, n, stride, planes, at, parts, part_size):
-    """For q < n: channels' values xf[s0 + q * stride] and xf[s1 + q * stride] (s1 < 0: zero) split into
-    parts, written as pairs at planes[at + 2 q (+ k * part_size)]."""
-    d = np.uintp(at)
-    ps = np.uintp(part_size)
-    st = np.uintp(stride)
-    a0 = np.uintp(s0)
-    if s1 >= 0:
-        a1 = np.uintp(s1)
-        if parts == 2:
-            for q in range(np.uintp(n)):
-                v0, v1 = xf[a0 + q * st], xf[a1 + q * st]
-                h0, f0 = _bf16(v0)
-                h1, f1 = _bf16(v1)
-                l0, _ = _bf16(v0 - f0)
-                l1, _ = _bf16(v1 - f1)
-                o = d + np.uintp(2) * q
-                planes[o], planes[o + np.uintp(1)], planes[ps + o], planes[ps + o + np.uintp(1)] = h0, h1, l0, l1
-        else:
-            for q in range(np.uintp(n)):
-                o = d + np.uintp(2) * q
-                for e in range(2):
-                    v = xf[(a0 if e == 0 else a1) + q * st]
-                    for k in range(parts):
-                        h, f = _bf16(v)
-                        planes[np.uintp(k) * ps + o + np.uintp(e)] = h
-                        v = v - f
-    else:
-        for q in range(np.uintp(n)):
-            o = d + np.uintp(2) * q
-            v = xf[a0 + q * st]
-            for k in range(parts):
-                h, f = _bf16(v)
-                planes[np.uintp(k) * ps + o] = h
-                v = v - f
+_split1, _split2 = _split_intrinsic(1), _split_intrinsic(2)
 
 
 @njit(cache=True, nogil=True)
@@ -154,8 +185,14 @@ def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs):
                 if q1 <= q0:
                     continue
                 first = s0 + q0 * sw + b - pw
-                _split_pairs(xf, first, first + h * w if 2 * p + 1 < c_n else -1, q1 - q0, sw, planes,
-                             row_at + b * pairs * pl * 2 + q0 * 2, parts, part_size)
+                at = row_at + b * pairs * pl * 2 + q0 * 2
+                pair = 2 * p + 1 < c_n
+                for q in range(0, q1 - q0, 16):
+                    if sw == 1:
+                        _split1(planes, at + 2 * q, part_size, parts, xf, first + q, first + q + h * w, pair, q1 - q0 - q)
+                    else:
+                        _split2(planes, at + 2 * q, part_size, parts, xf, first + 2 * q, first + 2 * q + h * w, pair,
+                                q1 - q0 - q)
 
 
 class Geometry:

@@ -168,6 +168,19 @@ _split1, _split2 = _split_intrinsic(1), _split_intrinsic(2)
 
 
 @njit(cache=True, nogil=True)
+def _split_scalar(xf, s0, s1, pair, n, stride, planes, at, parts, part_size):
+    """split16's work for any stride, a value at a time (strides above 2 are rare)."""
+    for q in range(n):
+        for e in range(2 if pair else 1):
+            v = xf[(s0 if e == 0 else s1) + q * stride]
+            for k in range(parts):
+                u = np.float32(v).view(np.uint32)
+                hi = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+                planes[k * part_size + at + 2 * q + e] = np.uint16(hi >> np.uint32(16))
+                v = v - np.uint32(hi).view(np.float32)
+
+
+@njit(cache=True, nogil=True)
 def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs):
     """x [C, H, W] float32 split into `parts` bfloat16 parts, written into planes (uint16, part k at
     k * part_size): [sh * sw phases][pairs][pl][2], padded (y + ph, x + pw) at phase (y % sh, x % sw),
@@ -187,6 +200,9 @@ def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs):
                 first = s0 + q0 * sw + b - pw
                 at = row_at + b * pairs * pl * 2 + q0 * 2
                 pair = 2 * p + 1 < c_n
+                if sw > 2:
+                    _split_scalar(xf, first, first + h * w, pair, q1 - q0, sw, planes, at, parts, part_size)
+                    continue
                 for q in range(0, q1 - q0, 16):
                     if sw == 1:
                         _split1(planes, at + 2 * q, part_size, parts, xf, first + q, first + q + h * w, pair, q1 - q0 - q)

@@ -12,11 +12,14 @@ adds the products of order 2^-16 too, for float32's own error at twice the cost.
   one tile row (64 bytes) a channel pair.
 - The weights are [taps * chunks][M'/16][16][KC] a part: KC input channels a chunk (C' = chunks * KC,
   KC <= 32 even, the chunks equal), M' = M rounded up to 32.
-- A block is 32 output channels x two tiles of 16 outputs of a row (of one row or two): four float32
+- Outputs are plane positions q = oy * WQ + ox, 16 a tile (the few columns past the output's width are
+  computed and dropped: a 20-wide row wastes 2 of 22 positions, not 12 of 32).
+- A block is 32 output channels x 2 tiles of positions, or, for a last 16 channels, 16 x 4: four float32
   accumulator tiles started from the bias; over every tap and chunk, 12 TDPBF16PS from 10 tile loads
-  (x3); then each accumulator row (16 outputs of a channel) gets the epilogue's vector IR (conv_spatial)
-  and a masked store into the NCHW output. Bands of output rows keep the input they read in L2 while
-  every 32 channels pass over it.
+  (x3: `schedule`); then each accumulator row (16 positions of a channel) gets the epilogue's vector IR
+  (conv_spatial) and masked stores into the NCHW output, a run per output row. Bands of positions keep
+  the input they read in L2 while every 32 channels pass over it; a chunk's taps run together, reading
+  the same lines from L1.
 AMX needs the kernel's permission for its tile state (arch_prctl ARCH_REQ_XCOMP_PERM): `available()`
 asks once.
 """
@@ -223,7 +226,7 @@ class Geometry:
         self.parts = 1 + max(max(p) for p in self.products)
         self.chunks, self.kc = chunking(c)
         self.pairs = self.chunks * self.kc // 2
-        self.m_pad = -(-m // 32) * 32
+        self.m_pad = -(-m // 16) * 16
         self.hq = max(oh - 1 + (kh - 1) * dh // sh, (ph + h - 1) // sh) + 1
         self.wq = max(ow - 1 + (kw - 1) * dw // sw, (pw + w - 1) // sw) + 1
         # positions a pair plane: slack (a row's last tile reads up to 15 past it), and an odd number of
@@ -239,27 +242,30 @@ class Geometry:
                     offs.append(phase * self.pairs * self.pl + ((i * dh) // sh) * self.wq + (j * dw) // sw +
                                 k * (self.kc // 2) * self.pl)
         self.offs = np.array(offs, np.int64)
-        tiles = [(oy, ox, oy * self.wq + ox) for oy in range(oh) for ox in range(0, ow, 16)]
-        self.tiles = np.array(tiles, np.int64).reshape(-1, 3)
-        per_row = -(-ow // 16)
+        # outputs are plane positions q = oy * wq + ox (the columns past ow computed and dropped), 16 a tile
+        self.positions = (oh - 1) * self.wq + ow
+        self.n_tiles = -(-self.positions // 16)
         rows = max(1, BAND_BYTES // max(1, self.pairs * 4 * self.parts * self.wq * sh))
-        self.band = max(2, rows * per_row + (rows * per_row) % 2)   # tiles a band, even
+        self.band = max(4, -(-rows * self.wq // 64) * 4)   # tiles a band, a multiple of 4
 
     def planes(self) -> np.ndarray:
         """The split input's planes, zero (their borders stay so)."""
         return np.zeros(self.parts * self.part_size, np.uint16)
 
     def weights(self, w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """w [M, C, kh, kw] as [M' / 32][taps * chunks][parts][32][KC] bfloat16 (flat: a block's weights one
-        stream) and the bias as
+        """w [M, C, kh, kw] as groups of 32 output channels (the last 16 where M' / 16 is odd), each
+        [taps * chunks][parts][32 or 16][KC] bfloat16 (a block's weights one stream), and the bias as
         [M' / 16][16][16] float32 tiles (row m: bias[m] 16 times)."""
         m, c, kh, kw = self.m, self.c, self.kh, self.kw
         wp = np.zeros((self.m_pad, self.chunks * self.kc, kh, kw), np.float32)
         wp[:m, :c] = np.asarray(w, np.float32).reshape(m, c, kh, kw)
         arranged = wp.reshape(self.m_pad, self.chunks, self.kc, kh, kw).transpose(1, 3, 4, 0, 2)
-        tc = kh * kw * self.chunks   # [part][tc][M' / 32][2][16][KC] -> [M' / 32][tc][part][2][16][KC]
-        parts = np.stack(split(arranged, self.parts)).reshape(self.parts, tc, self.m_pad // 32, 2, 16, self.kc)
-        flat = np.ascontiguousarray(parts.transpose(2, 1, 0, 3, 4, 5)).reshape(-1)
+        tc = kh * kw * self.chunks
+        parts = np.stack(split(arranged, self.parts)).reshape(self.parts, tc, self.m_pad, self.kc)
+        groups = []   # pairs of 16-channel tiles, the last one alone where M' / 16 is odd: [tc][part][g * 16][KC]
+        for m0 in range(0, self.m_pad, 32):
+            groups.append(parts[:, :, m0:m0 + 32].transpose(1, 0, 2, 3).reshape(-1))
+        flat = np.ascontiguousarray(np.concatenate(groups))
         b = np.zeros(self.m_pad, np.float32)
         if bias is not None:
             b[:m] = np.asarray(bias, np.float32).reshape(-1)
@@ -302,20 +308,55 @@ def release(typingctx):
     return types.void(), codegen
 
 
-def _block_intrinsic(kc: int, products):
-    """block(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, w_at, w_tc, plane_bytes, scratch):
-    accumulator (mk, pk) (tile 2 mk + pk) = bias tile b_at + 256 mk, plus over t < len(offs) and the
-    products (a, b): weights part a [w_at + t * w_tc + 16 KC mk] (16 x KC) times input part b at pair
-    offs[t] + p_pk (KC / 2 rows plane_bytes apart); stored to scratch[256 (2 mk + pk):]."""
+def schedule(products, m_tiles: int) -> list[tuple]:
+    """The tile operations of one tap and chunk of a block of m_tiles (1 or 2) x 4 / m_tiles accumulators:
+    ("load", slot, ("A", part, m-tile) or ("B", part, p-tile)) and ("dp", accumulator, a slot, b slot).
+    Slots 4-5 hold weights, 6-7 inputs; a load only where the slot holds something else."""
+    held: dict = {}
+    ops: list = []
+
+    def ensure(slot, what):
+        if held.get(slot) != what:
+            ops.append(("load", slot, what))
+            held[slot] = what
+    if m_tiles == 2:
+        for a, b in products:
+            for mk in range(2):
+                ensure(4 + mk, ("A", a, mk))
+            for pk in range(2):
+                ensure(6 + pk, ("B", b, pk))
+            ops += [("dp", 2 * mk + pk, 4 + mk, 6 + pk) for mk in range(2) for pk in range(2)]
+        return ops
+    weight_parts = sorted({a for a, _ in products})
+    for pair in (0, 2):   # p-tiles two at a time, the products grouped by input part
+        for a, b in sorted(products, key=lambda ab: (ab[1], ab[0])):
+            slot = 4 + weight_parts.index(a) % 2
+            ensure(slot, ("A", a, 0))
+            for k in range(2):
+                ensure(6 + k, ("B", b, pair + k))
+            ops += [("dp", pair + k, slot, 6 + k) for k in range(2)]
+    return ops
+
+
+def _block_intrinsic(kc: int, products, m_tiles: int):
+    """block(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, plane_bytes, scratch):
+    a block of m_tiles (1 or 2) tiles of 16 output channels x 4 / m_tiles tiles of 16 positions (p0.. in
+    pair units). Accumulator (mk, pk) (tile (4 / m_tiles) mk + pk) = bias tile b_at + 256 mk, plus over
+    t < len(offs) and the products (a, b): weights part a at w_at + t w_tc + a w_part + 16 KC mk (16 x KC)
+    times input part b at pair offs[t] + p_pk (KC / 2 rows plane_bytes apart); stored to
+    scratch[256 * accumulator:]."""
+    ops = schedule(products, m_tiles)
+    p_tiles = 4 // m_tiles
+
     @intrinsic
-    def block(typingctx, x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, w_at, w_tc, plane_bytes, scratch):
-        sig = types.void(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, w_at, w_tc, plane_bytes, scratch)
+    def block(typingctx, x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, plane_bytes, scratch):
+        sig = types.void(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, plane_bytes, scratch)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
-            xa, wa, ba, oa, sa = arr(0), arr(2), arr(4), arr(6), arr(12)
-            x_part_v, w_part_v, b_at_v, p0_v, p1_v, w_at_v, w_tc_v, stride_v = (
-                args[i] for i in (1, 3, 5, 7, 8, 9, 10, 11))
+            xa, wa, ba, oa, sa = arr(0), arr(2), arr(4), arr(6), arr(14)
+            x_part_v, w_part_v, b_at_v, w_at_v, w_tc_v, stride_v = (args[i] for i in (1, 3, 5, 11, 12, 13))
+            ps = args[7:11]
             mod = builder.module
             load = _declare(mod, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
             dp = _declare(mod, "llvm.x86.tdpbf16ps", ir.VoidType(), [_I8, _I8, _I8])
@@ -323,10 +364,10 @@ def _block_intrinsic(kc: int, products):
             i8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
             i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
             f32p = lambda a, at: builder.bitcast(builder.gep(a.data, [at]), _P8)  # noqa: E731
-            for mk in range(2):
+            for mk in range(m_tiles):
                 bias_p = f32p(ba, builder.add(b_at_v, i64(256 * mk)))
-                for pk in range(2):
-                    builder.call(load, [i8(2 * mk + pk), bias_p, i64(64)])
+                for pk in range(p_tiles):
+                    builder.call(load, [i8(p_tiles * mk + pk), bias_p, i64(64)])
             n_tc = builder.extract_value(oa.shape, 0)
             start = builder.block
             loop, done = builder.append_basic_block("tc_loop"), builder.append_basic_block("tc_done")
@@ -336,21 +377,17 @@ def _block_intrinsic(kc: int, products):
             t.add_incoming(i64(0), start)
             off = builder.load(builder.gep(oa.data, [t]))
             w_base = builder.add(w_at_v, builder.mul(t, w_tc_v))
-            held = {}   # tile slot -> the part it holds this iteration
-            for a, b in products:
-                for mk in range(2):
-                    if held.get(4 + mk) != a:
-                        at = builder.add(builder.add(builder.mul(i64(a), w_part_v), w_base), i64(16 * kc * mk))
-                        builder.call(load, [i8(4 + mk), builder.bitcast(builder.gep(wa.data, [at]), _P8), i64(2 * kc)])
-                        held[4 + mk] = a
-                for pk, p in enumerate((p0_v, p1_v)):
-                    if held.get(6 + pk) != b:
-                        at = builder.add(builder.mul(i64(b), x_part_v), builder.mul(builder.add(off, p), i64(2)))
-                        builder.call(load, [i8(6 + pk), builder.bitcast(builder.gep(xa.data, [at]), _P8), stride_v])
-                        held[6 + pk] = b
-                for mk in range(2):
-                    for pk in range(2):
-                        builder.call(dp, [i8(2 * mk + pk), i8(4 + mk), i8(6 + pk)])
+            for op in ops:
+                if op[0] == "dp":
+                    builder.call(dp, [i8(op[1]), i8(op[2]), i8(op[3])])
+                    continue
+                _, slot, (kind, part, tile) = op
+                if kind == "A":
+                    at = builder.add(builder.add(builder.mul(i64(part), w_part_v), w_base), i64(16 * kc * tile))
+                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(wa.data, [at]), _P8), i64(2 * kc)])
+                else:
+                    at = builder.add(builder.mul(i64(part), x_part_v), builder.mul(builder.add(off, ps[tile]), i64(2)))
+                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(xa.data, [at]), _P8), stride_v])
             nxt = builder.add(t, i64(1))
             t.add_incoming(nxt, builder.block)
             builder.cbranch(builder.icmp_signed("<", nxt, n_tc), loop, done)
@@ -366,55 +403,77 @@ CONFIGS: dict = {}
 BLOCKS: dict = {}
 
 
-def block_for(kc: int, precision: str):
-    """The config and block intrinsics for KC and a precision, made once per process."""
+def blocks_for(kc: int, precision: str):
+    """The config intrinsic and the 2 x 2 and 1 x 4 block intrinsics of KC and a precision, made once per
+    process."""
     if (kc, precision) not in BLOCKS:
         CONFIGS[kc] = CONFIGS.get(kc) or _config_intrinsic(kc)
-        BLOCKS[kc, precision] = _block_intrinsic(kc, PRODUCTS[precision])
-    return CONFIGS[kc], BLOCKS[kc, precision]
+        BLOCKS[kc, precision] = tuple(_block_intrinsic(kc, PRODUCTS[precision], m) for m in (2, 1))
+    return (CONFIGS[kc],) + BLOCKS[kc, precision]
 
 
 _DRIVER = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_amx import block_for, prepare, release
+from ingot.backends.cpu.conv_amx import blocks_for, prepare, release
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
-config, block = block_for({kc}, {precision!r})
+config, block22, block14 = blocks_for({kc}, {precision!r})
 epilogue = EPILOGUES[{key!r}]
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, w, bias_t, offs, tiles, band, out,
+def store(of, scratch, acc, q0, n_q, wq, ow, p_n, m0, rows, ops):
+    # accumulator acc (16 channels from m0, `rows` of them real x positions q0..q0+15) through the
+    # epilogue into out: each run of positions within an output row (q = oy * wq + ox, ox < ow) in turn
+    q = q0
+    end = min(q0 + 16, n_q)
+    while q < end:
+        oy = q // wq
+        ox = q - oy * wq
+        if ox >= ow:
+            q = (oy + 1) * wq
+            continue
+        run = min(end - q, ow - ox)
+        for r in range(rows):
+            at = (m0 + r) * p_n + oy * ow + ox
+            epilogue(of, at, scratch, acc * 256 + 16 * r + q - q0, run, m0 + r, at, ops)
+        q += run
+
+
+@njit(cache=True, nogil=True)
+def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, w, bias_t, offs, n_tiles, band, out,
            scratch, ops):
     # x [C, H, W] float32 -> planes (conv_amx.prepare); w, bias_t: Geometry.weights; offs: the taps' and
-    # chunks' pair offsets; tiles [T, 3]: (oy, ox, position); out [M, OH, OW]. A band of tiles at a time,
-    # 32 output channels over it, two tiles a block.
+    # chunks' pair offsets; out [M, OH, OW]. A band of n_tiles tiles of 16 positions at a time; over it,
+    # 32 output channels x 2 tiles a block (block22), a last 16 channels x 4 tiles (block14).
     prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs)
     m_n, oh, ow = out.shape
     p_n = oh * ow
+    n_q = (oh - 1) * wq + ow
     of = out.reshape(m_n * p_n)
     m_tiles = bias_t.shape[0] // 16
-    w_tc = parts * 32 * {kc}
     n_tc = offs.shape[0]
-    n_t = tiles.shape[0]
+    last = (n_tiles - 1) * 16
     config()
-    for b0 in range(0, n_t, band):
-        b1 = min(n_t, b0 + band)
-        for mb in range(0, m_tiles, 2):
+    for b0 in range(0, n_tiles, band):
+        b1 = min(n_tiles, b0 + band)
+        for mb in range(0, m_tiles - 1, 2):
             for t in range(b0, b1, 2):
-                t2 = t + 1 if t + 1 < b1 else t
-                block(planes, part_size, w, 32 * {kc}, bias_t, mb * 256, offs, tiles[t, 2], tiles[t2, 2],
-                      (mb // 2) * n_tc * w_tc, w_tc, pl * 4, scratch)
+                block22(planes, part_size, w, 32 * {kc}, bias_t, mb * 256, offs, 16 * t, min(16 * t + 16, last), 0, 0,
+                        mb * n_tc * parts * 16 * {kc}, parts * 32 * {kc}, pl * 4, scratch)
                 for mk in range(2):
                     m0 = (mb + mk) * 16
-                    for pk in range(2 if t2 != t else 1):
-                        tt = t + pk
-                        oy, ox = tiles[tt, 0], tiles[tt, 1]
-                        valid = min(16, ow - ox)
-                        for r in range(min(16, m_n - m0)):
-                            at = (m0 + r) * p_n + oy * ow + ox
-                            epilogue(of, at, scratch, (2 * mk + pk) * 256 + 16 * r, valid, m0 + r, at, ops)
+                    for pk in range(min(2, b1 - t)):
+                        store(of, scratch, 2 * mk + pk, 16 * (t + pk), n_q, wq, ow, p_n, m0, min(16, m_n - m0), ops)
+        if m_tiles % 2:
+            mb = m_tiles - 1
+            for t in range(b0, b1, 4):
+                block14(planes, part_size, w, 16 * {kc}, bias_t, mb * 256, offs, 16 * t, min(16 * t + 16, last),
+                        min(16 * t + 32, last), min(16 * t + 48, last), mb * n_tc * parts * 16 * {kc},
+                        parts * 16 * {kc}, pl * 4, scratch)
+                for pk in range(min(4, b1 - t)):
+                    store(of, scratch, pk, 16 * (t + pk), n_q, wq, ow, p_n, mb * 16, min(16, m_n - mb * 16), ops)
     release()
 """
 
@@ -448,7 +507,7 @@ def step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, c
     g = Geometry(c, h, w, m, kh, kw, sh, sw, dh, dw, ph, pw, oh, ow, precision)
     kernel = driver(g.kc, precision, epilogue.steps, epilogue.operands)
     planes = g.planes()
-    scratch = np.empty(1024, np.float32)
+    scratch = np.zeros(1024 + 16, np.float32)   # four accumulators; an epilogue run's masked lanes read past
     operands = epilogue.operands
     fixed_ops = all(form != "full" and i in constants for form, i in operands)
     cache: dict = {}
@@ -463,6 +522,7 @@ def step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, c
         y = out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, oh, ow)
         for n in range(n_img):
-            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.pairs, arranged[0], arranged[1], g.offs, g.tiles, g.band, y4[n], scratch, image_operands(cache, inputs, operands, n, fixed_ops))
+            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.pairs, arranged[0], arranged[1],
+                   g.offs, g.n_tiles, g.band, y4[n], scratch, image_operands(cache, inputs, operands, n, fixed_ops))
         return y
     return run

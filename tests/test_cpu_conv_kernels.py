@@ -6,6 +6,9 @@ import pytest
 
 from ingot.backends.cpu import conv_kernels
 from ingot.ops.conv import conv
+from ingot.options import CompileOptions, CpuOptions
+
+FLOAT32 = CompileOptions(cpu=CpuOptions(conv_precision="float32"))   # the AVX-512 kernels, not AMX's tiles
 
 CASES = [  # channels, (H, W), (kh, kw), strides, dilations, pads ((top, bottom), (left, right))
     (1, (1, 1), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),
@@ -48,7 +51,7 @@ def test_depthwise_conv_step_with_epilogue(strides):
     g = ingot.Graph()
     xi = g.placeholder(x.shape, name="x")
     y = g.maximum(g.conv(xi, w, b, strides=strides, pads=((1, 1), (0, 1)), groups=21), 0.0)
-    exe = g.compile(targets=[y])
+    exe = g.compile(targets=[y], options=FLOAT32)
     assert any(n.op.name == "FUSED" for n in exe.program.nodes())
     want = np.maximum(conv(x, w, b, strides, (1, 1), ((1, 1), (0, 1)), 21), 0)
     np.testing.assert_allclose(exe.run({"x": x})[0], want, rtol=1e-5, atol=1e-5)
@@ -149,7 +152,7 @@ def test_direct_conv_narrow_tiles_and_half_blocks(m, ow):
     g = ingot.Graph()
     xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
     y = g.conv(xi, w, b, pads=((1, 1), (1, 1)))
-    exe = g.compile(targets=[g.add(g.where(g.less(y, 0.0), g.mul(y, 0.1), y), ri)])
+    exe = g.compile(targets=[g.add(g.where(g.less(y, 0.0), g.mul(y, 0.1), y), ri)], options=FLOAT32)
     want = np.where(ref < 0, ref * 0.1, ref) + r
     assert conv_kernels.direct_fits(3, 3, 1) and conv_spatial.supported(*_steps_of(exe))
     np.testing.assert_allclose(exe.run({"x": x, "r": r})[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
@@ -191,7 +194,7 @@ def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual, batch, 
     y = g.mul(y, g.div(g.minimum(g.maximum(g.add(y, 3.0), 0.0), 6.0), 6.0))
     if residual:
         y = g.add(y, ri)
-    exe = g.compile(targets=[y])
+    exe = g.compile(targets=[y], options=FLOAT32)
     assert [n.attrs.get("kind") for n in exe.program.nodes() if n.op.name == "FUSED"] == ["conv_epilogue"]
     t = y_ref * scale.reshape(m, 1, 1) + shift.reshape(m, 1, 1)
     want = t * np.clip(t + 3, 0, 6) / 6 + (r if residual else 0)
@@ -213,7 +216,7 @@ def test_direct_conv_step_one_d(monkeypatch):
     b = rng.standard_normal(19).astype(np.float32)
     g = ingot.Graph()
     y = g.conv(g.placeholder(x.shape, name="x"), w, b, strides=(2,), dilations=(2,), pads=((2, 1),))
-    exe = g.compile(targets=[g.maximum(y, 0.0)])
+    exe = g.compile(targets=[g.maximum(y, 0.0)], options=FLOAT32)
     want = np.maximum(conv(x[:, :, None], w[:, :, None], b, (1, 2), (1, 2), ((0, 0), (2, 1)), 1)[:, :, 0], 0)
     np.testing.assert_allclose(exe.run({"x": x})[0], want, rtol=1e-5, atol=1e-4)
     assert steps == [1]
@@ -233,7 +236,7 @@ def test_silu_epilogue_in_registers_extremes(k, m):
     g = ingot.Graph()
     xi = g.placeholder(x.shape, name="x")
     y = g.conv(xi, w, b, pads=((k // 2,) * 2, (k // 2,) * 2))
-    got = g.compile(targets=[g.mul(y, g.sigmoid(y))]).run({"x": x})[0]
+    got = g.compile(targets=[g.mul(y, g.sigmoid(y))], options=FLOAT32).run({"x": x})[0]
     v = conv(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), (1, 1), (1, 1),
              ((k // 2,) * 2, (k // 2,) * 2), 1)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -264,11 +267,11 @@ def test_strided_pointwise_conv_with_epilogue(c, m, hw, strides):
     g = ingot.Graph()
     xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
     y = g.conv(xi, w, b, strides=strides)
-    exe = g.compile(targets=[g.maximum(g.add(y, ri), 0.0)])
+    exe = g.compile(targets=[g.maximum(g.add(y, ri), 0.0)], options=FLOAT32)
     assert cpu_conv._strided_pointwise(1, 1, strides, ((0, 0), (0, 0)), 1)
     want = np.maximum(ref + r, 0)
     np.testing.assert_allclose(exe.run({"x": x, "r": r})[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     one_d = g.conv(g.placeholder((1, c, hw[1]), name="x1"), w[:, :, 0], b, strides=strides[1:])
-    got = g.compile(targets=[one_d]).run({"x1": x[:, :, 0]})[0]
+    got = g.compile(targets=[one_d], options=FLOAT32).run({"x1": x[:, :, 0]})[0]
     np.testing.assert_allclose(got, conv(x[:, :, :1], w, b, (1, strides[1]), (1, 1), ((0, 0), (0, 0)), 1)[:, :, 0],
                                rtol=1e-5, atol=1e-4)

@@ -295,7 +295,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     if small is not None:   # a short 1-D output: one compiled call (conv1d_small.py)
         return small
     if precision != "float32" and epilogue.spatial_ok and not depthwise and conv_amx.fits(kh, kw, groups, cg, m, ow) \
-            and conv_amx.worth_it(kh, kw, cg, oh * ow) and conv_amx.available():
+            and conv_amx.worth_it(kh, kw, cg, m, oh * ow) and conv_amx.available():
         return conv_amx.step(conv, out, epilogue, x_index, w_index, b_index, constant, constants, precision,
                              _image_operands)
     strided = _strided_pointwise(kh, kw, (sh, sw), pads, groups)   # its strided positions gathered, then as stride 1

@@ -24,6 +24,7 @@ CASES = [
     (24, 16, (8, 9), (3, 1), (3, 1), (2, 1), ((1, 2), (0, 0))),
     (96, 130, (9, 11), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),   # several chunks, M past 128
     (10, 64, (5, 40), (1, 7), (1, 1), (1, 3), ((0, 0), (9, 9))),
+    (130, 256, (5, 7), (1, 1), (1, 1), (1, 1), ((0, 0), (0, 0))),   # 1x1 with many output channels
 ]
 
 
@@ -52,7 +53,7 @@ def test_matches_reference(case, precision):
     b = rng.standard_normal(m).astype(np.float32)
     want = conv(x, w, b, strides, dilations, pads, 1)
     got = _graph_conv(x, w, b, strides, dilations, pads, precision)
-    assert conv_amx.fits(k[0], k[1], 1, c, m, want.shape[-1])
+    assert conv_amx.fits(k[0], k[1], 1, c, m) and conv_amx.worth_it(k[0], k[1], c, m, want.shape[-1] * want.shape[-2])
     np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want, precision))
 
 
@@ -108,6 +109,22 @@ def test_the_option_is_checked():
         CpuOptions(conv_precision="bf16")
     assert CompileOptions.from_json(CompileOptions(cpu=CpuOptions(conv_precision="float32")).to_json()).cpu.conv_precision \
         == "float32"
+
+
+def test_which_convolutions_take_the_tiles():
+    assert conv_amx.fits(3, 3, 1, 16, 16) and not conv_amx.fits(3, 3, 2, 16, 16)
+    assert not conv_amx.fits(3, 3, 1, 3, 16) and not conv_amx.fits(3, 3, 1, 16, 8)
+    assert not conv_amx.worth_it(3, 3, 16, 16, 15)
+    assert conv_amx.worth_it(3, 3, 16, 16, 49) and not conv_amx.worth_it(1, 1, 96, 64, 1600)
+    assert conv_amx.worth_it(1, 1, 192, 64, 1600) and conv_amx.worth_it(1, 1, 512, 512, 49)
+
+
+def test_schedules_load_only_what_changes():
+    """Per tap and chunk: x3 in 10 tile loads for 12 products at either block shape, x6 in 18 for 24."""
+    for m_tiles in (1, 2):
+        for precision, loads, dps in (("bf16x3", 10, 12), ("bf16x6", 18, 24)):
+            ops = conv_amx.schedule(conv_amx.PRODUCTS[precision], m_tiles)
+            assert sum(op[0] == "load" for op in ops) <= loads and sum(op[0] == "dp" for op in ops) == dps
 
 
 def test_chunks_are_equal_and_even():

@@ -294,7 +294,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     small = conv1d_small.small_step(conv, out, epilogue, x_index, w_index, b_index, constant, constants) if one_d else None
     if small is not None:   # a short 1-D output: one compiled call (conv1d_small.py)
         return small
-    if precision != "float32" and epilogue.spatial_ok and not depthwise and conv_amx.fits(kh, kw, groups, cg, m, ow) \
+    if precision != "float32" and epilogue.spatial_ok and not depthwise and conv_amx.fits(kh, kw, groups, cg, m) \
             and conv_amx.worth_it(kh, kw, cg, m, oh * ow) and conv_amx.available():
         return conv_amx.step(conv, out, epilogue, x_index, w_index, b_index, constant, constants, precision,
                              _image_operands)

@@ -65,19 +65,19 @@ def available() -> bool:
         return False
 
 
-def fits(kh: int, kw: int, groups: int, c: int, m: int, ow: int) -> bool:
-    """Convolutions worth the tiles: groups 1, at least 8 input channels and 16 output ones, and a reduction
-    (C * kh * kw) of at least 64; rows of at least 8 outputs (a tile is 16 of a row)."""
-    return groups == 1 and c >= 8 and m >= 16 and c * kh * kw >= 64 and ow >= 8
+def fits(kh: int, kw: int, groups: int, c: int, m: int) -> bool:
+    """Convolutions the tiles take: groups 1, at least 8 input channels and 16 output ones, and a reduction
+    (C * kh * kw) of at least 64."""
+    return groups == 1 and c >= 8 and m >= 16 and c * kh * kw >= 64
 
 
 def worth_it(kh: int, kw: int, c: int, m: int, positions: int) -> bool:
-    """Where the tiles beat the AVX-512 kernels: any kxk window; a 1x1 one (whose input is split for one
+    """Where the tiles beat the AVX-512 kernels: a tile of outputs or more, and any kxk window; a 1x1 one (whose input is split for one
     use a value) from 128 input channels and 256 outputs or 256 output channels (kernel alone, Xeon VM,
     ms, tiles / conv_pointwise: 192 x 40 x 40 -> 64 0.30 / 0.43, 256 x 20 x 20 -> 128 0.16 / 0.20,
     512 x 7 x 7 -> 512 0.139 / 0.198, 256 x 14 x 14 -> 256 0.117 / 0.182; lost: 96 x 40 x 40 -> 64
     0.16 / 0.15, 576 x 7 x 7 -> 96 0.048 / 0.044)."""
-    return kh * kw > 1 or (c >= 128 and (positions >= 256 or m >= 256))
+    return positions >= 16 and (kh * kw > 1 or (c >= 128 and (positions >= 256 or m >= 256)))
 
 
 def chunking(c: int) -> tuple[int, int]:

@@ -193,14 +193,15 @@ def _split_scalar(xf, s0, s1, pair, n, stride, planes, at, parts, part_size):
 
 
 @njit(cache=True, nogil=True)
-def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs):
-    """x [C, H, W] float32 split into `parts` bfloat16 parts, written into planes (uint16, part k at
-    k * part_size): [sh * sw phases][pairs][pl][2], padded (y + ph, x + pw) at phase (y % sh, x % sw),
-    position (y // sh) * wq + x // sw. What is not written here stays as it is (the zero border)."""
+def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, y0, y1):
+    """Rows y0..y1 of x [C, H, W] float32 split into `parts` bfloat16 parts, written into planes (uint16,
+    part k at k * part_size): [sh * sw phases][pairs][pl][2], padded (y + ph, x + pw) at phase
+    (y % sh, x % sw), position (y // sh) * wq + x // sw. What is not written here stays as it is (the
+    zero border)."""
     c_n, h, w = x.shape
     xf = x.reshape(c_n * h * w)
     for p in range((c_n + 1) // 2):
-        for y in range(h):
+        for y in range(y0, y1):
             yy = y + ph
             row_at = (yy % sh) * sw * pairs * pl * 2 + p * pl * 2 + (yy // sh) * wq * 2
             s0 = (2 * p * h + y) * w
@@ -451,12 +452,14 @@ def store(of, scratch, acc, q0, n_q, wq, ow, p_n, m0, rows, ops):
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, w, bias_t, offs, n_tiles, band, out,
+def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, reach, w, bias_t, offs, n_tiles, band, out,
            scratch, ops):
-    # x [C, H, W] float32 -> planes (conv_amx.prepare); w, bias_t: Geometry.weights; offs: the taps' and
+    # x [C, H, W] float32 -> planes (conv_amx.prepare), the rows a band reads just before it (they are
+    # in L2 when the band runs); reach: (kh - 1) * dh; w, bias_t: Geometry.weights; offs: the taps' and
     # chunks' pair offsets; out [M, OH, OW]. A band of n_tiles tiles of 16 positions at a time; over it,
     # 32 output channels x 2 tiles a block (block22), a last 16 channels x 4 tiles (block14).
-    prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs)
+    h = x.shape[1]
+    ready = 0   # rows of x in the planes
     m_n, oh, ow = out.shape
     p_n = oh * ow
     n_q = (oh - 1) * wq + ow
@@ -467,6 +470,10 @@ def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, w, bias_t
     config()
     for b0 in range(0, n_tiles, band):
         b1 = min(n_tiles, b0 + band)
+        need = min(h, ((16 * b1 - 1) // wq) * sh + reach - ph + 1)
+        if need > ready:
+            prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, ready, need)
+            ready = need
         for mb in range(0, m_tiles - 1, 2):
             for t in range(b0, b1, 2):
                 block22(planes, part_size, w, 32 * {kc}, bias_t, mb * 256, offs, 16 * t, min(16 * t + 16, last), 0, 0,
@@ -531,7 +538,8 @@ def step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, c
         y = out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, oh, ow)
         for n in range(n_img):
-            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.pairs, arranged[0], arranged[1],
+            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.pairs, (kh - 1) * dh, arranged[0],
+                   arranged[1],
                    g.offs, g.n_tiles, g.band, y4[n], scratch, image_operands(cache, inputs, operands, n, fixed_ops))
         return y
     return run

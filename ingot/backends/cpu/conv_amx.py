@@ -6,20 +6,19 @@ product exact and summed in AMX's float32 accumulators (TDPBF16PS). What is drop
 splits' rounding) is ~2^-16 of |x w|: ~1e-5 of a layer's output. "bf16x6" splits into three parts and
 adds the products of order 2^-16 too, for float32's own error at twice the cost.
 
-- The input is split and copied into zero-padded planes of channel pairs, [S*S phases][C'/2][PL][2]
-  (AMX's pair layout for its B operand), one set a part. A stride-s conv reads phase
-  (i*dh % s, j*dw % s) at (oy + i*dh // s, ox + j*dw // s): consecutive outputs are consecutive positions,
-  one tile row (64 bytes) a channel pair.
-- The weights are [taps * chunks][M'/16][16][KC] a part: KC input channels a chunk (C' = chunks * KC,
-  KC <= 32 even, the chunks equal), M' = M rounded up to 32.
+- The input is split and copied into zero-padded planes, [S*S phases][chunks][PL positions][KC channels]
+  (KC <= 32 even, the chunks equal): a tile of AMX's A operand is 16 consecutive positions of a chunk,
+  1 KB in one piece, each row a cache line. A stride-s conv reads phase (i*dh % s, j*dw % s) at
+  (oy + i*dh // s, ox + j*dw // s): consecutive outputs are consecutive positions.
+- The weights are AMX's B operand: per tap and chunk, tiles of 16 output channels [KC/2][16][2].
 - Outputs are plane positions q = oy * WQ + ox, 16 a tile (the few columns past the output's width are
   computed and dropped: a 20-wide row wastes 2 of 22 positions, not 12 of 32).
 - A block is 32 output channels x 2 tiles of positions, or, for a last 16 channels, 16 x 4: four float32
   accumulator tiles started from the bias; over every tap and chunk, 12 TDPBF16PS from 10 tile loads
-  (x3: `schedule`); then each accumulator row (16 positions of a channel) gets the epilogue's vector IR
-  (conv_spatial) and masked stores into the NCHW output, a run per output row. Bands of positions keep
-  the input they read in L2 while every 32 channels pass over it; a chunk's taps run together, reading
-  the same lines from L1.
+  (x3: `schedule`); then each accumulator, transposed in registers to [channel][position], gets the
+  epilogue's vector IR (conv_spatial) and masked stores into the NCHW output, a run per output row.
+  Bands of positions keep the input they read in L2 while every 32 channels pass over it (their rows
+  split just before); a chunk's taps run together, reading the same lines from L1.
 AMX needs the kernel's permission for its tile state (arch_prctl ARCH_REQ_XCOMP_PERM): `available()`
 asks once.
 """
@@ -37,6 +36,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import conv_spatial
+from .conv_depthwise import _transpose16
+from .conv_spatial import _V
 from .vnni import host_has
 
 with open(os.path.abspath(__file__), "rb") as _f:   # the generated kernels' cache key: the intrinsics here
@@ -102,126 +103,119 @@ def split(a: np.ndarray, parts: int) -> list[np.ndarray]:
     return out
 
 
-def _split_intrinsic(stride: int):
-    """split16(planes, at, part_size, parts, xf, s0, s1, pair, n): for q < min(n, 16), the values
-    xf[s0 + stride q] and (pair) xf[s1 + stride q] (else 0), split into `parts` bfloat16 parts (part k:
-    round to nearest even of what the parts before left), written as pairs at planes[k part_size + at + 2 q]."""
+def _split_intrinsic(stride: int, kc: int):
+    """split_rows(planes, at, part_size, parts, xf, src, ch_step, n_ch, n): for positions q < min(n, 16)
+    and channels c < KC, the value xf[src + c ch_step + stride q] (zero for c >= n_ch) split into `parts`
+    bfloat16 parts, part k written at planes[k part_size + at + q KC + c]: 16 positions of a chunk's rows.
+    The channels' vectors are transposed in registers (conv_depthwise._transpose16), 16 at a time."""
     f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
-    v16, i16x16, i16x32 = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i16, 32)
+    v16, v32 = ir.VectorType(f32, 16), ir.VectorType(f32, 32)
     m16, m32 = ir.VectorType(ir.IntType(1), 16), ir.VectorType(ir.IntType(1), 32)
-    v32 = ir.VectorType(f32, 32)
+    i32x = lambda k: ir.VectorType(i32, k)  # noqa: E731
+    halves = -(-kc // 16)
+    width = 16 * halves
 
     @intrinsic
-    def split16(typingctx, planes, at, part_size, parts, xf, s0, s1, pair, n):
-        sig = types.void(planes, at, part_size, parts, xf, s0, s1, pair, n)
+    def split_rows(typingctx, planes, at, part_size, parts, xf, src, ch_step, n_ch, n):
+        sig = types.void(planes, at, part_size, parts, xf, src, ch_step, n_ch, n)
 
         def codegen(context, builder, signature, args):
             pa = context.make_array(signature.args[0])(context, builder, args[0])
             xa = context.make_array(signature.args[4])(context, builder, args[4])
-            at_v, ps_v, parts_v, s0_v, s1_v, pair_v, n_v = (args[i] for i in (1, 2, 3, 5, 6, 7, 8))
+            at_v, ps_v, parts_v, src_v, step_v, n_ch_v, n_v = (args[i] for i in (1, 2, 3, 5, 6, 7, 8))
             mod = builder.module
             i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+
+            def splat(v, k):
+                vt = ir.VectorType(_I64, k)
+                one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(i32x(k), [0] * k))
             lanes = lambda k: ir.Constant(ir.VectorType(_I64, k), list(range(k)))  # noqa: E731
-            splat = lambda v, k: builder.shuffle_vector(  # noqa: E731
-                builder.insert_element(ir.Constant(ir.VectorType(_I64, k), ir.Undefined), v, ir.Constant(i32, 0)),
-                ir.Constant(ir.VectorType(_I64, k), ir.Undefined), ir.Constant(ir.VectorType(i32, k), [0] * k))
+            zero16 = ir.Constant(v16, [0.0] * 16)
             if stride == 1:
                 ld = _declare(mod, "llvm.masked.load.v16f32.p0", v16, [v16.as_pointer(), i32, m16, v16])
-                mask = builder.icmp_signed("<", lanes(16), splat(n_v, 16))
-
-                def read(start):
-                    ptr = builder.bitcast(builder.gep(xa.data, [start]), v16.as_pointer())
-                    return builder.call(ld, [ptr, ir.Constant(i32, 4), mask, ir.Constant(v16, [0.0] * 16)])
-            else:   # stride 2: 32 values, the even ones (the odd past the last even one masked off)
+                full = builder.icmp_signed("<", lanes(16), splat(n_v, 16))
+            else:   # 32 values, the even ones (the odd past the last even one masked off)
                 ld = _declare(mod, "llvm.masked.load.v32f32.p0", v32, [v32.as_pointer(), i32, m32, v32])
-                last = builder.mul(builder.sub(n_v, i64(1)), i64(2))
-                mask = builder.icmp_signed("<=", lanes(32), splat(last, 32))
-
-                def read(start):
+                full = builder.icmp_signed("<=", lanes(32), splat(builder.mul(builder.sub(n_v, i64(1)), i64(2)), 32))
+            count = 16 if stride == 1 else 32
+            none = ir.Constant(ir.VectorType(ir.IntType(1), count), [0] * count)
+            columns = []
+            for c in range(width):
+                if c >= kc:
+                    columns.append(zero16)
+                    continue
+                live = builder.icmp_signed("<", i64(c), n_ch_v)
+                mask = builder.select(live, full, none)
+                start = builder.add(src_v, builder.mul(step_v, i64(c)))
+                start = builder.select(live, start, src_v)
+                if stride == 1:
+                    ptr = builder.bitcast(builder.gep(xa.data, [start]), v16.as_pointer())
+                    columns.append(builder.call(ld, [ptr, ir.Constant(i32, 4), mask, zero16]))
+                else:
                     ptr = builder.bitcast(builder.gep(xa.data, [start]), v32.as_pointer())
                     wide = builder.call(ld, [ptr, ir.Constant(i32, 4), mask, ir.Constant(v32, [0.0] * 32)])
-                    return builder.shuffle_vector(wide, ir.Constant(v32, ir.Undefined),
-                                                  ir.Constant(ir.VectorType(i32, 16), list(range(0, 32, 2))))
-            v0 = read(s0_v)
-            one = builder.icmp_signed("!=", pair_v, ir.Constant(pair_v.type, 0))
-            v1 = builder.select(one, read(builder.select(one, s1_v, s0_v)), ir.Constant(v16, [0.0] * 16))
-            st = _declare(mod, "llvm.masked.store.v32i16.p0", ir.VoidType(), [i16x32, i16x32.as_pointer(), i32, m32])
-            out_mask = builder.icmp_signed("<", lanes(32), splat(builder.mul(n_v, i64(2)), 32))
-            c = lambda v: ir.Constant(i16x16, [v] * 16)  # noqa: E731
+                    columns.append(builder.shuffle_vector(wide, ir.Constant(v32, ir.Undefined),
+                                                          ir.Constant(i32x(16), list(range(0, 32, 2)))))
+            rows = [_transpose16(builder, columns[16 * h:16 * h + 16]) for h in range(halves)]   # [half][q]
+            vw = ir.VectorType(f32, width)
+            iw, hw = ir.VectorType(i32, width), ir.VectorType(i16, width)
+            st = _declare(mod, f"llvm.masked.store.v{width}i16.p0", ir.VoidType(),
+                          [hw, hw.as_pointer(), i32, ir.VectorType(ir.IntType(1), width)])
+            lane_ok = ir.Constant(ir.VectorType(ir.IntType(1), width), [c < kc for c in range(width)])
+            c = lambda v: ir.Constant(iw, [v] * width)  # noqa: E731
 
             def part(v):
-                u = builder.bitcast(v, i16x16)
+                u = builder.bitcast(v, iw)
                 odd = builder.and_(builder.lshr(u, c(16)), c(1))
                 hi = builder.and_(builder.add(builder.add(u, c(0x7FFF)), odd), c(0xFFFF0000 - (1 << 32)))
-                return builder.trunc(builder.lshr(hi, c(16)), ir.VectorType(i16, 16)), builder.fsub(v, builder.bitcast(hi, v16))
-
-            rests = (v0, v1)
+                return builder.trunc(builder.lshr(hi, c(16)), hw), builder.fsub(v, builder.bitcast(hi, vw))
+            values = []
+            for q in range(16):
+                v = rows[0][q] if halves == 1 else builder.shuffle_vector(
+                    rows[0][q], rows[1][q], ir.Constant(i32x(32), list(range(32))))
+                values.append(v)
             end = builder.append_basic_block("parts_done")
             for k in range(3):   # parts <= 3, each part's block after the one before
                 if k:
                     go = builder.append_basic_block(f"part{k}")
                     builder.cbranch(builder.icmp_signed(">", parts_v, i64(k)), go, end)
                     builder.position_at_end(go)
-                (h0, r0), (h1, r1) = part(rests[0]), part(rests[1])
-                both = builder.shuffle_vector(h0, h1, ir.Constant(ir.VectorType(i32, 32),
-                                                                  [i // 2 + 16 * (i % 2) for i in range(32)]))
-                dst = builder.add(at_v, builder.mul(ps_v, i64(k)))
-                ptr = builder.bitcast(builder.gep(pa.data, [dst]), i16x32.as_pointer())
-                builder.call(st, [both, ptr, ir.Constant(i32, 2), out_mask])
-                rests = (r0, r1)
+                base = builder.add(at_v, builder.mul(ps_v, i64(k)))
+                for q in range(16):
+                    bits, values[q] = part(values[q])
+                    mask = builder.select(builder.icmp_signed("<", i64(q), n_v), lane_ok,
+                                          ir.Constant(lane_ok.type, [0] * width))
+                    ptr = builder.bitcast(builder.gep(pa.data, [builder.add(base, i64(q * kc))]), hw.as_pointer())
+                    builder.call(st, [bits, ptr, ir.Constant(i32, 2), mask])
             builder.branch(end)
             builder.position_at_end(end)
             return context.get_dummy_value()
         return sig, codegen
-    return split16
+    return split_rows
 
 
-_split1, _split2 = _split_intrinsic(1), _split_intrinsic(2)
+SPLITS: dict = {}
+
+
+def splits_for(kc: int):
+    """The stride-1 and stride-2 split intrinsics of KC, made once per process."""
+    if kc not in SPLITS:
+        SPLITS[kc] = (_split_intrinsic(1, kc), _split_intrinsic(2, kc))
+    return SPLITS[kc]
 
 
 @njit(cache=True, nogil=True)
-def _split_scalar(xf, s0, s1, pair, n, stride, planes, at, parts, part_size):
-    """split16's work for any stride, a value at a time (strides above 2 are rare)."""
+def split_scalar(xf, src, ch_step, n_ch, n, stride, planes, at, parts, part_size, kc):
+    """split_rows' work for any stride, a value at a time (strides above 2 are rare)."""
     for q in range(n):
-        for e in range(2 if pair else 1):
-            v = xf[(s0 if e == 0 else s1) + q * stride]
+        for ch in range(n_ch):
+            v = xf[src + ch * ch_step + q * stride]
             for k in range(parts):
                 u = np.float32(v).view(np.uint32)
                 hi = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-                planes[k * part_size + at + 2 * q + e] = np.uint16(hi >> np.uint32(16))
+                planes[k * part_size + at + q * kc + ch] = np.uint16(hi >> np.uint32(16))
                 v = v - np.uint32(hi).view(np.float32)
-
-
-@njit(cache=True, nogil=True)
-def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, y0, y1):
-    """Rows y0..y1 of x [C, H, W] float32 split into `parts` bfloat16 parts, written into planes (uint16,
-    part k at k * part_size): [sh * sw phases][pairs][pl][2], padded (y + ph, x + pw) at phase
-    (y % sh, x % sw), position (y // sh) * wq + x // sw. What is not written here stays as it is (the
-    zero border)."""
-    c_n, h, w = x.shape
-    xf = x.reshape(c_n * h * w)
-    for p in range((c_n + 1) // 2):
-        for y in range(y0, y1):
-            yy = y + ph
-            row_at = (yy % sh) * sw * pairs * pl * 2 + p * pl * 2 + (yy // sh) * wq * 2
-            s0 = (2 * p * h + y) * w
-            for b in range(sw):
-                q0 = (pw - b + sw - 1) // sw        # the first column xq * sw + b >= pw
-                q1 = (pw + w - 1 - b) // sw + 1     # past the last <= pw + w - 1
-                if q1 <= q0:
-                    continue
-                first = s0 + q0 * sw + b - pw
-                at = row_at + b * pairs * pl * 2 + q0 * 2
-                pair = 2 * p + 1 < c_n
-                if sw > 2:
-                    _split_scalar(xf, first, first + h * w, pair, q1 - q0, sw, planes, at, parts, part_size)
-                    continue
-                for q in range(0, q1 - q0, 16):
-                    if sw == 1:
-                        _split1(planes, at + 2 * q, part_size, parts, xf, first + q, first + q + h * w, pair, q1 - q0 - q)
-                    else:
-                        _split2(planes, at + 2 * q, part_size, parts, xf, first + 2 * q, first + 2 * q + h * w, pair,
-                                q1 - q0 - q)
 
 
 class Geometry:
@@ -235,51 +229,49 @@ class Geometry:
         self.products = PRODUCTS[precision]
         self.parts = 1 + max(max(p) for p in self.products)
         self.chunks, self.kc = chunking(c)
-        self.pairs = self.chunks * self.kc // 2
         self.m_pad = -(-m // 16) * 16
         self.hq = max(oh - 1 + (kh - 1) * dh // sh, (ph + h - 1) // sh) + 1
         self.wq = max(ow - 1 + (kw - 1) * dw // sw, (pw + w - 1) // sw) + 1
-        # positions a pair plane: slack (a row's last tile reads up to 15 past it), and an odd number of
-        # 64-byte lines, so that a tile's 16 pair rows fall in 16 different L1 sets
-        self.pl = -(-(self.hq * self.wq + 32) // 16) * 16
-        self.pl += 16 * (1 - (self.pl // 16) % 2)
-        self.part_size = sh * sw * self.pairs * self.pl * 2
-        offs = []   # pair units, per chunk and tap: a chunk's taps read the same lines, from L1
+        self.pl = self.hq * self.wq + 32           # positions a plane; slack: the last tile reads up to 15 past
+        self.part_size = sh * sw * self.chunks * self.pl * self.kc
+        offs = []   # elements, per chunk and tap: a chunk's taps read the same lines, from L1
         for k in range(self.chunks):
             for i in range(kh):
                 for j in range(kw):
-                    phase = ((i * dh) % sh) * sw + (j * dw) % sw
-                    offs.append(phase * self.pairs * self.pl + ((i * dh) // sh) * self.wq + (j * dw) // sw +
-                                k * (self.kc // 2) * self.pl)
+                    plane = (((i * dh) % sh) * sw + (j * dw) % sw) * self.chunks + k
+                    offs.append((plane * self.pl + ((i * dh) // sh) * self.wq + (j * dw) // sw) * self.kc)
         self.offs = np.array(offs, np.int64)
         # outputs are plane positions q = oy * wq + ox (the columns past ow computed and dropped), 16 a tile
         self.positions = (oh - 1) * self.wq + ow
         self.n_tiles = -(-self.positions // 16)
-        rows = max(1, BAND_BYTES // max(1, self.pairs * 4 * self.parts * self.wq * sh))
+        rows = max(1, BAND_BYTES // max(1, self.chunks * self.kc * 2 * self.parts * self.wq * sh))
         self.band = max(4, -(-rows * self.wq // 64) * 4)   # tiles a band, a multiple of 4
 
     def planes(self) -> np.ndarray:
-        """The split input's planes, zero (their borders stay so)."""
-        return np.zeros(self.parts * self.part_size, np.uint16)
+        """The split input's planes, zero (their borders stay so), 64-byte aligned: a tile row (32 bfloat16
+        channels of a position) is one cache line."""
+        raw = np.zeros(self.parts * self.part_size + 32, np.uint16)
+        skip = (-raw.ctypes.data % 64) // 2
+        return raw[skip:skip + self.parts * self.part_size]
 
     def weights(self, w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """w [M, C, kh, kw] as groups of 32 output channels (the last 16 where M' / 16 is odd), each
-        [taps * chunks][parts][32 or 16][KC] bfloat16 (a block's weights one stream), and the bias as
-        [M' / 16][16][16] float32 tiles (row m: bias[m] 16 times)."""
+        [taps * chunks][parts][32 or 16 channels as tiles of [KC / 2][16][2]] bfloat16 (AMX's pair layout;
+        a block's weights one stream), and the bias as [M' / 16][16][16] float32 tiles (every row the
+        tile's 16 channels' biases)."""
         m, c, kh, kw = self.m, self.c, self.kh, self.kw
         wp = np.zeros((self.m_pad, self.chunks * self.kc, kh, kw), np.float32)
         wp[:m, :c] = np.asarray(w, np.float32).reshape(m, c, kh, kw)
         arranged = wp.reshape(self.m_pad, self.chunks, self.kc, kh, kw).transpose(1, 3, 4, 0, 2)
-        tc = kh * kw * self.chunks
-        parts = np.stack(split(arranged, self.parts)).reshape(self.parts, tc, self.m_pad, self.kc)
-        groups = []   # pairs of 16-channel tiles, the last one alone where M' / 16 is odd: [tc][part][g * 16][KC]
-        for m0 in range(0, self.m_pad, 32):
-            groups.append(parts[:, :, m0:m0 + 32].transpose(1, 0, 2, 3).reshape(-1))
-        flat = np.ascontiguousarray(np.concatenate(groups))
+        tc, mt, kc = kh * kw * self.chunks, self.m_pad // 16, self.kc
+        parts = np.stack(split(arranged, self.parts)).reshape(self.parts, tc, mt, 16, kc // 2, 2)
+        parts = parts.transpose(0, 1, 2, 4, 3, 5)   # a tile: [KC / 2][16 channels][2]
+        groups = [parts[:, :, t0:t0 + 2].transpose(1, 0, 2, 3, 4, 5).reshape(-1) for t0 in range(0, mt, 2)]
         b = np.zeros(self.m_pad, np.float32)
         if bias is not None:
             b[:m] = np.asarray(bias, np.float32).reshape(-1)
-        return flat, np.ascontiguousarray(np.repeat(b[:, None], 16, axis=1))
+        return np.ascontiguousarray(np.concatenate(groups)), np.ascontiguousarray(
+            np.broadcast_to(b.reshape(mt, 1, 16), (mt, 16, 16)))
 
 
 # -- the tile intrinsics ----------------------------------------------------------------------------------
@@ -289,12 +281,12 @@ def _declare(mod, name: str, ret, args):
 
 
 def _config_intrinsic(kc: int):
-    """config(): ldtilecfg for KC: tiles 0-3 accumulators (16 x 16 float32), 4-5 weights (16 x KC bf16),
-    6-7 inputs (KC / 2 pair rows of 16 x 2 bf16)."""
+    """config(): ldtilecfg for KC: tiles 0-3 accumulators (16 positions x 16 channels float32), 4-5 weights
+    (KC / 2 pair rows of 16 channels x 2 bf16), 6-7 inputs (16 positions x KC bf16)."""
     raw = [0] * 64
     raw[0] = 1   # palette 1
     for t in range(8):
-        rows, colsb = (16, 64) if t < 4 else (16, 2 * kc) if t < 6 else (kc // 2, 64)
+        rows, colsb = (16, 64) if t < 4 else (kc // 2, 64) if t < 6 else (16, 2 * kc)
         raw[16 + 2 * t], raw[17 + 2 * t], raw[48 + t] = colsb & 0xFF, colsb >> 8, rows
 
     @intrinsic
@@ -349,23 +341,23 @@ def schedule(products, m_tiles: int) -> list[tuple]:
 
 
 def _block_intrinsic(kc: int, products, m_tiles: int):
-    """block(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, plane_bytes, scratch):
-    a block of m_tiles (1 or 2) tiles of 16 output channels x 4 / m_tiles tiles of 16 positions (p0.. in
-    pair units). Accumulator (mk, pk) (tile (4 / m_tiles) mk + pk) = bias tile b_at + 256 mk, plus over
-    t < len(offs) and the products (a, b): weights part a at w_at + t w_tc + a w_part + 16 KC mk (16 x KC)
-    times input part b at pair offs[t] + p_pk (KC / 2 rows plane_bytes apart); stored to
-    scratch[256 * accumulator:]."""
+    """block(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, scratch): a block of
+    m_tiles (1 or 2) tiles of 16 output channels x 4 / m_tiles tiles of 16 positions (p0.. in elements:
+    position * KC). Accumulator (mk, pk) (tile (4 / m_tiles) mk + pk, [16 positions][16 channels]) =
+    bias tile b_at + 256 mk, plus over t < len(offs) and the products (a, b): input part b at
+    offs[t] + p_pk (16 x KC) times weights part a at w_at + t w_tc + a w_part + 16 KC mk ([KC / 2][16][2]);
+    stored to scratch[256 * accumulator:] transposed ([16 channels][16 positions])."""
     ops = schedule(products, m_tiles)
     p_tiles = 4 // m_tiles
 
     @intrinsic
-    def block(typingctx, x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, plane_bytes, scratch):
-        sig = types.void(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, plane_bytes, scratch)
+    def block(typingctx, x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, scratch):
+        sig = types.void(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, scratch)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
-            xa, wa, ba, oa, sa = arr(0), arr(2), arr(4), arr(6), arr(14)
-            x_part_v, w_part_v, b_at_v, w_at_v, w_tc_v, stride_v = (args[i] for i in (1, 3, 5, 11, 12, 13))
+            xa, wa, ba, oa, sa = arr(0), arr(2), arr(4), arr(6), arr(13)
+            x_part_v, w_part_v, b_at_v, w_at_v, w_tc_v = (args[i] for i in (1, 3, 5, 11, 12))
             ps = args[7:11]
             mod = builder.module
             load = _declare(mod, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
@@ -388,22 +380,26 @@ def _block_intrinsic(kc: int, products, m_tiles: int):
             off = builder.load(builder.gep(oa.data, [t]))
             w_base = builder.add(w_at_v, builder.mul(t, w_tc_v))
             for op in ops:
-                if op[0] == "dp":
-                    builder.call(dp, [i8(op[1]), i8(op[2]), i8(op[3])])
+                if op[0] == "dp":   # accumulator += input (slot 6-7) x weights (slot 4-5)
+                    builder.call(dp, [i8(op[1]), i8(op[3]), i8(op[2])])
                     continue
                 _, slot, (kind, part, tile) = op
-                if kind == "A":
+                if kind == "A":   # weights
                     at = builder.add(builder.add(builder.mul(i64(part), w_part_v), w_base), i64(16 * kc * tile))
-                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(wa.data, [at]), _P8), i64(2 * kc)])
-                else:
-                    at = builder.add(builder.mul(i64(part), x_part_v), builder.mul(builder.add(off, ps[tile]), i64(2)))
-                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(xa.data, [at]), _P8), stride_v])
+                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(wa.data, [at]), _P8), i64(64)])
+                else:             # inputs
+                    at = builder.add(builder.mul(i64(part), x_part_v), builder.add(off, ps[tile]))
+                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(xa.data, [at]), _P8), i64(2 * kc)])
             nxt = builder.add(t, i64(1))
             t.add_incoming(nxt, builder.block)
             builder.cbranch(builder.icmp_signed("<", nxt, n_tc), loop, done)
             builder.position_at_end(done)
+            vp = lambda at: builder.bitcast(builder.gep(sa.data, [i64(at)]), _V.as_pointer())  # noqa: E731
             for k in range(4):
                 builder.call(store, [i8(k), f32p(sa, i64(256 * k)), i64(64)])
+                rows = [builder.load(vp(256 * k + 16 * r), align=4) for r in range(16)]
+                for r, v in enumerate(_transpose16(builder, rows)):
+                    builder.store(v, vp(256 * k + 16 * r), align=4)
             return context.get_dummy_value()
         return sig, codegen
     return block
@@ -425,16 +421,48 @@ def blocks_for(kc: int, precision: str):
 _DRIVER = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_amx import blocks_for, prepare, release
+from ingot.backends.cpu.conv_amx import blocks_for, release, split_scalar, splits_for
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 config, block22, block14 = blocks_for({kc}, {precision!r})
+split1, split2 = splits_for({kc})
 epilogue = EPILOGUES[{key!r}]
+KC = {kc}
+
+
+@njit(cache=True, nogil=True)
+def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, y0, y1):
+    # rows y0..y1 of x [C, H, W] float32 split into `parts` bfloat16 parts, into planes (uint16, part k at
+    # k * part_size) [sh * sw phases][chunks][pl positions][KC channels]: padded (y + ph, x + pw) at phase
+    # (y % sh, x % sw), position (y // sh) * wq + x // sw. The zero border is never written.
+    c_n, h, w = x.shape
+    xf = x.reshape(c_n * h * w)
+    for k in range(chunks):
+        n_ch = min(KC, c_n - k * KC)
+        for y in range(y0, y1):
+            yy = y + ph
+            src_row = (k * KC * h + y) * w
+            for b in range(sw):
+                q0 = (pw - b + sw - 1) // sw        # the first column xq * sw + b >= pw
+                q1 = (pw + w - 1 - b) // sw + 1     # past the last <= pw + w - 1
+                if q1 <= q0:
+                    continue
+                plane = ((yy % sh) * sw + b) * chunks + k
+                at = (plane * pl + (yy // sh) * wq + q0) * KC
+                first = src_row + q0 * sw + b - pw
+                if sw > 2:
+                    split_scalar(xf, first, h * w, n_ch, q1 - q0, sw, planes, at, parts, part_size, KC)
+                    continue
+                for q in range(0, q1 - q0, 16):
+                    if sw == 1:
+                        split1(planes, at + q * KC, part_size, parts, xf, first + q, h * w, n_ch, q1 - q0 - q)
+                    else:
+                        split2(planes, at + q * KC, part_size, parts, xf, first + 2 * q, h * w, n_ch, q1 - q0 - q)
 
 
 @njit(cache=True, nogil=True)
 def store(of, scratch, acc, q0, n_q, wq, ow, p_n, m0, rows, ops):
-    # accumulator acc (16 channels from m0, `rows` of them real x positions q0..q0+15) through the
+    # accumulator acc (16 channels from m0, `rows` of them real, x positions q0..q0+15) through the
     # epilogue into out: each run of positions within an output row (q = oy * wq + ox, ox < ow) in turn
     q = q0
     end = min(q0 + 16, n_q)
@@ -452,32 +480,33 @@ def store(of, scratch, acc, q0, n_q, wq, ow, p_n, m0, rows, ops):
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, reach, w, bias_t, offs, n_tiles, band, out,
+def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, reach, w, bias_t, offs, n_tiles, band, out,
            scratch, ops):
-    # x [C, H, W] float32 -> planes (conv_amx.prepare), the rows a band reads just before it (they are
-    # in L2 when the band runs); reach: (kh - 1) * dh; w, bias_t: Geometry.weights; offs: the taps' and
-    # chunks' pair offsets; out [M, OH, OW]. A band of n_tiles tiles of 16 positions at a time; over it,
-    # 32 output channels x 2 tiles a block (block22), a last 16 channels x 4 tiles (block14).
+    # x [C, H, W] float32 -> planes (prepare), the rows a band reads just before it (they are in L2 when
+    # the band runs); reach: (kh - 1) * dh; w, bias_t: Geometry.weights; offs: the taps' and chunks'
+    # element offsets; out [M, OH, OW]. A band of n_tiles tiles of 16 positions at a time; over it, 32
+    # output channels x 2 tiles a block (block22), a last 16 channels x 4 tiles (block14).
     h = x.shape[1]
     ready = 0   # rows of x in the planes
     m_n, oh, ow = out.shape
     p_n = oh * ow
     n_q = (oh - 1) * wq + ow
     of = out.reshape(m_n * p_n)
-    m_tiles = bias_t.shape[0] // 16
+    m_tiles = bias_t.shape[0]
     n_tc = offs.shape[0]
-    last = (n_tiles - 1) * 16
+    last = (n_tiles - 1) * 16 * KC
     config()
     for b0 in range(0, n_tiles, band):
         b1 = min(n_tiles, b0 + band)
         need = min(h, ((16 * b1 - 1) // wq) * sh + reach - ph + 1)
         if need > ready:
-            prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, ready, need)
+            prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, ready, need)
             ready = need
         for mb in range(0, m_tiles - 1, 2):
             for t in range(b0, b1, 2):
-                block22(planes, part_size, w, 32 * {kc}, bias_t, mb * 256, offs, 16 * t, min(16 * t + 16, last), 0, 0,
-                        mb * n_tc * parts * 16 * {kc}, parts * 32 * {kc}, pl * 4, scratch)
+                p = 16 * t * KC
+                block22(planes, part_size, w, 32 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last), 0, 0,
+                        mb * n_tc * parts * 16 * KC, parts * 32 * KC, scratch)
                 for mk in range(2):
                     m0 = (mb + mk) * 16
                     for pk in range(min(2, b1 - t)):
@@ -485,9 +514,10 @@ def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, pairs, reach, w,
         if m_tiles % 2:
             mb = m_tiles - 1
             for t in range(b0, b1, 4):
-                block14(planes, part_size, w, 16 * {kc}, bias_t, mb * 256, offs, 16 * t, min(16 * t + 16, last),
-                        min(16 * t + 32, last), min(16 * t + 48, last), mb * n_tc * parts * 16 * {kc},
-                        parts * 16 * {kc}, pl * 4, scratch)
+                p = 16 * t * KC
+                block14(planes, part_size, w, 16 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last),
+                        min(p + 32 * KC, last), min(p + 48 * KC, last), mb * n_tc * parts * 16 * KC, parts * 16 * KC,
+                        scratch)
                 for pk in range(min(4, b1 - t)):
                     store(of, scratch, pk, 16 * (t + pk), n_q, wq, ow, p_n, mb * 16, min(16, m_n - mb * 16), ops)
     release()
@@ -538,7 +568,7 @@ def step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, c
         y = out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, oh, ow)
         for n in range(n_img):
-            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.pairs, (kh - 1) * dh, arranged[0],
+            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.chunks, (kh - 1) * dh, arranged[0],
                    arranged[1],
                    g.offs, g.n_tiles, g.band, y4[n], scratch, image_operands(cache, inputs, operands, n, fixed_ops))
         return y

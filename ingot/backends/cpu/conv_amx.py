@@ -73,12 +73,12 @@ def fits(kh: int, kw: int, groups: int, c: int, m: int) -> bool:
 
 
 def worth_it(kh: int, kw: int, c: int, m: int, positions: int) -> bool:
-    """Where the tiles beat the AVX-512 kernels: a tile of outputs or more, and any kxk window; a 1x1 one (whose input is split for one
-    use a value) from 128 input channels and 256 outputs or 256 output channels (kernel alone, Xeon VM,
-    ms, tiles / conv_pointwise: 192 x 40 x 40 -> 64 0.30 / 0.43, 256 x 20 x 20 -> 128 0.16 / 0.20,
-    512 x 7 x 7 -> 512 0.139 / 0.198, 256 x 14 x 14 -> 256 0.117 / 0.182; lost: 96 x 40 x 40 -> 64
-    0.16 / 0.15, 576 x 7 x 7 -> 96 0.048 / 0.044)."""
-    return positions >= 16 and (kh * kw > 1 or (c >= 128 and (positions >= 256 or m >= 256)))
+    """Where the tiles beat the AVX-512 kernels: a tile of outputs (16) or more, and any kxk window or a 1x1
+    one from 64 input channels (kernel alone, Xeon VM, ms, tiles / conv_pointwise: 192 x 40 x 40 -> 64
+    0.243 / 0.413, 64 x 40 x 40 -> 64 0.076 / 0.103, 512 x 7 x 7 -> 512 0.088 / 0.181, 576 x 7 x 7 -> 96
+    0.033 / 0.041; fewer channels lose, their input split for few products: 48 x 80 x 80 -> 32 0.223 /
+    0.160, 24 x 28 x 28 -> 88 0.033 / 0.032)."""
+    return positions >= 16 and (kh * kw > 1 or c >= 64)
 
 
 def chunking(c: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ CASES = [
     (24, 16, (8, 9), (3, 1), (3, 1), (2, 1), ((1, 2), (0, 0))),
     (96, 130, (9, 11), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),   # several chunks, M past 128
     (10, 64, (5, 40), (1, 7), (1, 1), (1, 3), ((0, 0), (9, 9))),
-    (130, 256, (5, 7), (1, 1), (1, 1), (1, 1), ((0, 0), (0, 0))),   # 1x1 with many output channels
+    (130, 256, (9, 8), (1, 1), (1, 1), (1, 1), ((0, 0), (0, 0))),   # 1x1 with many output channels
 ]
 
 
@@ -115,8 +115,8 @@ def test_which_convolutions_take_the_tiles():
     assert conv_amx.fits(3, 3, 1, 16, 16) and not conv_amx.fits(3, 3, 2, 16, 16)
     assert not conv_amx.fits(3, 3, 1, 3, 16) and not conv_amx.fits(3, 3, 1, 16, 8)
     assert not conv_amx.worth_it(3, 3, 16, 16, 15)
-    assert conv_amx.worth_it(3, 3, 16, 16, 49) and not conv_amx.worth_it(1, 1, 48, 32, 6400)
-    assert conv_amx.worth_it(1, 1, 64, 64, 1600) and conv_amx.worth_it(1, 1, 512, 512, 49)
+    assert conv_amx.worth_it(3, 3, 16, 16, 49) and not conv_amx.worth_it(1, 1, 128, 64, 1600)
+    assert conv_amx.worth_it(1, 1, 192, 64, 1600) and not conv_amx.worth_it(1, 1, 576, 96, 49)
 
 
 def test_schedules_load_only_what_changes():

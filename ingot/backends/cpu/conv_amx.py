@@ -73,12 +73,15 @@ def fits(kh: int, kw: int, groups: int, c: int, m: int) -> bool:
 
 
 def worth_it(kh: int, kw: int, c: int, m: int, positions: int) -> bool:
-    """Where the tiles beat the AVX-512 kernels: a tile of outputs (16) or more, and any kxk window or a 1x1
-    one from 64 input channels (kernel alone, Xeon VM, ms, tiles / conv_pointwise: 192 x 40 x 40 -> 64
-    0.243 / 0.413, 64 x 40 x 40 -> 64 0.076 / 0.103, 512 x 7 x 7 -> 512 0.088 / 0.181, 576 x 7 x 7 -> 96
-    0.033 / 0.041; fewer channels lose, their input split for few products: 48 x 80 x 80 -> 32 0.223 /
-    0.160, 24 x 28 x 28 -> 88 0.033 / 0.032)."""
-    return positions >= 16 and (kh * kw > 1 or c >= 64)
+    """Where the tiles beat the AVX-512 kernels, measured through exe.run (Xeon VM, ms, tiles / float32):
+    any kxk window over a tile of outputs (16) or more (64 x 40 x 40 3x3 0.258 / 0.667); a 1x1 one, whose
+    input is split for only M products a value, from C * M = 192 * 64 and 64 outputs (192 x 40 x 40 ->
+    64 0.258 / 0.296, 256 x 20 x 20 -> 128 0.153 / 0.177, 512 x 7 x 7 -> 512 0.107 / 0.216; lost or tied:
+    128 x 40 x 40 -> 64 0.192 / 0.178, 96 -> 64 0.134 / 0.140, 576 x 7 x 7 -> 96 0.039 / 0.047 cold
+    0.079 / 0.081)."""
+    if kh * kw > 1:
+        return positions >= 16
+    return c * m >= 192 * 64 and positions >= 64
 
 
 def chunking(c: int) -> tuple[int, int]:

@@ -142,11 +142,12 @@ class CpuOptions:
     gemv_activations: str = "float32"   # "int8": the quantized GEMV rounds x to int8 per block of 32 k
                                         # and multiplies in integers, as llama.cpp does (BENCHMARKS.md:
                                         # speed and accuracy); "float32": exact float products
-    conv_precision: str = "bf16x3"      # float32 convolutions on hosts with AMX (backends/cpu/conv_amx.py):
-                                        # "bf16x3" each product as three bfloat16 ones on the tiles (~5e-6 of
-                                        # a layer's largest output, float32's own summation error at K ~ 2k);
-                                        # "bf16x6" float32's rounding at twice the tiles' work; "float32"
-                                        # the AVX-512 kernels. Hosts without AMX always use the last.
+    float32_precision: str = "bf16x3"   # float32 convolutions and matmuls by constant weights on hosts
+                                        # with AMX (backends/cpu/conv_amx.py): "bf16x3" each product as
+                                        # three bfloat16 ones on the tiles (~5e-6 of a layer's largest
+                                        # output, float32's own summation error at K ~ 2k); "bf16x6"
+                                        # float32's rounding at twice the tiles' work; "float32" the
+                                        # AVX-512 kernels and BLAS. Hosts without AMX always use the last.
 
     def __post_init__(self) -> None:
         _check_fields(self, "cpu")
@@ -154,8 +155,8 @@ class CpuOptions:
             raise IngotError(f"options: cpu.threads is {self.threads}; at least 1 (or None).")
         if self.gemv_activations not in ("float32", "int8"):
             raise IngotError(f"options: cpu.gemv_activations is {self.gemv_activations!r}; 'float32' or 'int8'.")
-        if self.conv_precision not in ("bf16x3", "bf16x6", "float32"):
-            raise IngotError(f"options: cpu.conv_precision is {self.conv_precision!r}; 'bf16x3', 'bf16x6' or "
+        if self.float32_precision not in ("bf16x3", "bf16x6", "float32"):
+            raise IngotError(f"options: cpu.float32_precision is {self.float32_precision!r}; 'bf16x3', 'bf16x6' or "
                              "'float32'.")
 
     @property

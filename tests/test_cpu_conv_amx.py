@@ -38,7 +38,7 @@ def _graph_conv(x, w, b, strides, dilations, pads, precision, one_d=False):
     g = ingot.Graph()
     xi = g.placeholder(x.shape, name="x")
     y = g.conv(xi, w, b, strides=strides, dilations=dilations, pads=pads)
-    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(conv_precision=precision)))
+    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(float32_precision=precision)))
     return exe.run({"x": x})[0]
 
 
@@ -105,9 +105,9 @@ def test_epilogue_with_channel_operands_and_a_residual(n, c, m, hw, stride):
 
 
 def test_the_option_is_checked():
-    with pytest.raises(IngotError, match="conv_precision"):
-        CpuOptions(conv_precision="bf16")
-    assert CompileOptions.from_json(CompileOptions(cpu=CpuOptions(conv_precision="float32")).to_json()).cpu.conv_precision \
+    with pytest.raises(IngotError, match="float32_precision"):
+        CpuOptions(float32_precision="bf16")
+    assert CompileOptions.from_json(CompileOptions(cpu=CpuOptions(float32_precision="float32")).to_json()).cpu.float32_precision \
         == "float32"
 
 
@@ -140,3 +140,33 @@ def test_split_parts_sum_back():
     for parts, bound in ((2, 2.0 ** -17), (3, 2.0 ** -25)):
         got = sum(((p.astype(np.uint32) << 16).view(np.float32).astype(np.float64)) for p in conv_amx.split(a, parts))
         assert np.all(np.abs(got - a) <= bound * np.abs(a.astype(np.float64)))
+
+
+@amx
+@pytest.mark.parametrize("precision", ["bf16x3", "bf16x6"])
+@pytest.mark.parametrize("lead,k,n", [((37,), 200, 70), ((2, 17), 64, 64), ((3, 5, 7), 96, 130), ((128,), 515, 80),
+                                       ((16,), 64, 1000)])
+def test_matmul_by_constant_weights(lead, k, n, precision):
+    """x [..., K] @ w [K, N] on the tiles (matmul_amx.py): rows, K and N that fill no tile, as the graph's
+    output and as an intermediate value; BLAS's exact products with float32_precision "float32"."""
+    from ingot.backends.cpu import matmul_amx
+    rng = np.random.default_rng(k + n)
+    x = rng.standard_normal(lead + (k,)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    rows = int(np.prod(lead))
+    assert matmul_amx.fits(rows, k, n)
+    want = x @ w
+    for intermediate in (False, True):
+        g = ingot.Graph()
+        xi = g.placeholder(x.shape, name="x")
+        y = g.matmul(xi, g.constant(w))
+        y = g.tanh(y) if intermediate else y
+        ref = np.tanh(want) if intermediate else want
+        for prec in (precision, "float32"):
+            exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(float32_precision=prec)))
+            got = exe.run({"x": x})[0]
+            if prec == "float32":
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+            else:
+                np.testing.assert_allclose(got, ref, rtol=0, atol=_tolerance(want, prec))
+                assert intermediate or np.abs(got - want).max() > 0   # the tiles ran, not BLAS

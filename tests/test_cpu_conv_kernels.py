@@ -8,7 +8,7 @@ from ingot.backends.cpu import conv_kernels
 from ingot.ops.conv import conv
 from ingot.options import CompileOptions, CpuOptions
 
-FLOAT32 = CompileOptions(cpu=CpuOptions(conv_precision="float32"))   # the AVX-512 kernels, not AMX's tiles
+FLOAT32 = CompileOptions(cpu=CpuOptions(float32_precision="float32"))   # the AVX-512 kernels, not AMX's tiles
 
 CASES = [  # channels, (H, W), (kh, kw), strides, dilations, pads ((top, bottom), (left, right))
     (1, (1, 1), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),

@@ -22,8 +22,8 @@ from ...ops import resolve
 from ...ops.fft import FORWARD_NORM, INVERSE_NORM
 from ...options import DEFAULT_CPU, CompileOptions, CpuOptions
 from ...passes.fold import widens_weight
-from . import (blocked, conv, expand_depthwise, int8_matmul, kernels, nn_kernels, recurrent, rope_cache, rows_attention, spatial,
-               squeeze_excite)
+from . import (blocked, conv, conv_amx, expand_depthwise, int8_matmul, kernels, matmul_amx, nn_kernels, recurrent, rope_cache,
+               rows_attention, spatial, squeeze_excite)
 from .pool_attention import pool_attention_lowering
 
 StepFn = Callable[..., Any]
@@ -213,9 +213,21 @@ def _gelu(node: Node, out):
 
 
 @lowering(Op.MATMUL)
-def _matmul(node: Node, out):
+def _matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
+    a, b = node.src[0].type, node.src[1].type
+    rows = int(np.prod(a.shape[:-1])) if a.static else 0
+    if _is_f32(node) and options.float32_precision != "float32" and b.rank == 2 and b.static and a.rank >= 2 \
+            and node.src[1].op == Op.CONSTANT and a.static and matmul_amx.fits(rows, *b.shape) and conv_amx.available():
+        # by constant weights: AMX's tiles, each product as three bfloat16 ones (matmul_amx.py)
+        shape = tuple(node.type.shape)
+        amx = matmul_amx.step(rows, b.shape[0], b.shape[1], options.float32_precision)
+
+        def tiles(x, w):
+            y = out if out is not None else np.empty(shape, np.float32)
+            amx(x, w, y.reshape(rows, b.shape[1]))
+            return y
+        return tiles
     if out is not None and _is_f32(node):
-        a, b = node.src[0].type, node.src[1].type
         if a.rank > 2 and b.rank == 2 and a.static and b.static:
             # [..., K] @ [K, N] as one GEMM: NumPy runs a stack as a product per item (a CRNN's
             # [80, 1, 256] @ [256, 37]: 170 us against 15)
@@ -331,7 +343,7 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
-WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED}
+WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL}
 
 
 @lowering(Op.SDPA)

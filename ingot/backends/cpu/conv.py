@@ -271,7 +271,7 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
               constants: frozenset = frozenset(), precision: str = "float32"):
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
     the conv's own); constant_w: the weights are a constant, arranged for the kernels once. precision:
-    CpuOptions.conv_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py)."""
+    CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py)."""
     a = conv.attrs
     one_d = conv.type.rank == 3
     strides, dilations, pads = a["strides"], a["dilations"], a["pads"]
@@ -525,7 +525,7 @@ def conv_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
         return None
     return conv_step(node, out, Epilogue(None, None), b_index=2 if len(node.src) > 2 else None,
                      constant_w=node.src[1].op == Op.CONSTANT,
-                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT, precision=options.conv_precision)
+                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT, precision=options.float32_precision)
 
 
 def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
@@ -539,7 +539,7 @@ def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
                      constant_w=node.src[index[1]].op == Op.CONSTANT,
                      constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT,
                      constants=frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT),
-                     precision=options.conv_precision)
+                     precision=options.float32_precision)
 
 
 FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

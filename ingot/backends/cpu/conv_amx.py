@@ -1,7 +1,7 @@
 """Convolutions on Intel AMX tiles, each float32 product taken as three bfloat16 ones.
 
 A float32 v is split into bfloat16 parts, hi = round(v) and lo = round(v - hi) (v = hi + lo to 2^-17 of
-|v|); x * w is taken as hi_x hi_w + hi_x lo_w + lo_x hi_w (CpuOptions.conv_precision "bf16x3"), each
+|v|); x * w is taken as hi_x hi_w + hi_x lo_w + lo_x hi_w (CpuOptions.float32_precision "bf16x3"), each
 product exact and summed in AMX's float32 accumulators (TDPBF16PS). What is dropped (lo_x lo_w and the
 splits' rounding) is ~2^-16 of |x w|: ~1e-5 of a layer's output. "bf16x6" splits into three parts and
 adds the products of order 2^-16 too, for float32's own error at twice the cost.
@@ -343,13 +343,13 @@ def schedule(products, m_tiles: int) -> list[tuple]:
     return ops
 
 
-def _block_intrinsic(kc: int, products, m_tiles: int):
+def _block_intrinsic(kc: int, products, m_tiles: int, transpose: bool = True):
     """block(x, x_part, w, w_part, bias_t, b_at, offs, p0, p1, p2, p3, w_at, w_tc, scratch): a block of
     m_tiles (1 or 2) tiles of 16 output channels x 4 / m_tiles tiles of 16 positions (p0.. in elements:
     position * KC). Accumulator (mk, pk) (tile (4 / m_tiles) mk + pk, [16 positions][16 channels]) =
     bias tile b_at + 256 mk, plus over t < len(offs) and the products (a, b): input part b at
     offs[t] + p_pk (16 x KC) times weights part a at w_at + t w_tc + a w_part + 16 KC mk ([KC / 2][16][2]);
-    stored to scratch[256 * accumulator:] transposed ([16 channels][16 positions])."""
+    stored to scratch[256 * accumulator:], transposed ([16 channels][16 positions]) or not."""
     ops = schedule(products, m_tiles)
     p_tiles = 4 // m_tiles
 
@@ -400,6 +400,8 @@ def _block_intrinsic(kc: int, products, m_tiles: int):
             vp = lambda at: builder.bitcast(builder.gep(sa.data, [i64(at)]), _V.as_pointer())  # noqa: E731
             for k in range(4):
                 builder.call(store, [i8(k), f32p(sa, i64(256 * k)), i64(64)])
+                if not transpose:
+                    continue
                 rows = [builder.load(vp(256 * k + 16 * r), align=4) for r in range(16)]
                 for r, v in enumerate(_transpose16(builder, rows)):
                     builder.store(v, vp(256 * k + 16 * r), align=4)
@@ -412,13 +414,14 @@ CONFIGS: dict = {}
 BLOCKS: dict = {}
 
 
-def blocks_for(kc: int, precision: str):
-    """The config intrinsic and the 2 x 2 and 1 x 4 block intrinsics of KC and a precision, made once per
-    process."""
-    if (kc, precision) not in BLOCKS:
+def blocks_for(kc: int, precision: str, transpose: bool = True):
+    """The config intrinsic and the 2 x 2 and 1 x 4 block intrinsics of KC and a precision (transpose: the
+    accumulators stored [channel][position], as the NCHW epilogue reads them), made once per process."""
+    if (kc, precision, transpose) not in BLOCKS:
         CONFIGS[kc] = CONFIGS.get(kc) or _config_intrinsic(kc)
-        BLOCKS[kc, precision] = tuple(_block_intrinsic(kc, PRODUCTS[precision], m) for m in (2, 1))
-    return (CONFIGS[kc],) + BLOCKS[kc, precision]
+        BLOCKS[kc, precision, transpose] = tuple(_block_intrinsic(kc, PRODUCTS[precision], m, transpose)
+                                                 for m in (2, 1))
+    return (CONFIGS[kc],) + BLOCKS[kc, precision, transpose]
 
 
 _DRIVER = """import numpy as np

@@ -4,10 +4,12 @@ FUSED integer_matmul op the pass makes of ONNX's DynamicQuantizeLinear -> MatMul
 import numpy as np
 import pytest
 
-from ingot.backends.cpu import int8_matmul
+from ingot.backends.cpu import int8_amx, int8_matmul
 from ingot.backends.cpu.int8_matmul import IntegerMatmul, reference
 
-KERNELS = [False] + ([True] if int8_matmul.AVAILABLE else [])
+# (VNNI, AMX tiles): exact float32 chunks, VPDPBUSD, and where the host has them AMX-INT8's tiles
+KERNELS = [(False, False)] + ([(True, False)] if int8_matmul.AVAILABLE else []) + \
+    ([(True, True)] if int8_matmul.AVAILABLE and int8_amx.available() else [])
 RANGE = {np.int8: (-128, 128), np.uint8: (0, 256)}
 
 
@@ -19,12 +21,12 @@ def ints(rng, shape, dtype):
 @pytest.mark.parametrize("x_type,w_type", [(np.uint8, np.int8), (np.int8, np.uint8), (np.int8, np.int8),
                                            (np.uint8, np.uint8)])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 37, 19), (3, 2, 3, ), (16, 512, 48), (7, 1100, 33), (10, 64, 35),
-                                   (21, 96, 16)])
+                                   (21, 96, 16), (16, 70, 100), (17, 129, 33)])   # (2 m rows: the tiles from m = 16)
 def test_integer_matmul_matches_reference(vnni, x_type, w_type, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = ints(rng, (2, m, k), x_type), ints(rng, (k, n), w_type)
     x_zero, w_zero = ints(rng, (), x_type), ints(rng, (n,), w_type)
-    kernel = IntegerMatmul(w, w_zero.astype(np.int64), vnni_kernel=vnni)
+    kernel = IntegerMatmul(w, w_zero.astype(np.int64), vnni_kernel=vnni[0], tiles=vnni[1])
     got = kernel(x, x_zero)
     assert got.dtype == np.int32 and got.shape == (2, m, n)
     want = reference(x, x_zero, w, w_zero)
@@ -40,12 +42,13 @@ def test_integer_matmul_matches_reference(vnni, x_type, w_type, m, k, n):
 @pytest.mark.parametrize("vnni", KERNELS)
 def test_integer_matmul_extremes(vnni):
     """x all 255 against w all -128 (the largest products VPDPBUSD sums), K = 4099: sums of -1.3e8."""
-    x = np.full((3, 4099), 255, np.uint8)
-    w = np.full((4099, 17), -128, np.int8)
-    kernel = IntegerMatmul(w, np.zeros(1, np.int64), vnni_kernel=vnni)
-    np.testing.assert_array_equal(kernel(x, np.uint8(0)), reference(x, 0, w, 0))
-    out = np.empty((3, 17), np.int32)
-    assert kernel(x, np.uint8(0), out) is out and out[0, 0] == 255 * -128 * 4099
+    for rows in (3, 40):   # (40: the tiles' rows, where the host has them)
+        x = np.full((rows, 4099), 255, np.uint8)
+        w = np.full((4099, 17), -128, np.int8)
+        kernel = IntegerMatmul(w, np.zeros(1, np.int64), vnni_kernel=vnni[0], tiles=vnni[1])
+        np.testing.assert_array_equal(kernel(x, np.uint8(0)), reference(x, 0, w, 0))
+        out = np.empty((rows, 17), np.int32)
+        assert kernel(x, np.uint8(0), out) is out and out[rows - 1, 0] == 255 * -128 * 4099
 
 
 def test_dynamic_quantize_matmul_integer_is_fused():

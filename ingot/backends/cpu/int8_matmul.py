@@ -22,7 +22,7 @@ from numba.extending import intrinsic
 from ... import dtypes as dt
 from ...ir import Node, Op
 from ...ops import quant as quant_ops
-from . import kernels, team, vnni
+from . import int8_amx, kernels, team, vnni
 
 ROWS = 4                 # x's rows are padded to a multiple of this (the last pass of _tile)
 BLOCK = 32               # k per weight block (vnni.repack8)
@@ -213,17 +213,23 @@ def _finish(d, xu, m_rows, b, a, cw, k, n, out):
 class IntegerMatmul:
     """sum_k (x - x_zero)(w - w_zero[n]) for a constant 8-bit weight w [K, N], x [..., K] int8 or uint8
     fed at run time with a scalar zero point. Without VNNI (vnni=False) D runs as float32 matmuls of
-    at most EXACT_K k each, exact (255 * 128 * 512 < 2**24), summed in int64."""
+    at most EXACT_K k each, exact (255 * 128 * 512 < 2**24), summed in int64; with VNNI and AMX-INT8
+    (tiles=True) int8_amx.MIN_ROWS rows or more run on the tiles (int8_amx.py), equal bit for bit."""
 
-    def __init__(self, w: np.ndarray, w_zero: np.ndarray, vnni_kernel: bool = AVAILABLE):
+    def __init__(self, w: np.ndarray, w_zero: np.ndarray, vnni_kernel: bool = AVAILABLE, tiles: bool = True):
         k, n = w.shape
         self.k, self.n, self.vnni = k, n, vnni_kernel
-        self.kp, self.np_ = -(-k // BLOCK) * BLOCK, -(-n // 16) * 16
+        self.amx = vnni_kernel and tiles and int8_amx.available()   # MIN_ROWS rows and more on AMX's tiles
+        self.kp, self.np_ = -(-k // (int8_amx.K_BLOCK if self.amx else BLOCK)) * (int8_amx.K_BLOCK if self.amx else BLOCK), \
+            -(-n // 16) * 16
         ws = w.astype(np.int16) - (128 if w.dtype == np.uint8 else 0)           # as int8
         if vnni_kernel:
             padded = np.zeros((self.kp, self.np_), np.int8)
             padded[:k, :n] = ws
             self.w = vnni.repack8(padded, 0)
+            if self.amx:
+                self.w_amx = int8_amx.arrange(padded[:, :n])
+                self.scratch = np.zeros(1024, np.int32)
         else:
             self.w = ws.astype(np.float32)
         self.cw = ws.astype(np.int64).sum(axis=0)                               # Cw
@@ -235,8 +241,10 @@ class IntegerMatmul:
         self.unused = (np.empty((1, 1), np.float32), np.empty((1, 1), np.int32))   # vnni_gemm's other output
 
     def _buffer(self, m: int) -> np.ndarray:
-        """x's rows as uint8, zero-padded to [a multiple of ROWS, Kp] (the padding stays zero)."""
-        mp = -(-m // ROWS) * ROWS
+        """x's rows as uint8, zero-padded to [a multiple of ROWS (AMX: of int8_amx.ROW_BLOCK), Kp] (the padding
+        stays zero)."""
+        step = int8_amx.ROW_BLOCK if self.amx and m >= int8_amx.MIN_ROWS else ROWS   # (vnni_gemm: fewer than ROWS past m)
+        mp = -(-m // step) * step
         xu = self.buffers.get(mp)
         if xu is None:
             xu = self.buffers[mp] = np.zeros((mp, self.kp), np.uint8)
@@ -252,8 +260,12 @@ class IntegerMatmul:
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         result = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
-        vnni_matmul(x2.view(np.uint8), x2.dtype == np.int8, x_zero, s0, s1, True, self._buffer(m), self.w, self.n,
-                    self.b32, self.cw, result, self.unused[1])
+        if self.amx and m >= int8_amx.MIN_ROWS:
+            int8_amx.amx_matmul(x2.view(np.uint8), x2.dtype == np.int8, x_zero, s0, s1, True, self._buffer(m), self.w_amx,
+                                self.n, self.b32, self.cw, result, self.unused[1], self.scratch)
+        else:
+            vnni_matmul(x2.view(np.uint8), x2.dtype == np.int8, x_zero, s0, s1, True, self._buffer(m), self.w, self.n,
+                        self.b32, self.cw, result, self.unused[1])
         return result.reshape(lead + (self.n,)) if out is None else out
 
     def __call__(self, x: np.ndarray, x_zero, out: np.ndarray | None = None, scale=None) -> np.ndarray:
@@ -273,8 +285,13 @@ class IntegerMatmul:
         result = np.empty((m, self.n), dtype) if out is None else out.reshape(m, self.n)
         if self.vnni:
             other = self.unused[dtype == np.float32]
-            vnni_gemm(xu, self.w, m, self.n, self.b32, np.int64(a), self.cw, np.int64(k), np.float32(scale or 0.0),
-                      scale is not None, result if scale is not None else other, result if scale is None else other)
+            outs = (result if scale is not None else other, result if scale is None else other)
+            if self.amx and m >= int8_amx.MIN_ROWS:
+                int8_amx.amx_gemm(xu, self.w_amx, m, self.n, self.b32, np.int64(a), self.cw, np.int64(k),
+                                  np.float32(scale or 0.0), scale is not None, *outs, self.scratch)
+            else:
+                vnni_gemm(xu, self.w, m, self.n, self.b32, np.int64(a), self.cw, np.int64(k), np.float32(scale or 0.0),
+                          scale is not None, *outs)
             return result.reshape(lead + (self.n,)) if out is None else out
         xf = xu[:, :k].astype(np.float32)
         total = np.zeros((mp, self.n), np.int64)

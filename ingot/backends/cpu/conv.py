@@ -296,8 +296,8 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
         return small
     if precision != "float32" and epilogue.spatial_ok and not depthwise and conv_amx.fits(kh, kw, groups, cg, m) \
             and conv_amx.worth_it(kh, kw, cg, m, oh * ow) and conv_amx.available():
-        return conv_amx.step(conv, out, epilogue, x_index, w_index, b_index, constant, constants, precision,
-                             _image_operands)
+        return _amx_step(conv, out, epilogue, x_index, w_index, b_index, constant, constants, precision,
+                         (sh, sw, dh, dw, ph, pw))
     strided = _strided_pointwise(kh, kw, (sh, sw), pads, groups)   # its strided positions gathered, then as stride 1
     subsample = (sh, sw) if strided else None
     if epilogue.spatial_ok and (pointwise or strided) and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
@@ -393,13 +393,7 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
     """conv_kernels' direct kernel called straight from the step, bias and epilogue in it: what conv_step's
     loop and conv_direct redo each call (views, the padded size, the operands' tuple) done once (~8 us a
     call of a 0.3 ms conv). window: (sh, sw, dh, dw, ph, pw)."""
-    out_shape = tuple(conv.type.shape)
-    n_img, m = out_shape[:2]
-    spatial = out_shape[2:] if len(out_shape) == 4 else (1,) + out_shape[2:]
-    x_shape = conv.src[0].type.shape
-    c, in_spatial = x_shape[1], (x_shape[2:] if len(x_shape) == 4 else (1,) + x_shape[2:])
-    w_shape = conv.src[1].type.shape
-    kh, kw = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
+    out_shape, n_img, m, spatial, c, in_spatial, kh, kw = _shapes(conv)
     padded = np.zeros(conv_kernels.padded_size(c, *in_spatial, *spatial, kh, kw, *window), np.float32)
     no_bias = np.zeros(-(-m // 16) * 16, np.float32)
     operands = epilogue.operands
@@ -420,6 +414,50 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
             kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), padded)
         return y
     return step
+
+
+def _amx_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
+              b_index: int | None, constant: bool, constants: frozenset, precision: str, window: tuple):
+    """conv_amx's kernel (AMX tiles, `precision` "bf16x3" or "bf16x6"), bias and epilogue in it; constant:
+    the weights (and bias) are constants, split once. window: (sh, sw, dh, dw, ph, pw)."""
+    out_shape, n_img, m, (oh, ow), c, (h, w), kh, kw = _shapes(conv)
+    sh, sw, dh, dw, ph, pw = window
+    g = conv_amx.Geometry(c, h, w, m, kh, kw, sh, sw, dh, dw, ph, pw, oh, ow, precision)
+    kernel = conv_amx.driver(g.kc, precision, epilogue.steps, epilogue.operands)
+    planes = g.planes()
+    scratch = np.zeros(1024 + 16, np.float32)   # four accumulators; an epilogue run's masked lanes read past
+    operands = epilogue.operands
+    fixed_ops = all(form != "full" and i in constants for form, i in operands)
+    cache: dict = {}
+
+    def step(*inputs):
+        arranged = cache.get("w") if constant else None
+        if arranged is None:
+            arranged = g.weights(inputs[w_index], inputs[b_index] if b_index is not None else None)
+            if constant:
+                cache["w"] = arranged
+        x = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, h, w)
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        y4 = y.reshape(n_img, m, oh, ow)
+        for n in range(n_img):
+            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.chunks, (kh - 1) * dh,
+                   *arranged, g.offs, g.n_tiles, g.band, y4[n], scratch,
+                   _image_operands(cache, inputs, operands, n, fixed_ops))
+        return y
+    return step
+
+
+def _shapes(conv: Node) -> tuple:
+    """(output shape, images, output channels, output (H, W), input channels, input (H, W), kh, kw) of a 1-D
+    or 2-D conv, a 1-D one as H = 1."""
+    out_shape = tuple(conv.type.shape)
+    n_img, m = out_shape[:2]
+    spatial = tuple(out_shape[2:]) if len(out_shape) == 4 else (1,) + tuple(out_shape[2:])
+    x_shape = conv.src[0].type.shape
+    c, in_spatial = x_shape[1], (tuple(x_shape[2:]) if len(x_shape) == 4 else (1,) + tuple(x_shape[2:]))
+    w_shape = conv.src[1].type.shape
+    kh, kw = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
+    return out_shape, n_img, m, spatial, c, in_spatial, kh, kw
 
 
 def _strided_pointwise(kh: int, kw: int, strides, pads, groups: int) -> bool:

@@ -161,18 +161,10 @@ def _split_intrinsic(stride: int, kc: int):
                     columns.append(builder.shuffle_vector(wide, ir.Constant(v32, ir.Undefined),
                                                           ir.Constant(i32x(16), list(range(0, 32, 2)))))
             rows = [_transpose16(builder, columns[16 * h:16 * h + 16]) for h in range(halves)]   # [half][q]
-            vw = ir.VectorType(f32, width)
-            iw, hw = ir.VectorType(i32, width), ir.VectorType(i16, width)
+            hw = ir.VectorType(i16, width)
             st = _declare(mod, f"llvm.masked.store.v{width}i16.p0", ir.VoidType(),
                           [hw, hw.as_pointer(), i32, ir.VectorType(ir.IntType(1), width)])
             lane_ok = ir.Constant(ir.VectorType(ir.IntType(1), width), [c < kc for c in range(width)])
-            c = lambda v: ir.Constant(iw, [v] * width)  # noqa: E731
-
-            def part(v):
-                u = builder.bitcast(v, iw)
-                odd = builder.and_(builder.lshr(u, c(16)), c(1))
-                hi = builder.and_(builder.add(builder.add(u, c(0x7FFF)), odd), c(0xFFFF0000 - (1 << 32)))
-                return builder.trunc(builder.lshr(hi, c(16)), hw), builder.fsub(v, builder.bitcast(hi, vw))
             values = []
             for q in range(16):
                 v = rows[0][q] if halves == 1 else builder.shuffle_vector(
@@ -186,7 +178,7 @@ def _split_intrinsic(stride: int, kc: int):
                     builder.position_at_end(go)
                 base = builder.add(at_v, builder.mul(ps_v, i64(k)))
                 for q in range(16):
-                    bits, values[q] = part(values[q])
+                    bits, values[q] = bf16_part(builder, values[q])
                     mask = builder.select(builder.icmp_signed("<", i64(q), n_v), lane_ok,
                                           ir.Constant(lane_ok.type, [0] * width))
                     ptr = builder.bitcast(builder.gep(pa.data, [builder.add(base, i64(q * kc))]), hw.as_pointer())
@@ -196,6 +188,18 @@ def _split_intrinsic(stride: int, kc: int):
             return context.get_dummy_value()
         return sig, codegen
     return split_rows
+
+
+def bf16_part(builder, v):
+    """(bits, rest) of a <N x float> v (LLVM IR): its values rounded to the nearest bfloat16 (ties to even),
+    as <N x i16> bits, and v less them (exact in float32)."""
+    n = v.type.count
+    iw, hw = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.IntType(16), n)
+    c = lambda x: ir.Constant(iw, [x] * n)  # noqa: E731
+    u = builder.bitcast(v, iw)
+    odd = builder.and_(builder.lshr(u, c(16)), c(1))
+    hi = builder.and_(builder.add(builder.add(u, c(0x7FFF)), odd), c(0xFFFF0000 - (1 << 32)))
+    return builder.trunc(builder.lshr(hi, c(16)), hw), builder.fsub(v, builder.bitcast(hi, v.type))
 
 
 SPLITS: dict = {}
@@ -283,13 +287,11 @@ def _declare(mod, name: str, ret, args):
     return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name=name)
 
 
-def _config_intrinsic(kc: int):
-    """config(): ldtilecfg for KC: tiles 0-3 accumulators (16 positions x 16 channels float32), 4-5 weights
-    (KC / 2 pair rows of 16 channels x 2 bf16), 6-7 inputs (16 positions x KC bf16)."""
+def tile_config(shapes):
+    """An intrinsic config() that loads the tile configuration `shapes` ((rows, bytes a row) of tiles 0..7)."""
     raw = [0] * 64
     raw[0] = 1   # palette 1
-    for t in range(8):
-        rows, colsb = (16, 64) if t < 4 else (kc // 2, 64) if t < 6 else (16, 2 * kc)
+    for t, (rows, colsb) in enumerate(shapes):
         raw[16 + 2 * t], raw[17 + 2 * t], raw[48 + t] = colsb & 0xFF, colsb >> 8, rows
 
     @intrinsic
@@ -302,6 +304,12 @@ def _config_intrinsic(kc: int):
             return context.get_dummy_value()
         return types.void(), codegen
     return config
+
+
+def _config_intrinsic(kc: int):
+    """config() for KC: tiles 0-3 accumulators (16 positions x 16 channels float32), 4-5 weights (KC / 2 pair
+    rows of 16 channels x 2 bf16), 6-7 inputs (16 positions x KC bf16)."""
+    return tile_config([(16, 64)] * 4 + [(kc // 2, 64)] * 2 + [(16, 2 * kc)] * 2)
 
 
 @intrinsic
@@ -424,6 +432,41 @@ def blocks_for(kc: int, precision: str, transpose: bool = True):
     return (CONFIGS[kc],) + BLOCKS[kc, precision, transpose]
 
 
+# The band and block loops both drivers share: over each band of n_tiles tiles of 16 positions, its input
+# prepared just before (prepare_band), 32 output channels x 2 tiles a block (block22), a last 16 x 4
+# (block14), each accumulator out through emit (the driver's).
+BANDS = """
+
+@njit(cache=True, nogil=True)
+def bands(x, planes, pctx, parts, part_size, w, bias_t, offs, n_tiles, band, scratch, ctx):
+    m_tiles = bias_t.shape[0]
+    n_tc = offs.shape[0]
+    last = (n_tiles - 1) * 16 * KC
+    ready = 0
+    config()
+    for b0 in range(0, n_tiles, band):
+        b1 = min(n_tiles, b0 + band)
+        ready = prepare_band(x, planes, pctx, ready, b1)
+        for mb in range(0, m_tiles - 1, 2):
+            for t in range(b0, b1, 2):
+                p = 16 * t * KC
+                block22(planes, part_size, w, 32 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last), 0, 0,
+                        mb * n_tc * parts * 16 * KC, parts * 32 * KC, scratch)
+                for mk in range(2):
+                    for pk in range(min(2, b1 - t)):
+                        emit(ctx, scratch, 2 * mk + pk, 16 * (t + pk), (mb + mk) * 16)
+        if m_tiles % 2:
+            mb = m_tiles - 1
+            for t in range(b0, b1, 4):
+                p = 16 * t * KC
+                block14(planes, part_size, w, 16 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last),
+                        min(p + 32 * KC, last), min(p + 48 * KC, last), mb * n_tc * parts * 16 * KC, parts * 16 * KC,
+                        scratch)
+                for pk in range(min(4, b1 - t)):
+                    emit(ctx, scratch, pk, 16 * (t + pk), mb * 16)
+    release()
+"""
+
 _DRIVER = """import numpy as np
 from numba import njit
 
@@ -467,9 +510,10 @@ def prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, y0, y1)
 
 
 @njit(cache=True, nogil=True)
-def store(of, scratch, acc, q0, n_q, wq, ow, p_n, m0, rows, ops):
-    # accumulator acc (16 channels from m0, `rows` of them real, x positions q0..q0+15) through the
-    # epilogue into out: each run of positions within an output row (q = oy * wq + ox, ox < ow) in turn
+def emit(ctx, scratch, acc, q0, m0):
+    # accumulator acc (16 channels from m0 x positions q0..q0+15) through the epilogue into out: each run
+    # of positions within an output row (q = oy * wq + ox, ox < ow) in turn
+    of, n_q, wq, ow, p_n, m_n, ops = ctx
     q = q0
     end = min(q0 + 16, n_q)
     while q < end:
@@ -479,54 +523,32 @@ def store(of, scratch, acc, q0, n_q, wq, ow, p_n, m0, rows, ops):
             q = (oy + 1) * wq
             continue
         run = min(end - q, ow - ox)
-        for r in range(rows):
+        for r in range(min(16, m_n - m0)):
             at = (m0 + r) * p_n + oy * ow + ox
             epilogue(of, at, scratch, acc * 256 + 16 * r + q - q0, run, m0 + r, at, ops)
         q += run
 
 
 @njit(cache=True, nogil=True)
+def prepare_band(x, planes, pctx, ready, b1):
+    # the rows of x band ..b1 reads, past the `ready` ones; the rows now ready
+    parts, part_size, sh, sw, ph, pw, wq, pl, chunks, reach = pctx
+    need = min(x.shape[1], ((16 * b1 - 1) // wq) * sh + reach - ph + 1)
+    if need > ready:
+        prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, ready, need)
+    return max(need, ready)
+""" + BANDS + """
+
+@njit(cache=True, nogil=True)
 def kernel(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, reach, w, bias_t, offs, n_tiles, band, out,
            scratch, ops):
     # x [C, H, W] float32 -> planes (prepare), the rows a band reads just before it (they are in L2 when
     # the band runs); reach: (kh - 1) * dh; w, bias_t: Geometry.weights; offs: the taps' and chunks'
-    # element offsets; out [M, OH, OW]. A band of n_tiles tiles of 16 positions at a time; over it, 32
-    # output channels x 2 tiles a block (block22), a last 16 channels x 4 tiles (block14).
-    h = x.shape[1]
-    ready = 0   # rows of x in the planes
+    # element offsets; out [M, OH, OW] (`bands`).
     m_n, oh, ow = out.shape
-    p_n = oh * ow
-    n_q = (oh - 1) * wq + ow
-    of = out.reshape(m_n * p_n)
-    m_tiles = bias_t.shape[0]
-    n_tc = offs.shape[0]
-    last = (n_tiles - 1) * 16 * KC
-    config()
-    for b0 in range(0, n_tiles, band):
-        b1 = min(n_tiles, b0 + band)
-        need = min(h, ((16 * b1 - 1) // wq) * sh + reach - ph + 1)
-        if need > ready:
-            prepare(x, planes, parts, part_size, sh, sw, ph, pw, wq, pl, chunks, ready, need)
-            ready = need
-        for mb in range(0, m_tiles - 1, 2):
-            for t in range(b0, b1, 2):
-                p = 16 * t * KC
-                block22(planes, part_size, w, 32 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last), 0, 0,
-                        mb * n_tc * parts * 16 * KC, parts * 32 * KC, scratch)
-                for mk in range(2):
-                    m0 = (mb + mk) * 16
-                    for pk in range(min(2, b1 - t)):
-                        store(of, scratch, 2 * mk + pk, 16 * (t + pk), n_q, wq, ow, p_n, m0, min(16, m_n - m0), ops)
-        if m_tiles % 2:
-            mb = m_tiles - 1
-            for t in range(b0, b1, 4):
-                p = 16 * t * KC
-                block14(planes, part_size, w, 16 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last),
-                        min(p + 32 * KC, last), min(p + 48 * KC, last), mb * n_tc * parts * 16 * KC, parts * 16 * KC,
-                        scratch)
-                for pk in range(min(4, b1 - t)):
-                    store(of, scratch, pk, 16 * (t + pk), n_q, wq, ow, p_n, mb * 16, min(16, m_n - mb * 16), ops)
-    release()
+    ctx = (out.reshape(m_n * oh * ow), (oh - 1) * wq + ow, wq, ow, oh * ow, m_n, ops)
+    bands(x, planes, (parts, part_size, sh, sw, ph, pw, wq, pl, chunks, reach), parts, part_size, w, bias_t, offs,
+          n_tiles, band, scratch, ctx)
 """
 
 
@@ -536,46 +558,3 @@ def driver(kc: int, precision: str, steps, operands):
     conv_spatial.epilogue_for(key, steps, operands)
     return conv_spatial.load(f"# amx {REVISION}\n" + _DRIVER.format(kc=kc, precision=precision, key=key), "kernel",
                              "conv_amx")
-
-
-def step(conv, out, epilogue, x_index: int, w_index: int, b_index: int | None, constant: bool,
-         constants: frozenset, precision: str, image_operands):
-    """A step computing conv (+ bias, + epilogue) on the tiles; constant: the weights (and bias) are
-    constants, split once. image_operands: conv._image_operands."""
-    a = conv.attrs
-    one_d = conv.type.rank == 3
-    strides, dilations, pads = a["strides"], a["dilations"], a["pads"]
-    if one_d:
-        strides, dilations, pads = (1,) + tuple(strides), (1,) + tuple(dilations), ((0, 0),) + tuple(pads)
-    (sh, sw), (dh, dw), ((ph, _), (pw, _)) = strides, dilations, pads
-    out_shape = tuple(conv.type.shape)
-    n_img, m = out_shape[:2]
-    oh, ow = (1, out_shape[2]) if one_d else out_shape[2:]
-    x_shape = conv.src[0].type.shape
-    c = x_shape[1]
-    h, w = (1, x_shape[2]) if one_d else x_shape[2:]
-    w_shape = conv.src[1].type.shape
-    kh, kw = (1, w_shape[2]) if one_d else w_shape[2:]
-    g = Geometry(c, h, w, m, kh, kw, sh, sw, dh, dw, ph, pw, oh, ow, precision)
-    kernel = driver(g.kc, precision, epilogue.steps, epilogue.operands)
-    planes = g.planes()
-    scratch = np.zeros(1024 + 16, np.float32)   # four accumulators; an epilogue run's masked lanes read past
-    operands = epilogue.operands
-    fixed_ops = all(form != "full" and i in constants for form, i in operands)
-    cache: dict = {}
-
-    def run(*inputs):
-        arranged = cache.get("w") if constant else None
-        if arranged is None:
-            arranged = g.weights(inputs[w_index], inputs[b_index] if b_index is not None else None)
-            if constant:
-                cache["w"] = arranged
-        x = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, h, w)
-        y = out if out is not None else np.empty(out_shape, np.float32)
-        y4 = y.reshape(n_img, m, oh, ow)
-        for n in range(n_img):
-            kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.chunks, (kh - 1) * dh, arranged[0],
-                   arranged[1],
-                   g.offs, g.n_tiles, g.band, y4[n], scratch, image_operands(cache, inputs, operands, n, fixed_ops))
-        return y
-    return run

@@ -45,21 +45,7 @@ def arrange(ws: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(t.transpose(3, 0, 4, 1, 5, 2)).reshape(-1)
 
 
-@intrinsic
-def _config(typingctx):
-    """ldtilecfg: all eight tiles 16 rows x 64 bytes."""
-    raw = [0] * 64
-    raw[0] = 1
-    for t in range(8):
-        raw[16 + 2 * t], raw[48 + t] = 64, 16
-
-    def codegen(context, builder, signature, args):
-        cfg_t = ir.ArrayType(_I8, 64)
-        cfg = builder.alloca(cfg_t)
-        builder.store(ir.Constant(cfg_t, raw), cfg)
-        builder.call(_declare(builder.module, "llvm.x86.ldtilecfg", ir.VoidType(), [_P8]), [builder.bitcast(cfg, _P8)])
-        return context.get_dummy_value()
-    return types.void(), codegen
+_config = conv_amx.tile_config([(16, 64)] * 8)   # every tile 16 rows x 64 bytes
 
 
 @intrinsic
@@ -158,14 +144,19 @@ def _finish_row(scratch, at, b, col, t0, r, width, scale, scaled, row_f, row_i):
 
 
 @njit(cache=True, nogil=True)
-def amx_matmul(x, flip, x_zero, s0, s1, scaled, xu, w, n, b, cw, out_f, out_i, scratch):
-    """int8_matmul.vnni_matmul's contract on the tiles: x [M, K] uint8 bytes (int8 x as its bytes, flip
-    set: x + 128) into xu, a = x_zero (+ 128 with flip), scale = float32(s0 * s1), then amx_gemm."""
+def unsigned_rows(x, flip, x_zero, s0, s1, xu):
+    """x [M, K] uint8 bytes (int8 x as its bytes, flip set: x + 128) into xu; (a, scale): a = x_zero
+    (+ 128 with flip), scale = float32(s0 * s1), the body's product of two float32 scalars."""
     m_rows, k = x.shape
     bits = np.uint8(0x80) if flip else np.uint8(0)
     for r in range(m_rows):
         for t in range(k):
             xu[r, t] = x[r, t] ^ bits
-    a = np.int64(x_zero.flat[0]) + (128 if flip else 0)
-    scale = np.float32(s0.flat[0]) * np.float32(s1.flat[0])
-    amx_gemm(xu, w, m_rows, n, b, a, cw, np.int64(k), scale, scaled, out_f, out_i, scratch)
+    return np.int64(x_zero.flat[0]) + (128 if flip else 0), np.float32(s0.flat[0]) * np.float32(s1.flat[0])
+
+
+@njit(cache=True, nogil=True)
+def amx_matmul(x, flip, x_zero, s0, s1, scaled, xu, w, n, b, cw, out_f, out_i, scratch):
+    """int8_matmul.vnni_matmul's contract on the tiles: unsigned_rows, then amx_gemm."""
+    a, scale = unsigned_rows(x, flip, x_zero, s0, s1, xu)
+    amx_gemm(xu, w, x.shape[0], n, b, a, cw, np.int64(x.shape[1]), scale, scaled, out_f, out_i, scratch)

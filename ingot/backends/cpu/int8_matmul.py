@@ -187,15 +187,9 @@ def vnni_matmul(x, flip, x_zero, s0, s1, scaled, xu, w, n, b, cw, out_f, out_i):
     """IntegerMatmul's VNNI path in one call (a T5 runs 56 of them: the Python around vnni_gemm cost
     ~8 us each): x [M, K] uint8 bytes (int8 x as its bytes, flip set: x + 128) into the zero-padded
     buffer xu, a = x_zero (+ 128 with flip), scale = float32(s0 * s1) (the body's product of two
-    float32 scalars), then vnni_gemm into out_f (scaled) or out_i."""
-    m_rows, k = x.shape
-    bits = np.uint8(0x80) if flip else np.uint8(0)
-    for r in range(m_rows):
-        for t in range(k):
-            xu[r, t] = x[r, t] ^ bits
-    a = np.int64(x_zero.flat[0]) + (128 if flip else 0)
-    scale = np.float32(s0.flat[0]) * np.float32(s1.flat[0])
-    vnni_gemm(xu, w, m_rows, n, b, a, cw, np.int64(k), scale, scaled, out_f, out_i)
+    float32 scalars) (int8_amx.unsigned_rows), then vnni_gemm into out_f (scaled) or out_i."""
+    a, scale = int8_amx.unsigned_rows(x, flip, x_zero, s0, s1, xu)
+    vnni_gemm(xu, w, x.shape[0], n, b, a, cw, np.int64(x.shape[1]), scale, scaled, out_f, out_i)
 
 
 @njit(cache=True, nogil=True)

@@ -18,7 +18,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import conv_amx, conv_spatial
-from .conv_amx import _I64, _declare
+from .conv_amx import BANDS, _I64, _declare, bf16_part
 
 with open(os.path.abspath(__file__), "rb") as _f:
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_amx.REVISION
@@ -36,7 +36,7 @@ def _split_intrinsic(kc: int):
     """split_flat(planes, at, part_size, parts, xf, src, n): the n (<= KC) floats xf[src:] (zero past n)
     split into `parts` bfloat16 parts, part k's KC values at planes[k part_size + at]."""
     f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
-    v32, w32, h32 = ir.VectorType(f32, 32), ir.VectorType(i32, 32), ir.VectorType(i16, 32)
+    v32, h32 = ir.VectorType(f32, 32), ir.VectorType(i16, 32)
     m32 = ir.VectorType(ir.IntType(1), 32)
 
     @intrinsic
@@ -58,20 +58,15 @@ def _split_intrinsic(kc: int):
                                   live, ir.Constant(v32, [0.0] * 32)])
             st = _declare(mod, "llvm.masked.store.v32i16.p0", ir.VoidType(), [h32, h32.as_pointer(), i32, m32])
             row = ir.Constant(m32, [c < kc for c in range(32)])
-            c = lambda x: ir.Constant(w32, [x] * 32)  # noqa: E731
             end = builder.append_basic_block("parts_done")
             for k in range(3):   # parts <= 3, each part's block after the one before
                 if k:
                     go = builder.append_basic_block(f"part{k}")
                     builder.cbranch(builder.icmp_signed(">", parts_v, i64(k)), go, end)
                     builder.position_at_end(go)
-                u = builder.bitcast(v, w32)
-                odd = builder.and_(builder.lshr(u, c(16)), c(1))
-                hi = builder.and_(builder.add(builder.add(u, c(0x7FFF)), odd), c(0xFFFF0000 - (1 << 32)))
+                bits, v = bf16_part(builder, v)
                 ptr = builder.gep(pa.data, [builder.add(at_v, builder.mul(ps_v, i64(k)))])
-                builder.call(st, [builder.trunc(builder.lshr(hi, c(16)), h32), builder.bitcast(ptr, h32.as_pointer()),
-                                  ir.Constant(i32, 2), row])
-                v = builder.fsub(v, builder.bitcast(hi, v32))
+                builder.call(st, [bits, builder.bitcast(ptr, h32.as_pointer()), ir.Constant(i32, 2), row])
             builder.branch(end)
             builder.position_at_end(end)
             return context.get_dummy_value()
@@ -83,6 +78,7 @@ SPLITS: dict = {}
 
 
 def split_for(kc: int):
+    """The split_flat intrinsic of KC, made once per process."""
     if kc not in SPLITS:
         SPLITS[kc] = _split_intrinsic(kc)
     return SPLITS[kc]
@@ -102,48 +98,34 @@ KC = {kc}
 
 
 @njit(cache=True, nogil=True)
-def rows_out(of, scratch, acc, r0, m_rows, n, n0):
+def emit(ctx, scratch, acc, r0, n0):
     # accumulator acc ([16 rows][16 columns]) into out [M, N] at rows r0.., columns n0..
+    of, m_rows, n = ctx
     for r in range(min(16, m_rows - r0)):
         at = (r0 + r) * n + n0
         copy(of, at, scratch, acc * 256 + 16 * r, n - n0, 0, at, ())
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, planes, parts, part_size, pl, chunks, w, bias_t, offs, n_tiles, band, out, scratch):
-    # x [M, K] float32 -> planes [chunks][pl rows][KC] (split_flat), a band of row tiles at a time just
-    # before it; w, bias_t: conv_amx.Geometry.weights of w.T as a 1x1 conv; out [M, N].
+def prepare_band(x, planes, pctx, ready, b1):
+    # x's rows ..16 b1 past the `ready` ones split into planes [chunks][pl rows][KC]; the rows now ready
+    parts, part_size, pl, chunks = pctx
     m_rows, k = x.shape
-    n = out.shape[1]
     xf = x.reshape(m_rows * k)
-    of = out.reshape(m_rows * n)
-    n_tiles_n = bias_t.shape[0]
-    n_tc = offs.shape[0]
-    last = (n_tiles - 1) * 16 * KC
-    config()
-    for b0 in range(0, n_tiles, band):
-        b1 = min(n_tiles, b0 + band)
-        for c in range(chunks):
-            for r in range(16 * b0, min(16 * b1, m_rows)):
-                split_flat(planes, (c * pl + r) * KC, part_size, parts, xf, r * k + c * KC, min(KC, k - c * KC))
-        for mb in range(0, n_tiles_n - 1, 2):
-            for t in range(b0, b1, 2):
-                p = 16 * t * KC
-                block22(planes, part_size, w, 32 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last), 0, 0,
-                        mb * n_tc * parts * 16 * KC, parts * 32 * KC, scratch)
-                for mk in range(2):
-                    for pk in range(min(2, b1 - t)):
-                        rows_out(of, scratch, 2 * mk + pk, 16 * (t + pk), m_rows, n, (mb + mk) * 16)
-        if n_tiles_n % 2:
-            mb = n_tiles_n - 1
-            for t in range(b0, b1, 4):
-                p = 16 * t * KC
-                block14(planes, part_size, w, 16 * KC, bias_t, mb * 256, offs, p, min(p + 16 * KC, last),
-                        min(p + 32 * KC, last), min(p + 48 * KC, last), mb * n_tc * parts * 16 * KC, parts * 16 * KC,
-                        scratch)
-                for pk in range(min(4, b1 - t)):
-                    rows_out(of, scratch, pk, 16 * (t + pk), m_rows, n, mb * 16)
-    release()
+    need = min(16 * b1, m_rows)
+    for c in range(chunks):
+        for r in range(ready, need):
+            split_flat(planes, (c * pl + r) * KC, part_size, parts, xf, r * k + c * KC, min(KC, k - c * KC))
+    return max(need, ready)
+""" + BANDS + """
+
+@njit(cache=True, nogil=True)
+def kernel(x, planes, parts, part_size, pl, chunks, w, bias_t, offs, n_tiles, band, out, scratch):
+    # x [M, K] float32 -> planes a band of row tiles at a time, just before it (`bands`); w, bias_t:
+    # conv_amx.Geometry.weights of w.T as a 1x1 conv; out [M, N].
+    m_rows, n = out.shape
+    bands(x, planes, (parts, part_size, pl, chunks), parts, part_size, w, bias_t, offs, n_tiles, band, scratch,
+          (out.reshape(m_rows * n), m_rows, n))
 """
 
 

@@ -20,7 +20,10 @@ adds the products of order 2^-16 too, for float32's own error at twice the cost.
   Bands of positions keep the input they read in L2 while every 32 channels pass over it (their rows
   split just before); a chunk's taps run together, reading the same lines from L1.
 AMX needs the kernel's permission for its tile state (arch_prctl ARCH_REQ_XCOMP_PERM): `available()`
-asks once.
+asks once. What the split changes besides the rounding: an infinite input (or weight) gives NaN where
+float32 gives +-inf (its lo part is inf - inf; and inf * a zero lo part of the other side is NaN, as
+tf32x3's is on the GPU); subnormals count as zero (AMX reads bfloat16 subnormals as zero); values past
+bfloat16's largest (3.39e38) round to infinity. "float32" keeps IEEE float32 for such data.
 """
 from __future__ import annotations
 

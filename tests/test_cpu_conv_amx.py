@@ -170,3 +170,32 @@ def test_matmul_by_constant_weights(lead, k, n, precision):
             else:
                 np.testing.assert_allclose(got, ref, rtol=0, atol=_tolerance(want, prec))
                 assert intermediate or np.abs(got - want).max() > 0   # the tiles ran, not BLAS
+
+
+@amx
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+def test_lstm_input_projection_on_the_tiles(direction):
+    """An LSTM with constant W and bias: its input projection x W^T + biases on the tiles (recurrent.py),
+    the recurrence as before; within bf16x3's error of the reference, not equal to the float32 panels'."""
+    from ingot.backends.cpu import LOWERINGS
+    from ingot.ir import Node, Op
+    from ingot.options import CpuOptions
+    from test_cpu_recurrent import inputs, lstm_node
+    sizes, lengths = (20, 2, 70, 40), (20, 13)
+    node = lstm_node(direction, sizes=sizes)
+    src = list(node.src)
+    for i in (1, 3):   # W and the biases as constants
+        src[i] = Node(Op.CONSTANT, src[i].type, (), {"key": f"c{i}"})
+    node = Node(Op.LSTM, node.type, tuple(src), node.attrs)
+    xs = inputs(direction, 11, lengths, sizes)
+    want = ingot.ops.reference(Op.LSTM, xs, node.attrs)
+    tiles = LOWERINGS[Op.LSTM](node, None, CpuOptions())
+    exact = LOWERINGS[Op.LSTM](node, None, CpuOptions(float32_precision="float32"))
+    projection = np.einsum("tbi,dgi->tbdg", xs[0], xs[1])
+    bound = 2 * _tolerance(projection, "bf16x3")   # the projection's error, at most doubled by the gates
+    for _ in range(2):   # the second run reuses the split weights
+        got, ref = tiles(*xs), exact(*xs)
+        for g, r, w in zip(got, ref, want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=bound)
+            np.testing.assert_allclose(r, w, rtol=1e-5, atol=1e-5)
+        assert any(np.abs(g - r).max() > 0 for g, r in zip(got, ref))

@@ -72,9 +72,9 @@ from . import collectives  # noqa: E402,F401  (registers all_reduce/all_gather: 
 
 
 @lowering(Op.LSTM)
-def _lstm(node: Node, out):
+def _lstm(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     """The whole recurrence in one compiled loop per direction (backends/cpu/recurrent.py)."""
-    return recurrent.lstm_step(node, out) or _reference(node, out)
+    return recurrent.lstm_step(node, out, options.float32_precision) or _reference(node, out)
 
 
 @lowering(Op.SOFTMAX, Op.LOG_SOFTMAX)
@@ -343,7 +343,7 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
-WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL}
+WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL, Op.LSTM}
 
 
 @lowering(Op.SDPA)

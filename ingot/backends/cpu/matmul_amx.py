@@ -138,17 +138,18 @@ def driver(kc: int, precision: str):
 
 
 def step(rows: int, k: int, n: int, precision: str):
-    """run(x, w, out_rows): x [..., K] @ w [K, N] into out_rows [rows, N], w a constant split once."""
+    """run(x, w, out_rows, bias=None): x [..., K] @ w [K, N] (+ bias [N]) into out_rows [rows, N]; w and
+    bias constants, split once."""
     g = conv_amx.Geometry(k, 1, rows, n, 1, 1, 1, 1, 1, 1, 0, 0, 1, rows, precision)
     kernel = driver(g.kc, precision)
     planes = g.planes()
     scratch = np.zeros(1024 + 16, np.float32)
     cache: dict = {}
 
-    def run(x, w, out_rows):
+    def run(x, w, out_rows, bias=None):
         arranged = cache.get("w")
         if arranged is None:
-            arranged = cache["w"] = g.weights(np.ascontiguousarray(np.asarray(w, np.float32).T), None)
+            arranged = cache["w"] = g.weights(np.ascontiguousarray(np.asarray(w, np.float32).T), bias)
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(rows, k)
         kernel(x2, planes, g.parts, g.part_size, g.pl, g.chunks, arranged[0], arranged[1], g.offs, g.n_tiles, g.band,
                out_rows, scratch)

@@ -50,7 +50,7 @@ PRODUCTS = {"bf16x3": ((0, 0), (0, 1), (1, 0)),   # (weight part, input part) pa
             "bf16x6": ((0, 0), (0, 1), (0, 2), (1, 1), (1, 0), (2, 0))}
 BAND_BYTES = 512 << 10   # the split input a band of output rows reads: L2-sized
 
-_I8, _I16, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+_I8, _I64 = ir.IntType(8), ir.IntType(64)
 _P8 = _I8.as_pointer()
 
 

@@ -62,7 +62,7 @@ def _fused(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     rule = FUSED_LOWERINGS.get(kind)
     if rule is None:
         return _reference(node, out)
-    return (rule(node, out, options) if kind in conv.FUSED_LOWERINGS else rule(node, out)) or _reference(node, out)
+    return (rule(node, out, options) if kind in FUSED_WITH_OPTIONS else rule(node, out)) or _reference(node, out)
 
 
 FUSED_LOWERINGS = dict(conv.FUSED_LOWERINGS) | rope_cache.FUSED_LOWERINGS | int8_matmul.FUSED_LOWERINGS | \
@@ -344,6 +344,7 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
 WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL, Op.LSTM}
+FUSED_WITH_OPTIONS = set(conv.FUSED_LOWERINGS)   # the fused kinds whose rules take them (AMX's precision)
 
 
 @lowering(Op.SDPA)

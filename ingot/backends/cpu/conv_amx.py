@@ -103,7 +103,7 @@ def split(a: np.ndarray, parts: int) -> list[np.ndarray]:
     out = []
     for _ in range(parts):
         u = rest.view(np.uint32)
-        hi = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).astype(np.uint32)
+        hi = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
         out.append((hi >> np.uint32(16)).astype(np.uint16))
         rest = rest - hi.view(np.float32)
     return out
@@ -173,12 +173,7 @@ def _split_intrinsic(stride: int, kc: int):
                 v = rows[0][q] if halves == 1 else builder.shuffle_vector(
                     rows[0][q], rows[1][q], ir.Constant(i32x(32), list(range(32))))
                 values.append(v)
-            end = builder.append_basic_block("parts_done")
-            for k in range(3):   # parts <= 3, each part's block after the one before
-                if k:
-                    go = builder.append_basic_block(f"part{k}")
-                    builder.cbranch(builder.icmp_signed(">", parts_v, i64(k)), go, end)
-                    builder.position_at_end(go)
+            def store_part(k):
                 base = builder.add(at_v, builder.mul(ps_v, i64(k)))
                 for q in range(16):
                     bits, values[q] = bf16_part(builder, values[q])
@@ -186,11 +181,54 @@ def _split_intrinsic(stride: int, kc: int):
                                           ir.Constant(lane_ok.type, [0] * width))
                     ptr = builder.bitcast(builder.gep(pa.data, [builder.add(base, i64(q * kc))]), hw.as_pointer())
                     builder.call(st, [bits, ptr, ir.Constant(i32, 2), mask])
-            builder.branch(end)
-            builder.position_at_end(end)
+            each_part(builder, parts_v, store_part)
             return context.get_dummy_value()
         return sig, codegen
     return split_rows
+
+
+def each_part(builder, parts_v, emit) -> None:
+    """emit(k) for each part k < parts_v (a run-time i64, 1 to 3), each in a block after the one before (LLVM
+    IR): what emit(k) computes is there for emit(k + 1)."""
+    end = builder.append_basic_block("parts_done")
+    for k in range(3):
+        if k:
+            go = builder.append_basic_block(f"part{k}")
+            builder.cbranch(builder.icmp_signed(">", parts_v, ir.Constant(parts_v.type, k)), go, end)
+            builder.position_at_end(go)
+        emit(k)
+    builder.branch(end)
+    builder.position_at_end(end)
+
+
+def counted_loop(builder, n, body) -> None:
+    """body(t) for t < n (an i64; LLVM IR): a loop whose counter is a phi."""
+    zero = ir.Constant(n.type, 0)
+    start = builder.block
+    loop, done = builder.append_basic_block("loop"), builder.append_basic_block("loop_done")
+    builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
+    builder.position_at_end(loop)
+    t = builder.phi(n.type)
+    t.add_incoming(zero, start)
+    body(t)
+    nxt = builder.add(t, ir.Constant(n.type, 1))
+    t.add_incoming(nxt, builder.block)
+    builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+    builder.position_at_end(done)
+
+
+def tile_ops(builder, product: str):
+    """(load, dp, store) of AMX's tiles (LLVM IR): load(slot, byte pointer, stride), dp(accumulator, a, b)
+    by the instruction `product` ("tdpbf16ps", "tdpbusd"), store(slot, byte pointer, stride)."""
+    mod = builder.module
+    load = _declare(mod, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
+    dp = _declare(mod, f"llvm.x86.{product}", ir.VoidType(), [_I8, _I8, _I8])
+    store = _declare(mod, "llvm.x86.tilestored64", ir.VoidType(), [_I8, _P8, _I64])
+    i8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
+    stride = lambda v: v if isinstance(v, ir.Value) else ir.Constant(_I64, v)  # noqa: E731
+    return (lambda slot, ptr, step: builder.call(load, [i8(slot), ptr, stride(step)]),
+            lambda c, a, b: builder.call(dp, [i8(c), i8(a), i8(b)]),
+            lambda slot, ptr, step: builder.call(store, [i8(slot), ptr, stride(step)]))
 
 
 def bf16_part(builder, v):
@@ -373,44 +411,32 @@ def _block_intrinsic(kc: int, products, m_tiles: int, transpose: bool = True):
             xa, wa, ba, oa, sa = arr(0), arr(2), arr(4), arr(6), arr(13)
             x_part_v, w_part_v, b_at_v, w_at_v, w_tc_v = (args[i] for i in (1, 3, 5, 11, 12))
             ps = args[7:11]
-            mod = builder.module
-            load = _declare(mod, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
-            dp = _declare(mod, "llvm.x86.tdpbf16ps", ir.VoidType(), [_I8, _I8, _I8])
-            store = _declare(mod, "llvm.x86.tilestored64", ir.VoidType(), [_I8, _P8, _I64])
-            i8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
+            load, dp, store = tile_ops(builder, "tdpbf16ps")
             i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            f32p = lambda a, at: builder.bitcast(builder.gep(a.data, [at]), _P8)  # noqa: E731
+            p8 = lambda a, at: builder.bitcast(builder.gep(a.data, [at]), _P8)  # noqa: E731
             for mk in range(m_tiles):
-                bias_p = f32p(ba, builder.add(b_at_v, i64(256 * mk)))
+                bias_p = p8(ba, builder.add(b_at_v, i64(256 * mk)))
                 for pk in range(p_tiles):
-                    builder.call(load, [i8(p_tiles * mk + pk), bias_p, i64(64)])
-            n_tc = builder.extract_value(oa.shape, 0)
-            start = builder.block
-            loop, done = builder.append_basic_block("tc_loop"), builder.append_basic_block("tc_done")
-            builder.cbranch(builder.icmp_signed(">", n_tc, i64(0)), loop, done)
-            builder.position_at_end(loop)
-            t = builder.phi(_I64)
-            t.add_incoming(i64(0), start)
-            off = builder.load(builder.gep(oa.data, [t]))
-            w_base = builder.add(w_at_v, builder.mul(t, w_tc_v))
-            for op in ops:
-                if op[0] == "dp":   # accumulator += input (slot 6-7) x weights (slot 4-5)
-                    builder.call(dp, [i8(op[1]), i8(op[3]), i8(op[2])])
-                    continue
-                _, slot, (kind, part, tile) = op
-                if kind == "A":   # weights
-                    at = builder.add(builder.add(builder.mul(i64(part), w_part_v), w_base), i64(16 * kc * tile))
-                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(wa.data, [at]), _P8), i64(64)])
-                else:             # inputs
-                    at = builder.add(builder.mul(i64(part), x_part_v), builder.add(off, ps[tile]))
-                    builder.call(load, [i8(slot), builder.bitcast(builder.gep(xa.data, [at]), _P8), i64(2 * kc)])
-            nxt = builder.add(t, i64(1))
-            t.add_incoming(nxt, builder.block)
-            builder.cbranch(builder.icmp_signed("<", nxt, n_tc), loop, done)
-            builder.position_at_end(done)
+                    load(p_tiles * mk + pk, bias_p, 64)
+
+            def tap_chunk(t):
+                off = builder.load(builder.gep(oa.data, [t]))
+                w_base = builder.add(w_at_v, builder.mul(t, w_tc_v))
+                for op in ops:
+                    if op[0] == "dp":   # accumulator += input (slot 6-7) x weights (slot 4-5)
+                        dp(op[1], op[3], op[2])
+                        continue
+                    _, slot, (kind, part, tile) = op
+                    if kind == "A":   # weights
+                        load(slot, p8(wa, builder.add(builder.add(builder.mul(i64(part), w_part_v), w_base),
+                                                      i64(16 * kc * tile))), 64)
+                    else:             # inputs
+                        load(slot, p8(xa, builder.add(builder.mul(i64(part), x_part_v), builder.add(off, ps[tile]))),
+                             2 * kc)
+            counted_loop(builder, builder.extract_value(oa.shape, 0), tap_chunk)
             vp = lambda at: builder.bitcast(builder.gep(sa.data, [i64(at)]), _V.as_pointer())  # noqa: E731
             for k in range(4):
-                builder.call(store, [i8(k), f32p(sa, i64(256 * k)), i64(64)])
+                store(k, p8(sa, i64(256 * k)), 64)
                 if not transpose:
                     continue
                 rows = [builder.load(vp(256 * k + 16 * r), align=4) for r in range(16)]

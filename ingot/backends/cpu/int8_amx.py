@@ -58,37 +58,26 @@ def _block(typingctx, xu, x_at, kp, w, w_at, nb, scratch):
         arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
         xa, wa, sa = arr(0), arr(3), arr(6)
         x_at_v, kp_v, w_at_v, nb_v = args[1], args[2], args[4], args[5]
-        mod = builder.module
-        zero = _declare(mod, "llvm.x86.tilezero", ir.VoidType(), [_I8])
-        load = _declare(mod, "llvm.x86.tileloadd64", ir.VoidType(), [_I8, _P8, _I64])
-        dp = _declare(mod, "llvm.x86.tdpbusd", ir.VoidType(), [_I8, _I8, _I8])
-        store = _declare(mod, "llvm.x86.tilestored64", ir.VoidType(), [_I8, _P8, _I64])
-        i8 = lambda v: ir.Constant(_I8, v)  # noqa: E731
+        load, dp, store = conv_amx.tile_ops(builder, "tdpbusd")
+        zero = _declare(builder.module, "llvm.x86.tilezero", ir.VoidType(), [_I8])
         i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
         p8 = lambda a, at: builder.bitcast(builder.gep(a.data, [at]), _P8)  # noqa: E731
         for k in range(4):
-            builder.call(zero, [i8(k)])
-        start = builder.block
-        loop, done = builder.append_basic_block("kb_loop"), builder.append_basic_block("kb_done")
-        builder.cbranch(builder.icmp_signed(">", nb_v, i64(0)), loop, done)
-        builder.position_at_end(loop)
-        kb = builder.phi(_I64)
-        kb.add_incoming(i64(0), start)
-        x_k = builder.add(x_at_v, builder.mul(kb, i64(K_BLOCK)))
-        w_k = builder.add(w_at_v, builder.mul(kb, i64(2048)))
-        for mr in range(2):
-            builder.call(load, [i8(4 + mr), p8(xa, builder.add(x_k, builder.mul(kp_v, i64(16 * mr)))), kp_v])
-        for nt in range(2):
-            builder.call(load, [i8(6 + nt), p8(wa, builder.add(w_k, i64(1024 * nt))), i64(64)])
-        for mr in range(2):
+            builder.call(zero, [ir.Constant(_I8, k)])
+
+        def k_block(kb):
+            x_k = builder.add(x_at_v, builder.mul(kb, i64(K_BLOCK)))
+            w_k = builder.add(w_at_v, builder.mul(kb, i64(2048)))
+            for mr in range(2):
+                load(4 + mr, p8(xa, builder.add(x_k, builder.mul(kp_v, i64(16 * mr)))), kp_v)
             for nt in range(2):
-                builder.call(dp, [i8(2 * mr + nt), i8(4 + mr), i8(6 + nt)])
-        nxt = builder.add(kb, i64(1))
-        kb.add_incoming(nxt, builder.block)
-        builder.cbranch(builder.icmp_signed("<", nxt, nb_v), loop, done)
-        builder.position_at_end(done)
+                load(6 + nt, p8(wa, builder.add(w_k, i64(1024 * nt))), 64)
+            for mr in range(2):
+                for nt in range(2):
+                    dp(2 * mr + nt, 4 + mr, 6 + nt)
+        conv_amx.counted_loop(builder, nb_v, k_block)
         for k in range(4):
-            builder.call(store, [i8(k), p8(sa, i64(256 * k)), i64(64)])
+            store(k, p8(sa, i64(256 * k)), 64)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -102,19 +91,8 @@ def amx_gemm(xu, w, m_rows, n, b, a, cw, k, scale, scaled, out_f, out_i, scratch
     mp, kp = xu.shape
     nb = kp // K_BLOCK
     groups = -(-n // 32)
-    rx = np.zeros(mp, np.int64)
-    for m in range(m_rows):
-        total = np.int64(0)
-        for t in range(kp):
-            total += np.int64(xu[m, t])
-        rx[m] = total
-    col = np.zeros(groups * 32, np.int64)
-    for t in range(n):
-        col[t] = -a * cw[t] - k * a * np.int64(b[t])
+    rx, col = terms(xu, m_rows, n, groups * 32, b, a, cw, k)
     xf = xu.reshape(mp * kp)
-    bl = np.zeros(groups * 32, np.int64)
-    for t in range(n):
-        bl[t] = b[t]
     _config()
     for g in range(groups):
         for r0 in range(0, m_rows, ROW_BLOCK):
@@ -126,21 +104,40 @@ def amx_gemm(xu, w, m_rows, n, b, a, cw, k, scale, scaled, out_f, out_i, scratch
                     width = min(16, n - t0)
                     for rr in range(min(16, m_rows - r0 - 16 * mr)):
                         m = r0 + 16 * mr + rr
-                        _finish_row(scratch, acc + 16 * rr, bl, col, t0, rx[m], width, scale, scaled,
+                        _finish_row(scratch, acc + 16 * rr, b, col, t0, rx[m], width, scale, scaled,
                                     out_f[m] if scaled else out_f[0], out_i[0] if scaled else out_i[m])
     release()
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _finish_row(scratch, at, b, col, t0, r, width, scale, scaled, row_f, row_i):
-    """One accumulator row's 16 sums joined with their terms (int64, wrapped to int32) into row_f (as
-    float32(sum) * scale) or row_i: separate branch-free loops, which LLVM vectorises."""
+    """One accumulator row's 16 sums joined with their terms (int64, wrapped to int32 as the int32 lanes of
+    the VNNI kernel wrap) into row_f (as float32(sum) * scale) or row_i: separate branch-free loops, which
+    LLVM vectorises."""
+    rl = np.int64(r)
     if scaled:
         for j in range(width):
-            row_f[t0 + j] = np.float32(np.int32(np.int64(scratch[at + j]) + b[t0 + j] * r + col[t0 + j])) * scale
+            v = np.int64(scratch[at + j]) + np.int64(b[t0 + j]) * rl + np.int64(col[t0 + j])
+            row_f[t0 + j] = np.float32(np.int32(v)) * scale
     else:
         for j in range(width):
-            row_i[t0 + j] = np.int32(np.int64(scratch[at + j]) + b[t0 + j] * r + col[t0 + j])
+            row_i[t0 + j] = np.int32(np.int64(scratch[at + j]) + np.int64(b[t0 + j]) * rl + np.int64(col[t0 + j]))
+
+
+@njit(cache=True, nogil=True)
+def terms(xu, m_rows, n, length, b, a, cw, k):
+    """(Rx, col): the rows' sums of xu [Mp, Kp] (int32, wrapping) and col[t] = -a Cw[t] - k a b[t] for t < n
+    (int32 wrapped, zero up to length): the terms int8_matmul's module docstring adds to D."""
+    rx = np.zeros(xu.shape[0], np.int32)
+    for m in range(m_rows):
+        total = np.int32(0)
+        for t in range(xu.shape[1]):
+            total += np.int32(xu[m, t])
+        rx[m] = total
+    col = np.zeros(length, np.int32)
+    for t in range(n):
+        col[t] = np.int32(-a * cw[t] - k * a * np.int64(b[t]))
+    return rx, col
 
 
 @njit(cache=True, nogil=True)

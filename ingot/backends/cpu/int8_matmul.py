@@ -137,15 +137,8 @@ def vnni_gemm(xu, w, m_rows, n, b, a, cw, k, scale, scaled, out_f, out_i):
     mp, kp = xu.shape
     nb = kp // BLOCK
     groups = w.shape[0]
-    rx = np.zeros(mp, np.int32)      # (int32 arithmetic wraps as the int64 sums cast to int32 do)
-    for m in range(m_rows):
-        total = np.int32(0)
-        for t in range(kp):
-            total += np.int32(xu[m, t])
-        rx[m] = total
-    col = np.zeros(groups * 16, np.int32)
-    for t in range(n):
-        col[t] = np.int32(-a * cw[t] - k * a * np.int64(b[t]))
+    # (int32 arithmetic wraps as the int64 sums cast to int32 do)
+    rx, col = int8_amx.terms(xu, m_rows, n, groups * 16, b, a, cw, k)
     x4 = xu.reshape(mp * kp).view(np.int32)
     stride = kp // 4
     whole = n // 16
@@ -214,8 +207,8 @@ class IntegerMatmul:
         k, n = w.shape
         self.k, self.n, self.vnni = k, n, vnni_kernel
         self.amx = vnni_kernel and tiles and int8_amx.available()   # MIN_ROWS rows and more on AMX's tiles
-        self.kp, self.np_ = -(-k // (int8_amx.K_BLOCK if self.amx else BLOCK)) * (int8_amx.K_BLOCK if self.amx else BLOCK), \
-            -(-n // 16) * 16
+        k_block = int8_amx.K_BLOCK if self.amx else BLOCK
+        self.kp, self.np_ = -(-k // k_block) * k_block, -(-n // 16) * 16
         ws = w.astype(np.int16) - (128 if w.dtype == np.uint8 else 0)           # as int8
         if vnni_kernel:
             padded = np.zeros((self.kp, self.np_), np.int8)

@@ -18,7 +18,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import conv_amx, conv_spatial
-from .conv_amx import BANDS, _I64, _declare, bf16_part
+from .conv_amx import BANDS, _I64, _declare, bf16_part, each_part
 
 with open(os.path.abspath(__file__), "rb") as _f:
     REVISION = hashlib.sha256(_f.read()).hexdigest()[:16] + conv_amx.REVISION
@@ -58,17 +58,13 @@ def _split_intrinsic(kc: int):
                                   live, ir.Constant(v32, [0.0] * 32)])
             st = _declare(mod, "llvm.masked.store.v32i16.p0", ir.VoidType(), [h32, h32.as_pointer(), i32, m32])
             row = ir.Constant(m32, [c < kc for c in range(32)])
-            end = builder.append_basic_block("parts_done")
-            for k in range(3):   # parts <= 3, each part's block after the one before
-                if k:
-                    go = builder.append_basic_block(f"part{k}")
-                    builder.cbranch(builder.icmp_signed(">", parts_v, i64(k)), go, end)
-                    builder.position_at_end(go)
-                bits, v = bf16_part(builder, v)
+            rest = [v]
+
+            def store_part(k):
+                bits, rest[0] = bf16_part(builder, rest[0])
                 ptr = builder.gep(pa.data, [builder.add(at_v, builder.mul(ps_v, i64(k)))])
                 builder.call(st, [bits, builder.bitcast(ptr, h32.as_pointer()), ir.Constant(i32, 2), row])
-            builder.branch(end)
-            builder.position_at_end(end)
+            each_part(builder, parts_v, store_part)
             return context.get_dummy_value()
         return sig, codegen
     return split_flat

@@ -233,6 +233,7 @@ def lstm_step(node: Node, out, precision: str = "float32"):
             weights = made("columns", 1, columns, w)
             for k in range(d):
                 projections[k](x2, weights[k], gates[k], summed[k])
+        # (projected: lstm_layer reads no W, so the biases stand in for its packed panels)
         lstm_layer(x2, made("w", 1, packed, w) if not tiles else summed, summed, made("r", 2, packed, r),
                    made("peephole", 7, contiguous, peephole), h_last, c_last, made("lengths", 4, steps, lengths),
                    reverse_first, clip, input_forget, gates, tiles, y)

@@ -1,10 +1,11 @@
 """AMX tiles against the AVX-512 kernels and BLAS, through exe.run, one thread: float32 convolutions
 (cpu/conv_amx.py, `CpuOptions.float32_precision` "bf16x3" against "float32"), matmuls by constant weights
-(cpu/matmul_amx.py against OpenBLAS) and ONNX's integer matmuls (cpu/int8_amx.py against VNNI, warm
-and with the caches flushed). A probe for the shapes the models have, not a benchmark: best of 5.
+(cpu/matmul_amx.py against OpenBLAS), ONNX's integer matmuls (cpu/int8_amx.py against VNNI, warm
+and with the caches flushed) and a CRNN's bidirectional LSTM layers (input projections on the tiles
+against recurrent.py's panels). A probe for the shapes the models have, not a benchmark: best of 5.
 
-    python benchmarks/lab/amx_kernels.py            # all three
-    python benchmarks/lab/amx_kernels.py conv       # conv | matmul | int8
+    python benchmarks/lab/amx_kernels.py            # all four
+    python benchmarks/lab/amx_kernels.py conv       # conv | matmul | int8 | lstm
 """
 from __future__ import annotations
 
@@ -92,13 +93,36 @@ def int8() -> None:
         print(f"  [{rows}, {k}] @ [{k}, {n}]: {warm[0]:7.1f} / {warm[1]:7.1f} | {cold[0]:7.1f} / {cold[1]:7.1f}")
 
 
+def lstm() -> None:
+    from ingot.backends.cpu import LOWERINGS
+    from ingot.ir import Node, Op
+    from ingot.ops import infer_type
+    print("bidirectional LSTM layer (constant W and biases), us: tiles (bf16x3) / panels (float32)")
+    for seq, batch, size, hidden in ((80, 1, 128, 128), (80, 1, 256, 128)):   # a CRNN's two layers
+        rng = np.random.default_rng(0)
+        shapes = [(seq, batch, size), (2, 4 * hidden, size), (2, 4 * hidden, hidden), (2, 8 * hidden), (batch,),
+                  (2, batch, hidden), (2, batch, hidden), (2, 3 * hidden)]
+        xs = [(rng.standard_normal(s) * 0.5).astype(np.float32) for s in shapes]
+        xs[4] = np.full(batch, seq, np.int64)
+        types = [ingot.ir.TensorType(s, ingot.dtypes.int64 if i == 4 else ingot.dtypes.float32)
+                 for i, s in enumerate(shapes)]
+        src = tuple(Node(Op.CONSTANT if i in (1, 3) else Op.PLACEHOLDER, t, (), {"key": f"c{i}"})
+                    for i, t in enumerate(types))
+        attrs = {"direction": "bidirectional", "activations": ("Sigmoid", "Tanh", "Tanh") * 2,
+                 "alphas": (None,) * 6, "betas": (None,) * 6, "clip": None, "input_forget": False}
+        node = Node(Op.LSTM, infer_type(Op.LSTM, types, attrs), src, attrs)
+        t = [best(lambda: step(*xs), n=10) for step in
+             (LOWERINGS[Op.LSTM](node, None, CpuOptions(float32_precision=p)) for p in ("bf16x3", "float32"))]
+        print(f"  T {seq}, I {size}, H {hidden}: {t[0]:8.1f} / {t[1]:8.1f}  ({t[1] / t[0]:.2f}x)")
+
+
 def main() -> int:
     if not conv_amx.available():
         print("this host has no AMX tiles (or its kernel does not grant them)")
         return 1
-    which = sys.argv[1:] or ["conv", "matmul", "int8"]
+    which = sys.argv[1:] or ["conv", "matmul", "int8", "lstm"]
     for name in which:
-        {"conv": convs, "matmul": matmuls, "int8": int8}[name]()
+        {"conv": convs, "matmul": matmuls, "int8": int8, "lstm": lstm}[name]()
     return 0
 
 

@@ -611,7 +611,7 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
     targets = [t.node for t in imported.outputs.values()]
     program = Program(targets, [], dict(imported.graph.constants), {})
     placeholders = {n.name for n in program.nodes() if n.op == Op.PLACEHOLDER}
-    program, history = run_pipeline(program, debug)
+    program, history = run_pipeline(program, debug, device=device, options=options)
     inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
     exe = OnnxExecutable(program, device, history, inputs, list(imported.outputs),
                          list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs, options)

@@ -100,7 +100,8 @@ def bind_branches(exe, branches: dict[str, Branch], debug=False) -> None:
     for name, b in branches.items():
         if name not in exe.call_sites:   # an If the compiler dropped (its result unused)
             continue
-        program, history = run_pipeline(Program([t.node for t in b.outputs], [], dict(b.graph.constants), {}), debug)
+        program, history = run_pipeline(Program([t.node for t in b.outputs], [], dict(b.graph.constants), {}), debug,
+                                        device=exe.device, options=exe.options)
         branch = Executable(program, exe.device, history=history, inputs=b.inputs, options=exe.options)
         bind_branches(branch, b.branches, debug)
         exe.bind(name, branch)

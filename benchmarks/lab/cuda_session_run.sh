@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A session's lent-GPU measurements in parts; one device call runs at most 600 s, so (the parts' time
 # limits below add up under that; issue calls back to back, while the machine is still warm):
-#   bash benchmarks/lab/cuda_session_run.sh tests                     # 480 s at most (TESTS_S); the whole suite took
+#   bash benchmarks/lab/cuda_session_run.sh tests                     # 480 s at most (TESTS_S, TESTS_N workers); the whole suite took
 #                                                                 # 385 s on a fresh machine (twentieth session)
 #   bash benchmarks/lab/cuda_session_run.sh smollm llama gemv         # 3 x 40 + 4 x 60 + 100 s at most (a Llama run ~35 s)
 #   bash benchmarks/lab/cuda_session_run.sh attention audio           # 150 + 200 s at most
@@ -33,7 +33,9 @@ run_audio() {
 run_tests() {
   # every cuda-marked file (TESTS narrows it: a cold machine compiles the audio kernels for minutes,
   # so a first call may take TESTS="tests/test_audio_cuda.py" and a second the rest)
-  PYTHONPATH=benchmarks/lab:$PYTHONPATH timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -p failure_log -n 16 ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py tests/test_onnx_cuda.py} \
+  # a worker per 9 GB of GPU memory (16 on an H200; 16 on the 80 GB H100 failed graph captures, 2026-12-06)
+  local workers=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{w = int($1 / 9000); print (w < 1) ? 1 : w}')
+  PYTHONPATH=benchmarks/lab:$PYTHONPATH timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -p failure_log -n "${TESTS_N:-$workers}" ${TESTS:-tests/test_cuda*.py tests/test_audio_cuda.py tests/test_onnx_cuda.py} \
     --maxfail=30 -rf 2>&1 | tee "$OUT/tests.log" \
     | grep -v "^\.*\s*\[\|^$" | tail -15
 }

@@ -16,12 +16,12 @@ import numpy as np
 from numba import njit
 
 from ... import codegen
-from ...ir import Node, Op
+from ...ir import Node, Op, TensorType
 from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
 from ...options import DEFAULT_CPU, CpuOptions
-from . import conv1d_small, conv_amx, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial
+from . import conv1d_small, conv_amx, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial, team
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -268,10 +268,16 @@ def fast(conv: Node) -> bool:
 
 def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int = 0, w_index: int = 1,
               b_index: int | None = None, constant_w: bool = False, constant_b: bool = False,
-              constants: frozenset = frozenset(), precision: str = "float32"):
+              constants: frozenset = frozenset(), precision: str = "float32", threads: int = 1):
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
     the conv's own); constant_w: the weights are a constant, arranged for the kernels once. precision:
-    CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py)."""
+    CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py). threads:
+    CpuOptions.threads; a large conv of one image runs as that many steps of its output channels."""
+    if threads > 1:
+        split = _threaded_step(conv, out, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants,
+                               precision, threads)
+        if split is not None:
+            return split
     a = conv.attrs
     one_d = conv.type.rank == 3
     strides, dilations, pads = a["strides"], a["dilations"], a["pads"]
@@ -388,6 +394,76 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     return step
 
 
+PARALLEL_MIN_MACS = 1 << 22   # multiply-adds below which a conv stays on one thread (a hand-off costs ~20 us)
+SPLIT_UNIT = 32               # output channels a part holds a multiple of (conv_amx's blocks; 16-channel vectors)
+
+
+def _threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
+                   b_index: int | None, constant_w: bool, constant_b: bool, constants: frozenset, precision: str,
+                   threads: int):
+    """conv (one image, groups 1 or depthwise) as `threads` convs of consecutive output channels, each
+    the step conv_step builds for its channels, run together on the pool (team.run_parallel) into their
+    rows of one output: an image's channels are contiguous, so each part writes a plain array. None
+    where the conv is too small, or its kernel is BLAS's (which threads itself: CpuPlan.blas)."""
+    out_shape, n_img, m, spatial, c, _, kh, kw = _shapes(conv)
+    groups = conv.attrs["groups"]
+    depthwise = groups > 1 and groups == c == m
+    if n_img != 1 or (groups > 1 and not depthwise) or \
+            m * spatial[0] * spatial[1] * (c // groups) * kh * kw < PARALLEL_MIN_MACS * (1 if groups == 1 else 1 / 16):
+        return None
+    parts = min(threads, m // SPLIT_UNIT)
+    if parts < 2:
+        return None
+    cuts = [SPLIT_UNIT * round(m * p / parts / SPLIT_UNIT) for p in range(parts)] + [m]
+    steps = []
+    for m0, m1 in zip(cuts, cuts[1:]):
+        step = conv_step(_part(conv, m0, m1, depthwise), None, epilogue, x_index, w_index, b_index, constant_w,
+                         constant_b, constants, precision)
+        if not getattr(step, "channel_split", False):
+            return None
+        steps.append(step)
+    operands = epilogue.operands
+
+    def part_inputs(inputs, m0: int, m1: int) -> list:
+        ins = list(inputs)
+        ins[w_index] = inputs[w_index][m0:m1]
+        if b_index is not None:
+            ins[b_index] = np.asarray(inputs[b_index]).reshape(-1)[m0:m1]
+        if depthwise:
+            ins[x_index] = inputs[x_index][:, m0:m1]
+        for form, i in operands:
+            if form == "channel":
+                ins[i] = np.asarray(inputs[i]).reshape(-1)[m0:m1]
+            elif form == "full":
+                ins[i] = inputs[i][:, m0:m1]
+        return ins
+
+    def step(*inputs):
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        assert y.flags.c_contiguous
+        team.run_parallel(_run_part, [(s, part_inputs(inputs, m0, m1), y[:, m0:m1])
+                                      for s, m0, m1 in zip(steps, cuts, cuts[1:])])
+        return y
+    return step
+
+
+def _run_part(step, inputs, y) -> None:
+    step(*inputs, into=y)
+
+
+def _part(conv: Node, m0: int, m1: int, depthwise: bool) -> Node:
+    """conv's output channels m0:m1 as a conv of its own (a depthwise one's input channels with them)."""
+    def narrowed(node: Node, axis: int) -> Node:
+        shape = list(node.type.shape)
+        shape[axis] = m1 - m0
+        return node.replace(type=TensorType(shape, node.dtype))
+
+    src = [narrowed(conv.src[0], 1) if depthwise else conv.src[0], narrowed(conv.src[1], 0)] + \
+        [narrowed(b, 0) for b in conv.src[2:]]
+    attrs = dict(conv.attrs, groups=m1 - m0) if depthwise else conv.attrs
+    return conv.replace(type=TensorType((1, m1 - m0) + tuple(conv.type.shape[2:]), conv.dtype), src=src, attrs=attrs)
+
+
 def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
                  b_index: int | None, constant_w: bool, constants: frozenset, kernel, window: tuple):
     """conv_kernels' direct kernel called straight from the step, bias and epilogue in it: what conv_step's
@@ -400,7 +476,7 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
     fixed_ops = all(form != "full" and i in constants for form, i in operands)
     cache: dict = {}
 
-    def step(*inputs):
+    def step(*inputs, into=None):
         wk = cache.get("w") if constant_w else None
         if wk is None:
             wk = conv_kernels.direct_weights(np.asarray(inputs[w_index], np.float32).reshape(m, c, kh, kw))
@@ -408,11 +484,12 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
                 cache["w"] = wk
         bias = no_bias if b_index is None else np.ascontiguousarray(inputs[b_index], dtype=np.float32).reshape(-1)
         x = np.ascontiguousarray(inputs[x_index]).reshape(n_img, c, *in_spatial)
-        y = out if out is not None else np.empty(out_shape, np.float32)
+        y = into if into is not None else out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, *spatial)
         for n in range(n_img):
             kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), padded)
         return y
+    step.channel_split = True   # `into`: its channels of a wider output (_threaded_step)
     return step
 
 
@@ -430,20 +507,21 @@ def _amx_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     fixed_ops = all(form != "full" and i in constants for form, i in operands)
     cache: dict = {}
 
-    def step(*inputs):
+    def step(*inputs, into=None):
         arranged = cache.get("w") if constant else None
         if arranged is None:
             arranged = g.weights(inputs[w_index], inputs[b_index] if b_index is not None else None)
             if constant:
                 cache["w"] = arranged
         x = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, h, w)
-        y = out if out is not None else np.empty(out_shape, np.float32)
+        y = into if into is not None else out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, oh, ow)
         for n in range(n_img):
             kernel(x[n], planes, g.parts, g.part_size, sh, sw, ph, pw, g.wq, g.pl, g.chunks, (kh - 1) * dh,
                    *arranged, g.offs, g.n_tiles, g.band, y4[n], scratch,
                    _image_operands(cache, inputs, operands, n, fixed_ops))
         return y
+    step.channel_split = True   # `into`: its channels of a wider output (_threaded_step)
     return step
 
 
@@ -516,7 +594,7 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     # operands that are constants (a folded batch norm's scale, an activation's bounds) are read once
     fixed_ops = all(form != "full" and i in constants for form, i in operands)
 
-    def step(*inputs):
+    def step(*inputs, into=None):
         x, w = inputs[x_index], inputs[w_index]
         bias = inputs[b_index] if b_index is not None else None
         wk = arranged.get("w") if constant else None
@@ -531,11 +609,12 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         if subsample:
             x = x[:, :, ::subsample[0], ::subsample[1]] if x.ndim == 4 else x[:, :, ::subsample[-1]]
         xs = np.ascontiguousarray(x, dtype=np.float32).reshape(x_shape)
-        y = out if out is not None else np.empty(out_shape, np.float32)
+        y = into if into is not None else out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(y_shape)
         for n in range(n_img):
             kernel(xs[n], wk[0], wk[1], *tail, ys[n], _image_operands(arranged, inputs, operands, n, fixed_ops), *after)
         return y
+    step.channel_split = not (blocked_in or blocked_out)   # `into`: its channels of a wider output (_threaded_step)
     return step
 
 
@@ -563,7 +642,8 @@ def conv_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
         return None
     return conv_step(node, out, Epilogue(None, None), b_index=2 if len(node.src) > 2 else None,
                      constant_w=node.src[1].op == Op.CONSTANT,
-                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT, precision=options.float32_precision)
+                     constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT, precision=options.float32_precision,
+                     threads=options.resolved_threads)
 
 
 def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
@@ -577,7 +657,7 @@ def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
                      constant_w=node.src[index[1]].op == Op.CONSTANT,
                      constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT,
                      constants=frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT),
-                     precision=options.float32_precision)
+                     precision=options.float32_precision, threads=options.resolved_threads)
 
 
 FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

@@ -288,7 +288,7 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
     fixed_ops = all(i in constants for _, i in operands)
     arranged: dict = {}
 
-    def step(*inputs):
+    def step(*inputs, into=None):
         wk = arranged.get("w") if constant else None
         if wk is None:
             bias = inputs[b_index] if b_index is not None else None
@@ -302,9 +302,10 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
             if fixed_ops:
                 arranged["ops"] = ops
         xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(x_shape)
-        y = out if out is not None else np.empty(result_shape, np.float32)
+        y = into if into is not None else out if out is not None else np.empty(result_shape, np.float32)
         ys = y.reshape(y_shape)
         for n in range(n_img):
             kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot, c)
         return y
+    step.channel_split = not (blocked_in or blocked_out)   # (conv._threaded_step)
     return step

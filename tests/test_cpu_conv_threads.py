@@ -1,0 +1,90 @@
+"""Convolutions on several threads (backends/cpu/conv.py `_threaded_step`): a large conv of one image runs as
+convs of consecutive output channels on the pool, each part writing its rows of the output. Against the NumPy
+reference and the one-thread compile, on awkward channel counts, with the epilogue operands a fused conv reads
+(a bias, a per-channel scale, a residual of the output's shape, scalar bounds), for each kernel family that
+splits: the direct kxk kernel, the row kernel, the pointwise kernels (strided too), depthwise, 1-D."""
+import numpy as np
+import pytest
+
+import ingot
+from ingot.backends.cpu import team
+from ingot.ops.conv import conv
+from ingot.options import CompileOptions, CpuOptions
+
+CASES = [  # C, M, spatial, window, strides, pads, groups, epilogue
+    (24, 80, (33, 29), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "silu+residual"),
+    (32, 96, (57, 45), (3, 3), (2, 2), ((1, 0), (1, 1)), 1, "relu"),
+    (96, 160, (40, 38), (1, 1), (1, 1), ((0, 0), (0, 0)), 1, "scale+clip"),
+    (64, 128, (64, 63), (1, 1), (2, 2), ((0, 0), (0, 0)), 1, "relu"),
+    (3, 64, (128, 121), (3, 3), (2, 2), ((1, 1), (1, 1)), 1, "clip"),
+    (72, 72, (60, 50), (3, 3), (1, 1), ((1, 1), (1, 1)), 72, "relu"),
+    (88, 88, (41, 47), (5, 5), (2, 2), ((2, 2), (2, 2)), 88, "scale+clip"),
+    (64, 96, (700,), (5,), (1,), ((2, 2),), 1, "relu"),
+]
+
+
+def _graph(c, m, spatial, window, strides, pads, groups, epilogue, images, rng):
+    x = rng.standard_normal((images, c) + spatial).astype(np.float32)
+    w = (rng.standard_normal((m, c // groups) + window) / np.sqrt(c // groups * np.prod(window))).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    want = conv(x, w, b, strides, (1,) * len(window), pads, groups)
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    y = g.conv(xi, w, b, strides=strides, pads=pads, groups=groups)
+    feeds = {"x": x}
+    if "silu" in epilogue:
+        y = g.mul(y, g.sigmoid(y))
+        want = want / (1 + np.exp(-want))
+    if "residual" in epilogue:
+        r = rng.standard_normal(want.shape).astype(np.float32)
+        y = g.add(y, g.placeholder(r.shape, name="r"))
+        feeds["r"] = r
+        want = want + r
+    if "scale" in epilogue:
+        s = rng.uniform(0.5, 2.0, (m,) + (1,) * len(spatial)).astype(np.float32)
+        y = g.mul(y, s)
+        want = want * s
+    if "relu" in epilogue:
+        y = g.maximum(y, 0.0)
+        want = np.maximum(want, 0)
+    if "clip" in epilogue:
+        y = g.minimum(g.maximum(y, 0.0), 6.0)
+        want = np.clip(want, 0, 6)
+    return g, y, feeds, want
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16x3"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[3]))}-g{c[6]}-{c[7]}")
+def test_a_large_conv_splits_its_channels_over_threads(case, precision, monkeypatch):
+    rng = np.random.default_rng(sum(case[2]) + case[1])
+    g, y, feeds, want = _graph(*case, images=1, rng=rng)
+    calls = []
+    run_parallel = team.run_parallel
+    monkeypatch.setattr(team, "run_parallel", lambda fn, argsets: calls.append(len(argsets)) or run_parallel(fn, argsets))
+    outs = {}
+    for threads in (1, 2, 3):
+        exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=threads, float32_precision=precision)))
+        calls.clear()
+        outs[threads] = exe.run(feeds)[0]
+        assert calls == ([] if threads == 1 else [min(threads, case[1] // 32)]), (threads, calls)
+    tol = 1e-4 if precision == "float32" else 5e-3
+    scale = float(np.abs(want).max())
+    for threads, got in outs.items():
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=f"{threads} threads")
+    np.testing.assert_allclose(outs[2], outs[1], rtol=tol, atol=tol * scale)
+
+
+def test_small_convs_and_batches_stay_on_one_thread(monkeypatch):
+    """Below PARALLEL_MIN_MACS, or more than one image (split by channels only within an image), or too few
+    channels for two parts: no hand-off, and the same values."""
+    calls = []
+    monkeypatch.setattr(team, "run_parallel", lambda fn, argsets: calls.append(len(argsets)))
+    options = CompileOptions(cpu=CpuOptions(threads=2))
+    rng = np.random.default_rng(3)
+    for case, images in (((8, 32, (9, 11), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1),
+                         ((24, 80, (33, 29), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 2),
+                         ((64, 48, (80, 80), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1)):
+        g, y, feeds, want = _graph(*case, images=images, rng=rng)
+        got = g.compile(targets=[y], options=options).run(feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert calls == []

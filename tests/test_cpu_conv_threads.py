@@ -88,3 +88,38 @@ def test_small_convs_and_batches_stay_on_one_thread(monkeypatch):
         got = g.compile(targets=[y], options=options).run(feeds)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     assert calls == []
+
+
+def test_a_channel_blocked_chain_splits_its_pointwise_and_depthwise_convs(monkeypatch):
+    """Convs kept in 16-channel blocks between layers (passes/block_channels.py): a depthwise part reads
+    and writes its blocks of a blocked input and output, a pointwise part reads the whole blocked input
+    and adds its channels of an NCHW residual (72 and 80 channels: parts of 40 and 48, a last block of 8)."""
+    rng = np.random.default_rng(7)
+
+    def weights(m, c, k=1):
+        return (rng.standard_normal((m, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
+
+    x = rng.standard_normal((1, 64, 40, 45)).astype(np.float32)
+    w = [weights(96, 64), weights(96, 1, 3), weights(96, 1, 3), weights(64, 96), weights(72, 64), weights(80, 72)]
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    h = g.maximum(g.conv(xi, w[0]), 0.0)
+    h = g.maximum(g.conv(h, w[1], None, pads=((1, 1), (1, 1)), groups=96), 0.0)
+    h = g.maximum(g.conv(h, w[2], None, pads=((1, 1), (1, 1)), groups=96), 0.0)
+    h = g.add(g.conv(h, w[3]), xi)
+    y = g.conv(g.maximum(g.conv(h, w[4]), 0.0), w[5])
+    one, none, same = (1, 1), ((0, 0), (0, 0)), ((1, 1), (1, 1))
+    want = np.maximum(conv(x, w[0], None, one, one, none, 1), 0)
+    want = np.maximum(conv(want, w[1], None, one, one, same, 96), 0)
+    want = np.maximum(conv(want, w[2], None, one, one, same, 96), 0)
+    want = conv(want, w[3], None, one, one, none, 1) + x
+    want = conv(np.maximum(conv(want, w[4], None, one, one, none, 1), 0), w[5], None, one, one, none, 1)
+    calls = []
+    run_parallel = team.run_parallel
+    monkeypatch.setattr(team, "run_parallel", lambda fn, argsets: calls.append(len(argsets)) or run_parallel(fn, argsets))
+    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=2)))
+    blocked = [n for n in exe.program.nodes() if n.op.name == "FUSED" and n.attrs["kind"] == "blocked"]
+    assert [n.type.rank for n in blocked] == [5, 5, 4]   # expand+depthwise, depthwise, pointwise + residual
+    got = exe.run({"x": x})[0]
+    assert calls == [2, 2, 2, 2]   # all but the expand+depthwise op
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 
 from ...ir import Node, Op
+from ...options import DEFAULT_CPU, CpuOptions
 from ...passes.fuse_squeeze_excite import conv_of
 from . import conv as conv_module
 from . import conv_depthwise
 from .expand_depthwise import expand_depthwise_lowering
 
 
-def blocked_lowering(node: Node, out):
+def blocked_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     body = node.attrs["body"]
     (result,) = body.outputs
     blocked_out = result.op == Op.BLOCK_CHANNELS
@@ -55,12 +56,18 @@ def blocked_lowering(node: Node, out):
     (sh, sw), ((ph, _), (pw, _)) = a["strides"], a["pads"]
     if a["groups"] == conv.src[0].type.shape[1] == w[0] and w[1] == 1 and \
             conv_depthwise.fits(w[2], w[3], a["strides"], a["dilations"], epilogue.operands):
-        return conv_depthwise.depthwise_step(conv, out, epilogue, x_i, w_i, b_i, constant, (sh, sw, ph, pw), constants,
-                                             conv_module._operand, x_i in blocked_in, blocked_out)
-    if a["groups"] == 1 and tuple(w[2:]) == (1, 1) and (sh, sw) == (1, 1) and not any(p or q for p, q in a["pads"]):
-        return conv_module._spatial_step(conv, out, epilogue, x_i, w_i, b_i, constant, None, "channels", constants,
-                                         blocked_in=x_i in blocked_in, blocked_out=blocked_out)
-    return None
+        def build(part, target=None):
+            return conv_depthwise.depthwise_step(part, target, epilogue, x_i, w_i, b_i, constant, (sh, sw, ph, pw),
+                                                 constants, conv_module._operand, x_i in blocked_in, blocked_out)
+    elif a["groups"] == 1 and tuple(w[2:]) == (1, 1) and (sh, sw) == (1, 1) and not any(p or q for p, q in a["pads"]):
+        def build(part, target=None):
+            return conv_module._spatial_step(part, target, epilogue, x_i, w_i, b_i, constant, None, "channels", constants,
+                                             blocked_in=x_i in blocked_in, blocked_out=blocked_out)
+    else:
+        return None
+    split = conv_module.threaded_step(conv, out, epilogue, x_i, w_i, b_i, options.resolved_threads, build,
+                                      x_i in blocked_in, blocked_out) if options.resolved_threads > 1 else None
+    return split or build(conv, out)
 
 
 FUSED_LOWERINGS = {"blocked": blocked_lowering}

@@ -274,8 +274,8 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py). threads:
     CpuOptions.threads; a large conv of one image runs as that many steps of its output channels."""
     if threads > 1:
-        split = _threaded_step(conv, out, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants,
-                               precision, threads)
+        split = threaded_step(conv, out, epilogue, x_index, w_index, b_index, threads, lambda part: conv_step(
+            part, None, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants, precision))
         if split is not None:
             return split
     a = conv.attrs
@@ -398,14 +398,15 @@ PARALLEL_MIN_MACS = 1 << 22   # multiply-adds below which a conv stays on one th
 SPLIT_UNIT = 32               # output channels a part holds a multiple of (conv_amx's blocks; 16-channel vectors)
 
 
-def _threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
-                   b_index: int | None, constant_w: bool, constant_b: bool, constants: frozenset, precision: str,
-                   threads: int):
-    """conv (one image, groups 1 or depthwise) as `threads` convs of consecutive output channels, each
-    the step conv_step builds for its channels, run together on the pool (team.run_parallel) into their
-    rows of one output: an image's channels are contiguous, so each part writes a plain array. None
-    where the conv is too small, or its kernel is BLAS's (which threads itself: CpuPlan.blas)."""
-    out_shape, n_img, m, spatial, c, _, kh, kw = _shapes(conv)
+def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
+                  b_index: int | None, threads: int, build, blocked_in: bool = False, blocked_out: bool = False):
+    """conv (one image, groups 1 or depthwise) as `threads` convs of consecutive output channels, each the
+    step build(its own conv) makes (conv_step's, or a blocked op's: backends/cpu/blocked.py), run together
+    on the pool (team.run_parallel) into their channels of one output: an image's channels (or 16-channel
+    blocks) are contiguous, so each part writes a plain array. None where the conv is too small, or a
+    part's kernel is BLAS's (which threads itself: CpuPlan.blas). blocked_in, blocked_out: the input (read
+    by a depthwise part), the output and residuals channel-blocked (ops/layout.py)."""
+    _, n_img, m, spatial, c, _, kh, kw = _shapes(conv)
     groups = conv.attrs["groups"]
     depthwise = groups > 1 and groups == c == m
     if n_img != 1 or (groups > 1 and not depthwise) or \
@@ -417,12 +418,16 @@ def _threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_ind
     cuts = [SPLIT_UNIT * round(m * p / parts / SPLIT_UNIT) for p in range(parts)] + [m]
     steps = []
     for m0, m1 in zip(cuts, cuts[1:]):
-        step = conv_step(_part(conv, m0, m1, depthwise), None, epilogue, x_index, w_index, b_index, constant_w,
-                         constant_b, constants, precision)
+        step = build(_part(conv, m0, m1, depthwise))
         if not getattr(step, "channel_split", False):
             return None
         steps.append(step)
-    operands = epilogue.operands
+    full = {i for form, i in epilogue.operands if form == "full"}
+    channel = {i for form, i in epilogue.operands if form == "channel"}
+    out_shape = (1, -(-m // 16), *conv.type.shape[2:], 16) if blocked_out else tuple(conv.type.shape)
+
+    def channels(a, m0: int, m1: int, blocked: bool):
+        return a[:, m0 // 16:-(-m1 // 16)] if blocked else a[:, m0:m1]
 
     def part_inputs(inputs, m0: int, m1: int) -> list:
         ins = list(inputs)
@@ -430,18 +435,17 @@ def _threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_ind
         if b_index is not None:
             ins[b_index] = np.asarray(inputs[b_index]).reshape(-1)[m0:m1]
         if depthwise:
-            ins[x_index] = inputs[x_index][:, m0:m1]
-        for form, i in operands:
-            if form == "channel":
-                ins[i] = np.asarray(inputs[i]).reshape(-1)[m0:m1]
-            elif form == "full":
-                ins[i] = inputs[i][:, m0:m1]
+            ins[x_index] = channels(inputs[x_index], m0, m1, blocked_in)
+        for i in channel:
+            ins[i] = np.asarray(inputs[i]).reshape(-1)[m0:m1]
+        for i in full:
+            ins[i] = channels(inputs[i], m0, m1, blocked_out)
         return ins
 
     def step(*inputs):
         y = out if out is not None else np.empty(out_shape, np.float32)
         assert y.flags.c_contiguous
-        team.run_parallel(_run_part, [(s, part_inputs(inputs, m0, m1), y[:, m0:m1])
+        team.run_parallel(_run_part, [(s, part_inputs(inputs, m0, m1), channels(y, m0, m1, blocked_out))
                                       for s, m0, m1 in zip(steps, cuts, cuts[1:])])
         return y
     return step
@@ -489,7 +493,7 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
         for n in range(n_img):
             kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), padded)
         return y
-    step.channel_split = True   # `into`: its channels of a wider output (_threaded_step)
+    step.channel_split = True   # `into`: its channels of a wider output (threaded_step)
     return step
 
 
@@ -521,7 +525,7 @@ def _amx_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                    *arranged, g.offs, g.n_tiles, g.band, y4[n], scratch,
                    _image_operands(cache, inputs, operands, n, fixed_ops))
         return y
-    step.channel_split = True   # `into`: its channels of a wider output (_threaded_step)
+    step.channel_split = True   # `into`: its channels of a wider output (threaded_step)
     return step
 
 
@@ -614,7 +618,7 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         for n in range(n_img):
             kernel(xs[n], wk[0], wk[1], *tail, ys[n], _image_operands(arranged, inputs, operands, n, fixed_ops), *after)
         return y
-    step.channel_split = not (blocked_in or blocked_out)   # `into`: its channels of a wider output (_threaded_step)
+    step.channel_split = True   # `into`: its channels of a wider output (threaded_step)
     return step
 
 

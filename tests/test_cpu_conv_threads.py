@@ -121,5 +121,32 @@ def test_a_channel_blocked_chain_splits_its_pointwise_and_depthwise_convs(monkey
     blocked = [n for n in exe.program.nodes() if n.op.name == "FUSED" and n.attrs["kind"] == "blocked"]
     assert [n.type.rank for n in blocked] == [5, 5, 4]   # expand+depthwise, depthwise, pointwise + residual
     got = exe.run({"x": x})[0]
-    assert calls == [2, 2, 2, 2]   # all but the expand+depthwise op
+    assert calls == [2, 2, 2, 2, 2]   # expand+depthwise: parts of the expanded channels
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_an_expand_depthwise_op_splits_its_expanded_channels(threads, monkeypatch):
+    """A 1x1 conv whose output only a depthwise conv reads (backends/cpu/expand_depthwise.py), stride 2, a
+    per-channel scale between them: each part expands and filters its own channels (112: parts of 64 and
+    48, or 32, 32 and 48)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 40, 37, 42)).astype(np.float32)
+    wa = (rng.standard_normal((112, 40, 1, 1)) / np.sqrt(40)).astype(np.float32)
+    wb = (rng.standard_normal((112, 1, 3, 3)) / 3).astype(np.float32)
+    ba, bb = rng.standard_normal(112).astype(np.float32), rng.standard_normal(112).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, (112, 1, 1)).astype(np.float32)
+    g = ingot.Graph()
+    xi = g.placeholder(x.shape, name="x")
+    h = g.mul(g.minimum(g.maximum(g.conv(xi, wa, ba), 0.0), 6.0), scale)
+    y = g.maximum(g.conv(h, wb, bb, strides=(2, 2), pads=((1, 1), (1, 1)), groups=112), 0.0)
+    want = np.clip(conv(x, wa, ba, (1, 1), (1, 1), ((0, 0), (0, 0)), 1), 0, 6) * scale
+    want = np.maximum(conv(want, wb, bb, (2, 2), (1, 1), ((1, 1), (1, 1)), 112), 0)
+    calls = []
+    run_parallel = team.run_parallel
+    monkeypatch.setattr(team, "run_parallel", lambda fn, argsets: calls.append(len(argsets)) or run_parallel(fn, argsets))
+    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=threads)))
+    assert [n.attrs["kind"] for n in exe.program.nodes() if n.op.name == "FUSED"] == ["expand_depthwise"]
+    got = exe.run({"x": x})[0]
+    assert calls == [threads]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

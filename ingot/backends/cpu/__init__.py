@@ -344,7 +344,7 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
 WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL, Op.LSTM}
-FUSED_WITH_OPTIONS = set(conv.FUSED_LOWERINGS) | {"blocked"}   # the fused kinds whose rules take them (AMX's
+FUSED_WITH_OPTIONS = set(conv.FUSED_LOWERINGS) | {"blocked", "expand_depthwise"}   # the fused kinds whose rules take them (AMX's
                                                              # precision, the threads)
 
 

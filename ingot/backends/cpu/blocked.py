@@ -32,7 +32,7 @@ def blocked_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
         image = first.src[0].attrs["param"]
         if blocked_in - {image}:
             return None
-        return expand_depthwise_lowering(inner, out, image in blocked_in, blocked_out)
+        return expand_depthwise_lowering(inner, out, options, image in blocked_in, blocked_out)
     found = conv_of(inner)
     if found is None or not conv_module.fast(found[0]):
         return None

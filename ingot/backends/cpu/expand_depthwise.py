@@ -20,9 +20,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from ...ir import Node, Op
+from ...options import DEFAULT_CPU, CpuOptions
 from ...passes.fuse_conv_epilogue import operand_form
 from ...passes.fuse_squeeze_excite import conv_of
-from . import conv_depthwise, conv_pointwise, conv_spatial
+from . import conv, conv_depthwise, conv_pointwise, conv_spatial, team
 from .conv_spatial import _I64, _i64, _lane_mask, _vptr, apply_steps, epilogue_reads
 
 
@@ -171,9 +172,12 @@ def _parts(node: Node):
     return conv, outer(conv.src[1]), outer(conv.src[2]) if len(conv.src) > 2 else None, steps
 
 
-def expand_depthwise_lowering(node: Node, out, blocked_in: bool = False, blocked_out: bool = False):
+def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU, blocked_in: bool = False,
+                              blocked_out: bool = False):
     """The step; blocked_in, blocked_out: the image read, the output written channel-blocked (ops/layout.py,
-    the FUSED "blocked" op of backends/cpu/blocked.py)."""
+    the FUSED "blocked" op of backends/cpu/blocked.py). With options.threads > 1, a large one of one image
+    runs as parts of consecutive expanded channels on the pool (each its own pointwise rows, depthwise
+    tiles and scratch: the channels are independent), as conv.threaded_step splits a conv."""
     body = node.attrs["body"]
     members = [n for n in body.nodes if n.op in (Op.CONV, Op.FUSED)]
     if len(members) != 2 or any(conv_of(m) is None for m in members):
@@ -194,30 +198,46 @@ def expand_depthwise_lowering(node: Node, out, blocked_in: bool = False, blocked
     xp_n, ot_n = conv_depthwise.scratch_sizes(kh, kw, sw, in_hw, out_hw, sh, ph, pw)
     if blocked_out:   # the output's last tile only
         ot_n = (conv_depthwise.positions(out_hw[1]) + 32) * 16
-    xp, ot = np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)   # reused across runs
     wp = max(in_hw[1] + pw, sw * (out_hw[1] - 1) + kw)   # as the kernel's
     ys, xs_ = np.divmod(np.arange(in_hw[0] * in_hw[1], dtype=np.int64), in_hw[1])
     offs = ((ys + ph) * wp + pw + xs_) * 16
     x_shape = (n_img, -(-c // 16), in_hw[0], in_hw[1] * 16) if blocked_in else (n_img, c, *in_hw)
     y_shape = (n_img, -(-m // 16), out_hw[0], out_hw[1] * 16) if blocked_out else (n_img, m, *out_hw)
     out_shape = (n_img, -(-m // 16), *out_hw, 16) if blocked_out else tuple(node.type.shape)
+    macs = m * (in_hw[0] * in_hw[1] * c + out_hw[0] * out_hw[1] * kh * kw)
+    parts = min(options.resolved_threads, m // conv.SPLIT_UNIT) if n_img == 1 and macs >= conv.PARALLEL_MIN_MACS else 1
+    cuts = [0, m] if parts < 2 else \
+        [conv.SPLIT_UNIT * round(m * p / parts / conv.SPLIT_UNIT) for p in range(parts)] + [m]
+    # per part: its scratch (reused across runs: the pages stay mapped), then its arranged weights and operands
+    scratch = [(np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)) for _ in cuts[1:]]
     arranged: dict = {}
+
+    def part_constants(inputs, m0: int, m1: int) -> tuple:
+        wa, ba = conv_pointwise.arrange_weights(np.asarray(inputs[wa_i], np.float32)[m0:m1],
+                                                None if ba_i is None else np.asarray(inputs[ba_i], np.float32).reshape(-1)[m0:m1])
+        wb, bb = conv_depthwise.arrange_weights(np.asarray(inputs[wb_i], dtype=np.float32).reshape(m, kh * kw)[m0:m1],
+                                                None if bb_i is None else np.asarray(inputs[bb_i], dtype=np.float32).reshape(-1)[m0:m1])
+        ops = tuple(np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1)[m0:m1] if form == "channel" else
+                    np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1) for form, i in operands)
+        return wa, ba, wb, bb, ops
+
+    def run_part(x, fixed, ys, m_part: int, xp, ot) -> None:
+        wa, ba, wb, bb, ops = fixed
+        for n in range(n_img):
+            kernel(x[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs, m_part)
 
     def step(*inputs):
         fixed = arranged.get("fixed")
         if fixed is None:   # weights and operands are constants (the pass's condition): arranged once
-            wa, ba = conv_pointwise.arrange_weights(np.asarray(inputs[wa_i], np.float32),
-                                                    None if ba_i is None else np.asarray(inputs[ba_i], np.float32))
-            wb, bb = conv_depthwise.arrange_weights(np.asarray(inputs[wb_i], dtype=np.float32).reshape(m, kh * kw),
-                                                    None if bb_i is None else np.asarray(inputs[bb_i], dtype=np.float32))
-            ops = tuple(np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1) for _, i in operands)
-            fixed = arranged["fixed"] = (wa, ba, wb, bb, ops)
-        wa, ba, wb, bb, ops = fixed
+            fixed = arranged["fixed"] = [part_constants(inputs, m0, m1) for m0, m1 in zip(cuts, cuts[1:])]
         xs = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(x_shape)
         y = out if out is not None else np.empty(out_shape, np.float32)
         ys = y.reshape(y_shape)
-        for n in range(n_img):
-            kernel(xs[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs, m)
+        if len(cuts) == 2:
+            run_part(xs, fixed[0], ys, m, *scratch[0])
+            return y
+        team.run_parallel(run_part, [(xs, f, ys[:, m0 // 16:-(-m1 // 16)] if blocked_out else ys[:, m0:m1], m1 - m0, *t)
+                                     for f, t, m0, m1 in zip(fixed, scratch, cuts, cuts[1:])])
         return y
     return step
 

@@ -137,7 +137,8 @@ _CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee"), "prefill_precisio
 class CpuOptions:
     """Choices of the CPU backend."""
 
-    threads: int | None = None   # the CPU threads: the quantized GEMV's pool and BLAS (prefill) both;
+    threads: int | None = None   # the CPU threads: the quantized GEMV's pool, BLAS (prefill) and the convs'
+                                 # output channels (backends/cpu/conv.py threaded_step);
                                  # None: INGOT_CPU_THREADS, else the cores this process may run on
     gemv_activations: str = "float32"   # "int8": the quantized GEMV rounds x to int8 per block of 32 k
                                         # and multiplies in integers, as llama.cpp does (BENCHMARKS.md:

@@ -150,3 +150,49 @@ def test_an_expand_depthwise_op_splits_its_expanded_channels(threads, monkeypatc
     got = exe.run({"x": x})[0]
     assert calls == [threads]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_two_python_threads_running_split_convs_at_once_get_their_own_values():
+    """The pool serves one caller at a time; a second caller meanwhile runs its parts itself (before, their
+    hand-offs shared the workers' queues and one could return before its parts were done)."""
+    import threading
+
+    rng = np.random.default_rng(13)
+    case = (24, 80, (33, 29), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "silu+residual")
+    options = CompileOptions(cpu=CpuOptions(threads=2))
+    jobs = []
+    for _ in range(2):
+        g, y, feeds, want = _graph(*case, images=1, rng=rng)
+        jobs.append((g.compile(targets=[y], options=options), feeds, want))
+    errors = []
+
+    def work(exe, feeds, want):
+        try:
+            for _ in range(20):
+                got = exe.run(feeds)[0]
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        except AssertionError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_a_part_that_raises_leaves_the_pool_in_step():
+    """The caller's own part raising still waits for the workers' parts, so the next run's completions
+    are its own."""
+    calls = []
+
+    def part(i):
+        calls.append(i)
+        if i == 0:
+            raise ValueError("part 0")
+
+    with pytest.raises(ValueError):
+        team.run_parallel(part, [(0,), (1,)])
+    team.run_parallel(part, [(2,), (3,)])
+    assert sorted(calls) == [0, 1, 2, 3]

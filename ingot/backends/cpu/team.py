@@ -304,6 +304,7 @@ class _Workers:
     def __init__(self, n: int):
         self.inbox = [queue.SimpleQueue() for _ in range(n)]
         self.outbox = [queue.SimpleQueue() for _ in range(n)]
+        self.busy = threading.Lock()
         for i in range(n):
             threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"ingot-cpu-{i}").start()
 
@@ -317,11 +318,24 @@ class _Workers:
                 self.outbox[i].put(e)
 
     def run(self, fn, argsets) -> None:
-        """fn(*argsets[0]) here, fn(*argsets[i]) on worker i-1; returns when all are done."""
-        for i, args in enumerate(argsets[1:]):
-            self.inbox[i].put((fn, args))
-        fn(*argsets[0])
-        errors = [self.outbox[i].get() for i in range(len(argsets) - 1)]
+        """fn(*argsets[0]) here, fn(*argsets[i]) on worker i-1; returns when all are done. A caller that
+        finds the pool serving another thread runs all of argsets itself (two callers' hand-offs would
+        interleave in the queues, and one would take the other's completions)."""
+        if not self.busy.acquire(blocking=False):
+            for args in argsets:
+                fn(*args)
+            return
+        try:
+            for i, args in enumerate(argsets[1:]):
+                self.inbox[i].put((fn, args))
+            try:
+                fn(*argsets[0])
+                errors = [None]
+            except BaseException as e:   # the workers' completions are still taken: the queues stay in step
+                errors = [e]
+            errors += [self.outbox[i].get() for i in range(len(argsets) - 1)]
+        finally:
+            self.busy.release()
         for e in errors:
             if e is not None:
                 raise e

@@ -343,6 +343,9 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
+# ops whose CPU steps split their work over Ingot's own threads (or, recurrent, call BLAS per time step)
+OWN_THREADS = {Op.QUANTIZED_MATMUL, Op.CONV, Op.LSTM, Op.GRU, Op.RNN}
+conv_kinds = {"conv_epilogue", "blocked", "expand_depthwise", "squeeze_excite"}
 WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL, Op.LSTM}
 FUSED_WITH_OPTIONS = set(conv.FUSED_LOWERINGS) | {"blocked", "expand_depthwise"}   # the fused kinds whose rules take them (AMX's
                                                              # precision, the threads)
@@ -461,9 +464,11 @@ class CpuPlan:
         self.threads = options.resolved_threads   # the GEMV pool's and BLAS's (kernels.blas_threads)
         nodes = program.nodes()
         # Where Ingot's own threads split the work (quantized matmuls: the GEMV team, the GEMM's
-        # columns), BLAS runs on one: OpenBLAS's threads spin ~0.1 s after each call and took the
-        # core from Ingot's worker (pp512 at 2 threads 169 tok/s against 190 at one).
-        self.blas = 1 if any(n.op == Op.QUANTIZED_MATMUL for n in nodes) else self.threads
+        # columns; convolutions: their output channels), BLAS runs on one: OpenBLAS's threads spin
+        # ~0.1 s after each call and took the core from Ingot's worker (pp512 at 2 threads 169 tok/s
+        # against 190 at one; a YOLO 6.9 ms against 5.7, a CRNN's recurrences 5.4 against 2.2).
+        self.blas = 1 if any(n.op in OWN_THREADS or n.op == Op.FUSED and n.attrs.get("kind") in conv_kinds
+                             for n in nodes) else self.threads
         self.slot = {n.id: i for i, n in enumerate(nodes)}
         self.initial: list[Any] = [None] * len(nodes)
         self.feed_slots: list[tuple[str, int, TensorType]] = []

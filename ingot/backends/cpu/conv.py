@@ -394,15 +394,15 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     return step
 
 
-PARALLEL_MIN_MACS = 1 << 22   # multiply-adds below which a conv stays on one thread (a hand-off costs ~20 us)
-SPLIT_UNIT = 32               # output channels a part holds a multiple of (conv_amx's blocks; 16-channel vectors)
+PARALLEL_MIN_MACS = 1 << 23   # multiply-adds below which a conv stays on one thread (~70 us: a split gained nothing)
+SPLIT_UNIT = 16               # output channels a part holds a multiple of (16-channel vectors; conv_amx takes 16 too)
 
 
 def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
                   b_index: int | None, threads: int, build, blocked_in: bool = False, blocked_out: bool = False):
     """conv (one image, groups 1 or depthwise) as `threads` convs of consecutive output channels, each the
     step build(its own conv) makes (conv_step's, or a blocked op's: backends/cpu/blocked.py), run together
-    on the pool (team.run_parallel) into their channels of one output: an image's channels (or 16-channel
+    on the spinning team (team.run_parts) into their channels of one output: an image's channels (or 16-channel
     blocks) are contiguous, so each part writes a plain array. None where the conv is too small, or a
     part's kernel is BLAS's (which threads itself: CpuPlan.blas). blocked_in, blocked_out: the input (read
     by a depthwise part), the output and residuals channel-blocked (ops/layout.py)."""
@@ -445,8 +445,8 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     def step(*inputs):
         y = out if out is not None else np.empty(out_shape, np.float32)
         assert y.flags.c_contiguous
-        team.run_parallel(_run_part, [(s, part_inputs(inputs, m0, m1), channels(y, m0, m1, blocked_out))
-                                      for s, m0, m1 in zip(steps, cuts, cuts[1:])])
+        team.run_parts(_run_part, [(s, part_inputs(inputs, m0, m1), channels(y, m0, m1, blocked_out))
+                                   for s, m0, m1 in zip(steps, cuts, cuts[1:])], threads)
         return y
     return step
 

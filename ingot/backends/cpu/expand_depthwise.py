@@ -236,8 +236,8 @@ def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU
         if len(cuts) == 2:
             run_part(xs, fixed[0], ys, m, *scratch[0])
             return y
-        team.run_parallel(run_part, [(xs, f, ys[:, m0 // 16:-(-m1 // 16)] if blocked_out else ys[:, m0:m1], m1 - m0, *t)
-                                     for f, t, m0, m1 in zip(fixed, scratch, cuts, cuts[1:])])
+        team.run_parts(run_part, [(xs, f, ys[:, m0 // 16:-(-m1 // 16)] if blocked_out else ys[:, m0:m1], m1 - m0, *t)
+                                  for f, t, m0, m1 in zip(fixed, scratch, cuts, cuts[1:])], len(cuts) - 1)
         return y
     return step
 

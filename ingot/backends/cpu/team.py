@@ -251,6 +251,47 @@ def team(threads: int) -> Team:
     return t
 
 
+# --- Python parts over a team (a conv's channel parts) -------------------------------------------
+
+_NO_OUTS, _NO_OUT = np.zeros((1, 1, 1), np.float32), np.zeros((1, 1), np.float32)
+
+
+def _parts_driver(parts, errors, ctrl, gen, lead):
+    """The team's driver for parts [(fn, args)]: each taker calls fn(*args) for the chunks it takes. The
+    parts call nogil kernels, so the GIL passes between the lead and the workers as they enter them; a
+    part's exception is kept for the lead (a worker's thread must not die with its chunk uncounted)."""
+    n = len(parts)
+    c = begin(ctrl, gen, lead, n)
+    while c >= 0:
+        fn, args = parts[c]
+        try:
+            fn(*args)
+        except BaseException as e:   # re-raised by run_parts on the calling thread
+            errors.append(e)
+        c = after(ctrl, gen, n)
+    return end(ctrl, lead, n, _NO_OUTS, _NO_OUT)
+
+
+def run_parts(fn, argsets: list, threads: int) -> None:
+    """fn(*args) for each of argsets on the spinning team of `threads` threads: consecutive jobs hand off
+    in microseconds, where the blocking pool's queue and a sleeping thread's wake-up cost tens (a conv
+    of 0.1-0.5 ms split in two gained little through it). The caller runs them all when the team is busy."""
+    errors: list = []
+    if not team(threads).run(_parts_driver, ([(fn, a) for a in argsets], errors)):
+        _each(fn, argsets, errors)
+    if errors:
+        raise errors[0]
+
+
+def _each(fn, argsets, errors: list) -> None:
+    """fn(*args) for each of argsets on this thread, every one run even after one raises (kept in errors)."""
+    for args in argsets:
+        try:
+            fn(*args)
+        except BaseException as e:
+            errors.append(e)
+
+
 # --- GEMV kernels over a team -------------------------------------------------------------------
 
 DRIVERS: dict = {}   # kernel -> (its team driver, whether it always splits along columns); each
@@ -322,8 +363,10 @@ class _Workers:
         finds the pool serving another thread runs all of argsets itself (two callers' hand-offs would
         interleave in the queues, and one would take the other's completions)."""
         if not self.busy.acquire(blocking=False):
-            for args in argsets:
-                fn(*args)
+            errors: list = []
+            _each(fn, argsets, errors)
+            if errors:
+                raise errors[0]
             return
         try:
             for i, args in enumerate(argsets[1:]):

@@ -1,7 +1,7 @@
 """Convolutional ONNX models (scripts/vision_models.py: MobileNetV3-style, YOLOv8-style, DBNet-style and
 a CRNN with a bidirectional LSTM (--models crnn), random weights, exported from PyTorch) run by Ingot (ingot.from_onnx, CPU) and onnxruntime
 (CPUExecutionProvider, all graph optimisations) in one process on the same input, single-threaded
-by default (both, and NumPy's BLAS). --real adds the ONNX files that PyPI packages ship, where they
+by default (both, and NumPy's BLAS); with --threads above 1 each engine is timed in a process of its own. --real adds the ONNX files that PyPI packages ship, where they
 are installed (`pip install --no-deps rapidocr-onnxruntime silero-vad magika`): PP-OCRv4's text
 detector and recogniser and its direction classifier, Silero VAD (LSTM, If on the sample rate) and
 Magika's file-type classifier.
@@ -50,6 +50,9 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads and NumPy's BLAS threads")
     p.add_argument("--real", action="store_true", help="also the ONNX files of installed PyPI packages (REAL)")
+    p.add_argument("--time-engine", choices=("ingot", "ort"), help=argparse.SUPPRESS)   # a child's one job:
+    p.add_argument("--model-path", help=argparse.SUPPRESS)                             # time ENGINE on MODEL
+    p.add_argument("--feeds", help=argparse.SUPPRESS)                                  # with FEEDS (.npz)
     args = p.parse_args()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when NumPy loads its BLAS
         os.environ[var] = str(args.threads)
@@ -58,12 +61,16 @@ def main() -> int:
     import onnxruntime as ort
 
     import ingot
+    if args.time_engine:
+        return _time_one(args, np, ort, ingot)
     models = script("vision_models")
-    # on several threads, runs in alternating blocks of 5, each block after an untimed run: onnxruntime's
-    # pool spins after its runs (its default allow_spinning), and run by run its spinning threads took the
-    # other core through Ingot's next run (a YOLO at 2 threads: Ingot's process CPU time 2x its wall time)
-    block = 5 if args.threads > 1 else 1
-    print(f"# {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}, {args.runs} interleaved runs, ms")
+    # on several threads, each engine is timed in a process of its own: onnxruntime's pool spins after its runs
+    # (its default allow_spinning), and in one process its spinning threads took the other core through
+    # Ingot's runs (a YOLO at 2 threads: Ingot's process CPU time 2x its wall time) and set Ingot's team
+    # backing off (team.py: a worker that is not scheduled), 6.1-6.2 ms against 4.9 alone
+    apart = args.threads > 1
+    print(f"# {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}, {args.runs} "
+          f"{'runs, each engine in its own process' if apart else 'interleaved runs'}, ms")
     print(f"{'model':<10} {'ingot wall':>10} {'ort wall':>9} {'ratio':>6} {'ingot cpu':>10} {'ort cpu':>8} {'ratio':>6} "
           f"{'max diff':>9}")
     with tempfile.TemporaryDirectory() as folder:
@@ -88,14 +95,45 @@ def main() -> int:
             expected = session.run(None, feeds)[0]
             got = np.asarray(exe.run(feeds)[0])
             diff = float(np.abs(got - expected).max() / max(float(np.abs(expected).max()), 1.0))
-            ours, theirs = [], []
-            for _ in range(-(-args.runs // block)):
-                for engine, times in ((lambda: exe.run(feeds), ours), (lambda: session.run(None, feeds), theirs)):
-                    if block > 1:
-                        engine()   # untimed: the other engine's threads may still hold the cores
-                    times += [timed(engine) for _ in range(block)]
+            if apart:
+                np.savez(Path(folder) / "feeds.npz", **feeds)
+                ours, theirs = (_child(engine, path, Path(folder) / "feeds.npz", args) for engine in ("ingot", "ort"))
+            else:
+                ours, theirs = [], []
+                for _ in range(args.runs):
+                    ours.append(timed(lambda: exe.run(feeds)))
+                    theirs.append(timed(lambda: session.run(None, feeds)))
             (iw, ic), (ow, oc) = [tuple(statistics.median(t[i] for t in runs) * 1e3 for i in (0, 1)) for runs in (ours, theirs)]
             print(f"{name:<10} {iw:>10.2f} {ow:>9.2f} {ow / iw:>6.2f} {ic:>10.2f} {oc:>8.2f} {oc / ic:>6.2f} {diff:>9.1e}")
+    return 0
+
+
+def _child(engine: str, path, feeds, args) -> list:
+    """(wall, cpu) of each of args.runs runs of engine on the model, timed in a fresh process."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "onnx-vision", "--time-engine", engine, "--model-path",
+                          str(path), "--feeds", str(feeds), "--runs", str(args.runs), "--threads", str(args.threads)],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return [tuple(t) for t in json.loads(out.strip().splitlines()[-1])]
+
+
+def _time_one(args, np, ort, ingot) -> int:
+    """The child's job: two untimed runs, then args.runs timed ones, printed as JSON [(wall, cpu), ...]."""
+    import json
+    with np.load(args.feeds) as f:
+        feeds = {k: f[k] for k in f.files}
+    if args.time_engine == "ingot":
+        exe = ingot.from_onnx(args.model_path)
+        engine = lambda: exe.run(feeds)  # noqa: E731
+    else:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
+        session = ort.InferenceSession(args.model_path, options, providers=["CPUExecutionProvider"])
+        engine = lambda: session.run(None, feeds)  # noqa: E731
+    engine()
+    engine()
+    print(json.dumps([timed(engine) for _ in range(args.runs)]))
     return 0
 
 

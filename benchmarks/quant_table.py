@@ -12,8 +12,8 @@ the second half of each scored), against the F32 GGUF's own scoring.
 
 bits per weight: the bits of every 2-D weight as stored (packed values and block parameters, and
 for Ingot the compensation adapters) over their element count (the :k formats' parameters as codes
-and units, as the package stores them; a second line gives the bits the CPU backend holds in
-memory, codes a byte each); disk MB: the GGUF file, or the
+and units, as the package stores them; a second line gives the bits of codes a byte each, what the CPU
+backend holds in memory without AVX-512: there it holds the float16 products, as :f16); disk MB: the GGUF file, or the
 Ingot LLM package (written for the speed column or --save-packages; otherwise its tensors and adapters).
 
 Ingot rows are FMT[+OPTION...]: +cal (quantizers weighted by calibration statistics), +awq (AWQ
@@ -227,7 +227,8 @@ def main() -> int:
         print(f"| {quantizer} | {row} | {bits / elements:.3f} | {disk / 1e6:.1f} | {r.mean_kld:.4f} | {r.kld_p99:.3f} | "
               f"{100 * r.top1:.1f}% | {r.ppl_model:.2f} | {seconds:.0f} |", flush=True)
         if "bpw_in_memory" in entry:
-            print(f"|  | (in CPU memory: {entry['bpw_in_memory']:.3f} bits/weight, the two-level codes a byte each) |",
+            print(f"|  | (in CPU memory: {entry['bpw_in_memory']:.3f} bits/weight as codes a byte each; on AVX-512 as float16 "
+                  "products) |",
                   flush=True)
 
     for name in [n for n in args.llama.split(",") if n]:

@@ -345,7 +345,7 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
 # ops whose CPU steps split their work over Ingot's own threads (or, recurrent, call BLAS per time step)
 OWN_THREADS = {Op.QUANTIZED_MATMUL, Op.CONV, Op.LSTM, Op.GRU, Op.RNN}
-conv_kinds = {"conv_epilogue", "blocked", "expand_depthwise", "squeeze_excite"}
+CONV_KINDS = {"conv_epilogue", "blocked", "expand_depthwise", "squeeze_excite"}
 WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL, Op.LSTM}
 FUSED_WITH_OPTIONS = set(conv.FUSED_LOWERINGS) | {"blocked", "expand_depthwise"}   # the fused kinds whose rules take them (AMX's
                                                              # precision, the threads)
@@ -467,7 +467,7 @@ class CpuPlan:
         # columns; convolutions: their output channels), BLAS runs on one: OpenBLAS's threads spin
         # ~0.1 s after each call and took the core from Ingot's worker (pp512 at 2 threads 169 tok/s
         # against 190 at one; a YOLO 6.9 ms against 5.7, a CRNN's recurrences 5.4 against 2.2).
-        self.blas = 1 if any(n.op in OWN_THREADS or n.op == Op.FUSED and n.attrs.get("kind") in conv_kinds
+        self.blas = 1 if any(n.op in OWN_THREADS or n.op == Op.FUSED and n.attrs.get("kind") in CONV_KINDS
                              for n in nodes) else self.threads
         self.slot = {n.id: i for i, n in enumerate(nodes)}
         self.initial: list[Any] = [None] * len(nodes)

@@ -148,7 +148,7 @@ def ingot_row(source, row: str, stats: dict):
     """quantize_model's result for an Ingot row spec (see the module docstring)."""
     from ingot.quant.pipeline import DEFAULT_FORMAT, quantize_default, quantize_model
 
-    from ingot.quant.pipeline import DEFAULT_TENSOR_FORMATS
+    from ingot.quant.pipeline import DEFAULT_TENSOR_FORMATS, default_head
 
     fmt, *options = row.split("+")
     rank = next((int(o[1:].partition("@")[0]) for o in options if o[:1] == "c" and o[1:].partition("@")[0].isdigit()), 0)
@@ -159,6 +159,8 @@ def ingot_row(source, row: str, stats: dict):
     form = "low_rank" if "lowrank" in options else "rows" if "rows" in options else "auto"
     if fmt == "default" or "default" in options:
         tensor_formats = DEFAULT_TENSOR_FORMATS if head is None else [("token_embd.weight", head), ("output.weight", head)]
+        if head is None and not rank and bits is None:   # the CLI's rule for a large head
+            tensor_formats, rank, sites = default_head(source, stats)
         return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
                                 tensor_formats=tensor_formats, bits=bits, compensate_sites=sites, compensate_form=form)
     exclude = ["token_embd.weight"] if "x" in options else []

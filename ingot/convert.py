@@ -199,7 +199,8 @@ def quantize_command(args) -> int:
     from .llm.tokenizer import tokenize
     from .quant import parse_format
     from .quant.formats import tensor_nbytes
-    from .quant.pipeline import DEFAULT_FORMAT, DEFAULT_TENSOR_FORMATS, calibrate, default_calibration_text, quantize_default
+    from .quant.pipeline import (DEFAULT_FORMAT, DEFAULT_TENSOR_FORMATS, HEAD_SHARE, calibrate, default_calibration_text,
+                                 default_head, excluded, quantize_default)
 
     fmt = parse_format(args.format or DEFAULT_FORMAT)
     tensor_formats = []
@@ -247,6 +248,14 @@ def quantize_command(args) -> int:
         print(f"calibrating on {calibration_name} ...", file=err)
         text = default_calibration_text() if calibration is None else calibration
         stats = calibrate(model, tokenize(model, text), context=args.context)
+    compensate, sites, head_formats = args.compensate, list(getattr(args, "compensate_only", [])), list(DEFAULT_TENSOR_FORMATS)
+    heads = ("token_embd.weight", "output.weight")
+    if not compensate and bits is None and not any(excluded(h, [g]) for g, _ in tensor_formats for h in heads) \
+            and not any(excluded(h, args.exclude) for h in heads):
+        head_formats, compensate, sites = default_head(model, stats)
+        if compensate:
+            print(f"note: the output head is over {HEAD_SHARE:.0%} of the weights: {fmt} with rank {compensate}'s "
+                  f"bytes of compensation on it, not int8 (--tensor-format {sites[0]}=int8 keeps int8).", file=err)
     names = list(model.tensors)
     with progress_bar(f"quantize {fmt}", total=len(names)) as advance:
         done = set()
@@ -254,14 +263,14 @@ def quantize_command(args) -> int:
         def step(name: str) -> None:
             done.add(name)
             advance(name, steps=1 if len(done) <= len(names) else 0)
-        result = quantize_default(model, fmt, stats=stats, compensate=args.compensate, exclude=args.exclude,
-                                  compensate_sites=getattr(args, "compensate_only", []),
-                                  compensate_form=getattr(args, "compensate_form", "auto"), awq=args.awq, gptq=args.gptq, tensor_formats=tensor_formats + list(DEFAULT_TENSOR_FORMATS),
+        result = quantize_default(model, fmt, stats=stats, compensate=compensate, exclude=args.exclude,
+                                  compensate_sites=sites, compensate_form=getattr(args, "compensate_form", "auto"),
+                                  awq=args.awq, gptq=args.gptq, tensor_formats=tensor_formats + head_formats,
                                   bits=bits, progress=step)
     methods = {"awq": any(n.startswith("AWQ") for n in result.notes), "gptq": any(n.startswith("GPTQ") for n in result.notes)}
-    extra = {"quantized": {"format": str(fmt), "tensor_formats": tensor_formats + list(DEFAULT_TENSOR_FORMATS),
-                           "exclude": list(args.exclude), "compensate": args.compensate, "bits": bits,
-                           "compensate_only": list(getattr(args, "compensate_only", [])),
+    extra = {"quantized": {"format": str(fmt), "tensor_formats": tensor_formats + head_formats,
+                           "exclude": list(args.exclude), "compensate": compensate, "bits": bits,
+                           "compensate_only": sites,
                            "compensate_form": getattr(args, "compensate_form", "auto"),
                            **methods, "calibration": Path(calibration_name).name if calibration_name else None,
                            "source": Path(args.input).name}}

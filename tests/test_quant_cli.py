@@ -236,3 +236,30 @@ def test_quantize_under_a_bits_budget_stays_within_it(tiny_package, tmp_path, ca
     tensors = read_llm(out).tensors
     assert {t.source for t in tensors.values() if hasattr(t, "source")} >= {"uint4:32:f16"}
     assert json.loads((out / "llm.json").read_text())["extra"]["quantized"]["bits"] == 4.9
+
+
+def test_a_head_over_a_third_of_the_weights_takes_the_format_and_residual_rows(tmp_path, capsys):
+    """quant.pipeline.default_head: with no flag naming it, a head of more than HEAD_SHARE of the weights (a
+    big vocabulary over few, narrow layers: here 55 %, Gemma 3 270M's 63 %) takes the layers' format and
+    HEAD_RANK's bytes of compensation on the head alone, not int8; naming the head's format, or no
+    calibration to rank its rows by, keeps int8."""
+    from quant_helpers import tokenizer_metadata
+
+    from ingot.quant.pipeline import DEFAULT_FORMAT, HEAD_RANK
+
+    cfg = tiny_config(n_layers=1, ffn_dim=16)
+    source = tmp_path / "wide_head.ingot"
+    save_llm(source, cfg, tiny_tensors(cfg), tokenizer_metadata())
+    out = tmp_path / "q.ingot"
+    assert main(["quantize", str(source), "-o", str(out), "--no-eval"]) == 0
+    assert "the output head is over 33% of the weights" in capsys.readouterr().err
+    quantized = json.loads((out / "llm.json").read_text())["extra"]["quantized"]
+    assert (quantized["compensate"], quantized["compensate_only"]) == (HEAD_RANK, ["token_embd.weight"])
+    package = read_llm(out)
+    assert str(package.tensors["token_embd.weight"].source) == DEFAULT_FORMAT and package.adapters
+    for flags in (["--tensor-format", "token_embd.weight=int8"], ["--no-calibration"]):
+        other = tmp_path / f"other{len(flags)}.ingot"
+        assert main(["quantize", str(source), "-o", str(other), "--no-eval", *flags]) == 0
+        assert "the output head is over" not in capsys.readouterr().err
+        assert read_llm(other).tensors["token_embd.weight"].qdtype.name == "int8"
+        assert json.loads((other / "llm.json").read_text())["extra"]["quantized"]["compensate"] == 0

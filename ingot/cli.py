@@ -424,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tensors to keep as they are, e.g. 'token_embd.weight' or 'blk.0.*' (repeatable)")
     quant.add_argument("--tensor-format", action="append", default=[], metavar="GLOB=FMT",
                        help="another format for the tensors matching GLOB (repeatable; default: the output head "
-                            "in int8, e.g. 'token_embd.weight=int4:64' to quantize it like the rest)")
+                            "in int8, or, over a third of the weights, in FORMAT with rank 70's residual rows; e.g. "
+                            "'token_embd.weight=int4:64' to quantize it like the rest)")
     quant.add_argument("--bits", type=float, default=None, metavar="BPW",
                        help="a budget in bits per weight (all matrices): each layer weight's format is chosen among "
                             "uint4:32:f16, int4:32:auto:f16 and int4:64:f16 by its calibrated error (--format: the rest)")

@@ -1,6 +1,6 @@
-"""Convolutions on several threads (backends/cpu/conv.py `_threaded_step`): a large conv of one image runs as
-convs of consecutive output channels on the pool, each part writing its rows of the output. Against the NumPy
-reference and the one-thread compile, on awkward channel counts, with the epilogue operands a fused conv reads
+"""Convolutions on several threads (backends/cpu/conv.py `threaded_step`): a large conv of one image runs as
+convs of consecutive output channels on the team, each part writing its channels of the output (too few
+channels: bands of output rows). Against the NumPy reference and the one-thread compile, on awkward channel counts, with the epilogue operands a fused conv reads
 (a bias, a per-channel scale, a residual of the output's shape, scalar bounds), for each kernel family that
 splits: the direct kxk kernel, the row kernel, the pointwise kernels (strided too), depthwise, 1-D."""
 import numpy as np
@@ -20,6 +20,10 @@ CASES = [  # C, M, spatial, window, strides, pads, groups, epilogue
     (72, 72, (60, 50), (3, 3), (1, 1), ((1, 1), (1, 1)), 72, "relu"),
     (88, 88, (41, 47), (5, 5), (2, 2), ((2, 2), (2, 2)), 88, "scale+clip"),
     (64, 96, (700,), (5,), (1,), ((2, 2),), 1, "relu"),
+    # too few channels for two channel parts: bands of output rows, each over its input rows and padding
+    (3, 24, (320, 241), (3, 3), (2, 2), ((1, 1), (1, 1)), 1, "clip"),
+    (16, 16, (81, 79), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "silu+residual"),
+    (48, 8, (97, 64), (3, 3), (2, 1), ((0, 2), (1, 1)), 1, "scale+clip"),
 ]
 
 
@@ -66,7 +70,8 @@ def test_a_large_conv_splits_its_channels_over_threads(case, precision, monkeypa
         exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=threads, float32_precision=precision)))
         calls.clear()
         outs[threads] = exe.run(feeds)[0]
-        assert calls == ([] if threads == 1 else [min(threads, case[1] // 16)]), (threads, calls)
+        parts = case[1] // 16 if case[1] // 16 >= 2 or len(case[2]) == 1 else want.shape[2] // 8   # channels, else rows
+        assert calls == ([] if threads == 1 else [min(threads, parts)]), (threads, calls)
     tol = 1e-4 if precision == "float32" else 5e-3
     scale = float(np.abs(want).max())
     for threads, got in outs.items():
@@ -75,15 +80,15 @@ def test_a_large_conv_splits_its_channels_over_threads(case, precision, monkeypa
 
 
 def test_small_convs_and_batches_stay_on_one_thread(monkeypatch):
-    """Below PARALLEL_MIN_MACS, or more than one image (split by channels only within an image), or too few
-    channels for two parts: no hand-off, and the same values."""
+    """Below PARALLEL_MIN_MACS, or more than one image (split only within an image), or too few channels and
+    output rows for two parts: no hand-off, and the same values."""
     calls = []
     monkeypatch.setattr(team, "run_parts", lambda fn, argsets, threads: calls.append(len(argsets)))
     options = CompileOptions(cpu=CpuOptions(threads=2))
     rng = np.random.default_rng(3)
     for case, images in (((8, 32, (9, 11), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1),
                          ((24, 80, (33, 29), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 2),
-                         ((64, 16, (80, 80), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1)):
+                         ((64, 16, (12, 400), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1)):
         g, y, feeds, want = _graph(*case, images=images, rng=rng)
         got = g.compile(targets=[y], options=options).run(feeds)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

@@ -274,8 +274,8 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py). threads:
     CpuOptions.threads; a large conv of one image runs as that many steps of its output channels."""
     if threads > 1:
-        split = threaded_step(conv, out, epilogue, x_index, w_index, b_index, threads, lambda part: conv_step(
-            part, None, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants, precision))
+        split = threaded_step(conv, out, epilogue, x_index, w_index, b_index, threads, lambda part, target=None: conv_step(
+            part, target, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants, precision))
         if split is not None:
             return split
     a = conv.attrs
@@ -414,7 +414,8 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         return None
     parts = min(threads, m // SPLIT_UNIT)
     if parts < 2:
-        return None
+        return _rows_step(conv, out, epilogue, x_index, threads, build) \
+            if groups == 1 and conv.type.rank == 4 and not (blocked_in or blocked_out) else None
     cuts = [SPLIT_UNIT * round(m * p / parts / SPLIT_UNIT) for p in range(parts)] + [m]
     steps = []
     for m0, m1 in zip(cuts, cuts[1:]):
@@ -453,6 +454,52 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
 
 def _run_part(step, inputs, y) -> None:
     step(*inputs, into=y)
+
+
+def _rows_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, threads: int, build):
+    """A 2-D conv of too few output channels for two channel parts (a stem's 3 -> 16, YOLO's 16 -> 16) as
+    convs of consecutive output rows, each over its band of input rows with its own padding, into a buffer
+    of its own then copied into its rows of the output (an image's rows of a channel are not contiguous
+    across channels). None where the rows are too few or a part's kernel is BLAS's."""
+    out_shape, _, m, (oh, ow), _, (h, _), kh, _ = _shapes(conv)
+    (sh, _), (dh, _), ((ph, _), pw) = conv.attrs["strides"], conv.attrs["dilations"], conv.attrs["pads"]
+    parts = min(threads, oh // 8)
+    if parts < 2:
+        return None
+    cuts = [oh * p // parts for p in range(parts + 1)]
+    bands, steps = [], []
+    for oy0, oy1 in zip(cuts, cuts[1:]):
+        iy0, iy1 = oy0 * sh - ph, (oy1 - 1) * sh - ph + (kh - 1) * dh + 1   # the input rows the band's windows read
+        r0, r1 = max(iy0, 0), min(iy1, h)
+        x = conv.src[0]
+        part = conv.replace(
+            type=TensorType((1, m, oy1 - oy0, ow), conv.dtype),
+            src=(x.replace(type=TensorType((1, x.type.shape[1], r1 - r0, x.type.shape[3]), x.dtype)),) + conv.src[1:],
+            attrs=dict(conv.attrs, pads=((r0 - iy0, iy1 - r1), pw)))
+        buffer = np.empty((1, m, oy1 - oy0, ow), np.float32)
+        step = build(part, buffer)
+        if not getattr(step, "channel_split", False):
+            return None
+        bands.append((oy0, oy1, r0, r1))
+        steps.append(step)
+    full = [i for form, i in epilogue.operands if form == "full"]
+
+    def step(*inputs):
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        argsets = []
+        for s, (oy0, oy1, r0, r1) in zip(steps, bands):
+            ins = list(inputs)
+            ins[x_index] = inputs[x_index][:, :, r0:r1]
+            for i in full:
+                ins[i] = inputs[i][:, :, oy0:oy1]
+            argsets.append((s, ins, y[:, :, oy0:oy1]))
+        team.run_parts(_run_band, argsets, threads)
+        return y
+    return step
+
+
+def _run_band(step, inputs, band) -> None:
+    np.copyto(band, step(*inputs))
 
 
 def _part(conv: Node, m0: int, m1: int, depthwise: bool) -> Node:

@@ -159,8 +159,9 @@ def ingot_row(source, row: str, stats: dict):
     form = "low_rank" if "lowrank" in options else "rows" if "rows" in options else "auto"
     if fmt == "default" or "default" in options:
         tensor_formats = DEFAULT_TENSOR_FORMATS if head is None else [("token_embd.weight", head), ("output.weight", head)]
-        if head is None and not rank and bits is None:   # the CLI's rule for a large head
-            tensor_formats, rank, sites = default_head(source, stats)
+        if head is None:   # the CLI's rule for a large head
+            tensor_formats, head_rank, head_sites = default_head(source, stats, compensate=rank, bits=bits)
+            rank, sites = (head_rank, head_sites) if head_rank else (rank, sites)
         return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
                                 tensor_formats=tensor_formats, bits=bits, compensate_sites=sites, compensate_form=form)
     exclude = ["token_embd.weight"] if "x" in options else []

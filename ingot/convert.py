@@ -199,8 +199,8 @@ def quantize_command(args) -> int:
     from .llm.tokenizer import tokenize
     from .quant import parse_format
     from .quant.formats import tensor_nbytes
-    from .quant.pipeline import (DEFAULT_FORMAT, DEFAULT_TENSOR_FORMATS, HEAD_SHARE, calibrate, default_calibration_text,
-                                 default_head, excluded, quantize_default)
+    from .quant.pipeline import (DEFAULT_FORMAT, HEAD_SHARE, calibrate, default_calibration_text, default_head,
+                                 quantize_default)
 
     fmt = parse_format(args.format or DEFAULT_FORMAT)
     tensor_formats = []
@@ -248,14 +248,12 @@ def quantize_command(args) -> int:
         print(f"calibrating on {calibration_name} ...", file=err)
         text = default_calibration_text() if calibration is None else calibration
         stats = calibrate(model, tokenize(model, text), context=args.context)
-    compensate, sites, head_formats = args.compensate, list(getattr(args, "compensate_only", [])), list(DEFAULT_TENSOR_FORMATS)
-    heads = ("token_embd.weight", "output.weight")
-    if not compensate and bits is None and not any(excluded(h, [g]) for g, _ in tensor_formats for h in heads) \
-            and not any(excluded(h, args.exclude) for h in heads):
-        head_formats, compensate, sites = default_head(model, stats)
-        if compensate:
-            print(f"note: the output head is over {HEAD_SHARE:.0%} of the weights: {fmt} with rank {compensate}'s "
-                  f"bytes of compensation on it, not int8 (--tensor-format {sites[0]}=int8 keeps int8).", file=err)
+    compensate, sites = args.compensate, list(getattr(args, "compensate_only", []))
+    head_formats, rank, head_sites = default_head(model, stats, tensor_formats, args.exclude, compensate, bits)
+    if rank:
+        compensate, sites = rank, head_sites
+        print(f"note: the output head is over {HEAD_SHARE:.0%} of the weights: {fmt} with rank {rank}'s bytes of "
+              f"compensation on it, not int8 (--tensor-format {sites[0]}=int8 keeps int8).", file=err)
     names = list(model.tensors)
     with progress_bar(f"quantize {fmt}", total=len(names)) as advance:
         done = set()

@@ -152,14 +152,19 @@ def quantize_default(model, fmt: str | Format = DEFAULT_FORMAT, stats: dict | No
                           compensate_form=compensate_form)
 
 
-def default_head(model, stats: dict | None) -> tuple[list[tuple[str, str]], int, list[str]]:
-    """What `ingot quantize` does with the output head when no flag names it, as (tensor formats,
-    compensation rank, compensation sites): int8 (DEFAULT_TENSOR_FORMATS), or, for a head of more than
-    HEAD_SHARE of the 2-D weights' elements and a calibration to rank its rows by, the layers' format and
-    HEAD_RANK's bytes of compensation on the head alone."""
+def default_head(model, stats: dict | None, tensor_formats: Sequence[tuple[str, str]] = (), exclude: Sequence[str] = (),
+                 compensate: int = 0, bits: float | None = None) -> tuple[list[tuple[str, str]], int, list[str]]:
+    """What `ingot quantize` adds for the output head, as (tensor formats, compensation rank, compensation
+    sites): int8 (DEFAULT_TENSOR_FORMATS, rank 0: the caller's own compensation stands), or, where no flag
+    names the head (tensor_formats, exclude), none asks for compensation or a bits budget, a calibration can
+    rank its rows and the head holds more than HEAD_SHARE of the 2-D weights' elements: the layers' format
+    and HEAD_RANK's bytes of compensation on the head alone."""
+    heads = ("token_embd.weight", "output.weight")
+    named = any(excluded(h, [glob]) for glob, _ in tensor_formats for h in heads) or \
+        any(excluded(h, list(exclude)) for h in heads)
     sizes = {name: int(np.prod(t.shape)) for name, t in model.tensors.items() if len(getattr(t, "shape", ())) == 2}
     head = "token_embd.weight" if model.config.tied_embeddings else "output.weight"
-    if stats is None or sizes.get(head, 0) <= HEAD_SHARE * sum(sizes.values()):
+    if named or compensate or bits is not None or stats is None or sizes.get(head, 0) <= HEAD_SHARE * sum(sizes.values()):
         return list(DEFAULT_TENSOR_FORMATS), 0, []
     return [], HEAD_RANK, [head]
 

@@ -343,7 +343,8 @@ def _quantized_gather_matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU)
 
 
 # the lowerings that take the CPU options as a third argument (until every lowering takes one context)
-# ops whose CPU steps split their work over Ingot's own threads (or, recurrent, call BLAS per time step)
+# programs that keep BLAS on one thread (CpuPlan.blas): ops whose steps split their work over Ingot's own
+# threads (quantized matmuls, convs, and the fused kinds holding convs), or call BLAS per time step (recurrent)
 OWN_THREADS = {Op.QUANTIZED_MATMUL, Op.CONV, Op.LSTM, Op.GRU, Op.RNN}
 CONV_KINDS = {"conv_epilogue", "blocked", "expand_depthwise", "squeeze_excite"}
 WITH_OPTIONS = {Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER_MATMUL, Op.CONV, Op.FUSED, Op.MATMUL, Op.LSTM}

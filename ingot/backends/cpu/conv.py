@@ -272,7 +272,8 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
     the conv's own); constant_w: the weights are a constant, arranged for the kernels once. precision:
     CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py). threads:
-    CpuOptions.threads; a large conv of one image runs as that many steps of its output channels."""
+    CpuOptions.threads; a large conv of one image runs as that many steps of its output channels, or of its
+    output rows (threaded_step)."""
     if threads > 1:
         split = threaded_step(conv, out, epilogue, x_index, w_index, b_index, threads, lambda part, target=None: conv_step(
             part, target, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants, precision))
@@ -412,6 +413,8 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     if n_img != 1 or (groups > 1 and not depthwise) or \
             m * spatial[0] * spatial[1] * (c // groups) * kh * kw < PARALLEL_MIN_MACS * (1 if groups == 1 else 1 / 16):
         return None
+    if out is not None and not out.flags.c_contiguous:   # (the parts write views of it)
+        return None
     parts = min(threads, m // SPLIT_UNIT)
     if parts < 2:
         return _rows_step(conv, out, epilogue, x_index, threads, build) \
@@ -420,7 +423,7 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     steps = []
     for m0, m1 in zip(cuts, cuts[1:]):
         step = build(_part(conv, m0, m1, depthwise))
-        if not getattr(step, "channel_split", False):
+        if not getattr(step, "splits", False):
             return None
         steps.append(step)
     full = {i for form, i in epilogue.operands if form == "full"}
@@ -445,7 +448,6 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
 
     def step(*inputs):
         y = out if out is not None else np.empty(out_shape, np.float32)
-        assert y.flags.c_contiguous
         team.run_parts(_run_part, [(s, part_inputs(inputs, m0, m1), channels(y, m0, m1, blocked_out))
                                    for s, m0, m1 in zip(steps, cuts, cuts[1:])], threads)
         return y
@@ -478,7 +480,7 @@ def _rows_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: 
             attrs=dict(conv.attrs, pads=((r0 - iy0, iy1 - r1), pw)))
         buffer = np.empty((1, m, oy1 - oy0, ow), np.float32)
         step = build(part, buffer)
-        if not getattr(step, "channel_split", False):
+        if not getattr(step, "splits", False):
             return None
         bands.append((oy0, oy1, r0, r1))
         steps.append(step)
@@ -540,7 +542,7 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
         for n in range(n_img):
             kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), padded)
         return y
-    step.channel_split = True   # `into`: its channels of a wider output (threaded_step)
+    step.splits = True   # Ingot's own kernel (not BLAS's), writing `into` where given (threaded_step)
     return step
 
 
@@ -572,7 +574,7 @@ def _amx_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
                    *arranged, g.offs, g.n_tiles, g.band, y4[n], scratch,
                    _image_operands(cache, inputs, operands, n, fixed_ops))
         return y
-    step.channel_split = True   # `into`: its channels of a wider output (threaded_step)
+    step.splits = True   # Ingot's own kernel (not BLAS's), writing `into` where given (threaded_step)
     return step
 
 
@@ -665,7 +667,7 @@ def _spatial_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         for n in range(n_img):
             kernel(xs[n], wk[0], wk[1], *tail, ys[n], _image_operands(arranged, inputs, operands, n, fixed_ops), *after)
         return y
-    step.channel_split = True   # `into`: its channels of a wider output (threaded_step)
+    step.splits = True   # Ingot's own kernel (not BLAS's), writing `into` where given (threaded_step)
     return step
 
 

@@ -307,5 +307,5 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
         for n in range(n_img):
             kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot, c)
         return y
-    step.channel_split = True   # `into`: its channels of a wider output (conv.threaded_step)
+    step.splits = True   # writes `into` where given (conv.threaded_step)
     return step

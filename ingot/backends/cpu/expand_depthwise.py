@@ -237,7 +237,7 @@ def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU
             run_part(xs, fixed[0], ys, m, *scratch[0])
             return y
         team.run_parts(run_part, [(xs, f, ys[:, m0 // 16:-(-m1 // 16)] if blocked_out else ys[:, m0:m1], m1 - m0, *t)
-                                  for f, t, m0, m1 in zip(fixed, scratch, cuts, cuts[1:])], len(cuts) - 1)
+                                  for f, t, m0, m1 in zip(fixed, scratch, cuts, cuts[1:])], options.resolved_threads)
         return y
     return step
 

@@ -400,8 +400,7 @@ def _exact_half(p):
     from ...quant.formats import TwoLevelParams
     if not isinstance(p, TwoLevelParams):
         return p
-    products = p.codes.astype(np.float32) * np.repeat(p.units.astype(np.float32), p.per_super, axis=0)
-    half = products.astype(np.float16)
+    products, half = np.asarray(p, np.float32), np.asarray(p)   # (TwoLevelParams.__array__: float16 by default)
     return half if np.array_equal(half.astype(np.float32), products) else None
 
 

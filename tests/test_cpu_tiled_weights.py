@@ -195,3 +195,65 @@ def test_tile_weights_converts_what_the_tiled_gemv_multiplies(monkeypatch):
     monkeypatch.setattr(vnni, "AVAILABLE", False)
     plain = {"a": weight(64, 96)}
     assert not isinstance(kernels.tile_weights(plain)["a"].q, dt.TiledWeight)
+
+
+def test_tile_weight_keeps_4bit_parameters_as_float16_where_exact(monkeypatch):
+    """A GGUF's Q4_1 scale and min come as float32 widened from float16: tile_weight holds them as float16
+    (half the bytes), the same numbers, and the product is unchanged; parameters float16 cannot hold stay
+    float32, and 8-bit weights' parameters stay as they are (their kernel takes float32)."""
+    monkeypatch.setattr(vnni, "AVAILABLE", True)
+    k, n = 96, 64
+    exact = RNG.standard_normal((k // 32, n)).astype(np.float16).astype(np.float32)
+    inexact = exact.copy()
+    inexact[1, 5] = np.float32(1 + 2 ** -20)
+    q4 = RNG.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    halved = kernels.tile_weight(QuantizedTensor(q4, dt.uint4, (k, n), 32, exact, exact * 0.5, block_axis=0))
+    assert halved.scale.dtype == halved.bias.dtype == np.float16 and isinstance(halved.q, dt.TiledWeight)
+    np.testing.assert_array_equal(halved.scale.astype(np.float32), exact)
+    kept = kernels.tile_weight(QuantizedTensor(q4, dt.uint4, (k, n), 32, exact, inexact, block_axis=0))
+    assert kept.scale.dtype == kept.bias.dtype == np.float32   # one of the two cannot: both stay
+    q8 = RNG.integers(0, 256, (k, n), dtype=np.uint8)
+    assert kernels.tile_weight(QuantizedTensor(q8, dt.uint8, (k, n), 32, exact, block_axis=0)).scale.dtype == np.float32
+    x = RNG.standard_normal((3, k)).astype(np.float32)
+    before = graph(q4, dt.uint4, exact, exact * 0.5, 32, 3)
+    after = graph(halved.q, dt.uint4, halved.scale, halved.bias, 32, 3)
+    results = [g.compile(targets=t).run({"x": x})[0] for g, t in (before, after)]
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_storage_form_finishes_each_weight_before_reading_the_next():
+    """llm.package.storage_form(finish=): a lazily read file's weights each finished (tiled) as they come,
+    so the loader holds one weight in two forms at a time; the result is the same as finishing after."""
+    from collections.abc import Mapping
+
+    from ingot.llm.package import storage_form
+    from ingot.models import llama
+
+    cfg = llama.LlamaConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128,
+                            context_length=16)
+    tensors = llama.random_weights(cfg, qdtype=dt.uint4)
+    events = []
+
+    class Lazy(Mapping):   # LazyTensors' contract: converted when looked up
+        def __getitem__(self, name):
+            events.append(("read", name))
+            return tensors[name]
+
+        def __iter__(self):
+            return iter(tensors)
+
+        def __len__(self):
+            return len(tensors)
+
+    def finish(t):
+        events.append(("finish",))
+        return t
+
+    stored = storage_form(cfg, Lazy(), finish=finish)
+    assert stored.keys() == storage_form(cfg, tensors).keys()
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    finishes = [i for i, e in enumerate(events) if e[0] == "finish"]
+    assert len(finishes) == len(stored)
+    # between two finishes, only the reads of one stored weight (a fused group's parts, or one tensor)
+    widest = max(sum(1 for r in reads if a < r < b) for a, b in zip([-1] + finishes, finishes))
+    assert widest <= 3

@@ -55,14 +55,17 @@ def test_peak_memory_generating_256_tokens():
         kernels.warm_up()  # what load() does first
         runtime_mb = peak_mb()
         llm = ingot.llm.load({path!r})
+        load_mb = peak_mb()   # reported with the rest: which phase set the peak
         n = sum(1 for _ in llm.generate("Tell me a long story about a dragon.", max_tokens=256))
-        print(json.dumps({{"tokens": len(llm.stats.tokens), "runtime_mb": runtime_mb,
+        print(json.dumps({{"tokens": len(llm.stats.tokens), "runtime_mb": runtime_mb, "load_mb": load_mb,
                           "peak_mb": peak_mb(), "llvm_shared_mb": llvm_shared_mb()}}))
     """)
     budget = os.path.getsize(path) / 2**20 + 250
-    assert out["tokens"] == 256 or out["tokens"] > 0
+    assert out["tokens"] > 0
     assert out["peak_mb"] - out["llvm_shared_mb"] <= budget, out
-    assert out["peak_mb"] - out["runtime_mb"] <= budget - 150, out  # the model itself: ~160 MB of 344
+    # the model itself: 107 MB of 344 on an EPYC (Zen 5), the load's peak 77 (its weights as held: 94 MB of
+    # 4-bit tiles, float16 parameters and the 8-bit embedding, against 98 MB of file)
+    assert out["peak_mb"] - out["runtime_mb"] <= budget - 150, out
 
 
 @pytest.mark.slow

@@ -127,9 +127,9 @@ class LLM:
         else:
             tensors = model.tensors
             if device == "cpu":   # converted once, as a package stores them, 4-bit ones tiled for the GEMV
-                from ..backends.cpu.kernels import tile_weights
+                from ..backends.cpu.kernels import tile_weight
                 from .package import storage_form
-                tensors = tile_weights(storage_form(self.config, tensors))
+                tensors = storage_form(self.config, tensors, finish=tile_weight)
             self.model = models.build(self.config, tensors, path, adapter_sites=self.adapters.names)
             del tensors
         if self.adapters:

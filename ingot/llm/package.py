@@ -60,13 +60,18 @@ def expert_groups(cfg) -> list[tuple[list[str], list[tuple[int, int, int]]]]:
         ([f"blk.{i}.ffn_down_exps.weight"], [(e, dim, f)]))]
 
 
-def storage_form(cfg, tensors: Mapping) -> dict:
+def storage_form(cfg, tensors: Mapping, finish=None) -> dict:
     """Tensors as the package stores them: quantized ones k-major, fusable groups side by side; a
     family's fused tensors split first (models.unfused); expert stacks (*_exps) in the form the graph
-    multiplies (models.moe.ExpertStack: each expert k-major, gate and up side by side when they can)."""
+    multiplies (models.moe.ExpertStack: each expert k-major, gate and up side by side when they can).
+
+    finish(t), where given, takes each weight as it comes (the CPU loaders' kernels.tile_weight): a
+    lazily converted file then holds one weight in two forms at a time, not the whole model (SmolLM2's
+    load peaked 27 MB above its end, its tied embedding's k-major array beside its tiles)."""
     from .. import models
     from ..models.moe import stored_experts
 
+    finish = finish or (lambda t: t)
     tensors = models.unfused(cfg, tensors)
     out: dict = {}
     grouped = set()
@@ -77,10 +82,11 @@ def storage_form(cfg, tensors: Mapping) -> dict:
         parts = [tensors.get(n) for n in names]
         if all(isinstance(p, QuantizedTensor) for p in parts):
             try:
-                out["+".join(names)] = concat_columns([p if p.block_axis == 0 else p.to_k_major() for p in parts])
+                out["+".join(names)] = finish(concat_columns([p if p.block_axis == 0 else p.to_k_major() for p in parts]))
                 grouped.update(names)
             except ValueError:
                 pass
+        del parts
     for name in tensors:
         if name in grouped or name in out:
             continue
@@ -88,7 +94,10 @@ def storage_form(cfg, tensors: Mapping) -> dict:
         if isinstance(t, ExpertStack):
             out[name] = t
             continue
-        out[name] = (t if t.block_axis == 0 else t.to_k_major()) if isinstance(t, QuantizedTensor) else np.asarray(t)
+        if isinstance(t, QuantizedTensor) and t.block_axis != 0:
+            t = t.to_k_major()   # the file's form goes before finish makes another
+        out[name] = finish(t if isinstance(t, QuantizedTensor) else np.asarray(t))
+        del t
     return out
 
 

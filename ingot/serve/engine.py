@@ -261,10 +261,10 @@ class Engine:
             warm_up()
         # converted once, k-major and q/k/v, gate/up side by side (as a package stores them): every graph
         # built from them (batch-1, rows decoders) shares these arrays, none converts or copies its own
-        self.tensors = storage_form(cfg, {name: model.tensors[name] for name in model.tensors})
-        if device == "cpu":   # 4-bit ones tiled for the GEMV (kernels.tile_weights), held once
-            from ..backends.cpu.kernels import tile_weights
-            tile_weights(self.tensors)
+        finish = None
+        if device == "cpu":   # 4-bit ones tiled for the GEMV (kernels.tile_weight) as each comes, held once
+            from ..backends.cpu.kernels import tile_weight as finish
+        self.tensors = storage_form(cfg, model.tensors, finish=finish)
         self.metadata = {k: v for k, v in model.metadata.items() if not k.startswith("tokenizer.ggml.")}
         del model
         self.model = models.build(cfg, self.tensors, self.path, adapter_sites=self.sites)

@@ -361,37 +361,55 @@ def _kmajor_params(params, attrs, n: int):
 
 
 def tile_weights(tensors: dict) -> dict:
-    """Convert, in place and one weight at a time (the k-major array goes as its tiles come), each k-major
-    4- or 8-bit affine weight of a loader's tensors ({name: QuantizedTensor or array}, k-major, as
-    llm.package.storage_form gives them) that rows_gemv's float32 GEMVs multiply (an AVX-512 CPU, K
-    and N multiples of 32, blocks of 32 k or a multiple, parameters as arrays) into a dt.TiledWeight:
-    they read a tile of W as one run (SmolLM2's decode step 13.3 -> 10.5 ms), the prefill GEMM's
-    dequantized tiles and gathers (a tied embedding) read it too, and the weight is held once.
+    """tile_weight on each of a loader's tensors ({name: QuantizedTensor or array}, k-major, as
+    llm.package.storage_form gives them), in place, one at a time (the k-major array goes as its tiles
+    come).
 
         >>> tensors = tile_weights(storage_form(cfg, model.tensors))   # doctest: +SKIP
     """
-    from ...quant.formats import QuantizedTensor, TwoLevelParams
-    if not vnni.AVAILABLE:
-        return tensors
     for name in list(tensors):
-        t = tensors[name]
-        if not (isinstance(t, QuantizedTensor) and t.block_axis == 0 and t.qdtype.bits in (4, 8) and t.lut is None
-                and isinstance(t.q, np.ndarray) and dt.TiledWeight.fits(t.q, t.qdtype.bits)
-                and t.block_size % XQ_BLOCK == 0 and t.scale is not None):
-            continue
-        if isinstance(t.scale, TwoLevelParams) or isinstance(t.bias, TwoLevelParams):
-            # the :k formats: their products as float16 arrays where float16 holds them exactly (the same
-            # parameters; +0.5 bits a weight in memory), so rows_gemv takes the weight as tiles: Gemma 3's
-            # 640 x 262,144 tied head went through the k-major kernel, code x unit widened per column
-            # (15.3 ms a token against 4.8 as uint4:32:f16; the layers 2.24 against 1.79 ms)
-            scale, bias = _exact_half(t.scale), _exact_half(t.bias)
-            if scale is None or (t.bias is not None and bias is None):
-                continue
-            t = dataclasses.replace(t, scale=scale, bias=bias)
-        if all(p is None or isinstance(p, np.ndarray) for p in (t.scale, t.bias, t.zero_point)):
-            tensors[name] = dataclasses.replace(t, q=dt.TiledWeight.from_k_major(t.q, t.qdtype.bits))
-            del t
+        tensors[name] = tile_weight(tensors[name])
     return tensors
+
+
+def tile_weight(t):
+    """A k-major 4- or 8-bit affine weight that rows_gemv's float32 GEMVs multiply (an AVX-512 CPU, K
+    and N multiples of 32, blocks of 32 k or a multiple, parameters as arrays) as a dt.TiledWeight:
+    they read a tile of W as one run (SmolLM2's decode step 13.3 -> 10.5 ms), the prefill GEMM's
+    dequantized tiles and gathers (a tied embedding) read it too, and the weight is held once. A 4-bit
+    weight's float32 parameters go to float16 where it holds them exactly (a GGUF's Q4_0 / Q4_1 come
+    so): a third of its bytes read, 14 MB less of SmolLM2 held. Anything else comes back as it is
+    (llm.package.storage_form's finish: each weight converted as it comes, not all of them twice)."""
+    from ...quant.formats import QuantizedTensor, TwoLevelParams
+    if not (vnni.AVAILABLE and isinstance(t, QuantizedTensor) and t.block_axis == 0 and t.qdtype.bits in (4, 8)
+            and t.lut is None and isinstance(t.q, np.ndarray) and dt.TiledWeight.fits(t.q, t.qdtype.bits)
+            and t.block_size % XQ_BLOCK == 0 and t.scale is not None):
+        return t
+    if isinstance(t.scale, TwoLevelParams) or isinstance(t.bias, TwoLevelParams):
+        # the :k formats: their products as float16 arrays where float16 holds them exactly (the same
+        # parameters; +0.5 bits a weight in memory), so rows_gemv takes the weight as tiles: Gemma 3's
+        # 640 x 262,144 tied head went through the k-major kernel, code x unit widened per column
+        # (15.3 ms a token against 4.8 as uint4:32:f16; the layers 2.24 against 1.79 ms)
+        scale, bias = _exact_half(t.scale), _exact_half(t.bias)
+        if scale is None or (t.bias is not None and bias is None):
+            return t
+        t = dataclasses.replace(t, scale=scale, bias=bias)
+    if not all(p is None or isinstance(p, np.ndarray) for p in (t.scale, t.bias, t.zero_point)):
+        return t
+    if t.qdtype.bits == 4 and t.zero_point is None:
+        scale, bias = _array_half(t.scale), _array_half(t.bias)
+        if scale is not None and (t.bias is None or bias is not None):
+            t = dataclasses.replace(t, scale=scale, bias=bias)
+    return dataclasses.replace(t, q=dt.TiledWeight.from_k_major(t.q, t.qdtype.bits))
+
+
+def _array_half(p: np.ndarray | None) -> np.ndarray | None:
+    """A float32 array as float16 where float16 holds every value exactly, else None (None and float16
+    arrays as they are)."""
+    if p is None or p.dtype == np.float16:
+        return p
+    half = p.astype(np.float16)
+    return half if p.dtype == np.float32 and np.array_equal(half.astype(np.float32), p) else None
 
 
 def _exact_half(p):
@@ -406,11 +424,8 @@ def _exact_half(p):
 
 def _half_if_exact(p: np.ndarray | None) -> np.ndarray | None:
     """p in the kernels' float16 form when float16 holds it exactly, else as _kernel_form gives it."""
-    if p is not None and p.dtype == np.float32:
-        half = p.astype(np.float16)
-        if np.array_equal(half.astype(np.float32), p):
-            p = half
-    return _kernel_form(p)
+    half = _array_half(p) if p is not None and p.dtype == np.float32 else None
+    return _kernel_form(p if half is None else half)
 
 
 def _kernel_param(p):

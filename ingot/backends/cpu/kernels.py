@@ -690,13 +690,18 @@ def quantized_matmul_step(node: Node, out, threads: int = 1, activations: str = 
     return step
 
 
-def warm_up() -> None:
+def warm_up(int8_activations: bool = True, two_level: bool = True) -> None:
     """Compile (or load from numba's cache) every kernel for the types the LLM path uses, so the
-    first real call is not the one that pays for it.
+    first real call is not the one that pays for it. int8_activations=False leaves out the GEMVs of
+    int8 activations (CpuOptions.gemv_activations "float32"), two_level=False those of two-level
+    parameters (only an Ingot package's :k weights have them, never a GGUF file's): each loaded
+    specialisation holds ~2.5 MB of code and LLVM state, and the default model's load held 50 MB of
+    ones it never calls (SmolLM2 generating: 288 MB anonymous, 226 with only the kernels it ran).
+    One left out and called after all loads then, as any kernel would.
 
     When numba's cache is empty (the first run after an install or an edit), the compiling happens
-    in a child process that fills the cache: LLVM keeps tens of MB of its working memory in the
-    process that compiles, which would otherwise stay resident beside the model for good."""
+    in a child process that fills the cache (every kernel): LLVM keeps tens of MB of its working
+    memory in the process that compiles, which would otherwise stay resident beside the model."""
     if _cache_is_cold():
         import subprocess
         import sys
@@ -704,7 +709,7 @@ def warm_up() -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         subprocess.run([sys.executable, "-c", "from ingot.backends.cpu.kernels import _warm_up; _warm_up()"],
                        env=env, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _warm_up()
+    _warm_up(int8_activations, two_level)
 
 
 def release_compiler_pages() -> None:
@@ -739,7 +744,7 @@ def _cache_is_cold() -> bool:
         return False
 
 
-def _warm_up() -> None:
+def _warm_up(int8_activations: bool = True, two_level: bool = True) -> None:
     f32 = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
     x, out = f32(1, 32), f32(1, 4)
     weights = [_kernel_form(np.zeros((32, n), t)) for n, t in ((2, np.uint8), (4, np.int8), (4, np.uint8))]
@@ -748,10 +753,11 @@ def _warm_up() -> None:
         kmajor_packed4(x, weights[0], s, o, True, np.uint32(0), 0, 1, 0, 4, out)
         kmajor_int8(x, weights[1], s, o, True, 0, 1, 0, 4, out)
         kmajor_int8(x, weights[2], s, o, True, 0, 1, 0, 4, out)
-        kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
-        kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
-        kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
-        if vnni.AVAILABLE:
+        if int8_activations:
+            kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
+            kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
+            kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+        if vnni.AVAILABLE and int8_activations:
             wide = _kernel_form(np.ones((1, 16), params.dtype))
             grouped = _grouped(wide)   # as quantized_matmul_step hands them to it ([blocks, N] ones: rows_gemv)
             vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), grouped, grouped, True, np.float32(8), 0, 1,
@@ -764,24 +770,26 @@ def _warm_up() -> None:
         scaled_tile_int8(weights[1], s, 0, 32, 32, 0, 4, f32(32, 4))
         scaled_tile_int8(weights[2], s, 0, 32, 32, 0, 4, f32(32, 4))
     # two-level parameters (the :k formats read as stored), with their absent offset (float32)
-    codes = _kernel_form(np.ones((1, 4), np.uint8))
-    two = (codes, _kernel_form(np.ones((1, 4), np.float16)), np.int64(1))
-    absent = _kernel_form(f32(1, 1))
-    for o, has in ((two, True), (absent, False)):
-        kmajor_packed4(x, weights[0], two, o, has, np.uint32(0), 0, 1, 0, 4, out)
-        kmajor_int8(x, weights[1], two, o, has, 0, 1, 0, 4, out)
-        kmajor_int8(x, weights[2], two, o, has, 0, 1, 0, 4, out)
-        kmajor_packed4_xq(x, weights[0], two, o, has, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
-        kmajor_int8_xq(x, weights[1], two, o, has, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
-        kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
-    if vnni.AVAILABLE:
-        wide = (_kernel_form(np.ones((1, 16), np.uint8)), _kernel_form(np.ones((1, 16), np.float16)), np.int64(1))
-        grouped = _grouped(wide)
-        vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), grouped, grouped, True, np.float32(8), 0, 1, 0, 16,
-                  f32(1, 16))
-    scaled_tile_packed4(weights[0], two, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
-    scaled_tile_int8(weights[1], two, 0, 32, 32, 0, 4, f32(32, 4))
-    scaled_tile_int8(weights[2], two, 0, 32, 32, 0, 4, f32(32, 4))
+    if two_level:
+        codes = _kernel_form(np.ones((1, 4), np.uint8))
+        two = (codes, _kernel_form(np.ones((1, 4), np.float16)), np.int64(1))
+        absent = _kernel_form(f32(1, 1))
+        for o, has in ((two, True), (absent, False)):
+            kmajor_packed4(x, weights[0], two, o, has, np.uint32(0), 0, 1, 0, 4, out)
+            kmajor_int8(x, weights[1], two, o, has, 0, 1, 0, 4, out)
+            kmajor_int8(x, weights[2], two, o, has, 0, 1, 0, 4, out)
+            if int8_activations:
+                kmajor_packed4_xq(x, weights[0], two, o, has, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
+                kmajor_int8_xq(x, weights[1], two, o, has, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
+                kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+        if vnni.AVAILABLE and int8_activations:
+            wide = (_kernel_form(np.ones((1, 16), np.uint8)), _kernel_form(np.ones((1, 16), np.float16)), np.int64(1))
+            grouped = _grouped(wide)
+            vnni.gemv(x, _kernel_form(np.zeros((1, 1, 256), np.uint8)), grouped, grouped, True, np.float32(8), 0, 1, 0, 16,
+                      f32(1, 16))
+        scaled_tile_packed4(weights[0], two, 0, 32, 32, np.uint32(0), 0, 2, f32(32, 4))
+        scaled_tile_int8(weights[1], two, 0, 32, 32, 0, 4, f32(32, 4))
+        scaled_tile_int8(weights[2], two, 0, 32, 32, 0, 4, f32(32, 4))
     q = f32(1, 2, 1, 8)
     attention(q, f32(1, 1, 4, 8), f32(1, 1, 4, 8), 4, np.float32(1), True, 0, np.float32(0), f32(1, 2, 1, 8))
     rope_rows(f32(2, 1, 8), np.zeros(1, np.int64), f32(4), True, 8, f32(2, 1, 8))

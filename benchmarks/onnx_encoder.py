@@ -38,9 +38,16 @@ def export(args, folder: Path) -> Path:
 
 
 def blas_threads() -> str:
+    """Each BLAS library's threads and kernels, e.g. "openblas 1 Haswell (OPENBLAS_CORETYPE)": an
+    environment can pin OpenBLAS's kernels (this project's machines pin AVX2's Haswell ones on AVX-512
+    CPUs, where OpenBLAS picks SkylakeX: the encoder's matmuls ~1.6x slower), which moves Ingot's BLAS
+    time and not onnxruntime's (MLAS chooses its own)."""
+    pinned = " (OPENBLAS_CORETYPE)" if os.environ.get("OPENBLAS_CORETYPE") else ""
     try:
         from threadpoolctl import threadpool_info
-        return ", ".join(f"{i['internal_api']} {i['num_threads']}" for i in threadpool_info() if i["user_api"] == "blas")
+        return ", ".join(f"{i['internal_api']} {i['num_threads']} {i.get('architecture', '')}"
+                         f"{pinned if i['internal_api'] == 'openblas' else ''}"
+                         for i in threadpool_info() if i["user_api"] == "blas")
     except ImportError:
         return os.environ.get("OPENBLAS_NUM_THREADS", "NumPy's default")
 
@@ -105,7 +112,7 @@ def main() -> int:
         print(f"model: {path.name if args.model else f'BERT-like, hidden {args.hidden}, {args.heads} heads, {args.layers} layers'}, "
               f"batch {args.batch} x {args.length} tokens; Ingot compiled {len(exe.program.nodes())} ops "
               f"({counts['sdpa']} sdpa, {counts['matmul']} matmul) in {compile_s:.2f} s")
-        print(f"ingot        {ms_ingot:8.3f} ms wall {cpu_ingot:8.3f} ms CPU  (BLAS threads: {blas_threads()})")
+        print(f"ingot        {ms_ingot:8.3f} ms wall {cpu_ingot:8.3f} ms CPU  (BLAS: {blas_threads()})")
         print(f"onnxruntime  {ms_ort:8.3f} ms wall {cpu_ort:8.3f} ms CPU  ({ort.__version__}, {args.threads} intra-op threads)")
         print(f"ratio onnxruntime/ingot: {ms_ort / ms_ingot:.2f}x wall, {cpu_ort / cpu_ingot:.2f}x CPU time  (medians of "
               f"{args.repeats}; max |diff| {diff:.2e}; load average {os.getloadavg()[0]:.1f})")

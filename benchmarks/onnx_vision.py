@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .onnx_encoder import blas_threads
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -70,7 +72,8 @@ def main() -> int:
     # backing off (team.py: a worker that is not scheduled), 6.1-6.2 ms against 4.9 alone
     apart = args.threads > 1
     print(f"# {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}, {args.runs} "
-          f"{'runs, each engine in its own process' if apart else 'interleaved runs'}, ms")
+          f"{'runs, each engine in its own process' if apart else 'interleaved runs'}, ms; BLAS: "
+          f"{blas_threads()}")
     print(f"{'model':<10} {'ingot wall':>10} {'ort wall':>9} {'ratio':>6} {'ingot cpu':>10} {'ort cpu':>8} {'ratio':>6} "
           f"{'max diff':>9}")
     with tempfile.TemporaryDirectory() as folder:

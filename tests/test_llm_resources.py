@@ -62,6 +62,7 @@ def test_peak_memory_generating_256_tokens():
                           "peak_mb": peak_mb(), "llvm_shared_mb": llvm_shared_mb()}}))
     """)
     budget = os.path.getsize(path) / 2**20 + 250
+    print(json.dumps(out))   # the figures, for `pytest -s`
     assert out["tokens"] > 0
     assert out["peak_mb"] - out["llvm_shared_mb"] <= budget, out
     # on an EPYC (Zen 5): 292 MB of 344 in all; the model itself 107 MB, the load's peak 78 (its weights as

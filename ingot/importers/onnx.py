@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -604,19 +605,48 @@ class OnnxExecutable(Executable):
     __call__ = run
 
 
-def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str = False, options=None) -> OnnxExecutable:
-    """Compile an imported graph (every shape already static) into an OnnxExecutable."""
+def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str = False, options=None,
+                   shared: dict | None = None) -> OnnxExecutable:
+    """Compile an imported graph (every shape already static) into an OnnxExecutable. shared: the
+    constants earlier compiles of the same model hold (SpecializingOnnxExecutable's), by dtype and shape;
+    a constant with the same bytes as one of them is that array (each shape's executable held its own copy
+    of the weights: a 21 MB MiniLM grew 35-40 MB a sequence length)."""
     from ..compiler import run_pipeline
 
     targets = [t.node for t in imported.outputs.values()]
     program = Program(targets, [], dict(imported.graph.constants), {})
     placeholders = {n.name for n in program.nodes() if n.op == Op.PLACEHOLDER}
     program, history = run_pipeline(program, debug, device=device, options=options)
+    if shared is not None:
+        _share_constants(program.constants, shared)
     inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
     exe = OnnxExecutable(program, device, history, inputs, list(imported.outputs),
                          list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs, options)
     onnx_control.bind_branches(exe, imported.branches, debug)
     return exe
+
+
+SMALL_CONSTANT = 4096   # bytes up to which a constant is found by its bytes (a dict key), past it by comparing
+
+
+def _share_constants(constants: dict, shared: dict) -> None:
+    """Each array constant with the same dtype, shape and bytes as one in shared (weak references, so an
+    evicted executable's arrays go with it) becomes that array; the others join shared. Byte-exact: a
+    NaN matches its own bits, -0.0 never matches 0.0."""
+    for name, value in constants.items():
+        if not (isinstance(value, np.ndarray) and value.flags.c_contiguous):
+            continue
+        small = value.nbytes <= SMALL_CONSTANT
+        key = (value.dtype.str, value.shape, value.tobytes() if small else None)
+        refs = shared.setdefault(key, [])
+        refs[:] = [r for r in refs if r() is not None]
+        bits = value.reshape(-1).view(np.uint8)
+        same = next((a for a in (r() for r in refs) if a is not None and
+                     (small or a is value or np.array_equal(a.reshape(-1).view(np.uint8), bits))), None)
+        if same is None:
+            refs.append(weakref.ref(value))
+        else:
+            constants[name] = same
 
 
 def from_onnx(model_or_path, device: str = "cpu", input_shapes: Mapping[str, Sequence[int]] | None = None,
@@ -710,6 +740,7 @@ class SpecializingOnnxExecutable:
         self.value_inputs = list(value_inputs)     # grows as imports name more inputs they need the values of
         self.output_names = [vi.name for vi in model.graph.output]
         self.compiled: dict[tuple, OnnxExecutable] = {}
+        self.shared: dict = {}   # the executables' constants (compile_import's shared)
 
     def _key(self, feeds: Mapping[str, Any]) -> tuple:
         shapes = tuple((n, np.shape(feeds[n])) for n in self.shape_inputs)
@@ -751,7 +782,7 @@ class SpecializingOnnxExecutable:
                 key = self._key(feeds)
                 if key in self.compiled:
                     return self.compiled[key]
-        return self._keep(key, compile_import(imported, self.device, self.debug, self.options))
+        return self._keep(key, compile_import(imported, self.device, self.debug, self.options, self.shared))
 
     def _keep(self, key: tuple, exe):
         if len(self.compiled) >= MAX_SPECIALIZATIONS:

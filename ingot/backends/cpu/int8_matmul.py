@@ -14,6 +14,9 @@ D = xu @ ws (VPDPBUSD: exact, no int16 step), Rx the rows' sums of xu, Cw the co
 """
 from __future__ import annotations
 
+import copy
+import weakref
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -527,6 +530,29 @@ PARALLEL_MIN = 1 << 22   # multiply-adds from which the columns split over the t
 FLOAT_MIN_ROWS = 8   # from here the kernel beats the GEMV path (16 x 512 x 384: 0.07 against 0.11 ms)
 
 
+_PACKED: dict = {}   # id(w) -> (weakref to w, scale, zero, bias, threads, FloatInt8Matmul), dropped with w
+
+
+def _packed(w, scale, zero, bias, threads: int) -> "FloatInt8Matmul":
+    """A FloatInt8Matmul of these constants, its packed weight made once for every executable holding
+    the same arrays (an ONNX model's per-shape executables share their constants: a MiniLM's 10 MB of
+    packed weights were made again for each sequence length); each caller gets its own row buffers."""
+    hit = _PACKED.get(id(w))
+    if hit is None or hit[0]() is not w or hit[1] is not scale or hit[2] is not zero or hit[3] is not bias \
+            or hit[4] != threads:
+        # (a dt.TiledWeight: the k-major array it stands for; the kernel packs its own)
+        kernel = FloatInt8Matmul(np.asarray(w), scale, zero, bias, threads)
+        try:
+            if hit is None or hit[0]() is not w:
+                weakref.finalize(w, _PACKED.pop, id(w), None)
+            _PACKED[id(w)] = hit = (weakref.ref(w), scale, zero, bias, threads, kernel)
+        except TypeError:   # not weakly referable: this caller's alone
+            return kernel
+    kernel = copy.copy(hit[5])
+    kernel.buffers = {}
+    return kernel
+
+
 def float_weight_step(node: Node, out, activations: str = "float32", threads: int = 1):
     """quantized_matmul of float32 x (static, at least FLOAT_MIN_ROWS rows) by a constant 8-bit weight
     [K, N] with one block along k, through FloatInt8Matmul; None otherwise (and where activations are
@@ -553,13 +579,12 @@ def float_weight_step(node: Node, out, activations: str = "float32", threads: in
             return state["gemv"](x, q, *params)
         kernel = state.get("kernel")
         if kernel is None:
-            q = np.asarray(q)   # (a dt.TiledWeight: the k-major array it stands for; the kernel packs its own)
             it = iter(params)
             scale = next(it)
             zero = next(it) if a.get("has_zero_point") else None
             bias = next(it) if a.get("has_bias") else None
             exact_zero = zero is None or np.all(np.asarray(zero, np.float64) == np.round(np.asarray(zero, np.float64)))
-            kernel = state["kernel"] = FloatInt8Matmul(q, scale, zero, bias, threads) if exact_zero else False
+            kernel = state["kernel"] = _packed(q, scale, zero, bias, threads) if exact_zero else False
         if kernel is False:
             return quant_ops.quantized_matmul_reference((x, np.asarray(q)) + params, a)
         return kernel(x, out)

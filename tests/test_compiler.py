@@ -147,3 +147,30 @@ def test_dump_names_every_node():
     program = Program([(g.exp(x) + 1.0).node], [], dict(g.constants))
     text = compiler.dump(program)
     assert "placeholder()" in text and "exp(" in text and "add(" in text and text.endswith(f"outputs: %{program.outputs[0].id}")
+
+
+def test_compiles_pause_the_garbage_collector_and_restore_it():
+    """A compile runs with Python's cyclic collector paused and leaves it as it found it: running
+    (also when the compile raises), or stopped by the caller."""
+    import gc
+    seen = []
+    monkey_pipeline = compiler.run_pipeline
+
+    def pipeline(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return monkey_pipeline(*args, **kwargs)
+    g, x, y = attention_and_quantized_graph()
+    assert gc.isenabled()
+    compiler.run_pipeline = pipeline
+    try:
+        g.compile(feeds={x: ingot.TensorType((1, 6, 16))}, targets=[y])
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(ingot.IngotError):
+            g.compile(feeds={x: ingot.TensorType((2, 6, 16))}, targets=[y])   # batch 2 against the reshape's 1
+        assert seen == [False, False] and gc.isenabled()   # raised inside the pipeline
+        gc.disable()
+        g.compile(feeds={x: ingot.TensorType((1, 7, 16))}, targets=[y])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        compiler.run_pipeline = monkey_pipeline

@@ -611,18 +611,19 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
     constants earlier compiles of the same model hold (SpecializingOnnxExecutable's), by dtype and shape;
     a constant with the same bytes as one of them is that array (each shape's executable held its own copy
     of the weights: a 21 MB MiniLM grew 35-40 MB a sequence length)."""
-    from ..compiler import run_pipeline
+    from ..compiler import paused_collector, run_pipeline
 
     targets = [t.node for t in imported.outputs.values()]
     program = Program(targets, [], dict(imported.graph.constants), {})
     placeholders = {n.name for n in program.nodes() if n.op == Op.PLACEHOLDER}
-    program, history = run_pipeline(program, debug, device=device, options=options)
-    if shared is not None:
-        _share_constants(program.constants, shared)
-    inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
-    exe = OnnxExecutable(program, device, history, inputs, list(imported.outputs),
-                         list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs, options)
-    onnx_control.bind_branches(exe, imported.branches, debug)
+    with paused_collector():
+        program, history = run_pipeline(program, debug, device=device, options=options)
+        if shared is not None:
+            _share_constants(program.constants, shared)
+        inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]
+        exe = OnnxExecutable(program, device, history, inputs, list(imported.outputs),
+                             list(imported.output_dtypes.values()), list(imported.inputs), imported.constant_inputs, options)
+        onnx_control.bind_branches(exe, imported.branches, debug)
     return exe
 
 
@@ -758,6 +759,11 @@ class SpecializingOnnxExecutable:
         key = self._key(feeds)
         if key in self.compiled:
             return self.compiled[key]
+        from ..compiler import paused_collector
+        with paused_collector():
+            return self._compile(feeds, key)
+
+    def _compile(self, feeds: Mapping[str, Any], key: tuple) -> OnnxExecutable:
         while True:
             for n in self.value_inputs:
                 size = np.size(feeds[n])

@@ -107,9 +107,8 @@ def _dynamic_int8_matmul_model():
 def test_executables_of_each_shape_share_their_constants():
     """A model compiled per input shape holds its weights once: each shape's executable has the same
     arrays as the first (byte-equal constants found), and the CPU's packed int8 weight is made once
-    (each executable keeps its own row buffers); an executable's arrays go when it is evicted."""
-    import gc
-
+    (each executable keeps its own row buffers); the model's initializers are read out of the protobuf
+    once, read-only."""
     from ingot.backends.cpu import int8_matmul
     model = _dynamic_int8_matmul_model()
     exe = from_onnx(model)
@@ -126,9 +125,28 @@ def test_executables_of_each_shape_share_their_constants():
                and isinstance(c.cell_contents.get("kernel"), int8_matmul.FloatInt8Matmul)]
     assert len(kernels) == 3 and kernels[0].w is kernels[1].w is kernels[2].w
     assert kernels[0].buffers is not kernels[1].buffers
-    refs = [r for refs in exe.shared.values() for r in refs]
-    exe.compiled.clear()
-    del first, others, big, kernels
+    assert all(isinstance(a, np.ndarray) and not a.flags.writeable for a in exe.initializers.values())
+
+
+def test_shared_constants_are_found_by_their_bytes_and_held_weakly():
+    """compile_import's pool: a constant with the same dtype, shape and bytes becomes the pooled array
+    (small ones found by their bytes, large ones compared); -0.0 is not 0.0 and a NaN matches only its own
+    bits; the pool keeps no array alive."""
+    import gc
+
+    from ingot.importers.onnx import SMALL_CONSTANT, _share_constants
+    big = np.arange(SMALL_CONSTANT, dtype=np.float32)
+    small = np.array([1.0, np.nan, -0.0], np.float32)
+    shared: dict = {}
+    first = {"big": big, "small": small, "scalar": np.float32(2.0)}
+    _share_constants(first, shared)
+    second = {"big": big.copy(), "small": small.copy(), "zero": np.array([1.0, np.nan, 0.0], np.float32),
+              "other": big[::-1].copy()}
+    _share_constants(second, shared)
+    assert second["big"] is big and second["small"] is small
+    assert second["zero"] is not small and second["other"] is not big
+    refs = [r for held in shared.values() for r in held]
+    del first, second, big, small
     gc.collect()
     assert refs and all(r() is None for r in refs)
 

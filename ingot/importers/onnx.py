@@ -349,13 +349,16 @@ def _topological(graph, known: set[str], what: str) -> list:
 
 
 def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None = None, what: str | None = None,
-                constant_inputs: Mapping[str, np.ndarray] | None = None, quantize=None) -> OnnxImport:
+                constant_inputs: Mapping[str, np.ndarray] | None = None, quantize=None,
+                initializers: dict | None = None) -> OnnxImport:
     """Build an Ingot graph from an ONNX model (a path or an onnx.ModelProto).
 
     input_shapes: shapes for inputs with symbolic dimensions. constant_inputs: inputs whose values
     are fixed (a model that computes a Reshape's shape from an input can only be imported so);
     the executable still takes them, and checks that they hold those values. quantize: an
     ingot.quant format ("int8", "int4:32", ...) for the 2-D constant weights of MatMul and Gemm.
+    initializers: the model's initializers as arrays from an earlier import of the same model (read
+    only; filled here): a model compiled per input shape reads its weights out of the protobuf once.
     """
 
     if what is None:
@@ -374,7 +377,12 @@ def import_onnx(model_or_path, input_shapes: Mapping[str, Sequence[int]] | None 
     ctx = Context(g, what, opsets, quantize)
     values: dict[str, Tensor] = {}
     for init in graph.initializer:
-        array = _tensor_array(init, what)
+        array = initializers.get(init.name) if initializers is not None else None
+        if array is None:
+            array = _tensor_array(init, what)
+            if initializers is not None:
+                array.flags.writeable = False   # every shape's executable reads it
+                initializers[init.name] = array
         values[init.name] = _constant(g, array, init.data_type, init.name)
         if init.data_type in ONNX_DTYPES and init.data_type not in (21, 22):   # (4-bit constants stay packed)
             ctx.declare(values[init.name], init.data_type)
@@ -742,6 +750,7 @@ class SpecializingOnnxExecutable:
         self.output_names = [vi.name for vi in model.graph.output]
         self.compiled: dict[tuple, OnnxExecutable] = {}
         self.shared: dict = {}   # the executables' constants (compile_import's shared)
+        self.initializers: dict = {}   # the model's initializers as arrays (import_onnx's)
 
     def _key(self, feeds: Mapping[str, Any]) -> tuple:
         shapes = tuple((n, np.shape(feeds[n])) for n in self.shape_inputs)
@@ -774,7 +783,8 @@ class SpecializingOnnxExecutable:
             shapes = {**self.input_shapes, **{n: np.shape(feeds[n]) for n in self.shape_inputs}}
             fixed = {**self.constant_inputs, **{n: np.asarray(feeds[n]) for n in self.value_inputs}}
             try:
-                imported = import_onnx(self.model, shapes, what=self.what, constant_inputs=fixed, quantize=self.quantize)
+                imported = import_onnx(self.model, shapes, what=self.what, constant_inputs=fixed, quantize=self.quantize,
+                                       initializers=self.initializers)
                 break
             except NeedsHostStep as e:
                 exe = StagedOnnxExecutable(self.model, e.outputs, lambda m: from_onnx(m, self.device, shapes, fixed, self.quantize,

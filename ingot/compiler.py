@@ -103,7 +103,8 @@ def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str
     """
     log = log or (lambda text: print(text, file=sys.stderr))
     dump_after = _dump_filter(debug)
-    verify(program)
+    checked: set[int] = set()   # nodes whose types verify checked (immutable: checked once)
+    verify(program, checked)
     steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE + \
         device_steps(device, options) + LATE_PIPELINE
     history = []
@@ -113,7 +114,7 @@ def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str
         elapsed = (time.perf_counter() - start) * 1e3
         try:
             if changed:   # a pass that changed nothing leaves the program verified
-                verify(program)
+                verify(program, checked)
         except IngotError as e:
             raise IngotError(f"compile: the graph is invalid after pass {name!r}: {e}") from None
         history.append((name, changed))

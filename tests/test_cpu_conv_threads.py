@@ -1,6 +1,7 @@
 """Convolutions on several threads (backends/cpu/conv.py `threaded_step`): a large conv of one image runs as
 convs of consecutive output channels on the team, each part writing its channels of the output (too few
-channels: bands of output rows). Against the NumPy reference and the one-thread compile, on awkward channel counts, with the epilogue operands a fused conv reads
+channels: bands of output rows); the direct kxk kernel, where its input is the larger, as bands of output
+rows that it computes in place. Against the NumPy reference and the one-thread compile, on awkward channel counts, with the epilogue operands a fused conv reads
 (a bias, a per-channel scale, a residual of the output's shape, scalar bounds), for each kernel family that
 splits: the direct kxk kernel, the row kernel, the pointwise kernels (strided too), depthwise, 1-D."""
 import numpy as np
@@ -81,14 +82,14 @@ def test_a_large_conv_splits_its_channels_over_threads(case, precision, monkeypa
 
 def test_small_convs_and_batches_stay_on_one_thread(monkeypatch):
     """Below PARALLEL_MIN_MACS, or more than one image (split only within an image), or too few channels and
-    output rows for two parts: no hand-off, and the same values."""
+    output rows for two parts (3 rows: no band of 2 a thread): no hand-off, and the same values."""
     calls = []
     monkeypatch.setattr(team, "run_parts", lambda fn, argsets, threads: calls.append(len(argsets)))
     options = CompileOptions(cpu=CpuOptions(threads=2))
     rng = np.random.default_rng(3)
     for case, images in (((8, 32, (9, 11), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1),
                          ((24, 80, (33, 29), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 2),
-                         ((64, 16, (12, 400), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1)):
+                         ((64, 16, (3, 400), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "relu"), 1)):
         g, y, feeds, want = _graph(*case, images=images, rng=rng)
         got = g.compile(targets=[y], options=options).run(feeds)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
@@ -220,3 +221,29 @@ def test_parts_run_by_the_caller_alone_all_run_before_one_raises(monkeypatch):
     with pytest.raises(ValueError):
         team.run_parts(part, [(0,), (1,), (2,)], 2)
     assert calls == [0, 1, 2]
+
+
+@pytest.mark.parametrize("case", [(24, 80, (33, 29), (3, 3), (1, 1), ((1, 1), (1, 1)), 1, "silu+residual"),
+                                  (32, 40, (77, 61), (3, 3), (2, 2), ((1, 0), (1, 1)), 1, "relu"),
+                                  (16, 32, (161, 160), (3, 3), (2, 2), ((1, 1), (1, 1)), 1, "scale+clip")],
+                         ids=["residual", "stride2-uneven-pads", "ring"])
+def test_the_direct_kernel_splits_its_output_rows_in_place(case, monkeypatch):
+    """A direct conv whose input is larger than its weights (YOLO's 64 -> 64 at 40 x 40) splits into bands
+    of output rows, the kernel writing each band's rows of the one output (no buffer, no copy), each band
+    over its own padded rows: 1, 2 and 3 threads give the reference's values (rows not a multiple of the
+    threads; a stride-2 ring of padded rows; a residual read row by row)."""
+    from ingot.backends.cpu import conv as cpu_conv
+    rng = np.random.default_rng(case[1])
+    g, y, feeds, want = _graph(*case, images=1, rng=rng)
+    bands = []
+    run_band_part = cpu_conv._run_band_part
+    monkeypatch.setattr(cpu_conv, "_run_band_part", lambda step, inputs, out, band: bands.append(band) or
+                        run_band_part(step, inputs, out, band))
+    scale = float(np.abs(want).max())
+    for threads in (1, 2, 3):
+        bands.clear()
+        got = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=threads))).run(feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale, err_msg=f"{threads} threads")
+        rows = want.shape[2]
+        assert sorted(bands) == ([] if threads == 1 else
+                                 [(rows * p // threads, rows * (p + 1) // threads, p) for p in range(threads)])

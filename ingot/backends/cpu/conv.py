@@ -415,6 +415,10 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
         return None
     if out is not None and not out.flags.c_contiguous:   # (the parts write views of it)
         return None
+    if groups == 1 and conv.type.rank == 4 and not (blocked_in or blocked_out):
+        whole = build(conv)
+        if getattr(whole, "bands", False) and spatial[0] >= 2 * threads:
+            return _bands_step(whole, out, tuple(conv.type.shape), spatial[0], threads)
     parts = min(threads, m // SPLIT_UNIT)
     if parts < 2:
         return _rows_step(conv, out, epilogue, x_index, threads, build) \
@@ -452,6 +456,23 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
                                    for s, m0, m1 in zip(steps, cuts, cuts[1:])], threads)
         return y
     return step
+
+
+def _bands_step(whole, out: np.ndarray | None, out_shape: tuple, oh: int, threads: int):
+    """One step of the direct kernel as `threads` bands of consecutive output rows, run together on the
+    spinning team, each writing its rows of the one output (the kernel indexes them in place: no copy)."""
+    cuts = [oh * p // threads for p in range(threads + 1)]
+
+    def step(*inputs):
+        y = out if out is not None else np.empty(out_shape, np.float32)
+        team.run_parts(_run_band_part, [(whole, inputs, y, (oy0, oy1, i))
+                                        for i, (oy0, oy1) in enumerate(zip(cuts, cuts[1:]))], threads)
+        return y
+    return step
+
+
+def _run_band_part(step, inputs, y, band) -> None:
+    step(*inputs, into=y, band=band)
 
 
 def _run_part(step, inputs, y) -> None:
@@ -529,7 +550,9 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
     fixed_ops = all(form != "full" and i in constants for form, i in operands)
     cache: dict = {}
 
-    def step(*inputs, into=None):
+    pads = {0: padded}   # a band's padded input, by its part (threaded_step's row parts run at once)
+
+    def step(*inputs, into=None, band=None):
         wk = cache.get("w") if constant_w else None
         if wk is None:
             wk = conv_kernels.direct_weights(np.asarray(inputs[w_index], np.float32).reshape(m, c, kh, kw))
@@ -539,10 +562,17 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
         x = np.ascontiguousarray(inputs[x_index]).reshape(n_img, c, *in_spatial)
         y = into if into is not None else out if out is not None else np.empty(out_shape, np.float32)
         y4 = y.reshape(n_img, m, *spatial)
+        oy0, oy1, part = band if band is not None else (0, spatial[0], 0)
+        xp = pads.get(part)
+        if xp is None:
+            xp = pads.setdefault(part, np.zeros_like(padded))
         for n in range(n_img):
-            kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), padded)
+            kernel(x[n], wk, bias, *window, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), xp, oy0, oy1)
         return y
     step.splits = True   # Ingot's own kernel (not BLAS's), writing `into` where given (threaded_step)
+    # bands of output rows (band=(oy0, oy1, part)) where the kernel walks the input row by row: each reads
+    # its rows of the input once, where parts of channels each copied all of it into their padding
+    step.bands = conv_kernels.rows_first(c, *in_spatial, *spatial, kh, kw, *window, m)
     return step
 
 

@@ -348,7 +348,9 @@ epilogue = EPILOGUES[{key!r}]
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
+def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
+    # output rows oy0..oy1 (all of them: 0, oh); a band is computed only where the input is the larger
+    # (rows first), each band with its own padded buffer (conv.threaded_step's row parts)
     if sw != {sw} or dw != {dw}:
         raise ValueError("conv_direct: the kernel was made for another column stride or dilation")
     c_n, h, wd = x.shape
@@ -372,8 +374,10 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
     # a row as few tiles of at most WIDEST columns as even as they go (20: 10 + 10; 40: 4 x 10)
     row_tiles = (ow + {widest} - 1) // {widest}
     narrowest, wider = ow // row_tiles, ow % row_tiles   # the first `wider` tiles a column wider
-    copied = 0   # input rows copied into xp, each just before the first output row that reads it (in cache after)
-    filled = 0   # with the ring: padded rows written into it
+    if (oy0 != 0 or oy1 != oh) and not rows_first:
+        raise ValueError("conv_direct: a band of output rows where the weights are the larger")
+    copied = max(0, oy0 * sh - ph)   # input rows copied into xp, each just before the first output row that reads it
+    filled = oy0 * sh   # with the ring: padded rows written into it
     pos = np.zeros(TILE, np.int64)
     positions = oh * ow
     if not rows_first and ow < TILE <= positions:
@@ -412,8 +416,8 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded):
                     for t0 in range(0, positions, 16):
                         epilogue(of, at + t0, of, at + t0, positions - t0, b * 16 + l, at + t0, ops)
         return
-    for outer in range(oh if rows_first else blocks):
-        for inner in range(blocks if rows_first else oh):
+    for outer in range(oy0, oy1) if rows_first else range(blocks):
+        for inner in range(blocks) if rows_first else range(oh):
             oy, b = (outer, inner) if rows_first else (inner, outer)
             if rows_first_ring:
                 while filled < oy * sh + ring:
@@ -487,7 +491,8 @@ _NO_BIAS: dict = {}
 def direct_kernel(kh: int, kw: int, sw: int, dw: int, steps=(), operands=()):
     """The numba kernel of a kh x kw window, column stride sw and dilation dw with this epilogue
     (conv.Epilogue's steps and operands):
-    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded), generated and cached once per process.
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1), generated and cached once per process
+    (oy0, oy1: the output rows computed; a band only where rows_first does).
     Without full operands (a residual) the full tiles apply the epilogue in registers, before their
     transpose; the rest of each row after it is written."""
     from . import conv_spatial
@@ -500,6 +505,16 @@ def direct_kernel(kh: int, kw: int, sw: int, dw: int, steps=(), operands=()):
                             tiles=", ".join(f"tile{n}" for n in range(1, WIDEST + 1)),
                             halves=", ".join(f"half{n}" for n in range(1, WIDEST + 1)))
     return conv_spatial.load(source, "kernel", "cpu_direct_conv")
+
+
+def rows_first(c: int, h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,
+               ph: int, pw: int, m: int) -> bool:
+    """Whether the direct kernel walks the output row by row for all blocks (the input larger than the
+    weights, as the kernel decides it): where it may compute a band of output rows."""
+    tiles = -(-ow // TILE)
+    hp = max(h + ph, (oh - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(w + pw, (tiles * TILE - 1) * sw + (kw - 1) * dw + 1)
+    return c * hp * wp > -(-m // 16) * 16 * c * kh * kw
 
 
 def padded_size(c: int, h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,
@@ -534,7 +549,7 @@ def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, kernel=No
         padded = np.zeros(size, np.float32)
         if scratch is not None:
             scratch["padded"] = padded
-    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded)
+    kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, 0, out.shape[1])
 
 
 # -- the SiLU epilogue: x * sigmoid(x) with a vector exp -------------------------------------------------

@@ -13,7 +13,8 @@ def verify(program: Program, checked: set[int] | None = None) -> None:
     """Check the invariants every pass must keep: sources defined, types equal to the op's rules.
     checked: ids of nodes whose rule an earlier call checked (filled here); a node is immutable, so its
     type against its rule need not be checked again (the compiler verifies after each pass, and most
-    nodes pass through a pass as they were: PP-OCRv4's detector 14 -> 5 ms a compile)."""
+    nodes pass through a pass as they were: PP-OCRv4's detector 14 -> 11 ms a compile;
+    a change rebuilds every node downstream of it)."""
     names: dict[str, Node] = {}
     for node in program.nodes():
         if node.op == Op.CONSTANT and node.attrs["key"] not in program.constants:

@@ -173,7 +173,7 @@ def test_a_package_stores_the_k_major_array(tmp_path):
     np.testing.assert_array_equal(loaded.run({"x": a})[0], exe.run({"x": a})[0])
 
 
-def test_tile_weights_converts_what_the_tiled_gemv_multiplies(monkeypatch):
+def test_tile_weight_converts_what_the_tiled_gemv_multiplies(monkeypatch):
     monkeypatch.setattr(vnni, "AVAILABLE", True)   # the choice is by shape and form; the CPU decides only whether
 
     def weight(k, n, block=32, qdtype=dt.uint4, **kw):
@@ -187,14 +187,13 @@ def test_tile_weights_converts_what_the_tiled_gemv_multiplies(monkeypatch):
                "gguf_form": QuantizedTensor(RNG.integers(0, 256, (96, 32), dtype=np.uint8), dt.uint4, (96, 64), 32,
                                             RNG.random((96, 2)).astype(np.float32))}
     kept = {name: t.q for name, t in tensors.items() if isinstance(t, QuantizedTensor)}
-    assert kernels.tile_weights(tensors) is tensors
+    tensors = {name: kernels.tile_weight(t) for name, t in tensors.items()}
     tiled = {name for name, t in tensors.items() if isinstance(t, QuantizedTensor) and isinstance(t.q, dt.TiledWeight)}
     assert tiled == {"a", "signed", "wide_blocks", "int8"}
     for name in tiled:
         np.testing.assert_array_equal(np.asarray(tensors[name].q), kept[name])
     monkeypatch.setattr(vnni, "AVAILABLE", False)
-    plain = {"a": weight(64, 96)}
-    assert not isinstance(kernels.tile_weights(plain)["a"].q, dt.TiledWeight)
+    assert not isinstance(kernels.tile_weight(weight(64, 96)).q, dt.TiledWeight)
 
 
 def test_tile_weight_keeps_4bit_parameters_as_float16_where_exact(monkeypatch):

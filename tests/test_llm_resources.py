@@ -52,8 +52,8 @@ def test_peak_memory_generating_256_tokens():
                 elif inside and head[0] in ("Shared_Clean:", "Private_Clean:"):
                     total += int(head[1])
             return total / 1024
-        from ingot.llm.generate import _kernels_used
-        kernels.warm_up(**_kernels_used(None, {path!r}))  # what load() does first
+        from ingot.llm.generate import kernels_used
+        kernels.warm_up(**kernels_used(None, {path!r}))  # what load() does first
         runtime_mb = peak_mb()
         llm = ingot.llm.load({path!r})
         load_mb = peak_mb()   # reported with the rest: which phase set the peak

@@ -649,9 +649,13 @@ def _share_constants(constants: dict, shared: dict) -> None:
         key = (value.dtype.str, value.shape, value.tobytes() if small else None)
         refs = shared.setdefault(key, [])
         refs[:] = [r for r in refs if r() is not None]
-        bits = value.reshape(-1).view(np.uint8)
-        same = next((a for a in (r() for r in refs) if a is not None and
-                     (small or a is value or np.array_equal(a.reshape(-1).view(np.uint8), bits))), None)
+        held = [r() for r in refs]
+        if small:   # the key holds the bytes: any one held is equal
+            same = next((a for a in held if a is not None), None)
+        else:
+            bits = value.reshape(-1).view(np.uint8)
+            same = next((a for a in held if a is not None and
+                         (a is value or np.array_equal(a.reshape(-1).view(np.uint8), bits))), None)
         if same is None:
             refs.append(weakref.ref(value))
         else:

@@ -114,7 +114,7 @@ class LLM:
             raise IngotError(f"{path}: {e}") from None
         if device == "cpu":  # compile (or load) the kernels before the weights arrive: LLVM's working
             from ..backends.cpu.kernels import release_compiler_pages, warm_up  # memory is freed first
-            warm_up(**_kernels_used(self.options, path))
+            warm_up(**kernels_used(self.options, path))
             release_compiler_pages()
             _return_freed_memory()
         # the vocabulary now lives in the tokenizer; keep the small metadata only
@@ -457,7 +457,7 @@ def _keep_activation_pages() -> None:
         pass
 
 
-def _kernels_used(options, path: str) -> dict:
+def kernels_used(options, path: str) -> dict:
     """kernels.warm_up's arguments for a model on the CPU: int8-activation GEMVs only where the options
     choose them, two-level parameters only in an Ingot package (a folder)."""
     from ..options import CompileOptions

@@ -55,7 +55,7 @@ class QuantizedTensor:
         bias = -dmin * code), so every parameter held here is that product, exactly; the codes and
         units take BITS bits per block and 16 bits per super-block per parameter. Without
         two_level: nbytes. (The CPU kernels read codes and units: two_level_memory_nbytes; on AVX-512 an
-        LLM's weights are tiles with the float16 products, kernels.tile_weights; others the products: nbytes.)"""
+        LLM's weights are tiles with the float16 products, kernels.tile_weight; others the products: nbytes.)"""
         if self.two_level is None:
             return self.nbytes
         per_super, bits = self.two_level

@@ -258,8 +258,8 @@ class Engine:
         self.gathered = RowAdapters(cfg, list(self.adapters.values())) if self.sites else None
         if device == "cpu":
             from ..backends.cpu.kernels import warm_up
-            from ..llm.generate import _kernels_used
-            warm_up(**_kernels_used(options, self.path))
+            from ..llm.generate import kernels_used
+            warm_up(**kernels_used(options, self.path))
         # converted once, k-major and q/k/v, gate/up side by side (as a package stores them): every graph
         # built from them (batch-1, rows decoders) shares these arrays, none converts or copies its own
         finish = None

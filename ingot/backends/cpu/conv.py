@@ -404,7 +404,9 @@ def threaded_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_inde
     """conv (one image, groups 1 or depthwise) as `threads` convs of consecutive output channels, each the
     step build(its own conv) makes (conv_step's, or a blocked op's: backends/cpu/blocked.py), run together
     on the spinning team (team.run_parts) into their channels of one output: an image's channels (or 16-channel
-    blocks) are contiguous, so each part writes a plain array. None where the conv is too small, or a
+    blocks) are contiguous, so each part writes a plain array. Where build(conv) is the direct kernel walking
+    its input row by row (step.bands), bands of output rows of that one step instead (_bands_step); with
+    too few channels, bands of a narrowed conv each (_rows_step). None where the conv is too small, or a
     part's kernel is BLAS's (which threads itself: CpuPlan.blas). blocked_in, blocked_out: the input (read
     by a depthwise part), the output and residuals channel-blocked (ops/layout.py)."""
     _, n_img, m, spatial, c, _, kh, kw = _shapes(conv)

@@ -360,18 +360,6 @@ def _kmajor_params(params, attrs, n: int):
     return scale, offset, nb
 
 
-def tile_weights(tensors: dict) -> dict:
-    """tile_weight on each of a loader's tensors ({name: QuantizedTensor or array}, k-major, as
-    llm.package.storage_form gives them), in place, one at a time (the k-major array goes as its tiles
-    come).
-
-        >>> tensors = tile_weights(storage_form(cfg, model.tensors))   # doctest: +SKIP
-    """
-    for name in list(tensors):
-        tensors[name] = tile_weight(tensors[name])
-    return tensors
-
-
 def tile_weight(t):
     """A k-major 4- or 8-bit affine weight that rows_gemv's float32 GEMVs multiply (an AVX-512 CPU, K
     and N multiples of 32, blocks of 32 k or a multiple, parameters as arrays) as a dt.TiledWeight:
@@ -379,7 +367,10 @@ def tile_weight(t):
     dequantized tiles and gathers (a tied embedding) read it too, and the weight is held once. A 4-bit
     weight's float32 parameters go to float16 where it holds them exactly (a GGUF's Q4_0 / Q4_1 come
     so): a third of its bytes read, 14 MB less of SmolLM2 held. Anything else comes back as it is
-    (llm.package.storage_form's finish: each weight converted as it comes, not all of them twice)."""
+    (llm.package.storage_form's finish: each weight converted as it comes, not all of them twice).
+
+        >>> tensors = storage_form(cfg, model.tensors, finish=tile_weight)   # doctest: +SKIP
+    """
     from ...quant.formats import QuantizedTensor, TwoLevelParams
     if not (vnni.AVAILABLE and isinstance(t, QuantizedTensor) and t.block_axis == 0 and t.qdtype.bits in (4, 8)
             and t.lut is None and isinstance(t.q, np.ndarray) and dt.TiledWeight.fits(t.q, t.qdtype.bits)
@@ -408,23 +399,22 @@ def _array_half(p: np.ndarray | None) -> np.ndarray | None:
     arrays as they are)."""
     if p is None or p.dtype == np.float16:
         return p
+    if p.dtype != np.float32:
+        return None
     half = p.astype(np.float16)
-    return half if p.dtype == np.float32 and np.array_equal(half.astype(np.float32), p) else None
+    return half if np.array_equal(half.astype(np.float32), p) else None
 
 
 def _exact_half(p):
     """Two-level parameters as their float16 products where float16 holds every one exactly, else None;
     anything else as it is."""
     from ...quant.formats import TwoLevelParams
-    if not isinstance(p, TwoLevelParams):
-        return p
-    products, half = np.asarray(p, np.float32), np.asarray(p)   # (TwoLevelParams.__array__: float16 by default)
-    return half if np.array_equal(half.astype(np.float32), products) else None
+    return _array_half(np.asarray(p, np.float32)) if isinstance(p, TwoLevelParams) else p
 
 
 def _half_if_exact(p: np.ndarray | None) -> np.ndarray | None:
     """p in the kernels' float16 form when float16 holds it exactly, else as _kernel_form gives it."""
-    half = _array_half(p) if p is not None and p.dtype == np.float32 else None
+    half = _array_half(p)
     return _kernel_form(p if half is None else half)
 
 
@@ -697,7 +687,7 @@ def warm_up(int8_activations: bool = True, two_level: bool = True) -> None:
     parameters (only an Ingot package's :k weights have them, never a GGUF file's): each loaded
     specialisation holds ~2.5 MB of code and LLVM state, and the default model's load held 50 MB of
     ones it never calls (SmolLM2 generating: 288 MB anonymous, 226 with only the kernels it ran).
-    One left out and called after all loads then, as any kernel would.
+    A kernel left out still loads when first called, as any other does.
 
     When numba's cache is empty (the first run after an install or an edit), the compiling happens
     in a child process that fills the cache (every kernel): LLVM keeps tens of MB of its working

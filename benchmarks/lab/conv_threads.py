@@ -1,5 +1,6 @@
-"""One convolution (+ ReLU) at 1 and 2 CPU threads (backends/cpu/conv.py threaded_step: parts of output
-channels, or of output rows under 32 channels), wall-time medians, float32 kernels:
+"""One convolution (+ ReLU) at 1 and 2 CPU threads (backends/cpu/conv.py threaded_step: the direct kernel's
+bands of output rows where its input is the larger, else parts of output channels, or of output rows under
+32 channels), wall-time medians, float32 kernels:
 
     python benchmarks/lab/conv_threads.py [RUNS]
 

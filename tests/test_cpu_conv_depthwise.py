@@ -37,12 +37,13 @@ def test_depthwise_matches_reference(c, hw, k, strides, pads):
     want = conv(x[None], w, b, strides, (1, 1), pads, c)[0]
     assert conv_depthwise.fits(k[0], k[1], strides, (1, 1), [])
     out = np.full(want.shape, np.nan, np.float32)
-    kernel = conv_depthwise.driver(k[0], k[1], strides[1], want.shape[2], [], [])
+    kernel = conv_depthwise.driver(k[0], k[1], strides[1], [], [])
     xp_n, ot_n = conv_depthwise.band_scratch_sizes(k[0], k[1], strides[1], hw, want.shape[1:], strides[0], pads[0][0],
                                                    pads[1][0])
     xp, ot = np.full(xp_n, np.nan, np.float32), np.full(ot_n, np.nan, np.float32)   # the kernel writes the padding
     for _ in range(2):   # the second call reuses the scratch
-        kernel(x, *conv_depthwise.arrange_weights(w.reshape(c, -1), b), strides[0], pads[0][0], pads[1][0], out, (), xp, ot, c)
+        kernel(x, *conv_depthwise.arrange_weights(w.reshape(c, -1), b), strides[0], pads[0][0], pads[1][0], out, (), xp, ot, c,
+               conv_depthwise.positions(want.shape[2]))
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
         out[:] = np.nan
 
@@ -60,12 +61,31 @@ def test_depthwise_blocked_layouts(c, hw, k, strides, pads, blocked_in, blocked_
     (oh, ow), blocks = want.shape[2:], -(-c // 16)
     xin = block_channels(x[None])[0].reshape(blocks, hw[0], hw[1] * 16) if blocked_in else x
     out = np.full((blocks, oh, ow * 16) if blocked_out else want.shape[1:], np.nan, np.float32)
-    kernel = conv_depthwise.driver(k[0], k[1], strides[1], ow, [], [], blocked_in, blocked_out)
+    kernel = conv_depthwise.driver(k[0], k[1], strides[1], [], [], blocked_in, blocked_out)
     xp_n, ot_n = conv_depthwise.band_scratch_sizes(k[0], k[1], strides[1], hw, (oh, ow), strides[0], pads[0][0], pads[1][0])
     xp, ot = np.full(xp_n, np.nan, np.float32), np.full(ot_n, np.nan, np.float32)
-    kernel(xin, *conv_depthwise.arrange_weights(w.reshape(c, -1), b), strides[0], pads[0][0], pads[1][0], out, (), xp, ot, c)
+    kernel(xin, *conv_depthwise.arrange_weights(w.reshape(c, -1), b), strides[0], pads[0][0], pads[1][0], out, (), xp, ot, c,
+           conv_depthwise.positions(ow))
     expect = block_channels(want)[0].reshape(out.shape) if blocked_out else want[0]
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def test_one_kernel_serves_every_tile_width():
+    """Widths that pick tiles of 4 to 8 positions run one kernel (a new image width loads none)."""
+    kernel = conv_depthwise.driver(3, 3, 1, [], [])
+    assert sorted({conv_depthwise.positions(ow) for ow in (4, 5, 6, 7, 9, 15, 16, 19, 26, 33)}) == [4, 5, 6, 7, 8]
+    rng = np.random.default_rng(3)
+    c = 20
+    w = rng.standard_normal((c, 1, 3, 3)).astype(np.float32)
+    for ow in (4, 5, 6, 7, 9, 15, 16, 19, 26, 33):
+        x = rng.standard_normal((c, 5, ow)).astype(np.float32)
+        want = conv(x[None], w, None, (1, 1), (1, 1), ((1, 1), (1, 1)), c)[0]
+        xp_n, ot_n = conv_depthwise.band_scratch_sizes(3, 3, 1, (5, ow), (5, ow), 1, 1, 1)
+        out = np.full(want.shape, np.nan, np.float32)
+        kernel(x, *conv_depthwise.arrange_weights(w.reshape(c, -1), None), 1, 1, 1, out, (), np.zeros(xp_n, np.float32),
+               np.empty(ot_n, np.float32), c, conv_depthwise.positions(ow))
+        assert conv_depthwise.driver(3, 3, 1, [], []) is kernel
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
 
 
 def test_fits_only_what_it_runs():

@@ -145,14 +145,15 @@ from numba import njit
 
 from ingot.backends.cpu.conv_depthwise import _transpose_in, _transpose_out, tile_for
 
-tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key!r}, {blocked_out})
+# every tile width positions() may pick: a new image width needs no other kernel
+tile4, tile5, tile6, tile7, tile8 = (tile_for({kh}, {kw}, {stride}, r, {key!r}, {blocked_out}) for r in (4, 5, 6, 7, 8))
 BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n):
+def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n, r_n):
     # x [C, H, W] (blocked: [C / 16, H, W * 16]), w [C / 16, kh * kw * 16], bias [C / 16, 16] (arrange_weights),
-    # c_n: C, out [C, OH, OW] (blocked:
+    # c_n: C, r_n: output positions per tile (positions(OW)), out [C, OH, OW] (blocked:
     # [C / 16, OH, OW * 16]); column stride s, row stride sh; xp, ot: scratch of band_scratch_sizes. Per block
     # of 16 channels, a band of output rows at a time: the padded input rows it reads transposed (blocked:
     # copied) into xp (band-relative: rows r0.. of the padded plane; the rows two bands share are
@@ -163,7 +164,7 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n):
     wd = x.shape[2] // 16 if BLOCKED_IN else x.shape[2]
     oh = out.shape[1]
     ow = out.shape[2] // 16 if BLOCKED_OUT else out.shape[2]
-    kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
+    kh, kw, s = {kh}, {kw}, {stride}
     taps = kh * kw
     wp = max(wd + pw, s * (ow - 1) + kw)
     p_n = oh * ow
@@ -196,12 +197,23 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n):
             for oy in range(oy0, oy1):
                 for ox in range(0, ow, r_n):
                     x_at = ((oy - oy0) * sh * wp + ox * s) * 16
-                    if not BLOCKED_OUT:
-                        tile(ot, ((oy - oy0) * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
-                        tile(of, c0 * p_n + (oy * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    else:   # past the output's end: through ot
-                        tile(ot, 0, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    dst, at, through = ot, ((oy - oy0) * ow + ox) * 16, False
+                    if BLOCKED_OUT:
+                        if c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
+                            dst, at = of, c0 * p_n + (oy * ow + ox) * 16
+                        else:   # past the output's end: through ot
+                            at, through = 0, True
+                    if r_n == 8:
+                        tile8(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif r_n == 7:
+                        tile7(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif r_n == 6:
+                        tile6(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif r_n == 5:
+                        tile5(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    else:
+                        tile4(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    if through:
                         at = c0 * p_n + (oy * ow + ox) * 16
                         of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
             if not BLOCKED_OUT:
@@ -254,11 +266,13 @@ def band_scratch_sizes(kh: int, kw: int, stride: int, in_hw, out_hw, sh: int, ph
     return (rows * wp + stride * positions(ow) + kw + 32) * 16, (min(band, oh) * ow + positions(ow) + 32) * 16
 
 
-def driver(kh: int, kw: int, stride: int, ow: int, steps, operands, blocked_in: bool = False, blocked_out: bool = False):
-    """The kernel for this window and epilogue, its input and output NCHW or channel-blocked (ops/layout.py)."""
+def driver(kh: int, kw: int, stride: int, steps, operands, blocked_in: bool = False, blocked_out: bool = False):
+    """The kernel for this window and epilogue, its input and output NCHW or channel-blocked (ops/layout.py). It
+    holds a tile of each width positions() picks and takes the width as an argument: a new image width reuses
+    the kernel (one kernel per width cost ~5 ms to load from numba's cache at each new width of a model)."""
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=positions(ow), key=key, blocked_in=blocked_in,
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, key=key, blocked_in=blocked_in,
                             blocked_out=blocked_out)
     return conv_spatial.load(f"# depthwise {REVISION}\n{source}", "kernel", "cpu_conv_depthwise")
 
@@ -277,7 +291,8 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
     kh, kw = (w_shape[2], w_shape[3]) if len(w_shape) == 4 else (1, w_shape[2])
     sh, sw, ph, pw = window
     operands = epilogue.operands
-    kernel = driver(kh, kw, sw, spatial[1], epilogue.steps, operands, blocked_in, blocked_out)
+    kernel = driver(kh, kw, sw, epilogue.steps, operands, blocked_in, blocked_out)
+    r_n = positions(spatial[1])
     xp_n, ot_n = band_scratch_sizes(kh, kw, sw, in_spatial, spatial, sh, ph, pw)
     if blocked_out:   # the output's last tile only
         ot_n = (positions(spatial[1]) + 32) * 16
@@ -305,7 +320,7 @@ def depthwise_step(conv, out, epilogue, x_index: int, w_index: int, b_index: int
         y = into if into is not None else out if out is not None else np.empty(result_shape, np.float32)
         ys = y.reshape(y_shape)
         for n in range(n_img):
-            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot, c)
+            kernel(xs[n], wk[0], wk[1], sh, ph, pw, ys[n], ops, xp, ot, c, r_n)
         return y
     step.splits = True   # writes `into` where given (conv.threaded_step)
     return step

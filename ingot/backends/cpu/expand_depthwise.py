@@ -70,24 +70,25 @@ from numba import njit
 from ingot.backends.cpu.conv_depthwise import _transpose_out, tile_for
 from ingot.backends.cpu.expand_depthwise import row_tile_for
 
-tile = tile_for({kh}, {kw}, {stride}, {r_n}, {key_b!r}, {blocked_out})
+# every tile width conv_depthwise.positions() may pick: a new image width needs no other kernel
+tile4, tile5, tile6, tile7, tile8 = (tile_for({kh}, {kw}, {stride}, r, {key_b!r}, {blocked_out}) for r in (4, 5, 6, 7, 8))
 row16, row8, row4, row2, row1 = (row_tile_for(r, {key_a!r}, {blocked_in}) for r in (16, 8, 4, 2, 1))
 BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n):
+def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n, r_n):
     # x [C, H, W] (blocked: [C / 16, H, W * 16]): the pointwise conv's input; wa [M rounded up to 16 / 16, C,
     # 16], ba [M rounded up]; w [M / 16, kh * kw * 16], bias [M / 16, 16]: the depthwise conv's
     # (conv_depthwise.arrange_weights), m_n: M; out [M, OH, OW] (blocked:
     # [M / 16, OH, OW * 16]); xp, ot: conv_depthwise's scratch; offs [H * W]: input position y * W + x's
-    # offset in xp, ((y + ph) * wp + pw + x) * 16
+    # offset in xp, ((y + ph) * wp + pw + x) * 16; r_n: output positions per tile (conv_depthwise.positions)
     c_n = wa.shape[1]
     h = x.shape[1]
     wd = x.shape[2] // 16 if BLOCKED_IN else x.shape[2]
     oh = out.shape[1]
     ow = out.shape[2] // 16 if BLOCKED_OUT else out.shape[2]
-    kh, kw, s, r_n = {kh}, {kw}, {stride}, {r_n}
+    kh, kw, s = {kh}, {kw}, {stride}
     taps = kh * kw
     wp = max(wd + pw, s * (ow - 1) + kw)
     p_n = oh * ow
@@ -124,12 +125,23 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n):
             for oy in range(oy0, oy1):
                 for ox in range(0, ow, r_n):
                     x_at = (oy * sh * wp + ox * s) * 16
-                    if not BLOCKED_OUT:
-                        tile(ot, (oy * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
-                        tile(of, c0 * p_n + (oy * ow + ox) * 16, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    else:   # past the output's end: through ot
-                        tile(ot, 0, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    dst, at, through = ot, (oy * ow + ox) * 16, False
+                    if BLOCKED_OUT:
+                        if c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
+                            dst, at = of, c0 * p_n + (oy * ow + ox) * 16
+                        else:   # past the output's end: through ot
+                            at, through = 0, True
+                    if r_n == 8:
+                        tile8(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif r_n == 7:
+                        tile7(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif r_n == 6:
+                        tile6(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    elif r_n == 5:
+                        tile5(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    else:
+                        tile4(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+                    if through:
                         at = c0 * p_n + (oy * ow + ox) * 16
                         of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
             if not BLOCKED_OUT:
@@ -139,14 +151,14 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n):
 """
 
 
-def driver(kh: int, kw: int, stride: int, ow: int, steps_a, steps_b, operands, blocked_in: bool = False,
+def driver(kh: int, kw: int, stride: int, steps_a, steps_b, operands, blocked_in: bool = False,
            blocked_out: bool = False):
     """The kernel for this window and these epilogues (steps over the shared operand list), its input and
-    output NCHW or channel-blocked (ops/layout.py)."""
+    output NCHW or channel-blocked (ops/layout.py); the tile width is an argument (conv_depthwise.driver's)."""
     key_a, key_b = conv_spatial.steps_key(steps_a, operands), conv_spatial.steps_key(steps_b, operands)
     conv_spatial.epilogue_for(key_a, steps_a, operands)
     conv_spatial.epilogue_for(key_b, steps_b, operands)
-    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, r_n=conv_depthwise.positions(ow), key_a=key_a, key_b=key_b,
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, key_a=key_a, key_b=key_b,
                             blocked_in=blocked_in, blocked_out=blocked_out)
     return conv_spatial.load(f"# expand_depthwise {REVISION}\n{source}", "kernel", "cpu_expand_depthwise")
 
@@ -194,7 +206,8 @@ def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU
     in_hw, out_hw = tuple(conv_a.type.shape[2:]), tuple(conv_b.type.shape[2:])
     kh, kw = conv_b.src[1].type.shape[2:]
     (sh, sw), ((ph, _), (pw, _)) = conv_b.attrs["strides"], conv_b.attrs["pads"]
-    kernel = driver(kh, kw, sw, out_hw[1], steps_a, steps_b, operands, blocked_in, blocked_out)
+    kernel = driver(kh, kw, sw, steps_a, steps_b, operands, blocked_in, blocked_out)
+    r_n = conv_depthwise.positions(out_hw[1])
     xp_n, ot_n = conv_depthwise.scratch_sizes(kh, kw, sw, in_hw, out_hw, sh, ph, pw)
     if blocked_out:   # the output's last tile only
         ot_n = (conv_depthwise.positions(out_hw[1]) + 32) * 16
@@ -224,7 +237,7 @@ def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU
     def run_part(x, fixed, ys, m_part: int, xp, ot) -> None:
         wa, ba, wb, bb, ops = fixed
         for n in range(n_img):
-            kernel(x[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs, m_part)
+            kernel(x[n], wa, ba, wb, bb, sh, ph, pw, ys[n], ops, xp, ot, offs, m_part, r_n)
 
     def step(*inputs):
         fixed = arranged.get("fixed")

@@ -103,7 +103,7 @@ def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str
     """
     log = log or (lambda text: print(text, file=sys.stderr))
     dump_after = _dump_filter(debug)
-    checked: set[int] = set()   # nodes whose types verify checked (immutable: checked once)
+    checked: dict[int, object] = {}   # nodes verify checked (immutable: checked once; verify's)
     verify(program, checked)
     steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE + \
         device_steps(device, options) + LATE_PIPELINE

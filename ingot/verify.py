@@ -9,34 +9,43 @@ from .ir import Node, Op, Program
 from .ops import infer_type
 
 
-def verify(program: Program, checked: set[int] | None = None) -> None:
+def verify(program: Program, checked: dict[int, object] | None = None) -> None:
     """Check the invariants every pass must keep: sources defined, types equal to the op's rules.
-    checked: ids of nodes whose rule an earlier call checked (filled here); a node is immutable, so its
-    type against its rule need not be checked again (the compiler verifies after each pass, and most
-    nodes pass through a pass as they were: PP-OCRv4's detector 14 -> 11 ms a compile;
-    a change rebuilds every node downstream of it)."""
+    checked: nodes an earlier call checked (filled here), by id: a node is immutable, so its type against
+    its rule need not be checked again (the compiler verifies after each pass, and most nodes pass
+    through a pass as they were: PP-OCRv4's detector 14 -> 11 ms a compile; a change rebuilds every node
+    downstream of it); a constant's entry is the stored array it was checked against (a pass may
+    store another under its key), so a constant is checked again only when its array changed."""
     names: dict[str, Node] = {}
+    constants = program.constants
     for node in program.nodes():
-        if node.op == Op.CONSTANT and node.attrs["key"] not in program.constants:
-            raise IngotError(f"verify: constant {node.attrs['key']!r} is used by the graph but absent from the store.")
-        if node.op == Op.CONSTANT:
-            value = program.constants[node.attrs["key"]]
+        op = node.op
+        if checked is not None and node.id in checked and op != Op.PLACEHOLDER and (
+                op != Op.CONSTANT or checked[node.id] is constants.get(node.attrs["key"])):
+            continue
+        if op == Op.CONSTANT:
+            if node.attrs["key"] not in constants:
+                raise IngotError(f"verify: constant {node.attrs['key']!r} is used by the graph but absent from the store.")
+            value = constants[node.attrs["key"]]
             want = dt.storage_shape(node.type.shape, node.dtype) if node.type.shape else ()
             if tuple(value.shape) != tuple(want) or value.dtype != node.dtype.storage:
                 raise IngotError(f"verify: constant {node.attrs['key']!r} holds {value.dtype}{list(value.shape)} "
                                  f"but its node says {node.type}.")
-        if node.op == Op.VARIABLE:
+            if checked is not None:
+                checked[node.id] = value
+            continue
+        if op == Op.VARIABLE:
             vname = node.attrs["name"]
             if vname not in program.variables:
                 raise IngotError(f"verify: variable {vname!r} has no initial value.")
-        if node.op == Op.PLACEHOLDER:
+        if op == Op.PLACEHOLDER:
             other = names.setdefault(node.name, node)
             if other is not node and other.type != node.type:
                 raise IngotError(f"verify: two placeholders named {node.name!r} with different types.")
-        if node.op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE) or (checked is not None and node.id in checked):
+        if op in (Op.PLACEHOLDER, Op.VARIABLE):
             continue
-        expected = infer_type(node.op, [s.type for s in node.src], node.attrs)
+        expected = infer_type(op, [s.type for s in node.src], node.attrs)
         if expected != node.type:
-            raise IngotError(f"verify: {node.op.name} #{node.id} has type {node.type} but its rule gives {expected}.")
+            raise IngotError(f"verify: {op.name} #{node.id} has type {node.type} but its rule gives {expected}.")
         if checked is not None:
-            checked.add(node.id)
+            checked[node.id] = None

@@ -125,7 +125,7 @@ def test_executables_of_each_shape_share_their_constants():
                and isinstance(c.cell_contents.get("kernel"), int8_matmul.FloatInt8Matmul)]
     assert len(kernels) == 3 and kernels[0].w is kernels[1].w is kernels[2].w
     assert kernels[0].buffers is not kernels[1].buffers
-    assert all(isinstance(a, np.ndarray) and not a.flags.writeable for a in exe.initializers.values())
+    assert all(isinstance(a, np.ndarray) and not a.flags.writeable for a in exe.import_cache.initializers.values())
 
 
 def test_shared_constants_are_found_by_their_bytes_and_held_weakly():

@@ -73,7 +73,8 @@ def _if_at_run_time(ctx: Context, node: OnnxNode, cond: Tensor) -> list[Tensor]:
     passed = [name for name, t in outer.items() if ctx.value(t) is None]   # the rest enter as constants
     built = []
     for graph in graphs:
-        sub = Context(ImportGraph(ctx.g.max_elements), ctx.what, ctx.opsets, ctx.quantize, in_branch=True)
+        sub = Context(ImportGraph(ctx.g.max_elements), ctx.what, ctx.opsets, ctx.quantize, in_branch=True,
+                      import_cache=ctx.import_cache)
         sub.import_subgraph = lambda s, o, i=(), into=None, sub=sub: ctx.import_subgraph(s, o, i, into=into or sub)
         values = {}
         for i, (name, t) in enumerate(outer.items()):

@@ -191,6 +191,7 @@ class Context:
                                                 # converted in place (into this context's graph, or `into`'s)
     branches: dict[str, Any] = field(default_factory=dict)  # If branches run at run time, by callable name
     in_branch: bool = False                     # converting such a branch (its inputs are not the model's)
+    import_cache: Any = None                    # onnx.ImportCache: what imports of the model at other shapes read
 
     def onnx_dtype(self, t: Tensor) -> np.dtype:
         """The NumPy dtype of t's ONNX type (uint16 for a uint16 held in int32), where the import knows it."""

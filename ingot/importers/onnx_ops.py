@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np

@@ -158,13 +158,14 @@ def attention_table(chunk: int, caches: list[int]) -> list[dict]:
 
 
 def ingot_prefill(prompts: list[int], chunk: int, precision: str, decode_steps: int,
-                  kv_dtype: str = "float32") -> list[dict]:
+                  kv_dtype: str = "float32", decode_precision: str = "tf32x3p") -> list[dict]:
     context = max(prompts) + decode_steps + chunk
     shape = dict(SHAPES["llama8b"])
     cfg = llama.LlamaConfig(**shape, context_length=context, kv_dtype=kv_dtype)
     free_device()
     model = llama.build(cfg, fast_random_weights(cfg))
-    options = CompileOptions(cuda=CudaOptions.for_device(torch.cuda.get_device_name(), prefill_precision=precision))
+    options = CompileOptions(cuda=CudaOptions.for_device(torch.cuda.get_device_name(), prefill_precision=precision,
+                                                           decode_precision=decode_precision))
     pre = model.compile(chunk, "cuda", options=options)
     dec = model.compile(1, "cuda", options=options)
     state = dec.new_state()
@@ -198,9 +199,9 @@ def ingot_prefill(prompts: list[int], chunk: int, precision: str, decode_steps: 
             logits = host(dec.run({"tokens": token, "pos": np.int32(n + i), "last": np.int32(0)}, state=state)[0])
             token = np.argmax(logits, axis=-1).astype(np.int32).reshape(1)
         decode = decode_steps / (time.perf_counter() - t0)
-        rows.append(dict(engine=f"ingot_int4_{precision}_kv{kv_dtype}_chunk{chunk}", prompt=n, chunk=chunk, ttft_s=ttft, prefill_tok_s=n / ttft,
+        rows.append(dict(engine=f"ingot_int4_{precision}_kv{kv_dtype}_chunk{chunk}_dec{decode_precision}", prompt=n, chunk=chunk, ttft_s=ttft, prefill_tok_s=n / ttft,
                          decode_tok_s=decode))
-        print(f"ingot int4 {precision:6s} KV {kv_dtype:8s} chunk {chunk:5d} prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
+        print(f"ingot int4 {precision:6s} KV {kv_dtype:8s} decode {decode_precision:7s} chunk {chunk:5d} prompt {n:6d}: ttft {ttft:.3f} s, prefill {n / ttft:9.0f} tok/s, "
               f"decode after it {decode:.0f} tok/s", flush=True)
     return rows
 
@@ -262,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", default="512", help="prefill chunk sizes, comma-separated (each timed)")
     ap.add_argument("--precisions", default="tf32x3,bf16")
     ap.add_argument("--kv-dtypes", default="float32", help="KV cache dtypes, comma-separated (float32, bfloat16, int8)")
+    ap.add_argument("--decode-precisions", default="tf32x3p",
+                    help="CudaOptions.decode_precision values, comma-separated (tf32x3p; bf16: one bfloat16 product)")
     ap.add_argument("--max-tf32x3-prompt", type=int, default=8192, help="longer prompts only with bf16 (time)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--gemm", action="store_true")
@@ -309,7 +312,8 @@ def main(argv=None) -> int:
             todo = [p for p in prompts if precision != "tf32x3" or p <= args.max_tf32x3_prompt]
             for chunk in args.chunk.split(","):
                 for kv in args.kv_dtypes.split(","):
-                    rows += ingot_prefill(todo, int(chunk), precision, args.decode_steps, kv)
+                    for dec in args.decode_precisions.split(","):
+                        rows += ingot_prefill(todo, int(chunk), precision, args.decode_steps, kv, dec)
         if not args.no_anchor:
             anchor = anchor_prefill([p for p in prompts if p <= args.max_anchor_prompt], args.decode_steps)
             rows += anchor

@@ -53,7 +53,8 @@ class CudaOptions:
     decode_merge_max_splits: int = 32     # the last split merges (no combine launch) up to this many splits
     decode_merge_splits: int = 8          # the most splits launched a KV head where they merge in the kernel
     decode_precision: str = "tf32x3p"     # float32 decode dots: "tf32x3p", "tf32x3", "ieee" (the first
-                                          # measured fastest at float32-level accuracy)
+                                          # measured fastest at float32-level accuracy); "bf16": q, p and
+                                          # the cache rounded to bfloat16, one product (bf16 activations)
     decode_chunk_kb: int = 32             # K+V kilobytes a short cache's split reads at least
     decode_block_n: int = 0               # keys a tile (0: 64, 32 past head dim 128)
     decode_chunk_align: int = 0           # a split's keys a multiple of this (0: the key tile)
@@ -127,7 +128,7 @@ DEVICE_TUNING: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {},
 }
 
-_CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee"), "prefill_precision": ("tf32x3", "bf16"),
+_CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee", "bf16"), "prefill_precision": ("tf32x3", "bf16"),
             "float32_precision": ("ieee", "tf32"),
             "prefill_hopper": ("auto", "always", "never"),
             "timeline": ("off", "end", "all")}

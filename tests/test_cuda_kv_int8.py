@@ -154,3 +154,33 @@ def test_prefill_with_bf16_dots_reads_int8_codes():
                        causal=True)
     got = cuda_backend.to_host(got)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton's interpreter returns garbage for a tl.dot of two bf16 tiles")
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("length", [2, 70, 2000])   # (an int8 cache's row 0 is zeros: 2 keys at least)
+def test_decode_with_bf16_dots(cache, length):
+    """decode_precision "bf16" (the bf16-activation choice): q, p and the cache tiles rounded to
+    bfloat16, one product each, on every cache dtype; within bfloat16's bar of the float64 reference,
+    and the split-KV merge over many splits unchanged."""
+    from ingot.options import CudaOptions
+
+    rng = np.random.default_rng(length)
+    b, hq, hk, d, buffer = 1, 32, 8, 128, 2048
+    q = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+    if cache == "int8":
+        kc, ks, k, k_scales = _codes(rng, (b, hk, buffer, d), length)
+        vc, vs, v, v_scales = _codes(rng, (b, hk, buffer, d), length)
+        k, v = nn_ops.dequantized_rows(k, k_scales, length), nn_ops.dequantized_rows(v, v_scales, length)
+        dev, scales = (kc, vc), (ks, vs)
+    else:
+        k, v = (rng.standard_normal((b, hk, buffer, d)).astype(np.float32) for _ in range(2))
+        dev = tuple(torch.from_numpy(x).to(DEVICE, getattr(torch, cache)) for x in (k, v))
+        k, v = (x.float().cpu().numpy()[:, :, :length] for x in dev)
+        scales = None
+    want = nn_ops.sdpa(q, k[:, :, :length], v[:, :, :length], causal=True)
+    for split in (None, 33):
+        got = attn.attention(torch.from_numpy(q).to(DEVICE), *dev, length=torch.tensor(length, device=DEVICE),
+                             causal=True, scales=scales, split=split, options=CudaOptions(decode_precision="bf16"))
+        got = cuda_backend.to_host(got)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, (split, cache)

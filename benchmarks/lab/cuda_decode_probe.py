@@ -13,6 +13,7 @@ and float32 row scales, as `kv_dtype="int8"` stores them; its new row quantized 
 `--caches N`: N caches of their own, one launch on each in turn (a layer after another, as a model's step
 reads them), so the keys come from memory, not from the L2 a repeated launch leaves them in; the figure is
 a launch's share, and GB/s the cache bytes it reads over that.
+`--variants exec:decode_precision=bf16` runs the executor's launch with that CudaOptions choice.
 `--dry` runs each variant once, untimed (Triton's interpreter: INGOT_CUDA_DEVICE=cpu TRITON_INTERPRET=1).
 """
 import argparse
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ingot.backends.cuda import attention as attn  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.backends.cuda.pdl import pdl_args, pdl_enter  # noqa: E402
+from ingot.options import CudaOptions  # noqa: E402
 
 
 @triton.jit
@@ -114,7 +116,10 @@ def main():
             cfg = dict(variants[base])
             for item in filter(None, settings.split("+")):
                 key, _, value = item.partition("=")
-                cfg[key] = value if key == "precision" else int(value)
+                if key == "decode_precision":   # CudaOptions.decode_precision ("bf16": one bfloat16 product)
+                    cfg["options"] = CudaOptions(decode_precision=value)
+                else:
+                    cfg[key] = value if key == "precision" else int(value)
             return cfg
         variants = {name: parse(name) for name in a.variants.split(",")}
     for kv_dtype, length in ((t, int(n)) for t in a.kv_dtypes.split(",") for n in a.lengths.split(",")):

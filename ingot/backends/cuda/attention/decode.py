@@ -25,9 +25,11 @@ def _dot(a, b, PRECISION: tl.constexpr, B_EXACT: tl.constexpr = False):
     dropped), but the three products are independent dots summed at the end, where Triton's tf32x3
     chains them through one accumulator (H200: 0.05-0.1 us less a short-cache decode launch, of the
     ~0.7 us single tf32 would save; see CudaOptions.decode_precision). B_EXACT: b has no low part (int8
-    codes, a bfloat16 or float16 cache widened): two products. Anything else: tl.dot with that input
-    precision."""
-    if PRECISION == "tf32x3p" and B_EXACT:   # b exact in tf32 (codes, 16-bit values): a_hi b + a_lo b
+    codes, a bfloat16 or float16 cache widened): two products. "bf16": a and b rounded to bfloat16, one
+    product. Anything else: tl.dot with that input precision."""
+    if PRECISION == "bf16":   # both operands rounded to bfloat16, one product (a choice: bf16 activations)
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PRECISION == "tf32x3p" and B_EXACT:   # b exact in tf32 (codes, 16-bit values): a_hi b + a_lo b
         a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
         return tl.dot(a_hi, b, input_precision="tf32") + tl.dot(a - a_hi, b, input_precision="tf32")
     elif PRECISION == "tf32x3p":
@@ -98,10 +100,12 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
     # a launch with the tiles widened to float32 and three tf32 products)
     BF16X3: tl.constexpr = DOT16 and PRECISION == "tf32x3p" and (
         CODES or (kt.dtype == tl.bfloat16 and vt.dtype == tl.bfloat16))
+    # "bf16" (the bf16-activation choice): q, p and the tiles rounded to bfloat16, one product each
+    ONE16: tl.constexpr = DOT16 and PRECISION == "bf16"
     # a 16-bit cache widened to float32 is exact in tf32: the dots skip its low part
     K_EXACT: tl.constexpr = kt.dtype == tl.float16 or kt.dtype == tl.bfloat16
     V_EXACT: tl.constexpr = vt.dtype == tl.float16 or vt.dtype == tl.bfloat16
-    if BF16X3:
+    if BF16X3 or ONE16:
         kt = kt.to(tl.bfloat16)   # (codes: |c| <= 127, exact)
         vt = vt.to(tl.bfloat16)
     else:
@@ -111,6 +115,8 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
             vt = vt.to(q.dtype)
     if BF16X3:
         s = _dot_bf16x3(q, tl.trans(kt))
+    elif ONE16:
+        s = tl.dot(q.to(tl.bfloat16), tl.trans(kt))
     else:
         s = _dot(q, tl.trans(kt), PRECISION, CODES or K_EXACT)
     if CODES:
@@ -130,6 +136,8 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
         p = p * vs[None, :]
     if BF16X3:
         acc = acc * alpha[:, None] + _dot_bf16x3(p, vt)
+    elif ONE16:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), vt)
     else:
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION, CODES or V_EXACT)
     return m_new, l_i, acc

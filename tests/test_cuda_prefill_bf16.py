@@ -61,6 +61,37 @@ def test_gemm_bf16_against_float64(words, m, k, n, block):
     assert rel(exact, want) < 1e-5
 
 
+@pytest.mark.parametrize("m,k,n,block,qdtype,bias", [
+    (17, 96, 80, 32, "uint4", True),        # one row past the word GEMV, N off the 256-column tile
+    (33, 4160, 300, 64, "int4", False),     # signed (the +8 folded into a bias), K past a split's tiles
+    (64, 1024, 520, 128, "uint4", False),   # no bias: scale only; the last row tile full
+    (48, 224, 1000, 32, "int4", True),      # K of 7 tiles of 32
+])
+def test_words_gemm_against_float64(m, k, n, block, qdtype, bias):
+    """`_qgemm_words_kernel` (bf16 dots over a word-layout weight, 17-64 rows): float32 and bfloat16 x,
+    the K splits its config picks and forced ones (1: a plain store; 7: float32 atomics, a split ending
+    inside K's last tile), against the dequantized weight in float64."""
+    from ingot.backends.cuda.quantized_matmul import dispatch
+
+    rng = np.random.default_rng([SEED, m, k, n])
+    q = rng.integers(0, 256, (k, (n + 1) // 2), dtype=np.uint8)
+    params = [rng.random((k // block, n), dtype=np.float32) * 0.02]
+    if bias:
+        params.append(-rng.random((k // block, n), dtype=np.float32) * 0.02)
+    w = qmm.prepare_weight(q, params, dict(mode="affine", qdtype=getattr(dt, qdtype), has_bias=bias), "cuda", words=True)
+    assert w.words and w.group >= 32
+    x = torch.randn(m, k, device="cuda")
+    want = x.double() @ dequantize(w).double()
+    for x_in in (x, x.bfloat16()):
+        got = qmm.quantized_matmul(x_in, w, precision="bf16")
+        assert got.dtype == x_in.dtype and got.shape == (m, n)
+        assert rel(got, want) < REL, x_in.dtype
+    for split in (1, 7):
+        y = torch.full((m, n), float("nan"), device="cuda")
+        dispatch._words_gemm(x, w, y, {"SPLIT_K": split, "BLOCK_N": 64 if split == 1 else 256})
+        assert rel(y, want) < REL, split
+
+
 def test_gemm_follows_the_option():
     rng = np.random.default_rng([SEED, 1])
     q = rng.integers(0, 256, (256, 64), dtype=np.uint8)
@@ -115,3 +146,23 @@ def test_llama_prefill_bf16_logits_and_ids():
     print(f"bf16 prefill: top-1 agreement {agree:.2f} over {len(logits32)} positions")
     assert agree >= 0.75
     assert ingot.CompileOptions.from_json(bf16.to_json()).cuda.prefill_precision == "bf16"   # kept in packages
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_llama_decode_bf16_logits(kv_dtype):
+    """CudaOptions.decode_precision="bf16" with the bf16 prefill (the bf16-activation choice): the decode
+    attention's q, p and cache tiles rounded to bfloat16, one product each. Every step's logits within
+    1e-2 of the float32 path's on the same cache dtype (teacher-forced), over several key tiles; prints
+    the top-1 agreement."""
+    cfg = llama.LlamaConfig(n_layers=3, dim=256, n_heads=8, n_kv_heads=2, ffn_dim=512, vocab_size=1000,
+                            context_length=512, rope_base=10000.0, kv_dtype=kv_dtype)
+    model = llama.build(cfg, llama.random_weights(cfg, seed=SEED % 1000 + 1))
+    prompt = [int(t) for t in np.random.default_rng(SEED + 1).integers(0, cfg.vocab_size, 200)]
+    ids32, logits32, _ = greedy(model, "cuda", prompt, 12)
+    bf16 = CompileOptions(cuda=CudaOptions(prefill_precision="bf16", decode_precision="bf16"))
+    _, logits16, _ = greedy(model, "cuda", prompt, 12, forced=ids32, options=bf16)
+    errors = [rel(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(logits16[1:], logits32[1:])]
+    agree = np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(logits16[1:], logits32[1:])])
+    print(f"bf16 decode, {kv_dtype} cache: logits relative error <= {max(errors):.1e}, top-1 agreement {agree:.2f}")
+    assert max(errors) < REL, errors
+    assert ingot.CompileOptions.from_json(bf16.to_json()).cuda.decode_precision == "bf16"   # kept in packages

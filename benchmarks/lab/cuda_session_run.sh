@@ -9,6 +9,7 @@
 #   bash benchmarks/lab/cuda_session_run.sh recurrent onnx            # 120 + 200 s at most
 #   bash benchmarks/lab/cuda_session_run.sh quant                     # 400 s at most (the real GGUF joined first)
 #   bash benchmarks/lab/cuda_session_run.sh smallgemm                 # 150 s: tiles at 32/64 rows (batched decode)
+#   bash benchmarks/lab/cuda_session_run.sh gemmswap                  # 270 s at most: the word GEMM (cuda_gemm_swap.py)
 #   SERVE_PRECISION=bf16 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # bf16 GEMMs above 16 rows
 #   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (bf16 / tf32x3, float32 / bf16 / int8 KV)
 #   SERVE_LORA=3 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # adapters per request
@@ -84,10 +85,14 @@ run_smallgemm() {
 }
 run_decodeprobe() {
   # issue 38: the decode attention at 512 and 8k keys in a cache compiled for 34k, per KV dtype and variant
-  timeout "${PROBE_S:-120}" python3 benchmarks/lab/cuda_decode_probe.py --shape 32,8,128 --buffer 34848 \
-    --lengths 512,8192 --kv-dtypes bfloat16,int8 \
+  timeout "${PROBE_S:-120}" python3 benchmarks/lab/cuda_decode_probe.py --shape 32,8,128 --buffer "${PROBE_BUFFER:-34848}" \
+    --lengths 512,8192 --kv-dtypes bfloat16,int8 --caches "${PROBE_CACHES:-1}" \
     --variants "${PROBE_VARIANTS:-plain,exec,exec-w8,exec-s1,exec-s2,exec-split16,exec-split16-s2,exec-split24,exec-bn32-w4,exec-bn32-w4-s2,exec-tf32}" \
     --json "$OUT/decodeprobe.json" 2>&1 | grep "L=\|empty"
+}
+run_gemmswap() {
+  # issues 34/38: the word GEMM (17-64 rows, bf16 dots) against the tile kernel and cuBLAS (GEMMSWAP_ARGS=--sweep: its tiles)
+  timeout "${GEMMSWAP_S:-270}" python3 benchmarks/lab/cuda_gemm_swap.py --rows "${GEMMSWAP_ROWS:-32,16,64}" ${GEMMSWAP_ARGS:-} 2>&1 | tail -20
 }
 run_recurrent() {
   # issue 36: the recurrence in one launch against a launch a step (CRNN's BiLSTM, hidden 128 and up)

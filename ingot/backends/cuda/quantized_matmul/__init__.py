@@ -21,6 +21,9 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy, or
   bf16 dots with CudaOptions.prefill_precision="bf16"). From CudaOptions.prefill_dequant_rows rows W is
   instead dequantized whole by `_dequantize_kernel` into a workspace and multiplied by cuBLAS.
+- `_qgemm_words_kernel` (more than CudaOptions.words_max_rows rows, up to 64, of bf16 dots over a word-layout
+  weight: a batched decode step): y^T = W^T x^T, each int32 word loaded once and its 8 nibbles split in
+  registers, so W's dequantized tile is the dot's long side and x's few rows the narrow one; split-K.
 - `_qgemv_words_kernel` (1-16 rows, up to 4 a program; 4-bit affine weights re-packed with
   `words=True`, the default for matmul weights): int32 words of 8 consecutive k per column, x
   rounded to integers of LIMBS bytes (CudaOptions.gemv_limbs, default 2: 16 bits with a float scale per block of 32; 3: 22
@@ -35,7 +38,7 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   instructions per loop).
 
 The package, along those seams: weights.py (`QuantizedWeight`, `ScaledTableWeight`, `prepare_weight`: the repacking),
-gemm.py (the k-major one-row kernels and the tensor-core GEMM), gguf_kernels.py (scaled lookup tables:
+gemm.py (the k-major one-row kernels, the tensor-core GEMM and the word GEMM), gguf_kernels.py (scaled lookup tables:
 GGUF's IQ types and MXFP4), words_kernel.py and gemv.py (the word
 GEMV and its wrapper), xq.py (x rounded for it), buffers.py (scratch), dispatch.py
 (`quantized_matmul`). Every function that reads a tuning number takes `options: CudaOptions`

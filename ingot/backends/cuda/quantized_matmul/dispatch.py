@@ -8,8 +8,9 @@ from ....options import DEFAULT_CUDA, CudaOptions
 from ..pdl import pdl_args
 from . import gemv, gguf_kernels
 from .buffers import _sm_count, dequantized_workspace, mm_out_dtype
-from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, _dequantize_kernel, _qgemm_kernel, _qgemv_kernel,
-                   _qgemv_small_kernel, gemm_config, gemv_config, small_gemv_config)
+from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, WORDS_GEMM_MAX_ROWS, _dequantize_kernel, _qgemm_kernel,
+                   _qgemm_words_kernel, _qgemv_kernel, _qgemv_small_kernel, gemm_config, gemv_config,
+                   small_gemv_config, words_gemm_config)
 from .weights import QuantizedWeight
 
 
@@ -23,7 +24,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
                      options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
     """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
 
-    Word-layout weights: the dp4a GEMV up to options.words_max_rows rows; else one row: the k-major GEMV
+    Word-layout weights: the dp4a GEMV up to options.words_max_rows rows, then up to WORDS_GEMM_MAX_ROWS
+    rows of bf16 dots (precision "bf16" or bfloat16 x) the word GEMM; else one row: the k-major GEMV
     kernels; from options.prefill_dequant_rows rows (float32 x): W dequantized once and cuBLAS; else the
     tensor-core kernel (config={"BLOCK_M": ...} forces it). precision (None: options.prefill_precision):
     the many-row dots, "tf32x3" (float32-level) or "bf16" (operands rounded to bfloat16, float32 sums).
@@ -89,6 +91,9 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
                 **pdl_args(x.device))
         if target is not y:
             y.copy_(target)
+    elif w.words and w.group >= 32 and m <= WORDS_GEMM_MAX_ROWS and "BLOCK_M" not in config and (
+            precision == "bf16" or x.dtype == torch.bfloat16):   # a batched decode step's bf16 dots
+        _words_gemm(x2, w, y, config)
     elif options.prefill_dequant_rows and m >= options.prefill_dequant_rows and "BLOCK_M" not in config \
             and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
         y = _dequantized_gemm(x2, w, out, precision)
@@ -113,6 +118,28 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             y.copy_(target)
     return y.reshape(*lead, w.n)
 
+
+
+def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict) -> None:
+    """y = x2 @ W by `_qgemm_words_kernel` (config: its tiles, over `words_gemm_config`'s)."""
+    m = x2.shape[0]
+    cfg = {**words_gemm_config(m, w, _sm_count(x2.device)), **config}
+    block_m, block_n, block_k, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
+    assert block_k <= w.group and block_k % 8 == 0, "the word GEMM's K tile: whole words, one parameter row"
+    k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
+    split = triton.cdiv(w.k, k_per_split)
+    target = y
+    if split > 1:   # partial tiles added into a zeroed float32 y
+        if not (y.dtype == torch.float32 and y.stride(1) == 1):
+            target = torch.empty((m, w.n), dtype=torch.float32, device=x2.device)
+        target.zero_()
+    bias = w.bias if w.bias is not None else w.scale
+    _qgemm_words_kernel[(triton.cdiv(w.n, block_n), split, triton.cdiv(m, block_m))](
+        x2, w.q, w.scale, bias, target, m, w.n, w.k, x2.stride(0), w.q.stride(0), w.scale.stride(0), target.stride(0),
+        k_per_split, GROUP=w.group, HAS_BIAS=w.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, **cfg, **pdl_args(x2.device))
+    if target is not y:
+        y.copy_(target)
 
 
 def dequantize_into(w: QuantizedWeight, dtype: torch.dtype, block_k: int = 32, block_n: int = 128,

@@ -231,6 +231,55 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
 
 
 @triton.jit
+def _words_tile_t(q_ptr, s_ptr, b_ptr, k0, offs_n, n_ok, stride_qk, stride_sk, GROUP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W[k0:k0+BLOCK_K, offs_n]^T of a word-layout weight as bfloat16 [BLOCK_N, BLOCK_K] (BLOCK_K <= GROUP:
+    one parameter row): each word loaded once and its 8 nibbles split in registers, w = v * s + b in
+    float32 rounded once."""
+    words = tl.load(q_ptr + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * stride_qk + offs_n[None, :],
+                    mask=n_ok[None, :], other=0)
+    j = tl.arange(0, 8)
+    shift = (j % 4) * 8 + (j // 4) * 4        # k = 8r + j: low nibble of byte j (j < 4), else high of j - 4
+    v = tl.reshape((words[:, None, :] >> shift[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
+    g = k0 // GROUP
+    w = _to_float(v) * tl.load(s_ptr + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        w += tl.load(b_ptr + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return tl.trans(w.to(tl.bfloat16))
+
+
+@triton.jit
+def _qgemm_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qk, stride_sk, stride_ym,
+                        k_per_split, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
+    """y = x @ W for a few rows (a batched decode step) of a word-layout 4-bit weight, bf16 dots: computed
+    as y^T = W^T x^T, so W's dequantized tile is the dot's first operand (BLOCK_N >= 64 rows of the MMA)
+    and the few rows of x its narrow side. SPLIT_K > 1: program axis 1 takes k_per_split rows of W and
+    adds its partial tile into y (float32, zeroed)."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_start = tl.program_id(1) * k_per_split
+    k_stop = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        wt = _words_tile_t(q_ptr, s_ptr, b_ptr, k0, offs_n, n_ok, stride_qk, stride_sk, GROUP, HAS_BIAS, BLOCK_K,
+                           BLOCK_N)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & (offs_k < K)[:, None],
+                     other=0.0)
+        acc = tl.dot(wt, xt.to(tl.bfloat16), acc)
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K > 1:
+        tl.atomic_add(ptrs, acc, mask=n_ok[:, None] & m_ok[None, :], sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, out_ptr, N, K, NQ, stride_qk, stride_sk, stride_ok,
                        lut_block_k, lut_block_n, stride_lk, stride_ln,
                        BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -293,3 +342,19 @@ def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype, precision: str =
         split = max(1, min((2 * sms) // tiles, w.k // (4 * block_k)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m * block_n <= 64 * 128 else 8,
                 num_stages=stages, SPLIT_K=split)
+
+
+WORDS_GEMM_MAX_ROWS = 64   # rows up to which bf16 dots over a word-layout weight take `_qgemm_words_kernel`
+
+
+def words_gemm_config(m: int, w: QuantizedWeight, sms: int) -> dict:
+    """Tiles of `_qgemm_words_kernel`: 256 columns of W a program (the MMA's long side), the rows of x
+    in one tile, a K tile of 32 (one parameter row), and K split so that about two programs an SM
+    stream W. H100, Llama-3-8B shapes at 16 / 32 / 64 rows (`benchmarks/lab/cuda_gemm_swap.py`,
+    2026-12-06): 32-60 / 58-103 / 80-184 TFLOP/s against `_qgemm_kernel`'s 10-35 / 19-75 at 32 / 64
+    rows and cuBLAS bf16 on a dense W 24-41 / 50-83 / 102-166."""
+    block_m = max(16, triton.next_power_of_2(min(m, WORDS_GEMM_MAX_ROWS)))
+    block_n = 256
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n)
+    split = max(1, min((2 * sms) // tiles, w.k // 128)) if sms else 1
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, SPLIT_K=split, num_warps=4, num_stages=3)

@@ -238,6 +238,49 @@ def test_pool_engine_on_the_cpu_equals_alone_and_generate(tiny_package, kv_dtype
         assert engine.pool.values["blk.0.k_pool"].dtype == np.int8 and "blk.0.v_scale_pool" in engine.pool.values
 
 
+def test_pool_engine_prompts_ride_in_decode_steps(tiny_package, monkeypatch):
+    """Prompts that arrive while another sequence decodes are prefilled as rows of its decode steps
+    (mixed steps): at most MIXED_ROWS rows a step (a bucket of that many), positions below
+    MIXED_MAX_POSITION (the rest of a longer prompt through its own prefill chunks). The scheduler is
+    stepped by hand, so the order of arrivals is fixed; every answer equals its prompt served alone."""
+    from ingot.serve import engine as serve_engine
+    from ingot.serve.engine import Engine, Request, SamplingParams
+
+    monkeypatch.setattr(serve_engine, "MIXED_MAX_POSITION", 3)   # the 4- and 7-token prompts end in chunks
+    monkeypatch.setattr(serve_engine, "MIXED_ROWS", 6)           # 4 decoding rows leave room for 2 prompt rows
+    engine = Engine(tiny_package, device="cpu", max_batch=4, context=64, pool=True)
+    assert engine.buckets() == [1, 2, 4, 6]
+    results = {}
+
+    def submit(i, prompt, max_tokens):
+        ids: list = []
+
+        def on_event(event):
+            ids.extend(entry["id"] for entry in event.logprobs)
+            if event.kind != "text":
+                results[i] = ids if event.kind == "done" else event.message
+        engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True),
+                              on_event=on_event))
+
+    first = [2, 3]
+    submit(0, first, 20)                      # prefilled alone, then decoding
+    engine._iteration()
+    for i, prompt in enumerate(PROMPTS, 1):   # arrive while it decodes (two wait for a slot)
+        submit(i, prompt, 6)
+    for _ in range(500):
+        if len(results) == len(PROMPTS) + 1:
+            break
+        engine._iteration()
+    assert engine.metrics.prompt_rows > 0
+    engine.start()
+    try:
+        alone = [served(engine, [p])[0] for p in [first, *PROMPTS]]
+    finally:
+        engine.stop()
+    assert results[0][:6] == alone[0]
+    assert [results[i] for i in range(1, len(PROMPTS) + 1)] == alone[1:]
+
+
 def test_kv_pool_too_big_for_the_device_is_refused_before_allocating():
     from ingot.serve.engine import check_kv_fits, kv_bytes
 

@@ -19,7 +19,11 @@ Either way a row's result never depends on what else is in the batch.
 
 Between decode steps the scheduler admits waiting requests (up to max_batch running), runs one
 prefill chunk, and retires finished or cancelled sequences at once, their slots free for the next
-request. A prompt is prefilled in generate's chunks (512 tokens) while nothing else decodes, so a
+request. With a KV pool, prompts join the decode step instead while others decode (mixed steps): a
+prompt's next tokens are rows of the rows decoder, each at its own position of its slot (the pool's
+writes all land before any row reads, so a row sees the rows before it in the same step), up to
+MIXED_ROWS rows a step and positions below MIXED_MAX_POSITION; so a burst of requests is prefilled in
+a few steps that also decode, not one request's chunk per step. A prompt is prefilled in generate's chunks (512 tokens) while nothing else decodes, so a
 lone request's greedy answer is generate's exactly, and in 64-token chunks while others decode, so
 their next token waits for one short chunk at most (a long prompt prefilled so may differ from
 generate's in the last bits of its K/V: other chunk lengths round differently).
@@ -48,6 +52,8 @@ from ..errors import IngotError
 
 PREFILL_CHUNK = 512            # tokens per prefill run when nothing decodes: generate's chunk (its answers exactly)
 BUSY_PREFILL_CHUNK = 64        # ... while other sequences decode: each of their steps waits one such chunk at most
+MIXED_ROWS = 256               # a KV pool's decode step carries prompt rows up to this many rows in all
+MIXED_MAX_POSITION = 1024      # ... of prompt positions below this (each such row reads its whole prefix)
 
 
 @dataclass
@@ -363,11 +369,20 @@ class Engine:
                             state=self.scratch.state, graph=False)
 
     def buckets(self) -> list[int]:
+        """Row counts the rows decoders are compiled for: powers of two up to max_batch, and with a KV pool
+        the mixed steps' (prompt rows riding along) in steps of four up to MIXED_ROWS."""
         out, r = [], 1
         while r < self.max_batch:
             out.append(r)
             r *= 2
-        return out + [self.max_batch]
+        out.append(self.max_batch)
+        if self.pooled and self.max_batch < MIXED_ROWS:
+            r = self.max_batch * 4
+            while r < MIXED_ROWS:
+                out.append(r)
+                r *= 4
+            out.append(MIXED_ROWS)
+        return out
 
     # -- the scheduler thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -392,19 +407,37 @@ class Engine:
     def _iteration(self) -> None:
         self._retire()
         self._admit()
-        prefilling = [s for s in self.running if s.prefilling]
-        if prefilling:
-            seq = prefilling[0]
+        # with a KV pool, while others decode, prompts ride in the decode step (mixed steps); a prompt
+        # past MIXED_MAX_POSITION, or any when nothing decodes, takes a prefill chunk of its own
+        mixed = self.pooled and any(not s.prefilling and s.next_token is not None for s in self.running)
+        late = [s for s in self.running if s.prefilling and (not mixed or s.done >= MIXED_MAX_POSITION)]
+        if late:
+            seq = late[0]
             try:
                 self._prefill_chunk(seq)
             except IngotError as e:
                 self._fail(seq, 400, str(e))
         self._retire()
         decoding = [s for s in self.running if not s.prefilling and s.next_token is not None]
+        riders = self._riders([s for s in self.running if s.prefilling], len(decoding)) if mixed and decoding else []
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding, riders)
         self._retire()
         self.metrics.running(len(self.running))
+
+    def _riders(self, prefilling: list[Sequence], decoding: int) -> list[tuple[Sequence, int]]:
+        """(sequence, prompt tokens) that join a decode step of `decoding` rows: in arrival order, each
+        its next tokens below MIXED_MAX_POSITION, MIXED_ROWS rows in all."""
+        room = min(self.buckets()[-1], MIXED_ROWS) - decoding
+        riders = []
+        for seq in prefilling:
+            self._reuse_more(seq)
+            n = min(len(seq.request.ids), MIXED_MAX_POSITION) - seq.done
+            n = min(n, room)
+            if n > 0:
+                riders.append((seq, n))
+                room -= n
+        return riders
 
     def _retire(self) -> None:
         keep = []
@@ -484,10 +517,7 @@ class Engine:
         from ..llm.generate import PREFILL_BUCKETS
 
         ids = seq.request.ids
-        if seq.done == seq.reused:    # nothing computed yet: a sequence admitted with it (n > 1) may hold more now
-            before = seq.reused
-            seq.done = seq.reused = self._copy_prefix(seq.slot, ids, before)
-            self.metrics.reused(seq.reused - before)
+        self._reuse_more(seq)
         pos = seq.done
         busy = any(not s.prefilling and s.next_token is not None for s in self.running)
         chunk = ids[pos:pos + (min(self.prefill_chunk, BUSY_PREFILL_CHUNK) if busy else self.prefill_chunk)]
@@ -503,6 +533,14 @@ class Engine:
         seq.slot.tokens = list(ids[:seq.done])
         if not seq.prefilling:
             self._accept([seq], exe.backend.to_host(logits))
+
+    def _reuse_more(self, seq: Sequence) -> None:
+        """Before a sequence's first prompt row is computed: a sequence admitted with it (n > 1), or since,
+        may hold a longer prefix of its prompt now; copy those rows."""
+        if seq.done == seq.reused:
+            before = seq.reused
+            seq.done = seq.reused = self._copy_prefix(seq.slot, seq.request.ids, before)
+            self.metrics.reused(seq.reused - before)
 
     def _bind_prefill(self, exe, adapter: str | None, rows: int) -> None:
         from ..adapters import site_input, site_layout
@@ -570,17 +608,32 @@ class Engine:
                                                    for name, array in slot.arrays(n)})
         return state
 
-    def _decode(self, decoding: list[Sequence]) -> None:
-        rows = next(b for b in self.buckets() if b >= len(decoding))
+    def _decode(self, decoding: list[Sequence], riders: list[tuple[Sequence, int]] = ()) -> None:
+        """One step of the rows decoder: each decoding sequence's next token, then (a KV pool's mixed
+        step) each rider's next prompt tokens, a row each at its position; the sequences whose last
+        prompt token is among them choose their first token from its row."""
+        seqs = list(decoding)
+        slots = [s.slot for s in decoding]
+        tokens = [s.next_token for s in decoding]
+        positions = [len(s.slot.tokens) for s in decoding]
+        emit = list(range(len(decoding)))       # the row each of `choosers` chooses its token from
+        choosers = list(decoding)
+        for seq, n in riders:
+            seqs += [seq] * n
+            slots += [seq.slot] * n
+            tokens += seq.request.ids[seq.done:seq.done + n]
+            positions += range(seq.done, seq.done + n)
+            if seq.done + n == len(seq.request.ids):
+                emit.append(len(tokens) - 1)
+                choosers.append(seq)
+        rows = next(b for b in self.buckets() if b >= len(tokens))
         exe, row_adapters = self._rows_executable(rows)
-        pad = rows - len(decoding)
-        slots = tuple(s.slot for s in decoding) + (self.scratch,) * pad
-        tokens = np.array([s.next_token for s in decoding] + [0] * pad, np.int32)
-        positions = np.array([len(s.slot.tokens) for s in decoding] + [0] * pad, np.int32)
-        feeds = {"tokens": tokens, "positions": positions}
+        pad = rows - len(tokens)
+        slots = tuple(slots) + (self.scratch,) * pad
+        feeds = {"tokens": np.array(tokens + [0] * pad, np.int32), "positions": np.array(positions + [0] * pad, np.int32)}
         if row_adapters is not None:    # each row's adapter: its index among the served ones (0: the base model)
             order = list(self.adapters)
-            row_adapters[:] = [order.index(s.request.adapter) for s in decoding] + [0] * pad
+            row_adapters[:] = [order.index(s.request.adapter) for s in seqs] + [0] * pad
             feeds["adapter_rows"] = row_adapters
         started = time.perf_counter()
         if self.pooled:
@@ -588,16 +641,21 @@ class Engine:
             out = exe.run(feeds, state=self.pool)[0]
         else:
             out = exe.run(feeds, state=self._row_state(slots))[0]
-        chosen = self._device_greedy(decoding, out)
+        if emit != list(range(len(emit))):   # prompt rows in between: the choosing rows, gathered
+            out = out[np.array(emit)] if isinstance(out, np.ndarray) else out[_device_index(out, emit)]
+        chosen = self._device_greedy(choosers, out)
         logits = exe.backend.to_host(out) if chosen is None else None
-        self.metrics.step(len(decoding), time.perf_counter() - started)
+        self.metrics.step(len(decoding), time.perf_counter() - started, sum(n for _, n in riders))
         for seq in decoding:
             seq.slot.tokens.append(seq.next_token)
             seq.next_token = None
+        for seq, n in riders:
+            seq.done += n
+            seq.slot.tokens = list(seq.request.ids[:seq.done])
         if chosen is None:
-            self._accept(decoding, logits)
+            self._accept(choosers, logits)
         else:
-            for seq, token in zip(decoding, chosen):
+            for seq, token in zip(choosers, chosen):
                 try:
                     seq.accept(token, None)
                 except IngotError as e:
@@ -667,6 +725,13 @@ class Engine:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def _device_index(tensor, rows: list[int]):
+    """rows as an index tensor on tensor's device."""
+    import torch
+
+    return torch.tensor(rows, dtype=torch.long, device=tensor.device)
 
 
 def kv_bytes(cfg, entries: int) -> int:

@@ -22,6 +22,8 @@ class Metrics:
         self._prompt = Counter("ingot_prompt_tokens", "Prompt tokens received", registry=r)
         self._reused = Counter("ingot_prefix_reused_tokens", "Prompt tokens whose K/V came from a cached prefix",
                                registry=r)
+        self._mixed = Counter("ingot_prompt_tokens_in_decode_steps",
+                              "Prompt tokens prefilled as rows of a decode step (a KV pool's mixed steps)", registry=r)
         self._requests = Counter("ingot_requests", "Requests admitted to a slot", registry=r)
         self._cancelled = Counter("ingot_cancelled_requests", "Requests stopped because the client went away",
                                   registry=r)
@@ -31,6 +33,7 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self._step = Histogram("ingot_decode_step_seconds", "One decode step of the running batch", registry=r,
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2))
+        self.prompt_rows = 0   # prompt tokens prefilled in decode steps so far
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
 
@@ -58,8 +61,10 @@ class Metrics:
     def inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)
 
-    def step(self, rows: int, seconds: float) -> None:
+    def step(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
         self._step.observe(seconds)
+        self._mixed.inc(prompt_rows)
+        self.prompt_rows += prompt_rows
 
     def tokens(self, n: int) -> None:
         self._generated.inc(n)

@@ -31,7 +31,7 @@ from ingot.models import llama  # noqa: E402
 from ingot.runtime import State  # noqa: E402
 
 from quant_helpers import tiny_config  # noqa: E402
-from test_pool_attention import CASES, _case_arrays, check_pool_engine, per_row  # noqa: E402
+from test_pool_attention import CASES, _case_arrays, check_mixed_steps, check_pool_engine, per_row  # noqa: E402
 
 DEVICE = torch.device(device_name())
 
@@ -115,6 +115,16 @@ def test_pool_rows_decoder_on_cuda_rows_equal_batch_one_whatever_the_batch():
             assert int(np.argmax(got[r])) == int(np.argmax(want))
         last = [int(np.argmax(row)) for row in got[:2]]
         positions = [p + 1 for p in positions]
+
+
+@pytest.mark.skipif(_INTERPRET, reason="Triton's interpreter mishandles bfloat16 (the GPU run checks it)")
+def test_pool_engine_on_cuda_prompts_ride_in_decode_steps(tmp_path, monkeypatch):
+    """Mixed steps on the device: prompt rows in captured decode steps (a 6-row bucket), the choosing rows
+    gathered there for the arg-max; every answer equals its prompt served alone."""
+    from quant_helpers import save_tiny
+
+    save_tiny(tmp_path / "tiny.llm")
+    check_mixed_steps(str(tmp_path / "tiny.llm"), "cuda", monkeypatch)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "float32", "int8"])   # None: the CUDA default, bfloat16

@@ -238,7 +238,7 @@ def test_pool_engine_on_the_cpu_equals_alone_and_generate(tiny_package, kv_dtype
         assert engine.pool.values["blk.0.k_pool"].dtype == np.int8 and "blk.0.v_scale_pool" in engine.pool.values
 
 
-def test_pool_engine_prompts_ride_in_decode_steps(tiny_package, monkeypatch):
+def check_mixed_steps(path: str, device: str, monkeypatch) -> None:
     """Prompts that arrive while another sequence decodes are prefilled as rows of its decode steps
     (mixed steps): at most MIXED_ROWS rows a step (a bucket of that many), positions below
     MIXED_MAX_POSITION (the rest of a longer prompt through its own prefill chunks). The scheduler is
@@ -248,7 +248,7 @@ def test_pool_engine_prompts_ride_in_decode_steps(tiny_package, monkeypatch):
 
     monkeypatch.setattr(serve_engine, "MIXED_MAX_POSITION", 3)   # the 4- and 7-token prompts end in chunks
     monkeypatch.setattr(serve_engine, "MIXED_ROWS", 6)           # 4 decoding rows leave room for 2 prompt rows
-    engine = Engine(tiny_package, device="cpu", max_batch=4, context=64, pool=True)
+    engine = Engine(path, device=device, max_batch=4, context=64, pool=True)
     assert engine.buckets() == [1, 2, 4, 6]
     results = {}
 
@@ -279,6 +279,10 @@ def test_pool_engine_prompts_ride_in_decode_steps(tiny_package, monkeypatch):
         engine.stop()
     assert results[0][:6] == alone[0]
     assert [results[i] for i in range(1, len(PROMPTS) + 1)] == alone[1:]
+
+
+def test_pool_engine_prompts_ride_in_decode_steps(tiny_package, monkeypatch):
+    check_mixed_steps(tiny_package, "cpu", monkeypatch)
 
 
 def test_kv_pool_too_big_for_the_device_is_refused_before_allocating():

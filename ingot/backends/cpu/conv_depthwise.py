@@ -140,6 +140,36 @@ def tile_for(kh: int, kw: int, stride: int, r_n: int, key: str, zero_lanes: bool
     return _tile_intrinsic(kh, kw, stride, r_n, zero_lanes, *conv_spatial.SPECS[key])
 
 
+# One output row's tiles of r_n positions, the width dispatched among the five tile kernels (tile4..tile8,
+# BLOCKED_OUT: globals of the generated module that includes this; conv_depthwise's and expand_depthwise's).
+# x_row: the row's first input position in xp, t_row: its first position in ot (both in positions).
+TILES_OF_ROW = """
+@njit(inline="always")
+def tiles_of_row(ot, of, xp, x_row, t_row, wp, s, wt, bt, c0, lanes, ops, oy, ow, r_n, p_n):
+    for ox in range(0, ow, r_n):
+        x_at = (x_row + ox * s) * 16
+        dst, at, through = ot, (t_row + ox) * 16, False
+        if BLOCKED_OUT:
+            if c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
+                dst, at = of, c0 * p_n + (oy * ow + ox) * 16
+            else:   # past the output's end: through ot
+                at, through = 0, True
+        if r_n == 8:
+            tile8(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+        elif r_n == 7:
+            tile7(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+        elif r_n == 6:
+            tile6(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+        elif r_n == 5:
+            tile5(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+        else:
+            tile4(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
+        if through:
+            at = c0 * p_n + (oy * ow + ox) * 16
+            of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
+"""
+
+
 _DRIVER = """import numpy as np
 from numba import njit
 
@@ -148,7 +178,7 @@ from ingot.backends.cpu.conv_depthwise import _transpose_in, _transpose_out, til
 # every tile width positions() may pick: a new image width needs no other kernel
 tile4, tile5, tile6, tile7, tile8 = (tile_for({kh}, {kw}, {stride}, r, {key!r}, {blocked_out}) for r in (4, 5, 6, 7, 8))
 BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
-
+{tiles_of_row}
 
 @njit(cache=True, nogil=True)
 def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n, r_n):
@@ -195,27 +225,8 @@ def kernel(x, w, bias, sh, ph, pw, out, ops, xp, ot, c_n, r_n):
                     for x0 in range(0, wd, 16):
                         _transpose_in(xp, at + (pw + x0) * 16, xf, (c0 * h + y) * wd + x0, h * wd, lanes, wd - x0)
             for oy in range(oy0, oy1):
-                for ox in range(0, ow, r_n):
-                    x_at = ((oy - oy0) * sh * wp + ox * s) * 16
-                    dst, at, through = ot, ((oy - oy0) * ow + ox) * 16, False
-                    if BLOCKED_OUT:
-                        if c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
-                            dst, at = of, c0 * p_n + (oy * ow + ox) * 16
-                        else:   # past the output's end: through ot
-                            at, through = 0, True
-                    if r_n == 8:
-                        tile8(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif r_n == 7:
-                        tile7(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif r_n == 6:
-                        tile6(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif r_n == 5:
-                        tile5(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    else:
-                        tile4(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    if through:
-                        at = c0 * p_n + (oy * ow + ox) * 16
-                        of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
+                tiles_of_row(ot, of, xp, (oy - oy0) * sh * wp, (oy - oy0) * ow, wp, s, wt, bt, c0, lanes, ops, oy, ow,
+                             r_n, p_n)
             if not BLOCKED_OUT:
                 n = (oy1 - oy0) * ow
                 for p0 in range(0, n, 16):
@@ -273,7 +284,7 @@ def driver(kh: int, kw: int, stride: int, steps, operands, blocked_in: bool = Fa
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
     source = _DRIVER.format(kh=kh, kw=kw, stride=stride, key=key, blocked_in=blocked_in,
-                            blocked_out=blocked_out)
+                            blocked_out=blocked_out, tiles_of_row=TILES_OF_ROW)
     return conv_spatial.load(f"# depthwise {REVISION}\n{source}", "kernel", "cpu_conv_depthwise")
 
 

@@ -74,7 +74,7 @@ from ingot.backends.cpu.expand_depthwise import row_tile_for
 tile4, tile5, tile6, tile7, tile8 = (tile_for({kh}, {kw}, {stride}, r, {key_b!r}, {blocked_out}) for r in (4, 5, 6, 7, 8))
 row16, row8, row4, row2, row1 = (row_tile_for(r, {key_a!r}, {blocked_in}) for r in (16, 8, 4, 2, 1))
 BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
-
+{tiles_of_row}
 
 @njit(cache=True, nogil=True)
 def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n, r_n):
@@ -123,27 +123,7 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n, r_n):
                 row1(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
             y_in = max(y_in, need)
             for oy in range(oy0, oy1):
-                for ox in range(0, ow, r_n):
-                    x_at = (oy * sh * wp + ox * s) * 16
-                    dst, at, through = ot, (oy * ow + ox) * 16, False
-                    if BLOCKED_OUT:
-                        if c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
-                            dst, at = of, c0 * p_n + (oy * ow + ox) * 16
-                        else:   # past the output's end: through ot
-                            at, through = 0, True
-                    if r_n == 8:
-                        tile8(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif r_n == 7:
-                        tile7(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif r_n == 6:
-                        tile6(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    elif r_n == 5:
-                        tile5(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    else:
-                        tile4(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)
-                    if through:
-                        at = c0 * p_n + (oy * ow + ox) * 16
-                        of[at:at + (ow - ox) * 16] = ot[:(ow - ox) * 16]
+                tiles_of_row(ot, of, xp, oy * sh * wp, oy * ow, wp, s, wt, bt, c0, lanes, ops, oy, ow, r_n, p_n)
             if not BLOCKED_OUT:
                 end = oy1 * ow
                 for p0 in range(oy0 * ow, end, 16):
@@ -159,7 +139,7 @@ def driver(kh: int, kw: int, stride: int, steps_a, steps_b, operands, blocked_in
     conv_spatial.epilogue_for(key_a, steps_a, operands)
     conv_spatial.epilogue_for(key_b, steps_b, operands)
     source = _DRIVER.format(kh=kh, kw=kw, stride=stride, key_a=key_a, key_b=key_b,
-                            blocked_in=blocked_in, blocked_out=blocked_out)
+                            blocked_in=blocked_in, blocked_out=blocked_out, tiles_of_row=conv_depthwise.TILES_OF_ROW)
     return conv_spatial.load(f"# expand_depthwise {REVISION}\n{source}", "kernel", "cpu_expand_depthwise")
 
 

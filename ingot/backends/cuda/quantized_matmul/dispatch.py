@@ -100,14 +100,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     else:
         cfg = {**gemm_config(m, w, x.dtype, precision, _sm_count(x.device)), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-        split = cfg.pop("SPLIT_K", 1)
-        k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
-        split = triton.cdiv(w.k, k_per_split)
-        target = y
-        if split > 1:   # partial tiles added into a zeroed float32 y
-            if not (y.dtype == torch.float32 and y.stride(1) == 1):
-                target = torch.empty((m, w.n), dtype=torch.float32, device=x.device)
-            target.zero_()
+        k_per_split, split, target = _split_k(w, block_k, cfg.pop("SPLIT_K", 1), y)
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n), split)
         _qgemm_kernel[grid](
             x2, w.q, s, b, lut, target, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, target.stride(0),
@@ -119,6 +112,18 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     return y.reshape(*lead, w.n)
 
 
+def _split_k(w: QuantizedWeight, block_k: int, split: int, y: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(K rows a split, splits, the tensor the kernel writes): past one split, partial tiles are added into
+    a zeroed float32 y (a float32 copy of it where y is another dtype or its rows are strided)."""
+    k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
+    split = triton.cdiv(w.k, k_per_split)
+    target = y
+    if split > 1:
+        if not (y.dtype == torch.float32 and y.stride(1) == 1):
+            target = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+        target.zero_()
+    return k_per_split, split, target
+
 
 def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict) -> None:
     """y = x2 @ W by `_qgemm_words_kernel` (config: its tiles, over `words_gemm_config`'s)."""
@@ -126,13 +131,7 @@ def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     cfg = {**words_gemm_config(m, w, _sm_count(x2.device)), **config}
     block_m, block_n, block_k, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     assert block_k <= w.group and block_k % 8 == 0, "the word GEMM's K tile: whole words, one parameter row"
-    k_per_split = triton.cdiv(triton.cdiv(w.k, split), block_k) * block_k
-    split = triton.cdiv(w.k, k_per_split)
-    target = y
-    if split > 1:   # partial tiles added into a zeroed float32 y
-        if not (y.dtype == torch.float32 and y.stride(1) == 1):
-            target = torch.empty((m, w.n), dtype=torch.float32, device=x2.device)
-        target.zero_()
+    k_per_split, split, target = _split_k(w, block_k, split, y)
     bias = w.bias if w.bias is not None else w.scale
     _qgemm_words_kernel[(triton.cdiv(w.n, block_n), split, triton.cdiv(m, block_m))](
         x2, w.q, w.scale, bias, target, m, w.n, w.k, x2.stride(0), w.q.stride(0), w.scale.stride(0), target.stride(0),

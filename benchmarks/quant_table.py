@@ -21,7 +21,9 @@ scaling), +gptq (GPTQ), +cRANK (compensation adapters; +cRANK@GLOB|GLOB only on 
 the output head: `--compensate-only`; the head's bytes go to low-rank factors or residual rows, whichever
 leaves the lower weighted error, and a tied head's correct the embedding lookup too; +lowrank or +rows forces one:
 `--compensate-form`), +x (the tied embedding kept as the source
-stores it), +head=FMT (the output head, and a tied embedding, in FMT instead of int8), +bits=BPW (the
+stores it), +only=GLOB (only the weights GLOB matches quantized, the rest kept float: a format on one
+tensor, e.g. the default model's tied embedding, the one weight not on a 4-bit grid in its source),
++head=FMT (the output head, and a tied embedding, in FMT instead of int8), +bits=BPW (the
 layer weights' formats allocated under that budget: `ingot quantize --bits`); `default` is
 what `ingot quantize IN -o OUT` does with no flags, and FMT+default what it does with --format FMT
 (calibrated AWQ for affine formats, GPTQ, the output head in int8). Calibration always comes
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fnmatch
 import json
 import os
 import platform
@@ -165,6 +168,9 @@ def ingot_row(source, row: str, stats: dict):
         return quantize_default(source, DEFAULT_FORMAT if fmt == "default" else fmt, stats=stats, compensate=rank,
                                 tensor_formats=tensor_formats, bits=bits, compensate_sites=sites, compensate_form=form)
     exclude = ["token_embd.weight"] if "x" in options else []
+    only = next((o[5:] for o in options if o.startswith("only=")), None)
+    if only:   # only these weights quantized, the others kept float: a format measured on one tensor
+        exclude += [n for name in source.tensors for n in name.split("+") if not fnmatch.fnmatch(n, only)]
     use_stats = rank or {"awq", "cal", "gptq"} & set(options)
     heads = [("token_embd.weight", head), ("output.weight", head)] if head else []
     return quantize_model(source, fmt, stats=stats if use_stats else None, compensate=rank, awq="awq" in options,

@@ -490,9 +490,12 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         extra.update(ks_ptr=ks4, vs_ptr=vs4, sks_b=ks4.stride(0), sks_h=ks4.stride(1), sks_t=ks4.stride(2),
                      svs_b=vs4.stride(0), svs_h=vs4.stride(1), svs_t=vs4.stride(2), CODES=True)
     tile_bytes = bn * (block_d + block_dv) * k4.element_size()   # one K + V tile
-    # (an int8 cache at d 128: its widened tiles and the split q held at 4 warps spilled, sm_90a 255 registers)
+    precision = precision or (options.decode_precision if p.f32 else "tf32")
+    # (an int8 cache at d 128: its widened tiles and the split q held at 4 warps spilled, sm_90a 255 registers;
+    # with one bf16 product q is not split: 4 warps, H100 8k keys 19.5 us against 23.2 at 8, cuda_decode_probe.py)
     warps = num_warps or options.decode_warps or (8 if (rope is not None and tile_bytes > options.decode_fresh_tile_bytes)
-                                                  or (p.scales is not None and block_d >= 128) else 4)
+                                                  or (p.scales is not None and block_d >= 128 and precision != "bf16")
+                                                  else 4)
     if rope is not None:
         kn4, vn4 = p.four(rope.k), p.four(rope.v)
         assert kn4.shape[1:] == (hk, 1, d) and vn4.shape[1:] == (hk, 1, dv), "attention: rope's k/v rows [..., Hk, 1, D]"
@@ -521,7 +524,7 @@ def decode_attention(p, causal: bool, split: int | None, precision: str | None, 
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
         v4.stride(0), v4.stride(1), v4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         LEN_FROM_PTR=p.from_ptr, CAUSAL=causal, SPLIT=split, BLOCK_R=block_r, BLOCK_N=bn,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision or (options.decode_precision if p.f32 else "tf32"),
+        BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision,
         MERGE=merge, MIN_CHUNK=max(min_chunk, 0), DOT16=DOT16,
         len_add=p.length_offset, CHUNK_ALIGN=align, num_warps=warps, **({"num_stages": num_stages} if num_stages else {}),
         **extra, **pdl_args(device), **timeline.args(f"attention {hk}x{group} d{d}", nb * hk * split, device,

@@ -19,14 +19,15 @@ Either way a row's result never depends on what else is in the batch.
 
 Between decode steps the scheduler admits waiting requests (up to max_batch running), runs one
 prefill chunk, and retires finished or cancelled sequences at once, their slots free for the next
-request. With a KV pool, prompts join the decode step instead while others decode (mixed steps): a
-prompt's next tokens are rows of the rows decoder, each at its own position of its slot (the pool's
-writes all land before any row reads, so a row sees the rows before it in the same step), up to
-MIXED_ROWS rows a step and positions below MIXED_MAX_POSITION; so a burst of requests is prefilled in
-a few steps that also decode, not one request's chunk per step. A prompt is prefilled in generate's chunks (512 tokens) while nothing else decodes, so a
+request. A prompt is prefilled in generate's chunks (512 tokens) while nothing else decodes, so a
 lone request's greedy answer is generate's exactly, and in 64-token chunks while others decode, so
 their next token waits for one short chunk at most (a long prompt prefilled so may differ from
-generate's in the last bits of its K/V: other chunk lengths round differently).
+generate's in the last bits of its K/V: other chunk lengths round differently). With a KV pool,
+prompts join the decode step instead while others decode (mixed steps): a prompt's next tokens are
+rows of the rows decoder, each at its own position of its slot (the pool's writes all land before any
+row reads, so a row sees the rows before it in the same step), up to MIXED_ROWS rows a step and
+positions below MIXED_MAX_POSITION; so a burst of requests is prefilled in a few steps that also
+decode, not one request's chunk per step.
 
 Prefix reuse: a free slot keeps the tokens whose K/V it holds. A new request takes the free slot
 sharing the longest prefix with its prompt (same adapter), or copies the rows of a running
@@ -630,7 +631,8 @@ class Engine:
         exe, row_adapters = self._rows_executable(rows)
         pad = rows - len(tokens)
         slots = tuple(slots) + (self.scratch,) * pad
-        feeds = {"tokens": np.array(tokens + [0] * pad, np.int32), "positions": np.array(positions + [0] * pad, np.int32)}
+        feeds = {"tokens": np.array(tokens + [0] * pad, np.int32),
+                 "positions": np.array(positions + [0] * pad, np.int32)}
         if row_adapters is not None:    # each row's adapter: its index among the served ones (0: the base model)
             order = list(self.adapters)
             row_adapters[:] = [order.index(s.request.adapter) for s in seqs] + [0] * pad

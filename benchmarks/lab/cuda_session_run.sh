@@ -67,7 +67,12 @@ run_prefill() {
 }
 run_serve() {
   # SERVE_LORA=3: three random rank-16 adapters on every projection, client c asking for model c mod 4;
-  # SERVE_PRECISION=bf16: the server's GEMMs of more than 16 rows (batched decode, prefill) in bf16 (INGOT_OPTIONS)
+  # SERVE_PRECISION=bf16: the server's GEMMs of more than 16 rows (batched decode, prefill) in bf16 (INGOT_OPTIONS).
+  # The device lacks the server's packages (uvicorn, prometheus_client, ...): the carried .whl/ (docs/cuda.md)
+  if ! python3 -c "import uvicorn, prometheus_client" 2>/dev/null; then
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "serve: carry .whl/ (docs/cuda.md): uvicorn is not installed here"; return 1; }
+    python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -1
+  fi
   if [ -n "${SERVE_PRECISION:-}" ]; then
     echo "{\"cuda\": {\"prefill_precision\": \"$SERVE_PRECISION\"}}" > "$OUT/serve_options.json"
     export INGOT_OPTIONS="$OUT/serve_options.json"

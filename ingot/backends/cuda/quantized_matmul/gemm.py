@@ -350,9 +350,9 @@ WORDS_GEMM_MAX_ROWS = 64   # rows up to which bf16 dots over a word-layout weigh
 def words_gemm_config(m: int, w: QuantizedWeight, sms: int) -> dict:
     """Tiles of `_qgemm_words_kernel`: 256 columns of W a program (the MMA's long side), the rows of x
     in one tile, a K tile of 32 (one parameter row), and K split so that about two programs an SM
-    stream W. H100, Llama-3-8B shapes at 16 / 32 / 64 rows (`benchmarks/lab/cuda_gemm_swap.py`,
-    2026-12-06): 32-60 / 58-103 / 80-184 TFLOP/s against `_qgemm_kernel`'s 10-35 / 19-75 at 32 / 64
-    rows and cuBLAS bf16 on a dense W 24-41 / 50-83 / 102-166."""
+    stream W. H100, Llama-3-8B shapes at 32 / 64 rows (`benchmarks/lab/cuda_gemm_swap.py`, 2026-12-06):
+    57.6-90.5 / 92.3-165.1 TFLOP/s against `_qgemm_kernel`'s 35.2-42.7 / 61.2-77.3 and cuBLAS bf16 on a
+    dense W 49.9-81.0 / 98.5-163.7."""
     block_m = max(16, triton.next_power_of_2(min(m, WORDS_GEMM_MAX_ROWS)))
     block_n = 256
     tiles = triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n)

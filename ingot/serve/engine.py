@@ -429,7 +429,7 @@ class Engine:
     def _riders(self, prefilling: list[Sequence], decoding: int) -> list[tuple[Sequence, int]]:
         """(sequence, prompt tokens) that join a decode step of `decoding` rows: in arrival order, each
         its next tokens below MIXED_MAX_POSITION, MIXED_ROWS rows in all."""
-        room = min(self.buckets()[-1], MIXED_ROWS) - decoding
+        room = MIXED_ROWS - decoding   # (buckets() reaches MIXED_ROWS with a pool)
         riders = []
         for seq in prefilling:
             self._reuse_more(seq)

@@ -33,7 +33,6 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self._step = Histogram("ingot_decode_step_seconds", "One decode step of the running batch", registry=r,
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2))
-        self.prompt_rows = 0   # prompt tokens prefilled in decode steps so far
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
 
@@ -64,7 +63,11 @@ class Metrics:
     def step(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
         self._step.observe(seconds)
         self._mixed.inc(prompt_rows)
-        self.prompt_rows += prompt_rows
+
+    @property
+    def prompt_rows(self) -> int:
+        """Prompt tokens prefilled in decode steps so far (the counter's value)."""
+        return int(self.registry.get_sample_value("ingot_prompt_tokens_in_decode_steps_total") or 0)
 
     def tokens(self, n: int) -> None:
         self._generated.inc(n)

@@ -100,7 +100,7 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
     # a launch with the tiles widened to float32 and three tf32 products)
     BF16X3: tl.constexpr = DOT16 and PRECISION == "tf32x3p" and (
         CODES or (kt.dtype == tl.bfloat16 and vt.dtype == tl.bfloat16))
-    # "bf16" (the bf16-activation choice): q, p and the tiles rounded to bfloat16, one product each
+    # "bf16" (the bf16-activation choice): the tiles stay 16-bit, q and p rounded by _dot, one product each
     ONE16: tl.constexpr = DOT16 and PRECISION == "bf16"
     # a 16-bit cache widened to float32 is exact in tf32: the dots skip its low part
     K_EXACT: tl.constexpr = kt.dtype == tl.float16 or kt.dtype == tl.bfloat16
@@ -115,9 +115,7 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
             vt = vt.to(q.dtype)
     if BF16X3:
         s = _dot_bf16x3(q, tl.trans(kt))
-    elif ONE16:
-        s = tl.dot(q.to(tl.bfloat16), tl.trans(kt))
-    else:
+    else:   # (ONE16: _dot's "bf16", one product of the 16-bit tiles)
         s = _dot(q, tl.trans(kt), PRECISION, CODES or K_EXACT)
     if CODES:
         s = s * (ks * qk_scale)[None, :]   # [R, N], log2 units
@@ -136,8 +134,6 @@ def _decode_tile(q, kt, vt, offs_n, n_ok, limit, m_i, l_i, acc, qk_scale, CAUSAL
         p = p * vs[None, :]
     if BF16X3:
         acc = acc * alpha[:, None] + _dot_bf16x3(p, vt)
-    elif ONE16:
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), vt)
     else:
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION, CODES or V_EXACT)
     return m_new, l_i, acc

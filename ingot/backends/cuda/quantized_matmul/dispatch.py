@@ -91,7 +91,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
                 **pdl_args(x.device))
         if target is not y:
             y.copy_(target)
-    elif w.words and w.group >= 32 and m <= WORDS_GEMM_MAX_ROWS and "BLOCK_M" not in config and (
+    elif w.words and m <= WORDS_GEMM_MAX_ROWS and "BLOCK_M" not in config and (
             precision == "bf16" or x.dtype == torch.bfloat16):   # a batched decode step's bf16 dots
         _words_gemm(x2, w, y, config)
     elif options.prefill_dequant_rows and m >= options.prefill_dequant_rows and "BLOCK_M" not in config \

@@ -37,6 +37,9 @@ class CudaOptions:
     # -- quantized matmul (backends/cuda/quantized_matmul) -----------------------------------------
     words_layout: bool = True         # 4-bit matmul weights in the dp4a GEMV's word layout (prepare_weight)
     words_max_rows: int = 16          # rows of x up to which the word GEMV runs; more: the tensor-core GEMM
+    words_bf16_max_rows: int = 8      # ... where prefill_precision is "bf16"; more: the word GEMM's bf16 dots
+                                      # (H200, `ingot serve` Llama-3-8B int4: 16 streams 2,178 tok/s against
+                                      # 1,499 with the GEMV; 8 streams 1,145 against 1,218)
     gemv_waves: int = 0               # warps a multiprocessor the word GEMV's split-K aims at; 0: one wave
                                       # from the kernel's registers (Llama-3-8B gate+up 23.7 us vs 24.7 at 32)
     gemv_tile_blocks: int = 0         # blocks of 32 k per word-GEMV tile: 1, 2, or 0 (1 where the GEMV is
@@ -83,6 +86,14 @@ class CudaOptions:
     graphs: bool = True               # decode steps captured and replayed as CUDA graphs
     timeline: str = "off"             # a diagnostic (timeline.py): "off", "end" or "all" points stamped
 
+    @property
+    def gemv_rows(self) -> int:
+        """Rows of x up to which the word GEMV (and the fusions into it) runs: words_max_rows, or with
+        bf16 many-row dots (prefill_precision "bf16") at most words_bf16_max_rows."""
+        if self.prefill_precision == "bf16":
+            return min(self.words_max_rows, self.words_bf16_max_rows)
+        return self.words_max_rows
+
     def __post_init__(self) -> None:
         _check_fields(self, "cuda")
         for name, allowed in _CHOICES.items():
@@ -92,7 +103,7 @@ class CudaOptions:
             raise IngotError(f"options: cuda.gemv_limbs is {self.gemv_limbs}; x is rounded to 1, 2 or 3 bytes.")
         if self.gemv_tile_blocks not in (0, 1, 2):
             raise IngotError(f"options: cuda.gemv_tile_blocks is {self.gemv_tile_blocks}; 0 (auto), 1 or 2.")
-        for name in ("words_max_rows", "xq_blocks", "xq_norm_block", "xq_norm_warps", "decode_merge_splits",
+        for name in ("words_max_rows", "words_bf16_max_rows", "xq_blocks", "xq_norm_block", "xq_norm_warps", "decode_merge_splits",
                      "decode_chunk_kb", "mel_block_frames", "mel_warps", "mel_pass_frames"):
             if getattr(self, name) < 1:
                 raise IngotError(f"options: cuda.{name} is {getattr(self, name)}; it must be at least 1.")

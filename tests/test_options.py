@@ -16,6 +16,16 @@ def test_defaults_need_no_gpu_and_are_the_h200_table():
     assert CompileOptions().fusions is None and CompileOptions().cpu.threads is None
 
 
+def test_gemv_rows_follow_the_precision():
+    """The word GEMV takes up to words_max_rows rows; with bf16 many-row dots, up to words_bf16_max_rows."""
+    assert CudaOptions().gemv_rows == 16
+    assert CudaOptions(prefill_precision="bf16").gemv_rows == 8
+    assert CudaOptions(prefill_precision="bf16", words_max_rows=4).gemv_rows == 4
+    assert CudaOptions(prefill_precision="bf16", words_bf16_max_rows=16).gemv_rows == 16
+    with pytest.raises(ingot.IngotError, match="words_bf16_max_rows is 0"):
+        CudaOptions(words_bf16_max_rows=0)
+
+
 def test_for_device_overrides():
     o = CudaOptions.for_device("NVIDIA H200", gemv_limbs=3, decode_warps=8)
     assert (o.gemv_limbs, o.decode_warps, o.xq_blocks) == (3, 8, 4)

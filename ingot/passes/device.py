@@ -82,7 +82,7 @@ def device_steps(device: str, options=None) -> list[tuple[str, Pass]]:
     chosen = set(known) if fusions is None else set(fusions)
     tuning = getattr(options, "cuda", None)
     settings = {"rope_attention": "rope_attention" in chosen, "mel_epilogue": "mel_epilogue" in chosen,
-                "words_max_rows": getattr(tuning, "words_max_rows", WORDS_MAX_ROWS),
+                "words_max_rows": getattr(tuning, "gemv_rows", WORDS_MAX_ROWS),
                 "self_xq_bytes": getattr(tuning, "self_xq_bytes", SELF_XQ_BYTES)}
     if getattr(tuning, "words_layout", True) is False:   # no word GEMV: nothing to fold into it
         chosen -= {"glu", "norm_gemv"}

@@ -128,7 +128,7 @@ def _glu_gemv(ctx: Lowering):
     weight = _weight(ctx, m)
     rows = math.prod(m.src[0].type.shape[:-1])
     options = ctx.cuda
-    if not weight.words or rows > options.words_max_rows:
+    if not weight.words or rows > options.gemv_rows:
         return None
     n_out = m.type.shape[-1]
     ctx.reads = (param(gate), param(up))
@@ -215,7 +215,7 @@ def _norm_gemv(ctx: Lowering):
     owner = ctx if gemv.op == Op.QUANTIZED_MATMUL else Lowering(plan, gemv, parent=ctx)
     weight = _group_weight(owner, matmuls)
     options = ctx.cuda
-    if weight is None or not weight.words or weight.k != k or rows > options.words_max_rows:
+    if weight is None or not weight.words or weight.k != k or rows > options.gemv_rows:
         return None
     glu = next((n for n in body.nodes if n.op == Op.FUSED and n.attrs["kind"] == "glu_gemv"), None)
     down = None
@@ -415,6 +415,8 @@ def _attention_gemv(ctx: Lowering):
     weight = _weight(ctx, m)
     rows, k = m.src[0].type.shape
     options = ctx.cuda
+    if rows > options.gemv_rows:   # the word GEMM takes these rows: nothing to round or zero for a GEMV
+        return None
     if not (weight.nbytes < options.attention_xq_bytes or
             (m.dtype == dt.float32 and qmm.rounds_own_x(rows, weight, options=options))):
         return None

@@ -17,11 +17,11 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   nibbles split in registers, w = v * s + b applied per element, products accumulated in a 2-D
   register tile and summed over K once at the end; split-K with atomics when N alone does not
   fill the chip.
-- `_qgemm_kernel` (2 rows and more; for word-layout weights, more than CudaOptions.words_max_rows): the same
+- `_qgemm_kernel` (2 rows and more; for word-layout weights, more than CudaOptions.gemv_rows): the same
   dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy, or
   bf16 dots with CudaOptions.prefill_precision="bf16"). From CudaOptions.prefill_dequant_rows rows W is
   instead dequantized whole by `_dequantize_kernel` into a workspace and multiplied by cuBLAS.
-- `_qgemm_words_kernel` (more than CudaOptions.words_max_rows rows, up to 64, of bf16 dots over a word-layout
+- `_qgemm_words_kernel` (more than CudaOptions.gemv_rows rows, up to 64, of bf16 dots over a word-layout
   weight: a batched decode step): y^T = W^T x^T, each int32 word loaded once and its 8 nibbles split in
   registers, so W's dequantized tile is the dot's long side and x's few rows the narrow one; split-K.
 - `_qgemv_words_kernel` (1-16 rows, up to 4 a program; 4-bit affine weights re-packed with

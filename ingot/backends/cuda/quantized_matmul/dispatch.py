@@ -24,7 +24,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
                      options: CudaOptions = DEFAULT_CUDA) -> torch.Tensor:
     """y = x @ W for x [..., K] (float32/float16/bfloat16); y [..., N] of x's dtype.
 
-    Word-layout weights: the dp4a GEMV up to options.words_max_rows rows, then up to WORDS_GEMM_MAX_ROWS
+    Word-layout weights: the dp4a GEMV up to options.gemv_rows rows, then up to WORDS_GEMM_MAX_ROWS
     rows of bf16 dots (precision "bf16" or bfloat16 x) the word GEMM; else one row: the k-major GEMV
     kernels; from options.prefill_dequant_rows rows (float32 x): W dequantized once and cuBLAS; else the
     tensor-core kernel (config={"BLOCK_M": ...} forces it). precision (None: options.prefill_precision):
@@ -54,7 +54,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     if m == 0:
         return y.reshape(*lead, w.n)
     config = dict(config or {})
-    if w.words and (m <= options.words_max_rows or config.get("KERNEL") == "words") \
+    if w.words and (m <= options.gemv_rows or config.get("KERNEL") == "words") \
             and config.get("KERNEL", "words") == "words" and "BLOCK_M" not in config:
         config.pop("KERNEL", None)
         gemv._words_gemv(x2, w, y, config, options=options)

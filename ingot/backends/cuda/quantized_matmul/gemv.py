@@ -90,7 +90,7 @@ def gemv_takes_xq(m: int, w: QuantizedWeight, config: dict | None = None, option
     """The limbs of x's pre-quantization the word GEMV uses for m rows of w by default (0: none, the
     GEMV rounds x itself or another kernel runs): what a kernel ahead of it may store (`xq_buffers`)."""
     config = config or {}
-    if not w.words or m > options.words_max_rows:
+    if not w.words or m > options.gemv_rows:
         return 0
     return config.get("LIMBS", options.gemv_limbs) if config.get("XQ", w.nbytes >= options.xq_min_bytes) else 0
 
@@ -200,7 +200,7 @@ def rms_norm_matmul(x: torch.Tensor, w: QuantizedWeight, norm_weight: torch.Tens
                     add: torch.Tensor | None = None, config: dict | None = None, zero: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, options: CudaOptions = DEFAULT_CUDA):
     """rms_norm(x [+ add]) * norm_weight @ W in one word-layout GEMV launch (two with XQ), for float32 x
-    [..., K] of at most options.words_max_rows rows: the norm is the GEMV's prologue. Returns y [..., N], or
+    [..., K] of at most options.gemv_rows rows: the norm is the GEMV's prologue. Returns y [..., N], or
     (x + add, y) with `add` (the sum is stored by the same launch, for the residual stream). `zero`:
     see `_words_gemv`. `out`: y [M, N] (float32, contiguous) to write.
 
@@ -210,7 +210,7 @@ def rms_norm_matmul(x: torch.Tensor, w: QuantizedWeight, norm_weight: torch.Tens
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()
     m = x2.shape[0]
-    assert m <= options.words_max_rows, f"rms_norm_matmul: {m} rows, the word GEMV takes up to {options.words_max_rows}"
+    assert m <= options.gemv_rows, f"rms_norm_matmul: {m} rows, the word GEMV takes up to {options.gemv_rows}"
     add2 = total = None
     if add is not None:
         assert add.shape == x.shape and add.dtype == torch.float32

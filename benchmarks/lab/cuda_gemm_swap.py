@@ -5,6 +5,9 @@ config) and cuBLAS bf16 on a dense W. Random words and f16-exact parameters; eac
 against the dequantized weight in float64 before it is timed. TFLOP/s, and GB/s of the packed weight.
 
     python benchmarks/lab/cuda_gemm_swap.py [--rows 32,16,64] [--shapes qkv,o,gate+up,down] [--sweep]
+
+At the word GEMV's rows (up to CudaOptions.words_max_rows) the word GEMM is also timed, forced (the
+GEMV's cell is the standalone call: x rounded by its own launch, which a decode step folds elsewhere).
 """
 from __future__ import annotations
 
@@ -69,8 +72,12 @@ def main():
         cells = [f"cuBLAS bf16 {flop / bench(lambda: torch.mm(x16, dense)) / 1e12:.1f}"]
         tile = gemm_config(m, w, torch.float32, "bf16", sms)
         cells.append(cell("tile kernel", lambda: qmm.quantized_matmul(x, w, precision="bf16", config=tile)))
-        cells.append(cell(f"word GEMM {words_gemm_config(m, w, sms)}",
+        cells.append(cell(f"{'word GEMV' if m <= qmm.WORDS_MAX_ROWS else 'word GEMM'} (the route)",
                           lambda: qmm.quantized_matmul(x, w, precision="bf16")))
+        if m <= qmm.WORDS_MAX_ROWS:   # the GEMV's rows: the word GEMM forced
+            y_gemm = torch.empty(m, n, device="cuda")
+            cells.append(cell(f"word GEMM {words_gemm_config(m, w, sms)}",
+                              lambda: (dispatch._words_gemm(x, w, y_gemm, {}), y_gemm)[1]))
         if a.sweep:
             y = torch.empty(m, n, device="cuda")
             block_m = words_gemm_config(m, w, sms)["BLOCK_M"]

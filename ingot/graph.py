@@ -551,24 +551,37 @@ class Graph:
 
     def dequantize(self, q, scale=None, zero_point=None, bias=None, axis: int | None = None,
                    block_size: int | None = None, lut=None, dtype: dt.DType = dt.float32):
-        """Integers to floats: (q - zero_point) * scale + bias, lut[q], or lut[q] * scale.
+        """Integers to floats: (q - zero_point) * scale + bias, lut[q], or lut[q] * scale (+ bias).
 
         Parameters are scalars, per-axis (axis=), per-block (axis= and block_size=), or of q's rank
         with each dimension dividing q's. A lookup table has 2**bits entries, per tensor or per group;
-        given with scale= (and neither zero_point= nor bias=) each looked-up value is scaled
-        ("scaled_lut": GGUF's IQ and MXFP4 types).
+        given with scale= each looked-up value is scaled ("scaled_lut": GGUF's IQ and MXFP4 types),
+        and with bias= too a per-block offset is added (Ingot's lut4:bB:offset format; no zero_point=).
+
+            >>> import numpy as np, ingot
+            >>> g = ingot.Graph()
+            >>> q = g.constant(np.array([[0, 1], [2, 3]], np.uint8))
+            >>> table = g.constant(np.arange(256, dtype=np.float32) / 2)
+            >>> w = g.dequantize(q, lut=table, scale=g.constant(np.float32(2)), bias=g.constant(np.float32(1)))
+            >>> g.compile(feeds={}, targets=[w], device="cpu").run({})[0].tolist()
+            [[1.0, 2.0], [3.0, 4.0]]
         """
         q = self._own(q)
         if lut is None and scale is None:
             raise IngotError("dequantize: give scale= (affine), lut= (lookup table) or both (scaled lookup table).")
         attrs = {"qdtype": q.dtype, "dtype": dtype}
         if lut is not None and scale is not None:
-            if zero_point is not None or bias is not None:
-                raise IngotError("dequantize: a scaled lookup table (lut= and scale=) takes no zero_point= or bias=.")
+            if zero_point is not None:
+                raise IngotError("dequantize: a scaled lookup table (lut= and scale=) takes no zero_point=.")
             attrs["mode"] = "scaled_lut"
             params = [self._block_param(lut, q, None, None, "dequantize", extra=1),
                       self._block_param(scale, q, axis, block_size, "dequantize")]
+            if bias is not None:   # the no-bias form keeps its attributes as they always were
+                attrs["has_bias"] = True
+                params.append(self._block_param(bias, q, axis, block_size, "dequantize"))
         elif lut is not None:
+            if zero_point is not None or bias is not None:
+                raise IngotError("dequantize: a lookup table without scale= takes no zero_point= or bias=.")
             attrs["mode"] = "lut"
             params = [self._block_param(lut, q, axis, block_size, "dequantize", extra=1)]
         else:

@@ -217,11 +217,13 @@ def test_scaled_lut_kernel_split_over_threads(converted, monkeypatch):
     check_close(two, x, t.dequantize_rows())
 
 
-def test_dequantize_refuses_scaled_lut_with_bias():
+def test_dequantize_refuses_scaled_lut_with_zero_point():
     g = Graph()
     q = g.constant(np.zeros((4, 2), np.uint8), dtype=dt.uint4)
     with pytest.raises(Exception, match="takes no zero_point"):
-        g.dequantize(q, lut=np.zeros((1, 1, 16), np.float32), scale=np.ones((4, 1), np.float32), bias=np.ones((4, 1), np.float32))
+        g.dequantize(q, lut=np.zeros((1, 1, 16), np.float32), scale=np.ones((4, 1), np.float32),
+                     zero_point=np.ones((4, 1), np.float32))
+    # (a bias is the lut4:bB:offset form: tests/test_quant_lut_offset.py)
 
 
 # ---------------------------------------------------------------------------------------------

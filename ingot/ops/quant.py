@@ -8,11 +8,14 @@ trailing axis of 2**bits entries.
 
 Affine:      w = (q - zero_point) * scale + bias        (zero_point and bias optional)
 LUT:         w = lut[group(q), q]
-Scaled LUT:  w = lut[group(q), q] * scale             (mode "scaled_lut"; params lut, scale)
+Scaled LUT:  w = lut[group(q), q] * scale (+ bias)    (mode "scaled_lut"; params lut, scale[, bias])
 
 The scaled LUT is the form of GGUF's non-linear and codebook types (IQ4_NL/XS, the IQ2/IQ3/IQ1
 grids, MXFP4): each weight's code picks a value of a small table, and a per-block scale multiplies
-it, in float32 (the product gguf.quants.dequantize forms, bit for bit).
+it, in float32 (the product gguf.quants.dequantize forms, bit for bit). With attrs["has_bias"] a
+per-block bias is added after the product (Ingot's lut4:bB:offset format); without it the op is as
+it always was. Backends never see the bias on a quantized_matmul or quantized_gather: the pass
+passes/split_lut_bias.py moves it into a small float matmul (or gather) of its own.
 
 4-bit tensors are packed two per byte along the last axis, which must be even.
 """
@@ -36,7 +39,7 @@ def param_count(attrs) -> int:
     if mode == "lut":
         return 1
     if mode == "scaled_lut":
-        return 2
+        return 2 + bool(attrs.get("has_bias"))
     return (1 + bool(attrs.get("has_zero_point")) + bool(attrs.get("has_bias"))) * (2 if attrs.get("two_level") else 1)
 
 
@@ -118,6 +121,8 @@ def dequantize_values(q_values: np.ndarray, params, attrs) -> np.ndarray:
     if attrs["mode"] == "scaled_lut":
         w = _lookup(q_values, params[0])
         w *= expand(params[1].astype(np.float32), q_values.shape)
+        if attrs.get("has_bias"):
+            w += expand(params[2].astype(np.float32), q_values.shape)
         return w.astype(out_dtype)
     it = iter(params)
     scale = next(it).astype(np.float32)

@@ -641,6 +641,8 @@ def _dequantize(ctx: Lowering) -> StepFn:
             w = torch.gather(table, -1, idx).squeeze(-1)
             if a["mode"] == "scaled_lut":
                 w = w * _expand(params[1].float(), v.shape)
+                if a.get("has_bias"):
+                    w = w + _expand(params[2].float(), v.shape)
             return w.to(out_dtype)
         it = iter(params)
         w = v.float()

@@ -508,7 +508,7 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
     GEMV, any table (default: when the CPU has it; faster than both); threads: `CpuOptions.threads`."""
     attrs = node.attrs
     if attrs.get("mode") != "scaled_lut" or attrs.get("transpose") or node.dtype.name != "float32" \
-            or attrs["qdtype"].name not in ("uint4", "int4"):
+            or attrs["qdtype"].name not in ("uint4", "int4") or attrs.get("has_bias"):   # (bias: split_lut_bias.py)
         return None
     shuffle = SHUFFLE if shuffle is None else shuffle and SHUFFLE
     permute = PERMUTE if permute is None else permute and PERMUTE

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .... import dtypes as dt
+from ....errors import IngotError
 from ....ops.moe import expert_params
 from .gemm import _dequantize_tile, _load_tile
 from .weights import prepare_weight
@@ -71,6 +72,9 @@ def prepare_experts(q: np.ndarray, params: list[np.ndarray], attrs: dict, device
     attrs = dict(attrs, transpose=False)
     experts = range(q.shape[0])
     if attrs["mode"] == "scaled_lut":
+        if attrs.get("has_bias"):
+            raise IngotError("quantized_gather_matmul: routed experts in a scaled table with a bias (lut4:bB:offset) "
+                             "have no GPU kernel; quantize the experts in another format.")
         tables = [prepare_weight(q[e], expert_params(params, e)[:1], dict(attrs, mode="lut"), device) for e in experts]
         scales = [prepare_weight(q[e], expert_params(params, e)[1:], dict(attrs, mode="affine", qdtype=dt.uint4
                                  if attrs["qdtype"].packed else dt.uint8, has_zero_point=False, has_bias=False), device)

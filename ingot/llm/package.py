@@ -279,7 +279,9 @@ def _check_quantized(path: Path, name: str, t: QuantizedTensor) -> None:
     params = [p for p in (t.scale, t.bias, t.zero_point) if p is not None]
     if (k < 1 or n < 1 or block < 1 or k % block or (t.qdtype.packed and n % 2) or tuple(t.q.shape) != q_shape
             or t.q.dtype != t.qdtype.storage or any(tuple(p.shape) != (k // block, n) for p in params)
-            or (t.scale is None and t.lut is None)
+            or (t.scale is None and t.lut is None) or (t.lut is not None and t.scale is None and t.bias is not None)
+            or (t.lut is not None and (t.lut.ndim != 3 or t.lut.shape[-1] != 2 ** t.qdtype.bits or 0 in t.lut.shape
+                                       or k % t.lut.shape[0] or n % t.lut.shape[1]))
             or (t.two_level is not None and (t.two_level[1] not in (6, 8) or t.two_level[0] < block
                                              or t.two_level[0] % block or k % t.two_level[0]))):
         raise IngotError(f"tensor {short(name)} is described as {t.qdtype.name}{[k, n]} in blocks of "

@@ -370,9 +370,10 @@ class Weights:
         g = self.g
         if isinstance(w, QuantizedTensor):
             q = g.constant(w.q, dtype=w.qdtype if w.qdtype.packed else None, name=name)
-            if w.lut is not None and w.scale is not None:  # a scaled lookup table (GGUF's IQ types, MXFP4)
+            if w.lut is not None and w.scale is not None:  # a scaled lookup table (GGUF's IQ types, MXFP4; with
+                bias = None if w.bias is None else g.constant(w.bias, name=f"{name}.bias")   # a bias lut4:bB:offset)
                 return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"), axis=0, block_size=w.block_size,
-                                    scale=g.constant(w.scale, name=f"{name}.scale"))
+                                    scale=g.constant(w.scale, name=f"{name}.scale"), bias=bias)
             if w.lut is not None:
                 return g.dequantize(q, lut=g.constant(w.lut, name=f"{name}.lut"))
             params = {"scale": self._param(w.scale, f"{name}.scale")}

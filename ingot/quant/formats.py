@@ -13,7 +13,8 @@ w[r, c] = lut[r // (rows // lut.shape[0]), c // (cols // lut.shape[1]), q[r, c]]
 block-broadcast over the logical matrix (one per tensor: [1, 1, 2**bits]; one per group of output
 rows: [rows // g, 1, 2**bits]), the form `Graph.dequantize(q, lut=)` takes. With both `lut` and
 `scale` set (a scaled lookup table, GGUF's IQ and MXFP4 types) each looked-up value is multiplied
-by its block's scale: w[r, c] = lut[..., q[r, c]] * scale[r, b], in float32.
+by its block's scale: w[r, c] = lut[..., q[r, c]] * scale[r, b], in float32; with `bias` set too (Ingot's
+lut4:bB:offset, scale and bias float16) its block's offset is added: lut[..., q[r, c]] * scale[r, b] + bias[r, b].
 
 `to_k_major()` gives the transposed form a matmul reads best on the CPU: the logical [cols, rows]
 matrix (reduction axis first), packed along rows, blocks along axis 0, parameters
@@ -99,7 +100,10 @@ class QuantizedTensor:
             r = (np.arange(start, stop) // rows_per)[:, None]
             c = (np.arange(self.shape[1]) // cols_per)[None, :]
             looked_up = lut[r, c, v.astype(np.intp)].astype(np.float32)
-            return looked_up if self.scale is None else looked_up * self._repeat(self.scale, start, stop)
+            if self.scale is None:
+                return looked_up
+            looked_up *= self._repeat(self.scale, start, stop)
+            return looked_up if self.bias is None else looked_up + self._repeat(self.bias, start, stop)
         rep = lambda p: self._repeat(p, start, stop)  # noqa: E731
         if self.zero_point is not None:
             v = v - rep(self.zero_point)

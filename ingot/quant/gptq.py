@@ -5,8 +5,8 @@ E ||(W - W_hat) x||^2 greedily, where round-to-nearest minimises ||W - W_hat||^2
 
 Block parameters (an affine format's scale and bias) are fitted on a block's columns as they stand
 when the sweep reaches the block, after the earlier blocks' corrections (GPTQ's "groups"); a lookup
-table format keeps the tables (and block scales) fitted on the original weight and GPTQ picks
-each entry.
+table format keeps the tables (and block scales and offsets) fitted on the original weight and GPTQ
+picks each entry.
 
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
@@ -72,6 +72,7 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
         row_table = np.repeat(np.arange(tables.shape[0]), group)
         block = template.block_size                                # a scaled table keeps its fitted scales
         lut_scale = None if template.scale is None else template.scale.astype(np.float64)
+        lut_offset = None if template.bias is None else template.bias.astype(np.float64)   # lut4:bB:offset
     else:
         block = cols if fmt.block_size is None else fitting_divisor(cols, fmt.block_size)
         scale = np.empty((rows, cols // block), np.float32)
@@ -84,9 +85,10 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
         if fmt.kind == "lut":
             entries = tables[row_table]                                     # [rows, entries]
             s = 1.0 if lut_scale is None else lut_scale[:, j // block]
-            codes = np.abs(entries - (column / s)[:, None]).argmin(axis=1)
+            m = 0.0 if lut_offset is None else lut_offset[:, j // block]
+            codes = np.abs(entries - ((column - m) / s)[:, None]).argmin(axis=1)
             q[:, j] = codes
-            return tables[row_table, codes] * s
+            return tables[row_table, codes] * s + m
         b = j // block
         s = scale[:, b].astype(np.float64)
         offset = 0.0 if bias is None else bias[:, b].astype(np.float64)
@@ -123,8 +125,8 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
             errors[:, j - start] = err
         w[:, stop:] -= errors @ u[start:stop, stop:]
     if fmt.kind == "lut":
-        return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, template.scale, source=str(fmt),
-                               lut=template.lut)
+        return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, template.scale, template.bias,
+                               source=str(fmt), lut=template.lut)
     if fmt.code_bits:
         return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, two_level_stored(scale),
                                two_level_stored(bias), source=str(fmt), two_level=(per_super, fmt.code_bits))

@@ -8,6 +8,9 @@
     ('int4', 32, True)
     >>> str(parse_format("lut4:g128"))
     'lut4:g128'
+    >>> t = quantize(w, "lut4:b64:offset")
+    >>> t.scale.dtype.name, t.bias.dtype.name, 8 * (t.q.nbytes + t.scale.nbytes + t.bias.nbytes) / w.size
+    ('float16', 'float16', 4.5)
 
 Formats (FMT strings, `parse_format`):
 
@@ -24,13 +27,17 @@ Formats (FMT strings, `parse_format`):
         block's codes moved by one where that lowers its error; see QuantizedTensor.two_level_nbytes.
         :auto (with a BLOCK) picks per tensor, by the importance-weighted error, between the
         symmetric form in blocks of BLOCK and the asymmetric one in blocks of 2 * BLOCK: the same bytes.
-    lut4 | lut8 [:gROWS] [:bBLOCK] [:uniform]
+    lut4 | lut8 [:gROWS] [:bBLOCK [:offset]] [:uniform]
         a lookup table of 2**bits float16 values, one per tensor or per group of ROWS output rows, fitted by
         1-D k-means (weighted by importance when given) or spaced uniformly over [min, max]; each
         weight becomes the index of its nearest table entry. With :bBLOCK (16-256) every block of
         BLOCK columns also has a float32 scale (a scaled table, as GGUF's IQ4_NL with a fitted
         table): w = table[q] * scale, the table fitted on the weights divided by their block's scale,
         each scale then refitted by least squares (the importance-weighted error, alternately).
+        :offset (with :bBLOCK) gives every block a float16 offset beside a float16 scale:
+        w = table[q] * scale + offset, 4 + 32 / BLOCK bits per weight (lut4:b64:offset 4.5, as uint4:32:k);
+        the table is fitted on each block's weights less its offset, over its scale, and each block's
+        scale and offset refitted as the weighted least-squares line through its codes' entries.
 
 A BLOCK (or ROWS) that does not divide a tensor's columns (rows) becomes the largest divisor of
 them that is not above it (SmolLM2's 576 columns take int4:128 as blocks of 96); the tensor
@@ -51,7 +58,8 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 AFFINE_TYPES = {"int8": dt.int8, "uint8": dt.uint8, "int4": dt.int4, "uint4": dt.uint4}
 FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor), :sym/:asym/:auto and :f16 or :k/:k8 "
                "(two-level parameters, uint4:32:k = Q4_K's 4.5 bits per weight), "
-               "or lut4/lut8 with an optional :gROWS, :bBLOCK and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut8)")
+               "or lut4/lut8 with an optional :gROWS, :bBLOCK (then :offset) and :uniform "
+               "(e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut4:b64:offset, lut8)")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Format:
     uniform: bool = False           # lut: uniform table instead of k-means
     half: bool = False              # affine: parameters stored as float16
     code_bits: int = 0              # affine: 6 or 8 for the two-level :k / :k8 parameters (codes times units)
+    offset: bool = False            # lut with blocks: a float16 offset and float16 scale per block (:offset)
 
     @property
     def bits(self) -> int:
@@ -73,7 +82,8 @@ class Format:
     def __str__(self) -> str:
         if self.kind == "lut":
             return (f"lut{self.bits}" + (f":g{self.group_rows}" if self.group_rows else "")
-                    + (f":b{self.block_size}" if self.block_size else "") + (":uniform" if self.uniform else ""))
+                    + (f":b{self.block_size}" if self.block_size else "") + (":offset" if self.offset else "")
+                    + (":uniform" if self.uniform else ""))
         block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
         default_sym = self.qdtype.kind == "i"
         half = ":f16" if self.half else ""
@@ -131,10 +141,12 @@ def parse_format(fmt: str | Format) -> Format:
         return Format("affine", qdtype, block, symmetric, auto=auto, half=half, code_bits=code_bits)
     m = re.fullmatch(r"lut([48])", head)
     if m:
-        group, uniform, block = None, False, None
+        group, uniform, block, offset = None, False, None, False
         for opt in options:
             if opt == "uniform":
                 uniform = True
+            elif opt == "offset":
+                offset = True
             elif opt == "kmeans":
                 uniform = False
             elif re.fullmatch(r"g[1-9][0-9]*", opt):
@@ -144,8 +156,11 @@ def parse_format(fmt: str | Format) -> Format:
                     raise bad(f"block size {opt[1:]} is not one of {', '.join(map(str, BLOCK_SIZES))}")
                 block = int(opt[1:])
             else:
-                raise bad(f"option {opt!r} is not gROWS, bBLOCK, uniform or kmeans")
-        return Format("lut", dt.uint4 if m.group(1) == "4" else dt.uint8, block, group_rows=group, uniform=uniform)
+                raise bad(f"option {opt!r} is not gROWS, bBLOCK, offset, uniform or kmeans")
+        if offset and not block:
+            raise bad(":offset needs a block size :bBLOCK (an offset and a scale per block of BLOCK columns)")
+        return Format("lut", dt.uint4 if m.group(1) == "4" else dt.uint8, block, group_rows=group, uniform=uniform,
+                      offset=offset)
     raise bad(f"{head!r} is not a type")
 
 
@@ -179,6 +194,8 @@ def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | Non
         importance = np.asarray(importance, np.float32)
         if importance.shape != (w.shape[1],):
             raise IngotError(f"quantize: importance has shape {importance.shape}, expected ({w.shape[1]},).")
+    if fmt.kind == "lut" and fmt.offset:
+        return _quantize_offset_lut(w, fmt, importance)
     if fmt.kind == "lut":
         return _quantize_scaled_lut(w, fmt, importance) if fmt.block_size else _quantize_lut(w, fmt, importance)
     if fmt.code_bits:
@@ -591,3 +608,88 @@ def _quantize_scaled_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | No
     q = _scaled_codes(blocks, scale, tables, group).reshape(rows, cols)
     return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, scale, source=str(fmt),
                            lut=tables.astype(np.float32).reshape(rows // group, 1, k))
+
+
+OFFSET_ROUNDS = 8   # at most; rounds stop once one lowers the error by less than OFFSET_CONVERGED
+OFFSET_CONVERGED = 1e-3
+
+
+def _offset_codes(blocks, scale, offset, tables, group):
+    """Nearest table entries of (blocks - offset) / scale, as _scaled_codes."""
+    return _scaled_codes(blocks - offset[..., None], scale, tables, group)
+
+
+def _quantize_offset_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
+    """w = table[q] * scale + offset, scale and offset float16 per block of columns. Two starts: each
+    block's midrange and half range (benchmarks/lab/lut_offset.py), and lut4:bB's table and clipped
+    scales with no offset; from each, rounds of the table (importance- and scale**2-weighted k-means on
+    the normalised weights; the second start keeps its table the first time) and then, for the codes it
+    gives, each block's weighted least-squares line (scale, offset), both rounded to float16.
+
+    From each start the round with the least weighted error; of the two, the one with the least error
+    weighted by the importance, or without one by each column's mean square weight: a plain squared
+    error picks the wrong start on the default model's tied
+    embedding, where the clipped start's error is lower (0.00867 against 0.00917, relative) but its KLD
+    far higher (0.0987 against 0.0635; uint4:32:k 0.0602): it gives up the large weights of the loud
+    columns, which the column weighting counts (0.00351 against 0.00238). On zero-mean Student-t
+    weights, whose columns are alike, it keeps the clipped start."""
+    rows, cols = w.shape
+    block = fitting_divisor(cols, fmt.block_size)
+    group = rows if fmt.group_rows is None else fitting_divisor(rows, fmt.group_rows)
+    blocks = w.reshape(rows, cols // block, block)
+    imp = np.ones(cols, np.float32) if importance is None else np.maximum(importance, 0) + np.float32(1e-8)
+    weights = imp.reshape(1, cols // block, block)
+    select = weights if importance is not None else (np.square(w, dtype=np.float64).mean(axis=0) + 1e-30).reshape(weights.shape)
+    hi, lo = blocks.max(axis=2), blocks.min(axis=2)
+    plain = _quantize_scaled_lut(w, Format("lut", fmt.qdtype, fmt.block_size, group_rows=fmt.group_rows,
+                                           uniform=fmt.uniform), importance)
+    starts = [(None, _nonzero_half(half_params((hi - lo) / 2)), half_params((hi + lo) / 2)),
+              (plain.lut[:, 0, :], _nonzero_half(half_params(plain.scale)), np.zeros_like(hi))]
+    ends = [min(_offset_rounds(blocks, weights, select, group, fmt, *start), key=lambda r: r[0]) for start in starts]
+    _, _, tables, scale, offset = min(ends, key=lambda r: r[1])
+    q = _offset_codes(blocks, scale, offset, tables, group).reshape(rows, cols)
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, scale.astype(np.float16),
+                           offset.astype(np.float16), source=str(fmt), lut=tables.reshape(rows // group, 1, 2 ** fmt.bits))
+
+
+def _offset_rounds(blocks, weights, select, group, fmt, tables, scale, offset, rounds=OFFSET_ROUNDS):
+    """[(weighted error, error weighted by select, tables, scale, offset)] after each round from a start
+    (tables None: fitted first); the rounds stop once one lowers the error by less than OFFSET_CONVERGED."""
+    rows = blocks.shape[0]
+    row_table = np.repeat(np.arange(rows // group), group)[:, None, None]
+    out = []
+    for _ in range(rounds):
+        if tables is None:   # the table for the normalised weights; an error e in them costs e * scale in w
+            normalized = ((blocks - offset[..., None]) / scale[..., None]).reshape(rows // group, -1)
+            fit_weights = np.broadcast_to(weights * (scale ** 2)[..., None], blocks.shape).reshape(rows // group, -1)
+            tables = np.sort(_fit_tables(normalized, fit_weights, 2 ** fmt.bits, fmt.uniform)
+                             .astype(np.float16).astype(np.float32), axis=1)
+        scale, offset = _offset_line(blocks, weights, tables[row_table, _offset_codes(blocks, scale, offset, tables, group)],
+                                     scale)
+        approx = tables[row_table, _offset_codes(blocks, scale, offset, tables, group)] * scale[..., None] + offset[..., None]
+        squared = (blocks - approx) ** 2
+        out.append((float((weights * squared).sum()), float((select * squared).sum()), tables, scale, offset))
+        tables = None
+        if len(out) > 1 and out[-1][0] > (1 - OFFSET_CONVERGED) * out[-2][0]:
+            break
+    return out
+
+
+def _offset_line(blocks, weights, t, scale):
+    """Per block the weighted least-squares (scale, offset) of blocks ~ t * scale + offset, float16-valued
+    (the offset fitted for the rounded scale); a block whose entries do not vary keeps its scale."""
+    mass = weights.sum(axis=2)
+    t_mean = (weights * t).sum(axis=2) / mass
+    w_mean = (weights * blocks).sum(axis=2) / mass
+    centred = t - t_mean[..., None]
+    var = (weights * centred * centred).sum(axis=2)
+    cov = (weights * centred * (blocks - w_mean[..., None])).sum(axis=2)
+    fitted = np.where(var > 1e-12 * np.maximum(t_mean ** 2, 1e-30), cov / np.maximum(var, 1e-30), scale)
+    scale = _nonzero_half(half_params(np.where(fitted > 0, fitted, scale)))
+    return scale, half_params(w_mean - scale * t_mean)
+
+
+def _nonzero_half(scale: np.ndarray) -> np.ndarray:
+    """float16-valued scales with zeros (a block of one value) raised to float16's smallest normal."""
+    tiny = np.float32(np.finfo(np.float16).tiny)
+    return np.where(np.abs(scale) >= tiny, scale, tiny).astype(np.float32)

@@ -40,8 +40,8 @@ def quant_params(op: Node) -> list[tuple[str, Node]]:
     at = QUANT_OPS[op.op]
     if op.attrs["mode"] == "lut":
         return [("lut", op.src[at + 1])]
-    if op.attrs["mode"] == "scaled_lut":
-        return [("lut", op.src[at + 1]), ("scale", op.src[at + 2])]
+    if op.attrs["mode"] == "scaled_lut":   # (a bias: lut4:bB:offset)
+        return [("lut", op.src[at + 1]), ("scale", op.src[at + 2])] + ([("bias", op.src[at + 3])] if op.attrs.get("has_bias") else [])
     names = ["scale"] + (["zero_point"] if op.attrs.get("has_zero_point") else []) + (["bias"] if op.attrs.get("has_bias") else [])
     return list(zip(names, op.src[at + 1: at + 1 + len(names)]))
 
@@ -65,7 +65,7 @@ def describe_format(q: Node, op: Node) -> str:
     elif any(d != 1 for d in p.shape):
         granularity = "per-channel"
     if scaled:
-        return f"LUT-{2 ** qdtype.bits} ({qdtype.name}) {granularity} · scale"
+        return f"LUT-{2 ** qdtype.bits} ({qdtype.name}) {granularity} · {', '.join(name for name, _ in params)}"
     return f"{qdtype.name} {granularity} · {', '.join(name for name, _ in params)}"
 
 
@@ -175,6 +175,8 @@ def dequantized_corner(program: Program, q: Node, op: Node, rows: int, cols: int
         looked_up = tables[r, c, codes.astype(np.int64)]
         if op.attrs["mode"] == "scaled_lut":
             looked_up = looked_up * _expand_rows(value("scale"), shape, rows, cols)
+        if "bias" in params:
+            looked_up = looked_up + _expand_rows(value("bias"), shape, rows, cols)
         return looked_up
     w = codes
     if "zero_point" in params:

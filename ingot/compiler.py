@@ -32,7 +32,6 @@ from .passes.memory_plan import plan_memory
 from .passes.regions import find_regions
 from .passes.simplify_views import simplify_views
 from .passes.specialize import specialize
-from .passes.split_lut_bias import split_lut_bias
 
 Pass = Callable[[Program], tuple[Program, bool]]
 
@@ -44,8 +43,6 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_norms", fuse_norms),                     # written-out RMSNorm, tanh-GELU -> one op each
     ("fuse_one_hot", fuse_one_hot),                 # one-hot @ table -> a row gather
     ("fuse_dequantize", fuse_dequantize),           # dequantize -> matmul/gather: no float weights
-    ("split_lut_bias", split_lut_bias),             # a scaled table's bias: its own small matmul, so every
-                                                    # backend's table kernels serve lut4:bB:offset
     ("simplify_views", simplify_views),             # chains of reshapes/transposes -> one view (after the
                                                     # fusions, whose patterns name transposes)
     ("inplace", update_variables_in_place),         # assign(v, slice_update(v, ...)) writes the slice only

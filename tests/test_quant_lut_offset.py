@@ -164,7 +164,7 @@ def test_quantized_matmul_and_gather_match_numpy_on_awkward_shapes(k, n, block, 
     exe = g.compile(targets=[y, rows, w])
     nodes = exe.program.nodes()
     fused = [nd for nd in nodes if nd.op in (Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER)]
-    assert len(fused) == 2 and not any(nd.attrs.get("has_bias") for nd in fused)   # the pass took the biases out
+    assert len(fused) == 2 and all(nd.attrs.get("has_bias") for nd in fused)   # the CPU reads the bias where it is
     xv = rng.standard_normal(batch + (3, k)).astype(np.float32)
     iv = np.array([0, n - 1, 2, n // 2, 2], np.int32)
     out_y, out_rows, out_w = exe.run({"x": xv, "idx": iv})
@@ -180,7 +180,7 @@ def test_quantized_matmul_and_gather_match_numpy_on_awkward_shapes(k, n, block, 
     np.testing.assert_allclose(gathered, dense.T[iv] if transpose else dense[:, iv], rtol=1e-6, atol=1e-6)
 
 
-def test_cpu_lut_kernel_serves_the_table_part():
+def test_cpu_lut_kernel_adds_the_bias_share():
     from ingot.backends.cpu import lut_kernels
 
     rng = np.random.default_rng(6)
@@ -190,9 +190,15 @@ def test_cpu_lut_kernel_serves_the_table_part():
     w = g.dequantize(g.constant(dt.pack_int4(codes), dtype=dt.uint4), lut=table, scale=scale, bias=bias, axis=0, block_size=64)
     exe = g.compile(targets=[g.matmul(x, w)])
     (node,) = [nd for nd in exe.program.nodes() if nd.op == Op.QUANTIZED_MATMUL]
-    assert lut_kernels.scaled_lut_matmul_step(node, None) is not None
-    biased = node.replace(src=node.src + (node.src[-1],), attrs=dict(node.attrs, has_bias=True))
-    assert lut_kernels.scaled_lut_matmul_step(biased, None) is None   # never the kernel with a bias it ignores
+    assert node.attrs.get("has_bias") and len(node.src) == 5
+    xq = [np.asarray(exe.program.constants[s.attrs["key"]]) for s in node.src[1:]]
+    for rows in (1, 3, 40):   # the GEMV, and the tiles through BLAS (more than GEMV_MAX_ROWS rows)
+        step = lut_kernels.scaled_lut_matmul_step(node, None)
+        assert step is not None
+        xv = rng.standard_normal((rows, 128)).astype(np.float32)
+        np.testing.assert_allclose(step(xv, *xq), xv @ dense, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(step(xv, *xq[:3]), xv @ (dense - np.repeat(bias.astype(np.float32), 64, 0)),
+                                   rtol=1e-4, atol=1e-4)   # (the plain form of the same arrays: no bias)
     xv = rng.standard_normal((1, 128)).astype(np.float32)
     np.testing.assert_allclose(exe.run({"x": xv})[0], xv @ dense, rtol=1e-4, atol=1e-4)
 
@@ -251,8 +257,8 @@ def test_tiny_model_generates_as_its_dequantized_weights_do():
     np.testing.assert_allclose(logits, expect_logits, rtol=1e-4, atol=2e-4)
     nodes = decode.program.nodes()
     tables = [nd for nd in nodes if nd.op in (Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER) and nd.attrs.get("mode") == "scaled_lut"]
-    # every layer matmul, the tied head and the embedding lookup read the table; none carries the bias
-    assert len(tables) >= 2 * 4 + 2 and not any(nd.attrs.get("has_bias") for nd in tables)
+    # every layer matmul, the tied head and the embedding lookup read the table and its bias
+    assert len(tables) >= 2 * 4 + 2 and all(nd.attrs.get("has_bias") for nd in tables)
     assert any(nd.op == Op.QUANTIZED_GATHER for nd in tables)
 
 
@@ -266,8 +272,10 @@ def test_tiny_model_package_round_trip(tmp_path):
     cfg, tensors = _quantized_tiny()
     save_llm(tmp_path / "q.ingot", cfg, tensors, tokenizer_metadata())
     back = read_llm(tmp_path / "q.ingot")
-    layout = json.loads((tmp_path / "q.ingot" / "llm.json").read_text())["tensors"]
-    assert layout["token_embd.weight"]["params"] == ["scale", "bias", "lut"]
+    info = json.loads((tmp_path / "q.ingot" / "llm.json").read_text())
+    assert info["tensors"]["token_embd.weight"]["params"] == ["scale", "bias", "lut"]
+    # versions an Ingot that would drop the bias refuses: the LLM description's and the compiled package's
+    assert info["version"] == 2 and json.loads((tmp_path / "q.ingot" / "manifest.json").read_text())["version"] == 5
     for name, t in tensors.items():
         if isinstance(t, QuantizedTensor):
             got = back.tensors[name]

@@ -6,9 +6,12 @@
 With W[k, n] = lut[q[k, n]] * scale[k // B, n] + bias[k // B, n] (blocks of B along K),
 x @ W = x @ (lut[q] * scale) + sum over blocks b of (sum of x[k] for k in b) * bias[b, n]: the
 bias's share is a float matmul of the sums of x over each block [..., K / B] by bias [K / B, N],
-a K / B-th of the GEMV's work. The scaled-table kernels of every backend (the CPU's LUT GEMV, the
-GPU's gguf_kernels) then run as they do for GGUF's IQ types; none of them sees a bias. A gather
-takes the bias's entries of the rows (columns) it reads and repeats each over its block.
+a B-th of the GEMV's work. The GPU's scaled-table kernels (gguf_kernels) then run as they do for
+GGUF's IQ types, never seeing a bias: this is the first pass of the CUDA pipeline (passes/device.py).
+A gather takes the bias's entries of the rows (columns) it reads and repeats each over its block.
+The CPU needs no split: its table GEMV adds x's block sums times the bias in the same step
+(backends/cpu/lut_kernels.py; as separate ops the default model decoded at 43.6 tok/s against 54.7
+for lut4:b64, one thread).
 
 The bias stays the graph constant it was (a package stores and reads it by name), float16 as the
 format keeps it, widened to float32 by a cast where it is read.

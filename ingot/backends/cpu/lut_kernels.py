@@ -503,25 +503,28 @@ def int8_table(table: np.ndarray) -> tuple[np.ndarray, float] | None:
 def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads: int = 1,
                            permute: bool | None = None):
     """A step for a k-major scaled-table quantized_matmul (4-bit codes, one table, a scale per block
-    of K rows and output column), or None (the caller then uses the reference). shuffle: use the
+    of K rows and output column, and with attrs["has_bias"] a bias per block: lut4:bB:offset, whose share
+    x's block sums times the bias [K / B, N] adds, one small BLAS product), or None (the caller then uses the
+    reference). shuffle: use the
     PSHUFB kernels when the table allows (default: when the CPU has them); permute: the AVX-512 permute
     GEMV, any table (default: when the CPU has it; faster than both); threads: `CpuOptions.threads`."""
     attrs = node.attrs
     if attrs.get("mode") != "scaled_lut" or attrs.get("transpose") or node.dtype.name != "float32" \
-            or attrs["qdtype"].name not in ("uint4", "int4") or attrs.get("has_bias"):   # (bias: split_lut_bias.py)
+            or attrs["qdtype"].name not in ("uint4", "int4"):
         return None
     shuffle = SHUFFLE if shuffle is None else shuffle and SHUFFLE
     permute = PERMUTE if permute is None else permute and PERMUTE
     reference = quant_ops.quantized_matmul_reference
     prepared: dict = {}
 
-    def prepare(q, lut, scale):
-        key = (id(q), id(lut), id(scale))
+    def prepare(q, lut, scale, bias):
+        key = (id(q), id(lut), id(scale), id(bias))
         hit = prepared.get(key)
         if hit is None:
             n = q.shape[1] * 2
             ready = None
-            if lut.ndim == 3 and lut.shape[:2] == (1, 1) and scale.ndim == 2 and scale.shape[1] in (1, n):
+            if lut.ndim == 3 and lut.shape[:2] == (1, 1) and scale.ndim == 2 and scale.shape[1] in (1, n) and \
+                    (bias is None or (bias.ndim == 2 and bias.shape[1] in (1, n) and q.shape[0] % bias.shape[0] == 0)):
                 # (int4 codes are read as raw nibbles: nibble 15 is code -1, which indexes
                 # table[-1] = table[15] in the reference too)
                 table = np.ascontiguousarray(lut.reshape(16), dtype=np.float32)
@@ -541,16 +544,17 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
                 for a in (table, full, qv):
                     a.flags.writeable = False
                 gemv_args = (table, full) if perm_args is None else perm_args
-                ready = (lut_gemv_perm if perm_args else gemv, gemv_args, tile, table, full, qv)
-            hit = prepared[key] = (ready, (q, lut, scale))  # the arrays kept: ids stay valid
+                bias32 = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)   # widened once
+                ready = (lut_gemv_perm if perm_args else gemv, gemv_args, tile, table, full, qv, bias32)
+            hit = prepared[key] = (ready, (q, lut, scale, bias))  # the arrays kept: ids stay valid
         return hit[0]
 
-    def step(x, q, lut, scale):
-        ready = prepare(q, lut, scale)
+    def step(x, q, lut, scale, *bias):
+        ready = prepare(q, lut, scale, bias[0] if bias else None)
         k = x.shape[-1]
         if ready is None or k % ready[4].shape[0] or k != q.shape[0]:
-            return reference((x, q, lut, scale), attrs)
-        gemv, gemv_args, tile_fn, table, full, qv = ready
+            return reference((x, q, lut, scale) + bias, attrs)
+        gemv, gemv_args, tile_fn, table, full, qv, bias32 = ready
         nb, n = full.shape
         x2 = x.reshape(-1, k)
         if not x2.flags.c_contiguous or x2.dtype != np.float32:
@@ -570,6 +574,8 @@ def scaled_lut_matmul_step(node: Node, out, shuffle: bool | None = None, threads
                 tile_fn(qv, table, full, k0, k1, block, t)
                 part = x2[:, k0:k1] @ t
                 result = part if result is None else result + part
+        if bias32 is not None:   # x's sums per bias block [rows, nbb] @ bias [nbb, N or 1]
+            result += x2.reshape(rows, bias32.shape[0], -1).sum(axis=2) @ bias32
         return result.reshape(x.shape[:-1] + (n,))
     return step
 

@@ -178,10 +178,10 @@ class ScaledTableWeight:
 def prepare_scaled(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ScaledTableWeight:
     """Re-pack a scaled-table quantized_matmul/quantized_gather weight (params [lut, scale], Ingot's
     layout; attrs' transpose as `prepare_weight`'s) for the kernels. A bias (lut4:bB:offset) is not theirs:
-    passes/split_lut_bias.py moves it out of every quantized_matmul and quantized_gather first."""
+    the CUDA pipeline's split_lut_bias moves it out of every quantized_matmul and quantized_gather first."""
     if attrs.get("has_bias"):
-        raise IngotError("a scaled lookup table with a bias reached the GPU's table kernels; split_lut_bias leaves "
-                         "none on a quantized_matmul or quantized_gather (a routed expert matmul cannot take one).")
+        raise IngotError("a scaled lookup table with a bias reached the GPU's table kernels; keep the fusion "
+                         "split_lut_bias in CompileOptions.fusions (routed experts cannot take one).")
     table = prepare_weight(q, params[:1], dict(attrs, mode="lut"), device)
     uint = dt.uint4 if attrs["qdtype"].packed else dt.uint8
     scales = prepare_weight(q, params[1:2], dict(attrs, mode="affine", qdtype=uint, has_zero_point=False, has_bias=False),

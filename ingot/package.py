@@ -21,6 +21,8 @@ weights.safetensors "two_level:KEY:units" float16 [n_super, N] and "two_level:KE
 codes, ingot.quant.formats.two_level_split), decoded to float16 on load (read_weights can keep them
 as they are, as the CPU's LLM loading does): `save(..., two_level=)`,
 what the :k quantization formats' scales and biases take; packages without them are written as 3.
+5 may hold scaled-table ops with a bias (lut4:bB:offset: dequantize's mode "scaled_lut" with
+"has_bias"), which an Ingot reading 4 would not know; packages without them are written as 3 or 4.
 
     >>> import numpy as np, ingot, tempfile, os
     >>> g = ingot.Graph()
@@ -56,7 +58,8 @@ from .verify import verify
 FORMAT = "ingot-package"
 VERSION = 3
 TWO_LEVEL_VERSION = 4   # written when constants are stored two-level
-READS = (2, 3, 4)   # versions this Ingot loads
+LUT_BIAS_VERSION = 5    # written when a scaled table has a bias (and two-level constants may be there too)
+READS = (2, 3, 4, 5)   # versions this Ingot loads
 
 # safetensors dtype names -> the NumPy dtype that holds the bytes (BF16: ml_dtypes' bfloat16, made on
 # first use by ingot.dtypes, so that importing ingot does not load ml_dtypes)
@@ -192,7 +195,9 @@ def _write(executable, path: Path, two_level: dict | None = None) -> None:
     os.chmod(path / "weights.safetensors", default_file_mode())  # safetensors writes 0600
     for name, exe in executable.callables.items():
         _write(exe, path / "callables" / f"{name}.ingot")
-    manifest = {"format": FORMAT, "version": TWO_LEVEL_VERSION if encoded else VERSION, "device": executable.device,
+    lut_bias = any(n.attrs.get("mode") == "scaled_lut" and n.attrs.get("has_bias") for n in nodes)
+    version = LUT_BIAS_VERSION if lut_bias else TWO_LEVEL_VERSION if encoded else VERSION
+    manifest = {"format": FORMAT, "version": version, "device": executable.device,
                 "callables": sorted(executable.callables), "options": executable.options.to_dict()}
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
 

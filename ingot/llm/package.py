@@ -31,6 +31,8 @@ from ..models.moe import ExpertStack
 
 LLM_FORMAT = "ingot-llm"
 LLM_VERSION = 1
+LUT_BIAS_LLM_VERSION = 2   # written when a table tensor has a bias (lut4:bB:offset), which version 1 readers would drop
+LLM_READS = (LLM_VERSION, LUT_BIAS_LLM_VERSION)
 LLM_FILE = "llm.json"
 _PARAMS = ("scale", "bias", "zero_point", "lut")
 STORED_CONTEXT = 256
@@ -154,7 +156,8 @@ def save_llm(path, cfg, tensors: Mapping, metadata: Mapping, adapters=None, arch
     missing = [n for n in layout if n not in constants and not n.startswith("rope_freqs")]
     for name in missing:  # not read by the decode graph (e.g. an unused tensor): keep it out of the package
         layout.pop(name)
-    info = {"format": LLM_FORMAT, "version": LLM_VERSION, "architecture": architecture,
+    lut_bias = any(isinstance(t, QuantizedTensor) and t.lut is not None and t.bias is not None for t in stored.values())
+    info = {"format": LLM_FORMAT, "version": LUT_BIAS_LLM_VERSION if lut_bias else LLM_VERSION, "architecture": architecture,
             "config": asdict(cfg), "metadata": dict(metadata), "tensors": layout,
             "adapter_sites": sorted(set(decoder.call_sites) - {LOOKUP}), "extra": dict(extra or {})}
     if "rope_freqs.weight" in tensors:
@@ -201,8 +204,9 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
     info = read_json(path / LLM_FILE)
     if not isinstance(info, dict) or info.get("format") != LLM_FORMAT:
         raise IngotError(f"{path / LLM_FILE} is not an {LLM_FORMAT} description.")
-    if info.get("version") != LLM_VERSION:
-        raise IngotError(f"{path / LLM_FILE} has version {info.get('version')!r}; this Ingot reads version {LLM_VERSION}.")
+    if info.get("version") not in LLM_READS:
+        raise IngotError(f"{path / LLM_FILE} has version {info.get('version')!r}; this Ingot reads versions "
+                         f"{', '.join(map(str, LLM_READS))}.")
     try:
         config_type = config_class(info.get("architecture", "llama"), str(path))
         known = {f.name for f in fields(config_type)}

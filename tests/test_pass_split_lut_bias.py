@@ -49,3 +49,27 @@ def test_dynamic_input_is_one_sentence():
     fused, _ = fuse_dequantize(Program([g.matmul(x, w).node], [], dict(g.constants)))
     with pytest.raises(ingot.IngotError, match="needs static shapes"):
         split_lut_bias(fused)
+
+
+def test_cuda_pipeline_splits_and_the_cpu_pipeline_keeps_the_bias():
+    from ingot.compiler import run_pipeline
+
+    rng = np.random.default_rng(6)
+    codes = rng.integers(0, 16, (64, 8)).astype(np.uint8)
+    g = ingot.Graph()
+    x = g.placeholder((1, 64), name="x")
+    idx = g.placeholder((2,), ingot.int32, name="idx")
+    w = g.dequantize(g.constant(dt.pack_int4(codes), dtype=dt.uint4),
+                     lut=np.sort(rng.standard_normal(16)).astype(np.float32).reshape(1, 1, 16),
+                     scale=rng.uniform(0.5, 2, (2, 8)).astype(np.float16), bias=rng.standard_normal((2, 8)).astype(np.float16),
+                     axis=0, block_size=32)
+    program = Program([g.matmul(x, w).node, g.gather(w, idx, axis=1).node], [], dict(g.constants))
+    types = {"x": ingot.TensorType((1, 64), ingot.float32), "idx": ingot.TensorType((2,), ingot.int32)}
+    feeds = {"x": rng.standard_normal((1, 64)).astype(np.float32), "idx": np.array([1, 7], np.int32)}
+    for device, split in (("cuda", True), ("cpu", False)):
+        after, history = run_pipeline(program, device=device, feed_types=types)
+        assert dict(history).get("split_lut_bias", False) is split
+        tables = [nd for nd in after.nodes() if nd.op in (Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER)]
+        assert len(tables) == 2 and all(bool(nd.attrs.get("has_bias")) is not split for nd in tables)
+        for a, b in zip(evaluate(program, feeds), evaluate(after, feeds)):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

@@ -138,9 +138,12 @@ def test_pool_engine_on_cuda_equals_alone_and_generate(tmp_path, kv_dtype):
 
     save_tiny(tmp_path / "tiny.llm")
     engine = check_pool_engine(str(tmp_path / "tiny.llm"), "cuda", kv_dtype)
+    # the greedy runs without logprobs launched steps from the device's arg-max before reading it
+    assert engine.metrics.steps_ahead > 0
     rows, _ = engine._rows[2]
     assert rows.plan.capturable == (not _INTERPRET)
-    # the warmed bucket: one CUDA graph over the pool, whatever slots it served; prefill into slots: none
+    # the warmed bucket: one CUDA graph over the pool, whatever slots it served, its tokens fed from the
+    # host or from the step before's arg-max; prefill into slots: none
     assert len(rows.plan._graphs) == (0 if _INTERPRET else 1)
     # warm() ran every prefill length on the scratch entry (its kernels compiled before a request): the
     # first 16 positions of its K rows are written, where the rows decoder wrote position 0 only

@@ -238,6 +238,23 @@ def test_pool_engine_on_the_cpu_equals_alone_and_generate(tiny_package, kv_dtype
         assert engine.pool.values["blk.0.k_pool"].dtype == np.int8 and "blk.0.v_scale_pool" in engine.pool.values
 
 
+def test_pool_engine_steps_ahead_on_the_cpu(tiny_package, monkeypatch):
+    """A GPU's steps ahead (the next decode step launched from this one's arg-max before the host reads
+    its tokens), driven on the CPU with NumPy's arg-max standing in for the device's: the greedy texts
+    equal the answers served alone (sequences stopping at max_tokens with a step already in flight)."""
+    from ingot.serve import engine as serve_engine
+
+    def greedy(self, seqs, logits):
+        if not all(s.sampler.greedy and not s.adjusts and not s.request.params.logprobs for s in seqs):
+            return None
+        rows = np.asarray(logits)[:len(seqs)]
+        tokens = np.argmax(rows, axis=-1).astype(np.int32)
+        return serve_engine._Flight(list(seqs), tokens, np.stack([tokens, np.isnan(rows).any(axis=-1)]), None)
+    monkeypatch.setattr(serve_engine.Engine, "_device_greedy", greedy)
+    engine = check_pool_engine(tiny_package, "cpu", None)
+    assert engine.metrics.steps_ahead > 0 and engine._flight is None
+
+
 def check_mixed_steps(path: str, device: str, monkeypatch) -> None:
     """Prompts that arrive while another sequence decodes are prefilled as rows of its decode steps
     (mixed steps): at most MIXED_ROWS rows a step (a bucket of that many), positions below

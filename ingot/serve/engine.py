@@ -29,6 +29,13 @@ row reads, so a row sees the rows before it in the same step), up to MIXED_ROWS 
 positions below MIXED_MAX_POSITION; so a burst of requests is prefilled in a few steps that also
 decode, not one request's chunk per step.
 
+Steps ahead (a KV pool on a GPU): when every running sequence decodes greedily with nothing else to
+do (no prompt, no request waiting for a free slot), the next step is launched from this step's arg-max
+on the device before the host reads this step's tokens; the host then detokenises and streams them
+while the GPU runs the next step. A sequence that stops at a token (end of text, a stop string) has a
+row in the step already launched: its output is dropped, and the K/V row it wrote lies past the
+tokens its slot records, so nothing reads it.
+
 Prefix reuse: a free slot keeps the tokens whose K/V it holds. A new request takes the free slot
 sharing the longest prefix with its prompt (same adapter), or copies the rows of a running
 sequence's slot when that shares a longer one, and prefills only the rest.
@@ -282,6 +289,8 @@ class Engine:
         self.llm.path, self.llm.metadata = self.path, self.metadata
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self._rows: dict[int, tuple] = {}                      # R -> (executable, its adapter_rows feed)
+        self._token_feeds: dict[int, object] = {}              # R -> its tokens feed on a GPU (one CUDA graph a bucket)
+        self._flight: _Flight | None = None                    # a decode step whose tokens the host has not read
         self._row_states: dict[tuple, object] = {}
         if self.pooled:
             check_kv_fits(cfg, max_batch + 1, device, sum(int(getattr(t, "nbytes", 0)) for t in self.tensors.values()))
@@ -354,7 +363,7 @@ class Engine:
         for r in rows or self.buckets():
             exe, adapter_rows = self._rows_executable(r)
             if self.pooled:   # run twice on the scratch entry: kernels compiled, then the CUDA graph captured
-                feeds = {"tokens": np.zeros(r, np.int32), "positions": np.zeros(r, np.int32),
+                feeds = {"tokens": self._token_feed(r, np.zeros(r, np.int32)), "positions": np.zeros(r, np.int32),
                          "slots": np.full(r, self.scratch.index, np.int32)}
                 if adapter_rows is not None:
                     feeds["adapter_rows"] = np.zeros(r, np.int32)
@@ -400,12 +409,20 @@ class Engine:
                 for seq in self.running:
                     self._fail(seq, 500, message)
                 self.running = []
+                self._flight = None
+        self._flight = None
         for seq in self.running:
             self._fail(seq, 503, "the server is shutting down.")
         while self.waiting:
             self.waiting.popleft().on_event(Event("error", status=503, message="the server is shutting down."))
 
     def _iteration(self) -> None:
+        if self._flight is not None:   # a step in flight: launch the one after it if nothing else waits, then read it
+            self._land()
+            self._retire()
+            if self._flight is not None:
+                self.metrics.running(len(self.running))
+                return
         self._retire()
         self._admit()
         # with a KV pool, while others decode, prompts ride in the decode step (mixed steps); a prompt
@@ -631,7 +648,7 @@ class Engine:
         exe, row_adapters = self._rows_executable(rows)
         pad = rows - len(tokens)
         slots = tuple(slots) + (self.scratch,) * pad
-        feeds = {"tokens": np.array(tokens + [0] * pad, np.int32),
+        feeds = {"tokens": self._token_feed(rows, np.array(tokens + [0] * pad, np.int32)),
                  "positions": np.array(positions + [0] * pad, np.int32)}
         if row_adapters is not None:    # each row's adapter: its index among the served ones (0: the base model)
             order = list(self.adapters)
@@ -645,28 +662,25 @@ class Engine:
             out = exe.run(feeds, state=self._row_state(slots))[0]
         if emit != list(range(len(emit))):   # prompt rows in between: the choosing rows, gathered
             out = out[np.array(emit)] if isinstance(out, np.ndarray) else out[_device_index(out, emit)]
-        chosen = self._device_greedy(choosers, out)
-        logits = exe.backend.to_host(out) if chosen is None else None
-        self.metrics.step(len(decoding), time.perf_counter() - started, sum(n for _, n in riders))
+        flight = self._device_greedy(choosers, out)
+        logits = exe.backend.to_host(out) if flight is None else None
         for seq in decoding:
             seq.slot.tokens.append(seq.next_token)
             seq.next_token = None
         for seq, n in riders:
             seq.done += n
             seq.slot.tokens = list(seq.request.ids[:seq.done])
-        if chosen is None:
+        if flight is None:
+            self.metrics.step(len(decoding), time.perf_counter() - started, sum(n for _, n in riders))
             self._accept(choosers, logits)
-        else:
-            for seq, token in zip(choosers, chosen):
-                try:
-                    seq.accept(token, None)
-                except IngotError as e:
-                    self._fail(seq, 500, str(e))
+        else:   # read at the next iteration, after the step that follows it is launched (_land)
+            flight.started, flight.decoding, flight.prompt_rows = started, len(decoding), sum(n for _, n in riders)
+            self._flight = flight
 
-    def _device_greedy(self, seqs: list[Sequence], logits) -> list[int] | None:
+    def _device_greedy(self, seqs: list[Sequence], logits) -> _Flight | None:
         """On a GPU, when every row is plain greedy (no logprobs, biases or penalties), each row's arg-max
-        taken there: a few bytes come back instead of [rows, vocab] floats (64 rows of a 128k vocabulary:
-        32 MB a step). None otherwise, or when a row holds NaN (the host path then fails that request)."""
+        taken there and its copy to the host queued: a few bytes come back instead of [rows, vocab] floats
+        (64 rows of a 128k vocabulary: 32 MB a step). None otherwise (the host samples the logits)."""
         if self.device == "cpu" or isinstance(logits, np.ndarray) or not all(
                 s.sampler.greedy and s.sampler.repetition_penalty == 1.0 and not s.adjusts
                 and not s.request.params.logprobs for s in seqs):
@@ -674,10 +688,87 @@ class Engine:
         import torch
 
         rows = logits[:len(seqs)]
-        both = torch.stack([rows.argmax(dim=-1), torch.isnan(rows).any(dim=-1).to(torch.int64)]).cpu()
-        if bool(both[1].any()):
+        tokens = rows.argmax(dim=-1)
+        both = torch.stack([tokens, torch.isnan(rows).any(dim=-1).to(torch.int64)])
+        event = None
+        if both.device.type == "cuda":   # (the interpreter's stand-in device is the CPU: already there)
+            host = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            both = host
+        return _Flight(list(seqs), tokens.to(torch.int32), both, event)
+
+    def _land(self) -> None:
+        """Read the step in flight: first launch the step after it from its tokens on the device where
+        nothing else waits (_ahead), then take its tokens on the host (each sequence moves along; a row
+        holding NaN fails its request, as sampling it on the host does)."""
+        flight = self._flight
+        ahead = self._ahead(flight)
+        tokens, nan = flight.read()
+        self.metrics.step(flight.decoding, time.perf_counter() - flight.started, flight.prompt_rows, flight.ahead)
+        for seq, token, bad in zip(flight.seqs, tokens, nan):
+            if seq.finished:
+                continue
+            if bad:
+                self._fail(seq, 500, "the model's logits hold NaN; no token can be chosen.")
+                continue
+            try:
+                seq.accept(token, None)
+            except IngotError as e:
+                self._fail(seq, 500, str(e))
+        if ahead is not None:   # the tokens just accepted are the inputs that step already took
+            for seq in ahead.seqs:
+                if not seq.finished and seq.next_token is not None:
+                    seq.slot.tokens.append(seq.next_token)
+                    seq.next_token = None
+        self._flight = ahead
+
+    def _ahead(self, flight: _Flight) -> _Flight | None:
+        """The step after `flight`, launched before the host reads its tokens: each of its sequences one
+        row, its token the arg-max on the device, at the position after its slot's tokens. Only when
+        those sequences are all that runs, none was cancelled, and no request waits for a free slot
+        (those need the host's scheduling first)."""
+        seqs = flight.seqs
+        if len(self.running) != len(seqs) or {id(s) for s in self.running} != {id(s) for s in seqs} or \
+                any(s.request.cancelled or s.finished or len(s.slot.tokens) >= self.context for s in seqs) or \
+                (self.waiting and len(self.running) < self.max_batch) or self._stop:
             return None
-        return both[0].tolist()
+        rows = next(b for b in self.buckets() if b >= len(seqs))
+        exe, row_adapters = self._rows_executable(rows)
+        pad = rows - len(seqs)
+        feeds = {"tokens": self._token_feed(rows, flight.tokens),
+                 "positions": np.array([len(s.slot.tokens) for s in seqs] + [0] * pad, np.int32),
+                 "slots": np.array([s.slot.index for s in seqs] + [self.scratch.index] * pad, np.int32)}
+        if row_adapters is not None:
+            order = list(self.adapters)
+            row_adapters[:] = [order.index(s.request.adapter) for s in seqs] + [0] * pad
+            feeds["adapter_rows"] = row_adapters
+        started = time.perf_counter()
+        out = exe.run(feeds, state=self.pool)[0]
+        ahead = self._device_greedy(seqs, out)
+        ahead.started, ahead.decoding, ahead.ahead = started, len(seqs), True
+        return ahead
+
+    def _token_feed(self, rows: int, tokens):
+        """The rows decoder's tokens feed: on a GPU one device buffer per bucket (read in place: one
+        CUDA graph a bucket, whether the tokens come from the host or from a step's arg-max), filled
+        from the host (numpy [rows]) or on the device (a tensor of the first rows, the rest zeros)."""
+        if not self.pooled or self.device == "cpu":
+            return np.concatenate([tokens, np.zeros(rows - len(tokens), np.int32)]) if len(tokens) < rows else tokens
+        import torch
+
+        feed = self._token_feeds.get(rows)
+        if feed is None:
+            device = next(iter(self.pool.values.values())).device
+            feed = self._token_feeds[rows] = torch.zeros(rows, dtype=torch.int32, device=device)
+        if isinstance(tokens, np.ndarray):
+            source = torch.from_numpy(tokens)
+            feed.copy_(source.pin_memory() if feed.is_cuda else source, non_blocking=True)
+        else:
+            feed[:len(tokens)].copy_(tokens)
+            feed[len(tokens):].zero_()
+        return feed
 
     def _accept(self, seqs: list[Sequence], logits: np.ndarray) -> None:
         """Choose each sequence's next token from its row of logits [>= len(seqs), vocab], all rows at
@@ -730,10 +821,31 @@ class Engine:
 
 
 def _device_index(tensor, rows: list[int]):
-    """rows as an index tensor on tensor's device."""
+    """rows as an index tensor on tensor's device (through pinned memory: no wait for the stream)."""
     import torch
 
-    return torch.tensor(rows, dtype=torch.long, device=tensor.device)
+    index = torch.tensor(rows, dtype=torch.long)
+    return index.pin_memory().to(tensor.device, non_blocking=True) if tensor.is_cuda else index.to(tensor.device)
+
+
+@dataclass
+class _Flight:
+    """A decode step launched on a GPU whose tokens the host has not read: its choosing sequences (a
+    row each, in order), their arg-max on the device (int32, the next step's tokens feed) and the
+    arg-max and NaN flags [2, rows] copied (or being copied: `event`) to the host."""
+    seqs: list
+    tokens: object
+    host: object
+    event: object
+    started: float = 0.0
+    decoding: int = 0
+    prompt_rows: int = 0
+    ahead: bool = False
+
+    def read(self) -> tuple[list[int], list[int]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[0].tolist(), self.host[1].tolist()
 
 
 def kv_bytes(cfg, entries: int) -> int:

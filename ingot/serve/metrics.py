@@ -24,6 +24,8 @@ class Metrics:
                                registry=r)
         self._mixed = Counter("ingot_prompt_tokens_in_decode_steps",
                               "Prompt tokens prefilled as rows of a decode step (a KV pool's mixed steps)", registry=r)
+        self._ahead = Counter("ingot_decode_steps_ahead", "Decode steps launched from the step before's tokens on "
+                              "the device, before the host read them (a KV pool's greedy steps)", registry=r)
         self._requests = Counter("ingot_requests", "Requests admitted to a slot", registry=r)
         self._cancelled = Counter("ingot_cancelled_requests", "Requests stopped because the client went away",
                                   registry=r)
@@ -60,9 +62,16 @@ class Metrics:
     def inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)
 
-    def step(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
+    def step(self, rows: int, seconds: float, prompt_rows: int = 0, ahead: bool = False) -> None:
         self._step.observe(seconds)
         self._mixed.inc(prompt_rows)
+        if ahead:
+            self._ahead.inc()
+
+    @property
+    def steps_ahead(self) -> int:
+        """Decode steps launched ahead so far (the counter's value)."""
+        return int(self.registry.get_sample_value("ingot_decode_steps_ahead_total") or 0)
 
     @property
     def prompt_rows(self) -> int:

@@ -244,15 +244,59 @@ def test_pool_engine_steps_ahead_on_the_cpu(tiny_package, monkeypatch):
     equal the answers served alone (sequences stopping at max_tokens with a step already in flight)."""
     from ingot.serve import engine as serve_engine
 
-    def greedy(self, seqs, logits):
+    def greedy(self, seqs, logits, positions):
         if not all(s.sampler.greedy and not s.adjusts and not s.request.params.logprobs for s in seqs):
             return None
         rows = np.asarray(logits)[:len(seqs)]
         tokens = np.argmax(rows, axis=-1).astype(np.int32)
         return serve_engine._Flight(list(seqs), tokens, np.stack([tokens, np.isnan(rows).any(axis=-1)]), None)
-    monkeypatch.setattr(serve_engine.Engine, "_device_greedy", greedy)
+    monkeypatch.setattr(serve_engine.Engine, "_device_tokens", greedy)
     engine = check_pool_engine(tiny_package, "cpu", None)
     assert engine.metrics.steps_ahead > 0 and engine._flight is None
+
+
+def test_pool_engine_samples_on_the_device_path(tiny_package, monkeypatch):
+    """Sampled requests through a GPU step's token choice (serve/sampling.py, run here on CPU tensors):
+    a seeded request's text repeats whatever else is in the batch, steps are launched ahead, and a
+    request with logprobs still samples on the host."""
+    import torch
+
+    from ingot.serve import engine as serve_engine
+    from ingot.serve.engine import Engine, Request, SamplingParams
+
+    def on_cpu_tensors(self, seqs, logits, positions):
+        if not all(serve_engine._on_device(s) for s in seqs):
+            return None
+        return self._flight_of(seqs, torch.from_numpy(np.asarray(logits)), positions)
+    monkeypatch.setattr(serve_engine.Engine, "_device_tokens", on_cpu_tensors)
+    engine = Engine(tiny_package, device="cpu", max_batch=4, context=64, pool=True)
+    engine.start()
+
+    def run(batch):   # [(prompt, seed)]: the texts
+        import threading
+        done, texts = threading.Event(), {}
+        for i, (prompt, seed) in enumerate(batch):
+            parts: list = []
+
+            def on_event(event, i=i, parts=parts):
+                parts.append(event.text)
+                if event.kind != "text":
+                    texts[i] = "".join(parts) if event.kind == "done" else event.message
+                    if len(texts) == len(batch):
+                        done.set()
+            engine.submit(Request(list(prompt), SamplingParams(max_tokens=8, temperature=1.3, top_p=0.9, seed=seed),
+                                  on_event=on_event))
+        assert done.wait(300)
+        return [texts[i] for i in range(len(batch))]
+    try:
+        alone = run([(PROMPTS[0], 11)])[0]
+        together = run([(PROMPTS[1], 5), (PROMPTS[0], 11), (PROMPTS[2], 7)])
+        other_seed = run([(PROMPTS[0], 12)])[0]
+    finally:
+        engine.stop()
+    assert together[1] == alone
+    assert other_seed != alone or len(alone) == 0
+    assert engine.metrics.steps_ahead > 0
 
 
 def check_mixed_steps(path: str, device: str, monkeypatch) -> None:

@@ -442,3 +442,29 @@ def test_sample_rows_draws_what_each_sampler_draws():
         sample_rows(batched, np.full((len(batched), 4), np.nan, np.float32))
     with pytest.raises(IngotError, match="vocab"):
         sample_rows(batched, x[:2])
+
+
+def test_serve_device_choice_draws_the_nucleus_distribution():
+    """serve/sampling.py's batched choice: greedy rows take the first maximum; a sampled row's frequencies
+    over many keys match the softmax at its temperature kept to its top-p (Sampler's own distribution);
+    a row's draw depends only on its key, not on the rows beside it."""
+    torch = pytest.importorskip("torch")
+    from ingot.serve.sampling import choose, row_key
+
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=(3, 23)) * 2).astype(np.float32)
+    x[0, [4, 9]] = x[0].max() + 1                                 # a tie at the maximum: the lowest id
+    n = 20000
+    logits = torch.from_numpy(np.repeat(x, n, axis=0))
+    temperature = torch.tensor([0.0, 0.7, 1.6], dtype=torch.float32).repeat_interleave(n)
+    top_p = torch.tensor([1.0, 0.8, 0.97], dtype=torch.float32).repeat_interleave(n)
+    keys = torch.tensor([row_key(9, p) for _ in range(3) for p in range(n)], dtype=torch.int64)
+    got = choose(logits, temperature, top_p, keys).numpy().reshape(3, n)
+    assert (got[0] == 4).all()
+    for r, (t, p) in enumerate([(0.7, 0.8), (1.6, 0.97)], 1):
+        want = _dense(Sampler(temperature=t, top_p=p), x[r])
+        freq = np.bincount(got[r], minlength=x.shape[1]) / n
+        assert not freq[want == 0].any()                            # nothing outside the nucleus
+        np.testing.assert_allclose(freq, want, atol=0.015)
+    alone = choose(logits[n + 5:n + 6], temperature[n + 5:n + 6], top_p[n + 5:n + 6], keys[n + 5:n + 6])
+    assert int(alone) == got[1, 5]

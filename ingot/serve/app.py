@@ -12,7 +12,9 @@ Sampling parameters served: max_tokens (max_completion_tokens), temperature, top
 to 4), n (independent samples, each in its own slot, choice i seeded seed + i; more than the slots
 is a 400), presence_penalty and frequency_penalty (over the tokens generated so far, as OpenAI
 describes them), logit_bias, logprobs/top_logprobs (the model's own, before biases and penalties).
-response_format other than {"type": "text"} is refused by name (no constrained decoding).
+response_format other than {"type": "text"} is refused by name (no constrained decoding). With
+--device cuda, requests without logprobs, biases or penalties have their tokens chosen on the GPU
+(serve/sampling.py): a seed repeats that server's answers, drawn otherwise than `ingot generate`'s.
 """
 from __future__ import annotations
 

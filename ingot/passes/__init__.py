@@ -7,6 +7,7 @@ apply.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -19,7 +20,12 @@ from ..ops import infer_type
 @dataclass
 class Context:
     program: Program
-    users: dict[int, list[Node]]
+    nodes: list[Node]
+
+    @functools.cached_property
+    def users(self) -> dict[int, list[Node]]:
+        """Each node's readers (made when a rule first asks: most passes' rules fire on no node)."""
+        return consumers(self.nodes)
 
 
 Rule = Callable[[Node, Context], Node | None]
@@ -30,6 +36,8 @@ def rebuild(node: Node, src: tuple[Node, ...]) -> Node:
         return node
     if node.op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE):
         return node
+    if all(a.type == b.type for a, b in zip(src, node.src)):   # a type rule is a function of the sources'
+        return node.replace(src=src)                            # types and the attrs: the same type
     return node.replace(src=src, type=infer_type(node.op, [s.type for s in src], node.attrs))
 
 
@@ -39,12 +47,13 @@ def graph_rewrite(program: Program, rules: Iterable[tuple[Iterable[Op], Rule]], 
         for op in ops:
             table.setdefault(op, []).append(rule)
     nodes = program.nodes()
-    ctx = Context(program, consumers(nodes))
+    ctx = Context(program, nodes)
     memo: dict[int, Node] = {}
     changed = False
     for node in nodes:
-        new = rebuild(node, tuple(memo[s.id] for s in node.src))
-        for _ in range(64):
+        # until a node changes, every node's sources are themselves: nothing to rebuild
+        new = rebuild(node, tuple(memo[s.id] for s in node.src)) if changed else node
+        for _ in range(64 if new.op in table else 0):
             for rule in table.get(new.op, ()):
                 out = rule(new, ctx)
                 if out is not None:

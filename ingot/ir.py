@@ -165,7 +165,10 @@ class Node:
         fields = {"op": self.op, "type": self.type, "src": self.src, "attrs": self.attrs, "name": self.name,
                   "origin": self.origin}
         fields.update(changes)
-        return Node(**fields)
+        node = Node(**fields)
+        if "attrs" not in changes:   # attrs are never mutated: the new node shares the dict (verify's
+            object.__setattr__(node, "attrs", self.attrs)   # cache knows a rebuilt node by it)
+        return node
 
     def key(self) -> tuple:
         """Structural identity given the identity of the sources (CSE uses it)."""

@@ -15,7 +15,9 @@ def verify(program: Program, checked: dict[int, object] | None = None) -> None:
     its rule need not be checked again (the compiler verifies after each pass, and most nodes pass
     through a pass as they were: PP-OCRv4's detector 14 -> 11 ms a compile; a change rebuilds every node
     downstream of it); a constant's entry is the stored array it was checked against (a pass may
-    store another under its key), so a constant is checked again only when its array changed."""
+    store another under its key), so a constant is checked again only when its array changed. A node
+    that a pass rebuilt over new sources of the same types (Node.replace shares its attrs) is found by
+    (op, type, source types, attrs) and not asked of its rule again either."""
     names: dict[str, Node] = {}
     constants = program.constants
     for node in program.nodes():
@@ -44,8 +46,14 @@ def verify(program: Program, checked: dict[int, object] | None = None) -> None:
                 raise IngotError(f"verify: two placeholders named {node.name!r} with different types.")
         if op in (Op.PLACEHOLDER, Op.VARIABLE):
             continue
-        expected = infer_type(op, [s.type for s in node.src], node.attrs)
+        types = tuple(s.type for s in node.src)
+        rule = (op, node.type, types, id(node.attrs))   # the same rule applied to the same types
+        if checked is not None and rule in checked:
+            checked[node.id] = None
+            continue
+        expected = infer_type(op, types, node.attrs)
         if expected != node.type:
             raise IngotError(f"verify: {op.name} #{node.id} has type {node.type} but its rule gives {expected}.")
         if checked is not None:
             checked[node.id] = None
+            checked[rule] = node.attrs   # (held: the attrs' id names no other dict while the entry lives)

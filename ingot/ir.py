@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -120,7 +121,7 @@ class TensorType:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)   # (Python integers: ~0.2 us, np.prod ~3 us; the import asks per op)
 
     @property
     def nbytes(self) -> int:

@@ -51,6 +51,8 @@ def verify(program: Program, checked: dict[int, object] | None = None) -> None:
         if checked is not None and rule in checked:
             checked[node.id] = None
             continue
+        if op == Op.FUSED:   # its rule re-infers its body: the body's members by the same record
+            node.attrs["body"].check(checked)
         expected = infer_type(op, types, node.attrs)
         if expected != node.type:
             raise IngotError(f"verify: {op.name} #{node.id} has type {node.type} but its rule gives {expected}.")

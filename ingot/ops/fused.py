@@ -75,16 +75,24 @@ class Body:
     def __hash__(self) -> int:
         return hash(self.structural_key())
 
-    def check(self) -> None:
-        """Every body node's type is its op's rule applied to its sources' types (the verifier's check)."""
+    def check(self, checked: dict | None = None) -> None:
+        """Every body node's type is its op's rule applied to its sources' types (the verifier's check).
+        checked: the verifier's record of rules it applied (verify's): a member the pass copied into the
+        body over parameters of its sources' types is not asked of its rule again."""
         if self._checked:
             return
         for n in self.nodes:
             if n.op == Op.PLACEHOLDER:
                 continue
-            expected = infer_type(n.op, [s.type for s in n.src], n.attrs)
+            types = tuple(s.type for s in n.src)
+            rule = (n.op, n.type, types, id(n.attrs))
+            if checked is not None and rule in checked:
+                continue
+            expected = infer_type(n.op, types, n.attrs)
             if expected != n.type:
                 raise IngotError(f"fused: body node {n.op.name} has type {n.type} but its rule gives {expected}.")
+            if checked is not None:
+                checked[rule] = n.attrs
         object.__setattr__(self, "_checked", True)
 
     def evaluate(self, inputs: Sequence[Any]) -> list[Any]:

@@ -23,9 +23,10 @@ import numpy as np
 from .. import dtypes as dt
 from ..errors import IngotError
 from ..graph import Graph, Tensor
-from ..ir import GroupOp, Op, TensorType, toposort
+from ..ir import GroupOp, Node, Op, TensorType, toposort
 from ..ops import reference
 from ..ops.elementwise import NARROW_FORMATS
+from ..passes.fold import MAX_ELEMENTS as FOLD_MAX_ELEMENTS, NO_FOLD, widens_weight
 
 
 class UnsupportedOnnx(IngotError):
@@ -63,6 +64,7 @@ ONNX_TYPE_NAMES = {1: "float", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6
                    26: "int2"}
 
 KNOWN_MAX_ELEMENTS = 1 << 22  # ops on known values up to this size are computed at import
+INTERNED_BYTES = 4096         # an unnamed constant this small is one node per type and value (ImportGraph.constant)
 MIN_ELEMENT_BUDGET = 1 << 26  # no tensor of an import holds more elements than this, unless the model's
 WEIGHT_BUDGET_FACTOR = 16     # weights are larger: then up to this many times their element count
 
@@ -97,6 +99,8 @@ class ImportGraph(Graph):
     def __init__(self, max_elements: int = MIN_ELEMENT_BUDGET):
         super().__init__()
         self.known: dict[int, np.ndarray] = {}
+        self.interned: dict[tuple, Node] = {}   # small unnamed constants by (type, dtype, bytes) (constant())
+        self.interned_ids: set[int] = set()
         self.max_elements = max_elements
 
     def check_elements(self, shape, what: str) -> None:
@@ -126,9 +130,38 @@ class ImportGraph(Graph):
                 value = np.asarray(reference(op, values, out.node.attrs))
         except Exception:  # a value the op cannot take is left to fail (or not) where it runs
             return out
-        if value.shape == t.shape and value.dtype == t.dtype.storage:
-            self.known[out.node.id] = value
+        if value.shape != t.shape or value.dtype != t.dtype.storage:
+            return out
+        if op not in NO_FOLD and src and value.size <= FOLD_MAX_ELEMENTS and not widens_weight(out.node):
+            # what the compiler's fold pass would compute is a constant now: fold then changes nothing (it
+            # rebuilt every node downstream of what it folded, and the verifier checked them again)
+            key = f"const_{len(self.constants)}"
+            while key in self.constants:
+                key = f"{key}_"
+            self.constants[key] = np.array(value, order="C", copy=True)
+            node = Node(Op.CONSTANT, t, (), {"key": key}, out.node.name or key)
+            return Tensor(self, node if out.node.name else self._interned(node))
+        self.known[out.node.id] = value
         return out
+
+    def constant(self, value, dtype: dt.DType | None = None, name: str | None = None) -> Tensor:
+        """Graph.constant; an unnamed small one (a converter's scalar) is the node made for the same
+        type and bytes before, if any: the compiler's CSE merged them (PP-OCRv4's detector: 148; MiniLM
+        37), and rebuilt every node downstream."""
+        t = super().constant(value, dtype, name)
+        return t if name is not None else Tensor(self, self._interned(t.node))
+
+    def _interned(self, node: Node) -> Node:
+        """The constant node made before with node's type and bytes (node's own entry dropped), or node."""
+        array = self.constants[node.attrs["key"]]
+        if node.dtype.packed or not isinstance(array, np.ndarray) or array.nbytes > INTERNED_BYTES:
+            return node
+        held = self.interned.setdefault((node.type, array.dtype.str, array.tobytes()), node)
+        if held is node:
+            self.interned_ids.add(node.id)
+        else:
+            del self.constants[node.attrs["key"]]
+        return held
 
     def value(self, t: Tensor) -> np.ndarray | None:
         """t's value if it is known at import (a constant, or computed only from constants)."""
@@ -206,6 +239,8 @@ class Context:
         """Record t's ONNX type (an element type number or a NumPy dtype) where Ingot holds it in another."""
         declared = ONNX_DTYPES[elem_or_dtype][1] if isinstance(elem_or_dtype, int) else np.dtype(elem_or_dtype)
         if declared != t.dtype.storage:
+            if t.node.id in self.g.interned_ids:   # a node others read as its Ingot type: this value its own
+                t = Graph.constant(self.g, np.array(self.g.value(t)))
             self.declared[t.node.id] = declared
         return t
 

@@ -13,7 +13,7 @@ import gc
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
@@ -95,15 +95,16 @@ def _dump_filter(debug: bool | str) -> Callable[[str], bool]:
 
 def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str], None] | None = None,
                  feed_types: dict[str, TensorType] | None = None, device: str = "cpu",
-                 options=None) -> tuple[Program, list[tuple[str, bool]]]:
+                 options=None, typed: Collection[int] = ()) -> tuple[Program, list[tuple[str, bool]]]:
     """Specialise, run the generic passes, the device's fusions, then regions and the memory plan,
     verifying after each that changed the program; returns (program, [(pass, changed)]).
 
-    debug=True writes the graph after each pass to stderr (or to `log`).
+    debug=True writes the graph after each pass to stderr (or to `log`). typed: ids of nodes whose
+    types their ops' rules gave (Graph.typed: the builder's), which the first verify does not ask again.
     """
     log = log or (lambda text: print(text, file=sys.stderr))
     dump_after = _dump_filter(debug)
-    checked: dict[int, object] = {}   # nodes verify checked (immutable: checked once; verify's)
+    checked: dict[int, object] = dict.fromkeys(typed)   # nodes verify checked (immutable: checked once; verify's)
     verify(program, checked)
     steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE + \
         device_steps(device, options) + LATE_PIPELINE
@@ -166,7 +167,8 @@ def compile_graph(graph, targets: list[Node], assigns: list[Node], feed_types: d
                          f"(those are {sorted(placeholders)}).")
     declared_types = {n.name: n.type for n in program.nodes() if n.op == Op.PLACEHOLDER}
     with paused_collector():
-        program, history = run_pipeline(program, debug, feed_types=feed_types, device=device, options=options)
+        program, history = run_pipeline(program, debug, feed_types=feed_types, device=device, options=options,
+                                        typed=graph.typed)
         # inputs in the order they were declared, which is the order run() takes a list in
         order = [name for name in getattr(graph, "placeholders", {}) if name in placeholders]
         order += sorted(placeholders - set(order))

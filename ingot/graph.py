@@ -98,13 +98,17 @@ class Graph:
         self.assigns: list[Node] = []
         self.placeholders: dict[str, Node] = {}
         self._compiled: dict[Any, Any] = {}
+        self.typed: set[int] = set()   # ids of the nodes _op made: their types are their rules' (the compiler's
+                                       # first verify does not ask those rules again)
 
     # -- building blocks ------------------------------------------------------------------------
     def _op(self, op: Op, src: Sequence[Tensor], attrs: dict[str, Any] | None = None, name: str | None = None) -> Tensor:
         attrs = attrs or {}
         nodes = tuple(self._own(s).node for s in src)
         node_type = infer_type(op, [n.type for n in nodes], attrs)
-        return Tensor(self, Node(op, node_type, nodes, attrs, name))
+        node = Node(op, node_type, nodes, attrs, name)
+        self.typed.add(node.id)
+        return Tensor(self, node)
 
     def op(self, op: Op, inputs: Sequence[Tensor], attrs: dict[str, Any] | None = None, name: str | None = None) -> Tensor:
         """Any IR op by its enum entry, for the ops without a builder method of their own.

@@ -659,7 +659,7 @@ def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str 
     program = Program(targets, [], dict(imported.graph.constants), {})
     placeholders = {n.name for n in program.nodes() if n.op == Op.PLACEHOLDER}
     with paused_collector():
-        program, history = run_pipeline(program, debug, device=device, options=options)
+        program, history = run_pipeline(program, debug, device=device, options=options, typed=imported.graph.typed)
         if shared is not None:
             _share_constants(program.constants, shared)
         inputs = [(name, t.type) for name, t in imported.inputs.items() if name in placeholders]

@@ -32,7 +32,7 @@ Rule = Callable[[Node, Context], Node | None]
 
 
 def rebuild(node: Node, src: tuple[Node, ...]) -> Node:
-    if all(a is b for a, b in zip(src, node.src)):
+    if src == node.src:   # (nodes compare by identity)
         return node
     if node.op in (Op.PLACEHOLDER, Op.CONSTANT, Op.VARIABLE):
         return node

@@ -275,3 +275,19 @@ def test_strided_pointwise_conv_with_epilogue(c, m, hw, strides):
     got = g.compile(targets=[one_d], options=FLOAT32).run({"x1": x[:, :, 0]})[0]
     np.testing.assert_allclose(got, conv(x[:, :, :1], w, b, (1, strides[1]), (1, 1), ((0, 0), (0, 0)), 1)[:, :, 0],
                                rtol=1e-5, atol=1e-4)
+
+
+def test_arranged_once_is_made_once_per_array_and_dropped_with_it():
+    import gc
+
+    from ingot.backends.cpu import conv as cpu_conv, conv_pointwise
+    w = np.arange(2 * 20, dtype=np.float32).reshape(20, 2, 1, 1)
+    first = cpu_conv.arranged_once(conv_pointwise.arrange_weights, w, None)
+    assert cpu_conv.arranged_once(conv_pointwise.arrange_weights, w, None) is first
+    other = w.copy()   # equal values, another array: arranged on its own
+    assert cpu_conv.arranged_once(conv_pointwise.arrange_weights, other, None) is not first
+    np.testing.assert_array_equal(first[0], conv_pointwise.arrange_weights(w, None)[0])
+    held = len(cpu_conv._ARRANGED)
+    del w, other
+    gc.collect()
+    assert len(cpu_conv._ARRANGED) == held - 2

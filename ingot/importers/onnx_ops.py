@@ -115,16 +115,22 @@ class ImportGraph(Graph):
 
     def _op(self, op, src, attrs=None, name=None):
         out = super()._op(op, src, attrs, name)
-        if isinstance(out.node.type, TensorType):
-            self.check_elements(out.node.type.shape, f"the {op.name.lower()} result")
+        t = out.node.type
+        if not isinstance(t, TensorType):
+            return out
+        shape = t.shape
+        if None in shape or math.prod(shape) > self.max_elements or max(shape, default=0) > self.max_elements:
+            self.check_elements(shape, f"the {op.name.lower()} result")   # (the refusal, where it is one)
         if op in GroupOp.Source or op in (Op.DEQUANTIZE, Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER, Op.CALL, Op.IF, Op.GET_ITEM):
             return out
-        t = out.node.type
-        if not isinstance(t, TensorType) or t.dtype.packed or t.size > KNOWN_MAX_ELEMENTS:
+        if t.dtype.packed or t.size > KNOWN_MAX_ELEMENTS:
             return out
-        values = [self.value(s) for s in src]
-        if any(v is None for v in values):
-            return out
+        values = []
+        for s in src:   # (most ops read a computed value: stop at the first unknown)
+            v = self.value(s)
+            if v is None:
+                return out
+            values.append(v)
         try:
             with np.errstate(all="ignore"):
                 value = np.asarray(reference(op, values, out.node.attrs))

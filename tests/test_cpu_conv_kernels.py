@@ -279,6 +279,7 @@ def test_strided_pointwise_conv_with_epilogue(c, m, hw, strides):
 
 def test_arranged_once_is_made_once_per_array_and_dropped_with_it():
     import gc
+    import weakref
 
     from ingot.backends.cpu import conv as cpu_conv, conv_pointwise
     w = np.arange(2 * 20, dtype=np.float32).reshape(20, 2, 1, 1)
@@ -287,7 +288,10 @@ def test_arranged_once_is_made_once_per_array_and_dropped_with_it():
     other = w.copy()   # equal values, another array: arranged on its own
     assert cpu_conv.arranged_once(conv_pointwise.arrange_weights, other, None) is not first
     np.testing.assert_array_equal(first[0], conv_pointwise.arrange_weights(w, None)[0])
-    held = len(cpu_conv._ARRANGED)
+    arranged = weakref.ref(first[0])
+    del first
+    gc.collect()
+    assert arranged() is not None   # held while w lives
     del w, other
     gc.collect()
-    assert len(cpu_conv._ARRANGED) == held - 2
+    assert arranged() is None       # dropped with it

@@ -223,10 +223,12 @@ def arranged_once(make: Callable, *arrays: np.ndarray | None, key: tuple = ()) -
     entry = (make, key) + tuple(id(a) for a in arrays)
     made = _ARRANGED.get(entry)
     if made is None:
-        made = _ARRANGED[entry] = make(*arrays, *key)
-        for a in arrays:
-            if a is not None:
-                weakref.finalize(a, _ARRANGED.pop, entry, None)
+        made = make(*arrays, *key)
+        if all(a is None or isinstance(a, np.ndarray) for a in arrays):   # (what a weak reference can follow)
+            _ARRANGED[entry] = made
+            for a in arrays:
+                if a is not None:
+                    weakref.finalize(a, _ARRANGED.pop, entry, None)
     return made
 _EXPR = {Op.ADD: "({0} + {1})", Op.SUB: "({0} - {1})", Op.MUL: "({0} * {1})", Op.DIV: "({0} / {1})",
          Op.MAXIMUM: "_max({0}, {1})", Op.MINIMUM: "_min({0}, {1})", Op.NEG: "(-{0})", Op.ABS: "abs({0})",

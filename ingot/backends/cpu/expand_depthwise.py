@@ -164,6 +164,19 @@ def _parts(node: Node):
     return conv, outer(conv.src[1]), outer(conv.src[2]) if len(conv.src) > 2 else None, steps
 
 
+def _part_constants(w_a, b_a, w_b, b_b, *rest) -> tuple:
+    """Output channels m0:m1 of the pointwise and depthwise weights, arranged for the kernel, and the
+    epilogue operands (rest: the operands' arrays, then (m0, m1, M, kh * kw, the operands' forms))."""
+    *arrays, (m0, m1, m, taps, forms) = rest
+    wa, ba = conv_pointwise.arrange_weights(np.asarray(w_a, np.float32)[m0:m1],
+                                            None if b_a is None else np.asarray(b_a, np.float32).reshape(-1)[m0:m1])
+    wb, bb = conv_depthwise.arrange_weights(np.asarray(w_b, dtype=np.float32).reshape(m, taps)[m0:m1],
+                                            None if b_b is None else np.asarray(b_b, dtype=np.float32).reshape(-1)[m0:m1])
+    ops = tuple(np.ascontiguousarray(a, dtype=np.float32).reshape(-1)[m0:m1] if form == "channel" else
+                np.ascontiguousarray(a, dtype=np.float32).reshape(-1) for form, a in zip(forms, arrays))
+    return wa, ba, wb, bb, ops
+
+
 def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU, blocked_in: bool = False,
                               blocked_out: bool = False):
     """The step; blocked_in, blocked_out: the image read, the output written channel-blocked (ops/layout.py,
@@ -205,14 +218,10 @@ def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU
     scratch = [(np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)) for _ in cuts[1:]]
     arranged: dict = {}
 
-    def part_constants(inputs, m0: int, m1: int) -> tuple:
-        wa, ba = conv_pointwise.arrange_weights(np.asarray(inputs[wa_i], np.float32)[m0:m1],
-                                                None if ba_i is None else np.asarray(inputs[ba_i], np.float32).reshape(-1)[m0:m1])
-        wb, bb = conv_depthwise.arrange_weights(np.asarray(inputs[wb_i], dtype=np.float32).reshape(m, kh * kw)[m0:m1],
-                                                None if bb_i is None else np.asarray(inputs[bb_i], dtype=np.float32).reshape(-1)[m0:m1])
-        ops = tuple(np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1)[m0:m1] if form == "channel" else
-                    np.ascontiguousarray(inputs[i], dtype=np.float32).reshape(-1) for form, i in operands)
-        return wa, ba, wb, bb, ops
+    def part_constants(inputs, m0: int, m1: int) -> tuple:   # (shared by every executable of these constants)
+        return conv.arranged_once(_part_constants, inputs[wa_i], None if ba_i is None else inputs[ba_i], inputs[wb_i],
+                                  None if bb_i is None else inputs[bb_i], *(inputs[i] for _, i in operands),
+                                  key=((m0, m1, m, kh * kw, tuple(form for form, _ in operands)),))
 
     def run_part(x, fixed, ys, m_part: int, xp, ot) -> None:
         wa, ba, wb, bb, ops = fixed

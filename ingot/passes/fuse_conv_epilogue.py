@@ -41,17 +41,30 @@ def fuse_conv_epilogue(program: Program) -> tuple[Program, bool]:
             continue
         shape = tuple(conv.type.shape)
         members, inside, best = [conv], {conv.id}, None
+        # kept as members are added: the members' readers outside (candidates), each member's count of
+        # reads from outside, and how many members are read outside (or are roots)
+        frontier = {u.id: u for u in users[conv.id]}
+        outside = {conv.id: len(users[conv.id])}
+        read_outside = int(conv.id in roots or outside[conv.id] > 0)
         while len(members) <= MAX_OPS:
-            candidates = sorted({u.id: u for m in members for u in users[m.id] if u.id not in inside}.values(),
-                                key=lambda u: order[u.id])
+            candidates = sorted(frontier.values(), key=lambda u: order[u.id])
             pick = next((u for u in candidates if u.op in EPILOGUE_OPS and tuple(u.type.shape) == shape and
                          all(s.id in inside or operand_form(tuple(s.type.shape), shape) for s in u.src)), None)
             if pick is None:
                 break
             members.append(pick)
             inside.add(pick.id)
-            open_ = [m for m in members if m.id in roots or any(u.id not in inside for u in users[m.id])]
-            if open_ == [pick] and pick.dtype.name == "float32":
+            del frontier[pick.id]
+            for s in pick.src:   # pick's reads of members are inside now
+                if s.id in outside:
+                    outside[s.id] -= 1
+                    if outside[s.id] == 0 and s.id not in roots:
+                        read_outside -= 1
+            outside[pick.id] = sum(u.id not in inside for u in users[pick.id])
+            frontier.update((u.id, u) for u in users[pick.id] if u.id not in inside)
+            pick_open = pick.id in roots or outside[pick.id] > 0
+            read_outside += pick_open
+            if pick_open and read_outside == 1 and pick.dtype.name == "float32":   # only its last op read outside
                 best = list(members)
         if best is not None:
             matches.append(Match("conv_epilogue", best, [best[-1]]))

@@ -674,10 +674,14 @@ SMALL_CONSTANT = 4096   # bytes up to which a constant is found by its bytes (a 
 
 def _share_constants(constants: dict, shared: dict) -> None:
     """Each array constant with the same dtype, shape and bytes as one in shared (weak references, so an
-    evicted executable's arrays go with it) becomes that array; the others join shared. Byte-exact: a
-    NaN matches its own bits, -0.0 never matches 0.0."""
+    evicted executable's arrays go with it) becomes that array; the others join shared (found again by
+    their id, while the reference is to them). Byte-exact: a NaN matches its own bits, -0.0 never
+    matches 0.0."""
     for name, value in constants.items():
         if not (isinstance(value, np.ndarray) and value.flags.c_contiguous):
+            continue
+        held_as = shared.get(("id", id(value)))   # this very array is held (the import cache's initializers)
+        if held_as is not None and held_as[0]() is value:
             continue
         small = value.nbytes <= SMALL_CONSTANT
         key = (value.dtype.str, value.shape, value.tobytes() if small else None)
@@ -692,6 +696,7 @@ def _share_constants(constants: dict, shared: dict) -> None:
                          (a is value or np.array_equal(a.reshape(-1).view(np.uint8), bits))), None)
         if same is None:
             refs.append(weakref.ref(value))
+            shared[("id", id(value))] = [refs[-1]]
         else:
             constants[name] = same
 

@@ -140,6 +140,8 @@ class Ref:
 
 
 _ids = itertools.count()
+_set = object.__setattr__   # (Node's own attributes, set once: Node forbids setattr)
+_FIELDS = frozenset({"op", "type", "src", "attrs", "name", "origin"})   # what Node.replace may change
 
 
 class Node:
@@ -149,26 +151,34 @@ class Node:
 
     def __init__(self, op: Op, type: TensorType | tuple[TensorType, ...], src: tuple["Node", ...] = (),
                  attrs: dict[str, Any] | None = None, name: str | None = None, origin: int | None = None):
-        object.__setattr__(self, "op", op)
-        object.__setattr__(self, "type", type)
-        object.__setattr__(self, "src", tuple(src))
-        object.__setattr__(self, "attrs", dict(attrs or {}))
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "id", next(_ids))
+        _set(self, "op", op)
+        _set(self, "type", type)
+        _set(self, "src", tuple(src))
+        _set(self, "attrs", dict(attrs or {}))
+        _set(self, "name", name)
+        node_id = next(_ids)
+        _set(self, "id", node_id)
         # the id of the node this one was first made as, through every replace(): which node of an
         # earlier program it is (the viewer outlines a fused op's members in the unfused graph by it)
-        object.__setattr__(self, "origin", self.id if origin is None else origin)
+        _set(self, "origin", node_id if origin is None else origin)
 
     def __setattr__(self, *_):
         raise AttributeError("Node is immutable; use replace()")
 
     def replace(self, **changes) -> "Node":
-        fields = {"op": self.op, "type": self.type, "src": self.src, "attrs": self.attrs, "name": self.name,
-                  "origin": self.origin}
-        fields.update(changes)
-        node = Node(**fields)
-        if "attrs" not in changes:   # attrs are never mutated: the new node shares the dict (verify's
-            object.__setattr__(node, "attrs", self.attrs)   # cache knows a rebuilt node by it)
+        if not changes.keys() <= _FIELDS:
+            raise TypeError(f"Node.replace: no fields {sorted(changes.keys() - _FIELDS)}")
+        node = Node.__new__(Node)
+        _set(node, "op", changes.get("op", self.op))
+        _set(node, "type", changes.get("type", self.type))
+        _set(node, "src", tuple(changes["src"]) if "src" in changes else self.src)
+        # attrs are never mutated: an unchanged dict is shared (verify's record knows a rebuilt node by it)
+        _set(node, "attrs", dict(changes["attrs"] or {}) if "attrs" in changes else self.attrs)
+        _set(node, "name", changes.get("name", self.name))
+        _set(node, "id", next(_ids))
+        _set(node, "origin", changes.get("origin", self.origin))
+        if node.origin is None:
+            _set(node, "origin", node.id)
         return node
 
     def key(self) -> tuple:

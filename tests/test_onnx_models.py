@@ -420,3 +420,24 @@ def test_group_query_attention_matches_onnxruntime(past, rotary):
     exe = from_onnx(model)
     assert op_counts(exe)["sdpa"] == 1
     assert_matches(exe, model, feeds, atol=1e-5)
+
+
+def test_import_computes_what_fold_would_and_shares_small_constants():
+    """The import graph makes a constant of a known op result that the fold pass would fold, and one node
+    of each small unnamed constant; a shared constant declared as another ONNX type gets its own node,
+    and the others keep theirs undeclared. Fold and CSE then find nothing on a CNN's import."""
+    from ingot.importers.onnx_ops import Context, ImportGraph
+    from ingot.ir import Op, Program
+    from ingot.passes.cse import eliminate_common_subexpressions
+    from ingot.passes.fold import fold_constants
+    g = ImportGraph()
+    a, b = g.constant(np.array([3, 4], np.int32)), g.constant(np.array([3, 4], np.int32))
+    assert a.node is b.node and g.constant(np.array([3, 4], np.int32), name="named").node is not a.node
+    total = a + g.constant(np.array([1, 1], np.int32))
+    assert total.node.op == Op.CONSTANT and g.value(total).tolist() == [4, 5]
+    ctx = Context(g, "test")
+    own = ctx.declare(b, np.uint16)
+    assert own.node is not a.node and ctx.onnx_dtype(own) == np.uint16 and ctx.onnx_dtype(a) == np.int32
+    imported = import_onnx(str(FIXTURES / "cnn.onnx"))
+    program = Program([t.node for t in imported.outputs.values()], [], dict(imported.graph.constants), {})
+    assert not fold_constants(program)[1] and not eliminate_common_subexpressions(program)[1]

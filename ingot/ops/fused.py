@@ -35,10 +35,12 @@ class Body:
 
     __slots__ = ("params", "outputs", "nodes", "_key", "_checked")
 
-    def __init__(self, params: Sequence[Node], outputs: Sequence[Node]):
+    def __init__(self, params: Sequence[Node], outputs: Sequence[Node], nodes: list[Node] | None = None):
+        """nodes: toposort(params + outputs), where the caller made them in that order (fuse does)."""
         object.__setattr__(self, "params", tuple(params))
         object.__setattr__(self, "outputs", tuple(outputs))
-        nodes = toposort(list(self.params) + list(self.outputs))
+        if nodes is None:
+            nodes = toposort(list(self.params) + list(self.outputs))
         inside = {p.id for p in self.params}
         for n in nodes:
             if n.id in inside:
@@ -124,21 +126,27 @@ def fuse(kind: str, members: Sequence[Node], outputs: Sequence[Node], **attrs: A
                 sources.append(s)
     params = [Node(Op.PLACEHOLDER, s.type, (), {"param": i}, name=f"in{i}") for i, s in enumerate(sources)]
     memo: dict[int, Node] = {s.id: params[i] for s, i in ((s, index[s.id]) for s in sources)}
-    stack = list(outputs)
-    while stack:   # members rebuilt over the parameters, sources first (never below an input)
-        m = stack[-1]
-        if m.id in memo:
-            stack.pop()
+    # members rebuilt over the parameters (never below an input), in the order toposort(params + outputs)
+    # gives the body: its walk (outputs in order, each node's sources in order, post-order) over the members
+    nodes = list(params)
+    for root in outputs:
+        if root.id in memo:
             continue
-        if m.id not in inside:
-            raise IngotError(f"fused: {m.op.name.lower()} #{m.id} is read by a member but is neither a member nor an input.")
-        missing = [s for s in m.src if s.id not in memo]
-        if missing:
-            stack.extend(missing)
-            continue
-        stack.pop()
-        memo[m.id] = m.replace(src=tuple(memo[s.id] for s in m.src))
-    body = Body(params, [memo[o.id] for o in outputs])
+        stack = [(root, 0)]
+        while stack:
+            m, i = stack.pop()
+            if i < len(m.src):
+                stack.append((m, i + 1))
+                s = m.src[i]
+                if s.id not in memo:
+                    if s.id not in inside:
+                        raise IngotError(f"fused: {s.op.name.lower()} #{s.id} is read by a member but is neither a member "
+                                         "nor an input.")
+                    stack.append((s, 0))
+            elif m.id not in memo:
+                memo[m.id] = m.replace(src=tuple(memo[s.id] for s in m.src))
+                nodes.append(memo[m.id])
+    body = Body(params, [memo[o.id] for o in outputs], nodes)
     return Node(Op.FUSED, body.output_type, tuple(sources), dict(attrs, kind=kind, body=body))
 
 

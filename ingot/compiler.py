@@ -17,7 +17,7 @@ from typing import Any, Callable, Collection
 
 from .errors import IngotError
 from .ir import Node, Op, Program, TensorType
-from .verify import verify
+from .verify import TYPED, verify
 from .passes.attention_length import attention_over_buffer
 from .passes.cse import eliminate_common_subexpressions
 from .passes.dce import eliminate_dead_code
@@ -104,7 +104,7 @@ def run_pipeline(program: Program, debug: bool | str = False, log: Callable[[str
     """
     log = log or (lambda text: print(text, file=sys.stderr))
     dump_after = _dump_filter(debug)
-    checked: dict[int, object] = dict.fromkeys(typed)   # nodes verify checked (immutable: checked once; verify's)
+    checked: dict[int, object] = dict.fromkeys(typed, TYPED)   # nodes verify checked (immutable: checked once; verify's)
     verify(program, checked)
     steps: list[tuple[str, Pass]] = [("specialize", lambda p: specialize(p, feed_types or {}))] + PIPELINE + \
         device_steps(device, options) + LATE_PIPELINE

@@ -9,6 +9,9 @@ from .ir import Node, Op, Program
 from .ops import infer_type
 
 
+TYPED = object()   # checked's entry for a node whose type its rule gave as it was made (Graph.typed)
+
+
 def verify(program: Program, checked: dict[int, object] | None = None) -> None:
     """Check the invariants every pass must keep: sources defined, types equal to the op's rules.
     checked: nodes an earlier call checked (filled here), by id: a node is immutable, so its type against
@@ -24,6 +27,9 @@ def verify(program: Program, checked: dict[int, object] | None = None) -> None:
         op = node.op
         if checked is not None and node.id in checked and op != Op.PLACEHOLDER and (
                 op != Op.CONSTANT or checked[node.id] is constants.get(node.attrs["key"])):
+            if checked[node.id] is TYPED:   # its rule recorded as applied (a fused body's copy is found by it)
+                checked[node.id] = None
+                checked[(op, node.type, tuple(s.type for s in node.src), id(node.attrs))] = node.attrs
             continue
         if op == Op.CONSTANT:
             if node.attrs["key"] not in constants:

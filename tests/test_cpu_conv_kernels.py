@@ -203,6 +203,36 @@ def test_direct_conv_step_with_channel_epilogue(m, hw, stride, residual, batch, 
     assert steps == [1]
 
 
+@pytest.mark.parametrize("m,hw,pads,batch,residual", [
+    (24, (15, 21), ((1, 0), (0, 1)), 2, False),   # blocks 16 + 8 as one 2-block tile; odd sizes, asymmetric padding
+    (50, (17, 33), ((1, 1), (1, 1)), 1, True),    # 16 + 16, then 16 + 2 as 2-block tiles; rows of 8 + 8 + 1
+    (36, (9, 40), ((0, 1), (1, 0)), 3, False),    # 16 + 16 as one tile, 4 channels in a half tile; batch 3
+])
+def test_direct_conv_two_block_tiles_stride_two(m, hw, pads, batch, residual):
+    """Stride-2 3 x 3 convs over more than 16 output channels run tiles of two 16-channel blocks (conv_kernels
+    WIDEST_PAIR); with a per-channel scale and SiLU in the tiles (a residual: after each row) they equal the
+    reference on odd sizes, asymmetric padding, channels not a multiple of 16 and batches."""
+    import ingot
+    rng = np.random.default_rng(m + hw[1] + batch)
+    c = 19   # C * 9 > conv_spatial.SMALL_REDUCTION: the direct kernel
+    x = rng.standard_normal((batch, c) + hw).astype(np.float32)
+    w = rng.standard_normal((m, c, 3, 3)).astype(np.float32) * 0.2
+    b, scale = (rng.standard_normal(m).astype(np.float32) for _ in range(2))
+    y_ref = conv(x, w, b, (2, 2), (1, 1), pads, 1)
+    r = rng.standard_normal(y_ref.shape).astype(np.float32)
+    g = ingot.Graph()
+    xi, ri = g.placeholder(x.shape, name="x"), g.placeholder(r.shape, name="r")
+    y = g.mul(g.conv(xi, w, b, strides=(2, 2), pads=pads), scale.reshape(m, 1, 1))
+    y = g.mul(y, g.sigmoid(y))
+    if residual:
+        y = g.add(y, ri)
+    exe = g.compile(targets=[y], options=FLOAT32)
+    t = (y_ref * scale.reshape(m, 1, 1)).astype(np.float64)
+    want = t / (1 + np.exp(-t)) + (r if residual else 0)
+    got = exe.run({"x": x, "r": r} if residual else {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_direct_conv_step_one_d(monkeypatch):
     """A 1-D conv (batch 2, dilation 2, stride 2, uneven padding) + ReLU through conv._direct_step."""
     import ingot

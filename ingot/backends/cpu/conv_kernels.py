@@ -18,7 +18,10 @@
   Where the weights are the larger and rows are not a multiple of TILE wide (DBNet's 128 x 10 x 10), a
   block's positions run as one sequence, a tile crossing from one row into the next (each position's
   input offset read from a small array): 10 columns were tiles of 5 and 5, too few FMA chains (3 x 3,
-  128 -> 128 at 10 x 10: 0.28-0.31 -> 0.265-0.27 ms hot).
+  128 -> 128 at 10 x 10: 0.28-0.31 -> 0.265-0.27 ms hot). Two blocks (32 output channels) run as one tile of
+  up to 8 columns, each input value broadcast once for both (YOLO's 3 x 3 layers of 32-128 output channels,
+  hot, with SiLU: 1-3 % faster, e.g. 64 -> 128 stride 2 at 40 x 40 0.253-0.266 -> 0.248-0.255 ms; the
+  stride-2 layers were not bound by the broadcasts: the input read, SiLU and the transposes stay).
 
 Both are llvmlite intrinsics per window size (as vnni.py emits VPDPBUSD), called by numba kernels that
 codegen generates and caches on disk.
@@ -132,6 +135,7 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
 
 TILE = 8   # output columns a transpose stores (and a gather tile's positions)
 WIDEST = 14   # output columns a tile computes at most (14 accumulators: 12 and 16 ran 0-5 % slower)
+WIDEST_PAIR = 8   # output columns a tile of two blocks computes at most (16 accumulators; 7, 10, 12 no better)
 _V8 = ir.VectorType(ir.FloatType(), 8)
 
 
@@ -167,8 +171,9 @@ def _transposed(builder, accs):
 
 
 def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str = "", gather: bool = False,
-                    stride: int = 1, dilation: int = 1):
-    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops, trim, pos): for positions
+                    stride: int = 1, dilation: int = 1, blocks: int = 1):
+    """tile(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops, trim, pos,
+    w_block): for positions
     r < width and channels l < min(n_ch, lanes), out[o_at + l * o_step + r] = bias[b_at + l] + sum over
     ic < n_ic, taps (i, j) of xp[x_at + ic * ic_step + i * row_step + j * dw + r * sw] *
     wb[w_at + ((ic * kh + i) * kw + j) * 16 + l]. The accumulators (one vector of 16 channels per position)
@@ -182,12 +187,15 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
     positions may run on from one output row into the next (pos is read once a call). stride, dilation: the
     column stride and dilation, constants of the tile (its sw and dw arguments are not read), so that each tap's
     loads are one pointer and constant displacements (as arguments, the 8 x kw offsets took registers that
-    spilled: a reload from the stack beside each FMA, ~110 GFLOP/s against ~190 without)."""
+    spilled: a reload from the stack beside each FMA, ~110 GFLOP/s against ~190 without). blocks 2: two
+    blocks of 16 output channels at once (channels l < min(n_ch, 32), the driver gives it more than 16; block
+    k's weights at w_at + k * w_block, its outputs from o_at + 16 * k * o_step), each input value broadcast
+    once for both blocks (half the loads an FMA)."""
     @intrinsic
     def tile(typingctx, out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops,
-             trim, pos):
+             trim, pos, w_block):
         sig = types.void(out, o_at, o_step, xp, x_at, ic_step, row_step, wb, w_at, n_ic, bias, b_at, n_ch, sw, dw, ops,
-                         trim, pos)
+                         trim, pos, w_block)
 
         def codegen(context, builder, signature, args):
             arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
@@ -198,8 +206,8 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
             zeros_i = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
             fma = builder.module.declare_intrinsic(f"llvm.fma.v{lanes}f32", fnty=ir.FunctionType(f16x, [f16x, f16x, f16x]))
             cast = lambda v: builder.sext(v, i64) if v.type.width < 64 else v  # noqa: E731
-            o_at_v, o_step_v, x_at_v, ic_v, row_v, w_at_v, n_v, b_at_v, n_ch_v = (
-                cast(args[i]) for i in (1, 2, 4, 5, 6, 8, 9, 11, 12))
+            o_at_v, o_step_v, x_at_v, ic_v, row_v, w_at_v, n_v, b_at_v, n_ch_v, w_block_v = (
+                cast(args[i]) for i in (1, 2, 4, 5, 6, 8, 9, 11, 12, 18))
             if gather:
                 pa = arr(17)
                 at_r = [builder.load(builder.gep(pa.data, [ir.Constant(i64, r)])) for r in range(width)]
@@ -217,24 +225,26 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
             ic = builder.phi(i64)
             ic.add_incoming(ir.Constant(i64, 0), start)
             accs = []
-            for _ in range(width):
+            for _ in range(blocks * width):   # block k, position r: accs[k * width + r]
                 p = builder.phi(f16x)
                 p.add_incoming(zero_acc, start)
                 accs.append(p)
             new = list(accs)
             xptr = builder.gep(x0, [builder.mul(ic, ic_v)])
             wptr = builder.gep(w0, [builder.mul(ic, ir.Constant(i64, kh * kw * 16))])
+            wptrs = [wptr] + [builder.gep(wptr, [builder.mul(w_block_v, ir.Constant(i64, k))]) for k in range(1, blocks)]
             trim_v = cast(args[16])
 
             def window_row(i, sums):
                 row = builder.gep(xptr, [builder.mul(row_v, ir.Constant(i64, i))])
                 for j in range(kw):
-                    wp = builder.gep(wptr, [ir.Constant(i64, (i * kw + j) * 16)])
-                    wv = builder.load(builder.bitcast(wp, f16x.as_pointer()), align=4)
+                    wvs = [builder.load(builder.bitcast(builder.gep(w, [ir.Constant(i64, (i * kw + j) * 16)]), f16x.as_pointer()),
+                                        align=4) for w in wptrs]
                     for r in range(width):
                         xv = builder.load(builder.gep(row, [offs[j, r]]))
                         splat = builder.shuffle_vector(builder.insert_element(undef, xv, ir.Constant(i32, 0)), undef, zeros_i)
-                        sums[r] = builder.call(fma, [splat, wv, sums[r]])
+                        for k, wv in enumerate(wvs):
+                            sums[k * width + r] = builder.call(fma, [splat, wv, sums[k * width + r]])
                 return sums
             for i in range(kh):
                 edge = 1 if i == 0 and kh > 1 else 2 if i == kh - 1 and kh > 1 else 0
@@ -264,58 +274,71 @@ def _tile_intrinsic(kh: int, kw: int, width: int = 8, lanes: int = 16, key: str 
                 p.add_incoming(v, latch)
             builder.cbranch(builder.icmp_signed("<", nxt, n_v), loop, done)
             builder.position_at_end(done)
-            finals = []
-            for r in range(width):
+            phis = []
+            for k in range(blocks * width):
                 f = builder.phi(f16x)
                 f.add_incoming(zero_acc, start)
-                f.add_incoming(new[r], latch)
-                finals.append(f)
-            b = builder.load(builder.bitcast(builder.gep(ba.data, [b_at_v]), f16x.as_pointer()), align=4)
-            finals = [builder.fadd(f, b) for f in finals]
-            if lanes == 8:   # as 16 lanes, the upper 8 never stored
-                widen = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
-                finals = [builder.shuffle_vector(f, undef, widen) for f in finals]
-            if key:   # the epilogue on registers whose lanes are channels
-                from . import conv_spatial as cs
-                steps, operands = cs.SPECS[key]
-                read = cs.epilogue_reads(context, builder, operands, signature.args[15], args[15], b_at_v,
-                                         channels=cs._lane_mask(builder, n_ch_v, 0))
-                finals = [cs.apply_steps(builder, steps, operands, read, f) for f in finals]
-            v16 = ir.VectorType(f32, 16)
-            ptr8 = _V8.as_pointer()
-            masked_store = builder.module.globals.get("llvm.masked.store.v8f32.p0") or ir.Function(
-                builder.module, ir.FunctionType(ir.VoidType(), [_V8, ptr8, i32, ir.VectorType(ir.IntType(1), 8)]),
-                name="llvm.masked.store.v8f32.p0")
-            for g0 in range(0, width, TILE):   # 8 positions at a time, transposed; the last group's under a mask
-                n_g = min(TILE, width - g0)
-                group = finals[g0:g0 + n_g] + [ir.Constant(v16, [0.0] * 16)] * (TILE - n_g)
-                rows = _transposed(builder, group)
-                for c in range(lanes):
-                    half = builder.shuffle_vector(rows[c // 2], ir.Constant(v16, ir.Undefined),
-                                                  ir.Constant(ir.VectorType(i32, 8), list(range(8 * (c % 2), 8 * (c % 2) + 8))))
-                    with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, c), n_ch_v)):
-                        at = builder.add(o_at_v, builder.add(builder.mul(o_step_v, ir.Constant(i64, c)), ir.Constant(i64, g0)))
-                        ptr = builder.bitcast(builder.gep(oa.data, [at]), ptr8)
-                        if n_g == TILE:
-                            builder.store(half, ptr, align=4)
-                        else:
-                            builder.call(masked_store, [half, ptr, ir.Constant(i32, 4), ir.Constant(
-                                ir.VectorType(ir.IntType(1), 8), [1] * n_g + [0] * (TILE - n_g))])
+                f.add_incoming(new[k], latch)
+                phis.append(f)
+            for k in range(blocks):   # (the driver gives a 2-block tile more than 16 channels)
+                _store_block(context, builder, signature, args, phis[k * width:(k + 1) * width], lanes, key, oa, ba,
+                             builder.add(o_at_v, builder.mul(o_step_v, ir.Constant(i64, 16 * k))), o_step_v,
+                             builder.add(b_at_v, ir.Constant(i64, 16 * k)), builder.sub(n_ch_v, ir.Constant(i64, 16 * k)))
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+def _store_block(context, builder, signature, args, finals, lanes: int, key: str, oa, ba, o_at_v, o_step_v, b_at_v, n_ch_v):
+    """A block's accumulators (finals: a <lanes x float> per position) + bias [b_at:+16], the epilogue of key,
+    stored transposed as rows of positions: channel l < min(n_ch, lanes) at o_at + l * o_step."""
+    width = len(finals)
+    i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+    f16x = ir.VectorType(f32, lanes)
+    undef = ir.Constant(f16x, ir.Undefined)
+    b = builder.load(builder.bitcast(builder.gep(ba.data, [b_at_v]), f16x.as_pointer()), align=4)
+    finals = [builder.fadd(f, b) for f in finals]
+    if lanes == 8:   # as 16 lanes, the upper 8 never stored
+        widen = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
+        finals = [builder.shuffle_vector(f, undef, widen) for f in finals]
+    if key:   # the epilogue on registers whose lanes are channels
+        from . import conv_spatial as cs
+        steps, operands = cs.SPECS[key]
+        read = cs.epilogue_reads(context, builder, operands, signature.args[15], args[15], b_at_v,
+                                 channels=cs._lane_mask(builder, n_ch_v, 0))
+        finals = [cs.apply_steps(builder, steps, operands, read, f) for f in finals]
+    v16 = ir.VectorType(f32, 16)
+    ptr8 = _V8.as_pointer()
+    masked_store = builder.module.globals.get("llvm.masked.store.v8f32.p0") or ir.Function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_V8, ptr8, i32, ir.VectorType(ir.IntType(1), 8)]),
+        name="llvm.masked.store.v8f32.p0")
+    for g0 in range(0, width, TILE):   # 8 positions at a time, transposed; the last group's under a mask
+        n_g = min(TILE, width - g0)
+        group = finals[g0:g0 + n_g] + [ir.Constant(v16, [0.0] * 16)] * (TILE - n_g)
+        rows = _transposed(builder, group)
+        for c in range(lanes):
+            half = builder.shuffle_vector(rows[c // 2], ir.Constant(v16, ir.Undefined),
+                                          ir.Constant(ir.VectorType(i32, 8), list(range(8 * (c % 2), 8 * (c % 2) + 8))))
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, c), n_ch_v)):
+                at = builder.add(o_at_v, builder.add(builder.mul(o_step_v, ir.Constant(i64, c)), ir.Constant(i64, g0)))
+                ptr = builder.bitcast(builder.gep(oa.data, [at]), ptr8)
+                if n_g == TILE:
+                    builder.store(half, ptr, align=4)
+                else:
+                    builder.call(masked_store, [half, ptr, ir.Constant(i32, 4), ir.Constant(
+                        ir.VectorType(ir.IntType(1), 8), [1] * n_g + [0] * (TILE - n_g))])
 
 
 _TILES: dict = {}
 
 
 def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = "", gather: bool = False, sw: int = 1,
-                dw: int = 1):
+                dw: int = 1, blocks: int = 1):
     """The tile of width <= WIDEST columns (a row of 20: two of 10, not 8 + 8 + 4); lanes 8: of
     a last block of at most 8 output channels (24 channels: 16 + 8, not 32 computed); key: the epilogue in
     registers; gather: positions at offsets read from pos; sw, dw: the column stride and
-    dilation; made once per process."""
-    spec = (kh, kw, width, lanes, key, gather, sw, dw)
+    dilation; blocks 2: 32 output channels at once; made once per process."""
+    spec = (kh, kw, width, lanes, key, gather, sw, dw, blocks)
     if spec not in _TILES:
         _TILES[spec] = _tile_intrinsic(*spec)
     return _TILES[spec]
@@ -324,14 +347,14 @@ def narrow_tile(kh: int, kw: int, width: int, lanes: int = 16, key: str = "", ga
 WINDOW_SIZES = ((3, 3), (1, 1), (5, 5), (7, 7), (1, 3), (3, 1), (1, 5), (1, 7))
 
 
-def _dispatch(prefix: str, indent: str) -> str:
-    """Generated source: the call of the tile of width n (1..WIDEST) named prefix + n."""
+def _dispatch(prefix: str, indent: str, widest: int = WIDEST) -> str:
+    """Generated source: the call of the tile of width n (1..widest) named prefix + n."""
     lines = []
-    for k, n in enumerate(range(WIDEST, 0, -1)):
+    for k, n in enumerate(range(widest, 0, -1)):
         head = "if" if k == 0 else "elif" if n != 1 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
-        lines.append(f"{indent}    {prefix}{n}(of, (b * 16 * oh + oy) * ow + ox0, oh * ow, xf, at, plane, dh * wp, wf, 0, c_n, bp, "
-                     "b * 16, lanes, sw, dw, ops, trim, pos)")
+        lines.append(f"{indent}    {prefix}{n}(of, (b * 16 * oh + oy) * ow + ox0, oh * ow, xf, at, plane, dh * wp, wf, b * w_block, "
+                     "c_n, bp, b * 16, lanes, sw, dw, ops, trim, pos, w_block)")
     return "\n".join(lines)
 
 
@@ -343,6 +366,7 @@ from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 {tiles} = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}, False, {sw}, {dw}) for w in range(1, {widest} + 1))
 {halves} = (narrow_tile({kh}, {kw}, w, 8, {tile_key!r}, False, {sw}, {dw}) for w in range(1, {widest} + 1))
+{pairs} = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}, False, {sw}, {dw}, 2) for w in range(1, {widest_pair} + 1))
 gather16, gather8 = (narrow_tile({kh}, {kw}, TILE, lanes, {tile_key!r}, True, {sw}, {dw}) for lanes in (16, 8))
 epilogue = EPILOGUES[{key!r}]
 
@@ -360,6 +384,8 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
     hp = max(h + ph, (oh - 1) * sh + (kh - 1) * dh + 1)
     wp = max(wd + pw, (tiles * TILE - 1) * sw + (kw - 1) * dw + 1)
     blocks = wb.shape[0]
+    w_block = wb.shape[1] * wb.shape[2]   # floats of a block's weights
+    wf = wb.reshape(blocks * w_block)
     rows_first = c_n * hp * wp > wb.size   # the input the larger: every block's row oy, then row oy + 1 (input read once)
     ring = (kh - 1) * dh + 1   # rows first: padded row p in slots p % ring and p % ring + ring (a window is contiguous)
     rows_first_ring = rows_first and 2 * ring < hp
@@ -374,6 +400,8 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
     # a row as few tiles of at most WIDEST columns as even as they go (20: 10 + 10; 40: 4 x 10)
     row_tiles = (ow + {widest} - 1) // {widest}
     narrowest, wider = ow // row_tiles, ow % row_tiles   # the first `wider` tiles a column wider
+    pair_tiles = (ow + {widest_pair} - 1) // {widest_pair}   # the same for tiles of two blocks
+    pair_narrowest, pair_wider = ow // pair_tiles, ow % pair_tiles
     if (oy0 != 0 or oy1 != oh) and not rows_first:
         raise ValueError("conv_direct: a band of output rows where the weights are the larger")
     copied = max(0, oy0 * sh - ph)   # input rows copied into xp, each just before the first output row that reads it
@@ -391,7 +419,6 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                     dst[np.uintp(pw) + t] = row[t]
             copied += 1
         for b in range(blocks):
-            wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
             lanes = min(16, m - b * 16)
             for k in range(0, positions, TILE):
                 p0 = min(k, positions - TILE)
@@ -405,20 +432,21 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                     trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
                         2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
                 if lanes > 8:
-                    gather16(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw,
-                             ops, trim, pos)
+                    gather16(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, b * w_block, c_n, bp, b * 16,
+                             lanes, sw, dw, ops, trim, pos, w_block)
                 else:
-                    gather8(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, 0, c_n, bp, b * 16, lanes, sw, dw,
-                            ops, trim, pos)
+                    gather8(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, b * w_block, c_n, bp, b * 16,
+                            lanes, sw, dw, ops, trim, pos, w_block)
             if {has_epilogue} and not {in_tile}:   # full operands: the block's planes after them
                 for l in range(lanes):
                     at = (b * 16 + l) * positions
                     for t0 in range(0, positions, 16):
                         epilogue(of, at + t0, of, at + t0, positions - t0, b * 16 + l, at + t0, ops)
         return
-    for outer in range(oy0, oy1) if rows_first else range(blocks):
-        for inner in range(blocks) if rows_first else range(oh):
-            oy, b = (outer, inner) if rows_first else (inner, outer)
+    groups = (blocks + 1) // 2   # blocks 2g and 2g + 1 at once (a tile of two blocks), the last alone where odd
+    for outer in range(oy0, oy1) if rows_first else range(groups):
+        for inner in range(groups) if rows_first else range(oh):
+            oy, b = (outer, 2 * inner) if rows_first else (inner, 2 * outer)
             if rows_first_ring:
                 while filled < oy * sh + ring:
                     y = filled - ph
@@ -441,16 +469,17 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                         dst[np.uintp(pw) + t] = row[t]
                 copied += 1
             slot0 = (oy * sh) % ring if rows_first_ring else oy * sh   # the slot of the window's first row
-            wf = wb[b].reshape(wb.shape[1] * wb.shape[2])
-            lanes = min(16, m - b * 16)
+            lanes = min(32, m - b * 16)
             iy0 = oy * sh - ph   # the input row of the window's first: 1 where only it is padding, 2 where only the last
             trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
                 2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
             ox0 = 0
-            for t in range(row_tiles):
-                n = narrowest + (1 if t < wider else 0)
+            for t in range(pair_tiles if lanes > 16 else row_tiles):
+                n = (pair_narrowest + (1 if t < pair_wider else 0)) if lanes > 16 else narrowest + (1 if t < wider else 0)
                 at = slot0 * wp + ox0 * sw
-                if lanes > 8:
+                if lanes > 16:
+{pair}
+                elif lanes > 8:
 {full}
                 else:
 {half}
@@ -502,6 +531,8 @@ def direct_kernel(kh: int, kw: int, sw: int, dw: int, steps=(), operands=()):
     source = _DIRECT.format(kh=kh, kw=kw, sw=sw, dw=dw, key=key, widest=WIDEST,
                             tile_key=key if in_tile else "", has_epilogue=bool(steps), in_tile=in_tile,
                             full=_dispatch("tile", " " * 24), half=_dispatch("half", " " * 24),
+                            pair=_dispatch("pair", " " * 24, WIDEST_PAIR), widest_pair=WIDEST_PAIR,
+                            pairs=", ".join(f"pair{n}" for n in range(1, WIDEST_PAIR + 1)),
                             tiles=", ".join(f"tile{n}" for n in range(1, WIDEST + 1)),
                             halves=", ".join(f"half{n}" for n in range(1, WIDEST + 1)))
     return conv_spatial.load(source, "kernel", "cpu_direct_conv")

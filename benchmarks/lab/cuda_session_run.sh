@@ -111,7 +111,7 @@ run_quant() {
   # .llamacpp/ (device_setup.sh); their CUDA cells are Ingot's CUDA backend on llama.cpp's files
   timeout "${QUANT_S:-400}" python3 -m benchmarks quant --llama "${QUANT_LLAMA:-Q4_0,Q4_K_M,IQ4_XS,Q3_K_M}" --model /tmp/real/m.gguf \
     --chunks 1 --speed-repeats 2 --devices cuda \
-    --rows "${QUANT_ROWS:-uint4:32:k+head=uint4:32:k,uint4:32:k+head=uint4:32:k+c70@head,lut4:b64,uint4:32:f16+head=uint4:32:f16,uint4:32:k+head=int8}" \
+    --rows "${QUANT_ROWS:-uint4:32:k+head=uint4:32:k,uint4:32:k+head=uint4:32:k+c70@head,lut4:b64,lut4:b64:offset,uint4:32:f16+head=uint4:32:f16,uint4:32:k+head=int8}" \
     --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | grep "^|\|decode speed\|load average" \
     || { echo "quant: no table; the log's end:"; tail -15 "$OUT/quant.log"; }   # (2026-12-06: one run ended in 4 s, unexplained)
 }

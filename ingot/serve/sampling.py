@@ -62,14 +62,13 @@ def choose(logits, temperature, top_p, keys):
     """Each row's token: the arg-max where temperature is 0 (the first maximum), else a draw from the
     softmax of logits / temperature kept to its top-p (the most likely tokens whose probabilities before
     each sum to less than top_p: at least one). logits [rows, vocab] float (torch); temperature, top_p
-    [rows] float32 and keys [rows] int64 (`row_key`), on the logits' device. Returns int64 [rows]."""
+    [rows] float32 and keys [rows] int64 (`row_key`), on the logits' device. Returns int64 [rows], queued
+    on the device with no host sync (a batch of greedy rows alone needs only x.argmax: the caller's case)."""
     import torch
 
     x = logits.float()
-    greedy = temperature <= 0
+    greedy = temperature <= 0     # (no test of it on the host: that would wait for the step that made x)
     best = x.argmax(dim=-1)
-    if bool(greedy.all()):
-        return best
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax((x - x.amax(dim=-1, keepdim=True)) * (1.0 / t)[:, None], dim=-1).double()
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)   # ties: the lowest id first

@@ -89,7 +89,10 @@ def test_pool_rows_decoder_on_cuda_rows_equal_batch_one_whatever_the_batch():
         prompt = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
         logits = _prefill(single, prompt, entry(s))
         ref = decoder.new_state()
-        np.testing.assert_array_equal(_prefill(single, prompt, ref), logits)
+        # the same graph on a pool entry and on a fresh cache: a GEMV's split-K partial sums may be added
+        # atomically, in any order, so equal to float rounding on the GPU (bit for bit under the interpreter)
+        np.testing.assert_allclose(_prefill(single, prompt, ref), logits, rtol=0 if _INTERPRET else 1e-5,
+                                   atol=0 if _INTERPRET else 1e-5)
         refs.append(ref)
         last.append(int(np.argmax(logits)))
         positions.append(n)

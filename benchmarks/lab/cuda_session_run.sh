@@ -31,7 +31,14 @@ run_audio() {
   timeout "${AUDIO_S:-200}" python3 benchmarks/audio.py --device cuda --quick --skip-parts --durations 3600 \
     2>&1 | grep " ms\|ratio torch.stft"
 }
+install_wheels() {
+  # the device lacks gguf and the server's packages (uvicorn, prometheus_client, ...): the carried .whl/ (docs/cuda.md)
+  python3 -c "import gguf, uvicorn, prometheus_client" 2>/dev/null && return 0
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "carry .whl/ (docs/cuda.md): gguf / uvicorn are not installed here"; return 1; }
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -1
+}
 run_tests() {
+  install_wheels || true
   # every cuda-marked file (TESTS narrows it: a cold machine compiles the audio kernels for minutes,
   # so a first call may take TESTS="tests/test_audio_cuda.py" and a second the rest)
   # a worker per 9 GB of GPU memory (16 on an H200; 16 on the 80 GB H100 failed graph captures, 2026-12-06)
@@ -68,11 +75,7 @@ run_prefill() {
 run_serve() {
   # SERVE_LORA=3: three random rank-16 adapters on every projection, client c asking for model c mod 4;
   # SERVE_PRECISION=bf16: the server's GEMMs of more than 16 rows (batched decode, prefill) in bf16 (INGOT_OPTIONS).
-  # The device lacks the server's packages (uvicorn, prometheus_client, ...): the carried .whl/ (docs/cuda.md)
-  if ! python3 -c "import uvicorn, prometheus_client" 2>/dev/null; then
-    ls .whl/*.whl >/dev/null 2>&1 || { echo "serve: carry .whl/ (docs/cuda.md): uvicorn is not installed here"; return 1; }
-    python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -1
-  fi
+  install_wheels || return 1
   if [ -n "${SERVE_PRECISION:-}" ]; then
     echo "{\"cuda\": {\"prefill_precision\": \"$SERVE_PRECISION\"}}" > "$OUT/serve_options.json"
     export INGOT_OPTIONS="$OUT/serve_options.json"

@@ -1,7 +1,7 @@
 """lut4:bB:offset, a scaled lookup table with a float16 offset beside each block's float16 scale
 (w = table[q] * scale + offset): the format string, the quantizer's error against lut4:bB at the same
 block, the IR's scaled_lut mode with a bias against NumPy references (dequantize, quantized_matmul,
-quantized_gather, on awkward shapes; the pass: test_pass_split_lut_bias.py), GPTQ,
+quantized_gather, on awkward shapes; the GPU's kernels: test_cuda_lut_offset.py), GPTQ,
 a tiny model's greedy generation on the CPU against its dequantized weights, and a package round trip."""
 import os
 import sys

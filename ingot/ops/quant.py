@@ -14,8 +14,8 @@ The scaled LUT is the form of GGUF's non-linear and codebook types (IQ4_NL/XS, t
 grids, MXFP4): each weight's code picks a value of a small table, and a per-block scale multiplies
 it, in float32 (the product gguf.quants.dequantize forms, bit for bit). With attrs["has_bias"] a
 per-block bias is added after the product (Ingot's lut4:bB:offset format); without it the op is as
-it always was. The CPU's table GEMV adds the bias's share (x's block sums times the bias) itself;
-the CUDA pipeline's passes/split_lut_bias.py moves it into a small float matmul (gather) of its own.
+it always was. The CPU's table GEMV and the GPU's (backends/cuda/quantized_matmul/gguf_kernels.py)
+add the bias's share (x's block sums times the bias) themselves.
 
 4-bit tensors are packed two per byte along the last axis, which must be even.
 """

@@ -27,7 +27,6 @@ from .fuse_spatial import fuse_spatial
 from .fuse_squeeze_excite import fuse_squeeze_excite
 from .fuse_two_level import fuse_two_level
 from .gemv_rules import SELF_XQ_BYTES, WORDS_MAX_ROWS
-from .split_lut_bias import split_lut_bias
 
 Pass = Callable[[Program], tuple[Program, bool]]
 # Order matters: later fusions take earlier ones whole.
@@ -52,9 +51,6 @@ DEVICE_PIPELINES: dict[str, list[tuple[str, DevicePass]]] = {
         ("fuse_rows_attention", lambda p, o: fuse_rows_attention(p)),
     ],
     "cuda": [
-        # a scaled table's bias (lut4:bB:offset) as its own small matmul: gguf_kernels' table kernels as they are
-        # (the CPU's table GEMV adds the bias's share itself)
-        ("split_lut_bias", lambda p, o: split_lut_bias(p)),
         # rope(q), rope(k) and the k/v cache writes as one kernel, or inside the decode attention
         ("fuse_rope_cache", lambda p, o: fuse_rope_cache(p, attention=o.get("rope_attention", True), codes=True)),
         # per-row adapters (ingot serve): shrink + expand kernels, x recomputed so the GEMV fusions below stay

@@ -44,6 +44,11 @@ def constant_affine(m: Node, src: tuple[Node, ...] | None = None) -> bool:
     return m.op == Op.QUANTIZED_MATMUL and m.attrs.get("mode") == "affine" and all(s.op == Op.CONSTANT for s in src[1:])
 
 
+def constant_scaled_table(m: Node) -> bool:
+    """A quantized matmul of a constant scaled table (lut4:bB[:offset], GGUF's IQ types, MXFP4)."""
+    return m.op == Op.QUANTIZED_MATMUL and m.attrs.get("mode") == "scaled_lut" and all(s.op == Op.CONSTANT for s in m.src[1:])
+
+
 def outer_sources(fused: Node, m: Node) -> tuple[Node, ...]:
     """The program's nodes that body node m of `fused` reads (its parameters resolved)."""
     return tuple(fused.src[s.attrs["param"]] if s.op == Op.PLACEHOLDER else s for s in m.src)

@@ -1,13 +1,14 @@
 """The weight as the kernels read it: `QuantizedWeight`, re-packed once at load (`prepare_weight`)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .... import dtypes as dt
-from ....errors import IngotError
 
 @dataclass
 class QuantizedWeight:
@@ -149,7 +150,8 @@ def prepare_weight(q: np.ndarray, params: list[np.ndarray], attrs: dict, device,
 @dataclass
 class ScaledTableWeight:
     """A scaled-table logical [K, N] weight in the kernels' form: q as a lookup-table QuantizedWeight's,
-    lut float32 [pK, pN, 2**bits], scale [Kp / group, Np] (float32, or float16 where exact). Not a
+    lut float32 [pK, pN, 2**bits], scale [Kp / group, Np] (float32, or float16 where exact), bias (lut4:bB:offset)
+    as the scales or None. Not a
     QuantizedWeight: code that reads those (the word GEMV, concatenation) sees `words` False and a
     table, and leaves it to `scaled_matmul`."""
 
@@ -163,12 +165,12 @@ class ScaledTableWeight:
     k: int
     n: int
     words: bool = False
-    bias: None = None
+    bias: torch.Tensor | None = None
     scaled: bool = True
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.lut))
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.lut, self.bias) if t is not None)
 
     @property
     def nq(self) -> int:
@@ -176,18 +178,16 @@ class ScaledTableWeight:
 
 
 def prepare_scaled(q: np.ndarray, params: list[np.ndarray], attrs: dict, device) -> ScaledTableWeight:
-    """Re-pack a scaled-table quantized_matmul/quantized_gather weight (params [lut, scale], Ingot's
-    layout; attrs' transpose as `prepare_weight`'s) for the kernels. A bias (lut4:bB:offset) is not theirs:
-    the CUDA pipeline's split_lut_bias moves it out of every quantized_matmul and quantized_gather first."""
-    if attrs.get("has_bias"):
-        raise IngotError("a scaled lookup table with a bias reached the GPU's table kernels; keep the fusion "
-                         "split_lut_bias in CompileOptions.fusions (routed experts cannot take one).")
+    """Re-pack a scaled-table quantized_matmul/quantized_gather weight (params [lut, scale] or, for
+    lut4:bB:offset, [lut, scale, bias]; Ingot's layout; attrs' transpose as `prepare_weight`'s) for the
+    kernels: the scales and biases as an unsigned affine weight's."""
+    has_bias = bool(attrs.get("has_bias"))
     table = prepare_weight(q, params[:1], dict(attrs, mode="lut"), device)
     uint = dt.uint4 if attrs["qdtype"].packed else dt.uint8
-    scales = prepare_weight(q, params[1:2], dict(attrs, mode="affine", qdtype=uint, has_zero_point=False, has_bias=False),
-                            device)
+    scales = prepare_weight(q, params[1:3] if has_bias else params[1:2],
+                            dict(attrs, mode="affine", qdtype=uint, has_zero_point=False, has_bias=has_bias), device)
     return ScaledTableWeight(table.q, scales.scale, table.lut, table.lut_block_k, table.lut_block_n, table.bits,
-                             scales.group, table.k, table.n)
+                             scales.group, table.k, table.n, bias=scales.bias)
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:
@@ -201,6 +201,8 @@ def _words(values: torch.Tensor) -> torch.Tensor:
 def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     """Weights of one kind side by side along N (one GEMV for sibling matmuls), or None."""
     w0 = parts[0]
+    if any(getattr(p, "scaled", False) for p in parts):
+        return _concatenate_scaled(parts)
     if any(p.lut is not None or p.bits != w0.bits or p.group != w0.group or p.k != w0.k or p.q.shape[0] != w0.q.shape[0]
            or p.words != w0.words
            or p.scale.dtype != w0.scale.dtype or (p.bits == 4 and p.n % 2) for p in parts):
@@ -212,6 +214,26 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     return QuantizedWeight(torch.cat([p.q for p in parts], dim=1), torch.cat([p.scale for p in parts], dim=1),
                            torch.cat(biases, dim=1) if has_bias else None, None, 1, 1, w0.bits, w0.group, w0.k,
                            sum(p.n for p in parts), w0.words)
+
+
+def _concatenate_scaled(parts: list[ScaledTableWeight]) -> ScaledTableWeight | None:
+    """Scaled tables side by side along N (q/k/v, gate/up of lut4:bB[:offset] or GGUF's IQ types), or None.
+    Their tables are repeated to the columns' greatest common table block: q's one table for 576 columns
+    beside k's for 192 becomes three of 192."""
+    w0 = parts[0]
+    if any(not getattr(p, "scaled", False) or p.bits != w0.bits or p.group != w0.group or p.k != w0.k
+           or p.q.shape[0] != w0.q.shape[0] or p.lut_block_k != w0.lut_block_k or p.lut.shape[0] != w0.lut.shape[0]
+           or p.n % p.lut_block_n or p.scale.shape[1] != p.n or (p.bias is None) != (w0.bias is None)
+           or p.scale.dtype != w0.scale.dtype or (p.bits == 4 and p.n % 2) for p in parts):
+        return None
+    block_n = math.gcd(*(p.lut_block_n for p in parts))
+    luts = [p.lut.repeat_interleave(p.lut_block_n // block_n, dim=1) for p in parts]
+    biases = None
+    if w0.bias is not None:
+        biases = [p.bias for p in parts] if len({p.bias.dtype for p in parts}) == 1 else [p.bias.float() for p in parts]
+    return ScaledTableWeight(torch.cat([p.q for p in parts], dim=1), torch.cat([p.scale for p in parts], dim=1),
+                             torch.cat(luts, dim=1).contiguous(), w0.lut_block_k, block_n, w0.bits, w0.group, w0.k,
+                             sum(p.n for p in parts), bias=None if biases is None else torch.cat(biases, dim=1))
 
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:

@@ -39,6 +39,9 @@ def test_if_on_a_constant_input_is_folded():
     exe = from_onnx(SAMPLE_RATE, constant_inputs={"sr": np.array(8000)})
     np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(8000)})["y"], X + 1)
     np.testing.assert_array_equal(exe.run({"x": X, "sr": np.array(8000, np.int32)})["y"], X + 1)   # same value
+    np.testing.assert_array_equal(exe.run({"x": X})["y"], X + 1)          # a fixed input may be left out
+    with pytest.raises(ingot.IngotError, match=r"missing feeds \['x'\]"):
+        exe.run({"sr": np.array(8000)})
     for other in (np.array(16000), 16000, np.array([8000])):
         with pytest.raises(ingot.IngotError, match="fixed to 8000"):
             exe.run({"x": X, "sr": other})

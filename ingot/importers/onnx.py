@@ -626,10 +626,14 @@ class OnnxExecutable(Executable):
 
     def run_named(self, feeds: dict, state=None, **options) -> Outputs:
         """run, for feeds already by ONNX input name (named_feeds' dict; SpecializingOnnxExecutable's)."""
-        if len(feeds) != len(self.onnx_inputs):   # (named_feeds refused unknown names)
-            raise IngotError(f"run: missing feeds {[k for k in self.onnx_inputs if k not in feeds]}.")
+        if len(feeds) != len(self.onnx_inputs):   # (named_feeds refused unknown names; a fixed input may be left out)
+            missing = [k for k in self.onnx_inputs if k not in feeds and k not in self.constant_inputs]
+            if missing:
+                raise IngotError(f"run: missing feeds {missing}.")
         for name, dtype, shape, data in self._fixed:
-            value = feeds[name]
+            value = feeds.get(name, _LEFT_OUT)
+            if value is _LEFT_OUT:
+                continue
             if isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == shape and value.tobytes() == data:
                 continue
             if not np.array_equal(np.asarray(value), self.constant_inputs[name]):
@@ -645,6 +649,9 @@ class OnnxExecutable(Executable):
         return Outputs(self.output_names, result)
 
     __call__ = run
+
+
+_LEFT_OUT = object()   # a fixed input (constant_inputs) the feeds leave out
 
 
 def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str = False, options=None,
@@ -805,7 +812,7 @@ class SpecializingOnnxExecutable:
 
     def executable(self, feeds: Mapping[str, Any]) -> OnnxExecutable:
         """The executable compiled for these feeds' shapes and shape-giving values (compiled now if new)."""
-        missing = [k for k in self.onnx_inputs if k not in feeds]
+        missing = [k for k in self.onnx_inputs if k not in feeds and k not in self.constant_inputs]
         if missing:
             raise IngotError(f"run: missing feeds {missing}.")
         key = self._key(feeds)

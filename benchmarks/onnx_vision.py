@@ -1,5 +1,6 @@
 """Convolutional ONNX models (scripts/vision_models.py: MobileNetV3-style, YOLOv8-style, DBNet-style and
-a CRNN with a bidirectional LSTM (--models crnn), random weights, exported from PyTorch) run by Ingot (ingot.from_onnx, CPU) and onnxruntime
+a CRNN with a bidirectional LSTM (--models crnn), random weights, exported from PyTorch; --models vad: the LSTM
+voice-activity class of scripts/voice_activity.py, If on its sample rate, 512 samples a call) run by Ingot (ingot.from_onnx, CPU) and onnxruntime
 (CPUExecutionProvider, all graph optimisations) in one process on the same input, single-threaded
 by default (both, and NumPy's BLAS); with --threads above 1 each engine is timed in a process of its own. --real adds the ONNX files that PyPI packages ship, where they
 are installed (`pip install --no-deps rapidocr-onnxruntime silero-vad magika`): PP-OCRv4's text
@@ -83,8 +84,15 @@ def main() -> int:
             if name in real and not args.real:   # one REAL model by its name
                 cases.append((name, *real[name]))
                 continue
+            if name == "vad":   # the LSTM voice-activity class (scripts/voice_activity.py): If on the sample rate
+                path = Path(folder) / "vad.onnx"
+                script("voice_activity").export_voice_activity(path, batch=1, samples=512)
+                state = np.zeros((1, 1, 32), np.float32)
+                audio = np.random.default_rng(0).standard_normal((1, 512)).astype(np.float32)
+                cases.append((name, path, {"audio": audio, "sr": np.array(16000, np.int64), "h": state, "c": state}))
+                continue
             if name not in models.MODELS:
-                print(f"no model {name!r} (have {', '.join([*models.MODELS, *real])})", file=sys.stderr)
+                print(f"no model {name!r} (have {', '.join([*models.MODELS, 'vad', *real])})", file=sys.stderr)
                 return 2
             x = np.random.default_rng(0).standard_normal(models.MODELS[name][1]).astype(np.float32)
             cases.append((name, models.export(name, Path(folder) / f"{name}.onnx"), {"image": x}))
@@ -107,7 +115,7 @@ def main() -> int:
                     ours.append(timed(lambda: exe.run(feeds)))
                     theirs.append(timed(lambda: session.run(None, feeds)))
             (iw, ic), (ow, oc) = [tuple(statistics.median(t[i] for t in runs) * 1e3 for i in (0, 1)) for runs in (ours, theirs)]
-            print(f"{name:<10} {iw:>10.2f} {ow:>9.2f} {ow / iw:>6.2f} {ic:>10.2f} {oc:>8.2f} {oc / ic:>6.2f} {diff:>9.1e}")
+            print(f"{name:<10} {iw:>10.3f} {ow:>9.3f} {ow / iw:>6.2f} {ic:>10.3f} {oc:>8.3f} {oc / ic:>6.2f} {diff:>9.1e}")
     return 0
 
 

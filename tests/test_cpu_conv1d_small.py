@@ -1,6 +1,7 @@
 """conv1d_small (short 1-D convolutions, one compiled call with the epilogue) through the compiler against
 the NumPy conv reference on awkward shapes: odd channels, strides, padding, dilation, groups, output
-lengths 1-16, and epilogues (ReLU, clip, scale and shift, sigmoid, tanh); longer outputs keep conv.py's
+lengths 1-16, and epilogues (ReLU, clip, scale and shift, sigmoid, tanh, a filterbank's log(1 + |x|), exp of a
+scaled value); longer outputs keep conv.py's
 path and must agree too."""
 import numpy as np
 import pytest
@@ -41,12 +42,21 @@ def tanh(g, y):
     return g.tanh(y - 0.25), lambda r: np.tanh(r - 0.25)
 
 
+def log_abs(g, y):
+    return g.log(g.abs(y) + 1.0), lambda r: np.log(np.abs(r) + 1)
+
+
+def exp(g, y):
+    return g.exp(y * 0.5), lambda r: np.exp(r * 0.5)
+
+
 EPILOGUES = {"none": lambda g, y: (y, lambda r: r), "relu": relu, "clip": clip, "affine": affine, "sigmoid": sigmoid,
-             "tanh": tanh}
+             "tanh": tanh, "log_abs": log_abs, "exp": exp}
 
 
 PARAMS = [(case, e) for case in CASES for e in ("none", "relu", "sigmoid")] + \
-    [(CASES[5], e) for e in ("clip", "affine", "tanh")]   # every epilogue on the two-image shape
+    [(CASES[5], e) for e in ("clip", "affine", "tanh", "log_abs", "exp")] + \
+    [(CASES[0], "log_abs")]   # every epilogue on the two-image shape; the filterbank's
 
 
 @pytest.mark.parametrize("case,epilogue", PARAMS,

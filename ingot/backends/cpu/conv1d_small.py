@@ -10,7 +10,7 @@ into the output.
 
 Taken: float32 1-D convolutions with constant weights (and bias), output length <= MAX_LENGTH, and an
 epilogue of unary steps on the running value, each with at most one scalar constant operand (ReLU as
-a maximum with 0, clips, scaling, sigmoid, tanh). Anything else keeps conv.py's path.
+a maximum with 0, clips, scaling, sigmoid, tanh, abs, log, exp: a filterbank's log(1 + |x|)). Anything else keeps conv.py's path.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ MAX_LENGTH = 16             # output columns: beyond, conv.py's tiled kernels pa
 MAX_WINDOWS = 1 << 15       # floats of gathered windows (C / groups * k * length) per image and group
 
 # op codes of the epilogue; the binary ones take the running value and a scalar constant
-_ADD, _MUL, _MAX, _MIN, _SUB, _RSUB, _DIV, _SIGMOID, _TANH, _NEG = range(10)
+_ADD, _MUL, _MAX, _MIN, _SUB, _RSUB, _DIV, _SIGMOID, _TANH, _NEG, _ABS, _LOG, _EXP = range(13)
 _BINARY = {Op.ADD: (_ADD, _ADD), Op.MUL: (_MUL, _MUL), Op.MAXIMUM: (_MAX, _MAX), Op.MINIMUM: (_MIN, _MIN),
            Op.SUB: (_SUB, _RSUB), Op.DIV: (_DIV, None)}   # (value op s, s op value)
-_UNARY = {Op.SIGMOID: _SIGMOID, Op.TANH: _TANH, Op.NEG: _NEG}
+_UNARY = {Op.SIGMOID: _SIGMOID, Op.TANH: _TANH, Op.NEG: _NEG, Op.ABS: _ABS, Op.LOG: _LOG, Op.EXP: _EXP}
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -78,8 +78,14 @@ def _conv(x, w, bias, has_bias, groups, k, stride, dilation, pad, codes, consts,
                             v = np.float32(1.0) / (np.float32(1.0) + math.exp(-v))
                         elif op == 8:
                             v = math.tanh(v)
-                        else:
+                        elif op == 9:
                             v = -v
+                        elif op == 10:
+                            v = abs(v)
+                        elif op == 11:   # (log of 0: -inf, of a negative: NaN, as NumPy's)
+                            v = math.log(v) if v > 0 else (-np.inf if v == 0 else np.nan)
+                        else:
+                            v = math.exp(v)
                     out[n, m, l] = v
 
 

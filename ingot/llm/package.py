@@ -12,7 +12,8 @@ Weights are stored the way the builder multiplies them (k-major, q/k/v and gate/
 under "a+b+c" names), memory-mapped on load, and never converted again; the :k formats' scales
 and biases are stored two-level (codes and float16 units: package version 4), kept so in memory when
 loaded for the CPU (its GEMV multiplies code by unit as it reads them) and decoded to their float16
-products otherwise.
+products otherwise; a table's (lut4:bB:offset:k) are stored so too and always decoded to their float16
+products, which the table kernels read (a reader of version 2 decodes them the same way: np.asarray).
 """
 from __future__ import annotations
 
@@ -218,7 +219,13 @@ def read_llm(path, two_level_codes: bool = False) -> StoredModel:
             if spec["kind"] == "quantized":
                 qdtype = dt.by_name(spec["qdtype"])
                 params = {p: _array_or_two_level(weights[f"{name}.{p}"]) for p in spec["params"] if p in _PARAMS}
+                if "lut" in params:   # a table's two-level scales and offsets (lut4:bB:offset:k): their float16 products
+                    params = {p: np.asarray(v) for p, v in params.items()}
                 two_level = spec.get("two_level")
+                if two_level is not None and not (isinstance(two_level, list) and len(two_level) == 2
+                                                  and all(isinstance(v, int) and not isinstance(v, bool) for v in two_level)):
+                    raise IngotError(f"tensor {short(name)} has two_level {short(two_level)}, not [weights per super-block, "
+                                     f"code bits].")
                 tensors[name] = QuantizedTensor(weights[name], qdtype, tuple(spec["shape"]), int(spec["block_size"]),
                                                 params.get("scale"), params.get("bias"), params.get("zero_point"),
                                                 str(spec.get("source", "")), block_axis=0, lut=params.get("lut"),
@@ -287,7 +294,8 @@ def _check_quantized(path: Path, name: str, t: QuantizedTensor) -> None:
             or (t.lut is not None and (t.lut.ndim != 3 or t.lut.shape[-1] != 2 ** t.qdtype.bits or 0 in t.lut.shape
                                        or k % t.lut.shape[0] or n % t.lut.shape[1]))
             or (t.two_level is not None and (t.two_level[1] not in (6, 8) or t.two_level[0] < block
-                                             or t.two_level[0] % block or k % t.two_level[0]))):
+                                             or t.two_level[0] % block or k % t.two_level[0]
+                                             or (t.lut is not None and (t.scale is None or t.bias is None))))):
         raise IngotError(f"tensor {short(name)} is described as {t.qdtype.name}{[k, n]} in blocks of "
                          f"{block}, which its stored arrays (q {list(t.q.shape)}) do not fit.")
 

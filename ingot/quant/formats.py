@@ -55,21 +55,24 @@ class QuantizedTensor:
         times a float16 unit per super-block of S weights along the blocks' axis (scale = d * code,
         bias = -dmin * code), so every parameter held here is that product, exactly; the codes and
         units take BITS bits per block and 16 bits per super-block per parameter. Without
-        two_level: nbytes. (The CPU kernels read codes and units: two_level_memory_nbytes; on AVX-512 an
-        LLM's weights are tiles with the float16 products, kernels.tile_weight; others the products: nbytes.)"""
+        two_level: nbytes. A table (lut4:bB:offset:k) counts as it is. (The CPU kernels read codes and units:
+        two_level_memory_nbytes; on AVX-512 an LLM's weights are tiles with the float16 products,
+        kernels.tile_weight; others the products: nbytes.)"""
         if self.two_level is None:
             return self.nbytes
         per_super, bits = self.two_level
         params = [p for p in (self.scale, self.bias) if p is not None]
         blocks = self.scale.size
         supers = blocks // (per_super // self.block_size)
-        return int(self.q.nbytes + len(params) * ((blocks * bits + 7) // 8 + 2 * supers))
+        table = 0 if self.lut is None else self.lut.nbytes
+        return int(self.q.nbytes + table + len(params) * ((blocks * bits + 7) // 8 + 2 * supers))
 
     @property
     def two_level_memory_nbytes(self) -> int:
         """Bytes a two-level tensor takes in the CPU backend's memory: its codes a byte each and its
-        units (TwoLevelParams, what the GEMV reads); other tensors: nbytes."""
-        if self.two_level is None:
+        units (TwoLevelParams, what the GEMV reads); other tensors, and tables (whose scales and offsets
+        the CPU holds as their float16 products), nbytes."""
+        if self.two_level is None or self.lut is not None:
             return self.nbytes
         params = [p for p in (self.scale, self.bias) if p is not None]
         blocks = self.scale.size

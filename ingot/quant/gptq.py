@@ -100,7 +100,7 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
         stop = min(cols, start + SWEEP_BLOCK)
         errors = np.empty((rows, stop - start))
         for j in range(start, stop):
-            if fmt.code_bits and j % block == 0:
+            if fmt.kind == "affine" and fmt.code_bits and j % block == 0:
                 if j % per_super == 0:   # the super-block's units, from its columns as they stand now
                     cells = w[:, j:j + per_super].astype(np.float32).reshape(rows, per_super // block, block)
                     imp = importance[j:j + per_super].reshape(1, per_super // block, block) + np.float32(1e-8)
@@ -126,7 +126,7 @@ def gptq(weight: np.ndarray, fmt: str | Format, hessian: np.ndarray, factor: np.
         w[:, stop:] -= errors @ u[start:stop, stop:]
     if fmt.kind == "lut":
         return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, template.scale, template.bias,
-                               source=str(fmt), lut=template.lut)
+                               source=str(fmt), lut=template.lut, two_level=template.two_level)
     if fmt.code_bits:
         return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, two_level_stored(scale),
                                two_level_stored(bias), source=str(fmt), two_level=(per_super, fmt.code_bits))

@@ -72,7 +72,7 @@ class Format:
     group_rows: int | None = None   # lut: rows per table; None: one table for the tensor
     uniform: bool = False           # lut: uniform table instead of k-means
     half: bool = False              # affine: parameters stored as float16
-    code_bits: int = 0              # affine: 6 or 8 for the two-level :k / :k8 parameters (codes times units)
+    code_bits: int = 0              # 6 or 8 for two-level :k / :k8 parameters (codes times units): affine, lut :offset
     offset: bool = False            # lut with blocks: a float16 offset and float16 scale per block (:offset)
 
     @property
@@ -83,7 +83,7 @@ class Format:
         if self.kind == "lut":
             return (f"lut{self.bits}" + (f":g{self.group_rows}" if self.group_rows else "")
                     + (f":b{self.block_size}" if self.block_size else "") + (":offset" if self.offset else "")
-                    + (":uniform" if self.uniform else ""))
+                    + ({0: "", 6: ":k"}.get(self.code_bits, f":k{self.code_bits}")) + (":uniform" if self.uniform else ""))
         block = "" if self.block_size is None else (":tensor" if self.block_size == 0 else f":{self.block_size}")
         default_sym = self.qdtype.kind == "i"
         half = ":f16" if self.half else ""
@@ -141,12 +141,14 @@ def parse_format(fmt: str | Format) -> Format:
         return Format("affine", qdtype, block, symmetric, auto=auto, half=half, code_bits=code_bits)
     m = re.fullmatch(r"lut([48])", head)
     if m:
-        group, uniform, block, offset = None, False, None, False
+        group, uniform, block, offset, code_bits = None, False, None, False, 0
         for opt in options:
             if opt == "uniform":
                 uniform = True
             elif opt == "offset":
                 offset = True
+            elif opt in ("k", "k6", "k8"):
+                code_bits = 8 if opt == "k8" else 6
             elif opt == "kmeans":
                 uniform = False
             elif re.fullmatch(r"g[1-9][0-9]*", opt):
@@ -156,11 +158,13 @@ def parse_format(fmt: str | Format) -> Format:
                     raise bad(f"block size {opt[1:]} is not one of {', '.join(map(str, BLOCK_SIZES))}")
                 block = int(opt[1:])
             else:
-                raise bad(f"option {opt!r} is not gROWS, bBLOCK, offset, uniform or kmeans")
+                raise bad(f"option {opt!r} is not gROWS, bBLOCK, offset, k, k8, uniform or kmeans")
         if offset and not block:
             raise bad(":offset needs a block size :bBLOCK (an offset and a scale per block of BLOCK columns)")
+        if code_bits and (not offset or uniform):
+            raise bad(":k needs :offset and goes without :uniform (two-level block scales and offsets; the table is refitted)")
         return Format("lut", dt.uint4 if m.group(1) == "4" else dt.uint8, block, group_rows=group, uniform=uniform,
-                      offset=offset)
+                      offset=offset, code_bits=code_bits)
     raise bad(f"{head!r} is not a type")
 
 
@@ -194,6 +198,8 @@ def quantize(weight: np.ndarray, fmt: str | Format, importance: np.ndarray | Non
         importance = np.asarray(importance, np.float32)
         if importance.shape != (w.shape[1],):
             raise IngotError(f"quantize: importance has shape {importance.shape}, expected ({w.shape[1]},).")
+    if fmt.kind == "lut" and fmt.code_bits:
+        return _quantize_two_level_lut(w, fmt, importance)
     if fmt.kind == "lut" and fmt.offset:
         return _quantize_offset_lut(w, fmt, importance)
     if fmt.kind == "lut":
@@ -480,13 +486,14 @@ def _initial_tables(points: np.ndarray, weights: np.ndarray, k: int, bins: int =
     return lo[:, None] + (at + frac) / bins * span[:, None]
 
 
-def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int = 100, pin_zero: bool = False) -> np.ndarray:
-    """Weighted 1-D k-means (Lloyd) for G independent groups: points, weights [G, n] -> sorted tables [G, k].
-    Points are sorted once; each step finds the cells' boundaries by one search and their mass and
-    centroid by prefix sums, O(G k log n) per step."""
+def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int = 100, pin_zero: bool = False,
+               start: np.ndarray | None = None) -> np.ndarray:
+    """Weighted 1-D k-means (Lloyd) for G independent groups: points, weights [G, n] -> sorted tables [G, k],
+    from start [G, k] when given (else quantiles of the density). Points are sorted once; each step finds
+    the cells' boundaries by one search and their mass and centroid by prefix sums, O(G k log n) per step."""
     g, n = points.shape
     weights = np.broadcast_to(np.asarray(weights, np.float64), points.shape) + 1e-12
-    tables = _initial_tables(points, weights, k).astype(np.float64)
+    tables = (_initial_tables(points, weights, k) if start is None else np.array(start)).astype(np.float64)
     if pin_zero:
         tables[np.arange(g), np.abs(tables).argmin(axis=1)] = 0.0
     order = np.argsort(points, axis=1)
@@ -515,8 +522,9 @@ def _kmeans_1d(points: np.ndarray, weights: np.ndarray, k: int, iterations: int 
     return tables.astype(np.float32)
 
 
-def _fit_tables(groups: np.ndarray, weights: np.ndarray, k: int, uniform: bool) -> np.ndarray:
-    """Tables [G, k] for value groups [G, n] with weights [G, n] (broadcastable)."""
+def _fit_tables(groups: np.ndarray, weights: np.ndarray, k: int, uniform: bool, start: np.ndarray | None = None) -> np.ndarray:
+    """Tables [G, k] for value groups [G, n] with weights [G, n] (broadcastable); k-means from start [G, k]
+    when given."""
     lo, hi = groups.min(axis=1), groups.max(axis=1)
     if uniform:
         return np.linspace(lo, hi, k, axis=1).astype(np.float32)
@@ -531,8 +539,8 @@ def _fit_tables(groups: np.ndarray, weights: np.ndarray, k: int, uniform: bool) 
         centre = np.bincount(flat, w * groups.ravel(), g * HISTOGRAM_BINS).reshape(g, HISTOGRAM_BINS)
         edges = lo[:, None] + (np.arange(HISTOGRAM_BINS) + 0.5) / HISTOGRAM_BINS * span[:, None]
         points = np.where(mass > 0, centre / np.maximum(mass, 1e-30), edges)
-        return _kmeans_1d(points.astype(np.float32), mass, k)
-    return _kmeans_1d(groups, np.asarray(weights, np.float64), k)
+        return _kmeans_1d(points.astype(np.float32), mass, k, start=start)
+    return _kmeans_1d(groups, np.asarray(weights, np.float64), k, start=start)
 
 
 def _quantize_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
@@ -693,3 +701,126 @@ def _nonzero_half(scale: np.ndarray) -> np.ndarray:
     """float16-valued scales with zeros (a block of one value) raised to float16's smallest normal."""
     tiny = np.float32(np.finfo(np.float16).tiny)
     return np.where(np.abs(scale) >= tiny, scale, tiny).astype(np.float32)
+
+
+# -- tables with two-level block scales and offsets (lut4:bB:offset:k) --------------------------------
+TWO_LEVEL_LUT_ROUNDS = 6   # at most; rounds stop at the first that does not lower the error by OFFSET_CONVERGED
+
+
+def _quantize_two_level_lut(w: np.ndarray, fmt: Format, importance: np.ndarray | None) -> QuantizedTensor:
+    """w = table[q] * scale + offset, each block's scale and offset coded two-level as uint4:B:k's are
+    (scale = d * code, offset = -dmin * code: 6-bit codes, float16 units d and dmin per super-block), so
+    the format holds uint4:B:k's every weight exactly (the table the levels 0..15) at its bytes plus a table.
+
+    Two starts: uint4:B:k's own fit (table 0..15, its scales and biases), and lut4:bB:offset's
+    (_quantize_offset_lut) with its table shifted to start at 0 (the offsets then the blocks' lows,
+    kept <= 0) and its scales and offsets coded. From each, rounds (_two_level_lut_rounds), a round kept
+    only where it lowers the error; of the two ends the one with the least error. The error is weighted
+    by the importance, or without one by each column's mean square weight (as _quantize_offset_lut picks,
+    for the tied embedding's sake). The affine start's table form is never worse than uint4:B:k (a nearest
+    entry is at least as near as a clipped rounding), so neither is the result, on that error."""
+    rows, cols = w.shape
+    k = 2 ** fmt.bits
+    block = fitting_divisor(cols, fmt.block_size)
+    per_super = super_block_size(cols, block) // block
+    group = rows if fmt.group_rows is None else fitting_divisor(rows, fmt.group_rows)
+    blocks = w.reshape(rows, cols // block, block)
+    imp = np.ones(cols, np.float32) if importance is None else np.maximum(importance, 0) + np.float32(1e-8)
+    weights = imp.reshape(1, cols // block, block)
+    select = weights if importance is not None else (np.square(w, dtype=np.float64).mean(axis=0) + 1e-30).reshape(weights.shape)
+    affine = Format("affine", dt.uint4 if fmt.bits == 4 else dt.uint8, block, symmetric=False, code_bits=fmt.code_bits)
+    scale, bias, _ = two_level_block_params(blocks, weights, affine, per_super)
+    starts = [(np.tile(np.arange(k, dtype=np.float32), (rows // group, 1)), scale, bias)]
+    fitted = _quantize_offset_lut(w, Format("lut", fmt.qdtype, fmt.block_size, group_rows=fmt.group_rows, offset=True),
+                                  importance)
+    tables = fitted.lut[:, 0, :].astype(np.float32)
+    low = np.repeat(tables[:, :1], group, axis=0)                       # [rows, 1]
+    scale, offset = fitted.scale.astype(np.float32), fitted.bias.astype(np.float32) + low * fitted.scale.astype(np.float32)
+    tables = np.sort(half_params(tables - tables[:, :1]), axis=1)
+    starts.append((tables, *_coded_lut_params(blocks, weights, tables, group, scale, offset, per_super, fmt.code_bits)))
+    ends = [_two_level_lut_rounds(blocks, weights, select, group, per_super, fmt.code_bits, *start) for start in starts]
+    _, tables, scale, offset = min(ends, key=lambda end: end[0])
+    q = _offset_codes(blocks, scale, offset, tables, group).reshape(rows, cols)
+    return QuantizedTensor(_pack(q, fmt.qdtype), fmt.qdtype, (rows, cols), block, two_level_stored(scale),
+                           two_level_stored(offset), source=str(fmt), lut=tables.reshape(rows // group, 1, k),
+                           two_level=(per_super * block, fmt.code_bits))
+
+
+def _two_level_lut_rounds(blocks, weights, select, group, per_super, bits, tables, scale, offset,
+                          rounds=TWO_LEVEL_LUT_ROUNDS):
+    """(error weighted by select, tables, scale, offset) after rounds from a start whose scale and offset
+    are two-level products. A round: the table by weighted k-means on the normalised weights from the
+    current table, the codes, each block's weighted least-squares line (offset <= 0) re-coded two-level
+    (_coded_lut_params); then per super-block (one pair of units) the new or the old parameters, whichever
+    the new table fits better. A round that does not lower the error is dropped and ends the rounds."""
+    rows = blocks.shape[0]
+    row_table = np.repeat(np.arange(rows // group), group)[:, None, None]
+
+    def block_errors(tables, scale, offset):
+        approx = tables[row_table, _offset_codes(blocks, scale, offset, tables, group)] * scale[..., None] + offset[..., None]
+        return (select * (blocks - approx) ** 2).sum(axis=2, dtype=np.float64)
+
+    best = float(block_errors(tables, scale, offset).sum())
+    for _ in range(rounds):
+        normalized = ((blocks - offset[..., None]) / scale[..., None]).reshape(rows // group, -1)
+        fit_weights = np.broadcast_to(weights * (scale ** 2)[..., None], blocks.shape).reshape(rows // group, -1)
+        new_tables = np.sort(half_params(_fit_tables(normalized, fit_weights, tables.shape[1], False, start=tables)), axis=1)
+        t = new_tables[row_table, _offset_codes(blocks, scale, offset, new_tables, group)]
+        s, o = _nonpositive_line(blocks, weights, t, scale, offset)
+        new_scale, new_offset = _coded_lut_params(blocks, weights, new_tables, group, s, o, per_super, bits)
+        e_new, e_old = block_errors(new_tables, new_scale, new_offset), block_errors(new_tables, scale, offset)
+        by_super = lambda e: e.reshape(rows, -1, per_super).sum(axis=2)   # noqa: E731
+        take = np.repeat(by_super(e_new) < by_super(e_old), per_super, axis=1)
+        error = float(np.where(take, e_new, e_old).sum())
+        if not error < best:
+            break
+        converged = error > (1 - OFFSET_CONVERGED) * best
+        tables, scale, offset, best = new_tables, np.where(take, new_scale, scale), np.where(take, new_offset, offset), error
+        if converged:
+            break
+    return best, tables, scale, offset
+
+
+def _nonpositive_line(blocks, weights, t, scale, offset):
+    """Per block the weighted least-squares (scale, offset) of blocks ~ t * scale + offset with offset <= 0
+    (a positive one pinned at 0, the scale then refitted alone), float32; a block whose fit is degenerate
+    or whose scale comes out <= 0 keeps its scale and offset."""
+    imp = np.broadcast_to(weights, blocks.shape)
+    a, c, m = (imp * t * t).sum(axis=2), (imp * t).sum(axis=2), imp.sum(axis=2)
+    e, tx = (imp * blocks).sum(axis=2), (imp * t * blocks).sum(axis=2)
+    det = a * m - c * c
+    ok = det > 1e-12 * np.maximum(a * m, 1e-30)
+    s = np.where(ok, (m * tx - c * e) / np.where(ok, det, 1), scale)
+    o = np.where(ok, (a * e - c * tx) / np.where(ok, det, 1), offset)
+    pinned = o > 0
+    s = np.where(pinned, tx / np.maximum(a, 1e-30), s)
+    o = np.where(pinned, 0, o)
+    keep = ~(s > 0) | ~np.isfinite(s) | ~np.isfinite(o)
+    return np.where(keep, scale, s).astype(np.float32), np.where(keep, offset, o).astype(np.float32)
+
+
+def _coded_lut_params(blocks, weights, tables, group, s, o, per_super, bits):
+    """Float block scales s > 0 and offsets o (<= 0; larger ones clipped to 0) [rows, nb] on the two-level
+    grid: float16 units per super-block for their largest (_two_level_units), the nearest codes, then per
+    block the neighbouring codes (+-1 each) with the least weighted error for the table; float32 (scale,
+    offset), exact products d * code and -dmin * code."""
+    rows = blocks.shape[0]
+    row_table = np.repeat(np.arange(rows // group), group)[:, None, None]
+    o = np.minimum(o, 0)
+    d, dmin = (np.repeat(u, per_super, axis=1) for u in _two_level_units(s, o, per_super, bits))
+    cs, cm = _codes(s, d, bits, 1), _codes(-o, dmin, bits, 0)
+    imp = np.broadcast_to(weights, blocks.shape)
+    best = None
+    for ds in (0, -1, 1):
+        for dm in (0, -1, 1):
+            scale = (np.clip(cs + ds, 1, 2 ** bits - 1) * d).astype(np.float32)
+            offset = (-(np.clip(cm + dm, 0, 2 ** bits - 1) * dmin)).astype(np.float32)
+            approx = tables[row_table, _offset_codes(blocks, scale, offset, tables, group)] * scale[..., None] + offset[..., None]
+            e = (imp * (blocks - approx) ** 2).sum(axis=2)
+            if best is None:
+                best, best_scale, best_offset = e, scale, offset
+                continue
+            better = e < best
+            best = np.where(better, e, best)
+            best_scale, best_offset = np.where(better, scale, best_scale), np.where(better, offset, best_offset)
+    return best_scale, best_offset

@@ -1,4 +1,4 @@
-"""lut4:bB:offset on the CUDA backend (marker `cuda`): the scaled-table kernels add each block's bias
+"""lut4:bB:offset (and lut4:bB:offset:k) on the CUDA backend (marker `cuda`): the scaled-table kernels add each block's bias
 themselves (GEMV: x's block sums times the biases; GEMM and gather: in the looked-up tile). The
 matmul (one row: the GEMV; three: the GEMM), stored k-major and transposed ([N, K], as a tied
 embedding's head), and the gather, against the CPU backend on shapes off the tiles (K = 96 in blocks of
@@ -75,3 +75,22 @@ def test_sibling_tables_run_as_one_matmul_and_equal_the_cpu(with_bias, rows):
     assert "3 sibling quantized matmuls" in exe.plan.fusions, exe.plan.fusions
     for got, ref in zip(exe.run(feeds), want):
         np.testing.assert_allclose(to_host(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_two_level_table_weight_equals_the_cpu():
+    """lut4:b32:offset:k as the quantizer gives it (scales and offsets float16 products of 6-bit codes and
+    units, the table refitted): the CUDA pipeline takes it as lut4:bB:offset, the same numbers as the CPU."""
+    from ingot.quant import quantize
+
+    rng = np.random.default_rng(5)
+    t = quantize(rng.standard_t(4, (10, 96)).astype(np.float32), "lut4:b32:offset:k").to_k_major()
+    assert t.two_level == (96, 6)
+    g = ingot.Graph()
+    x = g.placeholder((3, 96), name="x")
+    w = g.dequantize(g.constant(t.q, dtype=t.qdtype), lut=t.lut, scale=t.scale, bias=t.bias, axis=0, block_size=32)
+    targets = {"y": g.matmul(x, w)}
+    feeds = {"x": rng.standard_normal((3, 96)).astype(np.float32)}
+    want = g.compile(targets=targets, device="cpu").run(feeds)
+    got = g.compile(targets=targets, device="cuda").run(feeds)
+    np.testing.assert_allclose(to_host(got["y"]), np.asarray(want["y"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(want["y"]), feeds["x"] @ t.dequantize_rows(), rtol=1e-4, atol=1e-4)

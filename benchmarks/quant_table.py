@@ -236,8 +236,8 @@ def main() -> int:
         print(f"| {quantizer} | {row} | {bits / elements:.3f} | {disk / 1e6:.1f} | {r.mean_kld:.4f} | {r.kld_p99:.3f} | "
               f"{100 * r.top1:.1f}% | {r.ppl_model:.2f} | {seconds:.0f} |", flush=True)
         if "bpw_in_memory" in entry:
-            print(f"|  | (in CPU memory: {entry['bpw_in_memory']:.3f} bits/weight as codes a byte each; on AVX-512 as float16 "
-                  "products) |",
+            print(f"|  | (in CPU memory: {entry['bpw_in_memory']:.3f} bits/weight: affine :k parameters as codes a byte each "
+                  "(on AVX-512 as float16 products), tables' as float16 products) |",
                   flush=True)
 
     for name in [n for n in args.llama.split(",") if n]:

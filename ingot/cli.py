@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("input", help="a GGUF file or an Ingot LLM package (float weights by dequantizing)")
     quant.add_argument("-o", "--output", required=True, help="the package to write (NAME.ingot)")
     quant.add_argument("--format", default=None, help="int8, uint8, int4, uint4 [:BLOCK][:sym|:asym]; lut4, lut8 "
-                       "[:gROWS][:bBLOCK[:offset]][:uniform] (default: uint4:32:k, GGUF Q4_K's two-level form, 4.5 bits per weight)")
+                       "[:gROWS][:bBLOCK[:offset[:k]]][:uniform] (default: uint4:32:k, GGUF Q4_K's two-level form, 4.5 bits per weight)")
     quant.add_argument("--calibration", help="a text file whose activation statistics drive AWQ, GPTQ, the weighted "
                        "quantizers and compensation (default: a text shipped with Ingot)")
     quant.add_argument("--no-calibration", action="store_true", help="quantize each weight alone (round to nearest)")

@@ -11,6 +11,9 @@
     >>> t = quantize(w, "lut4:b64:offset")
     >>> t.scale.dtype.name, t.bias.dtype.name, 8 * (t.q.nbytes + t.scale.nbytes + t.bias.nbytes) / w.size
     ('float16', 'float16', 4.5)
+    >>> t = quantize(w, "lut4:b32:offset:k")
+    >>> t.two_level, 8 * (t.two_level_nbytes - t.lut.nbytes) / w.size   # (super-blocks of 128 columns: 4.5 at 256)
+    ((128, 6), 4.625)
 
 Formats (FMT strings, `parse_format`):
 
@@ -27,7 +30,7 @@ Formats (FMT strings, `parse_format`):
         block's codes moved by one where that lowers its error; see QuantizedTensor.two_level_nbytes.
         :auto (with a BLOCK) picks per tensor, by the importance-weighted error, between the
         symmetric form in blocks of BLOCK and the asymmetric one in blocks of 2 * BLOCK: the same bytes.
-    lut4 | lut8 [:gROWS] [:bBLOCK [:offset]] [:uniform]
+    lut4 | lut8 [:gROWS] [:bBLOCK [:offset [:k | :k8]]] [:uniform]
         a lookup table of 2**bits float16 values, one per tensor or per group of ROWS output rows, fitted by
         1-D k-means (weighted by importance when given) or spaced uniformly over [min, max]; each
         weight becomes the index of its nearest table entry. With :bBLOCK (16-256) every block of
@@ -38,6 +41,12 @@ Formats (FMT strings, `parse_format`):
         w = table[q] * scale + offset, 4 + 32 / BLOCK bits per weight (lut4:b64:offset 4.5, as uint4:32:k);
         the table is fitted on each block's weights less its offset, over its scale, and each block's
         scale and offset refitted as the weighted least-squares line through its codes' entries.
+        :k (:k8, after :offset) codes each block's scale and offset two-level as uint4:BLOCK:k does
+        (scale = d * code, offset = -dmin * code <= 0, float16 d and dmin per super-block), so
+        lut4:b32:offset:k is uint4:32:k's 4.5 bits per weight (plus the table) and holds its every weight
+        (the table 0..15): fitted from uint4:32:k's own solution and from lut4:b32:offset's, each refined
+        (table, codes, lines, codes of the lines) while that lowers the weighted error; never worse than
+        the uint4:32:k start on it.
 
 A BLOCK (or ROWS) that does not divide a tensor's columns (rows) becomes the largest divisor of
 them that is not above it (SmolLM2's 576 columns take int4:128 as blocks of 96); the tensor
@@ -58,8 +67,9 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 AFFINE_TYPES = {"int8": dt.int8, "uint8": dt.uint8, "int4": dt.int4, "uint4": dt.uint4}
 FORMAT_HELP = ("int8, uint8, int4, uint4 with an optional :BLOCK (16-256, channel, tensor), :sym/:asym/:auto and :f16 or :k/:k8 "
                "(two-level parameters, uint4:32:k = Q4_K's 4.5 bits per weight), "
-               "or lut4/lut8 with an optional :gROWS, :bBLOCK (then :offset) and :uniform "
-               "(e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut4:b64:offset, lut8)")
+               "or lut4/lut8 with an optional :gROWS, :bBLOCK (then :offset, then :k for two-level scales and offsets) "
+               "and :uniform (e.g. int8, int4:32, uint4:64, lut4, lut4:g128, lut4:b64, lut4:b64:offset, "
+               "lut4:b32:offset:k, lut8)")
 
 
 @dataclass(frozen=True)

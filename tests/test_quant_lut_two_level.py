@@ -198,6 +198,25 @@ def test_package_round_trip(saved, two_level_codes):
     assert exe.output_types[0].shape == (1, cfg.vocab_size)
 
 
+def test_quantize_cli_package_loads_and_generates(tmp_path, capsys):
+    from quant_helpers import save_tiny
+
+    from ingot.cli import main
+    from ingot.llm.package import read_llm
+
+    save_tiny(tmp_path / "tiny.ingot")
+    out = tmp_path / "q.ingot"
+    assert main(["quantize", str(tmp_path / "tiny.ingot"), "-o", str(out), "--format", FMT, "--no-calibration", "--no-eval"]) == 0
+    info = json.loads((out / "llm.json").read_text())
+    assert info["extra"]["quantized"]["format"] == FMT
+    t = read_llm(out, two_level_codes=True).tensors["blk.1.ffn_down.weight"]   # (the head stays int8)
+    assert t.lut is not None and t.two_level == (96, 6) and t.scale.dtype == np.float16 and np.all(np.asarray(t.bias) <= 0)
+    assert ingot.load(out).output_types[0].shape == (1, 296)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--no-chat", "--max-tokens", "4", "--json", "hello world"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) >= 1
+
+
 def _copy(path, tmp_path):
     import shutil
 

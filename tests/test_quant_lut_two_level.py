@@ -137,7 +137,7 @@ def _graph_of(t: QuantizedTensor):
     return g, g.matmul(x, w), g.gather(w, idx, axis=1), km.dequantize_rows()
 
 
-def test_cpu_runs_it_and_the_cuda_pipeline_splits_the_offsets():
+def test_cpu_runs_it_and_the_cuda_pipeline_leaves_the_offsets_to_its_kernels():
     from ingot.compiler import run_pipeline
     from ingot.passes import evaluate
 
@@ -153,11 +153,11 @@ def test_cpu_runs_it_and_the_cuda_pipeline_splits_the_offsets():
     np.testing.assert_allclose(got_rows, dense[:, feeds["idx"]], rtol=1e-6, atol=1e-6)
     program = Program([y.node, rows.node], [], dict(g.constants))
     types = {"x": ingot.TensorType((2, 256), ingot.float32), "idx": ingot.TensorType((2,), ingot.int32)}
-    after, history = run_pipeline(program, device="cuda", feed_types=types)
-    assert dict(history).get("split_lut_bias")
-    assert not any(nd.attrs.get("has_bias") for nd in after.nodes() if nd.op in (Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER))
-    for a, b in zip(evaluate(program, feeds), evaluate(after, feeds)):   # (sums of 256 terms up to ~40, summed
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)              # in another order: the offsets' share apart)
+    after, _ = run_pipeline(program, device="cuda", feed_types=types)
+    # the GPU's table kernels add the offsets themselves (gguf_kernels.py): the matmul and gather keep them
+    assert all(nd.attrs.get("has_bias") for nd in after.nodes() if nd.op in (Op.QUANTIZED_MATMUL, Op.QUANTIZED_GATHER))
+    for a, b in zip(evaluate(program, feeds), evaluate(after, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)
 
 
 # -- packages -----------------------------------------------------------------------------------

@@ -54,14 +54,16 @@ def test_max_pool_kernel_matches_reference(planes, hw, k, s, d, pads):
     np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("rows", [[0, 0, 1, 1, 4, 4, 4, 2], [i // 2 for i in range(10)], [i // 2 for i in range(9)] + [3]])
 @pytest.mark.parametrize("cols", [[6, 0, 0, 3, 3], list(range(7)), [j // 2 for j in range(14)], [j // 2 for j in range(12)],
                                   [j // 2 for j in range(13)] + [5]])
-def test_upsample_kernel_matches_take(cols):
-    """Any gather; nearest 2x along the row (stored twice, no gather); and near misses of it."""
+def test_upsample_kernel_matches_take(rows, cols):
+    """Any gather; nearest 2x along the row (stored twice, no gather), along rows too (a pair of rows in
+    one pass); and near misses of them."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 5, 7)).astype(np.float32)
-    rows, cols = np.array([0, 0, 1, 1, 4, 4, 4, 2]), np.array(cols)
-    out = np.empty((6, 8, len(cols)), np.float32)
+    rows, cols = np.array(rows), np.array(cols)
+    out = np.empty((6, len(rows), len(cols)), np.float32)
     spatial.upsample(x, rows, cols, out)
     np.testing.assert_array_equal(out, x[:, rows][:, :, cols])
 

@@ -7,7 +7,9 @@ shuffle, each one compiled pass over [N, C, H, W] float32 planes.
   an output, not 25). NaN propagates, as np.max: VMAXPS and a sum of the taps per vector, the few
   vectors whose sum is NaN taken again with a NaN-keeping compare.
 - upsample: out[n, c, i, j] = x[n, c, rows[i], cols[j]]; an output row equal to the one before (nearest
-  upsampling repeats each row) is copied whole; at cols[j] = j // 2 each value is stored twice (no gather).
+  upsampling repeats each row) is copied whole; at cols[j] = j // 2 each value is stored twice (no gather),
+  at rows[i] = i // 2 as well into both rows of a pair in one pass (YOLO's 128 x 20 x 20 -> 40 x 40: 0.076 ->
+  0.026 ms hot).
 - depth_to_space: out[n, m, y * kh + i, x * kw + j] = x[n, (m * kh + i) * kw + j, y, x].
 """
 from __future__ import annotations
@@ -164,11 +166,25 @@ def max_pool(x, kh, kw, sh, sw, dh, dw, top, left, value, out) -> None:
 @njit(cache=True, nogil=True)
 def upsample(x, rows, cols, out):
     """out [P, OH, OW] = x [P, H, W] at rows[i], cols[j] (indices already in range)."""
-    p_n, _, w = x.shape
+    p_n, h, w = x.shape
     _, oh, ow = out.shape
     doubled = ow == 2 * w   # cols[t] = t // 2 (nearest 2x): each value stored twice, no gather
     for t in range(ow):
         doubled = doubled and cols[t] == t // 2
+    twice = doubled and oh == 2 * h   # rows[i] = i // 2 as well: both rows of a pair in one pass
+    for i in range(oh):
+        twice = twice and rows[i] == i // 2
+    if twice:
+        for p in range(p_n):
+            for i in range(h):
+                src, dst, dst1 = x[p, i], out[p, 2 * i], out[p, 2 * i + 1]
+                for t in range(np.uintp(w)):
+                    v = src[t]
+                    dst[2 * t] = v
+                    dst[2 * t + 1] = v
+                    dst1[2 * t] = v
+                    dst1[2 * t + 1] = v
+        return
     for p in range(p_n):
         for i in range(oh):
             dst = out[p, i]

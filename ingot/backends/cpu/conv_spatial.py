@@ -68,6 +68,16 @@ POINTWISE_VECTORS = 3   # and 16-position vectors (8 x 3 against 4 x 4, 6 x 4, 1
 _F32, _I1, _I32, _I64 = ir.FloatType(), ir.IntType(1), ir.IntType(32), ir.IntType(64)
 _V = ir.VectorType(_F32, 16)
 AVX512 = host_has("avx512f")   # VSCALEFPS and VRCP14PS in the vector exp and sigmoid
+
+
+# divisions (SiLU's x / (1 + e), sigmoid's 1 / (1 + e)) as VDIVPS where the divider is quick (Zen: ~2 cycles a
+# vector, off the FMA ports), else VRCP14PS and a Newton step (Intel's VDIVPS: 10-16 cycles a vector)
+def _zen() -> bool:
+    import llvmlite.binding as llvm
+    return llvm.get_host_cpu_name().startswith("znver")
+
+
+DIVIDE = AVX512 and _zen()
 _M = ir.VectorType(_I1, 16)
 
 
@@ -314,8 +324,9 @@ def _exp(builder, x, upper: bool = True):
 
 def _reciprocal(builder, d):
     """1 / d for d in [1, 2]: with AVX-512 VRCP14PS's estimate (relative error < 2^-14) and one Newton step
-    (r + r * (1 - d * r): ~2^-23), a few cycles against VDIVPS's ~10 a vector on Zen 4."""
-    if not AVX512:
+    (r + r * (1 - d * r): ~2^-23), a few cycles against Intel's VDIVPS (10-16 a vector); on Zen (DIVIDE)
+    VDIVPS, ~2 cycles a vector there."""
+    if not AVX512 or DIVIDE:
         return builder.fdiv(_const(1.0), d)
     rcp = builder.module.declare_intrinsic("llvm.x86.avx512.rcp14.ps.512",
                                            fnty=ir.FunctionType(_V, [_V, _V, ir.IntType(16)]))
@@ -342,14 +353,6 @@ def _sigmoid(builder, x):
 # float32 coefficients, against the degree-6 Taylor polynomial's 1.6e-7: one FMA fewer), highest first
 _EXP5 = (0.008291716687381268, 0.04191502928733826, 0.1666766256093979, 0.49998900294303894, 0.9999996423721313,
          1.0000001192092896)
-# the division x / (1 + e): one VDIVPS where the divider is quick (Zen: ~2 cycles a vector, and off the FMA
-# ports), else VRCP14PS and a Newton step (Intel's VDIVPS: 10-16 cycles a vector)
-def _zen() -> bool:
-    import llvmlite.binding as llvm
-    return llvm.get_host_cpu_name().startswith("znver")
-
-
-DIVIDE = AVX512 and _zen()
 
 
 def _silu(builder, x):

@@ -80,13 +80,14 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
     # rows first (input larger than the weights): padded rows in a ring of twice the window's height
     (2, 16, (23, 29), (5, 5), (2, 2), (1, 1), ((2, 1), (2, 2))),   # stride 2 through a ring of 5
     (3, 8, (20, 24), (3, 3), (1, 1), (2, 2), ((2, 2), (2, 2))),    # dilated rows: a ring of 5
+    (3, 8, (44, 24), (3, 3), (1, 1), (2, 2), ((2, 2), (2, 2))),    # the same taller: past the ring's period (20)
     (4, 16, (17, 9), (3, 1), (3, 1), (1, 1), ((1, 1), (0, 0))),    # a row stride past the window
-    # rows first at stride 2: tiles read the input in place, an edge tile's columns copied with their padding
+    # rows first at stride 2 through a ring of the window's rows: edges, odd sizes, no padding
     (3, 40, (24, 26), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),   # the left edge padded; 7 + 6 / 13 columns
     (4, 24, (25, 31), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),   # odd H and W: bottom trimmed, right edge padded
     (5, 17, (21, 20), (3, 3), (2, 2), (1, 1), ((0, 0), (0, 0))),   # no padding: every tile in place
     (2, 16, (22, 9), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # one tile of 5 reaching both edges
-    (3, 33, (25, 15), (3, 3), (2, 2), (1, 1), ((1, 3), (1, 1))),   # a last window all padding: the ring instead
+    (3, 33, (25, 15), (3, 3), (2, 2), (1, 1), ((1, 3), (1, 1))),   # a last window all padding
     # weights larger than the input, rows not a multiple of 8: tiles of 8 positions running across rows
     (40, 20, (5, 6), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # 3 x 3 outputs: a tile over 3 rows, the last overlapping
     (24, 40, (10, 10), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),  # 10 x 10: 16 + 16 + 8 channels

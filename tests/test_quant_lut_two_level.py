@@ -259,3 +259,22 @@ def test_bad_two_level_codes_are_one_sentence(saved, tmp_path):
     with pytest.raises(IngotError, match="two-level constant 'token_embd.weight.bias'"):
         read_llm(path)
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scaled_codes_count_the_midpoints_below_each_value(dtype):
+    """The compiled code search against the count of each group's table midpoints below w / scale, on
+    awkward shapes, with NaN, infinities and a zero scale."""
+    from ingot.quant.quantize import _scaled_codes
+
+    rng = np.random.default_rng(7)
+    for rows, nb, size, group in ((12, 5, 32, 4), (7, 3, 9, 7), (6, 2, 64, 1)):
+        blocks = rng.standard_t(3, (rows, nb, size)).astype(dtype)
+        blocks[0, 0, :3] = [np.nan, np.inf, -np.inf]
+        scale = rng.uniform(0.1, 2, (rows, nb)).astype(dtype)
+        scale[-1, -1] = 0
+        tables = np.sort(rng.standard_normal((rows // group, 16)), axis=1).astype(np.float32)
+        mids = np.repeat((tables[:, 1:] + tables[:, :-1]) / 2, group, axis=0)[:, None, None, :]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            want = ((blocks / scale[..., None])[..., None] > mids).sum(axis=-1)
+        np.testing.assert_array_equal(_scaled_codes(blocks, scale, tables, group), want)

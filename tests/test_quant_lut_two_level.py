@@ -278,3 +278,37 @@ def test_scaled_codes_count_the_midpoints_below_each_value(dtype):
         with np.errstate(divide="ignore", invalid="ignore"):
             want = ((blocks / scale[..., None])[..., None] > mids).sum(axis=-1)
         np.testing.assert_array_equal(_scaled_codes(blocks, scale, tables, group), want)
+
+
+def test_coded_lines_equal_the_nine_neighbours_searched_in_numpy():
+    """_coded_lut_params' compiled search against the NumPy one it replaced: for each block the codes
+    (cs + ds, cm + dm), ds, dm in 0, -1, +1, with the least weighted error, the first of equal ones."""
+    from ingot.quant.quantize import _codes, _coded_lut_params, _offset_codes, _two_level_units
+
+    rng = np.random.default_rng(11)
+    rows, nb, size, group, per_super, bits = 6, 8, 32, 3, 4, 6
+    blocks = rng.standard_t(4, (rows, nb, size)).astype(np.float32)
+    weights = rng.uniform(0.1, 2, (1, nb, size)).astype(np.float32)
+    tables = np.sort(rng.standard_normal((rows // group, 16)), axis=1).astype(np.float32)
+    s = rng.uniform(0.05, 0.5, (rows, nb)).astype(np.float32)
+    o = -rng.uniform(0, 2, (rows, nb)).astype(np.float32)
+    got_scale, got_offset = _coded_lut_params(blocks, weights, tables, group, s, o, per_super, bits)
+
+    row_table = np.repeat(np.arange(rows // group), group)[:, None, None]
+    d, dmin = (np.repeat(u, per_super, axis=1) for u in _two_level_units(s, o, per_super, bits))
+    cs, cm = _codes(s, d, bits, 1), _codes(-o, dmin, bits, 0)
+    best = None
+    for ds in (0, -1, 1):
+        for dm in (0, -1, 1):
+            scale = (np.clip(cs + ds, 1, 2 ** bits - 1) * d).astype(np.float32)
+            offset = (-(np.clip(cm + dm, 0, 2 ** bits - 1) * dmin)).astype(np.float32)
+            approx = tables[row_table, _offset_codes(blocks, scale, offset, tables, group)] * scale[..., None] + offset[..., None]
+            e = (weights.astype(np.float64) * (blocks - approx).astype(np.float64) ** 2).sum(axis=2)
+            if best is None:
+                best, want_scale, want_offset = e, scale, offset
+                continue
+            better = e < best
+            best = np.where(better, e, best)
+            want_scale, want_offset = np.where(better, scale, want_scale), np.where(better, offset, want_offset)
+    np.testing.assert_array_equal(got_scale, want_scale)
+    np.testing.assert_array_equal(got_offset, want_offset)

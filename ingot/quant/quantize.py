@@ -832,23 +832,42 @@ def _coded_lut_params(blocks, weights, tables, group, s, o, per_super, bits):
     grid: float16 units per super-block for their largest (_two_level_units), the nearest codes, then per
     block the neighbouring codes (+-1 each) with the least weighted error for the table; float32 (scale,
     offset), exact products d * code and -dmin * code."""
-    rows = blocks.shape[0]
-    row_table = np.repeat(np.arange(rows // group), group)[:, None, None]
     o = np.minimum(o, 0)
-    d, dmin = (np.repeat(u, per_super, axis=1) for u in _two_level_units(s, o, per_super, bits))
-    cs, cm = _codes(s, d, bits, 1), _codes(-o, dmin, bits, 0)
-    imp = np.broadcast_to(weights, blocks.shape)
-    best = None
-    for ds in (0, -1, 1):
-        for dm in (0, -1, 1):
-            scale = (np.clip(cs + ds, 1, 2 ** bits - 1) * d).astype(np.float32)
-            offset = (-(np.clip(cm + dm, 0, 2 ** bits - 1) * dmin)).astype(np.float32)
-            approx = tables[row_table, _offset_codes(blocks, scale, offset, tables, group)] * scale[..., None] + offset[..., None]
-            e = (imp * (blocks - approx) ** 2).sum(axis=2)
-            if best is None:
-                best, best_scale, best_offset = e, scale, offset
-                continue
-            better = e < best
-            best = np.where(better, e, best)
-            best_scale, best_offset = np.where(better, scale, best_scale), np.where(better, offset, best_offset)
-    return best_scale, best_offset
+    d, dmin = (np.repeat(u, per_super, axis=1).astype(np.float32) for u in _two_level_units(s, o, per_super, bits))
+    cs, cm = _codes(s, d, bits, 1).astype(np.int64), _codes(-o, dmin, bits, 0).astype(np.int64)
+    tables = np.ascontiguousarray(tables, np.float32)
+    mids = ((tables[:, 1:] + tables[:, :-1]) / 2).astype(np.float32)
+    scale, offset = np.empty(s.shape, np.float32), np.empty(s.shape, np.float32)
+    _best_coded_lines(np.ascontiguousarray(blocks, np.float32), np.ascontiguousarray(weights, np.float32), tables, mids,
+                      group, cs, cm, d, dmin, 2 ** bits - 1, scale, offset)
+    return scale, offset
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _best_coded_lines(blocks, weights, tables, mids, group, cs, cm, d, dmin, top, scale, offset):
+    """Per block [r, b] the codes (cs + ds, cm + dm), ds and dm in 0, -1, +1 (in that order; the first of
+    equal errors kept), whose scale cs * d and offset -cm * dmin give the least error: the sum of
+    weights * (w - (table[code] * scale + offset))**2 over the block, each w's code its nearest entry
+    of (w - offset) / scale. weights [1 or rows, nb, size]."""
+    rows, nb, size = blocks.shape
+    km = mids.shape[1]
+    for r in range(rows):
+        t, m = tables[r // group], mids[r // group]
+        wr = weights[r if weights.shape[0] > 1 else 0]
+        for b in range(nb):
+            best = np.inf
+            for ds in (0, -1, 1):
+                for dm in (0, -1, 1):
+                    sc = np.float32(min(max(cs[r, b] + ds, 1), top) * d[r, b])
+                    of = np.float32(-(min(max(cm[r, b] + dm, 0), top) * dmin[r, b]))
+                    e = 0.0
+                    for i in range(size):
+                        x = blocks[r, b, i]
+                        v = (x - of) / sc
+                        c = 0
+                        for j in range(km):
+                            c += v > m[j]
+                        diff = x - (t[c] * sc + of)
+                        e += wr[b, i] * diff * diff
+                    if e < best or (ds == 0 and dm == 0):
+                        best, scale[r, b], offset[r, b] = e, sc, of

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "ingot"
 # Lowest first. A module belongs to the first entry that names it or a package above it.
 LAYERS = [
     ["ingot.errors", "ingot.dtypes", "ingot.audio_io", "ingot.progress", "ingot.untrusted", "ingot.files"],
-    ["ingot.ir", "ingot.quant.formats"],
+    ["ingot.ir", "ingot.quant.formats", "ingot.quant.fit_kernels"],
     ["ingot.ops"],
     ["ingot.verify", "ingot.passes", "ingot.quant.quantize", "ingot.quant.compensate"],
     ["ingot.options", "ingot.codegen", "ingot.distributed"],   # distributed: process groups, collectives

@@ -58,7 +58,6 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from .. import dtypes as dt
 from ..errors import IngotError
@@ -579,25 +578,9 @@ def _scaled_codes(blocks, scale, tables, group):
     dtype = np.result_type(blocks.dtype, scale.dtype)
     mids = ((tables[:, 1:] + tables[:, :-1]) / 2).astype(dtype)
     codes = np.empty(blocks.shape, np.uint8)
-    _count_mids_below(np.ascontiguousarray(blocks, dtype), np.ascontiguousarray(scale, dtype), mids, group, codes)
+    from .fit_kernels import count_mids_below   # (numba: imported where a table is fitted)
+    count_mids_below(np.ascontiguousarray(blocks, dtype), np.ascontiguousarray(scale, dtype), mids, group, codes)
     return codes
-
-
-@njit(cache=True, nogil=True, error_model="numpy")   # (a zero scale: inf or NaN, as NumPy divides)
-def _count_mids_below(blocks, scale, mids, group, codes):
-    """codes[r, b, i] = how many of mids[r // group] lie below blocks[r, b, i] / scale[r, b] (NaN: none)."""
-    rows, nb, size = blocks.shape
-    km = mids.shape[1]
-    for r in range(rows):
-        m = mids[r // group]
-        for b in range(nb):
-            s = scale[r, b]
-            for i in range(size):
-                v = blocks[r, b, i] / s
-                c = 0
-                for k in range(km):
-                    c += v > m[k]
-                codes[r, b, i] = c
 
 
 def _refit_scale(blocks, codes, tables, group, weights):
@@ -838,36 +821,7 @@ def _coded_lut_params(blocks, weights, tables, group, s, o, per_super, bits):
     tables = np.ascontiguousarray(tables, np.float32)
     mids = ((tables[:, 1:] + tables[:, :-1]) / 2).astype(np.float32)
     scale, offset = np.empty(s.shape, np.float32), np.empty(s.shape, np.float32)
-    _best_coded_lines(np.ascontiguousarray(blocks, np.float32), np.ascontiguousarray(weights, np.float32), tables, mids,
-                      group, cs, cm, d, dmin, 2 ** bits - 1, scale, offset)
+    from .fit_kernels import best_coded_lines
+    best_coded_lines(np.ascontiguousarray(blocks, np.float32), np.ascontiguousarray(weights, np.float32), tables, mids,
+                     group, cs, cm, d, dmin, 2 ** bits - 1, scale, offset)
     return scale, offset
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _best_coded_lines(blocks, weights, tables, mids, group, cs, cm, d, dmin, top, scale, offset):
-    """Per block [r, b] the codes (cs + ds, cm + dm), ds and dm in 0, -1, +1 (in that order; the first of
-    equal errors kept), whose scale cs * d and offset -cm * dmin give the least error: the sum of
-    weights * (w - (table[code] * scale + offset))**2 over the block, each w's code its nearest entry
-    of (w - offset) / scale. weights [1 or rows, nb, size]."""
-    rows, nb, size = blocks.shape
-    km = mids.shape[1]
-    for r in range(rows):
-        t, m = tables[r // group], mids[r // group]
-        wr = weights[r if weights.shape[0] > 1 else 0]
-        for b in range(nb):
-            best = np.inf
-            for ds in (0, -1, 1):
-                for dm in (0, -1, 1):
-                    sc = np.float32(min(max(cs[r, b] + ds, 1), top) * d[r, b])
-                    of = np.float32(-(min(max(cm[r, b] + dm, 0), top) * dmin[r, b]))
-                    e = 0.0
-                    for i in range(size):
-                        x = blocks[r, b, i]
-                        v = (x - of) / sc
-                        c = 0
-                        for j in range(km):
-                            c += v > m[j]
-                        diff = x - (t[c] * sc + of)
-                        e += wr[b, i] * diff * diff
-                    if e < best or (ds == 0 and dm == 0):
-                        best, scale[r, b], offset[r, b] = e, sc, of

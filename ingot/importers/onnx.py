@@ -631,9 +631,9 @@ class OnnxExecutable(Executable):
             if missing:
                 raise IngotError(f"run: missing feeds {missing}.")
         for name, dtype, shape, data in self._fixed:
-            value = feeds.get(name, _LEFT_OUT)
-            if value is _LEFT_OUT:
+            if name not in feeds:   # a fixed input left out
                 continue
+            value = feeds[name]
             if isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == shape and value.tobytes() == data:
                 continue
             if not np.array_equal(np.asarray(value), self.constant_inputs[name]):
@@ -649,9 +649,6 @@ class OnnxExecutable(Executable):
         return Outputs(self.output_names, result)
 
     __call__ = run
-
-
-_LEFT_OUT = object()   # a fixed input (constant_inputs) the feeds leave out
 
 
 def compile_import(imported: OnnxImport, device: str = "cpu", debug: bool | str = False, options=None,

@@ -23,7 +23,6 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ingot import dtypes as dt  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
-from ingot.backends.cuda.quantized_matmul import dispatch  # noqa: E402
 from ingot.backends.cuda.quantized_matmul.gemm import _to_float, gemm_config  # noqa: E402
 from ingot.backends.cuda.quantized_matmul.weights import dequantize  # noqa: E402
 

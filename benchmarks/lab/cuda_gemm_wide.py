@@ -5,7 +5,7 @@ tiles, warps and stages, against the route today (W dequantized to bf16 + cuBLAS
 (`_qgemm_kernel`) and cuBLAS bf16 on a dense W. Each variant checked against the dequantized weight
 in float64 before it is timed. TFLOP/s.
 
-    python benchmarks/lab/cuda_gemm_wide.py [--rows 512,2048] [--shapes qkv,o,gate+up,down] [--quick]
+    python benchmarks/lab/cuda_gemm_wide.py [--rows 512,2048,128] [--shapes qkv,o,gate+up,down] [--quick]
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def bench(fn) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="512,2048")
+    ap.add_argument("--rows", default="512,2048,128")
     ap.add_argument("--shapes", default="qkv,o,gate+up,down")
     ap.add_argument("--quick", action="store_true", help="a short sweep")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds before the sweep stops")

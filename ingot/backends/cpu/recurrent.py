@@ -90,7 +90,7 @@ def _panel_of(rows: int, spans: int = 1):
 
 
 SPANS = 4                # panels side by side for one row
-_panel_rows, _panel_row, _panel_spans = _panel_of(ROWS), _panel_of(1), _panel_of(1, SPANS)
+_panel_rows, _panel_row, _panel_spans, _panel_pair = _panel_of(ROWS), _panel_of(1), _panel_of(1, SPANS), _panel_of(1, 2)
 
 
 def pack(w: np.ndarray) -> np.ndarray:
@@ -120,57 +120,79 @@ def accumulate(acc, acc_at, acc_stride, w, k, x, x_at, x_stride, rows, panels):
         while q + SPANS <= panels:
             _panel_spans(acc, acc_at + r * acc_stride + q * WIDTH, acc_stride, w, q * k * WIDTH, k, x, x_at + r * x_stride, x_stride)
             q += SPANS
+        if q + 2 <= panels:   # (an LSTM of hidden 32: its 4H = 128 gate columns, two panels, in 8 chains at once)
+            _panel_pair(acc, acc_at + r * acc_stride + q * WIDTH, acc_stride, w, q * k * WIDTH, k, x, x_at + r * x_stride, x_stride)
+            q += 2
         while q < panels:
             _panel_row(acc, acc_at + r * acc_stride + q * WIDTH, acc_stride, w, q * k * WIDTH, k, x, x_at + r * x_stride, x_stride)
             q += 1
 
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")   # no zero-division check: vectorised
-def lstm_layer(x, wp, bias, rp, peephole, h, c, lengths, reverse_first, clip, input_forget, all_gates, projected, y):
-    """Every direction of the layer, in place on h and c [D, B, H] (the initial states in, the last out):
-    x [T * B, I]; wp, rp [D, panels * I * WIDTH], [D, panels * H * WIDTH] (pack(W[d]), pack(R[d])); bias [D,
-    panels * WIDTH] (input + recurrent, zero past 4H); peephole [D, 3H] (input, output, forget); lengths [B]
-    (steps of each sequence; more than T: T); direction 0 runs backwards where reverse_first, direction 1
-    always; pre-activations clipped to [-clip, clip]; all_gates [D, T * B, panels * WIDTH]: scratch, or with
-    projected x W^T + biases already in it (AMX's tiles: lstm_step); y [T, D, B, H] gets h, zero at and past
-    a sequence's length."""
+def lstm_layer(x, wp, bias, rp, peephole, h0, c0, h, c, lengths, flags, clip, all_gates, staged, y):
+    """Every direction of the layer: x [T, B, I] (any layout: copied into staged [T * B * I] first); wp, rp [D, panels * I * WIDTH], [D, panels * H * WIDTH] (pack(W[d]), pack(R[d])); bias [D, panels
+    * WIDTH] (input + recurrent, zero past 4H); peephole [D, 3H] (input, output, forget); h0, c0 [D, B, H]: the
+    initial states (any layout); h, c [D, B, H]: the last states out; lengths [B] (steps of each sequence; more than
+    T: T); flags: reverse_first (direction 0 runs backwards; direction 1 always does), input_forget, projected;
+    pre-activations clipped to [-clip, clip]; all_gates [D, T * B, panels * WIDTH]: scratch, or with projected x W^T + biases already in it (AMX's tiles: lstm_step); y [T, D, B, H] gets h,
+    zero at and past a sequence's length."""
     seq, d, batch, hidden = y.shape
-    size = x.shape[1]
+    size = x.shape[2]
+    reverse_first, input_forget, projected = flags[0] != 0, flags[1] != 0, flags[2] != 0
     width = all_gates.shape[2]
-    panels = width // WIDTH
-    xf = x.reshape(x.size)
+    panels = bias.shape[1] // WIDTH
+    rows = seq * batch
+    # flat arrays and unsigned offsets inside the loops: a slice of an array costs a reference count (two
+    # atomic operations; ~150 of them took a microsecond a call), a signed index a wrap test that stops
+    # vectorisation (and int64 + uint64 is a float64 in numba: keep the two apart)
+    for t in range(seq):   # x as rows of I floats
+        for b in range(batch):
+            at = np.uintp((t * batch + b) * size)
+            for i in range(np.uintp(size)):
+                staged[at + i] = x[t, b, i]
+    hf, cf, yf = h.reshape(h.size), c.reshape(c.size), y.reshape(y.size)
     for k in range(d):
-        gates = all_gates[k]
-        flat = gates.reshape(gates.size)
+        for b in range(batch):
+            at = np.uintp((k * batch + b) * hidden)
+            for j in range(np.uintp(hidden)):
+                hf[at + j] = h0[k, b, j]
+                cf[at + j] = c0[k, b, j]
+    for k in range(d):
+        flat = all_gates[k].reshape(rows * width)
         if not projected:
-            for row in range(seq * batch):
-                gates[row] = bias[k]
-            accumulate(flat, 0, width, wp[k], size, xf, 0, size, seq * batch, panels)   # x W^T + biases, all steps
-        hk = h[k]
-        ck = c[k]
-        hf = hk.reshape(batch * hidden)
+            bk = bias[k]
+            for row in range(rows):
+                at = np.uintp(row * width)
+                for j in range(np.uintp(panels * WIDTH)):
+                    flat[at + j] = bk[j]
+            accumulate(flat, 0, width, wp[k], size, staged, 0, size, rows, panels)   # x W^T + biases, all steps
         pk = peephole[k]
+        hk = hf[k * batch * hidden:]
         for s in range(seq):
             t = seq - 1 - s if (reverse_first or k == 1) else s
-            accumulate(flat, t * batch * width, width, rp[k], hidden, hf, 0, hidden, batch, panels)   # + R h
+            accumulate(flat, t * batch * width, width, rp[k], hidden, hk, 0, hidden, batch, panels)   # + R h
             for b in range(batch):
+                at_y = np.uintp(((t * d + k) * batch + b) * hidden)
                 if t >= lengths[b]:
-                    for j in range(hidden):
-                        y[t, k, b, j] = 0.0
+                    for j in range(np.uintp(hidden)):
+                        yf[at_y + j] = 0.0
                     continue
-                g = gates[t * batch + b]
-                for j in range(hidden):
-                    cj = ck[b, j]
-                    i = _sigmoid(min(max(g[j] + pk[j] * cj, -clip), clip))
-                    f = _sigmoid(min(max(g[2 * hidden + j] + pk[2 * hidden + j] * cj, -clip), clip))
+                at_g = np.uintp((t * batch + b) * width)
+                at_h = np.uintp((k * batch + b) * hidden)
+                h2, h3 = np.uintp(2 * hidden), np.uintp(3 * hidden)
+                h1 = np.uintp(hidden)
+                for j in range(np.uintp(hidden)):   # (unsigned: no negative-index wrap, a vector loop)
+                    cj = cf[at_h + j]
+                    i = _sigmoid(min(max(flat[at_g + j] + pk[j] * cj, -clip), clip))
+                    f = _sigmoid(min(max(flat[at_g + h2 + j] + pk[h2 + j] * cj, -clip), clip))
                     if input_forget:
                         f = np.float32(1.0) - i
-                    new_c = f * cj + i * _tanh(min(max(g[3 * hidden + j], -clip), clip))
-                    o = _sigmoid(min(max(g[hidden + j] + pk[hidden + j] * new_c, -clip), clip))
+                    new_c = f * cj + i * _tanh(min(max(flat[at_g + h3 + j], -clip), clip))
+                    o = _sigmoid(min(max(flat[at_g + h1 + j] + pk[h1 + j] * new_c, -clip), clip))
                     new_h = o * _tanh(new_c)
-                    ck[b, j] = new_c
-                    hk[b, j] = new_h
-                    y[t, k, b, j] = new_h
+                    cf[at_h + j] = new_c
+                    hf[at_h + j] = new_h
+                    yf[at_y + j] = new_h
 
 
 def lstm_step(node: Node, out, precision: str = "float32"):
@@ -188,6 +210,7 @@ def lstm_step(node: Node, out, precision: str = "float32"):
     hidden = node.src[2].type.shape[-1]
     panels = -(-4 * hidden // WIDTH)
     cache: dict = {}
+    all_constant = all(node.src[i].op == Op.CONSTANT for i in (1, 2, 3, 4, 7))
 
     def made(name, index, make, value):
         """make(value), once where the op's input `index` is a constant (a fed array may change between runs)."""
@@ -220,22 +243,31 @@ def lstm_step(node: Node, out, precision: str = "float32"):
         out[:, :, :4 * hidden] = np.asarray(w, np.float32).transpose(0, 2, 1)
         return out
 
-    def step(x, w, r, bias, lengths, h0, c0, peephole):
-        x2 = np.ascontiguousarray(x, np.float32).reshape(seq * batch, size)
-        y = np.empty((seq, d, batch, hidden), np.float32)
-        h_last = np.array(h0, np.float32, order="C")   # (a copy: the kernel updates it)
-        c_last = np.array(c0, np.float32, order="C")
-        gates = cache.get("gates")
-        if gates is None:
-            gates = cache["gates"] = np.empty((d, seq * batch, panels * WIDTH), np.float32)
+    flags = np.array([reverse_first, input_forget, tiles], np.int64)
+    gates = np.empty((d, seq * batch, panels * WIDTH), np.float32)
+    staged = np.empty(seq * batch * size, np.float32)
+    fixed: list = []   # the arranged sources, once, where every one is a constant
+
+    def arranged(w, r, bias, lengths, peephole):
         summed = made("bias", 3, biases, bias)
+        return ((made("w", 1, packed, w) if not tiles else summed), summed, made("r", 2, packed, r),
+                made("peephole", 7, contiguous, peephole), made("lengths", 4, steps, lengths))
+
+    def step(x, w, r, bias, lengths, h0, c0, peephole):
+        args = fixed[0] if fixed else arranged(w, r, bias, lengths, peephole)
+        if all_constant and not fixed:
+            fixed.append(args)
+        y = np.empty((seq, d, batch, hidden), np.float32)
+        h = np.empty((d, batch, hidden), np.float32)
+        c = np.empty((d, batch, hidden), np.float32)
         if tiles:
+            x2 = np.ascontiguousarray(x, np.float32).reshape(seq * batch, size)
             weights = made("columns", 1, columns, w)
             for k in range(d):
-                projections[k](x2, weights[k], gates[k], summed[k])
+                projections[k](x2, weights[k], gates[k], args[1][k])
         # (projected: lstm_layer reads no W, so the biases stand in for its packed panels)
-        lstm_layer(x2, made("w", 1, packed, w) if not tiles else summed, summed, made("r", 2, packed, r),
-                   made("peephole", 7, contiguous, peephole), h_last, c_last, made("lengths", 4, steps, lengths),
-                   reverse_first, clip, input_forget, gates, tiles, y)
-        return y, h_last, c_last
+        lstm_layer(x if x.dtype == np.float32 else x.astype(np.float32), args[0], args[1], args[2], args[3],
+                   h0 if h0.dtype == np.float32 else h0.astype(np.float32), c0 if c0.dtype == np.float32 else c0.astype(np.float32),
+                   h, c, args[4], flags, clip, gates, staged, y)
+        return y, h, c
     return step

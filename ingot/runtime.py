@@ -100,6 +100,14 @@ class Outputs(tuple):
             raise IngotError(f"Outputs: {len(self._names)} names for {len(self)} values.")
         return self
 
+    @classmethod
+    def named(cls, names: tuple[str, ...], values: Sequence[Any]) -> "Outputs":
+        """Outputs of values under names already checked (a tuple, one distinct name per value): run's
+        own path, without __new__'s checks."""
+        self = tuple.__new__(cls, values)
+        self._names = names
+        return self
+
     def __getitem__(self, key):
         if isinstance(key, str):
             try:
@@ -262,7 +270,10 @@ class Executable:
             state = self.state
         else:
             self._check_state(state)
-        values = self._feeds(feeds)
+        return self._run_plan(self._feeds(feeds), state, options)
+
+    def _run_plan(self, values: dict[str, Any], state: State, options: Mapping[str, Any]):
+        """The plan run on feeds already checked (`_feeds`' dict: the used inputs by name) and a checked state."""
         try:
             return self.plan.run(values, state.values, **options)
         except IngotError:

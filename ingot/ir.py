@@ -221,6 +221,7 @@ class Program:
     # annotations added by late passes, read by backends and the viewer
     regions: list[tuple[int, ...]] = field(default_factory=list)   # node ids per fused region
     memory_plan: dict[int, int] = field(default_factory=dict)      # node id -> buffer index
+    memory_offsets: dict[int, int] = field(default_factory=dict)   # node id -> byte offset there (else 0)
     buffer_sizes: list[int] = field(default_factory=list)
 
     @property

@@ -26,6 +26,7 @@ from ...passes.fold import widens_weight
 from . import (blocked, conv, conv_amx, expand_depthwise, int8_matmul, kernels, matmul_amx, nn_kernels, recurrent, rope_cache,
                rows_attention, spatial, squeeze_excite)
 from .pool_attention import pool_attention_lowering
+from .concat import concat_lowering
 
 StepFn = Callable[..., Any]
 LOWERINGS: dict[Op, Callable[[Node, np.ndarray | None], StepFn]] = {}
@@ -49,6 +50,7 @@ def _is_f32(node: Node) -> bool:
 
 
 LOWERINGS[Op.POOL_ATTENTION] = pool_attention_lowering
+LOWERINGS[Op.CONCAT] = concat_lowering
 
 
 @lowering(Op.CONV)
@@ -537,7 +539,8 @@ class CpuPlan:
             out = None
             if node.id in program.memory_plan:
                 t = node.type
-                out = buffers[program.memory_plan[node.id]][: t.nbytes].view(t.dtype.storage).reshape(
+                at = program.memory_offsets.get(node.id, 0)   # (a concat's input: its slot)
+                out = buffers[program.memory_plan[node.id]][at: at + t.nbytes].view(t.dtype.storage).reshape(
                     dt.storage_shape(t.shape, t.dtype))
             if node.op in (Op.CALL, Op.IF):
                 fn = _call_step(node, executable)

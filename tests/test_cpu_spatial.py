@@ -68,6 +68,15 @@ def test_upsample_kernel_matches_take(rows, cols):
     np.testing.assert_array_equal(out, x[:, rows][:, :, cols])
 
 
+@pytest.mark.parametrize("w", [1, 16, 21, 33])
+def test_upsample_2x_over_several_vectors(w):
+    """Nearest 2x both ways on rows of several 16-value vectors and a part of one (masked tail)."""
+    x = np.random.default_rng(w).standard_normal((3, 4, w)).astype(np.float32)
+    out = np.full((3, 8, 2 * w), 7.0, np.float32)
+    spatial.upsample(x, np.arange(8) // 2, np.arange(2 * w) // 2, out)
+    np.testing.assert_array_equal(out, x.repeat(2, axis=1).repeat(2, axis=2))
+
+
 def test_depth_to_space_kernel_matches_transpose():
     x = np.random.default_rng(4).standard_normal((2, 3 * 2 * 3, 5, 7)).astype(np.float32)
     out = np.empty((2, 3, 10, 21), np.float32)

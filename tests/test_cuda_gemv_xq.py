@@ -320,4 +320,6 @@ def test_early_weight_tile_in_a_captured_graph(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         want = qmm.quantized_matmul(source * 2.0, w, config=dict(KERNEL="words", XQ=True, XQ_SELF=True))
-        assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
+        # split-K atomics add in any order: an element near zero may differ past allclose's 1e-5 (seen
+        # under 9 test workers on an H100, 2026-12-06); an x read before the copy would be off by O(1)
+        assert rel_err(y.cpu(), want.cpu()) < 1e-6

@@ -280,65 +280,6 @@ def _qgemm_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, s
 
 
 @triton.jit
-def _qgemm_wide_kernel(x_ptr, x_desc, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qk, stride_sk, stride_ym,
-                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, X_TMA: tl.constexpr, DQ16: tl.constexpr, M_FAST: tl.constexpr,
-                 DOT: tl.constexpr = tl.bfloat16):
-    """y[M, N] = x @ W, one [BLOCK_N, BLOCK_M] tile of y^T a program: W^T's [BLOCK_N, BLOCK_K] tile from
-    BLOCK_K / 8 words a column, dequantized in registers (scale and bias per group of GROUP k), the
-    dot's first operand; x^T's [BLOCK_K, BLOCK_M] tile its second."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    if M_FAST:         # the row tiles of one W tile run side by side: W read once from memory
-        pid_m = pid % num_m
-        pid_n = pid // num_m
-    else:
-        pid_n = pid % num_n
-        pid_m = pid // num_n
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP                 # parameter rows a tile spans
-    GS: tl.constexpr = BLOCK_K // G                                   # k a parameter row covers in it
-    j = tl.arange(0, 8)
-    shift = (j % 4) * 8 + (j // 4) * 4          # k = 8r + j: low nibble of byte j (j < 4), else high of j - 4
-    KW = tl.cdiv(K, 8)
-    KG = tl.cdiv(K, GROUP)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(q_ptr + r[None, :] * stride_qk + offs_n[:, None], mask=n_ok[:, None] & (r < KW)[None, :],
-                        other=0)
-        v = (words[:, :, None] >> shift[None, None, :]) & 0xF                      # [BLOCK_N, BLOCK_K/8, 8]
-        g = k0 // GROUP + tl.arange(0, G)
-        g_ok = n_ok[:, None] & (g < KG)[None, :]
-        s = tl.load(s_ptr + g[None, :] * stride_sk + offs_n[:, None], mask=g_ok, other=0.0)
-        if DQ16:       # v - 128 exact in bfloat16 (128 + v by the exponent trick), then one bf16 FMA
-            vb = (v | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
-            w = tl.reshape(vb, [BLOCK_N, G, GS]) * s.to(tl.bfloat16)[:, :, None]
-            if HAS_BIAS:
-                b = tl.load(b_ptr + g[None, :] * stride_sk + offs_n[:, None], mask=g_ok, other=0.0)
-                w += b.to(tl.bfloat16)[:, :, None]
-            wt = tl.reshape(w, [BLOCK_N, BLOCK_K])
-        else:
-            w = tl.reshape(_to_float(v), [BLOCK_N, G, GS]) * s.to(tl.float32)[:, :, None]
-            if HAS_BIAS:
-                b = tl.load(b_ptr + g[None, :] * stride_sk + offs_n[:, None], mask=g_ok, other=0.0)
-                w += b.to(tl.float32)[:, :, None]
-            wt = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(DOT)
-        if X_TMA:
-            xt = tl.trans(x_desc.load([pid_m * BLOCK_M, k0]))
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & (offs_k < K)[:, None], other=0.0)
-        acc = tl.dot(wt, xt.to(DOT), acc)
-    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, b_ptr, lut_ptr, out_ptr, N, K, NQ, stride_qk, stride_sk, stride_ok,
                        lut_block_k, lut_block_n, stride_lk, stride_ln,
                        BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -50,6 +50,10 @@ def graph(shape, m, k, strides, pads, extra_reader=False, bias=True):
     ((1, 6, 30, 150), 20, (3, 3), (1, 1), ((1, 1), (1, 1))),
     ((1, 5, 40, 210), 18, (5, 5), (2, 2), ((2, 2), (2, 2))),
     ((1, 4, 30, 300), 16, (1, 3), (2, 1), ((0, 0), (1, 1))),
+    # two blocks of 16 channels a pass (expand_depthwise.GROUP): 3 blocks (a pair, then one alone), 196
+    # positions (24 tiles of 8, then 4); 4 blocks, the last 2 lanes real, 30 positions (8, 8, 8, 4, 2)
+    ((1, 40, 14, 14), 48, (5, 5), (1, 1), ((2, 2), (2, 2))),
+    ((1, 19, 6, 5), 50, (3, 3), (2, 2), ((1, 1), (1, 1))),
 ])
 def test_one_kernel_matches_numpy(shape, m, k, strides, pads):
     exe, reference = graph(shape, m, k, strides, pads, bias=m % 2 == 0)

@@ -3,9 +3,10 @@ output only a depthwise conv (+ epilogue) reads, as one kernel.
 
 conv_depthwise transposes its NCHW input into a padded [H', W', 16] buffer per block of 16 channels.
 Here the pointwise conv computes that buffer itself, the rows the depthwise bands need as they need them:
-16 output channels x R consecutive input positions per tile (R = 16, 8, 4, 2, 1; conv_pointwise's
-arithmetic, lanes are channels), bias and epilogue in registers, each position stored straight into its
-place in the padded buffer (a table of offsets: a tile may span rows). The expanded tensor is never
+GROUP blocks of 16 output channels x R consecutive input positions per tile (R = WIDE, 4, 2, 1; a block
+left over alone, R = 16, 8, 4, 2, 1; conv_pointwise's arithmetic, lanes are channels), bias and epilogue in
+registers, each position stored straight into its place in its block's padded buffer (a table of offsets: a
+tile may span rows), then the depthwise conv of each block of the group. The expanded tensor is never
 written as NCHW nor read back (MobileNet's expand layers are its largest tensors).
 """
 from __future__ import annotations
@@ -59,20 +60,65 @@ def _row_tile_intrinsic(r_n: int, blocked: bool, steps, operands):
     return tile
 
 
+def _group_tile_intrinsic(r_n: int, blocks: int, blocked: bool, steps, operands):
+    """tile(xp, xp_step, offs, x, x_at, p_n, w, w_at, w_step, n_c, bias, c0, m_n, ops): `blocks` blocks of 16
+    channels side by side, each into its own padded buffer: for b < blocks, r < r_n,
+    xp[b * xp_step + offs[x_at + r] : +16] = epilogue(bias[c0 + 16 b : +16] + sum over c < n_c of
+    w[w_at + b * w_step + 16 c : +16] * x[x_at + c * p_n + r]) (lanes: channels c0 + 16 b + l, those < m_n
+    real). Per input channel `blocks` weight vectors and r_n broadcasts feed blocks * r_n multiply-adds (one
+    block: 1 + r_n loads for r_n)."""
+    @intrinsic
+    def tile(typingctx, xp, xp_step, offs, x, x_at, p_n, w, w_at, w_step, n_c, bias, c0, m_n, ops):
+        sig = types.void(xp, xp_step, offs, x, x_at, p_n, w, w_at, w_step, n_c, bias, c0, m_n, ops)
+
+        def codegen(context, builder, signature, args):
+            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+            oa, fa, xa, wa, ba = arr(0), arr(2), arr(3), arr(6), arr(10)
+            xp_step_v, x_at_v, p_v, w_at_v, w_step_v, n_v, c0_v, m_n_v = \
+                (_i64(builder, args[i]) for i in (1, 4, 5, 7, 8, 9, 11, 12))
+            finals = conv_pointwise._tile_sums(builder, xa, wa, x_at_v, p_v, w_at_v, w_step_v, n_v, r_n, blocks, blocked)
+            ats = [_i64(builder, builder.load(builder.gep(fa.data, [builder.add(x_at_v, ir.Constant(_I64, r))])))
+                   for r in range(r_n)]
+            for b in range(blocks):
+                cb = builder.add(c0_v, ir.Constant(_I64, 16 * b))
+                bias_v = builder.load(_vptr(builder, ba.data, cb), align=4)
+                read = epilogue_reads(context, builder, operands, signature.args[13], args[13], cb,
+                                      channels=_lane_mask(builder, builder.sub(m_n_v, cb), 0)) if steps else {}
+                base = builder.mul(xp_step_v, ir.Constant(_I64, b))
+                for r in range(r_n):
+                    value = builder.fadd(finals[b * r_n + r], bias_v)
+                    if steps:
+                        value = apply_steps(builder, steps, operands, read, value)
+                    builder.store(value, _vptr(builder, oa.data, builder.add(base, ats[r])), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
 @functools.cache
 def row_tile_for(r_n: int, key: str, blocked: bool = False):
     return _row_tile_intrinsic(r_n, blocked, *conv_spatial.SPECS[key])
+
+
+@functools.cache
+def group_tile_for(r_n: int, blocks: int, key: str, blocked: bool = False):
+    return _group_tile_intrinsic(r_n, blocks, blocked, *conv_spatial.SPECS[key])
+
+
+GROUP, WIDE = 2, 8   # blocks of 16 channels a pass and positions a tile: 2 weight loads + 8 broadcasts, 16 FMAs
 
 
 _DRIVER = """import numpy as np
 from numba import njit
 
 from ingot.backends.cpu.conv_depthwise import _transpose_out, tile_for
-from ingot.backends.cpu.expand_depthwise import row_tile_for
+from ingot.backends.cpu.expand_depthwise import group_tile_for, row_tile_for
 
 # every tile width conv_depthwise.positions() may pick: a new image width needs no other kernel
 tile4, tile5, tile6, tile7, tile8 = (tile_for({kh}, {kw}, {stride}, r, {key_b!r}, {blocked_out}) for r in (4, 5, 6, 7, 8))
 row16, row8, row4, row2, row1 = (row_tile_for(r, {key_a!r}, {blocked_in}) for r in (16, 8, 4, 2, 1))
+GROUP = {group}
+wide, group4, group2, group1 = (group_tile_for(r, GROUP, {key_a!r}, {blocked_in}) for r in ({wide}, 4, 2, 1))
 BLOCKED_IN, BLOCKED_OUT = {blocked_in}, {blocked_out}
 {tiles_of_row}
 
@@ -97,37 +143,58 @@ def kernel(x, wa, ba, w, bias, sh, ph, pw, out, ops, xp, ot, offs, m_n, r_n):
     xf = x.reshape(x.size)
     of = out.reshape(out.size)
     waf = wa.reshape(wa.size)
-    for blk in range(wa.shape[0]):
+    xp_n = xp.size // GROUP
+    blk = 0
+    while blk < wa.shape[0]:   # GROUP blocks of 16 channels a pass, each its own padded buffer; the rest one a pass
+        nb = GROUP if blk + GROUP <= wa.shape[0] else 1
         c0 = blk * 16
-        lanes = min(16, m_n - c0)
         w_at = blk * c_n * 16
-        wt, bt = w[c0 // 16], bias[c0 // 16]
         y_in = 0
         for oy0 in range(0, oh, band):
             oy1 = min(oh, oy0 + band)
             need = min(h, (oy1 - 1) * sh - ph + kh)
             q, q_end = y_in * wd, need * wd   # the pointwise conv's positions of rows y_in..need, into xp
-            while q + 16 <= q_end:
-                row16(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
-                q += 16
-            if q + 8 <= q_end:
-                row8(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
-                q += 8
-            if q + 4 <= q_end:
-                row4(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
-                q += 4
-            if q + 2 <= q_end:
-                row2(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
-                q += 2
-            if q < q_end:
-                row1(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+            if nb == GROUP:
+                while q + {wide} <= q_end:
+                    wide(xp, xp_n, offs, xf, q, hw, waf, w_at, c_n * 16, c_n, ba, c0, m_n, ops)
+                    q += {wide}
+                while q + 4 <= q_end:
+                    group4(xp, xp_n, offs, xf, q, hw, waf, w_at, c_n * 16, c_n, ba, c0, m_n, ops)
+                    q += 4
+                if q + 2 <= q_end:
+                    group2(xp, xp_n, offs, xf, q, hw, waf, w_at, c_n * 16, c_n, ba, c0, m_n, ops)
+                    q += 2
+                if q < q_end:
+                    group1(xp, xp_n, offs, xf, q, hw, waf, w_at, c_n * 16, c_n, ba, c0, m_n, ops)
+            else:
+                lanes = min(16, m_n - c0)
+                while q + 16 <= q_end:
+                    row16(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                    q += 16
+                if q + 8 <= q_end:
+                    row8(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                    q += 8
+                if q + 4 <= q_end:
+                    row4(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                    q += 4
+                if q + 2 <= q_end:
+                    row2(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
+                    q += 2
+                if q < q_end:
+                    row1(xp, offs, xf, q, hw, waf, w_at, c_n, ba, c0, lanes, ops)
             y_in = max(y_in, need)
-            for oy in range(oy0, oy1):
-                tiles_of_row(ot, of, xp, oy * sh * wp, oy * ow, wp, s, wt, bt, c0, lanes, ops, oy, ow, r_n, p_n)
-            if not BLOCKED_OUT:
-                end = oy1 * ow
-                for p0 in range(oy0 * ow, end, 16):
-                    _transpose_out(of, c0 * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
+            for j in range(nb):
+                cj = c0 + 16 * j
+                lanes = min(16, m_n - cj)
+                xpj = xp[j * xp_n:(j + 1) * xp_n]
+                wt, bt = w[cj // 16], bias[cj // 16]
+                for oy in range(oy0, oy1):
+                    tiles_of_row(ot, of, xpj, oy * sh * wp, oy * ow, wp, s, wt, bt, cj, lanes, ops, oy, ow, r_n, p_n)
+                if not BLOCKED_OUT:
+                    end = oy1 * ow
+                    for p0 in range(oy0 * ow, end, 16):
+                        _transpose_out(of, cj * p_n + p0, p_n, ot, p0 * 16, lanes, min(16, end - p0))
+        blk += nb
 """
 
 
@@ -138,7 +205,7 @@ def driver(kh: int, kw: int, stride: int, steps_a, steps_b, operands, blocked_in
     key_a, key_b = conv_spatial.steps_key(steps_a, operands), conv_spatial.steps_key(steps_b, operands)
     conv_spatial.epilogue_for(key_a, steps_a, operands)
     conv_spatial.epilogue_for(key_b, steps_b, operands)
-    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, key_a=key_a, key_b=key_b,
+    source = _DRIVER.format(kh=kh, kw=kw, stride=stride, key_a=key_a, key_b=key_b, group=GROUP, wide=WIDE,
                             blocked_in=blocked_in, blocked_out=blocked_out, tiles_of_row=conv_depthwise.TILES_OF_ROW)
     return conv_spatial.load(f"# expand_depthwise {REVISION}\n{source}", "kernel", "cpu_expand_depthwise")
 
@@ -215,7 +282,7 @@ def expand_depthwise_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU
     cuts = [0, m] if parts < 2 else \
         [conv.SPLIT_UNIT * round(m * p / parts / conv.SPLIT_UNIT) for p in range(parts)] + [m]
     # per part: its scratch (reused across runs: the pages stay mapped), then its arranged weights and operands
-    scratch = [(np.zeros(xp_n, np.float32), np.empty(ot_n, np.float32)) for _ in cuts[1:]]
+    scratch = [(np.zeros(xp_n * GROUP, np.float32), np.empty(ot_n, np.float32)) for _ in cuts[1:]]
     arranged: dict = {}
 
     def part_constants(inputs, m0: int, m1: int) -> tuple:   # (shared by every executable of these constants)

@@ -1,5 +1,5 @@
-"""conv_pointwise's kernel (16 output channels a vector, positions in tiles of 16/8/4/2/1, transposed in
-registers, the epilogue per channel row) against the NumPy conv reference on awkward shapes, and through
+"""conv_pointwise's kernel (16 output channels a vector, pairs of them x 8/4 positions, one x 16/8/4/2/1,
+transposed in registers, the epilogue per channel row) against the NumPy conv reference on awkward shapes, and through
 the compiler with a residual (a full operand) and per-channel operands."""
 import numpy as np
 import pytest
@@ -14,8 +14,10 @@ from test_cpu_conv_spatial import check_pointwise
 CASES = [(1, 1, (1, 1)), (5, 7, (3, 5)), (16, 32, (7, 7)), (33, 17, (1, 31)), (96, 48, (7, 7)), (3, 130, (2, 3)),
          (8, 16, (14, 14)),
          (37, 70, (1, 1)), (3, 100, (1, 1)), (130, 1280, (1, 1)),   # one position: blocks side by side
-         (24, 80, (7, 7)), (20, 40, (1, 7)), (9, 64, (1, 2)), (576, 96, (7, 7))]   # C, M, (H, W); tails of 1-3
+         (24, 80, (7, 7)), (20, 40, (1, 7)), (9, 64, (1, 2)), (576, 96, (7, 7)),   # C, M, (H, W); tails of 1-3
                                                                                     # positions, groups of blocks
+         (40, 50, (5, 9)), (19, 33, (3, 4))]   # pairs of blocks x 8, 4 positions: the last block 2 lanes, a tail of
+                                               # 1 for 4 blocks; no tail, a block left over alone (1 lane)
 
 
 @pytest.mark.parametrize("c,m,hw", CASES)

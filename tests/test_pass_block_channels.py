@@ -169,3 +169,22 @@ def test_a_depthwise_conv_alone_in_the_chain():
     dv = np.maximum(conv(av, ws[2], b, (1, 1), (1, 1), ((2, 2), (2, 2)), 33), 0.0)
     want = conv(conv(dv, ws[3], None, (1, 1), (1, 1), none, 1), ws[4], None, (1, 1), (1, 1), none, 1)
     np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_expand_depthwise_blocked_out_in_bands():
+    """expand_depthwise (blocks in pairs, rows in several bands: 151 wide, 8-position tiles) writing blocked for a depthwise conv
+    after it: a row's last tile running past a block's end must not overwrite the next block's first rows."""
+    rng = np.random.default_rng(7)
+    ws = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((40, 8, 1, 1), (40, 1, 3, 3), (40, 1, 3, 3))]
+    g = ingot.Graph()
+    x = g.placeholder((1, 8, 30, 151), name="x")
+    a = g.conv(g.conv(x, ws[0]), ws[1], pads=((1, 1), (1, 1)), groups=40)
+    y = g.conv(a, ws[2], pads=((1, 1), (1, 1)), groups=40)
+    exe = g.compile(targets=[y])
+    sides = [_blocked_sides(n) for n in exe.program.nodes() if n.op == Op.FUSED and n.attrs["kind"] == "blocked"]
+    assert sides == [(False, True), (True, False)]
+    xv = rng.standard_normal((1, 8, 30, 151)).astype(np.float32)
+    same = ((1, 1), (1, 1))
+    av = conv(conv(xv, ws[0], None, (1, 1), (1, 1), ((0, 0), (0, 0)), 1), ws[1], None, (1, 1), (1, 1), same, 40)
+    want = conv(av, ws[2], None, (1, 1), (1, 1), same, 40)
+    np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

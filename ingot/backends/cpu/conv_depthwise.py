@@ -150,9 +150,11 @@ def tiles_of_row(ot, of, xp, x_row, t_row, wp, s, wt, bt, c0, lanes, ops, oy, ow
         x_at = (x_row + ox * s) * 16
         dst, at, through = ot, (t_row + ox) * 16, False
         if BLOCKED_OUT:
-            if c0 * p_n + (oy * ow + ox + r_n) * 16 <= of.size:   # past the row: into the next, computed later
+            # past the row: into the next, computed later; past the block's last row: through ot (expand_depthwise
+            # computes two blocks band by band: the next block's first rows may be done)
+            if oy * ow + ox + r_n <= p_n:
                 dst, at = of, c0 * p_n + (oy * ow + ox) * 16
-            else:   # past the output's end: through ot
+            else:
                 at, through = 0, True
         if r_n == 8:
             tile8(dst, at, xp, x_at, wp * 16, wt, bt, c0, lanes, ops)

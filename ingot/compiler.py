@@ -23,6 +23,7 @@ from .passes.cse import eliminate_common_subexpressions
 from .passes.dce import eliminate_dead_code
 from .passes.device import DEVICE_PIPELINES, FUSIONS, device_steps  # noqa: F401  (public here)
 from .passes.fold import fold_constants
+from .passes.fold_conv_affine import fold_conv_affine
 from .passes.fuse_dequant import fuse_dequantize
 from .passes.fuse_norms import fuse_norms
 from .passes.fuse_one_hot import fuse_one_hot
@@ -39,6 +40,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fold", fold_constants),                       # constant subgraphs computed once, now
     ("dce", eliminate_dead_code),                   # drop what no target or assign needs
     ("cse", eliminate_common_subexpressions),       # one node per distinct computation
+    ("fold_conv_affine", fold_conv_affine),         # conv * a + s (a batch norm) -> conv's weights and bias
     ("fuse_attention", fuse_attention),             # hand-written attention -> one SDPA
     ("fuse_norms", fuse_norms),                     # written-out RMSNorm, tanh-GELU -> one op each
     ("fuse_one_hot", fuse_one_hot),                 # one-hot @ table -> a row gather

@@ -23,7 +23,7 @@ def test_pipeline_runs_every_pass_in_order():
     g, x, y = attention_and_quantized_graph()
     exe = g.compile(feeds={x: ingot.TensorType((1, 4, 16))}, targets=[y])
     names = [name for name, _ in exe.history]
-    assert names == ["specialize", "fold", "dce", "cse", "fuse_attention", "fuse_norms", "fuse_one_hot", "fuse_dequantize",
+    assert names == ["specialize", "fold", "dce", "cse", "fold_conv_affine", "fuse_attention", "fuse_norms", "fuse_one_hot", "fuse_dequantize",
                      "simplify_views", "inplace", "attention_length", "fuse_two_level", "fuse_spatial", "fuse_conv_epilogue",
                      "fuse_squeeze_excite", "fuse_expand_depthwise", "block_channels", "fuse_rope_cache", "fuse_integer_matmul", "fuse_dynamic_quantize", "fuse_rows_attention", "regions", "memory_plan"]
     changed = dict(exe.history)

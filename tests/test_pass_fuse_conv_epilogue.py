@@ -27,8 +27,8 @@ def leaky(g, y):
     return g.where(y < 0.0, y * 0.1, y)
 
 
-def per_channel_scale(g, y):
-    return y * g.constant(np.linspace(0.5, 2.0, 12, dtype=np.float32).reshape(1, 12, 1, 1)) + 0.25
+def per_channel_scale(g, y):   # after a ReLU: a scale right after the conv folds into its weights (fold_conv_affine)
+    return g.maximum(y, 0.0) * g.constant(np.linspace(0.5, 2.0, 12, dtype=np.float32).reshape(1, 12, 1, 1)) + 0.25
 
 
 ACTIVATIONS = {"relu": relu, "silu": silu, "hard_swish": hard_swish, "leaky": leaky, "per_channel": per_channel_scale}

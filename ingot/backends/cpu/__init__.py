@@ -230,6 +230,17 @@ def _matmul(node: Node, out, options: CpuOptions = DEFAULT_CPU):
             amx(x, w, y.reshape(rows, b.shape[1]))
             return y
         return tiles
+    if _is_f32(node) and b.rank == 2 and a.rank >= 2 and a.static and b.static and node.src[1].op == Op.CONSTANT \
+            and options.resolved_threads == 1:
+        from . import matmul_avx512   # by constant weights in AVX-512 registers, where it beats BLAS (matmul_avx512.py)
+        if matmul_avx512.fits(rows, *b.shape) and not conv_amx.available():
+            shape, avx512 = tuple(node.type.shape), matmul_avx512.step(rows, *b.shape)
+
+            def panels(x, w):
+                y = out if out is not None else np.empty(shape, np.float32)
+                avx512(x, w, y.reshape(rows, b.shape[1]))
+                return y
+            return panels
     if out is not None and _is_f32(node):
         if a.rank > 2 and b.rank == 2 and a.static and b.static:
             # [..., K] @ [K, N] as one GEMM: NumPy runs a stack as a product per item (a CRNN's

@@ -188,7 +188,10 @@ def pack(w: np.ndarray, vectors: int = VECTORS) -> np.ndarray:
 
 def step(rows: int, k: int, n: int, rows_tile: int = ROWS, vectors: int = VECTORS):
     """run(x, w, out_rows): x [..., K] @ w [K, N] into out_rows [rows, N]; w a constant, packed at the
-    first call."""
+    first call (the lowering's step sees the constant's value only then).
+
+        >>> run = step(128, 64, 96); run(x, w, out)          # doctest: +SKIP
+    """
     kernel = driver(rows_tile, vectors)
     band = max(1, BAND_BYTES // (4 * k * 16 * vectors))
     cache: dict = {}

@@ -34,6 +34,13 @@ POOLS = [  # planes, (H, W), (kh, kw), (sh, sw), (dh, dw), (top, left, bottom, r
     (3, (9, 40), (4, 1), (4, 1), (1, 1), (0, 0, 0, 0)),
     (1, (2, 2), (2, 2), (2, 2), (1, 1), (0, 0, 0, 0)),
     (6, (7, 67), (3, 2), (2, 2), (1, 2), (0, 0, 0, 0)),
+    # stride 1, the output as wide as the input: flat vectors over whole planes (positions not a multiple of
+    # 16, a row crossing vectors, uneven pads, fewer or more output rows than input rows, a plane of one)
+    (3, (7, 9), (5, 5), (1, 1), (1, 1), (2, 2, 2, 2)),
+    (2, (13, 5), (3, 5), (1, 1), (1, 1), (0, 1, 2, 3)),
+    (4, (1, 1), (5, 3), (1, 1), (1, 1), (2, 1, 2, 1)),
+    (3, (9, 17), (3, 3), (1, 1), (1, 1), (1, 1, 0, 1)),
+    (5, (5, 33), (5, 5), (1, 1), (1, 1), (3, 2, 2, 2)),
 ]
 
 

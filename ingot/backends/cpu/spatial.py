@@ -176,7 +176,7 @@ flat_columns = stencil_max_for({kh}, False)
 
 
 @njit(cache=True, nogil=True)
-def kernel(x, sh, dh, dw, top, left, value, out):
+def kernel(x, sh, dh, dw, top, left, value, out, masks, cols):
     # each plane of x [P, H, W] copied into a buffer padded with value, then 16 outputs of a row at a time;
     # at stride 1 separable: the maxima over the window's columns for every row, then over its rows.
     # Windows that need no padding read x in place (CRNN's 2 x 2 and 2 x 1 pools: no copy).
@@ -194,23 +194,14 @@ def kernel(x, sh, dh, dw, top, left, value, out):
                 for ox in range(0, ow, 16):
                     window_max(of, (p * oh + oy) * ow + ox, xf, (p * h + oy * sh) * w + ox * sw, w, dh, dw, ow - ox)
         return
-    if separable and dh == 1 and dw == 1 and ow == w:
-        # the output as wide as the input (SPPF's 5 x 5, pads 2): per plane, the maxima over the window's
-        # columns of the whole plane as flat vectors, x read in place (tap j of a lane whose column + j - left
-        # lies outside its row reads value: masks made once), into rows top.. of cols [hp, w] whose other
-        # rows hold value; then over the window's rows, a stencil of step w over the flat cols
-        n = h * w
-        nv = (n + 15) // 16
-        masks = np.zeros(nv * kw, np.uint16)
-        col = 0   # of position q * 16 + t
-        for q in range(nv):
-            for t in range(16):
-                if q * 16 + t < n:
-                    for j in range(max(0, left - col), min(kw, w + left - col)):
-                        masks[q * kw + j] |= 1 << t
-                col = col + 1 if col + 1 < w else 0
+    n = h * w
+    nv = (n + 15) // 16
+    if separable and dh == 1 and dw == 1 and ow == w and masks.size == nv * kw and cols.size >= hp * w + 32:
+        # the output as wide as the input (SPPF's 5 x 5, pads 2; masks and cols from flat_scratch): per plane,
+        # the maxima over the window's columns of the whole plane as flat vectors, x read in place (tap j of
+        # a lane whose column + j - left lies outside its row reads value), into rows top.. of cols [hp, w]
+        # whose other rows hold value; then over the window's rows, a stencil of step w over the flat cols
         xf = x.reshape(p_n * n)
-        cols = np.full(hp * w + 32, value, np.float32)   # slack: the last vectors' lanes past the end
         m = oh * ow
         for p in range(p_n):
             for q in range(nv):   # (a last vector's lanes past the plane: all taps masked, value stored)
@@ -241,15 +232,34 @@ def kernel(x, sh, dh, dw, top, left, value, out):
 
 
 def pool_kernel(kh: int, kw: int, sw: int):
-    """kernel(x, sh, dh, dw, top, left, value, out): out [P, OH, OW] = max over the kh x kw window (stride,
-    dilation) of each plane of x [P, H, W] padded by top rows and left columns (and as many after as the
-    windows reach) of value (a float32); sw 1 or 2."""
+    """kernel(x, sh, dh, dw, top, left, value, out, masks, cols): out [P, OH, OW] = max over the kh x kw window
+    (stride, dilation) of each plane of x [P, H, W] padded by top rows and left columns (and as many after as
+    the windows reach) of value (a float32); sw 1 or 2; masks and cols: flat_scratch's."""
     return cs.load(_POOL.format(kh=kh, kw=kw, sw=sw), "kernel", "cpu_pool")
+
+
+def flat_scratch(h: int, w: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, top: int, left: int,
+                 oh: int, ow: int, value) -> tuple[np.ndarray, np.ndarray]:
+    """(masks, cols) for the kernel's flat path (stride 1, no dilation, ow == w), made once per pool, else
+    empty: masks[q * kw + j] has bit t where position 16 q + t of a plane is in it and its column + j - left
+    in [0, w); cols [(oh + kh - 1) * w + 32] of value (the kernel writes only its rows top.. top + h - 1 and
+    value past them)."""
+    if (sh, sw, dh, dw) != (1, 1, 1, 1) or kh < 2 or kw < 2 or ow != w:
+        return np.zeros(0, np.uint16), np.zeros(0, np.float32)
+    n = h * w
+    pos = np.arange(-(-n // 16) * 16)
+    col = pos % w
+    weights = (1 << np.arange(16)).astype(np.int64)
+    masks = np.stack([((pos < n) & (col + j - left >= 0) & (col + j - left < w)).reshape(-1, 16) @ weights
+                      for j in range(kw)], axis=1).astype(np.uint16).reshape(-1)
+    hp = max(h + top, oh + kh - 1)
+    return masks, np.full(hp * w + 32, value, np.float32)
 
 
 def max_pool(x, kh, kw, sh, sw, dh, dw, top, left, value, out) -> None:
     """pool_kernel's kernel, found per call."""
-    pool_kernel(kh, kw, sw)(x, sh, dh, dw, top, left, np.float32(value), out)
+    masks, cols = flat_scratch(*x.shape[1:], kh, kw, sh, sw, dh, dw, top, left, *out.shape[1:], value)
+    pool_kernel(kh, kw, sw)(x, sh, dh, dw, top, left, np.float32(value), out, masks, cols)
 
 
 @intrinsic
@@ -346,10 +356,13 @@ def max_pool_lowering(node: Node, out):
     value = np.float32(pads[0].attrs.get("value", 0.0)) if pads else np.float32(0.0)
     shape = tuple(node.type.shape)
     kernel = pool_kernel(kh, kw, sw)   # (found once: its source's hash took a few us a run)
+    x_shape = (pads[0].src[0] if pads else view.src[0]).type.shape
+    masks, cols = flat_scratch(*x_shape[2:], kh, kw, sh, sw, dh, dw, top, left, *shape[2:], value)
 
     def step(x):
         y = out if out is not None else np.empty(shape, np.float32)
-        kernel(np.ascontiguousarray(x).reshape(-1, *x.shape[-2:]), sh, dh, dw, top, left, value, y.reshape(-1, *shape[2:]))
+        kernel(np.ascontiguousarray(x).reshape(-1, *x.shape[-2:]), sh, dh, dw, top, left, value, y.reshape(-1, *shape[2:]),
+               masks, cols)
         return y
     return step
 

@@ -77,8 +77,11 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
     (4, 32, (2, 8), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),     # two rows: one trimmed each side
     (3, 16, (1, 8), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),     # one row: both sides out, not trimmed
     (5, 16, (4, 8), (3, 3), (1, 1), (1, 1), ((0, 2), (1, 1))),     # bottom padding only, two rows of it
-    # rows first (input larger than the weights): padded rows in a ring of twice the window's height
+    # rows first (input larger than the weights): padded rows in a ring of RING_SLOTS windows' heights, the
+    # last rows moved to its top as it fills
     (2, 16, (23, 29), (5, 5), (2, 2), (1, 1), ((2, 1), (2, 2))),   # stride 2 through a ring of 5
+    (2, 16, (61, 13), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),   # the ring filled five times
+    (3, 16, (50, 11), (3, 3), (4, 1), (1, 1), ((1, 2), (1, 1))),   # a row stride past the window, uneven pads
     (3, 8, (20, 24), (3, 3), (1, 1), (2, 2), ((2, 2), (2, 2))),    # dilated rows: a ring of 5
     (3, 8, (44, 24), (3, 3), (1, 1), (2, 2), ((2, 2), (2, 2))),    # the same taller: past the ring's period (20)
     (4, 16, (17, 9), (3, 1), (3, 1), (1, 1), ((1, 1), (0, 0))),    # a row stride past the window

@@ -12,9 +12,11 @@
   last 9 to 11 columns run as two tiles of 4 to 6 (a tile of 1 to 3 has too few FMA chains for the
   latency); an input larger than the weights is walked row by row for all blocks (read once, not once a
   block), each input row copied into the padded buffer just before the first output row reading it; there
-  the buffer is a ring of the window's rows (twice: a window is always contiguous), which stays in L1/L2
-  where a whole padded copy of a large input did not (YOLO's 16 x 160 x 160 -> 32, stride 2: 0.87 -> 0.74
-  ms in the model). An output row whose window has its first or last row in the padding skips that row.
+  the buffer is a ring of RING_SLOTS windows' heights of rows, which stays in L1/L2 where a whole padded
+  copy of a large input did not (YOLO's 16 x 160 x 160 -> 32, stride 2: 0.87 -> 0.74 ms in the model); each
+  row written once, and when the ring is full the window's rows already there moved to its top (a window
+  is always contiguous; each row written twice, into two rings of one window, cost 1-4 % of YOLO's
+  3 x 3 layers: 16 x 160 x 160 -> 32 stride 2 0.277 -> 0.268 ms hot). An output row whose window has its first or last row in the padding skips that row.
   Where the weights are the larger and rows are not a multiple of TILE wide (DBNet's 128 x 10 x 10), a
   block's positions run as one sequence, a tile crossing from one row into the next (each position's
   input offset read from a small array): 10 columns were tiles of 5 and 5, too few FMA chains (3 x 3,
@@ -135,6 +137,7 @@ def depthwise_blocked(x, w, sh, sw, dh, dw, ph, pw, out) -> None:
 
 TILE = 8   # output columns a transpose stores (and a gather tile's positions)
 WIDEST = 14   # output columns a tile computes at most (14 accumulators: 12 and 16 ran 0-5 % slower)
+RING_SLOTS = 4   # the direct kernel's ring of input rows: slots, in windows' heights
 WIDEST_PAIR = 8   # output columns a tile of two blocks computes at most (16 accumulators; 7, 10, 12 no better)
 _V8 = ir.VectorType(ir.FloatType(), 8)
 
@@ -361,7 +364,7 @@ def _dispatch(prefix: str, indent: str, widest: int = WIDEST) -> str:
 _DIRECT = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_kernels import TILE, narrow_tile
+from ingot.backends.cpu.conv_kernels import RING_SLOTS, TILE, narrow_tile
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 {tiles} = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}, False, {sw}, {dw}) for w in range(1, {widest} + 1))
@@ -387,9 +390,9 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
     w_block = wb.shape[1] * wb.shape[2]   # floats of a block's weights
     wf = wb.reshape(blocks * w_block)
     rows_first = c_n * hp * wp > wb.size   # the input the larger: every block's row oy, then row oy + 1 (input read once)
-    ring = (kh - 1) * dh + 1   # rows first: padded row p in slots p % ring and p % ring + ring (a window is contiguous)
-    rows_first_ring = rows_first and 2 * ring < hp
-    slots = 2 * ring if rows_first_ring else hp
+    ring = (kh - 1) * dh + 1   # rows first: padded row p in slot p - base, base moved on as the slots fill
+    rows_first_ring = rows_first and RING_SLOTS * ring < hp
+    slots = RING_SLOTS * ring if rows_first_ring else hp
     plane = slots * wp
     xp = padded[:c_n * plane].reshape(c_n, slots, wp)   # zeros left and right of the input, kept between calls
     xf = xp.reshape(c_n * plane)
@@ -406,6 +409,7 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
         raise ValueError("conv_direct: a band of output rows where the weights are the larger")
     copied = max(0, oy0 * sh - ph)   # input rows copied into xp, each just before the first output row that reads it
     filled = oy0 * sh   # with the ring: padded rows written into it
+    base = filled   # the padded row in slot 0
     pos = np.zeros(TILE, np.int64)
     positions = oh * ow
     if not rows_first and ow < TILE <= positions:
@@ -449,17 +453,23 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
             oy, b = (outer, 2 * inner) if rows_first else (inner, 2 * outer)
             if rows_first_ring:
                 while filled < oy * sh + ring:
+                    if filled - base == slots:   # full: the last ring - 1 rows (a window's that has begun) to the top
+                        for c in range(c_n):
+                            for r in range(ring - 1):
+                                src, dst = xp[c, slots - ring + 1 + r], xp[c, r]
+                                for t in range(np.uintp(wd)):
+                                    dst[np.uintp(pw) + t] = src[np.uintp(pw) + t]
+                        base = filled - ring + 1
                     y = filled - ph
                     for c in range(c_n):
-                        for k in range(2):
-                            dst = xp[c, filled % ring + k * ring]
-                            if 0 <= y < h:
-                                row = x[c, y]
-                                for t in range(np.uintp(wd)):
-                                    dst[np.uintp(pw) + t] = row[t]
-                            else:
-                                for t in range(np.uintp(wd)):
-                                    dst[np.uintp(pw) + t] = 0.0
+                        dst = xp[c, filled - base]
+                        if 0 <= y < h:
+                            row = x[c, y]
+                            for t in range(np.uintp(wd)):
+                                dst[np.uintp(pw) + t] = row[t]
+                        else:
+                            for t in range(np.uintp(wd)):
+                                dst[np.uintp(pw) + t] = 0.0
                     filled += 1
             need = min(h, oy * sh + (kh - 1) * dh + 1 - ph)
             while copied < need and not rows_first_ring:
@@ -468,7 +478,7 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                     for t in range(np.uintp(wd)):
                         dst[np.uintp(pw) + t] = row[t]
                 copied += 1
-            slot0 = (oy * sh) % ring if rows_first_ring else oy * sh   # the slot of the window's first row
+            slot0 = oy * sh - base if rows_first_ring else oy * sh   # the slot of the window's first row
             lanes = min(32, m - b * 16)
             iy0 = oy * sh - ph   # the input row of the window's first: 1 where only it is padding, 2 where only the last
             trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
@@ -554,7 +564,7 @@ def padded_size(c: int, h: int, w: int, oh: int, ow: int, kh: int, kw: int, sh: 
     tiles = -(-ow // TILE)
     hp = max(h + ph, (oh - 1) * sh + (kh - 1) * dh + 1)
     wp = max(w + pw, (tiles * TILE - 1) * sw + (kw - 1) * dw + 1)
-    return c * max(hp, 2 * ((kh - 1) * dh + 1)) * wp
+    return c * max(hp, RING_SLOTS * ((kh - 1) * dh + 1)) * wp
 
 
 def conv_direct(x, wb, kh, kw, sh, sw, dh, dw, ph, pw, out, bias=None, kernel=None, ops=(), scratch=None) -> None:

@@ -240,6 +240,27 @@ def test_max_pool_separable_matches_reference(c, hw, k, stride, pad):
     np.testing.assert_array_equal(np.asarray(ingot.from_onnx(model).run({"x": x})[0]), want)
 
 
+def test_silu_epilogue_relative_error_over_its_range():
+    """A conv's SiLU epilogue (conv_spatial._silu: one-FMA reduction, degree-5 exp) within 1e-6 of float64
+    relatively on 2 M values from -100 to 100 (the tail, where outputs are ~1e-40 to 1e-7, included; the
+    absolute tolerances of the other tests do not see it), and inf, -inf, NaN, +-1e30 as the reference's
+    limits."""
+    from ingot.options import CompileOptions, CpuOptions
+    x = np.concatenate([np.linspace(-100, 100, 2_000_001, dtype=np.float32),
+                        np.float32([np.inf, -np.inf, np.nan, 1e30, -1e30])])
+    g = ingot.Graph()
+    xi = g.placeholder((1, 1, 1, x.size), name="x")
+    y = g.conv(xi, np.ones((1, 1, 1, 1), np.float32), np.zeros(1, np.float32))
+    exe = g.compile(targets=[g.mul(y, g.sigmoid(y))], options=CompileOptions(cpu=CpuOptions(threads=1, float32_precision="float32")))
+    got = np.asarray(exe.run({"x": x.reshape(1, 1, 1, -1)})[0]).reshape(-1).astype(np.float64)
+    v = x[:-5].astype(np.float64)
+    want = v / (1 + np.exp(-v))
+    ok = np.abs(want) > 1e-30   # (float32's results past -80: -80 / (1 + e^80), ~1e-33)
+    assert np.max(np.abs(got[:-5][ok] - want[ok]) / np.abs(want[ok])) < 1e-6
+    assert got[-5] == np.inf and np.isnan(got[-3]) and got[-2] == np.float32(1e30)
+    assert abs(got[-4]) < 1e-30 and abs(got[-1]) < 1e-30
+
+
 def test_sigmoid_vector_pass_matches_reference():
     """SIGMOID on the CPU (one vector pass) against the reference's stable form in float64: subnormal
     results (x near -100) and 0 past -104 as NumPy's, NaN kept, a length not a multiple of 16."""

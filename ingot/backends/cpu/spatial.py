@@ -59,26 +59,31 @@ def _window_max_intrinsic(kh: int, kw: int, sw: int):
                             hi = load(cs._vptr(builder, ba.data, builder.add(at, ir.Constant(i64, 16))), masks[1])
                             v = builder.shuffle_vector(v, hi, even)
                         yield v
-            # VMAXPS (a > b ? a : b) drops a NaN in a; the taps' sum is NaN where any tap is (or +inf meets
-            # -inf): those vectors are taken again with the NaN-keeping compare-and-select
-            acc = total = None
-            for v in taps():
-                acc, total = (v, v) if acc is None else \
-                    (builder.select(builder.fcmp_ordered(">", acc, v), acc, v), builder.fadd(total, v))
-            nan = builder.bitcast(builder.fcmp_unordered("uno", total, total), ir.IntType(16))
-            fast = builder.block
-            with builder.if_then(builder.icmp_unsigned("!=", nan, ir.Constant(ir.IntType(16), 0)), likely=False):
-                exact = None
-                for v in taps():
-                    exact = v if exact is None else cs._pick(builder, exact, v, ">")
-                slow = builder.block
-            result = builder.phi(acc.type)
-            result.add_incoming(acc, fast)
-            result.add_incoming(exact, slow)
-            store(result, cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
+            store(_max_of_taps(builder, taps), cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
             return context.get_dummy_value()
         return sig, codegen
     return window_max
+
+
+def _max_of_taps(builder, taps):
+    """The lanes' maximum of the vectors taps() yields (called again where needed). VMAXPS (a > b ? a : b)
+    drops a NaN in a; the taps' sum is NaN where any tap is (or +inf meets -inf): those vectors are taken
+    again with the NaN-keeping compare-and-select."""
+    acc = total = None
+    for v in taps():
+        acc, total = (v, v) if acc is None else \
+            (builder.select(builder.fcmp_ordered(">", acc, v), acc, v), builder.fadd(total, v))
+    nan = builder.bitcast(builder.fcmp_unordered("uno", total, total), ir.IntType(16))
+    fast = builder.block
+    with builder.if_then(builder.icmp_unsigned("!=", nan, ir.Constant(ir.IntType(16), 0)), likely=False):
+        exact = None
+        for v in taps():
+            exact = v if exact is None else cs._pick(builder, exact, v, ">")
+        slow = builder.block
+    result = builder.phi(acc.type)
+    result.add_incoming(acc, fast)
+    result.add_incoming(exact, slow)
+    return result
 
 
 def _stencil_max_intrinsic(taps: int, masked: bool):
@@ -112,21 +117,7 @@ def _stencil_max_intrinsic(taps: int, masked: bool):
                     ptr = cs._vptr(builder, sa.data, at)
                     yield builder.call(load_masked, [ptr, ir.Constant(ir.IntType(32), 4), bits[k], fill]) if masked \
                         else builder.load(ptr, align=4)
-            acc = total = None
-            for v in taps_():
-                acc, total = (v, v) if acc is None else \
-                    (builder.select(builder.fcmp_ordered(">", acc, v), acc, v), builder.fadd(total, v))
-            nan = builder.bitcast(builder.fcmp_unordered("uno", total, total), ir.IntType(16))
-            fast = builder.block
-            with builder.if_then(builder.icmp_unsigned("!=", nan, ir.Constant(ir.IntType(16), 0)), likely=False):
-                exact = None
-                for v in taps_():
-                    exact = v if exact is None else cs._pick(builder, exact, v, ">")
-                slow = builder.block
-            result = builder.phi(acc.type)
-            result.add_incoming(acc, fast)
-            result.add_incoming(exact, slow)
-            store(result, cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
+            store(_max_of_taps(builder, taps_), cs._vptr(builder, oa.data, o_at_v), cs._lane_mask(builder, n_v, 0))
             return context.get_dummy_value()
         return sig, codegen
     return stencil_max

@@ -66,9 +66,11 @@ def test_gemm_bf16_against_float64(words, m, k, n, block):
     (33, 4160, 300, 64, "int4", False),     # signed (the +8 folded into a bias), K past a split's tiles
     (64, 1024, 520, 128, "uint4", False),   # no bias: scale only; the last row tile full
     (48, 224, 1000, 32, "int4", True),      # K of 7 tiles of 32
+    (100, 4096, 700, 32, "uint4", True),    # past 64 rows: two row tiles, the second ragged
+    (128, 1024, 520, 64, "int4", False),    # the last rows the word GEMM takes
 ])
 def test_words_gemm_against_float64(m, k, n, block, qdtype, bias):
-    """`_qgemm_words_kernel` (bf16 dots over a word-layout weight, 17-64 rows): float32 and bfloat16 x,
+    """`_qgemm_words_kernel` (bf16 dots over a word-layout weight, 9-128 rows): float32 and bfloat16 x,
     the K splits its config picks and forced ones (1: a plain store; 7: float32 atomics, a split ending
     inside K's last tile), against the dequantized weight in float64."""
     from ingot.backends.cuda.quantized_matmul import dispatch

@@ -6,6 +6,8 @@ against the dequantized weight in float64 before it is timed. TFLOP/s, and GB/s 
 
     python benchmarks/lab/cuda_gemm_swap.py [--rows 32,16,64] [--shapes qkv,o,gate+up,down] [--sweep]
 
+Past WORDS_GEMM_MAX_ROWS (e.g. --rows 128) the word GEMM is also timed, forced (64-row tiles).
+
 At the word GEMV's rows (up to CudaOptions.words_max_rows) the word GEMM is also timed, forced (the
 GEMV's cell is the standalone call: x rounded by its own launch, which a decode step folds elsewhere).
 """
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ingot import dtypes as dt  # noqa: E402
 from ingot.backends.cuda import quantized_matmul as qmm  # noqa: E402
 from ingot.backends.cuda.quantized_matmul import dispatch  # noqa: E402
-from ingot.backends.cuda.quantized_matmul.gemm import gemm_config, words_gemm_config  # noqa: E402
+from ingot.backends.cuda.quantized_matmul.gemm import WORDS_GEMM_MAX_ROWS, gemm_config, words_gemm_config  # noqa: E402
 from ingot.backends.cuda.quantized_matmul.weights import dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate+up": (4096, 28672), "down": (14336, 4096)}
@@ -78,6 +80,11 @@ def main():
             y_gemm = torch.empty(m, n, device="cuda")
             cells.append(cell(f"word GEMM {words_gemm_config(m, w, sms)}",
                               lambda: (dispatch._words_gemm(x, w, y_gemm, {}), y_gemm)[1]))
+        if m > WORDS_GEMM_MAX_ROWS:   # past the word GEMM's rows (the route: dequantize + cuBLAS), forced
+            y_wide = torch.empty(m, n, device="cuda")
+            for bn in (256, 128):
+                cells.append(cell(f"word GEMM forced, {bn} columns",
+                                  lambda bn=bn: (dispatch._words_gemm(x, w, y_wide, {"BLOCK_N": bn}), y_wide)[1]))
         if a.sweep:
             y = torch.empty(m, n, device="cuda")
             block_m = words_gemm_config(m, w, sms)["BLOCK_M"]

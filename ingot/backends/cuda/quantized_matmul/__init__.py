@@ -21,7 +21,7 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy, or
   bf16 dots with CudaOptions.prefill_precision="bf16"). From CudaOptions.prefill_dequant_rows rows W is
   instead dequantized whole by `_dequantize_kernel` into a workspace and multiplied by cuBLAS.
-- `_qgemm_words_kernel` (more than CudaOptions.gemv_rows rows, up to 64, of bf16 dots over a word-layout
+- `_qgemm_words_kernel` (more than CudaOptions.gemv_rows rows, up to 128, of bf16 dots over a word-layout
   weight: a batched decode step): y^T = W^T x^T, each int32 word loaded once and its 8 nibbles split in
   registers, so W's dequantized tile is the dot's long side and x's few rows the narrow one; split-K.
 - `_qgemv_words_kernel` (1-16 rows, up to 4 a program; 4-bit affine weights re-packed with

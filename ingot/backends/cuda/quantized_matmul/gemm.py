@@ -344,16 +344,18 @@ def gemm_config(m: int, w: QuantizedWeight, dtype: torch.dtype, precision: str =
                 num_stages=stages, SPLIT_K=split)
 
 
-WORDS_GEMM_MAX_ROWS = 64   # rows up to which bf16 dots over a word-layout weight take `_qgemm_words_kernel`
+WORDS_GEMM_MAX_ROWS = 128  # rows up to which bf16 dots over a word-layout weight take `_qgemm_words_kernel`
+WORDS_GEMM_BLOCK_M = 64    # its row tile at most (a 256 x 128 float32 tile would spill)
 
 
 def words_gemm_config(m: int, w: QuantizedWeight, sms: int) -> dict:
     """Tiles of `_qgemm_words_kernel`: 256 columns of W a program (the MMA's long side), the rows of x
-    in one tile, a K tile of 32 (one parameter row), and K split so that about two programs an SM
-    stream W. H100, Llama-3-8B shapes at 32 / 64 rows (`benchmarks/lab/cuda_gemm_swap.py`, 2026-12-06):
+    in tiles of at most 64, a K tile of 32 (one parameter row), and K split so that about two programs an
+    SM stream W. H100, Llama-3-8B shapes at 32 / 64 rows (`benchmarks/lab/cuda_gemm_swap.py`, 2026-12-06):
     57.6-90.5 / 92.3-165.1 TFLOP/s against `_qgemm_kernel`'s 35.2-42.7 / 61.2-77.3 and cuBLAS bf16 on a
-    dense W 49.9-81.0 / 98.5-163.7."""
-    block_m = max(16, triton.next_power_of_2(min(m, WORDS_GEMM_MAX_ROWS)))
+    dense W 49.9-81.0 / 98.5-163.7; at 96 / 128 rows (two row tiles) 104-144 / 130-189 against the
+    dequantize + cuBLAS route's 84-106 / 108-140 (cuBLAS bf16 on a dense W 153-243 / 193-317)."""
+    block_m = max(16, triton.next_power_of_2(min(m, WORDS_GEMM_BLOCK_M)))
     block_n = 256
     tiles = triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n)
     split = max(1, min((2 * sms) // tiles, w.k // 128)) if sms else 1

@@ -32,6 +32,21 @@ def test_gather_one_index_out_of_range_is_refused(index):
         exe.run({"x": np.zeros((15, 4), np.float32), "i": np.array(index, np.int64)})
 
 
+
+def test_gather_one_index_into_its_planned_buffer():
+    """An intermediate gather (read by a sigmoid) writes its planned buffer: right on every run, and an
+    earlier run's result left as it was."""
+    x = np.random.default_rng(2).standard_normal((5, 3, 4)).astype(np.float32)
+    g = ingot.Graph()
+    xi, ii = g.placeholder(x.shape, name="x"), g.placeholder((), ingot.int64, name="i")
+    y = g.sigmoid(g.gather(xi, ii, axis=1))
+    exe = g.compile(targets=[y])
+    node = next(n for n in exe.program.nodes() if n.op == Op.GATHER)
+    assert node.id in exe.program.memory_plan
+    results = [exe.run({"x": x, "i": np.array(i, np.int64)})[0] for i in (0, 2, -2)]
+    for got, i in zip(results, (0, 2, -2)):
+        np.testing.assert_allclose(got, 1 / (1 + np.exp(-x[:, i])), rtol=1e-6)
+
 def test_matmul_of_two_matrices_into_a_buffer():
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((1, 32)).astype(np.float32), rng.standard_normal((32, 3)).astype(np.float32)

@@ -6,7 +6,7 @@ before it in the cache), then a few greedy decode steps after the prompt. The an
 benchmarks/cuda_anchors.py's gpt-fast-style decoder in bf16: one eager forward pass over the whole
 prompt (cuBLAS GEMMs, SDPA with a mask over the static bf16 cache). Both in one process, each
 prompt length timed after a warm-up pass; Ingot once per `--precisions` (CudaOptions.prefill_precision:
-tf32x3, float32-level dots; bf16, GEMM and attention operands rounded to bfloat16).
+tf32x3, float32-level dots; bf16 / f16, GEMM and attention operands rounded to bfloat16 / float16).
 
 --gemm prints the prefill GEMM alone per Llama-3-8B shape and row count: Ingot's int4 kernel (float32
 x with each precision; bf16 x) against cuBLAS bf16 (torch.mm) of the same shape, in TFLOP/s.
@@ -14,7 +14,7 @@ x with each precision; bf16 x) against cuBLAS bf16 (torch.mm) of the same shape,
 against torch SDPA in bf16.
 
     python -m benchmarks cuda-prefill [--prompts 512,2048,8192,32768] [--chunk 512]
-                                      [--precisions tf32x3,bf16] [--kv-dtypes float32,bfloat16,int8]
+                                      [--precisions tf32x3,bf16,f16] [--kv-dtypes float32,bfloat16,int8]
                                       [--gemm] [--attention] [--dequant] [--json out.json]
 """
 from __future__ import annotations
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks cuda-prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", default="512,2048,8192,32768")
     ap.add_argument("--chunk", default="512", help="prefill chunk sizes, comma-separated (each timed)")
-    ap.add_argument("--precisions", default="tf32x3,bf16")
+    ap.add_argument("--precisions", default="tf32x3,bf16,f16")
     ap.add_argument("--kv-dtypes", default="float32", help="KV cache dtypes, comma-separated (float32, bfloat16, int8)")
     ap.add_argument("--decode-precisions", default="tf32x3p",
                     help="CudaOptions.decode_precision values, comma-separated (tf32x3p; bf16: one bfloat16 product)")
@@ -286,8 +286,10 @@ def main(argv=None) -> int:
     result = {}
     if args.gemm:
         configs = {"kernel_tf32x3": dict(precision="tf32x3"), "kernel_bf16": dict(precision="bf16"),
+                   "kernel_f16": dict(precision="f16"),
                    "dequant_cublas_f32": dict(precision="tf32x3", dequant_rows=1),
                    "dequant_cublas_bf16": dict(precision="bf16", dequant_rows=1),
+                   "dequant_cublas_f16": dict(precision="f16", dequant_rows=1),
                    "dequant_cublas_bf16_bytes": dict(precision="bf16", dequant_rows=1, layout="bytes")}
         for tiles in filter(None, args.gemm_tiles.split(";")):   # the tensor-core kernel at other tiles
             # BM,BN,BK,warps,stages[,split[,precision]]: split 0 (or none) = gemm_config's K split

@@ -60,7 +60,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV cache length in tokens (default: 2048, at most the model's)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
-    p.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16"], help=PREFILL_PRECISION_HELP)
+    p.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16", "f16"], help=PREFILL_PRECISION_HELP)
     _cpu_args(p)
 
 
@@ -75,8 +75,9 @@ def _cpu_args(p: argparse.ArgumentParser) -> None:
 
 
 PREFILL_PRECISION_HELP = ("CUDA: the prompt's matmul and attention dots; bf16 rounds their operands to bfloat16 "
-                          "(float32 sums), about 10x faster on long prompts, logits within ~1e-2 (default: tf32x3, "
-                          "float32-level, or INGOT_OPTIONS's cuda.prefill_precision)")
+                          "(float32 sums), about 10x faster on long prompts, logits within ~1e-2; f16 rounds them "
+                          "to float16 at the same speed, about 8x closer (default: tf32x3, float32-level, or "
+                          "INGOT_OPTIONS's cuda.prefill_precision)")
 KV_DTYPE_CHOICES = ["float32", "bfloat16", "float16", "int8"]   # models.blocks.KV_DTYPES (not imported to parse)
 KV_DTYPE_HELP = ("what the KV cache is stored in: bfloat16 or float16 halve its memory, keys and values rounded as "
                  "written; int8 quarters it, each key and value row as int8 codes and one scale; attention in "
@@ -476,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                      help="serve a PEFT LoRA folder as model id NAME (repeatable; requests choose by `model`)")
     _cpu_args(srv)
-    srv.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16"], help=PREFILL_PRECISION_HELP)
+    srv.add_argument("--prefill-precision", default=None, choices=["tf32x3", "bf16", "f16"], help=PREFILL_PRECISION_HELP)
     srv.set_defaults(func=_serve)
     evaluate = sub.add_parser("eval", help="measure a model against a reference")
     evals = evaluate.add_subparsers(dest="what", required=True)

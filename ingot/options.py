@@ -64,7 +64,9 @@ class CudaOptions:
     decode_fresh_tile_bytes: int = 32 << 10   # the new key/value from registers where a K+V tile fits this
     decode_warps: int = 0                 # the decode kernel's warps (0: 8 with RoPE past fresh tiles, else 4)
     prefill_precision: str = "tf32x3"     # the prefill's float32 GEMM and attention dots: "tf32x3" (float32-level
-                                          # accuracy) or "bf16" (operands rounded to bfloat16, float32 sums)
+                                          # accuracy), "bf16" (operands rounded to bfloat16, float32 sums) or
+                                          # "f16" (to float16: 8x closer at the same speed; the GEMMs scale x's
+                                          # rows by powers of two against overflow, quantized_matmul/half_rows.py)
     prefill_dequant_rows: int = 64        # from this many rows of x the prefill GEMM multiplies a dequantized copy of
                                           # W with cuBLAS (0: never; else the tensor-core kernel dequantizes tile by
                                           # tile, K split up to 128 rows). H100, Llama-3-8B shapes (cuda-prefill
@@ -89,8 +91,8 @@ class CudaOptions:
     @property
     def gemv_rows(self) -> int:
         """Rows of x up to which the word GEMV (and the fusions into it) runs: words_max_rows, or with
-        bf16 many-row dots (prefill_precision "bf16") at most words_bf16_max_rows."""
-        if self.prefill_precision == "bf16":
+        16-bit many-row dots (prefill_precision "bf16" or "f16") at most words_bf16_max_rows."""
+        if self.prefill_precision in ("bf16", "f16"):
             return min(self.words_max_rows, self.words_bf16_max_rows)
         return self.words_max_rows
 
@@ -139,7 +141,7 @@ DEVICE_TUNING: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {},
 }
 
-_CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee", "bf16"), "prefill_precision": ("tf32x3", "bf16"),
+_CHOICES = {"decode_precision": ("tf32x3p", "tf32x3", "ieee", "bf16"), "prefill_precision": ("tf32x3", "bf16", "f16"),
             "float32_precision": ("ieee", "tf32"),
             "prefill_hopper": ("auto", "always", "never"),
             "timeline": ("off", "end", "all")}
@@ -261,7 +263,7 @@ class CompileOptions:
         """The options `ingot generate/chat/serve/eval` compile with: INGOT_OPTIONS's (else the defaults), with
         the flags given on top: `--gemv-activations` ("float32": exact float products, the default; "int8":
         x rounded to int8 per block of 32 as llama.cpp does, faster, BENCHMARKS.md), `--prefill-precision`
-        (CUDA: "tf32x3", float32-level, the default; "bf16") and `--threads` (the CPU threads)."""
+        (CUDA: "tf32x3", float32-level, the default; "bf16"; "f16") and `--threads` (the CPU threads)."""
         options = cls.from_environment()
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
@@ -273,7 +275,7 @@ class CompileOptions:
             options = dataclasses.replace(options, cpu=dataclasses.replace(options.cpu, gemv_activations=gemv_activations))
         if prefill_precision is not None:
             if prefill_precision not in _CHOICES["prefill_precision"]:
-                raise IngotError(f"--prefill-precision is {prefill_precision!r}; 'tf32x3' or 'bf16'.")
+                raise IngotError(f"--prefill-precision is {prefill_precision!r}; 'tf32x3', 'bf16' or 'f16'.")
             options = dataclasses.replace(options, cuda=dataclasses.replace(options.cuda, prefill_precision=prefill_precision))
         return options
 

@@ -11,7 +11,7 @@
 #   bash benchmarks/lab/cuda_session_run.sh smallgemm                 # 150 s: tiles at 32/64 rows (batched decode)
 #   bash benchmarks/lab/cuda_session_run.sh gemmswap                  # 270 s at most: the word GEMM (cuda_gemm_swap.py)
 #   SERVE_PRECISION=bf16 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # bf16 GEMMs above 16 rows
-#   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (bf16 / tf32x3, float32 / bf16 / int8 KV)
+#   bash benchmarks/lab/cuda_session_run.sh prefill                   # 240 s (tf32x3 / bf16 / f16, float32 / bf16 / int8 KV)
 #   SERVE_LORA=3 SERVE_CLIENTS=1,32 bash benchmarks/lab/cuda_session_run.sh serve   # adapters per request
 # audio: the hour's log-mel against torch.stft alone (issue 5's goal in one run); tests: the cuda
 # tests; attention: decode at 32k and short caches, prefill at 4k;
@@ -70,7 +70,7 @@ run_prefill() {
   # issue 38: TTFT per prompt against the bf16 anchor, and the decode ratio (8k over 512) per KV dtype
   timeout "${PREFILL_S:-240}" python3 -m benchmarks cuda-prefill --prompts "${PREFILL_PROMPTS:-512,2048,8192,32768}" \
     --chunk "${PREFILL_CHUNK:-512,2048}" --kv-dtypes "${PREFILL_KV:-float32,bfloat16,int8}" --decode-steps 32 \
-    --precisions "${PREFILL_PRECISIONS:-tf32x3,bf16}" ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
+    --precisions "${PREFILL_PRECISIONS:-tf32x3,bf16,f16}" ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     2>&1 | grep -v Warn | tail -30
 }
 run_serve() {

@@ -215,7 +215,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int | t
                 qk_scale, len_ptr, len_const, from_ptr, length_offset, four, scales)
     if decodes:      # few query rows: the decode kernel, at options.decode_precision (bf16 is the prefill's)
         # a narrower cache (bfloat16 KV under float32 q) is widened tile by tile in the kernel
-        precision = None if precision == "bf16" else precision
+        precision = None if precision in ("bf16", "f16") else precision
         return decode.decode_attention(p, causal, split, precision, block_n, num_warps, num_stages, merge, min_chunk,
                                        rope, xq, zero, fresh, early, chunk_align, options)
     return prefill.prefill_attention(p, causal, mask, precision, block_n, num_warps, block_m, num_stages, split_stages,

@@ -55,9 +55,11 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
         kt = _flash_tile(k_base, k_desc, n0, sk_t, stop, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
         if PRECISION == "bf16":   # float32 keys rounded to bfloat16 in registers (q was, once)
             kt = kt.to(tl.bfloat16)
+        elif PRECISION == "f16":  # or to float16
+            kt = kt.to(tl.float16)
         else:                     # a 16-bit cache under float32 queries: widened, exactly
             kt = kt.to(q.dtype)
-        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION if PRECISION != "bf16" else None)
+        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION if PRECISION != "bf16" and PRECISION != "f16" else None)
         if CODES:
             offs_c = n0 + tl.arange(0, BLOCK_N)
             ks = tl.load(ks_base + offs_c * sks_t, mask=offs_c < stop, other=0.0)
@@ -97,6 +99,8 @@ def _flash_keys(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, mask_base, qk_
             p = p * vs[None, :]
         if PRECISION == "bf16":
             acc = tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16), acc)
+        elif PRECISION == "f16":
+            acc = tl.dot(p.to(tl.float16), vt.to(tl.float16), acc)
         else:
             vt = vt.to(q.dtype)
             acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=PRECISION)
@@ -165,6 +169,8 @@ def _flash_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, out_ptr,
         q = tl.load(q_base + offs_m[:, None] * sq_t + offs_d[None, :], mask=q_ok, other=0.0)
     if PRECISION == "bf16":
         q = q.to(tl.bfloat16)
+    elif PRECISION == "f16":
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -262,10 +268,13 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
         gluon = options.prefill_hopper == "always" or (options.prefill_hopper == "auto" and d == 128
                                                        and tq >= options.prefill_hopper_min_rows)
     if precision is None:
-        precision = ("bf16" if options.prefill_precision == "bf16" else "tf32x3") if f32 else "tf32"
-    # float32 queries over a 16-bit cache with bf16 dots: the Hopper kernel on a 16-bit copy of q (the
+        precision = options.prefill_precision if f32 else "tf32"
+        if precision == "f16" and k4.dtype == torch.bfloat16:   # a bfloat16 cache keeps bf16 dots (its range)
+            precision = "bf16"
+    sixteen = precision in ("bf16", "f16")
+    # float32 queries over a 16-bit cache with 16-bit dots: the Hopper kernel on a 16-bit copy of q (the
     # chunk's rows; the cache is read where it lies), its output widened into the float32 result
-    widen = f32 and precision == "bf16" and k4.dtype == v4.dtype and k4.dtype in (torch.bfloat16, torch.float16)
+    widen = f32 and sixteen and k4.dtype == v4.dtype and k4.dtype in (torch.bfloat16, torch.float16)
     codes = {}
     if p.scales is not None:   # an int8 cache: the Triton kernel reads its codes and row scales
         ks4, vs4 = p.scales
@@ -284,7 +293,7 @@ def prefill_attention(p, causal: bool, mask: torch.Tensor | None, precision: str
                 o4.copy_(o16)
             return p.result
     block_m, bn, warps, stages = _flash_config(f32, max(block_d, block_dv), block_m, block_n, num_warps, num_stages,
-                                               precision == "bf16")
+                                               sixteen)
     use_tma = tma and _tma_ok(q4, k4, v4)
     if use_tma:
         _ensure_allocator(q4.device)

@@ -19,7 +19,8 @@ Kernels, each in the shape of STYLE.md (kernel -> wrapper -> test -> benchmark):
   fill the chip.
 - `_qgemm_kernel` (2 rows and more; for word-layout weights, more than CudaOptions.gemv_rows): the same
   dequantized tile fed to tl.dot (tensor cores; tf32x3 for float32 inputs, float32-level accuracy, or
-  bf16 dots with CudaOptions.prefill_precision="bf16"). From CudaOptions.prefill_dequant_rows rows W is
+  bf16 / f16 dots with CudaOptions.prefill_precision "bf16" / "f16": for f16, x's rows are rounded to float16
+  with power-of-two scales by half_rows.py, undone in the epilogue). From CudaOptions.prefill_dequant_rows rows W is
   instead dequantized whole by `_dequantize_kernel` into a workspace and multiplied by cuBLAS.
 - `_qgemm_words_kernel` (more than CudaOptions.gemv_rows rows, up to 128, of bf16 dots over a word-layout
   weight: a batched decode step): y^T = W^T x^T, each int32 word loaded once and its 8 nibbles split in

@@ -8,6 +8,7 @@ from ....options import DEFAULT_CUDA, CudaOptions
 from ..pdl import pdl_args
 from . import gemv, gguf_kernels
 from .buffers import _sm_count, dequantized_workspace, mm_out_dtype
+from .half_rows import half_rows, unscale_rows_
 from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, WORDS_GEMM_MAX_ROWS, _dequantize_kernel, _qgemm_kernel,
                    _qgemm_words_kernel, _qgemv_kernel, _qgemv_small_kernel, gemm_config, gemv_config,
                    small_gemv_config, words_gemm_config)
@@ -28,7 +29,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
     rows of bf16 dots (precision "bf16" or bfloat16 x) the word GEMM; else one row: the k-major GEMV
     kernels; from options.prefill_dequant_rows rows (float32 x): W dequantized once and cuBLAS; else the
     tensor-core kernel (config={"BLOCK_M": ...} forces it). precision (None: options.prefill_precision):
-    the many-row dots, "tf32x3" (float32-level) or "bf16" (operands rounded to bfloat16, float32 sums).
+    the many-row dots, "tf32x3" (float32-level), "bf16" (operands rounded to bfloat16, float32 sums) or
+    "f16" (float32 x's rows rounded to float16 with power-of-two scales, half_rows.py; W as float16).
 
         >>> w = prepare_weight(q, [scale, bias], attrs, "cuda", words=True)   # doctest: +SKIP
         >>> y = quantized_matmul(x, w)                                        # doctest: +SKIP
@@ -92,13 +94,14 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
         if target is not y:
             y.copy_(target)
     elif w.words and m <= WORDS_GEMM_MAX_ROWS and "BLOCK_M" not in config and (
-            precision == "bf16" or x.dtype == torch.bfloat16):   # a batched decode step's bf16 dots
-        _words_gemm(x2, w, y, config)
+            precision in ("bf16", "f16") or x.dtype == torch.bfloat16):   # a batched decode step's bf16 dots
+        _words_gemm(x2, w, y, config, precision)
     elif options.prefill_dequant_rows and m >= options.prefill_dequant_rows and "BLOCK_M" not in config \
             and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
         y = _dequantized_gemm(x2, w, out, precision)
     else:
-        cfg = {**gemm_config(m, w, x.dtype, precision, _sm_count(x.device)), **(config or {})}
+        x2, scales = _half(x2, precision)
+        cfg = {**gemm_config(m, w, x2.dtype, precision, _sm_count(x.device)), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         k_per_split, split, target = _split_k(w, block_k, cfg.pop("SPLIT_K", 1), y)
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n), split)
@@ -106,7 +109,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             x2, w.q, s, b, lut, target, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), stride_sk, target.stride(0),
             w.lut_block_k, w.lut_block_n, stride_lk, stride_ln,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PRECISION=precision,
-            WORDS=w.words, k_per_split=k_per_split, SPLIT_K=split, **common, **cfg, **pdl_args(x.device))
+            WORDS=w.words, k_per_split=k_per_split, SPLIT_K=split, **common, **cfg, **scales, **pdl_args(x.device))
         if target is not y:
             y.copy_(target)
     return y.reshape(*lead, w.n)
@@ -125,9 +128,23 @@ def _split_k(w: QuantizedWeight, block_k: int, split: int, y: torch.Tensor) -> t
     return k_per_split, split, target
 
 
-def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict) -> None:
-    """y = x2 @ W by `_qgemm_words_kernel` (config: its tiles, over `words_gemm_config`'s)."""
+def _half(x2: torch.Tensor, precision: str) -> tuple[torch.Tensor, dict]:
+    """(x, the kernels' row-scale arguments): for precision "f16" a float32 x as half_rows.py's float16
+    rows and their scales (ROW_SCALE), else x as it is."""
+    if precision != "f16" or x2.dtype != torch.float32:
+        return x2, {}
+    x16, inv = half_rows(x2)
+    return x16, dict(rs_ptr=inv, ROW_SCALE=True)
+
+
+def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, precision: str = "bf16") -> None:
+    """y = x2 @ W by `_qgemm_words_kernel` (config: its tiles, over `words_gemm_config`'s): bf16 dots, or
+    for precision "f16" float16 dots over half_rows.py's rows of x."""
     m = x2.shape[0]
+    f16 = precision == "f16" and x2.dtype != torch.bfloat16   # (a bf16 x keeps bf16 dots: its range)
+    x2, scales = _half(x2, precision)
+    if f16 and not scales:                       # an x that is float16 already: rows of scale 1
+        scales = dict(rs_ptr=torch.ones(m, dtype=torch.float32, device=x2.device), ROW_SCALE=True)
     cfg = {**words_gemm_config(m, w, _sm_count(x2.device)), **config}
     block_m, block_n, block_k, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     assert block_k <= w.group and block_k % 8 == 0, "the word GEMM's K tile: whole words, one parameter row"
@@ -136,7 +153,7 @@ def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: d
     _qgemm_words_kernel[(triton.cdiv(w.n, block_n), split, triton.cdiv(m, block_m))](
         x2, w.q, w.scale, bias, target, m, w.n, w.k, x2.stride(0), w.q.stride(0), w.scale.stride(0), target.stride(0),
         k_per_split, GROUP=w.group, HAS_BIAS=w.bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, **cfg, **pdl_args(x2.device))
+        SPLIT_K=split, F16=f16, **cfg, **scales, **pdl_args(x2.device))
     if target is not y:
         y.copy_(target)
 
@@ -159,7 +176,8 @@ def dequantize_into(w: QuantizedWeight, dtype: torch.dtype, block_k: int = 32, b
 
 
 def _dequantized_gemm(x2: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None, precision: str) -> torch.Tensor:
-    """Many rows: W dequantized once (bf16 for precision "bf16", else float32) and multiplied by cuBLAS,
+    """Many rows: W dequantized once (bf16 / f16 for precision "bf16" / "f16", else float32) and multiplied
+    by cuBLAS (f16: x's rows from half_rows.py, y's rows scaled back where any was scaled),
     (H200, Llama-3-8B shapes, 2,048 rows, bf16: 377-608 TFLOP/s copy included, against 153-220 for
     `_qgemm_kernel` with bf16 dots and 673-800 for cuBLAS on a dense bf16 W); the copy costs one pass over
     K x N 16- or 32-bit values. float32: cuBLAS SGEMM (torch's allow_tf32 flag, off by default, applies).
@@ -168,6 +186,11 @@ def _dequantized_gemm(x2: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | 
         wd = dequantize_into(w, torch.bfloat16)
         a = x2.to(torch.bfloat16)
         y = torch.mm(a, wd, out_dtype=torch.float32) if mm_out_dtype(x2.device) else torch.mm(a, wd).float()
+        return y if out is None else out.copy_(y)
+    if precision == "f16" and mm_out_dtype(x2.device):   # (a float16 y could overflow: no fallback to it)
+        wd = dequantize_into(w, torch.float16)
+        a, inv = half_rows(x2)
+        y = unscale_rows_(torch.mm(a, wd, out_dtype=torch.float32), inv)
         return y if out is None else out.copy_(y)
     wd = dequantize_into(w, torch.float32)
     return torch.mm(x2, wd, out=out) if out is not None else torch.mm(x2, wd)

@@ -194,10 +194,11 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
                   BITS: tl.constexpr, LUT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   PRECISION: tl.constexpr, WORDS: tl.constexpr = False, PDL: tl.constexpr = False,
-                  k_per_split=0, SPLIT_K: tl.constexpr = 1):
+                  k_per_split=0, SPLIT_K: tl.constexpr = 1, rs_ptr=None, ROW_SCALE: tl.constexpr = False):
     """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W dequantized tile by tile in registers, tensor-core dot.
     SPLIT_K > 1: program axis 1 takes k_per_split rows of W (a multiple of BLOCK_K) and adds its partial
-    tile into y (float32, zeroed), so few rows still put every multiprocessor to streaming W."""
+    tile into y (float32, zeroed), so few rows still put every multiprocessor to streaming W. ROW_SCALE:
+    row i of the tile multiplied by rs[i] (half_rows.py's scales of a float16 x)."""
     pdl_enter(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -223,6 +224,8 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
+    if ROW_SCALE:
+        acc = acc * tl.load(rs_ptr + offs_m, mask=m_mask, other=1.0)[:, None]
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K > 1:
         tl.atomic_add(ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
@@ -232,10 +235,10 @@ def _qgemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr,
 
 @triton.jit
 def _words_tile_t(q_ptr, s_ptr, b_ptr, k0, offs_n, n_ok, stride_qk, stride_sk, GROUP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """W[k0:k0+BLOCK_K, offs_n]^T of a word-layout weight as bfloat16 [BLOCK_N, BLOCK_K] (BLOCK_K <= GROUP:
-    one parameter row): each word loaded once and its 8 nibbles split in registers, w = v * s + b in
-    float32 rounded once."""
+                  HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, F16: tl.constexpr = False):
+    """W[k0:k0+BLOCK_K, offs_n]^T of a word-layout weight as bfloat16 (F16: float16) [BLOCK_N, BLOCK_K]
+    (BLOCK_K <= GROUP: one parameter row): each word loaded once and its 8 nibbles split in registers,
+    w = v * s + b in float32 rounded once."""
     words = tl.load(q_ptr + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * stride_qk + offs_n[None, :],
                     mask=n_ok[None, :], other=0)
     j = tl.arange(0, 8)
@@ -245,17 +248,21 @@ def _words_tile_t(q_ptr, s_ptr, b_ptr, k0, offs_n, n_ok, stride_qk, stride_sk, G
     w = _to_float(v) * tl.load(s_ptr + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         w += tl.load(b_ptr + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if F16:
+        return tl.trans(w.to(tl.float16))
     return tl.trans(w.to(tl.bfloat16))
 
 
 @triton.jit
 def _qgemm_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qk, stride_sk, stride_ym,
                         k_per_split, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
-    """y = x @ W for a few rows (a batched decode step) of a word-layout 4-bit weight, bf16 dots: computed
-    as y^T = W^T x^T, so W's dequantized tile is the dot's first operand (BLOCK_N >= 64 rows of the MMA)
-    and the few rows of x its narrow side. SPLIT_K > 1: program axis 1 takes k_per_split rows of W and
-    adds its partial tile into y (float32, zeroed)."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
+                        rs_ptr=None, F16: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
+    """y = x @ W for a few rows (a batched decode step) of a word-layout 4-bit weight, bf16 dots (F16: a
+    float16 x, float16 dots; ROW_SCALE: y's rows multiplied by rs, half_rows.py's scales): computed as y^T = W^T x^T, so
+    W's dequantized tile is the dot's first operand (BLOCK_N >= 64 rows of the MMA) and the few rows of x
+    its narrow side. SPLIT_K > 1: program axis 1 takes k_per_split rows of W and adds its partial tile
+    into y (float32, zeroed)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -268,10 +275,12 @@ def _qgemm_words_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, s
     for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         wt = _words_tile_t(q_ptr, s_ptr, b_ptr, k0, offs_n, n_ok, stride_qk, stride_sk, GROUP, HAS_BIAS, BLOCK_K,
-                           BLOCK_N)
+                           BLOCK_N, F16)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & (offs_k < K)[:, None],
                      other=0.0)
-        acc = tl.dot(wt, xt.to(tl.bfloat16), acc)
+        acc = tl.dot(wt, xt.to(wt.dtype), acc)
+    if ROW_SCALE:
+        acc = acc * tl.load(rs_ptr + offs_m, mask=m_ok, other=1.0)[None, :]
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT_K > 1:
         tl.atomic_add(ptrs, acc, mask=n_ok[:, None] & m_ok[None, :], sem="relaxed")

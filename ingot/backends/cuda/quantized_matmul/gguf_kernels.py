@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .buffers import _sm_count
 from .gemm import _load_tile, gathered_codes, grouped_tile
+from .half_rows import half_rows
 from .weights import ScaledTableWeight, prepare_scaled  # noqa: F401  (the weight's form lives with the others)
 
 
@@ -89,8 +90,10 @@ def _scaled_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr, N, K, NQ, k_
 def _scaled_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr, M, N, K, NQ, stride_xm, stride_qk, stride_sk,
                         stride_ym, lut_block_k, lut_block_n, stride_lk, stride_ln,
                         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W's tile looked up and scaled in registers, tensor-core dot."""
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        rs_ptr=None, ROW_SCALE: tl.constexpr = False):
+    """y = x @ W over [BLOCK_M, BLOCK_N] tiles; W's tile looked up and scaled in registers, tensor-core dot.
+    ROW_SCALE: row i of the tile multiplied by rs[i] (half_rows.py's scales of a float16 x)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = pid_n * BLOCK_N
@@ -111,6 +114,8 @@ def _scaled_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, lut_ptr, y_ptr, M, N, K, NQ,
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
+    if ROW_SCALE:
+        acc = acc * tl.load(rs_ptr + offs_m, mask=m_mask, other=1.0)[:, None]
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -166,13 +171,17 @@ def scaled_matmul(x2: torch.Tensor, w: ScaledTableWeight, y: torch.Tensor, confi
         if target is not y:
             y.copy_(target)
     else:
+        scales = {}
+        if precision == "f16" and x2.dtype == torch.float32:   # half_rows.py: float16 rows and their scales
+            x2, inv = half_rows(x2)
+            scales = dict(rs_ptr=inv, ROW_SCALE=True)
         cfg = {**gemm_config(m, x2.dtype), **config}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)
         _scaled_gemm_kernel[grid](
             x2, w.q, w.scale, _bias(w), w.lut, y, m, w.n, w.k, w.nq, x2.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
             *_table_args(w), BITS=w.bits, GROUP=w.group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            GROUP_M=8, PRECISION=precision, HAS_BIAS=w.bias is not None, **cfg)
+            GROUP_M=8, PRECISION=precision, HAS_BIAS=w.bias is not None, **cfg, **scales)
 
 
 @triton.jit

@@ -249,8 +249,10 @@ def _words_tile_t(q_ptr, s_ptr, b_ptr, k0, offs_n, n_ok, stride_qk, stride_sk, G
     if HAS_BIAS:
         w += tl.load(b_ptr + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if F16:
-        return tl.trans(w.to(tl.float16))
-    return tl.trans(w.to(tl.bfloat16))
+        w16 = w.to(tl.float16)
+    else:
+        w16 = w.to(tl.bfloat16)
+    return tl.trans(w16)
 
 
 @triton.jit

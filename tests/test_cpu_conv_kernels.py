@@ -91,6 +91,8 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
     (5, 17, (21, 20), (3, 3), (2, 2), (1, 1), ((0, 0), (0, 0))),   # no padding: every tile in place
     (2, 16, (22, 9), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # one tile of 5 reaching both edges
     (3, 33, (25, 15), (3, 3), (2, 2), (1, 1), ((1, 3), (1, 1))),   # a last window all padding
+    (3, 20, (25, 47), (3, 3), (2, 2), (1, 1), ((1, 3), (1, 1))),   # the same with inner tiles: all rows copied
+    (2, 16, (23, 61), (5, 5), (2, 2), (1, 1), ((2, 1), (2, 2))),   # two padding rows at the top: all rows copied
     # weights larger than the input, rows not a multiple of 8: tiles of 8 positions running across rows
     (40, 20, (5, 6), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1))),    # 3 x 3 outputs: a tile over 3 rows, the last overlapping
     (24, 40, (10, 10), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1))),  # 10 x 10: 16 + 16 + 8 channels
@@ -107,6 +109,9 @@ DIRECT = [  # C, M, (H, W), (kh, kw), strides, dilations, pads
 def test_direct_conv_matches_reference(c, m, hw, k, strides, dilations, pads):
     rng = np.random.default_rng(c * 31 + m + hw[1])
     x = rng.standard_normal((c,) + hw).astype(np.float32)
+    guarded = np.full(x.size + 2 * 4096, np.nan, np.float32)   # NaN before and after x: a read outside it shows
+    guarded[4096:-4096] = x.reshape(-1)
+    x = guarded[4096:-4096].reshape(x.shape)
     w = rng.standard_normal((m, c) + k).astype(np.float32)
     want = conv(x[None], w, None, strides, dilations, pads, 1)[0]
     out = np.full(want.shape, np.nan, np.float32)

@@ -17,6 +17,10 @@
   row written once, and when the ring is full the window's rows already there moved to its top (a window
   is always contiguous; each row written twice, into two rings of one window, cost 1-4 % of YOLO's
   3 x 3 layers: 16 x 160 x 160 -> 32 stride 2 0.277 -> 0.268 ms hot). An output row whose window has its first or last row in the padding skips that row.
+  At a column stride above 1 the tiles whose window columns lie inside the input read it in place, and only
+  the edge tiles' columns are copied (where every window has at most its trimmed row in the padding): the
+  copy was 14 % of YOLO's 16 x 160 x 160 -> 32 stride 2 (0.29 -> 0.275 ms hot and in the model, 32 x 80 x 80
+  -> 64 0.258 -> 0.250); at stride 1 reading x in place ran 1-3 % slower than copying it.
   Where the weights are the larger and rows are not a multiple of TILE wide (DBNet's 128 x 10 x 10), a
   block's positions run as one sequence, a tile crossing from one row into the next (each position's
   input offset read from a small array): 10 columns were tiles of 5 and 5, too few FMA chains (3 x 3,
@@ -356,7 +360,7 @@ def _dispatch(prefix: str, indent: str, widest: int = WIDEST) -> str:
     for k, n in enumerate(range(widest, 0, -1)):
         head = "if" if k == 0 else "elif" if n != 1 else "else"
         lines.append(f"{indent}{head} n == {n}:" if head != "else" else f"{indent}else:")
-        lines.append(f"{indent}    {prefix}{n}(of, (b * 16 * oh + oy) * ow + ox0, oh * ow, xf, at, plane, dh * wp, wf, b * w_block, "
+        lines.append(f"{indent}    {prefix}{n}(of, (b * 16 * oh + oy) * ow + ox0, oh * ow, src, at, src_plane, src_row, wf, b * w_block, "
                      "c_n, bp, b * 16, lanes, sw, dw, ops, trim, pos, w_block)")
     return "\n".join(lines)
 
@@ -364,7 +368,7 @@ def _dispatch(prefix: str, indent: str, widest: int = WIDEST) -> str:
 _DIRECT = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_kernels import RING_SLOTS, TILE, narrow_tile
+from ingot.backends.cpu.conv_kernels import RING_SLOTS, TILE, edge_columns, narrow_tile, trimmed
 from ingot.backends.cpu.conv_spatial import EPILOGUES
 
 {tiles} = (narrow_tile({kh}, {kw}, w, 16, {tile_key!r}, False, {sw}, {dw}) for w in range(1, {widest} + 1))
@@ -407,6 +411,19 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
     pair_narrowest, pair_wider = ow // pair_tiles, ow % pair_tiles
     if (oy0 != 0 or oy1 != oh) and not rows_first:
         raise ValueError("conv_direct: a band of output rows where the weights are the larger")
+    # strided: tiles whose columns lie inside the input read it in place (x's rows, no copy); the padded copy
+    # then holds only the columns the edge tiles read, [0, cl) and [cr, wd). Only where every output row's
+    # window lies in the input or has its one padding row trimmed (else all of each row is copied, every tile
+    # reads it). At stride 1 the copy (a ninth of the FMAs' loads) costs less than the reads from x save
+    xs = x.reshape(c_n * h * wd)
+    in_place = sw > 1
+    for oy in range(oy0, oy1):
+        iy0 = oy * sh - ph
+        if (iy0 < 0 or iy0 + (kh - 1) * dh >= h) and trimmed(iy0, kh, dh, h) == 0:
+            in_place = False
+    cl, cr = wd, wd
+    if in_place:
+        cl, cr = edge_columns(ow, sw, dw, kw, pw, wd, {widest}, {widest_pair})
     copied = max(0, oy0 * sh - ph)   # input rows copied into xp, each just before the first output row that reads it
     filled = oy0 * sh   # with the ring: padded rows written into it
     base = filled   # the padded row in slot 0
@@ -432,9 +449,7 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                 oy = p0 // ow
                 trim = 0
                 if oy == (p0 + TILE - 1) // ow:   # one row: its window's padding rows left out
-                    iy0 = oy * sh - ph
-                    trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
-                        2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
+                    trim = trimmed(oy * sh - ph, kh, dh, h)
                 if lanes > 8:
                     gather16(of, b * 16 * positions + p0, positions, xf, 0, plane, dh * wp, wf, b * w_block, c_n, bp, b * 16,
                              lanes, sw, dw, ops, trim, pos, w_block)
@@ -456,16 +471,20 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                     if filled - base == slots:   # full: the last ring - 1 rows (a window's that has begun) to the top
                         for c in range(c_n):
                             for r in range(ring - 1):
-                                src, dst = xp[c, slots - ring + 1 + r], xp[c, r]
-                                for t in range(np.uintp(wd)):
-                                    dst[np.uintp(pw) + t] = src[np.uintp(pw) + t]
+                                top, dst = xp[c, slots - ring + 1 + r], xp[c, r]
+                                for t in range(np.uintp(cl)):
+                                    dst[np.uintp(pw) + t] = top[np.uintp(pw) + t]
+                                for t in range(np.uintp(cr), np.uintp(wd)):
+                                    dst[np.uintp(pw) + t] = top[np.uintp(pw) + t]
                         base = filled - ring + 1
                     y = filled - ph
                     for c in range(c_n):
                         dst = xp[c, filled - base]
                         if 0 <= y < h:
                             row = x[c, y]
-                            for t in range(np.uintp(wd)):
+                            for t in range(np.uintp(cl)):
+                                dst[np.uintp(pw) + t] = row[t]
+                            for t in range(np.uintp(cr), np.uintp(wd)):
                                 dst[np.uintp(pw) + t] = row[t]
                         else:
                             for t in range(np.uintp(wd)):
@@ -475,18 +494,23 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
             while copied < need and not rows_first_ring:
                 for c in range(c_n):
                     row, dst = x[c, copied], xp[c, copied + ph]
-                    for t in range(np.uintp(wd)):
+                    for t in range(np.uintp(cl)):
+                        dst[np.uintp(pw) + t] = row[t]
+                    for t in range(np.uintp(cr), np.uintp(wd)):
                         dst[np.uintp(pw) + t] = row[t]
                 copied += 1
             slot0 = oy * sh - base if rows_first_ring else oy * sh   # the slot of the window's first row
             lanes = min(32, m - b * 16)
-            iy0 = oy * sh - ph   # the input row of the window's first: 1 where only it is padding, 2 where only the last
-            trim = 1 if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h else \\
-                2 if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh else 0
+            iy0 = oy * sh - ph   # the input row of the window's first
+            trim = trimmed(iy0, kh, dh, h)
             ox0 = 0
             for t in range(pair_tiles if lanes > 16 else row_tiles):
                 n = (pair_narrowest + (1 if t < pair_wider else 0)) if lanes > 16 else narrowest + (1 if t < wider else 0)
-                at = slot0 * wp + ox0 * sw
+                a0 = ox0 * sw - pw   # the tile's first input column
+                if in_place and a0 >= 0 and a0 + (n - 1) * sw + (kw - 1) * dw < wd:   # its columns all inside x
+                    src, at, src_plane, src_row = xs, iy0 * wd + a0, h * wd, dh * wd
+                else:
+                    src, at, src_plane, src_row = xf, slot0 * wp + ox0 * sw, plane, dh * wp
                 if lanes > 16:
 {pair}
                 elif lanes > 8:
@@ -500,6 +524,38 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
                     for t0 in range(0, ow, 16):
                         epilogue(of, at + t0, of, at + t0, ow - t0, b * 16 + l, at + t0, ops)
 """
+
+
+@njit(cache=True, nogil=True, inline="always")
+def trimmed(iy0, kh, dh, h):
+    """The direct tile's trim of a window whose first row is input row iy0: 1 where only its first row is
+    padding, 2 where only its last, else 0."""
+    if iy0 < 0 <= iy0 + dh and iy0 + (kh - 1) * dh < h:
+        return 1
+    if iy0 >= 0 and iy0 + (kh - 2) * dh < h <= iy0 + (kh - 1) * dh:
+        return 2
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def edge_columns(ow, sw, dw, kw, pw, wd, widest, widest_pair):
+    """(cl, cr): the input columns [0, cl) and [cr, wd) that the direct kernel's edge tiles read (a tile whose
+    window columns reach into the padding), over both tilings of a row (tiles of up to widest columns, pairs
+    of blocks' of up to widest_pair); the other tiles read the input in place."""
+    cl, cr = 0, wd
+    for most in (widest, widest_pair):
+        tiles = (ow + most - 1) // most
+        narrowest, wider = ow // tiles, ow % tiles
+        ox0 = 0
+        for t in range(tiles):
+            n = narrowest + (1 if t < wider else 0)
+            a0, a1 = ox0 * sw - pw, ox0 * sw - pw + (n - 1) * sw + (kw - 1) * dw   # first and last column read
+            if a0 < 0:
+                cl = max(cl, min(a1 + 1, wd))
+            elif a1 >= wd:
+                cr = min(cr, a0)
+            ox0 += n
+    return cl, max(cl, cr)
 
 
 def _columns(kh: int, kw: int, ow: int, width: int) -> bool:

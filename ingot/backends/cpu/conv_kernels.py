@@ -401,9 +401,11 @@ def kernel(x, wb, bias, sh, sw, dh, dw, ph, pw, out, ops, padded, oy0, oy1):
     xp = padded[:c_n * plane].reshape(c_n, slots, wp)   # zeros left and right of the input, kept between calls
     xf = xp.reshape(c_n * plane)
     of = out.reshape(m * oh * ow)
-    bp = np.zeros(blocks * 16, np.float32)   # the bias in whole blocks of 16
-    for l in range(m):
-        bp[l] = bias[l]
+    bp = bias   # the bias in whole blocks of 16 (conv._direct_step's are)
+    if bias.size < blocks * 16:
+        bp = np.zeros(blocks * 16, np.float32)
+        for l in range(m):
+            bp[l] = bias[l]
     # a row as few tiles of at most WIDEST columns as even as they go (20: 10 + 10; 40: 4 x 10)
     row_tiles = (ow + {widest} - 1) // {widest}
     narrowest, wider = ow // row_tiles, ow % row_tiles   # the first `wider` tiles a column wider

@@ -29,6 +29,11 @@ POOLS = [  # planes, (H, W), (kh, kw), (sh, sw), (dh, dw), (top, left, bottom, r
     (4, (13, 35), (2, 2), (2, 2), (1, 1), (0, 0, 0, 0)),
     (1, (11, 40), (3, 3), (1, 1), (2, 3), (2, 0, 1, 3)),
     (7, (6, 5), (7, 7), (1, 2), (1, 1), (3, 3, 3, 3)),
+    # strided and padded, wide: windows inside the input read it in place, the edge tiles' columns and the
+    # edge rows' whole rows copied (the last tile reaching the right padding; two padding rows at the top)
+    (3, (11, 75), (3, 3), (2, 2), (1, 1), (1, 1, 1, 1)),
+    (2, (12, 70), (5, 5), (2, 2), (1, 1), (2, 2, 2, 2)),
+    (4, (9, 66), (3, 3), (1, 2), (2, 1), (2, 0, 2, 1)),
     # no padding: read in place (masked at the rows' ends; the last one ends the array): CRNN's 2 x 1 and 4 x 1
     (5, (8, 21), (2, 1), (2, 1), (1, 1), (0, 0, 0, 0)),
     (3, (9, 40), (4, 1), (4, 1), (1, 1), (0, 0, 0, 0)),

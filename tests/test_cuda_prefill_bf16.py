@@ -1,5 +1,7 @@
 """`CudaOptions.prefill_precision="bf16"`: the prefill's GEMM and flash attention round their float32
-operands to bfloat16 in registers and sum in float32 (marker `cuda`).
+operands to bfloat16 in registers and sum in float32 (marker `cuda`); flash attention and a Llama prefill
+under "f16" too (float16 operands: within 2e-3 and 3x closer than bf16; its GEMMs:
+test_cuda_prefill_f16.py).
 
 Against float64 references on awkward shapes (rows, K and N off the tiles; query and key counts off
 the blocks; GQA; a cache longer than the chunk), and a Llama graph's prefill logits and greedy ids
@@ -37,6 +39,7 @@ RNG = np.random.default_rng()
 SEED = int(RNG.integers(1 << 31))
 print(f"test_cuda_prefill_bf16 seed {SEED}")
 REL = 1e-2
+F16_REL = 2e-3   # float16 operands: 2^-11 each
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,29 +97,35 @@ def test_words_gemm_against_float64(m, k, n, block, qdtype, bias):
         assert rel(y, want) < REL, split
 
 
-def test_gemm_follows_the_option():
+@pytest.mark.parametrize("precision,bound", [("bf16", REL), ("f16", F16_REL)])
+def test_gemm_follows_the_option(precision, bound):
     rng = np.random.default_rng([SEED, 1])
     q = rng.integers(0, 256, (256, 64), dtype=np.uint8)
     w = qmm.prepare_weight(q, [rng.random((8, 128), dtype=np.float32)], dict(mode="affine", qdtype=dt.uint4), "cuda")
     x = torch.randn(64, 256, device="cuda")
     want = x.double() @ dequantize(w).double()
-    bf = qmm.quantized_matmul(x, w, options=CudaOptions(prefill_precision="bf16"))
+    by_option = qmm.quantized_matmul(x, w, options=CudaOptions(prefill_precision=precision))
     f32 = qmm.quantized_matmul(x, w, options=CudaOptions(prefill_precision="tf32x3"))
-    assert 1e-5 < rel(bf, want) < REL     # rounded operands: not float32-exact, within the bf16 bound
+    assert 1e-6 < rel(by_option, want) < bound     # rounded operands: not float32-exact, within the bound
+    assert torch.equal(by_option, qmm.quantized_matmul(x, w, precision=precision))
     assert rel(f32, want) < 1e-5
 
 
+@pytest.mark.parametrize("precision", ["bf16", "f16"])
 @pytest.mark.parametrize("hq,hk,tq,tk,d,causal", [(2, 2, 77, 77, 64, True), (4, 1, 130, 600, 128, True),
-                                                   (8, 2, 200, 260, 80, False), (32, 8, 512, 1536, 128, True)])
-def test_flash_bf16_against_ieee(hq, hk, tq, tk, d, causal):
+                                                   (8, 2, 200, 260, 80, False), (32, 8, 512, 1536, 128, True),
+                                                   (32, 8, 2048, 2600, 128, True)])
+def test_flash_16_bit_against_ieee(precision, hq, hk, tq, tk, d, causal):
     q = torch.randn(1, hq, tq, d, device="cuda")
     k = torch.randn(1, hk, tk, d, device="cuda")
     v = torch.randn(1, hk, tk, d, device="cuda")
     want = attn.attention(q, k, v, causal=causal, precision="ieee")
-    got = attn.attention(q, k, v, causal=causal, precision="bf16")
+    got = attn.attention(q, k, v, causal=causal, precision=precision)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert rel(got, want) < REL
-    by_option = attn.attention(q, k, v, causal=causal, options=CudaOptions(prefill_precision="bf16"))
+    if precision == "f16":   # float16 dots, not a fallback to bf16's
+        assert rel(got, want) < F16_REL and rel(got, want) * 3 < rel(attn.attention(q, k, v, causal=causal, precision="bf16"), want)
+    by_option = attn.attention(q, k, v, causal=causal, options=CudaOptions(prefill_precision=precision))
     assert torch.equal(by_option, got)
 
 
@@ -133,21 +142,26 @@ def test_float32_queries_over_a_bf16_cache(gluon):
     assert rel(exact, want) < 1e-5
 
 
-def test_llama_prefill_bf16_logits_and_ids():
-    """A random Llama graph (dims off the tiles): bf16 prefill logits within 1e-2 of tf32x3's, and
-    greedy ids after it; prints the top-1 agreement of the decode steps."""
+@pytest.mark.parametrize("precision", ["bf16", "f16"])
+def test_llama_prefill_16_bit_logits_and_ids(precision):
+    """A random Llama graph (dims off the tiles): bf16 prefill logits within 1e-2 of tf32x3's (f16: within
+    2e-3 and 3x closer than bf16's), and greedy ids after it; prints the top-1 agreement of the decode steps."""
     cfg = llama.LlamaConfig(n_layers=3, dim=192, n_heads=6, n_kv_heads=2, ffn_dim=544, vocab_size=1000,
                             context_length=512, rope_base=10000.0)
     model = llama.build(cfg, llama.random_weights(cfg, seed=SEED % 1000))
     prompt = [int(t) for t in np.random.default_rng(SEED).integers(0, cfg.vocab_size, 300)]
-    bf16 = CompileOptions(cuda=CudaOptions(prefill_precision="bf16"))
+    options = {p: CompileOptions(cuda=CudaOptions(prefill_precision=p)) for p in ("bf16", "f16")}
     ids32, logits32, _ = greedy(model, "cuda", prompt, 8)
-    ids16, logits16, _ = greedy(model, "cuda", prompt, 8, forced=ids32, options=bf16)
-    assert rel(torch.as_tensor(logits16[0]), torch.as_tensor(logits32[0])) < REL
+    ids16, logits16, _ = greedy(model, "cuda", prompt, 8, forced=ids32, options=options[precision])
+    err = rel(torch.as_tensor(logits16[0]), torch.as_tensor(logits32[0]))
+    assert err < REL
+    if precision == "f16":
+        bf16 = greedy(model, "cuda", prompt, 0, options=options["bf16"])[1]
+        assert err < F16_REL and err * 3 < rel(torch.as_tensor(bf16[0]), torch.as_tensor(logits32[0]))
     agree = np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(logits16, logits32)])
-    print(f"bf16 prefill: top-1 agreement {agree:.2f} over {len(logits32)} positions")
+    print(f"{precision} prefill: logits relative L2 {err:.2e}, top-1 agreement {agree:.2f} over {len(logits32)} positions")
     assert agree >= 0.75
-    assert ingot.CompileOptions.from_json(bf16.to_json()).cuda.prefill_precision == "bf16"   # kept in packages
+    assert ingot.CompileOptions.from_json(options[precision].to_json()).cuda.prefill_precision == precision   # kept in packages
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])

@@ -47,85 +47,94 @@ def fits(rows: int, k: int, n: int) -> bool:
     return AVAILABLE and rows >= 16 and k * n >= 1 << 14
 
 
-def _tile_intrinsic(rows: int, vectors: int):
+def _tile_intrinsic(rows: int, vectors: int, strided: bool = False):
     """tile(out, out_at, ldo, x, x_at, ldx, w, w_at, k_n, cols): for r < rows, lanes c < min(cols, 16
-    vectors): out[out_at + r ldo + c] = sum over k < k_n of x[x_at + r ldx + k] * w[w_at + 16 vectors k + c]."""
+    vectors): out[out_at + r ldo + c] = sum over k < k_n of x[x_at + r ldx + k] * w[w_at + 16 vectors k + c].
+    strided: tile(out, out_at, ldo, x, x_at, ldx, w, w_at, ldw, k_n, cols), w's rows ldw apart (any
+    row of w [K, ldw] at all, not a packed panel; conv_winograd's transformed input)."""
     nr = 16 * vectors
+
+    def codegen(context, builder, signature, args):
+        arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
+        oa, xa, wa = arr(0), arr(3), arr(6)
+        last = (1, 2, 4, 5, 7, 9, 10, 8) if strided else (1, 2, 4, 5, 7, 8, 9)
+        out_at_v, ldo_v, x_at_v, ldx_v, w_at_v, k_v, cols_v, *ldw = (_i64(builder, args[i]) for i in last)
+        fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
+        const = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        ldw_v, align = (ldw[0], 4) if strided else (const(nr), 64)
+        row_at = [builder.add(x_at_v, builder.mul(ldx_v, const(r))) for r in range(rows)]
+
+        def step(k, accs, unroll):
+            # accs after k .. k + unroll - 1
+            accs = list(accs)
+            for u in range(unroll):
+                ku = builder.add(k, const(u))
+                w_k = builder.add(w_at_v, builder.mul(ku, ldw_v))
+                wv = [builder.load(_vptr(builder, wa.data, builder.add(w_k, const(16 * v))), align=align)
+                      for v in range(vectors)]
+                for r in range(rows):
+                    a = _splat(builder, builder.load(builder.gep(xa.data, [builder.add(row_at[r], ku)])))
+                    for v in range(vectors):
+                        accs[r * vectors + v] = builder.call(fma, [a, wv[v], accs[r * vectors + v]])
+            return accs
+
+        def loop(start, stop, accs, unroll, name):
+            # counted loop k = start, start + unroll, .. < stop over the accumulators; those after it
+            before = builder.block
+            body, done = builder.append_basic_block(f"{name}_body"), builder.append_basic_block(f"{name}_done")
+            builder.cbranch(builder.icmp_signed("<", start, stop), body, done)
+            builder.position_at_end(body)
+            k = builder.phi(_I64)
+            k.add_incoming(start, before)
+            phis = []
+            for acc in accs:
+                p = builder.phi(_V)
+                p.add_incoming(acc, before)
+                phis.append(p)
+            new = step(k, phis, unroll)
+            nxt = builder.add(k, const(unroll))
+            latch = builder.block
+            k.add_incoming(nxt, latch)
+            for p, val in zip(phis, new):
+                p.add_incoming(val, latch)
+            builder.cbranch(builder.icmp_signed("<", nxt, stop), body, done)
+            builder.position_at_end(done)
+            finals = []
+            for acc, val in zip(accs, new):
+                f = builder.phi(_V)
+                f.add_incoming(acc, before)
+                f.add_incoming(val, latch)
+                finals.append(f)
+            return finals
+
+        zero = ir.Constant(_V, [0.0] * 16)
+        main = builder.mul(builder.sdiv(k_v, const(UNROLL)), const(UNROLL))
+        accs = loop(const(0), main, [zero] * (rows * vectors), UNROLL, "k_main")
+        accs = loop(main, k_v, accs, 1, "k_rest")
+        _, store = _masked(builder)
+        masks = [_lane_mask(builder, cols_v, 16 * v) for v in range(vectors)]
+        for r in range(rows):
+            at = builder.add(out_at_v, builder.mul(ldo_v, const(r)))
+            for v in range(vectors):
+                store(accs[r * vectors + v], _vptr(builder, oa.data, builder.add(at, const(16 * v))), masks[v])
+        return context.get_dummy_value()
+
+    if strided:
+        @intrinsic
+        def tile_strided(typingctx, out, out_at, ldo, x, x_at, ldx, w, w_at, ldw, k_n, cols):
+            return types.void(out, out_at, ldo, x, x_at, ldx, w, w_at, ldw, k_n, cols), codegen
+        return tile_strided
 
     @intrinsic
     def tile(typingctx, out, out_at, ldo, x, x_at, ldx, w, w_at, k_n, cols):
-        sig = types.void(out, out_at, ldo, x, x_at, ldx, w, w_at, k_n, cols)
-
-        def codegen(context, builder, signature, args):
-            arr = lambda i: context.make_array(signature.args[i])(context, builder, args[i])  # noqa: E731
-            oa, xa, wa = arr(0), arr(3), arr(6)
-            out_at_v, ldo_v, x_at_v, ldx_v, w_at_v, k_v, cols_v = (_i64(builder, args[i]) for i in (1, 2, 4, 5, 7, 8, 9))
-            fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(_V, [_V, _V, _V]))
-            const = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            row_at = [builder.add(x_at_v, builder.mul(ldx_v, const(r))) for r in range(rows)]
-
-            def step(k, accs, unroll):
-                # accs after k .. k + unroll - 1
-                accs = list(accs)
-                for u in range(unroll):
-                    ku = builder.add(k, const(u))
-                    w_k = builder.add(w_at_v, builder.mul(ku, const(nr)))
-                    wv = [builder.load(_vptr(builder, wa.data, builder.add(w_k, const(16 * v))), align=64)
-                          for v in range(vectors)]
-                    for r in range(rows):
-                        a = _splat(builder, builder.load(builder.gep(xa.data, [builder.add(row_at[r], ku)])))
-                        for v in range(vectors):
-                            accs[r * vectors + v] = builder.call(fma, [a, wv[v], accs[r * vectors + v]])
-                return accs
-
-            def loop(start, stop, accs, unroll, name):
-                # counted loop k = start, start + unroll, .. < stop over the accumulators; those after it
-                before = builder.block
-                body, done = builder.append_basic_block(f"{name}_body"), builder.append_basic_block(f"{name}_done")
-                builder.cbranch(builder.icmp_signed("<", start, stop), body, done)
-                builder.position_at_end(body)
-                k = builder.phi(_I64)
-                k.add_incoming(start, before)
-                phis = []
-                for acc in accs:
-                    p = builder.phi(_V)
-                    p.add_incoming(acc, before)
-                    phis.append(p)
-                new = step(k, phis, unroll)
-                nxt = builder.add(k, const(unroll))
-                latch = builder.block
-                k.add_incoming(nxt, latch)
-                for p, val in zip(phis, new):
-                    p.add_incoming(val, latch)
-                builder.cbranch(builder.icmp_signed("<", nxt, stop), body, done)
-                builder.position_at_end(done)
-                finals = []
-                for acc, val in zip(accs, new):
-                    f = builder.phi(_V)
-                    f.add_incoming(acc, before)
-                    f.add_incoming(val, latch)
-                    finals.append(f)
-                return finals
-
-            zero = ir.Constant(_V, [0.0] * 16)
-            main = builder.mul(builder.sdiv(k_v, const(UNROLL)), const(UNROLL))
-            accs = loop(const(0), main, [zero] * (rows * vectors), UNROLL, "k_main")
-            accs = loop(main, k_v, accs, 1, "k_rest")
-            _, store = _masked(builder)
-            masks = [_lane_mask(builder, cols_v, 16 * v) for v in range(vectors)]
-            for r in range(rows):
-                at = builder.add(out_at_v, builder.mul(ldo_v, const(r)))
-                for v in range(vectors):
-                    store(accs[r * vectors + v], _vptr(builder, oa.data, builder.add(at, const(16 * v))), masks[v])
-            return context.get_dummy_value()
-        return sig, codegen
+        return types.void(out, out_at, ldo, x, x_at, ldx, w, w_at, k_n, cols), codegen
     return tile
 
 
 @functools.cache
-def tile_for(rows: int, vectors: int):
-    """The tile intrinsic of rows x vectors, made once per process."""
-    return _tile_intrinsic(rows, vectors)
+def tile_for(rows: int, vectors: int, strided: bool = False):
+    """The tile intrinsic of rows x vectors (strided: w's rows a given stride apart), made once per process."""
+    return _tile_intrinsic(rows, vectors, strided)
 
 
 _DRIVER = """import numpy as np

@@ -163,6 +163,10 @@ class CpuOptions:
                                         # output, float32's own summation error at K ~ 2k); "bf16x6"
                                         # float32's rounding at twice the tiles' work; "float32" the
                                         # AVX-512 kernels and BLAS. Hosts without AMX always use the last.
+    winograd_channels: int = 16   # 3x3 stride-1 pad-1 float32 convs with at least this many input and
+                                  # output channels run as Winograd F(2x2, 3x3) (backends/cpu/
+                                  # conv_winograd.py: 16 products for the direct kernel's 36, ~1e-7
+                                  # relative more rounding); 0: never
 
     def __post_init__(self) -> None:
         _check_fields(self, "cpu")
@@ -170,6 +174,8 @@ class CpuOptions:
             raise IngotError(f"options: cpu.threads is {self.threads}; at least 1 (or None).")
         if self.gemv_activations not in ("float32", "int8"):
             raise IngotError(f"options: cpu.gemv_activations is {self.gemv_activations!r}; 'float32' or 'int8'.")
+        if self.winograd_channels < 0:
+            raise IngotError(f"options: cpu.winograd_channels is {self.winograd_channels}; 0 (never) or more.")
         if self.float32_precision not in ("bf16x3", "bf16x6", "float32"):
             raise IngotError(f"options: cpu.float32_precision is {self.float32_precision!r}; 'bf16x3', 'bf16x6' or "
                              "'float32'.")

@@ -1,7 +1,9 @@
 """One convolution (+ SiLU, as YOLO's layers) compiled alone for the CPU, single-threaded, timed hot
 (CPU time, median of RUNS) next to its GFLOP/s; the shapes of YOLO's stride-2 layers and stem by default.
 
-    python benchmarks/lab/conv_one.py [C,H,W,M,K,STRIDE[,silu|none] ...] [--runs N]
+    python benchmarks/lab/conv_one.py [C,H,W,M,K,STRIDE[,silu|none] ...] [--runs N] [--winograd CHANNELS]
+
+--winograd: CpuOptions.winograd_channels (0: the direct kernels only; default: the option's default).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ DEFAULT = ["3,320,320,16,3,2", "16,160,160,32,3,2", "32,80,80,64,3,2", "64,40,40
            "16,80,80,16,3,1", "64,40,40,64,3,1", "128,20,20,128,3,1"]
 
 
-def timed(spec: str, runs: int) -> str:
+def timed(spec: str, runs: int, winograd: int) -> str:
     c, h, w, m, k, s, *rest = spec.split(",")
     c, h, w, m, k, s = map(int, (c, h, w, m, k, s))
     act = rest[0] if rest else "silu"
@@ -37,7 +39,7 @@ def timed(spec: str, runs: int) -> str:
     y = g.conv(xi, wt, b, strides=(s, s), pads=((k // 2, k // 2), (k // 2, k // 2)))
     if act == "silu":
         y = y * g.sigmoid(y)
-    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=1, float32_precision="float32")))
+    exe = g.compile(targets=[y], options=CompileOptions(cpu=CpuOptions(threads=1, float32_precision="float32", winograd_channels=winograd)))
     feeds = {"x": x}
     for _ in range(3):
         exe.run(feeds)
@@ -59,8 +61,13 @@ def main() -> int:
         i = args.index("--runs")
         runs = int(args[i + 1])
         del args[i:i + 2]
+    winograd = CpuOptions().winograd_channels
+    if "--winograd" in args:
+        i = args.index("--winograd")
+        winograd = int(args[i + 1])
+        del args[i:i + 2]
     for spec in args or DEFAULT:
-        print(timed(spec, runs), flush=True)
+        print(timed(spec, runs, winograd), flush=True)
     return 0
 
 

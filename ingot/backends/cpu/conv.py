@@ -24,7 +24,7 @@ from ...ops import REGISTRY
 from ...ops.fused import Body
 from ...passes.fuse_conv_epilogue import operand_form
 from ...options import DEFAULT_CPU, CpuOptions
-from . import conv1d_small, conv_amx, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial, team
+from . import conv1d_small, conv_amx, conv_depthwise, conv_kernels, conv_pointwise, conv_spatial, conv_winograd, team
 
 TILE_ELEMENTS = 1 << 16       # floats of gathered windows per tile (256 KB): L2-sized
 EPILOGUE_ELEMENTS = 1 << 17   # outputs the epilogue takes at a time: NumPy calls long enough to pay
@@ -290,15 +290,17 @@ def fast(conv: Node) -> bool:
 
 def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int = 0, w_index: int = 1,
               b_index: int | None = None, constant_w: bool = False, constant_b: bool = False,
-              constants: frozenset = frozenset(), precision: str = "float32", threads: int = 1):
+              constants: frozenset = frozenset(), precision: str = "float32", threads: int = 1,
+              winograd_channels: int = 0):
     """A step computing conv (+ bias, + epilogue) from the step's inputs (the fused op's sources, or
     the conv's own); constant_w: the weights are a constant, arranged for the kernels once. precision:
     CpuOptions.float32_precision (on AMX hosts, kxk windows run on the tiles: conv_amx.py). threads:
     CpuOptions.threads; a large conv of one image runs as that many steps of its output channels, or of its
-    output rows (threaded_step)."""
+    output rows (threaded_step). winograd_channels: CpuOptions.winograd_channels (conv_winograd.py)."""
     if threads > 1:
         split = threaded_step(conv, out, epilogue, x_index, w_index, b_index, threads, lambda part, target=None: conv_step(
-            part, target, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants, precision))
+            part, target, epilogue, x_index, w_index, b_index, constant_w, constant_b, constants, precision,
+            winograd_channels=winograd_channels))
         if split is not None:
             return split
     a = conv.attrs
@@ -327,6 +329,9 @@ def conv_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: i
             and conv_amx.worth_it(kh, kw, cg, m, oh * ow) and conv_amx.available():
         return _amx_step(conv, out, epilogue, x_index, w_index, b_index, constant, constants, precision,
                          (sh, sw, dh, dw, ph, pw))
+    if epilogue.spatial_ok and not one_d and \
+            conv_winograd.fits(kh, kw, (sh, sw), (dh, dw), pads, groups, cg, m, oh, ow, winograd_channels):
+        return _winograd_step(conv, out, epilogue, x_index, w_index, b_index, constant_w, constants, constant_b)
     strided = _strided_pointwise(kh, kw, (sh, sw), pads, groups)   # its strided positions gathered, then as stride 1
     subsample = (sh, sw) if strided else None
     if epilogue.spatial_ok and (pointwise or strided) and groups == 1 and conv_pointwise.better_than_positions(m, oh * ow):
@@ -613,6 +618,45 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
     return step
 
 
+def _winograd_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
+                   b_index: int | None, constant_w: bool, constants: frozenset, constant_b: bool):
+    """conv_winograd's kernel, bias and epilogue in it; with one image, a planned output and every operand but
+    x a constant, the kernel's other arguments kept from the first call (as _direct_step's)."""
+    out_shape, n_img, m, spatial, c, in_spatial, _, _ = _shapes(conv)
+    kernel = conv_winograd.driver(epilogue.steps, epilogue.operands)
+    buffers = conv_winograd.Buffers(c, m, *in_spatial)
+    no_bias = np.zeros(m, np.float32)
+    operands = epilogue.operands
+    fixed_ops = all(form != "full" and i in constants for form, i in operands)
+    binds = n_img == 1 and out is not None and constant_w and (b_index is None or constant_b or b_index in constants) \
+        and fixed_ops
+    cache: dict = {}
+
+    def step(*inputs, into=None):
+        bound = cache.get("bound")
+        if bound is not None and into is None:
+            kernel(np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(c, *in_spatial), *bound,
+                   *buffers.args())
+            return out
+        u = cache.get("w") if constant_w else None
+        if u is None:
+            u = arranged_once(conv_winograd.arrange_weights, inputs[w_index]) if constant_w else \
+                conv_winograd.arrange_weights(inputs[w_index])
+            if constant_w:
+                cache["w"] = u
+        bias = no_bias if b_index is None else np.ascontiguousarray(inputs[b_index], dtype=np.float32).reshape(-1)
+        x = np.ascontiguousarray(inputs[x_index], dtype=np.float32).reshape(n_img, c, *in_spatial)
+        y = into if into is not None else out if out is not None else np.empty(out_shape, np.float32)
+        y4 = y.reshape(n_img, m, *spatial)
+        for n in range(n_img):
+            kernel(x[n], u, bias, y4[n], _image_operands(cache, inputs, operands, n, fixed_ops), *buffers.args())
+        if binds and into is None:
+            cache["bound"] = (u, bias, y4[0], cache["ops"])
+        return y
+    step.splits = True   # Ingot's own kernel (not BLAS's), writing `into` where given (threaded_step)
+    return step
+
+
 def _direct_weights(w: np.ndarray, shape: tuple) -> np.ndarray:
     return conv_kernels.direct_weights(np.asarray(w, np.float32).reshape(shape))
 
@@ -779,7 +823,7 @@ def conv_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
     return conv_step(node, out, Epilogue(None, None), b_index=2 if len(node.src) > 2 else None,
                      constant_w=node.src[1].op == Op.CONSTANT,
                      constant_b=len(node.src) > 2 and node.src[2].op == Op.CONSTANT, precision=options.float32_precision,
-                     threads=options.resolved_threads)
+                     threads=options.resolved_threads, winograd_channels=options.winograd_channels)
 
 
 def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
@@ -793,7 +837,8 @@ def conv_epilogue_lowering(node: Node, out, options: CpuOptions = DEFAULT_CPU):
                      constant_w=node.src[index[1]].op == Op.CONSTANT,
                      constant_b=len(index) > 2 and node.src[index[2]].op == Op.CONSTANT,
                      constants=frozenset(i for i, s in enumerate(node.src) if s.op == Op.CONSTANT),
-                     precision=options.float32_precision, threads=options.resolved_threads)
+                     precision=options.float32_precision, threads=options.resolved_threads,
+                     winograd_channels=options.winograd_channels)
 
 
 FUSED_LOWERINGS = {"conv_epilogue": conv_epilogue_lowering}

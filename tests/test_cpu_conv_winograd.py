@@ -37,7 +37,7 @@ def test_kernel_matches_reference(c, m, h, w):
     x = rng.standard_normal((c, h, w)).astype(np.float32)
     wt = rng.standard_normal((m, c, 3, 3)).astype(np.float32)
     b = rng.standard_normal(m).astype(np.float32)
-    kernel = conv_winograd.driver((), [])
+    kernel = conv_winograd.driver((), [], m)
     guard = 37
     flat = np.full(m * h * w + 2 * guard, 1234.5, np.float32)
     out = flat[guard:guard + m * h * w].reshape(m, h, w)
@@ -55,7 +55,7 @@ def test_blocks_of_tile_rows():
     x = rng.standard_normal((c, h, w)).astype(np.float32)
     wt = rng.standard_normal((m, c, 3, 3)).astype(np.float32)
     out = np.empty((m, h, w), np.float32)
-    conv_winograd.driver((), [])(x, conv_winograd.arrange_weights(wt), np.zeros(m, np.float32), out, (),
+    conv_winograd.driver((), [], m)(x, conv_winograd.arrange_weights(wt), np.zeros(m, np.float32), out, (),
                                  *conv_winograd.Buffers(c, m, h, w).args())
     assert _relative(out, _reference(x[None], wt, None)[0]) < 2e-6
 

@@ -623,7 +623,7 @@ def _winograd_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_ind
     """conv_winograd's kernel, bias and epilogue in it; with one image, a planned output and every operand but
     x a constant, the kernel's other arguments kept from the first call (as _direct_step's)."""
     out_shape, n_img, m, spatial, c, in_spatial, _, _ = _shapes(conv)
-    kernel = conv_winograd.driver(epilogue.steps, epilogue.operands)
+    kernel = conv_winograd.driver(epilogue.steps, epilogue.operands, m)
     buffers = conv_winograd.Buffers(c, m, *in_spatial)
     no_bias = np.zeros(m, np.float32)
     operands = epilogue.operands

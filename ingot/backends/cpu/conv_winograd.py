@@ -223,6 +223,8 @@ from ingot.backends.cpu.matmul_avx512 import tile_for
 
 tile4, tile3, tile2, tile1 = (tile_for(ROWS, v, True) for v in (4, 3, 2, 1))
 tile1_twice = tile_for(2 * ROWS, 1, True)
+REST = {rest}   # the output channels past a multiple of ROWS: tiles of that many rows
+{rest_tiles}
 from ingot.backends.cpu.conv_winograd import input_tiles, output_tiles_for
 
 out_tiles = output_tiles_for({key!r})
@@ -243,19 +245,21 @@ def transform_in(x, ty0, ty1, tw, v, ntp):
 
 
 @njit(cache=True, nogil=True)
-def gemm(u, u_at, c, mp, v, v_at, ntp, mo, mo_at, nt):
-    # mo[mo_at + co ntp + t] = sum over ci of u[u_at + co c + ci] * v[v_at + ci ntp + t], t < nt
+def gemm(u, u_at, c, m, v, v_at, ntp, mo, mo_at, nt):
+    # mo[mo_at + co ntp + t] = sum over ci of u[u_at + co c + ci] * v[v_at + ci ntp + t], co < m, t < nt
+    full = m - REST
     for q in range(0, nt, 64):
         left = nt - q
         if left <= 16:   # one vector of tiles: twice the rows, else 6 FMA chains for a 4-cycle latency
-            for r0 in range(0, mp, 2 * ROWS):
+            for r0 in range(0, full, 2 * ROWS):
                 o, ua, va = mo_at + r0 * ntp + q, u_at + r0 * c, v_at + q
-                if r0 + 2 * ROWS <= mp:
+                if r0 + 2 * ROWS <= full:
                     tile1_twice(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
                 else:
                     tile1(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
+{rest_one}
             continue
-        for r0 in range(0, mp, ROWS):
+        for r0 in range(0, full, ROWS):
             o, ua, va = mo_at + r0 * ntp + q, u_at + r0 * c, v_at + q
             if left > 48:
                 tile4(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
@@ -265,6 +269,7 @@ def gemm(u, u_at, c, mp, v, v_at, ntp, mo, mo_at, nt):
                 tile2(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
             else:
                 tile1(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
+{rest_many}
 
 
 @njit(cache=True, nogil=True)
@@ -294,14 +299,33 @@ def kernel(x, u, bias, out, ops, v, mo, rblock, ntp):
         nt = (ty1 - ty0) * tw
         transform_in(x, ty0, ty1, tw, v, ntp)
         for e in range(16):
-            gemm(uf, e * mp * c, c, mp, v, e * (c * ntp + 16), ntp, mo, e * (mp * ntp + 16), nt)
+            gemm(uf, e * mp * c, c, out.shape[0], v, e * (c * ntp + 16), ntp, mo, e * (mp * ntp + 16), nt)
         transform_out(mo, mp, ntp, ty0, ty1, tw, bias, out, ops)
 """
 
 
-def driver(steps, operands):
-    """The numba kernel(x, u, bias, out, ops, *Buffers.args()) with this epilogue (steps may be empty)."""
+_REST_ONE = """            if REST:
+                o, ua, va = mo_at + full * ntp + q, u_at + full * c, v_at + q
+                rest1(mo, o, ntp, u, ua, c, v, va, ntp, c, left)"""
+_REST_MANY = """        if REST:
+            o, ua, va = mo_at + full * ntp + q, u_at + full * c, v_at + q
+            if left > 48:
+                rest4(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
+            elif left > 32:
+                rest3(mo, o, ntp, u, ua, c, v, va, ntp, c, left)
+            else:
+                rest2(mo, o, ntp, u, ua, c, v, va, ntp, c, left)"""
+
+
+def driver(steps, operands, m: int):
+    """The numba kernel(x, u, bias, out, ops, *Buffers.args()) with this epilogue (steps may be empty), for
+    m output channels (the last m % ROWS in a tile of their own: as zero rows of a whole tile they cost
+    16 x 80 x 80 -> 16 and 32 x 40 x 40 -> 32 an eighth more multiplies)."""
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
-    return conv_spatial.load(f"# winograd {REVISION}, avx512 matmul {matmul_avx512.REVISION}\n" +
-                             _DRIVER.format(key=key), "kernel", "cpu_conv_winograd")
+    rest = m % ROWS
+    source = _DRIVER.format(key=key, rest=rest, rest_one=_REST_ONE if rest else "", rest_many=_REST_MANY if rest else "",
+                            rest_tiles="rest4, rest3, rest2, rest1 = (tile_for(REST, v, True) for v in (4, 3, 2, 1))"
+                            if rest else "")
+    return conv_spatial.load(f"# winograd {REVISION}, avx512 matmul {matmul_avx512.REVISION}\n" + source,
+                             "kernel", "cpu_conv_winograd")

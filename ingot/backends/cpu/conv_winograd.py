@@ -8,11 +8,13 @@ L2; a tile is 2 x 2 outputs, read from a 4 x 4 window 2 apart):
 - the input transform B^T d B of each window, channel by channel, into V [16][C][tiles] (the 16 elements of
   the transformed windows; the block's tiles contiguous, as the GEMM's rows of "w");
 - 16 GEMMs M[e] [Cout][tiles] = U[e] [Cout][C] @ V[e] [C][tiles], in matmul_avx512's register tile (ROWS
-  output channels x up to 4 vectors of 16 tiles, strided: V's rows are the block's, not a packed panel);
-  U = G g G^T, arranged once per weight;
-- the output transform A^T M A, plus the bias, into a staging pair of output rows, then the epilogue
-  (conv_spatial's, activation and residual) on the way to the NCHW output.
-The transformed weights' rounding adds ~1e-7 relative to the outputs (tests/test_cpu_conv_winograd.py).
+  output channels x up to 4 vectors of 16 tiles, strided: V's rows are the block's, not a packed panel; the
+  last Cout % ROWS channels a tile of their own); U = G g G^T, arranged once per weight;
+- the output transform A^T M A plus the bias, 16 tiles a call, the two outputs of each tile row interleaved
+  into 32 columns, then the epilogue (conv_spatial's: activation, residual) on the way to the NCHW output.
+The transforms' rounding adds ~1e-7 relative to the largest output (tests/test_cpu_conv_winograd.py keeps
+a conv within 1e-5 of the direct kernel). F(4 x 4, 3 x 3) would take 36 products for 144, but in float32 it
+was 3e-6 to 1.3e-5 off at 16 to 256 channels (NumPy, one 6 x 6 tile): not kept within 1e-5.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def block_rows(c: int, m: int, ow: int) -> int:
 class Buffers:
     """The scratch of a conv's kernel calls, V and M of a block, as views of one array per thread that every
     Winograd conv shares: each conv's own (~0.6 MB) came to it cold from L3 (YOLO's 32 x 40 x 40 layers with
-    SiLU: 0.098 ms alone, 0.131-0.143 in the model)."""
+    SiLU: 0.098 ms alone, 0.129-0.143 in the model; 0.113-0.132 shared)."""
 
     def __init__(self, c: int, m: int, h: int, w: int):
         tw = (w + 1) // 2
@@ -113,9 +115,10 @@ _ARENA = _Arena()
 
 def _lanes(builder, first, lo, hi, extra=None):
     """<16 x i1>: lo <= first + lane < hi (i64s), and extra (i1) where given."""
-    lane = builder.add(_splat(builder, first, ir.VectorType(_I64, 16)), ir.Constant(ir.VectorType(_I64, 16), list(range(16))))
-    mask = builder.and_(builder.icmp_signed(">=", lane, _splat(builder, lo, ir.VectorType(_I64, 16))),
-                        builder.icmp_signed("<", lane, _splat(builder, hi, ir.VectorType(_I64, 16))))
+    i64x = ir.VectorType(_I64, 16)
+    lane = builder.add(_splat(builder, first, i64x), ir.Constant(i64x, list(range(16))))
+    mask = builder.and_(builder.icmp_signed(">=", lane, _splat(builder, lo, i64x)),
+                        builder.icmp_signed("<", lane, _splat(builder, hi, i64x)))
     if extra is not None:
         mask = builder.and_(mask, _splat(builder, extra, ir.VectorType(ir.IntType(1), 16)))
     return mask
@@ -159,7 +162,8 @@ def input_tiles(typingctx, v, v_at, plane, valid, x, x_at, w, col0, row0, h):
                          _shuffle(builder, q0, q1, _EVEN), _shuffle(builder, q0, q1, _ODD)])
 
         def bt(d):   # B^T's rows applied to d0..d3
-            return [builder.fsub(d[0], d[2]), builder.fadd(d[1], d[2]), builder.fsub(d[2], d[1]), builder.fsub(d[1], d[3])]
+            return [builder.fsub(d[0], d[2]), builder.fadd(d[1], d[2]), builder.fsub(d[2], d[1]),
+                    builder.fsub(d[1], d[3])]
         vertical = [bt([cols[k][c] for k in range(4)]) for c in range(4)]   # [c][i]
         mask = _lanes(builder, c64(0), c64(0), valid)
         for i in range(4):
@@ -172,7 +176,7 @@ def input_tiles(typingctx, v, v_at, plane, valid, x, x_at, w, col0, row0, h):
 
 
 @functools.cache
-def _output_tiles(key: str):
+def output_tiles_for(key: str):
     """out_tiles(out, out_at, valid, ow, two, m, p, p_at, plane, bias, ops): for the 16 tiles from p_at of
     M (p, planes `plane` apart), the 2 x 2 outputs A^T M A + bias, then the epilogue (steps of `key`, channel
     m, full operands at the outputs' own indices), stored to out[out_at + 2 l + b] and (two: the second row
@@ -194,7 +198,7 @@ def _output_tiles(key: str):
             s0 = [builder.fadd(builder.fadd(mv[0][j], mv[1][j]), mv[2][j]) for j in range(4)]
             s1 = [builder.fsub(builder.fsub(mv[1][j], mv[2][j]), mv[3][j]) for j in range(4)]
             b = _splat(builder, args[9])
-            load, store = _masked(builder)
+            _, store = _masked(builder)
             for dy, s in enumerate((s0, s1)):
                 y0 = builder.fadd(builder.fadd(builder.fadd(s[0], s[1]), s[2]), b)
                 y1 = builder.fadd(builder.fsub(builder.fsub(s[1], s[2]), s[3]), b)
@@ -211,22 +215,16 @@ def _output_tiles(key: str):
     return out_tiles
 
 
-def output_tiles_for(key: str):
-    return _output_tiles(key)
-
-
 _DRIVER = """import numpy as np
 from numba import njit
 
-from ingot.backends.cpu.conv_winograd import ROWS
+from ingot.backends.cpu.conv_winograd import ROWS, input_tiles, output_tiles_for
 from ingot.backends.cpu.matmul_avx512 import tile_for
 
 tile4, tile3, tile2, tile1 = (tile_for(ROWS, v, True) for v in (4, 3, 2, 1))
 tile1_twice = tile_for(2 * ROWS, 1, True)
 REST = {rest}   # the output channels past a multiple of ROWS: tiles of that many rows
 {rest_tiles}
-from ingot.backends.cpu.conv_winograd import input_tiles, output_tiles_for
-
 out_tiles = output_tiles_for({key!r})
 
 
@@ -324,8 +322,8 @@ def driver(steps, operands, m: int):
     key = conv_spatial.steps_key(steps, operands)
     conv_spatial.epilogue_for(key, steps, operands)
     rest = m % ROWS
-    source = _DRIVER.format(key=key, rest=rest, rest_one=_REST_ONE if rest else "", rest_many=_REST_MANY if rest else "",
-                            rest_tiles="rest4, rest3, rest2, rest1 = (tile_for(REST, v, True) for v in (4, 3, 2, 1))"
-                            if rest else "")
+    tiles = "rest4, rest3, rest2, rest1 = (tile_for(REST, v, True) for v in (4, 3, 2, 1))"
+    source = _DRIVER.format(key=key, rest=rest, rest_tiles=tiles if rest else "", rest_one=_REST_ONE if rest else "",
+                            rest_many=_REST_MANY if rest else "")
     return conv_spatial.load(f"# winograd {REVISION}, avx512 matmul {matmul_avx512.REVISION}\n" + source,
                              "kernel", "cpu_conv_winograd")

@@ -567,6 +567,16 @@ def _part(conv: Node, m0: int, m1: int, depthwise: bool) -> Node:
     return conv.replace(type=TensorType((1, m1 - m0) + tuple(conv.type.shape[2:]), conv.dtype), src=src, attrs=attrs)
 
 
+def _bindable(n_img: int, out: np.ndarray | None, operands, constants: frozenset, constant_w: bool,
+              b_index: int | None, constant_b: bool) -> tuple[bool, bool]:
+    """(the epilogue's operands all constants read once, the step's kernel arguments kept from its first
+    call): the second where there is one image, a planned output and every operand but x a constant."""
+    fixed_ops = all(form != "full" and i in constants for form, i in operands)
+    binds = n_img == 1 and out is not None and constant_w and (b_index is None or constant_b or b_index in constants) \
+        and fixed_ops
+    return fixed_ops, binds
+
+
 def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index: int, w_index: int,
                  b_index: int | None, constant_w: bool, constants: frozenset, kernel, window: tuple,
                  constant_b: bool = False):
@@ -578,11 +588,9 @@ def _direct_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_index
     padded = np.zeros(conv_kernels.padded_size(c, *in_spatial, *spatial, kh, kw, *window), np.float32)
     no_bias = np.zeros(-(-m // 16) * 16, np.float32)
     operands = epilogue.operands
-    fixed_ops = all(form != "full" and i in constants for form, i in operands)
+    fixed_ops, binds = _bindable(n_img, out, operands, constants, constant_w, b_index, constant_b)
     cache: dict = {}
     image = (c, *in_spatial)
-    binds = n_img == 1 and out is not None and constant_w and (b_index is None or constant_b or b_index in constants) \
-        and fixed_ops
 
     pads = {0: padded}   # a band's padded input, by its part (threaded_step's row parts run at once)
 
@@ -627,9 +635,7 @@ def _winograd_step(conv: Node, out: np.ndarray | None, epilogue: Epilogue, x_ind
     buffers = conv_winograd.Buffers(c, m, *in_spatial)
     no_bias = np.zeros(m, np.float32)
     operands = epilogue.operands
-    fixed_ops = all(form != "full" and i in constants for form, i in operands)
-    binds = n_img == 1 and out is not None and constant_w and (b_index is None or constant_b or b_index in constants) \
-        and fixed_ops
+    fixed_ops, binds = _bindable(n_img, out, operands, constants, constant_w, b_index, constant_b)
     cache: dict = {}
 
     def step(*inputs, into=None):

@@ -8,7 +8,7 @@ from ....options import DEFAULT_CUDA, CudaOptions
 from ..pdl import pdl_args
 from . import gemv, gguf_kernels
 from .buffers import _sm_count, dequantized_workspace, mm_out_dtype
-from .half_rows import half_rows, unscale_rows_
+from .half_rows import half_operand, half_rows, unscale_rows_
 from .gemm import (GEMV_MAX_ROWS, SMALL_GEMV_BYTES, WORDS_GEMM_MAX_ROWS, _dequantize_kernel, _qgemm_kernel,
                    _qgemm_words_kernel, _qgemv_kernel, _qgemv_small_kernel, gemm_config, gemv_config,
                    small_gemv_config, words_gemm_config)
@@ -100,7 +100,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | No
             and x.dtype == torch.float32 and w.k * w.n * 4 <= DEQUANTIZED_MAX_BYTES:
         y = _dequantized_gemm(x2, w, out, precision)
     else:
-        x2, scales = _half(x2, precision)
+        x2, scales = half_operand(x2, precision)
         cfg = {**gemm_config(m, w, x2.dtype, precision, _sm_count(x.device)), **(config or {})}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         k_per_split, split, target = _split_k(w, block_k, cfg.pop("SPLIT_K", 1), y)
@@ -128,23 +128,12 @@ def _split_k(w: QuantizedWeight, block_k: int, split: int, y: torch.Tensor) -> t
     return k_per_split, split, target
 
 
-def _half(x2: torch.Tensor, precision: str) -> tuple[torch.Tensor, dict]:
-    """(x, the kernels' row-scale arguments): for precision "f16" a float32 x as half_rows.py's float16
-    rows and their scales (ROW_SCALE), else x as it is."""
-    if precision != "f16" or x2.dtype != torch.float32:
-        return x2, {}
-    x16, inv = half_rows(x2)
-    return x16, dict(rs_ptr=inv, ROW_SCALE=True)
-
-
 def _words_gemm(x2: torch.Tensor, w: QuantizedWeight, y: torch.Tensor, config: dict, precision: str = "bf16") -> None:
     """y = x2 @ W by `_qgemm_words_kernel` (config: its tiles, over `words_gemm_config`'s): bf16 dots, or
     for precision "f16" float16 dots over half_rows.py's rows of x."""
     m = x2.shape[0]
     f16 = precision == "f16" and x2.dtype != torch.bfloat16   # (a bf16 x keeps bf16 dots: its range)
-    x2, scales = _half(x2, precision)
-    if f16 and not scales:                       # an x that is float16 already: rows of scale 1
-        scales = dict(rs_ptr=torch.ones(m, dtype=torch.float32, device=x2.device), ROW_SCALE=True)
+    x2, scales = half_operand(x2, precision)      # (a float16 x: as it is, unscaled)
     cfg = {**words_gemm_config(m, w, _sm_count(x2.device)), **config}
     block_m, block_n, block_k, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     assert block_k <= w.group and block_k % 8 == 0, "the word GEMM's K tile: whole words, one parameter row"

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .buffers import _sm_count
 from .gemm import _load_tile, gathered_codes, grouped_tile
-from .half_rows import half_rows
+from .half_rows import half_operand
 from .weights import ScaledTableWeight, prepare_scaled  # noqa: F401  (the weight's form lives with the others)
 
 
@@ -171,10 +171,7 @@ def scaled_matmul(x2: torch.Tensor, w: ScaledTableWeight, y: torch.Tensor, confi
         if target is not y:
             y.copy_(target)
     else:
-        scales = {}
-        if precision == "f16" and x2.dtype == torch.float32:   # half_rows.py: float16 rows and their scales
-            x2, inv = half_rows(x2)
-            scales = dict(rs_ptr=inv, ROW_SCALE=True)
+        x2, scales = half_operand(x2, precision)   # f16: float16 rows and their scales (half_rows.py)
         cfg = {**gemm_config(m, x2.dtype), **config}
         block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
         grid = (triton.cdiv(m, block_m) * triton.cdiv(w.n, block_n),)

@@ -2,8 +2,8 @@
 each scaled by a power of two so that nothing overflows.
 
 float16 keeps 11 bits of each operand where bfloat16 keeps 8, so a product of two roundings is about 8x closer
-(the default model, `benchmarks/cuda_prefill.py`'s note: prefill logits 1.2e-2 off float32 with bf16 operands,
-8e-4 with f16), at the same tensor-core rate. Its range ends at 65504: an MLP's down projection reads values in the
+(the default model in transformers with every operand rounded, `benchmarks/lab/rounding_emulation.py`: prefill
+logits up to 1.23e-2 off float32 with bf16 operands, 8.3e-4 with f16), at the same tensor-core rate. Its range ends at 65504: an MLP's down projection reads values in the
 thousands on real models (3,064 on SmolLM2-135M), and below 6.1e-5 it keeps fewer bits. So a row whose largest
 |x| is outside [2^-6, 2^15) is multiplied by 2^-e (exact) before rounding, its largest value landing in
 [2^14, 2^15), and the GEMM's row of y by 2^e after it (the kernels' epilogue, or `unscale_rows_` after cuBLAS,
@@ -46,6 +46,15 @@ def half_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         _half_rows_kernel[(m,)](x2, x16, inv, k, x2.stride(0), x16.stride(0), BLOCK=1024, num_warps=4)
     return x16, inv
+
+
+def half_operand(x2: torch.Tensor, precision: str) -> tuple[torch.Tensor, dict]:
+    """(x, the GEMM kernels' row-scale arguments): for precision "f16" a float32 x as `half_rows` and
+    dict(rs_ptr=inv, ROW_SCALE=True) for the epilogue; else x as it is and no arguments."""
+    if precision != "f16" or x2.dtype != torch.float32:
+        return x2, {}
+    x16, inv = half_rows(x2)
+    return x16, dict(rs_ptr=inv, ROW_SCALE=True)
 
 
 @triton.jit
